@@ -1,0 +1,982 @@
+//! A mock OpenAI-compatible inference upstream for ComputeFlux's integration tests and benches.
+//!
+//! Why: the filter's whole point is KV-cache affinity, failover and breaking, so the tests need an
+//! upstream that behaves like ONE inference instance (vLLM-style automatic prefix caching, prefill
+//! cost proportional to the uncached prompt) and that fails on command. Each process is one
+//! endpoint; tests start several.
+//!
+//! ```text
+//! cargo run --release --example mock_upstream -- --port 0 --name a [--models m1,m2]
+//!     [--prefill-us-per-token 200] [--decode-ms 20] [--cache-tokens 200000]
+//! ```
+//!
+//! Once bound it prints exactly one line, `LISTENING 127.0.0.1:<port>`, to stdout and flushes it
+//! (`--port 0` lets the OS pick). With `--control-port P` it then prints a second line,
+//! `CONTROL 127.0.0.1:<port>`: a listener that serves the same endpoints but is never closed by
+//! the `refuse` fault, so `/_mock/*` stays reachable while the main port refuses connections.
+//!
+//! Flags (all optional):
+//! - `--port N` (0): main port. `--host IP` (127.0.0.1).
+//! - `--name S` ("mock"): endpoint name, sent back in `x-mock-endpoint` and in the answer text.
+//! - `--models a,b`: served models; another model gets a 404 `model_not_found`. Without it any
+//!   model is accepted.
+//! - `--prefill-us-per-token N` (200): prefill cost per *uncached* prompt token, in µs.
+//! - `--decode-ms N` (20): decode time of a whole answer (streamed answers spread it over chunks).
+//! - `--cache-tokens N` (200000): KV-cache capacity in tokens (LRU over blocks).
+//! - `--block-tokens N` (16): tokens per cache block (vLLM's default block size).
+//! - `--completion-tokens N` (16): answer length; capped by the request's `max_tokens` /
+//!   `max_completion_tokens`.
+//! - `--max-concurrency N` (0 = unlimited): requests processed at once; the rest queue (and count
+//!   as in flight).
+//! - `--history N` (1000): how many requests `/_mock/requests` keeps.
+//! - `--control-port N`: see above.
+//! - `--exit-on-stdin-eof`: exit when stdin closes (the test harness uses it so a killed test
+//!   process leaves no mock behind).
+//!
+//! Tokens: one token is 4 bytes of the prompt text (the last may be shorter); the prompt text is,
+//! per message, its role, `\n`, its content's text, `\n`. Cache hits are counted in whole blocks
+//! of `--block-tokens` tokens (see `mock_upstream/cache.rs`). Latency of a served request is
+//! `prefill_us_per_token × (prompt_tokens − cached_tokens)` before the response headers, then
+//! `decode_ms` for the body.
+//!
+//! Endpoints:
+//! - `POST /v1/chat/completions`: OpenAI chat completion (or an SSE stream with `"stream": true`:
+//!   a role chunk, one chunk per completion token, a finish chunk, a usage chunk with empty
+//!   `choices`, then `data: [DONE]`). Headers `x-mock-endpoint`, `x-mock-prompt-tokens`,
+//!   `x-mock-cached-tokens`, `x-mock-request-seq`. `usage.prompt_tokens_details.cached_tokens`.
+//! - `GET /v1/models`.
+//! - `GET /_mock/stats`: `{"name","port","requests","status_counts","prompt_tokens",
+//!   "cached_tokens","completion_tokens","in_flight","by_session","cache_blocks","fault",...}`.
+//!   `requests` counts every chat-completion request received (faulted ones too); `status_counts`
+//!   is keyed by status, or `"reset"` / `"hang"`. `by_session` counts requests by the body's
+//!   `user` (else the `x-session-id` header).
+//! - `GET /_mock/requests[?limit=N]`: the last requests, oldest first:
+//!   `{"seq","t_ms","path","headers":{lowercase name: value},"model","stream","user","status",
+//!   "fault","prompt_tokens","cached_tokens"}` (`status` is null for reset / hang).
+//! - `POST /_mock/fault` (body: the fault, replacing the current one; answers once it is in force),
+//!   `GET /_mock/fault`:
+//!   `{"mode":"none"}`, `{"mode":"status","status":429,"retry_after":"2","headers":{..},"body":".."}`,
+//!   `{"mode":"slow","factor":5}`, `{"mode":"delay_ms","ms":300}`, `{"mode":"reset"}` (TCP RST,
+//!   no answer), `{"mode":"hang"}` (no answer ever), `{"mode":"refuse"}` (stop listening and drop
+//!   open connections; any other mode re-binds the same port). Optional `"count":N` limits a
+//!   mode to the next N requests; `"for_ms":N` on `refuse` re-binds after N ms.
+//! - `POST /_mock/reset_stats` (counters and request log), `POST /_mock/flush_cache`.
+
+#[path = "mock_upstream/cache.rs"]
+mod cache;
+#[path = "mock_upstream/fault.rs"]
+mod fault;
+#[path = "mock_upstream/openai.rs"]
+mod openai;
+
+use std::collections::{BTreeMap, VecDeque};
+use std::convert::Infallible;
+use std::io::{Read, Write};
+use std::net::{IpAddr, Ipv4Addr, SocketAddr};
+use std::pin::Pin;
+use std::process::ExitCode;
+use std::sync::atomic::{AtomicI64, AtomicU64, Ordering};
+use std::sync::{Arc, Mutex, MutexGuard};
+use std::task::{Context, Poll};
+use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
+
+use bytes::Bytes;
+use http_body_util::{combinators::BoxBody, BodyExt, Full};
+use hyper::body::{Frame, Incoming};
+use hyper::header::{HeaderName, HeaderValue};
+use hyper::service::service_fn;
+use hyper::{Method, Request, Response, StatusCode};
+use hyper_util::rt::{TokioExecutor, TokioIo};
+use hyper_util::server::conn::auto;
+use serde_json::{json, Value};
+use tokio::net::{TcpListener, TcpSocket, TcpStream};
+use tokio::sync::{mpsc, watch, Notify, OwnedSemaphorePermit, Semaphore};
+
+use cache::{token_count, PrefixCache};
+use fault::{Fault, Mode};
+
+type Body = BoxBody<Bytes, Infallible>;
+
+const USAGE: &str = "usage: mock_upstream [--port N] [--host IP] [--name S] [--models a,b] \
+[--prefill-us-per-token N] [--decode-ms N] [--cache-tokens N] [--block-tokens N] \
+[--completion-tokens N] [--max-concurrency N] [--history N] [--control-port N] [--exit-on-stdin-eof]";
+
+/// Distinct sessions remembered in `by_session`.
+const MAX_SESSIONS: usize = 10_000;
+
+struct Args {
+    host: IpAddr,
+    port: u16,
+    name: String,
+    models: Vec<String>,
+    prefill_us_per_token: u64,
+    decode_ms: u64,
+    cache_tokens: u64,
+    block_tokens: usize,
+    completion_tokens: u64,
+    max_concurrency: usize,
+    history: usize,
+    control_port: Option<u16>,
+    exit_on_stdin_eof: bool,
+}
+
+fn parse_args() -> Result<Args, String> {
+    let mut a = Args {
+        host: IpAddr::V4(Ipv4Addr::LOCALHOST),
+        port: 0,
+        name: "mock".into(),
+        models: Vec::new(),
+        prefill_us_per_token: 200,
+        decode_ms: 20,
+        cache_tokens: 200_000,
+        block_tokens: 16,
+        completion_tokens: 16,
+        max_concurrency: 0,
+        history: 1000,
+        control_port: None,
+        exit_on_stdin_eof: false,
+    };
+    let mut it = std::env::args().skip(1);
+    while let Some(arg) = it.next() {
+        let (flag, inline) = match arg.split_once('=') {
+            Some((f, v)) if f.starts_with("--") => (f.to_string(), Some(v.to_string())),
+            _ => (arg.clone(), None),
+        };
+        if flag == "--exit-on-stdin-eof" {
+            a.exit_on_stdin_eof = true;
+            continue;
+        }
+        if flag == "--help" || flag == "-h" {
+            return Err("help".into());
+        }
+        let value = match inline {
+            Some(v) => v,
+            None => it.next().ok_or_else(|| format!("{flag} needs a value"))?,
+        };
+        let num = |v: &str| -> Result<u64, String> {
+            v.parse::<u64>()
+                .map_err(|_| format!("{flag} must be a non-negative integer, got {v:?}"))
+        };
+        match flag.as_str() {
+            "--port" => a.port = u16::try_from(num(&value)?).map_err(|_| "--port > 65535")?,
+            "--host" => {
+                a.host = value
+                    .parse()
+                    .map_err(|_| format!("--host: bad IP {value:?}"))?
+            }
+            "--name" => a.name = value,
+            "--models" => {
+                a.models = value
+                    .split(',')
+                    .map(str::trim)
+                    .filter(|s| !s.is_empty())
+                    .map(str::to_string)
+                    .collect()
+            }
+            "--prefill-us-per-token" => a.prefill_us_per_token = num(&value)?,
+            "--decode-ms" => a.decode_ms = num(&value)?,
+            "--cache-tokens" => a.cache_tokens = num(&value)?,
+            "--block-tokens" => a.block_tokens = num(&value)?.max(1) as usize,
+            "--completion-tokens" => a.completion_tokens = num(&value)?.max(1),
+            "--max-concurrency" => a.max_concurrency = num(&value)? as usize,
+            "--history" => a.history = num(&value)? as usize,
+            "--control-port" => {
+                a.control_port =
+                    Some(u16::try_from(num(&value)?).map_err(|_| "--control-port > 65535")?)
+            }
+            other => return Err(format!("unknown flag {other}")),
+        }
+    }
+    if HeaderValue::from_str(&a.name).is_err() {
+        return Err(format!("--name {:?} is not a valid header value", a.name));
+    }
+    Ok(a)
+}
+
+#[derive(Default)]
+struct Stats {
+    requests: u64,
+    status_counts: BTreeMap<String, u64>,
+    prompt_tokens: u64,
+    cached_tokens: u64,
+    completion_tokens: u64,
+    by_session: BTreeMap<String, u64>,
+}
+
+struct State {
+    stats: Stats,
+    log: VecDeque<Value>,
+    cache: PrefixCache,
+    fault: Fault,
+    fault_gen: u64,
+}
+
+struct Mock {
+    args: Args,
+    port: u16,
+    started: Instant,
+    seq: AtomicU64,
+    in_flight: AtomicI64,
+    limiter: Option<Arc<Semaphore>>,
+    /// Wanted: is the main port listening? Written by `/_mock/fault`.
+    listening: watch::Sender<bool>,
+    /// Actual: is the main port bound? Written by the accept loop.
+    bound: watch::Sender<bool>,
+    state: Mutex<State>,
+}
+
+impl Mock {
+    fn lock(&self) -> MutexGuard<'_, State> {
+        self.state.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    fn record(&self, st: &mut State, entry: Record) {
+        if self.args.history == 0 {
+            return;
+        }
+        while st.log.len() >= self.args.history {
+            st.log.pop_front();
+        }
+        st.log.push_back(entry.to_json());
+    }
+
+    fn stats_json(&self) -> Value {
+        let st = self.lock();
+        json!({
+            "name": self.args.name,
+            "port": self.port,
+            "requests": st.stats.requests,
+            "status_counts": st.stats.status_counts,
+            "prompt_tokens": st.stats.prompt_tokens,
+            "cached_tokens": st.stats.cached_tokens,
+            "completion_tokens": st.stats.completion_tokens,
+            "in_flight": self.in_flight.load(Ordering::SeqCst),
+            "by_session": st.stats.by_session,
+            "cache_blocks": st.cache.len(),
+            "cache_capacity_blocks": st.cache.capacity_blocks(),
+            "block_tokens": st.cache.block_tokens(),
+            "fault": st.fault.to_json(),
+            "listening": *self.bound.borrow(),
+        })
+    }
+}
+
+/// Counts a chat request as in flight until dropped (also when hyper drops a cancelled request).
+struct InFlight(Arc<Mock>);
+
+impl InFlight {
+    fn new(mock: &Arc<Mock>) -> Self {
+        mock.in_flight.fetch_add(1, Ordering::SeqCst);
+        InFlight(mock.clone())
+    }
+}
+
+impl Drop for InFlight {
+    fn drop(&mut self) {
+        self.0.in_flight.fetch_sub(1, Ordering::SeqCst);
+    }
+}
+
+/// One accepted connection: a duplicate of its socket (to set SO_LINGER 0 for a reset) and the
+/// signal that makes its task drop it.
+struct Conn {
+    dup: std::net::TcpStream,
+    kill: Notify,
+}
+
+impl Conn {
+    /// Closes the connection with a TCP RST, without writing anything more.
+    fn reset(&self) {
+        let _ = socket2::SockRef::from(&self.dup).set_linger(Some(Duration::ZERO));
+        self.kill.notify_one();
+    }
+}
+
+/// A streamed response body fed by a channel.
+struct ChannelBody {
+    rx: mpsc::Receiver<Bytes>,
+}
+
+impl hyper::body::Body for ChannelBody {
+    type Data = Bytes;
+    type Error = Infallible;
+
+    fn poll_frame(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+    ) -> Poll<Option<Result<Frame<Bytes>, Infallible>>> {
+        self.rx.poll_recv(cx).map(|o| o.map(|b| Ok(Frame::data(b))))
+    }
+}
+
+fn full(b: impl Into<Bytes>) -> Body {
+    Full::new(b.into()).boxed()
+}
+
+fn set_header(r: &mut Response<Body>, name: &str, value: &str) {
+    if let (Ok(n), Ok(v)) = (
+        HeaderName::from_bytes(name.as_bytes()),
+        HeaderValue::from_str(value),
+    ) {
+        r.headers_mut().insert(n, v);
+    }
+}
+
+fn json_response(status: u16, v: &Value) -> Response<Body> {
+    let mut r = Response::new(full(v.to_string()));
+    *r.status_mut() = StatusCode::from_u16(status).unwrap_or(StatusCode::INTERNAL_SERVER_ERROR);
+    set_header(&mut r, "content-type", "application/json");
+    r
+}
+
+fn now_unix_s() -> u64 {
+    SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map(|d| d.as_secs())
+        .unwrap_or(0)
+}
+
+/// One entry of `/_mock/requests`.
+struct Record {
+    seq: u64,
+    t_ms: u64,
+    path: String,
+    headers: BTreeMap<String, String>,
+    model: Option<String>,
+    stream: bool,
+    user: Option<String>,
+    status: Option<u16>,
+    fault: Option<&'static str>,
+    prompt_tokens: Option<u64>,
+    cached_tokens: Option<u64>,
+}
+
+impl Record {
+    fn to_json(&self) -> Value {
+        json!({
+            "seq": self.seq,
+            "t_ms": self.t_ms,
+            "path": self.path,
+            "headers": self.headers,
+            "model": self.model,
+            "stream": self.stream,
+            "user": self.user,
+            "status": self.status,
+            "fault": self.fault,
+            "prompt_tokens": self.prompt_tokens,
+            "cached_tokens": self.cached_tokens,
+        })
+    }
+}
+
+/// What to do with one chat request, decided under the state lock.
+enum Plan {
+    Respond(Response<Body>),
+    Reset,
+    Hang,
+    Serve(Serve),
+}
+
+struct Serve {
+    seq: u64,
+    model: String,
+    stream: bool,
+    prompt_tokens: u64,
+    cached_tokens: u64,
+    completion_tokens: u64,
+    hashes: Vec<u64>,
+    factor: f64,
+    extra_delay_ms: u64,
+}
+
+async fn chat(mock: Arc<Mock>, conn: Arc<Conn>, req: Request<Incoming>) -> Response<Body> {
+    let guard = InFlight::new(&mock);
+    let path = req.uri().path().to_string();
+    let mut headers: BTreeMap<String, String> = BTreeMap::new();
+    for (name, value) in req.headers() {
+        let value = String::from_utf8_lossy(value.as_bytes()).into_owned();
+        headers
+            .entry(name.as_str().to_string())
+            .and_modify(|v| {
+                v.push_str(", ");
+                v.push_str(&value);
+            })
+            .or_insert(value);
+    }
+    let body = req.into_body().collect().await.map(|c| c.to_bytes());
+    let permit = match &mock.limiter {
+        Some(s) => s.clone().acquire_owned().await.ok(),
+        None => None,
+    };
+    let seq = mock.seq.fetch_add(1, Ordering::SeqCst) + 1;
+    let plan = decide(&mock, seq, &path, headers, body.ok());
+    match plan {
+        Plan::Respond(r) => r,
+        Plan::Reset => {
+            conn.reset();
+            std::future::pending().await
+        }
+        Plan::Hang => std::future::pending().await,
+        Plan::Serve(s) => serve(mock, (guard, permit), s).await,
+    }
+}
+
+fn decide(
+    mock: &Arc<Mock>,
+    seq: u64,
+    path: &str,
+    headers: BTreeMap<String, String>,
+    body: Option<Bytes>,
+) -> Plan {
+    let parsed: Option<Value> = body
+        .as_deref()
+        .and_then(|b| serde_json::from_slice::<Value>(b).ok())
+        .filter(Value::is_object);
+    let field = |k: &str| parsed.as_ref().and_then(|v| v.get(k));
+    let model = field("model").and_then(Value::as_str).map(str::to_string);
+    let stream = field("stream").and_then(Value::as_bool).unwrap_or(false);
+    let user = field("user")
+        .and_then(Value::as_str)
+        .map(str::to_string)
+        .or_else(|| headers.get("x-session-id").cloned());
+    let mut entry = Record {
+        seq,
+        t_ms: mock.started.elapsed().as_millis() as u64,
+        path: path.to_string(),
+        headers,
+        model: model.clone(),
+        stream,
+        user: user.clone(),
+        status: None,
+        fault: None,
+        prompt_tokens: None,
+        cached_tokens: None,
+    };
+
+    let mut guard = mock.lock();
+    let st: &mut State = &mut guard;
+    st.stats.requests += 1;
+    if let Some(u) = &user {
+        let known = st.stats.by_session.contains_key(u);
+        if known || st.stats.by_session.len() < MAX_SESSIONS {
+            *st.stats.by_session.entry(u.clone()).or_insert(0) += 1;
+        }
+    }
+    let mode = st.fault.take();
+    let finish = |st: &mut State, entry: &mut Record, status: Option<u16>, label: &str| {
+        let key = status
+            .map(|s| s.to_string())
+            .unwrap_or_else(|| label.to_string());
+        *st.stats.status_counts.entry(key).or_insert(0) += 1;
+        entry.status = status;
+    };
+
+    let (mut factor, mut extra_delay_ms) = (1.0, 0);
+    match &mode {
+        Mode::None => {}
+        Mode::Status {
+            status,
+            retry_after,
+            headers: extra,
+            body,
+        } => {
+            entry.fault = Some("status");
+            finish(st, &mut entry, Some(*status), "");
+            mock.record(st, entry);
+            let text = body.clone().unwrap_or_else(|| {
+                openai::error(
+                    *status,
+                    &format!("mock {} injected status {status}", mock.args.name),
+                )
+                .to_string()
+            });
+            let mut r = Response::new(full(text));
+            *r.status_mut() =
+                StatusCode::from_u16(*status).unwrap_or(StatusCode::INTERNAL_SERVER_ERROR);
+            set_header(&mut r, "content-type", "application/json");
+            set_header(&mut r, "x-mock-endpoint", &mock.args.name);
+            set_header(&mut r, "x-mock-request-seq", &seq.to_string());
+            if let Some(ra) = retry_after {
+                set_header(&mut r, "retry-after", ra);
+            }
+            for (k, v) in extra {
+                set_header(&mut r, k, v);
+            }
+            return Plan::Respond(r);
+        }
+        Mode::Slow { factor: f } => {
+            entry.fault = Some("slow");
+            factor = *f;
+        }
+        Mode::DelayMs { ms } => {
+            entry.fault = Some("delay_ms");
+            extra_delay_ms = *ms;
+        }
+        Mode::Reset | Mode::Hang | Mode::Refuse => {
+            // `refuse` only reaches here on the control port: answer it like `reset`.
+            let label = Fault::label(&mode).unwrap_or("reset");
+            entry.fault = Some(label);
+            finish(st, &mut entry, None, label);
+            mock.record(st, entry);
+            return if mode == Mode::Hang {
+                Plan::Hang
+            } else {
+                Plan::Reset
+            };
+        }
+    }
+
+    let error = |st: &mut State, mut entry: Record, status: u16, msg: String| {
+        finish(st, &mut entry, Some(status), "");
+        mock.record(st, entry);
+        let mut r = json_response(status, &openai::error(status, &msg));
+        set_header(&mut r, "x-mock-endpoint", &mock.args.name);
+        set_header(&mut r, "x-mock-request-seq", &seq.to_string());
+        Plan::Respond(r)
+    };
+    let Some(req) = parsed else {
+        return error(st, entry, 400, "request body is not a JSON object".into());
+    };
+    let model = model.unwrap_or_default();
+    if !mock.args.models.is_empty() && !mock.args.models.contains(&model) {
+        let msg = format!("The model `{model}` does not exist on {}", mock.args.name);
+        return error(st, entry, 404, msg);
+    }
+    let Some(messages) = req.get("messages").and_then(Value::as_array) else {
+        return error(st, entry, 400, "`messages` must be an array".into());
+    };
+    let prompt = openai::prompt_text(messages);
+    let prompt_tokens = token_count(prompt.len());
+    let hashes = st.cache.block_hashes(&model, prompt.as_bytes());
+    let cached_tokens = (st.cache.cached_blocks(&hashes) * st.cache.block_tokens()) as u64;
+    let max_tokens = req
+        .get("max_completion_tokens")
+        .or_else(|| req.get("max_tokens"))
+        .and_then(Value::as_u64)
+        .unwrap_or(u64::MAX);
+    let completion_tokens = mock.args.completion_tokens.min(max_tokens).max(1);
+    st.stats.prompt_tokens += prompt_tokens;
+    st.stats.cached_tokens += cached_tokens;
+    st.stats.completion_tokens += completion_tokens;
+    entry.prompt_tokens = Some(prompt_tokens);
+    entry.cached_tokens = Some(cached_tokens);
+    finish(st, &mut entry, Some(200), "");
+    mock.record(st, entry);
+    Plan::Serve(Serve {
+        seq,
+        model,
+        stream,
+        prompt_tokens,
+        cached_tokens,
+        completion_tokens,
+        hashes,
+        factor,
+        extra_delay_ms,
+    })
+}
+
+fn scaled(d: Duration, factor: f64) -> Duration {
+    Duration::from_secs_f64(d.as_secs_f64() * factor)
+}
+
+/// Holds a request's in-flight count and concurrency slot until dropped.
+type Busy = (InFlight, Option<OwnedSemaphorePermit>);
+
+async fn serve(mock: Arc<Mock>, guard: Busy, s: Serve) -> Response<Body> {
+    let a = &mock.args;
+    let uncached = s.prompt_tokens.saturating_sub(s.cached_tokens);
+    let prefill = Duration::from_micros(a.prefill_us_per_token.saturating_mul(uncached));
+    let wait = scaled(prefill, s.factor) + Duration::from_millis(s.extra_delay_ms);
+    if !wait.is_zero() {
+        tokio::time::sleep(wait).await;
+    }
+    mock.lock().cache.touch(&s.hashes);
+
+    let decode = scaled(Duration::from_millis(a.decode_ms), s.factor);
+    let id = format!("chatcmpl-{}-{}", a.name, s.seq);
+    let created = now_unix_s();
+    let usage = openai::Usage {
+        prompt_tokens: s.prompt_tokens,
+        cached_tokens: s.cached_tokens,
+        completion_tokens: s.completion_tokens,
+    };
+    let words = openai::completion_words(&a.name, s.completion_tokens);
+    let mut r = if s.stream {
+        let (tx, rx) = mpsc::channel::<Bytes>(16);
+        let per_chunk = decode / (words.len().max(1) as u32);
+        let model = s.model.clone();
+        tokio::spawn(async move {
+            let _guard = guard;
+            let ev = |v: Value| Bytes::from(openai::sse(&v));
+            let role = openai::chunk(
+                &id,
+                created,
+                &model,
+                json!({"role": "assistant", "content": ""}),
+                None,
+            );
+            if tx.send(ev(role)).await.is_err() {
+                return;
+            }
+            for w in &words {
+                tokio::time::sleep(per_chunk).await;
+                let c = openai::chunk(&id, created, &model, json!({"content": w}), None);
+                if tx.send(ev(c)).await.is_err() {
+                    return;
+                }
+            }
+            let fin = openai::chunk(&id, created, &model, json!({}), Some("stop"));
+            let _ = tx.send(ev(fin)).await;
+            let _ = tx
+                .send(ev(openai::usage_chunk(&id, created, &model, &usage)))
+                .await;
+            let _ = tx.send(Bytes::from_static(b"data: [DONE]\n\n")).await;
+        });
+        let mut r = Response::new(ChannelBody { rx }.boxed());
+        set_header(&mut r, "content-type", "text/event-stream");
+        set_header(&mut r, "cache-control", "no-cache");
+        r
+    } else {
+        if !decode.is_zero() {
+            tokio::time::sleep(decode).await;
+        }
+        drop(guard);
+        let text: String = words.concat();
+        let body = openai::completion(
+            &id,
+            created,
+            &s.model,
+            &format!("mock-{}", a.name),
+            &text,
+            &usage,
+        );
+        json_response(200, &body)
+    };
+    set_header(&mut r, "x-mock-endpoint", &a.name);
+    set_header(&mut r, "x-mock-prompt-tokens", &s.prompt_tokens.to_string());
+    set_header(&mut r, "x-mock-cached-tokens", &s.cached_tokens.to_string());
+    set_header(&mut r, "x-mock-request-seq", &s.seq.to_string());
+    r
+}
+
+async fn read_json(req: Request<Incoming>) -> Result<Value, Response<Body>> {
+    let bytes = req
+        .into_body()
+        .collect()
+        .await
+        .map(|c| c.to_bytes())
+        .map_err(|e| json_response(400, &json!({"error": format!("reading body: {e}")})))?;
+    serde_json::from_slice(&bytes)
+        .map_err(|e| json_response(400, &json!({"error": format!("bad JSON: {e}")})))
+}
+
+/// Replaces the fault; for `refuse` / leaving `refuse`, waits (≤ 5 s) until the listener state
+/// matches so the caller can rely on it when this returns.
+async fn apply_fault(mock: &Arc<Mock>, f: Fault) -> Result<(), String> {
+    let refuse = f.mode == Mode::Refuse;
+    let for_ms = f.for_ms;
+    let gen = {
+        let mut st = mock.lock();
+        st.fault = f;
+        st.fault_gen += 1;
+        st.fault_gen
+    };
+    mock.listening.send_replace(!refuse);
+    if let (true, Some(ms)) = (refuse, for_ms) {
+        let m = mock.clone();
+        tokio::spawn(async move {
+            tokio::time::sleep(Duration::from_millis(ms)).await;
+            let lifted = {
+                let mut st = m.lock();
+                if st.fault_gen == gen {
+                    st.fault = Fault::none();
+                    st.fault_gen += 1;
+                    true
+                } else {
+                    false
+                }
+            };
+            if lifted {
+                m.listening.send_replace(true);
+            }
+        });
+    }
+    let mut rx = mock.bound.subscribe();
+    let wanted = !refuse;
+    let ok = tokio::time::timeout(Duration::from_secs(5), rx.wait_for(|b| *b == wanted)).await;
+    match ok {
+        Ok(Ok(_)) => Ok(()),
+        _ => Err(format!(
+            "listener did not become {}",
+            if wanted { "bound" } else { "closed" }
+        )),
+    }
+}
+
+async fn handle(
+    mock: Arc<Mock>,
+    conn: Arc<Conn>,
+    req: Request<Incoming>,
+) -> Result<Response<Body>, Infallible> {
+    let path = req.uri().path().to_string();
+    let query = req.uri().query().unwrap_or("").to_string();
+    let method = req.method().clone();
+    let r = match (method, path.as_str()) {
+        (Method::POST, "/v1/chat/completions") => chat(mock, conn, req).await,
+        (Method::GET, "/v1/models") => {
+            let ids: Vec<String> = if mock.args.models.is_empty() {
+                vec!["mock".into()]
+            } else {
+                mock.args.models.clone()
+            };
+            let data: Vec<Value> = ids
+                .iter()
+                .map(|m| json!({"id": m, "object": "model", "created": 0, "owned_by": mock.args.name}))
+                .collect();
+            json_response(200, &json!({"object": "list", "data": data}))
+        }
+        (Method::GET, "/health") | (Method::GET, "/_mock/health") => {
+            json_response(200, &json!({"ok": true}))
+        }
+        (Method::GET, "/_mock/stats") => json_response(200, &mock.stats_json()),
+        (Method::GET, "/_mock/requests") => {
+            let limit = query
+                .split('&')
+                .find_map(|kv| kv.strip_prefix("limit="))
+                .and_then(|v| v.parse::<usize>().ok())
+                .unwrap_or(usize::MAX);
+            let st = mock.lock();
+            let skip = st.log.len().saturating_sub(limit);
+            let items: Vec<&Value> = st.log.iter().skip(skip).collect();
+            json_response(200, &json!(items))
+        }
+        (Method::GET, "/_mock/fault") => json_response(200, &mock.lock().fault.to_json()),
+        (Method::POST, "/_mock/fault") => match read_json(req).await {
+            Err(r) => r,
+            Ok(v) => match Fault::parse(&v) {
+                Err(e) => json_response(400, &json!({"error": e})),
+                Ok(f) => {
+                    let shown = f.to_json();
+                    match apply_fault(&mock, f).await {
+                        Ok(()) => json_response(200, &json!({"ok": true, "fault": shown})),
+                        Err(e) => json_response(500, &json!({"error": e, "fault": shown})),
+                    }
+                }
+            },
+        },
+        (Method::POST, "/_mock/reset_stats") => {
+            let mut st = mock.lock();
+            st.stats = Stats::default();
+            st.log.clear();
+            drop(st);
+            json_response(200, &json!({"ok": true}))
+        }
+        (Method::POST, "/_mock/flush_cache") => {
+            mock.lock().cache.flush();
+            json_response(200, &json!({"ok": true}))
+        }
+        (_, p) => json_response(
+            404,
+            &openai::error(404, &format!("mock {}: no route for {p}", mock.args.name)),
+        ),
+    };
+    Ok(r)
+}
+
+async fn serve_conn(mock: Arc<Mock>, stream: TcpStream, epoch: Option<watch::Receiver<u64>>) {
+    let _ = stream.set_nodelay(true);
+    let Ok(std_stream) = stream.into_std() else {
+        return;
+    };
+    let Ok(dup) = std_stream.try_clone() else {
+        return;
+    };
+    let Ok(stream) = TcpStream::from_std(std_stream) else {
+        return;
+    };
+    let conn = Arc::new(Conn {
+        dup,
+        kill: Notify::new(),
+    });
+    let c = conn.clone();
+    let m = mock.clone();
+    let svc = service_fn(move |req| handle(m.clone(), c.clone(), req));
+    let builder = auto::Builder::new(TokioExecutor::new());
+    let serving = builder.serve_connection(TokioIo::new(stream), svc);
+    let dropped = async move {
+        match epoch {
+            Some(mut rx) => {
+                let _ = rx.changed().await;
+            }
+            None => std::future::pending::<()>().await,
+        }
+    };
+    tokio::select! {
+        _ = serving => {}
+        _ = conn.kill.notified() => {}
+        _ = dropped => {}
+    }
+}
+
+fn bind(addr: SocketAddr) -> std::io::Result<TcpListener> {
+    let socket = if addr.is_ipv4() {
+        TcpSocket::new_v4()?
+    } else {
+        TcpSocket::new_v6()?
+    };
+    socket.set_reuseaddr(true)?;
+    socket.bind(addr)?;
+    socket.listen(1024)
+}
+
+/// Serves the main port; closes it while `listening` is false and re-binds the same address.
+async fn main_accept_loop(mock: Arc<Mock>, first: TcpListener, addr: SocketAddr) {
+    let (epoch_tx, _) = watch::channel(0u64);
+    let mut want = mock.listening.subscribe();
+    let mut listener = Some(first);
+    loop {
+        if let Some(l) = listener.take() {
+            mock.bound.send_replace(true);
+            loop {
+                tokio::select! {
+                    r = l.accept() => match r {
+                        Ok((s, _)) => {
+                            tokio::spawn(serve_conn(mock.clone(), s, Some(epoch_tx.subscribe())));
+                        }
+                        Err(_) => tokio::time::sleep(Duration::from_millis(10)).await,
+                    },
+                    r = want.changed() => {
+                        if r.is_err() {
+                            return;
+                        }
+                        if !*want.borrow_and_update() {
+                            break;
+                        }
+                    }
+                }
+            }
+            drop(l);
+            epoch_tx.send_modify(|e| *e += 1);
+            mock.bound.send_replace(false);
+        }
+        if want.wait_for(|w| *w).await.is_err() {
+            return;
+        }
+        loop {
+            match bind(addr) {
+                Ok(l) => {
+                    listener = Some(l);
+                    break;
+                }
+                Err(e) => {
+                    eprintln!(
+                        "mock_upstream {}: re-bind {addr}: {e}; retrying",
+                        mock.args.name
+                    );
+                    tokio::time::sleep(Duration::from_millis(50)).await;
+                }
+            }
+        }
+    }
+}
+
+async fn control_accept_loop(mock: Arc<Mock>, l: TcpListener) {
+    loop {
+        match l.accept().await {
+            Ok((s, _)) => {
+                tokio::spawn(serve_conn(mock.clone(), s, None));
+            }
+            Err(_) => tokio::time::sleep(Duration::from_millis(10)).await,
+        }
+    }
+}
+
+async fn run(args: Args) -> Result<(), String> {
+    let main_l = bind(SocketAddr::new(args.host, args.port))
+        .map_err(|e| format!("bind {}:{}: {e}", args.host, args.port))?;
+    let addr = main_l.local_addr().map_err(|e| e.to_string())?;
+    let control = match args.control_port {
+        Some(p) => {
+            let l = bind(SocketAddr::new(args.host, p))
+                .map_err(|e| format!("bind control {}:{p}: {e}", args.host))?;
+            let a = l.local_addr().map_err(|e| e.to_string())?;
+            Some((l, a))
+        }
+        None => None,
+    };
+    let mut out = std::io::stdout().lock();
+    let _ = writeln!(out, "LISTENING {addr}");
+    if let Some((_, a)) = &control {
+        let _ = writeln!(out, "CONTROL {a}");
+    }
+    let _ = out.flush();
+    drop(out);
+
+    let (listening, _) = watch::channel(true);
+    let (bound, _) = watch::channel(true);
+    let mock = Arc::new(Mock {
+        port: addr.port(),
+        started: Instant::now(),
+        seq: AtomicU64::new(0),
+        in_flight: AtomicI64::new(0),
+        limiter: (args.max_concurrency > 0).then(|| Arc::new(Semaphore::new(args.max_concurrency))),
+        listening,
+        bound,
+        state: Mutex::new(State {
+            stats: Stats::default(),
+            log: VecDeque::new(),
+            cache: PrefixCache::new(args.cache_tokens, args.block_tokens),
+            fault: Fault::none(),
+            fault_gen: 0,
+        }),
+        args,
+    });
+    if let Some((l, _)) = control {
+        tokio::spawn(control_accept_loop(mock.clone(), l));
+    }
+    main_accept_loop(mock, main_l, addr).await;
+    Ok(())
+}
+
+fn main() -> ExitCode {
+    let args = match parse_args() {
+        Ok(a) => a,
+        Err(e) if e == "help" => {
+            println!("{USAGE}");
+            return ExitCode::SUCCESS;
+        }
+        Err(e) => {
+            eprintln!("mock_upstream: {e}\n{USAGE}");
+            return ExitCode::from(2);
+        }
+    };
+    if args.exit_on_stdin_eof {
+        std::thread::spawn(|| {
+            let mut buf = [0u8; 256];
+            let mut stdin = std::io::stdin();
+            loop {
+                match stdin.read(&mut buf) {
+                    Ok(0) | Err(_) => std::process::exit(0),
+                    Ok(_) => {}
+                }
+            }
+        });
+    }
+    let rt = match tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+    {
+        Ok(rt) => rt,
+        Err(e) => {
+            eprintln!("mock_upstream: tokio runtime: {e}");
+            return ExitCode::FAILURE;
+        }
+    };
+    match rt.block_on(run(args)) {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("mock_upstream: {e}");
+            ExitCode::FAILURE
+        }
+    }
+}
