@@ -1,0 +1,30 @@
+//! The scheduler: which endpoint serves this request, and what an attempt's outcome teaches us.
+//!
+//! Everything here is host-independent. The filter reads the host clock once per callback and
+//! passes `now_ms`; shared state (per-endpoint statistics, breakers, the affinity table, the
+//! retry budget) is reached only through the [`Store`] trait, whose compare-and-swap makes the
+//! same code correct across Envoy worker threads.
+
+pub mod affinity;
+pub mod breaker;
+pub mod budget;
+pub mod codec;
+pub mod config;
+pub mod ewma;
+pub mod hash;
+pub mod outcome;
+pub mod request;
+pub mod score;
+pub mod select;
+pub mod state;
+pub mod store;
+
+pub use affinity::Affinity;
+pub use breaker::{Breaker, BreakerState};
+pub use budget::RetryBudget;
+pub use config::{Config, ConfigError, EndpointConfig};
+pub use outcome::{classify, Outcome};
+pub use request::{ChatRequest, RequestError, SessionSource};
+pub use select::{AffinityResult, Decision, Exclusions, NoEndpoint, Pick, Reason, Scheduler};
+pub use state::EndpointState;
+pub use store::{CasMismatch, MemStore, Store};

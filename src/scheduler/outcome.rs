@@ -1,0 +1,208 @@
+//! What an attempt's response means for the endpoint that produced it.
+//!
+//! | response                                   | outcome           | breaker            | failover |
+//! |--------------------------------------------|-------------------|--------------------|----------|
+//! | 2xx (and 1xx/3xx: the endpoint did answer) | `Success`         | resets the streak  | no       |
+//! | 401, 403                                   | `DeadKey`         | none (per request) | yes      |
+//! | 429                                        | `RateLimited`     | opens at once      | yes      |
+//! | 500, 502, 503, 504, connect failure, reset, timeout | `EndpointFailure` | counts toward open | yes |
+//! | any other 4xx                              | `ClientError`     | none               | no       |
+//! | other 5xx (501, 505, ...)                  | `ClientError`-like: the request is unsupported, not the endpoint down |
+//!
+//! Rate-limit reset hints are read from `Retry-After` (delta seconds or an HTTP-date),
+//! `retry-after-ms`, and OpenAI's `x-ratelimit-reset-requests` / `-tokens` (`"1s"`, `"6m0s"`,
+//! `"20ms"`), taking the largest valid one.
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum FailureKind {
+    Status(u16),
+    ConnectFailure,
+    Reset,
+    Timeout,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Outcome {
+    Success,
+    DeadKey,
+    RateLimited { retry_after_ms: Option<u64> },
+    EndpointFailure(FailureKind),
+    ClientError,
+    /// The attempt ended without a verdict (client went away): no statistics, no breaker.
+    Cancelled,
+}
+
+impl Outcome {
+    /// The label used in metrics.
+    pub fn label(&self) -> &'static str {
+        match self {
+            Outcome::Success => "success",
+            Outcome::DeadKey => "dead_key",
+            Outcome::RateLimited { .. } => "rate_limited",
+            Outcome::EndpointFailure(_) => "endpoint_failure",
+            Outcome::ClientError => "client_error",
+            Outcome::Cancelled => "cancelled",
+        }
+    }
+
+    /// Whether the same client request should move to the next endpoint.
+    pub fn fails_over(&self) -> bool {
+        matches!(self, Outcome::DeadKey | Outcome::RateLimited { .. } | Outcome::EndpointFailure(_))
+    }
+
+    pub const ALL_LABELS: [&'static str; 6] =
+        ["success", "dead_key", "rate_limited", "endpoint_failure", "client_error", "cancelled"];
+}
+
+/// Classifies a response by its status and headers (lower-case names). `now_ms` is wall-clock
+/// Unix milliseconds, needed for HTTP-date `Retry-After`.
+pub fn classify(status: u16, headers: &[(String, String)], now_ms: u64) -> Outcome {
+    match status {
+        401 | 403 => Outcome::DeadKey,
+        429 => Outcome::RateLimited { retry_after_ms: retry_hint_ms(headers, now_ms) },
+        500 | 502 | 503 | 504 => Outcome::EndpointFailure(FailureKind::Status(status)),
+        400..=599 => Outcome::ClientError,
+        _ => Outcome::Success,
+    }
+}
+
+/// The longest valid reset hint among the rate-limit headers, in ms from `now_ms`.
+pub fn retry_hint_ms(headers: &[(String, String)], now_ms: u64) -> Option<u64> {
+    headers
+        .iter()
+        .filter_map(|(name, value)| match name.as_str() {
+            "retry-after" => parse_retry_after(value, now_ms),
+            "retry-after-ms" => value.trim().parse::<f64>().ok().filter(|v| v.is_finite() && *v >= 0.0).map(|v| v as u64),
+            "x-ratelimit-reset-requests" | "x-ratelimit-reset-tokens" => parse_go_duration_ms(value),
+            _ => None,
+        })
+        .max()
+}
+
+/// `Retry-After`: delta-seconds, or an IMF-fixdate (`Sun, 06 Nov 1994 08:49:37 GMT`).
+pub fn parse_retry_after(value: &str, now_ms: u64) -> Option<u64> {
+    let v = value.trim();
+    if let Ok(secs) = v.parse::<u64>() {
+        return Some(secs.saturating_mul(1000));
+    }
+    let at_ms = parse_http_date_ms(v)?;
+    Some(at_ms.saturating_sub(now_ms))
+}
+
+/// Durations such as `1s`, `6m0s`, `20ms`, `1m30.5s`, `2h` (OpenAI's reset headers).
+pub fn parse_go_duration_ms(value: &str) -> Option<u64> {
+    let s = value.trim();
+    if s.is_empty() || s.len() > 32 {
+        return None;
+    }
+    let mut total = 0.0f64;
+    let mut rest = s;
+    while !rest.is_empty() {
+        let num_len = rest.find(|c: char| !(c.is_ascii_digit() || c == '.')).unwrap_or(rest.len());
+        let (num, after) = rest.split_at(num_len);
+        let n: f64 = num.parse().ok()?;
+        let unit_len = after.find(|c: char| c.is_ascii_digit() || c == '.').unwrap_or(after.len());
+        let (unit, next) = after.split_at(unit_len);
+        let scale = match unit {
+            "ms" => 1.0,
+            "s" => 1_000.0,
+            "m" => 60_000.0,
+            "h" => 3_600_000.0,
+            _ => return None,
+        };
+        total += n * scale;
+        rest = next;
+    }
+    (total.is_finite() && total >= 0.0).then_some(total.round() as u64)
+}
+
+/// IMF-fixdate (RFC 9110 §5.6.7), the only form senders may generate. Returns Unix ms.
+pub fn parse_http_date_ms(v: &str) -> Option<u64> {
+    // "Sun, 06 Nov 1994 08:49:37 GMT"
+    let mut parts = v.split_ascii_whitespace();
+    let _weekday = parts.next().filter(|w| w.ends_with(','))?;
+    let day: u64 = parts.next()?.parse().ok()?;
+    let month = match parts.next()? {
+        "Jan" => 1,
+        "Feb" => 2,
+        "Mar" => 3,
+        "Apr" => 4,
+        "May" => 5,
+        "Jun" => 6,
+        "Jul" => 7,
+        "Aug" => 8,
+        "Sep" => 9,
+        "Oct" => 10,
+        "Nov" => 11,
+        "Dec" => 12,
+        _ => return None,
+    };
+    let year: u64 = parts.next()?.parse().ok()?;
+    let mut hms = parts.next()?.split(':');
+    let h: u64 = hms.next()?.parse().ok()?;
+    let m: u64 = hms.next()?.parse().ok()?;
+    let s: u64 = hms.next()?.parse().ok()?;
+    if parts.next()? != "GMT" || parts.next().is_some() || hms.next().is_some() {
+        return None;
+    }
+    if !(1970..=9999).contains(&year) || !(1..=31).contains(&day) || h > 23 || m > 59 || s > 60 {
+        return None;
+    }
+    let days = days_from_civil(year, month, day);
+    Some(((days * 86_400) + h * 3600 + m * 60 + s) * 1000)
+}
+
+/// Days since 1970-01-01 of a proleptic Gregorian date (Howard Hinnant's algorithm).
+fn days_from_civil(y: u64, m: u64, d: u64) -> u64 {
+    let y = if m <= 2 { y - 1 } else { y };
+    let era = y / 400;
+    let yoe = y - era * 400;
+    let mp = (m + 9) % 12;
+    let doy = (153 * mp + 2) / 5 + d - 1;
+    let doe = yoe * 365 + yoe / 4 - yoe / 100 + doy;
+    era * 146_097 + doe - 719_468
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    #[cfg(target_arch = "wasm32")]
+    use wasm_bindgen_test::wasm_bindgen_test as test;
+
+    fn h(pairs: &[(&str, &str)]) -> Vec<(String, String)> {
+        pairs.iter().map(|(a, b)| (a.to_string(), b.to_string())).collect()
+    }
+
+    #[test]
+    fn classification_table() {
+        assert_eq!(classify(200, &[], 0), Outcome::Success);
+        assert_eq!(classify(401, &[], 0), Outcome::DeadKey);
+        assert_eq!(classify(403, &[], 0), Outcome::DeadKey);
+        assert_eq!(classify(429, &[], 0), Outcome::RateLimited { retry_after_ms: None });
+        for s in [500, 502, 503, 504] {
+            assert_eq!(classify(s, &[], 0), Outcome::EndpointFailure(FailureKind::Status(s)));
+            assert!(classify(s, &[], 0).fails_over());
+        }
+        assert_eq!(classify(400, &[], 0), Outcome::ClientError);
+        assert_eq!(classify(404, &[], 0), Outcome::ClientError);
+        assert_eq!(classify(501, &[], 0), Outcome::ClientError);
+        assert!(!Outcome::ClientError.fails_over());
+    }
+
+    #[test]
+    fn retry_after_forms() {
+        assert_eq!(classify(429, &h(&[("retry-after", "7")]), 0), Outcome::RateLimited { retry_after_ms: Some(7000) });
+        // 1994-11-06T08:49:37Z = 784111777 s
+        assert_eq!(parse_http_date_ms("Sun, 06 Nov 1994 08:49:37 GMT"), Some(784_111_777_000));
+        assert_eq!(parse_retry_after("Sun, 06 Nov 1994 08:49:37 GMT", 784_111_770_000), Some(7_000));
+        assert_eq!(parse_retry_after("Sun, 06 Nov 1994 08:49:37 GMT", 784_111_790_000), Some(0));
+        assert_eq!(parse_retry_after("soon", 0), None);
+        assert_eq!(parse_http_date_ms("Sun, 06 Nov 1994 08:49:37 PST"), None);
+        assert_eq!(parse_go_duration_ms("6m0s"), Some(360_000));
+        assert_eq!(parse_go_duration_ms("1m30.5s"), Some(90_500));
+        assert_eq!(parse_go_duration_ms("20ms"), Some(20));
+        assert_eq!(parse_go_duration_ms("1x"), None);
+        let hint = retry_hint_ms(&h(&[("retry-after", "1"), ("retry-after-ms", "2500"), ("x-ratelimit-reset-requests", "2s")]), 0);
+        assert_eq!(hint, Some(2_500));
+    }
+}

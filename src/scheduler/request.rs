@@ -1,0 +1,297 @@
+//! Reading what the router needs from a chat-completions request, and nothing more.
+//!
+//! The body is untrusted: it is parsed once, with borrowed raw values for the parts we only hash
+//! (message contents), so no prompt text is copied or logged. serde_json's recursion limit turns
+//! absurdly nested JSON into an error instead of a stack overflow.
+//!
+//! Session key, in order of preference:
+//! 1. the `session_header` value;
+//! 2. the body's `user` field;
+//! 3. a conversation fingerprint: hash of the model, the first system message and the first user
+//!    message — what every turn of one conversation resends unchanged, so clients that send no
+//!    session id still stick across turns.
+//!
+//! Every key is scoped by the caller's identity (its `authorization` / `x-api-key` value, hashed
+//! with the key) so one tenant can never read or steer another tenant's pins.
+
+use super::hash::{hash_parts, session_key};
+use serde::Deserialize;
+use serde_json::value::RawValue;
+
+/// Longest accepted `model` (real model ids are far shorter).
+pub const MAX_MODEL_BYTES: usize = 256;
+/// Longest accepted session header value.
+pub const MAX_SESSION_BYTES: usize = 4096;
+const FINGERPRINT_SEED: u64 = 0x6669_6e67_6572_7072;
+
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ChatRequest {
+    pub model: String,
+    pub user: Option<String>,
+    /// Conversation fingerprint, when the body has a user message.
+    pub fingerprint: Option<u64>,
+    pub stream: bool,
+}
+
+/// Why a request is refused before it reaches any endpoint.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum RequestError {
+    EmptyBody,
+    TooLarge { limit: u64 },
+    InvalidJson(String),
+    NotAnObject,
+    MissingModel,
+    ModelNotString,
+    ModelTooLong,
+    SessionTooLong,
+}
+
+impl RequestError {
+    pub fn status(&self) -> u16 {
+        match self {
+            RequestError::TooLarge { .. } => 413,
+            _ => 400,
+        }
+    }
+
+    pub fn code(&self) -> &'static str {
+        match self {
+            RequestError::EmptyBody => "empty_body",
+            RequestError::TooLarge { .. } => "request_too_large",
+            RequestError::InvalidJson(_) => "invalid_json",
+            RequestError::NotAnObject => "invalid_request_body",
+            RequestError::MissingModel => "missing_model",
+            RequestError::ModelNotString | RequestError::ModelTooLong => "invalid_model",
+            RequestError::SessionTooLong => "invalid_session_id",
+        }
+    }
+
+    pub fn message(&self) -> String {
+        match self {
+            RequestError::EmptyBody => "The request body is empty; expected a JSON chat completion request.".into(),
+            RequestError::TooLarge { limit } => format!("The request body exceeds the limit of {limit} bytes."),
+            RequestError::InvalidJson(e) => format!("The request body is not valid JSON: {e}."),
+            RequestError::NotAnObject => "The request body must be a JSON object.".into(),
+            RequestError::MissingModel => "You must provide a model parameter.".into(),
+            RequestError::ModelNotString => "The model parameter must be a string.".into(),
+            RequestError::ModelTooLong => format!("The model parameter must be at most {MAX_MODEL_BYTES} bytes."),
+            RequestError::SessionTooLong => format!("The session id header must be at most {MAX_SESSION_BYTES} bytes."),
+        }
+    }
+}
+
+/// The OpenAI error body: `{"error":{"message","type","param","code"}}`.
+pub fn openai_error(message: &str, kind: &str, code: &str) -> String {
+    serde_json::json!({"error": {"message": message, "type": kind, "param": null, "code": code}}).to_string()
+}
+
+#[derive(Deserialize)]
+struct Body<'a> {
+    #[serde(borrow, default)]
+    model: Option<&'a RawValue>,
+    #[serde(borrow, default)]
+    user: Option<&'a RawValue>,
+    #[serde(borrow, default)]
+    messages: Option<Vec<&'a RawValue>>,
+    #[serde(borrow, default)]
+    stream: Option<&'a RawValue>,
+}
+
+#[derive(Deserialize)]
+struct Message<'a> {
+    #[serde(borrow, default)]
+    role: Option<&'a RawValue>,
+    #[serde(borrow, default)]
+    content: Option<&'a RawValue>,
+}
+
+/// Parses a chat-completions body.
+pub fn parse_chat(body: &[u8]) -> Result<ChatRequest, RequestError> {
+    let first = body.iter().find(|b| !b.is_ascii_whitespace());
+    match first {
+        None => return Err(RequestError::EmptyBody),
+        Some(b'{') => {}
+        Some(b'[' | b'"' | b't' | b'f' | b'n' | b'-' | b'0'..=b'9') => {
+            // Valid JSON perhaps, but not an object: say so only if it parses.
+            return Err(match serde_json::from_slice::<serde::de::IgnoredAny>(body) {
+                Ok(_) => RequestError::NotAnObject,
+                Err(e) => RequestError::InvalidJson(short(&e)),
+            });
+        }
+        Some(_) => {}
+    }
+    if nesting_depth(body) > MAX_DEPTH {
+        return Err(RequestError::InvalidJson(format!("nesting deeper than {MAX_DEPTH} levels")));
+    }
+    let parsed: Body<'_> = serde_json::from_slice(body).map_err(|e| RequestError::InvalidJson(short(&e)))?;
+    let model = match parsed.model {
+        None => return Err(RequestError::MissingModel),
+        Some(raw) => match serde_json::from_str::<String>(raw.get()) {
+            Ok(m) if m.is_empty() => return Err(RequestError::MissingModel),
+            Ok(m) if m.len() > MAX_MODEL_BYTES => return Err(RequestError::ModelTooLong),
+            Ok(m) => m,
+            Err(_) if raw.get() == "null" => return Err(RequestError::MissingModel),
+            Err(_) => return Err(RequestError::ModelNotString),
+        },
+    };
+    let user = parsed
+        .user
+        .and_then(|raw| serde_json::from_str::<String>(raw.get()).ok())
+        .filter(|u| !u.is_empty() && u.len() <= MAX_SESSION_BYTES);
+    let stream = parsed.stream.is_some_and(|raw| raw.get() == "true");
+    let fingerprint = parsed.messages.as_deref().and_then(|msgs| fingerprint(&model, msgs));
+    Ok(ChatRequest { model, user, fingerprint, stream })
+}
+
+/// Deepest JSON nesting accepted. serde_json ignores unknown fields iteratively without a
+/// depth bound; an upstream parser may not be so forgiving, so the filter refuses such bodies.
+pub const MAX_DEPTH: usize = 128;
+
+/// Maximum depth of `[`/`{` nesting outside strings (a linear byte scan, no allocation).
+fn nesting_depth(body: &[u8]) -> usize {
+    let (mut depth, mut max, mut in_str, mut escaped) = (0usize, 0usize, false, false);
+    for &b in body {
+        if in_str {
+            match (escaped, b) {
+                (true, _) => escaped = false,
+                (false, b'\\') => escaped = true,
+                (false, b'"') => in_str = false,
+                _ => {}
+            }
+            continue;
+        }
+        match b {
+            b'"' => in_str = true,
+            b'[' | b'{' => {
+                depth += 1;
+                max = max.max(depth);
+            }
+            b']' | b'}' => depth = depth.saturating_sub(1),
+            _ => {}
+        }
+    }
+    max
+}
+
+/// Hash of (model, first system message, first user message), when there is a user message.
+fn fingerprint(model: &str, messages: &[&RawValue]) -> Option<u64> {
+    let mut system: Option<&str> = None;
+    let mut user: Option<&str> = None;
+    for raw in messages {
+        let Ok(m) = serde_json::from_str::<Message<'_>>(raw.get()) else { continue };
+        let role = m.role.map(|r| r.get());
+        let content = m.content.map_or("", |c| c.get());
+        match role {
+            Some("\"system\"") | Some("\"developer\"") if system.is_none() => system = Some(content),
+            Some("\"user\"") if user.is_none() => user = Some(content),
+            _ => {}
+        }
+        if user.is_some() && system.is_some() {
+            break;
+        }
+    }
+    let user = user?;
+    Some(hash_parts(FINGERPRINT_SEED, &[model.as_bytes(), system.unwrap_or("").as_bytes(), user.as_bytes()]))
+}
+
+fn short(e: &serde_json::Error) -> String {
+    let mut s = e.to_string();
+    s.truncate(160);
+    s
+}
+
+/// Where the session key came from (exposed for diagnostics and tests).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum SessionSource {
+    Header,
+    User,
+    Fingerprint,
+    None,
+}
+
+/// The tenant-scoped affinity key of a request. `tenant` is the caller's credential value
+/// (hashed here, never stored), `header` the session header's raw bytes.
+pub fn derive_session(
+    tenant: Option<&[u8]>,
+    header: Option<&[u8]>,
+    req: &ChatRequest,
+) -> Result<(Option<u64>, SessionSource), RequestError> {
+    let tenant = tenant.unwrap_or(b"");
+    if let Some(h) = header.filter(|h| !h.is_empty()) {
+        if h.len() > MAX_SESSION_BYTES {
+            return Err(RequestError::SessionTooLong);
+        }
+        return Ok((Some(session_key(tenant, &[b"h:", h].concat())), SessionSource::Header));
+    }
+    if let Some(u) = &req.user {
+        return Ok((Some(session_key(tenant, &[b"u:", u.as_bytes()].concat())), SessionSource::User));
+    }
+    if let Some(fp) = req.fingerprint {
+        return Ok((Some(session_key(tenant, &[&b"f:"[..], &fp.to_le_bytes()].concat())), SessionSource::Fingerprint));
+    }
+    Ok((None, SessionSource::None))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    #[cfg(target_arch = "wasm32")]
+    use wasm_bindgen_test::wasm_bindgen_test as test;
+
+    #[test]
+    fn extracts_model_user_stream_and_fingerprint() {
+        let body = br#"{"model":"gpt-4o","user":"u1","stream":true,"messages":[
+            {"role":"system","content":"be brief"},{"role":"user","content":"hi"}]}"#;
+        let r = parse_chat(body).unwrap();
+        assert_eq!(r.model, "gpt-4o");
+        assert_eq!(r.user.as_deref(), Some("u1"));
+        assert!(r.stream);
+        // The next turn resends the same first messages plus more: same fingerprint.
+        let turn2 = br#"{"model":"gpt-4o","messages":[{"role":"system","content":"be brief"},
+            {"role":"user","content":"hi"},{"role":"assistant","content":"hello"},{"role":"user","content":"more"}]}"#;
+        assert_eq!(parse_chat(turn2).unwrap().fingerprint, r.fingerprint);
+        let other = br#"{"model":"gpt-4o","messages":[{"role":"user","content":"bye"}]}"#;
+        assert_ne!(parse_chat(other).unwrap().fingerprint, r.fingerprint);
+    }
+
+    #[test]
+    fn refuses_bad_bodies_with_defined_errors() {
+        assert_eq!(parse_chat(b"").unwrap_err(), RequestError::EmptyBody);
+        assert_eq!(parse_chat(b"  \n").unwrap_err(), RequestError::EmptyBody);
+        assert!(matches!(parse_chat(b"{nope").unwrap_err(), RequestError::InvalidJson(_)));
+        assert_eq!(parse_chat(b"[1,2]").unwrap_err(), RequestError::NotAnObject);
+        assert_eq!(parse_chat(b"\"x\"").unwrap_err(), RequestError::NotAnObject);
+        assert_eq!(parse_chat(b"{}").unwrap_err(), RequestError::MissingModel);
+        assert_eq!(parse_chat(br#"{"model":null}"#).unwrap_err(), RequestError::MissingModel);
+        assert_eq!(parse_chat(br#"{"model":7}"#).unwrap_err(), RequestError::ModelNotString);
+        let long = format!(r#"{{"model":"{}"}}"#, "m".repeat(100_000));
+        assert_eq!(parse_chat(long.as_bytes()).unwrap_err(), RequestError::ModelTooLong);
+        let deep = format!(r#"{{"model":"m","x":{}{}}}"#, "[".repeat(100_000), "]".repeat(100_000));
+        assert!(matches!(parse_chat(deep.as_bytes()).unwrap_err(), RequestError::InvalidJson(_)));
+        assert!(matches!(parse_chat(b"{\"model\":\"\xff\"}").unwrap_err(), RequestError::InvalidJson(_)));
+        let ok_depth = format!(r#"{{"model":"m","x":{}"[{{\"]"{}}}"#, "[".repeat(127), "]".repeat(127));
+        assert_eq!(parse_chat(ok_depth.as_bytes()).unwrap().model, "m");
+        let e = RequestError::TooLarge { limit: 10 };
+        assert_eq!((e.status(), e.code()), (413, "request_too_large"));
+    }
+
+    #[test]
+    fn session_precedence_and_tenant_scoping() {
+        let r = parse_chat(br#"{"model":"m","user":"u","messages":[{"role":"user","content":"q"}]}"#).unwrap();
+        let (h, src) = derive_session(None, Some(b"s1"), &r).unwrap();
+        assert_eq!(src, SessionSource::Header);
+        let (u, src) = derive_session(None, None, &r).unwrap();
+        assert_eq!(src, SessionSource::User);
+        assert_ne!(h, u);
+        let no_user = parse_chat(br#"{"model":"m","messages":[{"role":"user","content":"q"}]}"#).unwrap();
+        assert_eq!(derive_session(None, None, &no_user).unwrap().1, SessionSource::Fingerprint);
+        let bare = parse_chat(br#"{"model":"m"}"#).unwrap();
+        assert_eq!(derive_session(None, None, &bare).unwrap(), (None, SessionSource::None));
+        // Same session id, different tenants: different keys.
+        let a = derive_session(Some(b"Bearer A"), Some(b"s1"), &r).unwrap().0;
+        let b = derive_session(Some(b"Bearer B"), Some(b"s1"), &r).unwrap().0;
+        assert_ne!(a, b);
+        let huge = vec![b'x'; MAX_SESSION_BYTES + 1];
+        assert_eq!(derive_session(None, Some(&huge), &r).unwrap_err(), RequestError::SessionTooLong);
+    }
+}

@@ -1,0 +1,197 @@
+//! Cross-request state of every endpoint, kept together in one shared-data value.
+//!
+//! One value (the "endpoint table") holds the statistics and breaker of every configured
+//! endpoint plus the retry budget, so a selection costs one shared-data read and one CAS write
+//! whatever the number of endpoints. Entries are keyed by endpoint id (a hash of the name):
+//! a configuration reload that adds, removes or reorders endpoints keeps the others' history.
+
+use super::breaker::{Breaker, BreakerState, OpenCause};
+use super::budget::RetryBudget;
+use super::codec::{Reader, Writer};
+use super::config::Config;
+
+/// Statistics of one endpoint.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct EndpointState {
+    /// EWMA of time to response headers of successful attempts; `None` before the first.
+    pub latency_ms: Option<f64>,
+    /// Decayed success rate in [0, 1] (EWMA of 1/0 outcomes); starts at 1.
+    pub success_rate: f64,
+    /// When the last latency or success sample arrived.
+    pub last_sample_ms: u64,
+    /// Completed attempts with a verdict (drives the cold start).
+    pub total: u64,
+    /// Attempts started and not yet finished.
+    pub in_flight: u32,
+    /// Last change of `in_flight` (stale counts are ignored, see [`Self::load`]).
+    pub in_flight_changed_ms: u64,
+    pub breaker: Breaker,
+}
+
+impl Default for EndpointState {
+    fn default() -> Self {
+        EndpointState {
+            latency_ms: None,
+            success_rate: 1.0,
+            last_sample_ms: 0,
+            total: 0,
+            in_flight: 0,
+            in_flight_changed_ms: 0,
+            breaker: Breaker::default(),
+        }
+    }
+}
+
+/// An in-flight count that has not moved for this long is presumed leaked (a VM crashed between
+/// start and finish, so the decrement never ran) and is ignored by the load factor.
+pub const IN_FLIGHT_STALE_MS: u64 = 600_000;
+
+impl EndpointState {
+    /// In-flight attempts as the scorer sees them.
+    pub fn load(&self, now_ms: u64) -> u32 {
+        if now_ms.saturating_sub(self.in_flight_changed_ms) > IN_FLIGHT_STALE_MS {
+            0
+        } else {
+            self.in_flight
+        }
+    }
+}
+
+/// The endpoint table: the retry budget and one entry per endpoint, in configuration order.
+#[derive(Debug, Clone, PartialEq, Default)]
+pub struct Table {
+    pub budget: RetryBudget,
+    pub entries: Vec<(u32, EndpointState)>,
+}
+
+const TABLE_VERSION: u8 = 1;
+const ENTRY_BYTES: usize = 4 + 1 + 8 + 8 + 8 + 8 + 4 + 8 + 1 + 1 + 4 + 8 + 4 + 4 + 8 + 4;
+
+impl Table {
+    /// The table aligned to `cfg.endpoints`: entry `i` belongs to endpoint `i`. Endpoints new to
+    /// the stored table start fresh; stored entries of endpoints no longer configured are kept
+    /// out (they fall away at the next write).
+    pub fn aligned(bytes: Option<&[u8]>, cfg: &Config) -> Table {
+        let stored = bytes.and_then(Table::decode).unwrap_or_default();
+        let mut entries = Vec::with_capacity(cfg.endpoints.len());
+        for (i, ep) in cfg.endpoints.iter().enumerate() {
+            let state = match stored.entries.get(i) {
+                Some((id, st)) if *id == ep.id => *st,
+                _ => stored.entries.iter().find(|(id, _)| *id == ep.id).map(|(_, st)| *st).unwrap_or_default(),
+            };
+            entries.push((ep.id, state));
+        }
+        Table { budget: stored.budget, entries }
+    }
+
+    pub fn encode(&self) -> Vec<u8> {
+        let mut w = Writer::with_capacity(1 + 24 + 4 + self.entries.len() * ENTRY_BYTES);
+        w.u8(TABLE_VERSION);
+        self.budget.encode(&mut w);
+        w.u32(self.entries.len() as u32);
+        for (id, s) in &self.entries {
+            w.u32(*id);
+            w.u8(u8::from(s.latency_ms.is_some()));
+            w.f64(s.latency_ms.unwrap_or(0.0));
+            w.f64(s.success_rate);
+            w.u64(s.last_sample_ms);
+            w.u64(s.total);
+            w.u32(s.in_flight);
+            w.u64(s.in_flight_changed_ms);
+            let b = &s.breaker;
+            w.u8(match b.state {
+                BreakerState::Closed => 0,
+                BreakerState::Open => 1,
+                BreakerState::HalfOpen => 2,
+            });
+            w.u8(match b.cause {
+                OpenCause::Failures => 0,
+                OpenCause::RateLimited => 1,
+            });
+            w.u32(b.consecutive_failures);
+            w.u64(b.open_until_ms);
+            w.u32(b.probes_admitted);
+            w.u32(b.probes_succeeded);
+            w.u64(b.last_probe_ms);
+            w.u32(b.epoch);
+        }
+        w.buf
+    }
+
+    /// `None` for anything that is not a complete table of this version.
+    pub fn decode(bytes: &[u8]) -> Option<Table> {
+        let mut r = Reader::new(bytes);
+        if r.u8()? != TABLE_VERSION {
+            return None;
+        }
+        let budget = RetryBudget::decode(&mut r)?;
+        let n = r.u32()? as usize;
+        if r.remaining() != n.checked_mul(ENTRY_BYTES)? {
+            return None;
+        }
+        let mut entries = Vec::with_capacity(n);
+        for _ in 0..n {
+            let id = r.u32()?;
+            let has_latency = r.u8()? == 1;
+            let latency = r.f64()?;
+            let success_rate = r.f64()?.clamp(0.0, 1.0);
+            let state = EndpointState {
+                latency_ms: has_latency.then_some(latency),
+                success_rate,
+                last_sample_ms: r.u64()?,
+                total: r.u64()?,
+                in_flight: r.u32()?,
+                in_flight_changed_ms: r.u64()?,
+                breaker: Breaker {
+                    state: match r.u8()? {
+                        0 => BreakerState::Closed,
+                        1 => BreakerState::Open,
+                        2 => BreakerState::HalfOpen,
+                        _ => return None,
+                    },
+                    cause: match r.u8()? {
+                        0 => OpenCause::Failures,
+                        1 => OpenCause::RateLimited,
+                        _ => return None,
+                    },
+                    consecutive_failures: r.u32()?,
+                    open_until_ms: r.u64()?,
+                    probes_admitted: r.u32()?,
+                    probes_succeeded: r.u32()?,
+                    last_probe_ms: r.u64()?,
+                    epoch: r.u32()?,
+                },
+            };
+            entries.push((id, state));
+        }
+        r.is_empty().then_some(Table { budget, entries })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    #[cfg(target_arch = "wasm32")]
+    use wasm_bindgen_test::wasm_bindgen_test as test;
+    use serde_json::json;
+
+    #[test]
+    fn round_trip_and_realignment() {
+        let cfg = Config::from_value(&json!({"endpoints":[{"name":"a","cluster":"a"},{"name":"b","cluster":"b"}]})).unwrap();
+        let mut t = Table::aligned(None, &cfg);
+        t.entries[1].1.total = 42;
+        t.entries[1].1.latency_ms = Some(12.5);
+        t.entries[1].1.breaker.state = BreakerState::Open;
+        let bytes = t.encode();
+        assert_eq!(Table::decode(&bytes), Some(t.clone()));
+        assert_eq!(Table::decode(&bytes[..bytes.len() - 1]), None);
+        let mut longer = bytes.clone();
+        longer.push(0);
+        assert_eq!(Table::decode(&longer), None);
+        // Reordered configuration keeps each endpoint's history.
+        let swapped = Config::from_value(&json!({"endpoints":[{"name":"b","cluster":"b"},{"name":"c","cluster":"c"}]})).unwrap();
+        let t2 = Table::aligned(Some(&bytes), &swapped);
+        assert_eq!(t2.entries[0].1.total, 42);
+        assert_eq!(t2.entries[1].1, EndpointState::default());
+    }
+}
