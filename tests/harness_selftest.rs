@@ -358,3 +358,40 @@ fn mock_sse_stream_shape() {
     );
     assert_eq!(short.json()["usage"]["completion_tokens"], 2);
 }
+
+#[test]
+fn rendered_bootstrap_passes_envoy_validate() {
+    let mut cfg = EnvoyConfig::new(json!({}), &[("a", 18001), ("b", 18002)]);
+    cfg.with_filter = false;
+    cfg.route_extra = json!({"retry_policy": {"retry_on": "retriable-status-codes",
+                                              "retriable_status_codes": [503], "num_retries": 1}});
+    let text = support::render_bootstrap(&cfg, std::path::Path::new("/unused.wasm"), 0, 0);
+    let dir = std::env::temp_dir().join(format!("computeflux-validate-{}", support::unique_u32()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let path = dir.join("envoy.yaml");
+    std::fs::write(&path, &text).unwrap();
+    let out = std::process::Command::new(support::envoy_bin())
+        .args(["--mode", "validate", "--disable-hot-restart", "-c"])
+        .arg(&path)
+        .output()
+        .unwrap();
+    let _ = std::fs::remove_dir_all(&dir);
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        out.status.success() && stdout.contains("OK"),
+        "{stdout}\n{}\n{text}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    // The filter-less route goes to the first cluster; the routing header is unused.
+    assert!(text.contains("\"cluster\": \"a\""), "{text}");
+    assert!(!text.contains("envoy.filters.http.wasm"));
+    // With the filter, the route reads the cluster from plugin_config.routing_header.
+    let cfg = EnvoyConfig::new(json!({"routing_header": "X-Route-To"}), &[("a", 1)]);
+    let text = support::render_bootstrap(&cfg, std::path::Path::new("/m.wasm"), 0, 0);
+    assert!(
+        text.contains("\"cluster_header\": \"x-route-to\""),
+        "{text}"
+    );
+    assert!(text.contains("\"allow_on_headers_stop_iteration\": true"));
+    assert!(text.contains("\"failure_policy\": \"FAIL_RELOAD\""));
+}

@@ -171,7 +171,7 @@ pub fn request(
             .map_err(|_| io::Error::new(io::ErrorKind::InvalidData, "bad content-length"))?;
         r.exact(n)?
     } else {
-        r.to_end()?
+        r.read_to_end()?
     };
     resp.body = String::from_utf8_lossy(&body).into_owned();
     resp.elapsed = start.elapsed();
@@ -268,7 +268,7 @@ impl Reader {
         Ok(out)
     }
 
-    fn to_end(&mut self) -> io::Result<Vec<u8>> {
+    fn read_to_end(&mut self) -> io::Result<Vec<u8>> {
         while self.fill()? > 0 {}
         let out = self.pending().to_vec();
         self.pos = self.buf.len();

@@ -13,6 +13,13 @@
 //! Use from a test file: `mod support;` (each test file uses a part, hence `dead_code` allowed).
 
 #![allow(dead_code, unused_imports)]
+// Test support: failing loudly (panic with context) is the point here.
+#![allow(
+    clippy::panic,
+    clippy::unwrap_used,
+    clippy::expect_used,
+    clippy::indexing_slicing
+)]
 
 pub mod artifacts;
 pub mod envoy;
