@@ -39,8 +39,15 @@ pub const KEY_PREFIX: &str = "computeflux/affinity/";
 
 impl<'a> Affinity<'a> {
     pub fn new(store: &'a dyn Store, ttl_ms: u64, max_sessions: u64) -> Self {
-        let buckets = max_sessions.div_ceil(TARGET_PER_BUCKET).clamp(1, MAX_BUCKETS);
-        Affinity { store, ttl_ms, max_sessions, buckets }
+        let buckets = max_sessions
+            .div_ceil(TARGET_PER_BUCKET)
+            .clamp(1, MAX_BUCKETS);
+        Affinity {
+            store,
+            ttl_ms,
+            max_sessions,
+            buckets,
+        }
     }
 
     pub fn buckets(&self) -> u64 {
@@ -83,7 +90,11 @@ impl<'a> Affinity<'a> {
             let mut entries = bytes.and_then(decode).unwrap_or_default();
             entries.retain(|e| e.session != session && now_ms.saturating_sub(e.last_used_ms) < ttl);
             while entries.len() >= cap.max(1) {
-                let lru = entries.iter().enumerate().min_by_key(|(_, e)| e.last_used_ms).map(|(i, _)| i);
+                let lru = entries
+                    .iter()
+                    .enumerate()
+                    .min_by_key(|(_, e)| e.last_used_ms)
+                    .map(|(i, _)| i);
                 match lru {
                     Some(i) => {
                         entries.swap_remove(i);
@@ -92,7 +103,11 @@ impl<'a> Affinity<'a> {
                 }
             }
             if cap > 0 {
-                entries.push(Entry { session, endpoint_id, last_used_ms: now_ms });
+                entries.push(Entry {
+                    session,
+                    endpoint_id,
+                    last_used_ms: now_ms,
+                });
             }
             (encode(&entries), ())
         })
@@ -104,7 +119,8 @@ impl<'a> Affinity<'a> {
         let b = self.bucket_of(session);
         let (bytes, _) = self.store.get(&Self::key(b));
         let pinned = bytes.as_deref().and_then(decode).is_some_and(|es| {
-            es.iter().any(|e| e.session == session && e.endpoint_id == endpoint_id)
+            es.iter()
+                .any(|e| e.session == session && e.endpoint_id == endpoint_id)
         });
         if !pinned {
             return true;
@@ -120,7 +136,14 @@ impl<'a> Affinity<'a> {
     /// Total entries stored (live or not yet pruned): for tests and the memory report.
     pub fn stored_entries(&self) -> usize {
         (0..self.buckets)
-            .map(|b| self.store.get(&Self::key(b)).0.as_deref().and_then(decode).map_or(0, |e| e.len()))
+            .map(|b| {
+                self.store
+                    .get(&Self::key(b))
+                    .0
+                    .as_deref()
+                    .and_then(decode)
+                    .map_or(0, |e| e.len())
+            })
             .sum()
     }
 }
@@ -138,12 +161,16 @@ pub fn encode(entries: &[Entry]) -> Vec<u8> {
 
 pub fn decode(bytes: &[u8]) -> Option<Vec<Entry>> {
     let mut r = Reader::new(bytes);
-    if r.u8()? != BUCKET_VERSION || r.remaining() % ENTRY_BYTES != 0 {
+    if r.u8()? != BUCKET_VERSION || !r.remaining().is_multiple_of(ENTRY_BYTES) {
         return None;
     }
     let mut entries = Vec::with_capacity(r.remaining() / ENTRY_BYTES);
     while !r.is_empty() {
-        entries.push(Entry { session: r.u64()?, endpoint_id: r.u32()?, last_used_ms: r.u64()? });
+        entries.push(Entry {
+            session: r.u64()?,
+            endpoint_id: r.u32()?,
+            last_used_ms: r.u64()?,
+        });
     }
     Some(entries)
 }
@@ -151,9 +178,9 @@ pub fn decode(bytes: &[u8]) -> Option<Vec<Entry>> {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::scheduler::store::MemStore;
     #[cfg(target_arch = "wasm32")]
     use wasm_bindgen_test::wasm_bindgen_test as test;
-    use crate::scheduler::store::MemStore;
 
     #[test]
     fn ttl_refresh_and_repin() {
@@ -194,7 +221,8 @@ mod tests {
     fn undecodable_bucket_reads_as_empty() {
         let s = MemStore::new();
         let a = Affinity::new(&s, 1000, 10);
-        s.set(&Affinity::key(a.bucket_of(5)), b"\x09garbage", None).unwrap();
+        s.set(&Affinity::key(a.bucket_of(5)), b"\x09garbage", None)
+            .unwrap();
         assert_eq!(a.lookup(5, 0), None);
         assert!(a.remember(5, 3, 0));
         assert_eq!(a.lookup(5, 1), Some(3));

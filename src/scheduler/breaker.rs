@@ -64,7 +64,10 @@ pub enum Admission {
     /// HalfOpen: admitted as one of the bounded probes of this epoch.
     Probe { epoch: u32 },
     /// Not now; the earliest time it may admit again, and whether it is a rate-limit window.
-    Rejected { retry_at_ms: u64, rate_limited: bool },
+    Rejected {
+        retry_at_ms: u64,
+        rate_limited: bool,
+    },
 }
 
 /// Breaker timing knobs, from the configuration.
@@ -139,12 +142,20 @@ impl Breaker {
 
     /// Feeds one attempt's outcome. `probe` is the epoch the attempt was admitted under as a
     /// probe, `None` for normal traffic. Returns true when the state changed.
-    pub fn record(&mut self, outcome: &Outcome, probe: Option<u32>, now_ms: u64, cfg: &BreakerConfig) -> bool {
+    pub fn record(
+        &mut self,
+        outcome: &Outcome,
+        probe: Option<u32>,
+        now_ms: u64,
+        cfg: &BreakerConfig,
+    ) -> bool {
         let before = (self.state, self.open_until_ms);
         match self.state {
             BreakerState::Closed => match outcome {
                 Outcome::Success => self.consecutive_failures = 0,
-                Outcome::RateLimited { retry_after_ms } => self.open(OpenCause::RateLimited, *retry_after_ms, now_ms, cfg),
+                Outcome::RateLimited { retry_after_ms } => {
+                    self.open(OpenCause::RateLimited, *retry_after_ms, now_ms, cfg)
+                }
                 Outcome::EndpointFailure(_) => {
                     self.consecutive_failures = self.consecutive_failures.saturating_add(1);
                     if self.consecutive_failures >= cfg.failure_threshold {
@@ -162,13 +173,17 @@ impl Breaker {
                         self.consecutive_failures = 0;
                     }
                 }
-                Outcome::RateLimited { retry_after_ms } => self.open(OpenCause::RateLimited, *retry_after_ms, now_ms, cfg),
+                Outcome::RateLimited { retry_after_ms } => {
+                    self.open(OpenCause::RateLimited, *retry_after_ms, now_ms, cfg)
+                }
                 Outcome::EndpointFailure(_) | Outcome::DeadKey => {
                     let cause = self.cause;
                     self.open(cause, None, now_ms, cfg)
                 }
                 // The probe told us nothing: give its slot back.
-                Outcome::ClientError | Outcome::Cancelled => self.probes_admitted = self.probes_admitted.saturating_sub(1),
+                Outcome::ClientError | Outcome::Cancelled => {
+                    self.probes_admitted = self.probes_admitted.saturating_sub(1)
+                }
             },
             // Open, or an outcome from before this half-open epoch: it says nothing new.
             _ => {}
@@ -176,10 +191,18 @@ impl Breaker {
         before != (self.state, self.open_until_ms)
     }
 
-    fn open(&mut self, cause: OpenCause, retry_after_ms: Option<u64>, now_ms: u64, cfg: &BreakerConfig) {
+    fn open(
+        &mut self,
+        cause: OpenCause,
+        retry_after_ms: Option<u64>,
+        now_ms: u64,
+        cfg: &BreakerConfig,
+    ) {
         let cooldown = match cause {
             OpenCause::Failures => cfg.open_ms,
-            OpenCause::RateLimited => retry_after_ms.unwrap_or(cfg.rate_limit_ms).min(cfg.retry_after_max_ms),
+            OpenCause::RateLimited => retry_after_ms
+                .unwrap_or(cfg.rate_limit_ms)
+                .min(cfg.retry_after_max_ms),
         };
         self.state = BreakerState::Open;
         self.cause = cause;
@@ -193,9 +216,9 @@ impl Breaker {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::scheduler::outcome::FailureKind;
     #[cfg(target_arch = "wasm32")]
     use wasm_bindgen_test::wasm_bindgen_test as test;
-    use crate::scheduler::outcome::FailureKind;
 
     const CFG: BreakerConfig = BreakerConfig {
         failure_threshold: 5,
@@ -221,20 +244,50 @@ mod tests {
         assert!(b.record(&FAIL, None, 1_000, &CFG));
         assert_eq!(b.state, BreakerState::Open);
         assert_eq!(b.open_until_ms, 31_000);
-        assert_eq!(b.peek(30_999, &CFG), Admission::Rejected { retry_at_ms: 31_000, rate_limited: false });
+        assert_eq!(
+            b.peek(30_999, &CFG),
+            Admission::Rejected {
+                retry_at_ms: 31_000,
+                rate_limited: false
+            }
+        );
         assert_eq!(b.state_at(31_000), BreakerState::HalfOpen);
     }
 
     #[test]
     fn rate_limit_opens_at_once_for_retry_after_capped() {
         let mut b = Breaker::default();
-        b.record(&Outcome::RateLimited { retry_after_ms: Some(2_000) }, None, 0, &CFG);
-        assert_eq!((b.state, b.open_until_ms, b.cause), (BreakerState::Open, 2_000, OpenCause::RateLimited));
+        b.record(
+            &Outcome::RateLimited {
+                retry_after_ms: Some(2_000),
+            },
+            None,
+            0,
+            &CFG,
+        );
+        assert_eq!(
+            (b.state, b.open_until_ms, b.cause),
+            (BreakerState::Open, 2_000, OpenCause::RateLimited)
+        );
         let mut b = Breaker::default();
-        b.record(&Outcome::RateLimited { retry_after_ms: None }, None, 0, &CFG);
+        b.record(
+            &Outcome::RateLimited {
+                retry_after_ms: None,
+            },
+            None,
+            0,
+            &CFG,
+        );
         assert_eq!(b.open_until_ms, 60_000);
         let mut b = Breaker::default();
-        b.record(&Outcome::RateLimited { retry_after_ms: Some(86_400_000) }, None, 0, &CFG);
+        b.record(
+            &Outcome::RateLimited {
+                retry_after_ms: Some(86_400_000),
+            },
+            None,
+            0,
+            &CFG,
+        );
         assert_eq!(b.open_until_ms, 300_000);
     }
 
@@ -266,13 +319,31 @@ mod tests {
     #[test]
     fn failing_probe_reopens_with_cooldown_reset() {
         let mut b = Breaker::default();
-        b.record(&Outcome::RateLimited { retry_after_ms: Some(1_000) }, None, 0, &CFG);
-        let Admission::Probe { epoch } = b.admit(1_000, &CFG) else { panic!("expected a probe") };
+        b.record(
+            &Outcome::RateLimited {
+                retry_after_ms: Some(1_000),
+            },
+            None,
+            0,
+            &CFG,
+        );
+        let Admission::Probe { epoch } = b.admit(1_000, &CFG) else {
+            panic!("expected a probe")
+        };
         b.record(&Outcome::Success, Some(epoch), 1_100, &CFG);
-        b.record(&Outcome::RateLimited { retry_after_ms: None }, Some(epoch), 1_200, &CFG);
+        b.record(
+            &Outcome::RateLimited {
+                retry_after_ms: None,
+            },
+            Some(epoch),
+            1_200,
+            &CFG,
+        );
         assert_eq!((b.state, b.open_until_ms), (BreakerState::Open, 61_200));
         // A late probe result of the old epoch changes nothing.
-        let Admission::Probe { epoch: e2 } = b.admit(61_200, &CFG) else { panic!("expected a probe") };
+        let Admission::Probe { epoch: e2 } = b.admit(61_200, &CFG) else {
+            panic!("expected a probe")
+        };
         assert_ne!(e2, epoch);
         assert!(!b.record(&FAIL, Some(epoch), 61_300, &CFG));
         assert_eq!(b.state, BreakerState::HalfOpen);
@@ -281,7 +352,14 @@ mod tests {
     #[test]
     fn lost_probes_are_reclaimed_and_cancelled_probes_release_their_slot() {
         let mut b = Breaker::default();
-        b.record(&Outcome::RateLimited { retry_after_ms: Some(10) }, None, 0, &CFG);
+        b.record(
+            &Outcome::RateLimited {
+                retry_after_ms: Some(10),
+            },
+            None,
+            0,
+            &CFG,
+        );
         for _ in 0..3 {
             assert!(matches!(b.admit(10, &CFG), Admission::Probe { .. }));
         }
@@ -289,7 +367,10 @@ mod tests {
         b.record(&Outcome::Cancelled, Some(b.epoch), 12, &CFG);
         assert!(matches!(b.admit(13, &CFG), Admission::Probe { .. }));
         assert!(matches!(b.admit(14, &CFG), Admission::Rejected { .. }));
-        assert!(matches!(b.admit(13 + 120_000, &CFG), Admission::Probe { .. }));
+        assert!(matches!(
+            b.admit(13 + 120_000, &CFG),
+            Admission::Probe { .. }
+        ));
     }
 
     #[test]

@@ -51,7 +51,11 @@ impl RetryBudget {
     }
 
     pub fn decode(r: &mut Reader<'_>) -> Option<RetryBudget> {
-        Some(RetryBudget { requests: r.f64()?.max(0.0), retries: r.f64()?.max(0.0), updated_ms: r.u64()? })
+        Some(RetryBudget {
+            requests: r.f64()?.max(0.0),
+            retries: r.f64()?.max(0.0),
+            updated_ms: r.u64()?,
+        })
     }
 }
 
@@ -69,7 +73,7 @@ mod tests {
         }
         let allowed = (0..1000).filter(|_| b.try_retry(0, 20.0, 10.0)).count();
         assert_eq!(allowed, 30); // 10 + 20% of 100
-        // After a few windows the counters decay and retries are allowed again.
+                                 // After a few windows the counters decay and retries are allowed again.
         assert!(b.try_retry(60_000, 20.0, 10.0));
     }
 }

@@ -12,7 +12,9 @@ pub struct Writer {
 
 impl Writer {
     pub fn with_capacity(n: usize) -> Self {
-        Writer { buf: Vec::with_capacity(n) }
+        Writer {
+            buf: Vec::with_capacity(n),
+        }
     }
     pub fn u8(&mut self, v: u8) {
         self.buf.push(v);
@@ -53,7 +55,9 @@ impl<'a> Reader<'a> {
     }
     /// A finite f64; NaN and infinities are treated as corruption.
     pub fn f64(&mut self) -> Option<f64> {
-        self.take::<8>().map(f64::from_le_bytes).filter(|v| v.is_finite())
+        self.take::<8>()
+            .map(f64::from_le_bytes)
+            .filter(|v| v.is_finite())
     }
     pub fn remaining(&self) -> usize {
         self.rest.len()

@@ -86,35 +86,165 @@ pub struct KeyDoc {
 }
 
 pub const TOP_LEVEL_KEYS: &[KeyDoc] = &[
-    KeyDoc { key: "endpoints", kind: "array of endpoint objects", default: "(required)", bounds: "1..=1024 entries" },
-    KeyDoc { key: "routing_header", kind: "string", default: "x-computeflux-cluster", bounds: "HTTP header name" },
-    KeyDoc { key: "session_header", kind: "string", default: "x-session-id", bounds: "HTTP header name" },
-    KeyDoc { key: "affinity_ttl_ms", kind: "integer", default: "300000", bounds: "1..=86400000" },
-    KeyDoc { key: "affinity_max_sessions", kind: "integer", default: "100000", bounds: "1..=10000000" },
-    KeyDoc { key: "ewma_alpha", kind: "number", default: "0.3", bounds: "(0, 1]" },
-    KeyDoc { key: "success_rate_alpha", kind: "number", default: "0.1", bounds: "(0, 1]" },
-    KeyDoc { key: "stats_decay_ms", kind: "integer", default: "60000", bounds: "1..=86400000" },
-    KeyDoc { key: "cold_start_samples", kind: "integer", default: "20", bounds: "0..=1000000" },
-    KeyDoc { key: "half_open_probes", kind: "integer", default: "3", bounds: "1..=1000" },
-    KeyDoc { key: "failure_threshold", kind: "integer", default: "5", bounds: "1..=1000" },
-    KeyDoc { key: "open_ms", kind: "integer", default: "30000", bounds: "1..=86400000" },
-    KeyDoc { key: "rate_limit_ms", kind: "integer", default: "60000", bounds: "1..=86400000" },
-    KeyDoc { key: "retry_after_max_ms", kind: "integer", default: "300000", bounds: "1..=86400000" },
-    KeyDoc { key: "max_attempts", kind: "integer", default: "3", bounds: "1..=16" },
-    KeyDoc { key: "max_body_bytes", kind: "integer", default: "8388608", bounds: "1..=16777216" },
-    KeyDoc { key: "expose_headers", kind: "boolean", default: "true", bounds: "" },
-    KeyDoc { key: "retry_budget_percent", kind: "number", default: "20", bounds: "0..=100" },
-    KeyDoc { key: "retry_budget_min_retries", kind: "number", default: "10", bounds: "0..=1000000" },
-    KeyDoc { key: "failover_timeout_ms", kind: "integer", default: "120000", bounds: "1..=3600000" },
+    KeyDoc {
+        key: "endpoints",
+        kind: "array of endpoint objects",
+        default: "(required)",
+        bounds: "1..=1024 entries",
+    },
+    KeyDoc {
+        key: "routing_header",
+        kind: "string",
+        default: "x-computeflux-cluster",
+        bounds: "HTTP header name",
+    },
+    KeyDoc {
+        key: "session_header",
+        kind: "string",
+        default: "x-session-id",
+        bounds: "HTTP header name",
+    },
+    KeyDoc {
+        key: "affinity_ttl_ms",
+        kind: "integer",
+        default: "300000",
+        bounds: "1..=86400000",
+    },
+    KeyDoc {
+        key: "affinity_max_sessions",
+        kind: "integer",
+        default: "100000",
+        bounds: "1..=10000000",
+    },
+    KeyDoc {
+        key: "ewma_alpha",
+        kind: "number",
+        default: "0.3",
+        bounds: "(0, 1]",
+    },
+    KeyDoc {
+        key: "success_rate_alpha",
+        kind: "number",
+        default: "0.1",
+        bounds: "(0, 1]",
+    },
+    KeyDoc {
+        key: "stats_decay_ms",
+        kind: "integer",
+        default: "60000",
+        bounds: "1..=86400000",
+    },
+    KeyDoc {
+        key: "cold_start_samples",
+        kind: "integer",
+        default: "20",
+        bounds: "0..=1000000",
+    },
+    KeyDoc {
+        key: "half_open_probes",
+        kind: "integer",
+        default: "3",
+        bounds: "1..=1000",
+    },
+    KeyDoc {
+        key: "failure_threshold",
+        kind: "integer",
+        default: "5",
+        bounds: "1..=1000",
+    },
+    KeyDoc {
+        key: "open_ms",
+        kind: "integer",
+        default: "30000",
+        bounds: "1..=86400000",
+    },
+    KeyDoc {
+        key: "rate_limit_ms",
+        kind: "integer",
+        default: "60000",
+        bounds: "1..=86400000",
+    },
+    KeyDoc {
+        key: "retry_after_max_ms",
+        kind: "integer",
+        default: "300000",
+        bounds: "1..=86400000",
+    },
+    KeyDoc {
+        key: "max_attempts",
+        kind: "integer",
+        default: "3",
+        bounds: "1..=16",
+    },
+    KeyDoc {
+        key: "max_body_bytes",
+        kind: "integer",
+        default: "8388608",
+        bounds: "1..=16777216",
+    },
+    KeyDoc {
+        key: "expose_headers",
+        kind: "boolean",
+        default: "true",
+        bounds: "",
+    },
+    KeyDoc {
+        key: "retry_budget_percent",
+        kind: "number",
+        default: "20",
+        bounds: "0..=100",
+    },
+    KeyDoc {
+        key: "retry_budget_min_retries",
+        kind: "number",
+        default: "10",
+        bounds: "0..=1000000",
+    },
+    KeyDoc {
+        key: "failover_timeout_ms",
+        kind: "integer",
+        default: "120000",
+        bounds: "1..=3600000",
+    },
 ];
 
 pub const ENDPOINT_KEYS: &[KeyDoc] = &[
-    KeyDoc { key: "name", kind: "string", default: "(required)", bounds: "unique, [A-Za-z0-9_-]{1,64}" },
-    KeyDoc { key: "cluster", kind: "string", default: "(required)", bounds: "1..=255 bytes, an Envoy cluster name" },
-    KeyDoc { key: "weight", kind: "number", default: "1", bounds: "(0, 1000000]" },
-    KeyDoc { key: "models", kind: "array of strings", default: "(absent: any model)", bounds: "non-empty" },
-    KeyDoc { key: "disabled", kind: "boolean", default: "false", bounds: "" },
-    KeyDoc { key: "headers", kind: "object of string to string", default: "{}", bounds: "valid header names and values" },
+    KeyDoc {
+        key: "name",
+        kind: "string",
+        default: "(required)",
+        bounds: "unique, [A-Za-z0-9_-]{1,64}",
+    },
+    KeyDoc {
+        key: "cluster",
+        kind: "string",
+        default: "(required)",
+        bounds: "1..=255 bytes, an Envoy cluster name",
+    },
+    KeyDoc {
+        key: "weight",
+        kind: "number",
+        default: "1",
+        bounds: "(0, 1000000]",
+    },
+    KeyDoc {
+        key: "models",
+        kind: "array of strings",
+        default: "(absent: any model)",
+        bounds: "non-empty",
+    },
+    KeyDoc {
+        key: "disabled",
+        kind: "boolean",
+        default: "false",
+        bounds: "",
+    },
+    KeyDoc {
+        key: "headers",
+        kind: "object of string to string",
+        default: "{}",
+        bounds: "valid header names and values",
+    },
 ];
 
 /// Upper bound on endpoints: keeps per-request exclusion sets and selection cost bounded.
@@ -154,7 +284,10 @@ impl Config {
     /// Parses and validates the plugin configuration. On failure returns every problem found.
     pub fn from_json(bytes: &[u8]) -> Result<Config, Vec<ConfigError>> {
         let value: Value = serde_json::from_slice(bytes).map_err(|e| {
-            vec![ConfigError { field: "configuration".into(), problem: format!("is not valid JSON: {e}") }]
+            vec![ConfigError {
+                field: "configuration".into(),
+                problem: format!("is not valid JSON: {e}"),
+            }]
         })?;
         Config::from_value(&value)
     }
@@ -172,22 +305,64 @@ impl Config {
         v.header_name(obj, "routing_header", &mut c.routing_header);
         v.header_name(obj, "session_header", &mut c.session_header);
         v.int(obj, "affinity_ttl_ms", 1, MAX_MS, &mut c.affinity_ttl_ms);
-        v.int(obj, "affinity_max_sessions", 1, 10_000_000, &mut c.affinity_max_sessions);
+        v.int(
+            obj,
+            "affinity_max_sessions",
+            1,
+            10_000_000,
+            &mut c.affinity_max_sessions,
+        );
         v.unit_interval(obj, "ewma_alpha", &mut c.ewma_alpha);
         v.unit_interval(obj, "success_rate_alpha", &mut c.success_rate_alpha);
         v.int(obj, "stats_decay_ms", 1, MAX_MS, &mut c.stats_decay_ms);
-        v.int(obj, "cold_start_samples", 0, 1_000_000, &mut c.cold_start_samples);
+        v.int(
+            obj,
+            "cold_start_samples",
+            0,
+            1_000_000,
+            &mut c.cold_start_samples,
+        );
         v.int32(obj, "half_open_probes", 1, 1000, &mut c.half_open_probes);
         v.int32(obj, "failure_threshold", 1, 1000, &mut c.failure_threshold);
         v.int(obj, "open_ms", 1, MAX_MS, &mut c.open_ms);
         v.int(obj, "rate_limit_ms", 1, MAX_MS, &mut c.rate_limit_ms);
-        v.int(obj, "retry_after_max_ms", 1, MAX_MS, &mut c.retry_after_max_ms);
+        v.int(
+            obj,
+            "retry_after_max_ms",
+            1,
+            MAX_MS,
+            &mut c.retry_after_max_ms,
+        );
         v.int32(obj, "max_attempts", 1, 16, &mut c.max_attempts);
-        v.int(obj, "max_body_bytes", 1, MAX_BODY_BYTES_LIMIT, &mut c.max_body_bytes);
+        v.int(
+            obj,
+            "max_body_bytes",
+            1,
+            MAX_BODY_BYTES_LIMIT,
+            &mut c.max_body_bytes,
+        );
         v.boolean(obj, "expose_headers", &mut c.expose_headers);
-        v.number(obj, "retry_budget_percent", 0.0, 100.0, &mut c.retry_budget_percent);
-        v.number(obj, "retry_budget_min_retries", 0.0, 1_000_000.0, &mut c.retry_budget_min_retries);
-        v.int(obj, "failover_timeout_ms", 1, 3_600_000, &mut c.failover_timeout_ms);
+        v.number(
+            obj,
+            "retry_budget_percent",
+            0.0,
+            100.0,
+            &mut c.retry_budget_percent,
+        );
+        v.number(
+            obj,
+            "retry_budget_min_retries",
+            0.0,
+            1_000_000.0,
+            &mut c.retry_budget_min_retries,
+        );
+        v.int(
+            obj,
+            "failover_timeout_ms",
+            1,
+            3_600_000,
+            &mut c.failover_timeout_ms,
+        );
         if c.routing_header == c.session_header {
             v.push("session_header", "must differ from routing_header");
         }
@@ -197,7 +372,13 @@ impl Config {
                 if list.is_empty() {
                     v.push("endpoints", "must list at least one endpoint");
                 } else if list.len() > MAX_ENDPOINTS {
-                    v.push("endpoints", &format!("must list at most {MAX_ENDPOINTS} endpoints, got {}", list.len()));
+                    v.push(
+                        "endpoints",
+                        &format!(
+                            "must list at most {MAX_ENDPOINTS} endpoints, got {}",
+                            list.len()
+                        ),
+                    );
                 }
                 for (i, ep) in list.iter().take(MAX_ENDPOINTS).enumerate() {
                     if let Some(e) = v.endpoint(i, ep, &c.routing_header) {
@@ -206,7 +387,10 @@ impl Config {
                 }
                 v.unique_names(&c.endpoints);
             }
-            Some(other) => v.push("endpoints", &format!("must be an array, got {}", type_name(other))),
+            Some(other) => v.push(
+                "endpoints",
+                &format!("must be an array, got {}", type_name(other)),
+            ),
         }
         if v.errors.is_empty() {
             Ok(c)
@@ -287,20 +471,36 @@ fn type_name(v: &Value) -> &'static str {
 pub fn is_header_name(name: &str) -> bool {
     !name.is_empty()
         && name.len() <= 256
-        && name.bytes().all(|b| b.is_ascii_alphanumeric() || b"!#$%&'*+-.^_`|~".contains(&b))
+        && name
+            .bytes()
+            .all(|b| b.is_ascii_alphanumeric() || b"!#$%&'*+-.^_`|~".contains(&b))
 }
 
 /// Header values: visible ASCII, space and tab; no CR, LF or NUL (header injection).
 pub fn is_header_value(value: &str) -> bool {
-    value.len() <= 8192 && value.bytes().all(|b| b == b'\t' || (b' '..=b'~').contains(&b))
+    value.len() <= 8192
+        && value
+            .bytes()
+            .all(|b| b == b'\t' || (b' '..=b'~').contains(&b))
 }
 
 fn is_endpoint_name(name: &str) -> bool {
-    !name.is_empty() && name.len() <= 64 && name.bytes().all(|b| b.is_ascii_alphanumeric() || b == b'_' || b == b'-')
+    !name.is_empty()
+        && name.len() <= 64
+        && name
+            .bytes()
+            .all(|b| b.is_ascii_alphanumeric() || b == b'_' || b == b'-')
 }
 
 /// Headers an endpoint may not set: they would break framing or routing.
-const RESERVED_HEADERS: &[&str] = &["host", "content-length", "transfer-encoding", "connection", "te", "upgrade"];
+const RESERVED_HEADERS: &[&str] = &[
+    "host",
+    "content-length",
+    "transfer-encoding",
+    "connection",
+    "te",
+    "upgrade",
+];
 
 #[derive(Default)]
 struct Validator {
@@ -309,14 +509,20 @@ struct Validator {
 
 impl Validator {
     fn push(&mut self, field: &str, problem: &str) {
-        self.errors.push(ConfigError { field: field.to_string(), problem: problem.to_string() });
+        self.errors.push(ConfigError {
+            field: field.to_string(),
+            problem: problem.to_string(),
+        });
     }
 
     fn unknown_keys(&mut self, prefix: &str, obj: &Map<String, Value>, known: &[KeyDoc]) {
         for key in obj.keys() {
             if !known.iter().any(|k| k.key == key) {
                 let names: Vec<&str> = known.iter().map(|k| k.key).collect();
-                self.push(&format!("{prefix}{key}"), &format!("is not a known key (known: {})", names.join(", ")));
+                self.push(
+                    &format!("{prefix}{key}"),
+                    &format!("is not a known key (known: {})", names.join(", ")),
+                );
             }
         }
     }
@@ -325,13 +531,24 @@ impl Validator {
         self.int_at(obj, key, key, min, max, out)
     }
 
-    fn int_at(&mut self, obj: &Map<String, Value>, key: &str, path: &str, min: u64, max: u64, out: &mut u64) {
+    fn int_at(
+        &mut self,
+        obj: &Map<String, Value>,
+        key: &str,
+        path: &str,
+        min: u64,
+        max: u64,
+        out: &mut u64,
+    ) {
         let Some(v) = obj.get(key) else { return };
         match v.as_u64() {
             Some(n) if (min..=max).contains(&n) => *out = n,
             Some(n) => self.push(path, &format!("must be in {min}..={max}, got {n}")),
             None => match v.as_f64() {
-                Some(x) => self.push(path, &format!("must be an integer in {min}..={max}, got {x}")),
+                Some(x) => self.push(
+                    path,
+                    &format!("must be an integer in {min}..={max}, got {x}"),
+                ),
                 None => self.push(path, &format!("must be an integer, got {}", type_name(v))),
             },
         }
@@ -357,7 +574,10 @@ impl Validator {
         match v.as_f64() {
             Some(x) if x > 0.0 && x <= 1.0 => *out = x,
             Some(x) => self.push(key, &format!("must be in (0, 1], got {x}")),
-            None => self.push(key, &format!("must be a number in (0, 1], got {}", type_name(v))),
+            None => self.push(
+                key,
+                &format!("must be a number in (0, 1], got {}", type_name(v)),
+            ),
         }
     }
 
@@ -378,7 +598,12 @@ impl Validator {
         }
     }
 
-    fn endpoint(&mut self, i: usize, value: &Value, routing_header: &str) -> Option<EndpointConfig> {
+    fn endpoint(
+        &mut self,
+        i: usize,
+        value: &Value,
+        routing_header: &str,
+    ) -> Option<EndpointConfig> {
         let at = format!("endpoints[{i}]");
         let Some(obj) = value.as_object() else {
             self.push(&at, &format!("must be an object, got {}", type_name(value)));
@@ -393,11 +618,17 @@ impl Validator {
             }
             Some(Value::String(s)) if is_endpoint_name(s) => s.clone(),
             Some(Value::String(s)) => {
-                self.push(&format!("{at}.name"), &format!("must match [A-Za-z0-9_-]{{1,64}}, got {s:?}"));
+                self.push(
+                    &format!("{at}.name"),
+                    &format!("must match [A-Za-z0-9_-]{{1,64}}, got {s:?}"),
+                );
                 String::new()
             }
             Some(v) => {
-                self.push(&format!("{at}.name"), &format!("must be a string, got {}", type_name(v)));
+                self.push(
+                    &format!("{at}.name"),
+                    &format!("must be a string, got {}", type_name(v)),
+                );
                 String::new()
             }
         };
@@ -406,13 +637,21 @@ impl Validator {
                 self.push(&format!("{at}.cluster"), "is required");
                 String::new()
             }
-            Some(Value::String(s)) if !s.is_empty() && s.len() <= 255 && is_header_value(s) => s.clone(),
+            Some(Value::String(s)) if !s.is_empty() && s.len() <= 255 && is_header_value(s) => {
+                s.clone()
+            }
             Some(Value::String(s)) => {
-                self.push(&format!("{at}.cluster"), &format!("must be 1..=255 printable bytes, got {s:?}"));
+                self.push(
+                    &format!("{at}.cluster"),
+                    &format!("must be 1..=255 printable bytes, got {s:?}"),
+                );
                 String::new()
             }
             Some(v) => {
-                self.push(&format!("{at}.cluster"), &format!("must be a string, got {}", type_name(v)));
+                self.push(
+                    &format!("{at}.cluster"),
+                    &format!("must be a string, got {}", type_name(v)),
+                );
                 String::new()
             }
         };
@@ -420,15 +659,26 @@ impl Validator {
         if let Some(v) = obj.get("weight") {
             match v.as_f64() {
                 Some(w) if w.is_finite() && w > 0.0 && w <= 1_000_000.0 => weight = w,
-                Some(w) if w <= 0.0 => self.push(&format!("{at}.weight"), &format!("must be > 0, got {w}")),
-                Some(w) => self.push(&format!("{at}.weight"), &format!("must be <= 1000000, got {w}")),
-                None => self.push(&format!("{at}.weight"), &format!("must be a number, got {}", type_name(v))),
+                Some(w) if w <= 0.0 => {
+                    self.push(&format!("{at}.weight"), &format!("must be > 0, got {w}"))
+                }
+                Some(w) => self.push(
+                    &format!("{at}.weight"),
+                    &format!("must be <= 1000000, got {w}"),
+                ),
+                None => self.push(
+                    &format!("{at}.weight"),
+                    &format!("must be a number, got {}", type_name(v)),
+                ),
             }
         }
         let models = match obj.get("models") {
             None => None,
             Some(Value::Array(list)) if list.is_empty() => {
-                self.push(&format!("{at}.models"), "must not be empty (omit it to serve any model)");
+                self.push(
+                    &format!("{at}.models"),
+                    "must not be empty (omit it to serve any model)",
+                );
                 None
             }
             Some(Value::Array(list)) => {
@@ -437,13 +687,19 @@ impl Validator {
                     match m.as_str() {
                         Some(s) if !s.is_empty() && s.len() <= 256 => models.push(s.to_string()),
                         Some(_) => self.push(&format!("{at}.models[{j}]"), "must be 1..=256 bytes"),
-                        None => self.push(&format!("{at}.models[{j}]"), &format!("must be a string, got {}", type_name(m))),
+                        None => self.push(
+                            &format!("{at}.models[{j}]"),
+                            &format!("must be a string, got {}", type_name(m)),
+                        ),
                     }
                 }
                 Some(models)
             }
             Some(v) => {
-                self.push(&format!("{at}.models"), &format!("must be an array of strings, got {}", type_name(v)));
+                self.push(
+                    &format!("{at}.models"),
+                    &format!("must be an array of strings, got {}", type_name(v)),
+                );
                 None
             }
         };
@@ -451,7 +707,10 @@ impl Validator {
         if let Some(v) = obj.get("disabled") {
             match v.as_bool() {
                 Some(b) => disabled = b,
-                None => self.push(&format!("{at}.disabled"), &format!("must be a boolean, got {}", type_name(v))),
+                None => self.push(
+                    &format!("{at}.disabled"),
+                    &format!("must be a boolean, got {}", type_name(v)),
+                ),
             }
         }
         let mut headers = Vec::new();
@@ -463,35 +722,65 @@ impl Validator {
                     let lower = hn.to_ascii_lowercase();
                     if !is_header_name(hn) {
                         self.push(&path, "is not a valid HTTP header name");
-                    } else if RESERVED_HEADERS.contains(&lower.as_str()) || lower == routing_header {
-                        self.push(&path, "may not be set by an endpoint (framing or routing header)");
+                    } else if RESERVED_HEADERS.contains(&lower.as_str()) || lower == routing_header
+                    {
+                        self.push(
+                            &path,
+                            "may not be set by an endpoint (framing or routing header)",
+                        );
                     }
                     match hv.as_str() {
                         // The value is a secret: never echo it in the error.
                         Some(s) if is_header_value(s) => headers.push((lower, s.to_string())),
-                        Some(_) => self.push(&path, "value must be printable ASCII without CR/LF (value not shown)"),
-                        None => self.push(&path, &format!("value must be a string, got {}", type_name(hv))),
+                        Some(_) => self.push(
+                            &path,
+                            "value must be printable ASCII without CR/LF (value not shown)",
+                        ),
+                        None => self.push(
+                            &path,
+                            &format!("value must be a string, got {}", type_name(hv)),
+                        ),
                     }
                 }
             }
-            Some(v) => self.push(&format!("{at}.headers"), &format!("must be an object, got {}", type_name(v))),
+            Some(v) => self.push(
+                &format!("{at}.headers"),
+                &format!("must be an object, got {}", type_name(v)),
+            ),
         }
         if self.errors.len() > before {
             return None;
         }
         let id = super::hash::endpoint_id(&name);
-        Some(EndpointConfig { name, cluster, weight, models, disabled, headers, id })
+        Some(EndpointConfig {
+            name,
+            cluster,
+            weight,
+            models,
+            disabled,
+            headers,
+            id,
+        })
     }
 
     fn unique_names(&mut self, endpoints: &[EndpointConfig]) {
         for (i, e) in endpoints.iter().enumerate() {
             let earlier = endpoints.iter().take(i);
             if let Some(first) = earlier.clone().position(|o| o.name == e.name) {
-                self.push("endpoints", &format!("names must be unique: {:?} is used twice (entries {first} and {i})", e.name));
+                self.push(
+                    "endpoints",
+                    &format!(
+                        "names must be unique: {:?} is used twice (entries {first} and {i})",
+                        e.name
+                    ),
+                );
             } else if let Some(other) = earlier.clone().find(|o| o.id == e.id) {
                 self.push(
                     "endpoints",
-                    &format!("names {:?} and {:?} collide in the 32-bit endpoint id; rename one", other.name, e.name),
+                    &format!(
+                        "names {:?} and {:?} collide in the 32-bit endpoint id; rename one",
+                        other.name, e.name
+                    ),
                 );
             }
         }
@@ -501,12 +790,17 @@ impl Validator {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use serde_json::json;
     #[cfg(target_arch = "wasm32")]
     use wasm_bindgen_test::wasm_bindgen_test as test;
-    use serde_json::json;
 
     fn errors(v: Value) -> Vec<String> {
-        Config::from_value(&v).err().unwrap_or_default().iter().map(|e| e.to_string()).collect()
+        Config::from_value(&v)
+            .err()
+            .unwrap_or_default()
+            .iter()
+            .map(|e| e.to_string())
+            .collect()
     }
 
     #[test]
@@ -542,21 +836,41 @@ mod tests {
         assert!(has("endpoints[2].weight must be > 0, got -1"), "{errs:?}");
         assert!(has("endpoints[3].name is required"), "{errs:?}");
         assert!(has("endpoints[3].models must not be empty"), "{errs:?}");
-        assert!(has("endpoints[4].headers.authorization value must be printable"), "{errs:?}");
-        assert!(!errs.iter().any(|e| e.contains("Bearer")), "secret leaked: {errs:?}");
+        assert!(
+            has("endpoints[4].headers.authorization value must be printable"),
+            "{errs:?}"
+        );
+        assert!(
+            !errs.iter().any(|e| e.contains("Bearer")),
+            "secret leaked: {errs:?}"
+        );
         assert!(has("ewma_alpha must be in (0, 1], got 1.5"), "{errs:?}");
-        assert!(has("half_open_probes must be in 1..=1000, got 0"), "{errs:?}");
+        assert!(
+            has("half_open_probes must be in 1..=1000, got 0"),
+            "{errs:?}"
+        );
         assert!(has("bogus is not a known key"), "{errs:?}");
-        assert!(has("max_attempts must be an integer, got a string"), "{errs:?}");
+        assert!(
+            has("max_attempts must be an integer, got a string"),
+            "{errs:?}"
+        );
         assert!(has("\"a\" is used twice"), "{errs:?}");
     }
 
     #[test]
     fn rejects_non_json_and_non_object() {
-        assert!(Config::from_json(b"{nope").unwrap_err()[0].to_string().contains("not valid JSON"));
-        assert!(Config::from_json(b"[]").unwrap_err()[0].to_string().contains("must be a JSON object"));
-        assert!(errors(json!({})).iter().any(|e| e == "endpoints is required"));
-        assert!(errors(json!({"endpoints": []})).iter().any(|e| e.contains("at least one")));
+        assert!(Config::from_json(b"{nope").unwrap_err()[0]
+            .to_string()
+            .contains("not valid JSON"));
+        assert!(Config::from_json(b"[]").unwrap_err()[0]
+            .to_string()
+            .contains("must be a JSON object"));
+        assert!(errors(json!({}))
+            .iter()
+            .any(|e| e == "endpoints is required"));
+        assert!(errors(json!({"endpoints": []}))
+            .iter()
+            .any(|e| e.contains("at least one")));
     }
 
     #[test]

@@ -51,7 +51,7 @@ mod tests {
         assert!((trace[4] - 3100.0).abs() < 5.0);
         // two more normal samples bring it below the polluted plain average
         let after_two = update(Some(trace[5]), 100.0, 0.3);
-        assert!((after_two - 1570.632_1).abs() < 1e-3);
+        assert!((after_two - 1570.6321).abs() < 1e-3);
         assert!(after_two < plain);
         assert!(trace[5] > plain, "one normal sample is not yet enough");
     }

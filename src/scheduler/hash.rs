@@ -59,9 +59,17 @@ mod tests {
         assert_ne!(endpoint_id("a"), endpoint_id("b"));
         assert_ne!(session_key(b"ab", b"c"), session_key(b"a", b"bc"));
         assert_ne!(session_key(b"", b""), 0);
-        let pinned = (endpoint_id("gpu-1"), session_key(b"tenant", b"s1"), rendezvous(42, 7));
+        let pinned = (
+            endpoint_id("gpu-1"),
+            session_key(b"tenant", b"s1"),
+            rendezvous(42, 7),
+        );
         assert_eq!(pinned, EXPECTED_PINNED);
     }
 
-    const EXPECTED_PINNED: (u32, u64, u64) = (270_278_089, 14_436_467_762_409_092_098, 2_732_708_913_734_765_510);
+    const EXPECTED_PINNED: (u32, u64, u64) = (
+        270_278_089,
+        14_436_467_762_409_092_098,
+        2_732_708_913_734_765_510,
+    );
 }

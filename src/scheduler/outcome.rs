@@ -25,7 +25,9 @@ pub enum FailureKind {
 pub enum Outcome {
     Success,
     DeadKey,
-    RateLimited { retry_after_ms: Option<u64> },
+    RateLimited {
+        retry_after_ms: Option<u64>,
+    },
     EndpointFailure(FailureKind),
     ClientError,
     /// The attempt ended without a verdict (client went away): no statistics, no breaker.
@@ -47,11 +49,20 @@ impl Outcome {
 
     /// Whether the same client request should move to the next endpoint.
     pub fn fails_over(&self) -> bool {
-        matches!(self, Outcome::DeadKey | Outcome::RateLimited { .. } | Outcome::EndpointFailure(_))
+        matches!(
+            self,
+            Outcome::DeadKey | Outcome::RateLimited { .. } | Outcome::EndpointFailure(_)
+        )
     }
 
-    pub const ALL_LABELS: [&'static str; 6] =
-        ["success", "dead_key", "rate_limited", "endpoint_failure", "client_error", "cancelled"];
+    pub const ALL_LABELS: [&'static str; 6] = [
+        "success",
+        "dead_key",
+        "rate_limited",
+        "endpoint_failure",
+        "client_error",
+        "cancelled",
+    ];
 }
 
 /// Classifies a response by its status and headers (lower-case names). `now_ms` is wall-clock
@@ -59,7 +70,9 @@ impl Outcome {
 pub fn classify(status: u16, headers: &[(String, String)], now_ms: u64) -> Outcome {
     match status {
         401 | 403 => Outcome::DeadKey,
-        429 => Outcome::RateLimited { retry_after_ms: retry_hint_ms(headers, now_ms) },
+        429 => Outcome::RateLimited {
+            retry_after_ms: retry_hint_ms(headers, now_ms),
+        },
         500 | 502 | 503 | 504 => Outcome::EndpointFailure(FailureKind::Status(status)),
         400..=599 => Outcome::ClientError,
         _ => Outcome::Success,
@@ -72,8 +85,15 @@ pub fn retry_hint_ms(headers: &[(String, String)], now_ms: u64) -> Option<u64> {
         .iter()
         .filter_map(|(name, value)| match name.as_str() {
             "retry-after" => parse_retry_after(value, now_ms),
-            "retry-after-ms" => value.trim().parse::<f64>().ok().filter(|v| v.is_finite() && *v >= 0.0).map(|v| v as u64),
-            "x-ratelimit-reset-requests" | "x-ratelimit-reset-tokens" => parse_go_duration_ms(value),
+            "retry-after-ms" => value
+                .trim()
+                .parse::<f64>()
+                .ok()
+                .filter(|v| v.is_finite() && *v >= 0.0)
+                .map(|v| v as u64),
+            "x-ratelimit-reset-requests" | "x-ratelimit-reset-tokens" => {
+                parse_go_duration_ms(value)
+            }
             _ => None,
         })
         .max()
@@ -98,10 +118,14 @@ pub fn parse_go_duration_ms(value: &str) -> Option<u64> {
     let mut total = 0.0f64;
     let mut rest = s;
     while !rest.is_empty() {
-        let num_len = rest.find(|c: char| !(c.is_ascii_digit() || c == '.')).unwrap_or(rest.len());
+        let num_len = rest
+            .find(|c: char| !(c.is_ascii_digit() || c == '.'))
+            .unwrap_or(rest.len());
         let (num, after) = rest.split_at(num_len);
         let n: f64 = num.parse().ok()?;
-        let unit_len = after.find(|c: char| c.is_ascii_digit() || c == '.').unwrap_or(after.len());
+        let unit_len = after
+            .find(|c: char| c.is_ascii_digit() || c == '.')
+            .unwrap_or(after.len());
         let (unit, next) = after.split_at(unit_len);
         let scale = match unit {
             "ms" => 1.0,
@@ -170,7 +194,10 @@ mod tests {
     use wasm_bindgen_test::wasm_bindgen_test as test;
 
     fn h(pairs: &[(&str, &str)]) -> Vec<(String, String)> {
-        pairs.iter().map(|(a, b)| (a.to_string(), b.to_string())).collect()
+        pairs
+            .iter()
+            .map(|(a, b)| (a.to_string(), b.to_string()))
+            .collect()
     }
 
     #[test]
@@ -178,9 +205,17 @@ mod tests {
         assert_eq!(classify(200, &[], 0), Outcome::Success);
         assert_eq!(classify(401, &[], 0), Outcome::DeadKey);
         assert_eq!(classify(403, &[], 0), Outcome::DeadKey);
-        assert_eq!(classify(429, &[], 0), Outcome::RateLimited { retry_after_ms: None });
+        assert_eq!(
+            classify(429, &[], 0),
+            Outcome::RateLimited {
+                retry_after_ms: None
+            }
+        );
         for s in [500, 502, 503, 504] {
-            assert_eq!(classify(s, &[], 0), Outcome::EndpointFailure(FailureKind::Status(s)));
+            assert_eq!(
+                classify(s, &[], 0),
+                Outcome::EndpointFailure(FailureKind::Status(s))
+            );
             assert!(classify(s, &[], 0).fails_over());
         }
         assert_eq!(classify(400, &[], 0), Outcome::ClientError);
@@ -191,18 +226,39 @@ mod tests {
 
     #[test]
     fn retry_after_forms() {
-        assert_eq!(classify(429, &h(&[("retry-after", "7")]), 0), Outcome::RateLimited { retry_after_ms: Some(7000) });
+        assert_eq!(
+            classify(429, &h(&[("retry-after", "7")]), 0),
+            Outcome::RateLimited {
+                retry_after_ms: Some(7000)
+            }
+        );
         // 1994-11-06T08:49:37Z = 784111777 s
-        assert_eq!(parse_http_date_ms("Sun, 06 Nov 1994 08:49:37 GMT"), Some(784_111_777_000));
-        assert_eq!(parse_retry_after("Sun, 06 Nov 1994 08:49:37 GMT", 784_111_770_000), Some(7_000));
-        assert_eq!(parse_retry_after("Sun, 06 Nov 1994 08:49:37 GMT", 784_111_790_000), Some(0));
+        assert_eq!(
+            parse_http_date_ms("Sun, 06 Nov 1994 08:49:37 GMT"),
+            Some(784_111_777_000)
+        );
+        assert_eq!(
+            parse_retry_after("Sun, 06 Nov 1994 08:49:37 GMT", 784_111_770_000),
+            Some(7_000)
+        );
+        assert_eq!(
+            parse_retry_after("Sun, 06 Nov 1994 08:49:37 GMT", 784_111_790_000),
+            Some(0)
+        );
         assert_eq!(parse_retry_after("soon", 0), None);
         assert_eq!(parse_http_date_ms("Sun, 06 Nov 1994 08:49:37 PST"), None);
         assert_eq!(parse_go_duration_ms("6m0s"), Some(360_000));
         assert_eq!(parse_go_duration_ms("1m30.5s"), Some(90_500));
         assert_eq!(parse_go_duration_ms("20ms"), Some(20));
         assert_eq!(parse_go_duration_ms("1x"), None);
-        let hint = retry_hint_ms(&h(&[("retry-after", "1"), ("retry-after-ms", "2500"), ("x-ratelimit-reset-requests", "2s")]), 0);
+        let hint = retry_hint_ms(
+            &h(&[
+                ("retry-after", "1"),
+                ("retry-after-ms", "2500"),
+                ("x-ratelimit-reset-requests", "2s"),
+            ]),
+            0,
+        );
         assert_eq!(hint, Some(2_500));
     }
 }

@@ -68,21 +68,30 @@ impl RequestError {
 
     pub fn message(&self) -> String {
         match self {
-            RequestError::EmptyBody => "The request body is empty; expected a JSON chat completion request.".into(),
-            RequestError::TooLarge { limit } => format!("The request body exceeds the limit of {limit} bytes."),
+            RequestError::EmptyBody => {
+                "The request body is empty; expected a JSON chat completion request.".into()
+            }
+            RequestError::TooLarge { limit } => {
+                format!("The request body exceeds the limit of {limit} bytes.")
+            }
             RequestError::InvalidJson(e) => format!("The request body is not valid JSON: {e}."),
             RequestError::NotAnObject => "The request body must be a JSON object.".into(),
             RequestError::MissingModel => "You must provide a model parameter.".into(),
             RequestError::ModelNotString => "The model parameter must be a string.".into(),
-            RequestError::ModelTooLong => format!("The model parameter must be at most {MAX_MODEL_BYTES} bytes."),
-            RequestError::SessionTooLong => format!("The session id header must be at most {MAX_SESSION_BYTES} bytes."),
+            RequestError::ModelTooLong => {
+                format!("The model parameter must be at most {MAX_MODEL_BYTES} bytes.")
+            }
+            RequestError::SessionTooLong => {
+                format!("The session id header must be at most {MAX_SESSION_BYTES} bytes.")
+            }
         }
     }
 }
 
 /// The OpenAI error body: `{"error":{"message","type","param","code"}}`.
 pub fn openai_error(message: &str, kind: &str, code: &str) -> String {
-    serde_json::json!({"error": {"message": message, "type": kind, "param": null, "code": code}}).to_string()
+    serde_json::json!({"error": {"message": message, "type": kind, "param": null, "code": code}})
+        .to_string()
 }
 
 #[derive(Deserialize)]
@@ -113,17 +122,22 @@ pub fn parse_chat(body: &[u8]) -> Result<ChatRequest, RequestError> {
         Some(b'{') => {}
         Some(b'[' | b'"' | b't' | b'f' | b'n' | b'-' | b'0'..=b'9') => {
             // Valid JSON perhaps, but not an object: say so only if it parses.
-            return Err(match serde_json::from_slice::<serde::de::IgnoredAny>(body) {
-                Ok(_) => RequestError::NotAnObject,
-                Err(e) => RequestError::InvalidJson(short(&e)),
-            });
+            return Err(
+                match serde_json::from_slice::<serde::de::IgnoredAny>(body) {
+                    Ok(_) => RequestError::NotAnObject,
+                    Err(e) => RequestError::InvalidJson(short(&e)),
+                },
+            );
         }
         Some(_) => {}
     }
     if nesting_depth(body) > MAX_DEPTH {
-        return Err(RequestError::InvalidJson(format!("nesting deeper than {MAX_DEPTH} levels")));
+        return Err(RequestError::InvalidJson(format!(
+            "nesting deeper than {MAX_DEPTH} levels"
+        )));
     }
-    let parsed: Body<'_> = serde_json::from_slice(body).map_err(|e| RequestError::InvalidJson(short(&e)))?;
+    let parsed: Body<'_> =
+        serde_json::from_slice(body).map_err(|e| RequestError::InvalidJson(short(&e)))?;
     let model = match parsed.model {
         None => return Err(RequestError::MissingModel),
         Some(raw) => match serde_json::from_str::<String>(raw.get()) {
@@ -139,8 +153,16 @@ pub fn parse_chat(body: &[u8]) -> Result<ChatRequest, RequestError> {
         .and_then(|raw| serde_json::from_str::<String>(raw.get()).ok())
         .filter(|u| !u.is_empty() && u.len() <= MAX_SESSION_BYTES);
     let stream = parsed.stream.is_some_and(|raw| raw.get() == "true");
-    let fingerprint = parsed.messages.as_deref().and_then(|msgs| fingerprint(&model, msgs));
-    Ok(ChatRequest { model, user, fingerprint, stream })
+    let fingerprint = parsed
+        .messages
+        .as_deref()
+        .and_then(|msgs| fingerprint(&model, msgs));
+    Ok(ChatRequest {
+        model,
+        user,
+        fingerprint,
+        stream,
+    })
 }
 
 /// Deepest JSON nesting accepted. serde_json ignores unknown fields iteratively without a
@@ -178,11 +200,15 @@ fn fingerprint(model: &str, messages: &[&RawValue]) -> Option<u64> {
     let mut system: Option<&str> = None;
     let mut user: Option<&str> = None;
     for raw in messages {
-        let Ok(m) = serde_json::from_str::<Message<'_>>(raw.get()) else { continue };
+        let Ok(m) = serde_json::from_str::<Message<'_>>(raw.get()) else {
+            continue;
+        };
         let role = m.role.map(|r| r.get());
         let content = m.content.map_or("", |c| c.get());
         match role {
-            Some("\"system\"") | Some("\"developer\"") if system.is_none() => system = Some(content),
+            Some("\"system\"") | Some("\"developer\"") if system.is_none() => {
+                system = Some(content)
+            }
             Some("\"user\"") if user.is_none() => user = Some(content),
             _ => {}
         }
@@ -191,7 +217,14 @@ fn fingerprint(model: &str, messages: &[&RawValue]) -> Option<u64> {
         }
     }
     let user = user?;
-    Some(hash_parts(FINGERPRINT_SEED, &[model.as_bytes(), system.unwrap_or("").as_bytes(), user.as_bytes()]))
+    Some(hash_parts(
+        FINGERPRINT_SEED,
+        &[
+            model.as_bytes(),
+            system.unwrap_or("").as_bytes(),
+            user.as_bytes(),
+        ],
+    ))
 }
 
 fn short(e: &serde_json::Error) -> String {
@@ -221,13 +254,25 @@ pub fn derive_session(
         if h.len() > MAX_SESSION_BYTES {
             return Err(RequestError::SessionTooLong);
         }
-        return Ok((Some(session_key(tenant, &[b"h:", h].concat())), SessionSource::Header));
+        return Ok((
+            Some(session_key(tenant, &[b"h:", h].concat())),
+            SessionSource::Header,
+        ));
     }
     if let Some(u) = &req.user {
-        return Ok((Some(session_key(tenant, &[b"u:", u.as_bytes()].concat())), SessionSource::User));
+        return Ok((
+            Some(session_key(tenant, &[b"u:", u.as_bytes()].concat())),
+            SessionSource::User,
+        ));
     }
     if let Some(fp) = req.fingerprint {
-        return Ok((Some(session_key(tenant, &[&b"f:"[..], &fp.to_le_bytes()].concat())), SessionSource::Fingerprint));
+        return Ok((
+            Some(session_key(
+                tenant,
+                &[&b"f:"[..], &fp.to_le_bytes()].concat(),
+            )),
+            SessionSource::Fingerprint,
+        ));
     }
     Ok((None, SessionSource::None))
 }
@@ -258,18 +303,44 @@ mod tests {
     fn refuses_bad_bodies_with_defined_errors() {
         assert_eq!(parse_chat(b"").unwrap_err(), RequestError::EmptyBody);
         assert_eq!(parse_chat(b"  \n").unwrap_err(), RequestError::EmptyBody);
-        assert!(matches!(parse_chat(b"{nope").unwrap_err(), RequestError::InvalidJson(_)));
+        assert!(matches!(
+            parse_chat(b"{nope").unwrap_err(),
+            RequestError::InvalidJson(_)
+        ));
         assert_eq!(parse_chat(b"[1,2]").unwrap_err(), RequestError::NotAnObject);
         assert_eq!(parse_chat(b"\"x\"").unwrap_err(), RequestError::NotAnObject);
         assert_eq!(parse_chat(b"{}").unwrap_err(), RequestError::MissingModel);
-        assert_eq!(parse_chat(br#"{"model":null}"#).unwrap_err(), RequestError::MissingModel);
-        assert_eq!(parse_chat(br#"{"model":7}"#).unwrap_err(), RequestError::ModelNotString);
+        assert_eq!(
+            parse_chat(br#"{"model":null}"#).unwrap_err(),
+            RequestError::MissingModel
+        );
+        assert_eq!(
+            parse_chat(br#"{"model":7}"#).unwrap_err(),
+            RequestError::ModelNotString
+        );
         let long = format!(r#"{{"model":"{}"}}"#, "m".repeat(100_000));
-        assert_eq!(parse_chat(long.as_bytes()).unwrap_err(), RequestError::ModelTooLong);
-        let deep = format!(r#"{{"model":"m","x":{}{}}}"#, "[".repeat(100_000), "]".repeat(100_000));
-        assert!(matches!(parse_chat(deep.as_bytes()).unwrap_err(), RequestError::InvalidJson(_)));
-        assert!(matches!(parse_chat(b"{\"model\":\"\xff\"}").unwrap_err(), RequestError::InvalidJson(_)));
-        let ok_depth = format!(r#"{{"model":"m","x":{}"[{{\"]"{}}}"#, "[".repeat(127), "]".repeat(127));
+        assert_eq!(
+            parse_chat(long.as_bytes()).unwrap_err(),
+            RequestError::ModelTooLong
+        );
+        let deep = format!(
+            r#"{{"model":"m","x":{}{}}}"#,
+            "[".repeat(100_000),
+            "]".repeat(100_000)
+        );
+        assert!(matches!(
+            parse_chat(deep.as_bytes()).unwrap_err(),
+            RequestError::InvalidJson(_)
+        ));
+        assert!(matches!(
+            parse_chat(b"{\"model\":\"\xff\"}").unwrap_err(),
+            RequestError::InvalidJson(_)
+        ));
+        let ok_depth = format!(
+            r#"{{"model":"m","x":{}"[{{\"]"{}}}"#,
+            "[".repeat(127),
+            "]".repeat(127)
+        );
         assert_eq!(parse_chat(ok_depth.as_bytes()).unwrap().model, "m");
         let e = RequestError::TooLarge { limit: 10 };
         assert_eq!((e.status(), e.code()), (413, "request_too_large"));
@@ -277,21 +348,37 @@ mod tests {
 
     #[test]
     fn session_precedence_and_tenant_scoping() {
-        let r = parse_chat(br#"{"model":"m","user":"u","messages":[{"role":"user","content":"q"}]}"#).unwrap();
+        let r =
+            parse_chat(br#"{"model":"m","user":"u","messages":[{"role":"user","content":"q"}]}"#)
+                .unwrap();
         let (h, src) = derive_session(None, Some(b"s1"), &r).unwrap();
         assert_eq!(src, SessionSource::Header);
         let (u, src) = derive_session(None, None, &r).unwrap();
         assert_eq!(src, SessionSource::User);
         assert_ne!(h, u);
-        let no_user = parse_chat(br#"{"model":"m","messages":[{"role":"user","content":"q"}]}"#).unwrap();
-        assert_eq!(derive_session(None, None, &no_user).unwrap().1, SessionSource::Fingerprint);
+        let no_user =
+            parse_chat(br#"{"model":"m","messages":[{"role":"user","content":"q"}]}"#).unwrap();
+        assert_eq!(
+            derive_session(None, None, &no_user).unwrap().1,
+            SessionSource::Fingerprint
+        );
         let bare = parse_chat(br#"{"model":"m"}"#).unwrap();
-        assert_eq!(derive_session(None, None, &bare).unwrap(), (None, SessionSource::None));
+        assert_eq!(
+            derive_session(None, None, &bare).unwrap(),
+            (None, SessionSource::None)
+        );
         // Same session id, different tenants: different keys.
-        let a = derive_session(Some(b"Bearer A"), Some(b"s1"), &r).unwrap().0;
-        let b = derive_session(Some(b"Bearer B"), Some(b"s1"), &r).unwrap().0;
+        let a = derive_session(Some(b"Bearer A"), Some(b"s1"), &r)
+            .unwrap()
+            .0;
+        let b = derive_session(Some(b"Bearer B"), Some(b"s1"), &r)
+            .unwrap()
+            .0;
         assert_ne!(a, b);
         let huge = vec![b'x'; MAX_SESSION_BYTES + 1];
-        assert_eq!(derive_session(None, Some(&huge), &r).unwrap_err(), RequestError::SessionTooLong);
+        assert_eq!(
+            derive_session(None, Some(&huge), &r).unwrap_err(),
+            RequestError::SessionTooLong
+        );
     }
 }

@@ -28,9 +28,18 @@ pub struct Scored {
 const LATENCY_FLOOR_MS: f64 = 1.0;
 const SUCCESS_FLOOR: f64 = 0.01;
 
-pub fn score(weight: f64, st: &EndpointState, best_latency_ms: Option<f64>, cfg: &Config, now_ms: u64) -> Scored {
+pub fn score(
+    weight: f64,
+    st: &EndpointState,
+    best_latency_ms: Option<f64>,
+    cfg: &Config,
+    now_ms: u64,
+) -> Scored {
     if st.total < cfg.cold_start_samples {
-        return Scored { score: weight, cold: true };
+        return Scored {
+            score: weight,
+            cold: true,
+        };
     }
     let f = fade(now_ms.saturating_sub(st.last_sample_ms), cfg.stats_decay_ms);
     let success = (1.0 - (1.0 - st.success_rate) * f).max(SUCCESS_FLOOR);
@@ -42,7 +51,10 @@ pub fn score(weight: f64, st: &EndpointState, best_latency_ms: Option<f64>, cfg:
         }
         _ => 1.0,
     };
-    Scored { score: weight * success * load / latency, cold: false }
+    Scored {
+        score: weight * success * load / latency,
+        cold: false,
+    }
 }
 
 #[cfg(test)]
@@ -57,8 +69,20 @@ mod tests {
 
     #[test]
     fn cold_endpoint_scores_its_weight() {
-        let st = EndpointState { total: 19, success_rate: 0.0, in_flight: 9, in_flight_changed_ms: 0, ..Default::default() };
-        assert_eq!(score(2.5, &st, Some(1.0), &cfg(), 0), Scored { score: 2.5, cold: true });
+        let st = EndpointState {
+            total: 19,
+            success_rate: 0.0,
+            in_flight: 9,
+            in_flight_changed_ms: 0,
+            ..Default::default()
+        };
+        assert_eq!(
+            score(2.5, &st, Some(1.0), &cfg(), 0),
+            Scored {
+                score: 2.5,
+                cold: true
+            }
+        );
     }
 
     #[test]
@@ -82,8 +106,16 @@ mod tests {
 
     #[test]
     fn five_times_slower_scores_a_fifth() {
-        let fast = EndpointState { total: 50, latency_ms: Some(100.0), last_sample_ms: 5, ..Default::default() };
-        let slow = EndpointState { latency_ms: Some(500.0), ..fast };
+        let fast = EndpointState {
+            total: 50,
+            latency_ms: Some(100.0),
+            last_sample_ms: 5,
+            ..Default::default()
+        };
+        let slow = EndpointState {
+            latency_ms: Some(500.0),
+            ..fast
+        };
         let a = score(1.0, &fast, Some(100.0), &cfg(), 5).score;
         let b = score(1.0, &slow, Some(100.0), &cfg(), 5).score;
         assert!((a / b - 5.0).abs() < 1e-9);

@@ -48,6 +48,10 @@ impl Exclusions {
     }
 }
 
+fn serves_opt(ep: &super::config::EndpointConfig, model: Option<&str>) -> bool {
+    model.is_none_or(|m| ep.serves(m))
+}
+
 fn push_unique(v: &mut Vec<usize>, i: usize) {
     if !v.contains(&i) {
         v.push(i);
@@ -57,7 +61,9 @@ fn push_unique(v: &mut Vec<usize>, i: usize) {
 /// What is asked of the scheduler for one attempt.
 #[derive(Debug, Clone, Copy)]
 pub struct Pick<'a> {
-    pub model: &'a str,
+    /// The requested model; `None` for requests that carry none (e.g. `GET /v1/models`),
+    /// which any endpoint may serve.
+    pub model: Option<&'a str>,
     /// The tenant-scoped session key (`hash::session_key`), if the request has a session.
     pub session: Option<u64>,
     /// 1 for the first attempt of a client request, 2.. for failovers (which spend retry budget).
@@ -137,7 +143,10 @@ pub enum NoEndpoint {
     BudgetExhausted,
     /// Every remaining candidate's breaker is open; the earliest recovery, and whether all of
     /// them are rate limited (answer 429 rather than 503).
-    CoolingDown { retry_at_ms: u64, all_rate_limited: bool },
+    CoolingDown {
+        retry_at_ms: u64,
+        all_rate_limited: bool,
+    },
 }
 
 /// Counts of endpoints dropped by each exclusion, in the order they are applied.
@@ -173,7 +182,11 @@ impl<'a> Scheduler<'a> {
     }
 
     pub fn affinity(&self) -> Affinity<'a> {
-        Affinity::new(self.store, self.cfg.affinity_ttl_ms, self.cfg.affinity_max_sessions)
+        Affinity::new(
+            self.store,
+            self.cfg.affinity_ttl_ms,
+            self.cfg.affinity_max_sessions,
+        )
     }
 
     pub fn breaker_config(&self) -> BreakerConfig {
@@ -197,19 +210,20 @@ impl<'a> Scheduler<'a> {
         let mut dropped = Dropped::default();
         let mut out = Vec::with_capacity(self.cfg.endpoints.len());
         let mut serves_model = false;
+        let serves = |ep: &super::config::EndpointConfig| pick.model.is_none_or(|m| ep.serves(m));
         for (i, ep) in self.cfg.endpoints.iter().enumerate() {
             if ep.disabled {
                 dropped.disabled += 1;
             } else if pick.exclusions.dead.contains(&i) {
                 dropped.dead += 1;
-                serves_model |= ep.serves(pick.model);
+                serves_model |= serves(ep);
             } else if pick.exclusions.used.contains(&i) {
                 dropped.used += 1;
-                serves_model |= ep.serves(pick.model);
+                serves_model |= serves(ep);
             } else if pick.exclusions.tried.contains(&i) {
                 dropped.tried += 1;
-                serves_model |= ep.serves(pick.model);
-            } else if !ep.serves(pick.model) {
+                serves_model |= serves(ep);
+            } else if !serves(ep) {
                 dropped.model += 1;
             } else {
                 serves_model = true;
@@ -217,7 +231,11 @@ impl<'a> Scheduler<'a> {
             }
         }
         if out.is_empty() {
-            return Err(if serves_model { NoEndpoint::Exhausted } else { NoEndpoint::ModelNotFound });
+            return Err(if serves_model {
+                NoEndpoint::Exhausted
+            } else {
+                NoEndpoint::ModelNotFound
+            });
         }
         Ok((out, dropped))
     }
@@ -225,11 +243,17 @@ impl<'a> Scheduler<'a> {
     /// Chooses the endpoint for one attempt and starts it (in-flight +1, probe slot taken).
     pub fn pick(&self, pick: &Pick<'_>, now_ms: u64) -> Result<Decision, NoEndpoint> {
         let (candidates, _) = self.candidates(pick)?;
-        let pinned = pick.session.and_then(|s| self.affinity().lookup(s, now_ms).map(|id| (s, id)));
+        let pinned = pick
+            .session
+            .and_then(|s| self.affinity().lookup(s, now_ms).map(|id| (s, id)));
         // A pin to an endpoint that is disabled or no longer serves the model is a hard failure
         // of that pin: evict it so it does not keep costing a lookup.
         if let Some((session, id)) = pinned {
-            let still_valid = self.cfg.endpoints.iter().any(|e| e.id == id && !e.disabled && e.serves(pick.model));
+            let still_valid = self
+                .cfg
+                .endpoints
+                .iter()
+                .any(|e| e.id == id && !e.disabled && serves_opt(e, pick.model));
             if !still_valid {
                 self.affinity().forget(session, id);
             }
@@ -238,11 +262,22 @@ impl<'a> Scheduler<'a> {
         let result = update_if(self.store, TABLE_KEY, |bytes| {
             let mut table = Table::aligned(bytes, self.cfg);
             if pick.attempt > 1
-                && !table.budget.try_retry(now_ms, self.cfg.retry_budget_percent, self.cfg.retry_budget_min_retries)
+                && !table.budget.try_retry(
+                    now_ms,
+                    self.cfg.retry_budget_percent,
+                    self.cfg.retry_budget_min_retries,
+                )
             {
                 return (None, Err(NoEndpoint::BudgetExhausted));
             }
-            match self.choose(&table, &candidates, pick, pinned.map(|p| p.1), now_ms, &bcfg) {
+            match self.choose(
+                &table,
+                &candidates,
+                pick,
+                pinned.map(|p| p.1),
+                now_ms,
+                &bcfg,
+            ) {
                 Err(e) => (None, Err(e)),
                 Ok((i, reason, affinity)) => {
                     let Some((_, st)) = table.entries.get_mut(i) else {
@@ -264,7 +299,15 @@ impl<'a> Scheduler<'a> {
                         counted: true,
                         started_ms: now_ms,
                     };
-                    (Some(table.encode()), Ok(Decision { endpoint: i, reason, affinity, ticket }))
+                    (
+                        Some(table.encode()),
+                        Ok(Decision {
+                            endpoint: i,
+                            reason,
+                            affinity,
+                            ticket,
+                        }),
+                    )
                 }
             }
         });
@@ -293,18 +336,26 @@ impl<'a> Scheduler<'a> {
         let mut retry_at = u64::MAX;
         let mut all_rate_limited = true;
         for &i in candidates {
-            let Some((_, st)) = table.entries.get(i) else { continue };
+            let Some((_, st)) = table.entries.get(i) else {
+                continue;
+            };
             match st.breaker.peek(now_ms, bcfg) {
                 Admission::Normal => admitted.push((i, false)),
                 Admission::Probe { .. } => admitted.push((i, true)),
-                Admission::Rejected { retry_at_ms, rate_limited } => {
+                Admission::Rejected {
+                    retry_at_ms,
+                    rate_limited,
+                } => {
                     retry_at = retry_at.min(retry_at_ms);
                     all_rate_limited &= rate_limited;
                 }
             }
         }
         if admitted.is_empty() {
-            return Err(NoEndpoint::CoolingDown { retry_at_ms: retry_at, all_rate_limited });
+            return Err(NoEndpoint::CoolingDown {
+                retry_at_ms: retry_at,
+                all_rate_limited,
+            });
         }
         let mut affinity = match (pick.session, pinned) {
             (None, _) => AffinityResult::None,
@@ -312,7 +363,10 @@ impl<'a> Scheduler<'a> {
             (Some(_), Some(_)) => AffinityResult::Miss,
         };
         if let Some(id) = pinned {
-            if let Some(&(i, _)) = admitted.iter().find(|(i, _)| self.cfg.endpoints.get(*i).is_some_and(|e| e.id == id)) {
+            if let Some(&(i, _)) = admitted
+                .iter()
+                .find(|(i, _)| self.cfg.endpoints.get(*i).is_some_and(|e| e.id == id))
+            {
                 affinity = AffinityResult::Hit;
                 return Ok((i, Reason::AffinityHit, affinity));
             }
@@ -322,7 +376,9 @@ impl<'a> Scheduler<'a> {
             .filter_map(|(i, _)| table.entries.get(*i))
             .filter(|(_, st)| st.total >= self.cfg.cold_start_samples)
             .filter_map(|(_, st)| st.latency_ms)
-            .fold(None, |acc: Option<f64>, l| Some(acc.map_or(l, |a| a.min(l))));
+            .fold(None, |acc: Option<f64>, l| {
+                Some(acc.map_or(l, |a| a.min(l)))
+            });
         let scored: Vec<(usize, bool, Scored)> = admitted
             .iter()
             .filter_map(|&(i, probe)| {
@@ -331,14 +387,24 @@ impl<'a> Scheduler<'a> {
                 Some((i, probe, score(weight, st, best_latency, self.cfg, now_ms)))
             })
             .collect();
-        let probes: Vec<&(usize, bool, Scored)> = scored.iter().filter(|(_, probe, _)| *probe).collect();
-        let pool: Vec<&(usize, bool, Scored)> = if probes.is_empty() { scored.iter().collect() } else { probes };
-        let best = pool.iter().map(|(_, _, s)| s.score).fold(f64::MIN, f64::max);
+        let probes: Vec<&(usize, bool, Scored)> =
+            scored.iter().filter(|(_, probe, _)| *probe).collect();
+        let pool: Vec<&(usize, bool, Scored)> = if probes.is_empty() {
+            scored.iter().collect()
+        } else {
+            probes
+        };
+        let best = pool
+            .iter()
+            .map(|(_, _, s)| s.score)
+            .fold(f64::MIN, f64::max);
         let session = pick.session.unwrap_or(0);
         let chosen = pool
             .iter()
             .filter(|(_, _, s)| s.score >= best * (1.0 - TIE_TOLERANCE))
-            .max_by_key(|(i, _, _)| rendezvous(session, self.cfg.endpoints.get(*i).map_or(0, |e| e.id)));
+            .max_by_key(|(i, _, _)| {
+                rendezvous(session, self.cfg.endpoints.get(*i).map_or(0, |e| e.id))
+            });
         match chosen {
             Some(&&(i, probe, s)) => {
                 let reason = if probe {
@@ -356,7 +422,14 @@ impl<'a> Scheduler<'a> {
 
     /// Records an attempt's outcome: in-flight −1, statistics, breaker, affinity.
     /// `latency_ms` is the time to response headers.
-    pub fn finish(&self, ticket: &Ticket, outcome: &Outcome, latency_ms: u64, session: Option<u64>, now_ms: u64) -> Finished {
+    pub fn finish(
+        &self,
+        ticket: &Ticket,
+        outcome: &Outcome,
+        latency_ms: u64,
+        session: Option<u64>,
+        now_ms: u64,
+    ) -> Finished {
         let bcfg = self.breaker_config();
         let cfg = self.cfg;
         let result = update_if(self.store, TABLE_KEY, |bytes| {
@@ -373,7 +446,9 @@ impl<'a> Scheduler<'a> {
             }
             let verdict = match outcome {
                 Outcome::Success => Some(1.0),
-                Outcome::DeadKey | Outcome::RateLimited { .. } | Outcome::EndpointFailure(_) => Some(0.0),
+                Outcome::DeadKey | Outcome::RateLimited { .. } | Outcome::EndpointFailure(_) => {
+                    Some(0.0)
+                }
                 Outcome::ClientError => None,
                 Outcome::Cancelled => None,
             };
@@ -382,15 +457,23 @@ impl<'a> Scheduler<'a> {
             }
             if let Some(v) = verdict {
                 // Fold in the fading of the idle penalty first, then the new sample.
-                let idle_fade = ewma::fade(now_ms.saturating_sub(st.last_sample_ms), cfg.stats_decay_ms);
+                let idle_fade =
+                    ewma::fade(now_ms.saturating_sub(st.last_sample_ms), cfg.stats_decay_ms);
                 let faded = 1.0 - (1.0 - st.success_rate) * idle_fade;
-                st.success_rate = ewma::update(Some(faded), v, cfg.success_rate_alpha).clamp(0.0, 1.0);
+                st.success_rate =
+                    ewma::update(Some(faded), v, cfg.success_rate_alpha).clamp(0.0, 1.0);
                 st.last_sample_ms = now_ms;
             }
             if matches!(outcome, Outcome::Success) {
-                st.latency_ms = Some(ewma::update(st.latency_ms, latency_ms as f64, cfg.ewma_alpha));
+                st.latency_ms = Some(ewma::update(
+                    st.latency_ms,
+                    latency_ms as f64,
+                    cfg.ewma_alpha,
+                ));
             }
-            let changed = st.breaker.record(outcome, ticket.probe_epoch, now_ms, &bcfg);
+            let changed = st
+                .breaker
+                .record(outcome, ticket.probe_epoch, now_ms, &bcfg);
             if changed && st.breaker.state == BreakerState::Closed {
                 // All probes succeeded: the endpoint has genuinely recovered.
                 st.success_rate = 1.0;
@@ -411,7 +494,13 @@ impl<'a> Scheduler<'a> {
                 f
             }),
         }
-        .unwrap_or(Finished { breaker_changed: false, breaker: BreakerState::Closed, latency_ms: None, in_flight: 0, stored: false });
+        .unwrap_or(Finished {
+            breaker_changed: false,
+            breaker: BreakerState::Closed,
+            latency_ms: None,
+            in_flight: 0,
+            stored: false,
+        });
         if let Some(s) = session {
             let aff = self.affinity();
             let ok = match outcome {

@@ -77,11 +77,19 @@ impl Table {
         for (i, ep) in cfg.endpoints.iter().enumerate() {
             let state = match stored.entries.get(i) {
                 Some((id, st)) if *id == ep.id => *st,
-                _ => stored.entries.iter().find(|(id, _)| *id == ep.id).map(|(_, st)| *st).unwrap_or_default(),
+                _ => stored
+                    .entries
+                    .iter()
+                    .find(|(id, _)| *id == ep.id)
+                    .map(|(_, st)| *st)
+                    .unwrap_or_default(),
             };
             entries.push((ep.id, state));
         }
-        Table { budget: stored.budget, entries }
+        Table {
+            budget: stored.budget,
+            entries,
+        }
     }
 
     pub fn encode(&self) -> Vec<u8> {
@@ -171,13 +179,16 @@ impl Table {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use serde_json::json;
     #[cfg(target_arch = "wasm32")]
     use wasm_bindgen_test::wasm_bindgen_test as test;
-    use serde_json::json;
 
     #[test]
     fn round_trip_and_realignment() {
-        let cfg = Config::from_value(&json!({"endpoints":[{"name":"a","cluster":"a"},{"name":"b","cluster":"b"}]})).unwrap();
+        let cfg = Config::from_value(
+            &json!({"endpoints":[{"name":"a","cluster":"a"},{"name":"b","cluster":"b"}]}),
+        )
+        .unwrap();
         let mut t = Table::aligned(None, &cfg);
         t.entries[1].1.total = 42;
         t.entries[1].1.latency_ms = Some(12.5);
@@ -189,7 +200,10 @@ mod tests {
         longer.push(0);
         assert_eq!(Table::decode(&longer), None);
         // Reordered configuration keeps each endpoint's history.
-        let swapped = Config::from_value(&json!({"endpoints":[{"name":"b","cluster":"b"},{"name":"c","cluster":"c"}]})).unwrap();
+        let swapped = Config::from_value(
+            &json!({"endpoints":[{"name":"b","cluster":"b"},{"name":"c","cluster":"c"}]}),
+        )
+        .unwrap();
         let t2 = Table::aligned(Some(&bytes), &swapped);
         assert_eq!(t2.entries[0].1.total, 42);
         assert_eq!(t2.entries[1].1, EndpointState::default());

@@ -24,7 +24,11 @@ pub const CAS_RETRIES: usize = 8;
 /// Read-modify-write with bounded CAS retries. `f` gets the current bytes (or `None`) and
 /// returns the new bytes plus a result. Returns `Err(last_result)` when every attempt lost
 /// the race: the caller decides locally and counts it.
-pub fn update<R>(store: &dyn Store, key: &str, mut f: impl FnMut(Option<&[u8]>) -> (Vec<u8>, R)) -> Result<R, R> {
+pub fn update<R>(
+    store: &dyn Store,
+    key: &str,
+    mut f: impl FnMut(Option<&[u8]>) -> (Vec<u8>, R),
+) -> Result<R, R> {
     update_if(store, key, |bytes| {
         let (new, r) = f(bytes);
         (Some(new), r)
@@ -75,7 +79,11 @@ impl MemStore {
         self.map.borrow().len()
     }
     pub fn bytes(&self) -> usize {
-        self.map.borrow().iter().map(|(k, (v, _))| k.len() + v.len()).sum()
+        self.map
+            .borrow()
+            .iter()
+            .map(|(k, (v, _))| k.len() + v.len())
+            .sum()
     }
 }
 
