@@ -394,4 +394,15 @@ fn rendered_bootstrap_passes_envoy_validate() {
     );
     assert!(text.contains("\"allow_on_headers_stop_iteration\": true"));
     assert!(text.contains("\"failure_policy\": \"FAIL_RELOAD\""));
+    let v: Value = serde_json::from_str(&text).unwrap();
+    let route = v
+        .pointer("/static_resources/listeners/0/filter_chains/0/filters/0/typed_config/route_config/virtual_hosts/0/routes/0")
+        .cloned()
+        .unwrap_or(Value::Null);
+    assert_eq!(
+        route["request_headers_to_remove"],
+        json!(["x-route-to"]),
+        "{route}"
+    );
+    assert_eq!(route["route"]["cluster_header"], "x-route-to");
 }

@@ -123,6 +123,16 @@ pub fn render_bootstrap(
             r.insert(k.clone(), v.clone());
         }
     }
+    let mut route_entry = json!({"match": {"prefix": "/"}, "route": route});
+    if cfg.with_filter {
+        // As envoy/envoy.yaml: the upstream never sees the routing header.
+        if let Some(e) = route_entry.as_object_mut() {
+            e.insert(
+                "request_headers_to_remove".into(),
+                json!([cfg.routing_header()]),
+            );
+        }
+    }
     let mut http_filters = Vec::new();
     if cfg.with_filter {
         http_filters.push(json!({
@@ -198,7 +208,7 @@ pub fn render_bootstrap(
                             "virtual_hosts": [{
                                 "name": "all",
                                 "domains": ["*"],
-                                "routes": [{"match": {"prefix": "/"}, "route": route}],
+                                "routes": [route_entry],
                             }],
                         },
                         "http_filters": http_filters,
