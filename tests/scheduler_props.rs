@@ -1172,3 +1172,67 @@ proptest! {
         }
     }
 }
+
+/// The counterexample the probe-bound property found, as a fixed case: when every CAS retry
+/// of a pick loses, the pick must not send a probe whose slot was never stored (each worker
+/// losing its races would send one more). A closed endpoint takes the attempt instead; with
+/// none, the request cools down.
+#[test]
+fn cas_exhaustion_never_sends_an_unrecorded_probe() {
+    let cfg = Config::from_value(&json!({
+        "endpoints": [{"name": "a", "cluster": "ca", "weight": 10}, {"name": "b", "cluster": "cb"}],
+        "failure_threshold": 1, "open_ms": 100, "half_open_probes": 1, "cold_start_samples": 0,
+    }))
+    .unwrap();
+    let store = MemStore::new();
+    let s = Scheduler::new(&cfg, &store);
+    let ex = Exclusions::default();
+    let pick = Pick {
+        model: Some("m"),
+        session: None,
+        attempt: 1,
+        exclusions: &ex,
+    };
+    let d = s.pick(&pick, 0).unwrap();
+    assert_eq!(d.endpoint, 0, "the heavier endpoint first");
+    s.finish(
+        &d.ticket,
+        &Outcome::EndpointFailure(FailureKind::Timeout),
+        1,
+        None,
+        0,
+    );
+    // a is half-open at 100 with one free probe slot, but every write loses its race.
+    store.inject_conflicts.set(CAS_RETRIES as u32);
+    let d = s.pick(&pick, 100).unwrap();
+    assert_eq!(
+        (d.endpoint, d.ticket.counted, d.ticket.probe_epoch),
+        (1, false, None)
+    );
+    // b excluded: nothing closed is left, so no attempt at all rather than an unrecorded probe.
+    let only_a = Exclusions {
+        tried: vec![1],
+        ..Exclusions::default()
+    };
+    store.inject_conflicts.set(CAS_RETRIES as u32);
+    let r = s.pick(
+        &Pick {
+            exclusions: &only_a,
+            ..pick
+        },
+        100,
+    );
+    assert!(matches!(r, Err(NoEndpoint::CoolingDown { .. })), "{r:?}");
+    // Once writes land again, a's probe slot is still free and is taken, recorded.
+    let d = s
+        .pick(
+            &Pick {
+                exclusions: &only_a,
+                ..pick
+            },
+            100,
+        )
+        .unwrap();
+    assert_eq!(d.endpoint, 0);
+    assert!(d.ticket.counted && d.ticket.probe_epoch.is_some());
+}

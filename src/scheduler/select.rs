@@ -313,6 +313,42 @@ impl<'a> Scheduler<'a> {
         });
         match result {
             Ok(r) => r,
+            // CAS kept losing on a half-open probe: its slot was never stored, so sending it
+            // could exceed `half_open_probes` (every worker losing races would send one).
+            // Decide locally among the endpoints whose breaker is closed.
+            Err(Ok(d)) if d.ticket.probe_epoch.is_some() => {
+                let table = self.table();
+                let closed: Vec<usize> = candidates
+                    .iter()
+                    .copied()
+                    .filter(|&i| {
+                        table.entries.get(i).is_some_and(|(_, st)| {
+                            st.breaker.peek(now_ms, &bcfg) == Admission::Normal
+                        })
+                    })
+                    .collect();
+                if closed.is_empty() {
+                    return Err(NoEndpoint::CoolingDown {
+                        retry_at_ms: now_ms.saturating_add(1_000),
+                        all_rate_limited: false,
+                    });
+                }
+                let (i, reason, affinity) =
+                    self.choose(&table, &closed, pick, pinned.map(|p| p.1), now_ms, &bcfg)?;
+                let ticket = Ticket {
+                    endpoint: i,
+                    endpoint_id: self.cfg.endpoints.get(i).map_or(0, |e| e.id),
+                    probe_epoch: None,
+                    counted: false,
+                    started_ms: now_ms,
+                };
+                Ok(Decision {
+                    endpoint: i,
+                    reason,
+                    affinity,
+                    ticket,
+                })
+            }
             // CAS kept losing: go with the decision, but nothing was stored for it.
             Err(r) => r.map(|mut d| {
                 d.ticket.counted = false;
