@@ -440,6 +440,58 @@ fn all_endpoints_down_gives_a_prompt_503() {
 }
 
 #[test]
+fn envoy_and_callout_failures_answer_in_the_openai_shape() {
+    // Both endpoints refuse connections: the first attempt fails in Envoy's router (its local
+    // reply), the failover call fails inside the filter's callout. Either way the client gets
+    // the OpenAI error shape.
+    let a = MockUpstream::start("a", &[], &[]);
+    let b = MockUpstream::start("b", &[], &[]);
+    a.set_fault(json!({"mode": "refuse"}));
+    b.set_fault(json!({"mode": "refuse"}));
+    let plugin = json!({"endpoints": [{"name": "a", "cluster": "ca"}, {"name": "b", "cluster": "cb"}], "max_attempts": 2});
+    let envoy = Envoy::start(EnvoyConfig::new(
+        plugin.clone(),
+        &[("ca", a.port), ("cb", b.port)],
+    ));
+    let r = post_chat(envoy.port, &[], &chat_body("m", &["q"], Value::Null));
+    assert_eq!(r.header("x-computeflux-attempts"), Some("2"));
+    assert_openai_error(&r, 503, "upstream_unavailable");
+    drop(envoy);
+    // A single attempt: the router's own reply.
+    let mut one = plugin;
+    one["max_attempts"] = json!(1);
+    let envoy = Envoy::start(EnvoyConfig::new(one, &[("ca", a.port), ("cb", b.port)]));
+    let r = post_chat(envoy.port, &[], &chat_body("m", &["q"], Value::Null));
+    assert_openai_error(&r, 503, "upstream_unavailable");
+}
+
+#[test]
+fn streaming_responses_stream_through_on_the_happy_path() {
+    let a = MockUpstream::start(
+        "a",
+        &[],
+        &["--prefill-us-per-token", "0", "--decode-ms", "200"],
+    );
+    let plugin = json!({"endpoints": [{"name": "a", "cluster": "ca"}]});
+    let envoy = Envoy::start(EnvoyConfig::new(plugin, &[("ca", a.port)]));
+    let r = post_chat(
+        envoy.port,
+        &[("x-session-id", "sse")],
+        &chat_body("m", &["q"], json!({"stream": true})),
+    );
+    assert_eq!(r.status, 200);
+    assert_eq!(r.sse_data().last().map(String::as_str), Some("[DONE]"));
+    assert!(r.chunk_times.len() > 2, "not streamed: {:?}", r.chunk_times);
+    let first = r.chunk_times.first().copied().unwrap_or_default();
+    let last = r.chunk_times.last().copied().unwrap_or_default();
+    assert!(
+        last - first >= Duration::from_millis(100),
+        "chunks arrived together: {:?}",
+        r.chunk_times
+    );
+}
+
+#[test]
 fn invalid_configuration_is_refused_naming_the_field() {
     let plugin =
         json!({"endpoints": [{"name": "a", "cluster": "ca", "weight": -1}], "ewma_alpha": 2});

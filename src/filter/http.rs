@@ -446,6 +446,28 @@ impl Context for Http {
             );
             return;
         };
+        // A failure Envoy synthesized for the call (connect refused, overflow) rather than an
+        // upstream's answer: answer in the OpenAI shape, as the listener's local replies do.
+        if status >= 500
+            && !headers
+                .iter()
+                .any(|(n, _)| n == "x-envoy-upstream-service-time")
+        {
+            let name = self
+                .served_by
+                .and_then(|i| self.plugin.cfg.endpoints.get(i))
+                .map_or("?", |e| e.name.as_str());
+            let message =
+                format!("Endpoint {name} is unavailable (no response from the upstream).");
+            let body = openai_error(&message, "server_error", "upstream_unavailable");
+            let expose = self.expose();
+            let mut out: Vec<(&str, &[u8])> = vec![("content-type", b"application/json")];
+            for (n, v) in &expose {
+                out.push((n, v.as_bytes()));
+            }
+            host::send_response(u32::from(status), &out, body.as_bytes());
+            return;
+        }
         let expose = self.expose();
         let mut out: Vec<(&str, &[u8])> = headers
             .iter()

@@ -98,6 +98,19 @@ pub fn stats_tags(tags: &[String]) -> Value {
     Value::Array(rules)
 }
 
+/// As envoy/envoy.yaml: Envoy's own replies for upstream failures (connect failure, reset,
+/// timeout, no cluster) answer in the OpenAI error shape, like the filter's.
+pub fn local_reply_config() -> Value {
+    json!({"mappers": [{
+        "filter": {"response_flag_filter": {"flags": ["UF", "UH", "UT", "UC", "UO", "UR", "URX", "NC", "DC"]}},
+        "body_format_override": {"json_format": {"error": {
+            "message": "%LOCAL_REPLY_BODY%",
+            "type": "server_error",
+            "code": "upstream_unavailable",
+        }}},
+    }]})
+}
+
 /// The Envoy bootstrap for `cfg`, as JSON text (JSON is YAML, so Envoy reads it from a `.yaml`
 /// file too). `wasm` is the filter module; ports 0 let the OS choose.
 pub fn render_bootstrap(
@@ -198,6 +211,7 @@ pub fn render_bootstrap(
                     "typed_config": {
                         "@type": "type.googleapis.com/envoy.extensions.filters.network.http_connection_manager.v3.HttpConnectionManager",
                         "stat_prefix": "computeflux",
+                        "local_reply_config": local_reply_config(),
                         "codec_type": "AUTO",
                         "http2_protocol_options": {
                             "initial_stream_window_size": BUFFER,
