@@ -6,6 +6,13 @@
 //! Envoy config listens on, pins the Envoy version the tests run, and starts the mocks with
 //! flags they accept. Docker itself does not run on our machines: these checks stand in for
 //! `docker compose up`.
+// Test helpers fail loudly: that is their job.
+#![allow(
+    clippy::panic,
+    clippy::unwrap_used,
+    clippy::expect_used,
+    clippy::indexing_slicing
+)]
 
 mod deploy_support;
 mod support;
@@ -241,7 +248,7 @@ fn dockerfile(path: &Path) -> (Vec<String>, Vec<u64>) {
     let entry = text
         .lines()
         .filter_map(|l| l.strip_prefix("ENTRYPOINT "))
-        .last()
+        .next_back()
         .unwrap_or_else(|| panic!("{}: no ENTRYPOINT", path.display()));
     let entry: Value = serde_json::from_str(entry).unwrap();
     let expose = text
