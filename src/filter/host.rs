@@ -75,6 +75,13 @@ fn serialize_map(pairs: &[(&str, &[u8])]) -> Vec<u8> {
     out
 }
 
+/// The response code details of every reply the filter sends (its own errors and relayed
+/// failover answers). Envoy's `local_reply_config` must leave these alone: response flags such
+/// as `UF` stay set on the stream after a failed first attempt, so a mapper that matches on
+/// flags alone would also rewrite the answer of the endpoint the request failed over to.
+/// envoy/envoy.yaml excludes this value with a CEL filter.
+pub const REPLY_DETAILS: &str = "computeflux_reply";
+
 /// Sends a local reply. Returns false if the host refused (e.g. the stream is already gone).
 pub fn send_response(status: u32, headers: &[(&str, &[u8])], body: &[u8]) -> bool {
     let map = serialize_map(headers);
@@ -82,8 +89,8 @@ pub fn send_response(status: u32, headers: &[(&str, &[u8])], body: &[u8]) -> boo
     let st = unsafe {
         proxy_send_local_response(
             status,
-            null(),
-            0,
+            REPLY_DETAILS.as_ptr(),
+            REPLY_DETAILS.len(),
             if body.is_empty() {
                 null()
             } else {

@@ -102,7 +102,18 @@ pub fn stats_tags(tags: &[String]) -> Value {
 /// timeout, no cluster) answer in the OpenAI error shape, like the filter's.
 pub fn local_reply_config() -> Value {
     json!({"mappers": [{
-        "filter": {"response_flag_filter": {"flags": ["UF", "UH", "UT", "UC", "UO", "UR", "URX", "NC", "DC"]}},
+        // Not the filter's own replies (response details `computeflux_reply`): the flags stay
+        // set after a failed first attempt, also when the filter relays a failover's answer.
+        "filter": {"and_filter": {"filters": [
+            {"response_flag_filter": {"flags": ["UF", "UH", "UT", "UC", "UO", "UR", "URX", "NC", "DC"]}},
+            {"extension_filter": {
+                "name": "envoy.access_loggers.extension_filters.cel",
+                "typed_config": {
+                    "@type": "type.googleapis.com/envoy.extensions.access_loggers.filters.cel.v3.ExpressionFilter",
+                    "expression": "response.code_details != 'computeflux_reply'",
+                },
+            }},
+        ]}},
         "body_format_override": {"json_format": {"error": {
             "message": "%LOCAL_REPLY_BODY%",
             "type": "server_error",
