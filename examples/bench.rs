@@ -1,0 +1,345 @@
+//! The benchmark driver behind `scripts/bench`: routing quality of the filter against Envoy's
+//! own balancers, the filter's per-request overhead, and the scheduler microbenchmarks' figures,
+//! written as JSON, a markdown report and an SVG chart.
+//!
+//! Why: users ask how much better the filter is than what Envoy already gives them, and what it
+//! costs per request. Both answers are measured side by side in one run, reproducible with one
+//! command.
+//!
+//! ```text
+//! cargo run --release --example bench -- [--quick] [--out results/bench]
+//!     [--policies round_robin,least_request,ring_hash,maglev,computeflux]
+//!     [--scenarios steady,rate_limited,down,slow,join] [--no-routing] [--no-overhead]
+//!     [--sessions 200] [--turns 6] [--rate 20] [--think-ms 800] [--user-tokens 300]
+//!     [--second-model-share 0.2] [--seed 7] [--prefill-us-per-token 100] [--decode-ms 20]
+//!     [--max-concurrency 8] [--envoy-retries on|off] [--open-ms 3000]
+//!     [--overhead-reps 2] [--overhead-seconds 4] [--micro FILE | --micro-missing REASON]
+//!     [--date D] [--commit C] [--command CMD]
+//! ```
+//!
+//! Needs `.venv/bin/envoy` (or `ENVOY_BIN`), the release wasm module and mock (built by the
+//! harness if missing) and `wrk` on the PATH for the overhead part; `scripts/bench` sees to all.
+
+#[path = "bench/overhead.rs"]
+mod overhead;
+#[path = "bench/report.rs"]
+mod report;
+#[path = "bench/routing.rs"]
+mod routing;
+#[path = "../tests/support/mod.rs"]
+mod support;
+#[path = "bench/topology.rs"]
+mod topology;
+#[path = "bench/workload.rs"]
+mod workload;
+
+use std::path::PathBuf;
+use std::process::ExitCode;
+use std::time::{Duration, Instant};
+
+use serde_json::json;
+
+use routing::{RoutingOpts, Scenario};
+use topology::Policy;
+use workload::WorkloadParams;
+
+struct Args {
+    out: PathBuf,
+    quick: bool,
+    policies: Vec<Policy>,
+    scenarios: Vec<Scenario>,
+    routing: bool,
+    overhead: bool,
+    workload: WorkloadParams,
+    prefill_us: u64,
+    decode_ms: u64,
+    max_concurrency: u64,
+    envoy_retries: bool,
+    open_ms: u64,
+    overhead_reps: usize,
+    overhead_s: u64,
+    micro: Result<PathBuf, String>,
+    date: String,
+    commit: String,
+    command: String,
+}
+
+fn parse() -> Result<Args, String> {
+    let raw: Vec<String> = std::env::args().skip(1).collect();
+    let quick = raw.iter().any(|a| a == "--quick");
+    let mut a = Args {
+        out: support::repo_root().join("results/bench"),
+        quick,
+        policies: Policy::ALL.to_vec(),
+        scenarios: Scenario::ALL.to_vec(),
+        routing: true,
+        overhead: true,
+        workload: WorkloadParams {
+            sessions: if quick { 40 } else { 200 },
+            turns: if quick { 3 } else { 6 },
+            rate_per_s: 20.0,
+            think_ms: if quick { 400 } else { 800 },
+            user_tokens: 300,
+            second_model_share: 0.2,
+            seed: 7,
+        },
+        prefill_us: 100,
+        decode_ms: 20,
+        max_concurrency: 8,
+        envoy_retries: true,
+        open_ms: 3000,
+        overhead_reps: if quick { 1 } else { 2 },
+        overhead_s: if quick { 1 } else { 4 },
+        micro: Err(
+            "not run (pass --micro FILE with `cargo bench --bench scheduler` output)".into(),
+        ),
+        date: String::new(),
+        commit: String::new(),
+        command: String::new(),
+    };
+    let mut it = raw.into_iter();
+    while let Some(flag) = it.next() {
+        match flag.as_str() {
+            "--quick" => continue,
+            "--no-routing" => {
+                a.routing = false;
+                continue;
+            }
+            "--no-overhead" => {
+                a.overhead = false;
+                continue;
+            }
+            "-h" | "--help" => return Err("help".into()),
+            _ => {}
+        }
+        let v = it.next().ok_or_else(|| format!("{flag} needs a value"))?;
+        let int = |v: &str| {
+            v.parse::<u64>()
+                .map_err(|_| format!("{flag}: not a non-negative integer: {v:?}"))
+        };
+        let float = |v: &str| {
+            v.parse::<f64>()
+                .ok()
+                .filter(|x| x.is_finite() && *x >= 0.0)
+                .ok_or_else(|| format!("{flag}: not a non-negative number: {v:?}"))
+        };
+        match flag.as_str() {
+            "--out" => a.out = PathBuf::from(v),
+            "--policies" => {
+                a.policies = v
+                    .split(',')
+                    .map(|p| Policy::parse(p.trim()).ok_or_else(|| format!("unknown policy {p:?}")))
+                    .collect::<Result<_, _>>()?
+            }
+            "--scenarios" => {
+                a.scenarios = v
+                    .split(',')
+                    .map(|p| {
+                        Scenario::parse(p.trim()).ok_or_else(|| format!("unknown scenario {p:?}"))
+                    })
+                    .collect::<Result<_, _>>()?
+            }
+            "--sessions" => a.workload.sessions = int(&v)?.max(1) as usize,
+            "--turns" => a.workload.turns = int(&v)?.max(1) as usize,
+            "--rate" => a.workload.rate_per_s = float(&v)?.max(0.01),
+            "--think-ms" => a.workload.think_ms = int(&v)?,
+            "--user-tokens" => a.workload.user_tokens = int(&v)?.max(1) as usize,
+            "--second-model-share" => a.workload.second_model_share = float(&v)?.min(1.0),
+            "--seed" => a.workload.seed = int(&v)?,
+            "--prefill-us-per-token" => a.prefill_us = int(&v)?,
+            "--decode-ms" => a.decode_ms = int(&v)?,
+            "--max-concurrency" => a.max_concurrency = int(&v)?,
+            "--envoy-retries" => a.envoy_retries = v == "on",
+            "--open-ms" => a.open_ms = int(&v)?.max(1),
+            "--overhead-reps" => a.overhead_reps = int(&v)?.max(1) as usize,
+            "--overhead-seconds" => a.overhead_s = int(&v)?.max(1),
+            "--micro" => a.micro = Ok(PathBuf::from(v)),
+            "--micro-missing" => a.micro = Err(v),
+            "--date" => a.date = v,
+            "--commit" => a.commit = v,
+            "--command" => a.command = v,
+            other => return Err(format!("unknown flag {other}")),
+        }
+    }
+    Ok(a)
+}
+
+fn envoy_version() -> String {
+    let bin = support::envoy_bin();
+    std::process::Command::new(bin)
+        .arg("--version")
+        .output()
+        .ok()
+        .and_then(|o| {
+            // "<path>  version: <sha>/1.40.0/Clean/RELEASE/BoringSSL"
+            let text = String::from_utf8_lossy(&o.stdout).into_owned();
+            let after = text.split_once("version:")?.1.trim().to_string();
+            after.split('/').nth(1).map(str::to_string)
+        })
+        .unwrap_or_else(|| "?".into())
+}
+
+fn machine() -> String {
+    let cores = std::thread::available_parallelism().map_or(0, |n| n.get());
+    let load = std::fs::read_to_string("/proc/loadavg")
+        .ok()
+        .and_then(|l| l.split_whitespace().next().map(str::to_string))
+        .unwrap_or_else(|| "?".into());
+    format!("{cores} cores (load average {load} at start, shared with other work)")
+}
+
+fn run(a: Args) -> Result<(), String> {
+    let started = Instant::now();
+    std::fs::create_dir_all(&a.out).map_err(|e| format!("{}: {e}", a.out.display()))?;
+    let tmp = support::repo_root().join("results/tmp/bench");
+    std::fs::create_dir_all(&tmp).map_err(|e| format!("{}: {e}", tmp.display()))?;
+    let wasm = support::wasm_path();
+    let mock_args: Vec<String> = vec![
+        "--prefill-us-per-token".into(),
+        a.prefill_us.to_string(),
+        "--decode-ms".into(),
+        a.decode_ms.to_string(),
+        "--max-concurrency".into(),
+        a.max_concurrency.to_string(),
+    ];
+    let opts = RoutingOpts {
+        mock_args: mock_args.clone(),
+        concurrency: 2,
+        envoy_retries: a.envoy_retries,
+        open_ms: a.open_ms,
+        request_timeout: Duration::from_secs(30),
+        raw_dir: Some(tmp.clone()),
+    };
+    let plans = workload::plan(&a.workload);
+    let span_ms = workload::SessionPlan::last_arrival_ms(&plans);
+
+    let mut rows = Vec::new();
+    if a.routing {
+        let total = a.scenarios.len() * a.policies.len();
+        let mut n = 0;
+        // Scenario outer, policy inner: the rows that are compared run close together in time.
+        for &sc in &a.scenarios {
+            for &p in &a.policies {
+                n += 1;
+                eprintln!("bench: routing {n}/{total}: {} × {}", p.name(), sc.name());
+                let s = routing::run(p, sc, &plans, &opts, &wasm)?;
+                eprintln!(
+                    "bench:   cached {:.1} %, same endpoint {:.1} %, p50 {:.1} ms, p99 {:.1} ms, errors {}/{} ({} wrong model), {:.1} s",
+                    s.cached_ratio * 100.0,
+                    s.same_endpoint_share * 100.0,
+                    s.p50_ms,
+                    s.p99_ms,
+                    s.errors,
+                    s.requests,
+                    s.wrong_model,
+                    s.wall_s
+                );
+                rows.push(s);
+            }
+        }
+        routing::relate_costs(&mut rows);
+    }
+
+    let oh_opts = overhead::OverheadOpts {
+        concurrencies: vec![1, 2],
+        throughput_s: a.overhead_s,
+        latency_s: a.overhead_s.saturating_sub(1).max(1),
+        reps: a.overhead_reps,
+        connections: 16,
+        work_dir: tmp.clone(),
+    };
+    let cases = if a.overhead {
+        eprintln!("bench: overhead");
+        overhead::run(&oh_opts, &wasm)?
+    } else {
+        Vec::new()
+    };
+
+    let micro = match &a.micro {
+        Ok(p) => std::fs::read_to_string(p).map_err(|e| format!("reading {}: {e}", p.display())),
+        Err(e) => Err(e.clone()),
+    };
+    let example_cfg = topology::plugin_config(
+        topology::ENDPOINTS.get(..4).unwrap_or(&[]),
+        a.open_ms,
+    );
+    let meta = report::Meta {
+        date: a.date.clone(),
+        commit: a.commit.clone(),
+        command: a.command.clone(),
+        mode: if a.quick {
+            "quick".into()
+        } else {
+            "full".into()
+        },
+        machine: machine(),
+        envoy_version: envoy_version(),
+        params: json!({
+            "workload": {
+                "sessions": a.workload.sessions, "turns": a.workload.turns,
+                "rate_per_s": a.workload.rate_per_s, "think_ms": a.workload.think_ms,
+                "user_tokens": a.workload.user_tokens,
+                "second_model_share": a.workload.second_model_share, "seed": a.workload.seed,
+                "arrival_span_ms": span_ms,
+            },
+            "mock_args": mock_args,
+            "concurrency": opts.concurrency,
+            "envoy_retries": a.envoy_retries,
+            "envoy_retry_policy": topology::envoy_retry_policy(),
+            "plugin_config_example": example_cfg,
+            "overhead": {
+                "concurrencies": oh_opts.concurrencies, "throughput_s": oh_opts.throughput_s,
+                "latency_s": oh_opts.latency_s, "reps": oh_opts.reps,
+                "connections": oh_opts.connections, "load_generator": "wrk",
+            },
+            "wall_s": started.elapsed().as_secs(),
+        }),
+        scenarios: a
+            .scenarios
+            .iter()
+            .map(|s| (s.name().to_string(), s.describe(span_ms)))
+            .collect(),
+    };
+    let rep = report::Report {
+        meta,
+        routing: &rows,
+        overhead: &cases,
+        wasm_bytes: std::fs::metadata(&wasm).ok().map(|m| m.len()),
+        micro,
+    };
+    let json_text = serde_json::to_string_pretty(&rep.json()).map_err(|e| e.to_string())? + "\n";
+    let files = [
+        ("results.json", json_text),
+        ("results.md", rep.markdown()),
+        ("chart.svg", rep.svg()),
+        ("summary-table.md", rep.summary_table()),
+    ];
+    for (name, text) in files {
+        let p = a.out.join(name);
+        std::fs::write(&p, text).map_err(|e| format!("{}: {e}", p.display()))?;
+        eprintln!("bench: wrote {}", p.display());
+    }
+    eprintln!("bench: done in {:.0} s", started.elapsed().as_secs_f64());
+    Ok(())
+}
+
+fn main() -> ExitCode {
+    let args = match parse() {
+        Ok(a) => a,
+        Err(e) if e == "help" => {
+            println!("see the module docs of examples/bench.rs (or scripts/bench --help)");
+            return ExitCode::SUCCESS;
+        }
+        Err(e) => {
+            eprintln!("bench: {e}");
+            return ExitCode::from(2);
+        }
+    };
+    match run(args) {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("bench: {e}");
+            ExitCode::FAILURE
+        }
+    }
+}

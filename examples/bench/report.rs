@@ -1,0 +1,591 @@
+//! The bench's outputs: `results.json` (everything), `results.md` (tables) and `chart.svg`
+//! (per-policy p50/p99 latency and cached-token ratio per scenario), hand-written SVG.
+
+use std::collections::BTreeMap;
+use std::fmt::Write as _;
+
+use serde_json::{json, Value};
+
+use super::overhead::Case;
+use super::routing::{Scenario, Summary};
+use super::topology::Policy;
+
+/// Facts about the run that go at the top of every output.
+pub struct Meta {
+    pub date: String,
+    pub commit: String,
+    pub command: String,
+    pub mode: String,
+    pub machine: String,
+    pub envoy_version: String,
+    pub params: Value,
+    /// Scenario name → its description (with the run's timings).
+    pub scenarios: Vec<(String, String)>,
+}
+
+pub struct Report<'a> {
+    pub meta: Meta,
+    pub routing: &'a [Summary],
+    pub overhead: &'a [Case],
+    pub wasm_bytes: Option<u64>,
+    /// `cargo bench --bench scheduler` output, if it ran; else why not.
+    pub micro: Result<String, String>,
+}
+
+fn pct(x: f64) -> String {
+    if x.is_finite() {
+        format!("{:.1} %", x * 100.0)
+    } else {
+        "–".into()
+    }
+}
+
+fn ms(x: f64) -> String {
+    if !x.is_finite() {
+        "–".into()
+    } else if x >= 100.0 {
+        format!("{x:.0}")
+    } else {
+        format!("{x:.1}")
+    }
+}
+
+fn opt(x: Option<f64>, f: impl Fn(f64) -> String) -> String {
+    x.filter(|v| v.is_finite()).map_or("–".into(), f)
+}
+
+/// The lines of the scheduler bench output worth keeping: criterion's `time:` lines with the
+/// benchmark names before them, and the bench's own summary table.
+pub fn micro_figures(text: &str) -> String {
+    let lines: Vec<&str> = text.lines().collect();
+    let mut out = Vec::new();
+    let mut in_summary = false;
+    for (i, l) in lines.iter().enumerate() {
+        if l.starts_with("summary") {
+            in_summary = true;
+        }
+        if in_summary {
+            out.push(l.to_string());
+            continue;
+        }
+        let t = l.trim();
+        if t.starts_with("time:") {
+            // A long benchmark name stands on the line before its figures.
+            let name = i
+                .checked_sub(1)
+                .and_then(|j| lines.get(j))
+                .map_or("", |n| n.trim());
+            out.push(format!("{name} {t}"));
+        } else if t.contains("time:") && t.contains('[') {
+            out.push(t.to_string());
+        }
+    }
+    out.join("\n")
+}
+
+fn overhead_pairs(cases: &[Case]) -> Vec<(&Case, &Case)> {
+    let mut out = Vec::new();
+    for a in cases.iter().filter(|c| c.route == "no_wasm") {
+        if let Some(b) = cases
+            .iter()
+            .find(|c| c.route == "filter" && c.concurrency == a.concurrency && c.body == a.body)
+        {
+            out.push((a, b));
+        }
+    }
+    out
+}
+
+impl Report<'_> {
+    fn row<'b>(&'b self, policy: &str, scenario: &str) -> Option<&'b Summary> {
+        self.routing
+            .iter()
+            .find(|r| r.policy == policy && r.scenario == scenario)
+    }
+
+    fn scenarios(&self) -> Vec<&'static str> {
+        Scenario::ALL
+            .iter()
+            .map(Scenario::name)
+            .filter(|s| self.routing.iter().any(|r| r.scenario == *s))
+            .collect()
+    }
+
+    fn policies(&self) -> Vec<&'static str> {
+        Policy::ALL
+            .iter()
+            .map(Policy::name)
+            .filter(|p| self.routing.iter().any(|r| r.policy == *p))
+            .collect()
+    }
+
+    pub fn json(&self) -> Value {
+        let m = &self.meta;
+        json!({
+            "date": m.date,
+            "commit": m.commit,
+            "command": m.command,
+            "mode": m.mode,
+            "machine": m.machine,
+            "envoy_version": m.envoy_version,
+            "params": m.params,
+            "scenarios": m.scenarios.iter().map(|(k, v)| json!({"name": k, "description": v})).collect::<Vec<_>>(),
+            "routing": self.routing.iter().map(Summary::to_json).collect::<Vec<_>>(),
+            "overhead": self.overhead.iter().map(Case::to_json).collect::<Vec<_>>(),
+            "wasm_module_bytes": self.wasm_bytes,
+            "scheduler_microbench": match &self.micro {
+                Ok(t) => json!({"figures": micro_figures(t)}),
+                Err(e) => json!({"missing": e}),
+            },
+        })
+    }
+
+    /// The compact policy × scenario table (also used in the README).
+    pub fn summary_table(&self) -> String {
+        let scen = self.scenarios();
+        let mut s = String::new();
+        let _ = write!(s, "| policy |");
+        for sc in &scen {
+            let _ = write!(s, " {sc} |");
+        }
+        let _ = write!(s, "\n|---|");
+        for _ in &scen {
+            let _ = write!(s, "---|");
+        }
+        s.push('\n');
+        for p in self.policies() {
+            let _ = write!(s, "| {p} |");
+            for sc in &scen {
+                match self.row(p, sc) {
+                    Some(r) => {
+                        let _ = write!(
+                            s,
+                            " {} · {} ms · {} |",
+                            pct(r.cached_ratio),
+                            ms(r.p99_ms),
+                            pct(r.error_rate())
+                        );
+                    }
+                    None => s.push_str(" – |"),
+                }
+            }
+            s.push('\n');
+        }
+        s
+    }
+
+    pub fn overhead_table(&self) -> String {
+        let mut s = String::from(
+            "| --concurrency | body | route | req/s (16 conns) | filter ÷ no-wasm | p50 µs (1 conn) | p99 µs (1 conn) | added p50 µs | Envoy CPU µs/req (16 conns) | Envoy CPU µs/req (1 conn) | errors |\n|---|---|---|---|---|---|---|---|---|---|---|\n",
+        );
+        for (a, b) in overhead_pairs(self.overhead) {
+            for c in [a, b] {
+                let is_b = std::ptr::eq(c, b);
+                let _ = writeln!(
+                    s,
+                    "| {} | {} ({} B) | {} | {:.0} | {} | {:.0} | {:.0} | {} | {:.1} | {:.1} | {} |",
+                    c.concurrency,
+                    c.body,
+                    c.body_bytes,
+                    c.route,
+                    c.rps,
+                    if is_b { pct(b.rps / a.rps) } else { String::new() },
+                    c.p50_us,
+                    c.p99_us,
+                    if is_b {
+                        format!("{:+.0}", b.p50_us - a.p50_us)
+                    } else {
+                        String::new()
+                    },
+                    c.envoy_cpu_us,
+                    c.envoy_cpu_us_one_conn,
+                    c.errors
+                );
+            }
+        }
+        s
+    }
+
+    pub fn markdown(&self) -> String {
+        let m = &self.meta;
+        let mut s = String::new();
+        let _ = writeln!(s, "# ComputeFlux benchmarks\n");
+        let _ = writeln!(
+            s,
+            "Run {} ({} mode) at commit `{}` with `{}` on {}; Envoy {}. Generated by \
+             `examples/bench.rs`; all figures from this one run.\n",
+            m.date, m.mode, m.commit, m.command, m.machine, m.envoy_version
+        );
+        let _ = writeln!(
+            s,
+            "![per-policy latency and cached-token ratio](chart.svg)\n"
+        );
+        let _ = writeln!(
+            s,
+            "## Summary: cached-token ratio · p99 latency · client-visible error rate\n"
+        );
+        s.push_str(&self.summary_table());
+        s.push('\n');
+
+        let _ = writeln!(s, "## 1. Routing quality\n");
+        let p = &m.params;
+        let g = |k: &str| p.pointer(k).cloned().unwrap_or(Value::Null);
+        let _ = writeln!(
+            s,
+            "Workload: {} sessions × {} turns, Poisson arrivals at {} sessions/s, think time {} ms \
+             mean (±50 %), {} new prompt tokens per user turn (each turn resends the transcript), \
+             {} of sessions on the second model `m2`; no shared system prompt; seed {}. \
+             Endpoints: mock vLLM-style prefix-cache instances `a`,`b` (serve `m1`,`m2`), `c`,`d` \
+             (`m1`), mock flags `{}`. Envoy `--concurrency {}`. Envoy policies: one cluster of all \
+             hosts, `hash_policy` on `x-session-id` for ring_hash/maglev, route retry policy: {}. \
+             computeflux: one cluster per endpoint, `cluster_header` route, plugin config `{}`.\n",
+            g("/workload/sessions"),
+            g("/workload/turns"),
+            g("/workload/rate_per_s"),
+            g("/workload/think_ms"),
+            g("/workload/user_tokens"),
+            pct(g("/workload/second_model_share").as_f64().unwrap_or(f64::NAN)),
+            g("/workload/seed"),
+            g("/mock_args").as_array().map(|a| a.iter().filter_map(Value::as_str).collect::<Vec<_>>().join(" ")).unwrap_or_default(),
+            g("/concurrency"),
+            if g("/envoy_retries").as_bool().unwrap_or(false) {
+                format!("`{}`", g("/envoy_retry_policy"))
+            } else {
+                "none".into()
+            },
+            g("/plugin_config_example"),
+        );
+        let _ = writeln!(
+            s,
+            "Columns: *cached* = cached / prompt tokens over successful responses (`usage`); \
+             *same ep.* = follow-up turns answered by the endpoint that answered the session's \
+             previous turn (`x-mock-endpoint`; both turns successful); latency = request sent → \
+             whole response read, successful requests; *errors* = client-visible non-2xx or \
+             I/O errors, *404* the part that are `model_not_found` (an `m2` request sent to an \
+             `m1`-only host); *cost* = (uncached + 0.5 × cached prompt tokens) per prompt token, \
+             relative to round_robin; *upstream/req* = chat requests the mocks received per client \
+             request (retries, failovers). Fault scenarios add the error count and p99 *during* \
+             the fault and the cached ratio *after* it (steady run, same time window, in \
+             parentheses).\n"
+        );
+        for (sc, desc) in &m.scenarios {
+            if !self.routing.iter().any(|r| &r.scenario == sc) {
+                continue;
+            }
+            let _ = writeln!(s, "### {sc}: {desc}\n");
+            let fault = sc != "steady";
+            s.push_str("| policy | cached | same ep. | p50 ms | p99 ms | errors | 404 | cost | upstream/req |");
+            if fault {
+                s.push_str(" errors during | p99 during ms | cached after (steady) |");
+            }
+            s.push_str("\n|---|---|---|---|---|---|---|---|---|");
+            if fault {
+                s.push_str("---|---|---|");
+            }
+            s.push('\n');
+            for p in self.policies() {
+                let Some(r) = self.row(p, sc) else { continue };
+                let _ = write!(
+                    s,
+                    "| {} | {} | {} | {} | {} | {} ({}) | {} | {} | {:.2} |",
+                    p,
+                    pct(r.cached_ratio),
+                    pct(r.same_endpoint_share),
+                    ms(r.p50_ms),
+                    ms(r.p99_ms),
+                    pct(r.error_rate()),
+                    r.errors,
+                    r.wrong_model,
+                    opt(r.cost_vs_round_robin, |c| format!("{c:.3}")),
+                    r.upstream_per_request
+                );
+                if fault {
+                    let during = r.phases.get("during");
+                    let after = r.phases.get("after").map(|a| a.cached_ratio);
+                    // The steady run's requests in the same window.
+                    let steady_after = self
+                        .row(p, "steady")
+                        .and_then(|st| st.phases.get(&format!("after:{sc}")))
+                        .map(|a| a.cached_ratio);
+                    let _ = write!(
+                        s,
+                        " {} | {} | {} ({}) |",
+                        during.map_or("–".into(), |d| d.errors.to_string()),
+                        during.map_or("–".into(), |d| ms(d.p99_ms)),
+                        opt(after, pct),
+                        opt(steady_after, pct)
+                    );
+                }
+                s.push('\n');
+            }
+            let kinds: BTreeMap<&str, Vec<String>> = self
+                .routing
+                .iter()
+                .filter(|r| &r.scenario == sc && !r.error_kinds.is_empty())
+                .map(|r| {
+                    (
+                        r.policy.as_str(),
+                        r.error_kinds
+                            .iter()
+                            .map(|(k, v)| format!("{k} ×{v}"))
+                            .collect(),
+                    )
+                })
+                .collect();
+            if !kinds.is_empty() {
+                s.push_str("\nErrors by kind: ");
+                let parts: Vec<String> = kinds
+                    .iter()
+                    .map(|(p, k)| format!("{p}: {}", k.join(", ")))
+                    .collect();
+                s.push_str(&parts.join("; "));
+                s.push('\n');
+            }
+            s.push('\n');
+        }
+
+        let _ = writeln!(s, "## 2. Overhead\n");
+        if self.overhead.is_empty() {
+            s.push_str("Not run.\n\n");
+        } else {
+            let _ = writeln!(
+                s,
+                "`wrk` (Debian) POSTs one fixed chat body through Envoy to one mock upstream with \
+                 zero prefill/decode time. *no_wasm*: static route to one cluster; *filter*: the \
+                 computeflux filter choosing among four endpoint clusters (all that same upstream). \
+                 The two Envoys run side by side and are measured alternately ({} times each); \
+                 medians. req/s: 16 keep-alive connections, one wrk thread, everything (wrk, Envoy, \
+                 the mock) sharing the machine's cores; latency: one connection (requests one at \
+                 a time); Envoy CPU: user+system time of the Envoy process during the req/s run \
+                 divided by its requests. Parameters: {}.\n",
+                m.params.pointer("/overhead/reps").cloned().unwrap_or(Value::Null),
+                m.params.get("overhead").cloned().unwrap_or(Value::Null)
+            );
+            s.push_str(&self.overhead_table());
+            s.push('\n');
+            for (a, b) in overhead_pairs(self.overhead) {
+                if a.concurrency == 1 && a.body == "small" {
+                    let share = b.rps / a.rps;
+                    let added = b.p50_us - a.p50_us;
+                    let _ = writeln!(
+                        s,
+                        "Targets (concurrency 1, small body): filter throughput ≥ 85 % of no-wasm: \
+                         **{}** ({}); added p50 ≤ 150 µs: **{:+.0} µs** ({}).\n",
+                        pct(share),
+                        if share >= 0.85 { "met" } else { "missed" },
+                        added,
+                        if added <= 150.0 { "met" } else { "missed" }
+                    );
+                }
+            }
+        }
+        let _ =
+            writeln!(
+            s,
+            "Wasm module (`target/wasm32-wasip1/release/computeflux.wasm`, release profile): {}.\n",
+            self.wasm_bytes
+                .map_or("not found".into(), |b| format!("{b} bytes ({:.0} KiB)", b as f64 / 1024.0))
+        );
+
+        let _ = writeln!(s, "## 3. Scheduler microbenchmarks\n");
+        match &self.micro {
+            Ok(t) => {
+                let _ = writeln!(
+                    s,
+                    "`cargo bench --bench scheduler` (criterion, native, in-memory store), printed \
+                     figures:\n\n```text\n{}\n```\n",
+                    micro_figures(t)
+                );
+            }
+            Err(e) => {
+                let _ = writeln!(s, "Not included: {e}\n");
+            }
+        }
+        s
+    }
+
+    /// Two rows of panels, one column per scenario: p50/p99 latency (log scale) and the
+    /// cached-token ratio, one bar group per policy.
+    pub fn svg(&self) -> String {
+        let scen = self.scenarios();
+        let pols = self.policies();
+        let colors = ["#8c8c8c", "#5b8fd9", "#e0a030", "#9b6bcc", "#2a9d5c"];
+        let color = |p: &str| {
+            Policy::ALL
+                .iter()
+                .position(|x| x.name() == p)
+                .and_then(|i| colors.get(i))
+                .copied()
+                .unwrap_or("#444")
+        };
+        let panel_w = 200.0;
+        let left = 60.0;
+        let width = left + panel_w * scen.len().max(1) as f64 + 20.0;
+        let (lat_top, lat_h) = (70.0, 230.0);
+        let (hit_top, hit_h) = (360.0, 150.0);
+        let height = hit_top + hit_h + 70.0;
+        let (lo, hi) = (10.0f64.log10(), 30_000.0f64.log10());
+        let y_lat = |v: f64| {
+            let l = v.max(10.0).log10().min(hi);
+            lat_top + lat_h - (l - lo) / (hi - lo) * lat_h
+        };
+        let y_hit = |v: f64| hit_top + hit_h - v.clamp(0.0, 1.0) * hit_h;
+        let mut s = String::new();
+        let _ = writeln!(
+            s,
+            r##"<svg xmlns="http://www.w3.org/2000/svg" width="{width:.0}" height="{height:.0}" viewBox="0 0 {width:.0} {height:.0}" font-family="Helvetica, Arial, sans-serif" font-size="11">"##
+        );
+        let _ = writeln!(s, r##"<rect width="100%" height="100%" fill="white"/>"##);
+        let _ = writeln!(
+            s,
+            r##"<text x="{left}" y="22" font-size="15" font-weight="bold">ComputeFlux vs Envoy balancers: latency (p50 light, p99 dark) and cached-token ratio</text>"##
+        );
+        let _ = writeln!(
+            s,
+            r##"<text x="{left}" y="40" fill="#555">{} · {} mode · commit {} · {}</text>"##,
+            esc(&self.meta.date),
+            esc(&self.meta.mode),
+            esc(&self.meta.commit),
+            esc(&self.meta.command)
+        );
+        // Axes labels and grid.
+        for t in [10.0, 100.0, 1000.0, 10_000.0] {
+            let y = y_lat(t);
+            let _ = writeln!(
+                s,
+                r##"<line x1="{left}" x2="{:.0}" y1="{y:.1}" y2="{y:.1}" stroke="#e4e4e4"/><text x="{:.0}" y="{:.1}" text-anchor="end" fill="#555">{}</text>"##,
+                width - 20.0,
+                left - 6.0,
+                y + 4.0,
+                if t >= 1000.0 {
+                    format!("{} s", t / 1000.0)
+                } else {
+                    format!("{t} ms")
+                }
+            );
+        }
+        for t in [0.0, 0.25, 0.5, 0.75, 1.0] {
+            let y = y_hit(t);
+            let _ = writeln!(
+                s,
+                r##"<line x1="{left}" x2="{:.0}" y1="{y:.1}" y2="{y:.1}" stroke="#e4e4e4"/><text x="{:.0}" y="{:.1}" text-anchor="end" fill="#555">{:.0} %</text>"##,
+                width - 20.0,
+                left - 6.0,
+                y + 4.0,
+                t * 100.0
+            );
+        }
+        let _ = writeln!(
+            s,
+            r##"<text x="14" y="{:.0}" transform="rotate(-90 14 {:.0})" text-anchor="middle" fill="#333">latency (log)</text>"##,
+            lat_top + lat_h / 2.0,
+            lat_top + lat_h / 2.0
+        );
+        let _ = writeln!(
+            s,
+            r##"<text x="14" y="{:.0}" transform="rotate(-90 14 {:.0})" text-anchor="middle" fill="#333">cached tokens</text>"##,
+            hit_top + hit_h / 2.0,
+            hit_top + hit_h / 2.0
+        );
+        let group_w = (panel_w - 20.0) / pols.len().max(1) as f64;
+        for (si, sc) in scen.iter().enumerate() {
+            let x0 = left + si as f64 * panel_w + 10.0;
+            let _ = writeln!(
+                s,
+                r##"<text x="{:.1}" y="{:.0}" text-anchor="middle" font-weight="bold">{sc}</text>"##,
+                x0 + (panel_w - 20.0) / 2.0,
+                lat_top - 8.0
+            );
+            if si > 0 {
+                let xs = x0 - 10.0;
+                let _ = writeln!(
+                    s,
+                    r##"<line x1="{xs:.1}" x2="{xs:.1}" y1="{:.0}" y2="{:.0}" stroke="#bbb" stroke-dasharray="3,3"/>"##,
+                    lat_top - 20.0,
+                    hit_top + hit_h
+                );
+            }
+            for (pi, p) in pols.iter().enumerate() {
+                let Some(r) = self.row(p, sc) else { continue };
+                let gx = x0 + pi as f64 * group_w;
+                let bw = (group_w - 6.0) / 2.0;
+                let base = lat_top + lat_h;
+                for (k, (v, op)) in [(r.p50_ms, 0.45), (r.p99_ms, 1.0)].iter().enumerate() {
+                    if !v.is_finite() {
+                        continue;
+                    }
+                    let x = gx + 2.0 + k as f64 * bw;
+                    let y = y_lat(*v);
+                    let _ = writeln!(
+                        s,
+                        r##"<rect x="{x:.1}" y="{y:.1}" width="{bw:.1}" height="{:.1}" fill="{}" fill-opacity="{op}"><title>{p} {sc} {}: {:.1} ms</title></rect>"##,
+                        (base - y).max(0.5),
+                        color(p),
+                        if k == 0 { "p50" } else { "p99" },
+                        v
+                    );
+                }
+                if r.p99_ms.is_finite() {
+                    let _ = writeln!(
+                        s,
+                        r##"<text x="{:.1}" y="{:.1}" text-anchor="middle" font-size="9" fill="#333">{}</text>"##,
+                        gx + 2.0 + 1.5 * bw,
+                        y_lat(r.p99_ms) - 3.0,
+                        ms(r.p99_ms)
+                    );
+                }
+                if r.cached_ratio.is_finite() {
+                    let y = y_hit(r.cached_ratio);
+                    let _ = writeln!(
+                        s,
+                        r##"<rect x="{:.1}" y="{y:.1}" width="{:.1}" height="{:.1}" fill="{}"><title>{p} {sc}: {:.1} % cached</title></rect><text x="{:.1}" y="{:.1}" text-anchor="middle" font-size="9" fill="#333">{:.0}</text>"##,
+                        gx + 2.0,
+                        group_w - 6.0,
+                        (hit_top + hit_h - y).max(0.5),
+                        color(p),
+                        r.cached_ratio * 100.0,
+                        gx + 2.0 + (group_w - 6.0) / 2.0,
+                        y - 3.0,
+                        r.cached_ratio * 100.0
+                    );
+                }
+                if r.errors > 0 {
+                    let _ = writeln!(
+                        s,
+                        r##"<text x="{:.1}" y="{:.1}" text-anchor="middle" font-size="9" fill="#c0392b">{}</text>"##,
+                        gx + 2.0 + (group_w - 6.0) / 2.0,
+                        hit_top + hit_h + 14.0,
+                        pct(r.error_rate()).replace(" %", "%")
+                    );
+                }
+            }
+        }
+        let _ = writeln!(
+            s,
+            r##"<text x="{left}" y="{:.0}" font-size="9" fill="#c0392b">red: client-visible error rate</text>"##,
+            hit_top + hit_h + 28.0
+        );
+        // Legend.
+        let ly = height - 22.0;
+        for (i, p) in pols.iter().enumerate() {
+            let lx = left + i as f64 * 150.0;
+            let _ = writeln!(
+                s,
+                r##"<rect x="{lx:.0}" y="{:.0}" width="12" height="12" fill="{}"/><text x="{:.0}" y="{:.0}">{p}</text>"##,
+                ly - 10.0,
+                color(p),
+                lx + 16.0,
+                ly
+            );
+        }
+        s.push_str("</svg>\n");
+        s
+    }
+}
+
+fn esc(s: &str) -> String {
+    s.replace('&', "&amp;")
+        .replace('<', "&lt;")
+        .replace('>', "&gt;")
+        .replace('"', "&quot;")
+}
