@@ -202,17 +202,38 @@ fn normalize(v: &mut Value, compose: bool) -> Vec<(String, String, u64)> {
     endpoints
 }
 
+/// The first JSON pointer at which `a` and `b` differ, with both values.
+fn first_difference(a: &Value, b: &Value, at: String) -> Option<String> {
+    match (a, b) {
+        (Value::Object(x), Value::Object(y)) => {
+            let keys: std::collections::BTreeSet<&String> = x.keys().chain(y.keys()).collect();
+            keys.into_iter().find_map(|k| match (x.get(k), y.get(k)) {
+                (Some(p), Some(q)) => first_difference(p, q, format!("{at}/{k}")),
+                (p, q) => Some(format!("{at}/{k}: envoy.yaml {p:?} vs compose {q:?}")),
+            })
+        }
+        (Value::Array(x), Value::Array(y)) if x.len() == y.len() => x
+            .iter()
+            .zip(y)
+            .enumerate()
+            .find_map(|(i, (p, q))| first_difference(p, q, format!("{at}/{i}"))),
+        _ if a == b => None,
+        _ => Some(format!("{at}: envoy.yaml {a} vs compose {b}")),
+    }
+}
+
 #[test]
 fn compose_envoy_config_differs_from_envoy_yaml_only_where_documented() {
     let mut local = yaml_doc(&root().join("envoy/envoy.yaml"));
     let mut compose = yaml_doc(&root().join("envoy/envoy.compose.yaml"));
     let local_eps = normalize(&mut local, false);
     let compose_eps = normalize(&mut compose, true);
-    assert_eq!(
-        local, compose,
-        "envoy/envoy.compose.yaml drifted from envoy/envoy.yaml beyond bind addresses, the \
-         module path and the cluster addresses"
-    );
+    if let Some(d) = first_difference(&local, &compose, String::new()) {
+        panic!(
+            "envoy/envoy.compose.yaml drifted from envoy/envoy.yaml beyond bind addresses, the \
+             module path and the cluster addresses (run scripts/compose-config): {d}"
+        );
+    }
     assert_eq!(local_eps.len(), compose_eps.len());
     for ((ln, la, _), (cn, ca, cp)) in local_eps.iter().zip(&compose_eps) {
         assert_eq!(ln, cn);
