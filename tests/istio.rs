@@ -1,7 +1,9 @@
 #![cfg(not(target_arch = "wasm32"))]
 //! The Istio manifests in `envoy/istio/` are well-formed and agree with each other and with the
-//! filter: every field used exists in the Istio 1.30 API with an allowed value (a hand-written
-//! subset of the CRD schemas: no registry package ships the 1.30 schemas, see docs/deploy.md),
+//! filter: they pass the validators generated from Istio's CRD schemas (npm
+//! `@kubernetes-models/istio`, Istio 1.29), and every field used exists in the Istio 1.30 API
+//! with an allowed value (a hand-written subset: the npm validators accept unknown fields and
+//! have no `TrafficExtension`),
 //! the three ways of loading the module carry the same URL, digest and plugin configuration,
 //! that configuration is accepted by `Config::from_value`, every endpoint's cluster is created
 //! by a ServiceEntry and reached by a VirtualService route on the routing header, and the
@@ -448,4 +450,46 @@ fn gateway_stats_tags_match_envoy_yaml() {
         bootstrap["stats_config"]["stats_tags"],
         local["stats_config"]["stats_tags"]
     );
+}
+
+#[test]
+fn manifests_pass_the_crd_schema_validators_from_npm() {
+    // @kubernetes-models/istio (npm) ships validators generated from Istio 1.29's CRD schemas.
+    // Installed once into <target>/istio-schemas from tests/istio_schema/package.json.
+    let here = root().join("tests/istio_schema");
+    let dir = support::target_dir().join("istio-schemas");
+    std::fs::create_dir_all(&dir).unwrap();
+    for f in ["package.json", "validate.mjs"] {
+        std::fs::copy(here.join(f), dir.join(f)).unwrap();
+    }
+    if !dir.join("node_modules/@kubernetes-models/istio").is_dir() {
+        let o = Command::new("npm")
+            .args(["install", "--no-audit", "--no-fund", "--silent"])
+            .current_dir(&dir)
+            .output()
+            .unwrap_or_else(|e| panic!("npm is needed for the Istio schema check: {e}"));
+        assert!(
+            o.status.success(),
+            "npm install: {}",
+            String::from_utf8_lossy(&o.stderr)
+        );
+    }
+    let files = files_with_ext(&root().join("envoy/istio"), &[".yaml"]);
+    let o = Command::new("node")
+        .arg("validate.mjs")
+        .args(&files)
+        .current_dir(&dir)
+        .output()
+        .unwrap_or_else(|e| panic!("node is needed for the Istio schema check: {e}"));
+    let out = String::from_utf8_lossy(&o.stdout).to_string() + &String::from_utf8_lossy(&o.stderr);
+    assert!(o.status.success(), "{out}");
+    for must in [
+        "ok WasmPlugin/computeflux",
+        "ok EnvoyFilter/computeflux",
+        "ok VirtualService/computeflux",
+    ] {
+        assert!(out.contains(must), "{must} missing:\n{out}");
+    }
+    assert_eq!(out.matches("ok ServiceEntry/").count(), 4, "{out}");
+    assert_eq!(out.matches("ok DestinationRule/").count(), 4, "{out}");
 }
