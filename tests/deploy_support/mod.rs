@@ -166,7 +166,14 @@ fn collect_files(dir: &Path, out: &mut Vec<PathBuf>) {
 /// Every file under `dir` (recursively) whose name ends with one of `exts`, skipping build
 /// output, virtualenvs, VCS and node_modules directories.
 pub fn files_with_ext(dir: &Path, exts: &[&str]) -> Vec<PathBuf> {
-    const SKIP: &[&str] = &["target", ".venv", ".git", "node_modules", ".cargo"];
+    const SKIP: &[&str] = &[
+        "target",
+        ".venv",
+        ".git",
+        "node_modules",
+        ".cargo",
+        ".tools",
+    ];
     let mut out = Vec::new();
     let mut stack = vec![dir.to_path_buf()];
     while let Some(d) = stack.pop() {
