@@ -11,7 +11,13 @@
 //! ```
 
 #[path = "../tests/support/http.rs"]
-#[allow(dead_code)]
+#[allow(
+    dead_code,
+    clippy::panic,
+    clippy::unwrap_used,
+    clippy::expect_used,
+    clippy::indexing_slicing
+)]
 mod http;
 
 use serde_json::{json, Value};
@@ -141,7 +147,11 @@ fn main() {
                 same_endpoint += u64::from(*prev == ep);
             }
             *last = Some(ep);
-            let answer = r.json()["choices"][0]["message"]["content"]
+            let answer = r
+                .json()
+                .pointer("/choices/0/message/content")
+                .cloned()
+                .unwrap_or_default()
                 .as_str()
                 .unwrap_or("")
                 .to_string();
@@ -165,9 +175,25 @@ fn main() {
             continue;
         };
         let st = stats.json();
-        let name = st["name"].as_str().unwrap_or("?").to_string();
-        let prompt = st["prompt_tokens"].as_u64().unwrap_or(0);
-        let cached = st["cached_tokens"].as_u64().unwrap_or(0);
+        let name = st
+            .get("name")
+            .cloned()
+            .unwrap_or_default()
+            .as_str()
+            .unwrap_or("?")
+            .to_string();
+        let prompt = st
+            .get("prompt_tokens")
+            .cloned()
+            .unwrap_or_default()
+            .as_u64()
+            .unwrap_or(0);
+        let cached = st
+            .get("cached_tokens")
+            .cloned()
+            .unwrap_or_default()
+            .as_u64()
+            .unwrap_or(0);
         total_prompt += prompt;
         total_cached += cached;
         let row = rows.remove(&name).unwrap_or_default();

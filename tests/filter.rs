@@ -4,6 +4,9 @@
 //! client errors, endpoint headers, cold start and latency scoring, in-request failover,
 //! the all-down answer, metrics and configuration refusal.
 
+// Test code: failing loudly with context is the point.
+#![allow(clippy::panic, clippy::unwrap_used, clippy::expect_used, clippy::indexing_slicing)]
+
 mod support;
 
 use serde_json::{json, Value};
