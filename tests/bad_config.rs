@@ -198,6 +198,11 @@ fn cases() -> Vec<Case> {
             &["affinity_ttl is not a known key (known: endpoints,"],
         ),
         case(
+            "empty key",
+            top("", json!(1)),
+            &["\"\" is not a known key (known: endpoints,"],
+        ),
+        case(
             "unknown endpoint key",
             with_ep(json!({"weigth": 2})),
             &["endpoints[2].weigth is not a known key (known: name, cluster,"],
@@ -215,7 +220,7 @@ fn cases() -> Vec<Case> {
         case(
             "invalid endpoint header name",
             with_ep(json!({"headers": {"bad header": "v"}})),
-            &["endpoints[2].headers.bad header is not a valid HTTP header name"],
+            &["endpoints[2].headers.\"bad header\" is not a valid HTTP header name"],
         ),
         case(
             "endpoint header value with CR/LF",

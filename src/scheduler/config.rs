@@ -484,6 +484,21 @@ pub fn is_header_value(value: &str) -> bool {
             .all(|b| b == b'\t' || (b' '..=b'~').contains(&b))
 }
 
+/// A JSON object key as it appears in an error's field path: as is when it is a plain name,
+/// else quoted as a JSON string, so that an empty key still names something and a key with a
+/// newline cannot forge a log line.
+fn path_key(key: &str) -> String {
+    let plain = !key.is_empty()
+        && key
+            .bytes()
+            .all(|b| b.is_ascii_alphanumeric() || b"_-.".contains(&b));
+    if plain {
+        key.to_string()
+    } else {
+        Value::String(key.to_string()).to_string()
+    }
+}
+
 fn is_endpoint_name(name: &str) -> bool {
     !name.is_empty()
         && name.len() <= 64
@@ -520,7 +535,7 @@ impl Validator {
             if !known.iter().any(|k| k.key == key) {
                 let names: Vec<&str> = known.iter().map(|k| k.key).collect();
                 self.push(
-                    &format!("{prefix}{key}"),
+                    &format!("{prefix}{}", path_key(key)),
                     &format!("is not a known key (known: {})", names.join(", ")),
                 );
             }
@@ -718,7 +733,7 @@ impl Validator {
             None => {}
             Some(Value::Object(map)) => {
                 for (hn, hv) in map {
-                    let path = format!("{at}.headers.{hn}");
+                    let path = format!("{at}.headers.{}", path_key(hn));
                     let lower = hn.to_ascii_lowercase();
                     if !is_header_name(hn) {
                         self.push(&path, "is not a valid HTTP header name");
@@ -855,6 +870,34 @@ mod tests {
             "{errs:?}"
         );
         assert!(has("\"a\" is used twice"), "{errs:?}");
+    }
+
+    /// Found by the `config` fuzz target: an empty key gave an error with an empty field path
+    /// (`computeflux: invalid configuration:  is not a known key`).
+    #[test]
+    fn odd_keys_are_quoted_in_field_paths() {
+        let errs = errors(json!({
+            "endpoints": [{"name": "a", "cluster": "a", "": 1,
+                           "headers": {"bad header": "v", "x\ny": "v"}}],
+            "": 1,
+            "evil\ncomputeflux: configuration accepted": 2,
+        }));
+        let has = |s: &str| errs.iter().any(|e| e.starts_with(s));
+        assert!(has("\"\" is not a known key"), "{errs:?}");
+        assert!(has("endpoints[0].\"\" is not a known key"), "{errs:?}");
+        assert!(
+            has("endpoints[0].headers.\"bad header\" is not a valid"),
+            "{errs:?}"
+        );
+        assert!(
+            has("endpoints[0].headers.\"x\\ny\" is not a valid"),
+            "{errs:?}"
+        );
+        assert!(
+            has("\"evil\\ncomputeflux: configuration accepted\" is not a known key"),
+            "{errs:?}"
+        );
+        assert!(errs.iter().all(|e| !e.contains('\n')), "{errs:?}");
     }
 
     #[test]
