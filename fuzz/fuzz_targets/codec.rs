@@ -1,0 +1,181 @@
+//! The shared-data codecs: arbitrary bytes decode to a value or to "absent" without panicking,
+//! decoded values re-encode to bytes that decode to the same value, structured values
+//! round-trip exactly, and a scheduler reading garbage from shared data neither panics nor
+//! grows the store beyond its bound.
+#![no_main]
+
+use arbitrary::Arbitrary;
+use computeflux::scheduler::affinity::{self, Entry, KEY_PREFIX};
+use computeflux::scheduler::breaker::{Breaker, BreakerState, OpenCause};
+use computeflux::scheduler::select::TABLE_KEY;
+use computeflux::scheduler::state::Table;
+use computeflux::scheduler::{
+    Config, EndpointState, Exclusions, MemStore, Outcome, Pick, RetryBudget, Scheduler, Store,
+};
+use libfuzzer_sys::fuzz_target;
+use serde_json::json;
+
+#[derive(Arbitrary, Debug)]
+struct StateSpec {
+    id: u32,
+    latency: Option<u32>,
+    success_permille: u16,
+    last_sample_ms: u64,
+    total: u64,
+    in_flight: u32,
+    in_flight_changed_ms: u64,
+    state: u8,
+    rate_limited: bool,
+    consecutive_failures: u32,
+    open_until_ms: u64,
+    probes_admitted: u32,
+    probes_succeeded: u32,
+    last_probe_ms: u64,
+    epoch: u32,
+}
+
+#[derive(Arbitrary, Debug)]
+enum Input<'a> {
+    /// Arbitrary bytes as a stored endpoint table and as an affinity bucket.
+    Raw(&'a [u8]),
+    /// Structured values: exact round-trips.
+    Entries(Vec<(u64, u32, u64)>),
+    Table {
+        requests: u32,
+        retries: u32,
+        updated_ms: u64,
+        states: Vec<StateSpec>,
+    },
+    /// Garbage in shared data under a running scheduler.
+    Garbage {
+        table: &'a [u8],
+        bucket: &'a [u8],
+        session: u64,
+        now_ms: u32,
+    },
+}
+
+fn state(s: &StateSpec) -> (u32, EndpointState) {
+    (
+        s.id,
+        EndpointState {
+            latency_ms: s.latency.map(f64::from),
+            success_rate: f64::from(s.success_permille.min(1000)) / 1000.0,
+            last_sample_ms: s.last_sample_ms,
+            total: s.total,
+            in_flight: s.in_flight,
+            in_flight_changed_ms: s.in_flight_changed_ms,
+            breaker: Breaker {
+                state: match s.state % 3 {
+                    0 => BreakerState::Closed,
+                    1 => BreakerState::Open,
+                    _ => BreakerState::HalfOpen,
+                },
+                cause: if s.rate_limited {
+                    OpenCause::RateLimited
+                } else {
+                    OpenCause::Failures
+                },
+                consecutive_failures: s.consecutive_failures,
+                open_until_ms: s.open_until_ms,
+                probes_admitted: s.probes_admitted,
+                probes_succeeded: s.probes_succeeded,
+                last_probe_ms: s.last_probe_ms,
+                epoch: s.epoch,
+            },
+        },
+    )
+}
+
+fuzz_target!(|input: Input<'_>| match input {
+    Input::Raw(bytes) => {
+        if let Some(t) = Table::decode(bytes) {
+            for (_, st) in &t.entries {
+                assert!((0.0..=1.0).contains(&st.success_rate));
+                assert!(st.latency_ms.is_none_or(f64::is_finite));
+            }
+            assert!(t.budget.requests >= 0.0 && t.budget.retries >= 0.0);
+            let again = t.encode();
+            assert_eq!(Table::decode(&again).as_ref(), Some(&t));
+        }
+        if let Some(entries) = affinity::decode(bytes) {
+            // The bucket format is canonical: re-encoding gives the same bytes.
+            assert_eq!(affinity::encode(&entries), bytes);
+            assert_eq!(entries.len() * affinity::ENTRY_BYTES + 1, bytes.len());
+        }
+    }
+    Input::Entries(list) => {
+        let entries: Vec<Entry> = list
+            .iter()
+            .map(|&(session, endpoint_id, last_used_ms)| Entry {
+                session,
+                endpoint_id,
+                last_used_ms,
+            })
+            .collect();
+        let bytes = affinity::encode(&entries);
+        assert_eq!(affinity::decode(&bytes), Some(entries));
+    }
+    Input::Table {
+        requests,
+        retries,
+        updated_ms,
+        states,
+    } => {
+        let t = Table {
+            budget: RetryBudget {
+                requests: f64::from(requests),
+                retries: f64::from(retries),
+                updated_ms,
+            },
+            entries: states.iter().map(state).collect(),
+        };
+        let bytes = t.encode();
+        assert_eq!(Table::decode(&bytes), Some(t));
+        // Any strict prefix or extension is refused.
+        if let Some((_, shorter)) = bytes.split_last() {
+            assert_eq!(Table::decode(shorter), None);
+        }
+        let mut longer = bytes.clone();
+        longer.push(0);
+        assert_eq!(Table::decode(&longer), None);
+    }
+    Input::Garbage {
+        table,
+        bucket,
+        session,
+        now_ms,
+    } => {
+        let cfg = Config::from_value(&json!({
+            "endpoints": [{"name": "a", "cluster": "a"}, {"name": "b", "cluster": "b"}],
+            "affinity_max_sessions": 10,
+        }))
+        .expect("valid");
+        let store = MemStore::new();
+        let sched = Scheduler::new(&cfg, &store);
+        let aff = sched.affinity();
+        // Every bucket and the table hold the garbage.
+        for b in 0..aff.buckets() {
+            store
+                .set(&format!("{KEY_PREFIX}{b}"), bucket, None)
+                .expect("MemStore set");
+        }
+        store.set(TABLE_KEY, table, None).expect("MemStore set");
+        let now = u64::from(now_ms);
+        let _ = aff.lookup(session, now);
+        let ex = Exclusions::default();
+        let pick = Pick {
+            model: Some("m"),
+            session: Some(session | 1),
+            attempt: 1,
+            exclusions: &ex,
+        };
+        if let Ok(d) = sched.pick(&pick, now) {
+            let f = sched.finish(&d.ticket, &Outcome::Success, 5, Some(session | 1), now + 5);
+            assert!(f.stored);
+            assert_eq!(aff.lookup(session | 1, now + 6), Some(d.ticket.endpoint_id));
+        }
+        assert!(aff.stored_entries() <= 10);
+        assert_eq!(store.keys() as u64, aff.buckets() + 1);
+    }
+});

@@ -1,0 +1,75 @@
+//! Body parsing and session derivation on arbitrary bytes: never panics, and what it accepts
+//! obeys the documented bounds. Run: `scripts/fuzz` (or `cargo +nightly fuzz run request`).
+#![no_main]
+
+use arbitrary::Arbitrary;
+use computeflux::scheduler::request::{
+    derive_session, openai_error, parse_chat, MAX_MODEL_BYTES, MAX_SESSION_BYTES,
+};
+use computeflux::scheduler::SessionSource;
+use libfuzzer_sys::fuzz_target;
+use serde_json::Value;
+
+#[derive(Arbitrary, Debug)]
+struct Input<'a> {
+    tenant: Option<&'a [u8]>,
+    session_header: Option<&'a [u8]>,
+    /// Whether to also try the body with a valid model spliced in front (reaches deeper paths).
+    splice: bool,
+    body: &'a [u8],
+}
+
+fn check(body: &[u8], tenant: Option<&[u8]>, header: Option<&[u8]>) {
+    match parse_chat(body) {
+        Ok(req) => {
+            assert!(!req.model.is_empty() && req.model.len() <= MAX_MODEL_BYTES);
+            if let Some(u) = &req.user {
+                assert!(!u.is_empty() && u.len() <= MAX_SESSION_BYTES);
+            }
+            // Deterministic.
+            assert_eq!(parse_chat(body).ok(), Some(req.clone()));
+            // What a full parser reads agrees (when it can parse at all: its recursion limit).
+            if let Ok(Value::Object(obj)) = serde_json::from_slice::<Value>(body) {
+                assert_eq!(obj.get("model").and_then(Value::as_str), Some(req.model.as_str()));
+            }
+            match derive_session(tenant, header, &req) {
+                Ok((key, source)) => {
+                    assert_ne!(key, Some(0), "0 is reserved");
+                    let has_header = header.is_some_and(|h| !h.is_empty());
+                    match source {
+                        SessionSource::Header => assert!(has_header),
+                        SessionSource::User => assert!(!has_header && req.user.is_some()),
+                        SessionSource::Fingerprint => {
+                            assert!(!has_header && req.user.is_none() && req.fingerprint.is_some())
+                        }
+                        SessionSource::None => assert!(key.is_none() && !has_header),
+                    }
+                    assert_eq!(derive_session(tenant, header, &req), Ok((key, source)));
+                }
+                Err(e) => {
+                    assert!(header.is_some_and(|h| h.len() > MAX_SESSION_BYTES), "{e:?}");
+                    assert_eq!(e.status(), 400);
+                }
+            }
+        }
+        Err(e) => {
+            assert!(matches!(e.status(), 400 | 413));
+            let message = e.message();
+            // Errors describe, they do not echo the client's input back.
+            assert!(!message.is_empty() && message.len() <= 320, "{message}");
+            let json: Value = serde_json::from_str(&openai_error(&message, "x", e.code()))
+                .expect("error body is JSON");
+            assert_eq!(json["error"]["code"], e.code());
+        }
+    }
+}
+
+fuzz_target!(|input: Input<'_>| {
+    check(input.body, input.tenant, input.session_header);
+    if input.splice {
+        let mut spliced = br#"{"model":"m","messages":"#.to_vec();
+        spliced.extend_from_slice(input.body);
+        spliced.push(b'}');
+        check(&spliced, input.tenant, input.session_header);
+    }
+});
