@@ -562,7 +562,7 @@ fn main() {
     let sessions = Sessions(Mutex::new(vec![(0, 0); SESSIONS as usize]));
     let port = envoy.port;
 
-    let (events, skipped) = std::thread::scope(|s| {
+    let (events, skipped, load_secs) = std::thread::scope(|s| {
         let driver = s.spawn(|| drive_faults(&mocks, &faults, &stop_faults, start, args.seed));
         // RSS sampler and progress line.
         s.spawn(|| {
@@ -596,7 +596,13 @@ fn main() {
                         rss_kib(pid).unwrap_or(0) / 1024
                     );
                 }
-                std::thread::sleep(Duration::from_secs(5));
+                // Sample every 5 s, but notice the end of the load promptly.
+                for _ in 0..20 {
+                    if stop_load.load(Ordering::SeqCst) {
+                        break;
+                    }
+                    std::thread::sleep(Duration::from_millis(250));
+                }
             }
         });
         let clients: Vec<_> = (0..CLIENT_THREADS)
@@ -633,11 +639,12 @@ fn main() {
         for c in clients {
             c.join().unwrap();
         }
+        let load_secs = start.elapsed().as_secs_f64();
         stop_load.store(true, Ordering::SeqCst);
         stop_faults.store(true, Ordering::SeqCst);
-        driver.join().unwrap()
+        let (events, skipped) = driver.join().unwrap();
+        (events, skipped, load_secs)
     });
-    let load_secs = start.elapsed().as_secs_f64();
     let rss_end = rss_kib(pid).unwrap_or(0);
 
     // Settle: faults lifted, no load. In-flight gauges are refreshed every 1 s tick.
