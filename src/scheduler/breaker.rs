@@ -11,7 +11,8 @@
 //! Every transition happens inside a CAS update of the shared endpoint table, so the probe bound
 //! holds across Envoy's worker threads. Probes carry the breaker's `epoch`; outcomes of requests
 //! admitted in an earlier epoch (or while closed) cannot close or re-open a later half-open.
-//! A probe that never reports (its VM crashed) is reclaimed after `probe_stale_ms`.
+//! A probe that never reports (its VM crashed) is reclaimed after `probe_stale_ms`, under a new
+//! epoch: a late report of the reclaimed probe is then ignored like any other stale outcome.
 
 use super::outcome::Outcome;
 
@@ -119,8 +120,11 @@ impl Breaker {
                 if self.probes_admitted >= cfg.half_open_probes
                     && now_ms.saturating_sub(self.last_probe_ms) >= cfg.probe_stale_ms
                 {
-                    // Outstanding probes never reported (VM crash): give their slots back.
+                    // Outstanding probes never reported (VM crash): give their slots back, under
+                    // a new epoch, so that a late report of a reclaimed probe cannot give its
+                    // slot back a second time (or re-open the breaker).
                     self.probes_admitted = self.probes_succeeded;
+                    self.epoch = self.epoch.wrapping_add(1);
                 }
                 if self.probes_admitted < cfg.half_open_probes {
                     self.probes_admitted += 1;
@@ -371,6 +375,47 @@ mod tests {
             b.admit(13 + 120_000, &CFG),
             Admission::Probe { .. }
         ));
+    }
+
+    /// Found by the `scheduler` fuzz target: with one probe slot, a probe reclaimed as stale
+    /// reported `Cancelled` late, gave its slot back a second time, and a second probe was
+    /// admitted while the replacement probe was still in flight.
+    #[test]
+    fn late_report_of_a_reclaimed_probe_frees_no_slot() {
+        let cfg = BreakerConfig {
+            half_open_probes: 1,
+            ..CFG
+        };
+        let mut b = Breaker::default();
+        b.record(
+            &FAIL,
+            None,
+            0,
+            &BreakerConfig {
+                failure_threshold: 1,
+                ..cfg
+            },
+        );
+        let Admission::Probe { epoch: stale } = b.admit(40_000, &cfg) else {
+            panic!("expected a probe")
+        };
+        assert!(matches!(b.admit(40_001, &cfg), Admission::Rejected { .. }));
+        // The first probe never reports within probe_stale_ms: its slot is reclaimed.
+        let t = 40_000 + cfg.probe_stale_ms;
+        let Admission::Probe { epoch: fresh } = b.admit(t, &cfg) else {
+            panic!("expected the reclaimed slot")
+        };
+        // Then the reclaimed probe reports after all: nothing changes.
+        assert!(!b.record(&Outcome::Cancelled, Some(stale), t + 1, &cfg));
+        assert!(!b.record(&FAIL, Some(stale), t + 1, &cfg));
+        assert_eq!(b.state, BreakerState::HalfOpen);
+        assert!(
+            matches!(b.admit(t + 2, &cfg), Admission::Rejected { .. }),
+            "a second probe while the fresh one is in flight: {b:?}"
+        );
+        // The fresh probe's own report still counts.
+        assert!(b.record(&Outcome::Success, Some(fresh), t + 3, &cfg));
+        assert_eq!(b.state, BreakerState::Closed);
     }
 
     #[test]
