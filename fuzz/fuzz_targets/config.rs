@@ -18,8 +18,10 @@ fn check_valid(c: &Config) {
         for (n, v) in &e.headers {
             assert!(is_header_name(n) && n.to_ascii_lowercase() == *n, "{n:?}");
             assert!(is_header_value(v));
-            assert!(!["host", "content-length", "transfer-encoding", "connection"]
-                .contains(&n.as_str()));
+            assert!(
+                !["host", "content-length", "transfer-encoding", "connection"]
+                    .contains(&n.as_str())
+            );
             assert_ne!(n, &c.routing_header);
         }
         for o in c.endpoints.iter().skip(i + 1) {

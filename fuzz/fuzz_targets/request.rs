@@ -30,7 +30,10 @@ fn check(body: &[u8], tenant: Option<&[u8]>, header: Option<&[u8]>) {
             assert_eq!(parse_chat(body).ok(), Some(req.clone()));
             // What a full parser reads agrees (when it can parse at all: its recursion limit).
             if let Ok(Value::Object(obj)) = serde_json::from_slice::<Value>(body) {
-                assert_eq!(obj.get("model").and_then(Value::as_str), Some(req.model.as_str()));
+                assert_eq!(
+                    obj.get("model").and_then(Value::as_str),
+                    Some(req.model.as_str())
+                );
             }
             match derive_session(tenant, header, &req) {
                 Ok((key, source)) => {

@@ -194,7 +194,10 @@ fuzz_target!(|setup: Setup| {
                             && o.ticket.started_ms + bcfg.probe_stale_ms > now
                     })
                     .count() as u32;
-                assert!(live_probes <= probes_bound, "{live_probes} probes in flight: {b:?}");
+                assert!(
+                    live_probes <= probes_bound,
+                    "{live_probes} probes in flight: {b:?}"
+                );
             }
         }
         assert!(aff.stored_entries() as u64 <= cfg.affinity_max_sessions);
