@@ -100,6 +100,8 @@ impl Fixture {
             &chat_body("m", &["still alive?"], json!({})),
         );
         assert_eq!(r.status, 200, "after the hostile cases: {}", r.body);
+        // The log file is flushed every 100 ms.
+        std::thread::sleep(Duration::from_millis(300));
         let log = self.envoy.log_contents();
         let lower = log.to_ascii_lowercase();
         assert!(!lower.contains("panic"), "panic in Envoy's log:\n{log}");
