@@ -13,7 +13,7 @@
 //!     [--sessions 200] [--turns 6] [--rate 20] [--think-ms 800] [--user-tokens 300]
 //!     [--second-model-share 0.2] [--seed 7] [--prefill-us-per-token 100] [--decode-ms 20]
 //!     [--max-concurrency 8] [--envoy-retries on|off] [--open-ms 3000]
-//!     [--overhead-reps 2] [--overhead-seconds 4] [--micro FILE | --micro-missing REASON]
+//!     [--overhead-reps 4] [--overhead-seconds 2] [--micro FILE | --micro-missing REASON]
 //!     [--date D] [--commit C] [--command CMD]
 //! ```
 //!
@@ -88,8 +88,8 @@ fn parse() -> Result<Args, String> {
         max_concurrency: 8,
         envoy_retries: true,
         open_ms: 3000,
-        overhead_reps: if quick { 1 } else { 2 },
-        overhead_s: if quick { 1 } else { 4 },
+        overhead_reps: if quick { 1 } else { 4 },
+        overhead_s: if quick { 1 } else { 2 },
         micro: Err(
             "not run (pass --micro FILE with `cargo bench --bench scheduler` output)".into(),
         ),
@@ -243,7 +243,7 @@ fn run(a: Args) -> Result<(), String> {
     let oh_opts = overhead::OverheadOpts {
         concurrencies: vec![1, 2],
         throughput_s: a.overhead_s,
-        latency_s: a.overhead_s.saturating_sub(1).max(1),
+        latency_s: a.overhead_s,
         reps: a.overhead_reps,
         connections: 16,
         work_dir: tmp.clone(),
@@ -259,10 +259,8 @@ fn run(a: Args) -> Result<(), String> {
         Ok(p) => std::fs::read_to_string(p).map_err(|e| format!("reading {}: {e}", p.display())),
         Err(e) => Err(e.clone()),
     };
-    let example_cfg = topology::plugin_config(
-        topology::ENDPOINTS.get(..4).unwrap_or(&[]),
-        a.open_ms,
-    );
+    let example_cfg =
+        topology::plugin_config(topology::ENDPOINTS.get(..4).unwrap_or(&[]), a.open_ms);
     let meta = report::Meta {
         date: a.date.clone(),
         commit: a.commit.clone(),

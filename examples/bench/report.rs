@@ -69,13 +69,16 @@ pub fn micro_figures(text: &str) -> String {
             continue;
         }
         let t = l.trim();
+        // The line before: a long benchmark name, or "change:" (the comparison with the
+        // previous run on this machine, not a figure of this run).
+        let before = i
+            .checked_sub(1)
+            .and_then(|j| lines.get(j))
+            .map_or("", |n| n.trim());
         if t.starts_with("time:") {
-            // A long benchmark name stands on the line before its figures.
-            let name = i
-                .checked_sub(1)
-                .and_then(|j| lines.get(j))
-                .map_or("", |n| n.trim());
-            out.push(format!("{name} {t}"));
+            if before != "change:" {
+                out.push(format!("{before} {t}"));
+            }
         } else if t.contains("time:") && t.contains('[') {
             out.push(t.to_string());
         }
@@ -206,6 +209,83 @@ impl Report<'_> {
         s
     }
 
+    /// The issue's routing targets, checked against this run's figures (reported, not asserted).
+    pub fn routing_targets(&self) -> String {
+        let cf = Policy::Filter.name();
+        let mut s = String::from("### Targets (issue 5), as measured in this run\n\n");
+        let yes = |b: bool| if b { "met" } else { "**missed**" };
+        if let Some(st) = self.row(cf, "steady") {
+            let _ = writeln!(
+                s,
+                "- Steady, follow-up turns on the previous endpoint ≥ 99 %: {} ({}).",
+                pct(st.same_endpoint_share),
+                yes(st.same_endpoint_share >= 0.99)
+            );
+            if let Some(rh) = self.row(Policy::RingHash.name(), "steady") {
+                let gap = (st.cached_ratio - rh.cached_ratio) * 100.0;
+                let _ = writeln!(
+                    s,
+                    "- Steady, cached-token ratio within 2 points of ring_hash: {} vs {} ({:+.1} points, {}).",
+                    pct(st.cached_ratio),
+                    pct(rh.cached_ratio),
+                    gap,
+                    yes(gap.abs() <= 2.0 || gap > 0.0)
+                );
+            }
+            if let Some(rr) = self.row(Policy::RoundRobin.name(), "steady") {
+                let _ = writeln!(
+                    s,
+                    "- Steady, far above round_robin: {} vs {}.",
+                    pct(st.cached_ratio),
+                    pct(rr.cached_ratio)
+                );
+            }
+        }
+        for sc in self.scenarios().into_iter().filter(|sc| *sc != "steady") {
+            let Some(me) = self.row(cf, sc) else { continue };
+            let others: Vec<&Summary> = self
+                .routing
+                .iter()
+                .filter(|r| r.scenario == sc && r.policy != cf)
+                .collect();
+            let best_other = others
+                .iter()
+                .map(|r| r.p99_ms)
+                .filter(|x| x.is_finite())
+                .fold(f64::INFINITY, f64::min);
+            let other_errors: Vec<String> = others
+                .iter()
+                .map(|r| format!("{} {} ({} of them 404)", r.policy, r.errors, r.wrong_model))
+                .collect();
+            let _ = write!(
+                s,
+                "- {sc}: computeflux errors {} (others: {}); p99 {} ms vs best other {} ms ({})",
+                me.errors,
+                other_errors.join(", "),
+                ms(me.p99_ms),
+                ms(best_other),
+                yes(me.p99_ms <= best_other)
+            );
+            let after = me.phases.get("after").map(|a| a.cached_ratio);
+            let steady_after = self
+                .row(cf, "steady")
+                .and_then(|st| st.phases.get(&format!("after:{sc}")))
+                .map(|a| a.cached_ratio);
+            if let (Some(a), Some(b)) = (after, steady_after) {
+                let _ = write!(
+                    s,
+                    "; cached ratio after the fault {} vs {} in the steady run's same window ({:+.1} points)",
+                    pct(a),
+                    pct(b),
+                    (a - b) * 100.0
+                );
+            }
+            s.push_str(".\n");
+        }
+        s.push('\n');
+        s
+    }
+
     pub fn markdown(&self) -> String {
         let m = &self.meta;
         let mut s = String::new();
@@ -264,7 +344,7 @@ impl Report<'_> {
              I/O errors, *404* the part that are `model_not_found` (an `m2` request sent to an \
              `m1`-only host); *cost* = (uncached + 0.5 × cached prompt tokens) per prompt token, \
              relative to round_robin; *upstream/req* = chat requests the mocks received per client \
-             request (retries, failovers). Fault scenarios add the error count and p99 *during* \
+             request (retries, failovers). Fault scenarios add the errors other than 404 and the p99 *during* \
              the fault and the cached ratio *after* it (steady run, same time window, in \
              parentheses).\n"
         );
@@ -276,7 +356,7 @@ impl Report<'_> {
             let fault = sc != "steady";
             s.push_str("| policy | cached | same ep. | p50 ms | p99 ms | errors | 404 | cost | upstream/req |");
             if fault {
-                s.push_str(" errors during | p99 during ms | cached after (steady) |");
+                s.push_str(" non-404 errors during | p99 during ms | cached after (steady) |");
             }
             s.push_str("\n|---|---|---|---|---|---|---|---|---|");
             if fault {
@@ -310,7 +390,7 @@ impl Report<'_> {
                     let _ = write!(
                         s,
                         " {} | {} | {} ({}) |",
-                        during.map_or("–".into(), |d| d.errors.to_string()),
+                        during.map_or("–".into(), |d| d.other_errors.to_string()),
                         during.map_or("–".into(), |d| ms(d.p99_ms)),
                         opt(after, pct),
                         opt(steady_after, pct)
@@ -342,6 +422,10 @@ impl Report<'_> {
                 s.push('\n');
             }
             s.push('\n');
+        }
+
+        if !self.routing.is_empty() {
+            s.push_str(&self.routing_targets());
         }
 
         let _ = writeln!(s, "## 2. Overhead\n");
@@ -549,21 +633,29 @@ impl Report<'_> {
                         r.cached_ratio * 100.0
                     );
                 }
-                if r.errors > 0 {
-                    let _ = writeln!(
-                        s,
-                        r##"<text x="{:.1}" y="{:.1}" text-anchor="middle" font-size="9" fill="#c0392b">{}</text>"##,
-                        gx + 2.0 + (group_w - 6.0) / 2.0,
-                        hit_top + hit_h + 14.0,
-                        pct(r.error_rate()).replace(" %", "%")
-                    );
-                }
+                let _ = writeln!(
+                    s,
+                    r##"<text x="{:.1}" y="{:.1}" text-anchor="middle" font-size="9" fill="{}">{}</text>"##,
+                    gx + 2.0 + (group_w - 6.0) / 2.0,
+                    hit_top + hit_h + 14.0,
+                    if r.errors > 0 { "#c0392b" } else { "#555" },
+                    pct(r.error_rate()).replace(" %", "%")
+                );
             }
         }
         let _ = writeln!(
             s,
-            r##"<text x="{left}" y="{:.0}" font-size="9" fill="#c0392b">red: client-visible error rate</text>"##,
-            hit_top + hit_h + 28.0
+            r##"<text x="{left}" y="{:.0}" font-size="9" fill="#c0392b">below the bars: client-visible error rate ({} of the errors are 404 model_not_found: an m2 request sent to an m1-only host)</text>"##,
+            hit_top + hit_h + 28.0,
+            {
+                let all: u64 = self.routing.iter().map(|r| r.errors).sum();
+                let wrong: u64 = self.routing.iter().map(|r| r.wrong_model).sum();
+                if all == 0 {
+                    "none".to_string()
+                } else {
+                    pct(wrong as f64 / all as f64).replace(" %", "%")
+                }
+            }
         );
         // Legend.
         let ly = height - 22.0;

@@ -147,6 +147,8 @@ pub struct Summary {
 pub struct PhaseSummary {
     pub requests: u64,
     pub errors: u64,
+    /// Errors other than 404 model_not_found: the ones a fault caused.
+    pub other_errors: u64,
     pub cached_ratio: f64,
     pub same_endpoint_share: f64,
     pub p99_ms: f64,
@@ -196,6 +198,7 @@ fn phase(recs: &[&Record], prev: &BTreeMap<(usize, usize), &Record>) -> PhaseSum
     PhaseSummary {
         requests: recs.len() as u64,
         errors: (recs.len() - ok.len()) as u64,
+        other_errors: recs.iter().filter(|r| !r.ok() && r.status != 404).count() as u64,
         cached_ratio: ratio(cached, prompt),
         same_endpoint_share: ratio(same, pairs),
         p99_ms: quantile(&lat, 0.99),
@@ -409,6 +412,7 @@ impl Summary {
                     k.clone(),
                     json!({
                         "requests": p.requests, "errors": p.errors,
+                        "errors_other_than_404": p.other_errors,
                         "cached_ratio": num(p.cached_ratio),
                         "same_endpoint_share": num(p.same_endpoint_share),
                         "p99_ms": num(p.p99_ms),
