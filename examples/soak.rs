@@ -319,6 +319,11 @@ struct Outcome {
     /// Endpoints settled-healthy / healthy when the request was sent.
     settled: usize,
     healthy: usize,
+    /// A streamed answer whose 200 headers (and first bytes) arrived, then the body stopped.
+    cut: bool,
+    /// `cut`, and the serving endpoint started refusing (dropping its open connections) while
+    /// this request was in flight: the streaming rule's pass-through case, not a lost request.
+    cut_by_fault: bool,
 }
 
 /// Per-session turn counters: a session resends its history and adds a turn; after 8 turns
@@ -363,14 +368,19 @@ fn one_request(port: u16, n: u64, rng_val: u64, sessions: &Sessions) -> (&'stati
     };
     let hdrs: Vec<(&str, &str)> = headers.iter().map(|(k, v)| (*k, v.as_str())).collect();
     let t = Instant::now();
-    let r = http::request(
-        port,
-        "POST",
-        "/v1/chat/completions",
-        &hdrs,
-        Some(body.as_bytes()),
-        CLIENT_TIMEOUT,
-    );
+    let r = if stream {
+        raw_stream(port, &body)
+    } else {
+        http::request(
+            port,
+            "POST",
+            "/v1/chat/completions",
+            &hdrs,
+            Some(body.as_bytes()),
+            CLIENT_TIMEOUT,
+        )
+        .map_err(|e| e.to_string())
+    };
     let latency_ms = t.elapsed().as_secs_f64() * 1000.0;
     let mut o = Outcome {
         at_s: 0.0,
@@ -383,6 +393,8 @@ fn one_request(port: u16, n: u64, rng_val: u64, sessions: &Sessions) -> (&'stati
         latency_ms,
         settled: 0,
         healthy: 0,
+        cut: false,
+        cut_by_fault: false,
     };
     match r {
         Err(e) => o.error = Some(format!("transport: {e}")),
@@ -394,7 +406,8 @@ fn one_request(port: u16, n: u64, rng_val: u64, sessions: &Sessions) -> (&'stati
                 .unwrap_or(0);
             o.endpoint = r.header("x-computeflux-endpoint").unwrap_or("").to_string();
             let body_ok = if stream {
-                r.sse_data().last().map(String::as_str) == Some("[DONE]")
+                o.cut = r.status == 200 && r.header("x-raw-complete") != Some("1");
+                !o.cut && r.sse_data().last().map(String::as_str) == Some("[DONE]")
             } else {
                 serde_json::from_str::<Value>(&r.body)
                     .ok()
@@ -408,6 +421,94 @@ fn one_request(port: u16, n: u64, rng_val: u64, sessions: &Sessions) -> (&'stati
         }
     }
     (kind, o)
+}
+
+/// A streamed request read by hand: unlike the harness client, a body cut short still yields the
+/// status and headers (who served it, after how many attempts). The response comes back as an
+/// `http::Response` whose extra header `x-raw-complete: 1` says the chunked body ended properly.
+fn raw_stream(port: u16, body: &str) -> Result<http::Response, String> {
+    use std::io::{Read, Write};
+    let mut s = std::net::TcpStream::connect(("127.0.0.1", port)).map_err(|e| e.to_string())?;
+    s.set_read_timeout(Some(CLIENT_TIMEOUT))
+        .map_err(|e| e.to_string())?;
+    let req = format!(
+        "POST /v1/chat/completions HTTP/1.1\r\nhost: 127.0.0.1\r\nconnection: close\r\n\
+         content-type: application/json\r\ncontent-length: {}\r\n\r\n{body}",
+        body.len()
+    );
+    s.write_all(req.as_bytes()).map_err(|e| e.to_string())?;
+    let mut buf = Vec::new();
+    // On a read error the bytes read so far are kept in `buf`.
+    let read_err = s.read_to_end(&mut buf).err();
+    let find = |hay: &[u8], needle: &[u8]| hay.windows(needle.len()).position(|w| w == needle);
+    let Some(end) = find(&buf, b"\r\n\r\n") else {
+        return Err(format!(
+            "no response headers after {} bytes ({})",
+            buf.len(),
+            read_err.map_or("EOF".to_string(), |e| e.to_string())
+        ));
+    };
+    let head = String::from_utf8_lossy(&buf[..end]).into_owned();
+    let mut lines = head.split("\r\n");
+    let status: u16 = lines
+        .next()
+        .and_then(|l| l.split_whitespace().nth(1))
+        .and_then(|c| c.parse().ok())
+        .ok_or_else(|| format!("bad status line in {head:?}"))?;
+    let mut resp = http::Response {
+        status,
+        ..http::Response::default()
+    };
+    for l in lines {
+        if let Some((k, v)) = l.split_once(':') {
+            resp.headers
+                .insert(k.trim().to_ascii_lowercase(), v.trim().to_string());
+        }
+    }
+    // A failed-over answer is the filter's local reply (content-length); the normal path is
+    // chunked, complete only with the terminating zero-size chunk.
+    let mut rest = &buf[end + 4..];
+    let mut out = Vec::new();
+    let chunked = resp
+        .header("transfer-encoding")
+        .is_some_and(|t| t.to_ascii_lowercase().contains("chunked"));
+    let content_length = resp
+        .header("content-length")
+        .and_then(|v| v.trim().parse::<usize>().ok());
+    let mut complete = false;
+    if !chunked {
+        out.extend_from_slice(rest);
+        complete = match content_length {
+            Some(n) => rest.len() >= n,
+            None => read_err.is_none(),
+        };
+    }
+    if chunked {
+        while let Some(i) = find(rest, b"\r\n") {
+            let size_text = String::from_utf8_lossy(&rest[..i]).into_owned();
+            let Ok(size) =
+                usize::from_str_radix(size_text.split(';').next().unwrap_or("").trim(), 16)
+            else {
+                break;
+            };
+            rest = &rest[i + 2..];
+            if size == 0 {
+                complete = true;
+                break;
+            }
+            if rest.len() < size + 2 {
+                out.extend_from_slice(&rest[..rest.len().min(size)]);
+                break;
+            }
+            out.extend_from_slice(&rest[..size]);
+            rest = &rest[size + 2..];
+        }
+    }
+    resp.body = String::from_utf8_lossy(&out).into_owned();
+    if complete {
+        resp.headers.insert("x-raw-complete".into(), "1".into());
+    }
+    Ok(resp)
 }
 
 // ------------------------------------------------------------------------------------------
@@ -467,14 +568,25 @@ fn percentile(sorted: &[f64], p: f64) -> f64 {
     sorted[i.min(sorted.len() - 1)]
 }
 
+/// The commit the run started from, with `+dirty` when the work tree had uncommitted changes
+/// (the wasm module is built from the work tree).
 fn git_head() -> String {
-    std::process::Command::new("git")
-        .args(["rev-parse", "--short", "HEAD"])
-        .current_dir(support::repo_root())
-        .output()
-        .ok()
-        .map(|o| String::from_utf8_lossy(&o.stdout).trim().to_string())
-        .unwrap_or_default()
+    let git = |args: &[&str]| {
+        std::process::Command::new("git")
+            .args(args)
+            .current_dir(support::repo_root())
+            .output()
+            .ok()
+            .map(|o| String::from_utf8_lossy(&o.stdout).trim().to_string())
+            .unwrap_or_default()
+    };
+    let head = git(&["rev-parse", "--short", "HEAD"]);
+    let dirty = !git(&["status", "--porcelain", "--untracked-files=no"]).is_empty();
+    if dirty {
+        format!("{head}+dirty")
+    } else {
+        head
+    }
 }
 
 // ------------------------------------------------------------------------------------------
@@ -483,6 +595,7 @@ fn git_head() -> String {
 
 fn main() {
     let args = parse_args();
+    let commit = git_head();
     let command = args.command.clone().unwrap_or_else(|| {
         format!(
             "target/release/examples/soak --seconds {} --rps {} --seed {}",
@@ -666,11 +779,21 @@ fn main() {
     let log = envoy.log_contents();
     drop(envoy);
 
+    // A cut stream is the streaming rule's pass-through case when its endpoint started refusing
+    // (dropping open connections) while the request was in flight.
+    let mut outcomes = outcomes.into_inner().unwrap();
+    for o in outcomes.iter_mut().filter(|o| o.cut) {
+        let (from, to) = (o.at_s - 0.05, o.at_s + o.latency_ms / 1000.0 + 0.05);
+        o.cut_by_fault = events.iter().any(|e| {
+            e.kind == Kind::Refuse && e.endpoint == o.endpoint && e.at_s >= from && e.at_s <= to
+        });
+    }
     let report = Report::build(ReportInput {
         args: &args,
         command: &command,
+        commit: &commit,
         load_secs,
-        outcomes: &outcomes.into_inner().unwrap(),
+        outcomes: &outcomes,
         events: &events,
         skipped_faults: skipped,
         min_settled: min_settled.load(Ordering::SeqCst),
