@@ -407,7 +407,10 @@ fn report(a: &Args, main: &Run, small: Option<&Run>) -> String {
             ),
         );
         line(&mut md, String::new());
-        line(&mut md, "| sessions sent | share | Envoy RSS (MiB) |".into());
+        line(
+            &mut md,
+            "| sessions sent | share | Envoy RSS (MiB) |".into(),
+        );
         line(&mut md, "|---:|---:|---:|".into());
         line(
             &mut md,
@@ -469,6 +472,21 @@ fn report(a: &Args, main: &Run, small: Option<&Run>) -> String {
                 rss_diff as f64 * 1024.0 / entries
             ),
         );
+        let growth = |r: &Run| r.idle_rss_kib as i64 - r.start_rss_kib as i64;
+        let growth_diff = growth(main) - growth(small);
+        line(
+            &mut md,
+            format!(
+                "- From RSS growth (each run's idle RSS minus its RSS at start, which cancels the \
+                 baseline's run-to-run difference): {} KiB − {} KiB = {} KiB over {} entries = \
+                 **{:.1} B per entry**.",
+                growth(main),
+                growth(small),
+                growth_diff,
+                main.bound - small.bound,
+                growth_diff as f64 * 1024.0 / entries
+            ),
+        );
         line(&mut md, String::new());
     }
     md
@@ -504,7 +522,8 @@ fn run() -> Result<(), String> {
         md.push_str(&format!(
             "Samples of the bound-{} run: `{}`.\n",
             run.bound,
-            csv.file_name().map_or(String::new(), |f| f.to_string_lossy().into_owned())
+            csv.file_name()
+                .map_or(String::new(), |f| f.to_string_lossy().into_owned())
         ));
     }
     std::fs::write(&a.out, &md).map_err(|e| format!("writing {}: {e}", a.out.display()))?;
