@@ -15,7 +15,11 @@
 //!     [--max-concurrency 8] [--envoy-retries on|off] [--open-ms 3000]
 //!     [--overhead-reps 4] [--overhead-seconds 2] [--micro FILE | --micro-missing REASON]
 //!     [--date D] [--commit C] [--command CMD]
+//! cargo run --release --example bench -- --render results/bench/results.json
 //! ```
+//!
+//! `--render` rewrites `results.md`, `chart.svg`, `summary-table.md` (and, for a full run, the
+//! README block) from a run's `results.json` without measuring anything.
 //!
 //! Needs `.venv/bin/envoy` (or `ENVOY_BIN`), the release wasm module and mock (built by the
 //! harness if missing) and `wrk` on the PATH for the overhead part; `scripts/bench` sees to all.
@@ -62,6 +66,8 @@ struct Args {
     date: String,
     commit: String,
     command: String,
+    /// Re-render the outputs from this `results.json` instead of running.
+    render: Option<PathBuf>,
 }
 
 fn parse() -> Result<Args, String> {
@@ -96,6 +102,7 @@ fn parse() -> Result<Args, String> {
         date: String::new(),
         commit: String::new(),
         command: String::new(),
+        render: None,
     };
     let mut it = raw.into_iter();
     while let Some(flag) = it.next() {
@@ -158,6 +165,7 @@ fn parse() -> Result<Args, String> {
             "--date" => a.date = v,
             "--commit" => a.commit = v,
             "--command" => a.command = v,
+            "--render" => a.render = Some(PathBuf::from(v)),
             other => return Err(format!("unknown flag {other}")),
         }
     }
@@ -306,19 +314,136 @@ fn run(a: Args) -> Result<(), String> {
         micro,
     };
     let json_text = serde_json::to_string_pretty(&rep.json()).map_err(|e| e.to_string())? + "\n";
-    let files = [
-        ("results.json", json_text),
+    write_outputs(&rep, &a.out, Some(json_text))?;
+    if !a.quick && a.routing && a.overhead {
+        update_readme(&rep.readme_block());
+    }
+    eprintln!("bench: done in {:.0} s", started.elapsed().as_secs_f64());
+    Ok(())
+}
+
+/// Writes the report files into `out` (`results.json` only when given).
+fn write_outputs(
+    rep: &report::Report<'_>,
+    out: &std::path::Path,
+    json: Option<String>,
+) -> Result<(), String> {
+    let mut files = vec![
         ("results.md", rep.markdown()),
         ("chart.svg", rep.svg()),
         ("summary-table.md", rep.summary_table()),
     ];
+    if let Some(j) = json {
+        files.insert(0, ("results.json", j));
+    }
     for (name, text) in files {
-        let p = a.out.join(name);
+        let p = out.join(name);
         std::fs::write(&p, text).map_err(|e| format!("{}: {e}", p.display()))?;
         eprintln!("bench: wrote {}", p.display());
     }
-    eprintln!("bench: done in {:.0} s", started.elapsed().as_secs_f64());
     Ok(())
+}
+
+/// `--render results.json`: the markdown, the chart and (for a full run) the README block again
+/// from a run's data, after a change to the report's layout.
+fn render(path: &std::path::Path, out: &std::path::Path) -> Result<(), String> {
+    let text = std::fs::read_to_string(path).map_err(|e| format!("{}: {e}", path.display()))?;
+    let v: serde_json::Value =
+        serde_json::from_str(&text).map_err(|e| format!("{}: {e}", path.display()))?;
+    let st = |k: &str| {
+        v.get(k)
+            .and_then(serde_json::Value::as_str)
+            .unwrap_or("")
+            .to_string()
+    };
+    let arr = |k: &str| {
+        v.get(k)
+            .and_then(serde_json::Value::as_array)
+            .cloned()
+            .unwrap_or_default()
+    };
+    let rows: Vec<routing::Summary> = arr("routing")
+        .iter()
+        .map(routing::Summary::from_json)
+        .collect();
+    let cases: Vec<overhead::Case> = arr("overhead")
+        .iter()
+        .map(overhead::Case::from_json)
+        .collect();
+    let meta = report::Meta {
+        date: st("date"),
+        commit: st("commit"),
+        command: st("command"),
+        mode: st("mode"),
+        machine: st("machine"),
+        envoy_version: st("envoy_version"),
+        params: v.get("params").cloned().unwrap_or(serde_json::Value::Null),
+        scenarios: arr("scenarios")
+            .iter()
+            .map(|s| {
+                let g = |k: &str| {
+                    s.get(k)
+                        .and_then(serde_json::Value::as_str)
+                        .unwrap_or("")
+                        .to_string()
+                };
+                (g("name"), g("description"))
+            })
+            .collect(),
+    };
+    let micro = match v
+        .pointer("/scheduler_microbench/figures")
+        .and_then(serde_json::Value::as_str)
+    {
+        Some(f) => Ok(f.to_string()),
+        None => Err(v
+            .pointer("/scheduler_microbench/missing")
+            .and_then(serde_json::Value::as_str)
+            .unwrap_or("not run")
+            .to_string()),
+    };
+    let full = meta.mode == "full";
+    let rep = report::Report {
+        meta,
+        routing: &rows,
+        overhead: &cases,
+        wasm_bytes: v
+            .get("wasm_module_bytes")
+            .and_then(serde_json::Value::as_u64),
+        micro,
+    };
+    write_outputs(&rep, out, None)?;
+    if full && !rows.is_empty() && !cases.is_empty() {
+        update_readme(&rep.readme_block());
+    }
+    Ok(())
+}
+
+const README_BEGIN: &str =
+    "<!-- bench:begin (written by scripts/bench; edits inside are replaced) -->";
+const README_END: &str = "<!-- bench:end -->";
+
+/// Replaces the block between the bench markers in README.md (a full run's figures). Without
+/// the markers README.md is left alone: the section is added by hand once.
+fn update_readme(block: &str) {
+    let path = support::repo_root().join("README.md");
+    let Ok(text) = std::fs::read_to_string(&path) else {
+        return;
+    };
+    let (Some(b), Some(e)) = (text.find(README_BEGIN), text.find(README_END)) else {
+        eprintln!("bench: README.md has no bench markers; not updated");
+        return;
+    };
+    if e < b {
+        return;
+    }
+    let (head, rest) = text.split_at(b + README_BEGIN.len());
+    let tail = rest.get(e - b - README_BEGIN.len()..).unwrap_or("");
+    let new = format!("{head}\n{block}{tail}");
+    match std::fs::write(&path, new) {
+        Ok(()) => eprintln!("bench: updated the Benchmarks block of README.md"),
+        Err(e) => eprintln!("bench: README.md: {e}"),
+    }
 }
 
 fn main() -> ExitCode {
@@ -333,7 +458,11 @@ fn main() -> ExitCode {
             return ExitCode::from(2);
         }
     };
-    match run(args) {
+    let result = match &args.render {
+        Some(p) => render(p, &args.out),
+        None => run(args),
+    };
+    match result {
         Ok(()) => ExitCode::SUCCESS,
         Err(e) => {
             eprintln!("bench: {e}");

@@ -308,4 +308,37 @@ impl Case {
             "errors": self.errors,
         })
     }
+
+    /// The inverse of [`Case::to_json`].
+    pub fn from_json(v: &Value) -> Case {
+        let f = |p: &str| v.pointer(p).and_then(Value::as_f64).unwrap_or(f64::NAN);
+        let list = |p: &str| {
+            v.pointer(p)
+                .and_then(Value::as_array)
+                .map(|a| a.iter().filter_map(Value::as_f64).collect())
+                .unwrap_or_default()
+        };
+        let st = |p: &str| {
+            v.pointer(p)
+                .and_then(Value::as_str)
+                .unwrap_or("")
+                .to_string()
+        };
+        Case {
+            concurrency: v.get("concurrency").and_then(Value::as_u64).unwrap_or(0) as u32,
+            body: st("/body"),
+            body_bytes: v.get("body_bytes").and_then(Value::as_u64).unwrap_or(0) as usize,
+            route: st("/route"),
+            rps: f("/requests_per_s"),
+            rps_runs: list("/requests_per_s_runs"),
+            loaded_p50_us: f("/loaded_latency_us/p50"),
+            loaded_p99_us: f("/loaded_latency_us/p99"),
+            p50_us: f("/latency_us_one_connection/p50"),
+            p99_us: f("/latency_us_one_connection/p99"),
+            p50_runs: list("/p50_us_runs"),
+            envoy_cpu_us: f("/envoy_cpu_us_per_request"),
+            envoy_cpu_us_one_conn: f("/envoy_cpu_us_per_request_one_connection"),
+            errors: v.get("errors").and_then(Value::as_u64).unwrap_or(0),
+        }
+    }
 }

@@ -86,6 +86,44 @@ pub fn micro_figures(text: &str) -> String {
     out.join("\n")
 }
 
+/// Median, min and max of `f(b_i, a_i)` over the alternated repetitions i (run i of the filter
+/// ran right after run i of the baseline, so pairing cancels slow drifts in machine load).
+fn paired(a: &[f64], b: &[f64], f: impl Fn(f64, f64) -> f64) -> (f64, f64, f64) {
+    let mut v: Vec<f64> = a
+        .iter()
+        .zip(b)
+        .map(|(x, y)| f(*y, *x))
+        .filter(|d| d.is_finite())
+        .collect();
+    v.sort_by(f64::total_cmp);
+    let n = v.len();
+    if n == 0 {
+        return (f64::NAN, f64::NAN, f64::NAN);
+    }
+    let mid = n / 2;
+    let median = if n % 2 == 1 {
+        v.get(mid).copied().unwrap_or(f64::NAN)
+    } else {
+        (v.get(mid - 1).copied().unwrap_or(f64::NAN) + v.get(mid).copied().unwrap_or(f64::NAN))
+            / 2.0
+    };
+    (
+        median,
+        v.first().copied().unwrap_or(f64::NAN),
+        v.last().copied().unwrap_or(f64::NAN),
+    )
+}
+
+/// Filter throughput as a share of the baseline's: median of the paired ratios.
+fn share(a: &Case, b: &Case) -> (f64, f64, f64) {
+    paired(&a.rps_runs, &b.rps_runs, |y, x| y / x)
+}
+
+/// Added p50 latency (one connection): median of the paired differences, µs.
+fn added_p50(a: &Case, b: &Case) -> (f64, f64, f64) {
+    paired(&a.p50_runs, &b.p50_runs, |y, x| y - x)
+}
+
 fn overhead_pairs(cases: &[Case]) -> Vec<(&Case, &Case)> {
     let mut out = Vec::new();
     for a in cases.iter().filter(|c| c.route == "no_wasm") {
@@ -179,7 +217,7 @@ impl Report<'_> {
 
     pub fn overhead_table(&self) -> String {
         let mut s = String::from(
-            "| --concurrency | body | route | req/s (16 conns) | filter ÷ no-wasm | p50 µs (1 conn) | p99 µs (1 conn) | added p50 µs | Envoy CPU µs/req (16 conns) | Envoy CPU µs/req (1 conn) | errors |\n|---|---|---|---|---|---|---|---|---|---|---|\n",
+            "| --concurrency | body | route | req/s (16 conns) | filter ÷ no-wasm (min…max) | p50 µs (1 conn) | p99 µs (1 conn) | added p50 µs (min…max) | Envoy CPU µs/req (16 conns) | Envoy CPU µs/req (1 conn) | errors |\n|---|---|---|---|---|---|---|---|---|---|---|\n",
         );
         for (a, b) in overhead_pairs(self.overhead) {
             for c in [a, b] {
@@ -192,11 +230,17 @@ impl Report<'_> {
                     c.body_bytes,
                     c.route,
                     c.rps,
-                    if is_b { pct(b.rps / a.rps) } else { String::new() },
+                    if is_b {
+                        let (m, lo, hi) = share(a, b);
+                        format!("{} ({}…{})", pct(m), pct(lo), pct(hi))
+                    } else {
+                        String::new()
+                    },
                     c.p50_us,
                     c.p99_us,
                     if is_b {
-                        format!("{:+.0}", b.p50_us - a.p50_us)
+                        let (m, lo, hi) = added_p50(a, b);
+                        format!("{m:+.0} ({lo:+.0}…{hi:+.0})")
                     } else {
                         String::new()
                     },
@@ -283,6 +327,56 @@ impl Report<'_> {
             s.push_str(".\n");
         }
         s.push('\n');
+        s
+    }
+
+    /// The body of README.md's "## Benchmarks" section (between the bench markers).
+    pub fn readme_block(&self) -> String {
+        let m = &self.meta;
+        let mut s = String::new();
+        let _ = writeln!(
+            s,
+            "Latest run: {} ({} mode, commit `{}`), command `{}`, on {}. Full report: \
+             [results/bench/results.md](results/bench/results.md); data: \
+             [results/bench/results.json](results/bench/results.json).\n",
+            m.date, m.mode, m.commit, m.command, m.machine
+        );
+        let _ = writeln!(
+            s,
+            "![per-policy p50/p99 latency and cached-token ratio per scenario](results/bench/chart.svg)\n"
+        );
+        let _ =
+            writeln!(
+            s,
+            "Routing quality, {} sessions × {} turns against four mock prefix-cache endpoints; \
+             each cell: cached-token ratio · p99 latency · client-visible error rate (Envoy's \
+             balancers' errors are 404s for the second model, which only two hosts serve; see \
+             the full report):\n",
+            m.params.pointer("/workload/sessions").cloned().unwrap_or(Value::Null),
+            m.params.pointer("/workload/turns").cloned().unwrap_or(Value::Null)
+        );
+        s.push_str(&self.summary_table());
+        s.push('\n');
+        let pairs = overhead_pairs(self.overhead);
+        if !pairs.is_empty() {
+            s.push_str("Overhead (wrk, fast upstream, medians of alternated runs):\n\n");
+            s.push_str("| --concurrency | body | filter ÷ no-wasm req/s | added p50 µs (1 conn) | added Envoy CPU µs/req |\n|---|---|---|---|---|\n");
+            for (a, b) in pairs {
+                let _ = writeln!(
+                    s,
+                    "| {} | {} | {} | {:+.0} | {:+.1} |",
+                    a.concurrency,
+                    a.body,
+                    pct(share(a, b).0),
+                    added_p50(a, b).0,
+                    b.envoy_cpu_us - a.envoy_cpu_us
+                );
+            }
+            s.push('\n');
+        }
+        if let Some(b) = self.wasm_bytes {
+            let _ = writeln!(s, "Wasm module: {b} bytes.\n");
+        }
         s
     }
 
@@ -437,11 +531,14 @@ impl Report<'_> {
                 "`wrk` (Debian) POSTs one fixed chat body through Envoy to one mock upstream with \
                  zero prefill/decode time. *no_wasm*: static route to one cluster; *filter*: the \
                  computeflux filter choosing among four endpoint clusters (all that same upstream). \
-                 The two Envoys run side by side and are measured alternately ({} times each); \
-                 medians. req/s: 16 keep-alive connections, one wrk thread, everything (wrk, Envoy, \
-                 the mock) sharing the machine's cores; latency: one connection (requests one at \
-                 a time); Envoy CPU: user+system time of the Envoy process during the req/s run \
-                 divided by its requests. Parameters: {}.\n",
+                 The two Envoys run side by side and are measured alternately ({} times each: \
+                 no-wasm, filter, no-wasm, filter, …); figures are medians over the repetitions, \
+                 and the filter's share and added p50 are medians of the per-repetition pairs \
+                 (with their min…max, which shows how noisy the shared machine was). req/s: 16 \
+                 keep-alive connections, one wrk thread, everything (wrk, Envoy, the mock) sharing \
+                 the machine's cores; latency: one connection (requests one at a time); Envoy \
+                 CPU: user+system time of the Envoy process during a run divided by its requests \
+                 (the steadiest of these figures). Parameters: {}.\n",
                 m.params.pointer("/overhead/reps").cloned().unwrap_or(Value::Null),
                 m.params.get("overhead").cloned().unwrap_or(Value::Null)
             );
@@ -449,8 +546,8 @@ impl Report<'_> {
             s.push('\n');
             for (a, b) in overhead_pairs(self.overhead) {
                 if a.concurrency == 1 && a.body == "small" {
-                    let share = b.rps / a.rps;
-                    let added = b.p50_us - a.p50_us;
+                    let share = share(a, b).0;
+                    let added = added_p50(a, b).0;
                     let _ = writeln!(
                         s,
                         "Targets (concurrency 1, small body): filter throughput ≥ 85 % of no-wasm: \

@@ -447,4 +447,72 @@ impl Summary {
     pub fn error_rate(&self) -> f64 {
         ratio(self.errors, self.requests)
     }
+
+    /// The inverse of [`Summary::to_json`] (for re-rendering a report from `results.json`).
+    pub fn from_json(v: &Value) -> Summary {
+        let f = |p: &str| v.pointer(p).and_then(Value::as_f64).unwrap_or(f64::NAN);
+        let u = |p: &str| v.pointer(p).and_then(Value::as_u64).unwrap_or(0);
+        let st = |p: &str| {
+            v.pointer(p)
+                .and_then(Value::as_str)
+                .unwrap_or("")
+                .to_string()
+        };
+        let phases = v
+            .get("phases")
+            .and_then(Value::as_object)
+            .map(|o| {
+                o.iter()
+                    .map(|(k, p)| {
+                        let f = |q: &str| p.get(q).and_then(Value::as_f64).unwrap_or(f64::NAN);
+                        let u = |q: &str| p.get(q).and_then(Value::as_u64).unwrap_or(0);
+                        (
+                            k.clone(),
+                            PhaseSummary {
+                                requests: u("requests"),
+                                errors: u("errors"),
+                                other_errors: u("errors_other_than_404"),
+                                cached_ratio: f("cached_ratio"),
+                                same_endpoint_share: f("same_endpoint_share"),
+                                p99_ms: f("p99_ms"),
+                            },
+                        )
+                    })
+                    .collect()
+            })
+            .unwrap_or_default();
+        let error_kinds = v
+            .get("error_kinds")
+            .and_then(Value::as_object)
+            .map(|o| {
+                o.iter()
+                    .map(|(k, n)| (k.clone(), n.as_u64().unwrap_or(0)))
+                    .collect()
+            })
+            .unwrap_or_default();
+        Summary {
+            policy: st("/policy"),
+            scenario: st("/scenario"),
+            requests: u("/requests"),
+            ok: u("/ok"),
+            errors: u("/errors"),
+            wrong_model: u("/wrong_model_errors"),
+            error_kinds,
+            prompt_tokens: u("/prompt_tokens"),
+            cached_tokens: u("/cached_tokens"),
+            cached_ratio: f("/cached_ratio"),
+            follow_ups: u("/follow_ups"),
+            same_endpoint: u("/same_endpoint"),
+            same_endpoint_share: f("/same_endpoint_share"),
+            p50_ms: f("/latency_ms/p50"),
+            p90_ms: f("/latency_ms/p90"),
+            p99_ms: f("/latency_ms/p99"),
+            max_ms: f("/latency_ms/max"),
+            cost_per_prompt_token: f("/cost_per_prompt_token"),
+            cost_vs_round_robin: v.get("cost_vs_round_robin").and_then(Value::as_f64),
+            upstream_per_request: f("/upstream_requests_per_request"),
+            phases,
+            wall_s: f("/wall_s"),
+        }
+    }
 }
