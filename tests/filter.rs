@@ -5,7 +5,12 @@
 //! the all-down answer, metrics and configuration refusal.
 
 // Test code: failing loudly with context is the point.
-#![allow(clippy::panic, clippy::unwrap_used, clippy::expect_used, clippy::indexing_slicing)]
+#![allow(
+    clippy::panic,
+    clippy::unwrap_used,
+    clippy::expect_used,
+    clippy::indexing_slicing
+)]
 
 mod support;
 

@@ -707,7 +707,13 @@ fn failover_kinds_bounds_final_response_disconnects_and_streaming() {
             r.body
         );
         if label == "timeout" {
-            assert!(t.elapsed() >= Duration::from_millis(TIMEOUT_MS), "{label}");
+            // Envoy arms its timer with its cached loop time, so it may fire a few ms "early".
+            assert!(
+                t.elapsed() >= Duration::from_millis(TIMEOUT_MS - 50),
+                "{label}: {:?} {:?}",
+                t.elapsed(),
+                r.headers
+            );
         }
         assert_eq!(
             outcomes(&envoy, "a", "endpoint_failure"),
@@ -732,7 +738,13 @@ fn failover_kinds_bounds_final_response_disconnects_and_streaming() {
         assert_served(&r, 200, "c", 3);
         assert_eq!(r.header("x-mock-endpoint"), Some("c"), "{label}");
         if label == "timeout" {
-            assert!(t.elapsed() >= Duration::from_millis(TIMEOUT_MS), "{label}");
+            // Envoy arms its timer with its cached loop time, so it may fire a few ms "early".
+            assert!(
+                t.elapsed() >= Duration::from_millis(TIMEOUT_MS - 50),
+                "{label}: {:?} {:?}",
+                t.elapsed(),
+                r.headers
+            );
         }
         assert_eq!(
             outcomes(&envoy, "b", "endpoint_failure"),

@@ -223,6 +223,7 @@ fuzz_target!(|setup: Setup| {
                     dead: mask(*dead, n),
                     used: mask(*used, n),
                     tried: mask(*tried, n),
+                    retry_free: false,
                 };
                 let pinned = session.and_then(|s| aff.lookup(s, now));
                 let pick = Pick {

@@ -38,11 +38,21 @@ pub fn endpoint_id(name: &str) -> u32 {
 
 /// Rendezvous (highest-random-weight) hash of (session, endpoint): the tie breaker that makes
 /// independent Envoy processes with the same view pick the same endpoint for a new session.
+/// It runs once per tied candidate on every selection, so it is a pure-integer mixer
+/// (MurmurHash3's 64-bit finalizer, twice) rather than a byte hash: identical on every target.
 pub fn rendezvous(session_key: u64, endpoint_id: u32) -> u64 {
-    let mut buf = [0u8; 12];
-    buf[..8].copy_from_slice(&session_key.to_le_bytes());
-    buf[8..].copy_from_slice(&endpoint_id.to_le_bytes());
-    xxh3_64_with_seed(&buf, RENDEZVOUS_SEED)
+    let endpoint = fmix64(u64::from(endpoint_id) ^ RENDEZVOUS_SEED);
+    fmix64(session_key.wrapping_add(endpoint))
+}
+
+/// MurmurHash3's 64-bit finalizer: a bijective avalanche mix.
+pub fn fmix64(mut k: u64) -> u64 {
+    k ^= k >> 33;
+    k = k.wrapping_mul(0xff51_afd7_ed55_8ccd);
+    k ^= k >> 33;
+    k = k.wrapping_mul(0xc4ce_b9fe_1a85_ec53);
+    k ^= k >> 33;
+    k
 }
 
 #[cfg(test)]
@@ -70,6 +80,6 @@ mod tests {
     const EXPECTED_PINNED: (u32, u64, u64) = (
         270_278_089,
         14_436_467_762_409_092_098,
-        2_732_708_913_734_765_510,
+        7_260_026_509_070_100_995,
     );
 }

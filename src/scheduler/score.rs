@@ -43,7 +43,9 @@ pub fn score(
     }
     let f = fade(now_ms.saturating_sub(st.last_sample_ms), cfg.stats_decay_ms);
     let success = (1.0 - (1.0 - st.success_rate) * f).max(SUCCESS_FLOOR);
-    let load = 1.0 / (1.0 + f64::from(st.load(now_ms)));
+    // Three divisions per endpoint (this runs for every candidate of every selection):
+    // weight × success × 1/(1+in_flight) / latency_factor, folded into one quotient.
+    let queue = 1.0 + f64::from(st.load(now_ms));
     let latency = match (st.latency_ms, best_latency_ms) {
         (Some(own), Some(best)) => {
             let raw = own.max(LATENCY_FLOOR_MS) / best.max(LATENCY_FLOOR_MS);
@@ -52,7 +54,7 @@ pub fn score(
         _ => 1.0,
     };
     Scored {
-        score: weight * success * load / latency,
+        score: weight * success / (queue * latency),
         cold: false,
     }
 }

@@ -25,6 +25,9 @@ use super::store::{update_if, Store};
 /// new session onto one endpoint).
 pub const TIE_TOLERANCE: f64 = 0.05;
 
+/// The weight of a dead-key (401/403) outcome in the success-rate EWMA, at least.
+pub const DEAD_KEY_ALPHA: f64 = 0.5;
+
 /// Shared-data key of the endpoint table.
 pub const TABLE_KEY: &str = "computeflux/endpoints";
 
@@ -34,12 +37,17 @@ pub struct Exclusions {
     pub dead: Vec<usize>,
     pub used: Vec<usize>,
     pub tried: Vec<usize>,
+    /// The last attempt was turned away before any work was done (401/403/429): failing over
+    /// from it adds no load the fleet did not already carry, so it spends no retry budget.
+    /// The budget exists to stop 5xx/timeout storms from multiplying load on the survivors.
+    pub retry_free: bool,
 }
 
 impl Exclusions {
     /// Notes an attempt on `endpoint` and what its outcome implies for the rest of the request.
     pub fn after_attempt(&mut self, endpoint: usize, outcome: &Outcome) {
         push_unique(&mut self.tried, endpoint);
+        self.retry_free = matches!(outcome, Outcome::DeadKey | Outcome::RateLimited { .. });
         match outcome {
             Outcome::DeadKey => push_unique(&mut self.dead, endpoint),
             Outcome::RateLimited { .. } => push_unique(&mut self.used, endpoint),
@@ -260,8 +268,9 @@ impl<'a> Scheduler<'a> {
         }
         let bcfg = self.breaker_config();
         let result = update_if(self.store, TABLE_KEY, |bytes| {
-            let mut table = Table::aligned(bytes, self.cfg);
+            let (mut table, same_layout) = Table::load(bytes, self.cfg);
             if pick.attempt > 1
+                && !pick.exclusions.retry_free
                 && !table.budget.try_retry(
                     now_ms,
                     self.cfg.retry_budget_percent,
@@ -299,8 +308,12 @@ impl<'a> Scheduler<'a> {
                         counted: true,
                         started_ms: now_ms,
                     };
+                    let bytes = match bytes {
+                        Some(stored) if same_layout => table.encode_patched(stored, i),
+                        _ => table.encode(),
+                    };
                     (
-                        Some(table.encode()),
+                        Some(bytes),
                         Ok(Decision {
                             endpoint: i,
                             reason,
@@ -415,34 +428,32 @@ impl<'a> Scheduler<'a> {
             .fold(None, |acc: Option<f64>, l| {
                 Some(acc.map_or(l, |a| a.min(l)))
             });
+        // Half-open endpoints with a free probe slot go first; among the pool, the best score,
+        // ties (within TIE_TOLERANCE) broken by the rendezvous hash.
+        let probing = admitted.iter().any(|(_, probe)| *probe);
         let scored: Vec<(usize, bool, Scored)> = admitted
             .iter()
+            .filter(|(_, probe)| *probe == probing)
             .filter_map(|&(i, probe)| {
                 let weight = self.cfg.endpoints.get(i)?.weight;
                 let (_, st) = table.entries.get(i)?;
                 Some((i, probe, score(weight, st, best_latency, self.cfg, now_ms)))
             })
             .collect();
-        let probes: Vec<&(usize, bool, Scored)> =
-            scored.iter().filter(|(_, probe, _)| *probe).collect();
-        let pool: Vec<&(usize, bool, Scored)> = if probes.is_empty() {
-            scored.iter().collect()
-        } else {
-            probes
-        };
-        let best = pool
+        let best = scored
             .iter()
             .map(|(_, _, s)| s.score)
             .fold(f64::MIN, f64::max);
         let session = pick.session.unwrap_or(0);
-        let chosen = pool
+        let chosen = scored
             .iter()
+            .copied()
             .filter(|(_, _, s)| s.score >= best * (1.0 - TIE_TOLERANCE))
             .max_by_key(|(i, _, _)| {
                 rendezvous(session, self.cfg.endpoints.get(*i).map_or(0, |e| e.id))
             });
         match chosen {
-            Some(&&(i, probe, s)) => {
+            Some((i, probe, s)) => {
                 let reason = if probe {
                     Reason::HalfOpenProbe
                 } else if s.cold {
@@ -469,7 +480,7 @@ impl<'a> Scheduler<'a> {
         let bcfg = self.breaker_config();
         let cfg = self.cfg;
         let result = update_if(self.store, TABLE_KEY, |bytes| {
-            let mut table = Table::aligned(bytes, cfg);
+            let (mut table, same_layout) = Table::load(bytes, cfg);
             let Some((id, st)) = table.entries.get_mut(ticket.endpoint) else {
                 return (None, None);
             };
@@ -496,8 +507,14 @@ impl<'a> Scheduler<'a> {
                 let idle_fade =
                     ewma::fade(now_ms.saturating_sub(st.last_sample_ms), cfg.stats_decay_ms);
                 let faded = 1.0 - (1.0 - st.success_rate) * idle_fade;
-                st.success_rate =
-                    ewma::update(Some(faded), v, cfg.success_rate_alpha).clamp(0.0, 1.0);
+                // A 401/403 is deterministic (the key is dead), not a flaky sample: it weighs
+                // at least DEAD_KEY_ALPHA, so a dead key stops winning first attempts after a
+                // couple of requests instead of a dozen.
+                let alpha = match outcome {
+                    Outcome::DeadKey => cfg.success_rate_alpha.max(DEAD_KEY_ALPHA),
+                    _ => cfg.success_rate_alpha,
+                };
+                st.success_rate = ewma::update(Some(faded), v, alpha).clamp(0.0, 1.0);
                 st.last_sample_ms = now_ms;
             }
             if matches!(outcome, Outcome::Success) {
@@ -521,7 +538,11 @@ impl<'a> Scheduler<'a> {
                 in_flight: st.in_flight,
                 stored: true,
             };
-            (Some(table.encode()), Some(report))
+            let bytes = match bytes {
+                Some(stored) if same_layout => table.encode_patched(stored, ticket.endpoint),
+                _ => table.encode(),
+            };
+            (Some(bytes), Some(report))
         });
         let mut report = match result {
             Ok(r) => r,

@@ -66,13 +66,98 @@ pub struct Table {
 
 const TABLE_VERSION: u8 = 1;
 const ENTRY_BYTES: usize = 4 + 1 + 8 + 8 + 8 + 8 + 4 + 8 + 1 + 1 + 4 + 8 + 4 + 4 + 8 + 4;
+const BUDGET_BYTES: usize = 8 + 8 + 8;
+/// Version byte, budget, entry count.
+const HEADER_BYTES: usize = 1 + BUDGET_BYTES + 4;
+
+/// One entry from exactly [`ENTRY_BYTES`] bytes (a fixed-size slice, so the field reads
+/// compile to plain loads).
+fn decode_entry(chunk: &[u8]) -> Option<(u32, EndpointState)> {
+    let mut r = Reader::new(chunk);
+    let id = r.u32()?;
+    let has_latency = r.u8()? == 1;
+    let latency = r.f64()?;
+    let success_rate = r.f64()?.clamp(0.0, 1.0);
+    let state = EndpointState {
+        latency_ms: has_latency.then_some(latency),
+        success_rate,
+        last_sample_ms: r.u64()?,
+        total: r.u64()?,
+        in_flight: r.u32()?,
+        in_flight_changed_ms: r.u64()?,
+        breaker: Breaker {
+            state: match r.u8()? {
+                0 => BreakerState::Closed,
+                1 => BreakerState::Open,
+                2 => BreakerState::HalfOpen,
+                _ => return None,
+            },
+            cause: match r.u8()? {
+                0 => OpenCause::Failures,
+                1 => OpenCause::RateLimited,
+                _ => return None,
+            },
+            consecutive_failures: r.u32()?,
+            open_until_ms: r.u64()?,
+            probes_admitted: r.u32()?,
+            probes_succeeded: r.u32()?,
+            last_probe_ms: r.u64()?,
+            epoch: r.u32()?,
+        },
+    };
+    Some((id, state))
+}
+
+fn encode_entry(w: &mut Writer, id: u32, s: &EndpointState) {
+    w.u32(id);
+    w.u8(u8::from(s.latency_ms.is_some()));
+    w.f64(s.latency_ms.unwrap_or(0.0));
+    w.f64(s.success_rate);
+    w.u64(s.last_sample_ms);
+    w.u64(s.total);
+    w.u32(s.in_flight);
+    w.u64(s.in_flight_changed_ms);
+    let b = &s.breaker;
+    w.u8(match b.state {
+        BreakerState::Closed => 0,
+        BreakerState::Open => 1,
+        BreakerState::HalfOpen => 2,
+    });
+    w.u8(match b.cause {
+        OpenCause::Failures => 0,
+        OpenCause::RateLimited => 1,
+    });
+    w.u32(b.consecutive_failures);
+    w.u64(b.open_until_ms);
+    w.u32(b.probes_admitted);
+    w.u32(b.probes_succeeded);
+    w.u64(b.last_probe_ms);
+    w.u32(b.epoch);
+}
 
 impl Table {
     /// The table aligned to `cfg.endpoints`: entry `i` belongs to endpoint `i`. Endpoints new to
     /// the stored table start fresh; stored entries of endpoints no longer configured are kept
     /// out (they fall away at the next write).
     pub fn aligned(bytes: Option<&[u8]>, cfg: &Config) -> Table {
+        Table::load(bytes, cfg).0
+    }
+
+    /// Like [`Table::aligned`], plus whether the stored bytes already had exactly the
+    /// configuration's layout (the common case), so that [`Table::encode_patched`] may rewrite
+    /// only what changed instead of the whole table.
+    pub fn load(bytes: Option<&[u8]>, cfg: &Config) -> (Table, bool) {
         let stored = bytes.and_then(Table::decode).unwrap_or_default();
+        let same_layout = bytes.is_some()
+            && stored.entries.len() == cfg.endpoints.len()
+            && stored
+                .entries
+                .iter()
+                .zip(&cfg.endpoints)
+                .all(|((id, _), ep)| *id == ep.id);
+        if same_layout {
+            return (stored, true);
+        }
         let mut entries = Vec::with_capacity(cfg.endpoints.len());
         for (i, ep) in cfg.endpoints.iter().enumerate() {
             let state = match stored.entries.get(i) {
@@ -86,42 +171,49 @@ impl Table {
             };
             entries.push((ep.id, state));
         }
-        Table {
-            budget: stored.budget,
-            entries,
+        (
+            Table {
+                budget: stored.budget,
+                entries,
+            },
+            false,
+        )
+    }
+
+    /// The encoding of this table when it was loaded from `stored` with the same layout and only
+    /// the budget and entry `changed` were modified: a copy of `stored` with those two rewritten.
+    pub fn encode_patched(&self, stored: &[u8], changed: usize) -> Vec<u8> {
+        let mut out = stored.to_vec();
+        let mut budget = Writer::with_capacity(BUDGET_BYTES);
+        self.budget.encode(&mut budget);
+        let mut entry = Writer::with_capacity(ENTRY_BYTES);
+        let Some((id, st)) = self.entries.get(changed) else {
+            return self.encode();
+        };
+        encode_entry(&mut entry, *id, st);
+        let at = HEADER_BYTES + changed * ENTRY_BYTES;
+        let patched = out
+            .get_mut(1..1 + BUDGET_BYTES)
+            .map(|b| b.copy_from_slice(&budget.buf))
+            .is_some()
+            && out
+                .get_mut(at..at + ENTRY_BYTES)
+                .map(|e| e.copy_from_slice(&entry.buf))
+                .is_some();
+        if patched && out.len() == HEADER_BYTES + self.entries.len() * ENTRY_BYTES {
+            out
+        } else {
+            self.encode()
         }
     }
 
     pub fn encode(&self) -> Vec<u8> {
-        let mut w = Writer::with_capacity(1 + 24 + 4 + self.entries.len() * ENTRY_BYTES);
+        let mut w = Writer::with_capacity(HEADER_BYTES + self.entries.len() * ENTRY_BYTES);
         w.u8(TABLE_VERSION);
         self.budget.encode(&mut w);
         w.u32(self.entries.len() as u32);
         for (id, s) in &self.entries {
-            w.u32(*id);
-            w.u8(u8::from(s.latency_ms.is_some()));
-            w.f64(s.latency_ms.unwrap_or(0.0));
-            w.f64(s.success_rate);
-            w.u64(s.last_sample_ms);
-            w.u64(s.total);
-            w.u32(s.in_flight);
-            w.u64(s.in_flight_changed_ms);
-            let b = &s.breaker;
-            w.u8(match b.state {
-                BreakerState::Closed => 0,
-                BreakerState::Open => 1,
-                BreakerState::HalfOpen => 2,
-            });
-            w.u8(match b.cause {
-                OpenCause::Failures => 0,
-                OpenCause::RateLimited => 1,
-            });
-            w.u32(b.consecutive_failures);
-            w.u64(b.open_until_ms);
-            w.u32(b.probes_admitted);
-            w.u32(b.probes_succeeded);
-            w.u64(b.last_probe_ms);
-            w.u32(b.epoch);
+            encode_entry(&mut w, *id, s);
         }
         w.buf
     }
@@ -137,42 +229,12 @@ impl Table {
         if r.remaining() != n.checked_mul(ENTRY_BYTES)? {
             return None;
         }
+        let rest = bytes.get(bytes.len() - r.remaining()..)?;
         let mut entries = Vec::with_capacity(n);
-        for _ in 0..n {
-            let id = r.u32()?;
-            let has_latency = r.u8()? == 1;
-            let latency = r.f64()?;
-            let success_rate = r.f64()?.clamp(0.0, 1.0);
-            let state = EndpointState {
-                latency_ms: has_latency.then_some(latency),
-                success_rate,
-                last_sample_ms: r.u64()?,
-                total: r.u64()?,
-                in_flight: r.u32()?,
-                in_flight_changed_ms: r.u64()?,
-                breaker: Breaker {
-                    state: match r.u8()? {
-                        0 => BreakerState::Closed,
-                        1 => BreakerState::Open,
-                        2 => BreakerState::HalfOpen,
-                        _ => return None,
-                    },
-                    cause: match r.u8()? {
-                        0 => OpenCause::Failures,
-                        1 => OpenCause::RateLimited,
-                        _ => return None,
-                    },
-                    consecutive_failures: r.u32()?,
-                    open_until_ms: r.u64()?,
-                    probes_admitted: r.u32()?,
-                    probes_succeeded: r.u32()?,
-                    last_probe_ms: r.u64()?,
-                    epoch: r.u32()?,
-                },
-            };
-            entries.push((id, state));
+        for chunk in rest.chunks_exact(ENTRY_BYTES) {
+            entries.push(decode_entry(chunk)?);
         }
-        r.is_empty().then_some(Table { budget, entries })
+        Some(Table { budget, entries })
     }
 }
 
@@ -207,5 +269,23 @@ mod tests {
         let t2 = Table::aligned(Some(&bytes), &swapped);
         assert_eq!(t2.entries[0].1.total, 42);
         assert_eq!(t2.entries[1].1, EndpointState::default());
+    }
+
+    #[test]
+    fn patched_encoding_equals_full_encoding() {
+        let cfg = Config::from_value(&json!({"endpoints":[{"name":"a","cluster":"a"},{"name":"b","cluster":"b"},{"name":"c","cluster":"c"}]})).unwrap();
+        let mut t = Table::aligned(None, &cfg);
+        t.entries[0].1.total = 3;
+        let stored = t.encode();
+        let (mut loaded, same) = Table::load(Some(&stored), &cfg);
+        assert!(same);
+        loaded.entries[2].1.in_flight = 9;
+        loaded.entries[2].1.breaker.epoch = 4;
+        loaded.budget.on_request(1_000);
+        assert_eq!(loaded.encode_patched(&stored, 2), loaded.encode());
+        // A layout change is never patched.
+        let other = Config::from_value(&json!({"endpoints":[{"name":"b","cluster":"b"}]})).unwrap();
+        assert!(!Table::load(Some(&stored), &other).1);
+        assert!(!Table::load(None, &cfg).1);
     }
 }

@@ -42,6 +42,7 @@ fn exclusions_in_order_and_model_not_found() {
         dead: vec![0],
         used: vec![0, 1],
         tried: vec![],
+        retry_free: false,
     };
     let (cands, dropped) = s
         .candidates(&Pick {
@@ -349,6 +350,51 @@ fn retry_budget_limits_failovers() {
     };
     let results: Vec<bool> = (0..5).map(retry).map(|r| r.is_ok()).collect();
     assert_eq!(results, vec![true, true, true, false, false]); // 2 + 10% of 10
+}
+
+#[test]
+fn failovers_after_401_or_429_spend_no_retry_budget() {
+    let c = cfg(
+        json!({"endpoints":[{"name":"a","cluster":"ca"},{"name":"b","cluster":"cb"}],
+        "retry_budget_percent":0,"retry_budget_min_retries":0}),
+    );
+    let store = MemStore::new();
+    let s = Scheduler::new(&c, &store);
+    let failover = |outcome: Outcome| {
+        let mut ex = Exclusions::default();
+        ex.after_attempt(0, &outcome);
+        let pick = Pick {
+            model: Some("m"),
+            session: None,
+            attempt: 2,
+            exclusions: &ex,
+        };
+        s.pick(&pick, 0)
+            .map(|d| s.finish(&d.ticket, &Outcome::Cancelled, 0, None, 0))
+    };
+    // No budget at all: a 5xx failover is refused, 401/403/429 failovers go through.
+    assert_eq!(
+        failover(Outcome::EndpointFailure(FailureKind::Status(503))).unwrap_err(),
+        NoEndpoint::BudgetExhausted
+    );
+    assert!(failover(Outcome::DeadKey).is_ok());
+    assert!(failover(Outcome::RateLimited {
+        retry_after_ms: None
+    })
+    .is_ok());
+}
+
+#[test]
+fn dead_keys_sink_fast() {
+    let c = cfg(json!({"endpoints":[{"name":"a","cluster":"ca"}],"cold_start_samples":0}));
+    let store = MemStore::new();
+    let s = Scheduler::new(&c, &store);
+    for _ in 0..2 {
+        let d = pick_at(&s, None, &Exclusions::default(), 0).unwrap();
+        s.finish(&d.ticket, &Outcome::DeadKey, 1, None, 0);
+    }
+    // Two 401s at alpha 0.5: 1 → 0.5 → 0.25 (at the default alpha 0.1 it would be 0.81).
+    assert!((s.table().entries[0].1.success_rate - 0.25).abs() < 1e-12);
 }
 
 #[test]
