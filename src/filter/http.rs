@@ -546,7 +546,8 @@ impl HttpContext for Http {
         let status = host::header_str(MapType::HttpResponseHeaders, ":status")
             .and_then(|s| s.trim().parse::<u16>().ok());
         let outcome = match status {
-            Some(s) => {
+            // Rate-limit hints matter only on a 429: spare the other responses four host calls.
+            Some(429) => {
                 let hints: Vec<(String, String)> = [
                     "retry-after",
                     "retry-after-ms",
@@ -558,8 +559,9 @@ impl HttpContext for Http {
                     host::header_str(MapType::HttpResponseHeaders, n).map(|v| (n.to_string(), v))
                 })
                 .collect();
-                classify(s, &hints, now)
+                classify(429, &hints, now)
             }
+            Some(s) => classify(s, &[], now),
             None => Outcome::EndpointFailure(FailureKind::Reset),
         };
         let Some(failed) = self.finish(&outcome, now) else {
