@@ -9,11 +9,11 @@
 
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use serde_json::{json, Value};
 
-use super::support::{self, http, EnvoyConfig, MockUpstream};
+use super::support::{self, EnvoyConfig, MockUpstream};
 
 /// The endpoints: name and served models. The first four are always up; the fifth is the one
 /// that joins mid-run.
@@ -246,50 +246,10 @@ impl EnvoyProc {
     }
 
     fn wait_ready(&mut self, admin_path: &Path, limit: Duration) -> Result<(), String> {
-        let deadline = Instant::now() + limit;
-        let short = Duration::from_secs(2);
-        loop {
-            if let Ok(Some(status)) = self.child.try_wait() {
-                return Err(format!("envoy exited: {status}"));
-            }
-            if Instant::now() > deadline {
-                return Err(format!("not ready after {limit:?}"));
-            }
-            std::thread::sleep(Duration::from_millis(50));
-            if self.admin_port == 0 {
-                let text = std::fs::read_to_string(admin_path).unwrap_or_default();
-                match text
-                    .trim()
-                    .rsplit_once(':')
-                    .and_then(|(_, p)| p.parse().ok())
-                {
-                    Some(p) => self.admin_port = p,
-                    None => continue,
-                }
-            }
-            let ready = http::request(self.admin_port, "GET", "/ready", &[], None, short);
-            if !matches!(&ready, Ok(r) if r.status == 200 && r.body.trim() == "LIVE") {
-                continue;
-            }
-            let Ok(l) = http::request(
-                self.admin_port,
-                "GET",
-                "/listeners?format=json",
-                &[],
-                None,
-                short,
-            ) else {
-                continue;
-            };
-            let port = serde_json::from_str::<Value>(&l.body).ok().and_then(|v| {
-                v.pointer("/listener_statuses/0/local_address/socket_address/port_value")?
-                    .as_u64()
-            });
-            if let Some(p) = port.and_then(|p| u16::try_from(p).ok()).filter(|p| *p != 0) {
-                self.port = p;
-                return Ok(());
-            }
-        }
+        let (admin, port) = support::envoy::wait_ready(&mut self.child, admin_path, limit)?;
+        self.admin_port = admin;
+        self.port = port;
+        Ok(())
     }
 
     /// User + system CPU time of the process so far, in clock ticks (`/proc/<pid>/stat`).

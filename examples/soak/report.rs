@@ -237,33 +237,13 @@ impl Report {
                 .collect::<Vec<_>>()
                 .join(", ")
         );
-        let _ = writeln!(
-            md,
-            "- Client statuses: {}.",
-            by_status
-                .iter()
-                .map(|(k, v)| format!("{k}: {v}"))
-                .collect::<Vec<_>>()
-                .join(", ")
-        );
+        let _ = writeln!(md, "- Client statuses: {}.", counts(&by_status));
         let _ = writeln!(
             md,
             "- Attempts per request (`x-computeflux-attempts`): {}.",
-            by_attempts
-                .iter()
-                .map(|(k, v)| format!("{k}: {v}"))
-                .collect::<Vec<_>>()
-                .join(", ")
+            counts(&by_attempts)
         );
-        let _ = writeln!(
-            md,
-            "- Served by: {}.",
-            by_endpoint
-                .iter()
-                .map(|(k, v)| format!("{k}: {v}"))
-                .collect::<Vec<_>>()
-                .join(", ")
-        );
+        let _ = writeln!(md, "- Served by: {}.", counts(&by_endpoint));
         let _ = writeln!(
             md,
             "- Latency of successful requests (client side): p50 {:.0} ms, p90 {:.0} ms, p99 {:.0} ms, max {:.0} ms.\n",
@@ -431,4 +411,14 @@ impl Report {
             pass,
         }
     }
+}
+
+/// `k: v, k: v, …` of a count map, in its iteration order.
+fn counts<K: std::fmt::Display, V: std::fmt::Display>(
+    map: impl IntoIterator<Item = (K, V)>,
+) -> String {
+    map.into_iter()
+        .map(|(k, v)| format!("{k}: {v}"))
+        .collect::<Vec<_>>()
+        .join(", ")
 }

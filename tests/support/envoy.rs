@@ -340,59 +340,10 @@ impl Envoy {
     }
 
     fn wait_ready(&mut self, admin_path: &Path, limit: Duration) -> Result<(), String> {
-        let deadline = Instant::now() + limit;
-        let short = Duration::from_secs(2);
-        loop {
-            if let Ok(Some(status)) = self.child.try_wait() {
-                return Err(format!("envoy exited: {status}"));
-            }
-            if Instant::now() > deadline {
-                return Err(format!("not ready after {limit:?}"));
-            }
-            std::thread::sleep(Duration::from_millis(50));
-            if self.admin_port == 0 {
-                let Ok(text) = std::fs::read_to_string(admin_path) else {
-                    continue;
-                };
-                match text
-                    .trim()
-                    .rsplit_once(':')
-                    .and_then(|(_, p)| p.parse().ok())
-                {
-                    Some(p) => self.admin_port = p,
-                    None => continue,
-                }
-            }
-            let ready = http::request(self.admin_port, "GET", "/ready", &[], None, short);
-            if !matches!(&ready, Ok(r) if r.status == 200 && r.body.trim() == "LIVE") {
-                continue;
-            }
-            let Ok(l) = http::request(
-                self.admin_port,
-                "GET",
-                "/listeners?format=json",
-                &[],
-                None,
-                short,
-            ) else {
-                continue;
-            };
-            let port = serde_json::from_str::<Value>(&l.body).ok().and_then(|v| {
-                v.get("listener_statuses")?
-                    .as_array()?
-                    .iter()
-                    .find(|s| s.get("name").and_then(Value::as_str) == Some("computeflux"))?
-                    .pointer("/local_address/socket_address/port_value")?
-                    .as_u64()
-            });
-            match port.and_then(|p| u16::try_from(p).ok()) {
-                Some(p) if p != 0 => {
-                    self.port = p;
-                    return Ok(());
-                }
-                _ => continue,
-            }
-        }
+        let (admin, port) = wait_ready(&mut self.child, admin_path, limit)?;
+        self.admin_port = admin;
+        self.port = port;
+        Ok(())
     }
 
     /// `127.0.0.1:<listener port>`.
@@ -493,6 +444,68 @@ impl Drop for Envoy {
             );
         } else {
             let _ = std::fs::remove_dir_all(&self.dir);
+        }
+    }
+}
+
+/// Waits (≤ `limit`) until the Envoy `child`, started with `--admin-address-path admin_path`
+/// and port-0 listeners, is ready, and returns `(admin port, listener port)`: the admin port
+/// from the address file, readiness from `/ready`, the listener's port (the one named
+/// `computeflux`, else the first) from `/listeners`. Fails early if the process exits.
+pub fn wait_ready(
+    child: &mut Child,
+    admin_path: &Path,
+    limit: Duration,
+) -> Result<(u16, u16), String> {
+    let deadline = Instant::now() + limit;
+    let short = Duration::from_secs(2);
+    let mut admin_port = 0u16;
+    loop {
+        if let Ok(Some(status)) = child.try_wait() {
+            return Err(format!("envoy exited: {status}"));
+        }
+        if Instant::now() > deadline {
+            return Err(format!("not ready after {limit:?}"));
+        }
+        std::thread::sleep(Duration::from_millis(50));
+        if admin_port == 0 {
+            let Ok(text) = std::fs::read_to_string(admin_path) else {
+                continue;
+            };
+            match text
+                .trim()
+                .rsplit_once(':')
+                .and_then(|(_, p)| p.parse().ok())
+            {
+                Some(p) => admin_port = p,
+                None => continue,
+            }
+        }
+        let ready = http::request(admin_port, "GET", "/ready", &[], None, short);
+        if !matches!(&ready, Ok(r) if r.status == 200 && r.body.trim() == "LIVE") {
+            continue;
+        }
+        let Ok(l) = http::request(
+            admin_port,
+            "GET",
+            "/listeners?format=json",
+            &[],
+            None,
+            short,
+        ) else {
+            continue;
+        };
+        let port = serde_json::from_str::<Value>(&l.body).ok().and_then(|v| {
+            let statuses = v.get("listener_statuses")?.as_array()?;
+            statuses
+                .iter()
+                .find(|s| s.get("name").and_then(Value::as_str) == Some("computeflux"))
+                .or_else(|| statuses.first())?
+                .pointer("/local_address/socket_address/port_value")?
+                .as_u64()
+        });
+        if let Some(p) = port.and_then(|p| u16::try_from(p).ok()).filter(|p| *p != 0) {
+            return Ok((admin_port, p));
         }
     }
 }
