@@ -273,21 +273,13 @@ impl Report {
             md,
             "- Filter attempts (`sum(computeflux_requests_total)`): {} — by outcome: {}.",
             attempts_filter,
-            by_outcome
-                .iter()
-                .map(|(k, v)| format!("{k} {v}"))
-                .collect::<Vec<_>>()
-                .join(", ")
+            counts_sep(by_outcome.iter(), " ")
         );
         let _ = writeln!(
             md,
             "- Requests counted by the mocks: {} ({}).",
             upstream_total,
-            mock_requests
-                .iter()
-                .map(|(k, v)| format!("{k} {v}"))
-                .collect::<Vec<_>>()
-                .join(", ")
+            counts_sep(mock_requests.iter().map(|(k, v)| (k, v)), " ")
         );
         let _ = writeln!(
             md,
@@ -417,8 +409,16 @@ impl Report {
 fn counts<K: std::fmt::Display, V: std::fmt::Display>(
     map: impl IntoIterator<Item = (K, V)>,
 ) -> String {
+    counts_sep(map, ": ")
+}
+
+/// `k<sep>v, k<sep>v, …` of a count map, in its iteration order.
+fn counts_sep<K: std::fmt::Display, V: std::fmt::Display>(
+    map: impl IntoIterator<Item = (K, V)>,
+    sep: &str,
+) -> String {
     map.into_iter()
-        .map(|(k, v)| format!("{k}: {v}"))
+        .map(|(k, v)| format!("{k}{sep}{v}"))
         .collect::<Vec<_>>()
         .join(", ")
 }
