@@ -136,6 +136,7 @@ fn cases() -> Vec<Case> {
                         session: None,
                         attempt: 1,
                         exclusions: ex,
+                        nonce: 0,
                     };
                     let d = s.pick(&pick, NOW_MS + i).expect("an endpoint");
                     black_box(s.finish(&d.ticket, &Outcome::Success, 250, None, NOW_MS + i));
@@ -157,6 +158,7 @@ fn cases() -> Vec<Case> {
                         session: None,
                         attempt: 1,
                         exclusions: ex,
+                        nonce: 0,
                     };
                     let start = Instant::now();
                     let d = s.pick(&pick, NOW_MS + i).expect("an endpoint");
@@ -188,6 +190,7 @@ fn cases() -> Vec<Case> {
                     session: Some(pinned),
                     attempt: 1,
                     exclusions: ex,
+                    nonce: 0,
                 };
                 let d = s.pick(&pick, NOW_MS + i).expect("an endpoint");
                 debug_assert_eq!(d.reason, computeflux::scheduler::Reason::AffinityHit);
@@ -209,6 +212,7 @@ fn cases() -> Vec<Case> {
                     session: Some(pinned),
                     attempt: 1,
                     exclusions: ex,
+                    nonce: 0,
                 };
                 let start = Instant::now();
                 let d = s.pick(&pick, NOW_MS + i).expect("an endpoint");

@@ -286,7 +286,7 @@ fn flood(a: &Args, bound: u64, sessions: u64, tag: &str) -> Result<Run, String> 
                     match conn.chat(&format!("{tag}-{i}")) {
                         Ok((200, aff)) => {
                             ok.fetch_add(1, Ordering::Relaxed);
-                            if aff != "new" {
+                            if !matches!(aff.as_str(), "home" | "backup" | "spill") {
                                 not_new.fetch_add(1, Ordering::Relaxed);
                             }
                         }

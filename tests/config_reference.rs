@@ -1,7 +1,8 @@
 #![cfg(not(target_arch = "wasm32"))]
-//! docs/configuration.md is the configuration reference users read; the `KeyDoc` tables in
-//! `src/scheduler/config.rs` are what the code validates. This test parses the doc's two tables
-//! and fails if a key is missing or stale, or if its type, default or bounds differ; it also
+//! docs/configuration.md is the configuration reference users read; its two tables are generated
+//! from the keys' declarations in `src/scheduler/config.rs` (`CONFIG_DOC_WRITE=1 cargo test --test
+//! config_reference` rewrites them). This test fails if a key is missing or stale, or if its type,
+//! default, bounds or effect differ; it also
 //! checks the documented top-level defaults against `Config::default()` and that the example
 //! configuration in the doc is accepted.
 // Test helpers fail loudly: that is their job.
@@ -14,7 +15,7 @@
 
 use std::collections::BTreeMap;
 
-use computeflux::scheduler::config::{Config, KeyDoc, ENDPOINT_KEYS, TOP_LEVEL_KEYS};
+use computeflux::scheduler::config::{endpoint_keys, top_level_keys, Config, KeyDoc};
 
 fn doc() -> String {
     std::fs::read_to_string(concat!(
@@ -75,7 +76,7 @@ fn compare(heading: &str, rows: &BTreeMap<String, [String; 4]>, keys: &[KeyDoc])
         assert_eq!(row[0], k.kind, "type of {}", k.key);
         assert_eq!(row[1], k.default, "default of {}", k.key);
         assert_eq!(row[2], k.bounds, "bounds of {}", k.key);
-        assert!(row[3].len() > 20, "effect of {} is not described", k.key);
+        assert_eq!(row[3], k.effect, "effect of {}", k.key);
     }
     for key in rows.keys() {
         assert!(
@@ -90,7 +91,7 @@ fn top_level_keys_match_the_code() {
     compare(
         "Top-level keys",
         &table(&doc(), "Top-level keys"),
-        TOP_LEVEL_KEYS,
+        &top_level_keys(),
     );
 }
 
@@ -99,7 +100,7 @@ fn endpoint_keys_match_the_code() {
     compare(
         "Endpoint keys",
         &table(&doc(), "Endpoint keys"),
-        ENDPOINT_KEYS,
+        &endpoint_keys(),
     );
 }
 
@@ -131,7 +132,7 @@ fn a_stale_or_missing_key_is_detected() {
     let mut rows = table(&doc(), "Top-level keys");
     rows.remove("max_attempts");
     rows.insert("max_retries".into(), Default::default());
-    let r = std::panic::catch_unwind(|| compare("Top-level keys", &rows, TOP_LEVEL_KEYS));
+    let r = std::panic::catch_unwind(|| compare("Top-level keys", &rows, &top_level_keys()));
     assert!(r.is_err());
 }
 
@@ -143,4 +144,51 @@ fn the_example_configuration_is_accepted() {
     let json = text[start..end].replace("sk-…", "sk-example");
     let cfg = Config::from_json(json.as_bytes()).unwrap_or_else(|e| panic!("{e:?}\n{json}"));
     assert_eq!(cfg.endpoints.len(), 2);
+}
+
+/// The markdown table of `keys`, as docs/configuration.md holds it.
+fn render(keys: &[KeyDoc]) -> String {
+    let cell = |s: &str| {
+        if s.starts_with('(') || s.is_empty() {
+            s.to_string()
+        } else {
+            format!("`{s}`")
+        }
+    };
+    let mut out =
+        String::from("| Key | Type | Default | Bounds | Effect |\n|---|---|---|---|---|\n");
+    for k in keys {
+        out.push_str(&format!(
+            "| `{}` | {} | {} | {} | {} |\n",
+            k.key,
+            k.kind,
+            cell(&k.default),
+            k.bounds,
+            k.effect
+        ));
+    }
+    out
+}
+
+/// With `CONFIG_DOC_WRITE=1`, rewrites both tables of docs/configuration.md from the code.
+#[test]
+fn write_tables_when_asked() {
+    if std::env::var_os("CONFIG_DOC_WRITE").is_none() {
+        return;
+    }
+    let path = concat!(env!("CARGO_MANIFEST_DIR"), "/docs/configuration.md");
+    let mut text = doc();
+    for (heading, keys) in [
+        ("Top-level keys", top_level_keys()),
+        ("Endpoint keys", endpoint_keys()),
+    ] {
+        let start = text.find(&format!("\n## {heading}\n")).unwrap();
+        let table_start = start + text[start..].find("\n| Key").unwrap() + 1;
+        let table_end = table_start
+            + text[table_start..]
+                .find("\n\n")
+                .map_or(text.len() - table_start, |e| e + 1);
+        text.replace_range(table_start..table_end, &render(&keys));
+    }
+    std::fs::write(path, text).unwrap();
 }

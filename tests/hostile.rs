@@ -553,7 +553,7 @@ fn session_headers_non_utf8_oversized_and_beyond_envoys_limit() {
         assert_eq!(raw.status, 200, "{raw:?}");
         affinity.push(raw.header("x-computeflux-affinity").unwrap_or_default());
     }
-    assert_eq!(affinity, ["new", "hit"]);
+    assert_eq!(affinity, ["home", "hit"]);
 
     // 5 KiB session id: within Envoy's header limit, over the filter's 4096 bytes → 400.
     let five_k = "s".repeat(5 * 1024);
@@ -774,7 +774,7 @@ fn http2_downstream_gets_the_same_answers() {
     let r1 = curl_h2(port, "POST", path, &hdrs, Some(&body));
     assert_eq!(r1.status, 200, "{}", r1.body);
     assert_eq!(r1.header("x-computeflux-endpoint"), Some("a"));
-    assert_eq!(r1.header("x-computeflux-affinity"), Some("new"));
+    assert_eq!(r1.header("x-computeflux-affinity"), Some("home"));
     let r2 = curl_h2(port, "POST", path, &hdrs, Some(&body));
     assert_eq!(r2.header("x-computeflux-affinity"), Some("hit"));
     let r = curl_h2(port, "GET", "/v1/models", &[], None);

@@ -272,6 +272,7 @@ impl Store for RacingStore<'_> {
                 session: None,
                 attempt: 1,
                 exclusions: &ex,
+                nonce: 0,
             };
             let before = Scheduler::new(self.cfg, &self.inner).table();
             if let Ok(d) = Scheduler::new(self.cfg, &self.inner).pick(&pick, now) {
@@ -489,6 +490,7 @@ impl<'a> Sim<'a> {
             session,
             attempt,
             exclusions: &ex,
+            nonce: 0,
         };
         *self.store.last_table_read.borrow_mut() = None;
         self.store.table_conflicts.set(0);
@@ -911,9 +913,16 @@ fn endpoint_state() -> impl Strategy<Value = EndpointState> {
         finite(0.0..1.0),
         (any::<u64>(), any::<u64>(), any::<u32>(), any::<u64>()),
         breaker(),
+        (any::<bool>(), any::<u64>()),
     )
         .prop_map(
-            |(latency_ms, success_rate, (last, total, in_flight, changed), breaker)| {
+            |(
+                latency_ms,
+                success_rate,
+                (last, total, in_flight, changed),
+                breaker,
+                (degraded, degraded_probe_ms),
+            )| {
                 EndpointState {
                     latency_ms,
                     success_rate,
@@ -922,6 +931,8 @@ fn endpoint_state() -> impl Strategy<Value = EndpointState> {
                     in_flight,
                     in_flight_changed_ms: changed,
                     breaker,
+                    degraded,
+                    degraded_probe_ms,
                 }
             },
         )
@@ -1020,7 +1031,7 @@ proptest! {
         store.set(TABLE_KEY, &bytes, None).unwrap();
         let s = Scheduler::new(&cfg, &store);
         let ex = Exclusions::default();
-        let _ = s.pick(&Pick { model: Some("m"), session: Some(1), attempt: 1, exclusions: &ex }, 0);
+        let _ = s.pick(&Pick { model: Some("m"), session: Some(1), attempt: 1, exclusions: &ex, nonce: 0 }, 0);
     }
 }
 
@@ -1181,7 +1192,7 @@ proptest! {
 #[test]
 fn cas_exhaustion_never_sends_an_unrecorded_probe() {
     let cfg = Config::from_value(&json!({
-        "endpoints": [{"name": "a", "cluster": "ca", "weight": 10}, {"name": "b", "cluster": "cb"}],
+        "endpoints": [{"name": "a", "cluster": "ca", "weight": 1000}, {"name": "b", "cluster": "cb", "weight": 0.001}],
         "failure_threshold": 1, "open_ms": 100, "half_open_probes": 1, "cold_start_samples": 0,
     }))
     .unwrap();
@@ -1193,6 +1204,7 @@ fn cas_exhaustion_never_sends_an_unrecorded_probe() {
         session: None,
         attempt: 1,
         exclusions: &ex,
+        nonce: 0,
     };
     let d = s.pick(&pick, 0).unwrap();
     assert_eq!(d.endpoint, 0, "the heavier endpoint first");

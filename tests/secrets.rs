@@ -173,7 +173,7 @@ fn keys_and_credentials_never_leak() {
     for line in [
         "computeflux: attempt 2 -> endpoint b",
         "computeflux: local reply 400 invalid_json",
-        "reason=cold_start affinity=none",
+        "reason=home affinity=none",
     ] {
         assert!(
             f.envoy.wait_for_log(line, Duration::from_secs(3)),
@@ -205,7 +205,7 @@ fn tenants_cannot_read_or_move_each_others_pins() {
 
     // Tenant A pins s1 to `a`.
     let r = chat(&f, &a_cred, "A first");
-    assert_eq!((affinity(&r), endpoint(&r)), ("new".into(), "a".into()));
+    assert_eq!((affinity(&r), endpoint(&r)), ("home".into(), "a".into()));
     let r = chat(&f, &a_cred, "A second");
     assert_eq!((affinity(&r), endpoint(&r)), ("hit".into(), "a".into()));
 
@@ -214,7 +214,7 @@ fn tenants_cannot_read_or_move_each_others_pins() {
     // move A's session to `b`.
     f.a.set_fault(json!({"mode": "status", "status": 503, "count": 1}));
     let r = chat(&f, &b_cred, "B first");
-    assert_eq!(affinity(&r), "new", "tenant B read tenant A's pin");
+    assert_eq!(affinity(&r), "home", "tenant B read tenant A's pin");
     assert_eq!(endpoint(&r), "b");
     let r = chat(&f, &b_cred, "B second");
     assert_eq!((affinity(&r), endpoint(&r)), ("hit".into(), "b".into()));
@@ -233,9 +233,9 @@ fn tenants_cannot_read_or_move_each_others_pins() {
         &[("x-api-key", "client-cred-ABC"), ("x-session-id", "s1")],
         "C",
     );
-    assert_eq!(affinity(&r), "new");
+    assert_eq!(affinity(&r), "home");
     let r = chat(&f, &[("x-session-id", "s1")], "anonymous");
-    assert_eq!(affinity(&r), "new");
+    assert_eq!(affinity(&r), "home");
     let r = chat(&f, &[("x-session-id", "s1")], "anonymous again");
     assert_eq!(affinity(&r), "hit");
 

@@ -169,6 +169,7 @@ fuzz_target!(|input: Input<'_>| match input {
             session: Some(session | 1),
             attempt: 1,
             exclusions: &ex,
+            nonce: 0,
         };
         if let Ok(d) = sched.pick(&pick, now) {
             let f = sched.finish(&d.ticket, &Outcome::Success, 5, Some(session | 1), now + 5);

@@ -70,11 +70,18 @@ pub struct Http {
     /// The endpoint whose response the client gets.
     served_by: Option<usize>,
     affinity: Option<AffinityResult>,
+    /// Placement key if the request has no session (see `Pick::nonce`).
+    nonce: u64,
 }
 
 impl Http {
-    pub fn new(plugin: Rc<Plugin>) -> Self {
+    pub fn new(plugin: Rc<Plugin>, context_id: u32) -> Self {
+        // Distinct per request: the context id (unique within this VM) mixed with the clock
+        // (distinct across VMs and restarts); only its spread matters.
+        let nonce =
+            crate::scheduler::hash::fmix64(host::now_ms().rotate_left(32) ^ u64::from(context_id));
         Http {
+            nonce,
             plugin,
             phase: Phase::AwaitBody,
             headers: Vec::new(),
@@ -132,8 +139,15 @@ impl Http {
             session: self.session,
             attempt: self.attempts + 1,
             exclusions: &self.exclusions,
+            nonce: self.nonce,
         };
         let decision = sched.pick(&pick, now_ms)?;
+        if let Some(m) = decision
+            .broke_pin_of
+            .and_then(|i| self.plugin.metrics.endpoint(i))
+        {
+            Metrics::inc(m.pin_breaks);
+        }
         self.attempts += 1;
         if self.affinity.is_none() {
             self.affinity = Some(decision.affinity);

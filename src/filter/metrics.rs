@@ -25,14 +25,32 @@ pub const REJECT_REASONS: &[&str] = &[
     "rate_limited",
 ];
 
-pub const DECISION_REASONS: &[&str] = &["affinity_hit", "half_open_probe", "cold_start", "scored"];
-pub const AFFINITY_RESULTS: &[&str] = &["hit", "miss", "new", "none"];
+pub const DECISION_REASONS: &[&str] = &[
+    "affinity_hit",
+    "home",
+    "backup",
+    "spill",
+    "pin_break",
+    "half_open_probe",
+    "degraded_probe",
+];
+pub const AFFINITY_RESULTS: &[&str] = &[
+    "hit",
+    "miss",
+    "home",
+    "backup",
+    "spill",
+    "pin_break",
+    "none",
+];
 
 /// The metric ids of one endpoint.
 pub struct EndpointMetrics {
     /// One counter per outcome, in `Outcome::ALL_LABELS` order.
     pub requests: Vec<Option<u32>>,
     pub failovers: Option<u32>,
+    /// Pins to this endpoint broken because it was degraded.
+    pub pin_breaks: Option<u32>,
     pub breaker_state: Option<u32>,
     pub ewma_latency_ms: Option<u32>,
     pub in_flight: Option<u32>,
@@ -72,6 +90,10 @@ impl Metrics {
                     failovers: define(
                         MetricType::Counter,
                         &format!("computeflux_failovers_total.endpoint.{n}"),
+                    ),
+                    pin_breaks: define(
+                        MetricType::Counter,
+                        &format!("computeflux_pin_breaks_total.endpoint.{n}"),
                     ),
                     breaker_state: define(
                         MetricType::Gauge,

@@ -87,10 +87,10 @@ impl RootContext for Root {
         }
     }
 
-    fn create_http_context(&self, _context_id: u32) -> Option<Box<dyn HttpContext>> {
+    fn create_http_context(&self, context_id: u32) -> Option<Box<dyn HttpContext>> {
         self.plugin
             .as_ref()
-            .map(|p| Box::new(Http::new(Rc::clone(p))) as Box<dyn HttpContext>)
+            .map(|p| Box::new(Http::new(Rc::clone(p), context_id)) as Box<dyn HttpContext>)
     }
 
     fn get_type(&self) -> Option<ContextType> {

@@ -4,6 +4,11 @@
 //! `#[derive(Deserialize)]` so that *every* problem is reported at once, each naming its JSON
 //! path and the bound it broke (`endpoints[2].weight must be > 0, got -1`). Serde's derive stops
 //! at the first error and cannot name the field of a type error.
+//!
+//! Every top-level key is declared once, in the [`config_keys!`] invocation below: its field,
+//! type, default, bounds and documented effect. The struct, its `Default`, the validation, the
+//! start-up summary and the reference table of `docs/configuration.md` (checked by
+//! `tests/config_reference.rs`) are all generated from that one declaration.
 
 use serde_json::{Map, Value};
 use std::fmt;
@@ -36,30 +41,26 @@ impl EndpointConfig {
     }
 }
 
-/// The validated configuration. Field docs give the JSON key's meaning; defaults are in
-/// [`Config::DEFAULTS`] and documented in `docs/configuration.md`.
-#[derive(Debug, Clone, PartialEq)]
-pub struct Config {
-    pub endpoints: Vec<EndpointConfig>,
-    pub routing_header: String,
-    pub session_header: String,
-    pub affinity_ttl_ms: u64,
-    pub affinity_max_sessions: u64,
-    pub ewma_alpha: f64,
-    pub success_rate_alpha: f64,
-    pub stats_decay_ms: u64,
-    pub cold_start_samples: u64,
-    pub half_open_probes: u32,
-    pub failure_threshold: u32,
-    pub open_ms: u64,
-    pub rate_limit_ms: u64,
-    pub retry_after_max_ms: u64,
-    pub max_attempts: u32,
-    pub max_body_bytes: u64,
-    pub expose_headers: bool,
-    pub retry_budget_percent: f64,
-    pub retry_budget_min_retries: f64,
-    pub failover_timeout_ms: u64,
+/// What a session pinned by a failover does once its home endpoint is available again.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum AfterFailover {
+    /// Stay on the endpoint that served the failover (its newest prefix is cached there): the
+    /// failover's success re-pins the session.
+    Stay,
+    /// Go back to the rendezvous home as soon as it admits traffic: a failover's success does
+    /// not move the pin.
+    ReturnHome,
+}
+
+impl AfterFailover {
+    pub const ALL: &'static [AfterFailover] = &[AfterFailover::Stay, AfterFailover::ReturnHome];
+
+    pub fn label(&self) -> &'static str {
+        match self {
+            AfterFailover::Stay => "stay",
+            AfterFailover::ReturnHome => "return_home",
+        }
+    }
 }
 
 /// One configuration problem: the JSON path of the field and what is wrong with it.
@@ -75,209 +76,278 @@ impl fmt::Display for ConfigError {
     }
 }
 
-/// A key of the configuration: its name, type, default and bounds. The single source of truth
-/// for the configuration reference (a test checks `docs/configuration.md` against it).
-#[derive(Debug, Clone, Copy)]
-pub struct KeyDoc {
-    pub key: &'static str,
-    pub kind: &'static str,
-    pub default: &'static str,
-    pub bounds: &'static str,
+/// How a scalar key is read and what it accepts.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub enum Spec {
+    /// An integer in `min..=max`.
+    Int {
+        min: u64,
+        max: u64,
+    },
+    /// A finite number in `min..=max`.
+    Number {
+        min: f64,
+        max: f64,
+    },
+    /// A number in `(0, 1]`.
+    UnitInterval,
+    Bool,
+    /// An HTTP header name (stored lower-cased).
+    HeaderName,
+    /// One of a fixed set of strings.
+    Choice(&'static [&'static str]),
 }
 
-pub const TOP_LEVEL_KEYS: &[KeyDoc] = &[
-    KeyDoc {
-        key: "endpoints",
-        kind: "array of endpoint objects",
-        default: "(required)",
-        bounds: "1..=1024 entries",
-    },
-    KeyDoc {
-        key: "routing_header",
-        kind: "string",
-        default: "x-computeflux-cluster",
-        bounds: "HTTP header name",
-    },
-    KeyDoc {
-        key: "session_header",
-        kind: "string",
-        default: "x-session-id",
-        bounds: "HTTP header name",
-    },
-    KeyDoc {
-        key: "affinity_ttl_ms",
-        kind: "integer",
-        default: "300000",
-        bounds: "1..=86400000",
-    },
-    KeyDoc {
-        key: "affinity_max_sessions",
-        kind: "integer",
-        default: "100000",
-        bounds: "1..=10000000",
-    },
-    KeyDoc {
-        key: "ewma_alpha",
-        kind: "number",
-        default: "0.3",
-        bounds: "(0, 1]",
-    },
-    KeyDoc {
-        key: "success_rate_alpha",
-        kind: "number",
-        default: "0.1",
-        bounds: "(0, 1]",
-    },
-    KeyDoc {
-        key: "stats_decay_ms",
-        kind: "integer",
-        default: "60000",
-        bounds: "1..=86400000",
-    },
-    KeyDoc {
-        key: "cold_start_samples",
-        kind: "integer",
-        default: "20",
-        bounds: "0..=1000000",
-    },
-    KeyDoc {
-        key: "half_open_probes",
-        kind: "integer",
-        default: "3",
-        bounds: "1..=1000",
-    },
-    KeyDoc {
-        key: "failure_threshold",
-        kind: "integer",
-        default: "5",
-        bounds: "1..=1000",
-    },
-    KeyDoc {
-        key: "open_ms",
-        kind: "integer",
-        default: "30000",
-        bounds: "1..=86400000",
-    },
-    KeyDoc {
-        key: "rate_limit_ms",
-        kind: "integer",
-        default: "60000",
-        bounds: "1..=86400000",
-    },
-    KeyDoc {
-        key: "retry_after_max_ms",
-        kind: "integer",
-        default: "300000",
-        bounds: "1..=86400000",
-    },
-    KeyDoc {
-        key: "max_attempts",
-        kind: "integer",
-        default: "3",
-        bounds: "1..=16",
-    },
-    KeyDoc {
-        key: "max_body_bytes",
-        kind: "integer",
-        default: "8388608",
-        bounds: "1..=16777216",
-    },
-    KeyDoc {
-        key: "expose_headers",
-        kind: "boolean",
-        default: "true",
-        bounds: "",
-    },
-    KeyDoc {
-        key: "retry_budget_percent",
-        kind: "number",
-        default: "20",
-        bounds: "0..=100",
-    },
-    KeyDoc {
-        key: "retry_budget_min_retries",
-        kind: "number",
-        default: "10",
-        bounds: "0..=1000000",
-    },
-    KeyDoc {
-        key: "failover_timeout_ms",
-        kind: "integer",
-        default: "120000",
-        bounds: "1..=3600000",
-    },
-];
+impl Spec {
+    fn kind(&self) -> &'static str {
+        match self {
+            Spec::Int { .. } => "integer",
+            Spec::Number { .. } | Spec::UnitInterval => "number",
+            Spec::Bool => "boolean",
+            Spec::HeaderName | Spec::Choice(_) => "string",
+        }
+    }
 
-pub const ENDPOINT_KEYS: &[KeyDoc] = &[
-    KeyDoc {
-        key: "name",
-        kind: "string",
-        default: "(required)",
-        bounds: "unique, [A-Za-z0-9_-]{1,64}",
-    },
-    KeyDoc {
-        key: "cluster",
-        kind: "string",
-        default: "(required)",
-        bounds: "1..=255 bytes, an Envoy cluster name",
-    },
-    KeyDoc {
-        key: "weight",
-        kind: "number",
-        default: "1",
-        bounds: "(0, 1000000]",
-    },
-    KeyDoc {
-        key: "models",
-        kind: "array of strings",
-        default: "(absent: any model)",
-        bounds: "non-empty",
-    },
-    KeyDoc {
-        key: "disabled",
-        kind: "boolean",
-        default: "false",
-        bounds: "",
-    },
-    KeyDoc {
-        key: "headers",
-        kind: "object of string to string",
-        default: "{}",
-        bounds: "valid header names and values",
-    },
-];
+    fn bounds(&self) -> String {
+        match self {
+            Spec::Int { min, max } => format!("{min}..={max}"),
+            Spec::Number { min, max } => format!("{min}..={max}"),
+            Spec::UnitInterval => "(0, 1]".into(),
+            Spec::Bool => String::new(),
+            Spec::HeaderName => "HTTP header name".into(),
+            Spec::Choice(options) => format!("one of {}", options.join(", ")),
+        }
+    }
+}
+
+/// A key of the configuration as documented: name, type, default, bounds and effect. The
+/// configuration reference (`docs/configuration.md`) is checked against these rows.
+#[derive(Debug, Clone, PartialEq)]
+pub struct KeyDoc {
+    pub key: &'static str,
+    pub kind: String,
+    pub default: String,
+    pub bounds: String,
+    pub effect: &'static str,
+}
+
+/// A field type a scalar key can have: how it is read under its [`Spec`] and shown.
+trait Scalar: Sized {
+    fn read(&mut self, v: &mut Validator, obj: &Map<String, Value>, key: &str, spec: Spec);
+    fn show(&self) -> String;
+}
+
+impl Scalar for u64 {
+    fn read(&mut self, v: &mut Validator, obj: &Map<String, Value>, key: &str, spec: Spec) {
+        if let Spec::Int { min, max } = spec {
+            v.int(obj, key, min, max, self);
+        }
+    }
+    fn show(&self) -> String {
+        self.to_string()
+    }
+}
+
+impl Scalar for u32 {
+    fn read(&mut self, v: &mut Validator, obj: &Map<String, Value>, key: &str, spec: Spec) {
+        if let Spec::Int { min, max } = spec {
+            let mut wide = u64::from(*self);
+            v.int(obj, key, min, max, &mut wide);
+            *self = u32::try_from(wide).unwrap_or(u32::MAX);
+        }
+    }
+    fn show(&self) -> String {
+        self.to_string()
+    }
+}
+
+impl Scalar for f64 {
+    fn read(&mut self, v: &mut Validator, obj: &Map<String, Value>, key: &str, spec: Spec) {
+        match spec {
+            Spec::Number { min, max } => v.number(obj, key, min, max, self),
+            Spec::UnitInterval => v.unit_interval(obj, key, self),
+            _ => {}
+        }
+    }
+    fn show(&self) -> String {
+        self.to_string()
+    }
+}
+
+impl Scalar for bool {
+    fn read(&mut self, v: &mut Validator, obj: &Map<String, Value>, key: &str, _spec: Spec) {
+        v.boolean(obj, key, self);
+    }
+    fn show(&self) -> String {
+        self.to_string()
+    }
+}
+
+impl Scalar for String {
+    fn read(&mut self, v: &mut Validator, obj: &Map<String, Value>, key: &str, _spec: Spec) {
+        v.header_name(obj, key, self);
+    }
+    fn show(&self) -> String {
+        self.clone()
+    }
+}
+
+impl Scalar for AfterFailover {
+    fn read(&mut self, v: &mut Validator, obj: &Map<String, Value>, key: &str, spec: Spec) {
+        if let Some(label) = v.choice(obj, key, spec) {
+            if let Some(p) = AfterFailover::ALL.iter().find(|p| p.label() == label) {
+                *self = *p;
+            }
+        }
+    }
+    fn show(&self) -> String {
+        self.label().to_string()
+    }
+}
+
+/// Declares every top-level scalar key once: `field: type = default, spec, "effect";`.
+macro_rules! config_keys {
+    ($( $(#[$meta:meta])* $field:ident : $ty:ty = $default:expr, $spec:expr, $effect:literal; )*) => {
+        /// The validated configuration. Each field is the JSON key of the same name; its
+        /// default, bounds and effect are declared with it and documented in
+        /// `docs/configuration.md`.
+        #[derive(Debug, Clone, PartialEq)]
+        pub struct Config {
+            pub endpoints: Vec<EndpointConfig>,
+            $( $(#[$meta])* pub $field: $ty, )*
+        }
+
+        impl Default for Config {
+            fn default() -> Self {
+                Config { endpoints: Vec::new(), $( $field: $default, )* }
+            }
+        }
+
+        /// The top-level keys, `endpoints` first, in declaration order.
+        pub fn top_level_keys() -> Vec<KeyDoc> {
+            let d = Config::default();
+            vec![
+                KeyDoc {
+                    key: "endpoints",
+                    kind: "array of endpoint objects".into(),
+                    default: "(required)".into(),
+                    bounds: format!("1..={MAX_ENDPOINTS} entries"),
+                    effect: ENDPOINTS_EFFECT,
+                },
+                $( KeyDoc {
+                    key: stringify!($field),
+                    kind: $spec.kind().into(),
+                    default: Scalar::show(&d.$field),
+                    bounds: $spec.bounds(),
+                    effect: $effect,
+                }, )*
+            ]
+        }
+
+        impl Config {
+            fn read_scalars(v: &mut Validator, obj: &Map<String, Value>, c: &mut Config) {
+                $( Scalar::read(&mut c.$field, v, obj, stringify!($field), $spec); )*
+            }
+
+            /// `key=value` for every scalar key, in declaration order.
+            fn scalar_summary(&self) -> Vec<String> {
+                vec![ $( format!("{}={}", stringify!($field), Scalar::show(&self.$field)), )* ]
+            }
+        }
+    };
+}
+
+const MAX_MS: u64 = 86_400_000;
+const MS: Spec = Spec::Int {
+    min: 1,
+    max: MAX_MS,
+};
+
+const ENDPOINTS_EFFECT: &str = "The routing targets, see [Endpoint keys](#endpoint-keys). Order does not matter; names must be unique.";
+
+config_keys! {
+    routing_header: String = "x-computeflux-cluster".into(), Spec::HeaderName,
+        "Request header the filter writes the chosen endpoint's `cluster` into; the Envoy route must forward on it (`cluster_header`, or header-match routes in Istio). A value sent by the client is always removed first. Must differ from `session_header`.";
+    session_header: String = "x-session-id".into(), Spec::HeaderName,
+        "Request header carrying the client's session id. Without it the body's `user`, else a fingerprint of the model, first system and first user message, is the session. Every session is scoped by the caller's `authorization` / `x-api-key`.";
+    affinity_ttl_ms: u64 = 300_000, MS,
+        "How long a session stays pinned to the endpoint that last served it successfully, counted from its last use. Set it near the endpoints' KV-cache lifetime.";
+    affinity_max_sessions: u64 = 100_000, Spec::Int { min: 1, max: 10_000_000 },
+        "Upper bound on remembered sessions (shared memory of about 20 bytes each, never freed by Envoy). Past it, the least recently used session of a bucket is forgotten.";
+    ewma_alpha: f64 = 0.3, Spec::UnitInterval,
+        "Weight of each new sample in the latency estimate (time to response headers). Higher follows changes faster, lower smooths noise.";
+    success_rate_alpha: f64 = 0.1, Spec::UnitInterval,
+        "Weight of each new outcome (1 success, 0 failure) in the endpoint's success-rate estimate, which multiplies its score.";
+    stats_decay_ms: u64 = 60_000, MS,
+        "Time constant with which an idle endpoint's latency and failure penalties fade back toward neutral, so an endpoint that was slow once is tried again.";
+    cold_start_samples: u64 = 20, Spec::Int { min: 0, max: 1_000_000 },
+        "Until an endpoint has this many samples its score is its `weight` alone (no latency or success signal yet). `0` scores on live signals from the first sample.";
+    half_open_probes: u32 = 3, Spec::Int { min: 1, max: 1000 },
+        "Requests a recovering (half-open) endpoint receives; all must succeed to close its breaker, the first failure re-opens it.";
+    failure_threshold: u32 = 5, Spec::Int { min: 1, max: 1000 },
+        "Consecutive endpoint failures (500/502/503/504, connect failure, reset, timeout) that open the breaker.";
+    open_ms: u64 = 30_000, MS,
+        "How long an endpoint's breaker stays open after `failure_threshold` failures before it is probed.";
+    rate_limit_ms: u64 = 60_000, MS,
+        "How long an endpoint is left alone after a 429 that carried no reset hint (`Retry-After`, `retry-after-ms`, `x-ratelimit-reset-*`). A 429 opens the breaker at once.";
+    retry_after_max_ms: u64 = 300_000, MS,
+        "Cap on a 429's reset hint, so a bogus `Retry-After` cannot take an endpoint out for days.";
+    max_attempts: u32 = 3, Spec::Int { min: 1, max: 16 },
+        "Endpoints tried for one client request, the first included. `1` turns in-request failover off.";
+    max_body_bytes: u64 = 8 * 1024 * 1024, Spec::Int { min: 1, max: MAX_BODY_BYTES_LIMIT },
+        "Largest request body the filter buffers to read `model`; larger requests get a 413. Keep Envoy's `per_connection_buffer_limit_bytes` and HTTP/2 stream window at or above it.";
+    expose_headers: bool = true, Spec::Bool,
+        "Adds `x-computeflux-endpoint`, `x-computeflux-attempts` and `x-computeflux-affinity` to responses (see [decisions](decisions.md)). Turn off to hide endpoint names from clients.";
+    retry_budget_percent: f64 = 20.0, Spec::Number { min: 0.0, max: 100.0 },
+        "Failovers after an endpoint failure (5xx, connect failure, reset, timeout) allowed as a share of recent requests (10 s decaying window), so an outage does not multiply load on the surviving endpoints. Failovers after 401/403/429 are not charged.";
+    retry_budget_min_retries: f64 = 10.0, Spec::Number { min: 0.0, max: 1_000_000.0 },
+        "Failovers always allowed on top of the percentage (so low traffic can still fail over).";
+    failover_timeout_ms: u64 = 120_000, Spec::Int { min: 1, max: 3_600_000 },
+        "Timeout of each failover call the filter makes itself (the first attempt uses the Envoy route's timeout).";
+    placement_quantum: f64 = 1.0, Spec::Number { min: 0.0, max: 4.0 },
+        "Step, in halvings, of the health levels that weigh an endpoint in rendezvous placement: with `1`, an endpoint within 2× of the fastest and fully successful weighs its `weight`, one 2–4× slower half of it, and so on. Coarse levels make every Envoy replica compute the same home for a session despite small differences in what each has measured; `0` uses the raw health (see [decisions](decisions.md#placement)).";
+    bounded_load_epsilon: f64 = 0.5, Spec::Number { min: 0.0, max: 100.0 },
+        "Bounded-load placement: an endpoint whose in-flight attempts (as this Envoy counts them) would exceed `(1 + epsilon) ×` its weighted share of all in-flight attempts plus `bounded_load_slack` is skipped for new placements, in rendezvous order (consistent hashing with bounded loads).";
+    bounded_load_slack: u64 = 2, Spec::Int { min: 1, max: 1_000_000 },
+        "The constant added to the bounded-load limit, so that light traffic never spills.";
+    after_failover: AfterFailover = AfterFailover::Stay, Spec::Choice(&["stay", "return_home"]),
+        "Where a session goes once the endpoint it failed over from is available again: `stay` keeps it on the endpoint that served the failover (where its newest prefix is cached), `return_home` sends it back to its rendezvous home (see [decisions](decisions.md#after-a-failover)).";
+    pin_break_ratio: f64 = 3.0, Spec::Number { min: 1.5, max: 1000.0 },
+        "A warm endpoint whose latency estimate reaches this multiple of the fastest warm alternative's is degraded: its pinned sessions are placed again elsewhere (`pin_break`) and it gets no new sessions but probes. `1000` in effect turns pin breaking off.";
+    degraded_exit_ratio: f64 = 1.5, Spec::Number { min: 1.0, max: 1000.0 },
+        "A degraded endpoint is whole again once its latency estimate falls below this multiple of the fastest (hysteresis: must be below `pin_break_ratio`).";
+    degraded_probe_interval_ms: u64 = 2_000, MS,
+        "A degraded endpoint gets one new placement as a probe per this interval (per Envoy), so that its latency estimate can show its recovery.";
+}
 
 /// Upper bound on endpoints: keeps per-request exclusion sets and selection cost bounded.
 pub const MAX_ENDPOINTS: usize = 1024;
-const MAX_MS: u64 = 86_400_000;
 /// Envoy's largest sensible stream buffer; `max_body_bytes` must not exceed it.
 pub const MAX_BODY_BYTES_LIMIT: u64 = 16 * 1024 * 1024;
 
-impl Default for Config {
-    fn default() -> Self {
-        Config {
-            endpoints: Vec::new(),
-            routing_header: "x-computeflux-cluster".into(),
-            session_header: "x-session-id".into(),
-            affinity_ttl_ms: 300_000,
-            affinity_max_sessions: 100_000,
-            ewma_alpha: 0.3,
-            success_rate_alpha: 0.1,
-            stats_decay_ms: 60_000,
-            cold_start_samples: 20,
-            half_open_probes: 3,
-            failure_threshold: 5,
-            open_ms: 30_000,
-            rate_limit_ms: 60_000,
-            retry_after_max_ms: 300_000,
-            max_attempts: 3,
-            max_body_bytes: 8 * 1024 * 1024,
-            expose_headers: true,
-            retry_budget_percent: 20.0,
-            retry_budget_min_retries: 10.0,
-            failover_timeout_ms: 120_000,
-        }
-    }
+/// The endpoint keys (validated by hand in `Validator::endpoint`).
+pub fn endpoint_keys() -> Vec<KeyDoc> {
+    let row = |key, kind: &str, default: &str, bounds: &str, effect| KeyDoc {
+        key,
+        kind: kind.into(),
+        default: default.into(),
+        bounds: bounds.into(),
+        effect,
+    };
+    vec![
+        row("name", "string", "(required)", "unique, [A-Za-z0-9_-]{1,64}",
+            "The endpoint's name in metrics labels, logs and the `x-computeflux-endpoint` header; sessions are pinned and placed by (a hash of) it, so renaming one moves its sessions."),
+        row("cluster", "string", "(required)", "1..=255 bytes, an Envoy cluster name",
+            "The Envoy cluster written into the routing header and used for failover calls. It must exist in Envoy (else the request gets a 503 and failover skips it)."),
+        row("weight", "number", "1", "(0, 1000000]",
+            "Static preference: an endpoint's share of new sessions in rendezvous placement is its weight (times its health level once warm) over the sum."),
+        row("models", "array of strings", "(absent: any model)", "non-empty",
+            "Models the endpoint serves; requests for other models never go there. A model no endpoint serves gets a 404 `model_not_found`."),
+        row("disabled", "boolean", "false", "",
+            "Takes the endpoint out of rotation without deleting it (its sessions move elsewhere)."),
+        row("headers", "object of string to string", "{}", "valid header names and values",
+            "Request headers set on requests routed to this endpoint (e.g. a hosted provider's `authorization`). Values are never logged. Framing headers and the routing header are refused."),
+    ]
 }
 
 impl Config {
@@ -300,71 +370,20 @@ impl Config {
                 problem: format!("must be a JSON object, got {}", type_name(value)),
             }]);
         };
-        v.unknown_keys("", obj, TOP_LEVEL_KEYS);
+        v.unknown_keys("", obj, &top_level_keys());
         let mut c = Config::default();
-        v.header_name(obj, "routing_header", &mut c.routing_header);
-        v.header_name(obj, "session_header", &mut c.session_header);
-        v.int(obj, "affinity_ttl_ms", 1, MAX_MS, &mut c.affinity_ttl_ms);
-        v.int(
-            obj,
-            "affinity_max_sessions",
-            1,
-            10_000_000,
-            &mut c.affinity_max_sessions,
-        );
-        v.unit_interval(obj, "ewma_alpha", &mut c.ewma_alpha);
-        v.unit_interval(obj, "success_rate_alpha", &mut c.success_rate_alpha);
-        v.int(obj, "stats_decay_ms", 1, MAX_MS, &mut c.stats_decay_ms);
-        v.int(
-            obj,
-            "cold_start_samples",
-            0,
-            1_000_000,
-            &mut c.cold_start_samples,
-        );
-        v.int32(obj, "half_open_probes", 1, 1000, &mut c.half_open_probes);
-        v.int32(obj, "failure_threshold", 1, 1000, &mut c.failure_threshold);
-        v.int(obj, "open_ms", 1, MAX_MS, &mut c.open_ms);
-        v.int(obj, "rate_limit_ms", 1, MAX_MS, &mut c.rate_limit_ms);
-        v.int(
-            obj,
-            "retry_after_max_ms",
-            1,
-            MAX_MS,
-            &mut c.retry_after_max_ms,
-        );
-        v.int32(obj, "max_attempts", 1, 16, &mut c.max_attempts);
-        v.int(
-            obj,
-            "max_body_bytes",
-            1,
-            MAX_BODY_BYTES_LIMIT,
-            &mut c.max_body_bytes,
-        );
-        v.boolean(obj, "expose_headers", &mut c.expose_headers);
-        v.number(
-            obj,
-            "retry_budget_percent",
-            0.0,
-            100.0,
-            &mut c.retry_budget_percent,
-        );
-        v.number(
-            obj,
-            "retry_budget_min_retries",
-            0.0,
-            1_000_000.0,
-            &mut c.retry_budget_min_retries,
-        );
-        v.int(
-            obj,
-            "failover_timeout_ms",
-            1,
-            3_600_000,
-            &mut c.failover_timeout_ms,
-        );
+        Config::read_scalars(&mut v, obj, &mut c);
         if c.routing_header == c.session_header {
             v.push("session_header", "must differ from routing_header");
+        }
+        if c.degraded_exit_ratio >= c.pin_break_ratio {
+            v.push(
+                "degraded_exit_ratio",
+                &format!(
+                    "must be below pin_break_ratio ({}), got {}",
+                    c.pin_break_ratio, c.degraded_exit_ratio
+                ),
+            );
         }
         match obj.get("endpoints") {
             None => v.push("endpoints", "is required"),
@@ -423,31 +442,9 @@ impl Config {
             })
             .collect();
         format!(
-            "endpoints=[{}] routing_header={} session_header={} affinity_ttl_ms={} affinity_max_sessions={} \
-             ewma_alpha={} success_rate_alpha={} stats_decay_ms={} cold_start_samples={} half_open_probes={} \
-             failure_threshold={} open_ms={} rate_limit_ms={} retry_after_max_ms={} max_attempts={} \
-             max_body_bytes={} expose_headers={} retry_budget_percent={} retry_budget_min_retries={} \
-             failover_timeout_ms={}",
+            "endpoints=[{}] {}",
             endpoints.join(" "),
-            self.routing_header,
-            self.session_header,
-            self.affinity_ttl_ms,
-            self.affinity_max_sessions,
-            self.ewma_alpha,
-            self.success_rate_alpha,
-            self.stats_decay_ms,
-            self.cold_start_samples,
-            self.half_open_probes,
-            self.failure_threshold,
-            self.open_ms,
-            self.rate_limit_ms,
-            self.retry_after_max_ms,
-            self.max_attempts,
-            self.max_body_bytes,
-            self.expose_headers,
-            self.retry_budget_percent,
-            self.retry_budget_min_retries,
-            self.failover_timeout_ms,
+            self.scalar_summary().join(" ")
         )
     }
 
@@ -569,12 +566,6 @@ impl Validator {
         }
     }
 
-    fn int32(&mut self, obj: &Map<String, Value>, key: &str, min: u32, max: u32, out: &mut u32) {
-        let mut wide = u64::from(*out);
-        self.int(obj, key, u64::from(min), u64::from(max), &mut wide);
-        *out = u32::try_from(wide).unwrap_or(max);
-    }
-
     fn number(&mut self, obj: &Map<String, Value>, key: &str, min: f64, max: f64, out: &mut f64) {
         let Some(v) = obj.get(key) else { return };
         match v.as_f64() {
@@ -613,6 +604,33 @@ impl Validator {
         }
     }
 
+    /// A string that must be one of `spec`'s options; returns it when it is.
+    fn choice<'v>(
+        &mut self,
+        obj: &'v Map<String, Value>,
+        key: &str,
+        spec: Spec,
+    ) -> Option<&'v str> {
+        let Spec::Choice(options) = spec else {
+            return None;
+        };
+        let v = obj.get(key)?;
+        match v.as_str() {
+            Some(s) if options.contains(&s) => Some(s),
+            Some(s) => {
+                self.push(
+                    key,
+                    &format!("must be one of {}, got {s:?}", options.join(", ")),
+                );
+                None
+            }
+            None => {
+                self.push(key, &format!("must be a string, got {}", type_name(v)));
+                None
+            }
+        }
+    }
+
     fn endpoint(
         &mut self,
         i: usize,
@@ -625,7 +643,7 @@ impl Validator {
             return None;
         };
         let before = self.errors.len();
-        self.unknown_keys(&format!("{at}."), obj, ENDPOINT_KEYS);
+        self.unknown_keys(&format!("{at}."), obj, &endpoint_keys());
         let name = match obj.get("name") {
             None => {
                 self.push(&format!("{at}.name"), "is required");
@@ -914,6 +932,44 @@ mod tests {
         assert!(errors(json!({"endpoints": []}))
             .iter()
             .any(|e| e.contains("at least one")));
+    }
+
+    /// Every declared key reads its own documented default back unchanged: a declaration whose
+    /// spec does not fit its field type (which would silently ignore the key) fails here.
+    #[test]
+    fn every_key_reads_its_documented_default() {
+        let mut obj = serde_json::Map::new();
+        obj.insert("endpoints".into(), json!([{"name": "a", "cluster": "ca"}]));
+        for k in top_level_keys().into_iter().skip(1) {
+            let v = match k.kind.as_str() {
+                "integer" => json!(k.default.parse::<u64>().unwrap()),
+                "number" => json!(k.default.parse::<f64>().unwrap()),
+                "boolean" => json!(k.default.parse::<bool>().unwrap()),
+                _ => json!(k.default),
+            };
+            obj.insert(k.key.to_string(), v);
+        }
+        let read = Config::from_value(&Value::Object(obj)).unwrap();
+        let expected = Config {
+            endpoints: read.endpoints.clone(),
+            ..Config::default()
+        };
+        assert_eq!(read, expected);
+        // And each one is actually read: a value off its default changes the configuration.
+        let c = Config::from_value(&json!({
+            "endpoints": [{"name": "a", "cluster": "ca"}],
+            "after_failover": "return_home", "half_open_probes": 7, "placement_quantum": 0.5
+        }))
+        .unwrap();
+        assert_eq!(c.after_failover, AfterFailover::ReturnHome);
+        assert_eq!((c.half_open_probes, c.placement_quantum), (7, 0.5));
+        assert!(errors(json!({"endpoints": [{"name": "a", "cluster": "ca"}],
+            "after_failover": "home"}))
+        .contains(&"after_failover must be one of stay, return_home, got \"home\"".to_string()));
+        assert!(errors(json!({"endpoints": [{"name": "a", "cluster": "ca"}],
+            "pin_break_ratio": 2.0, "degraded_exit_ratio": 2.0}))
+        .iter()
+        .any(|e| e.starts_with("degraded_exit_ratio must be below pin_break_ratio")));
     }
 
     #[test]

@@ -13,6 +13,7 @@ pub mod config;
 pub mod ewma;
 pub mod hash;
 pub mod outcome;
+pub mod placement;
 pub mod request;
 pub mod score;
 pub mod select;

@@ -13,6 +13,9 @@
 //! ```
 //! The success rate is floored at 1 % so that weights still order endpoints that all fail.
 //! Scores are all in `(0, weight]`, so cold and warm endpoints compare on one scale.
+//!
+//! [`health`] is the score's smoothed part, `success_rate / latency_factor`: what placement
+//! across Envoy replicas weighs endpoints by, since in-flight counts are per Envoy.
 
 use super::config::Config;
 use super::ewma::fade;
@@ -35,27 +38,45 @@ pub fn score(
     cfg: &Config,
     now_ms: u64,
 ) -> Scored {
-    if st.total < cfg.cold_start_samples {
-        return Scored {
+    match health(st, best_latency_ms, cfg, now_ms) {
+        None => Scored {
             score: weight,
             cold: true,
-        };
+        },
+        Some(h) => Scored {
+            // One quotient: every request already queued there costs one more service time.
+            score: weight * h / (1.0 + f64::from(st.load(now_ms))),
+            cold: false,
+        },
+    }
+}
+
+/// The smoothed part of the score, `success_rate / latency_factor` in `(0, 1]`; `None` while
+/// the endpoint is cold. Unlike the score it ignores in-flight counts, which each Envoy sees
+/// only for itself: placement across replicas weighs endpoints by this (see `placement`).
+pub fn health(
+    st: &EndpointState,
+    best_latency_ms: Option<f64>,
+    cfg: &Config,
+    now_ms: u64,
+) -> Option<f64> {
+    if st.total < cfg.cold_start_samples {
+        return None;
     }
     let f = fade(now_ms.saturating_sub(st.last_sample_ms), cfg.stats_decay_ms);
     let success = (1.0 - (1.0 - st.success_rate) * f).max(SUCCESS_FLOOR);
-    // Three divisions per endpoint (this runs for every candidate of every selection):
-    // weight × success × 1/(1+in_flight) / latency_factor, folded into one quotient.
-    let queue = 1.0 + f64::from(st.load(now_ms));
-    let latency = match (st.latency_ms, best_latency_ms) {
-        (Some(own), Some(best)) => {
-            let raw = own.max(LATENCY_FLOOR_MS) / best.max(LATENCY_FLOOR_MS);
-            1.0 + (raw - 1.0).max(0.0) * f
-        }
-        _ => 1.0,
+    let latency = match latency_ratio(st, best_latency_ms) {
+        Some(raw) => 1.0 + (raw - 1.0).max(0.0) * f,
+        None => 1.0,
     };
-    Scored {
-        score: weight * success / (queue * latency),
-        cold: false,
+    Some(success / latency)
+}
+
+/// The endpoint's latency estimate over the fastest's, unfaded (1 for the fastest).
+pub fn latency_ratio(st: &EndpointState, best_latency_ms: Option<f64>) -> Option<f64> {
+    match (st.latency_ms, best_latency_ms) {
+        (Some(own), Some(best)) => Some(own.max(LATENCY_FLOOR_MS) / best.max(LATENCY_FLOOR_MS)),
+        _ => None,
     }
 }
 

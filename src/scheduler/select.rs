@@ -5,25 +5,25 @@
 //! in this request; model mismatch; breaker not admitting. Dead and used keys live only in the
 //! request's [`Exclusions`]: cross-request memory is the breaker and the statistics alone.
 //!
-//! Among the remaining candidates a live affinity pin wins; otherwise a half-open endpoint
-//! with a free probe slot (probing is how it recovers, so probes are sent promptly); otherwise
-//! the best score. Scores within [`TIE_TOLERANCE`] of the best count as tied, and the tie is
-//! broken by a rendezvous hash of (session, endpoint): new sessions spread evenly over equal
-//! endpoints, and independent Envoy processes with the same view choose the same endpoint.
+//! Among the remaining candidates a live affinity pin wins, unless its endpoint is degraded
+//! (far slower than the fastest alternative: the pin is broken and the session placed again).
+//! Otherwise the session is *placed* ([`super::placement`]): the first candidate in its weighted
+//! rendezvous order that admits traffic and is within its bounded load. The order is the same on
+//! every Envoy replica, so an unpinned session (a new one, or one that reaches a replica that
+//! never saw it, or a restarted one) goes to the same home everywhere, and a failover walks the
+//! same order, to the same backup. Requests without a session are placed the same way on a
+//! per-request key, with the full score (in-flight included) as weight.
 
 use super::affinity::Affinity;
 use super::breaker::{Admission, BreakerConfig, BreakerState};
+use super::config::AfterFailover;
 use super::config::Config;
 use super::ewma;
-use super::hash::rendezvous;
 use super::outcome::Outcome;
-use super::score::{score, Scored};
+use super::placement::{self, Weighed};
+use super::score::score;
 use super::state::Table;
 use super::store::{update_if, Store};
-
-/// Relative score difference treated as a tie (noise in the EWMA is not a reason to pile every
-/// new session onto one endpoint).
-pub const TIE_TOLERANCE: f64 = 0.05;
 
 /// The weight of a dead-key (401/403) outcome in the success-rate EWMA, at least.
 pub const DEAD_KEY_ALPHA: f64 = 0.5;
@@ -77,46 +77,93 @@ pub struct Pick<'a> {
     /// 1 for the first attempt of a client request, 2.. for failovers (which spend retry budget).
     pub attempt: u32,
     pub exclusions: &'a Exclusions,
+    /// Placement key of a request without a session (any value that differs between
+    /// requests, e.g. a counter mixed with the clock), so that such requests spread.
+    pub nonce: u64,
 }
 
+/// How an endpoint was chosen (the `reason` of the decision metric and log line).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Reason {
+    /// The session's live pin.
     AffinityHit,
+    /// The first candidate of the rendezvous order: the session's home.
+    Home,
+    /// A later candidate of the rendezvous order because earlier ones could not serve this
+    /// attempt (breaker, exclusion, degraded): the deterministic backup, and every failover.
+    Backup,
+    /// A later candidate because earlier ones were over their bounded load.
+    Spill,
+    /// The pinned endpoint was degraded: placed again without it.
+    PinBreak,
+    /// Admitted as one of a half-open breaker's probes.
     HalfOpenProbe,
-    ColdStart,
-    Scored,
+    /// A degraded endpoint's periodic probe placement.
+    DegradedProbe,
 }
 
 impl Reason {
+    pub const ALL: &'static [Reason] = &[
+        Reason::AffinityHit,
+        Reason::Home,
+        Reason::Backup,
+        Reason::Spill,
+        Reason::PinBreak,
+        Reason::HalfOpenProbe,
+        Reason::DegradedProbe,
+    ];
+
     pub fn label(&self) -> &'static str {
         match self {
             Reason::AffinityHit => "affinity_hit",
+            Reason::Home => "home",
+            Reason::Backup => "backup",
+            Reason::Spill => "spill",
+            Reason::PinBreak => "pin_break",
             Reason::HalfOpenProbe => "half_open_probe",
-            Reason::ColdStart => "cold_start",
-            Reason::Scored => "scored",
+            Reason::DegradedProbe => "degraded_probe",
         }
     }
 }
 
-/// The session's affinity as seen by this pick.
+/// The session's affinity as seen by the first attempt (the `x-computeflux-affinity` value).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum AffinityResult {
     /// Pinned endpoint chosen.
     Hit,
     /// A live pin existed but its endpoint could not serve this attempt.
     Miss,
-    /// No live pin (a new or expired session).
-    New,
+    /// No live pin: placed at the session's rendezvous home.
+    Home,
+    /// No live pin and the home could not serve: placed at the next in rendezvous order.
+    Backup,
+    /// No live pin and the home was over its bounded load: placed at the next within it.
+    Spill,
+    /// The pinned endpoint was degraded: the pin was broken and the session placed again.
+    PinBreak,
     /// The request has no session key.
     None,
 }
 
 impl AffinityResult {
+    pub const ALL: &'static [AffinityResult] = &[
+        AffinityResult::Hit,
+        AffinityResult::Miss,
+        AffinityResult::Home,
+        AffinityResult::Backup,
+        AffinityResult::Spill,
+        AffinityResult::PinBreak,
+        AffinityResult::None,
+    ];
+
     pub fn label(&self) -> &'static str {
         match self {
             AffinityResult::Hit => "hit",
             AffinityResult::Miss => "miss",
-            AffinityResult::New => "new",
+            AffinityResult::Home => "home",
+            AffinityResult::Backup => "backup",
+            AffinityResult::Spill => "spill",
+            AffinityResult::PinBreak => "pin_break",
             AffinityResult::None => "none",
         }
     }
@@ -131,6 +178,9 @@ pub struct Ticket {
     /// Whether the in-flight increment was stored (false when CAS retries ran out).
     pub counted: bool,
     pub started_ms: u64,
+    /// Whether a success should pin the session here (not for a degraded endpoint's probe, nor,
+    /// with `after_failover: return_home`, away from the session's home).
+    pub pin_on_success: bool,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -139,6 +189,20 @@ pub struct Decision {
     pub reason: Reason,
     pub affinity: AffinityResult,
     pub ticket: Ticket,
+    /// The endpoint whose pin was broken, if any (for its `pin_breaks` counter).
+    pub broke_pin_of: Option<usize>,
+}
+
+/// What [`Scheduler::choose`] decided, before the attempt is started.
+#[derive(Debug, Clone, PartialEq)]
+struct Choice {
+    endpoint: usize,
+    reason: Reason,
+    affinity: AffinityResult,
+    pin_on_success: bool,
+    broke_pin_of: Option<usize>,
+    /// The degraded flag of every weighed endpoint as this choice saw it (index, flag).
+    degraded: Vec<(usize, bool)>,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -279,7 +343,7 @@ impl<'a> Scheduler<'a> {
             {
                 return (None, Err(NoEndpoint::BudgetExhausted));
             }
-            match self.choose(
+            let choice = match self.choose(
                 &table,
                 &candidates,
                 pick,
@@ -287,42 +351,61 @@ impl<'a> Scheduler<'a> {
                 now_ms,
                 &bcfg,
             ) {
-                Err(e) => (None, Err(e)),
-                Ok((i, reason, affinity)) => {
-                    let Some((_, st)) = table.entries.get_mut(i) else {
-                        return (None, Err(NoEndpoint::Exhausted));
-                    };
-                    let probe_epoch = match st.breaker.admit(now_ms, &bcfg) {
-                        Admission::Probe { epoch } => Some(epoch),
-                        _ => None,
-                    };
-                    st.in_flight = st.in_flight.saturating_add(1);
-                    st.in_flight_changed_ms = now_ms;
-                    if pick.attempt <= 1 {
-                        table.budget.on_request(now_ms);
+                Err(e) => return (None, Err(e)),
+                Ok(c) => c,
+            };
+            let i = choice.endpoint;
+            // Degraded flags that flipped are stored for their hysteresis (rare: a full write).
+            let mut others_changed = false;
+            for &(j, flag) in &choice.degraded {
+                if let Some((_, st)) = table.entries.get_mut(j) {
+                    if st.degraded != flag {
+                        st.degraded = flag;
+                        if flag {
+                            // The first probe comes one interval after the degradation.
+                            st.degraded_probe_ms = now_ms;
+                        }
+                        others_changed |= j != i;
                     }
-                    let ticket = Ticket {
-                        endpoint: i,
-                        endpoint_id: self.cfg.endpoints.get(i).map_or(0, |e| e.id),
-                        probe_epoch,
-                        counted: true,
-                        started_ms: now_ms,
-                    };
-                    let bytes = match bytes {
-                        Some(stored) if same_layout => table.encode_patched(stored, i),
-                        _ => table.encode(),
-                    };
-                    (
-                        Some(bytes),
-                        Ok(Decision {
-                            endpoint: i,
-                            reason,
-                            affinity,
-                            ticket,
-                        }),
-                    )
                 }
             }
+            let Some((_, st)) = table.entries.get_mut(i) else {
+                return (None, Err(NoEndpoint::Exhausted));
+            };
+            let probe_epoch = match st.breaker.admit(now_ms, &bcfg) {
+                Admission::Probe { epoch } => Some(epoch),
+                _ => None,
+            };
+            if choice.reason == Reason::DegradedProbe {
+                st.degraded_probe_ms = now_ms;
+            }
+            st.in_flight = st.in_flight.saturating_add(1);
+            st.in_flight_changed_ms = now_ms;
+            if pick.attempt <= 1 {
+                table.budget.on_request(now_ms);
+            }
+            let ticket = Ticket {
+                endpoint: i,
+                endpoint_id: self.cfg.endpoints.get(i).map_or(0, |e| e.id),
+                probe_epoch,
+                counted: true,
+                started_ms: now_ms,
+                pin_on_success: choice.pin_on_success,
+            };
+            let bytes = match bytes {
+                Some(stored) if same_layout && !others_changed => table.encode_patched(stored, i),
+                _ => table.encode(),
+            };
+            (
+                Some(bytes),
+                Ok(Decision {
+                    endpoint: i,
+                    reason: choice.reason,
+                    affinity: choice.affinity,
+                    ticket,
+                    broke_pin_of: choice.broke_pin_of,
+                }),
+            )
         });
         match result {
             Ok(r) => r,
@@ -346,20 +429,21 @@ impl<'a> Scheduler<'a> {
                         all_rate_limited: false,
                     });
                 }
-                let (i, reason, affinity) =
-                    self.choose(&table, &closed, pick, pinned.map(|p| p.1), now_ms, &bcfg)?;
+                let c = self.choose(&table, &closed, pick, pinned.map(|p| p.1), now_ms, &bcfg)?;
                 let ticket = Ticket {
-                    endpoint: i,
-                    endpoint_id: self.cfg.endpoints.get(i).map_or(0, |e| e.id),
+                    endpoint: c.endpoint,
+                    endpoint_id: self.cfg.endpoints.get(c.endpoint).map_or(0, |e| e.id),
                     probe_epoch: None,
                     counted: false,
                     started_ms: now_ms,
+                    pin_on_success: c.pin_on_success,
                 };
                 Ok(Decision {
-                    endpoint: i,
-                    reason,
-                    affinity,
+                    endpoint: c.endpoint,
+                    reason: c.reason,
+                    affinity: c.affinity,
                     ticket,
+                    broke_pin_of: c.broke_pin_of,
                 })
             }
             // CAS kept losing: go with the decision, but nothing was stored for it.
@@ -371,7 +455,8 @@ impl<'a> Scheduler<'a> {
         }
     }
 
-    /// The ranking, read-only over a table snapshot. Returns (endpoint, reason, affinity).
+    /// The decision, read-only over a table snapshot: pin (or pin break), else placement in
+    /// rendezvous order (see the module doc and [`super::placement`]).
     fn choose(
         &self,
         table: &Table,
@@ -380,17 +465,53 @@ impl<'a> Scheduler<'a> {
         pinned: Option<u32>,
         now_ms: u64,
         bcfg: &BreakerConfig,
-    ) -> Result<(usize, Reason, AffinityResult), NoEndpoint> {
-        let mut admitted: Vec<(usize, bool)> = Vec::with_capacity(candidates.len());
+    ) -> Result<Choice, NoEndpoint> {
+        let cfg = self.cfg;
+        let n = cfg.endpoints.len();
+        let state = |i: usize| table.entries.get(i).map(|(_, st)| st);
+        // Weights come from every endpoint that could serve this request at all, before
+        // request exclusions and breakers: a failover then walks the first attempt's order.
+        let statics: Vec<usize> = (0..n)
+            .filter(|&i| {
+                cfg.endpoints
+                    .get(i)
+                    .is_some_and(|e| !e.disabled && serves_opt(e, pick.model))
+            })
+            .collect();
+        let best_latency = statics
+            .iter()
+            .filter_map(|&i| state(i))
+            .filter(|st| st.total >= cfg.cold_start_samples)
+            .filter_map(|st| st.latency_ms)
+            .fold(None, |acc: Option<f64>, l| {
+                Some(acc.map_or(l, |a| a.min(l)))
+            });
+        let mut weighed: Vec<Option<Weighed>> = vec![None; n];
+        for &i in &statics {
+            if let (Some(ep), Some(st)) = (cfg.endpoints.get(i), state(i)) {
+                let mut w = placement::weigh(ep.weight, st, best_latency, cfg, now_ms);
+                if pick.session.is_none() {
+                    // No session to keep together: the full score, in-flight included.
+                    w.weight = score(ep.weight, st, best_latency, cfg, now_ms).score;
+                }
+                if let Some(slot) = weighed.get_mut(i) {
+                    *slot = Some(w);
+                }
+            }
+        }
+        let weight_of = |i: usize| weighed.get(i).copied().flatten();
+        let is_degraded = |i: usize| weight_of(i).is_some_and(|w| w.degraded);
+        let degraded: Vec<(usize, bool)> = statics.iter().map(|&i| (i, is_degraded(i))).collect();
+
+        // Breaker admission of this attempt's candidates.
+        let mut admission: Vec<Option<Admission>> = vec![None; n];
         let mut retry_at = u64::MAX;
         let mut all_rate_limited = true;
+        let mut any_admitted = false;
         for &i in candidates {
-            let Some((_, st)) = table.entries.get(i) else {
-                continue;
-            };
-            match st.breaker.peek(now_ms, bcfg) {
-                Admission::Normal => admitted.push((i, false)),
-                Admission::Probe { .. } => admitted.push((i, true)),
+            let Some(st) = state(i) else { continue };
+            let a = st.breaker.peek(now_ms, bcfg);
+            match a {
                 Admission::Rejected {
                     retry_at_ms,
                     rate_limited,
@@ -398,73 +519,159 @@ impl<'a> Scheduler<'a> {
                     retry_at = retry_at.min(retry_at_ms);
                     all_rate_limited &= rate_limited;
                 }
+                _ => any_admitted = true,
+            }
+            if let Some(slot) = admission.get_mut(i) {
+                *slot = Some(a);
             }
         }
-        if admitted.is_empty() {
+        if !any_admitted {
             return Err(NoEndpoint::CoolingDown {
                 retry_at_ms: retry_at,
                 all_rate_limited,
             });
         }
-        let mut affinity = match (pick.session, pinned) {
-            (None, _) => AffinityResult::None,
-            (Some(_), None) => AffinityResult::New,
-            (Some(_), Some(_)) => AffinityResult::Miss,
+        let admitted = |i: usize| {
+            matches!(
+                admission.get(i).copied().flatten(),
+                Some(Admission::Normal | Admission::Probe { .. })
+            )
         };
-        if let Some(id) = pinned {
-            if let Some(&(i, _)) = admitted
-                .iter()
-                .find(|(i, _)| self.cfg.endpoints.get(*i).is_some_and(|e| e.id == id))
-            {
-                affinity = AffinityResult::Hit;
-                return Ok((i, Reason::AffinityHit, affinity));
+        let probing = |i: usize| {
+            matches!(
+                admission.get(i).copied().flatten(),
+                Some(Admission::Probe { .. })
+            )
+        };
+
+        // A live pin wins, unless its endpoint is degraded.
+        let pinned_index = pinned.and_then(|id| cfg.endpoint_index(id));
+        let mut broke_pin_of = None;
+        if let Some(p) = pinned_index.filter(|&p| admitted(p)) {
+            if is_degraded(p) {
+                broke_pin_of = Some(p);
+            } else {
+                return Ok(Choice {
+                    endpoint: p,
+                    reason: Reason::AffinityHit,
+                    affinity: AffinityResult::Hit,
+                    pin_on_success: true,
+                    broke_pin_of: None,
+                    degraded,
+                });
             }
         }
-        let best_latency = admitted
+
+        // Placement: the first candidate in rendezvous order that admits traffic, is not
+        // degraded (but for a due probe) and is within its bounded load.
+        let key = pick.session.unwrap_or(pick.nonce);
+        let weights: Vec<(usize, u32, f64)> = statics
             .iter()
-            .filter_map(|(i, _)| table.entries.get(*i))
-            .filter(|(_, st)| st.total >= self.cfg.cold_start_samples)
-            .filter_map(|(_, st)| st.latency_ms)
-            .fold(None, |acc: Option<f64>, l| {
-                Some(acc.map_or(l, |a| a.min(l)))
-            });
-        // Half-open endpoints with a free probe slot go first; among the pool, the best score,
-        // ties (within TIE_TOLERANCE) broken by the rendezvous hash.
-        let probing = admitted.iter().any(|(_, probe)| *probe);
-        let scored: Vec<(usize, bool, Scored)> = admitted
-            .iter()
-            .filter(|(_, probe)| *probe == probing)
-            .filter_map(|&(i, probe)| {
-                let weight = self.cfg.endpoints.get(i)?.weight;
-                let (_, st) = table.entries.get(i)?;
-                Some((i, probe, score(weight, st, best_latency, self.cfg, now_ms)))
-            })
+            .filter_map(|&i| Some((i, cfg.endpoints.get(i)?.id, weight_of(i)?.weight)))
             .collect();
-        let best = scored
-            .iter()
-            .map(|(_, _, s)| s.score)
-            .fold(f64::MIN, f64::max);
-        let session = pick.session.unwrap_or(0);
-        let chosen = scored
-            .iter()
-            .copied()
-            .filter(|(_, _, s)| s.score >= best * (1.0 - TIE_TOLERANCE))
-            .max_by_key(|(i, _, _)| {
-                rendezvous(session, self.cfg.endpoints.get(*i).map_or(0, |e| e.id))
-            });
-        match chosen {
-            Some((i, probe, s)) => {
-                let reason = if probe {
-                    Reason::HalfOpenProbe
-                } else if s.cold {
-                    Reason::ColdStart
-                } else {
-                    Reason::Scored
-                };
-                Ok((i, reason, affinity))
+        let order = placement::order(key, &weights);
+        let home = order.iter().copied().find(|&i| !is_degraded(i));
+        let eligible = |i: usize| admitted(i) && !is_degraded(i);
+        let (total_load, total_weight) =
+            order
+                .iter()
+                .filter(|&&i| eligible(i))
+                .fold((0u64, 0.0f64), |(l, w), &i| {
+                    (
+                        l + u64::from(state(i).map_or(0, |st| st.load(now_ms))),
+                        w + weight_of(i).map_or(0.0, |x| x.weight),
+                    )
+                });
+        let mut chosen: Option<(usize, Reason)> = None;
+        let mut spilled: Option<usize> = None;
+        let mut unavailable_before = false;
+        for &i in &order {
+            if Some(i) == broke_pin_of {
+                unavailable_before = true;
+                continue;
             }
-            None => Err(NoEndpoint::Exhausted),
+            if is_degraded(i) {
+                let due = state(i).is_some_and(|st| {
+                    now_ms.saturating_sub(st.degraded_probe_ms) >= cfg.degraded_probe_interval_ms
+                });
+                if due && admitted(i) && pick.attempt <= 1 && pinned_index.is_none() {
+                    chosen = Some((i, Reason::DegradedProbe));
+                    break;
+                }
+                unavailable_before = true;
+                continue;
+            }
+            if !admitted(i) {
+                unavailable_before = true;
+                continue;
+            }
+            let load = f64::from(state(i).map_or(0, |st| st.load(now_ms)));
+            let w = weight_of(i).map_or(0.0, |x| x.weight);
+            if load + 1.0 > placement::load_limit(total_load, w, total_weight, cfg) {
+                spilled.get_or_insert(i);
+                continue;
+            }
+            let reason = if broke_pin_of.is_some() {
+                Reason::PinBreak
+            } else if pick.attempt > 1 || unavailable_before {
+                Reason::Backup
+            } else if spilled.is_some() {
+                Reason::Spill
+            } else {
+                Reason::Home
+            };
+            chosen = Some((i, reason));
+            break;
         }
+        // Nothing placeable: over-bound (impossible with slack >= 1), else only degraded
+        // endpoints admit traffic: the first of them in order, the broken pin last.
+        let (endpoint, mut reason) = match chosen {
+            Some(c) => c,
+            None => match spilled
+                .map(|i| (i, Reason::Spill))
+                .or_else(|| {
+                    order
+                        .iter()
+                        .copied()
+                        .find(|&i| admitted(i) && Some(i) != broke_pin_of)
+                        .map(|i| (i, Reason::Backup))
+                })
+                .or_else(|| broke_pin_of.map(|i| (i, Reason::AffinityHit)))
+            {
+                Some(c) => c,
+                None => return Err(NoEndpoint::Exhausted),
+            },
+        };
+        if reason == Reason::AffinityHit {
+            // The pinned endpoint is degraded but nothing else can serve: keep the pin.
+            broke_pin_of = None;
+        }
+        let affinity = match (pick.session, pinned_index, reason) {
+            (None, _, _) => AffinityResult::None,
+            (Some(_), _, Reason::AffinityHit) => AffinityResult::Hit,
+            (Some(_), _, Reason::PinBreak) => AffinityResult::PinBreak,
+            (Some(_), Some(_), _) => AffinityResult::Miss,
+            (Some(_), None, Reason::Home) => AffinityResult::Home,
+            (Some(_), None, Reason::Spill) => AffinityResult::Spill,
+            (Some(_), None, _) => AffinityResult::Backup,
+        };
+        if probing(endpoint) && reason != Reason::AffinityHit {
+            reason = Reason::HalfOpenProbe;
+        }
+        let pin_on_success = match (reason, cfg.after_failover) {
+            (Reason::AffinityHit, _) => true,
+            (Reason::DegradedProbe, _) => false,
+            (_, AfterFailover::Stay) => true,
+            (_, AfterFailover::ReturnHome) => Some(endpoint) == home,
+        };
+        Ok(Choice {
+            endpoint,
+            reason,
+            affinity,
+            pin_on_success,
+            broke_pin_of,
+            degraded,
+        })
     }
 
     /// Records an attempt's outcome: in-flight −1, statistics, breaker, affinity.
@@ -561,7 +768,9 @@ impl<'a> Scheduler<'a> {
         if let Some(s) = session {
             let aff = self.affinity();
             let ok = match outcome {
-                Outcome::Success => aff.remember(s, ticket.endpoint_id, now_ms),
+                Outcome::Success if ticket.pin_on_success => {
+                    aff.remember(s, ticket.endpoint_id, now_ms)
+                }
                 Outcome::DeadKey => aff.forget(s, ticket.endpoint_id),
                 _ => true,
             };

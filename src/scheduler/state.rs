@@ -26,6 +26,11 @@ pub struct EndpointState {
     /// Last change of `in_flight` (stale counts are ignored, see [`Self::load`]).
     pub in_flight_changed_ms: u64,
     pub breaker: Breaker,
+    /// Far slower than the fastest alternative (see `placement::Degradation`): its pins are
+    /// broken and it gets new sessions only as probes. Kept for hysteresis.
+    pub degraded: bool,
+    /// When this Envoy last sent a degraded endpoint a probe placement.
+    pub degraded_probe_ms: u64,
 }
 
 impl Default for EndpointState {
@@ -38,6 +43,8 @@ impl Default for EndpointState {
             in_flight: 0,
             in_flight_changed_ms: 0,
             breaker: Breaker::default(),
+            degraded: false,
+            degraded_probe_ms: 0,
         }
     }
 }
@@ -64,8 +71,8 @@ pub struct Table {
     pub entries: Vec<(u32, EndpointState)>,
 }
 
-const TABLE_VERSION: u8 = 1;
-const ENTRY_BYTES: usize = 4 + 1 + 8 + 8 + 8 + 8 + 4 + 8 + 1 + 1 + 4 + 8 + 4 + 4 + 8 + 4;
+const TABLE_VERSION: u8 = 2;
+const ENTRY_BYTES: usize = 4 + 1 + 8 + 8 + 8 + 8 + 4 + 8 + 1 + 1 + 4 + 8 + 4 + 4 + 8 + 4 + 1 + 8;
 const BUDGET_BYTES: usize = 8 + 8 + 8;
 /// Version byte, budget, entry count.
 const HEADER_BYTES: usize = 1 + BUDGET_BYTES + 4;
@@ -104,6 +111,12 @@ fn decode_entry(chunk: &[u8]) -> Option<(u32, EndpointState)> {
             last_probe_ms: r.u64()?,
             epoch: r.u32()?,
         },
+        degraded: match r.u8()? {
+            0 => false,
+            1 => true,
+            _ => return None,
+        },
+        degraded_probe_ms: r.u64()?,
     };
     Some((id, state))
 }
@@ -133,6 +146,8 @@ fn encode_entry(w: &mut Writer, id: u32, s: &EndpointState) {
     w.u32(b.probes_succeeded);
     w.u64(b.last_probe_ms);
     w.u32(b.epoch);
+    w.u8(u8::from(s.degraded));
+    w.u64(s.degraded_probe_ms);
 }
 
 impl Table {
@@ -255,6 +270,8 @@ mod tests {
         t.entries[1].1.total = 42;
         t.entries[1].1.latency_ms = Some(12.5);
         t.entries[1].1.breaker.state = BreakerState::Open;
+        t.entries[1].1.degraded = true;
+        t.entries[1].1.degraded_probe_ms = 77;
         let bytes = t.encode();
         assert_eq!(Table::decode(&bytes), Some(t.clone()));
         assert_eq!(Table::decode(&bytes[..bytes.len() - 1]), None);

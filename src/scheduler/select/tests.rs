@@ -28,6 +28,7 @@ fn pick_at(
             session,
             attempt: 1,
             exclusions: ex,
+            nonce: 0,
         },
         now,
     )
@@ -50,6 +51,7 @@ fn exclusions_in_order_and_model_not_found() {
             session: None,
             attempt: 1,
             exclusions: &Exclusions::default(),
+            nonce: 0,
         })
         .unwrap();
     assert_eq!(cands, vec![0, 1]);
@@ -68,6 +70,7 @@ fn exclusions_in_order_and_model_not_found() {
             session: None,
             attempt: 1,
             exclusions: &ex,
+            nonce: 0,
         })
         .unwrap_err();
     assert_eq!(err, NoEndpoint::Exhausted);
@@ -86,7 +89,8 @@ fn exclusions_in_order_and_model_not_found() {
                 model: Some("dm"),
                 session: None,
                 attempt: 1,
-                exclusions: &Exclusions::default()
+                exclusions: &Exclusions::default(),
+                nonce: 0,
             },
             0
         )
@@ -102,7 +106,7 @@ fn affinity_sticks_and_repins_after_failover() {
     let s = Scheduler::new(&c, &store);
     let ex = Exclusions::default();
     let d1 = pick_at(&s, Some(77), &ex, 0).unwrap();
-    assert_eq!(d1.affinity, AffinityResult::New);
+    assert_eq!(d1.affinity, AffinityResult::Home);
     s.finish(&d1.ticket, &Outcome::Success, 100, Some(77), 10);
     for t in 0..10 {
         let d = pick_at(&s, Some(77), &ex, 20 + t).unwrap();
@@ -127,6 +131,7 @@ fn affinity_sticks_and_repins_after_failover() {
                 session: Some(77),
                 attempt: 2,
                 exclusions: &ex2,
+                nonce: 0,
             },
             102,
         )
@@ -143,7 +148,7 @@ fn affinity_sticks_and_repins_after_failover() {
     s.finish(&after.ticket, &Outcome::Cancelled, 0, Some(77), 200);
     assert_eq!(
         pick_at(&s, Some(77), &ex, 150 + 300_000).unwrap().affinity,
-        AffinityResult::New
+        AffinityResult::Home
     );
 }
 
@@ -160,37 +165,68 @@ fn dead_key_evicts_the_pin() {
     assert_eq!(s.affinity().lookup(5, 4), None);
 }
 
+/// Session keys as the filter derives them.
+fn key(i: u64) -> u64 {
+    crate::scheduler::hash::session_key(b"", &i.to_le_bytes())
+}
+
 #[test]
-fn cold_start_weight_only_for_exactly_twenty_requests() {
+fn cold_start_places_by_weight_alone_for_exactly_twenty_requests() {
     let c = cfg(
         json!({"endpoints":[{"name":"bad","cluster":"c1","weight":3},{"name":"good","cluster":"c2","weight":1}]}),
     );
     let store = MemStore::new();
     let s = Scheduler::new(&c, &store);
     let ex = Exclusions::default();
+    // While cold, new sessions split 3:1 by weight, whatever the endpoint does.
+    let mut to_bad = 0;
     for n in 0..20u64 {
-        let d = pick_at(&s, None, &ex, n * 10).unwrap();
-        assert_eq!(
-            (d.endpoint, d.reason),
-            (0, Reason::ColdStart),
-            "request {n}"
-        );
-        // Fails every time, but below the breaker threshold (spaced by successes elsewhere
-        // would be unrealistic): use 401s, which never trip the breaker.
-        s.finish(&d.ticket, &Outcome::DeadKey, 5, None, n * 10 + 1);
+        let d = pick_at(&s, Some(key(n)), &ex, n * 10).unwrap();
+        assert_eq!(d.affinity, AffinityResult::Home);
+        if d.endpoint == 0 {
+            to_bad += 1;
+            // 401s: never trip the breaker, only the statistics.
+            s.finish(&d.ticket, &Outcome::DeadKey, 5, None, n * 10 + 1);
+        } else {
+            s.finish(&d.ticket, &Outcome::Cancelled, 5, None, n * 10 + 1);
+        }
     }
-    let table = s.table();
-    assert_eq!(table.entries[0].1.total, 20);
-    let st = table.entries[0].1;
-    let warm = score(3.0, &st, None, &c, 200);
+    assert!(to_bad > 10, "{to_bad} of 20 to the weight-3 endpoint");
+    let mut shares = [0u32; 2];
+    for n in 100..4100u64 {
+        let d = pick_at(&s, Some(key(n)), &ex, 300).unwrap();
+        shares[d.endpoint] += 1;
+        s.finish(&d.ticket, &Outcome::Cancelled, 0, None, 300);
+    }
+    // Still cold (fewer than 20 samples): 3:1 by weight, 401s or not.
+    assert!(s.table().entries[0].1.total < 20);
+    let share = f64::from(shares[0]) / 4000.0;
+    assert!((share - 0.75).abs() < 0.03, "{shares:?}");
+    // Warm it up to exactly 20 samples of failure.
+    let mut n = 10_000;
+    while s.table().entries[0].1.total < 20 {
+        let d = pick_at(&s, Some(key(n)), &ex, 400).unwrap();
+        let o = if d.endpoint == 0 {
+            Outcome::DeadKey
+        } else {
+            Outcome::Cancelled
+        };
+        s.finish(&d.ticket, &o, 5, None, 401);
+        n += 1;
+    }
+    let st = s.table().entries[0].1;
+    assert_eq!(st.total, 20);
+    let w = crate::scheduler::placement::weigh(3.0, &st, None, &c, 402);
+    assert!(w.weight < 0.1, "failing endpoint still weighs {w:?}");
+    let mut to_bad = 0;
+    for n in 20_000..21_000u64 {
+        let d = pick_at(&s, Some(key(n)), &ex, 402).unwrap();
+        to_bad += u32::from(d.endpoint == 0);
+        s.finish(&d.ticket, &Outcome::Cancelled, 0, None, 402);
+    }
     assert!(
-        !warm.cold && warm.score < 1.0,
-        "score dropped below the healthy endpoint's weight: {warm:?}"
-    );
-    let d = pick_at(&s, None, &ex, 200).unwrap();
-    assert_eq!(
-        d.endpoint, 1,
-        "after 20 failures the weight-1 endpoint wins"
+        to_bad < 50,
+        "{to_bad} of 1000 new sessions still to the failing endpoint"
     );
 }
 
@@ -262,19 +298,36 @@ fn breaker_lifecycle_through_the_scheduler() {
     let store = MemStore::new();
     let s = Scheduler::new(&c, &store);
     let ex = Exclusions::default();
+    // Sessions whose home is a.
+    let homed_at_a: Vec<u64> = (0..200)
+        .map(key)
+        .filter(|&k| {
+            let other = MemStore::new();
+            pick_at(&Scheduler::new(&c, &other), Some(k), &ex, 0)
+                .unwrap()
+                .endpoint
+                == 0
+        })
+        .take(12)
+        .collect();
+    assert_eq!(homed_at_a.len(), 12);
     let fail = Outcome::EndpointFailure(FailureKind::ConnectFailure);
-    for t in 0..2 {
-        let d = pick_at(&s, None, &ex, t).unwrap();
-        assert_eq!(d.endpoint, 0);
-        s.finish(&d.ticket, &fail, 1, None, t);
+    for (t, &k) in homed_at_a[..2].iter().enumerate() {
+        let d = pick_at(&s, Some(k), &ex, t as u64).unwrap();
+        assert_eq!((d.endpoint, d.reason), (0, Reason::Home));
+        s.finish(&d.ticket, &fail, 1, None, t as u64);
     }
-    // a is open: everything goes to b.
-    let d = pick_at(&s, None, &ex, 10).unwrap();
-    assert_eq!(d.endpoint, 1);
+    // a is open: its sessions go to their backup, b.
+    let d = pick_at(&s, Some(homed_at_a[2]), &ex, 10).unwrap();
+    assert_eq!(
+        (d.endpoint, d.reason, d.affinity),
+        (1, Reason::Backup, AffinityResult::Backup)
+    );
     s.finish(&d.ticket, &Outcome::Success, 1, None, 10);
-    // Cooldown over: exactly three probes go to a, then b takes the rest.
-    let picks: Vec<Decision> = (0..6)
-        .map(|_| pick_at(&s, None, &ex, 1001).unwrap())
+    // Cooldown over: exactly three probes go to a, then its sessions go to b.
+    let picks: Vec<Decision> = homed_at_a[3..9]
+        .iter()
+        .map(|&k| pick_at(&s, Some(k), &ex, 1001).unwrap())
         .collect();
     let probes: Vec<&Decision> = picks.iter().filter(|d| d.endpoint == 0).collect();
     assert_eq!(probes.len(), 3);
@@ -286,7 +339,12 @@ fn breaker_lifecycle_through_the_scheduler() {
     }
     assert_eq!(s.table().entries[0].1.breaker.state, BreakerState::Closed);
     assert_eq!(s.table().entries[0].1.in_flight, 0);
-    assert_eq!(pick_at(&s, None, &ex, 1003).unwrap().endpoint, 0);
+    assert_eq!(
+        pick_at(&s, Some(homed_at_a[9]), &ex, 1003)
+            .unwrap()
+            .endpoint,
+        0
+    );
 }
 
 #[test]
@@ -344,6 +402,7 @@ fn retry_budget_limits_failovers() {
                 session: None,
                 attempt: 2,
                 exclusions: &ex,
+                nonce: 0,
             },
             0,
         )
@@ -368,6 +427,7 @@ fn failovers_after_401_or_429_spend_no_retry_budget() {
             session: None,
             attempt: 2,
             exclusions: &ex,
+            nonce: 0,
         };
         s.pick(&pick, 0)
             .map(|d| s.finish(&d.ticket, &Outcome::Cancelled, 0, None, 0))
@@ -412,4 +472,287 @@ fn cas_conflicts_are_retried_and_exhaustion_is_reported() {
     s.finish(&d2.ticket, &Outcome::Success, 1, None, 1);
     s.finish(&d.ticket, &Outcome::Success, 1, None, 1);
     assert_eq!(s.table().entries[d.endpoint].1.in_flight, 0);
+}
+
+/// Warms every endpoint of `s` with `samples` successes at the given latencies (by index).
+fn warm(s: &Scheduler<'_>, latencies: &[u64], samples: u64, now: u64) {
+    let c = s.cfg;
+    for (i, &lat) in latencies.iter().enumerate() {
+        for _ in 0..samples {
+            let ticket = Ticket {
+                endpoint: i,
+                endpoint_id: c.endpoints[i].id,
+                probe_epoch: None,
+                counted: false,
+                started_ms: now,
+                pin_on_success: false,
+            };
+            s.finish(&ticket, &Outcome::Success, lat, None, now);
+        }
+    }
+}
+
+fn five() -> Config {
+    cfg(json!({"endpoints":[
+        {"name":"e0","cluster":"c0"},{"name":"e1","cluster":"c1"},{"name":"e2","cluster":"c2"},
+        {"name":"e3","cluster":"c3","weight":2},{"name":"e4","cluster":"c4"}
+    ],"cold_start_samples":5}))
+}
+
+#[test]
+fn replicas_with_similar_statistics_place_every_session_alike() {
+    let c = five();
+    // Two Envoys that measured somewhat different latencies (all within 2x of each other).
+    let (a, b) = (MemStore::new(), MemStore::new());
+    let (sa, sb) = (Scheduler::new(&c, &a), Scheduler::new(&c, &b));
+    warm(&sa, &[100, 120, 110, 130, 105], 10, 0);
+    warm(&sb, &[125, 100, 140, 105, 118], 10, 0);
+    // A third that just restarted: empty shared data, everything cold.
+    let fresh = MemStore::new();
+    let sf = Scheduler::new(&c, &fresh);
+    let ex = Exclusions::default();
+    let mut homes = [0u32; 5];
+    for n in 0..2000u64 {
+        let da = pick_at(&sa, Some(key(n)), &ex, 1).unwrap();
+        let db = pick_at(&sb, Some(key(n)), &ex, 1).unwrap();
+        let df = pick_at(&sf, Some(key(n)), &ex, 1).unwrap();
+        assert_eq!((da.endpoint, da.reason), (db.endpoint, Reason::Home), "{n}");
+        assert_eq!(da.endpoint, df.endpoint, "{n}");
+        homes[da.endpoint] += 1;
+        for (s, d) in [(&sa, da), (&sb, db), (&sf, df)] {
+            s.finish(&d.ticket, &Outcome::Cancelled, 0, None, 1);
+        }
+    }
+    // Shares follow weights (1,1,1,2,1 of 6).
+    for (i, &h) in homes.iter().enumerate() {
+        let expected = if i == 3 { 2.0 / 6.0 } else { 1.0 / 6.0 };
+        let share = f64::from(h) / 2000.0;
+        assert!((share - expected).abs() < 0.035, "{homes:?}");
+    }
+}
+
+#[test]
+fn failover_walks_the_rendezvous_order_on_every_replica() {
+    let c = five();
+    let ex0 = Exclusions::default();
+    for n in 0..200u64 {
+        let k = key(n);
+        let mut seen: Vec<Vec<usize>> = Vec::new();
+        for _replica in 0..2 {
+            let store = MemStore::new();
+            let s = Scheduler::new(&c, &store);
+            let mut ex = ex0.clone();
+            let mut order = Vec::new();
+            for attempt in 1..=5u32 {
+                let d = s
+                    .pick(
+                        &Pick {
+                            model: Some("m"),
+                            session: Some(k),
+                            attempt,
+                            exclusions: &ex,
+                            nonce: attempt.into(),
+                        },
+                        0,
+                    )
+                    .unwrap();
+                let expected = if attempt == 1 {
+                    Reason::Home
+                } else {
+                    Reason::Backup
+                };
+                assert_eq!(d.reason, expected);
+                let rl = Outcome::RateLimited {
+                    retry_after_ms: None,
+                };
+                s.finish(&d.ticket, &Outcome::Cancelled, 0, None, 0);
+                ex.after_attempt(d.endpoint, &rl);
+                order.push(d.endpoint);
+            }
+            seen.push(order);
+        }
+        assert_eq!(seen[0], seen[1]);
+        let weights: Vec<(usize, u32, f64)> = c
+            .endpoints
+            .iter()
+            .enumerate()
+            .map(|(i, e)| (i, e.id, e.weight))
+            .collect();
+        assert_eq!(seen[0], crate::scheduler::placement::order(k, &weights));
+    }
+}
+
+#[test]
+fn bounded_load_spills_in_rendezvous_order() {
+    let c = cfg(json!({"endpoints":[
+        {"name":"a","cluster":"ca"},{"name":"b","cluster":"cb"},{"name":"c","cluster":"cc"},{"name":"d","cluster":"cd"}
+    ],"bounded_load_epsilon":0.25,"bounded_load_slack":1}));
+    let store = MemStore::new();
+    let s = Scheduler::new(&c, &store);
+    let ex = Exclusions::default();
+    // Keep every attempt in flight; sessions with the same home pile up until they spill.
+    let mut in_flight = Vec::new();
+    let mut spills = 0;
+    for n in 0..400u64 {
+        let d = pick_at(&s, Some(key(n)), &ex, 0).unwrap();
+        let table = s.table();
+        let total: u32 = table.entries.iter().map(|(_, st)| st.in_flight).sum();
+        let mine = table.entries[d.endpoint].1.in_flight;
+        // The bound (1 + eps) x L x 1/4 + slack, with L counting this attempt.
+        let limit = 1.25 * f64::from(total) / 4.0 + 1.0;
+        assert!(f64::from(mine) <= limit + 1e-9, "{mine} > {limit}");
+        if d.reason == Reason::Spill {
+            assert_eq!(d.affinity, AffinityResult::Spill);
+            spills += 1;
+        }
+        in_flight.push(d);
+    }
+    assert!(spills > 0);
+    for d in &in_flight {
+        s.finish(&d.ticket, &Outcome::Cancelled, 0, None, 1);
+    }
+    // Once load is even again, nothing spills.
+    let d = pick_at(&s, Some(key(1)), &ex, 2).unwrap();
+    assert_eq!(d.reason, Reason::Home);
+}
+
+/// A session pinned to `home`'s backup by a failover, under each `after_failover` policy:
+/// returns the endpoint of the next turn once the home admits traffic again.
+fn after_failover_next_turn(policy: &str) -> (usize, usize, usize) {
+    let c = cfg(json!({"endpoints":[
+        {"name":"a","cluster":"ca"},{"name":"b","cluster":"cb"},{"name":"c","cluster":"cc"}
+    ],"after_failover": policy}));
+    let store = MemStore::new();
+    let s = Scheduler::new(&c, &store);
+    let ex = Exclusions::default();
+    let k = key(42);
+    let home = pick_at(&s, Some(k), &ex, 0).unwrap();
+    s.finish(&home.ticket, &Outcome::Success, 10, Some(k), 1);
+    let first = pick_at(&s, Some(k), &ex, 2).unwrap();
+    assert_eq!(first.reason, Reason::AffinityHit);
+    let rl = Outcome::RateLimited {
+        retry_after_ms: Some(1_000),
+    };
+    s.finish(&first.ticket, &rl, 10, Some(k), 3);
+    let mut ex2 = Exclusions::default();
+    ex2.after_attempt(first.endpoint, &rl);
+    let backup = s
+        .pick(
+            &Pick {
+                model: Some("m"),
+                session: Some(k),
+                attempt: 2,
+                exclusions: &ex2,
+                nonce: 0,
+            },
+            4,
+        )
+        .unwrap();
+    s.finish(&backup.ticket, &Outcome::Success, 10, Some(k), 5);
+    // During the window: the backup either way.
+    let during = pick_at(&s, Some(k), &ex, 500).unwrap();
+    assert_eq!(during.endpoint, backup.endpoint);
+    s.finish(&during.ticket, &Outcome::Success, 10, Some(k), 501);
+    // After the window (the half-open home admits a probe).
+    let after = pick_at(&s, Some(k), &ex, 2_000).unwrap();
+    s.finish(&after.ticket, &Outcome::Cancelled, 0, None, 2_001);
+    (home.endpoint, backup.endpoint, after.endpoint)
+}
+
+#[test]
+fn after_failover_stay_keeps_the_backup_return_home_goes_home() {
+    let (home, backup, after) = after_failover_next_turn("stay");
+    assert_ne!(home, backup);
+    assert_eq!(after, backup);
+    let (home, backup, after) = after_failover_next_turn("return_home");
+    assert_ne!(home, backup);
+    assert_eq!(after, home);
+}
+
+#[test]
+fn a_degraded_pin_breaks_with_hysteresis_and_gets_probes() {
+    let c = cfg(json!({"endpoints":[
+        {"name":"a","cluster":"ca"},{"name":"b","cluster":"cb"},{"name":"c","cluster":"cc"}
+    ],"cold_start_samples":5,"degraded_probe_interval_ms":1000}));
+    let store = MemStore::new();
+    let s = Scheduler::new(&c, &store);
+    let ex = Exclusions::default();
+    warm(&s, &[100, 100, 100], 5, 0);
+    // Pin sessions to a.
+    let on_a: Vec<u64> = (0..300)
+        .map(key)
+        .filter(|&k| {
+            let d = pick_at(&s, Some(k), &ex, 1).unwrap();
+            s.finish(&d.ticket, &Outcome::Success, 100, Some(k), 1);
+            d.endpoint == 0
+        })
+        .collect();
+    assert!(on_a.len() > 50);
+    // a turns 2.5x slower: below pin_break_ratio (3), pins hold.
+    warm(&s, &[250, 100, 100], 20, 2);
+    let d = pick_at(&s, Some(on_a[0]), &ex, 3).unwrap();
+    assert_eq!(d.reason, Reason::AffinityHit);
+    s.finish(&d.ticket, &Outcome::Cancelled, 0, None, 3);
+    // 5x slower: pins break, to the next endpoint in each session's order.
+    warm(&s, &[500, 100, 100], 20, 4);
+    for &k in &on_a[..20] {
+        let d = pick_at(&s, Some(k), &ex, 5).unwrap();
+        assert_eq!(
+            (d.reason, d.affinity, d.broke_pin_of),
+            (Reason::PinBreak, AffinityResult::PinBreak, Some(0))
+        );
+        assert_ne!(d.endpoint, 0);
+        s.finish(&d.ticket, &Outcome::Success, 100, Some(k), 6);
+        // Re-pinned where it went.
+        let again = pick_at(&s, Some(k), &ex, 7).unwrap();
+        assert_eq!(
+            (again.endpoint, again.reason),
+            (d.endpoint, Reason::AffinityHit)
+        );
+        s.finish(&again.ticket, &Outcome::Cancelled, 0, None, 7);
+    }
+    assert!(s.table().entries[0].1.degraded);
+    // New sessions avoid a, but one probe per interval.
+    let mut to_a = Vec::new();
+    for n in 1000..1400u64 {
+        let now = 10 + (n - 1000) * 10; // 4 s
+        let d = pick_at(&s, Some(key(n)), &ex, now).unwrap();
+        if d.endpoint == 0 {
+            assert_eq!(d.reason, Reason::DegradedProbe);
+            assert!(!d.ticket.pin_on_success);
+            to_a.push(now);
+        }
+        s.finish(&d.ticket, &Outcome::Cancelled, 0, None, now);
+    }
+    assert!((3..=5).contains(&to_a.len()), "probes at {to_a:?}");
+    assert!(to_a.windows(2).all(|w| w[1] - w[0] >= 1000), "{to_a:?}");
+    // Recovering to 2x: still degraded (exit below 1.5x): hysteresis.
+    warm(&s, &[200, 100, 100], 30, 5_000);
+    let d = pick_at(&s, Some(on_a[30]), &ex, 5_001).unwrap();
+    assert_eq!(d.reason, Reason::PinBreak);
+    s.finish(&d.ticket, &Outcome::Cancelled, 0, None, 5_001);
+    // Back to 1x: whole again; pins to it hold and new sessions reach it.
+    warm(&s, &[100, 100, 100], 30, 6_000);
+    let d = pick_at(&s, Some(on_a[31]), &ex, 6_001).unwrap();
+    assert_eq!(d.reason, Reason::AffinityHit);
+    s.finish(&d.ticket, &Outcome::Cancelled, 0, None, 6_001);
+    assert!(!s.table().entries[0].1.degraded);
+}
+
+#[test]
+fn cold_endpoints_never_break_pins() {
+    let c = cfg(json!({"endpoints":[
+        {"name":"a","cluster":"ca"},{"name":"b","cluster":"cb"}
+    ],"cold_start_samples":50}));
+    let store = MemStore::new();
+    let s = Scheduler::new(&c, &store);
+    let ex = Exclusions::default();
+    warm(&s, &[1000, 10], 20, 0); // 100x slower, but cold
+    for n in 0..50u64 {
+        let d = pick_at(&s, Some(key(n)), &ex, 1).unwrap();
+        s.finish(&d.ticket, &Outcome::Success, 1, Some(key(n)), 1);
+        let again = pick_at(&s, Some(key(n)), &ex, 2).unwrap();
+        assert_eq!(again.reason, Reason::AffinityHit);
+        s.finish(&again.ticket, &Outcome::Cancelled, 0, None, 2);
+    }
 }
