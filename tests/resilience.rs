@@ -45,7 +45,7 @@ use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 use serde_json::{json, Value};
 use support::http::Response;
-use support::{chat_body, post_chat, Envoy, EnvoyConfig, MockUpstream};
+use support::{chat_body, placement, post_chat, Envoy, EnvoyConfig, MockUpstream};
 
 // ---------------------------------------------------------------------------------------------
 // Helpers
@@ -67,18 +67,65 @@ fn endpoint(name: &str, weight: f64, models: &[&str]) -> Value {
     json!({"name": name, "cluster": name, "weight": weight, "models": models})
 }
 
-/// A fresh conversation for `model` (its fingerprint, hence its session, is new).
+/// The fleets this file configures: (name, weight, models) of each endpoint.
+const FLEETS: &[&[(&str, f64, &[&str])]] = &[
+    &[("a", 2.0, &["m"]), ("b", 1.0, &["m"])],
+    &[("a", 3.0, &["m"]), ("b", 1.0, &["m"])],
+    &[
+        ("a", 4.0, &["m", "m2"]),
+        ("b", 3.0, &["m", "m2"]),
+        ("c", 2.0, &["m"]),
+        ("d", 1.0, &["m"]),
+    ],
+    &[
+        ("a", 2.0, &["m1"]),
+        ("b", 1.0, &["m1"]),
+        ("c", 2.0, &["m2"]),
+        ("d", 1.0, &["m2"]),
+    ],
+];
+
+/// A fresh conversation for `model` (its fingerprint, hence its session, is new) whose
+/// rendezvous order, in every fleet of this file, is the endpoints serving `model` by
+/// descending weight: while endpoints are healthy the filter tries the heaviest first, then the
+/// next, which is what these tests count on. (Placement sends a session to the endpoints in its
+/// own weighted rendezvous order; a random session would start elsewhere with odds
+/// `w / Σw`.)
 fn fresh_body(model: &str, extra: Value) -> String {
+    fresh_body_where(model, extra, |session| {
+        FLEETS.iter().all(|fleet| {
+            let mut serving: Vec<(&str, f64)> = fleet
+                .iter()
+                .filter(|(_, _, models)| models.contains(&model))
+                .map(|(n, w, _)| (*n, *w))
+                .collect();
+            let by_weight: Vec<&str> = {
+                serving.sort_by(|x, y| y.1.total_cmp(&x.1));
+                serving.iter().map(|(n, _)| *n).collect()
+            };
+            placement::rendezvous_order(session, &serving) == by_weight
+        })
+    })
+}
+
+/// A fresh conversation for `model` whose session satisfies `wanted` (see `support::placement`).
+fn fresh_body_where(model: &str, extra: Value, wanted: impl Fn(u64) -> bool) -> String {
     static N: AtomicU64 = AtomicU64::new(0);
-    let n = N.fetch_add(1, Ordering::SeqCst);
-    chat_body(
-        model,
-        &[&format!(
-            "resilience request {n} of process {}",
-            std::process::id()
-        )],
-        extra,
-    )
+    for _ in 0..100_000 {
+        let n = N.fetch_add(1, Ordering::SeqCst);
+        let body = chat_body(
+            model,
+            &[&format!(
+                "resilience request {n} of process {}",
+                std::process::id()
+            )],
+            extra.clone(),
+        );
+        if wanted(placement::body_session(&body)) {
+            return body;
+        }
+    }
+    panic!("no conversation found with the wanted rendezvous order");
 }
 
 fn chat(envoy: &Envoy, model: &str) -> Response {
@@ -584,16 +631,22 @@ fn rate_limit_opens_at_once_for_the_hint_and_recovers_by_single_probes() {
 
 /// A dead key (401/403) is skipped for the rest of that request only: it does not count toward
 /// the breaker, and later requests may try it again. Its success rate falls with each dead-key
-/// answer, so after two it scores below the healthy endpoint and gets no first attempts; once
-/// that penalty has faded with idle time (`stats_decay_ms`) it is tried again.
+/// answer, and with it its placement weight (`weight × health level`): after two, sessions
+/// whose home it was at full weight are placed on the healthy endpoint instead; once that
+/// penalty has faded with idle time (`stats_decay_ms`) they are placed on it again.
+///
+/// Placement is weighted rendezvous hashing: which sessions move when a weight drops is a pure
+/// function of the session and the weights, so each request below is a conversation chosen for
+/// the order the filter must give it under the weights it should have computed.
 #[test]
 fn dead_keys_are_skipped_per_request_and_lower_the_score() {
     let a = fast_mock("a", &["m"]);
     let b = fast_mock("b", &["m"]);
     let envoy = Envoy::start(EnvoyConfig::new(
         json!({
-            // score = weight × success_rate once warm (latency factors are 1 here: a never
-            // succeeded, b is the fastest). success_rate_alpha 0.5: each verdict moves the
+            // Placement weight = weight × health level once warm; health = success rate here
+            // (latency factors are 1: a never succeeded, b is the fastest), rounded up to a
+            // power of two (placement_quantum 1). success_rate_alpha 0.5: each verdict moves the
             // rate halfway.
             "endpoints": [endpoint("a", 3.0, &["m"]), endpoint("b", 1.0, &["m"])],
             "cold_start_samples": 1,
@@ -606,13 +659,32 @@ fn dead_keys_are_skipped_per_request_and_lower_the_score() {
         }),
         &[("a", a.port), ("b", b.port)],
     ));
+    // A conversation that comes to a first at full weight (3 against 1), and to `wanted` first
+    // under each of `weights` (a's, b's). A success rate that lands exactly on a level boundary
+    // (0.5, 0.25: alpha 0.5 halves it) reads just above it once a millisecond has faded it, so
+    // each step accepts both neighbouring levels and chooses a conversation they agree on.
+    let first = |weights: &'static [(f64, f64)], wanted: &'static [&'static str]| {
+        fresh_body_where("m", Value::Null, move |s| {
+            placement::starts_with(s, &[("a", 3.0), ("b", 1.0)], &["a", "b"])
+                && weights
+                    .iter()
+                    .all(|&(wa, wb)| placement::starts_with(s, &[("a", wa), ("b", wb)], wanted))
+        })
+    };
+    let send = |body: &str| post_chat(envoy.port, &[], body);
 
     // Request 1: a (cold, weight 3) answers 401 → b serves.
     a.set_fault(json!({"mode": "status", "status": 401, "count": 1}));
-    assert_served(&chat(&envoy, "m"), 200, "b", 2);
-    // Request 2 tries a again (a score of 3 × 0.5 = 1.5 still beats b's 1): 403 → b serves.
+    assert_served(&send(&first(&[(3.0, 1.0)], &["a"])), 200, "b", 2);
+    // Request 2 tries a again (success 0.5: level 1 or 0.5, weight 3 or 1.5, against b's 1):
+    // 403 → b serves.
     a.set_fault(json!({"mode": "status", "status": 403, "count": 1}));
-    assert_served(&chat(&envoy, "m"), 200, "b", 2);
+    assert_served(
+        &send(&first(&[(3.0, 1.0), (1.5, 1.0)], &["a"])),
+        200,
+        "b",
+        2,
+    );
     assert_eq!((a.request_count(), b.request_count()), (2, 2));
     assert_eq!(outcomes(&envoy, "a", "dead_key"), 2.0);
     assert_eq!(
@@ -621,25 +693,39 @@ fn dead_keys_are_skipped_per_request_and_lower_the_score() {
         "dead keys must not open the breaker"
     );
 
-    // a now scores 3 × 0.25 = 0.75 < 1: no first attempts, although its key works again.
+    // a's success rate is now 0.25: weight 3 × 0.5 or 3 × 0.25 against b's 1. Conversations
+    // that were a's at full weight but are b's at those weights get no first attempt on a,
+    // although its key works again.
     for _ in 0..5 {
-        assert_served(&chat(&envoy, "m"), 200, "b", 1);
+        assert_served(
+            &send(&first(&[(1.5, 1.0), (0.75, 1.0)], &["b"])),
+            200,
+            "b",
+            1,
+        );
     }
     assert_eq!(a.request_count(), 2);
 
-    // After 4 s idle (2 × stats_decay_ms) a's penalty has faded to a third: 3 × 0.75 = 2.25,
-    // so a is tried first again. It answers 401 once more and b fails too: a is not retried in
-    // this request although max_attempts (3) would allow it; the client gets b's 503.
+    // After 4 s idle (2 × stats_decay_ms) a's penalty has faded to a third: success 0.75,
+    // level 1, weight 3 again, so a is tried first again. It answers 401 once more and b fails
+    // too: a is not retried in this request although max_attempts (3) would allow it; the
+    // client gets b's 503.
     std::thread::sleep(Duration::from_millis(4000));
     a.set_fault(json!({"mode": "status", "status": 401, "count": 1}));
     b.set_fault(json!({"mode": "status", "status": 503, "count": 1}));
-    let r = chat(&envoy, "m");
+    let r = send(&first(&[(3.0, 1.0)], &["a"]));
     assert_served(&r, 503, "b", 2);
     assert_eq!(r.header("x-mock-endpoint"), Some("b"));
     assert_eq!((a.request_count(), b.request_count()), (3, 8));
 
-    // The next request may try a again (a 3 × 0.375 vs b 1 × 0.5), and this time it works.
-    assert_served(&chat(&envoy, "m"), 200, "a", 1);
+    // The next request may try a again (a: success 0.375, weight 3 × 0.5; b: success 0.5,
+    // weight 1 or 0.5), and this time it works.
+    assert_served(
+        &send(&first(&[(1.5, 1.0), (1.5, 0.5)], &["a"])),
+        200,
+        "a",
+        1,
+    );
     assert_eq!(a.request_count(), 4);
     assert_eq!(breaker_state(&envoy, "a"), 0.0);
 }

@@ -314,6 +314,8 @@ config_keys! {
         "Where a session goes once the endpoint it failed over from is available again: `stay` keeps it on the endpoint that served the failover (where its newest prefix is cached), `return_home` sends it back to its rendezvous home (see [decisions](decisions.md#after-a-failover)).";
     pin_break_ratio: f64 = 3.0, Spec::Number { min: 1.5, max: 1000.0 },
         "A warm endpoint whose latency estimate reaches this multiple of the fastest warm alternative's is degraded: its pinned sessions are placed again elsewhere (`pin_break`) and it gets no new sessions but probes. `1000` in effect turns pin breaking off.";
+    pin_break_min_ms: u64 = 50, Spec::Int { min: 0, max: MAX_MS },
+        "Also needed to degrade an endpoint: its latency estimate exceeds the fastest's by at least this much (and leaving the degraded state needs the excess below half of it). A ratio of small numbers is noise, and a few milliseconds a turn never repay the re-prefill a moved session pays once.";
     degraded_exit_ratio: f64 = 1.5, Spec::Number { min: 1.0, max: 1000.0 },
         "A degraded endpoint is whole again once its latency estimate falls below this multiple of the fastest (hysteresis: must be below `pin_break_ratio`).";
     degraded_probe_interval_ms: u64 = 2_000, MS,

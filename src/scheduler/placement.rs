@@ -33,7 +33,7 @@
 
 use super::config::Config;
 use super::hash::rendezvous;
-use super::score::{health, latency_ratio};
+use super::score::{health, latency_ratio, LATENCY_FLOOR_MS};
 use super::state::EndpointState;
 
 /// `u ∈ (0, 1)` from the 52 high bits of a 64-bit hash: never 0 nor 1 (every value is exactly
@@ -99,27 +99,39 @@ pub fn weigh(
     now_ms: u64,
 ) -> Weighed {
     let warm = st.total >= cfg.cold_start_samples;
-    let ratio = if warm {
-        latency_ratio(st, best_latency_ms)
-    } else {
-        None
+    let latency = match (st.latency_ms, best_latency_ms) {
+        (Some(own), Some(best)) if warm => Some((own, best)),
+        _ => None,
     };
     let h = health(st, best_latency_ms, cfg, now_ms).unwrap_or(1.0);
     Weighed {
         weight: weight * quantize(h, cfg.placement_quantum),
-        latency_ratio: ratio,
-        degraded: degraded(st.degraded, ratio, cfg),
+        latency_ratio: if warm {
+            latency_ratio(st, best_latency_ms)
+        } else {
+            None
+        },
+        degraded: degraded(st.degraded, latency, cfg),
     }
 }
 
-/// The degraded rule with hysteresis: a warm endpoint becomes degraded when its latency estimate
-/// reaches `pin_break_ratio` × the fastest's, and stays so until it falls below
-/// `degraded_exit_ratio` × the fastest's. A cold endpoint (no ratio) is never degraded.
-pub fn degraded(was: bool, latency_ratio: Option<f64>, cfg: &Config) -> bool {
-    match latency_ratio {
-        None => false,
-        Some(r) if was => r >= cfg.degraded_exit_ratio,
-        Some(r) => r >= cfg.pin_break_ratio,
+/// The degraded rule with hysteresis. A warm endpoint becomes degraded when its latency
+/// estimate reaches `pin_break_ratio` × the fastest's *and* exceeds it by `pin_break_min_ms`
+/// (a ratio of small numbers is noise, and a few milliseconds a turn never repay a re-prefill);
+/// it stays so until it falls below `degraded_exit_ratio` × the fastest's or within half of
+/// `pin_break_min_ms` of it. `latency` is (own, fastest) in ms; a cold or unmeasured endpoint
+/// (`None`) is never degraded.
+pub fn degraded(was: bool, latency: Option<(f64, f64)>, cfg: &Config) -> bool {
+    let Some((own, best)) = latency else {
+        return false;
+    };
+    let ratio = own.max(LATENCY_FLOOR_MS) / best.max(LATENCY_FLOOR_MS);
+    let gap = own - best;
+    let min_gap = cfg.pin_break_min_ms as f64;
+    if was {
+        ratio >= cfg.degraded_exit_ratio && gap >= min_gap / 2.0
+    } else {
+        ratio >= cfg.pin_break_ratio && gap >= min_gap
     }
 }
 
@@ -221,13 +233,19 @@ mod tests {
 
     #[test]
     fn degraded_has_hysteresis_and_ignores_cold() {
-        let cfg = Config::default(); // break 3.0, exit 1.5
+        let cfg = Config::default(); // break 3.0 and 50 ms, exit 1.5 or 25 ms
         assert!(!degraded(false, None, &cfg));
         assert!(!degraded(true, None, &cfg));
-        assert!(!degraded(false, Some(2.9), &cfg));
-        assert!(degraded(false, Some(3.0), &cfg));
-        assert!(degraded(true, Some(1.6), &cfg));
-        assert!(!degraded(true, Some(1.4), &cfg));
+        assert!(!degraded(false, Some((290.0, 100.0)), &cfg));
+        assert!(degraded(false, Some((300.0, 100.0)), &cfg));
+        assert!(degraded(true, Some((160.0, 100.0)), &cfg));
+        assert!(!degraded(true, Some((140.0, 100.0)), &cfg));
+        // Small absolute numbers are noise: 3 ms against 1 ms is not degraded, nor 45 vs 10.
+        assert!(!degraded(false, Some((3.0, 1.0)), &cfg));
+        assert!(!degraded(false, Some((45.0, 10.0)), &cfg));
+        assert!(degraded(false, Some((60.0, 10.0)), &cfg));
+        assert!(degraded(true, Some((40.0, 10.0)), &cfg));
+        assert!(!degraded(true, Some((30.0, 10.0)), &cfg));
     }
 
     #[test]

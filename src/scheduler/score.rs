@@ -27,8 +27,9 @@ pub struct Scored {
     pub cold: bool,
 }
 
-/// Latencies below this are treated as equal (sub-millisecond noise is not a signal).
-const LATENCY_FLOOR_MS: f64 = 1.0;
+/// Latencies below this are treated as equal: a few milliseconds of difference are network
+/// noise, not a property of an inference endpoint (and would make latency ratios jump).
+pub const LATENCY_FLOOR_MS: f64 = 10.0;
 const SUCCESS_FLOOR: f64 = 0.01;
 
 pub fn score(
