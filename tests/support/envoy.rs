@@ -371,6 +371,15 @@ impl Envoy {
         }
     }
 
+    /// Log lines that show a wasm panic or a failed VM (empty when the filter never crashed).
+    pub fn wasm_crashes(&self) -> Vec<String> {
+        self.log_contents()
+            .lines()
+            .filter(|l| l.contains("panic") || l.contains("Wasm VM failed"))
+            .map(str::to_string)
+            .collect()
+    }
+
     /// Waits (≤ `timeout`) until [`Envoy::log_contents`] contains `needle` (the log file is
     /// flushed every 100 ms, so a line just logged may not be there yet).
     pub fn wait_for_log(&self, needle: &str, timeout: Duration) -> bool {

@@ -10,6 +10,10 @@
 //! handle drops, also when a test panics; every network call has a timeout. Binaries are built
 //! at most once per test process, under a file lock shared with other test processes.
 //!
+//! Several Envoys as the replicas of one gateway (restartable with empty shared data):
+//! [`Replicas`]. Client sessions that record where and how each turn was served: [`Session`].
+//! Expectations reported together at the end of a measuring test: [`Checks`].
+//!
 //! Use from a test file: `mod support;` (each test file uses a part, hence `dead_code` allowed).
 
 #![allow(dead_code, unused_imports)]
@@ -22,17 +26,23 @@
 )]
 
 pub mod artifacts;
+pub mod checks;
 pub mod envoy;
 pub mod http;
 pub mod mock;
 pub mod placement;
+pub mod replicas;
+pub mod session;
 
 use serde_json::{json, Value};
 
 pub use artifacts::{envoy_bin, mock_bin, repo_root, target_dir, wasm_path};
+pub use checks::Checks;
 pub use envoy::{render_bootstrap, Envoy, EnvoyConfig, DEFAULT_STAT_TAGS};
 pub use http::{curl_h2, get, post_chat, Response};
 pub use mock::MockUpstream;
+pub use replicas::Replicas;
+pub use session::{for_each_parallel, percent, tally, Session, Turn};
 
 /// An OpenAI chat-completion body for a conversation whose user turns are `user_msgs`.
 ///

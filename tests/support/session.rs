@@ -1,0 +1,188 @@
+//! Client sessions for the affinity tests: a session id sent in `x-session-id`, one request per
+//! turn, and a record of where and how each turn was served.
+//!
+//! Why: placement, pin breaking and replica consistency are judged per session over its turns
+//! (was a follow-up served where the session started? through which replica? what did the filter
+//! say about its decision?), over hundreds of sessions sent concurrently.
+//!
+//! Every request of every session costs the mock the same: its body is one user message of a
+//! fixed size whose first cache block is unique to (session, turn), so the mock's prefix cache
+//! never hits and the latency before the response headers is `prompt tokens × prefill cost`.
+//! Equal endpoints then have equal latency estimates (up to machine noise), which is what makes
+//! their score-based weights comparable across replicas, and a `slow` fault scales that latency
+//! by exactly its factor. Routing looks at the session header only, so the body's shape does not
+//! matter to the filter.
+
+use std::collections::BTreeMap;
+use std::time::{Duration, Instant};
+
+use serde_json::Value;
+
+use super::chat_body;
+use super::http::try_post_chat;
+
+pub const H_ENDPOINT: &str = "x-computeflux-endpoint";
+pub const H_AFFINITY: &str = "x-computeflux-affinity";
+pub const H_ATTEMPTS: &str = "x-computeflux-attempts";
+/// The session header (the filter's default `session_header`).
+pub const H_SESSION: &str = "x-session-id";
+
+/// Bytes of user text per request: with the mock's 4 bytes per token, about 80 prompt tokens.
+pub const PROMPT_BYTES: usize = 320;
+
+/// What one turn got back.
+#[derive(Clone, Debug)]
+pub struct Turn {
+    /// Which replica (index chosen by the caller) the request went through.
+    pub via: usize,
+    /// HTTP status; 0 when the request failed at the transport level (see `error`).
+    pub status: u16,
+    /// `x-computeflux-endpoint`: the endpoint that served the answer.
+    pub endpoint: Option<String>,
+    /// `x-computeflux-affinity`: the filter's view of the session at the first attempt.
+    pub affinity: Option<String>,
+    /// `x-computeflux-attempts`.
+    pub attempts: Option<u32>,
+    /// When the request was sent.
+    pub sent: Instant,
+    /// From sending the request to the end of the response.
+    pub elapsed: Duration,
+    /// The transport error, if any.
+    pub error: Option<String>,
+}
+
+impl Turn {
+    /// Served successfully (2xx).
+    pub fn ok(&self) -> bool {
+        (200..300).contains(&self.status)
+    }
+
+    pub fn endpoint(&self) -> &str {
+        self.endpoint.as_deref().unwrap_or("-")
+    }
+
+    pub fn affinity(&self) -> &str {
+        self.affinity.as_deref().unwrap_or("-")
+    }
+}
+
+/// One client session and its turns so far.
+#[derive(Clone, Debug)]
+pub struct Session {
+    pub id: String,
+    pub model: String,
+    pub turns: Vec<Turn>,
+}
+
+impl Session {
+    pub fn new(id: impl Into<String>, model: &str) -> Session {
+        Session {
+            id: id.into(),
+            model: model.to_string(),
+            turns: Vec::new(),
+        }
+    }
+
+    /// `count` sessions `<prefix>-0 …` for `model`.
+    pub fn many(prefix: &str, count: usize, model: &str) -> Vec<Session> {
+        (0..count)
+            .map(|i| Session::new(format!("{prefix}-{i}"), model))
+            .collect()
+    }
+
+    /// Sends the next turn to `127.0.0.1:port` (labelled `via` in the record) and records it.
+    pub fn send(&mut self, via: usize, port: u16) -> &Turn {
+        let text = turn_text(&self.id, self.turns.len());
+        let body = chat_body(&self.model, &[text.as_str()], Value::Null);
+        let sent = Instant::now();
+        let turn = match try_post_chat(port, &[(H_SESSION, &self.id)], &body) {
+            Ok(r) => Turn {
+                via,
+                status: r.status,
+                endpoint: r.header(H_ENDPOINT).map(str::to_string),
+                affinity: r.header(H_AFFINITY).map(str::to_string),
+                attempts: r.header(H_ATTEMPTS).and_then(|a| a.parse().ok()),
+                sent,
+                elapsed: r.elapsed,
+                error: None,
+            },
+            Err(e) => Turn {
+                via,
+                status: 0,
+                endpoint: None,
+                affinity: None,
+                attempts: None,
+                sent,
+                elapsed: sent.elapsed(),
+                error: Some(e.to_string()),
+            },
+        };
+        self.turns.push(turn);
+        &self.turns[self.turns.len() - 1]
+    }
+
+    /// The endpoint that served the first turn.
+    pub fn first_endpoint(&self) -> Option<&str> {
+        self.turns.first().and_then(|t| t.endpoint.as_deref())
+    }
+
+    /// The endpoint that served the latest turn.
+    pub fn last_endpoint(&self) -> Option<&str> {
+        self.turns.last().and_then(|t| t.endpoint.as_deref())
+    }
+}
+
+/// `turn`'s user text for session `id`: unique from its first bytes, padded to [`PROMPT_BYTES`].
+fn turn_text(id: &str, turn: usize) -> String {
+    const FILLER: &str = "the quick brown fox jumps over the lazy dog; ";
+    let head = format!("session {id} turn {turn}: ");
+    let mut text = head.clone();
+    while text.len() < PROMPT_BYTES {
+        text.push_str(FILLER);
+    }
+    // ASCII filler: any length is a char boundary.
+    text.truncate(PROMPT_BYTES.max(head.len()));
+    text
+}
+
+/// Runs `f(index, item)` for every item on `threads` client threads (contiguous slices, each
+/// handled in order), returning when all are done. Sessions of one slice stay sequential, so a
+/// session's turns never overlap.
+pub fn for_each_parallel<T: Send>(
+    items: &mut [T],
+    threads: usize,
+    f: impl Fn(usize, &mut T) + Sync,
+) {
+    if items.is_empty() {
+        return;
+    }
+    let per_thread = items.len().div_ceil(threads.max(1));
+    let f = &f;
+    std::thread::scope(|s| {
+        for (c, chunk) in items.chunks_mut(per_thread).enumerate() {
+            s.spawn(move || {
+                for (j, item) in chunk.iter_mut().enumerate() {
+                    f(c * per_thread + j, item);
+                }
+            });
+        }
+    });
+}
+
+/// Occurrences of each value, in name order (for printing figures and checking spreads).
+pub fn tally<S: AsRef<str>>(values: impl IntoIterator<Item = S>) -> BTreeMap<String, usize> {
+    let mut out = BTreeMap::new();
+    for v in values {
+        *out.entry(v.as_ref().to_string()).or_insert(0) += 1;
+    }
+    out
+}
+
+/// `part / whole` in percent (0 when `whole` is 0).
+pub fn percent(part: usize, whole: usize) -> f64 {
+    if whole == 0 {
+        0.0
+    } else {
+        100.0 * part as f64 / whole as f64
+    }
+}
