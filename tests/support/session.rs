@@ -126,6 +126,23 @@ impl Session {
         self.turns.first().and_then(|t| t.endpoint.as_deref())
     }
 
+    /// Every turn as `replica:endpoint/affinity` (`!status` when it failed), for messages.
+    pub fn trail(&self) -> String {
+        let turns: Vec<String> = self
+            .turns
+            .iter()
+            .map(|t| {
+                let failed = if t.ok() {
+                    String::new()
+                } else {
+                    format!("!{}", t.status)
+                };
+                format!("{}:{}/{}{failed}", t.via, t.endpoint(), t.affinity())
+            })
+            .collect();
+        format!("{} [{}]", self.id, turns.join(" "))
+    }
+
     /// The endpoint that served the latest turn.
     pub fn last_endpoint(&self) -> Option<&str> {
         self.turns.last().and_then(|t| t.endpoint.as_deref())
@@ -145,24 +162,27 @@ fn turn_text(id: &str, turn: usize) -> String {
     text
 }
 
-/// Runs `f(index, item)` for every item on `threads` client threads (contiguous slices, each
-/// handled in order), returning when all are done. Sessions of one slice stay sequential, so a
-/// session's turns never overlap.
+/// Runs `f(index, item)` for every item on `threads` client threads and returns when all are
+/// done. Thread `j` takes items `j, j + threads, j + 2·threads, …` in order, so the threads work
+/// on neighbouring items at any moment (with items sent round-robin over replicas, `threads`
+/// equal to the replica count puts one request in flight per replica), and no item is touched
+/// by two threads (a session's turns never overlap).
 pub fn for_each_parallel<T: Send>(
     items: &mut [T],
     threads: usize,
     f: impl Fn(usize, &mut T) + Sync,
 ) {
-    if items.is_empty() {
-        return;
+    let threads = threads.max(1);
+    let mut lanes: Vec<Vec<(usize, &mut T)>> = (0..threads).map(|_| Vec::new()).collect();
+    for (i, item) in items.iter_mut().enumerate() {
+        lanes[i % threads].push((i, item));
     }
-    let per_thread = items.len().div_ceil(threads.max(1));
     let f = &f;
     std::thread::scope(|s| {
-        for (c, chunk) in items.chunks_mut(per_thread).enumerate() {
+        for lane in lanes.into_iter().filter(|l| !l.is_empty()) {
             s.spawn(move || {
-                for (j, item) in chunk.iter_mut().enumerate() {
-                    f(c * per_thread + j, item);
+                for (i, item) in lane {
+                    f(i, item);
                 }
             });
         }
