@@ -20,6 +20,7 @@ use serde_json::Value;
 
 use super::chat_body;
 use super::http::try_post_chat;
+use super::mock::MockUpstream;
 
 pub const H_ENDPOINT: &str = "x-computeflux-endpoint";
 pub const H_AFFINITY: &str = "x-computeflux-affinity";
@@ -29,6 +30,18 @@ pub const H_SESSION: &str = "x-session-id";
 
 /// Bytes of user text per request: with the mock's 4 bytes per token, about 80 prompt tokens.
 pub const PROMPT_BYTES: usize = 320;
+
+/// A mock endpoint (any model) on which every [`Session`] turn costs the same: about
+/// `PROMPT_BYTES / 4` prompt tokens × `prefill_us_per_token` before the response headers (none
+/// of them cached), then 1 ms for the body.
+pub fn steady_mock(name: &str, prefill_us_per_token: u64) -> MockUpstream {
+    let prefill = prefill_us_per_token.to_string();
+    MockUpstream::start(
+        name,
+        &[],
+        &["--prefill-us-per-token", &prefill, "--decode-ms", "1"],
+    )
+}
 
 /// What one turn got back.
 #[derive(Clone, Debug)]
