@@ -42,7 +42,7 @@ pub use envoy::{render_bootstrap, Envoy, EnvoyConfig, DEFAULT_STAT_TAGS};
 pub use http::{curl_h2, get, post_chat, Response};
 pub use mock::MockUpstream;
 pub use replicas::Replicas;
-pub use session::{for_each_parallel, percent, tally, Session, Turn};
+pub use session::{for_each_parallel, percent, steady_mock, tally, Session, Turn};
 
 /// An OpenAI chat-completion body for a conversation whose user turns are `user_msgs`.
 ///

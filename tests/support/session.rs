@@ -20,6 +20,7 @@ use serde_json::Value;
 
 use super::chat_body;
 use super::http::try_post_chat;
+use super::mock::MockUpstream;
 
 pub const H_ENDPOINT: &str = "x-computeflux-endpoint";
 pub const H_AFFINITY: &str = "x-computeflux-affinity";
@@ -29,6 +30,18 @@ pub const H_SESSION: &str = "x-session-id";
 
 /// Bytes of user text per request: with the mock's 4 bytes per token, about 80 prompt tokens.
 pub const PROMPT_BYTES: usize = 320;
+
+/// A mock endpoint (any model) on which every [`Session`] turn costs the same: about
+/// `PROMPT_BYTES / 4` prompt tokens × `prefill_us_per_token` before the response headers (none
+/// of them cached), then 1 ms for the body.
+pub fn steady_mock(name: &str, prefill_us_per_token: u64) -> MockUpstream {
+    let prefill = prefill_us_per_token.to_string();
+    MockUpstream::start(
+        name,
+        &[],
+        &["--prefill-us-per-token", &prefill, "--decode-ms", "1"],
+    )
+}
 
 /// What one turn got back.
 #[derive(Clone, Debug)]
@@ -126,6 +139,23 @@ impl Session {
         self.turns.first().and_then(|t| t.endpoint.as_deref())
     }
 
+    /// Every turn as `replica:endpoint/affinity` (`!status` when it failed), for messages.
+    pub fn trail(&self) -> String {
+        let turns: Vec<String> = self
+            .turns
+            .iter()
+            .map(|t| {
+                let failed = if t.ok() {
+                    String::new()
+                } else {
+                    format!("!{}", t.status)
+                };
+                format!("{}:{}/{}{failed}", t.via, t.endpoint(), t.affinity())
+            })
+            .collect();
+        format!("{} [{}]", self.id, turns.join(" "))
+    }
+
     /// The endpoint that served the latest turn.
     pub fn last_endpoint(&self) -> Option<&str> {
         self.turns.last().and_then(|t| t.endpoint.as_deref())
@@ -145,24 +175,27 @@ fn turn_text(id: &str, turn: usize) -> String {
     text
 }
 
-/// Runs `f(index, item)` for every item on `threads` client threads (contiguous slices, each
-/// handled in order), returning when all are done. Sessions of one slice stay sequential, so a
-/// session's turns never overlap.
+/// Runs `f(index, item)` for every item on `threads` client threads and returns when all are
+/// done. Thread `j` takes items `j, j + threads, j + 2·threads, …` in order, so the threads work
+/// on neighbouring items at any moment (with items sent round-robin over replicas, `threads`
+/// equal to the replica count puts one request in flight per replica), and no item is touched
+/// by two threads (a session's turns never overlap).
 pub fn for_each_parallel<T: Send>(
     items: &mut [T],
     threads: usize,
     f: impl Fn(usize, &mut T) + Sync,
 ) {
-    if items.is_empty() {
-        return;
+    let threads = threads.max(1);
+    let mut lanes: Vec<Vec<(usize, &mut T)>> = (0..threads).map(|_| Vec::new()).collect();
+    for (i, item) in items.iter_mut().enumerate() {
+        lanes[i % threads].push((i, item));
     }
-    let per_thread = items.len().div_ceil(threads.max(1));
     let f = &f;
     std::thread::scope(|s| {
-        for (c, chunk) in items.chunks_mut(per_thread).enumerate() {
+        for lane in lanes.into_iter().filter(|l| !l.is_empty()) {
             s.spawn(move || {
-                for (j, item) in chunk.iter_mut().enumerate() {
-                    f(c * per_thread + j, item);
+                for (i, item) in lane {
+                    f(i, item);
                 }
             });
         }
