@@ -306,10 +306,10 @@ config_keys! {
         "Timeout of each failover call the filter makes itself (the first attempt uses the Envoy route's timeout).";
     placement_quantum: f64 = 1.0, Spec::Number { min: 0.0, max: 4.0 },
         "Step, in halvings, of the health levels that weigh an endpoint in rendezvous placement: with `1`, an endpoint within 2× of the fastest and fully successful weighs its `weight`, one 2–4× slower half of it, and so on. Coarse levels make every Envoy replica compute the same home for a session despite small differences in what each has measured; `0` uses the raw health (see [decisions](decisions.md#placement)).";
-    bounded_load_epsilon: f64 = 0.5, Spec::Number { min: 0.0, max: 100.0 },
+    bounded_load_epsilon: f64 = 1.0, Spec::Number { min: 0.0, max: 100.0 },
         "Bounded-load placement: an endpoint whose in-flight attempts (as this Envoy counts them) would exceed `(1 + epsilon) ×` its weighted share of all in-flight attempts plus `bounded_load_slack` is skipped for new placements, in rendezvous order (consistent hashing with bounded loads).";
-    bounded_load_slack: u64 = 2, Spec::Int { min: 1, max: 1_000_000 },
-        "The constant added to the bounded-load limit, so that light traffic never spills.";
+    bounded_load_slack: u64 = 8, Spec::Int { min: 1, max: 1_000_000 },
+        "The constant added to the bounded-load limit, so that light traffic and short bursts never spill: a spill costs the session a full prefill elsewhere, one more request in an inference engine's batch costs little.";
     after_failover: AfterFailover = AfterFailover::Stay, Spec::Choice(&["stay", "return_home"]),
         "Where a session goes once the endpoint it failed over from is available again: `stay` keeps it on the endpoint that served the failover (where its newest prefix is cached), `return_home` sends it back to its rendezvous home (see [decisions](decisions.md#after-a-failover)).";
     pin_break_ratio: f64 = 3.0, Spec::Number { min: 1.5, max: 1000.0 },

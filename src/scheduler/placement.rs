@@ -250,9 +250,9 @@ mod tests {
 
     #[test]
     fn load_limit_exact() {
-        let cfg = Config::default(); // epsilon 0.5, slack 2
-                                     // 9 in flight, a quarter of the weight: 1.5 x 10 x 0.25 + 2
-        assert_eq!(load_limit(9, 1.0, 4.0, &cfg), 5.75);
-        assert_eq!(load_limit(0, 1.0, 0.0, &cfg), 2.0);
+        let cfg = Config::default(); // epsilon 1, slack 8
+                                     // 9 in flight, a quarter of the weight: 2 x 10 x 0.25 + 8
+        assert_eq!(load_limit(9, 1.0, 4.0, &cfg), 13.0);
+        assert_eq!(load_limit(0, 1.0, 0.0, &cfg), 8.0);
     }
 }

@@ -660,7 +660,8 @@ impl<'a> Scheduler<'a> {
         }
         let pin_on_success = match (reason, cfg.after_failover) {
             (Reason::AffinityHit, _) => true,
-            (Reason::DegradedProbe, _) => false,
+            // A probe, or a burst that spilled: the session's place stays its home.
+            (Reason::DegradedProbe | Reason::Spill, _) => false,
             (_, AfterFailover::Stay) => true,
             (_, AfterFailover::ReturnHome) => Some(endpoint) == home,
         };
