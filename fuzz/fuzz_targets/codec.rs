@@ -171,7 +171,7 @@ fuzz_target!(|input: Input<'_>| match input {
             exclusions: &ex,
         };
         if let Ok(d) = sched.pick(&pick, now) {
-            let f = sched.finish(&d.ticket, &Outcome::Success, 5, Some(session | 1), now + 5);
+            let f = sched.finish(d.ticket, &Outcome::Success, 5, Some(session | 1), now + 5);
             assert!(f.stored);
             assert_eq!(aff.lookup(session | 1, now + 6), Some(d.ticket.endpoint_id));
         }

@@ -103,21 +103,21 @@ fn affinity_sticks_and_repins_after_failover() {
     let ex = Exclusions::default();
     let d1 = pick_at(&s, Some(77), &ex, 0).unwrap();
     assert_eq!(d1.affinity, AffinityResult::New);
-    s.finish(&d1.ticket, &Outcome::Success, 100, Some(77), 10);
+    s.finish(d1.ticket, &Outcome::Success, 100, Some(77), 10);
     for t in 0..10 {
         let d = pick_at(&s, Some(77), &ex, 20 + t).unwrap();
         assert_eq!(
             (d.endpoint, d.reason, d.affinity),
             (d1.endpoint, Reason::AffinityHit, AffinityResult::Hit)
         );
-        s.finish(&d.ticket, &Outcome::Success, 100, Some(77), 20 + t);
+        s.finish(d.ticket, &Outcome::Success, 100, Some(77), 20 + t);
     }
     // The pinned endpoint rate-limits: this request fails over; the pin moves on success.
     let first = pick_at(&s, Some(77), &ex, 100).unwrap();
     let rl = Outcome::RateLimited {
         retry_after_ms: Some(5_000),
     };
-    s.finish(&first.ticket, &rl, 5, Some(77), 101);
+    s.finish(first.ticket, &rl, 5, Some(77), 101);
     let mut ex2 = Exclusions::default();
     ex2.after_attempt(first.endpoint, &rl);
     let second = s
@@ -133,14 +133,14 @@ fn affinity_sticks_and_repins_after_failover() {
         .unwrap();
     assert_ne!(second.endpoint, first.endpoint);
     assert_eq!(second.affinity, AffinityResult::Miss);
-    s.finish(&second.ticket, &Outcome::Success, 50, Some(77), 150);
+    s.finish(second.ticket, &Outcome::Success, 50, Some(77), 150);
     let after = pick_at(&s, Some(77), &ex, 200).unwrap();
     assert_eq!(
         (after.endpoint, after.affinity),
         (second.endpoint, AffinityResult::Hit)
     );
     // TTL: idle past 5 minutes, the pin is gone.
-    s.finish(&after.ticket, &Outcome::Cancelled, 0, Some(77), 200);
+    s.finish(after.ticket, &Outcome::Cancelled, 0, Some(77), 200);
     assert_eq!(
         pick_at(&s, Some(77), &ex, 150 + 300_000).unwrap().affinity,
         AffinityResult::New
@@ -153,10 +153,10 @@ fn dead_key_evicts_the_pin() {
     let store = MemStore::new();
     let s = Scheduler::new(&c, &store);
     let d = pick_at(&s, Some(5), &Exclusions::default(), 0).unwrap();
-    s.finish(&d.ticket, &Outcome::Success, 10, Some(5), 1);
+    s.finish(d.ticket, &Outcome::Success, 10, Some(5), 1);
     let d = pick_at(&s, Some(5), &Exclusions::default(), 2).unwrap();
     assert_eq!(d.affinity, AffinityResult::Hit);
-    s.finish(&d.ticket, &Outcome::DeadKey, 10, Some(5), 3);
+    s.finish(d.ticket, &Outcome::DeadKey, 10, Some(5), 3);
     assert_eq!(s.affinity().lookup(5, 4), None);
 }
 
@@ -177,7 +177,7 @@ fn cold_start_weight_only_for_exactly_twenty_requests() {
         );
         // Fails every time, but below the breaker threshold (spaced by successes elsewhere
         // would be unrealistic): use 401s, which never trip the breaker.
-        s.finish(&d.ticket, &Outcome::DeadKey, 5, None, n * 10 + 1);
+        s.finish(d.ticket, &Outcome::DeadKey, 5, None, n * 10 + 1);
     }
     let table = s.table();
     assert_eq!(table.entries[0].1.total, 20);
@@ -207,13 +207,13 @@ fn slow_endpoint_loses_new_sessions_after_warm_up() {
         let d = pick_at(&s, Some(i), &ex, now).unwrap();
         let latency = if d.endpoint == 1 { 500 } else { 100 };
         now += 1;
-        s.finish(&d.ticket, &Outcome::Success, latency, None, now);
+        s.finish(d.ticket, &Outcome::Success, latency, None, now);
     }
     let mut to_b = 0;
     for i in 1000..1100u64 {
         let d = pick_at(&s, Some(i), &ex, now).unwrap();
         to_b += usize::from(d.endpoint == 1);
-        s.finish(&d.ticket, &Outcome::Cancelled, 0, None, now);
+        s.finish(d.ticket, &Outcome::Cancelled, 0, None, now);
     }
     assert_eq!(to_b, 0);
 }
@@ -235,7 +235,7 @@ fn new_sessions_spread_over_equal_endpoints_by_rendezvous() {
         )
         .unwrap();
         counts[d.endpoint] += 1;
-        s.finish(&d.ticket, &Outcome::Cancelled, 0, None, 0);
+        s.finish(d.ticket, &Outcome::Cancelled, 0, None, 0);
         // A second process with the same view agrees.
         let other = MemStore::new();
         let s2 = Scheduler::new(&c, &other);
@@ -266,12 +266,12 @@ fn breaker_lifecycle_through_the_scheduler() {
     for t in 0..2 {
         let d = pick_at(&s, None, &ex, t).unwrap();
         assert_eq!(d.endpoint, 0);
-        s.finish(&d.ticket, &fail, 1, None, t);
+        s.finish(d.ticket, &fail, 1, None, t);
     }
     // a is open: everything goes to b.
     let d = pick_at(&s, None, &ex, 10).unwrap();
     assert_eq!(d.endpoint, 1);
-    s.finish(&d.ticket, &Outcome::Success, 1, None, 10);
+    s.finish(d.ticket, &Outcome::Success, 1, None, 10);
     // Cooldown over: exactly three probes go to a, then b takes the rest.
     let picks: Vec<Decision> = (0..6)
         .map(|_| pick_at(&s, None, &ex, 1001).unwrap())
@@ -281,8 +281,8 @@ fn breaker_lifecycle_through_the_scheduler() {
     assert!(probes
         .iter()
         .all(|d| d.reason == Reason::HalfOpenProbe && d.ticket.probe_epoch.is_some()));
-    for d in &picks {
-        s.finish(&d.ticket, &Outcome::Success, 1, None, 1002);
+    for d in picks {
+        s.finish(d.ticket, &Outcome::Success, 1, None, 1002);
     }
     assert_eq!(s.table().entries[0].1.breaker.state, BreakerState::Closed);
     assert_eq!(s.table().entries[0].1.in_flight, 0);
@@ -297,7 +297,7 @@ fn all_cooling_down_reports_earliest_recovery_and_rate_limit() {
     let ex = Exclusions::default();
     let d = pick_at(&s, None, &ex, 0).unwrap();
     s.finish(
-        &d.ticket,
+        d.ticket,
         &Outcome::RateLimited {
             retry_after_ms: Some(7_000),
         },
@@ -307,7 +307,7 @@ fn all_cooling_down_reports_earliest_recovery_and_rate_limit() {
     );
     let d = pick_at(&s, None, &ex, 0).unwrap();
     s.finish(
-        &d.ticket,
+        d.ticket,
         &Outcome::RateLimited {
             retry_after_ms: Some(3_000),
         },
@@ -335,7 +335,7 @@ fn retry_budget_limits_failovers() {
     let ex = Exclusions::default();
     for _ in 0..10 {
         let d = pick_at(&s, None, &ex, 0).unwrap();
-        s.finish(&d.ticket, &Outcome::Cancelled, 0, None, 0);
+        s.finish(d.ticket, &Outcome::Cancelled, 0, None, 0);
     }
     let retry = |_| {
         s.pick(
@@ -370,7 +370,7 @@ fn failovers_after_401_or_429_spend_no_retry_budget() {
             exclusions: &ex,
         };
         s.pick(&pick, 0)
-            .map(|d| s.finish(&d.ticket, &Outcome::Cancelled, 0, None, 0))
+            .map(|d| s.finish(d.ticket, &Outcome::Cancelled, 0, None, 0))
     };
     // No budget at all: a 5xx failover is refused, 401/403/429 failovers go through.
     assert_eq!(
@@ -391,7 +391,7 @@ fn dead_keys_sink_fast() {
     let s = Scheduler::new(&c, &store);
     for _ in 0..2 {
         let d = pick_at(&s, None, &Exclusions::default(), 0).unwrap();
-        s.finish(&d.ticket, &Outcome::DeadKey, 1, None, 0);
+        s.finish(d.ticket, &Outcome::DeadKey, 1, None, 0);
     }
     // Two 401s at alpha 0.5: 1 → 0.5 → 0.25 (at the default alpha 0.1 it would be 0.81).
     assert!((s.table().entries[0].1.success_rate - 0.25).abs() < 1e-12);
@@ -409,7 +409,7 @@ fn cas_conflicts_are_retried_and_exhaustion_is_reported() {
     let d2 = pick_at(&s, None, &Exclusions::default(), 0).unwrap();
     assert!(!d2.ticket.counted);
     store.inject_conflicts.set(0);
-    s.finish(&d2.ticket, &Outcome::Success, 1, None, 1);
-    s.finish(&d.ticket, &Outcome::Success, 1, None, 1);
+    s.finish(d2.ticket, &Outcome::Success, 1, None, 1);
+    s.finish(d.ticket, &Outcome::Success, 1, None, 1);
     assert_eq!(s.table().entries[d.endpoint].1.in_flight, 0);
 }
