@@ -13,7 +13,12 @@
 //! (`traits.rs` of the locked proxy-wasm version), so a method added by an SDK upgrade is
 //! covered without editing this test.
 
-#![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
+#![allow(
+    clippy::unwrap_used,
+    clippy::expect_used,
+    clippy::panic,
+    clippy::indexing_slicing
+)]
 
 use std::path::{Path, PathBuf};
 use std::process::Command;

@@ -44,11 +44,17 @@ pub const HEADER_ENDPOINT: &str = "x-computeflux-endpoint";
 pub const HEADER_ATTEMPTS: &str = "x-computeflux-attempts";
 pub const HEADER_AFFINITY: &str = "x-computeflux-affinity";
 
-/// The largest failover answer the filter relays. The host delivers a failover call's answer
-/// only once it is complete, so it cannot be streamed: the filter copies it into the VM and
-/// hands it to Envoy as a local reply. A larger answer gets a `502 failover_answer_too_large`
-/// instead (the VM's memory never shrinks, so this bounds what one answer can make it grow).
-pub const MAX_RELAYED_ANSWER_BYTES: usize = 16 * 1024 * 1024;
+/// The largest failover answer the filter relays (8 MiB).
+///
+/// Envoy hands a failover call's answer to the filter only once it is complete (the ABI has
+/// no streamed callout), so it cannot be streamed through: the filter copies it into the VM
+/// and gives it back to Envoy as a local reply. A larger answer gets a
+/// `502 failover_answer_too_large` instead: a wasm VM's memory never shrinks, so this bounds
+/// what one answer can make each worker's VM grow. Envoy bounds the answer on its side too:
+/// past the cluster's `per_connection_buffer_limit_bytes` (16 MiB in `envoy/envoy.yaml`) it
+/// drains the rest and reports the call as failed without headers, which the filter can only
+/// see as a reset. Keep that buffer above this limit.
+pub const MAX_RELAYED_ANSWER_BYTES: usize = 8 * 1024 * 1024;
 
 /// Set by Envoy's router on answers that came from an upstream; absent on Envoy's own replies
 /// (connect failure, overflow, timeout), which the filter answers in the OpenAI shape.
