@@ -11,6 +11,9 @@
 //!   (not a string, or longer than 256 bytes), `invalid_session_id` (session header > 4096 bytes);
 //!   413 `request_too_large`, decided from `content-length` before any body byte is read, or from
 //!   the buffered size when the body comes chunked.
+//! - Error messages quote at most 160 bytes of the parser's text, cut on a character boundary:
+//!   long runs of 2-, 3- and 4-byte characters (issue 14: `"messages":"a` + 200 × `é`) get a
+//!   400, not a VM panic.
 //! - Session header values are opaque bytes: a non-UTF-8 value is a valid session id.
 //! - A session header beyond Envoy's own header limit (`max_request_headers_kb`, 60 KiB by
 //!   default) is refused by Envoy's codec before the filter runs: HTTP/1.1 gets Envoy's plain
