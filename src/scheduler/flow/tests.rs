@@ -2,6 +2,8 @@
 //! Envoy (phases, attempt limit, failover loop, Envoy's own 5xx, in-flight accounting).
 
 use super::*;
+use crate::scheduler::config::Config;
+use crate::scheduler::reply::RejectReason;
 use crate::scheduler::select::TABLE_KEY;
 use crate::scheduler::state::Table;
 use crate::scheduler::store::{MemStore, Store};
