@@ -28,6 +28,21 @@
 //!
 //! That is one shared-data write for the pick and one for the finish per attempt (plus the
 //! affinity bucket on a success or dead key), as when attempts were finished at the headers.
+//!
+//! "Exactly once" is the compiler's to check: `Scheduler::finish` takes the ticket by value,
+//! and a ticket can be neither copied nor made outside the scheduler, so this does not build:
+//!
+//! ```compile_fail,E0382
+//! use computeflux::scheduler::{Config, Exclusions, MemStore, Outcome, Pick, Scheduler};
+//! let cfg = Config::from_json(br#"{"endpoints":[{"name":"a","cluster":"a"}]}"#).unwrap();
+//! let store = MemStore::new();
+//! let s = Scheduler::new(&cfg, &store);
+//! let ex = Exclusions::default();
+//! let pick = Pick { model: None, session: None, attempt: 1, exclusions: &ex };
+//! let d = s.pick(&pick, 0).unwrap();
+//! s.finish(d.ticket, &Outcome::Success, 1, None, 1);
+//! s.finish(d.ticket, &Outcome::Success, 1, None, 2); // use of moved value
+//! ```
 
 use super::headers::{rate_limit_hints, HeaderSource, Pairs};
 use super::outcome::{classify, FailureKind, Outcome};
