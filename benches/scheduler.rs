@@ -139,7 +139,7 @@ fn cases() -> Vec<Case> {
                         nonce: 0,
                     };
                     let d = s.pick(&pick, NOW_MS + i).expect("an endpoint");
-                    black_box(s.finish(&d.ticket, &Outcome::Success, 250, None, NOW_MS + i));
+                    black_box(s.finish(d.ticket, &Outcome::Success, 250, None, NOW_MS + i));
                 }
                 start.elapsed()
             }),
@@ -163,7 +163,7 @@ fn cases() -> Vec<Case> {
                     let start = Instant::now();
                     let d = s.pick(&pick, NOW_MS + i).expect("an endpoint");
                     spent += start.elapsed();
-                    s.finish(&d.ticket, &Outcome::Success, 250, None, NOW_MS + i);
+                    s.finish(d.ticket, &Outcome::Success, 250, None, NOW_MS + i);
                 }
                 spent
             }),
@@ -194,7 +194,7 @@ fn cases() -> Vec<Case> {
                 };
                 let d = s.pick(&pick, NOW_MS + i).expect("an endpoint");
                 debug_assert_eq!(d.reason, computeflux::scheduler::Reason::AffinityHit);
-                black_box(s.finish(&d.ticket, &Outcome::Success, 250, Some(pinned), NOW_MS + i));
+                black_box(s.finish(d.ticket, &Outcome::Success, 250, Some(pinned), NOW_MS + i));
             }
             start.elapsed()
         }),
@@ -217,7 +217,7 @@ fn cases() -> Vec<Case> {
                 let start = Instant::now();
                 let d = s.pick(&pick, NOW_MS + i).expect("an endpoint");
                 spent += start.elapsed();
-                s.finish(&d.ticket, &Outcome::Cancelled, 0, None, NOW_MS + i);
+                s.finish(d.ticket, &Outcome::Cancelled, 0, None, NOW_MS + i);
             }
             spent
         }),

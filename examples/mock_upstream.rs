@@ -56,7 +56,9 @@
 //! - `POST /_mock/fault` (body: the fault, replacing the current one; answers once it is in force),
 //!   `GET /_mock/fault`:
 //!   `{"mode":"none"}`, `{"mode":"status","status":429,"retry_after":"2","headers":{..},"body":".."}`,
-//!   `{"mode":"slow","factor":5}`, `{"mode":"delay_ms","ms":300}`, `{"mode":"reset"}` (TCP RST,
+//!   `{"mode":"slow","factor":5}`, `{"mode":"delay_ms","ms":300}`, `{"mode":"pad","bytes":N}`
+//!   (served normally, with an `x_padding` field of N bytes in a non-streamed answer),
+//!   `{"mode":"reset"}` (TCP RST,
 //!   no answer), `{"mode":"hang"}` (no answer ever), `{"mode":"refuse"}` (stop listening and drop
 //!   open connections; any other mode re-binds the same port). Optional `"count":N` limits a
 //!   mode to the next N requests; `"for_ms":N` on `refuse` re-binds after N ms.
@@ -387,6 +389,7 @@ struct Serve {
     hashes: Vec<u64>,
     factor: f64,
     extra_delay_ms: u64,
+    pad_bytes: u64,
 }
 
 async fn chat(mock: Arc<Mock>, conn: Arc<Conn>, req: Request<Incoming>) -> Response<Body> {
@@ -471,7 +474,7 @@ fn decide(
         entry.status = status;
     };
 
-    let (mut factor, mut extra_delay_ms) = (1.0, 0);
+    let (mut factor, mut extra_delay_ms, mut pad_bytes) = (1.0, 0, 0);
     match &mode {
         Mode::None => {}
         Mode::Status {
@@ -511,6 +514,10 @@ fn decide(
         Mode::DelayMs { ms } => {
             entry.fault = Some("delay_ms");
             extra_delay_ms = *ms;
+        }
+        Mode::Pad { bytes } => {
+            entry.fault = Some("pad");
+            pad_bytes = *bytes;
         }
         Mode::Reset | Mode::Hang | Mode::Refuse => {
             // `refuse` only reaches here on the control port: answer it like `reset`.
@@ -572,6 +579,7 @@ fn decide(
         hashes,
         factor,
         extra_delay_ms,
+        pad_bytes,
     })
 }
 
@@ -642,7 +650,7 @@ async fn serve(mock: Arc<Mock>, guard: Busy, s: Serve) -> Response<Body> {
         }
         drop(guard);
         let text: String = words.concat();
-        let body = openai::completion(
+        let mut body = openai::completion(
             &id,
             created,
             &s.model,
@@ -650,6 +658,12 @@ async fn serve(mock: Arc<Mock>, guard: Busy, s: Serve) -> Response<Body> {
             &text,
             &usage,
         );
+        if s.pad_bytes > 0 {
+            if let Some(obj) = body.as_object_mut() {
+                let pad = "x".repeat(usize::try_from(s.pad_bytes).unwrap_or(usize::MAX));
+                obj.insert("x_padding".into(), Value::String(pad));
+            }
+        }
         json_response(200, &body)
     };
     set_header(&mut r, "x-mock-endpoint", &a.name);

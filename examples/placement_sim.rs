@@ -15,7 +15,7 @@
 
 use computeflux::scheduler::hash::session_key;
 use computeflux::scheduler::outcome::Outcome;
-use computeflux::scheduler::select::{Exclusions, Pick, Ticket};
+use computeflux::scheduler::select::{Exclusions, Pick};
 use computeflux::scheduler::{Config, MemStore, Scheduler};
 use serde_json::json;
 
@@ -51,18 +51,26 @@ fn config(n: usize, quantum: f64) -> Config {
 fn warm(cfg: &Config, latencies: &[f64], samples: u32, rng: &mut Rng) -> MemStore {
     let store = MemStore::new();
     let s = Scheduler::new(cfg, &store);
+    let n = latencies.len();
     for _ in 0..samples {
         for (i, &lat) in latencies.iter().enumerate() {
-            let ticket = Ticket {
-                endpoint: i,
-                endpoint_id: cfg.endpoints.get(i).map_or(0, |e| e.id),
-                probe_epoch: None,
-                counted: false,
-                started_ms: 0,
-                pin_on_success: false,
+            // An attempt on endpoint i: every other endpoint excluded for it.
+            let ex = Exclusions {
+                tried: (0..n).filter(|&j| j != i).collect(),
+                ..Exclusions::default()
+            };
+            let pick = Pick {
+                model: Some("m"),
+                session: None,
+                attempt: 1,
+                exclusions: &ex,
+                nonce: 0,
+            };
+            let Ok(d) = s.pick(&pick, 1_000) else {
+                continue;
             };
             let sample = rng.around(lat, 0.3).round() as u64;
-            s.finish(&ticket, &Outcome::Success, sample, None, 1_000);
+            s.finish(d.ticket, &Outcome::Success, sample, None, 1_000);
         }
     }
     store
@@ -79,7 +87,7 @@ fn home(cfg: &Config, store: &MemStore, session: u64) -> Option<usize> {
         nonce: 0,
     };
     let d = s.pick(&pick, 1_001).ok()?;
-    s.finish(&d.ticket, &Outcome::Cancelled, 0, None, 1_001);
+    s.finish(d.ticket, &Outcome::Cancelled, 0, None, 1_001);
     Some(d.endpoint)
 }
 

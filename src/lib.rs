@@ -8,6 +8,9 @@
 //! - `filter` (feature `filter`, wasm32 only): the thin proxy-wasm glue that turns Envoy
 //!   callbacks and shared data into calls on the scheduler.
 
+// Text is never cut at a byte offset (clippy.toml lists the panicking methods): issue 14.
+#![deny(clippy::disallowed_methods)]
+
 pub mod scheduler;
 
 #[cfg(all(feature = "filter", target_arch = "wasm32"))]

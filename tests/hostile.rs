@@ -11,6 +11,9 @@
 //!   (not a string, or longer than 256 bytes), `invalid_session_id` (session header > 4096 bytes);
 //!   413 `request_too_large`, decided from `content-length` before any body byte is read, or from
 //!   the buffered size when the body comes chunked.
+//! - Error messages quote at most 160 bytes of the parser's text, cut on a character boundary:
+//!   long runs of 2-, 3- and 4-byte characters (issue 14: `"messages":"a` + 200 × `é`) get a
+//!   400, not a VM panic.
 //! - Session header values are opaque bytes: a non-UTF-8 value is a valid session id.
 //! - A session header beyond Envoy's own header limit (`max_request_headers_kb`, 60 KiB by
 //!   default) is refused by Envoy's codec before the filter runs: HTTP/1.1 gets Envoy's plain
@@ -30,12 +33,11 @@
 
 mod support;
 
-use std::io::{Read, Write};
-use std::net::TcpStream;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use serde_json::{json, Value};
 use support::http::{self, Response};
+use support::raw::{chunk, h2_request, head, raw_exchange};
 use support::{chat_body, curl_h2, post_chat, Envoy, EnvoyConfig, MockUpstream};
 
 /// Small enough that the over-limit cases stay cheap, large enough for the 100 KB model and the
@@ -160,210 +162,6 @@ fn post(port: u16, headers: &[(&str, &str)], body: &[u8]) -> Response {
     .unwrap_or_else(|e| panic!("POST failed: {e}"))
 }
 
-/// A response read off a raw socket.
-#[derive(Debug)]
-struct Raw {
-    status: u16,
-    head: String,
-    body: Vec<u8>,
-}
-
-impl Raw {
-    fn header(&self, name: &str) -> Option<String> {
-        self.head.lines().skip(1).find_map(|l| {
-            let (k, v) = l.split_once(':')?;
-            k.trim()
-                .eq_ignore_ascii_case(name)
-                .then(|| v.trim().to_string())
-        })
-    }
-
-    fn as_response(&self) -> Response {
-        let mut r = Response {
-            status: self.status,
-            body: String::from_utf8_lossy(&self.body).into_owned(),
-            ..Response::default()
-        };
-        for l in self.head.lines().skip(1) {
-            if let Some((k, v)) = l.split_once(':') {
-                r.headers
-                    .insert(k.trim().to_ascii_lowercase(), v.trim().to_string());
-            }
-        }
-        r
-    }
-}
-
-/// Writes `parts` one after another on a fresh connection (pausing `gap` between them; a write
-/// error stops the writing, as when Envoy answers before the upload is complete), then reads one
-/// response (`content-length` framed, or up to EOF).
-fn raw_exchange(port: u16, parts: &[Vec<u8>], gap: Duration) -> std::io::Result<Raw> {
-    let mut s = TcpStream::connect(("127.0.0.1", port))?;
-    s.set_nodelay(true)?;
-    s.set_read_timeout(Some(Duration::from_secs(15)))?;
-    s.set_write_timeout(Some(Duration::from_secs(15)))?;
-    for (i, p) in parts.iter().enumerate() {
-        if i > 0 && !gap.is_zero() {
-            std::thread::sleep(gap);
-        }
-        if s.write_all(p).is_err() {
-            break;
-        }
-    }
-    let deadline = Instant::now() + Duration::from_secs(15);
-    let mut buf = Vec::new();
-    let mut chunk = [0u8; 16 * 1024];
-    let head_end = loop {
-        if let Some(i) = buf.windows(4).position(|w| w == b"\r\n\r\n") {
-            break i;
-        }
-        assert!(Instant::now() < deadline, "no response head");
-        let n = s.read(&mut chunk)?;
-        if n == 0 {
-            return Err(std::io::Error::new(
-                std::io::ErrorKind::UnexpectedEof,
-                format!(
-                    "closed before a response head: {:?}",
-                    String::from_utf8_lossy(&buf)
-                ),
-            ));
-        }
-        buf.extend_from_slice(&chunk[..n]);
-    };
-    let head = String::from_utf8_lossy(&buf[..head_end]).into_owned();
-    let status = head
-        .split_whitespace()
-        .nth(1)
-        .and_then(|c| c.parse().ok())
-        .unwrap_or(0);
-    let mut body = buf[head_end + 4..].to_vec();
-    let mut raw = Raw {
-        status,
-        head,
-        body: Vec::new(),
-    };
-    match raw
-        .header("content-length")
-        .and_then(|v| v.parse::<usize>().ok())
-    {
-        Some(len) => {
-            while body.len() < len {
-                let n = s.read(&mut chunk)?;
-                if n == 0 {
-                    break;
-                }
-                body.extend_from_slice(&chunk[..n]);
-            }
-            body.truncate(len);
-        }
-        None => loop {
-            match s.read(&mut chunk) {
-                Ok(0) | Err(_) => break,
-                Ok(n) => body.extend_from_slice(&chunk[..n]),
-            }
-        },
-    }
-    raw.body = body;
-    Ok(raw)
-}
-
-/// The request head of a chat POST with extra raw header lines (bytes, not necessarily UTF-8).
-fn head(extra: &[&[u8]], framing: &str) -> Vec<u8> {
-    let mut h = b"POST /v1/chat/completions HTTP/1.1\r\nhost: llm\r\nconnection: close\r\n\
-content-type: application/json\r\n"
-        .to_vec();
-    h.extend_from_slice(framing.as_bytes());
-    h.extend_from_slice(b"\r\n");
-    for line in extra {
-        h.extend_from_slice(line);
-        h.extend_from_slice(b"\r\n");
-    }
-    h.extend_from_slice(b"\r\n");
-    h
-}
-
-fn chunk(data: &[u8]) -> Vec<u8> {
-    let mut c = format!("{:x}\r\n", data.len()).into_bytes();
-    c.extend_from_slice(data);
-    c.extend_from_slice(b"\r\n");
-    c
-}
-
-/// One HTTP/2 (h2c, prior knowledge) request with the `h2` crate. Unlike curl, it keeps a
-/// complete response that Envoy follows with `RST_STREAM(NO_ERROR)` (what Envoy sends when it
-/// answers before the request body is complete). `Err` if the stream or connection failed
-/// without a response.
-fn h2_request(
-    port: u16,
-    method: &str,
-    path: &str,
-    headers: &[(&str, &str)],
-    body: &[u8],
-) -> Result<Response, String> {
-    let rt = tokio::runtime::Builder::new_current_thread()
-        .enable_all()
-        .build()
-        .map_err(|e| e.to_string())?;
-    let body = bytes::Bytes::copy_from_slice(body);
-    let method = method.to_string();
-    let path = path.to_string();
-    let headers: Vec<(String, String)> = headers
-        .iter()
-        .map(|(k, v)| (k.to_string(), v.to_string()))
-        .collect();
-    let exchange = async move {
-        let tcp = tokio::net::TcpStream::connect(("127.0.0.1", port))
-            .await
-            .map_err(|e| e.to_string())?;
-        let (client, conn) = h2::client::handshake(tcp)
-            .await
-            .map_err(|e| e.to_string())?;
-        tokio::spawn(async move {
-            let _ = conn.await;
-        });
-        let mut client = client.ready().await.map_err(|e| e.to_string())?;
-        let mut req = ::http::Request::builder()
-            .method(method.as_str())
-            .uri(format!("http://127.0.0.1:{port}{path}"));
-        for (k, v) in &headers {
-            req = req.header(k.as_str(), v.as_str());
-        }
-        if !body.is_empty() {
-            req = req.header("content-length", body.len().to_string());
-        }
-        let req = req.body(()).map_err(|e| e.to_string())?;
-        let (response, mut send) = client
-            .send_request(req, body.is_empty())
-            .map_err(|e| e.to_string())?;
-        if !body.is_empty() {
-            // Buffered by h2 and sent as flow control allows; an early answer stops it.
-            let _ = send.send_data(body, true);
-        }
-        let response = response.await.map_err(|e| format!("no response: {e}"))?;
-        let mut r = Response {
-            status: response.status().as_u16(),
-            ..Response::default()
-        };
-        for (k, v) in response.headers() {
-            r.headers.insert(
-                k.as_str().to_string(),
-                String::from_utf8_lossy(v.as_bytes()).into_owned(),
-            );
-        }
-        let mut recv = response.into_body();
-        let mut out = Vec::new();
-        while let Some(data) = recv.data().await {
-            let data = data.map_err(|e| format!("body: {e}"))?;
-            let _ = recv.flow_control().release_capacity(data.len());
-            out.extend_from_slice(&data);
-        }
-        r.body = String::from_utf8_lossy(&out).into_owned();
-        Ok::<Response, String>(r)
-    };
-    rt.block_on(async { tokio::time::timeout(Duration::from_secs(15), exchange).await })
-        .map_err(|_| "HTTP/2 exchange timed out".to_string())?
-}
-
 #[test]
 fn malformed_bodies_get_openai_errors_without_reaching_an_upstream() {
     let f = start();
@@ -427,6 +225,38 @@ fn malformed_bodies_get_openai_errors_without_reaching_an_upstream() {
             "invalid_json",
         ),
     ];
+    // Issue 14: serde_json's error quotes the client's text; cutting it at a byte inside a
+    // multi-byte character panicked the VM (an empty 503). Every character width, every cut.
+    let mut cases = cases;
+    for (what, ch) in [("2-byte", "é"), ("3-byte", "€"), ("4-byte", "𝄞")] {
+        for lead in 0..4 {
+            let text = format!("{}{}", "a".repeat(lead), ch.repeat(200));
+            cases.push((
+                what,
+                format!(r#"{{"model":"llama-3-8b","messages":"{text}"}}"#).into_bytes(),
+                400,
+                "invalid_json",
+            ));
+            cases.push((
+                what,
+                format!(r#"{{"model":"llama-3-8b","messages":[{text}]}}"#).into_bytes(),
+                400,
+                "invalid_json",
+            ));
+        }
+        cases.push((
+            what,
+            format!(r#"{{"model":"{}"}}"#, ch.repeat(200)).into_bytes(),
+            400,
+            "invalid_model",
+        ));
+        cases.push((
+            what,
+            format!(r#"{{"model":"{}"#, ch.repeat(200)).into_bytes(),
+            400,
+            "invalid_json",
+        ));
+    }
     for (what, body, status, code) in &cases {
         let r = f.no_upstream(what, || post(port, &[], body));
         assert_openai_error(&r, *status, code);
@@ -729,6 +559,14 @@ fn http2_downstream_gets_the_same_answers() {
 
     let r = f.no_upstream("h2 invalid JSON", || {
         curl_h2(port, "POST", path, &[], Some("{nope"))
+    });
+    assert_openai_error(&r, 400, "invalid_json");
+    let crafted = format!(
+        r#"{{"model":"llama-3-8b","messages":"a{}"}}"#,
+        "é".repeat(200)
+    );
+    let r = f.no_upstream("h2 issue-14 body", || {
+        curl_h2(port, "POST", path, &[], Some(&crafted))
     });
     assert_openai_error(&r, 400, "invalid_json");
     let r = f.no_upstream("h2 model not a string", || {

@@ -52,7 +52,7 @@ fn homes(cfg: &Config, sessions: &[u64]) -> Vec<String> {
                 nonce: 0,
             };
             let d = s.pick(&pick, 0).unwrap();
-            s.finish(&d.ticket, &Outcome::Cancelled, 0, None, 0);
+            s.finish(d.ticket, &Outcome::Cancelled, 0, None, 0);
             cfg.endpoints[d.endpoint].name.clone()
         })
         .collect()
@@ -161,7 +161,7 @@ proptest! {
             open.push(d);
             if n % finish_every == 0 && !open.is_empty() {
                 let done = open.remove(0);
-                s.finish(&done.ticket, &Outcome::Cancelled, 0, None, 0);
+                s.finish(done.ticket, &Outcome::Cancelled, 0, None, 0);
             }
         }
     }
@@ -184,13 +184,13 @@ proptest! {
             let pick = Pick { model: Some("m"), session: Some(k), attempt: 1, exclusions: &ex, nonce: 0 };
             let d = warm.pick(&pick, 0).unwrap();
             prop_assert_eq!(d.reason, Reason::Home);
-            warm.finish(&d.ticket, &Outcome::Success, latencies[d.endpoint % latencies.len()], Some(k), 1);
+            warm.finish(d.ticket, &Outcome::Success, latencies[d.endpoint % latencies.len()], Some(k), 1);
         }
         let fresh = homes(&cfg, &ss);
         for (k, home) in ss.iter().zip(&fresh) {
             let pick = Pick { model: Some("m"), session: Some(*k), attempt: 1, exclusions: &ex, nonce: 0 };
             let d = warm.pick(&pick, 2).unwrap();
-            warm.finish(&d.ticket, &Outcome::Cancelled, 0, None, 2);
+            warm.finish(d.ticket, &Outcome::Cancelled, 0, None, 2);
             prop_assert_eq!(&cfg.endpoints[d.endpoint].name, home);
         }
     }

@@ -276,7 +276,7 @@ impl Store for RacingStore<'_> {
             };
             let before = Scheduler::new(self.cfg, &self.inner).table();
             if let Ok(d) = Scheduler::new(self.cfg, &self.inner).pick(&pick, now) {
-                let attempt = Attempt::started(self.cfg, &before, &d, model, None, ex, 1, now);
+                let attempt = Attempt::started(self.cfg, &before, d, model, None, ex, 1, now);
                 self.intruded.borrow_mut().push((worker, attempt));
             }
         }
@@ -289,9 +289,13 @@ impl Store for RacingStore<'_> {
 }
 
 /// An attempt in flight, with what the simulation knows about it.
-#[derive(Debug, Clone)]
+#[derive(Debug)]
 struct Attempt {
-    ticket: Ticket,
+    /// `None` only for an attempt the checker's self-test fakes (a ticket cannot be forged).
+    ticket: Option<Ticket>,
+    endpoint: usize,
+    /// Whether the scheduler recorded the attempt (its ticket's `counted`).
+    counted: bool,
     model: Option<&'static str>,
     session: Option<u64>,
     exclusions: Exclusions,
@@ -306,7 +310,7 @@ impl Attempt {
     fn started(
         cfg: &Config,
         decided_on: &Table,
-        d: &Decision,
+        d: Decision,
         model: Option<&'static str>,
         session: Option<u64>,
         exclusions: Exclusions,
@@ -327,7 +331,9 @@ impl Attempt {
             }
         };
         Attempt {
-            ticket: d.ticket,
+            endpoint: d.ticket.endpoint,
+            counted: d.ticket.counted,
+            ticket: Some(d.ticket),
             model,
             session,
             exclusions,
@@ -382,7 +388,7 @@ impl<'a> Sim<'a> {
         Sim {
             cfg,
             store,
-            flights: vec![Vec::new(); workers],
+            flights: (0..workers).map(|_| Vec::new()).collect(),
             checks,
             picks_ok: 0,
         }
@@ -441,11 +447,13 @@ impl<'a> Sim<'a> {
                 }
                 let a = flights.swap_remove(which % flights.len());
                 let now = self.now();
-                self.scheduler()
-                    .finish(&a.ticket, outcome, *latency_ms, a.session, now);
+                if let Some(ticket) = a.ticket {
+                    self.scheduler()
+                        .finish(ticket, outcome, *latency_ms, a.session, now);
+                }
                 if *failover && outcome.fails_over() {
                     let mut ex = a.exclusions.clone();
-                    ex.after_attempt(a.ticket.endpoint, outcome);
+                    ex.after_attempt(a.endpoint, outcome);
                     self.pick(*worker, a.model, a.session, ex, a.attempt + 1)?;
                 }
                 Ok(())
@@ -507,7 +515,7 @@ impl<'a> Sim<'a> {
         }
         if let Ok(d) = result {
             self.picks_ok += 1;
-            let a = Attempt::started(self.cfg, &decided_on, &d, model, session, ex, attempt, now);
+            let a = Attempt::started(self.cfg, &decided_on, d, model, session, ex, attempt, now);
             self.flights[worker].push(a);
         }
         Ok(())
@@ -623,7 +631,7 @@ impl<'a> Sim<'a> {
             let mut out: HashMap<(usize, u32), u32> = HashMap::new();
             for a in self.flights.iter().flatten() {
                 if let Some(epoch) = a.probe {
-                    *out.entry((a.ticket.endpoint, epoch)).or_default() += 1;
+                    *out.entry((a.endpoint, epoch)).or_default() += 1;
                 }
             }
             if let Some(((i, epoch), k)) = out.iter().find(|(_, &k)| k > n_probes) {
@@ -633,8 +641,8 @@ impl<'a> Sim<'a> {
         if self.checks.in_flight {
             let mut counted = vec![0u32; self.cfg.endpoints.len()];
             for a in self.flights.iter().flatten() {
-                if a.ticket.counted {
-                    counted[a.ticket.endpoint] += 1;
+                if a.counted {
+                    counted[a.endpoint] += 1;
                 }
             }
             let stored: Vec<u32> = table.entries.iter().map(|(_, st)| st.in_flight).collect();
@@ -660,8 +668,9 @@ impl<'a> Sim<'a> {
         let now = self.now();
         // Finishing may set off an armed race, whose attempt then needs finishing too.
         while let Some(a) = self.flights.iter_mut().find_map(|f| f.pop()) {
-            self.scheduler()
-                .finish(&a.ticket, outcome, 1, a.session, now);
+            if let Some(ticket) = a.ticket {
+                self.scheduler().finish(ticket, outcome, 1, a.session, now);
+            }
             self.adopt_intruders();
             self.check_state().map_err(TestCaseError::fail)?;
         }
@@ -799,8 +808,17 @@ fn the_simulation_exercises_picks_and_probes() {
     );
     assert_eq!(sim.picks_ok, 6);
     // A third worker's view of the half-open endpoints: a probe over the bound is detected.
-    let mut extra = sim.flights[0][0].clone();
-    extra.ticket.counted = false;
+    let first = &sim.flights[0][0];
+    let extra = Attempt {
+        ticket: None,
+        endpoint: first.endpoint,
+        counted: false,
+        model: first.model,
+        session: first.session,
+        exclusions: first.exclusions.clone(),
+        attempt: first.attempt,
+        probe: first.probe,
+    };
     sim.flights[1].push(extra);
     assert!(sim.check_state().unwrap_err().contains("probes in flight"));
 }
@@ -1209,7 +1227,7 @@ fn cas_exhaustion_never_sends_an_unrecorded_probe() {
     let d = s.pick(&pick, 0).unwrap();
     assert_eq!(d.endpoint, 0, "the heavier endpoint first");
     s.finish(
-        &d.ticket,
+        d.ticket,
         &Outcome::EndpointFailure(FailureKind::Timeout),
         1,
         None,

@@ -25,6 +25,11 @@ pub enum Mode {
     DelayMs {
         ms: u64,
     },
+    /// Serve normally, with an `x_padding` field of `bytes` bytes in a non-streamed answer
+    /// (large answers, e.g. for the failover relay limit).
+    Pad {
+        bytes: u64,
+    },
     /// Close the connection without answering (TCP RST).
     Reset,
     /// Never answer (until the client gives up).
@@ -106,6 +111,9 @@ impl Fault {
             "delay_ms" => Mode::DelayMs {
                 ms: opt_u64(obj, "ms")?.ok_or("fault.ms is required")?,
             },
+            "pad" => Mode::Pad {
+                bytes: opt_u64(obj, "bytes")?.ok_or("fault.bytes is required")?,
+            },
             "reset" => Mode::Reset,
             "hang" => Mode::Hang,
             "refuse" => Mode::Refuse,
@@ -136,6 +144,7 @@ impl Fault {
             }
             Mode::Slow { factor } => json!({"mode": "slow", "factor": factor}),
             Mode::DelayMs { ms } => json!({"mode": "delay_ms", "ms": ms}),
+            Mode::Pad { bytes } => json!({"mode": "pad", "bytes": bytes}),
             Mode::Reset => json!({"mode": "reset"}),
             Mode::Hang => json!({"mode": "hang"}),
             Mode::Refuse => json!({"mode": "refuse"}),

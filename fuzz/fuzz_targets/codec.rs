@@ -172,9 +172,10 @@ fuzz_target!(|input: Input<'_>| match input {
             nonce: 0,
         };
         if let Ok(d) = sched.pick(&pick, now) {
-            let f = sched.finish(&d.ticket, &Outcome::Success, 5, Some(session | 1), now + 5);
+            let id = d.ticket.endpoint_id;
+            let f = sched.finish(d.ticket, &Outcome::Success, 5, Some(session | 1), now + 5);
             assert!(f.stored);
-            assert_eq!(aff.lookup(session | 1, now + 6), Some(d.ticket.endpoint_id));
+            assert_eq!(aff.lookup(session | 1, now + 6), Some(id));
         }
         assert!(aff.stored_entries() <= 10);
         assert_eq!(store.keys() as u64, aff.buckets() + 1);

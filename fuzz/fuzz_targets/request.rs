@@ -1,5 +1,10 @@
 //! Body parsing and session derivation on arbitrary bytes: never panics, and what it accepts
 //! obeys the documented bounds. Run: `scripts/fuzz` (or `cargo +nightly fuzz run request`).
+//!
+//! Byte-level mutation rarely builds long runs of multi-byte characters, which is where
+//! issue 14 hid (an error message cut inside a character). So an input may also carry a
+//! [`Long`] text — up to 3 ASCII bytes, then one character repeated up to 2047 times — put
+//! into each shape of body the parser refuses, and used as the session header.
 #![no_main]
 
 use arbitrary::Arbitrary;
@@ -16,7 +21,40 @@ struct Input<'a> {
     session_header: Option<&'a [u8]>,
     /// Whether to also try the body with a valid model spliced in front (reaches deeper paths).
     splice: bool,
+    long: Option<Long>,
     body: &'a [u8],
+}
+
+/// Long text of one (often multi-byte) character.
+#[derive(Arbitrary, Debug)]
+struct Long {
+    lead: u8,
+    ch: char,
+    count: u16,
+}
+
+impl Long {
+    fn text(&self) -> String {
+        let mut s = "a".repeat(usize::from(self.lead % 4));
+        let ch = if matches!(self.ch, '"' | '\\') { 'é' } else { self.ch };
+        s.extend(std::iter::repeat_n(ch, usize::from(self.count % 2048)));
+        s
+    }
+}
+
+/// Each shape of body the parser refuses, quoting `t` where JSON allows.
+fn bodies(t: &str) -> [String; 9] {
+    [
+        format!(r#"{{"model":"llama-3-8b","messages":"{t}"}}"#),
+        format!(r#"{{"model":"llama-3-8b","messages":[{t}]}}"#),
+        format!(r#"{{"model":"{t}"#),
+        format!(r#"{{"model":"{t}"}}"#),
+        format!(r#"{{"model":["{t}"]}}"#),
+        format!(r#"{{"messages":"{t}"}}"#),
+        format!(r#"["{t}"]"#),
+        format!(r#"["{t}""#),
+        format!(r#"{{"model":"m","x":{t}}}"#),
+    ]
 }
 
 fn check(body: &[u8], tenant: Option<&[u8]>, header: Option<&[u8]>) {
@@ -69,6 +107,12 @@ fn check(body: &[u8], tenant: Option<&[u8]>, header: Option<&[u8]>) {
 
 fuzz_target!(|input: Input<'_>| {
     check(input.body, input.tenant, input.session_header);
+    if let Some(long) = &input.long {
+        let t = long.text();
+        for body in bodies(&t) {
+            check(body.as_bytes(), input.tenant, Some(t.as_bytes()));
+        }
+    }
     if input.splice {
         let mut spliced = br#"{"model":"m","messages":"#.to_vec();
         spliced.extend_from_slice(input.body);

@@ -268,7 +268,7 @@ fuzz_target!(|setup: Setup| {
                 let o = open.swap_remove(usize::from(*which) % open.len());
                 let session = if *keep_session { o.session } else { None };
                 let report = sched.finish(
-                    &o.ticket,
+                    o.ticket,
                     &outcome(spec),
                     u64::from(*latency_ms),
                     session,
@@ -290,7 +290,7 @@ fuzz_target!(|setup: Setup| {
     // Every attempt finishes: the in-flight counts return to zero.
     store.inject_conflicts.set(0);
     for o in open.drain(..) {
-        let report = sched.finish(&o.ticket, &Outcome::Cancelled, 0, None, now);
+        let report = sched.finish(o.ticket, &Outcome::Cancelled, 0, None, now);
         lossy |= !report.stored;
     }
     check(&[], now, lossy);

@@ -4,49 +4,20 @@
 //! (`computeflux_requests_total.endpoint.gpu-1.outcome.success`); the bootstrap's
 //! `stats_config.stats_tags` rules in `envoy/envoy.yaml` turn them into Prometheus labels:
 //! `computeflux_requests_total{endpoint="gpu-1",outcome="success"}`. Label values are bounded:
-//! endpoint names come from the configuration, the others from fixed lists.
+//! endpoint names come from the configuration, the others from the `ALL` list of the enum they
+//! label ([`Outcome::ALL`], [`Reason::ALL`], [`AffinityResult::ALL`], [`RejectReason::ALL`]),
+//! so a variant added there gets its series here without another edit.
 
+use super::host;
 use crate::scheduler::config::Config;
 use crate::scheduler::outcome::Outcome;
-use proxy_wasm::hostcalls;
+use crate::scheduler::reply::RejectReason;
+use crate::scheduler::select::{AffinityResult, Reason};
 use proxy_wasm::types::MetricType;
-
-/// Local-reply reasons (the `reason` label of `computeflux_rejected_total`).
-pub const REJECT_REASONS: &[&str] = &[
-    "empty_body",
-    "request_too_large",
-    "invalid_json",
-    "invalid_request_body",
-    "missing_model",
-    "invalid_model",
-    "invalid_session_id",
-    "model_not_found",
-    "no_endpoint_available",
-    "rate_limited",
-];
-
-pub const DECISION_REASONS: &[&str] = &[
-    "affinity_hit",
-    "home",
-    "backup",
-    "spill",
-    "pin_break",
-    "half_open_probe",
-    "degraded_probe",
-];
-pub const AFFINITY_RESULTS: &[&str] = &[
-    "hit",
-    "miss",
-    "home",
-    "backup",
-    "spill",
-    "pin_break",
-    "none",
-];
 
 /// The metric ids of one endpoint.
 pub struct EndpointMetrics {
-    /// One counter per outcome, in `Outcome::ALL_LABELS` order.
+    /// One counter per outcome, in [`Outcome::ALL`] order ([`Outcome::index`]).
     pub requests: Vec<Option<u32>>,
     pub failovers: Option<u32>,
     /// Pins to this endpoint broken because it was degraded.
@@ -59,15 +30,31 @@ pub struct EndpointMetrics {
 
 pub struct Metrics {
     pub endpoints: Vec<EndpointMetrics>,
-    pub affinity: Vec<Option<u32>>,
-    pub decisions: Vec<Option<u32>>,
-    pub rejected: Vec<Option<u32>>,
+    /// In [`AffinityResult::ALL`] order.
+    affinity: Vec<Option<u32>>,
+    /// In [`Reason::ALL`] order.
+    decisions: Vec<Option<u32>>,
+    /// In [`RejectReason::ALL`] order.
+    rejected: Vec<Option<u32>>,
     pub retry_budget_exhausted: Option<u32>,
     pub cas_exhausted: Option<u32>,
 }
 
-fn define(kind: MetricType, name: &str) -> Option<u32> {
-    hostcalls::define_metric(kind, name).ok()
+/// One counter per label value: `<base>.<label>.<value>`.
+fn labelled<'a>(
+    base: &str,
+    label: &str,
+    values: impl Iterator<Item = &'a str>,
+) -> Vec<Option<u32>> {
+    values
+        .map(|v| host::metric(MetricType::Counter, &format!("{base}.{label}.{v}")))
+        .collect()
+}
+
+/// The id for `value` among `all` (the list `ids` was defined from).
+fn slot<T: PartialEq>(all: &[T], value: &T, ids: &[Option<u32>]) -> Option<u32> {
+    let i = all.iter().position(|v| v == value)?;
+    ids.get(i).copied().flatten()
 }
 
 impl Metrics {
@@ -78,95 +65,94 @@ impl Metrics {
             .map(|e| {
                 let n = &e.name;
                 EndpointMetrics {
-                    requests: Outcome::ALL_LABELS
-                        .iter()
-                        .map(|o| {
-                            define(
-                                MetricType::Counter,
-                                &format!("computeflux_requests_total.endpoint.{n}.outcome.{o}"),
-                            )
-                        })
-                        .collect(),
-                    failovers: define(
+                    requests: labelled(
+                        &format!("computeflux_requests_total.endpoint.{n}"),
+                        "outcome",
+                        Outcome::ALL.iter().map(|o| o.label()),
+                    ),
+                    failovers: host::metric(
                         MetricType::Counter,
                         &format!("computeflux_failovers_total.endpoint.{n}"),
                     ),
-                    pin_breaks: define(
+                    pin_breaks: host::metric(
                         MetricType::Counter,
                         &format!("computeflux_pin_breaks_total.endpoint.{n}"),
                     ),
-                    breaker_state: define(
+                    breaker_state: host::metric(
                         MetricType::Gauge,
                         &format!("computeflux_breaker_state.endpoint.{n}"),
                     ),
-                    ewma_latency_ms: define(
+                    ewma_latency_ms: host::metric(
                         MetricType::Gauge,
                         &format!("computeflux_ewma_latency_ms.endpoint.{n}"),
                     ),
-                    in_flight: define(
+                    in_flight: host::metric(
                         MetricType::Gauge,
                         &format!("computeflux_in_flight.endpoint.{n}"),
                     ),
-                    latency_ms: define(
+                    latency_ms: host::metric(
                         MetricType::Histogram,
                         &format!("computeflux_upstream_latency_ms.endpoint.{n}"),
                     ),
                 }
             })
             .collect();
-        let labelled = |kind, base: &str, label: &str, values: &[&str]| -> Vec<Option<u32>> {
-            values
-                .iter()
-                .map(|v| define(kind, &format!("{base}.{label}.{v}")))
-                .collect()
-        };
         Metrics {
             endpoints,
             affinity: labelled(
-                MetricType::Counter,
                 "computeflux_affinity_total",
                 "result",
-                AFFINITY_RESULTS,
+                AffinityResult::ALL.iter().map(|a| a.label()),
             ),
             decisions: labelled(
-                MetricType::Counter,
                 "computeflux_decisions_total",
                 "reason",
-                DECISION_REASONS,
+                Reason::ALL.iter().map(|r| r.label()),
             ),
             rejected: labelled(
-                MetricType::Counter,
                 "computeflux_rejected_total",
                 "reason",
-                REJECT_REASONS,
+                RejectReason::ALL.iter().map(|r| r.label()),
             ),
-            retry_budget_exhausted: define(
+            retry_budget_exhausted: host::metric(
                 MetricType::Counter,
                 "computeflux_retry_budget_exhausted_total",
             ),
-            cas_exhausted: define(MetricType::Counter, "computeflux_cas_exhausted_total"),
+            cas_exhausted: host::metric(MetricType::Counter, "computeflux_cas_exhausted_total"),
         }
     }
 
     pub fn inc(id: Option<u32>) {
         if let Some(id) = id {
-            let _ = hostcalls::increment_metric(id, 1);
+            host::metric_add(id, 1);
         }
     }
 
     pub fn set(id: Option<u32>, value: u64) {
         if let Some(id) = id {
-            let _ = hostcalls::record_metric(id, value);
+            host::metric_set(id, value);
         }
     }
 
-    pub fn inc_labelled(ids: &[Option<u32>], labels: &[&str], label: &str) {
-        if let Some(i) = labels.iter().position(|l| *l == label) {
-            Self::inc(ids.get(i).copied().flatten());
-        }
+    pub fn affinity(&self, a: AffinityResult) {
+        Self::inc(slot(AffinityResult::ALL, &a, &self.affinity));
+    }
+
+    pub fn decision(&self, r: Reason) {
+        Self::inc(slot(Reason::ALL, &r, &self.decisions));
+    }
+
+    pub fn rejected(&self, r: RejectReason) {
+        Self::inc(slot(RejectReason::ALL, &r, &self.rejected));
     }
 
     pub fn endpoint(&self, i: usize) -> Option<&EndpointMetrics> {
         self.endpoints.get(i)
+    }
+}
+
+impl EndpointMetrics {
+    pub fn outcome(&self, o: &Outcome) {
+        Metrics::inc(self.requests.get(o.index()).copied().flatten());
     }
 }

@@ -3,14 +3,17 @@
 //! It translates Envoy callbacks into calls on the pure [`crate::scheduler`] and back:
 //! - [`root`]: configuration (validated, refused with one log line per problem), metrics,
 //!   the periodic gauge refresh;
-//! - [`http`]: the request path (buffer the body, read `model`, derive the session, pick,
-//!   write the routing header) and the response path (classify, record, fail over);
+//! - [`http`]: Envoy's per-request callbacks, translated into calls on the request lifecycle
+//!   ([`crate::scheduler::flow::Flow`]), whose steps it performs;
+//! - [`observe`]: what the lifecycle reports, as metrics and log lines;
 //! - [`shared`]: the scheduler's `Store` over Envoy shared data;
-//! - [`host`]: host calls wrapped so that no unexpected host status can panic the VM.
+//! - [`host`]: every host call, none of which can panic (`tests/host_boundary.rs` keeps it
+//!   the only one).
 
 mod host;
 mod http;
 mod metrics;
+mod observe;
 mod root;
 mod shared;
 
@@ -18,8 +21,8 @@ use proxy_wasm::types::LogLevel;
 
 proxy_wasm::main! {{
     // Host calls other than logging are not allowed here; the level is aligned with Envoy's
-    // in on_vm_start. The SDK installs its own panic hook (which can itself panic): replace it.
-    proxy_wasm::set_log_level(LogLevel::Info);
+    // in on_vm_start. Our logger and panic hook, not the SDK's (both unwrap the host status).
+    host::init_logging(LogLevel::Info);
     std::panic::set_hook(Box::new(|info| {
         host::log(LogLevel::Critical, &format!("computeflux: panic: {info}"));
     }));

@@ -9,7 +9,6 @@ use crate::scheduler::config::Config;
 use crate::scheduler::hash::hash_parts;
 use crate::scheduler::select::{Scheduler, TABLE_KEY};
 use crate::scheduler::store::Store;
-use proxy_wasm::hostcalls;
 use proxy_wasm::traits::{Context, HttpContext, RootContext};
 use proxy_wasm::types::{BufferType, ContextType, LogLevel};
 use std::rc::Rc;
@@ -36,15 +35,12 @@ impl Context for Root {}
 impl RootContext for Root {
     fn on_vm_start(&mut self, _size: usize) -> bool {
         // Do not format debug lines that Envoy would drop anyway.
-        proxy_wasm::set_log_level(host::envoy_log_level());
+        host::init_logging(host::envoy_log_level());
         true
     }
 
     fn on_configure(&mut self, _size: usize) -> bool {
-        let bytes = hostcalls::get_buffer(BufferType::PluginConfiguration, 0, usize::MAX)
-            .ok()
-            .flatten()
-            .unwrap_or_default();
+        let bytes = host::buffer(BufferType::PluginConfiguration, 0, usize::MAX);
         let cfg = match Config::from_json(&bytes) {
             Ok(cfg) => cfg,
             Err(errors) => {
@@ -77,7 +73,12 @@ impl RootContext for Root {
         }
         let metrics = Metrics::define(&cfg);
         self.plugin = Some(Rc::new(Plugin { cfg, metrics }));
-        self.set_tick_period(TICK);
+        if !host::tick_every(TICK) {
+            host::log(
+                LogLevel::Warn,
+                "computeflux: no tick timer; gauges refresh only as requests finish",
+            );
+        }
         true
     }
 

@@ -55,14 +55,30 @@ impl Outcome {
         )
     }
 
-    pub const ALL_LABELS: [&'static str; 6] = [
-        "success",
-        "dead_key",
-        "rate_limited",
-        "endpoint_failure",
-        "client_error",
-        "cancelled",
+    /// One outcome of each kind, in metric order: `computeflux_requests_total{outcome}` is
+    /// defined from it, and [`Outcome::index`] is an outcome's place in it.
+    pub const ALL: [Outcome; 6] = [
+        Outcome::Success,
+        Outcome::DeadKey,
+        Outcome::RateLimited {
+            retry_after_ms: None,
+        },
+        Outcome::EndpointFailure(FailureKind::Reset),
+        Outcome::ClientError,
+        Outcome::Cancelled,
     ];
+
+    /// The position of this outcome's kind in [`Outcome::ALL`].
+    pub fn index(&self) -> usize {
+        match self {
+            Outcome::Success => 0,
+            Outcome::DeadKey => 1,
+            Outcome::RateLimited { .. } => 2,
+            Outcome::EndpointFailure(_) => 3,
+            Outcome::ClientError => 4,
+            Outcome::Cancelled => 5,
+        }
+    }
 }
 
 /// Classifies a response by its status and headers (lower-case names). `now_ms` is wall-clock
@@ -121,12 +137,12 @@ pub fn parse_go_duration_ms(value: &str) -> Option<u64> {
         let num_len = rest
             .find(|c: char| !(c.is_ascii_digit() || c == '.'))
             .unwrap_or(rest.len());
-        let (num, after) = rest.split_at(num_len);
+        let (num, after) = rest.split_at_checked(num_len)?;
         let n: f64 = num.parse().ok()?;
         let unit_len = after
             .find(|c: char| c.is_ascii_digit() || c == '.')
             .unwrap_or(after.len());
-        let (unit, next) = after.split_at(unit_len);
+        let (unit, next) = after.split_at_checked(unit_len)?;
         let scale = match unit {
             "ms" => 1.0,
             "s" => 1_000.0,
@@ -222,6 +238,17 @@ mod tests {
         assert_eq!(classify(404, &[], 0), Outcome::ClientError);
         assert_eq!(classify(501, &[], 0), Outcome::ClientError);
         assert!(!Outcome::ClientError.fails_over());
+    }
+
+    #[test]
+    fn all_lists_each_kind_once_at_its_index() {
+        for (i, o) in Outcome::ALL.iter().enumerate() {
+            assert_eq!(o.index(), i, "{o:?}");
+        }
+        let mut labels: Vec<&str> = Outcome::ALL.iter().map(|o| o.label()).collect();
+        labels.sort_unstable();
+        labels.dedup();
+        assert_eq!(labels.len(), Outcome::ALL.len());
     }
 
     #[test]

@@ -15,6 +15,9 @@
 //! with the key) so one tenant can never read or steer another tenant's pins.
 
 use super::hash::{hash_parts, session_key};
+pub use super::reply::openai_error;
+use super::reply::{RejectReason, Reply};
+use super::text;
 use serde::Deserialize;
 use serde_json::value::RawValue;
 
@@ -54,16 +57,26 @@ impl RequestError {
         }
     }
 
-    pub fn code(&self) -> &'static str {
+    pub fn reason(&self) -> RejectReason {
         match self {
-            RequestError::EmptyBody => "empty_body",
-            RequestError::TooLarge { .. } => "request_too_large",
-            RequestError::InvalidJson(_) => "invalid_json",
-            RequestError::NotAnObject => "invalid_request_body",
-            RequestError::MissingModel => "missing_model",
-            RequestError::ModelNotString | RequestError::ModelTooLong => "invalid_model",
-            RequestError::SessionTooLong => "invalid_session_id",
+            RequestError::EmptyBody => RejectReason::EmptyBody,
+            RequestError::TooLarge { .. } => RejectReason::RequestTooLarge,
+            RequestError::InvalidJson(_) => RejectReason::InvalidJson,
+            RequestError::NotAnObject => RejectReason::InvalidRequestBody,
+            RequestError::MissingModel => RejectReason::MissingModel,
+            RequestError::ModelNotString | RequestError::ModelTooLong => RejectReason::InvalidModel,
+            RequestError::SessionTooLong => RejectReason::InvalidSessionId,
         }
+    }
+
+    /// The error `code` of the answer.
+    pub fn code(&self) -> &'static str {
+        self.reason().label()
+    }
+
+    /// The local reply that refuses the request.
+    pub fn reply(&self) -> Reply {
+        Reply::new(self.status(), self.reason(), &self.message())
     }
 
     pub fn message(&self) -> String {
@@ -86,12 +99,6 @@ impl RequestError {
             }
         }
     }
-}
-
-/// The OpenAI error body: `{"error":{"message","type","param","code"}}`.
-pub fn openai_error(message: &str, kind: &str, code: &str) -> String {
-    serde_json::json!({"error": {"message": message, "type": kind, "param": null, "code": code}})
-        .to_string()
 }
 
 #[derive(Deserialize)]
@@ -227,10 +234,11 @@ fn fingerprint(model: &str, messages: &[&RawValue]) -> Option<u64> {
     ))
 }
 
+/// Longest part of serde_json's error text quoted back (it may quote the client's input).
+const MAX_JSON_ERROR_BYTES: usize = 160;
+
 fn short(e: &serde_json::Error) -> String {
-    let mut s = e.to_string();
-    s.truncate(160);
-    s
+    text::truncate(&e.to_string(), MAX_JSON_ERROR_BYTES).to_string()
 }
 
 /// Where the session key came from (exposed for diagnostics and tests).
@@ -344,6 +352,23 @@ mod tests {
         assert_eq!(parse_chat(ok_depth.as_bytes()).unwrap().model, "m");
         let e = RequestError::TooLarge { limit: 10 };
         assert_eq!((e.status(), e.code()), (413, "request_too_large"));
+    }
+
+    /// Issue 14: serde_json's message quotes the client's text; cutting it at byte 160 inside
+    /// a two-byte character panicked (and killed the wasm VM).
+    #[test]
+    fn invalid_json_error_cut_inside_a_multibyte_character_does_not_panic() {
+        let body = format!(
+            r#"{{"model":"llama-3-8b","messages":"a{}"}}"#,
+            "é".repeat(200)
+        );
+        let RequestError::InvalidJson(msg) = parse_chat(body.as_bytes()).unwrap_err() else {
+            panic!("expected invalid_json");
+        };
+        assert!(msg.len() <= MAX_JSON_ERROR_BYTES, "{msg}");
+        let e = RequestError::InvalidJson(msg);
+        assert_eq!((e.status(), e.code()), (400, "invalid_json"));
+        assert!(e.reply().body().contains("invalid_json"));
     }
 
     #[test]

@@ -103,6 +103,7 @@ pub enum Reason {
 }
 
 impl Reason {
+    /// Every reason, in metric order (`computeflux_decisions_total` is defined from it).
     pub const ALL: &'static [Reason] = &[
         Reason::AffinityHit,
         Reason::Home,
@@ -146,6 +147,7 @@ pub enum AffinityResult {
 }
 
 impl AffinityResult {
+    /// Every result, in metric order (`computeflux_affinity_total` is defined from it).
     pub const ALL: &'static [AffinityResult] = &[
         AffinityResult::Hit,
         AffinityResult::Miss,
@@ -170,7 +172,13 @@ impl AffinityResult {
 }
 
 /// Proof of an attempt in flight; hand it back to [`Scheduler::finish`] exactly once.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+///
+/// Move-only (no `Clone`/`Copy`) and consumed by `finish`, so finishing an attempt twice does
+/// not compile; only the scheduler makes one (`non_exhaustive`). Dropping one unfinished leaks
+/// its in-flight count (until [`super::state::IN_FLIGHT_STALE_MS`]) and its probe slot.
+#[derive(Debug, PartialEq, Eq)]
+#[non_exhaustive]
+#[must_use = "an attempt in flight must be handed back to Scheduler::finish"]
 pub struct Ticket {
     pub endpoint: usize,
     pub endpoint_id: u32,
@@ -183,7 +191,7 @@ pub struct Ticket {
     pub pin_on_success: bool,
 }
 
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[derive(Debug, PartialEq, Eq)]
 pub struct Decision {
     pub endpoint: usize,
     pub reason: Reason,
@@ -241,6 +249,9 @@ pub struct Finished {
     pub in_flight: u32,
     /// False when a CAS retry loop gave up and the update was lost.
     pub stored: bool,
+    /// The ticket's endpoint is no longer configured (a configuration reload under the
+    /// attempt): there was nothing to record. Not a lost update.
+    pub stale: bool,
 }
 
 pub struct Scheduler<'a> {
@@ -679,7 +690,7 @@ impl<'a> Scheduler<'a> {
     /// `latency_ms` is the time to response headers.
     pub fn finish(
         &self,
-        ticket: &Ticket,
+        ticket: Ticket,
         outcome: &Outcome,
         latency_ms: u64,
         session: Option<u64>,
@@ -689,12 +700,17 @@ impl<'a> Scheduler<'a> {
         let cfg = self.cfg;
         let result = update_if(self.store, TABLE_KEY, |bytes| {
             let (mut table, same_layout) = Table::load(bytes, cfg);
-            let Some((id, st)) = table.entries.get_mut(ticket.endpoint) else {
+            // The ticket's endpoint, also if a reload moved it; gone: nothing to record.
+            let at = match table.entries.get(ticket.endpoint) {
+                Some((id, _)) if *id == ticket.endpoint_id => Some(ticket.endpoint),
+                _ => table
+                    .entries
+                    .iter()
+                    .position(|(id, _)| *id == ticket.endpoint_id),
+            };
+            let Some((at, (_, st))) = at.and_then(|i| Some((i, table.entries.get_mut(i)?))) else {
                 return (None, None);
             };
-            if *id != ticket.endpoint_id {
-                return (None, None); // configuration changed under the attempt
-            }
             if ticket.counted {
                 st.in_flight = st.in_flight.saturating_sub(1);
                 st.in_flight_changed_ms = now_ms;
@@ -745,9 +761,10 @@ impl<'a> Scheduler<'a> {
                 latency_ms: st.latency_ms,
                 in_flight: st.in_flight,
                 stored: true,
+                stale: false,
             };
             let bytes = match bytes {
-                Some(stored) if same_layout => table.encode_patched(stored, ticket.endpoint),
+                Some(stored) if same_layout => table.encode_patched(stored, at),
                 _ => table.encode(),
             };
             (Some(bytes), Some(report))
@@ -764,7 +781,8 @@ impl<'a> Scheduler<'a> {
             breaker: BreakerState::Closed,
             latency_ms: None,
             in_flight: 0,
-            stored: false,
+            stored: true,
+            stale: true,
         });
         if let Some(s) = session {
             let aff = self.affinity();

@@ -32,6 +32,9 @@ pub struct EnvoyConfig {
     pub with_filter: bool,
     /// Extra keys merged into the route action (e.g. `{"retry_policy": {...}}`).
     pub route_extra: Value,
+    /// Extra keys merged into the HTTP connection manager (e.g.
+    /// `{"http_protocol_options": {"enable_trailers": true}}`).
+    pub hcm_extra: Value,
     /// Tags extracted from `computeflux` metric names (see [`stats_tags`]).
     pub stat_tags: Vec<String>,
     /// `--log-level`.
@@ -51,6 +54,7 @@ impl Default for EnvoyConfig {
             route_timeout_ms: 30_000,
             with_filter: true,
             route_extra: Value::Null,
+            hcm_extra: Value::Null,
             stat_tags: DEFAULT_STAT_TAGS.iter().map(|s| s.to_string()).collect(),
             log_level: "info".into(),
             component_log_level: None,
@@ -208,6 +212,30 @@ pub fn render_bootstrap(
             })
         })
         .collect();
+    let mut hcm = json!({
+        "@type": "type.googleapis.com/envoy.extensions.filters.network.http_connection_manager.v3.HttpConnectionManager",
+        "stat_prefix": "computeflux",
+        "local_reply_config": local_reply_config(),
+        "codec_type": "AUTO",
+        "http2_protocol_options": {
+            "initial_stream_window_size": BUFFER,
+            "initial_connection_window_size": BUFFER,
+        },
+        "route_config": {
+            "name": "computeflux",
+            "virtual_hosts": [{
+                "name": "all",
+                "domains": ["*"],
+                "routes": [route_entry],
+            }],
+        },
+        "http_filters": http_filters,
+    });
+    if let (Some(h), Value::Object(extra)) = (hcm.as_object_mut(), &cfg.hcm_extra) {
+        for (k, v) in extra {
+            h.insert(k.clone(), v.clone());
+        }
+    }
     let bootstrap = json!({
         "node": {"id": "computeflux-test", "cluster": "computeflux-test"},
         "admin": {"address": {"socket_address": {"address": "127.0.0.1", "port_value": admin_port}}},
@@ -219,25 +247,7 @@ pub fn render_bootstrap(
                 "per_connection_buffer_limit_bytes": BUFFER,
                 "filter_chains": [{"filters": [{
                     "name": "envoy.filters.network.http_connection_manager",
-                    "typed_config": {
-                        "@type": "type.googleapis.com/envoy.extensions.filters.network.http_connection_manager.v3.HttpConnectionManager",
-                        "stat_prefix": "computeflux",
-                        "local_reply_config": local_reply_config(),
-                        "codec_type": "AUTO",
-                        "http2_protocol_options": {
-                            "initial_stream_window_size": BUFFER,
-                            "initial_connection_window_size": BUFFER,
-                        },
-                        "route_config": {
-                            "name": "computeflux",
-                            "virtual_hosts": [{
-                                "name": "all",
-                                "domains": ["*"],
-                                "routes": [route_entry],
-                            }],
-                        },
-                        "http_filters": http_filters,
-                    },
+                    "typed_config": hcm,
                 }]}],
             }],
             "clusters": clusters,

@@ -107,21 +107,21 @@ fn affinity_sticks_and_repins_after_failover() {
     let ex = Exclusions::default();
     let d1 = pick_at(&s, Some(77), &ex, 0).unwrap();
     assert_eq!(d1.affinity, AffinityResult::Home);
-    s.finish(&d1.ticket, &Outcome::Success, 100, Some(77), 10);
+    s.finish(d1.ticket, &Outcome::Success, 100, Some(77), 10);
     for t in 0..10 {
         let d = pick_at(&s, Some(77), &ex, 20 + t).unwrap();
         assert_eq!(
             (d.endpoint, d.reason, d.affinity),
             (d1.endpoint, Reason::AffinityHit, AffinityResult::Hit)
         );
-        s.finish(&d.ticket, &Outcome::Success, 100, Some(77), 20 + t);
+        s.finish(d.ticket, &Outcome::Success, 100, Some(77), 20 + t);
     }
     // The pinned endpoint rate-limits: this request fails over; the pin moves on success.
     let first = pick_at(&s, Some(77), &ex, 100).unwrap();
     let rl = Outcome::RateLimited {
         retry_after_ms: Some(5_000),
     };
-    s.finish(&first.ticket, &rl, 5, Some(77), 101);
+    s.finish(first.ticket, &rl, 5, Some(77), 101);
     let mut ex2 = Exclusions::default();
     ex2.after_attempt(first.endpoint, &rl);
     let second = s
@@ -138,14 +138,14 @@ fn affinity_sticks_and_repins_after_failover() {
         .unwrap();
     assert_ne!(second.endpoint, first.endpoint);
     assert_eq!(second.affinity, AffinityResult::Miss);
-    s.finish(&second.ticket, &Outcome::Success, 50, Some(77), 150);
+    s.finish(second.ticket, &Outcome::Success, 50, Some(77), 150);
     let after = pick_at(&s, Some(77), &ex, 200).unwrap();
     assert_eq!(
         (after.endpoint, after.affinity),
         (second.endpoint, AffinityResult::Hit)
     );
     // TTL: idle past 5 minutes, the pin is gone.
-    s.finish(&after.ticket, &Outcome::Cancelled, 0, Some(77), 200);
+    s.finish(after.ticket, &Outcome::Cancelled, 0, Some(77), 200);
     assert_eq!(
         pick_at(&s, Some(77), &ex, 150 + 300_000).unwrap().affinity,
         AffinityResult::Home
@@ -158,10 +158,10 @@ fn dead_key_evicts_the_pin() {
     let store = MemStore::new();
     let s = Scheduler::new(&c, &store);
     let d = pick_at(&s, Some(5), &Exclusions::default(), 0).unwrap();
-    s.finish(&d.ticket, &Outcome::Success, 10, Some(5), 1);
+    s.finish(d.ticket, &Outcome::Success, 10, Some(5), 1);
     let d = pick_at(&s, Some(5), &Exclusions::default(), 2).unwrap();
     assert_eq!(d.affinity, AffinityResult::Hit);
-    s.finish(&d.ticket, &Outcome::DeadKey, 10, Some(5), 3);
+    s.finish(d.ticket, &Outcome::DeadKey, 10, Some(5), 3);
     assert_eq!(s.affinity().lookup(5, 4), None);
 }
 
@@ -186,9 +186,9 @@ fn cold_start_places_by_weight_alone_for_exactly_twenty_requests() {
         if d.endpoint == 0 {
             to_bad += 1;
             // 401s: never trip the breaker, only the statistics.
-            s.finish(&d.ticket, &Outcome::DeadKey, 5, None, n * 10 + 1);
+            s.finish(d.ticket, &Outcome::DeadKey, 5, None, n * 10 + 1);
         } else {
-            s.finish(&d.ticket, &Outcome::Cancelled, 5, None, n * 10 + 1);
+            s.finish(d.ticket, &Outcome::Cancelled, 5, None, n * 10 + 1);
         }
     }
     assert!(to_bad > 10, "{to_bad} of 20 to the weight-3 endpoint");
@@ -196,7 +196,7 @@ fn cold_start_places_by_weight_alone_for_exactly_twenty_requests() {
     for n in 100..4100u64 {
         let d = pick_at(&s, Some(key(n)), &ex, 300).unwrap();
         shares[d.endpoint] += 1;
-        s.finish(&d.ticket, &Outcome::Cancelled, 0, None, 300);
+        s.finish(d.ticket, &Outcome::Cancelled, 0, None, 300);
     }
     // Still cold (fewer than 20 samples): 3:1 by weight, 401s or not.
     assert!(s.table().entries[0].1.total < 20);
@@ -211,7 +211,7 @@ fn cold_start_places_by_weight_alone_for_exactly_twenty_requests() {
         } else {
             Outcome::Cancelled
         };
-        s.finish(&d.ticket, &o, 5, None, 401);
+        s.finish(d.ticket, &o, 5, None, 401);
         n += 1;
     }
     let st = s.table().entries[0].1;
@@ -222,7 +222,7 @@ fn cold_start_places_by_weight_alone_for_exactly_twenty_requests() {
     for n in 20_000..21_000u64 {
         let d = pick_at(&s, Some(key(n)), &ex, 402).unwrap();
         to_bad += u32::from(d.endpoint == 0);
-        s.finish(&d.ticket, &Outcome::Cancelled, 0, None, 402);
+        s.finish(d.ticket, &Outcome::Cancelled, 0, None, 402);
     }
     assert!(
         to_bad < 50,
@@ -243,13 +243,13 @@ fn slow_endpoint_loses_new_sessions_after_warm_up() {
         let d = pick_at(&s, Some(i), &ex, now).unwrap();
         let latency = if d.endpoint == 1 { 500 } else { 100 };
         now += 1;
-        s.finish(&d.ticket, &Outcome::Success, latency, None, now);
+        s.finish(d.ticket, &Outcome::Success, latency, None, now);
     }
     let mut to_b = 0;
     for i in 1000..1100u64 {
         let d = pick_at(&s, Some(i), &ex, now).unwrap();
         to_b += usize::from(d.endpoint == 1);
-        s.finish(&d.ticket, &Outcome::Cancelled, 0, None, now);
+        s.finish(d.ticket, &Outcome::Cancelled, 0, None, now);
     }
     assert_eq!(to_b, 0);
 }
@@ -271,7 +271,7 @@ fn new_sessions_spread_over_equal_endpoints_by_rendezvous() {
         )
         .unwrap();
         counts[d.endpoint] += 1;
-        s.finish(&d.ticket, &Outcome::Cancelled, 0, None, 0);
+        s.finish(d.ticket, &Outcome::Cancelled, 0, None, 0);
         // A second process with the same view agrees.
         let other = MemStore::new();
         let s2 = Scheduler::new(&c, &other);
@@ -315,7 +315,7 @@ fn breaker_lifecycle_through_the_scheduler() {
     for (t, &k) in homed_at_a[..2].iter().enumerate() {
         let d = pick_at(&s, Some(k), &ex, t as u64).unwrap();
         assert_eq!((d.endpoint, d.reason), (0, Reason::Home));
-        s.finish(&d.ticket, &fail, 1, None, t as u64);
+        s.finish(d.ticket, &fail, 1, None, t as u64);
     }
     // a is open: its sessions go to their backup, b.
     let d = pick_at(&s, Some(homed_at_a[2]), &ex, 10).unwrap();
@@ -323,7 +323,7 @@ fn breaker_lifecycle_through_the_scheduler() {
         (d.endpoint, d.reason, d.affinity),
         (1, Reason::Backup, AffinityResult::Backup)
     );
-    s.finish(&d.ticket, &Outcome::Success, 1, None, 10);
+    s.finish(d.ticket, &Outcome::Success, 1, None, 10);
     // Cooldown over: exactly three probes go to a, then its sessions go to b.
     let picks: Vec<Decision> = homed_at_a[3..9]
         .iter()
@@ -334,8 +334,8 @@ fn breaker_lifecycle_through_the_scheduler() {
     assert!(probes
         .iter()
         .all(|d| d.reason == Reason::HalfOpenProbe && d.ticket.probe_epoch.is_some()));
-    for d in &picks {
-        s.finish(&d.ticket, &Outcome::Success, 1, None, 1002);
+    for d in picks {
+        s.finish(d.ticket, &Outcome::Success, 1, None, 1002);
     }
     assert_eq!(s.table().entries[0].1.breaker.state, BreakerState::Closed);
     assert_eq!(s.table().entries[0].1.in_flight, 0);
@@ -355,7 +355,7 @@ fn all_cooling_down_reports_earliest_recovery_and_rate_limit() {
     let ex = Exclusions::default();
     let d = pick_at(&s, None, &ex, 0).unwrap();
     s.finish(
-        &d.ticket,
+        d.ticket,
         &Outcome::RateLimited {
             retry_after_ms: Some(7_000),
         },
@@ -365,7 +365,7 @@ fn all_cooling_down_reports_earliest_recovery_and_rate_limit() {
     );
     let d = pick_at(&s, None, &ex, 0).unwrap();
     s.finish(
-        &d.ticket,
+        d.ticket,
         &Outcome::RateLimited {
             retry_after_ms: Some(3_000),
         },
@@ -393,7 +393,7 @@ fn retry_budget_limits_failovers() {
     let ex = Exclusions::default();
     for _ in 0..10 {
         let d = pick_at(&s, None, &ex, 0).unwrap();
-        s.finish(&d.ticket, &Outcome::Cancelled, 0, None, 0);
+        s.finish(d.ticket, &Outcome::Cancelled, 0, None, 0);
     }
     let retry = |_| {
         s.pick(
@@ -430,7 +430,7 @@ fn failovers_after_401_or_429_spend_no_retry_budget() {
             nonce: 0,
         };
         s.pick(&pick, 0)
-            .map(|d| s.finish(&d.ticket, &Outcome::Cancelled, 0, None, 0))
+            .map(|d| s.finish(d.ticket, &Outcome::Cancelled, 0, None, 0))
     };
     // No budget at all: a 5xx failover is refused, 401/403/429 failovers go through.
     assert_eq!(
@@ -451,7 +451,7 @@ fn dead_keys_sink_fast() {
     let s = Scheduler::new(&c, &store);
     for _ in 0..2 {
         let d = pick_at(&s, None, &Exclusions::default(), 0).unwrap();
-        s.finish(&d.ticket, &Outcome::DeadKey, 1, None, 0);
+        s.finish(d.ticket, &Outcome::DeadKey, 1, None, 0);
     }
     // Two 401s at alpha 0.5: 1 → 0.5 → 0.25 (at the default alpha 0.1 it would be 0.81).
     assert!((s.table().entries[0].1.success_rate - 0.25).abs() < 1e-12);
@@ -469,8 +469,8 @@ fn cas_conflicts_are_retried_and_exhaustion_is_reported() {
     let d2 = pick_at(&s, None, &Exclusions::default(), 0).unwrap();
     assert!(!d2.ticket.counted);
     store.inject_conflicts.set(0);
-    s.finish(&d2.ticket, &Outcome::Success, 1, None, 1);
-    s.finish(&d.ticket, &Outcome::Success, 1, None, 1);
+    s.finish(d2.ticket, &Outcome::Success, 1, None, 1);
+    s.finish(d.ticket, &Outcome::Success, 1, None, 1);
     assert_eq!(s.table().entries[d.endpoint].1.in_flight, 0);
 }
 
@@ -487,7 +487,7 @@ fn warm(s: &Scheduler<'_>, latencies: &[u64], samples: u64, now: u64) {
                 started_ms: now,
                 pin_on_success: false,
             };
-            s.finish(&ticket, &Outcome::Success, lat, None, now);
+            s.finish(ticket, &Outcome::Success, lat, None, now);
         }
     }
 }
@@ -520,7 +520,7 @@ fn replicas_with_similar_statistics_place_every_session_alike() {
         assert_eq!(da.endpoint, df.endpoint, "{n}");
         homes[da.endpoint] += 1;
         for (s, d) in [(&sa, da), (&sb, db), (&sf, df)] {
-            s.finish(&d.ticket, &Outcome::Cancelled, 0, None, 1);
+            s.finish(d.ticket, &Outcome::Cancelled, 0, None, 1);
         }
     }
     // Shares follow weights (1,1,1,2,1 of 6).
@@ -565,7 +565,7 @@ fn failover_walks_the_rendezvous_order_on_every_replica() {
                 let rl = Outcome::RateLimited {
                     retry_after_ms: None,
                 };
-                s.finish(&d.ticket, &Outcome::Cancelled, 0, None, 0);
+                s.finish(d.ticket, &Outcome::Cancelled, 0, None, 0);
                 ex.after_attempt(d.endpoint, &rl);
                 order.push(d.endpoint);
             }
@@ -608,8 +608,8 @@ fn bounded_load_spills_in_rendezvous_order() {
         in_flight.push(d);
     }
     assert!(spills > 0);
-    for d in &in_flight {
-        s.finish(&d.ticket, &Outcome::Cancelled, 0, None, 1);
+    for d in in_flight {
+        s.finish(d.ticket, &Outcome::Cancelled, 0, None, 1);
     }
     // Once load is even again, nothing spills.
     let d = pick_at(&s, Some(key(1)), &ex, 2).unwrap();
@@ -627,13 +627,13 @@ fn after_failover_next_turn(policy: &str) -> (usize, usize, usize) {
     let ex = Exclusions::default();
     let k = key(42);
     let home = pick_at(&s, Some(k), &ex, 0).unwrap();
-    s.finish(&home.ticket, &Outcome::Success, 10, Some(k), 1);
+    s.finish(home.ticket, &Outcome::Success, 10, Some(k), 1);
     let first = pick_at(&s, Some(k), &ex, 2).unwrap();
     assert_eq!(first.reason, Reason::AffinityHit);
     let rl = Outcome::RateLimited {
         retry_after_ms: Some(1_000),
     };
-    s.finish(&first.ticket, &rl, 10, Some(k), 3);
+    s.finish(first.ticket, &rl, 10, Some(k), 3);
     let mut ex2 = Exclusions::default();
     ex2.after_attempt(first.endpoint, &rl);
     let backup = s
@@ -648,14 +648,14 @@ fn after_failover_next_turn(policy: &str) -> (usize, usize, usize) {
             4,
         )
         .unwrap();
-    s.finish(&backup.ticket, &Outcome::Success, 10, Some(k), 5);
+    s.finish(backup.ticket, &Outcome::Success, 10, Some(k), 5);
     // During the window: the backup either way.
     let during = pick_at(&s, Some(k), &ex, 500).unwrap();
     assert_eq!(during.endpoint, backup.endpoint);
-    s.finish(&during.ticket, &Outcome::Success, 10, Some(k), 501);
+    s.finish(during.ticket, &Outcome::Success, 10, Some(k), 501);
     // After the window (the half-open home admits a probe).
     let after = pick_at(&s, Some(k), &ex, 2_000).unwrap();
-    s.finish(&after.ticket, &Outcome::Cancelled, 0, None, 2_001);
+    s.finish(after.ticket, &Outcome::Cancelled, 0, None, 2_001);
     (home.endpoint, backup.endpoint, after.endpoint)
 }
 
@@ -683,7 +683,7 @@ fn a_degraded_pin_breaks_with_hysteresis_and_gets_probes() {
         .map(key)
         .filter(|&k| {
             let d = pick_at(&s, Some(k), &ex, 1).unwrap();
-            s.finish(&d.ticket, &Outcome::Success, 100, Some(k), 1);
+            s.finish(d.ticket, &Outcome::Success, 100, Some(k), 1);
             d.endpoint == 0
         })
         .collect();
@@ -692,7 +692,7 @@ fn a_degraded_pin_breaks_with_hysteresis_and_gets_probes() {
     warm(&s, &[250, 100, 100], 20, 2);
     let d = pick_at(&s, Some(on_a[0]), &ex, 3).unwrap();
     assert_eq!(d.reason, Reason::AffinityHit);
-    s.finish(&d.ticket, &Outcome::Cancelled, 0, None, 3);
+    s.finish(d.ticket, &Outcome::Cancelled, 0, None, 3);
     // 5x slower: pins break, to the next endpoint in each session's order.
     warm(&s, &[500, 100, 100], 20, 4);
     for &k in &on_a[..20] {
@@ -702,14 +702,14 @@ fn a_degraded_pin_breaks_with_hysteresis_and_gets_probes() {
             (Reason::PinBreak, AffinityResult::PinBreak, Some(0))
         );
         assert_ne!(d.endpoint, 0);
-        s.finish(&d.ticket, &Outcome::Success, 100, Some(k), 6);
+        s.finish(d.ticket, &Outcome::Success, 100, Some(k), 6);
         // Re-pinned where it went.
         let again = pick_at(&s, Some(k), &ex, 7).unwrap();
         assert_eq!(
             (again.endpoint, again.reason),
             (d.endpoint, Reason::AffinityHit)
         );
-        s.finish(&again.ticket, &Outcome::Cancelled, 0, None, 7);
+        s.finish(again.ticket, &Outcome::Cancelled, 0, None, 7);
     }
     assert!(s.table().entries[0].1.degraded);
     // New sessions avoid a, but one probe per interval.
@@ -722,7 +722,7 @@ fn a_degraded_pin_breaks_with_hysteresis_and_gets_probes() {
             assert!(!d.ticket.pin_on_success);
             to_a.push(now);
         }
-        s.finish(&d.ticket, &Outcome::Cancelled, 0, None, now);
+        s.finish(d.ticket, &Outcome::Cancelled, 0, None, now);
     }
     assert!((3..=5).contains(&to_a.len()), "probes at {to_a:?}");
     assert!(to_a.windows(2).all(|w| w[1] - w[0] >= 1000), "{to_a:?}");
@@ -730,12 +730,12 @@ fn a_degraded_pin_breaks_with_hysteresis_and_gets_probes() {
     warm(&s, &[200, 100, 100], 30, 5_000);
     let d = pick_at(&s, Some(on_a[30]), &ex, 5_001).unwrap();
     assert_eq!(d.reason, Reason::PinBreak);
-    s.finish(&d.ticket, &Outcome::Cancelled, 0, None, 5_001);
+    s.finish(d.ticket, &Outcome::Cancelled, 0, None, 5_001);
     // Back to 1x: whole again; pins to it hold and new sessions reach it.
     warm(&s, &[100, 100, 100], 30, 6_000);
     let d = pick_at(&s, Some(on_a[31]), &ex, 6_001).unwrap();
     assert_eq!(d.reason, Reason::AffinityHit);
-    s.finish(&d.ticket, &Outcome::Cancelled, 0, None, 6_001);
+    s.finish(d.ticket, &Outcome::Cancelled, 0, None, 6_001);
     assert!(!s.table().entries[0].1.degraded);
 }
 
@@ -750,9 +750,9 @@ fn cold_endpoints_never_break_pins() {
     warm(&s, &[1000, 10], 20, 0); // 100x slower, but cold
     for n in 0..50u64 {
         let d = pick_at(&s, Some(key(n)), &ex, 1).unwrap();
-        s.finish(&d.ticket, &Outcome::Success, 1, Some(key(n)), 1);
+        s.finish(d.ticket, &Outcome::Success, 1, Some(key(n)), 1);
         let again = pick_at(&s, Some(key(n)), &ex, 2).unwrap();
         assert_eq!(again.reason, Reason::AffinityHit);
-        s.finish(&again.ticket, &Outcome::Cancelled, 0, None, 2);
+        s.finish(again.ticket, &Outcome::Cancelled, 0, None, 2);
     }
 }

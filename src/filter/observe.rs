@@ -1,0 +1,100 @@
+//! What the request lifecycle reports, turned into metrics and log lines.
+//!
+//! The lifecycle ([`crate::scheduler::flow`]) is host-independent: it tells an
+//! [`Observer`] what happened, and this one records it in Envoy (metrics through
+//! [`super::metrics`], the debug line per decision, warnings for lost shared-data updates).
+
+use super::metrics::Metrics;
+use super::root::{refresh_gauges, Plugin};
+use crate::scheduler::flow::{Observer, Timing};
+use crate::scheduler::outcome::Outcome;
+use crate::scheduler::reply::Reply;
+use crate::scheduler::select::{Decision, Finished};
+use log::{debug, warn};
+
+pub struct Recorder<'a> {
+    pub plugin: &'a Plugin,
+    pub now_ms: u64,
+}
+
+impl Recorder<'_> {
+    fn name(&self, endpoint: usize) -> &str {
+        self.plugin
+            .cfg
+            .endpoints
+            .get(endpoint)
+            .map_or("?", |e| e.name.as_str())
+    }
+}
+
+impl Observer for Recorder<'_> {
+    fn picked(&mut self, d: &Decision, attempt: u32) {
+        let m = &self.plugin.metrics;
+        if attempt == 1 {
+            m.affinity(d.affinity);
+        }
+        m.decision(d.reason);
+        if let Some(e) = d.broke_pin_of.and_then(|i| m.endpoint(i)) {
+            Metrics::inc(e.pin_breaks);
+        }
+        if !d.ticket.counted {
+            Metrics::inc(m.cas_exhausted);
+            warn!("computeflux: shared-data CAS retries exhausted at pick; in-flight not counted");
+        }
+        debug!(
+            "computeflux: attempt {attempt} -> endpoint {} reason={} affinity={}",
+            self.name(d.endpoint),
+            d.reason.label(),
+            d.affinity.label()
+        );
+    }
+
+    fn finished(&mut self, endpoint: usize, outcome: &Outcome, report: &Finished, t: Timing) {
+        let m = &self.plugin.metrics;
+        if !report.stored {
+            Metrics::inc(m.cas_exhausted);
+            warn!("computeflux: shared-data CAS retries exhausted at finish");
+        }
+        debug!(
+            "computeflux: attempt on endpoint {} ended {} after {} ms (headers at {} ms)",
+            self.name(endpoint),
+            outcome.label(),
+            t.total_ms,
+            t.to_headers_ms
+        );
+        let Some(em) = m.endpoint(endpoint) else {
+            return;
+        };
+        em.outcome(outcome);
+        Metrics::set(em.in_flight, u64::from(report.in_flight));
+        if let Some(l) = report.latency_ms {
+            Metrics::set(em.ewma_latency_ms, l.round() as u64);
+        }
+        if matches!(outcome, Outcome::Success) {
+            Metrics::set(em.latency_ms, t.to_headers_ms);
+        }
+        if report.breaker_changed {
+            refresh_gauges(self.plugin, self.now_ms);
+        }
+    }
+
+    fn failed_over(&mut self, from: usize) {
+        if let Some(em) = self.plugin.metrics.endpoint(from) {
+            Metrics::inc(em.failovers);
+        }
+    }
+
+    fn budget_exhausted(&mut self) {
+        Metrics::inc(self.plugin.metrics.retry_budget_exhausted);
+        debug!("computeflux: retry budget exhausted; passing the failure through");
+    }
+
+    fn replied(&mut self, reply: &Reply) {
+        self.plugin.metrics.rejected(reply.reason);
+        debug!(
+            "computeflux: local reply {} {}",
+            reply.status,
+            reply.reason.label()
+        );
+    }
+}

@@ -1,0 +1,629 @@
+//! One client request's life, from its headers to the end of its answer — host-independent.
+//!
+//! Why here and not in the filter: when to wait for the body, which endpoint takes each
+//! attempt, when an answer ends its attempt, when to fail over and when to stop, and what the
+//! client finally gets are the product. In wasm glue they could only be tested through Envoy;
+//! here they run natively over [`super::store::MemStore`] (unit tests, simulations of many
+//! workers). `src/filter/http.rs` only turns Envoy's callbacks into calls on [`Flow`] and
+//! performs the [`Step`] each call returns.
+//!
+//! ```text
+//! Start ─POST headers─▶ AwaitBody ─end of body / trailers─▶ Routed
+//! Start ─other methods──────────────────────────────────▶ Routed
+//! Routed ─success / client error─▶ Relaying ─end of answer, or on_log─▶ Done
+//! Routed ─failure, failover allowed─▶ FailingOver ─call answer─▶ FailingOver (again) | Done
+//! Routed ─failure, no failover─▶ Done (the failing answer is relayed)
+//! a refused request, or no endpoint for the first attempt ─▶ Done (local reply)
+//! ```
+//!
+//! Every attempt holds a move-only [`Ticket`], owned here and handed back exactly once:
+//! - a failing answer (dead key, rate limit, endpoint failure) at its headers: the next pick
+//!   must see it (breaker, exclusions), and its body is never relayed if a failover follows;
+//! - a relayed answer (success, client error) when it ends, so a streamed generation counts as
+//!   in flight for as long as it streams; its latency is still the time to its headers;
+//! - a failover call when its answer arrives (the host delivers it whole);
+//! - in `on_log`, whatever is left: an answer cut mid-stream (upstream reset or client gone)
+//!   keeps the verdict of its headers — the filter cannot tell the two apart, and a cut is not
+//!   held against the endpoint — and an attempt without an answer is `Cancelled`.
+//!
+//! That is one shared-data write for the pick and one for the finish per attempt (plus the
+//! affinity bucket on a success or dead key), as when attempts were finished at the headers.
+//!
+//! "Exactly once" is the compiler's to check: `Scheduler::finish` takes the ticket by value,
+//! and a ticket can be neither copied nor made outside the scheduler, so this does not build:
+//!
+//! ```compile_fail,E0382
+//! use computeflux::scheduler::{Config, Exclusions, MemStore, Outcome, Pick, Scheduler};
+//! let cfg = Config::from_json(br#"{"endpoints":[{"name":"a","cluster":"a"}]}"#).unwrap();
+//! let store = MemStore::new();
+//! let s = Scheduler::new(&cfg, &store);
+//! let ex = Exclusions::default();
+//! let pick = Pick { model: None, session: None, attempt: 1, exclusions: &ex };
+//! let d = s.pick(&pick, 0).unwrap();
+//! s.finish(d.ticket, &Outcome::Success, 1, None, 1);
+//! s.finish(d.ticket, &Outcome::Success, 1, None, 2); // use of moved value
+//! ```
+
+use super::headers::{rate_limit_hints, HeaderSource, Pairs};
+use super::outcome::{classify, FailureKind, Outcome};
+use super::reply::Reply;
+use super::request::{derive_session, parse_chat, RequestError};
+use super::select::{
+    AffinityResult, Decision, Exclusions, Finished, NoEndpoint, Pick, Scheduler, Ticket,
+};
+use std::borrow::Cow;
+
+mod answer;
+pub use answer::Call;
+
+pub const HEADER_ENDPOINT: &str = "x-computeflux-endpoint";
+pub const HEADER_ATTEMPTS: &str = "x-computeflux-attempts";
+pub const HEADER_AFFINITY: &str = "x-computeflux-affinity";
+
+/// The largest failover answer the filter relays (8 MiB).
+///
+/// Envoy hands a failover call's answer to the filter only once it is complete (the ABI has
+/// no streamed callout), so it cannot be streamed through: the filter copies it into the VM
+/// and gives it back to Envoy as a local reply. A larger answer gets a
+/// `502 failover_answer_too_large` instead: a wasm VM's memory never shrinks, so this bounds
+/// what one answer can make each worker's VM grow. Envoy bounds the answer on its side too:
+/// past the cluster's `per_connection_buffer_limit_bytes` (16 MiB in `envoy/envoy.yaml`) it
+/// drains the rest and reports the call as failed without headers, which the filter can only
+/// see as a reset. Keep that buffer above this limit.
+pub const MAX_RELAYED_ANSWER_BYTES: usize = 8 * 1024 * 1024;
+
+/// Set by Envoy's router on answers that came from an upstream; absent on Envoy's own replies
+/// (connect failure, overflow, timeout), which the filter answers in the OpenAI shape.
+pub const UPSTREAM_MARKER: &str = "x-envoy-upstream-service-time";
+
+/// Where the request is in its life.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Phase {
+    /// Before the request headers.
+    Start,
+    /// The headers are held while the body is buffered (POST).
+    AwaitBody,
+    /// Routed; waiting for the answer's headers.
+    Routed,
+    /// A failover call is in flight; the held answer must not reach the client.
+    FailingOver,
+    /// The routed answer flows to the client; its attempt ends with it.
+    Relaying,
+    /// Nothing left to decide.
+    Done,
+}
+
+/// What the host glue does after a call on [`Flow`].
+#[derive(Debug, PartialEq, Eq)]
+pub enum Step {
+    /// Let the stream go on as it is.
+    Continue,
+    /// Hold the stream (the body is being buffered; or the answer, while a call runs).
+    Pause,
+    /// First attempt: write endpoint `i`'s cluster into the routing header, set its headers,
+    /// let the request go on.
+    Route(usize),
+    /// Hold the answer and send the request to endpoint `i` with a failover call
+    /// ([`Flow::call`]); if the host refuses the call, report it with
+    /// [`Flow::dispatch_failed`] and perform the step that returns.
+    Dispatch(usize),
+    /// Let the routed answer through with these headers added.
+    Relay(Vec<(&'static str, String)>),
+    /// Answer with the current failover call's answer: this status and these headers, and
+    /// its body (`body_size` bytes, read from the call).
+    RelayCall {
+        status: u16,
+        headers: Pairs,
+        body_size: usize,
+    },
+    /// Answer with this local reply and stop the request.
+    Reply(Reply),
+}
+
+/// The timing of a finished attempt.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Timing {
+    /// From the pick to the answer's headers (what the latency estimate learns from); for a
+    /// failover call, to its whole answer.
+    pub to_headers_ms: u64,
+    /// From the pick to the end of the attempt.
+    pub total_ms: u64,
+}
+
+/// What the flow reports as it goes (metrics and log lines in Envoy; assertions in tests).
+pub trait Observer {
+    /// Attempt number `attempt` (1 = first) was started by `decision`.
+    fn picked(&mut self, _decision: &Decision, _attempt: u32) {}
+    /// An attempt on `endpoint` was handed back to the scheduler.
+    fn finished(&mut self, _endpoint: usize, _outcome: &Outcome, _report: &Finished, _t: Timing) {}
+    /// The request moves on from `endpoint` to another one.
+    fn failed_over(&mut self, _from: usize) {}
+    /// A failover was wanted but the retry budget is spent.
+    fn budget_exhausted(&mut self) {}
+    /// The filter answered the request itself.
+    fn replied(&mut self, _reply: &Reply) {}
+}
+
+impl Observer for () {}
+
+/// The attempt in flight.
+#[derive(Debug)]
+struct Attempt {
+    ticket: Ticket,
+    /// Once its answer's headers were seen: the outcome and the time to them.
+    verdict: Option<(Outcome, u64)>,
+}
+
+/// The answer the client gets if no failover call can be sent after all.
+#[derive(Debug)]
+enum Fallback {
+    /// The routed answer, held at its headers.
+    Routed { served_by: Option<usize> },
+    /// The current failover call's answer.
+    Call {
+        served_by: Option<usize>,
+        status: Option<u16>,
+        headers: Pairs,
+        body_size: usize,
+    },
+}
+
+/// The request's lifecycle state. Create one per client request ([`Flow::default`]).
+#[derive(Debug)]
+pub struct Flow {
+    phase: Phase,
+    /// The request headers (routing header removed), sent again on failover.
+    headers: Pairs,
+    trailers: Pairs,
+    session_header: Option<Vec<u8>>,
+    tenant: Option<Vec<u8>>,
+    body: Vec<u8>,
+    model: Option<String>,
+    session: Option<u64>,
+    exclusions: Exclusions,
+    attempts: u32,
+    current: Option<Attempt>,
+    /// The endpoint whose answer the client gets.
+    served_by: Option<usize>,
+    /// The session's affinity at the first pick.
+    affinity: Option<AffinityResult>,
+    fallback: Option<Fallback>,
+    /// Placement key of a request without a session ([`Pick::nonce`]).
+    nonce: u64,
+}
+
+impl Default for Flow {
+    fn default() -> Self {
+        Flow::new(0)
+    }
+}
+
+impl Flow {
+    /// A flow whose sessionless picks are placed on `nonce` (any value that differs between
+    /// requests).
+    pub fn new(nonce: u64) -> Self {
+        Flow {
+            nonce,
+            phase: Phase::Start,
+            headers: Vec::new(),
+            trailers: Vec::new(),
+            session_header: None,
+            tenant: None,
+            body: Vec::new(),
+            model: None,
+            session: None,
+            exclusions: Exclusions::default(),
+            attempts: 0,
+            current: None,
+            served_by: None,
+            affinity: None,
+            fallback: None,
+        }
+    }
+
+    pub fn phase(&self) -> Phase {
+        self.phase
+    }
+
+    /// Endpoints tried so far.
+    pub fn attempts(&self) -> u32 {
+        self.attempts
+    }
+
+    pub fn served_by(&self) -> Option<usize> {
+        self.served_by
+    }
+
+    /// Whether an attempt is in flight (its ticket not yet handed back).
+    pub fn in_flight(&self) -> bool {
+        self.current.is_some()
+    }
+
+    /// Whether the routed answer must be held (a failover call is in flight).
+    pub fn holds_answer(&self) -> bool {
+        self.phase == Phase::FailingOver
+    }
+
+    /// The request headers. `Pause` while the body is buffered.
+    pub fn on_request_headers(
+        &mut self,
+        s: &Scheduler<'_>,
+        obs: &mut dyn Observer,
+        mut headers: Pairs,
+        end_of_stream: bool,
+        now_ms: u64,
+    ) -> Step {
+        if self.phase != Phase::Start {
+            return Step::Continue;
+        }
+        let cfg = s.cfg;
+        // Clients never pick clusters.
+        headers.retain(|(n, _)| !n.eq_ignore_ascii_case(&cfg.routing_header));
+        let post = headers.header(":method").as_deref() == Some(&b"POST"[..]);
+        let declared = headers
+            .header_str("content-length")
+            .and_then(|v| v.trim().parse::<u64>().ok());
+        if post {
+            self.session_header = headers.header(&cfg.session_header).map(Cow::into_owned);
+            self.tenant = headers
+                .header("authorization")
+                .or_else(|| headers.header("x-api-key"))
+                .map(Cow::into_owned);
+        }
+        self.headers = headers;
+        if !post {
+            // GET /v1/models and the like: routed at once, without a model or session.
+            return self.first_attempt(s, obs, now_ms);
+        }
+        if end_of_stream {
+            return self.refuse(obs, &RequestError::EmptyBody);
+        }
+        let limit = cfg.max_body_bytes;
+        if declared.is_some_and(|n| n > limit) {
+            return self.refuse(obs, &RequestError::TooLarge { limit });
+        }
+        self.phase = Phase::AwaitBody;
+        Step::Pause
+    }
+
+    /// A body chunk; `buffered` is the body size so far. At its end `read_body` is called
+    /// once for the whole body.
+    pub fn on_request_body(
+        &mut self,
+        s: &Scheduler<'_>,
+        obs: &mut dyn Observer,
+        buffered: usize,
+        end_of_stream: bool,
+        read_body: &mut dyn FnMut() -> Vec<u8>,
+        now_ms: u64,
+    ) -> Step {
+        if self.phase != Phase::AwaitBody {
+            return Step::Continue;
+        }
+        let limit = s.cfg.max_body_bytes;
+        if buffered as u64 > limit {
+            return self.refuse(obs, &RequestError::TooLarge { limit });
+        }
+        if !end_of_stream {
+            return Step::Pause;
+        }
+        let body = read_body();
+        self.complete(s, obs, body, now_ms)
+    }
+
+    /// Request trailers end the request: a body that was still awaited is complete (the body
+    /// callback never saw its end). The trailers go along on failover calls.
+    pub fn on_request_trailers(
+        &mut self,
+        s: &Scheduler<'_>,
+        obs: &mut dyn Observer,
+        trailers: Pairs,
+        read_body: &mut dyn FnMut() -> Vec<u8>,
+        now_ms: u64,
+    ) -> Step {
+        self.trailers = trailers;
+        if self.phase != Phase::AwaitBody {
+            return Step::Continue;
+        }
+        let body = read_body();
+        let limit = s.cfg.max_body_bytes;
+        if body.len() as u64 > limit {
+            return self.refuse(obs, &RequestError::TooLarge { limit });
+        }
+        self.complete(s, obs, body, now_ms)
+    }
+
+    /// The routed answer's headers.
+    pub fn on_response_headers<H: HeaderSource + ?Sized>(
+        &mut self,
+        s: &Scheduler<'_>,
+        obs: &mut dyn Observer,
+        headers: &H,
+        end_of_stream: bool,
+        now_ms: u64,
+    ) -> Step {
+        if self.phase != Phase::Routed {
+            return Step::Continue;
+        }
+        let outcome = match headers.status() {
+            // Rate-limit hints matter only on a 429: spare other answers the header reads.
+            Some(429) => classify(429, &rate_limit_hints(headers), now_ms),
+            Some(status) => classify(status, &[], now_ms),
+            None => Outcome::EndpointFailure(FailureKind::Reset),
+        };
+        if outcome.fails_over() {
+            let Some(failed) = self.finish_current(s, obs, &outcome, None, now_ms) else {
+                return Step::Continue;
+            };
+            let fallback = Fallback::Routed {
+                served_by: self.served_by,
+            };
+            return self.after_answer(s, obs, failed, &outcome, fallback, now_ms);
+        }
+        // Relayed: the attempt lasts as long as its answer.
+        if let Some(a) = self.current.as_mut() {
+            let to_headers = now_ms.saturating_sub(a.ticket.started_ms);
+            a.verdict = Some((outcome, to_headers));
+        }
+        self.phase = Phase::Relaying;
+        let step = Step::Relay(self.exposed(s.cfg));
+        if end_of_stream {
+            self.on_response_end(s, obs, now_ms);
+        }
+        step
+    }
+
+    /// The routed answer ended (its last body chunk or its trailers).
+    pub fn on_response_end(&mut self, s: &Scheduler<'_>, obs: &mut dyn Observer, now_ms: u64) {
+        if self.phase != Phase::Relaying {
+            return;
+        }
+        self.phase = Phase::Done;
+        self.finish_by_verdict(s, obs, now_ms);
+    }
+
+    /// A failover call's answer; `headers` is `None` when the call failed without one
+    /// (reset, timeout after headers).
+    pub fn on_call_response(
+        &mut self,
+        s: &Scheduler<'_>,
+        obs: &mut dyn Observer,
+        headers: Option<Pairs>,
+        body_size: usize,
+        now_ms: u64,
+    ) -> Step {
+        if self.phase != Phase::FailingOver {
+            return Step::Continue;
+        }
+        let status = headers.as_ref().and_then(|h| h.status());
+        let outcome = match (status, &headers) {
+            (Some(429), Some(h)) => classify(429, &rate_limit_hints(h), now_ms),
+            (Some(status), _) => classify(status, &[], now_ms),
+            (None, _) => Outcome::EndpointFailure(FailureKind::Reset),
+        };
+        let Some(answered) = self.finish_current(s, obs, &outcome, None, now_ms) else {
+            return Step::Continue;
+        };
+        let fallback = Fallback::Call {
+            served_by: Some(answered),
+            status,
+            headers: headers.unwrap_or_default(),
+            body_size,
+        };
+        self.after_answer(s, obs, answered, &outcome, fallback, now_ms)
+    }
+
+    /// The host refused the failover call of the last [`Step::Dispatch`] (its cluster is
+    /// unknown to Envoy): a connect failure of that endpoint; the next one is tried.
+    pub fn dispatch_failed(
+        &mut self,
+        s: &Scheduler<'_>,
+        obs: &mut dyn Observer,
+        now_ms: u64,
+    ) -> Step {
+        let outcome = Outcome::EndpointFailure(FailureKind::ConnectFailure);
+        let Some(failed) = self.finish_current(s, obs, &outcome, None, now_ms) else {
+            return Step::Continue;
+        };
+        let fallback = self.fallback.take().unwrap_or(Fallback::Routed {
+            served_by: self.served_by,
+        });
+        self.after_answer(s, obs, failed, &outcome, fallback, now_ms)
+    }
+
+    /// The request is over (Envoy's access-log callback, which runs in every case).
+    pub fn on_log(&mut self, s: &Scheduler<'_>, obs: &mut dyn Observer, now_ms: u64) {
+        self.finish_by_verdict(s, obs, now_ms);
+        self.phase = Phase::Done;
+    }
+
+    /// The body is complete: parse it, key the session, route.
+    fn complete(
+        &mut self,
+        s: &Scheduler<'_>,
+        obs: &mut dyn Observer,
+        body: Vec<u8>,
+        now_ms: u64,
+    ) -> Step {
+        let req = match parse_chat(&body) {
+            Ok(r) => r,
+            Err(e) => return self.refuse(obs, &e),
+        };
+        match derive_session(self.tenant.as_deref(), self.session_header.as_deref(), &req) {
+            Ok((session, _)) => self.session = session,
+            Err(e) => return self.refuse(obs, &e),
+        }
+        self.model = Some(req.model);
+        self.body = body;
+        self.first_attempt(s, obs, now_ms)
+    }
+
+    fn first_attempt(&mut self, s: &Scheduler<'_>, obs: &mut dyn Observer, now_ms: u64) -> Step {
+        match self.start_attempt(s, obs, now_ms) {
+            Ok(i) => {
+                self.served_by = Some(i);
+                self.phase = Phase::Routed;
+                Step::Route(i)
+            }
+            Err(no) => self.no_endpoint(obs, no, now_ms),
+        }
+    }
+
+    /// Picks the next attempt's endpoint and keeps its ticket (the only place a [`Pick`] is
+    /// made, and the only place a ticket is taken).
+    fn start_attempt(
+        &mut self,
+        s: &Scheduler<'_>,
+        obs: &mut dyn Observer,
+        now_ms: u64,
+    ) -> Result<usize, NoEndpoint> {
+        // An attempt is finished before the next starts; never drop a ticket unfinished.
+        if self.current.is_some() {
+            self.finish_current(s, obs, &Outcome::Cancelled, None, now_ms);
+        }
+        let pick = Pick {
+            model: self.model.as_deref(),
+            session: self.session,
+            attempt: self.attempts + 1,
+            exclusions: &self.exclusions,
+            nonce: self.nonce,
+        };
+        let decision = s.pick(&pick, now_ms)?;
+        self.attempts += 1;
+        if self.affinity.is_none() {
+            self.affinity = Some(decision.affinity);
+        }
+        obs.picked(&decision, self.attempts);
+        let endpoint = decision.endpoint;
+        self.current = Some(Attempt {
+            ticket: decision.ticket,
+            verdict: None,
+        });
+        Ok(endpoint)
+    }
+
+    /// Hands the current attempt's ticket back. `to_headers_ms`: measured at the answer's
+    /// headers, else the time until now. Returns the attempt's endpoint.
+    fn finish_current(
+        &mut self,
+        s: &Scheduler<'_>,
+        obs: &mut dyn Observer,
+        outcome: &Outcome,
+        to_headers_ms: Option<u64>,
+        now_ms: u64,
+    ) -> Option<usize> {
+        let a = self.current.take()?;
+        let endpoint = a.ticket.endpoint;
+        let total_ms = now_ms.saturating_sub(a.ticket.started_ms);
+        let timing = Timing {
+            to_headers_ms: to_headers_ms.unwrap_or(total_ms),
+            total_ms,
+        };
+        let report = s.finish(
+            a.ticket,
+            outcome,
+            timing.to_headers_ms,
+            self.session,
+            now_ms,
+        );
+        self.exclusions.after_attempt(endpoint, outcome);
+        obs.finished(endpoint, outcome, &report, timing);
+        Some(endpoint)
+    }
+
+    /// Finishes the current attempt with the verdict of its answer's headers, or as
+    /// `Cancelled` if it had none.
+    fn finish_by_verdict(&mut self, s: &Scheduler<'_>, obs: &mut dyn Observer, now_ms: u64) {
+        let verdict = match &self.current {
+            Some(a) => a.verdict,
+            None => return,
+        };
+        match verdict {
+            Some((outcome, to_headers)) => {
+                self.finish_current(s, obs, &outcome, Some(to_headers), now_ms)
+            }
+            None => self.finish_current(s, obs, &Outcome::Cancelled, None, now_ms),
+        };
+    }
+
+    /// After an answer (routed or called) whose attempt is finished: fail over if the outcome
+    /// and the bounds allow, else conclude with `fallback`.
+    fn after_answer(
+        &mut self,
+        s: &Scheduler<'_>,
+        obs: &mut dyn Observer,
+        answered: usize,
+        outcome: &Outcome,
+        fallback: Fallback,
+        now_ms: u64,
+    ) -> Step {
+        match self.next_attempt(s, obs, answered, outcome, now_ms) {
+            Some(i) => {
+                self.fallback = Some(fallback);
+                self.served_by = Some(i);
+                self.phase = Phase::FailingOver;
+                Step::Dispatch(i)
+            }
+            None => self.conclude(s, obs, fallback),
+        }
+    }
+
+    /// The endpoint of the next attempt, if `outcome` fails over and the attempt limit and
+    /// retry budget allow one.
+    fn next_attempt(
+        &mut self,
+        s: &Scheduler<'_>,
+        obs: &mut dyn Observer,
+        failed: usize,
+        outcome: &Outcome,
+        now_ms: u64,
+    ) -> Option<usize> {
+        if !outcome.fails_over() || self.attempts >= s.cfg.max_attempts {
+            return None;
+        }
+        match self.start_attempt(s, obs, now_ms) {
+            Ok(i) => {
+                obs.failed_over(failed);
+                Some(i)
+            }
+            Err(NoEndpoint::BudgetExhausted) => {
+                obs.budget_exhausted();
+                None
+            }
+            Err(_) => None,
+        }
+    }
+
+    /// No (further) failover: the client gets the last answer.
+    fn conclude(&mut self, s: &Scheduler<'_>, obs: &mut dyn Observer, fallback: Fallback) -> Step {
+        self.phase = Phase::Done;
+        match fallback {
+            Fallback::Routed { served_by } => {
+                self.served_by = served_by;
+                Step::Relay(self.exposed(s.cfg))
+            }
+            Fallback::Call {
+                served_by,
+                status,
+                headers,
+                body_size,
+            } => {
+                self.served_by = served_by;
+                self.call_answer(s.cfg, obs, status, headers, body_size)
+            }
+        }
+    }
+
+    fn refuse(&mut self, obs: &mut dyn Observer, e: &RequestError) -> Step {
+        self.reply(obs, e.reply())
+    }
+
+    fn reply(&mut self, obs: &mut dyn Observer, reply: Reply) -> Step {
+        self.phase = Phase::Done;
+        obs.replied(&reply);
+        Step::Reply(reply)
+    }
+}
+
+#[cfg(test)]
+mod tests;

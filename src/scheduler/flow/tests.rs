@@ -1,0 +1,622 @@
+//! The request lifecycle natively, over `MemStore`: what used to be testable only through
+//! Envoy (phases, attempt limit, failover loop, Envoy's own 5xx, in-flight accounting).
+
+use super::*;
+use crate::scheduler::config::Config;
+use crate::scheduler::reply::RejectReason;
+use crate::scheduler::select::TABLE_KEY;
+use crate::scheduler::state::Table;
+use crate::scheduler::store::{MemStore, Store};
+use serde_json::json;
+#[cfg(target_arch = "wasm32")]
+use wasm_bindgen_test::wasm_bindgen_test as test;
+
+#[derive(Debug, Clone, PartialEq)]
+enum Event {
+    Picked(usize, u32),
+    Finished(usize, &'static str, Timing, bool),
+    FailedOver(usize),
+    BudgetExhausted,
+    Replied(&'static str),
+}
+
+#[derive(Default)]
+struct Log(Vec<Event>);
+
+impl Observer for Log {
+    fn picked(&mut self, d: &Decision, attempt: u32) {
+        self.0.push(Event::Picked(d.endpoint, attempt));
+    }
+    fn finished(&mut self, endpoint: usize, outcome: &Outcome, report: &Finished, t: Timing) {
+        // The last field: whether the filter would count it as a lost update.
+        let lost = !report.stored;
+        self.0
+            .push(Event::Finished(endpoint, outcome.label(), t, lost));
+    }
+    fn failed_over(&mut self, from: usize) {
+        self.0.push(Event::FailedOver(from));
+    }
+    fn budget_exhausted(&mut self) {
+        self.0.push(Event::BudgetExhausted);
+    }
+    fn replied(&mut self, reply: &Reply) {
+        self.0.push(Event::Replied(reply.reason.label()));
+    }
+}
+
+/// Endpoints a (weight 10^6), b (10^3), c (1): cold, a request's rendezvous order is a, b, c
+/// but for about one session in a thousand (weighted rendezvous; these tests' sessions are
+/// fixed, and checked to be ordinary ones).
+fn cfg(extra: serde_json::Value) -> Config {
+    let mut v = json!({"endpoints": [
+        {"name": "a", "cluster": "ca", "weight": 1_000_000, "headers": {"authorization": "Bearer ka"}},
+        {"name": "b", "cluster": "cb", "weight": 1000},
+        {"name": "c", "cluster": "cc", "weight": 1},
+    ], "cold_start_samples": 1000000, "failure_threshold": 1000,
+       "retry_budget_min_retries": 1000});
+    if let (Some(o), serde_json::Value::Object(more)) = (v.as_object_mut(), extra) {
+        o.extend(more);
+    }
+    Config::from_value(&v).unwrap()
+}
+
+fn pairs(list: &[(&str, &str)]) -> Pairs {
+    list.iter()
+        .map(|(k, v)| (k.to_string(), v.as_bytes().to_vec()))
+        .collect()
+}
+
+fn post_headers(extra: &[(&str, &str)]) -> Pairs {
+    let mut h = pairs(&[
+        (":method", "POST"),
+        (":path", "/v1/chat/completions"),
+        (":authority", "llm"),
+        ("content-type", "application/json"),
+    ]);
+    h.extend(pairs(extra));
+    h
+}
+
+const BODY: &[u8] = br#"{"model":"m","messages":[{"role":"user","content":"hi"}]}"#;
+
+fn in_flight(store: &MemStore, cfg: &Config) -> Vec<u32> {
+    Table::aligned(store.get(TABLE_KEY).0.as_deref(), cfg)
+        .entries
+        .iter()
+        .map(|(_, st)| st.in_flight)
+        .collect()
+}
+
+/// Runs a POST with `BODY` up to its routing; returns the step.
+fn route(f: &mut Flow, s: &Scheduler<'_>, log: &mut Log, headers: Pairs, now: u64) -> Step {
+    assert_eq!(
+        f.on_request_headers(s, log, headers, false, now),
+        Step::Pause
+    );
+    assert_eq!(
+        f.on_request_body(s, log, BODY.len() / 2, false, &mut || unreachable(), now),
+        Step::Pause
+    );
+    f.on_request_body(s, log, BODY.len(), true, &mut || BODY.to_vec(), now)
+}
+
+fn unreachable() -> Vec<u8> {
+    panic!("the body is read once, at its end")
+}
+
+#[test]
+fn a_streamed_answer_is_in_flight_until_it_ends_with_latency_to_its_headers() {
+    let c = cfg(json!({}));
+    let store = MemStore::new();
+    let s = Scheduler::new(&c, &store);
+    let mut log = Log::default();
+    let mut f = Flow::default();
+    let step = route(
+        &mut f,
+        &s,
+        &mut log,
+        post_headers(&[("x-session-id", "s1")]),
+        1_000,
+    );
+    assert_eq!(step, Step::Route(0));
+    assert_eq!(in_flight(&store, &c), vec![1, 0, 0]);
+    let step = f.on_response_headers(&s, &mut log, &pairs(&[(":status", "200")]), false, 1_040);
+    assert_eq!(
+        step,
+        Step::Relay(vec![
+            (HEADER_ATTEMPTS, "1".into()),
+            (HEADER_ENDPOINT, "a".into()),
+            (HEADER_AFFINITY, "home".into()),
+        ])
+    );
+    // The answer streams for 5 s: still one attempt in flight, no shared-data write.
+    let writes = store.writes.get();
+    assert_eq!(in_flight(&store, &c), vec![1, 0, 0]);
+    f.on_response_end(&s, &mut log, 6_040);
+    assert_eq!(in_flight(&store, &c), vec![0, 0, 0]);
+    // One table write for the finish, one affinity write for the pin: as at the headers.
+    assert_eq!(store.writes.get(), writes + 2);
+    let t = Timing {
+        to_headers_ms: 40,
+        total_ms: 5_040,
+    };
+    assert_eq!(
+        log.0,
+        vec![Event::Picked(0, 1), Event::Finished(0, "success", t, false)]
+    );
+    assert_eq!(
+        Table::aligned(store.get(TABLE_KEY).0.as_deref(), &c).entries[0]
+            .1
+            .latency_ms,
+        Some(40.0)
+    );
+    f.on_log(&s, &mut log, 7_000);
+    assert_eq!(log.0.len(), 2, "finished exactly once");
+}
+
+#[test]
+fn a_stream_cut_midway_keeps_its_verdict_and_no_answer_is_cancelled() {
+    let c = cfg(json!({}));
+    let store = MemStore::new();
+    let s = Scheduler::new(&c, &store);
+    let mut log = Log::default();
+    // Cut after the headers (upstream reset or client gone): on_log, the verdict of the headers.
+    let mut f = Flow::default();
+    route(&mut f, &s, &mut log, post_headers(&[]), 0);
+    f.on_response_headers(&s, &mut log, &pairs(&[(":status", "200")]), false, 10);
+    f.on_log(&s, &mut log, 900);
+    // Gone before any answer: cancelled.
+    let mut g = Flow::default();
+    route(&mut g, &s, &mut log, post_headers(&[]), 1_000);
+    g.on_log(&s, &mut log, 1_500);
+    let finished: Vec<&Event> = log
+        .0
+        .iter()
+        .filter(|e| matches!(e, Event::Finished(..)))
+        .collect();
+    assert_eq!(
+        finished,
+        vec![
+            &Event::Finished(
+                0,
+                "success",
+                Timing {
+                    to_headers_ms: 10,
+                    total_ms: 900
+                },
+                false
+            ),
+            &Event::Finished(
+                0,
+                "cancelled",
+                Timing {
+                    to_headers_ms: 500,
+                    total_ms: 500
+                },
+                false
+            ),
+        ]
+    );
+    assert_eq!(in_flight(&store, &c), vec![0, 0, 0]);
+    // An answer that ends at its headers (HEAD, 204) finishes at once.
+    let mut h = Flow::default();
+    let get = pairs(&[(":method", "HEAD"), (":path", "/v1/models")]);
+    assert_eq!(
+        h.on_request_headers(&s, &mut log, get, true, 2_000),
+        Step::Route(0)
+    );
+    h.on_response_headers(&s, &mut log, &pairs(&[(":status", "200")]), true, 2_005);
+    assert!(!h.in_flight());
+    assert_eq!(in_flight(&store, &c), vec![0, 0, 0]);
+}
+
+#[test]
+fn failover_chain_relays_the_last_answer_with_its_headers() {
+    let c = cfg(json!({"max_attempts": 3}));
+    let store = MemStore::new();
+    let s = Scheduler::new(&c, &store);
+    let mut log = Log::default();
+    let mut f = Flow::default();
+    let client = post_headers(&[
+        ("x-computeflux-cluster", "cc"),
+        ("authorization", "Bearer client"),
+    ]);
+    assert_eq!(route(&mut f, &s, &mut log, client, 0), Step::Route(0));
+    // a: 503 → held, b called.
+    let step = f.on_response_headers(&s, &mut log, &pairs(&[(":status", "503")]), false, 5);
+    assert_eq!(step, Step::Dispatch(1));
+    assert!(f.holds_answer());
+    let call = f.call(&c, 1).unwrap();
+    assert_eq!(call.cluster, "cb");
+    assert_eq!(call.body, BODY);
+    assert_eq!(call.timeout_ms, c.failover_timeout_ms);
+    assert!(
+        call.headers.header("x-computeflux-cluster").is_none(),
+        "routing header removed"
+    );
+    assert_eq!(
+        call.headers.header("content-length").as_deref(),
+        Some(BODY.len().to_string().as_bytes())
+    );
+    // a's own API key goes to a only; the client's reaches b (b sets none).
+    let to_a = f.call(&c, 0).unwrap();
+    assert_eq!(
+        to_a.headers.header("authorization").as_deref(),
+        Some(&b"Bearer ka"[..])
+    );
+    assert_eq!(
+        call.headers.header("authorization").as_deref(),
+        Some(&b"Bearer client"[..])
+    );
+    assert_eq!(in_flight(&store, &c), vec![0, 1, 0]);
+    // b: 429 with a hint → c called.
+    let b_answer = pairs(&[
+        (":status", "429"),
+        ("retry-after", "7"),
+        (UPSTREAM_MARKER, "1"),
+    ]);
+    let step = f.on_call_response(&s, &mut log, Some(b_answer), 10, 20);
+    assert_eq!(step, Step::Dispatch(2));
+    // c: 200 → relayed, hop-by-hop and pseudo headers dropped, explanations added.
+    let c_answer = pairs(&[
+        (":status", "200"),
+        ("content-type", "text/event-stream"),
+        ("content-length", "999"),
+        ("transfer-encoding", "chunked"),
+        (HEADER_ATTEMPTS, "forged"),
+        (UPSTREAM_MARKER, "3"),
+    ]);
+    let step = f.on_call_response(&s, &mut log, Some(c_answer), 999, 40);
+    assert_eq!(
+        step,
+        Step::RelayCall {
+            status: 200,
+            headers: pairs(&[
+                ("content-type", "text/event-stream"),
+                (UPSTREAM_MARKER, "3"),
+                (HEADER_ATTEMPTS, "3"),
+                (HEADER_ENDPOINT, "c"),
+                (HEADER_AFFINITY, "home"),
+            ]),
+            body_size: 999,
+        }
+    );
+    assert_eq!(in_flight(&store, &c), vec![0, 0, 0]);
+    assert!(!f.in_flight());
+    assert_eq!(f.phase(), Phase::Done);
+    assert_eq!(
+        log.0
+            .iter()
+            .filter(|e| matches!(e, Event::FailedOver(_)))
+            .collect::<Vec<_>>(),
+        vec![&Event::FailedOver(0), &Event::FailedOver(1)]
+    );
+    // b is rate limited for its hint.
+    let table = Table::aligned(store.get(TABLE_KEY).0.as_deref(), &c);
+    assert_eq!(table.entries[1].1.breaker.open_until_ms, 20 + 7_000);
+    f.on_log(&s, &mut log, 50);
+    assert_eq!(
+        log.0
+            .iter()
+            .filter(|e| matches!(e, Event::Finished(..)))
+            .count(),
+        3,
+        "each attempt finished exactly once"
+    );
+}
+
+#[test]
+fn the_attempt_limit_passes_the_last_failure_through() {
+    let c = cfg(json!({"max_attempts": 2}));
+    let store = MemStore::new();
+    let s = Scheduler::new(&c, &store);
+    let mut log = Log::default();
+    let mut f = Flow::default();
+    route(&mut f, &s, &mut log, post_headers(&[]), 0);
+    let step = f.on_response_headers(&s, &mut log, &pairs(&[(":status", "502")]), false, 1);
+    assert_eq!(step, Step::Dispatch(1));
+    let b = pairs(&[(":status", "500"), (UPSTREAM_MARKER, "2"), ("x-which", "b")]);
+    match f.on_call_response(&s, &mut log, Some(b), 17, 3) {
+        Step::RelayCall {
+            status, headers, ..
+        } => {
+            assert_eq!(status, 500);
+            assert_eq!(headers.header("x-which").as_deref(), Some(&b"b"[..]));
+            assert_eq!(headers.header(HEADER_ENDPOINT).as_deref(), Some(&b"b"[..]));
+        }
+        other => panic!("{other:?}"),
+    }
+    assert_eq!(f.attempts(), 2);
+    // Routed failure with nothing left: the failing answer itself is relayed.
+    let one = cfg(json!({"max_attempts": 1}));
+    let s1 = Scheduler::new(&one, &store);
+    let mut g = Flow::default();
+    route(&mut g, &s1, &mut log, post_headers(&[]), 10);
+    let step = g.on_response_headers(&s1, &mut log, &pairs(&[(":status", "503")]), false, 11);
+    assert!(matches!(step, Step::Relay(_)), "{step:?}");
+    assert!(!g.in_flight(), "a failure is finished at its headers");
+}
+
+#[test]
+fn a_refused_dispatch_is_a_connect_failure_and_the_next_endpoint_is_tried() {
+    let c = cfg(json!({"max_attempts": 3}));
+    let store = MemStore::new();
+    let s = Scheduler::new(&c, &store);
+    let mut log = Log::default();
+    let mut f = Flow::default();
+    route(&mut f, &s, &mut log, post_headers(&[]), 0);
+    assert_eq!(
+        f.on_response_headers(&s, &mut log, &pairs(&[(":status", "503")]), false, 1),
+        Step::Dispatch(1)
+    );
+    assert_eq!(f.dispatch_failed(&s, &mut log, 2), Step::Dispatch(2));
+    // Every call refused: the held answer of a is relayed, and it says so.
+    match f.dispatch_failed(&s, &mut log, 3) {
+        Step::Relay(expose) => {
+            assert!(
+                expose.contains(&(HEADER_ENDPOINT, "a".to_string())),
+                "{expose:?}"
+            );
+            assert!(
+                expose.contains(&(HEADER_ATTEMPTS, "3".to_string())),
+                "{expose:?}"
+            );
+        }
+        other => panic!("{other:?}"),
+    }
+    assert_eq!(in_flight(&store, &c), vec![0, 0, 0]);
+    let outcomes: Vec<(usize, &str)> = log
+        .0
+        .iter()
+        .filter_map(|e| match e {
+            Event::Finished(i, o, _, _) => Some((*i, *o)),
+            _ => None,
+        })
+        .collect();
+    assert_eq!(
+        outcomes,
+        vec![
+            (0, "endpoint_failure"),
+            (1, "endpoint_failure"),
+            (2, "endpoint_failure")
+        ]
+    );
+}
+
+#[test]
+fn envoys_own_failures_resets_and_oversized_answers_get_openai_errors() {
+    let c = cfg(json!({"max_attempts": 2}));
+    let store = MemStore::new();
+    let s = Scheduler::new(&c, &store);
+    let mut log = Log::default();
+    let failed_over = |log: &mut Log| {
+        let mut f = Flow::default();
+        route(&mut f, &s, log, post_headers(&[]), 0);
+        let step = f.on_response_headers(&s, log, &pairs(&[(":status", "503")]), false, 1);
+        assert!(matches!(step, Step::Dispatch(_)), "{step:?}");
+        f
+    };
+    // Envoy's own 503 for the call (no upstream marker).
+    let mut f = failed_over(&mut log);
+    match f.on_call_response(&s, &mut log, Some(pairs(&[(":status", "503")])), 90, 2) {
+        Step::Reply(r) => {
+            assert_eq!(
+                (r.status, r.reason),
+                (503, RejectReason::UpstreamUnavailable)
+            );
+            assert!(r.headers.contains(&(HEADER_ATTEMPTS, "2".to_string())));
+        }
+        other => panic!("{other:?}"),
+    }
+    // The call failed without headers (reset, timeout after headers).
+    let mut f = failed_over(&mut log);
+    match f.on_call_response(&s, &mut log, None, 0, 2) {
+        Step::Reply(r) => assert_eq!(
+            (r.status, r.reason),
+            (502, RejectReason::UpstreamUnavailable)
+        ),
+        other => panic!("{other:?}"),
+    }
+    // A success larger than the relay limit: refused, but the endpoint did succeed.
+    let mut f = failed_over(&mut log);
+    let ok = pairs(&[(":status", "200"), (UPSTREAM_MARKER, "5")]);
+    match f.on_call_response(
+        &s,
+        &mut log,
+        Some(ok.clone()),
+        MAX_RELAYED_ANSWER_BYTES + 1,
+        2,
+    ) {
+        Step::Reply(r) => {
+            assert_eq!(
+                (r.status, r.reason),
+                (502, RejectReason::FailoverAnswerTooLarge)
+            );
+            assert!(
+                r.message.contains(&MAX_RELAYED_ANSWER_BYTES.to_string()),
+                "{}",
+                r.message
+            );
+        }
+        other => panic!("{other:?}"),
+    }
+    assert!(log.0.contains(&Event::Finished(
+        1,
+        "success",
+        Timing {
+            to_headers_ms: 1,
+            total_ms: 1
+        },
+        false
+    )));
+    // At the limit: relayed.
+    let mut f = failed_over(&mut log);
+    let step = f.on_call_response(&s, &mut log, Some(ok), MAX_RELAYED_ANSWER_BYTES, 2);
+    assert!(
+        matches!(step, Step::RelayCall { status: 200, .. }),
+        "{step:?}"
+    );
+    assert_eq!(in_flight(&store, &c), vec![0, 0, 0]);
+}
+
+#[test]
+fn bad_requests_get_openai_errors_and_never_take_a_ticket() {
+    let c = cfg(json!({"max_body_bytes": 4096}));
+    let store = MemStore::new();
+    let s = Scheduler::new(&c, &store);
+    let mut log = Log::default();
+    let refused = |step: Step| match step {
+        Step::Reply(r) => (r.status, r.reason.label(), r.body()),
+        other => panic!("{other:?}"),
+    };
+    // Issue 14's body: serde_json quotes the "é"s and used to be cut inside one.
+    let body = format!(
+        r#"{{"model":"llama-3-8b","messages":"a{}"}}"#,
+        "é".repeat(200)
+    );
+    let mut f = Flow::default();
+    f.on_request_headers(&s, &mut log, post_headers(&[]), false, 0);
+    let (status, code, json) = refused(f.on_request_body(
+        &s,
+        &mut log,
+        body.len(),
+        true,
+        &mut || body.clone().into_bytes(),
+        0,
+    ));
+    assert_eq!((status, code), (400, "invalid_json"));
+    assert!(json.len() < 1024, "{json}");
+    // No body at all; a declared size over the limit; a chunked body that grows past it.
+    let mut f = Flow::default();
+    assert_eq!(
+        refused(f.on_request_headers(&s, &mut log, post_headers(&[]), true, 0)).1,
+        "empty_body"
+    );
+    let mut f = Flow::default();
+    let big = post_headers(&[("content-length", "4097")]);
+    assert_eq!(
+        refused(f.on_request_headers(&s, &mut log, big, false, 0)).0,
+        413
+    );
+    let mut f = Flow::default();
+    f.on_request_headers(&s, &mut log, post_headers(&[]), false, 0);
+    assert_eq!(
+        refused(f.on_request_body(&s, &mut log, 4097, false, &mut unreachable, 0)).1,
+        "request_too_large"
+    );
+    // A session header over the bound, a model nobody serves (a long multi-byte name).
+    let mut f = Flow::default();
+    let long = "é".repeat(3000);
+    f.on_request_headers(
+        &s,
+        &mut log,
+        post_headers(&[("x-session-id", &long)]),
+        false,
+        0,
+    );
+    let step = f.on_request_body(&s, &mut log, BODY.len(), true, &mut || BODY.to_vec(), 0);
+    assert_eq!(refused(step).1, "invalid_session_id");
+    let only_x = cfg(json!({"endpoints": [{"name": "x", "cluster": "cx", "models": ["x"]}]}));
+    let sx = Scheduler::new(&only_x, &store);
+    let model = "é".repeat(128);
+    let body = format!(r#"{{"model":"{model}"}}"#);
+    let mut f = Flow::default();
+    f.on_request_headers(&sx, &mut log, post_headers(&[]), false, 0);
+    let (status, code, json) = refused(f.on_request_body(
+        &sx,
+        &mut log,
+        body.len(),
+        true,
+        &mut || body.clone().into_bytes(),
+        0,
+    ));
+    assert_eq!((status, code), (404, "model_not_found"));
+    assert!(serde_json::from_str::<serde_json::Value>(&json).is_ok());
+    // No picks, no tickets, nothing in flight.
+    assert!(
+        !log.0.iter().any(|e| matches!(e, Event::Picked(..))),
+        "{:?}",
+        log.0
+    );
+    assert_eq!(in_flight(&store, &c), vec![0, 0, 0]);
+}
+
+#[test]
+fn trailers_complete_a_body_whose_end_the_body_callback_never_saw() {
+    let c = cfg(json!({"max_attempts": 2}));
+    let store = MemStore::new();
+    let s = Scheduler::new(&c, &store);
+    let mut log = Log::default();
+    let mut f = Flow::default();
+    f.on_request_headers(&s, &mut log, post_headers(&[]), false, 0);
+    assert_eq!(
+        f.on_request_body(&s, &mut log, BODY.len(), false, &mut unreachable, 0),
+        Step::Pause
+    );
+    let trailers = pairs(&[("x-checksum", "abc")]);
+    let step = f.on_request_trailers(&s, &mut log, trailers.clone(), &mut || BODY.to_vec(), 1);
+    assert_eq!(step, Step::Route(0));
+    // ...and go along on a failover call.
+    f.on_response_headers(&s, &mut log, &pairs(&[(":status", "503")]), false, 2);
+    assert_eq!(f.call(&c, 1).unwrap().trailers, trailers.as_slice());
+    // Trailers after an empty body: refused as empty, not routed without a model.
+    let mut g = Flow::default();
+    g.on_request_headers(&s, &mut log, post_headers(&[]), false, 0);
+    let step = g.on_request_trailers(&s, &mut log, trailers, &mut Vec::<u8>::new, 1);
+    assert!(matches!(step, Step::Reply(r) if r.reason == RejectReason::EmptyBody));
+}
+
+#[test]
+fn a_reload_under_an_attempt_is_not_a_lost_update() {
+    // The attempt started under a configuration with a; the table now belongs to one without.
+    let before = cfg(json!({}));
+    let after = Config::from_value(&json!({"endpoints": [
+        {"name": "b", "cluster": "cb"}, {"name": "c", "cluster": "cc"}]}))
+    .unwrap();
+    let store = MemStore::new();
+    let mut log = Log::default();
+    let mut f = Flow::default();
+    route(
+        &mut f,
+        &Scheduler::new(&before, &store),
+        &mut log,
+        post_headers(&[]),
+        0,
+    );
+    let s_after = Scheduler::new(&after, &store);
+    let _ = s_after.pick(
+        &Pick {
+            model: None,
+            session: None,
+            attempt: 1,
+            exclusions: &Exclusions::default(),
+            nonce: 0,
+        },
+        1,
+    );
+    f.on_response_headers(&s_after, &mut log, &pairs(&[(":status", "200")]), true, 5);
+    assert!(
+        log.0
+            .iter()
+            .any(|e| matches!(e, Event::Finished(0, "success", _, false))),
+        "counted as a lost update: {:?}",
+        log.0
+    );
+    // A reload that only moved the endpoint records the attempt where it now is.
+    let moved = Config::from_value(&json!({"endpoints": [
+        {"name": "c", "cluster": "cc"}, {"name": "a", "cluster": "ca"}]}))
+    .unwrap();
+    let store = MemStore::new();
+    let mut g = Flow::default();
+    route(
+        &mut g,
+        &Scheduler::new(&before, &store),
+        &mut log,
+        post_headers(&[]),
+        0,
+    );
+    let s_moved = Scheduler::new(&moved, &store);
+    g.on_response_headers(&s_moved, &mut log, &pairs(&[(":status", "200")]), true, 5);
+    let t = Table::aligned(store.get(TABLE_KEY).0.as_deref(), &moved);
+    assert_eq!((t.entries[1].1.in_flight, t.entries[1].1.total), (0, 1));
+}

@@ -1,0 +1,163 @@
+//! Headers as the request flow reads them, wherever they live.
+//!
+//! Why a trait: the flow reads a response's `:status`, its rate-limit hints and Envoy's own
+//! markers from two places — the live header map of the routed answer (read one name at a
+//! time through host calls, so that a 200 costs one call) and the header list of a failover
+//! call's answer (already copied out). [`HeaderSource`] covers both, so the flow is the same
+//! code natively (tests, simulations) and in Envoy.
+//!
+//! The host passes header lists as one byte string: a little-endian `u32` count, then a
+//! (`u32` name length, `u32` value length) pair per header, then each name and value followed
+//! by a NUL. [`encode_pairs`] and [`decode_pairs`] read and write it without trusting it:
+//! anything malformed decodes as `None`, never as a panic.
+
+use std::borrow::Cow;
+
+/// Header name (lower case, as Envoy gives it) and raw value bytes.
+pub type Pairs = Vec<(String, Vec<u8>)>;
+
+/// Somewhere header values can be read by name.
+pub trait HeaderSource {
+    /// The first value of header `name` (lower case), if present.
+    fn header(&self, name: &str) -> Option<Cow<'_, [u8]>>;
+
+    /// The `:status` pseudo-header as a number.
+    fn status(&self) -> Option<u16> {
+        let v = self.header(":status")?;
+        std::str::from_utf8(&v).ok()?.trim().parse().ok()
+    }
+
+    /// The value of `name` as text, if it is UTF-8.
+    fn header_str(&self, name: &str) -> Option<String> {
+        let v = self.header(name)?;
+        String::from_utf8(v.into_owned()).ok()
+    }
+}
+
+impl HeaderSource for [(String, Vec<u8>)] {
+    fn header(&self, name: &str) -> Option<Cow<'_, [u8]>> {
+        self.iter()
+            .find(|(n, _)| n.eq_ignore_ascii_case(name))
+            .map(|(_, v)| Cow::Borrowed(v.as_slice()))
+    }
+}
+
+impl HeaderSource for Pairs {
+    fn header(&self, name: &str) -> Option<Cow<'_, [u8]>> {
+        self.as_slice().header(name)
+    }
+}
+
+/// The rate-limit reset hints the classifier reads on a 429 (`outcome::retry_hint_ms`).
+pub const RATE_LIMIT_HINTS: [&str; 4] = [
+    "retry-after",
+    "retry-after-ms",
+    "x-ratelimit-reset-requests",
+    "x-ratelimit-reset-tokens",
+];
+
+/// The rate-limit hints present in `h`, as text.
+pub fn rate_limit_hints<H: HeaderSource + ?Sized>(h: &H) -> Vec<(String, String)> {
+    RATE_LIMIT_HINTS
+        .iter()
+        .filter_map(|n| {
+            h.header(n)
+                .map(|v| (n.to_string(), String::from_utf8_lossy(&v).into_owned()))
+        })
+        .collect()
+}
+
+/// The host's serialized form of a header list.
+pub fn encode_pairs(pairs: &[(&str, &[u8])]) -> Vec<u8> {
+    let size = 4 + pairs
+        .iter()
+        .map(|(k, v)| 10 + k.len() + v.len())
+        .sum::<usize>();
+    let mut out = Vec::with_capacity(size);
+    out.extend_from_slice(&(pairs.len() as u32).to_le_bytes());
+    for (k, v) in pairs {
+        out.extend_from_slice(&(k.len() as u32).to_le_bytes());
+        out.extend_from_slice(&(v.len() as u32).to_le_bytes());
+    }
+    for (k, v) in pairs {
+        out.extend_from_slice(k.as_bytes());
+        out.push(0);
+        out.extend_from_slice(v);
+        out.push(0);
+    }
+    out
+}
+
+/// Reads a serialized header list; `None` if it is malformed (truncated, lengths past the
+/// end, trailing bytes). Names that are not UTF-8 are read lossily (Envoy only allows
+/// tokens). An empty input is an empty list.
+pub fn decode_pairs(bytes: &[u8]) -> Option<Pairs> {
+    if bytes.is_empty() {
+        return Some(Vec::new());
+    }
+    let word = |at: usize| -> Option<usize> {
+        let b: [u8; 4] = bytes.get(at..at.checked_add(4)?)?.try_into().ok()?;
+        Some(u32::from_le_bytes(b) as usize)
+    };
+    let count = word(0)?;
+    // Each header takes at least 10 bytes (two lengths, two NULs): bounds the allocation.
+    if count > bytes.len() / 10 {
+        return None;
+    }
+    let mut at = 4usize.checked_add(count.checked_mul(8)?)?;
+    let mut out = Vec::with_capacity(count);
+    for i in 0..count {
+        let name_len = word(4 + i * 8)?;
+        let value_len = word(8 + i * 8)?;
+        let name = bytes.get(at..at.checked_add(name_len)?)?;
+        at = at.checked_add(name_len)?;
+        if bytes.get(at) != Some(&0) {
+            return None;
+        }
+        at += 1;
+        let value = bytes.get(at..at.checked_add(value_len)?)?;
+        at = at.checked_add(value_len)?;
+        if bytes.get(at) != Some(&0) {
+            return None;
+        }
+        at += 1;
+        out.push((String::from_utf8_lossy(name).into_owned(), value.to_vec()));
+    }
+    (at == bytes.len()).then_some(out)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    #[cfg(target_arch = "wasm32")]
+    use wasm_bindgen_test::wasm_bindgen_test as test;
+
+    #[test]
+    fn round_trip_and_malformed_input() {
+        let pairs: Vec<(&str, &[u8])> = vec![
+            (":status", b"429"),
+            ("retry-after", b"7"),
+            ("x-bin", b"\xff\x00\x01"),
+        ];
+        let bytes = encode_pairs(&pairs);
+        let back = decode_pairs(&bytes).unwrap();
+        assert_eq!(back.len(), 3);
+        assert_eq!(back.status(), Some(429));
+        assert_eq!(back.header("x-bin").as_deref(), Some(&b"\xff\x00\x01"[..]));
+        assert_eq!(back.header("RETRY-AFTER").as_deref(), Some(&b"7"[..]));
+        assert_eq!(
+            rate_limit_hints(&back),
+            vec![("retry-after".to_string(), "7".to_string())]
+        );
+        assert_eq!(decode_pairs(&[]), Some(Vec::new()));
+        assert_eq!(decode_pairs(&encode_pairs(&[])), Some(Vec::new()));
+        for cut in 1..bytes.len() {
+            assert_eq!(decode_pairs(&bytes[..cut]), None, "cut at {cut}");
+        }
+        let mut longer = bytes.clone();
+        longer.push(0);
+        assert_eq!(decode_pairs(&longer), None);
+        // A count far beyond the input is refused before allocating.
+        assert_eq!(decode_pairs(&u32::MAX.to_le_bytes()), None);
+    }
+}
