@@ -258,7 +258,9 @@ impl Report<'_> {
                  round-robin Envoy"
             );
         }
-        s.push_str("; *–*: not run (the rolling restart needs replicas)");
+        if self.scenarios().contains(&"rolling_restart") {
+            s.push_str("; *–*: not run (the rolling restart needs replicas)");
+        }
         s
     }
 
@@ -489,35 +491,39 @@ impl Report<'_> {
                 .unwrap_or_default(),
         );
         let clusters = g("/envoy_model_clusters/clusters");
+        let balancers = match clusters.as_object() {
+            Some(o) => format!(
+                "one cluster per model holding only the hosts that serve it ({}), so no request \
+                 reaches a host without its model; a small Lua filter reads the body's `model` \
+                 and names the cluster in `{}`, which the route's `cluster_header` reads (a Lua \
+                 filter rather than a header sent by the client: OpenAI clients name the model \
+                 only in the body, and every policy gets byte-identical requests)",
+                o.iter()
+                    .map(|(k, v)| {
+                        let hosts: Vec<&str> = v
+                            .as_array()
+                            .map(|a| a.iter().filter_map(Value::as_str).collect())
+                            .unwrap_or_default();
+                        format!("`{k}`: {}", hosts.join(","))
+                    })
+                    .collect::<Vec<_>>()
+                    .join("; "),
+                g("/envoy_model_clusters/header").as_str().unwrap_or("?"),
+            ),
+            // Runs before the per-model clusters.
+            None => "one cluster of all hosts (a request for `m2` can land on an `m1`-only host, \
+                     which answers 404)"
+                .into(),
+        };
         let _ = writeln!(
             s,
-            "Envoy's balancers: one cluster per model holding only the hosts that serve it ({}), \
-             so no request reaches a host without its model; a small Lua filter reads the body's \
-             `model` and names the cluster in `{}`, which the route's `cluster_header` reads (a \
-             Lua filter rather than a header sent by the client: OpenAI clients name the model \
-             only in the body, and every policy gets byte-identical requests). `hash_policy` on \
-             `x-session-id` for ring_hash/maglev; route retry policy: {}. computeflux: one \
-             cluster per endpoint, `cluster_header` route, plugin config `{}`.\n",
-            clusters
-                .as_object()
-                .map(|o| {
-                    o.iter()
-                        .map(|(k, v)| {
-                            let hosts: Vec<&str> = v
-                                .as_array()
-                                .map(|a| a.iter().filter_map(Value::as_str).collect())
-                                .unwrap_or_default();
-                            format!("`{k}`: {}", hosts.join(","))
-                        })
-                        .collect::<Vec<_>>()
-                        .join("; ")
-                })
-                .unwrap_or_else(|| "not recorded".into()),
-            g("/envoy_model_clusters/header").as_str().unwrap_or("?"),
+            "Envoy's balancers: {balancers}. `hash_policy` on `x-session-id` for \
+             ring_hash/maglev; route retry policy: {}. computeflux: one cluster per endpoint, \
+             `cluster_header` route, plugin config `{}`.\n",
             if g("/envoy_retries").as_bool().unwrap_or(false) {
                 format!(
-                    "`{}` (kept from the single-Envoy bench: a refused connection, a reset or a \
-                     429/503 is retried on another host of the model's cluster)",
+                    "`{}` (a refused connection, a reset or a 429/503 is retried on another host \
+                     of the cluster)",
                     g("/envoy_retry_policy")
                 )
             } else {
