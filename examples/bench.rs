@@ -395,7 +395,7 @@ fn run(a: Args) -> Result<(), String> {
             "envoy_model_clusters": {
                 "header": topology::MODEL_CLUSTER_HEADER,
                 "clusters": model_clusters(),
-                "lua": topology::MODEL_LUA,
+                "lua": topology::model_lua(),
             },
             "replicas": a.replicas,
             "replicated": {

@@ -504,3 +504,29 @@ pub fn brief(rep: &Report<'_>) -> String {
     }
     s
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_baseline_compares_only_with_the_same_workload_and_mocks() {
+        let b = Baseline {
+            source: "results.json".into(),
+            commit: "abc".into(),
+            date: String::new(),
+            mode: "full".into(),
+            workload: json!({"sessions": 200, "turns": 6, "arrival_span_ms": 9966}),
+            mock_args: json!(["--decode-ms", "20"]),
+            rows: Vec::new(),
+        };
+        let same = json!({"workload": {"sessions": 200, "turns": 6, "arrival_span_ms": 1}, "mock_args": ["--decode-ms", "20"]});
+        let quick =
+            json!({"workload": {"sessions": 40, "turns": 3}, "mock_args": ["--decode-ms", "20"]});
+        let other_mock =
+            json!({"workload": {"sessions": 200, "turns": 6}, "mock_args": ["--decode-ms", "5"]});
+        assert!(b.comparable(&same));
+        assert!(!b.comparable(&quick));
+        assert!(!b.comparable(&other_mock));
+    }
+}

@@ -9,7 +9,7 @@
 //!
 //! Envoy's balancers get one cluster per model, holding only the hosts that serve it, as an
 //! operator who knows the fleet would configure them: a small Lua filter reads the body's
-//! `model` and names the cluster in a header (see [`MODEL_LUA`]). The client sends exactly the
+//! `model` and names the cluster in a header (see [`model_lua`]). The client sends exactly the
 //! same requests to every policy; without this split a request for a model that only some
 //! hosts serve lands on a host that answers 404.
 
@@ -178,7 +178,7 @@ pub fn bootstrap(setup: &Setup<'_>, wasm: &Path) -> Result<String, String> {
     }
 }
 
-/// The request header [`MODEL_LUA`] sets for Envoy's balancers: the cluster of the body's model.
+/// The request header [`model_lua`] sets for Envoy's balancers: the cluster of the body's model.
 pub const MODEL_CLUSTER_HEADER: &str = "x-bench-model-cluster";
 
 /// The cluster of Envoy's balancers that holds the hosts serving `model`.
@@ -187,24 +187,29 @@ pub fn model_cluster(model: &str) -> String {
 }
 
 /// The Lua filter in front of Envoy's balancers: reads the (buffered) request body, takes the
-/// top-level `"model"` string and names its cluster in [`MODEL_CLUSTER_HEADER`] (Lua's header
-/// change clears the route cache, so the route's `cluster_header` sees it). A pattern match, not
-/// a JSON parser: inside a JSON string every `"` is escaped, so `"model": "…"` only matches a
-/// key, and the bench's bodies have no nested `model` keys. No model: no header, and Envoy
-/// answers 503 (no cluster).
-pub const MODEL_LUA: &str = r#"function envoy_on_request(handle)
+/// top-level `"model"` string and names its cluster (see [`model_cluster`]) in
+/// [`MODEL_CLUSTER_HEADER`] (Lua's header change clears the route cache, so the route's
+/// `cluster_header` sees it). A pattern match, not a JSON parser: inside a JSON string every `"`
+/// is escaped, so `"model": "…"` only matches a key, and the bench's bodies have no nested
+/// `model` keys. No model: no header, and Envoy answers 503 (no cluster).
+pub fn model_lua() -> String {
+    format!(
+        r#"function envoy_on_request(handle)
   local body = handle:body()
   if body == nil then return end
   local model = string.match(body:getBytes(0, body:length()), '"model"%s*:%s*"([^"]+)"')
   if model ~= nil then
-    handle:headers():replace("x-bench-model-cluster", "model_" .. model)
+    handle:headers():replace("{MODEL_CLUSTER_HEADER}", "{}" .. model)
   end
 end
-"#;
+"#,
+        model_cluster("")
+    )
+}
 
 /// Rewrites the single (template) cluster of a rendered bootstrap into one cluster per model with
 /// `lb_policy`, each holding the hosts that serve the model; the route takes the cluster from
-/// [`MODEL_CLUSTER_HEADER`], which the [`MODEL_LUA`] filter sets.
+/// [`MODEL_CLUSTER_HEADER`], which the [`model_lua`] filter sets.
 fn model_clusters(
     text: &str,
     lb_policy: &str,
@@ -250,7 +255,7 @@ fn model_clusters(
             "name": "envoy.filters.http.lua",
             "typed_config": {
                 "@type": "type.googleapis.com/envoy.extensions.filters.http.lua.v3.Lua",
-                "default_source_code": {"inline_string": MODEL_LUA},
+                "default_source_code": {"inline_string": model_lua()},
             },
         }),
     );
@@ -454,5 +459,90 @@ pub fn record_pid(pid: u32) {
         {
             let _ = writeln!(f, "{pid}");
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn ports(cluster: &Value) -> Vec<u64> {
+        cluster
+            .pointer("/load_assignment/endpoints/0/lb_endpoints")
+            .and_then(Value::as_array)
+            .unwrap()
+            .iter()
+            .map(|e| {
+                e.pointer("/endpoint/address/socket_address/port_value")
+                    .and_then(Value::as_u64)
+                    .unwrap()
+            })
+            .collect()
+    }
+
+    #[test]
+    fn balancers_get_one_cluster_per_model_with_only_its_hosts_and_the_lua_filter() {
+        let hosts: Vec<(&str, &[&str], u16)> = ENDPOINTS
+            .iter()
+            .take(4)
+            .zip([1001u16, 1002, 1003, 1004])
+            .map(|((n, m), p)| (*n, *m, p))
+            .collect();
+        let setup = Setup {
+            policy: Policy::RingHash,
+            hosts: &hosts,
+            concurrency: 1,
+            envoy_retries: true,
+            open_ms: 3000,
+        };
+        let v: Value = serde_json::from_str(&bootstrap(&setup, Path::new("")).unwrap()).unwrap();
+        let clusters = v.pointer("/static_resources/clusters").unwrap();
+        let by_name = |n: &str| {
+            clusters
+                .as_array()
+                .unwrap()
+                .iter()
+                .find(|c| c.get("name").and_then(Value::as_str) == Some(n))
+                .unwrap()
+                .clone()
+        };
+        assert_eq!(clusters.as_array().unwrap().len(), 2);
+        assert_eq!(ports(&by_name("model_m1")), [1001, 1002, 1003, 1004]);
+        assert_eq!(ports(&by_name("model_m2")), [1001, 1002]);
+        assert_eq!(by_name("model_m2")["lb_policy"], "RING_HASH");
+        let hcm = v
+            .pointer("/static_resources/listeners/0/filter_chains/0/filters/0/typed_config")
+            .unwrap();
+        let route = hcm
+            .pointer("/route_config/virtual_hosts/0/routes/0/route")
+            .unwrap();
+        assert_eq!(route["cluster_header"], MODEL_CLUSTER_HEADER);
+        assert!(route.get("cluster").is_none());
+        assert!(route.get("hash_policy").is_some() && route.get("retry_policy").is_some());
+        assert_eq!(hcm["http_filters"][0]["name"], "envoy.filters.http.lua");
+        let lua = model_lua();
+        assert!(
+            lua.contains(r#"replace("x-bench-model-cluster", "model_" .. model)"#),
+            "{lua}"
+        );
+    }
+
+    #[test]
+    fn front_round_robins_over_the_replicas_and_a_restart_keeps_the_port() {
+        let v: Value =
+            serde_json::from_str(&front_bootstrap(&[2001, 2002, 2003], 1).unwrap()).unwrap();
+        let c = v.pointer("/static_resources/clusters/0").unwrap();
+        assert_eq!(c["lb_policy"], "ROUND_ROBIN");
+        assert_eq!(ports(c), [2001, 2002, 2003]);
+        let route = v
+            .pointer("/static_resources/listeners/0/filter_chains/0/filters/0/typed_config/route_config/virtual_hosts/0/routes/0/route")
+            .unwrap();
+        assert_eq!(route["retry_policy"]["retry_on"], "connect-failure");
+        let text = serde_json::to_string(&v).unwrap();
+        let moved: Value = serde_json::from_str(&with_listener_port(&text, 2999).unwrap()).unwrap();
+        assert_eq!(
+            moved.pointer("/static_resources/listeners/0/address/socket_address/port_value"),
+            Some(&json!(2999))
+        );
     }
 }
