@@ -1,15 +1,18 @@
 //! The benchmark driver behind `scripts/bench`: routing quality of the filter against Envoy's
-//! own balancers, the filter's per-request overhead, and the scheduler microbenchmarks' figures,
-//! written as JSON, a markdown report and an SVG chart.
+//! own balancers, with one Envoy and with three Envoy replicas behind a round-robin front Envoy,
+//! the filter's per-request overhead, and the scheduler microbenchmarks' figures, written as
+//! JSON, a markdown report and an SVG chart.
 //!
-//! Why: users ask how much better the filter is than what Envoy already gives them, and what it
-//! costs per request. Both answers are measured side by side in one run, reproducible with one
-//! command.
+//! Why: users ask how much better the filter is than what Envoy already gives them, in the
+//! deployment they run, and what it costs per request. The answers are measured side by side in
+//! one run, reproducible with one command.
 //!
 //! ```text
 //! cargo run --release --example bench -- [--quick] [--out results/bench]
 //!     [--policies round_robin,least_request,ring_hash,maglev,computeflux]
-//!     [--scenarios steady,rate_limited,down,slow,join] [--no-routing] [--no-overhead]
+//!     [--scenarios steady,rate_limited,down,slow,join,rolling_restart]
+//!     [--replicas 1,3] [--replica-concurrency 1] [--front-concurrency 1] [--drain-s 1]
+//!     [--baseline FILE | --no-baseline] [--no-routing] [--no-overhead]
 //!     [--sessions 200] [--turns 6] [--rate 20] [--think-ms 800] [--user-tokens 300]
 //!     [--second-model-share 0.2] [--seed 7] [--prefill-us-per-token 100] [--decode-ms 20]
 //!     [--max-concurrency 8] [--envoy-retries on|off] [--open-ms 3000]
@@ -18,20 +21,32 @@
 //! cargo run --release --example bench -- --render results/bench/results.json
 //! ```
 //!
+//! `--replicas 1,3` (the default) runs every scenario with a lone Envoy and with three replicas;
+//! the replicated topology runs ring_hash, maglev and computeflux only (those that promise
+//! stickiness), and the rolling restart only there. `--baseline` (default: the `results.json`
+//! already in `--out`) is a previous run whose lone-Envoy computeflux rows the report compares
+//! with, when its workload was the same.
+//!
 //! `--render` rewrites `results.md`, `chart.svg`, `summary-table.md` (and, for a full run, the
 //! README block) from a run's `results.json` without measuring anything.
 //!
 //! Needs `.venv/bin/envoy` (or `ENVOY_BIN`), the release wasm module and mock (built by the
 //! harness if missing) and `wrk` on the PATH for the overhead part; `scripts/bench` sees to all.
 
+#[path = "bench/deployment.rs"]
+mod deployment;
 #[path = "bench/overhead.rs"]
 mod overhead;
 #[path = "bench/report.rs"]
 mod report;
 #[path = "bench/routing.rs"]
 mod routing;
+#[path = "bench/summary.rs"]
+mod summary;
 #[path = "../tests/support/mod.rs"]
 mod support;
+#[path = "bench/targets.rs"]
+mod targets;
 #[path = "bench/topology.rs"]
 mod topology;
 #[path = "bench/workload.rs"]
@@ -52,6 +67,13 @@ struct Args {
     quick: bool,
     policies: Vec<Policy>,
     scenarios: Vec<Scenario>,
+    /// Topologies: 1 (a lone Envoy) and/or N replicas behind a front Envoy.
+    replicas: Vec<usize>,
+    replica_concurrency: u32,
+    front_concurrency: u32,
+    drain_s: u32,
+    /// A previous run's `results.json` to compare the lone Envoy's computeflux rows with.
+    baseline: Option<PathBuf>,
     routing: bool,
     overhead: bool,
     workload: WorkloadParams,
@@ -78,6 +100,11 @@ fn parse() -> Result<Args, String> {
         quick,
         policies: Policy::ALL.to_vec(),
         scenarios: Scenario::ALL.to_vec(),
+        replicas: vec![1, 3],
+        replica_concurrency: 1,
+        front_concurrency: 1,
+        drain_s: 1,
+        baseline: None,
         routing: true,
         overhead: true,
         workload: WorkloadParams {
@@ -116,6 +143,10 @@ fn parse() -> Result<Args, String> {
                 a.overhead = false;
                 continue;
             }
+            "--no-baseline" => {
+                a.baseline = Some(PathBuf::new());
+                continue;
+            }
             "-h" | "--help" => return Err("help".into()),
             _ => {}
         }
@@ -146,6 +177,27 @@ fn parse() -> Result<Args, String> {
                     })
                     .collect::<Result<_, _>>()?
             }
+            "--replicas" => {
+                a.replicas = v
+                    .split(',')
+                    .map(|r| match r.trim() {
+                        "both" => Ok(vec![1, 3]),
+                        n => n
+                            .parse::<usize>()
+                            .ok()
+                            .filter(|n| (1..=9).contains(n))
+                            .map(|n| vec![n])
+                            .ok_or_else(|| format!("--replicas: not 1..=9 or both: {r:?}")),
+                    })
+                    .collect::<Result<Vec<_>, _>>()?
+                    .concat();
+                a.replicas.sort_unstable();
+                a.replicas.dedup();
+            }
+            "--replica-concurrency" => a.replica_concurrency = int(&v)?.clamp(1, 64) as u32,
+            "--front-concurrency" => a.front_concurrency = int(&v)?.clamp(1, 64) as u32,
+            "--drain-s" => a.drain_s = int(&v)?.clamp(1, 60) as u32,
+            "--baseline" => a.baseline = Some(PathBuf::from(v)),
             "--sessions" => a.workload.sessions = int(&v)?.max(1) as usize,
             "--turns" => a.workload.turns = int(&v)?.max(1) as usize,
             "--rate" => a.workload.rate_per_s = float(&v)?.max(0.01),
@@ -170,6 +222,26 @@ fn parse() -> Result<Args, String> {
         }
     }
     Ok(a)
+}
+
+/// Envoy's balancers' clusters: model → the endpoints serving it (the lone-Envoy steady set).
+fn model_clusters() -> serde_json::Value {
+    let eps = topology::ENDPOINTS.get(..4).unwrap_or(&[]);
+    let mut models: Vec<&str> = eps.iter().flat_map(|e| e.1.iter().copied()).collect();
+    models.sort_unstable();
+    models.dedup();
+    models
+        .into_iter()
+        .map(|m| {
+            let hosts: Vec<&str> = eps
+                .iter()
+                .filter(|e| e.1.contains(&m))
+                .map(|e| e.0)
+                .collect();
+            (topology::model_cluster(m), json!(hosts))
+        })
+        .collect::<serde_json::Map<_, _>>()
+        .into()
 }
 
 fn envoy_version() -> String {
@@ -213,6 +285,9 @@ fn run(a: Args) -> Result<(), String> {
     let opts = RoutingOpts {
         mock_args: mock_args.clone(),
         concurrency: 2,
+        replica_concurrency: a.replica_concurrency,
+        front_concurrency: a.front_concurrency,
+        drain_s: a.drain_s,
         envoy_retries: a.envoy_retries,
         open_ms: a.open_ms,
         request_timeout: Duration::from_secs(30),
@@ -221,31 +296,56 @@ fn run(a: Args) -> Result<(), String> {
     let plans = workload::plan(&a.workload);
     let span_ms = workload::SessionPlan::last_arrival_ms(&plans);
 
+    // A previous run to compare with, read before this run overwrites it.
+    let baseline_path = match &a.baseline {
+        Some(p) if p.as_os_str().is_empty() => None,
+        Some(p) => Some(p.clone()),
+        None => Some(a.out.join("results.json")),
+    };
+    let baseline = baseline_path.as_deref().and_then(targets::Baseline::read);
+
     let mut rows = Vec::new();
     if a.routing {
-        let total = a.scenarios.len() * a.policies.len();
-        let mut n = 0;
-        // Scenario outer, policy inner: the rows that are compared run close together in time.
-        for &sc in &a.scenarios {
-            for &p in &a.policies {
-                n += 1;
-                eprintln!("bench: routing {n}/{total}: {} × {}", p.name(), sc.name());
-                let s = routing::run(p, sc, &plans, &opts, &wasm)?;
-                eprintln!(
-                    "bench:   cached {:.1} %, same endpoint {:.1} %, p50 {:.1} ms, p99 {:.1} ms, errors {}/{} ({} wrong model), {:.1} s",
-                    s.cached_ratio * 100.0,
-                    s.same_endpoint_share * 100.0,
-                    s.p50_ms,
-                    s.p99_ms,
-                    s.errors,
-                    s.requests,
-                    s.wrong_model,
-                    s.wall_s
-                );
-                rows.push(s);
-            }
+        // Scenario outer, then topology, then policy: the rows that are compared run close
+        // together in time.
+        let runs: Vec<(Scenario, usize, Policy)> = a
+            .scenarios
+            .iter()
+            .flat_map(|&sc| {
+                let policies = &a.policies;
+                a.replicas.iter().flat_map(move |&n| {
+                    policies
+                        .iter()
+                        .filter(move |p| n == 1 || p.replicable())
+                        .filter(move |_| n > 1 || !sc.needs_replicas())
+                        .map(move |&p| (sc, n, p))
+                })
+            })
+            .collect();
+        for (i, &(sc, n, p)) in runs.iter().enumerate() {
+            let name = summary::label(p.name(), n as u32);
+            eprintln!(
+                "bench: routing {}/{}: {name} × {}",
+                i + 1,
+                runs.len(),
+                sc.name()
+            );
+            let s = routing::run(p, sc, n, &plans, &opts, &wasm)?;
+            eprintln!(
+                "bench:   cached {:.1} %, same endpoint {:.1} %, p50 {:.1} ms, p99 {:.1} ms, errors {}/{} ({}), spread {:.2}, {:.1} s",
+                s.cached_ratio * 100.0,
+                s.same_endpoint_share * 100.0,
+                s.p50_ms,
+                s.p99_ms,
+                s.errors,
+                s.requests,
+                s.statuses(),
+                s.max_spread(),
+                s.wall_s
+            );
+            rows.push(s);
         }
-        routing::relate_costs(&mut rows);
+        summary::relate_costs(&mut rows);
     }
 
     let oh_opts = overhead::OverheadOpts {
@@ -292,6 +392,22 @@ fn run(a: Args) -> Result<(), String> {
             "concurrency": opts.concurrency,
             "envoy_retries": a.envoy_retries,
             "envoy_retry_policy": topology::envoy_retry_policy(),
+            "envoy_model_clusters": {
+                "header": topology::MODEL_CLUSTER_HEADER,
+                "clusters": model_clusters(),
+                "lua": topology::model_lua(),
+            },
+            "replicas": a.replicas,
+            "replicated": {
+                "replica_concurrency": a.replica_concurrency,
+                "front_concurrency": a.front_concurrency,
+                "front_lb_policy": "ROUND_ROBIN",
+                "front_retry_policy": topology::front_retry_policy(),
+                "front_idle_timeout": topology::FRONT_IDLE_TIMEOUT,
+                "replica_drain_time_s": a.drain_s,
+                "replica_drain_strategy": "immediate",
+                "policies": Policy::ALL.iter().filter(|p| p.replicable()).map(Policy::name).collect::<Vec<_>>(),
+            },
             "plugin_config_example": example_cfg,
             "overhead": {
                 "concurrencies": oh_opts.concurrencies, "throughput_s": oh_opts.throughput_s,
@@ -312,6 +428,7 @@ fn run(a: Args) -> Result<(), String> {
         overhead: &cases,
         wasm_bytes: std::fs::metadata(&wasm).ok().map(|m| m.len()),
         micro,
+        baseline,
     };
     let json_text = serde_json::to_string_pretty(&rep.json()).map_err(|e| e.to_string())? + "\n";
     write_outputs(&rep, &a.out, Some(json_text))?;
@@ -362,9 +479,9 @@ fn render(path: &std::path::Path, out: &std::path::Path) -> Result<(), String> {
             .cloned()
             .unwrap_or_default()
     };
-    let rows: Vec<routing::Summary> = arr("routing")
+    let rows: Vec<summary::Summary> = arr("routing")
         .iter()
-        .map(routing::Summary::from_json)
+        .map(summary::Summary::from_json)
         .collect();
     let cases: Vec<overhead::Case> = arr("overhead")
         .iter()
@@ -411,6 +528,7 @@ fn render(path: &std::path::Path, out: &std::path::Path) -> Result<(), String> {
             .get("wasm_module_bytes")
             .and_then(serde_json::Value::as_u64),
         micro,
+        baseline: v.get("baseline").and_then(targets::Baseline::from_json),
     };
     write_outputs(&rep, out, None)?;
     if full && !rows.is_empty() && !cases.is_empty() {

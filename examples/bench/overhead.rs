@@ -17,7 +17,7 @@ use std::time::Duration;
 
 use serde_json::{json, Value};
 
-use super::routing::quantile;
+use super::summary::quantile;
 use super::support::MockUpstream;
 use super::topology::{self, EnvoyProc, Policy, Setup};
 

@@ -1,13 +1,15 @@
 //! The bench's outputs: `results.json` (everything), `results.md` (tables) and `chart.svg`
-//! (per-policy p50/p99 latency and cached-token ratio per scenario), hand-written SVG.
+//! (per-policy p50/p99 latency and cached-token ratio per scenario, one Envoy and three
+//! replicas), hand-written SVG. The issues' targets are checked in `targets.rs`.
 
-use std::collections::BTreeMap;
 use std::fmt::Write as _;
 
 use serde_json::{json, Value};
 
 use super::overhead::Case;
-use super::routing::{Scenario, Summary};
+use super::routing::Scenario;
+use super::summary::{label, Summary};
+use super::targets::Baseline;
 use super::topology::Policy;
 
 /// Facts about the run that go at the top of every output.
@@ -30,9 +32,11 @@ pub struct Report<'a> {
     pub wasm_bytes: Option<u64>,
     /// `cargo bench --bench scheduler` output, if it ran; else why not.
     pub micro: Result<String, String>,
+    /// A previous run's lone-Envoy computeflux rows, if one was found.
+    pub baseline: Option<Baseline>,
 }
 
-fn pct(x: f64) -> String {
+pub fn pct(x: f64) -> String {
     if x.is_finite() {
         format!("{:.1} %", x * 100.0)
     } else {
@@ -40,7 +44,7 @@ fn pct(x: f64) -> String {
     }
 }
 
-fn ms(x: f64) -> String {
+pub fn ms(x: f64) -> String {
     if !x.is_finite() {
         "–".into()
     } else if x >= 100.0 {
@@ -50,7 +54,7 @@ fn ms(x: f64) -> String {
     }
 }
 
-fn opt(x: Option<f64>, f: impl Fn(f64) -> String) -> String {
+pub fn opt(x: Option<f64>, f: impl Fn(f64) -> String) -> String {
     x.filter(|v| v.is_finite()).map_or("–".into(), f)
 }
 
@@ -138,13 +142,14 @@ fn overhead_pairs(cases: &[Case]) -> Vec<(&Case, &Case)> {
 }
 
 impl Report<'_> {
-    fn row<'b>(&'b self, policy: &str, scenario: &str) -> Option<&'b Summary> {
+    /// The row of `policy` with `replicas` Envoys in `scenario`.
+    pub fn row<'b>(&'b self, replicas: u32, policy: &str, scenario: &str) -> Option<&'b Summary> {
         self.routing
             .iter()
-            .find(|r| r.policy == policy && r.scenario == scenario)
+            .find(|r| r.replicas == replicas && r.policy == policy && r.scenario == scenario)
     }
 
-    fn scenarios(&self) -> Vec<&'static str> {
+    pub fn scenarios(&self) -> Vec<&'static str> {
         Scenario::ALL
             .iter()
             .map(Scenario::name)
@@ -152,12 +157,35 @@ impl Report<'_> {
             .collect()
     }
 
-    fn policies(&self) -> Vec<&'static str> {
+    /// The `(replicas, policy)` pairs that have rows, in table order: each policy with one
+    /// Envoy, then with its replicas, side by side.
+    pub fn groups(&self) -> Vec<(u32, &'static str)> {
+        let mut counts: Vec<u32> = self.routing.iter().map(|r| r.replicas).collect();
+        counts.sort_unstable();
+        counts.dedup();
         Policy::ALL
             .iter()
             .map(Policy::name)
-            .filter(|p| self.routing.iter().any(|r| r.policy == *p))
+            .flat_map(|p| counts.iter().map(move |n| (*n, p)))
+            .filter(|(n, p)| {
+                self.routing
+                    .iter()
+                    .any(|r| r.replicas == *n && r.policy == *p)
+            })
             .collect()
+    }
+
+    /// The replica counts above one that have rows.
+    pub fn replicated(&self) -> Vec<u32> {
+        let mut counts: Vec<u32> = self
+            .routing
+            .iter()
+            .map(|r| r.replicas)
+            .filter(|n| *n > 1)
+            .collect();
+        counts.sort_unstable();
+        counts.dedup();
+        counts
     }
 
     pub fn json(&self) -> Value {
@@ -174,6 +202,7 @@ impl Report<'_> {
             "routing": self.routing.iter().map(Summary::to_json).collect::<Vec<_>>(),
             "overhead": self.overhead.iter().map(Case::to_json).collect::<Vec<_>>(),
             "wasm_module_bytes": self.wasm_bytes,
+            "baseline": self.baseline.as_ref().map_or(Value::Null, Baseline::to_json),
             "scheduler_microbench": match &self.micro {
                 Ok(t) => json!({"figures": micro_figures(t)}),
                 Err(e) => json!({"missing": e}),
@@ -181,7 +210,7 @@ impl Report<'_> {
         })
     }
 
-    /// The compact policy × scenario table (also used in the README).
+    /// The compact (topology, policy) × scenario table (also used in the README).
     pub fn summary_table(&self) -> String {
         let scen = self.scenarios();
         let mut s = String::new();
@@ -194,15 +223,16 @@ impl Report<'_> {
             let _ = write!(s, "---|");
         }
         s.push('\n');
-        for p in self.policies() {
-            let _ = write!(s, "| {p} |");
+        for (n, p) in self.groups() {
+            let _ = write!(s, "| {} |", label(p, n));
             for sc in &scen {
-                match self.row(p, sc) {
+                match self.row(n, p, sc) {
                     Some(r) => {
                         let _ = write!(
                             s,
-                            " {} · {} ms · {} |",
+                            " {} · {} · {} ms · {} |",
                             pct(r.cached_ratio),
+                            pct(r.same_endpoint_share),
                             ms(r.p99_ms),
                             pct(r.error_rate())
                         );
@@ -211,6 +241,25 @@ impl Report<'_> {
                 }
             }
             s.push('\n');
+        }
+        s
+    }
+
+    /// What a summary-table cell holds, and what the row labels mean.
+    fn summary_legend(&self) -> String {
+        let mut s = String::from(
+            "each cell: cached-token ratio · follow-up turns on the previous turn's endpoint · \
+             p99 latency · client-visible error rate",
+        );
+        for n in self.replicated() {
+            let _ = write!(
+                s,
+                "; *×{n}*: {n} Envoy replicas (same configuration, nothing shared) behind a plain \
+                 round-robin Envoy"
+            );
+        }
+        if self.scenarios().contains(&"rolling_restart") {
+            s.push_str("; *–*: not run (the rolling restart needs replicas)");
         }
         s
     }
@@ -253,83 +302,6 @@ impl Report<'_> {
         s
     }
 
-    /// The issue's routing targets, checked against this run's figures (reported, not asserted).
-    pub fn routing_targets(&self) -> String {
-        let cf = Policy::Filter.name();
-        let mut s = String::from("### Targets (issue 5), as measured in this run\n\n");
-        let yes = |b: bool| if b { "met" } else { "**missed**" };
-        if let Some(st) = self.row(cf, "steady") {
-            let _ = writeln!(
-                s,
-                "- Steady, follow-up turns on the previous endpoint ≥ 99 %: {} ({}).",
-                pct(st.same_endpoint_share),
-                yes(st.same_endpoint_share >= 0.99)
-            );
-            if let Some(rh) = self.row(Policy::RingHash.name(), "steady") {
-                let gap = (st.cached_ratio - rh.cached_ratio) * 100.0;
-                let _ = writeln!(
-                    s,
-                    "- Steady, cached-token ratio within 2 points of ring_hash: {} vs {} ({:+.1} points, {}).",
-                    pct(st.cached_ratio),
-                    pct(rh.cached_ratio),
-                    gap,
-                    yes(gap.abs() <= 2.0 || gap > 0.0)
-                );
-            }
-            if let Some(rr) = self.row(Policy::RoundRobin.name(), "steady") {
-                let _ = writeln!(
-                    s,
-                    "- Steady, far above round_robin: {} vs {}.",
-                    pct(st.cached_ratio),
-                    pct(rr.cached_ratio)
-                );
-            }
-        }
-        for sc in self.scenarios().into_iter().filter(|sc| *sc != "steady") {
-            let Some(me) = self.row(cf, sc) else { continue };
-            let others: Vec<&Summary> = self
-                .routing
-                .iter()
-                .filter(|r| r.scenario == sc && r.policy != cf)
-                .collect();
-            let best_other = others
-                .iter()
-                .map(|r| r.p99_ms)
-                .filter(|x| x.is_finite())
-                .fold(f64::INFINITY, f64::min);
-            let other_errors: Vec<String> = others
-                .iter()
-                .map(|r| format!("{} {} ({} of them 404)", r.policy, r.errors, r.wrong_model))
-                .collect();
-            let _ = write!(
-                s,
-                "- {sc}: computeflux errors {} (others: {}); p99 {} ms vs best other {} ms ({})",
-                me.errors,
-                other_errors.join(", "),
-                ms(me.p99_ms),
-                ms(best_other),
-                yes(me.p99_ms <= best_other)
-            );
-            let after = me.phases.get("after").map(|a| a.cached_ratio);
-            let steady_after = self
-                .row(cf, "steady")
-                .and_then(|st| st.phases.get(&format!("after:{sc}")))
-                .map(|a| a.cached_ratio);
-            if let (Some(a), Some(b)) = (after, steady_after) {
-                let _ = write!(
-                    s,
-                    "; cached ratio after the fault {} vs {} in the steady run's same window ({:+.1} points)",
-                    pct(a),
-                    pct(b),
-                    (a - b) * 100.0
-                );
-            }
-            s.push_str(".\n");
-        }
-        s.push('\n');
-        s
-    }
-
     /// The body of README.md's "## Benchmarks" section (between the bench markers).
     pub fn readme_block(&self) -> String {
         let m = &self.meta;
@@ -345,18 +317,24 @@ impl Report<'_> {
             s,
             "![per-policy p50/p99 latency and cached-token ratio per scenario](results/bench/chart.svg)\n"
         );
-        let _ =
-            writeln!(
+        let _ = writeln!(
             s,
-            "Routing quality, {} sessions × {} turns against four mock prefix-cache endpoints; \
-             each cell: cached-token ratio · p99 latency · client-visible error rate (Envoy's \
-             balancers' errors are 404s for the second model, which only two hosts serve; see \
-             the full report):\n",
-            m.params.pointer("/workload/sessions").cloned().unwrap_or(Value::Null),
-            m.params.pointer("/workload/turns").cloned().unwrap_or(Value::Null)
+            "Routing quality, {} sessions × {} turns against four mock prefix-cache endpoints \
+             (Envoy's balancers: one cluster per model, chosen by a Lua filter from the body's \
+             `model`; see the full report); {}:\n",
+            m.params
+                .pointer("/workload/sessions")
+                .cloned()
+                .unwrap_or(Value::Null),
+            m.params
+                .pointer("/workload/turns")
+                .cloned()
+                .unwrap_or(Value::Null),
+            self.summary_legend()
         );
         s.push_str(&self.summary_table());
         s.push('\n');
+        s.push_str(&super::targets::brief(self));
         let pairs = overhead_pairs(self.overhead);
         if !pairs.is_empty() {
             s.push_str("Overhead (wrk, fast upstream, medians of alternated runs):\n\n");
@@ -396,130 +374,32 @@ impl Report<'_> {
         );
         let _ = writeln!(
             s,
-            "## Summary: cached-token ratio · p99 latency · client-visible error rate\n"
+            "## Summary: cached-token ratio · follow-ups on the previous endpoint · p99 latency · \
+             client-visible error rate\n\n{}.\n",
+            self.summary_legend()
         );
         s.push_str(&self.summary_table());
         s.push('\n');
 
         let _ = writeln!(s, "## 1. Routing quality\n");
-        let p = &m.params;
-        let g = |k: &str| p.pointer(k).cloned().unwrap_or(Value::Null);
-        let _ = writeln!(
-            s,
-            "Workload: {} sessions × {} turns, Poisson arrivals at {} sessions/s, think time {} ms \
-             mean (±50 %), {} new prompt tokens per user turn (each turn resends the transcript), \
-             {} of sessions on the second model `m2`; no shared system prompt; seed {}. \
-             Endpoints: mock vLLM-style prefix-cache instances `a`,`b` (serve `m1`,`m2`), `c`,`d` \
-             (`m1`), mock flags `{}`. Envoy `--concurrency {}`. Envoy policies: one cluster of all \
-             hosts, `hash_policy` on `x-session-id` for ring_hash/maglev, route retry policy: {}. \
-             computeflux: one cluster per endpoint, `cluster_header` route, plugin config `{}`.\n",
-            g("/workload/sessions"),
-            g("/workload/turns"),
-            g("/workload/rate_per_s"),
-            g("/workload/think_ms"),
-            g("/workload/user_tokens"),
-            pct(g("/workload/second_model_share").as_f64().unwrap_or(f64::NAN)),
-            g("/workload/seed"),
-            g("/mock_args").as_array().map(|a| a.iter().filter_map(Value::as_str).collect::<Vec<_>>().join(" ")).unwrap_or_default(),
-            g("/concurrency"),
-            if g("/envoy_retries").as_bool().unwrap_or(false) {
-                format!("`{}`", g("/envoy_retry_policy"))
-            } else {
-                "none".into()
-            },
-            g("/plugin_config_example"),
-        );
-        let _ = writeln!(
-            s,
-            "Columns: *cached* = cached / prompt tokens over successful responses (`usage`); \
-             *same ep.* = follow-up turns answered by the endpoint that answered the session's \
-             previous turn (`x-mock-endpoint`; both turns successful); latency = request sent → \
-             whole response read, successful requests; *errors* = client-visible non-2xx or \
-             I/O errors, *404* the part that are `model_not_found` (an `m2` request sent to an \
-             `m1`-only host); *cost* = (uncached + 0.5 × cached prompt tokens) per prompt token, \
-             relative to round_robin; *upstream/req* = chat requests the mocks received per client \
-             request (retries, failovers). Fault scenarios add the errors other than 404 and the p99 *during* \
-             the fault and the cached ratio *after* it (steady run, same time window, in \
-             parentheses).\n"
-        );
+        s.push_str(&self.setup_text());
         for (sc, desc) in &m.scenarios {
             if !self.routing.iter().any(|r| &r.scenario == sc) {
                 continue;
             }
             let _ = writeln!(s, "### {sc}: {desc}\n");
-            let fault = sc != "steady";
-            s.push_str("| policy | cached | same ep. | p50 ms | p99 ms | errors | 404 | cost | upstream/req |");
-            if fault {
-                s.push_str(" non-404 errors during | p99 during ms | cached after (steady) |");
+            s.push_str(&self.scenario_table(sc));
+            if sc == "steady" {
+                s.push_str(&self.spread_table());
             }
-            s.push_str("\n|---|---|---|---|---|---|---|---|---|");
-            if fault {
-                s.push_str("---|---|---|");
-            }
-            s.push('\n');
-            for p in self.policies() {
-                let Some(r) = self.row(p, sc) else { continue };
-                let _ = write!(
-                    s,
-                    "| {} | {} | {} | {} | {} | {} ({}) | {} | {} | {:.2} |",
-                    p,
-                    pct(r.cached_ratio),
-                    pct(r.same_endpoint_share),
-                    ms(r.p50_ms),
-                    ms(r.p99_ms),
-                    pct(r.error_rate()),
-                    r.errors,
-                    r.wrong_model,
-                    opt(r.cost_vs_round_robin, |c| format!("{c:.3}")),
-                    r.upstream_per_request
-                );
-                if fault {
-                    let during = r.phases.get("during");
-                    let after = r.phases.get("after").map(|a| a.cached_ratio);
-                    // The steady run's requests in the same window.
-                    let steady_after = self
-                        .row(p, "steady")
-                        .and_then(|st| st.phases.get(&format!("after:{sc}")))
-                        .map(|a| a.cached_ratio);
-                    let _ = write!(
-                        s,
-                        " {} | {} | {} ({}) |",
-                        during.map_or("–".into(), |d| d.other_errors.to_string()),
-                        during.map_or("–".into(), |d| ms(d.p99_ms)),
-                        opt(after, pct),
-                        opt(steady_after, pct)
-                    );
-                }
-                s.push('\n');
-            }
-            let kinds: BTreeMap<&str, Vec<String>> = self
-                .routing
-                .iter()
-                .filter(|r| &r.scenario == sc && !r.error_kinds.is_empty())
-                .map(|r| {
-                    (
-                        r.policy.as_str(),
-                        r.error_kinds
-                            .iter()
-                            .map(|(k, v)| format!("{k} ×{v}"))
-                            .collect(),
-                    )
-                })
-                .collect();
-            if !kinds.is_empty() {
-                s.push_str("\nErrors by kind: ");
-                let parts: Vec<String> = kinds
-                    .iter()
-                    .map(|(p, k)| format!("{p}: {}", k.join(", ")))
-                    .collect();
-                s.push_str(&parts.join("; "));
-                s.push('\n');
+            if sc == "rolling_restart" {
+                s.push_str(&self.restart_times());
             }
             s.push('\n');
         }
 
         if !self.routing.is_empty() {
-            s.push_str(&self.routing_targets());
+            s.push_str(&super::targets::section(self));
         }
 
         let _ = writeln!(s, "## 2. Overhead\n");
@@ -585,11 +465,293 @@ impl Report<'_> {
         s
     }
 
+    /// How the run was set up: workload, endpoints, each policy's configuration, topologies, and
+    /// what the columns mean.
+    fn setup_text(&self) -> String {
+        let p = &self.meta.params;
+        let g = |k: &str| p.pointer(k).cloned().unwrap_or(Value::Null);
+        let mut s = String::new();
+        let _ = writeln!(
+            s,
+            "Workload: {} sessions × {} turns, Poisson arrivals at {} sessions/s, think time {} ms \
+             mean (±50 %), {} new prompt tokens per user turn (each turn resends the transcript), \
+             {} of sessions on the second model `m2`; no shared system prompt; seed {}. \
+             Endpoints: mock vLLM-style prefix-cache instances `a`,`b` (serve `m1`,`m2`), `c`,`d` \
+             (`m1`), all weight 1, mock flags `{}`.\n",
+            g("/workload/sessions"),
+            g("/workload/turns"),
+            g("/workload/rate_per_s"),
+            g("/workload/think_ms"),
+            g("/workload/user_tokens"),
+            pct(g("/workload/second_model_share").as_f64().unwrap_or(f64::NAN)),
+            g("/workload/seed"),
+            g("/mock_args")
+                .as_array()
+                .map(|a| a.iter().filter_map(Value::as_str).collect::<Vec<_>>().join(" "))
+                .unwrap_or_default(),
+        );
+        let clusters = g("/envoy_model_clusters/clusters");
+        let balancers = match clusters.as_object() {
+            Some(o) => format!(
+                "one cluster per model holding only the hosts that serve it ({}), so no request \
+                 reaches a host without its model; a small Lua filter reads the body's `model` \
+                 and names the cluster in `{}`, which the route's `cluster_header` reads (a Lua \
+                 filter rather than a header sent by the client: OpenAI clients name the model \
+                 only in the body, and every policy gets byte-identical requests)",
+                o.iter()
+                    .map(|(k, v)| {
+                        let hosts: Vec<&str> = v
+                            .as_array()
+                            .map(|a| a.iter().filter_map(Value::as_str).collect())
+                            .unwrap_or_default();
+                        format!("`{k}`: {}", hosts.join(","))
+                    })
+                    .collect::<Vec<_>>()
+                    .join("; "),
+                g("/envoy_model_clusters/header").as_str().unwrap_or("?"),
+            ),
+            // Runs before the per-model clusters.
+            None => "one cluster of all hosts (a request for `m2` can land on an `m1`-only host, \
+                     which answers 404)"
+                .into(),
+        };
+        let _ = writeln!(
+            s,
+            "Envoy's balancers: {balancers}. `hash_policy` on `x-session-id` for \
+             ring_hash/maglev; route retry policy: {}. computeflux: one cluster per endpoint, \
+             `cluster_header` route, plugin config `{}`.\n",
+            if g("/envoy_retries").as_bool().unwrap_or(false) {
+                format!(
+                    "`{}` (a refused connection, a reset or a 429/503 is retried on another host \
+                     of the cluster)",
+                    g("/envoy_retry_policy")
+                )
+            } else {
+                "none".into()
+            },
+            g("/plugin_config_example"),
+        );
+        let _ = write!(
+            s,
+            "Topologies: a lone Envoy (`--concurrency {}`) that the client talks to directly",
+            g("/concurrency")
+        );
+        for n in self.replicated() {
+            let _ =
+                write!(
+                s,
+                "; *×{n}*: {n} Envoy replicas (`--concurrency {}` each, the same bootstrap, own \
+                 ports, nothing shared) behind a fourth, plain Envoy (`--concurrency {}`, \
+                 `ROUND_ROBIN` over the replicas, route retry `{}`, upstream idle timeout {}), \
+                 so the turns of a session land on the replicas in turn; replicas drain with \
+                 `--drain-time-s {} --drain-strategy immediate`. Replicated runs: {}",
+                g("/replicated/replica_concurrency"),
+                g("/replicated/front_concurrency"),
+                g("/replicated/front_retry_policy"),
+                g("/replicated/front_idle_timeout")
+                    .as_str()
+                    .unwrap_or("?"),
+                g("/replicated/replica_drain_time_s"),
+                g("/replicated/policies")
+                    .as_array()
+                    .map(|a| a.iter().filter_map(Value::as_str).collect::<Vec<_>>().join(", "))
+                    .unwrap_or_default(),
+            );
+        }
+        s.push_str(".\n\n");
+        let _ = writeln!(
+            s,
+            "Columns: *cached* = cached / prompt tokens over successful responses (`usage`); \
+             *same ep.* = follow-up turns answered by the endpoint that answered the session's \
+             previous turn (`x-mock-endpoint`; both turns successful); latency = request sent → \
+             whole response read, successful requests; *errors* = client-visible non-2xx or \
+             I/O errors, with their HTTP statuses (*io*: no response); *cost* = (uncached + 0.5 × \
+             cached prompt tokens) per prompt token, relative to the lone Envoy's round_robin; \
+             *upstream/req* = chat requests the mocks received per client request (retries, \
+             failovers). Fault scenarios add the errors other than 404 and the p99 *during* the \
+             fault and the cached ratio *after* it (steady run, same topology and time window, in \
+             parentheses).\n"
+        );
+        s
+    }
+
+    /// One scenario's rows, each policy with one Envoy and with replicas side by side.
+    fn scenario_table(&self, sc: &str) -> String {
+        let mut s = String::new();
+        let fault = sc != "steady";
+        s.push_str(
+            "| policy | cached | same ep. | p50 ms | p99 ms | errors | error statuses | cost | upstream/req |",
+        );
+        if fault {
+            s.push_str(" non-404 errors during | p99 during ms | cached after (steady) |");
+        }
+        s.push_str("\n|---|---|---|---|---|---|---|---|---|");
+        if fault {
+            s.push_str("---|---|---|");
+        }
+        s.push('\n');
+        for (n, p) in self.groups() {
+            let Some(r) = self.row(n, p, sc) else {
+                continue;
+            };
+            let _ = write!(
+                s,
+                "| {} | {} | {} | {} | {} | {} ({}) | {} | {} | {:.2} |",
+                r.label(),
+                pct(r.cached_ratio),
+                pct(r.same_endpoint_share),
+                ms(r.p50_ms),
+                ms(r.p99_ms),
+                pct(r.error_rate()),
+                r.errors,
+                r.statuses(),
+                opt(r.cost_vs_round_robin, |c| format!("{c:.3}")),
+                r.upstream_per_request
+            );
+            if fault {
+                let during = r.phases.get("during");
+                let after = r.phases.get("after").map(|a| a.cached_ratio);
+                // The steady run's requests in the same window, same topology.
+                let steady_after = self
+                    .row(n, p, "steady")
+                    .and_then(|st| st.phases.get(&format!("after:{sc}")))
+                    .map(|a| a.cached_ratio);
+                let _ = write!(
+                    s,
+                    " {} | {} | {} ({}) |",
+                    during.map_or("–".into(), |d| d.other_errors.to_string()),
+                    during.map_or("–".into(), |d| ms(d.p99_ms)),
+                    opt(after, pct),
+                    opt(steady_after, pct)
+                );
+            }
+            s.push('\n');
+        }
+        let kinds: Vec<String> = self
+            .groups()
+            .into_iter()
+            .filter_map(|(n, p)| self.row(n, p, sc))
+            .filter(|r| !r.error_kinds.is_empty())
+            .map(|r| {
+                let k: Vec<String> = r
+                    .error_kinds
+                    .iter()
+                    .map(|(k, v)| format!("{k} ×{v}"))
+                    .collect();
+                format!("{}: {}", r.label(), k.join(", "))
+            })
+            .collect();
+        if !kinds.is_empty() {
+            let _ = writeln!(s, "\nErrors by kind: {}", kinds.join("; "));
+        }
+        s
+    }
+
+    /// Steady state: where each model's new sessions went, relative to the weights.
+    fn spread_table(&self) -> String {
+        let rows: Vec<&Summary> = self
+            .groups()
+            .into_iter()
+            .filter_map(|(n, p)| self.row(n, p, "steady"))
+            .filter(|r| !r.load_spread.is_empty())
+            .collect();
+        let Some(first) = rows.first() else {
+            return String::new();
+        };
+        let mut s = String::from(
+            "\nLoad spread of new sessions (first turns answered) per model: sessions per endpoint, \
+             and the largest endpoint share ÷ its weight share (all weights 1; target ≤ 1.25). \
+             *random p95*: the ratio that placing each session independently at random by \
+             weight exceeds in 5 % of draws with the same session count (sampling noise alone).\n\n| policy |",
+        );
+        for m in &first.load_spread {
+            let eps: Vec<&str> = m.sessions.iter().map(|(e, _)| e.as_str()).collect();
+            let _ = write!(
+                s,
+                " {} sessions ({}) | {} max ratio (random p95) |",
+                m.model,
+                eps.join(" / "),
+                m.model
+            );
+        }
+        s.push_str("\n|---|");
+        for _ in &first.load_spread {
+            s.push_str("---|---|");
+        }
+        s.push('\n');
+        for r in rows {
+            let _ = write!(s, "| {} |", r.label());
+            for m in &r.load_spread {
+                let counts: Vec<String> = m.sessions.iter().map(|(_, n)| n.to_string()).collect();
+                let _ = write!(
+                    s,
+                    " {} | {:.2} ({:.2}) |",
+                    counts.join(" / "),
+                    m.max_ratio,
+                    m.random_p95
+                );
+            }
+            s.push('\n');
+        }
+        s
+    }
+
+    /// A rolling restart's actual replica restart times, per run.
+    fn restart_times(&self) -> String {
+        let mut s = String::from(
+            "\nReplica restarts (s from the start: drain requested → stopped → serving again; \
+             requests/connections still open when stopped):\n\n",
+        );
+        let sec = |x: f64| format!("{:.1}", x / 1000.0);
+        for r in self
+            .routing
+            .iter()
+            .filter(|r| r.scenario == "rolling_restart")
+        {
+            let parts: Vec<String> = r
+                .restarts
+                .iter()
+                .map(|x| {
+                    format!(
+                        "r{}: {} → {} → {} ({}/{})",
+                        x.replica,
+                        sec(x.drain_ms),
+                        sec(x.stopped_ms),
+                        sec(x.ready_ms),
+                        x.open_requests,
+                        x.open_connections
+                    )
+                })
+                .collect();
+            let _ = writeln!(s, "- {}: {}", r.label(), parts.join("; "));
+        }
+        let end = self
+            .meta
+            .params
+            .pointer("/workload/arrival_span_ms")
+            .and_then(Value::as_f64)
+            .unwrap_or(f64::INFINITY);
+        if self
+            .routing
+            .iter()
+            .flat_map(|r| &r.restarts)
+            .any(|x| x.ready_ms > end)
+        {
+            let _ = writeln!(
+                s,
+                "\nA restart ended after the window's nominal end ({:.1} s): its last part \
+                 counts as *after*.",
+                end / 1000.0
+            );
+        }
+        s
+    }
+
     /// Two rows of panels, one column per scenario: p50/p99 latency (log scale) and the
-    /// cached-token ratio, one bar group per policy.
+    /// cached-token ratio, one bar group per policy and topology (replicated runs outlined).
     pub fn svg(&self) -> String {
         let scen = self.scenarios();
-        let pols = self.policies();
+        let groups = self.groups();
         let colors = ["#8c8c8c", "#5b8fd9", "#e0a030", "#9b6bcc", "#2a9d5c"];
         let color = |p: &str| {
             Policy::ALL
@@ -599,12 +761,20 @@ impl Report<'_> {
                 .copied()
                 .unwrap_or("#444")
         };
-        let panel_w = 200.0;
+        let panel_w = 36.0 * groups.len().max(5) as f64 + 20.0;
+        // Replicated runs: the same colour, outlined with a dashed dark line.
+        let outline = |n: u32| {
+            if n > 1 {
+                r##" stroke="#222" stroke-width="1" stroke-dasharray="2,1""##
+            } else {
+                ""
+            }
+        };
         let left = 60.0;
         let width = left + panel_w * scen.len().max(1) as f64 + 20.0;
         let (lat_top, lat_h) = (70.0, 230.0);
         let (hit_top, hit_h) = (360.0, 150.0);
-        let height = hit_top + hit_h + 70.0;
+        let height = hit_top + hit_h + 82.0;
         let (lo, hi) = (10.0f64.log10(), 30_000.0f64.log10());
         let y_lat = |v: f64| {
             let l = v.max(10.0).log10().min(hi);
@@ -668,7 +838,7 @@ impl Report<'_> {
             hit_top + hit_h / 2.0,
             hit_top + hit_h / 2.0
         );
-        let group_w = (panel_w - 20.0) / pols.len().max(1) as f64;
+        let group_w = (panel_w - 20.0) / groups.len().max(1) as f64;
         for (si, sc) in scen.iter().enumerate() {
             let x0 = left + si as f64 * panel_w + 10.0;
             let _ = writeln!(
@@ -686,8 +856,12 @@ impl Report<'_> {
                     hit_top + hit_h
                 );
             }
-            for (pi, p) in pols.iter().enumerate() {
-                let Some(r) = self.row(p, sc) else { continue };
+            for (pi, &(n, p)) in groups.iter().enumerate() {
+                let Some(r) = self.row(n, p, sc) else {
+                    continue;
+                };
+                let lbl = esc(&r.label());
+                let line = outline(n);
                 let gx = x0 + pi as f64 * group_w;
                 let bw = (group_w - 6.0) / 2.0;
                 let base = lat_top + lat_h;
@@ -699,7 +873,7 @@ impl Report<'_> {
                     let y = y_lat(*v);
                     let _ = writeln!(
                         s,
-                        r##"<rect x="{x:.1}" y="{y:.1}" width="{bw:.1}" height="{:.1}" fill="{}" fill-opacity="{op}"><title>{p} {sc} {}: {:.1} ms</title></rect>"##,
+                        r##"<rect x="{x:.1}" y="{y:.1}" width="{bw:.1}" height="{:.1}" fill="{}" fill-opacity="{op}"{line}><title>{lbl} {sc} {}: {:.1} ms</title></rect>"##,
                         (base - y).max(0.5),
                         color(p),
                         if k == 0 { "p50" } else { "p99" },
@@ -719,7 +893,7 @@ impl Report<'_> {
                     let y = y_hit(r.cached_ratio);
                     let _ = writeln!(
                         s,
-                        r##"<rect x="{:.1}" y="{y:.1}" width="{:.1}" height="{:.1}" fill="{}"><title>{p} {sc}: {:.1} % cached</title></rect><text x="{:.1}" y="{:.1}" text-anchor="middle" font-size="9" fill="#333">{:.0}</text>"##,
+                        r##"<rect x="{:.1}" y="{y:.1}" width="{:.1}" height="{:.1}" fill="{}"{line}><title>{lbl} {sc}: {:.1} % cached</title></rect><text x="{:.1}" y="{:.1}" text-anchor="middle" font-size="9" fill="#333">{:.0}</text>"##,
                         gx + 2.0,
                         group_w - 6.0,
                         (hit_top + hit_h - y).max(0.5),
@@ -738,12 +912,20 @@ impl Report<'_> {
                     if r.errors > 0 { "#c0392b" } else { "#555" },
                     pct(r.error_rate()).replace(" %", "%")
                 );
+                if n > 1 {
+                    let _ = writeln!(
+                        s,
+                        r##"<text x="{:.1}" y="{:.1}" text-anchor="middle" font-size="9" fill="#222">×{n}</text>"##,
+                        gx + 2.0 + (group_w - 6.0) / 2.0,
+                        hit_top + hit_h + 25.0,
+                    );
+                }
             }
         }
         let _ = writeln!(
             s,
-            r##"<text x="{left}" y="{:.0}" font-size="9" fill="#c0392b">below the bars: client-visible error rate ({} of the errors are 404 model_not_found: an m2 request sent to an m1-only host)</text>"##,
-            hit_top + hit_h + 28.0,
+            r##"<text x="{left}" y="{:.0}" font-size="9" fill="#c0392b">below the bars: client-visible error rate ({} of the errors are 404 model_not_found: a request sent to a host without its model); ×N, dashed outline: N Envoy replicas behind a round-robin Envoy</text>"##,
+            hit_top + hit_h + 40.0,
             {
                 let all: u64 = self.routing.iter().map(|r| r.errors).sum();
                 let wrong: u64 = self.routing.iter().map(|r| r.wrong_model).sum();
@@ -756,6 +938,8 @@ impl Report<'_> {
         );
         // Legend.
         let ly = height - 22.0;
+        let mut pols: Vec<&str> = groups.iter().map(|g| g.1).collect();
+        pols.dedup();
         for (i, p) in pols.iter().enumerate() {
             let lx = left + i as f64 * 150.0;
             let _ = writeln!(

@@ -1,18 +1,20 @@
-//! Routing quality: one run per policy × scenario, the same workload each time, and what the
-//! client saw (cache hits, stickiness, latency, errors, cost).
+//! Routing quality: one run per topology × policy × scenario, the same workload each time, and
+//! what the client saw (cache hits, stickiness, latency, errors, cost; see `summary.rs`).
 //!
-//! Why: the question users ask is "how much better than what Envoy already gives me?". Each run
-//! starts fresh mocks (empty caches) and a fresh Envoy (no learned state), replays the identical
-//! session plan, and injects the scenario's fault at the same offsets, so the rows of a scenario
-//! differ only in the policy.
+//! Why: the question users ask is "how much better than what Envoy already gives me?", in the
+//! deployment they run: one Envoy, or several replicas behind a load balancer that restart on
+//! every rollout. Each run starts fresh mocks (empty caches) and fresh Envoys (no learned state),
+//! replays the identical session plan, and injects the scenario's fault at the same offsets, so
+//! the rows of a scenario differ only in the policy and the topology.
 
-use std::collections::BTreeMap;
 use std::time::{Duration, Instant};
 
-use serde_json::{json, Value};
+use serde_json::json;
 
+use super::deployment::{DeployOpts, Deployment, Restart};
+use super::summary::{self, Summary};
 use super::support::MockUpstream;
-use super::topology::{self, EnvoyProc, Policy, Setup, ENDPOINTS};
+use super::topology::{self, Policy, Setup, ENDPOINTS};
 use super::workload::{self, Record, SessionPlan};
 
 /// The endpoint that suffers the fault (serves both models, so both lose capacity).
@@ -25,15 +27,17 @@ pub enum Scenario {
     Down,
     Slow,
     Join,
+    RollingRestart,
 }
 
 impl Scenario {
-    pub const ALL: [Scenario; 5] = [
+    pub const ALL: [Scenario; 6] = [
         Scenario::Steady,
         Scenario::RateLimited,
         Scenario::Down,
         Scenario::Slow,
         Scenario::Join,
+        Scenario::RollingRestart,
     ];
 
     pub fn name(&self) -> &'static str {
@@ -43,6 +47,7 @@ impl Scenario {
             Scenario::Down => "down",
             Scenario::Slow => "slow",
             Scenario::Join => "join",
+            Scenario::RollingRestart => "rolling_restart",
         }
     }
 
@@ -50,7 +55,13 @@ impl Scenario {
         Scenario::ALL.into_iter().find(|x| x.name() == s)
     }
 
-    fn endpoints(&self) -> usize {
+    /// Only meaningful with several Envoy replicas.
+    pub fn needs_replicas(&self) -> bool {
+        *self == Scenario::RollingRestart
+    }
+
+    /// How many of [`ENDPOINTS`] the run configures.
+    pub fn endpoints(&self) -> usize {
         if *self == Scenario::Join {
             5
         } else {
@@ -68,12 +79,20 @@ impl Scenario {
             Scenario::Slow => Some((at(0.3), None)),
             // The new endpoint is "faulty" (absent) until it joins.
             Scenario::Join => Some((0, Some(at(0.4)))),
+            // From the first drain to the end of the arrivals, by which the three restarts (each
+            // waiting for the previous) are normally done; the report lists the actual times
+            // and flags a restart that ended later. A fixed window, so that the steady run's
+            // requests in the same window compare.
+            Scenario::RollingRestart => {
+                Some((RESTART_AT.first().map_or(0, |f| at(*f)), Some(span_ms)))
+            }
         }
     }
 
     /// One line for the report.
     pub fn describe(&self, span_ms: u64) -> String {
         let s = |ms: u64| format!("{:.1} s", ms as f64 / 1000.0);
+        let at = |f: f64| (span_ms as f64 * f).round() as u64;
         let ep = ENDPOINTS.get(FAULTY).map_or("a", |e| e.0);
         match (self, self.window(span_ms)) {
             (Scenario::Steady, _) => "no fault".into(),
@@ -92,16 +111,39 @@ impl Scenario {
                 "fifth endpoint `e` (serves m1) is configured from the start but refuses connections until it joins at {}",
                 s(b)
             ),
+            (Scenario::RollingRestart, _) => format!(
+                "replicated topology only: each replica in turn is drained (`POST /drain_listeners?graceful`), \
+                 stopped by PID once idle and started again on its port with empty shared data, \
+                 from {} (the next ones at {} or when the previous is back, whichever is later; \
+                 actual times below); with one Envoy: not run",
+                s(at(RESTART_AT.first().copied().unwrap_or(0.1))),
+                RESTART_AT
+                    .iter()
+                    .skip(1)
+                    .map(|f| s(at(*f)))
+                    .collect::<Vec<_>>()
+                    .join(", ")
+            ),
             _ => String::new(),
         }
     }
 }
 
-/// Everything a routing run needs besides policy and scenario.
+/// When the replicas of a rolling restart begin to drain, as fractions of the arrival span (a
+/// restart also waits for the previous one to be back).
+pub const RESTART_AT: [f64; 3] = [0.1, 0.4, 0.7];
+
+/// Everything a routing run needs besides policy, scenario and topology.
 #[derive(Clone, Debug)]
 pub struct RoutingOpts {
     pub mock_args: Vec<String>,
+    /// `--concurrency` of a lone Envoy.
     pub concurrency: u32,
+    /// `--concurrency` of each replica and of the front Envoy of the replicated topology.
+    pub replica_concurrency: u32,
+    pub front_concurrency: u32,
+    /// `--drain-time-s` of the replicas.
+    pub drain_s: u32,
     pub envoy_retries: bool,
     pub open_ms: u64,
     pub request_timeout: Duration,
@@ -109,200 +151,32 @@ pub struct RoutingOpts {
     pub raw_dir: Option<std::path::PathBuf>,
 }
 
-/// What one policy × scenario run measured.
-#[derive(Clone, Debug, Default)]
-pub struct Summary {
-    pub policy: String,
-    pub scenario: String,
-    pub requests: u64,
-    pub ok: u64,
-    pub errors: u64,
-    /// Errors that are 404 model_not_found (a request for m2 sent to an m1-only endpoint).
-    pub wrong_model: u64,
-    pub error_kinds: BTreeMap<String, u64>,
-    pub prompt_tokens: u64,
-    pub cached_tokens: u64,
-    pub cached_ratio: f64,
-    /// Follow-up turns whose previous turn also succeeded.
-    pub follow_ups: u64,
-    pub same_endpoint: u64,
-    pub same_endpoint_share: f64,
-    pub p50_ms: f64,
-    pub p90_ms: f64,
-    pub p99_ms: f64,
-    pub max_ms: f64,
-    /// (uncached + 0.5 × cached) / prompt tokens, over successful requests.
-    pub cost_per_prompt_token: f64,
-    /// `cost_per_prompt_token` relative to round_robin's in the same scenario (filled later).
-    pub cost_vs_round_robin: Option<f64>,
-    /// Chat requests the mocks received per client request (retries and failovers included).
-    pub upstream_per_request: f64,
-    /// Per phase (before / during / after the fault window): requests, errors, cached ratio,
-    /// same-endpoint share, p99.
-    pub phases: BTreeMap<String, PhaseSummary>,
-    pub wall_s: f64,
-}
-
-#[derive(Clone, Debug, Default)]
-pub struct PhaseSummary {
-    pub requests: u64,
-    pub errors: u64,
-    /// Errors other than 404 model_not_found: the ones a fault caused.
-    pub other_errors: u64,
-    pub cached_ratio: f64,
-    pub same_endpoint_share: f64,
-    pub p99_ms: f64,
-}
-
-/// The `q` quantile (0..=1) of sorted values, nearest rank.
-pub fn quantile(sorted: &[f64], q: f64) -> f64 {
-    if sorted.is_empty() {
-        return f64::NAN;
-    }
-    let rank = ((q * sorted.len() as f64).ceil() as usize).clamp(1, sorted.len());
-    sorted.get(rank - 1).copied().unwrap_or(f64::NAN)
-}
-
-fn ratio(a: u64, b: u64) -> f64 {
-    if b == 0 {
-        f64::NAN
-    } else {
-        a as f64 / b as f64
-    }
-}
-
-/// Same-endpoint pairs among `recs` (a follow-up counts when it and its previous turn succeeded).
-fn stickiness<'a>(
-    recs: impl Iterator<Item = &'a Record>,
-    prev: &BTreeMap<(usize, usize), &'a Record>,
-) -> (u64, u64) {
-    let (mut pairs, mut same) = (0, 0);
-    for r in recs.filter(|r| r.turn > 0 && r.ok()) {
-        if let Some(p) = prev.get(&(r.session, r.turn - 1)).filter(|p| p.ok()) {
-            pairs += 1;
-            if p.endpoint.is_some() && p.endpoint == r.endpoint {
-                same += 1;
-            }
-        }
-    }
-    (pairs, same)
-}
-
-fn phase(recs: &[&Record], prev: &BTreeMap<(usize, usize), &Record>) -> PhaseSummary {
-    let ok: Vec<&&Record> = recs.iter().filter(|r| r.ok()).collect();
-    let prompt: u64 = ok.iter().map(|r| r.prompt_tokens).sum();
-    let cached: u64 = ok.iter().map(|r| r.cached_tokens).sum();
-    let mut lat: Vec<f64> = ok.iter().map(|r| r.latency_ms).collect();
-    lat.sort_by(f64::total_cmp);
-    let (pairs, same) = stickiness(recs.iter().copied(), prev);
-    PhaseSummary {
-        requests: recs.len() as u64,
-        errors: (recs.len() - ok.len()) as u64,
-        other_errors: recs.iter().filter(|r| !r.ok() && r.status != 404).count() as u64,
-        cached_ratio: ratio(cached, prompt),
-        same_endpoint_share: ratio(same, pairs),
-        p99_ms: quantile(&lat, 0.99),
-    }
-}
-
-pub fn summarize(
-    policy: Policy,
+/// Applies the scenario's fault changes at their offsets from `t0` (runs in its own thread);
+/// returns the replica restarts it made.
+fn inject(
     scenario: Scenario,
-    recs: &[Record],
-    upstream_requests: u64,
+    mocks: &[MockUpstream],
+    deployment: &mut Deployment,
     span_ms: u64,
-) -> Summary {
-    let mut s = Summary {
-        policy: policy.name().into(),
-        scenario: scenario.name().into(),
-        requests: recs.len() as u64,
-        ..Summary::default()
-    };
-    let prev: BTreeMap<(usize, usize), &Record> =
-        recs.iter().map(|r| ((r.session, r.turn), r)).collect();
-    let mut lat = Vec::new();
-    for r in recs {
-        if r.ok() {
-            s.ok += 1;
-            s.prompt_tokens += r.prompt_tokens;
-            s.cached_tokens += r.cached_tokens;
-            lat.push(r.latency_ms);
-        } else {
-            s.errors += 1;
-            let kind = r
-                .error
-                .clone()
-                .unwrap_or_else(|| format!("http {}", r.status));
-            if r.status == 404 {
-                s.wrong_model += 1;
-            }
-            *s.error_kinds.entry(kind).or_insert(0) += 1;
-        }
-    }
-    lat.sort_by(f64::total_cmp);
-    s.p50_ms = quantile(&lat, 0.50);
-    s.p90_ms = quantile(&lat, 0.90);
-    s.p99_ms = quantile(&lat, 0.99);
-    s.max_ms = lat.last().copied().unwrap_or(f64::NAN);
-    s.cached_ratio = ratio(s.cached_tokens, s.prompt_tokens);
-    let (pairs, same) = stickiness(recs.iter(), &prev);
-    s.follow_ups = pairs;
-    s.same_endpoint = same;
-    s.same_endpoint_share = ratio(same, pairs);
-    let uncached = s.prompt_tokens.saturating_sub(s.cached_tokens) as f64;
-    s.cost_per_prompt_token = (uncached + 0.5 * s.cached_tokens as f64) / s.prompt_tokens as f64;
-    s.upstream_per_request = ratio(upstream_requests, s.requests);
-    if let Some((a, b)) = scenario.window(span_ms) {
-        let (a, b) = (a as f64, b.map_or(f64::INFINITY, |b| b as f64));
-        let mut by: BTreeMap<&str, Vec<&Record>> = BTreeMap::new();
-        for r in recs {
-            let key = if r.start_ms < a {
-                "before"
-            } else if r.start_ms < b {
-                "during"
-            } else {
-                "after"
-            };
-            by.entry(key).or_default().push(r);
-        }
-        for (k, v) in by {
-            s.phases.insert(k.to_string(), phase(&v, &prev));
-        }
-    }
-    if scenario == Scenario::Steady {
-        // The same windows without a fault: what "after the fault" is compared with.
-        for sc in Scenario::ALL {
-            if let Some((_, Some(end))) = sc.window(span_ms) {
-                let v: Vec<&Record> = recs.iter().filter(|r| r.start_ms >= end as f64).collect();
-                s.phases
-                    .insert(format!("after:{}", sc.name()), phase(&v, &prev));
-            }
-        }
-    }
-    s
-}
-
-/// Applies the scenario's fault changes at their offsets from `t0` (runs in its own thread).
-fn inject(scenario: Scenario, mocks: &[MockUpstream], span_ms: u64, t0: Instant) {
+    t0: Instant,
+) -> Result<Vec<Restart>, String> {
     let Some((start, end)) = scenario.window(span_ms) else {
-        return;
+        return Ok(Vec::new());
     };
     let wait_until = |ms: u64| {
         if let Some(d) = (t0 + Duration::from_millis(ms)).checked_duration_since(Instant::now()) {
             std::thread::sleep(d);
         }
     };
-    match scenario {
-        Scenario::Steady | Scenario::Join => {}
-        Scenario::RateLimited => {
-            let Some(m) = mocks.get(FAULTY) else { return };
+    let faulty = mocks.get(FAULTY);
+    match (scenario, faulty) {
+        (Scenario::RateLimited, Some(m)) => {
             wait_until(start);
             m.set_fault(json!({"mode": "status", "status": 429, "retry_after": "2"}));
             wait_until(end.unwrap_or(start));
             m.clear_fault();
         }
-        Scenario::Down => {
-            let Some(m) = mocks.get(FAULTY) else { return };
+        (Scenario::Down, Some(m)) => {
             wait_until(start);
             m.set_fault(json!({"mode": "refuse"}));
             wait_until(end.unwrap_or(start));
@@ -310,24 +184,38 @@ fn inject(scenario: Scenario, mocks: &[MockUpstream], span_ms: u64, t0: Instant)
             m.flush_cache();
             m.clear_fault();
         }
-        Scenario::Slow => {
-            let Some(m) = mocks.get(FAULTY) else { return };
+        (Scenario::Slow, Some(m)) => {
             wait_until(start);
             m.set_fault(json!({"mode": "slow", "factor": 5}));
         }
-    }
-    if scenario == Scenario::Join {
-        if let Some(m) = mocks.get(4) {
-            wait_until(end.unwrap_or(start));
-            m.clear_fault();
+        (Scenario::Join, _) => {
+            if let Some(m) = mocks.get(4) {
+                wait_until(end.unwrap_or(start));
+                m.clear_fault();
+            }
         }
+        (Scenario::RollingRestart, _) => {
+            let mut done = Vec::new();
+            for (i, f) in RESTART_AT
+                .iter()
+                .enumerate()
+                .take(deployment.replica_count())
+            {
+                wait_until((span_ms as f64 * f).round() as u64);
+                done.push(deployment.restart(i, t0)?);
+            }
+            return Ok(done);
+        }
+        _ => {}
     }
+    Ok(Vec::new())
 }
 
-/// One policy × scenario run.
+/// One topology × policy × scenario run: `replicas` Envoys (1: a lone one).
 pub fn run(
     policy: Policy,
     scenario: Scenario,
+    replicas: usize,
     plans: &[SessionPlan],
     opts: &RoutingOpts,
     wasm: &std::path::Path,
@@ -355,17 +243,31 @@ pub fn run(
         open_ms: opts.open_ms,
     };
     let boot = topology::bootstrap(&setup, wasm)?;
-    let envoy = EnvoyProc::start(&boot, opts.concurrency, policy.name())?;
+    let deploy = DeployOpts {
+        replicas,
+        concurrency: opts.concurrency,
+        replica_concurrency: opts.replica_concurrency,
+        front_concurrency: opts.front_concurrency,
+        drain_s: opts.drain_s,
+    };
+    let mut deployment = Deployment::start(&boot, policy.name(), &deploy)?;
+    let port = deployment.port();
     let span_ms = SessionPlan::last_arrival_ms(plans);
     let t0 = Instant::now() + Duration::from_millis(200);
-    let recs = std::thread::scope(|sc| {
-        let mocks = &mocks;
-        sc.spawn(move || inject(scenario, mocks, span_ms, t0));
-        workload::drive(envoy.port, plans, t0, opts.request_timeout)
+    let (recs, injected) = std::thread::scope(|sc| {
+        let (mocks, deployment) = (&mocks, &mut deployment);
+        let injector = sc.spawn(move || inject(scenario, mocks, deployment, span_ms, t0));
+        let recs = workload::drive(port, plans, t0, opts.request_timeout);
+        let injected = injector
+            .join()
+            .unwrap_or_else(|_| Err("the fault injector panicked".into()));
+        (recs, injected)
     });
+    let restarts = injected?;
     let upstream: u64 = mocks.iter().map(MockUpstream::request_count).sum();
     if let Some(dir) = &opts.raw_dir {
-        let path = dir.join(format!("{}-{}.jsonl", policy.name(), scenario.name()));
+        let name = summary::label(policy.name(), replicas as u32).replace(" ×", "-x");
+        let path = dir.join(format!("{name}-{}.jsonl", scenario.name()));
         let mut text = String::new();
         let mut sorted: Vec<&Record> = recs.iter().collect();
         sorted.sort_by(|a, b| a.start_ms.total_cmp(&b.start_ms));
@@ -375,144 +277,10 @@ pub fn run(
         }
         let _ = std::fs::write(path, text);
     }
-    drop(envoy);
+    drop(deployment);
     drop(mocks);
-    let mut s = summarize(policy, scenario, &recs, upstream, span_ms);
+    let mut s = summary::summarize(policy, scenario, replicas as u32, &recs, upstream, span_ms);
+    s.restarts = restarts;
     s.wall_s = started.elapsed().as_secs_f64();
     Ok(s)
-}
-
-/// Fills `cost_vs_round_robin` from the round_robin row of each scenario.
-pub fn relate_costs(rows: &mut [Summary]) {
-    let base: BTreeMap<String, f64> = rows
-        .iter()
-        .filter(|r| r.policy == Policy::RoundRobin.name())
-        .map(|r| (r.scenario.clone(), r.cost_per_prompt_token))
-        .collect();
-    for r in rows.iter_mut() {
-        r.cost_vs_round_robin = base.get(&r.scenario).map(|b| r.cost_per_prompt_token / b);
-    }
-}
-
-fn num(x: f64) -> Value {
-    if x.is_finite() {
-        json!((x * 10_000.0).round() / 10_000.0)
-    } else {
-        Value::Null
-    }
-}
-
-impl Summary {
-    pub fn to_json(&self) -> Value {
-        let phases: serde_json::Map<String, Value> = self
-            .phases
-            .iter()
-            .map(|(k, p)| {
-                (
-                    k.clone(),
-                    json!({
-                        "requests": p.requests, "errors": p.errors,
-                        "errors_other_than_404": p.other_errors,
-                        "cached_ratio": num(p.cached_ratio),
-                        "same_endpoint_share": num(p.same_endpoint_share),
-                        "p99_ms": num(p.p99_ms),
-                    }),
-                )
-            })
-            .collect();
-        json!({
-            "policy": self.policy,
-            "scenario": self.scenario,
-            "requests": self.requests,
-            "ok": self.ok,
-            "errors": self.errors,
-            "error_rate": num(ratio(self.errors, self.requests)),
-            "wrong_model_errors": self.wrong_model,
-            "error_kinds": self.error_kinds,
-            "prompt_tokens": self.prompt_tokens,
-            "cached_tokens": self.cached_tokens,
-            "cached_ratio": num(self.cached_ratio),
-            "follow_ups": self.follow_ups,
-            "same_endpoint": self.same_endpoint,
-            "same_endpoint_share": num(self.same_endpoint_share),
-            "latency_ms": {"p50": num(self.p50_ms), "p90": num(self.p90_ms), "p99": num(self.p99_ms), "max": num(self.max_ms)},
-            "cost_per_prompt_token": num(self.cost_per_prompt_token),
-            "cost_vs_round_robin": self.cost_vs_round_robin.map_or(Value::Null, num),
-            "upstream_requests_per_request": num(self.upstream_per_request),
-            "phases": phases,
-            "wall_s": num(self.wall_s),
-        })
-    }
-
-    pub fn error_rate(&self) -> f64 {
-        ratio(self.errors, self.requests)
-    }
-
-    /// The inverse of [`Summary::to_json`] (for re-rendering a report from `results.json`).
-    pub fn from_json(v: &Value) -> Summary {
-        let f = |p: &str| v.pointer(p).and_then(Value::as_f64).unwrap_or(f64::NAN);
-        let u = |p: &str| v.pointer(p).and_then(Value::as_u64).unwrap_or(0);
-        let st = |p: &str| {
-            v.pointer(p)
-                .and_then(Value::as_str)
-                .unwrap_or("")
-                .to_string()
-        };
-        let phases = v
-            .get("phases")
-            .and_then(Value::as_object)
-            .map(|o| {
-                o.iter()
-                    .map(|(k, p)| {
-                        let f = |q: &str| p.get(q).and_then(Value::as_f64).unwrap_or(f64::NAN);
-                        let u = |q: &str| p.get(q).and_then(Value::as_u64).unwrap_or(0);
-                        (
-                            k.clone(),
-                            PhaseSummary {
-                                requests: u("requests"),
-                                errors: u("errors"),
-                                other_errors: u("errors_other_than_404"),
-                                cached_ratio: f("cached_ratio"),
-                                same_endpoint_share: f("same_endpoint_share"),
-                                p99_ms: f("p99_ms"),
-                            },
-                        )
-                    })
-                    .collect()
-            })
-            .unwrap_or_default();
-        let error_kinds = v
-            .get("error_kinds")
-            .and_then(Value::as_object)
-            .map(|o| {
-                o.iter()
-                    .map(|(k, n)| (k.clone(), n.as_u64().unwrap_or(0)))
-                    .collect()
-            })
-            .unwrap_or_default();
-        Summary {
-            policy: st("/policy"),
-            scenario: st("/scenario"),
-            requests: u("/requests"),
-            ok: u("/ok"),
-            errors: u("/errors"),
-            wrong_model: u("/wrong_model_errors"),
-            error_kinds,
-            prompt_tokens: u("/prompt_tokens"),
-            cached_tokens: u("/cached_tokens"),
-            cached_ratio: f("/cached_ratio"),
-            follow_ups: u("/follow_ups"),
-            same_endpoint: u("/same_endpoint"),
-            same_endpoint_share: f("/same_endpoint_share"),
-            p50_ms: f("/latency_ms/p50"),
-            p90_ms: f("/latency_ms/p90"),
-            p99_ms: f("/latency_ms/p99"),
-            max_ms: f("/latency_ms/max"),
-            cost_per_prompt_token: f("/cost_per_prompt_token"),
-            cost_vs_round_robin: v.get("cost_vs_round_robin").and_then(Value::as_f64),
-            upstream_per_request: f("/upstream_requests_per_request"),
-            phases,
-            wall_s: f("/wall_s"),
-        }
-    }
 }

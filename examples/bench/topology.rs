@@ -2,10 +2,16 @@
 //! process started from a bootstrap text.
 //!
 //! Why its own Envoy launcher: the test harness (`tests/support`) renders one bootstrap shape,
-//! one single-host cluster per endpoint. Envoy's own balancers need one cluster holding every
-//! host with an `lb_policy`, so the bench renders the harness's bootstrap and reshapes its
+//! one single-host cluster per endpoint. Envoy's own balancers need clusters holding several
+//! hosts with an `lb_policy`, so the bench renders the harness's bootstrap and reshapes its
 //! clusters (everything else, listener, buffers, circuit-breaker thresholds, stays identical),
 //! then starts Envoy itself.
+//!
+//! Envoy's balancers get one cluster per model, holding only the hosts that serve it, as an
+//! operator who knows the fleet would configure them: a small Lua filter reads the body's
+//! `model` and names the cluster in a header (see [`model_lua`]). The client sends exactly the
+//! same requests to every policy; without this split a request for a model that only some
+//! hosts serve lands on a host that answers 404.
 
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
@@ -58,6 +64,11 @@ impl Policy {
         Policy::ALL
             .into_iter()
             .find(|p| p.name() == s || (s == "filter" && *p == Policy::Filter))
+    }
+
+    /// Run in the replicated topology: the policies that promise stickiness.
+    pub fn replicable(&self) -> bool {
+        matches!(self, Policy::RingHash | Policy::Maglev | Policy::Filter)
     }
 
     fn lb_policy(&self) -> Option<&'static str> {
@@ -149,7 +160,7 @@ pub fn bootstrap(setup: &Setup<'_>, wasm: &Path) -> Result<String, String> {
         Some(lb) => {
             let first = setup.hosts.first().map(|h| h.2).unwrap_or(0);
             cfg.with_filter = false;
-            cfg.clusters = vec![("pool".into(), first)];
+            cfg.clusters = vec![("template".into(), first)];
             let mut extra = serde_json::Map::new();
             if matches!(setup.policy, Policy::RingHash | Policy::Maglev) {
                 extra.insert(
@@ -162,31 +173,174 @@ pub fn bootstrap(setup: &Setup<'_>, wasm: &Path) -> Result<String, String> {
             }
             cfg.route_extra = Value::Object(extra);
             let text = support::render_bootstrap(&cfg, wasm, 0, 0);
-            let ports: Vec<u16> = setup.hosts.iter().map(|h| h.2).collect();
-            pool_cluster(&text, lb, &ports)
+            model_clusters(&text, lb, setup.hosts)
         }
     }
 }
 
-/// Rewrites the single cluster of a rendered bootstrap into one cluster of all `ports` with
-/// `lb_policy`.
-fn pool_cluster(text: &str, lb_policy: &str, ports: &[u16]) -> Result<String, String> {
+/// The request header [`model_lua`] sets for Envoy's balancers: the cluster of the body's model.
+pub const MODEL_CLUSTER_HEADER: &str = "x-bench-model-cluster";
+
+/// The cluster of Envoy's balancers that holds the hosts serving `model`.
+pub fn model_cluster(model: &str) -> String {
+    format!("model_{model}")
+}
+
+/// The Lua filter in front of Envoy's balancers: reads the (buffered) request body, takes the
+/// top-level `"model"` string and names its cluster (see [`model_cluster`]) in
+/// [`MODEL_CLUSTER_HEADER`] (Lua's header change clears the route cache, so the route's
+/// `cluster_header` sees it). A pattern match, not a JSON parser: inside a JSON string every `"`
+/// is escaped, so `"model": "…"` only matches a key, and the bench's bodies have no nested
+/// `model` keys. No model: no header, and Envoy answers 503 (no cluster).
+pub fn model_lua() -> String {
+    format!(
+        r#"function envoy_on_request(handle)
+  local body = handle:body()
+  if body == nil then return end
+  local model = string.match(body:getBytes(0, body:length()), '"model"%s*:%s*"([^"]+)"')
+  if model ~= nil then
+    handle:headers():replace("{MODEL_CLUSTER_HEADER}", "{}" .. model)
+  end
+end
+"#,
+        model_cluster("")
+    )
+}
+
+/// Rewrites the single (template) cluster of a rendered bootstrap into one cluster per model with
+/// `lb_policy`, each holding the hosts that serve the model; the route takes the cluster from
+/// [`MODEL_CLUSTER_HEADER`], which the [`model_lua`] filter sets.
+fn model_clusters(
+    text: &str,
+    lb_policy: &str,
+    hosts: &[(&str, &[&str], u16)],
+) -> Result<String, String> {
     let mut v: Value = serde_json::from_str(text).map_err(|e| format!("bootstrap: {e}"))?;
-    let cluster = v
-        .pointer_mut("/static_resources/clusters/0")
-        .and_then(Value::as_object_mut)
+    let template = v
+        .pointer("/static_resources/clusters/0")
+        .cloned()
         .ok_or("bootstrap has no cluster")?;
+    let mut models: Vec<&str> = hosts.iter().flat_map(|h| h.1.iter().copied()).collect();
+    models.sort_unstable();
+    models.dedup();
+    let clusters: Vec<Value> = models
+        .iter()
+        .map(|model| {
+            let ports: Vec<u16> = hosts
+                .iter()
+                .filter(|h| h.1.contains(model))
+                .map(|h| h.2)
+                .collect();
+            pool(&template, &model_cluster(model), lb_policy, &ports)
+        })
+        .collect::<Result<_, _>>()?;
+    *v.pointer_mut("/static_resources/clusters")
+        .ok_or("bootstrap has no clusters")? = Value::Array(clusters);
+    let hcm = "/static_resources/listeners/0/filter_chains/0/filters/0/typed_config";
+    let route = v
+        .pointer_mut(&format!(
+            "{hcm}/route_config/virtual_hosts/0/routes/0/route"
+        ))
+        .and_then(Value::as_object_mut)
+        .ok_or("bootstrap has no route")?;
+    route.remove("cluster");
+    route.insert("cluster_header".into(), json!(MODEL_CLUSTER_HEADER));
+    let filters = v
+        .pointer_mut(&format!("{hcm}/http_filters"))
+        .and_then(Value::as_array_mut)
+        .ok_or("bootstrap has no http_filters")?;
+    filters.insert(
+        0,
+        json!({
+            "name": "envoy.filters.http.lua",
+            "typed_config": {
+                "@type": "type.googleapis.com/envoy.extensions.filters.http.lua.v3.Lua",
+                "default_source_code": {"inline_string": model_lua()},
+            },
+        }),
+    );
+    serde_json::to_string_pretty(&v).map_err(|e| e.to_string())
+}
+
+/// `template` (a rendered cluster) renamed to `name`, holding every port of `ports`, with
+/// `lb_policy`.
+fn pool(template: &Value, name: &str, lb_policy: &str, ports: &[u16]) -> Result<Value, String> {
+    let mut c = template.clone();
+    let o = c.as_object_mut().ok_or("cluster is not an object")?;
     let lb_endpoints: Vec<Value> = ports
         .iter()
         .map(|p| {
             json!({"endpoint": {"address": {"socket_address": {"address": "127.0.0.1", "port_value": p}}}})
         })
         .collect();
-    cluster.insert("lb_policy".into(), json!(lb_policy));
-    cluster.insert(
+    o.insert("name".into(), json!(name));
+    o.insert("lb_policy".into(), json!(lb_policy));
+    o.insert(
         "load_assignment".into(),
-        json!({"cluster_name": "pool", "endpoints": [{"lb_endpoints": lb_endpoints}]}),
+        json!({"cluster_name": name, "endpoints": [{"lb_endpoints": lb_endpoints}]}),
     );
+    Ok(c)
+}
+
+/// The front Envoy of the replicated topology: no filter, one cluster of the replicas'
+/// listeners with Envoy's round robin, and the route retry that lets a replica restart without
+/// a client error (`connect-failure`, on another replica). Its idle upstream connections close
+/// after [`FRONT_IDLE_TIMEOUT`], so a drained replica is left without connections soon after
+/// its listener closes.
+pub fn front_bootstrap(replica_ports: &[u16], concurrency: u32) -> Result<String, String> {
+    let mut cfg = EnvoyConfig {
+        concurrency,
+        log_level: "warn".into(),
+        with_filter: false,
+        clusters: vec![(
+            "replicas".into(),
+            replica_ports.first().copied().unwrap_or(0),
+        )],
+        ..EnvoyConfig::default()
+    };
+    cfg.route_extra = json!({"retry_policy": front_retry_policy()});
+    let text = support::render_bootstrap(&cfg, Path::new(""), 0, 0);
+    let mut v: Value = serde_json::from_str(&text).map_err(|e| format!("bootstrap: {e}"))?;
+    let cluster = v
+        .pointer_mut("/static_resources/clusters/0")
+        .ok_or("bootstrap has no cluster")?;
+    let mut c = pool(cluster, "replicas", "ROUND_ROBIN", replica_ports)?;
+    if let Some(o) = c.as_object_mut() {
+        o.insert(
+            "common_http_protocol_options".into(),
+            json!({"idle_timeout": FRONT_IDLE_TIMEOUT}),
+        );
+    }
+    *cluster = c;
+    serde_json::to_string_pretty(&v).map_err(|e| e.to_string())
+}
+
+/// Idle timeout of the front Envoy's connections to the replicas.
+pub const FRONT_IDLE_TIMEOUT: &str = "1s";
+
+/// The front Envoy's route retry: a refused connection (a replica that is restarting) is retried
+/// on another replica. Nothing else is retried there: the replicas' own policies handle the
+/// endpoints' faults.
+pub fn front_retry_policy() -> Value {
+    json!({
+        "retry_on": "connect-failure",
+        "num_retries": 2,
+        "retry_host_predicate": [{
+            "name": "envoy.retry_host_predicates.previous_hosts",
+            "typed_config": {
+                "@type": "type.googleapis.com/envoy.extensions.retry.host.previous_hosts.v3.PreviousHostsPredicate"
+            }
+        }],
+        "host_selection_retry_max_attempts": 5,
+    })
+}
+
+/// `bootstrap` with its listener bound to `port` (a restarted replica takes its old port back,
+/// so the front Envoy's static cluster finds it again).
+pub fn with_listener_port(bootstrap: &str, port: u16) -> Result<String, String> {
+    let mut v: Value = serde_json::from_str(bootstrap).map_err(|e| format!("bootstrap: {e}"))?;
+    *v.pointer_mut("/static_resources/listeners/0/address/socket_address/port_value")
+        .ok_or("bootstrap has no listener")? = json!(port);
     serde_json::to_string_pretty(&v).map_err(|e| e.to_string())
 }
 
@@ -200,6 +354,16 @@ pub struct EnvoyProc {
 
 impl EnvoyProc {
     pub fn start(bootstrap: &str, concurrency: u32, label: &str) -> Result<EnvoyProc, String> {
+        EnvoyProc::start_with(bootstrap, concurrency, label, &[])
+    }
+
+    /// [`EnvoyProc::start`] with more command-line flags (e.g. `--drain-time-s 1`).
+    pub fn start_with(
+        bootstrap: &str,
+        concurrency: u32,
+        label: &str,
+        extra_args: &[String],
+    ) -> Result<EnvoyProc, String> {
         let id = support::unique_u32();
         let dir = std::env::temp_dir().join(format!("computeflux-bench-{label}-{id}"));
         let _ = std::fs::remove_dir_all(&dir);
@@ -219,6 +383,7 @@ impl EnvoyProc {
             .arg(dir.join("envoy.log"))
             .arg("--admin-address-path")
             .arg(&admin_path)
+            .args(extra_args)
             .stdin(Stdio::null())
             .stdout(Stdio::null())
             .stderr(Stdio::from(stderr))
@@ -294,5 +459,90 @@ pub fn record_pid(pid: u32) {
         {
             let _ = writeln!(f, "{pid}");
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn ports(cluster: &Value) -> Vec<u64> {
+        cluster
+            .pointer("/load_assignment/endpoints/0/lb_endpoints")
+            .and_then(Value::as_array)
+            .unwrap()
+            .iter()
+            .map(|e| {
+                e.pointer("/endpoint/address/socket_address/port_value")
+                    .and_then(Value::as_u64)
+                    .unwrap()
+            })
+            .collect()
+    }
+
+    #[test]
+    fn balancers_get_one_cluster_per_model_with_only_its_hosts_and_the_lua_filter() {
+        let hosts: Vec<(&str, &[&str], u16)> = ENDPOINTS
+            .iter()
+            .take(4)
+            .zip([1001u16, 1002, 1003, 1004])
+            .map(|((n, m), p)| (*n, *m, p))
+            .collect();
+        let setup = Setup {
+            policy: Policy::RingHash,
+            hosts: &hosts,
+            concurrency: 1,
+            envoy_retries: true,
+            open_ms: 3000,
+        };
+        let v: Value = serde_json::from_str(&bootstrap(&setup, Path::new("")).unwrap()).unwrap();
+        let clusters = v.pointer("/static_resources/clusters").unwrap();
+        let by_name = |n: &str| {
+            clusters
+                .as_array()
+                .unwrap()
+                .iter()
+                .find(|c| c.get("name").and_then(Value::as_str) == Some(n))
+                .unwrap()
+                .clone()
+        };
+        assert_eq!(clusters.as_array().unwrap().len(), 2);
+        assert_eq!(ports(&by_name("model_m1")), [1001, 1002, 1003, 1004]);
+        assert_eq!(ports(&by_name("model_m2")), [1001, 1002]);
+        assert_eq!(by_name("model_m2")["lb_policy"], "RING_HASH");
+        let hcm = v
+            .pointer("/static_resources/listeners/0/filter_chains/0/filters/0/typed_config")
+            .unwrap();
+        let route = hcm
+            .pointer("/route_config/virtual_hosts/0/routes/0/route")
+            .unwrap();
+        assert_eq!(route["cluster_header"], MODEL_CLUSTER_HEADER);
+        assert!(route.get("cluster").is_none());
+        assert!(route.get("hash_policy").is_some() && route.get("retry_policy").is_some());
+        assert_eq!(hcm["http_filters"][0]["name"], "envoy.filters.http.lua");
+        let lua = model_lua();
+        assert!(
+            lua.contains(r#"replace("x-bench-model-cluster", "model_" .. model)"#),
+            "{lua}"
+        );
+    }
+
+    #[test]
+    fn front_round_robins_over_the_replicas_and_a_restart_keeps_the_port() {
+        let v: Value =
+            serde_json::from_str(&front_bootstrap(&[2001, 2002, 2003], 1).unwrap()).unwrap();
+        let c = v.pointer("/static_resources/clusters/0").unwrap();
+        assert_eq!(c["lb_policy"], "ROUND_ROBIN");
+        assert_eq!(ports(c), [2001, 2002, 2003]);
+        let route = v
+            .pointer("/static_resources/listeners/0/filter_chains/0/filters/0/typed_config/route_config/virtual_hosts/0/routes/0/route")
+            .unwrap();
+        assert_eq!(route["retry_policy"]["retry_on"], "connect-failure");
+        let text = serde_json::to_string(&v).unwrap();
+        let moved: Value = serde_json::from_str(&with_listener_port(&text, 2999).unwrap()).unwrap();
+        assert_eq!(
+            moved.pointer("/static_resources/listeners/0/address/socket_address/port_value"),
+            Some(&json!(2999))
+        );
     }
 }
