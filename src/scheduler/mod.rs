@@ -6,14 +6,19 @@
 //! same code correct across Envoy worker threads.
 
 pub mod affinity;
+pub mod api;
 pub mod breaker;
 pub mod budget;
 pub mod codec;
 pub mod config;
 pub mod ewma;
 pub mod hash;
+pub mod json_scan;
+pub mod models;
+pub mod multipart;
 pub mod outcome;
 pub mod request;
+pub mod responses;
 pub mod score;
 pub mod select;
 pub mod state;
