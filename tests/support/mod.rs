@@ -25,6 +25,7 @@ pub mod artifacts;
 pub mod envoy;
 pub mod http;
 pub mod mock;
+pub mod python;
 
 use serde_json::{json, Value};
 
