@@ -407,9 +407,10 @@ pub fn response_events(m: &ResponseMeta<'_>, words: &[String]) -> Vec<String> {
         .into_iter()
         .enumerate()
         .map(|(i, mut e)| {
-            e["sequence_number"] = json!(i);
-            let kind = e["type"].as_str().unwrap_or("").to_string();
-            format!("event: {kind}\ndata: {e}\n\n")
+            if let Some(o) = e.as_object_mut() {
+                o.insert("sequence_number".into(), json!(i));
+            }
+            sse_event(&e)
         })
         .collect()
 }
@@ -469,8 +470,10 @@ pub fn message_object(m: &MessageMeta<'_>, text: &str) -> Value {
 /// The SSE events of a streamed Anthropic answer.
 pub fn message_events(m: &MessageMeta<'_>, words: &[String]) -> Vec<String> {
     let mut start = message_object(m, "");
-    start["content"] = json!([]);
-    start["stop_reason"] = Value::Null;
+    if let Some(o) = start.as_object_mut() {
+        o.insert("content".into(), json!([]));
+        o.insert("stop_reason".into(), Value::Null);
+    }
     let mut events = vec![
         json!({"type": "message_start", "message": start}),
         json!({"type": "content_block_start", "index": 0,
@@ -486,13 +489,13 @@ pub fn message_events(m: &MessageMeta<'_>, words: &[String]) -> Vec<String> {
                "usage": {"output_tokens": m.completion_tokens}}),
         json!({"type": "message_stop"}),
     ]);
-    events
-        .into_iter()
-        .map(|e| {
-            let kind = e["type"].as_str().unwrap_or("").to_string();
-            format!("event: {kind}\ndata: {e}\n\n")
-        })
-        .collect()
+    events.iter().map(sse_event).collect()
+}
+
+/// `event: <type>` then the JSON as `data`.
+fn sse_event(e: &Value) -> String {
+    let kind = e.get("type").and_then(Value::as_str).unwrap_or("");
+    format!("event: {kind}\ndata: {e}\n\n")
 }
 
 #[cfg(test)]

@@ -367,9 +367,12 @@ fn split_crlf(block: &[u8]) -> impl Iterator<Item = &[u8]> {
     })
 }
 
+/// A header parameter: its name as written, its value unquoted.
+type Param<'a> = (&'a [u8], Vec<u8>);
+
 /// Splits `type; a=b; c="d;e"` into the trimmed first item and the parameters (names as they
 /// are, values unquoted with backslash escapes resolved). Bounded by the input's length.
-fn split_header_value(value: &[u8]) -> (&[u8], Vec<(&[u8], Vec<u8>)>) {
+fn split_header_value(value: &[u8]) -> (&[u8], Vec<Param<'_>>) {
     let first_end = value.iter().position(|b| *b == b';').unwrap_or(value.len());
     let (first, mut rest) = value.split_at(first_end);
     let mut params = Vec::new();
