@@ -191,6 +191,9 @@ proptest! {
                 break;
             }
         }
+        if last == Scan::NeedMore {
+            last = scan.finish().map_or(Scan::Absent, Scan::Found);
+        }
         prop_assert_eq!(last, Scan::Found(id));
     }
 

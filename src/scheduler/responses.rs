@@ -319,11 +319,18 @@ impl AnswerFormat {
 }
 
 /// Reads a response id from the first bytes of a successful answer, fed chunk by chunk as
-/// they pass: at most [`ID_SCAN_BYTES`] are kept, then it gives up ([`Scan::Absent`]).
+/// they pass: at most [`ID_SCAN_BYTES`] are kept, then it gives up ([`Scan::Absent`]). Call
+/// [`IdScan::finish`] at the end of the body.
+///
+/// The prefix is scanned again from its start only when it has doubled since the last scan
+/// (or is full, or the body ended), so the work stays linear in the bytes kept however small
+/// the chunks; the id is known at most one doubling after its last byte arrived.
 #[derive(Debug, Clone)]
 pub struct IdScan {
     format: AnswerFormat,
     buf: Vec<u8>,
+    /// Buffer length at the last scan.
+    scanned: usize,
     done: Option<Scan<String>>,
 }
 
@@ -332,33 +339,42 @@ impl IdScan {
         IdScan {
             format,
             buf: Vec::new(),
+            scanned: 0,
             done: None,
         }
     }
 
     /// The next chunk of the answer body. `Found` and `Absent` are final.
     pub fn feed(&mut self, chunk: &[u8]) -> Scan<String> {
+        self.step(chunk, false)
+    }
+
+    fn step(&mut self, chunk: &[u8], end: bool) -> Scan<String> {
         if let Some(d) = &self.done {
             return d.clone();
         }
         let room = ID_SCAN_BYTES.saturating_sub(self.buf.len());
         self.buf
             .extend_from_slice(chunk.get(..room.min(chunk.len())).unwrap_or(&[]));
+        let full = self.buf.len() >= ID_SCAN_BYTES;
+        if !end && !full && self.buf.len() < self.scanned.saturating_mul(2).max(1) {
+            return Scan::NeedMore;
+        }
+        self.scanned = self.buf.len();
         let scan = match self.format {
             AnswerFormat::Json => json_scan::string_at(&self.buf, &["id"], MAX_RESPONSE_ID_BYTES),
             AnswerFormat::EventStream => sse_response_id(&self.buf),
         };
-        let full = self.buf.len() >= ID_SCAN_BYTES;
         match scan {
-            Scan::NeedMore if !full => Scan::NeedMore,
+            Scan::NeedMore if !full && !end => Scan::NeedMore,
             Scan::NeedMore => self.settle(Scan::Absent),
             s => self.settle(s),
         }
     }
 
-    /// The end of the body.
+    /// The end of the body: the id, if the answer had one.
     pub fn finish(&mut self) -> Option<String> {
-        match self.feed(&[]) {
+        match self.step(&[], true) {
             Scan::Found(id) => Some(id),
             _ => {
                 self.settle(Scan::Absent);

@@ -222,6 +222,9 @@ fn id_from_a_json_answer_in_any_chunking() {
                 break;
             }
         }
+        if last == Scan::NeedMore {
+            last = scan.finish().map_or(Scan::Absent, Scan::Found);
+        }
         assert_eq!(last, Scan::Found("resp_abc".into()), "chunks of {size}");
     }
     // Found is final.
@@ -241,6 +244,9 @@ fn id_from_the_first_sse_event() {
             if last != Scan::NeedMore {
                 break;
             }
+        }
+        if last == Scan::NeedMore {
+            last = scan.finish().map_or(Scan::Absent, Scan::Found);
         }
         assert_eq!(last, Scan::Found("resp_s1".into()), "chunks of {size}");
     }
@@ -278,4 +284,29 @@ fn gives_up_after_the_scan_bound() {
         Some(AnswerFormat::Json)
     );
     assert_eq!(AnswerFormat::from_content_type("text/plain"), None);
+}
+
+#[test]
+fn tiny_chunks_cost_linear_work() {
+    // Byte by byte, the prefix is rescanned only at doublings: about log2(n) scans, and the
+    // id is found within one doubling of its end.
+    let mut scan = IdScan::new(AnswerFormat::Json);
+    let mut found_at = None;
+    for (i, b) in JSON_ANSWER.iter().enumerate() {
+        if let Scan::Found(id) = scan.feed(std::slice::from_ref(b)) {
+            assert_eq!(id, "resp_abc");
+            found_at = Some(i + 1);
+            break;
+        }
+    }
+    let id_end = JSON_ANSWER
+        .windows(10)
+        .position(|w| w == b"resp_abc\",")
+        .unwrap()
+        + 9;
+    let at = found_at.expect("found before the end");
+    assert!(
+        at >= id_end && at <= 2 * id_end,
+        "found at {at}, id ends at {id_end}"
+    );
 }
