@@ -81,7 +81,7 @@ pub enum Handling<'a> {
     /// (`models::retrieve`). `id` is still percent-encoded as it came in the path.
     RetrieveModel { id: &'a str },
     /// `/v1/responses/{id}…` (retrieve, delete, cancel, input items): only the endpoint that
-    /// produced the response has it (`responses::lookup`). `id` as it came in the path.
+    /// produced the response has it (`responses::holder`). `id` as it came in the path.
     StoredResponse { id: &'a str },
     /// Not inference, or not known: route at once without a model, never read the body.
     PassThrough,
