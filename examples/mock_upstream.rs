@@ -44,10 +44,26 @@
 //!   a role chunk, one chunk per completion token, a finish chunk, a usage chunk with empty
 //!   `choices`, then `data: [DONE]`). Headers `x-mock-endpoint`, `x-mock-prompt-tokens`,
 //!   `x-mock-cached-tokens`, `x-mock-request-seq`. `usage.prompt_tokens_details.cached_tokens`.
+//! - `POST /v1/embeddings`: deterministic vectors per input text (`encoding_format` `float` or
+//!   `base64`, `dimensions`, default 8).
+//! - `POST /v1/audio/transcriptions`, `/v1/audio/translations` (multipart form): the text names
+//!   the endpoint, the file's size and the `model` field received (`response_format` `json`,
+//!   `text`, `verbose_json`).
+//! - `POST /v1/responses` (Responses API, also streamed: `response.created` first): each
+//!   response is stored unless `"store": false` (the last 10 000); a `previous_response_id`
+//!   continues the stored conversation (its transcript is the prompt prefix, so the prefix
+//!   cache sees it) and an unknown one gets OpenAI's `404 previous_response_not_found`. The
+//!   answer text is `[<name>] turn=<n> …`, n counting the turns of the stored chain.
+//! - `POST /v1/messages` (Anthropic Messages, also streamed); `metadata.user_id` counts as the
+//!   session in `by_session`.
 //! - `GET /v1/models`.
+//!
+//! Every `POST` API above goes through the same fault injection, request log and (except
+//! embeddings and audio) the prefix-cache latency model as chat completions.
 //! - `GET /_mock/stats`: `{"name","port","requests","status_counts","prompt_tokens",
-//!   "cached_tokens","completion_tokens","in_flight","by_session","cache_blocks","fault",...}`.
-//!   `requests` counts every chat-completion request received (faulted ones too); `status_counts`
+//!   "cached_tokens","completion_tokens","in_flight","by_session","cache_blocks","fault",
+//!   "stored_responses",...}`.
+//!   `requests` counts every inference request received (faulted ones too); `status_counts`
 //!   is keyed by status, or `"reset"` / `"hang"`. `by_session` counts requests by the body's
 //!   `user` (else the `x-session-id` header).
 //! - `GET /_mock/requests[?limit=N]`: the last requests, oldest first:
@@ -64,6 +80,8 @@
 //!   mode to the next N requests; `"for_ms":N` on `refuse` re-binds after N ms.
 //! - `POST /_mock/reset_stats` (counters and request log), `POST /_mock/flush_cache`.
 
+#[path = "mock_upstream/apis.rs"]
+mod apis;
 #[path = "mock_upstream/cache.rs"]
 mod cache;
 #[path = "mock_upstream/fault.rs"]
@@ -105,6 +123,8 @@ const USAGE: &str = "usage: mock_upstream [--port N] [--host IP] [--name S] [--m
 
 /// Distinct sessions remembered in `by_session`.
 const MAX_SESSIONS: usize = 10_000;
+/// Responses kept for `previous_response_id`.
+const MAX_STORED_RESPONSES: usize = 10_000;
 
 struct Args {
     host: IpAddr,
@@ -211,6 +231,7 @@ struct State {
     cache: PrefixCache,
     fault: Fault,
     fault_gen: u64,
+    responses: apis::ResponseStore,
 }
 
 struct Mock {
@@ -259,6 +280,7 @@ impl Mock {
             "block_tokens": st.cache.block_tokens(),
             "fault": st.fault.to_json(),
             "listening": *self.bound.borrow(),
+            "stored_responses": st.responses.len(),
         })
     }
 }
@@ -381,6 +403,12 @@ enum Plan {
 
 struct Serve {
     seq: u64,
+    api: apis::Api,
+    /// Responses API: the response's id, its predecessor, whether it is stored, its turn.
+    response_id: String,
+    previous_response_id: Option<String>,
+    store: bool,
+    turns: u64,
     model: String,
     stream: bool,
     prompt_tokens: u64,
@@ -431,15 +459,31 @@ fn decide(
     headers: BTreeMap<String, String>,
     body: Option<Bytes>,
 ) -> Plan {
+    let api = apis::Api::from_path(path).unwrap_or(apis::Api::Chat);
+    let form = match api {
+        apis::Api::Transcriptions | apis::Api::Translations => apis::parse_form(
+            headers.get("content-type").map_or("", String::as_str),
+            body.as_deref().unwrap_or_default(),
+        ),
+        _ => None,
+    };
     let parsed: Option<Value> = body
         .as_deref()
         .and_then(|b| serde_json::from_slice::<Value>(b).ok())
         .filter(Value::is_object);
     let field = |k: &str| parsed.as_ref().and_then(|v| v.get(k));
-    let model = field("model").and_then(Value::as_str).map(str::to_string);
+    let model = match &form {
+        Some(f) => f.fields.get("model").cloned(),
+        None => field("model").and_then(Value::as_str).map(str::to_string),
+    };
     let stream = field("stream").and_then(Value::as_bool).unwrap_or(false);
     let user = field("user")
         .and_then(Value::as_str)
+        .or_else(|| {
+            field("metadata")
+                .and_then(|m| m.get("user_id"))
+                .and_then(Value::as_str)
+        })
         .map(str::to_string)
         .or_else(|| headers.get("x-session-id").cloned());
     let mut entry = Record {
@@ -541,24 +585,101 @@ fn decide(
         set_header(&mut r, "x-mock-request-seq", &seq.to_string());
         Plan::Respond(r)
     };
+    let model_ok = |m: &str| mock.args.models.is_empty() || mock.args.models.iter().any(|x| x == m);
+    let respond = |st: &mut State, mut entry: Record, status: u16, ct: &str, body: String| {
+        finish(st, &mut entry, Some(status), "");
+        mock.record(st, entry);
+        let mut r = Response::new(full(body));
+        *r.status_mut() = StatusCode::from_u16(status).unwrap_or(StatusCode::OK);
+        set_header(&mut r, "content-type", ct);
+        set_header(&mut r, "x-mock-endpoint", &mock.args.name);
+        set_header(&mut r, "x-mock-request-seq", &seq.to_string());
+        Plan::Respond(r)
+    };
+    if matches!(api, apis::Api::Transcriptions | apis::Api::Translations) {
+        let Some(form) = form else {
+            return error(st, entry, 400, "the body is not a multipart form".into());
+        };
+        let Some(model) = model.filter(|m| !m.is_empty()) else {
+            return error(st, entry, 400, "you must provide a model form field".into());
+        };
+        if !model_ok(&model) {
+            let msg = format!("The model `{model}` does not exist on {}", mock.args.name);
+            return error(st, entry, 404, msg);
+        }
+        let (ct, text) = apis::transcription(api, &mock.args.name, &model, &form);
+        return respond(st, entry, 200, ct, text);
+    }
     let Some(req) = parsed else {
         return error(st, entry, 400, "request body is not a JSON object".into());
     };
     let model = model.unwrap_or_default();
-    if !mock.args.models.is_empty() && !mock.args.models.contains(&model) {
+    if !model_ok(&model) {
         let msg = format!("The model `{model}` does not exist on {}", mock.args.name);
         return error(st, entry, 404, msg);
     }
-    let Some(messages) = req.get("messages").and_then(Value::as_array) else {
-        return error(st, entry, 400, "`messages` must be an array".into());
+    let mut previous_response_id = None;
+    let mut turns = 1;
+    let prompt = match api {
+        apis::Api::Embeddings => {
+            let Some(texts) = apis::embedding_inputs(req.get("input")) else {
+                return error(
+                    st,
+                    entry,
+                    400,
+                    "`input` must be a string or an array".into(),
+                );
+            };
+            let prompt_tokens: u64 = texts.iter().map(|t| token_count(t.len())).sum();
+            st.stats.prompt_tokens += prompt_tokens;
+            entry.prompt_tokens = Some(prompt_tokens);
+            let body = apis::embeddings(&req, &model, &texts, prompt_tokens);
+            return respond(st, entry, 200, "application/json", body.to_string());
+        }
+        apis::Api::Responses => {
+            let previous = req.get("previous_response_id").and_then(Value::as_str);
+            let history = match previous {
+                None => String::new(),
+                Some(id) => match st.responses.get(id) {
+                    Some(stored) => {
+                        turns = stored.turns + 1;
+                        stored.transcript.clone()
+                    }
+                    None => {
+                        let body = apis::previous_not_found(id).to_string();
+                        return respond(st, entry, 404, "application/json", body);
+                    }
+                },
+            };
+            previous_response_id = previous.map(str::to_string);
+            let Some(added) = apis::responses_prompt(&req) else {
+                return error(
+                    st,
+                    entry,
+                    400,
+                    "`input` must be a string or an array".into(),
+                );
+            };
+            history + &added
+        }
+        apis::Api::Messages => match apis::messages_prompt(&req) {
+            Some(p) => p,
+            None => return error(st, entry, 400, "`messages` must be an array".into()),
+        },
+        _ => {
+            let Some(messages) = req.get("messages").and_then(Value::as_array) else {
+                return error(st, entry, 400, "`messages` must be an array".into());
+            };
+            openai::prompt_text(messages)
+        }
     };
-    let prompt = openai::prompt_text(messages);
     let prompt_tokens = token_count(prompt.len());
     let hashes = st.cache.block_hashes(&model, prompt.as_bytes());
     let cached_tokens = (st.cache.cached_blocks(&hashes) * st.cache.block_tokens()) as u64;
     let max_tokens = req
         .get("max_completion_tokens")
         .or_else(|| req.get("max_tokens"))
+        .or_else(|| req.get("max_output_tokens"))
         .and_then(Value::as_u64)
         .unwrap_or(u64::MAX);
     let completion_tokens = mock.args.completion_tokens.min(max_tokens).max(1);
@@ -567,10 +688,23 @@ fn decide(
     st.stats.completion_tokens += completion_tokens;
     entry.prompt_tokens = Some(prompt_tokens);
     entry.cached_tokens = Some(cached_tokens);
+    let response_id = format!("resp_{}_{seq}", mock.args.name);
+    let store = req.get("store").and_then(Value::as_bool).unwrap_or(true);
+    if api == apis::Api::Responses && store {
+        let text = apis::responses_text(&mock.args.name, turns, completion_tokens);
+        let transcript = format!("{prompt}assistant\n{text}\n");
+        st.responses
+            .insert(response_id.clone(), apis::Stored { transcript, turns });
+    }
     finish(st, &mut entry, Some(200), "");
     mock.record(st, entry);
     Plan::Serve(Serve {
         seq,
+        api,
+        response_id,
+        previous_response_id,
+        store,
+        turns,
         model,
         stream,
         prompt_tokens,
@@ -609,7 +743,9 @@ async fn serve(mock: Arc<Mock>, guard: Busy, s: Serve) -> Response<Body> {
         completion_tokens: s.completion_tokens,
     };
     let words = openai::completion_words(&a.name, s.completion_tokens);
-    let mut r = if s.stream {
+    let mut r = if matches!(s.api, apis::Api::Responses | apis::Api::Messages) {
+        other_api_answer(&mock, guard, &s, decode, created).await
+    } else if s.stream {
         let (tx, rx) = mpsc::channel::<Bytes>(16);
         let per_chunk = decode / (words.len().max(1) as u32);
         let model = s.model.clone();
@@ -670,6 +806,74 @@ async fn serve(mock: Arc<Mock>, guard: Busy, s: Serve) -> Response<Body> {
     set_header(&mut r, "x-mock-prompt-tokens", &s.prompt_tokens.to_string());
     set_header(&mut r, "x-mock-cached-tokens", &s.cached_tokens.to_string());
     set_header(&mut r, "x-mock-request-seq", &s.seq.to_string());
+    r
+}
+
+/// The answer of the Responses and Messages APIs, streamed or not.
+async fn other_api_answer(
+    mock: &Arc<Mock>,
+    guard: Busy,
+    s: &Serve,
+    decode: Duration,
+    created: u64,
+) -> Response<Body> {
+    let name = &mock.args.name;
+    let usage_id = format!("msg_{name}_{}", s.seq);
+    let (events, body) = if s.api == apis::Api::Responses {
+        let text = apis::responses_text(name, s.turns, s.completion_tokens);
+        let meta = apis::ResponseMeta {
+            id: &s.response_id,
+            created,
+            model: &s.model,
+            previous_response_id: s.previous_response_id.as_deref(),
+            store: s.store,
+            prompt_tokens: s.prompt_tokens,
+            cached_tokens: s.cached_tokens,
+            completion_tokens: s.completion_tokens,
+        };
+        // Stream the same text word by word.
+        let words: Vec<String> = text.split_inclusive(' ').map(str::to_string).collect();
+        (
+            apis::response_events(&meta, &words),
+            apis::response_object(&meta, Some(&text)),
+        )
+    } else {
+        let words = openai::completion_words(name, s.completion_tokens);
+        let meta = apis::MessageMeta {
+            id: &usage_id,
+            model: &s.model,
+            prompt_tokens: s.prompt_tokens,
+            cached_tokens: s.cached_tokens,
+            completion_tokens: s.completion_tokens,
+        };
+        (
+            apis::message_events(&meta, &words),
+            apis::message_object(&meta, &words.concat()),
+        )
+    };
+    if !s.stream {
+        if !decode.is_zero() {
+            tokio::time::sleep(decode).await;
+        }
+        drop(guard);
+        return json_response(200, &body);
+    }
+    let (tx, rx) = mpsc::channel::<Bytes>(16);
+    let per_event = decode / (events.len().max(1) as u32);
+    tokio::spawn(async move {
+        let _guard = guard;
+        for (i, e) in events.into_iter().enumerate() {
+            if i > 0 {
+                tokio::time::sleep(per_event).await;
+            }
+            if tx.send(Bytes::from(e)).await.is_err() {
+                return;
+            }
+        }
+    });
+    let mut r = Response::new(ChannelBody { rx }.boxed());
+    set_header(&mut r, "content-type", "text/event-stream");
+    set_header(&mut r, "cache-control", "no-cache");
     r
 }
 
@@ -736,7 +940,7 @@ async fn handle(
     let query = req.uri().query().unwrap_or("").to_string();
     let method = req.method().clone();
     let r = match (method, path.as_str()) {
-        (Method::POST, "/v1/chat/completions") => chat(mock, conn, req).await,
+        (Method::POST, p) if apis::Api::from_path(p).is_some() => chat(mock, conn, req).await,
         (Method::GET, "/v1/models") => {
             let ids: Vec<String> = if mock.args.models.is_empty() {
                 vec!["mock".into()]
@@ -942,6 +1146,7 @@ async fn run(args: Args) -> Result<(), String> {
             cache: PrefixCache::new(args.cache_tokens, args.block_tokens),
             fault: Fault::none(),
             fault_gen: 0,
+            responses: apis::ResponseStore::new(MAX_STORED_RESPONSES),
         }),
         args,
     });

@@ -6,6 +6,7 @@
 //! same code correct across Envoy worker threads.
 
 pub mod affinity;
+pub mod api;
 pub mod breaker;
 pub mod budget;
 pub mod codec;
@@ -14,10 +15,14 @@ pub mod ewma;
 pub mod flow;
 pub mod hash;
 pub mod headers;
+pub mod json_scan;
+pub mod models;
+pub mod multipart;
 pub mod outcome;
 pub mod placement;
 pub mod reply;
 pub mod request;
+pub mod responses;
 pub mod score;
 pub mod select;
 pub mod state;

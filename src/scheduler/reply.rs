@@ -28,6 +28,14 @@ pub enum RejectReason {
     UpstreamUnavailable,
     /// A failover call's answer is larger than [`super::flow::MAX_RELAYED_ANSWER_BYTES`].
     FailoverAnswerTooLarge,
+    /// The body's content type contradicts its API (415).
+    UnsupportedContentType,
+    /// A multipart form that cannot be read.
+    InvalidMultipart,
+    /// `previous_response_id` names a response no configured endpoint can hold any more.
+    PreviousResponseNotFound,
+    /// The endpoint holding `previous_response_id` cannot take the request now.
+    PreviousResponseUnavailable,
 }
 
 impl RejectReason {
@@ -45,6 +53,10 @@ impl RejectReason {
         RejectReason::RateLimited,
         RejectReason::UpstreamUnavailable,
         RejectReason::FailoverAnswerTooLarge,
+        RejectReason::UnsupportedContentType,
+        RejectReason::InvalidMultipart,
+        RejectReason::PreviousResponseNotFound,
+        RejectReason::PreviousResponseUnavailable,
     ];
 
     /// The error `code`, also the metric label.
@@ -62,6 +74,10 @@ impl RejectReason {
             RejectReason::RateLimited => "rate_limited",
             RejectReason::UpstreamUnavailable => "upstream_unavailable",
             RejectReason::FailoverAnswerTooLarge => "failover_answer_too_large",
+            RejectReason::UnsupportedContentType => "unsupported_content_type",
+            RejectReason::InvalidMultipart => "invalid_multipart",
+            RejectReason::PreviousResponseNotFound => "previous_response_not_found",
+            RejectReason::PreviousResponseUnavailable => "previous_response_unavailable",
         }
     }
 
@@ -71,7 +87,8 @@ impl RejectReason {
             RejectReason::RateLimited => "rate_limit_error",
             RejectReason::NoEndpointAvailable
             | RejectReason::UpstreamUnavailable
-            | RejectReason::FailoverAnswerTooLarge => "server_error",
+            | RejectReason::FailoverAnswerTooLarge
+            | RejectReason::PreviousResponseUnavailable => "server_error",
             _ => "invalid_request_error",
         }
     }

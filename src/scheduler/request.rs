@@ -1,4 +1,8 @@
-//! Reading what the router needs from a chat-completions request, and nothing more.
+//! Reading what the router needs from a JSON inference request, and nothing more.
+//!
+//! One parser serves every JSON API of [`super::api`]: chat completions, completions,
+//! embeddings, the Responses API and Anthropic Messages all carry `model` at the top level, and
+//! their conversation shapes differ only in where the history and the system prompt live.
 //!
 //! The body is untrusted: it is parsed once, with borrowed raw values for the parts we only hash
 //! (message contents), so no prompt text is copied or logged. serde_json's recursion limit turns
@@ -6,15 +10,20 @@
 //!
 //! Session key, in order of preference:
 //! 1. the `session_header` value;
-//! 2. the body's `user` field;
-//! 3. a conversation fingerprint: hash of the model, the first system message and the first user
+//! 2. the body's `user` field, else `metadata.user_id` (Anthropic Messages' per-user key);
+//! 3. a conversation fingerprint: hash of the model, the system prompt and the first user
 //!    message — what every turn of one conversation resends unchanged, so clients that send no
-//!    session id still stick across turns.
+//!    session id still stick across turns. The history is `messages` (chat, Messages) or, for
+//!    the Responses API, `input` (an array of items, or a string: the user message); the system
+//!    prompt is the top-level `system` (Messages) or `instructions` (Responses), else the first
+//!    `system` / `developer` message.
 //!
 //! Every key is scoped by the caller's identity (its `authorization` / `x-api-key` value, hashed
 //! with the key) so one tenant can never read or steer another tenant's pins.
 
+use super::api::Api;
 use super::hash::{hash_parts, session_key};
+use super::multipart::MultipartError;
 pub use super::reply::openai_error;
 use super::reply::{RejectReason, Reply};
 use super::text;
@@ -40,19 +49,27 @@ pub struct ChatRequest {
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum RequestError {
     EmptyBody,
-    TooLarge { limit: u64 },
+    TooLarge {
+        limit: u64,
+    },
     InvalidJson(String),
     NotAnObject,
     MissingModel,
     ModelNotString,
     ModelTooLong,
     SessionTooLong,
+    /// The body's content type contradicts its API (see `api::Handling::WrongContentType`).
+    UnsupportedContentType(Api),
+    /// A multipart form that cannot be read (see [`MultipartError`]).
+    Multipart(MultipartError),
 }
 
 impl RequestError {
     pub fn status(&self) -> u16 {
         match self {
             RequestError::TooLarge { .. } => 413,
+            RequestError::UnsupportedContentType(_) => 415,
+            RequestError::Multipart(e) => e.status(),
             _ => 400,
         }
     }
@@ -66,6 +83,8 @@ impl RequestError {
             RequestError::MissingModel => RejectReason::MissingModel,
             RequestError::ModelNotString | RequestError::ModelTooLong => RejectReason::InvalidModel,
             RequestError::SessionTooLong => RejectReason::InvalidSessionId,
+            RequestError::UnsupportedContentType(_) => RejectReason::UnsupportedContentType,
+            RequestError::Multipart(e) => e.reason(),
         }
     }
 
@@ -97,6 +116,14 @@ impl RequestError {
             RequestError::SessionTooLong => {
                 format!("The session id header must be at most {MAX_SESSION_BYTES} bytes.")
             }
+            RequestError::UnsupportedContentType(api) => {
+                let expected = match api.body() {
+                    super::api::BodyFormat::Json => "a JSON body (application/json)",
+                    super::api::BodyFormat::Multipart => "a multipart/form-data body",
+                };
+                format!("This endpoint ({}) takes {expected}.", api.label())
+            }
+            RequestError::Multipart(e) => e.message(),
         }
     }
 }
@@ -111,6 +138,24 @@ struct Body<'a> {
     messages: Option<Vec<&'a RawValue>>,
     #[serde(borrow, default)]
     stream: Option<&'a RawValue>,
+    /// Anthropic Messages: `{"user_id": …}`. Chat's `metadata` is a string map: same shape.
+    #[serde(borrow, default)]
+    metadata: Option<&'a RawValue>,
+    /// Anthropic Messages' system prompt (a string or content blocks).
+    #[serde(borrow, default)]
+    system: Option<&'a RawValue>,
+    /// The Responses API's system prompt.
+    #[serde(borrow, default)]
+    instructions: Option<&'a RawValue>,
+    /// The Responses API's input: a string (one user message) or an array of items.
+    #[serde(borrow, default)]
+    input: Option<&'a RawValue>,
+}
+
+#[derive(Deserialize)]
+struct Metadata<'a> {
+    #[serde(borrow, default)]
+    user_id: Option<&'a RawValue>,
 }
 
 #[derive(Deserialize)]
@@ -121,7 +166,8 @@ struct Message<'a> {
     content: Option<&'a RawValue>,
 }
 
-/// Parses a chat-completions body.
+/// Parses the JSON body of any JSON inference API (chat completions, completions, embeddings,
+/// responses, messages).
 pub fn parse_chat(body: &[u8]) -> Result<ChatRequest, RequestError> {
     let first = body.iter().find(|b| !b.is_ascii_whitespace());
     match first {
@@ -155,15 +201,30 @@ pub fn parse_chat(body: &[u8]) -> Result<ChatRequest, RequestError> {
             Err(_) => return Err(RequestError::ModelNotString),
         },
     };
-    let user = parsed
-        .user
-        .and_then(|raw| serde_json::from_str::<String>(raw.get()).ok())
-        .filter(|u| !u.is_empty() && u.len() <= MAX_SESSION_BYTES);
+    let session_string = |raw: &RawValue| {
+        serde_json::from_str::<String>(raw.get())
+            .ok()
+            .filter(|u| !u.is_empty() && u.len() <= MAX_SESSION_BYTES)
+    };
+    let metadata_user = || {
+        let meta = serde_json::from_str::<Metadata<'_>>(parsed.metadata?.get()).ok()?;
+        session_string(meta.user_id?)
+    };
+    let user = parsed.user.and_then(session_string).or_else(metadata_user);
     let stream = parsed.stream.is_some_and(|raw| raw.get() == "true");
-    let fingerprint = parsed
-        .messages
-        .as_deref()
-        .and_then(|msgs| fingerprint(&model, msgs));
+    let system = parsed.system.or(parsed.instructions).map(RawValue::get);
+    let fingerprint = match (parsed.messages.as_deref(), parsed.input) {
+        (Some(msgs), _) => fingerprint(&model, system, msgs),
+        (None, Some(input)) => match serde_json::from_str::<Vec<&RawValue>>(input.get()) {
+            Ok(items) => fingerprint(&model, system, &items),
+            // A string input is the user message itself.
+            Err(_) if input.get().starts_with('"') => {
+                Some(fingerprint_hash(&model, system, input.get()))
+            }
+            Err(_) => None,
+        },
+        (None, None) => None,
+    };
     Ok(ChatRequest {
         model,
         user,
@@ -202,9 +263,10 @@ fn nesting_depth(body: &[u8]) -> usize {
     max
 }
 
-/// Hash of (model, first system message, first user message), when there is a user message.
-fn fingerprint(model: &str, messages: &[&RawValue]) -> Option<u64> {
-    let mut system: Option<&str> = None;
+/// Hash of (model, system prompt, first user message), when there is a user message. `system`
+/// is a top-level system prompt; without one, the first system / developer message is used.
+fn fingerprint(model: &str, system: Option<&str>, messages: &[&RawValue]) -> Option<u64> {
+    let mut system: Option<&str> = system;
     let mut user: Option<&str> = None;
     for raw in messages {
         let Ok(m) = serde_json::from_str::<Message<'_>>(raw.get()) else {
@@ -223,15 +285,18 @@ fn fingerprint(model: &str, messages: &[&RawValue]) -> Option<u64> {
             break;
         }
     }
-    let user = user?;
-    Some(hash_parts(
+    Some(fingerprint_hash(model, system, user?))
+}
+
+fn fingerprint_hash(model: &str, system: Option<&str>, user: &str) -> u64 {
+    hash_parts(
         FINGERPRINT_SEED,
         &[
             model.as_bytes(),
             system.unwrap_or("").as_bytes(),
             user.as_bytes(),
         ],
-    ))
+    )
 }
 
 /// Longest part of serde_json's error text quoted back (it may quote the client's input).
@@ -405,5 +470,77 @@ mod tests {
             derive_session(None, Some(&huge), &r).unwrap_err(),
             RequestError::SessionTooLong
         );
+    }
+
+    #[test]
+    fn messages_session_from_metadata_user_id() {
+        let turn1 = br#"{"model":"claude","max_tokens":8,"system":"be brief",
+            "metadata":{"user_id":"user_1_session_9"},
+            "messages":[{"role":"user","content":"hi"}]}"#;
+        let r = parse_chat(turn1).unwrap();
+        assert_eq!(r.user.as_deref(), Some("user_1_session_9"));
+        let (key, src) = derive_session(Some(b"k"), None, &r).unwrap();
+        assert_eq!(src, SessionSource::User);
+        // The header still wins.
+        assert_eq!(
+            derive_session(Some(b"k"), Some(b"s"), &r).unwrap().1,
+            SessionSource::Header
+        );
+        // A body `user` wins over metadata.user_id (chat completions may carry both).
+        let both = br#"{"model":"m","user":"u","metadata":{"user_id":"x"}}"#;
+        assert_eq!(parse_chat(both).unwrap().user.as_deref(), Some("u"));
+        // Without metadata: the fingerprint, with the top-level system prompt, stable across
+        // turns and different from another system prompt.
+        let bare1 = br#"{"model":"claude","system":"be brief","messages":[{"role":"user","content":"hi"}]}"#;
+        let bare2 =
+            br#"{"model":"claude","system":"be brief","messages":[{"role":"user","content":"hi"},
+            {"role":"assistant","content":"hello"},{"role":"user","content":"more"}]}"#;
+        let other =
+            br#"{"model":"claude","system":"be long","messages":[{"role":"user","content":"hi"}]}"#;
+        let fp = |b: &[u8]| parse_chat(b).unwrap().fingerprint;
+        assert!(fp(bare1).is_some());
+        assert_eq!(fp(bare1), fp(bare2));
+        assert_ne!(fp(bare1), fp(other));
+        let r2 = parse_chat(bare1).unwrap();
+        let (fkey, src) = derive_session(Some(b"k"), None, &r2).unwrap();
+        assert_eq!(src, SessionSource::Fingerprint);
+        assert_ne!(key, fkey);
+        // Malformed metadata is ignored, not an error.
+        for meta in [r#""x""#, r#"{"user_id":7}"#, r#"{"user_id":""}"#, "null"] {
+            let body = format!(r#"{{"model":"m","metadata":{meta}}}"#);
+            assert_eq!(parse_chat(body.as_bytes()).unwrap().user, None, "{meta}");
+        }
+    }
+
+    #[test]
+    fn responses_input_gives_a_fingerprint() {
+        let fp = |b: &str| parse_chat(b.as_bytes()).unwrap().fingerprint;
+        let as_string = r#"{"model":"m","input":"hi"}"#;
+        let as_items = r#"{"model":"m","input":[{"role":"user","content":"hi"}]}"#;
+        let replayed = r#"{"model":"m","input":[{"role":"user","content":"hi"},
+            {"role":"assistant","content":"yo"},{"role":"user","content":"more"}]}"#;
+        assert!(fp(as_string).is_some());
+        assert_eq!(fp(as_string), fp(as_items));
+        assert_eq!(fp(as_items), fp(replayed));
+        // Same as the chat body with the same first user message.
+        let chat = r#"{"model":"m","messages":[{"role":"user","content":"hi"}]}"#;
+        assert_eq!(fp(as_string), fp(chat));
+        let instructed = r#"{"model":"m","instructions":"be brief","input":"hi"}"#;
+        assert_ne!(fp(instructed), fp(as_string));
+        // Inputs that are neither: no fingerprint, no error.
+        assert_eq!(fp(r#"{"model":"m","input":7}"#), None);
+        assert_eq!(
+            fp(r#"{"model":"m","input":[{"type":"function_call_output"}]}"#),
+            None
+        );
+    }
+
+    #[test]
+    fn new_error_kinds_map_to_statuses() {
+        let e = RequestError::UnsupportedContentType(Api::AudioTranscriptions);
+        assert_eq!((e.status(), e.code()), (415, "unsupported_content_type"));
+        assert!(e.message().contains("multipart/form-data"));
+        let m = RequestError::Multipart(MultipartError::Truncated);
+        assert_eq!((m.status(), m.code()), (400, "invalid_multipart"));
     }
 }

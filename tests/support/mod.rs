@@ -31,6 +31,7 @@ pub mod envoy;
 pub mod http;
 pub mod mock;
 pub mod placement;
+pub mod python;
 pub mod raw;
 pub mod replicas;
 pub mod session;

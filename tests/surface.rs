@@ -1,0 +1,121 @@
+//! The API surface beyond chat completions, through a real Envoy with the filter (raw HTTP,
+//! where no official SDK applies): Anthropic Messages sessions, bodies that are not inference
+//! requests, bodies whose content type contradicts their path.
+//!
+//! Tests marked `needs wiring` exercise pure functions that exist but are not yet called by
+//! the request glue (`src/filter/http.rs`); they fail until it calls them.
+
+// A test fails loudly: panics with context are the point here.
+#![allow(
+    clippy::panic,
+    clippy::unwrap_used,
+    clippy::expect_used,
+    clippy::indexing_slicing
+)]
+
+mod support;
+
+use serde_json::json;
+use support::http::{request, DEFAULT_TIMEOUT};
+use support::{Envoy, EnvoyConfig, MockUpstream};
+
+fn fleet(names: &[&str], models: &[&str]) -> (Vec<MockUpstream>, Envoy) {
+    let mocks: Vec<MockUpstream> = names
+        .iter()
+        .map(|n| MockUpstream::start(n, models, &["--decode-ms", "2"]))
+        .collect();
+    let eps: Vec<_> = names
+        .iter()
+        .map(|n| json!({"name": n, "cluster": n, "models": models}))
+        .collect();
+    let clusters: Vec<(&str, u16)> = mocks.iter().map(|m| (m.name.as_str(), m.port)).collect();
+    let envoy = Envoy::start(EnvoyConfig::new(json!({ "endpoints": eps }), &clusters));
+    (mocks, envoy)
+}
+
+#[test]
+fn messages_session_is_metadata_user_id() {
+    let (_mocks, envoy) = fleet(&["a", "b", "c"], &["claude"]);
+    let send = |user_id: &str, first: &str| {
+        let body = json!({
+            "model": "claude", "max_tokens": 8,
+            "metadata": {"user_id": user_id},
+            "messages": [{"role": "user", "content": first}],
+        });
+        let r = request(
+            envoy.port,
+            "POST",
+            "/v1/messages",
+            &[
+                ("x-api-key", "sk-ant-test"),
+                ("anthropic-version", "2023-06-01"),
+            ],
+            Some(body.to_string().as_bytes()),
+            DEFAULT_TIMEOUT,
+        )
+        .expect("request");
+        assert_eq!(r.status, 200, "{}", r.body);
+        assert_eq!(r.json()["type"], "message");
+        (
+            r.header("x-computeflux-endpoint").unwrap_or("").to_string(),
+            r.header("x-computeflux-affinity").unwrap_or("").to_string(),
+        )
+    };
+    // Every request opens differently (its fingerprint differs), yet one user_id sticks.
+    let (first, affinity) = send("user_42_session_7", "question 0");
+    assert_eq!(affinity, "new");
+    for i in 1..4 {
+        let (ep, affinity) = send("user_42_session_7", &format!("question {i}"));
+        assert_eq!((ep.as_str(), affinity.as_str()), (first.as_str(), "hit"));
+    }
+    // Another user is another session.
+    assert_eq!(send("user_43", "question 0").1, "new");
+}
+
+// needs wiring: api::policy (Handling::PassThrough: route /v1/files without reading the body).
+// Until then the filter reads the upload as JSON and answers 400 invalid_json itself.
+#[test]
+fn file_uploads_pass_through_unread() {
+    let (_mocks, envoy) = fleet(&["a"], &["m"]);
+    let body = b"--xyz\r\nContent-Disposition: form-data; name=\"purpose\"\r\n\r\nbatch\r\n\
+--xyz\r\nContent-Disposition: form-data; name=\"file\"; filename=\"b.jsonl\"\r\n\r\n{}\r\n--xyz--\r\n";
+    let r = request(
+        envoy.port,
+        "POST",
+        "/v1/files",
+        &[("content-type", "multipart/form-data; boundary=xyz")],
+        Some(body),
+        DEFAULT_TIMEOUT,
+    )
+    .expect("request");
+    // The mock has no /v1/files: its own 404 proves the upload reached the endpoint.
+    assert_eq!(
+        r.header("x-mock-endpoint"),
+        Some("a"),
+        "{} {}",
+        r.status,
+        r.body
+    );
+    assert_eq!(r.status, 404);
+    assert!(r.body.contains("no route for /v1/files"), "{}", r.body);
+}
+
+// needs wiring: api::policy (Handling::WrongContentType → RequestError::UnsupportedContentType).
+// Until then the JSON body is routed (the filter does not know the path takes a form) and the
+// upstream refuses it.
+#[test]
+fn json_body_on_an_audio_path_is_refused_with_415() {
+    let (mocks, envoy) = fleet(&["a"], &["whisper-1"]);
+    let r = request(
+        envoy.port,
+        "POST",
+        "/v1/audio/transcriptions",
+        &[("content-type", "application/json")],
+        Some(br#"{"model":"whisper-1"}"#),
+        DEFAULT_TIMEOUT,
+    )
+    .expect("request");
+    assert_eq!(r.status, 415, "{}", r.body);
+    assert_eq!(r.json()["error"]["code"], "unsupported_content_type");
+    assert_eq!(mocks[0].request_count(), 0);
+}
