@@ -82,6 +82,8 @@ struct Args {
     max_concurrency: u64,
     envoy_retries: bool,
     open_ms: u64,
+    /// Plugin configuration keys (a JSON object) set on top of the bench's own.
+    plugin_extra: serde_json::Value,
     overhead_reps: usize,
     overhead_s: u64,
     micro: Result<PathBuf, String>,
@@ -121,6 +123,7 @@ fn parse() -> Result<Args, String> {
         max_concurrency: 8,
         envoy_retries: true,
         open_ms: 3000,
+        plugin_extra: serde_json::Value::Null,
         overhead_reps: if quick { 1 } else { 4 },
         overhead_s: if quick { 1 } else { 2 },
         micro: Err(
@@ -210,6 +213,12 @@ fn parse() -> Result<Args, String> {
             "--max-concurrency" => a.max_concurrency = int(&v)?,
             "--envoy-retries" => a.envoy_retries = v == "on",
             "--open-ms" => a.open_ms = int(&v)?.max(1),
+            "--plugin-extra" => {
+                a.plugin_extra = serde_json::from_str(&v)
+                    .ok()
+                    .filter(serde_json::Value::is_object)
+                    .ok_or_else(|| format!("--plugin-extra: not a JSON object: {v:?}"))?
+            }
             "--overhead-reps" => a.overhead_reps = int(&v)?.max(1) as usize,
             "--overhead-seconds" => a.overhead_s = int(&v)?.max(1),
             "--micro" => a.micro = Ok(PathBuf::from(v)),
@@ -290,6 +299,7 @@ fn run(a: Args) -> Result<(), String> {
         drain_s: a.drain_s,
         envoy_retries: a.envoy_retries,
         open_ms: a.open_ms,
+        plugin_extra: a.plugin_extra.clone(),
         request_timeout: Duration::from_secs(30),
         raw_dir: Some(tmp.clone()),
     };

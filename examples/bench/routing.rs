@@ -146,6 +146,8 @@ pub struct RoutingOpts {
     pub drain_s: u32,
     pub envoy_retries: bool,
     pub open_ms: u64,
+    /// Plugin configuration keys set on top of the bench's own (`--plugin-extra`).
+    pub plugin_extra: serde_json::Value,
     pub request_timeout: Duration,
     /// Per-request records go here as JSON lines (diagnostics; not committed).
     pub raw_dir: Option<std::path::PathBuf>,
@@ -241,6 +243,7 @@ pub fn run(
         concurrency: opts.concurrency,
         envoy_retries: opts.envoy_retries,
         open_ms: opts.open_ms,
+        plugin_extra: &opts.plugin_extra,
     };
     let boot = topology::bootstrap(&setup, wasm)?;
     let deploy = DeployOpts {
