@@ -20,7 +20,8 @@
 //!   431, HTTP/2 a dropped connection without a response; nothing reaches an upstream.
 //! - A client-sent routing header (`x-computeflux-cluster`) is removed: the filter alone picks the
 //!   cluster, and no upstream sees the header, neither on the routed path nor on failover calls.
-//! - Other methods (`GET /v1/models`, any path) are routed to the best endpoint for any model,
+//! - `GET /v1/models` is answered by the filter; other methods and paths that are not inference
+//!   are routed to the best endpoint for any model,
 //!   without a session (`x-computeflux-affinity: none`); the endpoint's answer passes through.
 
 // Test code: a failed unwrap is a failed test.
@@ -471,19 +472,19 @@ fn client_routing_header_is_removed_on_routed_and_failover_paths() {
     assert_eq!(r.header("x-computeflux-attempts"), Some("2"));
     assert_eq!(f.c.request_count(), 1);
 
-    // Not a POST: routed by the filter too.
+    // Not a POST, not inference: routed by the filter too (the mock's own 404 comes back).
     let r = http::request(
         port,
         "GET",
-        "/v1/models",
+        "/v1/files/x",
         spoof,
         None,
         http::DEFAULT_TIMEOUT,
     )
     .expect("GET");
-    assert_eq!(r.status, 200, "{}", r.body);
+    assert_eq!(r.status, 404, "{}", r.body);
     assert_eq!(r.header("x-computeflux-endpoint"), Some("a"));
-    assert_eq!(r.json()["data"][0]["owned_by"], "a");
+    assert!(r.body.contains("mock a: no route"), "{}", r.body);
 
     // A refused request with the header reaches no one.
     let r = f.no_upstream("refused with a routing header", || {
@@ -503,7 +504,9 @@ fn non_chat_requests_are_routed_without_a_session() {
     let f = start();
     let port = f.envoy.port;
 
-    // GET /v1/models: routed to the best endpoint for any model; no session even with a header.
+    // GET /v1/models: answered by the filter from its configuration (these endpoints serve
+    // any model and name none: an empty list), no upstream involved.
+    let before = f.upstream_total();
     let r = http::request(
         port,
         "GET",
@@ -514,9 +517,14 @@ fn non_chat_requests_are_routed_without_a_session() {
     )
     .expect("GET");
     assert_eq!(r.status, 200, "{}", r.body);
-    assert_eq!(r.header("x-computeflux-endpoint"), Some("a"));
-    assert_eq!(r.header("x-computeflux-affinity"), Some("none"));
+    assert_eq!(r.header("x-computeflux-endpoint"), None);
     assert_eq!(r.json()["object"], "list");
+    assert_eq!(r.json()["data"], serde_json::json!([]));
+    assert_eq!(
+        f.upstream_total(),
+        before,
+        "GET /v1/models reached an upstream"
+    );
 
     // Another path: the endpoint's own answer (the mock's 404) passes through unchanged.
     let r = http::get(port, "/v1/not-a-thing");
@@ -617,7 +625,7 @@ fn http2_downstream_gets_the_same_answers() {
     assert_eq!(r2.header("x-computeflux-affinity"), Some("hit"));
     let r = curl_h2(port, "GET", "/v1/models", &[], None);
     assert_eq!(r.status, 200, "{}", r.body);
-    assert_eq!(r.header("x-computeflux-affinity"), Some("none"));
+    assert_eq!(r.json()["object"], "list");
 
     assert_eq!(f.envoy.stat("cluster.b.upstream_rq_total"), Some(0));
     f.assert_healthy();

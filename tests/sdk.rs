@@ -6,8 +6,6 @@
 //! the mocks received. The SDK is installed into `.venv` by `scripts/lib/ensure-python-sdk`
 //! (run by `scripts/test`).
 //!
-//! Tests marked `needs wiring` exercise pure functions that exist but are not yet called by
-//! the request/response glue (`src/filter/http.rs`); they fail until it calls them.
 
 // A test fails loudly: panics with context are the point here.
 #![allow(
@@ -99,7 +97,7 @@ fn sdk_chat_completion_turns_stick_to_one_endpoint() {
     let first = str_at(&out, "/turns/0/endpoint");
     assert!(first == "a" || first == "b", "{out}");
     assert_eq!(str_at(&out, "/turns/1/endpoint"), first, "{out}");
-    assert_eq!(str_at(&out, "/turns/0/affinity"), "new");
+    assert_eq!(str_at(&out, "/turns/0/affinity"), "home");
     assert_eq!(str_at(&out, "/turns/1/affinity"), "hit");
     // The answer really came from that endpoint, for that model.
     assert!(str_at(&out, "/turns/1/text").starts_with(&format!("[{first}]")));
@@ -132,8 +130,6 @@ fn sdk_embeddings_routed_by_model() {
     assert!(fleet.received("chat").is_empty());
 }
 
-// needs wiring: models::list (GET /v1/models answered from the configuration). Until then the
-// request is forwarded to one endpoint, which lists only its own models.
 #[test]
 fn sdk_models_list_shows_every_model_of_the_fleet() {
     let fleet = Fleet::start(
@@ -146,8 +142,6 @@ fn sdk_models_list_shows_every_model_of_the_fleet() {
     assert!(fleet.received("a").is_empty() && fleet.received("b").is_empty());
 }
 
-// needs wiring: api::policy + multipart::parse_form (route multipart bodies by their `model`
-// form field). Until then the filter reads the form as JSON and answers 400 invalid_json.
 #[test]
 fn sdk_transcription_upload_routed_by_its_form_model() {
     let fleet = Fleet::start(
@@ -166,10 +160,6 @@ fn sdk_transcription_upload_routed_by_its_form_model() {
     );
 }
 
-// needs wiring: responses::parse_follow_up, responses::holder / check_holder (request path),
-// responses::IdScan + responses::remember (response path). Until then each follow-up is routed
-// by the fingerprint of its new input alone, lands on an endpoint that did not store its
-// predecessor, and the SDK raises NotFoundError (previous_response_not_found).
 #[test]
 fn sdk_responses_follow_ups_reach_the_endpoint_holding_the_state() {
     let fleet = Fleet::start(&[("a", &["m"]), ("b", &["m"]), ("c", &["m"])], json!({}));

@@ -2,8 +2,6 @@
 //! where no official SDK applies): Anthropic Messages sessions, bodies that are not inference
 //! requests, bodies whose content type contradicts their path.
 //!
-//! Tests marked `needs wiring` exercise pure functions that exist but are not yet called by
-//! the request glue (`src/filter/http.rs`); they fail until it calls them.
 
 // A test fails loudly: panics with context are the point here.
 #![allow(
@@ -63,17 +61,15 @@ fn messages_session_is_metadata_user_id() {
     };
     // Every request opens differently (its fingerprint differs), yet one user_id sticks.
     let (first, affinity) = send("user_42_session_7", "question 0");
-    assert_eq!(affinity, "new");
+    assert_eq!(affinity, "home");
     for i in 1..4 {
         let (ep, affinity) = send("user_42_session_7", &format!("question {i}"));
         assert_eq!((ep.as_str(), affinity.as_str()), (first.as_str(), "hit"));
     }
     // Another user is another session.
-    assert_eq!(send("user_43", "question 0").1, "new");
+    assert_eq!(send("user_43", "question 0").1, "home");
 }
 
-// needs wiring: api::policy (Handling::PassThrough: route /v1/files without reading the body).
-// Until then the filter reads the upload as JSON and answers 400 invalid_json itself.
 #[test]
 fn file_uploads_pass_through_unread() {
     let (_mocks, envoy) = fleet(&["a"], &["m"]);
@@ -88,21 +84,23 @@ fn file_uploads_pass_through_unread() {
         DEFAULT_TIMEOUT,
     )
     .expect("request");
-    // The mock has no /v1/files: its own 404 proves the upload reached the endpoint.
+    // The mock has no /v1/files: its own 404 proves the upload reached the endpoint, routed by
+    // the filter (which did not answer 400 invalid_json for the form, nor 415).
     assert_eq!(
-        r.header("x-mock-endpoint"),
+        r.header("x-computeflux-endpoint"),
         Some("a"),
         "{} {}",
         r.status,
         r.body
     );
     assert_eq!(r.status, 404);
-    assert!(r.body.contains("no route for /v1/files"), "{}", r.body);
+    assert!(
+        r.body.contains("mock a: no route for /v1/files"),
+        "{}",
+        r.body
+    );
 }
 
-// needs wiring: api::policy (Handling::WrongContentType → RequestError::UnsupportedContentType).
-// Until then the JSON body is routed (the filter does not know the path takes a form) and the
-// upstream refuses it.
 #[test]
 fn json_body_on_an_audio_path_is_refused_with_415() {
     let (mocks, envoy) = fleet(&["a"], &["whisper-1"]);

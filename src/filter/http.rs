@@ -107,11 +107,19 @@ impl Http {
                 body_size,
             } => {
                 let body = host::buffer(BufferType::HttpCallResponseBody, 0, body_size);
+                if self.flow.reads_answer() {
+                    self.with_flow(now_ms, |f, s, _| f.on_answer_chunk(s, &body, true, now_ms));
+                }
                 let headers: Vec<(&str, &[u8])> = headers
                     .iter()
                     .map(|(n, v)| (n.as_str(), v.as_slice()))
                     .collect();
                 host::send_response(u32::from(status), &headers, &body);
+                Action::Pause
+            }
+            Step::Answer { status, body } => {
+                let headers: [(&str, &[u8]); 1] = [("content-type", b"application/json")];
+                host::send_response(u32::from(status), &headers, body.as_bytes());
                 Action::Pause
             }
             Step::Reply(reply) => {
@@ -184,9 +192,17 @@ impl HttpContext for Http {
         self.perform(step, now)
     }
 
-    fn on_http_response_body(&mut self, _body_size: usize, end_of_stream: bool) -> Action {
+    fn on_http_response_body(&mut self, body_size: usize, end_of_stream: bool) -> Action {
         if self.flow.holds_answer() {
             return Action::Pause;
+        }
+        if self.flow.reads_answer() {
+            // A Responses API answer: its id is read as it passes (bounded, never held back).
+            let now = host::now_ms();
+            let chunk = host::buffer(BufferType::HttpResponseBody, 0, body_size);
+            self.with_flow(now, |f, s, _| {
+                f.on_answer_chunk(s, &chunk, end_of_stream, now)
+            });
         }
         if end_of_stream {
             let now = host::now_ms();
@@ -200,6 +216,9 @@ impl HttpContext for Http {
             return Action::Pause;
         }
         let now = host::now_ms();
+        if self.flow.reads_answer() {
+            self.with_flow(now, |f, s, _| f.on_answer_chunk(s, &[], true, now));
+        }
         self.with_flow(now, |f, s, r| f.on_response_end(s, r, now));
         Action::Continue
     }

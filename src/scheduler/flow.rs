@@ -44,10 +44,13 @@
 //! s.finish(d.ticket, &Outcome::Success, 1, None, 2); // use of moved value
 //! ```
 
+use super::api::{self, Api, BodyFormat, Handling};
 use super::headers::{rate_limit_hints, HeaderSource, Pairs};
+use super::models::{self, Retrieved};
 use super::outcome::{classify, FailureKind, Outcome};
-use super::reply::Reply;
+use super::reply::{RejectReason, Reply};
 use super::request::{derive_session, parse_chat, RequestError};
+use super::responses::{self, AnswerFormat, IdScan};
 use super::select::{
     AffinityResult, Decision, Exclusions, Finished, NoEndpoint, Pick, Scheduler, Ticket,
 };
@@ -118,6 +121,9 @@ pub enum Step {
     },
     /// Answer with this local reply and stop the request.
     Reply(Reply),
+    /// Answer with this JSON body and status (an answer the filter gives itself that is not an
+    /// error, e.g. `GET /v1/models`) and stop the request.
+    Answer { status: u16, body: String },
 }
 
 /// The timing of a finished attempt.
@@ -190,6 +196,16 @@ pub struct Flow {
     fallback: Option<Fallback>,
     /// Placement key of a request without a session ([`Pick::nonce`]).
     nonce: u64,
+    /// The inference API of the request, when it has one (`api::policy`).
+    api: Option<Api>,
+    content_type: Option<String>,
+    /// A Responses API follow-up pinned to the endpoint holding its previous response: no
+    /// other endpoint has that state, so it never fails over.
+    holder_pinned: bool,
+    /// A Responses API request whose answer will be stored: learn its id from the answer.
+    learn_id: bool,
+    /// Reads the id of the successful answer the client gets, as it passes.
+    id_scan: Option<IdScan>,
 }
 
 impl Default for Flow {
@@ -218,6 +234,11 @@ impl Flow {
             served_by: None,
             affinity: None,
             fallback: None,
+            api: None,
+            content_type: None,
+            holder_pinned: false,
+            learn_id: false,
+            id_scan: None,
         }
     }
 
@@ -259,21 +280,47 @@ impl Flow {
         let cfg = s.cfg;
         // Clients never pick clusters.
         headers.retain(|(n, _)| !n.eq_ignore_ascii_case(&cfg.routing_header));
-        let post = headers.header(":method").as_deref() == Some(&b"POST"[..]);
+        let method = headers.header_str(":method").unwrap_or_default();
+        let path = headers.header_str(":path").unwrap_or_default();
+        self.content_type = headers.header_str("content-type");
         let declared = headers
             .header_str("content-length")
             .and_then(|v| v.trim().parse::<u64>().ok());
-        if post {
-            self.session_header = headers.header(&cfg.session_header).map(Cow::into_owned);
-            self.tenant = headers
-                .header("authorization")
-                .or_else(|| headers.header("x-api-key"))
-                .map(Cow::into_owned);
-        }
+        self.session_header = headers.header(&cfg.session_header).map(Cow::into_owned);
+        self.tenant = headers
+            .header("authorization")
+            .or_else(|| headers.header("x-api-key"))
+            .map(Cow::into_owned);
         self.headers = headers;
-        if !post {
-            // GET /v1/models and the like: routed at once, without a model or session.
-            return self.first_attempt(s, obs, now_ms);
+        match api::policy(&method, &path, self.content_type.as_deref()) {
+            Handling::Json(a) | Handling::Multipart(a) => self.api = Some(a),
+            Handling::ListModels => return self.answer(200, models::list(cfg)),
+            Handling::RetrieveModel { id } => match models::retrieve(cfg, id) {
+                Retrieved::Found(body) => return self.answer(200, body),
+                Retrieved::NotFound(body) => return self.answer(404, body),
+                Retrieved::AskUpstream(model) => {
+                    self.model = Some(model);
+                    self.session_header = None;
+                    return self.first_attempt(s, obs, now_ms);
+                }
+            },
+            Handling::StoredResponse { id } => {
+                // Only the endpoint that stored the response has it: its response key finds it
+                // through the affinity table as a pin would (and a removed or cooling holder
+                // is placed like any request: the upstream answers for itself).
+                self.session = Some(responses::response_key(self.tenant.as_deref(), id));
+                self.holder_pinned = true;
+                return self.first_attempt(s, obs, now_ms);
+            }
+            Handling::WrongContentType { api } => {
+                return self.refuse(obs, &RequestError::UnsupportedContentType(api))
+            }
+            Handling::PassThrough => {
+                // Not inference (files, batches, anything unknown): routed at once, without a
+                // model or session, the body never read.
+                self.session_header = None;
+                return self.first_attempt(s, obs, now_ms);
+            }
         }
         if end_of_stream {
             return self.refuse(obs, &RequestError::EmptyBody);
@@ -361,6 +408,7 @@ impl Flow {
             return self.after_answer(s, obs, failed, &outcome, fallback, now_ms);
         }
         // Relayed: the attempt lasts as long as its answer.
+        self.expect_answer(&outcome, headers);
         if let Some(a) = self.current.as_mut() {
             let to_headers = now_ms.saturating_sub(a.ticket.started_ms);
             a.verdict = Some((outcome, to_headers));
@@ -404,6 +452,9 @@ impl Flow {
         let Some(answered) = self.finish_current(s, obs, &outcome, None, now_ms) else {
             return Step::Continue;
         };
+        if let Some(h) = &headers {
+            self.expect_answer(&outcome, h);
+        }
         let fallback = Fallback::Call {
             served_by: Some(answered),
             status,
@@ -445,7 +496,11 @@ impl Flow {
         body: Vec<u8>,
         now_ms: u64,
     ) -> Step {
-        let req = match parse_chat(&body) {
+        let parsed = match (self.api.map(|a| a.body()), self.content_type.as_deref()) {
+            (Some(BodyFormat::Multipart), Some(ct)) => super::multipart::parse_form(ct, &body),
+            _ => parse_chat(&body),
+        };
+        let req = match parsed {
             Ok(r) => r,
             Err(e) => return self.refuse(obs, &e),
         };
@@ -455,7 +510,95 @@ impl Flow {
         }
         self.model = Some(req.model);
         self.body = body;
+        if self.api == Some(Api::Responses) {
+            if let Some(step) = self.follow_up(s, obs, now_ms) {
+                return step;
+            }
+        }
         self.first_attempt(s, obs, now_ms)
+    }
+
+    /// A Responses API request: remembers to learn its answer's id when it will be stored, and
+    /// sends a follow-up (`previous_response_id`) to the endpoint holding the previous response.
+    /// If that endpoint cannot take it, the request is refused — unless it carries its whole
+    /// input, then it goes anywhere without `previous_response_id`.
+    fn follow_up(
+        &mut self,
+        s: &Scheduler<'_>,
+        obs: &mut dyn Observer,
+        now_ms: u64,
+    ) -> Option<Step> {
+        let f = responses::parse_follow_up(&self.body);
+        self.learn_id = f.store;
+        let prev = f.previous_response_id?;
+        let holder = responses::holder(s, self.tenant.as_deref(), &prev, now_ms)?;
+        match responses::check_holder(s, holder, self.model.as_deref(), &self.exclusions, now_ms) {
+            Ok(_) => {
+                self.session = Some(responses::response_key(self.tenant.as_deref(), &prev));
+                self.holder_pinned = true;
+                None
+            }
+            Err(_) if f.whole_input => {
+                if let Some(body) = responses::without_previous_response_id(&self.body) {
+                    self.body = body;
+                }
+                None
+            }
+            Err(e) => {
+                let reason = match e.status() {
+                    404 => RejectReason::PreviousResponseNotFound,
+                    _ => RejectReason::PreviousResponseUnavailable,
+                };
+                let mut reply = Reply::new(e.status(), reason, &e.message(&prev, now_ms));
+                if let Some(secs) = e.retry_after_s(now_ms) {
+                    reply = reply.retry_after(secs);
+                }
+                Some(self.reply(obs, reply))
+            }
+        }
+    }
+
+    /// Whether the relayed answer's body chunks should be passed to [`Flow::on_answer_chunk`].
+    pub fn reads_answer(&self) -> bool {
+        self.id_scan.is_some()
+    }
+
+    /// A chunk of the answer the client gets (relayed, or a failover call's whole answer), as
+    /// it passes; never held back. `end`: the answer is complete.
+    pub fn on_answer_chunk(&mut self, s: &Scheduler<'_>, chunk: &[u8], end: bool, now_ms: u64) {
+        let Some(scan) = self.id_scan.as_mut() else {
+            return;
+        };
+        let found = match scan.feed(chunk) {
+            super::json_scan::Scan::Found(id) => Some(id),
+            super::json_scan::Scan::Absent => None,
+            super::json_scan::Scan::NeedMore if end => scan.finish(),
+            super::json_scan::Scan::NeedMore => return,
+        };
+        self.id_scan = None;
+        let holder = self
+            .served_by
+            .and_then(|i| s.cfg.endpoints.get(i))
+            .map(|e| e.id);
+        if let (Some(id), Some(holder)) = (found, holder) {
+            responses::remember(s, self.tenant.as_deref(), &id, holder, now_ms);
+        }
+    }
+
+    /// An answer's headers: scan its body for the response id if it is a success to learn from.
+    fn expect_answer<H: HeaderSource + ?Sized>(&mut self, outcome: &Outcome, headers: &H) {
+        self.id_scan = match (self.learn_id, outcome) {
+            (true, Outcome::Success) => headers
+                .header_str("content-type")
+                .and_then(|ct| AnswerFormat::from_content_type(&ct))
+                .map(IdScan::new),
+            _ => None,
+        };
+    }
+
+    fn answer(&mut self, status: u16, body: String) -> Step {
+        self.phase = Phase::Done;
+        Step::Answer { status, body }
     }
 
     fn first_attempt(&mut self, s: &Scheduler<'_>, obs: &mut dyn Observer, now_ms: u64) -> Step {
@@ -578,7 +721,7 @@ impl Flow {
         outcome: &Outcome,
         now_ms: u64,
     ) -> Option<usize> {
-        if !outcome.fails_over() || self.attempts >= s.cfg.max_attempts {
+        if !outcome.fails_over() || self.attempts >= s.cfg.max_attempts || self.holder_pinned {
             return None;
         }
         match self.start_attempt(s, obs, now_ms) {
