@@ -196,6 +196,9 @@ impl HttpContext for Http {
         if self.flow.holds_answer() {
             return Action::Pause;
         }
+        if body_size > 0 && self.flow.awaits_first_byte() {
+            self.flow.on_first_byte(host::now_ms());
+        }
         if self.flow.reads_answer() {
             // A Responses API answer: its id is read as it passes (bounded, never held back).
             let now = host::now_ms();

@@ -275,7 +275,7 @@ config_keys! {
     affinity_max_sessions: u64 = 100_000, Spec::Int { min: 1, max: 10_000_000 },
         "Upper bound on remembered sessions (shared memory of about 20 bytes each, never freed by Envoy). Past it, the least recently used session of a bucket is forgotten.";
     ewma_alpha: f64 = 0.3, Spec::UnitInterval,
-        "Weight of each new sample in the latency estimate (time to response headers). Higher follows changes faster, lower smooths noise.";
+        "Weight of each new sample in the latency estimate (time to the answer's headers; for a streamed answer, to its first body byte, the time to first token). Higher follows changes faster, lower smooths noise.";
     success_rate_alpha: f64 = 0.1, Spec::UnitInterval,
         "Weight of each new outcome (1 success, 0 failure) in the endpoint's success-rate estimate, which multiplies its score.";
     stats_decay_ms: u64 = 60_000, MS,

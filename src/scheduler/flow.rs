@@ -156,8 +156,11 @@ impl Observer for () {}
 #[derive(Debug)]
 struct Attempt {
     ticket: Ticket,
-    /// Once its answer's headers were seen: the outcome and the time to them.
+    /// Once its answer's headers were seen: the outcome and the latency sample (the time to
+    /// the headers, or for a streamed answer to its first body byte).
     verdict: Option<(Outcome, u64)>,
+    /// A streamed answer whose first body byte has not passed yet.
+    awaits_first_byte: bool,
 }
 
 /// The answer the client gets if no failover call can be sent after all.
@@ -409,9 +412,15 @@ impl Flow {
         }
         // Relayed: the attempt lasts as long as its answer.
         self.expect_answer(&outcome, headers);
+        let streamed = headers
+            .header_str("content-type")
+            .is_some_and(|ct| api::media_type(&ct) == "text/event-stream");
         if let Some(a) = self.current.as_mut() {
             let to_headers = now_ms.saturating_sub(a.ticket.started_ms);
             a.verdict = Some((outcome, to_headers));
+            // An inference server sends a stream's headers before its prefill: the time to
+            // the first token is the time to the first body byte.
+            a.awaits_first_byte = streamed && !end_of_stream;
         }
         self.phase = Phase::Relaying;
         let step = Step::Relay(self.exposed(s.cfg));
@@ -558,6 +567,22 @@ impl Flow {
         }
     }
 
+    /// Whether [`Flow::on_first_byte`] wants the next body chunk's time.
+    pub fn awaits_first_byte(&self) -> bool {
+        self.current.as_ref().is_some_and(|a| a.awaits_first_byte)
+    }
+
+    /// The first body byte of a streamed answer passed: its time is the attempt's latency
+    /// sample (time to first token), instead of the time to its headers.
+    pub fn on_first_byte(&mut self, now_ms: u64) {
+        if let Some(a) = self.current.as_mut().filter(|a| a.awaits_first_byte) {
+            a.awaits_first_byte = false;
+            if let Some((_, latency)) = a.verdict.as_mut() {
+                *latency = now_ms.saturating_sub(a.ticket.started_ms);
+            }
+        }
+    }
+
     /// Whether the relayed answer's body chunks should be passed to [`Flow::on_answer_chunk`].
     pub fn reads_answer(&self) -> bool {
         self.id_scan.is_some()
@@ -641,6 +666,7 @@ impl Flow {
         self.current = Some(Attempt {
             ticket: decision.ticket,
             verdict: None,
+            awaits_first_byte: false,
         });
         Ok(endpoint)
     }

@@ -154,6 +154,47 @@ fn a_streamed_answer_is_in_flight_until_it_ends_with_latency_to_its_headers() {
     assert_eq!(log.0.len(), 2, "finished exactly once");
 }
 
+/// An event stream's headers come before the prefill (vLLM, TGI): its latency sample is the
+/// time to its first body byte, the time to first token; a plain answer keeps its headers' time.
+#[test]
+fn a_streamed_answer_is_timed_to_its_first_byte() {
+    let c = cfg(json!({}));
+    let store = MemStore::new();
+    let s = Scheduler::new(&c, &store);
+    let mut log = Log::default();
+    let mut f = Flow::default();
+    let step = route(&mut f, &s, &mut log, post_headers(&[]), 1_000);
+    assert_eq!(step, Step::Route(0));
+    let sse = pairs(&[
+        (":status", "200"),
+        ("content-type", "text/event-stream; charset=utf-8"),
+    ]);
+    f.on_response_headers(&s, &mut log, &sse, false, 1_002);
+    assert!(f.awaits_first_byte());
+    f.on_first_byte(1_450);
+    assert!(!f.awaits_first_byte());
+    f.on_first_byte(1_900); // later chunks change nothing
+    f.on_response_end(&s, &mut log, 3_000);
+    let latency = |store: &MemStore| {
+        Table::aligned(store.get(TABLE_KEY).0.as_deref(), &c).entries[0]
+            .1
+            .latency_ms
+    };
+    assert_eq!(latency(&store), Some(450.0));
+
+    // A JSON answer: timed to its headers, whatever its body does.
+    let store = MemStore::new();
+    let s = Scheduler::new(&c, &store);
+    let mut f = Flow::default();
+    route(&mut f, &s, &mut log, post_headers(&[]), 1_000);
+    let json_answer = pairs(&[(":status", "200"), ("content-type", "application/json")]);
+    f.on_response_headers(&s, &mut log, &json_answer, false, 1_300);
+    assert!(!f.awaits_first_byte());
+    f.on_first_byte(1_400);
+    f.on_response_end(&s, &mut log, 1_400);
+    assert_eq!(latency(&store), Some(300.0));
+}
+
 #[test]
 fn a_stream_cut_midway_keeps_its_verdict_and_no_answer_is_cancelled() {
     let c = cfg(json!({}));
