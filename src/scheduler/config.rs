@@ -318,7 +318,7 @@ config_keys! {
         "Also needed to degrade an endpoint: its latency estimate exceeds the fastest's by at least this much (and leaving the degraded state needs the excess below half of it). A ratio of small numbers is noise, and a few milliseconds a turn never repay the re-prefill a moved session pays once.";
     degraded_exit_ratio: f64 = 1.5, Spec::Number { min: 1.0, max: 1000.0 },
         "A degraded endpoint is whole again once its latency estimate falls below this multiple of the fastest (hysteresis: must be below `pin_break_ratio`).";
-    degraded_probe_interval_ms: u64 = 2_000, MS,
+    degraded_probe_interval_ms: u64 = 5_000, MS,
         "A degraded endpoint gets one new placement as a probe per this interval (per Envoy), so that its latency estimate can show its recovery.";
 }
 
