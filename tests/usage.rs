@@ -118,8 +118,17 @@ fn mock_tokens(m: &MockUpstream) -> BTreeMap<&'static str, u64> {
 /// What one answer should add: its tokens from the mock's headers (prompt, cached) and its
 /// body (completion), under the endpoint and affinity the filter reported.
 fn expected(r: &Response, completion: u64, into: &mut Tokens) {
-    let h = |n: &str| r.header(n).unwrap_or_else(|| panic!("no {n}: {:?}", r.headers));
-    let key = |k: &str| (k.to_string(), h("x-computeflux-endpoint").to_string(), h("x-computeflux-affinity").to_string());
+    let h = |n: &str| {
+        r.header(n)
+            .unwrap_or_else(|| panic!("no {n}: {:?}", r.headers))
+    };
+    let key = |k: &str| {
+        (
+            k.to_string(),
+            h("x-computeflux-endpoint").to_string(),
+            h("x-computeflux-affinity").to_string(),
+        )
+    };
     for (kind, v) in [
         ("prompt", h("x-mock-prompt-tokens").parse::<u64>().unwrap()),
         ("cached_prompt", h("x-mock-cached-tokens").parse().unwrap()),
@@ -212,9 +221,10 @@ fn token_metrics_equal_the_mocks_counters_per_endpoint_and_affinity() {
     // The `affinity` label reaches Prometheus.
     let prom = st.envoy.prometheus();
     assert!(
-        prom.lines().any(|l| l.starts_with("computeflux_cached_prompt_tokens_total{")
-            && l.contains("affinity=\"hit\"")
-            && l.contains("endpoint=\"")),
+        prom.lines()
+            .any(|l| l.starts_with("computeflux_cached_prompt_tokens_total{")
+                && l.contains("affinity=\"hit\"")
+                && l.contains("endpoint=\"")),
         "no labelled token series in:\n{prom}"
     );
 }
@@ -253,7 +263,11 @@ fn cut_streams_and_answers_without_usage_are_not_counted() {
         .iter()
         .filter_map(|q| q["fault"].as_str().map(str::to_string))
         .collect();
-    assert_eq!(faults, ["cut", "no_usage", "no_usage"], "the faults were served");
+    assert_eq!(
+        faults,
+        ["cut", "no_usage", "no_usage"],
+        "the faults were served"
+    );
     let mock_after = mock_tokens(mock);
     assert!(
         mock_after["prompt"] > mock_before["prompt"],
@@ -321,5 +335,11 @@ fn usage_accounting_off_counts_nothing() {
     let t = tokens(&st.envoy);
     assert!(!t.is_empty(), "the series exist");
     assert_eq!(sum(&t, |_, _, _| true), 0, "{t:?}");
-    assert!(st.mocks.iter().map(|m| mock_tokens(m)["prompt"]).sum::<u64>() > 0);
+    assert!(
+        st.mocks
+            .iter()
+            .map(|m| mock_tokens(m)["prompt"])
+            .sum::<u64>()
+            > 0
+    );
 }

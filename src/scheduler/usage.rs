@@ -59,7 +59,9 @@ impl Framing {
     /// one JSON document.
     pub fn from_content_type(value: Option<&[u8]>) -> Framing {
         let sse = value.is_some_and(|v| {
-            v.len() >= 17 && v.get(..17).is_some_and(|p| p.eq_ignore_ascii_case(b"text/event-stream"))
+            v.len() >= 17
+                && v.get(..17)
+                    .is_some_and(|p| p.eq_ignore_ascii_case(b"text/event-stream"))
         });
         if sse {
             Framing::EventStream
@@ -186,13 +188,18 @@ impl RawUsage {
         let u = if self.prompt_tokens.is_some() || self.completion_tokens.is_some() {
             Usage {
                 prompt_tokens: cap(self.prompt_tokens),
-                cached_tokens: cap(self.prompt_tokens_details.as_ref().and_then(|d| d.cached_tokens)),
+                cached_tokens: cap(self
+                    .prompt_tokens_details
+                    .as_ref()
+                    .and_then(|d| d.cached_tokens)),
                 completion_tokens: cap(self.completion_tokens),
             }
         } else if self.input_tokens.is_some() || self.output_tokens.is_some() {
             let read = cap(self.cache_read_input_tokens);
             Usage {
-                prompt_tokens: (cap(self.input_tokens) + cap(self.cache_creation_input_tokens) + read)
+                prompt_tokens: (cap(self.input_tokens)
+                    + cap(self.cache_creation_input_tokens)
+                    + read)
                     .min(MAX_TOKENS),
                 cached_tokens: read,
                 completion_tokens: cap(self.output_tokens),
@@ -251,7 +258,10 @@ event: message_stop\ndata: {\"type\":\"message_stop\"}\n\n";
     fn anthropic_json_and_stream() {
         let json = br#"{"type":"message","content":[{"type":"tool_use","input":{"usage":{"input_tokens":7}}}],"usage":{"input_tokens":3,"cache_read_input_tokens":100,"output_tokens":9}}"#;
         assert_eq!(scan(Framing::Json, json), usage(103, 100, 9));
-        assert_eq!(scan(Framing::EventStream, ANTHROPIC_SSE), usage(2015, 2000, 42));
+        assert_eq!(
+            scan(Framing::EventStream, ANTHROPIC_SSE),
+            usage(2015, 2000, 42)
+        );
     }
 
     #[test]
@@ -268,9 +278,18 @@ event: message_stop\ndata: {\"type\":\"message_stop\"}\n\n";
     fn answers_without_usage_are_not_counted() {
         assert_eq!(scan(Framing::Json, br#"{"choices":[]}"#), None);
         assert_eq!(scan(Framing::Json, br#"{"usage":null}"#), None);
-        assert_eq!(scan(Framing::Json, br#"{"usage":{"total_tokens":5}}"#), None);
-        assert_eq!(scan(Framing::Json, br#"{"usage":{"prompt_tokens":-5}}"#), None);
-        assert_eq!(scan(Framing::Json, br#"{"usage":{"prompt_tokens":1.5}}"#), None);
+        assert_eq!(
+            scan(Framing::Json, br#"{"usage":{"total_tokens":5}}"#),
+            None
+        );
+        assert_eq!(
+            scan(Framing::Json, br#"{"usage":{"prompt_tokens":-5}}"#),
+            None
+        );
+        assert_eq!(
+            scan(Framing::Json, br#"{"usage":{"prompt_tokens":1.5}}"#),
+            None
+        );
         assert_eq!(scan(Framing::Json, b""), None);
         let sse = b"data: {\"choices\":[]}\n\ndata: [DONE]\n\n";
         assert_eq!(scan(Framing::EventStream, sse), None);
@@ -287,7 +306,8 @@ event: message_stop\ndata: {\"type\":\"message_stop\"}\n\n";
 
     #[test]
     fn usage_beyond_the_window_is_not_seen() {
-        let mut body = br#"{"usage":{"prompt_tokens":5,"completion_tokens":1},"x_padding":""#.to_vec();
+        let mut body =
+            br#"{"usage":{"prompt_tokens":5,"completion_tokens":1},"x_padding":""#.to_vec();
         body.extend(std::iter::repeat_n(b'x', TAIL_BYTES));
         body.extend_from_slice(b"\"}");
         assert_eq!(scan(Framing::Json, &body), None);

@@ -44,7 +44,8 @@ impl Observer for Log {
         self.0.push(Event::Replied(reply.reason.label()));
     }
     fn usage(&mut self, endpoint: usize, affinity: AffinityResult, usage: &Usage) {
-        self.0.push(Event::Usage(endpoint, affinity.label(), *usage));
+        self.0
+            .push(Event::Usage(endpoint, affinity.label(), *usage));
     }
 }
 
@@ -651,7 +652,13 @@ fn usage_is_counted_when_a_relayed_answer_ends_and_never_for_a_cut_one() {
     for (now, affinity) in [(0, "home"), (100, "hit")] {
         let mut log = Log::default();
         let mut f = Flow::default();
-        let step = route(&mut f, &s, &mut log, post_headers(&[("x-session-id", "u1")]), now);
+        let step = route(
+            &mut f,
+            &s,
+            &mut log,
+            post_headers(&[("x-session-id", "u1")]),
+            now,
+        );
         assert_eq!(step, Step::Route(0));
         f.on_response_headers(&s, &mut log, &sse, false, now + 5);
         assert!(f.scans_answer());
@@ -667,7 +674,13 @@ fn usage_is_counted_when_a_relayed_answer_ends_and_never_for_a_cut_one() {
     // A stream cut before its end: on_log only, nothing counted.
     let mut log = Log::default();
     let mut f = Flow::default();
-    route(&mut f, &s, &mut log, post_headers(&[("x-session-id", "u1")]), 200);
+    route(
+        &mut f,
+        &s,
+        &mut log,
+        post_headers(&[("x-session-id", "u1")]),
+        200,
+    );
     f.on_response_headers(&s, &mut log, &sse, false, 205);
     f.on_response_data(SSE_USAGE);
     f.on_log(&s, &mut log, 210);
