@@ -10,6 +10,8 @@
 //! design with one shared value pays) and a decode + encode of the table (the codec's share).
 //! After criterion's report a summary table prints each case against its baseline.
 //!
+//! Also the cost of reading an answer's usage (`usage_scan_*`), natively.
+//!
 //! Run: `cargo bench --bench scheduler` (add `-- --quick` for a fast pass).
 
 // A benchmark aborts on a broken setup: that is what expect is for here.
@@ -21,6 +23,7 @@ use std::time::{Duration, Instant};
 use computeflux::scheduler::hash::session_key;
 use computeflux::scheduler::select::TABLE_KEY;
 use computeflux::scheduler::state::Table;
+use computeflux::scheduler::usage::{Framing, UsageScan};
 use computeflux::scheduler::{Config, Exclusions, MemStore, Outcome, Pick, Scheduler, Store};
 use criterion::{BenchmarkId, Criterion, Throughput};
 use serde_json::json;
@@ -222,7 +225,63 @@ fn cases() -> Vec<Case> {
             spent
         }),
     });
+    usage_cases(&mut out);
     out
+}
+
+/// Reading an answer's usage (`usage::UsageScan`): a ~600-byte OpenAI JSON answer in one chunk,
+/// and a 16-token stream in 19 chunks (role, tokens, finish, usage, `[DONE]`), as the mock
+/// upstream sends them. Size 0: no endpoints involved; each is its own baseline.
+fn usage_cases(out: &mut Vec<Case>) {
+    let usage = json!({"prompt_tokens": 812, "completion_tokens": 16, "total_tokens": 828,
+                       "prompt_tokens_details": {"cached_tokens": 768}});
+    let answer =
+        json!({"id": "chatcmpl-a-1", "object": "chat.completion", "created": 1_700_000_000,
+        "model": "m1", "choices": [{"index": 0, "message": {"role": "assistant",
+        "content": "lorem ipsum dolor sit amet ".repeat(12)}, "finish_reason": "stop"}],
+        "usage": usage, "system_fingerprint": "mock-a"})
+        .to_string()
+        .into_bytes();
+    let chunk = |v: serde_json::Value| format!("data: {v}\n\n").into_bytes();
+    let mut stream: Vec<Vec<u8>> =
+        vec![chunk(json!({"id": "c", "object": "chat.completion.chunk",
+        "choices": [{"index": 0, "delta": {"role": "assistant", "content": ""}}]}))];
+    for i in 0..16 {
+        stream.push(chunk(json!({"id": "c", "object": "chat.completion.chunk",
+            "choices": [{"index": 0, "delta": {"content": format!("word{i} ")}}]})));
+    }
+    stream.push(chunk(json!({"id": "c", "choices": [], "usage": usage})));
+    stream.push(b"data: [DONE]\n\n".to_vec());
+    out.push(Case {
+        group: "usage_scan_json_answer",
+        size: 0,
+        baseline: "usage_scan_json_answer",
+        run: Box::new(move |iters| {
+            let start = Instant::now();
+            for _ in 0..iters {
+                let mut scan = UsageScan::new(Framing::Json);
+                scan.feed(black_box(&answer));
+                black_box(scan.finish()).expect("usage");
+            }
+            start.elapsed()
+        }),
+    });
+    out.push(Case {
+        group: "usage_scan_stream_19_chunks",
+        size: 0,
+        baseline: "usage_scan_stream_19_chunks",
+        run: Box::new(move |iters| {
+            let start = Instant::now();
+            for _ in 0..iters {
+                let mut scan = UsageScan::new(Framing::EventStream);
+                for c in &stream {
+                    scan.feed(black_box(c));
+                }
+                black_box(scan.finish()).expect("usage");
+            }
+            start.elapsed()
+        }),
+    });
 }
 
 fn bench(c: &mut Criterion, cases: &mut [Case]) {

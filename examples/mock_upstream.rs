@@ -74,6 +74,8 @@
 //!   `{"mode":"none"}`, `{"mode":"status","status":429,"retry_after":"2","headers":{..},"body":".."}`,
 //!   `{"mode":"slow","factor":5}`, `{"mode":"delay_ms","ms":300}`, `{"mode":"pad","bytes":N}`
 //!   (served normally, with an `x_padding` field of N bytes in a non-streamed answer),
+//!   `{"mode":"no_usage"}` (served normally, without `usage`), `{"mode":"cut"}` (a streamed
+//!   answer's first half, then TCP RST; its tokens are counted in the stats all the same),
 //!   `{"mode":"reset"}` (TCP RST,
 //!   no answer), `{"mode":"hang"}` (no answer ever), `{"mode":"refuse"}` (stop listening and drop
 //!   open connections; any other mode re-binds the same port). Optional `"count":N` limits a
@@ -418,6 +420,10 @@ struct Serve {
     factor: f64,
     extra_delay_ms: u64,
     pad_bytes: u64,
+    /// No `usage` in the answer.
+    no_usage: bool,
+    /// Cut a streamed answer mid-way (TCP RST).
+    cut: bool,
 }
 
 async fn chat(mock: Arc<Mock>, conn: Arc<Conn>, req: Request<Incoming>) -> Response<Body> {
@@ -448,7 +454,7 @@ async fn chat(mock: Arc<Mock>, conn: Arc<Conn>, req: Request<Incoming>) -> Respo
             std::future::pending().await
         }
         Plan::Hang => std::future::pending().await,
-        Plan::Serve(s) => serve(mock, (guard, permit), s).await,
+        Plan::Serve(s) => serve(mock, conn, (guard, permit), s).await,
     }
 }
 
@@ -519,6 +525,7 @@ fn decide(
     };
 
     let (mut factor, mut extra_delay_ms, mut pad_bytes) = (1.0, 0, 0);
+    let (mut no_usage, mut cut) = (false, false);
     match &mode {
         Mode::None => {}
         Mode::Status {
@@ -562,6 +569,14 @@ fn decide(
         Mode::Pad { bytes } => {
             entry.fault = Some("pad");
             pad_bytes = *bytes;
+        }
+        Mode::NoUsage => {
+            entry.fault = Some("no_usage");
+            no_usage = true;
+        }
+        Mode::Cut => {
+            entry.fault = Some("cut");
+            cut = true;
         }
         Mode::Reset | Mode::Hang | Mode::Refuse => {
             // `refuse` only reaches here on the control port: answer it like `reset`.
@@ -714,6 +729,8 @@ fn decide(
         factor,
         extra_delay_ms,
         pad_bytes,
+        no_usage,
+        cut,
     })
 }
 
@@ -724,7 +741,7 @@ fn scaled(d: Duration, factor: f64) -> Duration {
 /// Holds a request's in-flight count and concurrency slot until dropped.
 type Busy = (InFlight, Option<OwnedSemaphorePermit>);
 
-async fn serve(mock: Arc<Mock>, guard: Busy, s: Serve) -> Response<Body> {
+async fn serve(mock: Arc<Mock>, conn: Arc<Conn>, guard: Busy, s: Serve) -> Response<Body> {
     let a = &mock.args;
     let uncached = s.prompt_tokens.saturating_sub(s.cached_tokens);
     let prefill = Duration::from_micros(a.prefill_us_per_token.saturating_mul(uncached));
@@ -743,6 +760,7 @@ async fn serve(mock: Arc<Mock>, guard: Busy, s: Serve) -> Response<Body> {
         completion_tokens: s.completion_tokens,
     };
     let words = openai::completion_words(&a.name, s.completion_tokens);
+    let (cut, no_usage) = (s.cut, s.no_usage);
     let mut r = if matches!(s.api, apis::Api::Responses | apis::Api::Messages) {
         other_api_answer(&mock, guard, &s, decode, created).await
     } else if s.stream {
@@ -762,7 +780,13 @@ async fn serve(mock: Arc<Mock>, guard: Busy, s: Serve) -> Response<Body> {
             if tx.send(ev(role)).await.is_err() {
                 return;
             }
-            for w in &words {
+            for (i, w) in words.iter().enumerate() {
+                if cut && i == words.len() / 2 {
+                    // Let what was sent reach the client, then cut.
+                    tokio::time::sleep(Duration::from_millis(50)).await;
+                    conn.reset();
+                    return;
+                }
                 tokio::time::sleep(per_chunk).await;
                 let c = openai::chunk(&id, created, &model, json!({"content": w}), None);
                 if tx.send(ev(c)).await.is_err() {
@@ -771,9 +795,11 @@ async fn serve(mock: Arc<Mock>, guard: Busy, s: Serve) -> Response<Body> {
             }
             let fin = openai::chunk(&id, created, &model, json!({}), Some("stop"));
             let _ = tx.send(ev(fin)).await;
-            let _ = tx
-                .send(ev(openai::usage_chunk(&id, created, &model, &usage)))
-                .await;
+            if !no_usage {
+                let _ = tx
+                    .send(ev(openai::usage_chunk(&id, created, &model, &usage)))
+                    .await;
+            }
             let _ = tx.send(Bytes::from_static(b"data: [DONE]\n\n")).await;
         });
         let mut r = Response::new(ChannelBody { rx }.boxed());
@@ -794,6 +820,11 @@ async fn serve(mock: Arc<Mock>, guard: Busy, s: Serve) -> Response<Body> {
             &text,
             &usage,
         );
+        if s.no_usage {
+            if let Some(obj) = body.as_object_mut() {
+                obj.remove("usage");
+            }
+        }
         if s.pad_bytes > 0 {
             if let Some(obj) = body.as_object_mut() {
                 let pad = "x".repeat(usize::try_from(s.pad_bytes).unwrap_or(usize::MAX));

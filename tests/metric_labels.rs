@@ -64,6 +64,18 @@ fn every_label_value_is_distinct_and_documented() {
         "affinity result",
         &results,
     );
+    for tokens in [
+        "| `computeflux_prompt_tokens_total`",
+        "| `computeflux_cached_prompt_tokens_total`",
+        "| `computeflux_completion_tokens_total`",
+    ] {
+        line(&doc, tokens); // documented; the affinity values are listed in the first row
+    }
+    check(
+        &line(&doc, "| `computeflux_prompt_tokens_total`"),
+        "token affinity",
+        &results,
+    );
     let rejects: Vec<&str> = RejectReason::ALL.iter().map(|r| r.label()).collect();
     check(
         &line(&doc, "| `computeflux_rejected_total`"),

@@ -2,9 +2,10 @@
 //! without the filter in front of the same fast upstream.
 //!
 //! Why: the routing gains are only worth having if the filter's per-request cost is small next
-//! to Envoy's own. Both Envoys run side by side and are measured alternately (a, b, a, b, ...)
-//! in the same run, so machine noise (other builds on a shared 2-core box) hits both; medians
-//! are reported.
+//! to Envoy's own. The Envoys run side by side and are measured alternately (a, b, c, a, b, c,
+//! ...) in the same run, so machine noise (other builds on a shared 2-core box) hits all; medians
+//! are reported. The third Envoy runs the filter with `usage_accounting: false`, so the cost of
+//! reading every answer's usage is the difference between two filters measured in one run.
 //!
 //! Three figures per case: throughput with 16 keep-alive connections (closed loop, the whole
 //! machine saturated: wrk, Envoy and the upstream share the CPUs), latency with one connection
@@ -49,7 +50,8 @@ pub struct Case {
     pub concurrency: u32,
     pub body: String,
     pub body_bytes: usize,
-    /// "no_wasm" or "filter".
+    /// "no_wasm", "filter", or "filter_no_usage" (the filter with `usage_accounting: false`:
+    /// the difference to "filter" is the cost of reading the answers' usage).
     pub route: String,
     pub rps: f64,
     pub rps_runs: Vec<f64>,
@@ -210,18 +212,40 @@ pub fn run(opts: &OverheadOpts, wasm: &Path) -> Result<Vec<Case>, String> {
             },
             wasm,
         )?;
+        // The same filter without usage accounting.
+        let eps_only: Vec<(&str, &[&str])> = eps.to_vec();
+        let mut no_usage = topology::plugin_config(&eps_only, 30_000);
+        if let Some(o) = no_usage.as_object_mut() {
+            o.insert("usage_accounting".into(), json!(false));
+        }
+        let no_usage_cfg = super::support::EnvoyConfig {
+            concurrency: conc,
+            log_level: "warn".into(),
+            plugin_config: no_usage,
+            clusters: hosts
+                .iter()
+                .map(|(n, _, p)| (format!("ep_{n}"), *p))
+                .collect(),
+            ..Default::default()
+        };
+        let no_usage_boot = super::support::render_bootstrap(&no_usage_cfg, wasm, 0, 0);
         // The filter config above has no models: any model is served by every endpoint.
         let plain = EnvoyProc::start(&plain_boot, conc, "overhead-plain")?;
         let filter = EnvoyProc::start(&filter_boot, conc, "overhead-filter")?;
-        let routes: [(&str, &EnvoyProc); 2] = [("no_wasm", &plain), ("filter", &filter)];
+        let filter_no_usage = EnvoyProc::start(&no_usage_boot, conc, "overhead-filter-no-usage")?;
+        let routes: [(&str, &EnvoyProc); 3] = [
+            ("no_wasm", &plain),
+            ("filter", &filter),
+            ("filter_no_usage", &filter_no_usage),
+        ];
         for (bname, b) in &bodies {
             let script = lua_script(&opts.work_dir, bname, b)?;
             // Warm-up: connections, V8 tiers, the upstream's cache.
             for (_, e) in &routes {
                 wrk(e.port, &script, 1, opts.connections, 1)?;
             }
-            let mut tput: Vec<Vec<WrkRun>> = vec![Vec::new(), Vec::new()];
-            let mut lat: Vec<Vec<WrkRun>> = vec![Vec::new(), Vec::new()];
+            let mut tput: Vec<Vec<WrkRun>> = vec![Vec::new(); routes.len()];
+            let mut lat: Vec<Vec<WrkRun>> = vec![Vec::new(); routes.len()];
             for _ in 0..opts.reps {
                 for (i, (_, e)) in routes.iter().enumerate() {
                     let before = e.cpu_ticks();
@@ -277,6 +301,7 @@ pub fn run(opts: &OverheadOpts, wasm: &Path) -> Result<Vec<Case>, String> {
                 cases.push(case);
             }
         }
+        drop(filter_no_usage);
         drop(filter);
         drop(plain);
         std::thread::sleep(Duration::from_millis(200));

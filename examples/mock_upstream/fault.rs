@@ -30,6 +30,11 @@ pub enum Mode {
     Pad {
         bytes: u64,
     },
+    /// Serve normally, without `usage` (no usage object, no usage chunk).
+    NoUsage,
+    /// Serve a streamed answer's headers and first half of its chunks, then close the
+    /// connection (TCP RST): a stream cut mid-way. A non-streamed answer is served normally.
+    Cut,
     /// Close the connection without answering (TCP RST).
     Reset,
     /// Never answer (until the client gives up).
@@ -114,6 +119,8 @@ impl Fault {
             "pad" => Mode::Pad {
                 bytes: opt_u64(obj, "bytes")?.ok_or("fault.bytes is required")?,
             },
+            "no_usage" => Mode::NoUsage,
+            "cut" => Mode::Cut,
             "reset" => Mode::Reset,
             "hang" => Mode::Hang,
             "refuse" => Mode::Refuse,
@@ -145,6 +152,8 @@ impl Fault {
             Mode::Slow { factor } => json!({"mode": "slow", "factor": factor}),
             Mode::DelayMs { ms } => json!({"mode": "delay_ms", "ms": ms}),
             Mode::Pad { bytes } => json!({"mode": "pad", "bytes": bytes}),
+            Mode::NoUsage => json!({"mode": "no_usage"}),
+            Mode::Cut => json!({"mode": "cut"}),
             Mode::Reset => json!({"mode": "reset"}),
             Mode::Hang => json!({"mode": "hang"}),
             Mode::Refuse => json!({"mode": "refuse"}),

@@ -8,9 +8,12 @@
 //! Callback → flow:
 //! - request headers / body / trailers → `on_request_headers` / `on_request_body` /
 //!   `on_request_trailers` (the body is read once, when complete);
-//! - response headers → `on_response_headers`; the last response body chunk or the response
-//!   trailers → `on_response_end`; response body while a failover call runs → held (`Pause`);
-//! - a failover call's answer → `on_call_response`; a call Envoy refuses → `dispatch_failed`;
+//! - response headers → `on_response_headers`; each response body chunk's last bytes →
+//!   `on_response_data` (read only while the flow scans the answer's usage; the chunk passes
+//!   unchanged); the last response body chunk or the response trailers → `on_response_end`;
+//!   response body while a failover call runs → held (`Pause`);
+//! - a failover call's answer → `on_call_response`, and once relayed, its body →
+//!   `on_call_body`; a call Envoy refuses → `dispatch_failed`;
 //! - `on_log` (runs in every case, client gone included) → `on_log`.
 
 use super::host;
@@ -20,6 +23,7 @@ use super::shared::SharedData;
 use crate::scheduler::flow::{Flow, Step};
 use crate::scheduler::headers::HeaderSource;
 use crate::scheduler::select::Scheduler;
+use crate::scheduler::usage::TAIL_BYTES;
 use proxy_wasm::traits::{Context, HttpContext};
 use proxy_wasm::types::{Action, BufferType, MapType};
 use std::borrow::Cow;
@@ -115,6 +119,9 @@ impl Http {
                     .map(|(n, v)| (n.as_str(), v.as_slice()))
                     .collect();
                 host::send_response(u32::from(status), &headers, &body);
+                if self.flow.scans_answer() {
+                    self.with_flow(now_ms, |f, _, r| f.on_call_body(r, &body));
+                }
                 Action::Pause
             }
             Step::Answer { status, body } => {
@@ -199,13 +206,29 @@ impl HttpContext for Http {
         if body_size > 0 && self.flow.awaits_first_byte() {
             self.flow.on_first_byte(host::now_ms());
         }
-        if self.flow.reads_answer() {
-            // A Responses API answer: its id is read as it passes (bounded, never held back).
+        // A Responses API answer: its id is read as it passes (bounded, never held back).
+        let whole = self.flow.reads_answer().then(|| {
             let now = host::now_ms();
             let chunk = host::buffer(BufferType::HttpResponseBody, 0, body_size);
             self.with_flow(now, |f, s, _| {
                 f.on_answer_chunk(s, &chunk, end_of_stream, now)
             });
+            chunk
+        });
+        if self.flow.scans_answer() && body_size > 0 {
+            // Only the chunk's end can matter; the chunk itself goes on unchanged.
+            match &whole {
+                Some(chunk) => {
+                    let start = chunk.len().saturating_sub(TAIL_BYTES);
+                    self.flow
+                        .on_response_data(chunk.get(start..).unwrap_or(&[]));
+                }
+                None => {
+                    let start = body_size.saturating_sub(TAIL_BYTES);
+                    let tail = host::buffer(BufferType::HttpResponseBody, start, TAIL_BYTES);
+                    self.flow.on_response_data(&tail);
+                }
+            }
         }
         if end_of_stream {
             let now = host::now_ms();

@@ -13,6 +13,7 @@ use crate::scheduler::config::Config;
 use crate::scheduler::outcome::Outcome;
 use crate::scheduler::reply::RejectReason;
 use crate::scheduler::select::{AffinityResult, Reason};
+use crate::scheduler::usage::Usage;
 use proxy_wasm::types::MetricType;
 
 /// The metric ids of one endpoint.
@@ -26,6 +27,31 @@ pub struct EndpointMetrics {
     pub ewma_latency_ms: Option<u32>,
     pub in_flight: Option<u32>,
     pub latency_ms: Option<u32>,
+    /// Token counters by affinity result, in [`AffinityResult::ALL`] order.
+    pub tokens: Vec<TokenMetrics>,
+}
+
+/// The token counters of one endpoint and affinity result.
+pub struct TokenMetrics {
+    pub prompt: Option<u32>,
+    pub cached: Option<u32>,
+    pub completion: Option<u32>,
+}
+
+impl TokenMetrics {
+    fn define(endpoint: &str, affinity: &str) -> TokenMetrics {
+        let counter = |base: &str| {
+            host::metric(
+                MetricType::Counter,
+                &format!("{base}.endpoint.{endpoint}.affinity.{affinity}"),
+            )
+        };
+        TokenMetrics {
+            prompt: counter("computeflux_prompt_tokens_total"),
+            cached: counter("computeflux_cached_prompt_tokens_total"),
+            completion: counter("computeflux_completion_tokens_total"),
+        }
+    }
 }
 
 pub struct Metrics {
@@ -94,6 +120,10 @@ impl Metrics {
                         MetricType::Histogram,
                         &format!("computeflux_upstream_latency_ms.endpoint.{n}"),
                     ),
+                    tokens: AffinityResult::ALL
+                        .iter()
+                        .map(|a| TokenMetrics::define(n, a.label()))
+                        .collect(),
                 }
             })
             .collect();
@@ -119,6 +149,14 @@ impl Metrics {
                 "computeflux_retry_budget_exhausted_total",
             ),
             cas_exhausted: host::metric(MetricType::Counter, "computeflux_cas_exhausted_total"),
+        }
+    }
+
+    pub fn add(id: Option<u32>, value: u64) {
+        if let (Some(id), Ok(v)) = (id, i64::try_from(value)) {
+            if v > 0 {
+                host::metric_add(id, v);
+            }
         }
     }
 
@@ -154,5 +192,19 @@ impl Metrics {
 impl EndpointMetrics {
     pub fn outcome(&self, o: &Outcome) {
         Metrics::inc(self.requests.get(o.index()).copied().flatten());
+    }
+
+    /// Adds one answer's tokens to the counters of its affinity result.
+    pub fn usage(&self, affinity: AffinityResult, u: &Usage) {
+        let Some(t) = AffinityResult::ALL
+            .iter()
+            .position(|a| *a == affinity)
+            .and_then(|i| self.tokens.get(i))
+        else {
+            return;
+        };
+        Metrics::add(t.prompt, u.prompt_tokens);
+        Metrics::add(t.cached, u.cached_tokens);
+        Metrics::add(t.completion, u.completion_tokens);
     }
 }

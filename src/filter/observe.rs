@@ -9,7 +9,8 @@ use super::root::{refresh_gauges, Plugin};
 use crate::scheduler::flow::{Observer, Timing};
 use crate::scheduler::outcome::Outcome;
 use crate::scheduler::reply::Reply;
-use crate::scheduler::select::{Decision, Finished};
+use crate::scheduler::select::{AffinityResult, Decision, Finished};
+use crate::scheduler::usage::Usage;
 use log::{debug, warn};
 
 pub struct Recorder<'a> {
@@ -87,6 +88,19 @@ impl Observer for Recorder<'_> {
     fn budget_exhausted(&mut self) {
         Metrics::inc(self.plugin.metrics.retry_budget_exhausted);
         debug!("computeflux: retry budget exhausted; passing the failure through");
+    }
+
+    fn usage(&mut self, endpoint: usize, affinity: AffinityResult, u: &Usage) {
+        if let Some(em) = self.plugin.metrics.endpoint(endpoint) {
+            em.usage(affinity, u);
+        }
+        debug!(
+            "computeflux: endpoint {} answered with {} prompt ({} cached) and {} completion tokens",
+            self.name(endpoint),
+            u.prompt_tokens,
+            u.cached_tokens,
+            u.completion_tokens
+        );
     }
 
     fn replied(&mut self, reply: &Reply) {

@@ -298,6 +298,8 @@ config_keys! {
         "Largest request body the filter buffers to read `model`; larger requests get a 413. Keep Envoy's `per_connection_buffer_limit_bytes` and HTTP/2 stream window at or above it.";
     expose_headers: bool = true, Spec::Bool,
         "Adds `x-computeflux-endpoint`, `x-computeflux-attempts` and `x-computeflux-affinity` to responses (see [decisions](decisions.md)). Turn off to hide endpoint names from clients.";
+    usage_accounting: bool = true, Spec::Bool,
+        "Counts the prompt, cached-prompt and completion tokens of every successful answer from its `usage` (JSON answers, and the final event of streams), per endpoint and affinity result (see [metrics](metrics.md)). The answer is never held back: the filter keeps its last 4 KiB as it passes. Turn off to skip reading answers.";
     retry_budget_percent: f64 = 20.0, Spec::Number { min: 0.0, max: 100.0 },
         "Failovers after an endpoint failure (5xx, connect failure, reset, timeout) allowed as a share of recent requests (10 s decaying window), so an outage does not multiply load on the surviving endpoints. Failovers after 401/403/429 are not charged.";
     retry_budget_min_retries: f64 = 10.0, Spec::Number { min: 0.0, max: 1_000_000.0 },

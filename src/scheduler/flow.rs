@@ -54,6 +54,7 @@ use super::responses::{self, AnswerFormat, IdScan};
 use super::select::{
     AffinityResult, Decision, Exclusions, Finished, NoEndpoint, Pick, Scheduler, Ticket,
 };
+use super::usage::{Framing, Usage, UsageScan};
 use std::borrow::Cow;
 
 mod answer;
@@ -148,6 +149,9 @@ pub trait Observer {
     fn budget_exhausted(&mut self) {}
     /// The filter answered the request itself.
     fn replied(&mut self, _reply: &Reply) {}
+    /// The answer `endpoint` gave reported `usage`; the request's affinity at its first pick
+    /// was `affinity`.
+    fn usage(&mut self, _endpoint: usize, _affinity: AffinityResult, _usage: &Usage) {}
 }
 
 impl Observer for () {}
@@ -209,6 +213,8 @@ pub struct Flow {
     learn_id: bool,
     /// Reads the id of the successful answer the client gets, as it passes.
     id_scan: Option<IdScan>,
+    /// The scan of a successful answer's usage (`usage_accounting`), while it passes.
+    usage: Option<UsageScan>,
 }
 
 impl Default for Flow {
@@ -242,6 +248,7 @@ impl Flow {
             holder_pinned: false,
             learn_id: false,
             id_scan: None,
+            usage: None,
         }
     }
 
@@ -266,6 +273,50 @@ impl Flow {
     /// Whether the routed answer must be held (a failover call is in flight).
     pub fn holds_answer(&self) -> bool {
         self.phase == Phase::FailingOver
+    }
+
+    /// Whether the answer's bytes are wanted ([`Flow::on_response_data`],
+    /// [`Flow::on_call_body`]): its usage is being read.
+    pub fn scans_answer(&self) -> bool {
+        self.usage.is_some()
+    }
+
+    /// Bytes of the relayed answer as they pass: a chunk, or at least its last
+    /// [`super::usage::TAIL_BYTES`] bytes. The answer itself goes on unchanged.
+    pub fn on_response_data(&mut self, bytes: &[u8]) {
+        if self.phase != Phase::Relaying {
+            return;
+        }
+        if let Some(scan) = self.usage.as_mut() {
+            scan.feed(bytes);
+        }
+    }
+
+    /// The body of the failover answer of the last [`Step::RelayCall`] (at least its last
+    /// [`super::usage::TAIL_BYTES`] bytes), relayed whole: its usage is counted.
+    pub fn on_call_body(&mut self, obs: &mut dyn Observer, bytes: &[u8]) {
+        if let Some(mut scan) = self.usage.take() {
+            scan.feed(bytes);
+            self.report_usage(obs, &scan);
+        }
+    }
+
+    /// Reports the usage of the answer the client got, if it had one.
+    fn report_usage(&self, obs: &mut dyn Observer, scan: &UsageScan) {
+        let (Some(endpoint), Some(usage)) = (self.served_by, scan.finish()) else {
+            return;
+        };
+        let affinity = self.affinity.unwrap_or(AffinityResult::None);
+        obs.usage(endpoint, affinity, &usage);
+    }
+
+    /// Starts reading the usage of a successful answer with these headers.
+    fn scan_usage<H: HeaderSource + ?Sized>(&mut self, cfg: &super::Config, headers: &H) {
+        self.usage = cfg.usage_accounting.then(|| {
+            UsageScan::new(Framing::from_content_type(
+                headers.header("content-type").as_deref(),
+            ))
+        });
     }
 
     /// The request headers. `Pause` while the body is buffered.
@@ -423,6 +474,9 @@ impl Flow {
             a.awaits_first_byte = streamed && !end_of_stream;
         }
         self.phase = Phase::Relaying;
+        if matches!(outcome, Outcome::Success) {
+            self.scan_usage(s.cfg, headers);
+        }
         let step = Step::Relay(self.exposed(s.cfg));
         if end_of_stream {
             self.on_response_end(s, obs, now_ms);
@@ -437,6 +491,9 @@ impl Flow {
         }
         self.phase = Phase::Done;
         self.finish_by_verdict(s, obs, now_ms);
+        if let Some(scan) = self.usage.take() {
+            self.report_usage(obs, &scan);
+        }
     }
 
     /// A failover call's answer; `headers` is `None` when the call failed without one
@@ -493,6 +550,8 @@ impl Flow {
 
     /// The request is over (Envoy's access-log callback, which runs in every case).
     pub fn on_log(&mut self, s: &Scheduler<'_>, obs: &mut dyn Observer, now_ms: u64) {
+        // An answer that never ended (cut, client gone) reports no usage.
+        self.usage = None;
         self.finish_by_verdict(s, obs, now_ms);
         self.phase = Phase::Done;
     }

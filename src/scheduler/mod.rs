@@ -28,6 +28,7 @@ pub mod select;
 pub mod state;
 pub mod store;
 pub mod text;
+pub mod usage;
 
 pub use affinity::Affinity;
 pub use breaker::{Breaker, BreakerState};
@@ -40,3 +41,4 @@ pub use request::{ChatRequest, RequestError, SessionSource};
 pub use select::{AffinityResult, Decision, Exclusions, NoEndpoint, Pick, Reason, Scheduler};
 pub use state::EndpointState;
 pub use store::{CasMismatch, MemStore, Store};
+pub use usage::{Usage, UsageScan};

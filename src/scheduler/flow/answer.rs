@@ -134,6 +134,9 @@ impl Flow {
                 .into_iter()
                 .map(|(n, v)| (n.to_string(), v.into_bytes())),
         );
+        if status.is_some_and(|s| (200..300).contains(&s)) {
+            self.scan_usage(cfg, &out);
+        }
         Step::RelayCall {
             status: status.unwrap_or(502),
             headers: out,

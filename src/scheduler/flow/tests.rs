@@ -18,6 +18,7 @@ enum Event {
     FailedOver(usize),
     BudgetExhausted,
     Replied(&'static str),
+    Usage(usize, &'static str, Usage),
 }
 
 #[derive(Default)]
@@ -41,6 +42,19 @@ impl Observer for Log {
     }
     fn replied(&mut self, reply: &Reply) {
         self.0.push(Event::Replied(reply.reason.label()));
+    }
+    fn usage(&mut self, endpoint: usize, affinity: AffinityResult, usage: &Usage) {
+        self.0
+            .push(Event::Usage(endpoint, affinity.label(), *usage));
+    }
+}
+
+impl Log {
+    fn usages(&self) -> Vec<&Event> {
+        self.0
+            .iter()
+            .filter(|e| matches!(e, Event::Usage(..)))
+            .collect()
     }
 }
 
@@ -660,4 +674,103 @@ fn a_reload_under_an_attempt_is_not_a_lost_update() {
     g.on_response_headers(&s_moved, &mut log, &pairs(&[(":status", "200")]), true, 5);
     let t = Table::aligned(store.get(TABLE_KEY).0.as_deref(), &moved);
     assert_eq!((t.entries[1].1.in_flight, t.entries[1].1.total), (0, 1));
+}
+
+const SSE_USAGE: &[u8] = b"data: {\"choices\":[],\"usage\":{\"prompt_tokens\":40,\"completion_tokens\":4,\"prompt_tokens_details\":{\"cached_tokens\":32}}}\n\n";
+
+#[test]
+fn usage_is_counted_when_a_relayed_answer_ends_and_never_for_a_cut_one() {
+    let c = cfg(json!({}));
+    let store = MemStore::new();
+    let s = Scheduler::new(&c, &store);
+    let usage = Usage {
+        prompt_tokens: 40,
+        cached_tokens: 32,
+        completion_tokens: 4,
+    };
+    let sse = pairs(&[(":status", "200"), ("content-type", "text/event-stream")]);
+    // Turn 1 is placed at home, turn 2 is an affinity hit; both streams end.
+    for (now, affinity) in [(0, "home"), (100, "hit")] {
+        let mut log = Log::default();
+        let mut f = Flow::default();
+        let step = route(
+            &mut f,
+            &s,
+            &mut log,
+            post_headers(&[("x-session-id", "u1")]),
+            now,
+        );
+        assert_eq!(step, Step::Route(0));
+        f.on_response_headers(&s, &mut log, &sse, false, now + 5);
+        assert!(f.scans_answer());
+        f.on_response_data(&SSE_USAGE[..30]);
+        f.on_response_data(&SSE_USAGE[30..]);
+        assert!(log.usages().is_empty(), "not before the end");
+        f.on_response_data(b"data: [DONE]\n\n");
+        f.on_response_end(&s, &mut log, now + 9);
+        assert_eq!(log.usages(), vec![&Event::Usage(0, affinity, usage)]);
+        f.on_log(&s, &mut log, now + 10);
+        assert_eq!(log.usages().len(), 1, "counted once");
+    }
+    // A stream cut before its end: on_log only, nothing counted.
+    let mut log = Log::default();
+    let mut f = Flow::default();
+    route(
+        &mut f,
+        &s,
+        &mut log,
+        post_headers(&[("x-session-id", "u1")]),
+        200,
+    );
+    f.on_response_headers(&s, &mut log, &sse, false, 205);
+    f.on_response_data(SSE_USAGE);
+    f.on_log(&s, &mut log, 210);
+    assert!(log.usages().is_empty());
+    // An error answer is not scanned.
+    let mut f = Flow::default();
+    route(&mut f, &s, &mut log, post_headers(&[]), 300);
+    f.on_response_headers(&s, &mut log, &pairs(&[(":status", "400")]), false, 305);
+    assert!(!f.scans_answer());
+}
+
+#[test]
+fn usage_of_a_relayed_failover_answer_counts_for_the_endpoint_that_gave_it() {
+    let c = cfg(json!({}));
+    let store = MemStore::new();
+    let s = Scheduler::new(&c, &store);
+    let mut log = Log::default();
+    let mut f = Flow::default();
+    route(&mut f, &s, &mut log, post_headers(&[]), 0);
+    let step = f.on_response_headers(&s, &mut log, &pairs(&[(":status", "503")]), false, 5);
+    assert_eq!(step, Step::Dispatch(1));
+    let answer = pairs(&[
+        (":status", "200"),
+        ("content-type", "application/json"),
+        (UPSTREAM_MARKER, "3"),
+    ]);
+    let body = br#"{"choices":[],"usage":{"prompt_tokens":7,"completion_tokens":2}}"#;
+    let step = f.on_call_response(&s, &mut log, Some(answer), body.len(), 20);
+    assert!(matches!(step, Step::RelayCall { status: 200, .. }));
+    f.on_call_body(&mut log, body);
+    let usage = Usage {
+        prompt_tokens: 7,
+        cached_tokens: 0,
+        completion_tokens: 2,
+    };
+    assert_eq!(log.usages(), vec![&Event::Usage(1, "home", usage)]);
+}
+
+#[test]
+fn usage_accounting_off_reads_nothing() {
+    let c = cfg(json!({"usage_accounting": false}));
+    let store = MemStore::new();
+    let s = Scheduler::new(&c, &store);
+    let mut log = Log::default();
+    let mut f = Flow::default();
+    route(&mut f, &s, &mut log, post_headers(&[]), 0);
+    f.on_response_headers(&s, &mut log, &pairs(&[(":status", "200")]), false, 5);
+    assert!(!f.scans_answer());
+    f.on_response_data(br#"{"usage":{"prompt_tokens":7}}"#);
+    f.on_response_end(&s, &mut log, 9);
+    assert!(log.usages().is_empty());
 }
