@@ -155,6 +155,7 @@ proptest! {
             let mut flow = Flow::default();
             let headers = vec![
                 (":method".to_string(), b"POST".to_vec()),
+                (":path".to_string(), b"/v1/chat/completions".to_vec()),
                 ("x-session-id".to_string(), t.as_bytes().to_vec()),
             ];
             prop_assert_eq!(flow.on_request_headers(&s, &mut (), headers, false, 0), Step::Pause);

@@ -152,6 +152,18 @@ fn keys_and_credentials_never_leak() {
     .unwrap();
     assert_eq!(r.status, 200);
     assert_clean_response("GET /v1/models", &r);
+    // Not inference: routed without a body or session (the mock's own 404 comes back).
+    let r = support::http::request(
+        f.envoy.port,
+        "GET",
+        "/v1/files/x",
+        &client,
+        None,
+        support::http::DEFAULT_TIMEOUT,
+    )
+    .unwrap();
+    assert_eq!(r.status, 404);
+    assert_clean_response("GET /v1/files/x", &r);
 
     // Every upstream request carried an endpoint key, never the client's credential.
     for m in [&f.a, &f.b] {
