@@ -137,6 +137,7 @@ fn cases() -> Vec<Case> {
                         attempt: 1,
                         exclusions: ex,
                         nonce: 0,
+                        body_bytes: 0,
                     };
                     let d = s.pick(&pick, NOW_MS + i).expect("an endpoint");
                     black_box(s.finish(d.ticket, &Outcome::Success, 250, None, NOW_MS + i));
@@ -159,6 +160,7 @@ fn cases() -> Vec<Case> {
                         attempt: 1,
                         exclusions: ex,
                         nonce: 0,
+                        body_bytes: 0,
                     };
                     let start = Instant::now();
                     let d = s.pick(&pick, NOW_MS + i).expect("an endpoint");
@@ -191,6 +193,7 @@ fn cases() -> Vec<Case> {
                     attempt: 1,
                     exclusions: ex,
                     nonce: 0,
+                    body_bytes: 0,
                 };
                 let d = s.pick(&pick, NOW_MS + i).expect("an endpoint");
                 debug_assert_eq!(d.reason, computeflux::scheduler::Reason::AffinityHit);
@@ -213,6 +216,7 @@ fn cases() -> Vec<Case> {
                     attempt: 1,
                     exclusions: ex,
                     nonce: 0,
+                    body_bytes: 0,
                 };
                 let start = Instant::now();
                 let d = s.pick(&pick, NOW_MS + i).expect("an endpoint");

@@ -38,7 +38,7 @@
 //! let store = MemStore::new();
 //! let s = Scheduler::new(&cfg, &store);
 //! let ex = Exclusions::default();
-//! let pick = Pick { model: None, session: None, attempt: 1, exclusions: &ex };
+//! let pick = Pick { model: None, session: None, attempt: 1, exclusions: &ex, nonce: 0, body_bytes: 0 };
 //! let d = s.pick(&pick, 0).unwrap();
 //! s.finish(d.ticket, &Outcome::Success, 1, None, 1);
 //! s.finish(d.ticket, &Outcome::Success, 1, None, 2); // use of moved value
@@ -46,6 +46,7 @@
 
 use super::headers::{rate_limit_hints, HeaderSource, Pairs};
 use super::outcome::{classify, FailureKind, Outcome};
+use super::quota::QuotaHint;
 use super::reply::Reply;
 use super::request::{derive_session, parse_chat, RequestError};
 use super::select::{
@@ -152,6 +153,8 @@ struct Attempt {
     ticket: Ticket,
     /// Once its answer's headers were seen: the outcome and the time to them.
     verdict: Option<(Outcome, u64)>,
+    /// The quota its successful answer stated (empty unless `quota_aware`).
+    quota: QuotaHint,
 }
 
 /// The answer the client gets if no failover call can be sent after all.
@@ -361,9 +364,11 @@ impl Flow {
             return self.after_answer(s, obs, failed, &outcome, fallback, now_ms);
         }
         // Relayed: the attempt lasts as long as its answer.
+        let quota = quota_hint(s, &outcome, headers, now_ms);
         if let Some(a) = self.current.as_mut() {
             let to_headers = now_ms.saturating_sub(a.ticket.started_ms);
             a.verdict = Some((outcome, to_headers));
+            a.quota = quota;
         }
         self.phase = Phase::Relaying;
         let step = Step::Relay(self.exposed(s.cfg));
@@ -401,6 +406,9 @@ impl Flow {
             (Some(status), _) => classify(status, &[], now_ms),
             (None, _) => Outcome::EndpointFailure(FailureKind::Reset),
         };
+        if let (Some(a), Some(h)) = (self.current.as_mut(), &headers) {
+            a.quota = quota_hint(s, &outcome, h, now_ms);
+        }
         let Some(answered) = self.finish_current(s, obs, &outcome, None, now_ms) else {
             return Step::Continue;
         };
@@ -487,6 +495,7 @@ impl Flow {
             attempt: self.attempts + 1,
             exclusions: &self.exclusions,
             nonce: self.nonce,
+            body_bytes: self.body.len(),
         };
         let decision = s.pick(&pick, now_ms)?;
         self.attempts += 1;
@@ -498,6 +507,7 @@ impl Flow {
         self.current = Some(Attempt {
             ticket: decision.ticket,
             verdict: None,
+            quota: QuotaHint::default(),
         });
         Ok(endpoint)
     }
@@ -519,11 +529,12 @@ impl Flow {
             to_headers_ms: to_headers_ms.unwrap_or(total_ms),
             total_ms,
         };
-        let report = s.finish(
+        let report = s.finish_observed(
             a.ticket,
             outcome,
             timing.to_headers_ms,
             self.session,
+            &a.quota,
             now_ms,
         );
         self.exclusions.after_attempt(endpoint, outcome);
@@ -622,6 +633,21 @@ impl Flow {
         self.phase = Phase::Done;
         obs.replied(&reply);
         Step::Reply(reply)
+    }
+}
+
+/// The quota a successful answer states, read only when `quota_aware` is on (each header
+/// read is a host call in Envoy).
+fn quota_hint<H: HeaderSource + ?Sized>(
+    s: &Scheduler<'_>,
+    outcome: &Outcome,
+    headers: &H,
+    now_ms: u64,
+) -> QuotaHint {
+    if s.cfg.quota_aware && matches!(outcome, Outcome::Success) {
+        QuotaHint::read(headers, now_ms)
+    } else {
+        QuotaHint::default()
     }
 }
 

@@ -16,6 +16,7 @@ pub mod hash;
 pub mod headers;
 pub mod outcome;
 pub mod placement;
+pub mod quota;
 pub mod reply;
 pub mod request;
 pub mod score;

@@ -591,6 +591,7 @@ fn a_reload_under_an_attempt_is_not_a_lost_update() {
             attempt: 1,
             exclusions: &Exclusions::default(),
             nonce: 0,
+            body_bytes: 0,
         },
         1,
     );
