@@ -12,6 +12,11 @@
 //!   with the instant its window resets (the hint, capped by `retry_after_max_ms`; without a
 //!   valid reset hint, `rate_limit_ms`). Past that instant the count is forgotten. Anthropic's
 //!   token families are folded into one count: the smallest remaining, with its reset.
+//!   An answer about the same window (its reset within [`SAME_WINDOW_MS`] of the remembered
+//!   one) lowers the remembered count but never raises it: upstreams compute the headers when
+//!   they admit a request, so an answer that took a while reports a count from before the
+//!   requests admitted meanwhile, which the picks since have already taken off. A new window
+//!   (a later reset) replaces the count.
 //! - A request's size is estimated as `ceil(body bytes / quota_bytes_per_token)` tokens.
 //! - An endpoint is *short* when its remaining requests are below `max(quota_min_requests, 1)`
 //!   or its remaining tokens below `max(quota_min_tokens, estimate)`. A short endpoint is
@@ -34,6 +39,9 @@ use super::outcome::{days_from_civil, parse_go_duration_ms};
 /// Counts above this (10^12) are not believed: no key has that much, and such a value is
 /// more likely garbage than a quota.
 pub const MAX_REMAINING: u64 = 1_000_000_000_000;
+
+/// Two statements whose resets are this close (ms) are about the same window.
+pub const SAME_WINDOW_MS: u64 = 1_000;
 
 /// One remembered count: what was left, and until when that is known to hold.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -260,21 +268,33 @@ impl Quota {
         }
     }
 
-    /// An answer's statement replaces what was remembered, family by family.
+    /// An answer's statement updates what was remembered, family by family: a new window
+    /// replaces it, the same window only lowers it (see the module doc).
     pub fn observe(&mut self, hint: &QuotaHint, rule: &QuotaRule, now_ms: u64) {
-        let remember = |s: Stated| Remaining {
-            left: s.left,
-            reset_at_ms: now_ms.saturating_add(
-                s.reset_in_ms
-                    .unwrap_or(rule.default_reset_ms)
-                    .min(rule.max_reset_ms),
-            ),
+        let remember = |old: Option<Remaining>, s: Stated| {
+            let new = Remaining {
+                left: s.left,
+                reset_at_ms: now_ms.saturating_add(
+                    s.reset_in_ms
+                        .unwrap_or(rule.default_reset_ms)
+                        .min(rule.max_reset_ms),
+                ),
+            };
+            match old.filter(|o| now_ms < o.reset_at_ms) {
+                Some(o) if new.reset_at_ms <= o.reset_at_ms.saturating_add(SAME_WINDOW_MS) => {
+                    Remaining {
+                        left: o.left.min(new.left),
+                        reset_at_ms: o.reset_at_ms.max(new.reset_at_ms),
+                    }
+                }
+                _ => new,
+            }
         };
         if let Some(s) = hint.requests {
-            self.requests = Some(remember(s));
+            self.requests = Some(remember(self.requests, s));
         }
         if let Some(s) = hint.tokens {
-            self.tokens = Some(remember(s));
+            self.tokens = Some(remember(self.tokens, s));
         }
     }
 
@@ -492,6 +512,30 @@ mod tests {
             0,
         );
         assert!(f.short(10, &floor, 0) && !f.certain_429(10, 0));
+    }
+
+    #[test]
+    fn a_late_answer_about_the_same_window_does_not_undo_the_picks_since() {
+        let mut q = Quota::default();
+        let st = |left, reset_in_ms| QuotaHint {
+            requests: Some(Stated {
+                left,
+                reset_in_ms: Some(reset_in_ms),
+            }),
+            tokens: None,
+        };
+        q.observe(&st(10, 5_000), &RULE, 0); // window ends at 5 000
+        q.consume(1, 0);
+        q.consume(1, 0); // 8 left here
+                         // An answer admitted before those two picks says 9, ends at ≈ 5 000: still 8.
+        q.observe(&st(9, 4_900), &RULE, 100);
+        assert_eq!(q.requests_left(100), Some(8));
+        // A lower count is taken at once.
+        q.observe(&st(3, 4_800), &RULE, 200);
+        assert_eq!(q.requests_left(200), Some(3));
+        // The next window's count replaces it.
+        q.observe(&st(10, 5_000), &RULE, 5_000);
+        assert_eq!(q.requests_left(5_000), Some(10));
     }
 
     #[test]

@@ -886,21 +886,24 @@ fn a_pinned_session_stays_until_a_429_is_certain() {
     // That request was taken by `stay`: the next turn would be a 429 for sure, so it moves.
     let moved = s.pick(&body_pick(Some(k), &ex, 400), 3).unwrap();
     assert_eq!((moved.endpoint, moved.affinity), (1, AffinityResult::Miss));
-    // A request too big for the tokens left moves too, with requests to spare.
+    // In the next window (the first reset at ≈ 10 000), a request too big for the tokens left
+    // moves too, with requests to spare.
     s.finish_observed(
         stay.ticket,
         &Outcome::Success,
         10,
         Some(k),
         &stated(Some(50), Some(3_000)),
-        4,
+        10_001,
     );
     assert_eq!(
-        s.pick(&body_pick(Some(k), &ex, 400), 5).unwrap().affinity,
+        s.pick(&body_pick(Some(k), &ex, 400), 10_002)
+            .unwrap()
+            .affinity,
         AffinityResult::Hit
     );
     assert_eq!(
-        s.pick(&body_pick(Some(k), &ex, 12_004), 6)
+        s.pick(&body_pick(Some(k), &ex, 12_004), 10_003)
             .unwrap()
             .endpoint,
         1
