@@ -965,7 +965,7 @@ fn endpoint_state() -> impl Strategy<Value = EndpointState> {
 fn quota() -> impl Strategy<Value = Quota> {
     let remaining = prop::option::of(
         (any::<u64>(), any::<u64>())
-            .prop_map(|(left, reset_at_ms)| Remaining { left, reset_at_ms }),
+            .prop_map(|(left, reset_at_ms)| Remaining::new(left, reset_at_ms)),
     );
     (remaining.clone(), remaining).prop_map(|(requests, tokens)| Quota { requests, tokens })
 }
@@ -1327,7 +1327,7 @@ proptest! {
         let store = MemStore::new();
         let mut table = Table::aligned(None, &cfg);
         for ((_, st), (requests, tokens)) in table.entries.iter_mut().zip(&quotas) {
-            let remember = |left| Remaining { left, reset_at_ms: 5_000 };
+            let remember = |left| Remaining::new(left, 5_000);
             st.quota = Quota { requests: requests.map(remember), tokens: tokens.map(remember) };
         }
         store.set(TABLE_KEY, &table.encode(), None).unwrap();

@@ -17,6 +17,11 @@
 //!   they admit a request, so an answer that took a while reports a count from before the
 //!   requests admitted meanwhile, which the picks since have already taken off. A new window
 //!   (a later reset) replaces the count.
+//! - When the answer also states the limit (`x-ratelimit-limit-*`, `anthropic-ratelimit-*-limit`),
+//!   a count whose reset has passed is not forgotten but *assumed* back at its limit for a
+//!   window as long as the last stated reset: the picks after the reset are counted before any
+//!   answer from the new window arrives (else every pick in that gap would pass unchecked), and
+//!   that first answer only lowers the assumed count.
 //! - A request's size is estimated as `ceil(body bytes / quota_bytes_per_token)` tokens.
 //! - An endpoint is *short* when its remaining requests are below `max(quota_min_requests, 1)`
 //!   or its remaining tokens below `max(quota_min_tokens, estimate)`. A short endpoint is
@@ -47,8 +52,48 @@ pub const SAME_WINDOW_MS: u64 = 1_000;
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Remaining {
     pub left: u64,
-    /// Unix ms at which the window resets and the count is forgotten.
+    /// Unix ms at which the window resets (and the count is forgotten, or back at `limit`).
     pub reset_at_ms: u64,
+    /// The stated limit, if any.
+    pub limit: Option<u64>,
+    /// The longest reset stated for this count (the window assumed after a reset).
+    pub span_ms: u64,
+    /// Assumed at `limit` after a reset, not yet confirmed by an answer.
+    pub assumed: bool,
+}
+
+impl Remaining {
+    /// A count of `left` until `reset_at_ms`, without limit.
+    pub fn new(left: u64, reset_at_ms: u64) -> Remaining {
+        Remaining {
+            left,
+            reset_at_ms,
+            limit: None,
+            span_ms: 0,
+            assumed: false,
+        }
+    }
+
+    /// The count as it stands at `now_ms`: itself before its reset; after it, back at its
+    /// limit for the window that holds `now_ms` (if the limit and a window are known).
+    pub fn current(self, now_ms: u64) -> Option<Remaining> {
+        if now_ms < self.reset_at_ms {
+            return Some(self);
+        }
+        let limit = self.limit?;
+        if self.span_ms == 0 {
+            return None;
+        }
+        let periods = (now_ms - self.reset_at_ms) / self.span_ms + 1;
+        Some(Remaining {
+            left: limit,
+            reset_at_ms: self
+                .reset_at_ms
+                .saturating_add(periods.saturating_mul(self.span_ms)),
+            assumed: true,
+            ..self
+        })
+    }
 }
 
 /// An endpoint's remembered quota (part of `EndpointState`).
@@ -63,6 +108,7 @@ pub struct Quota {
 pub struct Stated {
     pub left: u64,
     pub reset_in_ms: Option<u64>,
+    pub limit: Option<u64>,
 }
 
 /// The quota an answer's headers stated.
@@ -83,27 +129,39 @@ pub struct QuotaRule {
     pub max_reset_ms: u64,
 }
 
-const OPENAI_REQUESTS: (&str, &str) = (
+/// (remaining, reset, limit) header names of one count.
+type Names = (&'static str, &'static str, &'static str);
+
+const OPENAI_REQUESTS: Names = (
     "x-ratelimit-remaining-requests",
     "x-ratelimit-reset-requests",
+    "x-ratelimit-limit-requests",
 );
-const OPENAI_TOKENS: (&str, &str) = ("x-ratelimit-remaining-tokens", "x-ratelimit-reset-tokens");
-const ANTHROPIC_REQUESTS: (&str, &str) = (
+const OPENAI_TOKENS: Names = (
+    "x-ratelimit-remaining-tokens",
+    "x-ratelimit-reset-tokens",
+    "x-ratelimit-limit-tokens",
+);
+const ANTHROPIC_REQUESTS: Names = (
     "anthropic-ratelimit-requests-remaining",
     "anthropic-ratelimit-requests-reset",
+    "anthropic-ratelimit-requests-limit",
 );
-const ANTHROPIC_TOKENS: [(&str, &str); 3] = [
+const ANTHROPIC_TOKENS: [Names; 3] = [
     (
         "anthropic-ratelimit-tokens-remaining",
         "anthropic-ratelimit-tokens-reset",
+        "anthropic-ratelimit-tokens-limit",
     ),
     (
         "anthropic-ratelimit-input-tokens-remaining",
         "anthropic-ratelimit-input-tokens-reset",
+        "anthropic-ratelimit-input-tokens-limit",
     ),
     (
         "anthropic-ratelimit-output-tokens-remaining",
         "anthropic-ratelimit-output-tokens-reset",
+        "anthropic-ratelimit-output-tokens-limit",
     ),
 ];
 
@@ -183,13 +241,18 @@ pub fn parse_rfc3339_ms(v: &[u8]) -> Option<u64> {
 
 fn stated<H: HeaderSource + ?Sized>(
     h: &H,
-    (remaining, reset): (&str, &str),
+    (remaining, reset, limit): Names,
     parse_reset: &dyn Fn(&[u8]) -> Option<u64>,
 ) -> Option<Stated> {
     let left = parse_count(&h.header(remaining)?)?;
     Some(Stated {
         left,
         reset_in_ms: h.header(reset).and_then(|v| parse_reset(&v)),
+        // A limit below what is left is not a limit.
+        limit: h
+            .header(limit)
+            .and_then(|v| parse_count(&v))
+            .filter(|l| *l >= left),
     })
 }
 
@@ -230,7 +293,7 @@ impl QuotaHint {
 }
 
 fn live(r: Option<Remaining>, now_ms: u64) -> Option<u64> {
-    r.filter(|r| now_ms < r.reset_at_ms).map(|r| r.left)
+    r.and_then(|r| r.current(now_ms)).map(|r| r.left)
 }
 
 impl Quota {
@@ -260,31 +323,46 @@ impl Quota {
 
     /// A pick: one request and the estimate are spoken for until the next answer says more.
     pub fn consume(&mut self, estimate: u64, now_ms: u64) {
-        if let Some(r) = self.requests.as_mut().filter(|r| now_ms < r.reset_at_ms) {
-            r.left = r.left.saturating_sub(1);
-        }
-        if let Some(t) = self.tokens.as_mut().filter(|t| now_ms < t.reset_at_ms) {
-            t.left = t.left.saturating_sub(estimate);
-        }
+        let take = |r: Option<Remaining>, n: u64| {
+            r.and_then(|r| r.current(now_ms)).map(|r| Remaining {
+                left: r.left.saturating_sub(n),
+                ..r
+            })
+        };
+        self.requests = take(self.requests, 1).or(self.requests);
+        self.tokens = take(self.tokens, estimate).or(self.tokens);
     }
 
     /// An answer's statement updates what was remembered, family by family: a new window
     /// replaces it, the same window only lowers it (see the module doc).
     pub fn observe(&mut self, hint: &QuotaHint, rule: &QuotaRule, now_ms: u64) {
         let remember = |old: Option<Remaining>, s: Stated| {
+            let reset_in = s
+                .reset_in_ms
+                .unwrap_or(rule.default_reset_ms)
+                .min(rule.max_reset_ms);
             let new = Remaining {
                 left: s.left,
-                reset_at_ms: now_ms.saturating_add(
-                    s.reset_in_ms
-                        .unwrap_or(rule.default_reset_ms)
-                        .min(rule.max_reset_ms),
-                ),
+                reset_at_ms: now_ms.saturating_add(reset_in),
+                limit: s.limit,
+                span_ms: reset_in,
+                assumed: false,
             };
-            match old.filter(|o| now_ms < o.reset_at_ms) {
+            match old.and_then(|o| o.current(now_ms)) {
+                // The first answer after an assumed reset: its window, its reset.
+                Some(o) if o.assumed => Remaining {
+                    left: o.left.min(new.left),
+                    span_ms: o.span_ms.max(reset_in),
+                    limit: new.limit.or(o.limit),
+                    ..new
+                },
                 Some(o) if new.reset_at_ms <= o.reset_at_ms.saturating_add(SAME_WINDOW_MS) => {
                     Remaining {
                         left: o.left.min(new.left),
                         reset_at_ms: o.reset_at_ms.max(new.reset_at_ms),
+                        limit: new.limit.or(o.limit),
+                        span_ms: o.span_ms.max(reset_in),
+                        assumed: false,
                     }
                 }
                 _ => new,
@@ -299,26 +377,35 @@ impl Quota {
     }
 
     /// Bytes of [`Quota::encode`].
-    pub const BYTES: usize = 2 * (1 + 8 + 8);
+    pub const BYTES: usize = 2 * (1 + 8 + 8 + 8 + 8);
 
     pub fn encode(&self, w: &mut Writer) {
         for r in [self.requests, self.tokens] {
-            w.u8(u8::from(r.is_some()));
+            w.u8(r.map_or(0, |r| 1 | (u8::from(r.assumed) << 1)));
             w.u64(r.map_or(0, |r| r.left));
             w.u64(r.map_or(0, |r| r.reset_at_ms));
+            w.u64(r.and_then(|r| r.limit).unwrap_or(u64::MAX));
+            w.u64(r.map_or(0, |r| r.span_ms));
         }
     }
 
     pub fn decode(r: &mut Reader<'_>) -> Option<Quota> {
         let mut one = || -> Option<Option<Remaining>> {
-            let has = match r.u8()? {
-                0 => false,
-                1 => true,
-                _ => return None,
-            };
+            let flags = r.u8()?;
+            if flags > 3 || flags == 2 {
+                return None;
+            }
             let left = r.u64()?;
             let reset_at_ms = r.u64()?;
-            Some(has.then_some(Remaining { left, reset_at_ms }))
+            let limit = r.u64()?;
+            let span_ms = r.u64()?;
+            Some((flags & 1 == 1).then_some(Remaining {
+                left,
+                reset_at_ms,
+                limit: (limit != u64::MAX).then_some(limit),
+                span_ms,
+                assumed: flags & 2 == 2,
+            }))
         };
         let requests = one()?;
         let tokens = one()?;
@@ -363,11 +450,13 @@ mod tests {
             QuotaHint {
                 requests: Some(Stated {
                     left: 59,
-                    reset_in_ms: Some(1_000)
+                    reset_in_ms: Some(1_000),
+                    limit: None
                 }),
                 tokens: Some(Stated {
                     left: 149_984,
-                    reset_in_ms: Some(360_000)
+                    reset_in_ms: Some(360_000),
+                    limit: None
                 }),
             }
         );
@@ -400,14 +489,16 @@ mod tests {
             hint.requests,
             Some(Stated {
                 left: 3,
-                reset_in_ms: Some(20_000)
+                reset_in_ms: Some(20_000),
+                limit: None
             })
         );
         assert_eq!(
             hint.tokens,
             Some(Stated {
                 left: 700,
-                reset_in_ms: Some(5_000)
+                reset_in_ms: Some(5_000),
+                limit: None
             })
         );
     }
@@ -471,10 +562,12 @@ mod tests {
                 requests: Some(Stated {
                     left: 2,
                     reset_in_ms: Some(10_000),
+                    limit: None,
                 }),
                 tokens: Some(Stated {
                     left: 1_200,
                     reset_in_ms: None,
+                    limit: None,
                 }),
             },
             &RULE,
@@ -506,6 +599,7 @@ mod tests {
                 tokens: Some(Stated {
                     left: 900,
                     reset_in_ms: None,
+                    limit: None,
                 }),
             },
             &floor,
@@ -521,6 +615,7 @@ mod tests {
             requests: Some(Stated {
                 left,
                 reset_in_ms: Some(reset_in_ms),
+                limit: None,
             }),
             tokens: None,
         };
@@ -539,13 +634,57 @@ mod tests {
     }
 
     #[test]
-    fn round_trip() {
-        let q = Quota {
-            requests: Some(Remaining {
-                left: 7,
-                reset_at_ms: 9,
+    fn with_a_limit_a_reset_count_is_assumed_full_and_counted_down_until_an_answer() {
+        let mut q = Quota::default();
+        let hint = |left| QuotaHint {
+            requests: Some(Stated {
+                left,
+                reset_in_ms: Some(1_000),
+                limit: Some(10),
             }),
             tokens: None,
+        };
+        q.observe(&hint(0), &RULE, 0); // spent until 1 000
+        assert!(q.certain_429(1, 999));
+        // After the reset: 10 assumed, and each pick counts, with no answer yet.
+        assert_eq!(q.requests_left(1_000), Some(10));
+        for _ in 0..10 {
+            q.consume(1, 1_100);
+        }
+        assert!(q.certain_429(1, 1_200));
+        // Two windows later it is assumed full again (window: the 1 000 ms stated).
+        assert_eq!(q.requests_left(3_500), Some(10));
+        // The first answer of a window only lowers the assumed count, and sets the reset.
+        q.consume(1, 3_500); // 9 assumed, window to 4 000
+        q.observe(&hint(9), &RULE, 3_600); // that pick's answer
+        assert_eq!(
+            q.requests.map(|r| (r.left, r.reset_at_ms, r.assumed)),
+            Some((9, 4_600, false))
+        );
+        q.observe(&hint(4), &RULE, 3_700);
+        assert_eq!(q.requests_left(3_700), Some(4));
+        // A limit below the count is not believed.
+        let odd = QuotaHint::read(
+            &h(&[
+                ("x-ratelimit-remaining-requests", "5"),
+                ("x-ratelimit-limit-requests", "4"),
+            ]),
+            0,
+        );
+        assert_eq!(odd.requests.map(|s| s.limit), Some(None));
+    }
+
+    #[test]
+    fn round_trip() {
+        let q = Quota {
+            requests: Some(Remaining::new(7, 9)),
+            tokens: Some(Remaining {
+                left: 1,
+                reset_at_ms: 2,
+                limit: Some(3),
+                span_ms: 4,
+                assumed: true,
+            }),
         };
         let mut w = Writer::with_capacity(Quota::BYTES);
         q.encode(&mut w);

@@ -279,10 +279,7 @@ mod tests {
         t.entries[1].1.breaker.state = BreakerState::Open;
         t.entries[1].1.degraded = true;
         t.entries[1].1.degraded_probe_ms = 77;
-        t.entries[1].1.quota.tokens = Some(crate::scheduler::quota::Remaining {
-            left: 5,
-            reset_at_ms: 6,
-        });
+        t.entries[1].1.quota.tokens = Some(crate::scheduler::quota::Remaining::new(5, 6));
         let bytes = t.encode();
         assert_eq!(Table::decode(&bytes), Some(t.clone()));
         assert_eq!(Table::decode(&bytes[..bytes.len() - 1]), None);

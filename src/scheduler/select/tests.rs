@@ -782,6 +782,7 @@ fn stated(requests: Option<u64>, tokens: Option<u64>) -> QuotaHint {
     let st = |left| Stated {
         left,
         reset_in_ms: Some(10_000),
+        limit: None,
     };
     QuotaHint {
         requests: requests.map(st),
