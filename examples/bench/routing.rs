@@ -76,6 +76,7 @@ impl Scenario {
     /// Filter configuration keys of this scenario.
     pub fn plugin_extra(&self) -> serde_json::Value {
         match self {
+            Scenario::Quota => json!({"quota_reserve_percent": QUOTA_RESERVE_PERCENT}),
             Scenario::QuotaOff => json!({"quota_aware": false}),
             _ => serde_json::Value::Null,
         }
@@ -128,7 +129,7 @@ impl Scenario {
                 if *self == Scenario::QuotaOff {
                     "`quota_aware: false` (the filter learns only from 429s)"
                 } else {
-                    "`quota_aware: true` (default)"
+                    "`quota_aware: true` (default) with `quota_reserve_percent: 50`"
                 }
             ),
             (Scenario::RateLimited, Some((a, Some(b)))) => {
@@ -168,9 +169,12 @@ impl Scenario {
 /// in that window (endpoints in [`ENDPOINTS`] order; `c` and `d` serve `m1` only, so `m2`'s
 /// keys `a` and `b` are never the ones that run out).
 pub const QUOTA_SHARES: [f64; 5] = [4.0, 4.0, 0.6, 0.8, 4.0];
+/// `quota_reserve_percent` of the quota scenario: new sessions leave a key with less than this
+/// share of its budget left, so that its pinned sessions (and their cached prompts) can stay.
+pub const QUOTA_RESERVE_PERCENT: u64 = 50;
 /// The budgets' window: short, so that keys run out and come back many times in a run (a
 /// hosted API's per-minute budget under proportionally heavier traffic).
-pub const QUOTA_WINDOW_MS: u64 = 1_000;
+pub const QUOTA_WINDOW_MS: u64 = 4_000;
 
 /// Gives every mock its budget: the workload's tokens (as the mock charges them: prompt bytes
 /// / 4 + 16 completion tokens, with the JSON body as an upper bound of the prompt) spread

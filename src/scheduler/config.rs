@@ -326,6 +326,8 @@ config_keys! {
         "An endpoint with fewer remaining requests than this (as its last answer said, minus the picks since) gets no new sessions until its reset.";
     quota_min_tokens: u64 = 0, Spec::Int { min: 0, max: 1_000_000_000 },
         "An endpoint with fewer remaining tokens than this, or than the request's estimate, gets no new sessions until its reset. `0`: the estimate alone.";
+    quota_reserve_percent: u64 = 0, Spec::Int { min: 0, max: 100 },
+        "Share of an endpoint's stated quota limit (`x-ratelimit-limit-*`, `anthropic-ratelimit-*-limit`) kept for its pinned sessions: with fewer requests or tokens left than this percentage of the limit it gets no new sessions, so that the sessions whose prompts it has cached need not move when the quota runs out. `0`: no reserve.";
     quota_bytes_per_token: u64 = 4, Spec::Int { min: 1, max: 1_000 },
         "Request body bytes per estimated token: a request is taken to cost `ceil(body bytes / quota_bytes_per_token)` tokens of an endpoint's quota.";
 }

@@ -123,6 +123,9 @@ pub struct QuotaHint {
 pub struct QuotaRule {
     pub min_requests: u64,
     pub min_tokens: u64,
+    /// Share (percent) of a count's stated limit kept for pinned sessions: below it, new
+    /// placements go elsewhere.
+    pub reserve_percent: u64,
     /// Reset assumed when an answer states a count without a valid reset.
     pub default_reset_ms: u64,
     /// Cap on any reset hint.
@@ -308,11 +311,16 @@ impl Quota {
 
     /// Below a floor or below this request's estimate: skipped for new placements.
     pub fn short(&self, estimate: u64, rule: &QuotaRule, now_ms: u64) -> bool {
-        self.requests_left(now_ms)
-            .is_some_and(|n| n < rule.min_requests.max(1))
-            || self
-                .tokens_left(now_ms)
-                .is_some_and(|n| n < rule.min_tokens.max(estimate))
+        let below = |r: Option<Remaining>, floor: u64| {
+            r.and_then(|r| r.current(now_ms)).is_some_and(|r| {
+                let reserve = r
+                    .limit
+                    .map_or(0, |l| l.saturating_mul(rule.reserve_percent) / 100);
+                r.left < floor.max(reserve)
+            })
+        };
+        below(self.requests, rule.min_requests.max(1))
+            || below(self.tokens, rule.min_tokens.max(estimate))
     }
 
     /// Staying would be a 429 for sure: left even by a pinned session.
@@ -430,6 +438,7 @@ mod tests {
     const RULE: QuotaRule = QuotaRule {
         min_requests: 1,
         min_tokens: 0,
+        reserve_percent: 0,
         default_reset_ms: 60_000,
         max_reset_ms: 300_000,
     };
@@ -672,6 +681,15 @@ mod tests {
             0,
         );
         assert_eq!(odd.requests.map(|s| s.limit), Some(None));
+        // A 30 % reserve of the limit of 10: new placements stop below 3 left.
+        let reserve = QuotaRule {
+            reserve_percent: 30,
+            ..RULE
+        };
+        assert!(!q.short(1, &reserve, 3_700));
+        q.consume(1, 3_700);
+        q.consume(1, 3_700);
+        assert!(q.short(1, &reserve, 3_700) && !q.certain_429(1, 3_700));
     }
 
     #[test]

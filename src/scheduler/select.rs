@@ -290,6 +290,7 @@ impl<'a> Scheduler<'a> {
         QuotaRule {
             min_requests: self.cfg.quota_min_requests,
             min_tokens: self.cfg.quota_min_tokens,
+            reserve_percent: self.cfg.quota_reserve_percent,
             default_reset_ms: self.cfg.rate_limit_ms,
             max_reset_ms: self.cfg.retry_after_max_ms,
         }
