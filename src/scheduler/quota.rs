@@ -116,6 +116,8 @@ pub struct Stated {
 pub struct QuotaHint {
     pub requests: Option<Stated>,
     pub tokens: Option<Stated>,
+    /// When the answer's headers were read (resets count from there); `None`: when observed.
+    pub at_ms: Option<u64>,
 }
 
 /// What the rule needs from the configuration.
@@ -270,12 +272,13 @@ fn tighter(a: Option<Stated>, b: Option<Stated>) -> Option<Stated> {
 impl QuotaHint {
     /// The quota a successful answer's headers state. Reads two headers when the answer
     /// carries OpenAI's family, six when it carries none (each read is a host call in Envoy),
-    /// plus the resets of the counts found.
+    /// plus the resets and limits of the counts found.
     pub fn read<H: HeaderSource + ?Sized>(h: &H, now_ms: u64) -> QuotaHint {
         let duration = |v: &[u8]| std::str::from_utf8(v).ok().and_then(parse_go_duration_ms);
         let hint = QuotaHint {
             requests: stated(h, OPENAI_REQUESTS, &duration),
             tokens: stated(h, OPENAI_TOKENS, &duration),
+            at_ms: Some(now_ms),
         };
         if !hint.is_empty() {
             return hint;
@@ -287,6 +290,7 @@ impl QuotaHint {
                 .iter()
                 .map(|&names| stated(h, names, &instant))
                 .fold(None, tighter),
+            at_ms: Some(now_ms),
         }
     }
 
@@ -344,6 +348,8 @@ impl Quota {
     /// An answer's statement updates what was remembered, family by family: a new window
     /// replaces it, the same window only lowers it (see the module doc).
     pub fn observe(&mut self, hint: &QuotaHint, rule: &QuotaRule, now_ms: u64) {
+        // Resets count from when the headers were read (a streamed answer ends much later).
+        let base = hint.at_ms.map_or(now_ms, |at| at.min(now_ms));
         let remember = |old: Option<Remaining>, s: Stated| {
             let reset_in = s
                 .reset_in_ms
@@ -351,7 +357,7 @@ impl Quota {
                 .min(rule.max_reset_ms);
             let new = Remaining {
                 left: s.left,
-                reset_at_ms: now_ms.saturating_add(reset_in),
+                reset_at_ms: base.saturating_add(reset_in),
                 limit: s.limit,
                 span_ms: reset_in,
                 assumed: false,
@@ -467,6 +473,7 @@ mod tests {
                     reset_in_ms: Some(360_000),
                     limit: None
                 }),
+                at_ms: Some(0),
             }
         );
     }
@@ -578,6 +585,7 @@ mod tests {
                     reset_in_ms: None,
                     limit: None,
                 }),
+                at_ms: None,
             },
             &RULE,
             0,
@@ -610,6 +618,7 @@ mod tests {
                     reset_in_ms: None,
                     limit: None,
                 }),
+                at_ms: None,
             },
             &floor,
             0,
@@ -627,6 +636,7 @@ mod tests {
                 limit: None,
             }),
             tokens: None,
+            at_ms: None,
         };
         q.observe(&st(10, 5_000), &RULE, 0); // window ends at 5 000
         q.consume(1, 0);
@@ -652,6 +662,7 @@ mod tests {
                 limit: Some(10),
             }),
             tokens: None,
+            at_ms: None,
         };
         q.observe(&hint(0), &RULE, 0); // spent until 1 000
         assert!(q.certain_429(1, 999));

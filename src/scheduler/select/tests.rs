@@ -787,6 +787,7 @@ fn stated(requests: Option<u64>, tokens: Option<u64>) -> QuotaHint {
     QuotaHint {
         requests: requests.map(st),
         tokens: tokens.map(st),
+        at_ms: None,
     }
 }
 
