@@ -140,6 +140,7 @@ fn cases() -> Vec<Case> {
                         attempt: 1,
                         exclusions: ex,
                         nonce: 0,
+                        body_bytes: 0,
                     };
                     let d = s.pick(&pick, NOW_MS + i).expect("an endpoint");
                     black_box(s.finish(d.ticket, &Outcome::Success, 250, None, NOW_MS + i));
@@ -162,6 +163,7 @@ fn cases() -> Vec<Case> {
                         attempt: 1,
                         exclusions: ex,
                         nonce: 0,
+                        body_bytes: 0,
                     };
                     let start = Instant::now();
                     let d = s.pick(&pick, NOW_MS + i).expect("an endpoint");
@@ -194,6 +196,7 @@ fn cases() -> Vec<Case> {
                     attempt: 1,
                     exclusions: ex,
                     nonce: 0,
+                    body_bytes: 0,
                 };
                 let d = s.pick(&pick, NOW_MS + i).expect("an endpoint");
                 debug_assert_eq!(d.reason, computeflux::scheduler::Reason::AffinityHit);
@@ -216,6 +219,7 @@ fn cases() -> Vec<Case> {
                     attempt: 1,
                     exclusions: ex,
                     nonce: 0,
+                    body_bytes: 0,
                 };
                 let start = Instant::now();
                 let d = s.pick(&pick, NOW_MS + i).expect("an endpoint");

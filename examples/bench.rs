@@ -10,7 +10,7 @@
 //! ```text
 //! cargo run --release --example bench -- [--quick] [--out results/bench]
 //!     [--policies round_robin,least_request,ring_hash,maglev,computeflux]
-//!     [--scenarios steady,rate_limited,down,slow,join,rolling_restart]
+//!     [--scenarios steady,rate_limited,down,slow,join,rolling_restart,quota,quota_off]
 //!     [--replicas 1,3] [--replica-concurrency 1] [--front-concurrency 1] [--drain-s 1]
 //!     [--baseline FILE | --no-baseline] [--no-routing] [--no-overhead]
 //!     [--sessions 200] [--turns 6] [--rate 20] [--think-ms 800] [--user-tokens 300]
@@ -328,6 +328,7 @@ fn run(a: Args) -> Result<(), String> {
                         .iter()
                         .filter(move |p| n == 1 || p.replicable())
                         .filter(move |_| n > 1 || !sc.needs_replicas())
+                        .filter(move |p| !sc.filter_only() || **p == Policy::Filter)
                         .map(move |&p| (sc, n, p))
                 })
             })
@@ -342,7 +343,7 @@ fn run(a: Args) -> Result<(), String> {
             );
             let s = routing::run(p, sc, n, &plans, &opts, &wasm)?;
             eprintln!(
-                "bench:   cached {:.1} %, same endpoint {:.1} %, p50 {:.1} ms, p99 {:.1} ms, errors {}/{} ({}), spread {:.2}, {:.1} s",
+                "bench:   cached {:.1} %, same endpoint {:.1} %, p50 {:.1} ms, p99 {:.1} ms, errors {}/{} ({}), upstream 429s {}, spread {:.2}, {:.1} s",
                 s.cached_ratio * 100.0,
                 s.same_endpoint_share * 100.0,
                 s.p50_ms,
@@ -350,6 +351,7 @@ fn run(a: Args) -> Result<(), String> {
                 s.errors,
                 s.requests,
                 s.statuses(),
+                s.upstream_429,
                 s.max_spread(),
                 s.wall_s
             );

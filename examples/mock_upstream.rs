@@ -81,6 +81,12 @@
 //!   open connections; any other mode re-binds the same port). Optional `"count":N` limits a
 //!   mode to the next N requests; `"for_ms":N` on `refuse` re-binds after N ms.
 //! - `POST /_mock/reset_stats` (counters and request log), `POST /_mock/flush_cache`.
+//! - `POST /_mock/quota` (body: `{"requests":N,"tokens":N,"window_ms":N,
+//!   "headers_family":"openai|anthropic|none","headers":{..}}`, replacing the budget and
+//!   restarting its window), `GET /_mock/quota`: an API key's quota (see
+//!   `mock_upstream/quota.rs`). Also `--quota-requests N --quota-tokens N --quota-window-ms N
+//!   --quota-headers openai|anthropic|none`. Its 429s count in `status_counts` and in
+//!   `quota_rejected` of `/_mock/stats`.
 
 #[path = "mock_upstream/apis.rs"]
 mod apis;
@@ -90,6 +96,8 @@ mod cache;
 mod fault;
 #[path = "mock_upstream/openai.rs"]
 mod openai;
+#[path = "mock_upstream/quota.rs"]
+mod quota;
 
 use std::collections::{BTreeMap, VecDeque};
 use std::convert::Infallible;
@@ -121,7 +129,9 @@ type Body = BoxBody<Bytes, Infallible>;
 
 const USAGE: &str = "usage: mock_upstream [--port N] [--host IP] [--name S] [--models a,b] \
 [--prefill-us-per-token N] [--decode-ms N] [--cache-tokens N] [--block-tokens N] \
-[--completion-tokens N] [--max-concurrency N] [--history N] [--control-port N] [--exit-on-stdin-eof]";
+[--completion-tokens N] [--max-concurrency N] [--history N] [--control-port N] \
+[--quota-requests N] [--quota-tokens N] [--quota-window-ms N] [--quota-headers openai|anthropic|none] \
+[--exit-on-stdin-eof]";
 
 /// Distinct sessions remembered in `by_session`.
 const MAX_SESSIONS: usize = 10_000;
@@ -142,6 +152,7 @@ struct Args {
     history: usize,
     control_port: Option<u16>,
     exit_on_stdin_eof: bool,
+    quota: quota::Quota,
 }
 
 fn parse_args() -> Result<Args, String> {
@@ -159,6 +170,7 @@ fn parse_args() -> Result<Args, String> {
         history: 1000,
         control_port: None,
         exit_on_stdin_eof: false,
+        quota: quota::Quota::default(),
     };
     let mut it = std::env::args().skip(1);
     while let Some(arg) = it.next() {
@@ -204,6 +216,10 @@ fn parse_args() -> Result<Args, String> {
             "--completion-tokens" => a.completion_tokens = num(&value)?.max(1),
             "--max-concurrency" => a.max_concurrency = num(&value)? as usize,
             "--history" => a.history = num(&value)? as usize,
+            "--quota-requests" => a.quota.requests = Some(num(&value)?),
+            "--quota-tokens" => a.quota.tokens = Some(num(&value)?),
+            "--quota-window-ms" => a.quota.window_ms = num(&value)?.max(1),
+            "--quota-headers" => a.quota.family = quota::Family::parse(&value)?,
             "--control-port" => {
                 a.control_port =
                     Some(u16::try_from(num(&value)?).map_err(|_| "--control-port > 65535")?)
@@ -234,6 +250,7 @@ struct State {
     fault: Fault,
     fault_gen: u64,
     responses: apis::ResponseStore,
+    quota: quota::Quota,
 }
 
 struct Mock {
@@ -275,6 +292,7 @@ impl Mock {
             "prompt_tokens": st.stats.prompt_tokens,
             "cached_tokens": st.stats.cached_tokens,
             "completion_tokens": st.stats.completion_tokens,
+            "quota_rejected": st.quota.rejected,
             "in_flight": self.in_flight.load(Ordering::SeqCst),
             "by_session": st.stats.by_session,
             "cache_blocks": st.cache.len(),
@@ -424,6 +442,8 @@ struct Serve {
     no_usage: bool,
     /// Cut a streamed answer mid-way (TCP RST).
     cut: bool,
+    /// What is left of the key's quota, in the configured header family.
+    quota_headers: Vec<(String, String)>,
 }
 
 async fn chat(mock: Arc<Mock>, conn: Arc<Conn>, req: Request<Incoming>) -> Response<Body> {
@@ -698,6 +718,26 @@ fn decide(
         .and_then(Value::as_u64)
         .unwrap_or(u64::MAX);
     let completion_tokens = mock.args.completion_tokens.min(max_tokens).max(1);
+    let mut quota_headers = Vec::new();
+    if st.quota.enabled() {
+        match st.quota.charge(prompt_tokens + completion_tokens) {
+            quota::Verdict::Admit(h) => quota_headers = h,
+            quota::Verdict::Reject(retry_after_s, h) => {
+                entry.fault = Some("quota");
+                finish(st, &mut entry, Some(429), "");
+                mock.record(st, entry);
+                let msg = format!("mock {}: rate limit reached for this key", mock.args.name);
+                let mut r = json_response(429, &openai::error(429, &msg));
+                set_header(&mut r, "x-mock-endpoint", &mock.args.name);
+                set_header(&mut r, "x-mock-request-seq", &seq.to_string());
+                set_header(&mut r, "retry-after", &retry_after_s.to_string());
+                for (k, v) in &h {
+                    set_header(&mut r, k, v);
+                }
+                return Plan::Respond(r);
+            }
+        }
+    }
     st.stats.prompt_tokens += prompt_tokens;
     st.stats.cached_tokens += cached_tokens;
     st.stats.completion_tokens += completion_tokens;
@@ -731,6 +771,7 @@ fn decide(
         pad_bytes,
         no_usage,
         cut,
+        quota_headers,
     })
 }
 
@@ -837,6 +878,9 @@ async fn serve(mock: Arc<Mock>, conn: Arc<Conn>, guard: Busy, s: Serve) -> Respo
     set_header(&mut r, "x-mock-prompt-tokens", &s.prompt_tokens.to_string());
     set_header(&mut r, "x-mock-cached-tokens", &s.cached_tokens.to_string());
     set_header(&mut r, "x-mock-request-seq", &s.seq.to_string());
+    for (k, v) in &s.quota_headers {
+        set_header(&mut r, k, v);
+    }
     r
 }
 
@@ -1013,9 +1057,21 @@ async fn handle(
                 }
             },
         },
+        (Method::GET, "/_mock/quota") => json_response(200, &mock.lock().quota.to_json()),
+        (Method::POST, "/_mock/quota") => match read_json(req).await {
+            Err(r) => r,
+            Ok(v) => {
+                let mut st = mock.lock();
+                match st.quota.configure(&v) {
+                    Ok(()) => json_response(200, &json!({"ok": true, "quota": st.quota.to_json()})),
+                    Err(e) => json_response(400, &json!({"error": e})),
+                }
+            }
+        },
         (Method::POST, "/_mock/reset_stats") => {
             let mut st = mock.lock();
             st.stats = Stats::default();
+            st.quota.rejected = 0;
             st.log.clear();
             drop(st);
             json_response(200, &json!({"ok": true}))
@@ -1178,6 +1234,7 @@ async fn run(args: Args) -> Result<(), String> {
             fault: Fault::none(),
             fault_gen: 0,
             responses: apis::ResponseStore::new(MAX_STORED_RESPONSES),
+            quota: args.quota.clone(),
         }),
         args,
     });

@@ -65,6 +65,7 @@ fn warm(cfg: &Config, latencies: &[f64], samples: u32, rng: &mut Rng) -> MemStor
                 attempt: 1,
                 exclusions: &ex,
                 nonce: 0,
+                body_bytes: 0,
             };
             let Ok(d) = s.pick(&pick, 1_000) else {
                 continue;
@@ -85,6 +86,7 @@ fn home(cfg: &Config, store: &MemStore, session: u64) -> Option<usize> {
         attempt: 1,
         exclusions: &ex,
         nonce: 0,
+        body_bytes: 0,
     };
     let d = s.pick(&pick, 1_001).ok()?;
     s.finish(d.ticket, &Outcome::Cancelled, 0, None, 1_001);

@@ -26,6 +26,7 @@ use std::collections::HashMap;
 use computeflux::scheduler::affinity::{self, Affinity, Entry};
 use computeflux::scheduler::breaker::{Admission, Breaker, BreakerConfig, BreakerState, OpenCause};
 use computeflux::scheduler::outcome::FailureKind;
+use computeflux::scheduler::quota::{Quota, Remaining};
 use computeflux::scheduler::select::{Ticket, TABLE_KEY};
 use computeflux::scheduler::state::Table;
 use computeflux::scheduler::store::CAS_RETRIES;
@@ -273,6 +274,7 @@ impl Store for RacingStore<'_> {
                 attempt: 1,
                 exclusions: &ex,
                 nonce: 0,
+                body_bytes: 0,
             };
             let before = Scheduler::new(self.cfg, &self.inner).table();
             if let Ok(d) = Scheduler::new(self.cfg, &self.inner).pick(&pick, now) {
@@ -499,6 +501,7 @@ impl<'a> Sim<'a> {
             attempt,
             exclusions: &ex,
             nonce: 0,
+            body_bytes: 0,
         };
         *self.store.last_table_read.borrow_mut() = None;
         self.store.table_conflicts.set(0);
@@ -932,6 +935,7 @@ fn endpoint_state() -> impl Strategy<Value = EndpointState> {
         (any::<u64>(), any::<u64>(), any::<u32>(), any::<u64>()),
         breaker(),
         (any::<bool>(), any::<u64>()),
+        quota(),
     )
         .prop_map(
             |(
@@ -940,6 +944,7 @@ fn endpoint_state() -> impl Strategy<Value = EndpointState> {
                 (last, total, in_flight, changed),
                 breaker,
                 (degraded, degraded_probe_ms),
+                quota,
             )| {
                 EndpointState {
                     latency_ms,
@@ -951,9 +956,18 @@ fn endpoint_state() -> impl Strategy<Value = EndpointState> {
                     breaker,
                     degraded,
                     degraded_probe_ms,
+                    quota,
                 }
             },
         )
+}
+
+fn quota() -> impl Strategy<Value = Quota> {
+    let remaining = prop::option::of(
+        (any::<u64>(), any::<u64>())
+            .prop_map(|(left, reset_at_ms)| Remaining::new(left, reset_at_ms)),
+    );
+    (remaining.clone(), remaining).prop_map(|(requests, tokens)| Quota { requests, tokens })
 }
 
 fn table() -> impl Strategy<Value = Table> {
@@ -1049,7 +1063,7 @@ proptest! {
         store.set(TABLE_KEY, &bytes, None).unwrap();
         let s = Scheduler::new(&cfg, &store);
         let ex = Exclusions::default();
-        let _ = s.pick(&Pick { model: Some("m"), session: Some(1), attempt: 1, exclusions: &ex, nonce: 0 }, 0);
+        let _ = s.pick(&Pick { model: Some("m"), session: Some(1), attempt: 1, exclusions: &ex, nonce: 0, body_bytes: 0 }, 0);
     }
 }
 
@@ -1223,6 +1237,7 @@ fn cas_exhaustion_never_sends_an_unrecorded_probe() {
         attempt: 1,
         exclusions: &ex,
         nonce: 0,
+        body_bytes: 0,
     };
     let d = s.pick(&pick, 0).unwrap();
     assert_eq!(d.endpoint, 0, "the heavier endpoint first");
@@ -1266,4 +1281,97 @@ fn cas_exhaustion_never_sends_an_unrecorded_probe() {
         .unwrap();
     assert_eq!(d.endpoint, 0);
     assert!(d.ticket.counted && d.ticket.probe_epoch.is_some());
+}
+
+// ---------------------------------------------------------------------------------------------
+// Quota-aware routing
+// ---------------------------------------------------------------------------------------------
+
+fn quota_fleet(n: usize) -> Config {
+    let endpoints: Vec<Value> = (0..n)
+        .map(|i| json!({"name": format!("k{i}"), "cluster": format!("c{i}")}))
+        .collect();
+    Config::from_value(&json!({ "endpoints": endpoints })).unwrap()
+}
+
+/// A header value as a hostile or broken upstream might send it.
+fn junk_value() -> impl Strategy<Value = String> {
+    prop_oneof![
+        Just(String::new()),
+        Just("-1".to_string()),
+        Just("1e9".to_string()),
+        Just("0x10".to_string()),
+        Just("99999999999999999999999".to_string()),
+        Just("10000000000001".to_string()),
+        Just(" 12 ms".to_string()),
+        "[ -~]{0,24}".prop_filter("not a plain count", |s| {
+            let t = s.trim();
+            t.is_empty() || !t.bytes().all(|b| b.is_ascii_digit())
+        }),
+    ]
+}
+
+proptest! {
+    #![proptest_config(props(256))]
+
+    /// An endpoint short of quota never takes a new placement while another candidate is not.
+    #[test]
+    fn a_key_short_of_quota_is_never_placed_while_another_has_quota(
+        quotas in vec((prop::option::of(0u64..4), prop::option::of(0u64..3_000)), 2..6),
+        session in prop::option::of(any::<u64>()),
+        nonce in any::<u64>(),
+        body_bytes in 0usize..8_000,
+        now in 0u64..5_000,
+    ) {
+        let cfg = quota_fleet(quotas.len());
+        let store = MemStore::new();
+        let mut table = Table::aligned(None, &cfg);
+        for ((_, st), (requests, tokens)) in table.entries.iter_mut().zip(&quotas) {
+            let remember = |left| Remaining::new(left, 5_000);
+            st.quota = Quota { requests: requests.map(remember), tokens: tokens.map(remember) };
+        }
+        store.set(TABLE_KEY, &table.encode(), None).unwrap();
+        let s = Scheduler::new(&cfg, &store);
+        let rule = s.quota_rule();
+        let estimate = computeflux::scheduler::quota::estimate_tokens(body_bytes, cfg.quota_bytes_per_token);
+        let short: Vec<bool> = table.entries.iter().map(|(_, st)| st.quota.short(estimate, &rule, now)).collect();
+        let ex = Exclusions::default();
+        let d = s.pick(&Pick { model: Some("m"), session, attempt: 1, exclusions: &ex, nonce, body_bytes }, now).unwrap();
+        if short.iter().any(|s| !s) {
+            prop_assert!(!short[d.endpoint], "placed on short {} of {:?}", d.endpoint, short);
+        }
+    }
+
+    /// A header value that is not a plain count changes nothing: same table, same placements.
+    #[test]
+    fn malformed_quota_headers_change_nothing(
+        values in vec(junk_value(), 4),
+        session in any::<u64>(),
+    ) {
+        let cfg = quota_fleet(3);
+        let names = [
+            "x-ratelimit-remaining-requests",
+            "x-ratelimit-remaining-tokens",
+            "anthropic-ratelimit-requests-remaining",
+            "anthropic-ratelimit-tokens-remaining",
+        ];
+        let headers: Vec<(String, Vec<u8>)> = names
+            .iter()
+            .zip(&values)
+            .map(|(n, v)| (n.to_string(), v.clone().into_bytes()))
+            .chain([(":status".to_string(), b"200".to_vec())])
+            .collect();
+        let hint = computeflux::scheduler::quota::QuotaHint::read(&headers, 0);
+        prop_assert!(hint.is_empty());
+        let (plain, junk) = (MemStore::new(), MemStore::new());
+        let ex = Exclusions::default();
+        for (store, h) in [(&plain, Default::default()), (&junk, hint)] {
+            let s = Scheduler::new(&cfg, store);
+            for t in 0..4 {
+                let d = s.pick(&Pick { model: Some("m"), session: Some(session), attempt: 1, exclusions: &ex, nonce: 0, body_bytes: 40 }, t).unwrap();
+                s.finish_observed(d.ticket, &Outcome::Success, 5, Some(session), &h, t);
+            }
+        }
+        prop_assert_eq!(plain.get(TABLE_KEY).0, junk.get(TABLE_KEY).0);
+    }
 }

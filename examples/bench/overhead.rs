@@ -208,7 +208,7 @@ pub fn run(opts: &OverheadOpts, wasm: &Path) -> Result<Vec<Case>, String> {
                 concurrency: conc,
                 envoy_retries: false,
                 open_ms: 30_000,
-                plugin_extra: &serde_json::Value::Null,
+                plugin_extra: serde_json::Value::Null,
             },
             wasm,
         )?;

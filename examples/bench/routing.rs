@@ -28,16 +28,22 @@ pub enum Scenario {
     Slow,
     Join,
     RollingRestart,
+    /// API keys with token budgets per window that run out during the run (quota-aware routing).
+    Quota,
+    /// `Quota` with `quota_aware: false`: the same budgets, the filter learns only from 429s.
+    QuotaOff,
 }
 
 impl Scenario {
-    pub const ALL: [Scenario; 6] = [
+    pub const ALL: [Scenario; 8] = [
         Scenario::Steady,
         Scenario::RateLimited,
         Scenario::Down,
         Scenario::Slow,
         Scenario::Join,
         Scenario::RollingRestart,
+        Scenario::Quota,
+        Scenario::QuotaOff,
     ];
 
     pub fn name(&self) -> &'static str {
@@ -48,6 +54,8 @@ impl Scenario {
             Scenario::Slow => "slow",
             Scenario::Join => "join",
             Scenario::RollingRestart => "rolling_restart",
+            Scenario::Quota => "quota",
+            Scenario::QuotaOff => "quota_off",
         }
     }
 
@@ -58,6 +66,20 @@ impl Scenario {
     /// Only meaningful with several Envoy replicas.
     pub fn needs_replicas(&self) -> bool {
         *self == Scenario::RollingRestart
+    }
+
+    /// Only meaningful for the filter (a filter setting is what differs).
+    pub fn filter_only(&self) -> bool {
+        *self == Scenario::QuotaOff
+    }
+
+    /// Filter configuration keys of this scenario.
+    pub fn plugin_extra(&self) -> serde_json::Value {
+        match self {
+            Scenario::Quota => json!({"quota_reserve_percent": QUOTA_RESERVE_PERCENT}),
+            Scenario::QuotaOff => json!({"quota_aware": false}),
+            _ => serde_json::Value::Null,
+        }
     }
 
     /// How many of [`ENDPOINTS`] the run configures.
@@ -74,7 +96,7 @@ impl Scenario {
     pub fn window(&self, span_ms: u64) -> Option<(u64, Option<u64>)> {
         let at = |f: f64| (span_ms as f64 * f).round() as u64;
         match self {
-            Scenario::Steady => None,
+            Scenario::Steady | Scenario::Quota | Scenario::QuotaOff => None,
             Scenario::RateLimited | Scenario::Down => Some((at(0.3), Some(at(0.6)))),
             Scenario::Slow => Some((at(0.3), None)),
             // The new endpoint is "faulty" (absent) until it joins.
@@ -96,6 +118,20 @@ impl Scenario {
         let ep = ENDPOINTS.get(FAULTY).map_or("a", |e| e.0);
         match (self, self.window(span_ms)) {
             (Scenario::Steady, _) => "no fault".into(),
+            (Scenario::Quota | Scenario::QuotaOff, _) => format!(
+                "every endpoint is an API key with a token budget per window (the mock's \
+                 `--quota-*`, OpenAI headers); `c` and `d` get {:.0} % and {:.0} % of their even \
+                 share of the workload's tokens per {} ms window, `a` and `b` {:.0} %; {}",
+                QUOTA_SHARES[2] * 100.0,
+                QUOTA_SHARES[3] * 100.0,
+                QUOTA_WINDOW_MS,
+                QUOTA_SHARES[0] * 100.0,
+                if *self == Scenario::QuotaOff {
+                    "`quota_aware: false` (the filter learns only from 429s)"
+                } else {
+                    "`quota_aware: true` (default) with `quota_reserve_percent: 50`"
+                }
+            ),
             (Scenario::RateLimited, Some((a, Some(b)))) => {
                 format!("`{ep}` answers 429 with `Retry-After: 2` from {} to {}", s(a), s(b))
             }
@@ -126,6 +162,43 @@ impl Scenario {
             ),
             _ => String::new(),
         }
+    }
+}
+
+/// Each key's token budget per window, as a share of its even part of the workload's tokens
+/// in that window (endpoints in [`ENDPOINTS`] order; `c` and `d` serve `m1` only, so `m2`'s
+/// keys `a` and `b` are never the ones that run out).
+pub const QUOTA_SHARES: [f64; 5] = [4.0, 4.0, 0.6, 0.8, 4.0];
+/// `quota_reserve_percent` of the quota scenario: new sessions leave a key with less than this
+/// share of its budget left, so that its pinned sessions (and their cached prompts) can stay.
+pub const QUOTA_RESERVE_PERCENT: u64 = 50;
+/// The budgets' window: short, so that keys run out and come back many times in a run (a
+/// hosted API's per-minute budget under proportionally heavier traffic).
+pub const QUOTA_WINDOW_MS: u64 = 4_000;
+
+/// Gives every mock its budget: the workload's tokens (as the mock charges them: prompt bytes
+/// / 4 + 16 completion tokens, with the JSON body as an upper bound of the prompt) spread
+/// evenly over the endpoints and the run, times [`QUOTA_SHARES`].
+fn set_quotas(mocks: &[MockUpstream], plans: &[SessionPlan]) {
+    let tokens: u64 = plans
+        .iter()
+        .flat_map(|p| (0..p.user_msgs.len()).map(move |t| p.body(t).len() as u64 / 4 + 16))
+        .sum();
+    let run_ms = plans
+        .iter()
+        .map(|p| p.arrival_ms + p.think_ms.iter().sum::<u64>())
+        .max()
+        .unwrap_or(1)
+        .max(1);
+    let window_ms = QUOTA_WINDOW_MS;
+    let per_key_window =
+        tokens as f64 / mocks.len().max(1) as f64 * window_ms as f64 / run_ms as f64;
+    for (m, share) in mocks.iter().zip(QUOTA_SHARES) {
+        m.set_quota(json!({
+            "tokens": (per_key_window * share).round() as u64,
+            "window_ms": window_ms,
+            "headers_family": "openai",
+        }));
     }
 }
 
@@ -227,6 +300,9 @@ pub fn run(
     for m in &mocks {
         topology::record_pid(m.pid());
     }
+    if matches!(scenario, Scenario::Quota | Scenario::QuotaOff) {
+        set_quotas(&mocks, plans);
+    }
     if scenario == Scenario::Join {
         if let Some(e) = mocks.get(4) {
             e.set_fault(json!({"mode": "refuse"}));
@@ -243,7 +319,16 @@ pub fn run(
         concurrency: opts.concurrency,
         envoy_retries: opts.envoy_retries,
         open_ms: opts.open_ms,
-        plugin_extra: &opts.plugin_extra,
+        plugin_extra: {
+            // The scenario's own keys, then the command line's (`--plugin-extra`) on top.
+            let mut extra = scenario.plugin_extra();
+            match (extra.as_object_mut(), opts.plugin_extra.as_object()) {
+                (Some(o), Some(cli)) => o.extend(cli.clone()),
+                (None, Some(_)) => extra = opts.plugin_extra.clone(),
+                _ => {}
+            }
+            extra
+        },
     };
     let boot = topology::bootstrap(&setup, wasm)?;
     let deploy = DeployOpts {
@@ -268,6 +353,7 @@ pub fn run(
     });
     let restarts = injected?;
     let upstream: u64 = mocks.iter().map(MockUpstream::request_count).sum();
+    let upstream_429: u64 = mocks.iter().map(MockUpstream::count_429).sum();
     if let Some(dir) = &opts.raw_dir {
         let name = summary::label(policy.name(), replicas as u32).replace(" ×", "-x");
         let path = dir.join(format!("{name}-{}.jsonl", scenario.name()));
@@ -284,6 +370,7 @@ pub fn run(
     drop(mocks);
     let mut s = summary::summarize(policy, scenario, replicas as u32, &recs, upstream, span_ms);
     s.restarts = restarts;
+    s.upstream_429 = upstream_429;
     s.wall_s = started.elapsed().as_secs_f64();
     Ok(s)
 }

@@ -48,6 +48,8 @@ pub struct Summary {
     pub cost_vs_round_robin: Option<f64>,
     /// Chat requests the mocks received per client request (retries and failovers included).
     pub upstream_per_request: f64,
+    /// 429s the mocks answered (those the filter absorbed by failover included).
+    pub upstream_429: u64,
     /// Per phase (before / during / after the fault window): requests, errors, cached ratio,
     /// same-endpoint share, p99.
     pub phases: BTreeMap<String, PhaseSummary>,
@@ -403,6 +405,7 @@ impl Summary {
             "cost_per_prompt_token": num(self.cost_per_prompt_token),
             "cost_vs_round_robin": self.cost_vs_round_robin.map_or(Value::Null, num),
             "upstream_requests_per_request": num(self.upstream_per_request),
+            "upstream_429": self.upstream_429,
             "phases": phases,
             "load_spread": spread,
             "restarts": restarts,
@@ -525,6 +528,7 @@ impl Summary {
             cost_per_prompt_token: f("/cost_per_prompt_token"),
             cost_vs_round_robin: v.get("cost_vs_round_robin").and_then(Value::as_f64),
             upstream_per_request: f("/upstream_requests_per_request"),
+            upstream_429: v.get("upstream_429").and_then(Value::as_u64).unwrap_or(0),
             phases,
             load_spread,
             restarts,

@@ -137,8 +137,8 @@ pub struct Setup<'a> {
     pub concurrency: u32,
     pub envoy_retries: bool,
     pub open_ms: u64,
-    /// Plugin configuration keys set on top of [`plugin_config`] (`--plugin-extra`).
-    pub plugin_extra: &'a Value,
+    /// Filter configuration keys added for this run (an object, or `Value::Null`).
+    pub plugin_extra: Value,
 }
 
 /// The bootstrap text for `setup`.
@@ -152,11 +152,11 @@ pub fn bootstrap(setup: &Setup<'_>, wasm: &Path) -> Result<String, String> {
         None => {
             let eps: Vec<(&str, &[&str])> = setup.hosts.iter().map(|(n, m, _)| (*n, *m)).collect();
             cfg.plugin_config = plugin_config(&eps, setup.open_ms);
-            if let (Some(base), Some(extra)) = (
+            if let (Some(p), Some(extra)) = (
                 cfg.plugin_config.as_object_mut(),
                 setup.plugin_extra.as_object(),
             ) {
-                base.extend(extra.clone());
+                p.extend(extra.clone());
             }
             cfg.clusters = setup
                 .hosts
@@ -502,7 +502,7 @@ mod tests {
             concurrency: 1,
             envoy_retries: true,
             open_ms: 3000,
-            plugin_extra: &Value::Null,
+            plugin_extra: Value::Null,
         };
         let v: Value = serde_json::from_str(&bootstrap(&setup, Path::new("")).unwrap()).unwrap();
         let clusters = v.pointer("/static_resources/clusters").unwrap();

@@ -322,6 +322,16 @@ config_keys! {
         "A degraded endpoint is whole again once its latency estimate falls below this multiple of the fastest (hysteresis: must be below `pin_break_ratio`).";
     degraded_probe_interval_ms: u64 = 5_000, MS,
         "A degraded endpoint gets one new placement as a probe per this interval (per Envoy), so that its latency estimate can show its recovery.";
+    quota_aware: bool = true, Spec::Bool,
+        "Quota-aware routing: reads the remaining-quota headers of successful answers — OpenAI / Azure OpenAI `x-ratelimit-remaining-requests`, `x-ratelimit-remaining-tokens`, `x-ratelimit-reset-requests`, `x-ratelimit-reset-tokens` (durations such as `6m0s`), Anthropic `anthropic-ratelimit-{requests,tokens,input-tokens,output-tokens}-{remaining,reset}` (reset as RFC 3339) — and skips an endpoint whose remaining requests or tokens are below the floors below or below the request's estimated tokens, until the reset (capped by `retry_after_max_ms`; `rate_limit_ms` without a reset). New sessions go to the next endpoint in rendezvous order; a pinned session moves only when staying is a certain 429 (no request left, or fewer tokens than its estimate). Values that are not plain decimal counts up to 10^12 are ignored.";
+    quota_min_requests: u64 = 1, Spec::Int { min: 1, max: 1_000_000 },
+        "An endpoint with fewer remaining requests than this (as its last answer said, minus the picks since) gets no new sessions until its reset.";
+    quota_min_tokens: u64 = 0, Spec::Int { min: 0, max: 1_000_000_000 },
+        "An endpoint with fewer remaining tokens than this, or than the request's estimate, gets no new sessions until its reset. `0`: the estimate alone.";
+    quota_reserve_percent: u64 = 0, Spec::Int { min: 0, max: 100 },
+        "Share of an endpoint's stated quota limit (`x-ratelimit-limit-*`, `anthropic-ratelimit-*-limit`) kept for its pinned sessions: with fewer requests or tokens left than this percentage of the limit it gets no new sessions, so that the sessions whose prompts it has cached need not move when the quota runs out. `0`: no reserve.";
+    quota_bytes_per_token: u64 = 4, Spec::Int { min: 1, max: 1_000 },
+        "Request body bytes per estimated token: a request is taken to cost `ceil(body bytes / quota_bytes_per_token)` tokens of an endpoint's quota.";
 }
 
 /// Upper bound on endpoints: keeps per-request exclusion sets and selection cost bounded.

@@ -38,7 +38,7 @@
 //! let store = MemStore::new();
 //! let s = Scheduler::new(&cfg, &store);
 //! let ex = Exclusions::default();
-//! let pick = Pick { model: None, session: None, attempt: 1, exclusions: &ex };
+//! let pick = Pick { model: None, session: None, attempt: 1, exclusions: &ex, nonce: 0, body_bytes: 0 };
 //! let d = s.pick(&pick, 0).unwrap();
 //! s.finish(d.ticket, &Outcome::Success, 1, None, 1);
 //! s.finish(d.ticket, &Outcome::Success, 1, None, 2); // use of moved value
@@ -48,6 +48,7 @@ use super::api::{self, Api, BodyFormat, Handling};
 use super::headers::{rate_limit_hints, HeaderSource, Pairs};
 use super::models::{self, Retrieved};
 use super::outcome::{classify, FailureKind, Outcome};
+use super::quota::QuotaHint;
 use super::reply::{RejectReason, Reply};
 use super::request::{derive_session, parse_chat, RequestError};
 use super::responses::{self, AnswerFormat, IdScan};
@@ -165,6 +166,8 @@ struct Attempt {
     verdict: Option<(Outcome, u64)>,
     /// A streamed answer whose first body byte has not passed yet.
     awaits_first_byte: bool,
+    /// The quota its successful answer stated (empty unless `quota_aware`).
+    quota: QuotaHint,
 }
 
 /// The answer the client gets if no failover call can be sent after all.
@@ -463,6 +466,7 @@ impl Flow {
         }
         // Relayed: the attempt lasts as long as its answer.
         self.expect_answer(&outcome, headers);
+        let quota = quota_hint(s, &outcome, headers, now_ms);
         let streamed = headers
             .header_str("content-type")
             .is_some_and(|ct| api::media_type(&ct) == "text/event-stream");
@@ -472,6 +476,7 @@ impl Flow {
             // An inference server sends a stream's headers before its prefill: the time to
             // the first token is the time to the first body byte.
             a.awaits_first_byte = streamed && !end_of_stream;
+            a.quota = quota;
         }
         self.phase = Phase::Relaying;
         if matches!(outcome, Outcome::Success) {
@@ -515,6 +520,9 @@ impl Flow {
             (Some(status), _) => classify(status, &[], now_ms),
             (None, _) => Outcome::EndpointFailure(FailureKind::Reset),
         };
+        if let (Some(a), Some(h)) = (self.current.as_mut(), &headers) {
+            a.quota = quota_hint(s, &outcome, h, now_ms);
+        }
         let Some(answered) = self.finish_current(s, obs, &outcome, None, now_ms) else {
             return Step::Continue;
         };
@@ -714,6 +722,7 @@ impl Flow {
             attempt: self.attempts + 1,
             exclusions: &self.exclusions,
             nonce: self.nonce,
+            body_bytes: self.body.len(),
         };
         let decision = s.pick(&pick, now_ms)?;
         self.attempts += 1;
@@ -726,6 +735,7 @@ impl Flow {
             ticket: decision.ticket,
             verdict: None,
             awaits_first_byte: false,
+            quota: QuotaHint::default(),
         });
         Ok(endpoint)
     }
@@ -747,11 +757,12 @@ impl Flow {
             to_headers_ms: to_headers_ms.unwrap_or(total_ms),
             total_ms,
         };
-        let report = s.finish(
+        let report = s.finish_observed(
             a.ticket,
             outcome,
             timing.to_headers_ms,
             self.session,
+            &a.quota,
             now_ms,
         );
         self.exclusions.after_attempt(endpoint, outcome);
@@ -850,6 +861,21 @@ impl Flow {
         self.phase = Phase::Done;
         obs.replied(&reply);
         Step::Reply(reply)
+    }
+}
+
+/// The quota a successful answer states, read only when `quota_aware` is on (each header
+/// read is a host call in Envoy).
+fn quota_hint<H: HeaderSource + ?Sized>(
+    s: &Scheduler<'_>,
+    outcome: &Outcome,
+    headers: &H,
+    now_ms: u64,
+) -> QuotaHint {
+    if s.cfg.quota_aware && matches!(outcome, Outcome::Success) {
+        QuotaHint::read(headers, now_ms)
+    } else {
+        QuotaHint::default()
     }
 }
 

@@ -20,6 +20,7 @@ pub mod models;
 pub mod multipart;
 pub mod outcome;
 pub mod placement;
+pub mod quota;
 pub mod reply;
 pub mod request;
 pub mod responses;

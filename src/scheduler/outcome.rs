@@ -193,7 +193,7 @@ pub fn parse_http_date_ms(v: &str) -> Option<u64> {
 }
 
 /// Days since 1970-01-01 of a proleptic Gregorian date (Howard Hinnant's algorithm).
-fn days_from_civil(y: u64, m: u64, d: u64) -> u64 {
+pub(crate) fn days_from_civil(y: u64, m: u64, d: u64) -> u64 {
     let y = if m <= 2 { y - 1 } else { y };
     let era = y / 400;
     let yoe = y - era * 400;

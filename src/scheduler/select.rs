@@ -21,6 +21,7 @@ use super::config::Config;
 use super::ewma;
 use super::outcome::Outcome;
 use super::placement::{self, Weighed};
+use super::quota::{estimate_tokens, QuotaHint, QuotaRule};
 use super::score::score;
 use super::state::Table;
 use super::store::{update_if, Store};
@@ -80,6 +81,8 @@ pub struct Pick<'a> {
     /// Placement key of a request without a session (any value that differs between
     /// requests, e.g. a counter mixed with the clock), so that such requests spread.
     pub nonce: u64,
+    /// The request body's size, from which its token cost is estimated (quota-aware routing).
+    pub body_bytes: usize,
 }
 
 /// How an endpoint was chosen (the `reason` of the decision metric and log line).
@@ -283,6 +286,16 @@ impl<'a> Scheduler<'a> {
         }
     }
 
+    pub fn quota_rule(&self) -> QuotaRule {
+        QuotaRule {
+            min_requests: self.cfg.quota_min_requests,
+            min_tokens: self.cfg.quota_min_tokens,
+            reserve_percent: self.cfg.quota_reserve_percent,
+            default_reset_ms: self.cfg.rate_limit_ms,
+            max_reset_ms: self.cfg.retry_after_max_ms,
+        }
+    }
+
     /// The endpoint table as stored now, aligned to the configuration.
     pub fn table(&self) -> Table {
         Table::aligned(self.store.get(TABLE_KEY).0.as_deref(), self.cfg)
@@ -392,6 +405,12 @@ impl<'a> Scheduler<'a> {
             }
             st.in_flight = st.in_flight.saturating_add(1);
             st.in_flight_changed_ms = now_ms;
+            if self.cfg.quota_aware {
+                st.quota.consume(
+                    estimate_tokens(pick.body_bytes, self.cfg.quota_bytes_per_token),
+                    now_ms,
+                );
+            }
             if pick.attempt <= 1 {
                 table.budget.on_request(now_ms);
             }
@@ -513,6 +532,12 @@ impl<'a> Scheduler<'a> {
         let weight_of = |i: usize| weighed.get(i).copied().flatten();
         let is_degraded = |i: usize| weight_of(i).is_some_and(|w| w.degraded);
         let degraded: Vec<(usize, bool)> = statics.iter().map(|&i| (i, is_degraded(i))).collect();
+        // Quota: short endpoints are skipped for placements, a certain 429 even by a pin.
+        let estimate = estimate_tokens(pick.body_bytes, cfg.quota_bytes_per_token);
+        let rule = self.quota_rule();
+        let quota = |i: usize| state(i).filter(|_| cfg.quota_aware).map(|st| st.quota);
+        let short = |i: usize| quota(i).is_some_and(|q| q.short(estimate, &rule, now_ms));
+        let certain_429 = |i: usize| quota(i).is_some_and(|q| q.certain_429(estimate, now_ms));
 
         // Breaker admission of this attempt's candidates.
         let mut admission: Vec<Option<Admission>> = vec![None; n];
@@ -558,7 +583,7 @@ impl<'a> Scheduler<'a> {
         // A live pin wins, unless its endpoint is degraded.
         let pinned_index = pinned.and_then(|id| cfg.endpoint_index(id));
         let mut broke_pin_of = None;
-        if let Some(p) = pinned_index.filter(|&p| admitted(p)) {
+        if let Some(p) = pinned_index.filter(|&p| admitted(p) && !certain_429(p)) {
             if is_degraded(p) {
                 broke_pin_of = Some(p);
             } else {
@@ -605,14 +630,14 @@ impl<'a> Scheduler<'a> {
                 let due = state(i).is_some_and(|st| {
                     now_ms.saturating_sub(st.degraded_probe_ms) >= cfg.degraded_probe_interval_ms
                 });
-                if due && admitted(i) && pick.attempt <= 1 && pinned_index.is_none() {
+                if due && admitted(i) && !short(i) && pick.attempt <= 1 && pinned_index.is_none() {
                     chosen = Some((i, Reason::DegradedProbe));
                     break;
                 }
                 unavailable_before = true;
                 continue;
             }
-            if !admitted(i) {
+            if !admitted(i) || short(i) {
                 unavailable_before = true;
                 continue;
             }
@@ -696,6 +721,28 @@ impl<'a> Scheduler<'a> {
         session: Option<u64>,
         now_ms: u64,
     ) -> Finished {
+        self.finish_observed(
+            ticket,
+            outcome,
+            latency_ms,
+            session,
+            &QuotaHint::default(),
+            now_ms,
+        )
+    }
+
+    /// [`Scheduler::finish`], also remembering the quota a successful answer stated (in the
+    /// same write).
+    pub fn finish_observed(
+        &self,
+        ticket: Ticket,
+        outcome: &Outcome,
+        latency_ms: u64,
+        session: Option<u64>,
+        quota: &QuotaHint,
+        now_ms: u64,
+    ) -> Finished {
+        let rule = self.quota_rule();
         let bcfg = self.breaker_config();
         let cfg = self.cfg;
         let result = update_if(self.store, TABLE_KEY, |bytes| {
@@ -740,6 +787,9 @@ impl<'a> Scheduler<'a> {
                 };
                 st.success_rate = ewma::update(Some(faded), v, alpha).clamp(0.0, 1.0);
                 st.last_sample_ms = now_ms;
+            }
+            if matches!(outcome, Outcome::Success) && cfg.quota_aware {
+                st.quota.observe(quota, &rule, now_ms);
             }
             if matches!(outcome, Outcome::Success) {
                 st.latency_ms = Some(ewma::update(

@@ -9,6 +9,7 @@ use super::breaker::{Breaker, BreakerState, OpenCause};
 use super::budget::RetryBudget;
 use super::codec::{Reader, Writer};
 use super::config::Config;
+use super::quota::Quota;
 
 /// Statistics of one endpoint.
 #[derive(Debug, Clone, Copy, PartialEq)]
@@ -31,6 +32,8 @@ pub struct EndpointState {
     pub degraded: bool,
     /// When this Envoy last sent a degraded endpoint a probe placement.
     pub degraded_probe_ms: u64,
+    /// What its last successful answer said was left of its quota (see `quota`).
+    pub quota: Quota,
 }
 
 impl Default for EndpointState {
@@ -45,6 +48,7 @@ impl Default for EndpointState {
             breaker: Breaker::default(),
             degraded: false,
             degraded_probe_ms: 0,
+            quota: Quota::default(),
         }
     }
 }
@@ -71,8 +75,9 @@ pub struct Table {
     pub entries: Vec<(u32, EndpointState)>,
 }
 
-const TABLE_VERSION: u8 = 2;
-const ENTRY_BYTES: usize = 4 + 1 + 8 + 8 + 8 + 8 + 4 + 8 + 1 + 1 + 4 + 8 + 4 + 4 + 8 + 4 + 1 + 8;
+const TABLE_VERSION: u8 = 3;
+const ENTRY_BYTES: usize =
+    4 + 1 + 8 + 8 + 8 + 8 + 4 + 8 + 1 + 1 + 4 + 8 + 4 + 4 + 8 + 4 + 1 + 8 + Quota::BYTES;
 const BUDGET_BYTES: usize = 8 + 8 + 8;
 /// Version byte, budget, entry count.
 const HEADER_BYTES: usize = 1 + BUDGET_BYTES + 4;
@@ -117,6 +122,7 @@ fn decode_entry(chunk: &[u8]) -> Option<(u32, EndpointState)> {
             _ => return None,
         },
         degraded_probe_ms: r.u64()?,
+        quota: Quota::decode(&mut r)?,
     };
     Some((id, state))
 }
@@ -148,6 +154,7 @@ fn encode_entry(w: &mut Writer, id: u32, s: &EndpointState) {
     w.u32(b.epoch);
     w.u8(u8::from(s.degraded));
     w.u64(s.degraded_probe_ms);
+    s.quota.encode(w);
 }
 
 impl Table {
@@ -272,6 +279,7 @@ mod tests {
         t.entries[1].1.breaker.state = BreakerState::Open;
         t.entries[1].1.degraded = true;
         t.entries[1].1.degraded_probe_ms = 77;
+        t.entries[1].1.quota.tokens = Some(crate::scheduler::quota::Remaining::new(5, 6));
         let bytes = t.encode();
         assert_eq!(Table::decode(&bytes), Some(t.clone()));
         assert_eq!(Table::decode(&bytes[..bytes.len() - 1]), None);

@@ -153,6 +153,26 @@ impl MockUpstream {
         assert_eq!(r.status, 200, "mock {}: reset_stats: {}", self.name, r.body);
     }
 
+    /// Replaces the key's quota (`POST /_mock/quota`, see `examples/mock_upstream/quota.rs`),
+    /// e.g. `json!({"requests": 5, "window_ms": 60000, "headers_family": "openai"})`; its window
+    /// starts again.
+    pub fn set_quota(&self, quota: Value) {
+        let r = http::post_json(self.control_port, "/_mock/quota", &quota.to_string());
+        assert_eq!(
+            r.status, 200,
+            "mock {}: setting quota {quota}: {}",
+            self.name, r.body
+        );
+    }
+
+    /// 429s answered since the last `reset_stats` (`status_counts["429"]`).
+    pub fn count_429(&self) -> u64 {
+        self.stats()
+            .pointer("/status_counts/429")
+            .and_then(Value::as_u64)
+            .unwrap_or(0)
+    }
+
     /// `POST /_mock/flush_cache`.
     pub fn flush_cache(&self) {
         let r = http::post_json(self.control_port, "/_mock/flush_cache", "{}");

@@ -646,6 +646,7 @@ fn a_reload_under_an_attempt_is_not_a_lost_update() {
             attempt: 1,
             exclusions: &Exclusions::default(),
             nonce: 0,
+            body_bytes: 0,
         },
         1,
     );
@@ -773,4 +774,80 @@ fn usage_accounting_off_reads_nothing() {
     f.on_response_data(br#"{"usage":{"prompt_tokens":7}}"#);
     f.on_response_end(&s, &mut log, 9);
     assert!(log.usages().is_empty());
+}
+
+fn quota_of(store: &MemStore, cfg: &Config, i: usize) -> crate::scheduler::quota::Quota {
+    Table::aligned(store.get(TABLE_KEY).0.as_deref(), cfg).entries[i]
+        .1
+        .quota
+}
+
+#[test]
+fn a_success_answers_quota_is_remembered_in_the_finish_write_and_moves_the_next_session() {
+    let c = cfg(json!({}));
+    let store = MemStore::new();
+    let s = Scheduler::new(&c, &store);
+    let mut log = Log::default();
+    let mut f = Flow::default();
+    assert_eq!(
+        route(
+            &mut f,
+            &s,
+            &mut log,
+            post_headers(&[("x-session-id", "q1")]),
+            0
+        ),
+        Step::Route(0)
+    );
+    let answer = pairs(&[
+        (":status", "200"),
+        ("x-ratelimit-remaining-requests", "0"),
+        ("x-ratelimit-reset-requests", "20s"),
+    ]);
+    f.on_response_headers(&s, &mut log, &answer, false, 10);
+    let writes = store.writes.get();
+    f.on_response_end(&s, &mut log, 20);
+    // One table write (the finish), one affinity write: the quota costs none of its own.
+    assert_eq!(store.writes.get(), writes + 2);
+    assert_eq!(quota_of(&store, &c, 0).requests_left(20), Some(0));
+    // The next session whose home is `a` goes to `b`, without a 429 from `a`.
+    let mut g = Flow::default();
+    assert_eq!(
+        route(
+            &mut g,
+            &s,
+            &mut log,
+            post_headers(&[("x-session-id", "q2")]),
+            30
+        ),
+        Step::Route(1)
+    );
+    // Twenty seconds on (the reset), `a` is the home again.
+    let mut h = Flow::default();
+    assert_eq!(
+        route(
+            &mut h,
+            &s,
+            &mut log,
+            post_headers(&[("x-session-id", "q3")]),
+            20_011
+        ),
+        Step::Route(0)
+    );
+}
+
+#[test]
+fn quota_headers_are_not_read_off_failures_nor_with_the_feature_off() {
+    for (extra, status) in [(json!({}), "500"), (json!({"quota_aware": false}), "200")] {
+        let c = cfg(extra);
+        let store = MemStore::new();
+        let s = Scheduler::new(&c, &store);
+        let mut log = Log::default();
+        let mut f = Flow::default();
+        route(&mut f, &s, &mut log, post_headers(&[]), 0);
+        let answer = pairs(&[(":status", status), ("x-ratelimit-remaining-requests", "0")]);
+        f.on_response_headers(&s, &mut log, &answer, true, 10);
+        f.on_log(&s, &mut log, 20);
+        assert_eq!(quota_of(&store, &c, 0), Default::default(), "{status}");
+    }
 }

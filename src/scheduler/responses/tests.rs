@@ -57,6 +57,7 @@ fn remembered_holder_is_picked_as_an_affinity_hit() {
                 attempt: 1,
                 exclusions: &ex,
                 nonce: 0,
+                body_bytes: 0,
             },
             2_000,
         )
@@ -106,6 +107,7 @@ fn holder_unavailable_reasons() {
                     ..Exclusions::default()
                 },
                 nonce: 0,
+                body_bytes: 0,
             },
             now,
         )

@@ -29,6 +29,7 @@ fn pick_at(
             attempt: 1,
             exclusions: ex,
             nonce: 0,
+            body_bytes: 0,
         },
         now,
     )
@@ -52,6 +53,7 @@ fn exclusions_in_order_and_model_not_found() {
             attempt: 1,
             exclusions: &Exclusions::default(),
             nonce: 0,
+            body_bytes: 0,
         })
         .unwrap();
     assert_eq!(cands, vec![0, 1]);
@@ -71,6 +73,7 @@ fn exclusions_in_order_and_model_not_found() {
             attempt: 1,
             exclusions: &ex,
             nonce: 0,
+            body_bytes: 0,
         })
         .unwrap_err();
     assert_eq!(err, NoEndpoint::Exhausted);
@@ -91,6 +94,7 @@ fn exclusions_in_order_and_model_not_found() {
                 attempt: 1,
                 exclusions: &Exclusions::default(),
                 nonce: 0,
+                body_bytes: 0,
             },
             0
         )
@@ -132,6 +136,7 @@ fn affinity_sticks_and_repins_after_failover() {
                 attempt: 2,
                 exclusions: &ex2,
                 nonce: 0,
+                body_bytes: 0,
             },
             102,
         )
@@ -403,6 +408,7 @@ fn retry_budget_limits_failovers() {
                 attempt: 2,
                 exclusions: &ex,
                 nonce: 0,
+                body_bytes: 0,
             },
             0,
         )
@@ -428,6 +434,7 @@ fn failovers_after_401_or_429_spend_no_retry_budget() {
             attempt: 2,
             exclusions: &ex,
             nonce: 0,
+            body_bytes: 0,
         };
         s.pick(&pick, 0)
             .map(|d| s.finish(d.ticket, &Outcome::Cancelled, 0, None, 0))
@@ -552,6 +559,7 @@ fn failover_walks_the_rendezvous_order_on_every_replica() {
                             attempt,
                             exclusions: &ex,
                             nonce: attempt.into(),
+                            body_bytes: 0,
                         },
                         0,
                     )
@@ -644,6 +652,7 @@ fn after_failover_next_turn(policy: &str) -> (usize, usize, usize) {
                 attempt: 2,
                 exclusions: &ex2,
                 nonce: 0,
+                body_bytes: 0,
             },
             4,
         )
@@ -755,4 +764,202 @@ fn cold_endpoints_never_break_pins() {
         assert_eq!(again.reason, Reason::AffinityHit);
         s.finish(again.ticket, &Outcome::Cancelled, 0, None, 2);
     }
+}
+
+fn body_pick<'a>(session: Option<u64>, ex: &'a Exclusions, body_bytes: usize) -> Pick<'a> {
+    Pick {
+        model: Some("m"),
+        session,
+        attempt: 1,
+        exclusions: ex,
+        nonce: 0,
+        body_bytes,
+    }
+}
+
+fn stated(requests: Option<u64>, tokens: Option<u64>) -> QuotaHint {
+    use crate::scheduler::quota::Stated;
+    let st = |left| Stated {
+        left,
+        reset_in_ms: Some(10_000),
+        limit: None,
+    };
+    QuotaHint {
+        requests: requests.map(st),
+        tokens: tokens.map(st),
+        at_ms: None,
+    }
+}
+
+/// The session that goes to endpoint `home` first, among `0..`.
+fn session_homed_at(s: &Scheduler<'_>, home: usize) -> u64 {
+    let ex = Exclusions::default();
+    (0..1_000u64)
+        .find(|&k| {
+            let d = s.pick(&body_pick(Some(k), &ex, 0), 0).unwrap();
+            let at = d.endpoint;
+            s.finish(d.ticket, &Outcome::Cancelled, 0, None, 0);
+            at == home
+        })
+        .unwrap()
+}
+
+#[test]
+fn a_key_short_of_quota_loses_new_sessions_to_the_next_in_order_until_its_reset() {
+    let c = cfg(json!({"endpoints":[{"name":"a","cluster":"ca"},{"name":"b","cluster":"cb"}]}));
+    let store = MemStore::new();
+    let s = Scheduler::new(&c, &store);
+    let ex = Exclusions::default();
+    let k = session_homed_at(&s, 0);
+    // a's answer says 1 000 tokens are left (reset in 10 s): a 4 000-byte (1 000-token)
+    // request still fits, a 4 004-byte one does not.
+    let d = s.pick(&body_pick(None, &ex, 0), 0).unwrap();
+    let t = Ticket {
+        endpoint: 0,
+        endpoint_id: c.endpoints[0].id,
+        ..d.ticket
+    };
+    s.finish_observed(
+        t,
+        &Outcome::Success,
+        10,
+        None,
+        &stated(None, Some(1_000)),
+        0,
+    );
+    assert_eq!(
+        s.pick(&body_pick(Some(k), &ex, 4_004), 1).unwrap().endpoint,
+        1
+    );
+    let fits = s.pick(&body_pick(Some(k), &ex, 4_000), 2).unwrap();
+    assert_eq!((fits.endpoint, fits.reason), (0, Reason::Home));
+    // That pick took its 1 000 tokens: the next session homed at a goes to b, even a tiny one.
+    let next = s.pick(&body_pick(Some(k), &ex, 4), 3).unwrap();
+    assert_eq!(
+        (next.endpoint, next.reason, next.affinity),
+        (1, Reason::Backup, AffinityResult::Backup)
+    );
+    // After the reset a is a home again.
+    assert_eq!(
+        s.pick(&body_pick(Some(k), &ex, 4), 10_000)
+            .unwrap()
+            .endpoint,
+        0
+    );
+    // With the feature off nothing is skipped, whatever the stored state.
+    let off = cfg(json!({"quota_aware": false,
+        "endpoints":[{"name":"a","cluster":"ca"},{"name":"b","cluster":"cb"}]}));
+    let s_off = Scheduler::new(&off, &store);
+    assert_eq!(
+        s_off
+            .pick(&body_pick(Some(k), &ex, 4_004), 5)
+            .unwrap()
+            .endpoint,
+        0
+    );
+}
+
+#[test]
+fn a_pinned_session_stays_until_a_429_is_certain() {
+    let c = cfg(json!({"quota_min_tokens": 5_000,
+        "endpoints":[{"name":"a","cluster":"ca"},{"name":"b","cluster":"cb"}]}));
+    let store = MemStore::new();
+    let s = Scheduler::new(&c, &store);
+    let ex = Exclusions::default();
+    let k = session_homed_at(&s, 0);
+    let d = s.pick(&body_pick(Some(k), &ex, 400), 0).unwrap();
+    assert_eq!(d.endpoint, 0);
+    // Below the 5 000-token floor (new sessions go elsewhere), but a request left.
+    s.finish_observed(
+        d.ticket,
+        &Outcome::Success,
+        10,
+        Some(k),
+        &stated(Some(1), Some(3_000)),
+        1,
+    );
+    let stay = s.pick(&body_pick(Some(k), &ex, 400), 2).unwrap();
+    assert_eq!((stay.endpoint, stay.affinity), (0, AffinityResult::Hit));
+    assert_eq!(
+        s.pick(&body_pick(Some(k + 1), &ex, 400), 2)
+            .map(|d| d.endpoint == 0 && d.affinity != AffinityResult::Hit),
+        Ok(false)
+    );
+    // That request was taken by `stay`: the next turn would be a 429 for sure, so it moves.
+    let moved = s.pick(&body_pick(Some(k), &ex, 400), 3).unwrap();
+    assert_eq!((moved.endpoint, moved.affinity), (1, AffinityResult::Miss));
+    // In the next window (the first reset at ≈ 10 000), a request too big for the tokens left
+    // moves too, with requests to spare.
+    s.finish_observed(
+        stay.ticket,
+        &Outcome::Success,
+        10,
+        Some(k),
+        &stated(Some(50), Some(3_000)),
+        10_001,
+    );
+    assert_eq!(
+        s.pick(&body_pick(Some(k), &ex, 400), 10_002)
+            .unwrap()
+            .affinity,
+        AffinityResult::Hit
+    );
+    assert_eq!(
+        s.pick(&body_pick(Some(k), &ex, 12_004), 10_003)
+            .unwrap()
+            .endpoint,
+        1
+    );
+}
+
+#[test]
+fn when_every_key_is_short_the_home_is_still_tried() {
+    let c = cfg(json!({"endpoints":[{"name":"a","cluster":"ca"},{"name":"b","cluster":"cb"}]}));
+    let store = MemStore::new();
+    let s = Scheduler::new(&c, &store);
+    let ex = Exclusions::default();
+    for i in 0..2 {
+        let d = s.pick(&body_pick(None, &ex, 0), 0).unwrap();
+        let t = Ticket {
+            endpoint: i,
+            endpoint_id: c.endpoints[i].id,
+            ..d.ticket
+        };
+        s.finish_observed(t, &Outcome::Success, 10, None, &stated(Some(0), None), 0);
+    }
+    let k = session_homed_at(&Scheduler::new(&c, &MemStore::new()), 1);
+    // The upstream's own answer (a 429 and its reset) beats a guess.
+    assert_eq!(s.pick(&body_pick(Some(k), &ex, 40), 1).unwrap().endpoint, 1);
+}
+
+#[test]
+fn quota_is_remembered_only_from_successes() {
+    let c = cfg(json!({"endpoints":[{"name":"a","cluster":"ca"}]}));
+    let store = MemStore::new();
+    let s = Scheduler::new(&c, &store);
+    let ex = Exclusions::default();
+    let d = s.pick(&body_pick(None, &ex, 0), 0).unwrap();
+    s.finish_observed(
+        d.ticket,
+        &Outcome::ClientError,
+        10,
+        None,
+        &stated(Some(0), None),
+        0,
+    );
+    assert_eq!(s.table().entries[0].1.quota, Default::default());
+    let d = s.pick(&body_pick(None, &ex, 0), 0).unwrap();
+    s.finish_observed(
+        d.ticket,
+        &Outcome::Success,
+        10,
+        None,
+        &stated(Some(9), None),
+        0,
+    );
+    assert_eq!(s.table().entries[0].1.quota.requests_left(0), Some(9));
+    // Each pick takes one.
+    let d = s.pick(&body_pick(None, &ex, 0), 0).unwrap();
+    assert_eq!(s.table().entries[0].1.quota.requests_left(0), Some(8));
+    s.finish(d.ticket, &Outcome::Cancelled, 0, None, 0);
 }

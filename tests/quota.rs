@@ -1,0 +1,205 @@
+#![cfg(not(target_arch = "wasm32"))]
+//! Quota-aware routing (issue 12, item 3) through a real Envoy in front of mock API keys whose
+//! request budgets run out (`mock_upstream --quota-*`, `POST /_mock/quota`).
+//!
+//! What must hold: the remaining-quota headers of successful answers make the filter leave a
+//! key before it answers 429 — the mocks' own count of 429s is 0 with `quota_aware: true`, and
+//! at least one with `quota_aware: false` on the same traffic, with the same keys, in the same
+//! test; a pinned session stays on its key while it has requests left (even below the floor for
+//! new sessions) and moves, without a 429, once staying would be a certain 429; a malformed or
+//! hostile header value (garbage, huge, negative, a reset in year 9999) changes nothing.
+
+// Test code: failing loudly with context is the point.
+#![allow(
+    clippy::panic,
+    clippy::unwrap_used,
+    clippy::expect_used,
+    clippy::indexing_slicing
+)]
+
+mod support;
+
+use serde_json::{json, Value};
+use support::{steady_mock, Checks, Envoy, EnvoyConfig, MockUpstream, Session};
+
+const KEYS: [&str; 3] = ["k1", "k2", "k3"];
+const MODEL: &str = "m1";
+/// A window far longer than the test: a spent key stays spent.
+const WINDOW_MS: u64 = 600_000;
+
+fn mocks() -> Vec<MockUpstream> {
+    KEYS.iter().map(|k| steady_mock(k, 50)).collect()
+}
+
+fn envoy(mocks: &[MockUpstream], keys: Value) -> Envoy {
+    let endpoints: Vec<Value> = KEYS
+        .iter()
+        .map(|n| json!({"name": n, "cluster": n}))
+        .collect();
+    let mut plugin = json!({"endpoints": endpoints});
+    if let (Some(p), Value::Object(k)) = (plugin.as_object_mut(), keys) {
+        p.extend(k);
+    }
+    let clusters: Vec<(&str, u16)> = mocks.iter().map(|m| (m.name.as_str(), m.port)).collect();
+    Envoy::start(EnvoyConfig::new(plugin, &clusters))
+}
+
+fn quota(mocks: &[MockUpstream], q: Value) {
+    for m in mocks {
+        m.set_quota(q.clone());
+        m.reset_stats();
+    }
+}
+
+fn total_429(mocks: &[MockUpstream]) -> u64 {
+    mocks.iter().map(MockUpstream::count_429).sum()
+}
+
+/// Sessions of `turns` turns each, one request at a time; returns (client errors, sessions).
+fn run(envoy: &Envoy, tag: &str, sessions: usize, turns: usize) -> (usize, Vec<Session>) {
+    let mut all = Session::many(tag, sessions, MODEL);
+    let mut errors = 0;
+    for _ in 0..turns {
+        for s in &mut all {
+            if !s.send(0, envoy.port).ok() {
+                errors += 1;
+            }
+        }
+    }
+    (errors, all)
+}
+
+/// The same traffic against the same keys, with the feature off and on: each key has 5
+/// requests, 2 pinned sessions send 7 turns each (14 of the 15 the keys can take), so each
+/// session outlives its home key's budget. Off, a key that runs out answers a 429 before the
+/// filter fails over; on, none does.
+#[test]
+fn quota_headers_make_the_filter_leave_a_key_before_its_429() {
+    let mocks = mocks();
+    let mut checks = Checks::new();
+    let budget = json!({"requests": 5, "window_ms": WINDOW_MS, "headers_family": "openai"});
+    let mut measured = Vec::new();
+    for aware in [false, true] {
+        quota(&mocks, budget.clone());
+        let e = envoy(&mocks, json!({"quota_aware": aware}));
+        let (errors, sessions) = run(&e, &format!("aware-{aware}"), 2, 7);
+        let rejected = total_429(&mocks);
+        let served: Vec<u64> = mocks.iter().map(MockUpstream::request_count).collect();
+        println!(
+            "quota_aware={aware}: mock 429s {rejected}, client errors {errors}, requests per key {served:?}, endpoints {:?}",
+            sessions.iter().map(|s| s.turns.iter().map(|t| t.endpoint().to_string()).collect::<Vec<_>>()).collect::<Vec<_>>()
+        );
+        checks.expect(
+            errors == 0,
+            format!("quota_aware={aware}: no client errors (got {errors})"),
+        );
+        measured.push(rejected);
+    }
+    checks.expect(
+        measured[0] >= 1,
+        format!("quota_aware=false: a key answers 429 (got {})", measured[0]),
+    );
+    checks.expect(
+        measured[1] == 0,
+        format!("quota_aware=true: no key answers 429 (got {})", measured[1]),
+    );
+    // Anthropic's header family works the same way.
+    quota(
+        &mocks,
+        json!({"requests": 5, "window_ms": WINDOW_MS, "headers_family": "anthropic"}),
+    );
+    let e = envoy(&mocks, json!({}));
+    let (errors, _) = run(&e, "anthropic", 2, 7);
+    let rejected = total_429(&mocks);
+    println!("anthropic headers: mock 429s {rejected}, client errors {errors}");
+    checks.expect(
+        errors == 0 && rejected == 0,
+        format!("anthropic headers: no 429 (got {rejected}), no client error (got {errors})"),
+    );
+    checks.finish();
+}
+
+/// Below the floor for new sessions a pinned session stays; it moves, without a 429, when its
+/// key has no request left.
+#[test]
+fn a_pinned_session_stays_until_a_429_is_certain() {
+    let mocks = mocks();
+    let mut checks = Checks::new();
+    // 3 requests per key; the floor (10) puts every key below it after its first answer.
+    quota(&mocks, json!({"requests": 3, "window_ms": WINDOW_MS}));
+    let e = envoy(&mocks, json!({"quota_min_requests": 10}));
+    let mut s = Session::new("pinned", MODEL);
+    for _ in 0..5 {
+        s.send(0, e.port);
+    }
+    let seen: Vec<(u16, String, String)> = s
+        .turns
+        .iter()
+        .map(|t| (t.status, t.endpoint().to_string(), t.affinity().to_string()))
+        .collect();
+    println!("turns (status, endpoint, affinity): {seen:?}");
+    let home = seen[0].1.clone();
+    checks.expect(seen.iter().all(|t| t.0 == 200), "every turn answered 200");
+    checks.expect(
+        seen[1..3].iter().all(|t| t.1 == home && t.2 == "hit"),
+        "turns 2 and 3 stay on the home key (affinity hit) although it is below the floor",
+    );
+    checks.expect(
+        seen[3].1 != home && seen[3].2 == "miss",
+        "turn 4 leaves the spent key (affinity miss)",
+    );
+    checks.expect(
+        seen[4].1 == seen[3].1 && seen[4].2 == "hit",
+        "turn 5 stays on the new key",
+    );
+    let rejected = total_429(&mocks);
+    checks.expect(
+        rejected == 0,
+        format!("no key answered 429 (got {rejected})"),
+    );
+    checks.finish();
+}
+
+/// Hostile values on one key's answers: every session homed there is still placed there, and
+/// a session pinned there stays.
+#[test]
+fn malformed_or_hostile_quota_headers_change_nothing() {
+    let mocks = mocks();
+    let mut checks = Checks::new();
+    let hostile = [
+        json!({"x-ratelimit-remaining-requests": "garbage", "x-ratelimit-remaining-tokens": "-5"}),
+        json!({"x-ratelimit-remaining-requests": "99999999999999999999999999", "x-ratelimit-remaining-tokens": "1e3"}),
+        json!({"x-ratelimit-remaining-requests": "-1", "x-ratelimit-reset-requests": "-3s"}),
+        json!({"anthropic-ratelimit-requests-remaining": "0x00", "anthropic-ratelimit-requests-reset": "9999-12-31T23:59:59Z",
+               "anthropic-ratelimit-tokens-remaining": "３", "anthropic-ratelimit-tokens-reset": "never"}),
+        json!({"x-ratelimit-remaining-requests": "18446744073709551616", "x-ratelimit-reset-requests": "99999999h"}),
+    ];
+    for (i, h) in hostile.iter().enumerate() {
+        quota(&mocks, json!({}));
+        mocks[0].set_quota(json!({"headers": h}));
+        let e = envoy(&mocks, json!({}));
+        let (errors, sessions) = run(&e, &format!("hostile{i}"), 24, 2);
+        let homed_k1: Vec<&Session> = sessions
+            .iter()
+            .filter(|s| s.first_endpoint() == Some("k1"))
+            .collect();
+        let moved = sessions
+            .iter()
+            .filter(|s| {
+                s.turns[0].affinity() != "home"
+                    || s.turns[1].affinity() != "hit"
+                    || s.turns[1].endpoint() != s.turns[0].endpoint()
+            })
+            .count();
+        println!(
+            "hostile {h}: {} of 24 sessions homed on k1, {moved} not home/hit, {errors} errors",
+            homed_k1.len()
+        );
+        checks.expect(
+            !homed_k1.is_empty(),
+            format!("hostile {i}: some sessions are homed on k1"),
+        );
+        checks.expect(moved == 0 && errors == 0, format!("hostile {i}: every session placed at home and kept (got {moved} moved, {errors} errors)"));
+    }
+    checks.finish();
+}
