@@ -117,3 +117,77 @@ fn json_body_on_an_audio_path_is_refused_with_415() {
     assert_eq!(r.json()["error"]["code"], "unsupported_content_type");
     assert_eq!(mocks[0].request_count(), 0);
 }
+
+/// `list_models: upstream_merged`: one endpoint's own `GET /v1/models` answer (fetched with a
+/// call), followed by the configured models it did not list; without the key the filter answers
+/// alone and no upstream is asked.
+#[test]
+fn models_list_from_an_upstream_merged_with_the_configuration() {
+    let fast = ["--decode-ms", "0"];
+    let a = MockUpstream::start("a", &["llama", "qwen"], &fast);
+    let b = MockUpstream::start("b", &["qwen", "whisper-1"], &fast);
+    let eps = json!([
+        {"name": "a", "cluster": "a", "models": ["llama", "qwen"]},
+        {"name": "b", "cluster": "b", "models": ["qwen", "whisper-1"]},
+    ]);
+    let clusters = [("a", a.port), ("b", b.port)];
+    // Requests Envoy sent to each endpoint's cluster (routed or called).
+    let calls = |envoy: &Envoy| {
+        let n = |c: &str| {
+            envoy
+                .stat(&format!("cluster.{c}.upstream_rq_total"))
+                .unwrap_or(0)
+        };
+        (n("a"), n("b"))
+    };
+    let ids_and_owners = |body: &serde_json::Value| -> Vec<(String, String)> {
+        body["data"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|m| {
+                (
+                    m["id"].as_str().unwrap().to_string(),
+                    m["owned_by"].as_str().unwrap().to_string(),
+                )
+            })
+            .collect()
+    };
+
+    let merged = Envoy::start(EnvoyConfig::new(
+        json!({"endpoints": eps, "list_models": "upstream_merged"}),
+        &clusters,
+    ));
+    let r = request(merged.port, "GET", "/v1/models", &[], None, DEFAULT_TIMEOUT).expect("GET");
+    assert_eq!(r.status, 200, "{}", r.body);
+    let got = ids_and_owners(&r.json());
+    // Exactly one endpoint was asked; its entries come first, as it gave them, then the
+    // configured model it lacks.
+    let (asked, other) = match calls(&merged) {
+        (1, 0) => ("a", "whisper-1"),
+        (0, 1) => ("b", "llama"),
+        calls => panic!("GET /v1/models calls at (a, b): {calls:?}"),
+    };
+    let own: Vec<&str> = if asked == "a" {
+        vec!["llama", "qwen"]
+    } else {
+        vec!["qwen", "whisper-1"]
+    };
+    let mut expected: Vec<(String, String)> = own
+        .iter()
+        .map(|id| (id.to_string(), asked.to_string()))
+        .collect();
+    expected.push((other.to_string(), "computeflux".to_string()));
+    assert_eq!(got, expected, "{}", r.body);
+    drop(merged);
+
+    let local = Envoy::start(EnvoyConfig::new(json!({ "endpoints": eps }), &clusters));
+    let r = request(local.port, "GET", "/v1/models", &[], None, DEFAULT_TIMEOUT).expect("GET");
+    assert_eq!(r.status, 200, "{}", r.body);
+    let ids: Vec<String> = ids_and_owners(&r.json())
+        .into_iter()
+        .map(|(id, _)| id)
+        .collect();
+    assert_eq!(ids, ["llama", "qwen", "whisper-1"]);
+    assert_eq!(calls(&local), (0, 0), "the local list asked an upstream");
+}

@@ -111,6 +111,7 @@ impl Http {
                 body_size,
             } => {
                 let body = host::buffer(BufferType::HttpCallResponseBody, 0, body_size);
+                let body = self.flow.call_body(&self.plugin.cfg, status, body);
                 if self.flow.reads_answer() {
                     self.with_flow(now_ms, |f, s, _| f.on_answer_chunk(s, &body, true, now_ms));
                 }

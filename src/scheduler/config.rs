@@ -63,6 +63,26 @@ impl AfterFailover {
     }
 }
 
+/// Who answers `GET /v1/models`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ListModels {
+    /// The filter, from its configuration: the union of the enabled endpoints' models.
+    Local,
+    /// One endpoint's own list (a failover call), merged with the configured models it lacks.
+    UpstreamMerged,
+}
+
+impl ListModels {
+    pub const ALL: &'static [ListModels] = &[ListModels::Local, ListModels::UpstreamMerged];
+
+    pub fn label(&self) -> &'static str {
+        match self {
+            ListModels::Local => "local",
+            ListModels::UpstreamMerged => "upstream_merged",
+        }
+    }
+}
+
 /// One configuration problem: the JSON path of the field and what is wrong with it.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct ConfigError {
@@ -205,6 +225,19 @@ impl Scalar for AfterFailover {
     }
 }
 
+impl Scalar for ListModels {
+    fn read(&mut self, v: &mut Validator, obj: &Map<String, Value>, key: &str, spec: Spec) {
+        if let Some(label) = v.choice(obj, key, spec) {
+            if let Some(p) = ListModels::ALL.iter().find(|p| p.label() == label) {
+                *self = *p;
+            }
+        }
+    }
+    fn show(&self) -> String {
+        self.label().to_string()
+    }
+}
+
 /// Declares every top-level scalar key once: `field: type = default, spec, "effect";`.
 macro_rules! config_keys {
     ($( $(#[$meta:meta])* $field:ident : $ty:ty = $default:expr, $spec:expr, $effect:literal; )*) => {
@@ -306,6 +339,8 @@ config_keys! {
         "Failovers always allowed on top of the percentage (so low traffic can still fail over).";
     failover_timeout_ms: u64 = 120_000, Spec::Int { min: 1, max: 3_600_000 },
         "Timeout of each failover call the filter makes itself (the first attempt uses the Envoy route's timeout).";
+    list_models: ListModels = ListModels::Local, Spec::Choice(&["local", "upstream_merged"]),
+        "Who answers `GET /v1/models`: `local`, the filter from its configuration (the union of the enabled endpoints' `models`, no upstream call); `upstream_merged`, one endpoint's own list (fetched with a call, failing over like a request) followed by the configured models it did not list, for fleets whose endpoints know more than the configuration says.";
     placement_quantum: f64 = 1.0, Spec::Number { min: 0.0, max: 4.0 },
         "Step, in halvings, of the health levels that weigh an endpoint in rendezvous placement: with `1`, an endpoint within 2× of the fastest and fully successful weighs its `weight`, one 2–4× slower half of it, and so on. Coarse levels make every Envoy replica compute the same home for a session despite small differences in what each has measured; `0` uses the raw health (see [decisions](decisions.md#placement)).";
     bounded_load_epsilon: f64 = 1.0, Spec::Number { min: 0.0, max: 100.0 },

@@ -45,8 +45,9 @@
 //! ```
 
 use super::api::{self, Api, BodyFormat, Handling};
+use super::config::{Config, ListModels};
 use super::headers::{rate_limit_hints, HeaderSource, Pairs};
-use super::models::{self, Retrieved};
+use super::models::{self, Merged, Retrieved};
 use super::outcome::{classify, FailureKind, Outcome};
 use super::quota::QuotaHint;
 use super::reply::{RejectReason, Reply};
@@ -214,6 +215,9 @@ pub struct Flow {
     holder_pinned: bool,
     /// A Responses API request whose answer will be stored: learn its id from the answer.
     learn_id: bool,
+    /// `GET /v1/models` with `list_models: upstream_merged`: the call's answer is merged with
+    /// the configured models before it is relayed.
+    merge_models: bool,
     /// Reads the id of the successful answer the client gets, as it passes.
     id_scan: Option<IdScan>,
     /// The scan of a successful answer's usage (`usage_accounting`), while it passes.
@@ -250,6 +254,7 @@ impl Flow {
             content_type: None,
             holder_pinned: false,
             learn_id: false,
+            merge_models: false,
             id_scan: None,
             usage: None,
         }
@@ -351,7 +356,10 @@ impl Flow {
         self.headers = headers;
         match api::policy(&method, &path, self.content_type.as_deref()) {
             Handling::Json(a) | Handling::Multipart(a) => self.api = Some(a),
-            Handling::ListModels => return self.answer(200, models::list(cfg)),
+            Handling::ListModels => match cfg.list_models {
+                ListModels::Local => return self.answer(200, models::list(cfg)),
+                ListModels::UpstreamMerged => return self.fetch_models(s, obs, now_ms),
+            },
             Handling::RetrieveModel { id } => match models::retrieve(cfg, id) {
                 Retrieved::Found(body) => return self.answer(200, body),
                 Retrieved::NotFound(body) => return self.answer(404, body),
@@ -686,6 +694,34 @@ impl Flow {
                 .map(IdScan::new),
             _ => None,
         };
+    }
+
+    /// `GET /v1/models` from an endpoint: sent as a call (so its answer can be merged before it
+    /// is relayed), to the first endpoint in order for this request, failing over like any.
+    fn fetch_models(&mut self, s: &Scheduler<'_>, obs: &mut dyn Observer, now_ms: u64) -> Step {
+        self.session_header = None;
+        self.merge_models = true;
+        match self.start_attempt(s, obs, now_ms) {
+            Ok(i) => {
+                self.served_by = Some(i);
+                self.phase = Phase::FailingOver;
+                Step::Dispatch(i)
+            }
+            // Nothing to ask: the configuration's own list.
+            Err(_) => self.answer(200, models::list(s.cfg)),
+        }
+    }
+
+    /// The body of a failover call's answer as the client gets it: a successful model list is
+    /// merged with the configured models (`list_models: upstream_merged`).
+    pub fn call_body(&self, cfg: &Config, status: u16, body: Vec<u8>) -> Vec<u8> {
+        if !self.merge_models || !(200..300).contains(&status) {
+            return body;
+        }
+        // An answer that is not a model list gives way to the configured models alone.
+        match models::merge(cfg, &body) {
+            Merged::Merged(merged) | Merged::UpstreamUnreadable(merged) => merged.into_bytes(),
+        }
     }
 
     fn answer(&mut self, status: u16, body: String) -> Step {
