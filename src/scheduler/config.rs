@@ -212,31 +212,25 @@ impl Scalar for String {
     }
 }
 
-impl Scalar for AfterFailover {
-    fn read(&mut self, v: &mut Validator, obj: &Map<String, Value>, key: &str, spec: Spec) {
-        if let Some(label) = v.choice(obj, key, spec) {
-            if let Some(p) = AfterFailover::ALL.iter().find(|p| p.label() == label) {
-                *self = *p;
+/// A [`Scalar`] for an enum read from one of its labels (`ALL` and `label()`).
+macro_rules! choice_scalar {
+    ($($ty:ty),*) => {$(
+        impl Scalar for $ty {
+            fn read(&mut self, v: &mut Validator, obj: &Map<String, Value>, key: &str, spec: Spec) {
+                if let Some(label) = v.choice(obj, key, spec) {
+                    if let Some(p) = <$ty>::ALL.iter().find(|p| p.label() == label) {
+                        *self = *p;
+                    }
+                }
+            }
+            fn show(&self) -> String {
+                self.label().to_string()
             }
         }
-    }
-    fn show(&self) -> String {
-        self.label().to_string()
-    }
+    )*};
 }
 
-impl Scalar for ListModels {
-    fn read(&mut self, v: &mut Validator, obj: &Map<String, Value>, key: &str, spec: Spec) {
-        if let Some(label) = v.choice(obj, key, spec) {
-            if let Some(p) = ListModels::ALL.iter().find(|p| p.label() == label) {
-                *self = *p;
-            }
-        }
-    }
-    fn show(&self) -> String {
-        self.label().to_string()
-    }
-}
+choice_scalar!(AfterFailover, ListModels);
 
 /// Declares every top-level scalar key once: `field: type = default, spec, "effect";`.
 macro_rules! config_keys {
