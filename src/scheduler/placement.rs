@@ -33,7 +33,7 @@
 
 use super::config::Config;
 use super::hash::rendezvous;
-use super::score::{health, latency_ratio, LATENCY_FLOOR_MS};
+use super::score::{health, LATENCY_FLOOR_MS};
 use super::state::EndpointState;
 
 /// `u ∈ (0, 1)` from the 52 high bits of a 64-bit hash: never 0 nor 1 (every value is exactly
@@ -82,8 +82,6 @@ pub fn quantize(h: f64, step: f64) -> f64 {
 pub struct Weighed {
     /// `weight × quantize(health)`: its share of new sessions.
     pub weight: f64,
-    /// Its latency estimate over the fastest warm one's, when warm and measured.
-    pub latency_ratio: Option<f64>,
     /// Whether it should be treated as degraded now.
     pub degraded: bool,
 }
@@ -106,11 +104,6 @@ pub fn weigh(
     let h = health(st, best_latency_ms, cfg, now_ms).unwrap_or(1.0);
     Weighed {
         weight: weight * quantize(h, cfg.placement_quantum),
-        latency_ratio: if warm {
-            latency_ratio(st, best_latency_ms)
-        } else {
-            None
-        },
         degraded: degraded(st.degraded, latency, cfg),
     }
 }
