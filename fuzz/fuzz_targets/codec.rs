@@ -7,6 +7,7 @@
 use arbitrary::Arbitrary;
 use computeflux::scheduler::affinity::{self, Entry, KEY_PREFIX};
 use computeflux::scheduler::breaker::{Breaker, BreakerState, OpenCause};
+use computeflux::scheduler::quota::{Quota, Remaining};
 use computeflux::scheduler::select::TABLE_KEY;
 use computeflux::scheduler::state::Table;
 use computeflux::scheduler::{
@@ -32,6 +33,23 @@ struct StateSpec {
     probes_succeeded: u32,
     last_probe_ms: u64,
     epoch: u32,
+    degraded: bool,
+    degraded_probe_ms: u64,
+    quota_requests: Option<(u64, u64, Option<u64>, u64, bool)>,
+    quota_tokens: Option<(u64, u64, Option<u64>, u64, bool)>,
+}
+
+fn remaining(
+    (left, reset_at_ms, limit, span_ms, assumed): (u64, u64, Option<u64>, u64, bool),
+) -> Remaining {
+    Remaining {
+        left,
+        reset_at_ms,
+        // u64::MAX is the codec's "no limit" (limits parsed from headers are at most 10^12).
+        limit: limit.filter(|l| *l != u64::MAX),
+        span_ms,
+        assumed,
+    }
 }
 
 #[derive(Arbitrary, Debug)]
@@ -82,6 +100,12 @@ fn state(s: &StateSpec) -> (u32, EndpointState) {
                 probes_succeeded: s.probes_succeeded,
                 last_probe_ms: s.last_probe_ms,
                 epoch: s.epoch,
+            },
+            degraded: s.degraded,
+            degraded_probe_ms: s.degraded_probe_ms,
+            quota: Quota {
+                requests: s.quota_requests.map(remaining),
+                tokens: s.quota_tokens.map(remaining),
             },
         },
     )
