@@ -218,7 +218,11 @@ impl RawUsage {
 #[allow(clippy::unwrap_used, clippy::indexing_slicing)]
 mod tests {
     use super::*;
+    // Property tests run natively only (proptest is not a wasm32 dev-dependency).
+    #[cfg(not(target_arch = "wasm32"))]
     use proptest::prelude::*;
+    #[cfg(target_arch = "wasm32")]
+    use wasm_bindgen_test::wasm_bindgen_test as test;
 
     fn scan(framing: Framing, body: &[u8]) -> Option<Usage> {
         let mut s = UsageScan::new(framing);
@@ -327,6 +331,7 @@ event: message_stop\ndata: {\"type\":\"message_stop\"}\n\n";
         assert_eq!(Framing::from_content_type(None), Framing::Json);
     }
 
+    #[cfg(not(target_arch = "wasm32"))]
     fn split(body: &[u8], cuts: &[usize]) -> Vec<Vec<u8>> {
         let mut cuts: Vec<usize> = cuts.iter().map(|c| c % (body.len() + 1)).collect();
         cuts.sort_unstable();
@@ -340,6 +345,7 @@ event: message_stop\ndata: {\"type\":\"message_stop\"}\n\n";
         out
     }
 
+    #[cfg(not(target_arch = "wasm32"))]
     fn answers() -> impl Strategy<Value = (Framing, Vec<u8>)> {
         let pad = (0usize..3 * TAIL_BYTES).prop_map(|n| vec![b' '; n]);
         prop_oneof![
@@ -361,6 +367,7 @@ event: message_stop\ndata: {\"type\":\"message_stop\"}\n\n";
         ]
     }
 
+    #[cfg(not(target_arch = "wasm32"))]
     proptest! {
         #![proptest_config(ProptestConfig::with_cases(128))]
 
