@@ -49,13 +49,6 @@ extern "C" {
         return_map_data: *mut *mut u8,
         return_map_size: *mut usize,
     ) -> u32;
-    fn proxy_get_header_map_value(
-        map_type: u32,
-        key_data: *const u8,
-        key_size: usize,
-        return_value_data: *mut *mut u8,
-        return_value_size: *mut usize,
-    ) -> u32;
     fn proxy_replace_header_map_value(
         map_type: u32,
         key_data: *const u8,
@@ -222,19 +215,6 @@ pub fn buffer(kind: BufferType, start: usize, max: usize) -> Vec<u8> {
     } else {
         Vec::new()
     }
-}
-
-/// The first value of header `name` (None if absent or on any error).
-pub fn header(map: MapType, name: &str) -> Option<Vec<u8>> {
-    let mut data = null_mut();
-    let mut size = 0usize;
-    // SAFETY: `name` is live for the call; the host writes into the out-parameters.
-    let status = unsafe {
-        proxy_get_header_map_value(map as u32, name.as_ptr(), name.len(), &mut data, &mut size)
-    };
-    // SAFETY: as in `buffer`.
-    let bytes = unsafe { take(data, size) };
-    (status == OK).then_some(bytes)
 }
 
 /// Every header of `map` (empty if the map is unavailable or its encoding is malformed).

@@ -21,26 +21,15 @@ use super::observe::Recorder;
 use super::root::Plugin;
 use super::shared::SharedData;
 use crate::scheduler::flow::{Flow, Step};
-use crate::scheduler::headers::HeaderSource;
 use crate::scheduler::select::Scheduler;
 use crate::scheduler::usage::TAIL_BYTES;
 use proxy_wasm::traits::{Context, HttpContext};
 use proxy_wasm::types::{Action, BufferType, MapType};
-use std::borrow::Cow;
 use std::rc::Rc;
 
 pub struct Http {
     plugin: Rc<Plugin>,
     flow: Flow,
-}
-
-/// A live header map, read one name at a time (a 200 costs one host call).
-struct LiveHeaders(MapType);
-
-impl HeaderSource for LiveHeaders {
-    fn header(&self, name: &str) -> Option<Cow<'_, [u8]>> {
-        host::header(self.0, name).map(Cow::Owned)
-    }
 }
 
 impl Http {
@@ -193,9 +182,12 @@ impl HttpContext for Http {
 
     fn on_http_response_headers(&mut self, _num_headers: usize, end_of_stream: bool) -> Action {
         let now = host::now_ms();
-        let live = LiveHeaders(MapType::HttpResponseHeaders);
+        // One host call for the whole map: a success answer is read for its status, its
+        // content type (twice) and up to a dozen quota headers, each a host call if looked up
+        // one by one.
+        let headers = host::header_pairs(MapType::HttpResponseHeaders);
         let step = self.with_flow(now, |f, s, r| {
-            f.on_response_headers(s, r, &live, end_of_stream, now)
+            f.on_response_headers(s, r, &headers, end_of_stream, now)
         });
         self.perform(step, now)
     }
