@@ -114,6 +114,19 @@ fn route(f: &mut Flow, s: &Scheduler<'_>, log: &mut Log, headers: Pairs, now: u6
     f.on_request_body(s, log, BODY.len(), true, &mut || BODY.to_vec(), now)
 }
 
+/// A POST with `body` in one piece: the step its end returns.
+fn send(f: &mut Flow, s: &Scheduler<'_>, log: &mut Log, body: &str) -> Step {
+    f.on_request_headers(s, log, post_headers(&[]), false, 0);
+    f.on_request_body(
+        s,
+        log,
+        body.len(),
+        true,
+        &mut || body.as_bytes().to_vec(),
+        0,
+    )
+}
+
 fn unreachable() -> Vec<u8> {
     panic!("the body is read once, at its end")
 }
@@ -530,15 +543,7 @@ fn bad_requests_get_openai_errors_and_never_take_a_ticket() {
         "é".repeat(200)
     );
     let mut f = Flow::default();
-    f.on_request_headers(&s, &mut log, post_headers(&[]), false, 0);
-    let (status, code, json) = refused(f.on_request_body(
-        &s,
-        &mut log,
-        body.len(),
-        true,
-        &mut || body.clone().into_bytes(),
-        0,
-    ));
+    let (status, code, json) = refused(send(&mut f, &s, &mut log, &body));
     assert_eq!((status, code), (400, "invalid_json"));
     assert!(json.len() < 1024, "{json}");
     // No body at all; a declared size over the limit; a chunked body that grows past it.
@@ -576,15 +581,7 @@ fn bad_requests_get_openai_errors_and_never_take_a_ticket() {
     let model = "é".repeat(128);
     let body = format!(r#"{{"model":"{model}"}}"#);
     let mut f = Flow::default();
-    f.on_request_headers(&sx, &mut log, post_headers(&[]), false, 0);
-    let (status, code, json) = refused(f.on_request_body(
-        &sx,
-        &mut log,
-        body.len(),
-        true,
-        &mut || body.clone().into_bytes(),
-        0,
-    ));
+    let (status, code, json) = refused(send(&mut f, &sx, &mut log, &body));
     assert_eq!((status, code), (404, "model_not_found"));
     assert!(serde_json::from_str::<serde_json::Value>(&json).is_ok());
     // No picks, no tickets, nothing in flight.
