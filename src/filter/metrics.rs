@@ -27,6 +27,8 @@ pub struct EndpointMetrics {
     pub ewma_latency_ms: Option<u32>,
     pub in_flight: Option<u32>,
     pub latency_ms: Option<u32>,
+    /// The affinity payoff of its pinned turns, in thousandths (`payoff`).
+    pub affinity_payoff_permille: Option<u32>,
     /// Token counters by affinity result, in [`AffinityResult::ALL`] order.
     pub tokens: Vec<TokenMetrics>,
 }
@@ -119,6 +121,10 @@ impl Metrics {
                     latency_ms: host::metric(
                         MetricType::Histogram,
                         &format!("computeflux_upstream_latency_ms.endpoint.{n}"),
+                    ),
+                    affinity_payoff_permille: host::metric(
+                        MetricType::Gauge,
+                        &format!("computeflux_affinity_payoff_permille.endpoint.{n}"),
                     ),
                     tokens: AffinityResult::ALL
                         .iter()

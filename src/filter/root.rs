@@ -118,5 +118,6 @@ pub fn refresh_gauges(p: &Plugin, now_ms: u64) {
             st.latency_ms.map_or(0, |l| l.round() as u64),
         );
         Metrics::set(m.in_flight, u64::from(st.load(now_ms)));
+        Metrics::set(m.affinity_payoff_permille, st.payoff.permille());
     }
 }

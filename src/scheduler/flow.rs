@@ -305,13 +305,13 @@ impl Flow {
     pub fn on_call_body(&mut self, obs: &mut dyn Observer, bytes: &[u8]) {
         if let Some(mut scan) = self.usage.take() {
             scan.feed(bytes);
-            self.report_usage(obs, &scan);
+            self.report_usage(obs, scan.finish());
         }
     }
 
     /// Reports the usage of the answer the client got, if it had one.
-    fn report_usage(&self, obs: &mut dyn Observer, scan: &UsageScan) {
-        let (Some(endpoint), Some(usage)) = (self.served_by, scan.finish()) else {
+    fn report_usage(&self, obs: &mut dyn Observer, usage: Option<Usage>) {
+        let (Some(endpoint), Some(usage)) = (self.served_by, usage) else {
             return;
         };
         let affinity = self.affinity.unwrap_or(AffinityResult::None);
@@ -503,10 +503,16 @@ impl Flow {
             return;
         }
         self.phase = Phase::Done;
-        self.finish_by_verdict(s, obs, now_ms);
-        if let Some(scan) = self.usage.take() {
-            self.report_usage(obs, &scan);
+        let usage = self.usage.take().and_then(|scan| scan.finish());
+        // An affinity hit's answer: its usage teaches the endpoint's payoff, in the same write
+        // that finishes the attempt.
+        if self.affinity == Some(AffinityResult::Hit) && self.attempts == 1 {
+            if let Some(a) = self.current.as_mut() {
+                a.ticket.pinned_usage = usage;
+            }
         }
+        self.finish_by_verdict(s, obs, now_ms);
+        self.report_usage(obs, usage);
     }
 
     /// A failover call's answer; `headers` is `None` when the call failed without one

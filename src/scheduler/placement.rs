@@ -28,11 +28,15 @@
 //! the candidates) is skipped in rendezvous order (a *spill*). Since the shares add up to
 //! `L + 1 > L`, some candidate is always within its bound when `slack ≥ 1`.
 //!
+//! **Affinity payoff** (`payoff_floor`, off by default): an endpoint whose pinned turns find
+//! (almost) nothing in its cache weighs `payoff_weight` × the above (see [`super::payoff`]).
+//!
 //! **Degraded endpoints** (far slower than the fastest, see [`degraded`]) get no new sessions
 //! but a probe now and then, and their pins are broken (`select`).
 
 use super::config::Config;
 use super::hash::rendezvous;
+use super::payoff::PayoffRule;
 use super::score::{health, LATENCY_FLOOR_MS};
 use super::state::EndpointState;
 
@@ -102,8 +106,11 @@ pub fn weigh(
         _ => None,
     };
     let h = health(st, best_latency_ms, cfg, now_ms).unwrap_or(1.0);
+    // An endpoint whose pinned turns find nothing cached gains nothing from sessions (a
+    // boolean of smoothed state, like the health levels: see `payoff`).
+    let payoff = PayoffRule::from_config(cfg).factor(&st.payoff);
     Weighed {
-        weight: weight * quantize(h, cfg.placement_quantum),
+        weight: weight * quantize(h, cfg.placement_quantum) * payoff,
         degraded: degraded(st.degraded, latency, cfg),
     }
 }

@@ -25,6 +25,7 @@ use super::quota::{estimate_tokens, QuotaHint, QuotaRule};
 use super::score::score;
 use super::state::Table;
 use super::store::{update_if, Store};
+use super::usage::Usage;
 
 /// The weight of a dead-key (401/403) outcome in the success-rate EWMA, at least.
 pub const DEAD_KEY_ALPHA: f64 = 0.5;
@@ -192,6 +193,10 @@ pub struct Ticket {
     /// Whether a success should pin the session here (not for a degraded endpoint's probe, nor,
     /// with `after_failover: return_home`, away from the session's home).
     pub pin_on_success: bool,
+    /// Set by the holder before finishing: the usage of the answer of an affinity hit (the
+    /// session's pinned endpoint answered its first attempt), folded into the endpoint's
+    /// affinity payoff in the finishing write (see `payoff`).
+    pub pinned_usage: Option<Usage>,
 }
 
 #[derive(Debug, PartialEq, Eq)]
@@ -421,6 +426,7 @@ impl<'a> Scheduler<'a> {
                 counted: true,
                 started_ms: now_ms,
                 pin_on_success: choice.pin_on_success,
+                pinned_usage: None,
             };
             let bytes = match bytes {
                 Some(stored) if same_layout && !others_changed => table.encode_patched(stored, i),
@@ -467,6 +473,7 @@ impl<'a> Scheduler<'a> {
                     counted: false,
                     started_ms: now_ms,
                     pin_on_success: c.pin_on_success,
+                    pinned_usage: None,
                 };
                 Ok(Decision {
                     endpoint: c.endpoint,
@@ -787,6 +794,9 @@ impl<'a> Scheduler<'a> {
                 };
                 st.success_rate = ewma::update(Some(faded), v, alpha).clamp(0.0, 1.0);
                 st.last_sample_ms = now_ms;
+            }
+            if let (Outcome::Success, Some(u)) = (outcome, &ticket.pinned_usage) {
+                st.payoff.observe(u);
             }
             if matches!(outcome, Outcome::Success) && cfg.quota_aware {
                 st.quota.observe(quota, &rule, now_ms);

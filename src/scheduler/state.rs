@@ -9,6 +9,7 @@ use super::breaker::{Breaker, BreakerState, OpenCause};
 use super::budget::RetryBudget;
 use super::codec::{Reader, Writer};
 use super::config::Config;
+use super::payoff::Payoff;
 use super::quota::Quota;
 
 /// Statistics of one endpoint.
@@ -34,6 +35,8 @@ pub struct EndpointState {
     pub degraded_probe_ms: u64,
     /// What its last successful answer said was left of its quota (see `quota`).
     pub quota: Quota,
+    /// The affinity payoff: cached share of its pinned turns' prompts (see `payoff`).
+    pub payoff: Payoff,
 }
 
 impl Default for EndpointState {
@@ -49,6 +52,7 @@ impl Default for EndpointState {
             degraded: false,
             degraded_probe_ms: 0,
             quota: Quota::default(),
+            payoff: Payoff::default(),
         }
     }
 }
@@ -75,9 +79,9 @@ pub struct Table {
     pub entries: Vec<(u32, EndpointState)>,
 }
 
-const TABLE_VERSION: u8 = 3;
+const TABLE_VERSION: u8 = 4;
 const ENTRY_BYTES: usize =
-    4 + 1 + 8 + 8 + 8 + 8 + 4 + 8 + 1 + 1 + 4 + 8 + 4 + 4 + 8 + 4 + 1 + 8 + Quota::BYTES;
+    4 + 1 + 8 + 8 + 8 + 8 + 4 + 8 + 1 + 1 + 4 + 8 + 4 + 4 + 8 + 4 + 1 + 8 + Quota::BYTES + Payoff::BYTES;
 const BUDGET_BYTES: usize = 8 + 8 + 8;
 /// Version byte, budget, entry count.
 const HEADER_BYTES: usize = 1 + BUDGET_BYTES + 4;
@@ -123,6 +127,7 @@ fn decode_entry(chunk: &[u8]) -> Option<(u32, EndpointState)> {
         },
         degraded_probe_ms: r.u64()?,
         quota: Quota::decode(&mut r)?,
+        payoff: Payoff::decode(&mut r)?,
     };
     Some((id, state))
 }
@@ -155,6 +160,7 @@ fn encode_entry(w: &mut Writer, id: u32, s: &EndpointState) {
     w.u8(u8::from(s.degraded));
     w.u64(s.degraded_probe_ms);
     s.quota.encode(w);
+    s.payoff.encode(w);
 }
 
 impl Table {
@@ -280,6 +286,11 @@ mod tests {
         t.entries[1].1.degraded = true;
         t.entries[1].1.degraded_probe_ms = 77;
         t.entries[1].1.quota.tokens = Some(crate::scheduler::quota::Remaining::new(5, 6));
+        t.entries[1].1.payoff.observe(&crate::scheduler::usage::Usage {
+            prompt_tokens: 300,
+            cached_tokens: 200,
+            completion_tokens: 1,
+        });
         let bytes = t.encode();
         assert_eq!(Table::decode(&bytes), Some(t.clone()));
         assert_eq!(Table::decode(&bytes[..bytes.len() - 1]), None);

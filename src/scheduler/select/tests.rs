@@ -493,6 +493,7 @@ fn warm(s: &Scheduler<'_>, latencies: &[u64], samples: u64, now: u64) {
                 counted: false,
                 started_ms: now,
                 pin_on_success: false,
+                pinned_usage: None,
             };
             s.finish(ticket, &Outcome::Success, lat, None, now);
         }
