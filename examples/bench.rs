@@ -10,7 +10,7 @@
 //! ```text
 //! cargo run --release --example bench -- [--quick] [--out results/bench]
 //!     [--policies round_robin,least_request,ring_hash,maglev,computeflux]
-//!     [--scenarios steady,rate_limited,down,slow,join,rolling_restart,quota,quota_off]
+//!     [--scenarios steady,rate_limited,down,slow,join,rolling_restart,quota,quota_off,no_cache]
 //!     [--replicas 1,3] [--replica-concurrency 1] [--front-concurrency 1] [--drain-s 1]
 //!     [--baseline FILE | --no-baseline] [--no-routing] [--no-overhead]
 //!     [--sessions 200] [--turns 6] [--rate 20] [--think-ms 800] [--user-tokens 300]

@@ -32,10 +32,13 @@ pub enum Scenario {
     Quota,
     /// `Quota` with `quota_aware: false`: the same budgets, the filter learns only from 429s.
     QuotaOff,
+    /// One endpoint runs without a prefix cache: stickiness gains nothing there (the affinity
+    /// payoff's closed loop, `payoff_floor`).
+    NoCache,
 }
 
 impl Scenario {
-    pub const ALL: [Scenario; 8] = [
+    pub const ALL: [Scenario; 9] = [
         Scenario::Steady,
         Scenario::RateLimited,
         Scenario::Down,
@@ -44,6 +47,7 @@ impl Scenario {
         Scenario::RollingRestart,
         Scenario::Quota,
         Scenario::QuotaOff,
+        Scenario::NoCache,
     ];
 
     pub fn name(&self) -> &'static str {
@@ -56,6 +60,7 @@ impl Scenario {
             Scenario::RollingRestart => "rolling_restart",
             Scenario::Quota => "quota",
             Scenario::QuotaOff => "quota_off",
+            Scenario::NoCache => "no_cache",
         }
     }
 
@@ -96,7 +101,7 @@ impl Scenario {
     pub fn window(&self, span_ms: u64) -> Option<(u64, Option<u64>)> {
         let at = |f: f64| (span_ms as f64 * f).round() as u64;
         match self {
-            Scenario::Steady | Scenario::Quota | Scenario::QuotaOff => None,
+            Scenario::Steady | Scenario::Quota | Scenario::QuotaOff | Scenario::NoCache => None,
             Scenario::RateLimited | Scenario::Down => Some((at(0.3), Some(at(0.6)))),
             Scenario::Slow => Some((at(0.3), None)),
             // The new endpoint is "faulty" (absent) until it joins.
@@ -118,6 +123,10 @@ impl Scenario {
         let ep = ENDPOINTS.get(FAULTY).map_or("a", |e| e.0);
         match (self, self.window(span_ms)) {
             (Scenario::Steady, _) => "no fault".into(),
+            (Scenario::NoCache, _) => format!(
+                "`{ep}` runs without a prefix cache (mock `--cache-tokens 0`): its turns are full \
+                 prefills whether pinned or not; the others cache as in steady"
+            ),
             (Scenario::Quota | Scenario::QuotaOff, _) => format!(
                 "every endpoint is an API key with a token budget per window (the mock's \
                  `--quota-*`, OpenAI headers); `c` and `d` get {:.0} % and {:.0} % of their even \
@@ -296,7 +305,23 @@ pub fn run(
     wasm: &std::path::Path,
 ) -> Result<Summary, String> {
     let started = Instant::now();
-    let mocks = topology::start_mocks(scenario.endpoints(), &opts.mock_args);
+    let mocks = if scenario == Scenario::NoCache {
+        // The faulty endpoint without a cache (the last flag wins in the mock).
+        ENDPOINTS
+            .iter()
+            .take(scenario.endpoints())
+            .enumerate()
+            .map(|(i, (name, models))| {
+                let mut args: Vec<&str> = opts.mock_args.iter().map(String::as_str).collect();
+                if i == FAULTY {
+                    args.extend(["--cache-tokens", "0"]);
+                }
+                MockUpstream::start(name, models, &args)
+            })
+            .collect()
+    } else {
+        topology::start_mocks(scenario.endpoints(), &opts.mock_args)
+    };
     for m in &mocks {
         topology::record_pid(m.pid());
     }
