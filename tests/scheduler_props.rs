@@ -26,6 +26,7 @@ use std::collections::HashMap;
 use computeflux::scheduler::affinity::{self, Affinity, Entry};
 use computeflux::scheduler::breaker::{Admission, Breaker, BreakerConfig, BreakerState, OpenCause};
 use computeflux::scheduler::outcome::FailureKind;
+use computeflux::scheduler::payoff::Payoff;
 use computeflux::scheduler::quota::{Quota, Remaining};
 use computeflux::scheduler::select::{Ticket, TABLE_KEY};
 use computeflux::scheduler::state::Table;
@@ -936,6 +937,7 @@ fn endpoint_state() -> impl Strategy<Value = EndpointState> {
         breaker(),
         (any::<bool>(), any::<u64>()),
         quota(),
+        (finite(0.0..1e12), finite(0.0..1e12), any::<u32>()),
     )
         .prop_map(
             |(
@@ -945,6 +947,7 @@ fn endpoint_state() -> impl Strategy<Value = EndpointState> {
                 breaker,
                 (degraded, degraded_probe_ms),
                 quota,
+                (prompt, cached, samples),
             )| {
                 EndpointState {
                     latency_ms,
@@ -957,6 +960,11 @@ fn endpoint_state() -> impl Strategy<Value = EndpointState> {
                     degraded,
                     degraded_probe_ms,
                     quota,
+                    payoff: Payoff {
+                        prompt,
+                        cached,
+                        samples,
+                    },
                 }
             },
         )

@@ -7,6 +7,7 @@
 use arbitrary::Arbitrary;
 use computeflux::scheduler::affinity::{self, Entry, KEY_PREFIX};
 use computeflux::scheduler::breaker::{Breaker, BreakerState, OpenCause};
+use computeflux::scheduler::payoff::Payoff;
 use computeflux::scheduler::quota::{Quota, Remaining};
 use computeflux::scheduler::select::TABLE_KEY;
 use computeflux::scheduler::state::Table;
@@ -37,6 +38,8 @@ struct StateSpec {
     degraded_probe_ms: u64,
     quota_requests: Option<(u64, u64, Option<u64>, u64, bool)>,
     quota_tokens: Option<(u64, u64, Option<u64>, u64, bool)>,
+    /// Prompt and cached token averages (non-negative, as the codec requires) and samples.
+    payoff: (u32, u32, u32),
 }
 
 fn remaining(
@@ -106,6 +109,11 @@ fn state(s: &StateSpec) -> (u32, EndpointState) {
             quota: Quota {
                 requests: s.quota_requests.map(remaining),
                 tokens: s.quota_tokens.map(remaining),
+            },
+            payoff: Payoff {
+                prompt: f64::from(s.payoff.0),
+                cached: f64::from(s.payoff.1),
+                samples: s.payoff.2,
             },
         },
     )

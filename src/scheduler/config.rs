@@ -361,10 +361,12 @@ config_keys! {
         "Share of an endpoint's stated quota limit (`x-ratelimit-limit-*`, `anthropic-ratelimit-*-limit`) kept for its pinned sessions: with fewer requests or tokens left than this percentage of the limit it gets no new sessions, so that the sessions whose prompts it has cached need not move when the quota runs out. `0`: no reserve.";
     quota_bytes_per_token: u64 = 4, Spec::Int { min: 1, max: 1_000 },
         "Request body bytes per estimated token: a request is taken to cost `ceil(body bytes / quota_bytes_per_token)` tokens of an endpoint's quota.";
-    payoff_floor: f64 = 0.0, Spec::Number { min: 0.0, max: 1.0 },
+    payoff_floor: f64 = 0.1, Spec::Number { min: 0.0, max: 1.0 },
         "Closed loop of the affinity payoff (the smoothed cached share of an endpoint's pinned turns' prompts, `computeflux_affinity_payoff_permille`; needs `usage_accounting`): an endpoint whose payoff is below this after `payoff_min_samples` pinned answers (prefix caching off, or a cache that forgets sessions before their pins expire) weighs `payoff_weight` × its weight when sessions are placed, so conversations go to endpoints that cache. Pins are kept; requests without a session are placed as before. `0` turns it off.";
-    payoff_min_samples: u64 = 10, Spec::Int { min: 1, max: 1_000_000 },
+    payoff_min_samples: u64 = 5, Spec::Int { min: 1, max: 1_000_000 },
         "Pinned answers with `usage` an endpoint needs before `payoff_floor` judges it.";
+    payoff_min_prompt_tokens: u64 = 1024, Spec::Int { min: 1, max: 1_000_000 },
+        "Pinned answers with fewer prompt tokens are not payoff samples: hosted APIs cache nothing below about 1024 tokens (OpenAI from 1024, Anthropic from 1024 or 2048), so a short prompt says nothing of the endpoint's cache. Self-hosted engines cache from one block (vLLM: 16 tokens).";
     payoff_weight: f64 = 0.125, Spec::UnitInterval,
         "Multiplier of the session placement weight of an endpoint below `payoff_floor`. Above zero, so that a few sessions still go there and show when its cache works again.";
 }

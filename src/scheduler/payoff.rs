@@ -18,9 +18,11 @@
 //! ```
 //!
 //! A ratio of averages weighs each turn by its prompt: a short prompt that does not fill one
-//! cache block (and so cannot be cached anywhere) barely moves it.
+//! cache block (and so cannot be cached anywhere) barely moves it. Prompts shorter than
+//! `payoff_min_prompt_tokens` (1024) are no samples at all: hosted APIs cache nothing below
+//! about that size, so their answers would read as "no cache" on an endpoint that has one.
 //!
-//! **Closed loop** (`payoff_floor`, `0` = off, the default): an endpoint is *unrewarding* when
+//! **Closed loop** (`payoff_floor`, 0.1 by default; `0` turns it off): an endpoint is *unrewarding* when
 //! it has at least `payoff_min_samples` samples and its payoff is below the floor. Its weight in
 //! *session* placement is multiplied by `payoff_weight` ([`PayoffRule::factor`]), so that new
 //! sessions (and sessions a replica places without a pin) go mostly to endpoints that cache.
@@ -99,10 +101,11 @@ impl Payoff {
     /// Bytes of [`Payoff::encode`].
     pub const BYTES: usize = 8 + 8 + 4;
 
-    /// Folds in the usage of one affinity hit's answer. An answer without prompt tokens
-    /// teaches nothing.
-    pub fn observe(&mut self, u: &Usage) {
-        if u.prompt_tokens == 0 {
+    /// Folds in the usage of one affinity hit's answer. An answer with fewer than
+    /// `min_prompt_tokens` prompt tokens (at least 1) teaches nothing: providers do not cache
+    /// short prompts at all (OpenAI caches from 1024 tokens, Anthropic from 1024 or 2048).
+    pub fn observe(&mut self, u: &Usage, min_prompt_tokens: u64) {
+        if u.prompt_tokens < min_prompt_tokens.max(1) {
             return;
         }
         let p = u.prompt_tokens as f64;
@@ -180,19 +183,22 @@ mod tests {
     fn worked_example() {
         let mut p = Payoff::default();
         assert_eq!((p.ratio(), p.permille()), (None, 0));
-        p.observe(&usage(100, 80));
+        p.observe(&usage(100, 80), 1);
         assert_eq!(p.permille(), 800);
         // prompt 0.9·100 + 0.1·300 = 120; cached 0.9·80 + 0.1·0 = 72: 0.6
-        p.observe(&usage(300, 0));
+        p.observe(&usage(300, 0), 1);
         assert!((p.prompt - 120.0).abs() < 1e-9 && (p.cached - 72.0).abs() < 1e-9);
         assert_eq!(p.permille(), 600);
         assert_eq!(p.samples, 2);
-        // No prompt: not a sample.
-        p.observe(&usage(0, 0));
+        // No prompt, or a prompt below the minimum: not a sample.
+        p.observe(&usage(0, 0), 0);
+        p.observe(&usage(1023, 0), 1024);
         assert_eq!(p.samples, 2);
+        p.observe(&usage(1024, 0), 1024);
+        assert_eq!(p.samples, 3);
         // Cached above prompt counts as the whole prompt.
         let mut q = Payoff::default();
-        q.observe(&usage(10, 99));
+        q.observe(&usage(10, 99), 1);
         assert_eq!(q.permille(), 1000);
     }
 
@@ -200,9 +206,9 @@ mod tests {
     fn a_short_uncached_prompt_barely_moves_it() {
         let mut p = Payoff::default();
         for _ in 0..10 {
-            p.observe(&usage(2000, 1800));
+            p.observe(&usage(2000, 1800), 1);
         }
-        p.observe(&usage(10, 0));
+        p.observe(&usage(10, 0), 1);
         assert_eq!(p.permille(), 900);
     }
 
@@ -212,8 +218,8 @@ mod tests {
         let mut good = Payoff::default();
         for i in 0..3 {
             assert!(!ON.unrewarding(&none), "{i} samples");
-            none.observe(&usage(500, 0));
-            good.observe(&usage(500, 400));
+            none.observe(&usage(500, 0), 1);
+            good.observe(&usage(500, 400), 1);
         }
         assert!(ON.unrewarding(&none));
         assert_eq!(ON.factor(&none), 0.125);
@@ -224,7 +230,7 @@ mod tests {
         assert_eq!(PayoffRule::OFF.factor(&none), 1.0);
         // A cache that comes back lifts it over the floor again.
         for _ in 0..3 {
-            none.observe(&usage(500, 450));
+            none.observe(&usage(500, 450), 1);
         }
         assert!(!ON.unrewarding(&none), "{:?}", none.ratio());
     }
@@ -232,19 +238,90 @@ mod tests {
     #[test]
     fn codec_round_trip_and_corruption() {
         let mut p = Payoff::default();
-        p.observe(&usage(123, 45));
+        p.observe(&usage(123, 45), 1);
         let mut w = Writer::with_capacity(Payoff::BYTES);
         p.encode(&mut w);
         assert_eq!(w.buf.len(), Payoff::BYTES);
         assert_eq!(Payoff::decode(&mut Reader::new(&w.buf)), Some(p));
         let mut bad = Writer::with_capacity(Payoff::BYTES);
-        Payoff {
-            prompt: -1.0,
-            ..p
-        }
-        .encode(&mut bad);
+        Payoff { prompt: -1.0, ..p }.encode(&mut bad);
         assert_eq!(Payoff::decode(&mut Reader::new(&bad.buf)), None);
         assert_eq!(Payoff::decode(&mut Reader::new(&w.buf[..10])), None);
+    }
+
+    /// Through the scheduler: samples folded in at finish, and new sessions leaving an
+    /// endpoint whose pinned turns find nothing cached while its pins stay.
+    #[test]
+    fn the_loop_moves_new_sessions_and_keeps_pins() {
+        use crate::scheduler::outcome::Outcome;
+        use crate::scheduler::select::{Exclusions, Pick, Reason, Scheduler};
+        use crate::scheduler::store::MemStore;
+        let cfg = Config::from_value(&serde_json::json!({
+            "endpoints": [{"name": "a", "cluster": "a"}, {"name": "b", "cluster": "b"}],
+            "payoff_min_samples": 3,
+        }))
+        .unwrap();
+        let store = MemStore::new();
+        let s = Scheduler::new(&cfg, &store);
+        let ex = Exclusions::default();
+        let pick = |k: u64| Pick {
+            model: None,
+            session: Some(k),
+            attempt: 1,
+            exclusions: &ex,
+            nonce: 0,
+            body_bytes: 0,
+        };
+        // Where each of 400 new sessions starts (nothing is pinned: cancelled attempts).
+        let homes = || -> Vec<usize> {
+            (1_000..1_400u64)
+                .map(|k| {
+                    let d = s.pick(&pick(k), 0).unwrap();
+                    let at = d.endpoint;
+                    s.finish(d.ticket, &Outcome::Cancelled, 0, None, 0);
+                    at
+                })
+                .collect()
+        };
+        let before = homes();
+        // A session pinned to `b`, whose pinned turns find nothing cached.
+        let k = (0..)
+            .find(|&k| {
+                s.pick(&pick(k), 0).map(|d| {
+                    let at = d.endpoint;
+                    s.finish(d.ticket, &Outcome::Cancelled, 0, None, 0);
+                    at
+                }) == Ok(1)
+            })
+            .unwrap();
+        let d = s.pick(&pick(k), 0).unwrap();
+        s.finish(d.ticket, &Outcome::Success, 10, Some(k), 0);
+        for i in 0..3 {
+            assert_eq!(homes(), before, "{i} samples: not yet judged");
+            let mut d = s.pick(&pick(k), 1).unwrap();
+            assert_eq!(d.reason, Reason::AffinityHit);
+            d.ticket.pinned_usage = Some(usage(2_000, 0));
+            s.finish(d.ticket, &Outcome::Success, 10, Some(k), 1);
+        }
+        let p = s.table().entries[1].1.payoff;
+        assert_eq!((p.samples, p.permille()), (3, 0));
+        let after = homes();
+        let on_b = |h: &[usize]| h.iter().filter(|&&e| e == 1).count();
+        // Weighted rendezvous: a lower weight only moves sessions away from `b`, to about
+        // 0.125 / 1.125 of them.
+        assert!(after.iter().zip(&before).all(|(a, b)| *a == 0 || *b == 1));
+        let (n_before, n_after) = (on_b(&before), on_b(&after));
+        assert!((170..230).contains(&n_before), "{n_before}");
+        assert!((25..70).contains(&n_after), "{n_after}");
+        // The pinned session stays.
+        let d = s.pick(&pick(k), 2).unwrap();
+        assert_eq!((d.endpoint, d.reason), (1, Reason::AffinityHit));
+        s.finish(d.ticket, &Outcome::Cancelled, 0, None, 2);
+        // Usage on a failed attempt is no sample.
+        let mut d = s.pick(&pick(k), 3).unwrap();
+        d.ticket.pinned_usage = Some(usage(2_000, 2_000));
+        s.finish(d.ticket, &Outcome::ClientError, 10, Some(k), 3);
+        assert_eq!(s.table().entries[1].1.payoff.samples, 3);
     }
 
     #[cfg(not(target_arch = "wasm32"))]
@@ -256,7 +333,7 @@ mod tests {
             let mut p = Payoff::default();
             let (mut lo, mut hi) = (1.0f64, 0.0f64);
             for &(prompt, cached) in &samples {
-                p.observe(&usage(prompt, cached));
+                p.observe(&usage(prompt, cached), 1);
                 let r = cached.min(prompt) as f64 / prompt as f64;
                 lo = lo.min(r);
                 hi = hi.max(r);

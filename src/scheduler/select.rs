@@ -796,7 +796,7 @@ impl<'a> Scheduler<'a> {
                 st.last_sample_ms = now_ms;
             }
             if let (Outcome::Success, Some(u)) = (outcome, &ticket.pinned_usage) {
-                st.payoff.observe(u);
+                st.payoff.observe(u, cfg.payoff_min_prompt_tokens);
             }
             if matches!(outcome, Outcome::Success) && cfg.quota_aware {
                 st.quota.observe(quota, &rule, now_ms);

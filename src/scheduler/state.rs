@@ -80,8 +80,26 @@ pub struct Table {
 }
 
 const TABLE_VERSION: u8 = 4;
-const ENTRY_BYTES: usize =
-    4 + 1 + 8 + 8 + 8 + 8 + 4 + 8 + 1 + 1 + 4 + 8 + 4 + 4 + 8 + 4 + 1 + 8 + Quota::BYTES + Payoff::BYTES;
+const ENTRY_BYTES: usize = 4
+    + 1
+    + 8
+    + 8
+    + 8
+    + 8
+    + 4
+    + 8
+    + 1
+    + 1
+    + 4
+    + 8
+    + 4
+    + 4
+    + 8
+    + 4
+    + 1
+    + 8
+    + Quota::BYTES
+    + Payoff::BYTES;
 const BUDGET_BYTES: usize = 8 + 8 + 8;
 /// Version byte, budget, entry count.
 const HEADER_BYTES: usize = 1 + BUDGET_BYTES + 4;
@@ -286,11 +304,14 @@ mod tests {
         t.entries[1].1.degraded = true;
         t.entries[1].1.degraded_probe_ms = 77;
         t.entries[1].1.quota.tokens = Some(crate::scheduler::quota::Remaining::new(5, 6));
-        t.entries[1].1.payoff.observe(&crate::scheduler::usage::Usage {
-            prompt_tokens: 300,
-            cached_tokens: 200,
-            completion_tokens: 1,
-        });
+        t.entries[1].1.payoff.observe(
+            &crate::scheduler::usage::Usage {
+                prompt_tokens: 300,
+                cached_tokens: 200,
+                completion_tokens: 1,
+            },
+            1,
+        );
         let bytes = t.encode();
         assert_eq!(Table::decode(&bytes), Some(t.clone()));
         assert_eq!(Table::decode(&bytes[..bytes.len() - 1]), None);
