@@ -246,6 +246,7 @@ fn dashboard_and_docs_use_only_emitted_metrics_and_labels() {
         "computeflux_ewma_latency_ms",
         "computeflux_failovers_total",
         "computeflux_in_flight",
+        "computeflux_affinity_payoff_permille",
     ] {
         assert!(used.contains(must), "the dashboard has no panel on {must}");
     }

@@ -68,6 +68,7 @@ fn every_label_value_is_distinct_and_documented() {
         "| `computeflux_prompt_tokens_total`",
         "| `computeflux_cached_prompt_tokens_total`",
         "| `computeflux_completion_tokens_total`",
+        "| `computeflux_affinity_payoff_permille`",
     ] {
         line(&doc, tokens); // documented; the affinity values are listed in the first row
     }
