@@ -848,3 +848,58 @@ fn quota_headers_are_not_read_off_failures_nor_with_the_feature_off() {
         assert_eq!(quota_of(&store, &c, 0), Default::default(), "{status}");
     }
 }
+
+#[test]
+fn only_an_affinity_hits_own_answer_feeds_the_payoff() {
+    let c = cfg(json!({"payoff_min_prompt_tokens": 1}));
+    let store = MemStore::new();
+    let s = Scheduler::new(&c, &store);
+    let payoff = |i: usize| {
+        Table::aligned(store.get(TABLE_KEY).0.as_deref(), &c).entries[i]
+            .1
+            .payoff
+    };
+    let json_ok = pairs(&[(":status", "200"), ("content-type", "application/json")]);
+    let body = br#"{"choices":[],"usage":{"prompt_tokens":40,"completion_tokens":4,"prompt_tokens_details":{"cached_tokens":32}}}"#;
+    // Turn 1 at home (not a sample), turn 2 an affinity hit (a sample: 32 of 40 cached).
+    for (now, samples) in [(0, 0), (100, 1)] {
+        let mut log = Log::default();
+        let mut f = Flow::default();
+        let step = route(
+            &mut f,
+            &s,
+            &mut log,
+            post_headers(&[("x-session-id", "p")]),
+            now,
+        );
+        assert_eq!(step, Step::Route(0));
+        f.on_response_headers(&s, &mut log, &json_ok, false, now + 5);
+        f.on_response_data(body);
+        f.on_response_end(&s, &mut log, now + 9);
+        f.on_log(&s, &mut log, now + 10);
+        assert_eq!(payoff(0).samples, samples, "after the turn at {now}");
+    }
+    assert_eq!(payoff(0).permille(), 800);
+    // A hit whose pinned endpoint fails: the failover answer teaches neither endpoint.
+    let mut log = Log::default();
+    let mut f = Flow::default();
+    route(
+        &mut f,
+        &s,
+        &mut log,
+        post_headers(&[("x-session-id", "p")]),
+        200,
+    );
+    let step = f.on_response_headers(&s, &mut log, &pairs(&[(":status", "503")]), false, 205);
+    assert_eq!(step, Step::Dispatch(1));
+    let answer = pairs(&[
+        (":status", "200"),
+        ("content-type", "application/json"),
+        (UPSTREAM_MARKER, "3"),
+    ]);
+    f.on_call_response(&s, &mut log, Some(answer), body.len(), 220);
+    f.on_call_body(&mut log, body);
+    f.on_log(&s, &mut log, 230);
+    assert_eq!(log.usages().len(), 1, "counted as usage");
+    assert_eq!((payoff(0).samples, payoff(1).samples), (1, 0));
+}
