@@ -320,6 +320,17 @@ pub fn front_bootstrap(replica_ports: &[u16], concurrency: u32) -> Result<String
         );
     }
     *cluster = c;
+    // Which replica served each request, for the raw per-request records.
+    if let Some(rc) = v.pointer_mut(
+        "/static_resources/listeners/0/filter_chains/0/filters/0/typed_config/route_config",
+    ) {
+        if let Some(o) = rc.as_object_mut() {
+            o.insert(
+                "response_headers_to_add".into(),
+                json!([{"header": {"key": "x-bench-replica", "value": "%UPSTREAM_REMOTE_ADDRESS%"}}]),
+            );
+        }
+    }
     serde_json::to_string_pretty(&v).map_err(|e| e.to_string())
 }
 
