@@ -105,10 +105,13 @@ pub fn plugin_config(endpoints: &[(&str, &[&str])], open_ms: u64) -> Value {
             e
         })
         .collect();
+    // The workload's clients keep each conversation's cookies (one client per conversation),
+    // the deployment `pin_cookie` is documented for (docs/decisions.md#after-a-failover).
     json!({
         "endpoints": eps,
         "session_header": super::workload::SESSION_HEADER,
         "open_ms": open_ms,
+        "pin_cookie": true,
     })
 }
 
