@@ -50,7 +50,8 @@ fn homes(cfg: &Config, sessions: &[u64]) -> Vec<String> {
                 attempt: 1,
                 exclusions: &ex,
                 nonce: 0,
-                body_bytes: 0, pin_hint: None,
+                body_bytes: 0,
+                pin_hint: None,
             };
             let d = s.pick(&pick, 0).unwrap();
             s.finish(d.ticket, &Outcome::Cancelled, 0, None, 0);

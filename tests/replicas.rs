@@ -504,7 +504,10 @@ fn pin_cookie_carries_a_failover_to_replicas_that_never_saw_it() {
         .collect();
     checks.expect(
         homed.len() >= 10,
-        format!("sessions homed on {HOME}: {} of 45 (need >= 10)", homed.len()),
+        format!(
+            "sessions homed on {HOME}: {} of 45 (need >= 10)",
+            homed.len()
+        ),
     );
 
     // Replica 0 alone sees the 429 and fails the sessions over.
@@ -534,7 +537,10 @@ fn pin_cookie_carries_a_failover_to_replicas_that_never_saw_it() {
         .count();
     checks.expect(
         cookies == homed.len(),
-        format!("sessions given a pin cookie by the failover: {cookies}/{}", homed.len()),
+        format!(
+            "sessions given a pin cookie by the failover: {cookies}/{}",
+            homed.len()
+        ),
     );
 
     // Control: replica 1, which never saw the 429 and finds the home healthy, gets the turn

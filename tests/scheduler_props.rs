@@ -274,7 +274,8 @@ impl Store for RacingStore<'_> {
                 attempt: 1,
                 exclusions: &ex,
                 nonce: 0,
-                body_bytes: 0, pin_hint: None,
+                body_bytes: 0,
+                pin_hint: None,
             };
             let before = Scheduler::new(self.cfg, &self.inner).table();
             if let Ok(d) = Scheduler::new(self.cfg, &self.inner).pick(&pick, now) {
@@ -501,7 +502,8 @@ impl<'a> Sim<'a> {
             attempt,
             exclusions: &ex,
             nonce: 0,
-            body_bytes: 0, pin_hint: None,
+            body_bytes: 0,
+            pin_hint: None,
         };
         *self.store.last_table_read.borrow_mut() = None;
         self.store.table_conflicts.set(0);
@@ -1237,7 +1239,8 @@ fn cas_exhaustion_never_sends_an_unrecorded_probe() {
         attempt: 1,
         exclusions: &ex,
         nonce: 0,
-        body_bytes: 0, pin_hint: None,
+        body_bytes: 0,
+        pin_hint: None,
     };
     let d = s.pick(&pick, 0).unwrap();
     assert_eq!(d.endpoint, 0, "the heavier endpoint first");

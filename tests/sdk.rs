@@ -264,10 +264,17 @@ fn sdk_keeps_the_pin_cookie_across_replicas() {
     );
     let home = str_at(&out, "/home");
     assert_eq!(str_at(&out, "/turns/0/affinity"), "home", "{out}");
-    assert!(out.pointer("/turns/0/set_cookie").is_some_and(Value::is_null), "no cookie at home: {out}");
+    assert!(
+        out.pointer("/turns/0/set_cookie")
+            .is_some_and(Value::is_null),
+        "no cookie at home: {out}"
+    );
     let backup = str_at(&out, "/turns/1/endpoint");
     assert_ne!(backup, home, "{out}");
-    assert!(str_at(&out, "/turns/1/set_cookie").starts_with("cf_pin_"), "{out}");
+    assert!(
+        str_at(&out, "/turns/1/set_cookie").starts_with("cf_pin_"),
+        "{out}"
+    );
     assert_eq!(out["cookies"].as_array().map(Vec::len), Some(1), "{out}");
     // The other replica: home without the cookie, the backup (as a pin hit) with it.
     assert_eq!(str_at(&out, "/control"), home, "{out}");

@@ -57,7 +57,10 @@ pub fn set_cookie(session: u64, endpoint_id: u32, ttl_ms: u64) -> String {
 }
 
 fn trim(b: &[u8]) -> &[u8] {
-    let start = b.iter().position(|c| !c.is_ascii_whitespace()).unwrap_or(b.len());
+    let start = b
+        .iter()
+        .position(|c| !c.is_ascii_whitespace())
+        .unwrap_or(b.len());
     let end = b
         .iter()
         .rposition(|c| !c.is_ascii_whitespace())

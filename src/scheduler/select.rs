@@ -300,6 +300,7 @@ impl<'a> Scheduler<'a> {
             reserve_percent: self.cfg.quota_reserve_percent,
             default_reset_ms: self.cfg.rate_limit_ms,
             max_reset_ms: self.cfg.retry_after_max_ms,
+            pacing: self.cfg.quota_pacing,
         }
     }
 
@@ -366,10 +367,7 @@ impl<'a> Scheduler<'a> {
         };
         // A pin cookie is the client's record of the session's newest place (set by whichever
         // replica served it last away from home): it wins over this replica's memory.
-        let hinted = pick
-            .session
-            .and(pick.pin_hint)
-            .filter(|&id| valid(id));
+        let hinted = pick.session.and(pick.pin_hint).filter(|&id| valid(id));
         let pinned = hinted.or(local.map(|p| p.1));
         let bcfg = self.breaker_config();
         let result = update_if(self.store, TABLE_KEY, |bytes| {
@@ -384,14 +382,7 @@ impl<'a> Scheduler<'a> {
             {
                 return (None, Err(NoEndpoint::BudgetExhausted));
             }
-            let choice = match self.choose(
-                &table,
-                &candidates,
-                pick,
-                pinned,
-                now_ms,
-                &bcfg,
-            ) {
+            let choice = match self.choose(&table, &candidates, pick, pinned, now_ms, &bcfg) {
                 Err(e) => return (None, Err(e)),
                 Ok(c) => c,
             };

@@ -29,7 +29,8 @@ fn pick_at(
             attempt: 1,
             exclusions: ex,
             nonce: 0,
-            body_bytes: 0, pin_hint: None,
+            body_bytes: 0,
+            pin_hint: None,
         },
         now,
     )
@@ -53,7 +54,8 @@ fn exclusions_in_order_and_model_not_found() {
             attempt: 1,
             exclusions: &Exclusions::default(),
             nonce: 0,
-            body_bytes: 0, pin_hint: None,
+            body_bytes: 0,
+            pin_hint: None,
         })
         .unwrap();
     assert_eq!(cands, vec![0, 1]);
@@ -73,7 +75,8 @@ fn exclusions_in_order_and_model_not_found() {
             attempt: 1,
             exclusions: &ex,
             nonce: 0,
-            body_bytes: 0, pin_hint: None,
+            body_bytes: 0,
+            pin_hint: None,
         })
         .unwrap_err();
     assert_eq!(err, NoEndpoint::Exhausted);
@@ -94,7 +97,8 @@ fn exclusions_in_order_and_model_not_found() {
                 attempt: 1,
                 exclusions: &Exclusions::default(),
                 nonce: 0,
-                body_bytes: 0, pin_hint: None,
+                body_bytes: 0,
+                pin_hint: None,
             },
             0
         )
@@ -136,7 +140,8 @@ fn affinity_sticks_and_repins_after_failover() {
                 attempt: 2,
                 exclusions: &ex2,
                 nonce: 0,
-                body_bytes: 0, pin_hint: None,
+                body_bytes: 0,
+                pin_hint: None,
             },
             102,
         )
@@ -408,7 +413,8 @@ fn retry_budget_limits_failovers() {
                 attempt: 2,
                 exclusions: &ex,
                 nonce: 0,
-                body_bytes: 0, pin_hint: None,
+                body_bytes: 0,
+                pin_hint: None,
             },
             0,
         )
@@ -434,7 +440,8 @@ fn failovers_after_401_or_429_spend_no_retry_budget() {
             attempt: 2,
             exclusions: &ex,
             nonce: 0,
-            body_bytes: 0, pin_hint: None,
+            body_bytes: 0,
+            pin_hint: None,
         };
         s.pick(&pick, 0)
             .map(|d| s.finish(d.ticket, &Outcome::Cancelled, 0, None, 0))
@@ -559,7 +566,8 @@ fn failover_walks_the_rendezvous_order_on_every_replica() {
                             attempt,
                             exclusions: &ex,
                             nonce: attempt.into(),
-                            body_bytes: 0, pin_hint: None,
+                            body_bytes: 0,
+                            pin_hint: None,
                         },
                         0,
                     )
@@ -652,7 +660,8 @@ fn after_failover_next_turn(policy: &str) -> (usize, usize, usize) {
                 attempt: 2,
                 exclusions: &ex2,
                 nonce: 0,
-                body_bytes: 0, pin_hint: None,
+                body_bytes: 0,
+                pin_hint: None,
             },
             4,
         )
