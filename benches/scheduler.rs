@@ -140,7 +140,7 @@ fn cases() -> Vec<Case> {
                         attempt: 1,
                         exclusions: ex,
                         nonce: 0,
-                        body_bytes: 0,
+                        body_bytes: 0, pin_hint: None,
                     };
                     let d = s.pick(&pick, NOW_MS + i).expect("an endpoint");
                     black_box(s.finish(d.ticket, &Outcome::Success, 250, None, NOW_MS + i));
@@ -163,7 +163,7 @@ fn cases() -> Vec<Case> {
                         attempt: 1,
                         exclusions: ex,
                         nonce: 0,
-                        body_bytes: 0,
+                        body_bytes: 0, pin_hint: None,
                     };
                     let start = Instant::now();
                     let d = s.pick(&pick, NOW_MS + i).expect("an endpoint");
@@ -196,7 +196,7 @@ fn cases() -> Vec<Case> {
                     attempt: 1,
                     exclusions: ex,
                     nonce: 0,
-                    body_bytes: 0,
+                    body_bytes: 0, pin_hint: None,
                 };
                 let d = s.pick(&pick, NOW_MS + i).expect("an endpoint");
                 debug_assert_eq!(d.reason, computeflux::scheduler::Reason::AffinityHit);
@@ -219,7 +219,7 @@ fn cases() -> Vec<Case> {
                     attempt: 1,
                     exclusions: ex,
                     nonce: 0,
-                    body_bytes: 0,
+                    body_bytes: 0, pin_hint: None,
                 };
                 let start = Instant::now();
                 let d = s.pick(&pick, NOW_MS + i).expect("an endpoint");

@@ -65,7 +65,7 @@ fn warm(cfg: &Config, latencies: &[f64], samples: u32, rng: &mut Rng) -> MemStor
                 attempt: 1,
                 exclusions: &ex,
                 nonce: 0,
-                body_bytes: 0,
+                body_bytes: 0, pin_hint: None,
             };
             let Ok(d) = s.pick(&pick, 1_000) else {
                 continue;
@@ -86,7 +86,7 @@ fn home(cfg: &Config, store: &MemStore, session: u64) -> Option<usize> {
         attempt: 1,
         exclusions: &ex,
         nonce: 0,
-        body_bytes: 0,
+        body_bytes: 0, pin_hint: None,
     };
     let d = s.pick(&pick, 1_001).ok()?;
     s.finish(d.ticket, &Outcome::Cancelled, 0, None, 1_001);

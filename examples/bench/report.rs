@@ -698,7 +698,8 @@ impl Report<'_> {
             s,
             "Workload: {} sessions × {} turns, Poisson arrivals at {} sessions/s, think time {} ms \
              mean (±50 %), {} new prompt tokens per user turn (each turn resends the transcript), \
-             {} of sessions on the second model `m2`; no shared system prompt; seed {}. \
+             {} of sessions on the second model `m2`; no shared system prompt; each session is its own \
+             client and keeps the cookies it is given; seed {}. \
              Endpoints: mock vLLM-style prefix-cache instances `a`,`b` (serve `m1`,`m2`), `c`,`d` \
              (`m1`), all weight 1, mock flags `{}`.\n",
             g("/workload/sessions"),

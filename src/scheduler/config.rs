@@ -343,6 +343,8 @@ config_keys! {
         "The constant added to the bounded-load limit, so that light traffic and short bursts never spill: a spill costs the session a full prefill elsewhere, one more request in an inference engine's batch costs little.";
     after_failover: AfterFailover = AfterFailover::Stay, Spec::Choice(&["stay", "return_home"]),
         "Where a session goes once the endpoint it failed over from is available again: `stay` keeps it on the endpoint that served the failover (where its newest prefix is cached), `return_home` sends it back to its rendezvous home (see [decisions](decisions.md#after-a-failover)).";
+    pin_cookie: bool = false, Spec::Bool,
+        "Carries a session's place in a cookie when it is not its rendezvous home (after a failover or a pin break): the answer sets `cf_pin_<session hash>` (the endpoint's id, `Max-Age` = `affinity_ttl_ms`, `HttpOnly`, `Path=/`), and any Envoy replica, also one that never saw the session or just restarted, follows it like a pin. For clients that keep cookies (browsers, the OpenAI Python SDK's client); only sessions away from home get one (see [decisions](decisions.md#after-a-failover)).";
     pin_break_ratio: f64 = 3.0, Spec::Number { min: 1.5, max: 1000.0 },
         "A warm endpoint whose latency estimate reaches this multiple of the fastest warm alternative's is degraded: its pinned sessions are placed again elsewhere (`pin_break`) and it gets no new sessions but probes. `1000` in effect turns pin breaking off.";
     pin_break_min_ms: u64 = 50, Spec::Int { min: 0, max: MAX_MS },

@@ -19,6 +19,7 @@ pub mod json_scan;
 pub mod models;
 pub mod multipart;
 pub mod outcome;
+pub mod pin_cookie;
 pub mod placement;
 pub mod quota;
 pub mod reply;

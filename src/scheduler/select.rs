@@ -83,6 +83,10 @@ pub struct Pick<'a> {
     pub nonce: u64,
     /// The request body's size, from which its token cost is estimated (quota-aware routing).
     pub body_bytes: usize,
+    /// The endpoint id the request's pin cookie names (`pin_cookie`): where another replica
+    /// last placed the session away from its home. Followed like a pin, before this replica's
+    /// own (older) memory of the session.
+    pub pin_hint: Option<u32>,
 }
 
 /// How an endpoint was chosen (the `reason` of the decision metric and log line).
@@ -202,6 +206,8 @@ pub struct Decision {
     pub ticket: Ticket,
     /// The endpoint whose pin was broken, if any (for its `pin_breaks` counter).
     pub broke_pin_of: Option<usize>,
+    /// The session's rendezvous home (the first non-degraded endpoint of its order), if any.
+    pub home: Option<usize>,
     /// Endpoints passed over because their quota was short (`quota_aware`): a placement skipped
     /// them, or a pinned session left one for a certain 429 (for their `quota_skips` counter).
     /// At most one entry per endpoint; never the chosen one.
@@ -216,6 +222,7 @@ struct Choice {
     affinity: AffinityResult,
     pin_on_success: bool,
     broke_pin_of: Option<usize>,
+    home: Option<usize>,
     /// The degraded flag of every weighed endpoint as this choice saw it (index, flag).
     degraded: Vec<(usize, bool)>,
     /// See [`Decision::quota_skipped`].
@@ -345,21 +352,31 @@ impl<'a> Scheduler<'a> {
     /// Chooses the endpoint for one attempt and starts it (in-flight +1, probe slot taken).
     pub fn pick(&self, pick: &Pick<'_>, now_ms: u64) -> Result<Decision, NoEndpoint> {
         let (candidates, _) = self.candidates(pick)?;
-        let pinned = pick
+        let local = pick
             .session
             .and_then(|s| self.affinity().lookup(s, now_ms).map(|id| (s, id)));
-        // A pin to an endpoint that is disabled or no longer serves the model is a hard failure
-        // of that pin: evict it so it does not keep costing a lookup.
-        if let Some((session, id)) = pinned {
-            let still_valid = self
-                .cfg
+        let valid = |id: u32| {
+            self.cfg
                 .endpoints
                 .iter()
-                .any(|e| e.id == id && !e.disabled && serves_opt(e, pick.model));
-            if !still_valid {
+                .any(|e| e.id == id && !e.disabled && serves_opt(e, pick.model))
+        };
+        // A pin to an endpoint that is disabled or no longer serves the model is a hard failure
+        // of that pin: evict it so it does not keep costing a lookup.
+        let local = match local {
+            Some((session, id)) if !valid(id) => {
                 self.affinity().forget(session, id);
+                None
             }
-        }
+            other => other,
+        };
+        // A pin cookie is the client's record of the session's newest place (set by whichever
+        // replica served it last away from home): it wins over this replica's memory.
+        let hinted = pick
+            .session
+            .and(pick.pin_hint)
+            .filter(|&id| valid(id));
+        let pinned = hinted.or(local.map(|p| p.1));
         let bcfg = self.breaker_config();
         let result = update_if(self.store, TABLE_KEY, |bytes| {
             let (mut table, same_layout) = Table::load(bytes, self.cfg);
@@ -377,7 +394,7 @@ impl<'a> Scheduler<'a> {
                 &table,
                 &candidates,
                 pick,
-                pinned.map(|p| p.1),
+                pinned,
                 now_ms,
                 &bcfg,
             ) {
@@ -440,6 +457,7 @@ impl<'a> Scheduler<'a> {
                     affinity: choice.affinity,
                     ticket,
                     broke_pin_of: choice.broke_pin_of,
+                    home: choice.home,
                     quota_skipped: choice.quota_skipped,
                 }),
             )
@@ -466,7 +484,7 @@ impl<'a> Scheduler<'a> {
                         all_rate_limited: false,
                     });
                 }
-                let c = self.choose(&table, &closed, pick, pinned.map(|p| p.1), now_ms, &bcfg)?;
+                let c = self.choose(&table, &closed, pick, pinned, now_ms, &bcfg)?;
                 let ticket = Ticket {
                     endpoint: c.endpoint,
                     endpoint_id: self.cfg.endpoints.get(c.endpoint).map_or(0, |e| e.id),
@@ -481,6 +499,7 @@ impl<'a> Scheduler<'a> {
                     affinity: c.affinity,
                     ticket,
                     broke_pin_of: c.broke_pin_of,
+                    home: c.home,
                     quota_skipped: c.quota_skipped,
                 })
             }
@@ -590,6 +609,15 @@ impl<'a> Scheduler<'a> {
             )
         };
 
+        // The session's rendezvous order, and its home: the first non-degraded endpoint in it.
+        let key = pick.session.unwrap_or(pick.nonce);
+        let weights: Vec<(usize, u32, f64)> = statics
+            .iter()
+            .filter_map(|&i| Some((i, cfg.endpoints.get(i)?.id, weight_of(i)?.weight)))
+            .collect();
+        let order = placement::order(key, &weights);
+        let home = order.iter().copied().find(|&i| !is_degraded(i));
+
         // A live pin wins, unless its endpoint is degraded.
         let pinned_index = pinned.and_then(|id| cfg.endpoint_index(id));
         let mut broke_pin_of = None;
@@ -606,6 +634,7 @@ impl<'a> Scheduler<'a> {
                     affinity: AffinityResult::Hit,
                     pin_on_success: true,
                     broke_pin_of: None,
+                    home,
                     degraded,
                     quota_skipped,
                 });
@@ -614,13 +643,6 @@ impl<'a> Scheduler<'a> {
 
         // Placement: the first candidate in rendezvous order that admits traffic, is not
         // degraded (but for a due probe) and is within its bounded load.
-        let key = pick.session.unwrap_or(pick.nonce);
-        let weights: Vec<(usize, u32, f64)> = statics
-            .iter()
-            .filter_map(|&i| Some((i, cfg.endpoints.get(i)?.id, weight_of(i)?.weight)))
-            .collect();
-        let order = placement::order(key, &weights);
-        let home = order.iter().copied().find(|&i| !is_degraded(i));
         let eligible = |i: usize| admitted(i) && !is_degraded(i);
         let (total_load, total_weight) =
             order
@@ -726,6 +748,7 @@ impl<'a> Scheduler<'a> {
             affinity,
             pin_on_success,
             broke_pin_of,
+            home,
             degraded,
             quota_skipped,
         })

@@ -57,7 +57,7 @@ fn remembered_holder_is_picked_as_an_affinity_hit() {
                 attempt: 1,
                 exclusions: &ex,
                 nonce: 0,
-                body_bytes: 0,
+                body_bytes: 0, pin_hint: None,
             },
             2_000,
         )
@@ -107,7 +107,7 @@ fn holder_unavailable_reasons() {
                     ..Exclusions::default()
                 },
                 nonce: 0,
-                body_bytes: 0,
+                body_bytes: 0, pin_hint: None,
             },
             now,
         )

@@ -29,7 +29,7 @@ fn pick_at(
             attempt: 1,
             exclusions: ex,
             nonce: 0,
-            body_bytes: 0,
+            body_bytes: 0, pin_hint: None,
         },
         now,
     )
@@ -53,7 +53,7 @@ fn exclusions_in_order_and_model_not_found() {
             attempt: 1,
             exclusions: &Exclusions::default(),
             nonce: 0,
-            body_bytes: 0,
+            body_bytes: 0, pin_hint: None,
         })
         .unwrap();
     assert_eq!(cands, vec![0, 1]);
@@ -73,7 +73,7 @@ fn exclusions_in_order_and_model_not_found() {
             attempt: 1,
             exclusions: &ex,
             nonce: 0,
-            body_bytes: 0,
+            body_bytes: 0, pin_hint: None,
         })
         .unwrap_err();
     assert_eq!(err, NoEndpoint::Exhausted);
@@ -94,7 +94,7 @@ fn exclusions_in_order_and_model_not_found() {
                 attempt: 1,
                 exclusions: &Exclusions::default(),
                 nonce: 0,
-                body_bytes: 0,
+                body_bytes: 0, pin_hint: None,
             },
             0
         )
@@ -136,7 +136,7 @@ fn affinity_sticks_and_repins_after_failover() {
                 attempt: 2,
                 exclusions: &ex2,
                 nonce: 0,
-                body_bytes: 0,
+                body_bytes: 0, pin_hint: None,
             },
             102,
         )
@@ -408,7 +408,7 @@ fn retry_budget_limits_failovers() {
                 attempt: 2,
                 exclusions: &ex,
                 nonce: 0,
-                body_bytes: 0,
+                body_bytes: 0, pin_hint: None,
             },
             0,
         )
@@ -434,7 +434,7 @@ fn failovers_after_401_or_429_spend_no_retry_budget() {
             attempt: 2,
             exclusions: &ex,
             nonce: 0,
-            body_bytes: 0,
+            body_bytes: 0, pin_hint: None,
         };
         s.pick(&pick, 0)
             .map(|d| s.finish(d.ticket, &Outcome::Cancelled, 0, None, 0))
@@ -559,7 +559,7 @@ fn failover_walks_the_rendezvous_order_on_every_replica() {
                             attempt,
                             exclusions: &ex,
                             nonce: attempt.into(),
-                            body_bytes: 0,
+                            body_bytes: 0, pin_hint: None,
                         },
                         0,
                     )
@@ -652,7 +652,7 @@ fn after_failover_next_turn(policy: &str) -> (usize, usize, usize) {
                 attempt: 2,
                 exclusions: &ex2,
                 nonce: 0,
-                body_bytes: 0,
+                body_bytes: 0, pin_hint: None,
             },
             4,
         )
@@ -774,6 +774,7 @@ fn body_pick<'a>(session: Option<u64>, ex: &'a Exclusions, body_bytes: usize) ->
         exclusions: ex,
         nonce: 0,
         body_bytes,
+        pin_hint: None,
     }
 }
 
