@@ -208,6 +208,10 @@ pub struct Decision {
     pub broke_pin_of: Option<usize>,
     /// The session's rendezvous home (the first non-degraded endpoint of its order), if any.
     pub home: Option<usize>,
+    /// Endpoints passed over because their quota was short (`quota_aware`): a placement skipped
+    /// them, or a pinned session left one for a certain 429 (for their `quota_skips` counter).
+    /// At most one entry per endpoint; never the chosen one.
+    pub quota_skipped: Vec<usize>,
 }
 
 /// What [`Scheduler::choose`] decided, before the attempt is started.
@@ -221,6 +225,8 @@ struct Choice {
     home: Option<usize>,
     /// The degraded flag of every weighed endpoint as this choice saw it (index, flag).
     degraded: Vec<(usize, bool)>,
+    /// See [`Decision::quota_skipped`].
+    quota_skipped: Vec<usize>,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -443,6 +449,7 @@ impl<'a> Scheduler<'a> {
                     ticket,
                     broke_pin_of: choice.broke_pin_of,
                     home: choice.home,
+                    quota_skipped: choice.quota_skipped,
                 }),
             )
         });
@@ -484,6 +491,7 @@ impl<'a> Scheduler<'a> {
                     ticket,
                     broke_pin_of: c.broke_pin_of,
                     home: c.home,
+                    quota_skipped: c.quota_skipped,
                 })
             }
             // CAS kept losing: go with the decision, but nothing was stored for it.
@@ -548,6 +556,8 @@ impl<'a> Scheduler<'a> {
         let quota = |i: usize| state(i).filter(|_| cfg.quota_aware).map(|st| st.quota);
         let short = |i: usize| quota(i).is_some_and(|q| q.short(estimate, &rule, now_ms));
         let certain_429 = |i: usize| quota(i).is_some_and(|q| q.certain_429(estimate, now_ms));
+        // Endpoints that would have been taken but for their quota (at most one entry each).
+        let mut quota_skipped: Vec<usize> = Vec::new();
 
         // Breaker admission of this attempt's candidates.
         let mut admission: Vec<Option<Admission>> = vec![None; n];
@@ -602,6 +612,9 @@ impl<'a> Scheduler<'a> {
         // A live pin wins, unless its endpoint is degraded.
         let pinned_index = pinned.and_then(|id| cfg.endpoint_index(id));
         let mut broke_pin_of = None;
+        if let Some(p) = pinned_index.filter(|&p| admitted(p) && certain_429(p)) {
+            quota_skipped.push(p);
+        }
         if let Some(p) = pinned_index.filter(|&p| admitted(p) && !certain_429(p)) {
             if is_degraded(p) {
                 broke_pin_of = Some(p);
@@ -614,6 +627,7 @@ impl<'a> Scheduler<'a> {
                     broke_pin_of: None,
                     home,
                     degraded,
+                    quota_skipped,
                 });
             }
         }
@@ -649,6 +663,9 @@ impl<'a> Scheduler<'a> {
                 }
                 unavailable_before = true;
                 continue;
+            }
+            if admitted(i) && short(i) && !quota_skipped.contains(&i) {
+                quota_skipped.push(i);
             }
             if !admitted(i) || short(i) {
                 unavailable_before = true;
@@ -714,6 +731,8 @@ impl<'a> Scheduler<'a> {
             (_, AfterFailover::Stay) => true,
             (_, AfterFailover::ReturnHome) => Some(endpoint) == home,
         };
+        // Nothing else could take it: a short endpoint chosen after all was not skipped.
+        quota_skipped.retain(|&i| i != endpoint);
         Ok(Choice {
             endpoint,
             reason,
@@ -722,6 +741,7 @@ impl<'a> Scheduler<'a> {
             broke_pin_of,
             home,
             degraded,
+            quota_skipped,
         })
     }
 

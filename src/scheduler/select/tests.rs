@@ -973,3 +973,94 @@ fn quota_is_remembered_only_from_successes() {
     assert_eq!(s.table().entries[0].1.quota.requests_left(0), Some(8));
     s.finish(d.ticket, &Outcome::Cancelled, 0, None, 0);
 }
+
+/// `Decision::quota_skipped` names exactly the endpoints passed over for quota: a placement that
+/// skipped a short key, a pin left for a certain 429; not a key that fits, not the chosen one,
+/// nothing with the feature off.
+#[test]
+fn quota_skips_name_the_endpoints_passed_over_for_quota() {
+    let two = |extra: serde_json::Value| {
+        let mut v = json!({"endpoints":[{"name":"a","cluster":"ca"},{"name":"b","cluster":"cb"}]});
+        v.as_object_mut()
+            .unwrap()
+            .extend(extra.as_object().unwrap().clone());
+        cfg(v)
+    };
+    let c = two(json!({}));
+    let store = MemStore::new();
+    let s = Scheduler::new(&c, &store);
+    let ex = Exclusions::default();
+    let k = session_homed_at(&s, 0);
+    let d = s.pick(&body_pick(None, &ex, 0), 0).unwrap();
+    assert!(d.quota_skipped.is_empty(), "{:?}", d.quota_skipped);
+    let t = Ticket {
+        endpoint: 0,
+        endpoint_id: c.endpoints[0].id,
+        ..d.ticket
+    };
+    s.finish_observed(
+        t,
+        &Outcome::Success,
+        10,
+        None,
+        &stated(None, Some(1_000)),
+        0,
+    );
+    // 1 001 tokens do not fit into a's 1 000: skipped for quota, placed on b.
+    let skipped = s.pick(&body_pick(Some(k), &ex, 4_004), 1).unwrap();
+    assert_eq!((skipped.endpoint, skipped.quota_skipped), (1, vec![0]));
+    // 1 000 fit: nothing skipped.
+    let fits = s.pick(&body_pick(Some(k), &ex, 4_000), 2).unwrap();
+    assert_eq!((fits.endpoint, fits.quota_skipped), (0, vec![]));
+    // Off: nothing is skipped, nothing reported.
+    let off = two(json!({"quota_aware": false}));
+    let d = Scheduler::new(&off, &store)
+        .pick(&body_pick(Some(k), &ex, 4_004), 3)
+        .unwrap();
+    assert_eq!((d.endpoint, d.quota_skipped), (0, vec![]));
+
+    // A pinned session leaves its key only for a certain 429, and that key is reported.
+    let c = two(json!({"quota_min_tokens": 5_000}));
+    let store = MemStore::new();
+    let s = Scheduler::new(&c, &store);
+    let k = session_homed_at(&s, 0);
+    let d = s.pick(&body_pick(Some(k), &ex, 400), 0).unwrap();
+    s.finish_observed(
+        d.ticket,
+        &Outcome::Success,
+        10,
+        Some(k),
+        &stated(Some(1), Some(3_000)),
+        1,
+    );
+    // Below the floor but a request left: the pin holds, nothing skipped.
+    let stay = s.pick(&body_pick(Some(k), &ex, 400), 2).unwrap();
+    assert_eq!(
+        (stay.affinity, stay.quota_skipped),
+        (AffinityResult::Hit, vec![])
+    );
+    let moved = s.pick(&body_pick(Some(k), &ex, 400), 3).unwrap();
+    assert_eq!(
+        (moved.endpoint, moved.affinity, moved.quota_skipped),
+        (1, AffinityResult::Miss, vec![0])
+    );
+
+    // Every key spent: the one tried after all is not reported as skipped.
+    let c = two(json!({}));
+    let store = MemStore::new();
+    let s = Scheduler::new(&c, &store);
+    for i in 0..2 {
+        let d = s.pick(&body_pick(None, &ex, 0), 0).unwrap();
+        let t = Ticket {
+            endpoint: i,
+            endpoint_id: c.endpoints[i].id,
+            ..d.ticket
+        };
+        s.finish_observed(t, &Outcome::Success, 10, None, &stated(Some(0), None), 0);
+    }
+    let d = s.pick(&body_pick(Some(k), &ex, 40), 1).unwrap();
+    assert!(
+        !d.quota_skipped.contains(&d.endpoint) && d.quota_skipped.len() == 1,
+        "{d:?}"
+    );
+}
