@@ -141,6 +141,7 @@ fn cases() -> Vec<Case> {
                         exclusions: ex,
                         nonce: 0,
                         body_bytes: 0,
+                        pin_hint: None,
                     };
                     let d = s.pick(&pick, NOW_MS + i).expect("an endpoint");
                     black_box(s.finish(d.ticket, &Outcome::Success, 250, None, NOW_MS + i));
@@ -164,6 +165,7 @@ fn cases() -> Vec<Case> {
                         exclusions: ex,
                         nonce: 0,
                         body_bytes: 0,
+                        pin_hint: None,
                     };
                     let start = Instant::now();
                     let d = s.pick(&pick, NOW_MS + i).expect("an endpoint");
@@ -197,6 +199,7 @@ fn cases() -> Vec<Case> {
                     exclusions: ex,
                     nonce: 0,
                     body_bytes: 0,
+                    pin_hint: None,
                 };
                 let d = s.pick(&pick, NOW_MS + i).expect("an endpoint");
                 debug_assert_eq!(d.reason, computeflux::scheduler::Reason::AffinityHit);
@@ -220,6 +223,7 @@ fn cases() -> Vec<Case> {
                     exclusions: ex,
                     nonce: 0,
                     body_bytes: 0,
+                    pin_hint: None,
                 };
                 let start = Instant::now();
                 let d = s.pick(&pick, NOW_MS + i).expect("an endpoint");

@@ -16,7 +16,7 @@
 //!     [--sessions 200] [--turns 6] [--rate 20] [--think-ms 800] [--user-tokens 300]
 //!     [--second-model-share 0.2] [--seed 7] [--prefill-us-per-token 100] [--decode-ms 20]
 //!     [--max-concurrency 8] [--envoy-retries on|off] [--open-ms 3000]
-//!     [--overhead-reps 4] [--overhead-seconds 2] [--micro FILE | --micro-missing REASON]
+//!     [--overhead-reps 6] [--overhead-seconds 2] [--micro FILE | --micro-missing REASON]
 //!     [--date D] [--commit C] [--command CMD]
 //! cargo run --release --example bench -- --render results/bench/results.json
 //! ```
@@ -124,7 +124,8 @@ fn parse() -> Result<Args, String> {
         envoy_retries: true,
         open_ms: 3000,
         plugin_extra: serde_json::Value::Null,
-        overhead_reps: if quick { 1 } else { 4 },
+        // Six rounds: enough for a sign test on a 5 µs difference (see bench/report.rs).
+        overhead_reps: if quick { 1 } else { 6 },
         overhead_s: if quick { 1 } else { 2 },
         micro: Err(
             "not run (pass --micro FILE with `cargo bench --bench scheduler` output)".into(),
@@ -253,6 +254,16 @@ fn model_clusters() -> serde_json::Value {
         .into()
 }
 
+/// The overhead floor's module (`examples/floor_filter.rs`): `$COMPUTEFLUX_FLOOR_WASM`, else
+/// `<target>/wasm32-wasip1/release/examples/floor_filter.wasm`.
+fn floor_wasm() -> PathBuf {
+    std::env::var_os("COMPUTEFLUX_FLOOR_WASM")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| {
+            support::target_dir().join("wasm32-wasip1/release/examples/floor_filter.wasm")
+        })
+}
+
 fn envoy_version() -> String {
     let bin = support::envoy_bin();
     std::process::Command::new(bin)
@@ -368,9 +379,17 @@ fn run(a: Args) -> Result<(), String> {
         connections: 16,
         work_dir: tmp.clone(),
     };
+    let floor = floor_wasm();
     let cases = if a.overhead {
         eprintln!("bench: overhead");
-        overhead::run(&oh_opts, &wasm)?
+        if !floor.is_file() {
+            return Err(format!(
+                "the floor module {} is missing: `cargo build --release --target wasm32-wasip1 \
+                 --example floor_filter` (scripts/bench builds it)",
+                floor.display()
+            ));
+        }
+        overhead::run(&oh_opts, &wasm, &floor)?
     } else {
         Vec::new()
     };
@@ -425,6 +444,9 @@ fn run(a: Args) -> Result<(), String> {
                 "concurrencies": oh_opts.concurrencies, "throughput_s": oh_opts.throughput_s,
                 "latency_s": oh_opts.latency_s, "reps": oh_opts.reps,
                 "connections": oh_opts.connections, "load_generator": "wrk",
+                "routes": overhead::ROUTES.iter().map(|(n, d)| json!({"name": n, "description": d})).collect::<Vec<_>>(),
+                "floor_module_bytes": std::fs::metadata(&floor).ok().map(|m| m.len()),
+                "round_order": "each round runs every route once, the order rotated by one route per round",
             },
             "wall_s": started.elapsed().as_secs(),
         }),

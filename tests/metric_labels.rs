@@ -84,3 +84,42 @@ fn every_label_value_is_distinct_and_documented() {
         &rejects,
     );
 }
+
+/// Every metric `src/filter/metrics.rs` defines has its row in `docs/metrics.md`'s table (a
+/// counter added to the filter without documentation fails here).
+#[test]
+fn every_defined_metric_has_a_row() {
+    let doc = doc();
+    let src = std::fs::read_to_string(concat!(
+        env!("CARGO_MANIFEST_DIR"),
+        "/src/filter/metrics.rs"
+    ))
+    .unwrap();
+    let mut names: Vec<&str> = src
+        .match_indices("\"computeflux_")
+        .map(|(i, _)| {
+            let rest = &src[i + 1..];
+            let end = rest
+                .find(|c: char| !(c.is_ascii_alphanumeric() || c == '_'))
+                .unwrap_or(rest.len());
+            &rest[..end]
+        })
+        .collect();
+    names.sort_unstable();
+    names.dedup();
+    // The counters defined when this test was written, so that a broken scan cannot pass.
+    for known in [
+        "computeflux_requests_total",
+        "computeflux_pin_breaks_total",
+        "computeflux_quota_skips_total",
+        "computeflux_cas_exhausted_total",
+    ] {
+        assert!(
+            names.contains(&known),
+            "{known} not found in src/filter/metrics.rs: {names:?}"
+        );
+    }
+    for n in names {
+        line(&doc, &format!("| `{n}`"));
+    }
+}

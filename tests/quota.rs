@@ -55,6 +55,18 @@ fn total_429(mocks: &[MockUpstream]) -> u64 {
     mocks.iter().map(MockUpstream::count_429).sum()
 }
 
+/// `computeflux_quota_skips_total` per key, as Envoy's admin `/stats` shows it (None: the
+/// counter is missing).
+fn quota_skips(envoy: &Envoy) -> Vec<Option<i64>> {
+    KEYS.iter()
+        .map(|k| {
+            envoy.stat(&format!(
+                "wasmcustom.computeflux_quota_skips_total.endpoint.{k}"
+            ))
+        })
+        .collect()
+}
+
 /// Sessions of `turns` turns each, one request at a time; returns (client errors, sessions).
 fn run(envoy: &Envoy, tag: &str, sessions: usize, turns: usize) -> (usize, Vec<Session>) {
     let mut all = Session::many(tag, sessions, MODEL);
@@ -79,16 +91,23 @@ fn quota_headers_make_the_filter_leave_a_key_before_its_429() {
     let mut checks = Checks::new();
     let budget = json!({"requests": 5, "window_ms": WINDOW_MS, "headers_family": "openai"});
     let mut measured = Vec::new();
+    let mut skips = Vec::new();
     for aware in [false, true] {
         quota(&mocks, budget.clone());
         let e = envoy(&mocks, json!({"quota_aware": aware}));
         let (errors, sessions) = run(&e, &format!("aware-{aware}"), 2, 7);
         let rejected = total_429(&mocks);
         let served: Vec<u64> = mocks.iter().map(MockUpstream::request_count).collect();
+        let skipped = quota_skips(&e);
         println!(
-            "quota_aware={aware}: mock 429s {rejected}, client errors {errors}, requests per key {served:?}, endpoints {:?}",
+            "quota_aware={aware}: mock 429s {rejected}, client errors {errors}, requests per key {served:?}, quota skips per key {skipped:?}, endpoints {:?}",
             sessions.iter().map(|s| s.turns.iter().map(|t| t.endpoint().to_string()).collect::<Vec<_>>()).collect::<Vec<_>>()
         );
+        checks.expect(
+            skipped.iter().all(Option::is_some),
+            format!("quota_aware={aware}: a quota_skips counter for every key (got {skipped:?})"),
+        );
+        skips.push(skipped.iter().map(|n| n.unwrap_or(0)).sum::<i64>());
         checks.expect(
             errors == 0,
             format!("quota_aware={aware}: no client errors (got {errors})"),
@@ -102,6 +121,23 @@ fn quota_headers_make_the_filter_leave_a_key_before_its_429() {
     checks.expect(
         measured[1] == 0,
         format!("quota_aware=true: no key answers 429 (got {})", measured[1]),
+    );
+    // The metric says so: the keys the filter left for their quota are counted, and nothing is
+    // with the feature off. Each key takes 5 of the 14 turns, so at least two run out while
+    // their sessions still send: each turn after that skips its spent key.
+    checks.expect(
+        skips[0] == 0,
+        format!(
+            "quota_aware=false: no quota skips counted (got {})",
+            skips[0]
+        ),
+    );
+    checks.expect(
+        skips[1] >= 2,
+        format!(
+            "quota_aware=true: the filter's quota skips are counted (got {})",
+            skips[1]
+        ),
     );
     // Anthropic's header family works the same way.
     quota(

@@ -72,12 +72,21 @@ fn plugin_config() -> Value {
 }
 
 fn fleet() -> Fleet {
+    fleet_with(json!({}))
+}
+
+/// The fleet with `extra` merged into the plugin configuration.
+fn fleet_with(extra: Value) -> Fleet {
     let mocks: Vec<MockUpstream> = ENDPOINTS
         .iter()
         .map(|(name, _)| steady_mock(name, PREFILL_US_PER_TOKEN))
         .collect();
     let clusters: Vec<(&str, u16)> = mocks.iter().map(|m| (m.name.as_str(), m.port)).collect();
-    let replicas = Replicas::start(EnvoyConfig::new(plugin_config(), &clusters), REPLICAS);
+    let mut config = plugin_config();
+    if let (Some(c), Some(e)) = (config.as_object_mut(), extra.as_object()) {
+        c.extend(e.clone());
+    }
+    let replicas = Replicas::start(EnvoyConfig::new(config, &clusters), REPLICAS);
     Fleet { mocks, replicas }
 }
 
@@ -460,6 +469,121 @@ fn rate_limited_home_fails_over_to_the_same_backup_on_every_replica() {
         format!(
             "sessions homed elsewhere, turns on the previous endpoint during the 429: {stayed}"
         ),
+    );
+    expect_no_crashes(&mut checks, &fleet.replicas);
+    checks.finish();
+}
+
+/// `pin_cookie`: a session that one replica failed over gets a cookie naming its backup, and the
+/// replicas that never saw the fault follow it, also once the home is healthy again. The control
+/// (the same sessions' turns without their cookies) goes home on those replicas: the cookie, not
+/// shared state, carries the place.
+#[test]
+fn pin_cookie_carries_a_failover_to_replicas_that_never_saw_it() {
+    const HOME: &str = "d";
+    let fleet = fleet_with(json!({"pin_cookie": true}));
+    fleet.warm_up("cookie");
+    let mut sessions = Session::many("ck", 45, MODEL);
+    for s in &mut sessions {
+        s.jar = Some(BTreeMap::new());
+    }
+    fleet.round_robin(&mut sessions, REPLICAS);
+    let mut checks = Checks::new();
+    expect_no_errors(&mut checks, "before the 429", &sessions);
+    let with_cookie = sessions
+        .iter()
+        .filter(|s| s.jar.as_ref().is_some_and(|j| !j.is_empty()))
+        .count();
+    checks.expect(
+        with_cookie == 0,
+        format!("sessions given a cookie while at home: {with_cookie} (want 0)"),
+    );
+    let mut homed: Vec<Session> = sessions
+        .into_iter()
+        .filter(|s| s.first_endpoint() == Some(HOME))
+        .collect();
+    checks.expect(
+        homed.len() >= 10,
+        format!(
+            "sessions homed on {HOME}: {} of 45 (need >= 10)",
+            homed.len()
+        ),
+    );
+
+    // Replica 0 alone sees the 429 and fails the sessions over.
+    let home = fleet.mock(HOME);
+    home.set_fault(json!({"mode": "status", "status": 429, "retry_after": "30"}));
+    let port0 = fleet.replicas.port(0);
+    for s in &mut homed {
+        s.send(0, port0);
+    }
+    home.clear_fault();
+    let backups: BTreeMap<String, String> = homed
+        .iter()
+        .map(|s| (s.id.clone(), s.last_endpoint().unwrap_or("-").to_string()))
+        .collect();
+    let spread = tally(backups.values().map(String::as_str));
+    checks.expect(
+        !spread.contains_key(HOME) && !spread.contains_key("-"),
+        format!("backups chosen by replica 0: {spread:?} (none on {HOME})"),
+    );
+    let cookies = homed
+        .iter()
+        .filter(|s| {
+            s.jar
+                .as_ref()
+                .is_some_and(|j| j.keys().any(|k| k.starts_with("cf_pin_")))
+        })
+        .count();
+    checks.expect(
+        cookies == homed.len(),
+        format!(
+            "sessions given a pin cookie by the failover: {cookies}/{}",
+            homed.len()
+        ),
+    );
+
+    // Control: replica 1, which never saw the 429 and finds the home healthy, gets the turn
+    // without the cookie and sends it home.
+    let mut control: Vec<Session> = homed.clone();
+    for s in &mut control {
+        s.jar = None;
+    }
+    fleet.turn(&mut control, 1, |_| 1);
+    let control_home = control
+        .iter()
+        .filter(|s| s.last_endpoint() == Some(HOME))
+        .count();
+    checks.expect(
+        control_home == control.len(),
+        format!(
+            "without the cookie, replica 1 sent {control_home}/{} sessions home to {HOME}",
+            control.len()
+        ),
+    );
+
+    // With the cookie, replicas 2 then 1 (whose own pin now says home) follow the backup.
+    let before = homed[0].turns.len();
+    fleet.turn(&mut homed, 1, |_| 2);
+    fleet.turn(&mut homed, 1, |_| 1);
+    expect_no_errors(&mut checks, "cookie turns", &homed);
+    let mut followed = 0;
+    let mut total = 0;
+    let mut misses = Vec::new();
+    for s in &homed {
+        for t in &s.turns[before..] {
+            total += 1;
+            if t.endpoint() == backups[&s.id] && t.affinity() == "hit" {
+                followed += 1;
+            } else if misses.len() < 5 {
+                misses.push(s.trail());
+            }
+        }
+    }
+    eprintln!("cookie turns on replica 0's backup (affinity hit): {followed}/{total}");
+    checks.expect(
+        followed == total,
+        format!("cookie turns on replica 0's backup as a pin hit: {followed}/{total}; {misses:?}"),
     );
     expect_no_crashes(&mut checks, &fleet.replicas);
     checks.finish();

@@ -227,3 +227,57 @@ fn sdk_error_classes_and_retry_after() {
     let statuses: Vec<u64> = fleet.received("solo").iter().map(|r| r.2).collect();
     assert_eq!(statuses, [503, 503, 200, 429, 429, 200], "{out}");
 }
+
+/// `pin_cookie` with the SDK's own HTTP client: a conversation failed over by one Envoy replica
+/// (its home answered 429) continues on the backup through a second replica that never saw the
+/// failover, because the client sends back the cookie the failover answer set. The same turn
+/// without the cookie goes home on that replica.
+#[test]
+fn sdk_keeps_the_pin_cookie_across_replicas() {
+    let endpoints: [(&str, &[&str]); 3] = [("a", &["llama"]), ("b", &["llama"]), ("c", &["llama"])];
+    let fleet = Fleet::start(&endpoints, json!({"pin_cookie": true}));
+    let eps: Vec<Value> = endpoints
+        .iter()
+        .map(|(name, models)| json!({"name": name, "cluster": name, "models": models}))
+        .collect();
+    let clusters: Vec<(&str, u16)> = fleet
+        .mocks
+        .iter()
+        .map(|m| (m.name.as_str(), m.port))
+        .collect();
+    let other = Envoy::start(EnvoyConfig::new(
+        json!({"endpoints": eps, "pin_cookie": true}),
+        &clusters,
+    ));
+    let control_ports: serde_json::Map<String, Value> = fleet
+        .mocks
+        .iter()
+        .map(|m| (m.name.clone(), json!(m.control_port)))
+        .collect();
+    let out = fleet.run(
+        "pin_cookie",
+        json!({
+            "model": "llama",
+            "other_base_url": format!("http://127.0.0.1:{}/v1", other.port),
+            "control_ports": control_ports,
+        }),
+    );
+    let home = str_at(&out, "/home");
+    assert_eq!(str_at(&out, "/turns/0/affinity"), "home", "{out}");
+    assert!(
+        out.pointer("/turns/0/set_cookie")
+            .is_some_and(Value::is_null),
+        "no cookie at home: {out}"
+    );
+    let backup = str_at(&out, "/turns/1/endpoint");
+    assert_ne!(backup, home, "{out}");
+    assert!(
+        str_at(&out, "/turns/1/set_cookie").starts_with("cf_pin_"),
+        "{out}"
+    );
+    assert_eq!(out["cookies"].as_array().map(Vec::len), Some(1), "{out}");
+    // The other replica: home without the cookie, the backup (as a pin hit) with it.
+    assert_eq!(str_at(&out, "/control"), home, "{out}");
+    assert_eq!(str_at(&out, "/turns/2/endpoint"), backup, "{out}");
+    assert_eq!(str_at(&out, "/turns/2/affinity"), "hit", "{out}");
+}

@@ -2,10 +2,21 @@
 //! without the filter in front of the same fast upstream.
 //!
 //! Why: the routing gains are only worth having if the filter's per-request cost is small next
-//! to Envoy's own. The Envoys run side by side and are measured alternately (a, b, c, a, b, c,
-//! ...) in the same run, so machine noise (other builds on a shared 2-core box) hits all; medians
-//! are reported. The third Envoy runs the filter with `usage_accounting: false`, so the cost of
-//! reading every answer's usage is the difference between two filters measured in one run.
+//! to Envoy's own, and a user deciding between this filter and any other body-routing wasm
+//! filter wants to know how much of that cost is the filter's own logic. Five Envoys run side by
+//! side in front of the same upstream (see [`ROUTES`]): no wasm; the *floor*
+//! (`examples/floor_filter.rs`: pause the headers, buffer the body, set one routing header,
+//! nothing else: what any proxy-wasm filter that routes on the body pays); the filter; the
+//! filter with `usage_accounting: false`; and the filter with `usage_accounting: false` and
+//! `quota_aware: false`. So: floor − no wasm = the cost of being a body-routing wasm filter,
+//! filter − floor = computeflux's own logic, filter − the last two = reading every answer's usage
+//! (and its quota headers). The upstream sends OpenAI quota headers on every answer (a budget no
+//! run can spend), so that reading them is measured too.
+//!
+//! Each repetition ("round") runs every Envoy once (in an order rotated by one each round, so no
+//! Envoy always runs right after the same other one), and differences are taken per round
+//! ("paired"), so slow drifts of the shared machine's load cancel; the report gives the median of
+//! the per-round differences and their min…max.
 //!
 //! Three figures per case: throughput with 16 keep-alive connections (closed loop, the whole
 //! machine saturated: wrk, Envoy and the upstream share the CPUs), latency with one connection
@@ -40,7 +51,7 @@ pub struct WrkRun {
     pub p50_us: f64,
     pub p99_us: f64,
     pub errors: u64,
-    /// Envoy CPU µs per request during the run (throughput runs only).
+    /// Envoy CPU µs per request during the run.
     pub envoy_cpu_us: Option<f64>,
 }
 
@@ -50,8 +61,7 @@ pub struct Case {
     pub concurrency: u32,
     pub body: String,
     pub body_bytes: usize,
-    /// "no_wasm", "filter", or "filter_no_usage" (the filter with `usage_accounting: false`:
-    /// the difference to "filter" is the cost of reading the answers' usage).
+    /// One of [`ROUTES`].
     pub route: String,
     pub rps: f64,
     pub rps_runs: Vec<f64>,
@@ -63,10 +73,45 @@ pub struct Case {
     pub p99_us: f64,
     pub p50_runs: Vec<f64>,
     pub envoy_cpu_us: f64,
+    /// Per round, in round order (pair them with another route's to difference them).
+    pub cpu_runs: Vec<f64>,
     /// Envoy CPU per request in the one-connection runs (no batching across requests).
     pub envoy_cpu_us_one_conn: f64,
+    pub cpu_one_conn_runs: Vec<f64>,
     pub errors: u64,
 }
+
+/// The Envoys measured, in report order: name and what it runs.
+pub const ROUTES: [(&str, &str); 5] = [
+    ("no_wasm", "no wasm filter: a static route to one cluster"),
+    (
+        "floor",
+        "the floor module (`examples/floor_filter.rs`): pauses the headers, buffers the body, copies it into the module, sets the routing header to a fixed cluster; nothing else",
+    ),
+    (
+        "filter",
+        "the computeflux filter (defaults: usage accounting and quota-aware routing on) choosing among four endpoint clusters",
+    ),
+    (
+        "filter_no_usage",
+        "the filter with `usage_accounting: false` (answers' usage not read)",
+    ),
+    (
+        "filter_no_usage_quota",
+        "the filter with `usage_accounting: false` and `quota_aware: false` (neither answers' usage nor their quota headers read)",
+    ),
+];
+
+/// The mock's quota: far more than any run can spend, so that every answer carries OpenAI's
+/// `x-ratelimit-{limit,remaining,reset}-{requests,tokens}` headers and no endpoint runs short.
+const QUOTA_ARGS: [&str; 6] = [
+    "--quota-requests",
+    "100000000000",
+    "--quota-tokens",
+    "100000000000",
+    "--quota-window-ms",
+    "3600000",
+];
 
 const LUA_DONE: &str = r#"
 done = function(summary, latency, requests)
@@ -164,8 +209,14 @@ fn median(v: &[f64]) -> f64 {
     }
 }
 
-/// Runs the whole overhead matrix. Returns the cases and the upstream's description.
-pub fn run(opts: &OverheadOpts, wasm: &Path) -> Result<Vec<Case>, String> {
+/// CPU µs per request of `e` over a run that started at `before` ticks.
+fn cpu_per_request(e: &EnvoyProc, before: Option<u64>, requests: u64, tck: f64) -> Option<f64> {
+    let (a, b) = (before?, e.cpu_ticks()?);
+    Some(b.saturating_sub(a) as f64 / tck * 1e6 / requests.max(1) as f64)
+}
+
+/// Runs the whole overhead matrix. `floor` is the floor module (`examples/floor_filter.rs`).
+pub fn run(opts: &OverheadOpts, wasm: &Path, floor: &Path) -> Result<Vec<Case>, String> {
     std::fs::create_dir_all(&opts.work_dir).map_err(|e| e.to_string())?;
     let args: Vec<String> = [
         "--prefill-us-per-token",
@@ -176,6 +227,7 @@ pub fn run(opts: &OverheadOpts, wasm: &Path) -> Result<Vec<Case>, String> {
         "0",
     ]
     .iter()
+    .chain(QUOTA_ARGS.iter())
     .map(|s| s.to_string())
     .collect();
     let upstream = MockUpstream::start(
@@ -201,43 +253,53 @@ pub fn run(opts: &OverheadOpts, wasm: &Path) -> Result<Vec<Case>, String> {
         };
         plain_cfg.clusters = vec![("upstream".into(), upstream.port)];
         let plain_boot = super::support::render_bootstrap(&plain_cfg, wasm, 0, 0);
-        let filter_boot = topology::bootstrap(
-            &Setup {
-                policy: Policy::Filter,
-                hosts: &hosts,
-                concurrency: conc,
-                envoy_retries: false,
-                open_ms: 30_000,
-                plugin_extra: serde_json::Value::Null,
-            },
-            wasm,
-        )?;
-        // The same filter without usage accounting.
-        let eps_only: Vec<(&str, &[&str])> = eps.to_vec();
-        let mut no_usage = topology::plugin_config(&eps_only, 30_000);
-        if let Some(o) = no_usage.as_object_mut() {
-            o.insert("usage_accounting".into(), json!(false));
-        }
-        let no_usage_cfg = super::support::EnvoyConfig {
+        // Every filter variant: the same bootstrap, plugin keys on top.
+        let filter_boot = |extra: Value| {
+            topology::bootstrap(
+                &Setup {
+                    policy: Policy::Filter,
+                    hosts: &hosts,
+                    concurrency: conc,
+                    envoy_retries: false,
+                    open_ms: 30_000,
+                    plugin_extra: extra,
+                },
+                wasm,
+            )
+        };
+        // The floor: the same listener, route (on the routing header) and clusters.
+        let floor_cfg = super::support::EnvoyConfig {
             concurrency: conc,
             log_level: "warn".into(),
-            plugin_config: no_usage,
+            plugin_config: json!({"cluster": "ep_f1"}),
             clusters: hosts
                 .iter()
                 .map(|(n, _, p)| (format!("ep_{n}"), *p))
                 .collect(),
             ..Default::default()
         };
-        let no_usage_boot = super::support::render_bootstrap(&no_usage_cfg, wasm, 0, 0);
-        // The filter config above has no models: any model is served by every endpoint.
-        let plain = EnvoyProc::start(&plain_boot, conc, "overhead-plain")?;
-        let filter = EnvoyProc::start(&filter_boot, conc, "overhead-filter")?;
-        let filter_no_usage = EnvoyProc::start(&no_usage_boot, conc, "overhead-filter-no-usage")?;
-        let routes: [(&str, &EnvoyProc); 3] = [
-            ("no_wasm", &plain),
-            ("filter", &filter),
-            ("filter_no_usage", &filter_no_usage),
+        let floor_boot = super::support::render_bootstrap(&floor_cfg, floor, 0, 0);
+        // The filter config has no models: any model is served by every endpoint.
+        let envoys = [
+            EnvoyProc::start(&plain_boot, conc, "overhead-plain")?,
+            EnvoyProc::start(&floor_boot, conc, "overhead-floor")?,
+            EnvoyProc::start(&filter_boot(Value::Null)?, conc, "overhead-filter")?,
+            EnvoyProc::start(
+                &filter_boot(json!({"usage_accounting": false}))?,
+                conc,
+                "overhead-filter-no-usage",
+            )?,
+            EnvoyProc::start(
+                &filter_boot(json!({"usage_accounting": false, "quota_aware": false}))?,
+                conc,
+                "overhead-filter-no-usage-quota",
+            )?,
         ];
+        let routes: Vec<(&str, &EnvoyProc)> = ROUTES
+            .iter()
+            .map(|(name, _)| *name)
+            .zip(envoys.iter())
+            .collect();
         for (bname, b) in &bodies {
             let script = lua_script(&opts.work_dir, bname, b)?;
             // Warm-up: connections, V8 tiers, the upstream's cache.
@@ -246,27 +308,29 @@ pub fn run(opts: &OverheadOpts, wasm: &Path) -> Result<Vec<Case>, String> {
             }
             let mut tput: Vec<Vec<WrkRun>> = vec![Vec::new(); routes.len()];
             let mut lat: Vec<Vec<WrkRun>> = vec![Vec::new(); routes.len()];
-            for _ in 0..opts.reps {
-                for (i, (_, e)) in routes.iter().enumerate() {
+            for round in 0..opts.reps {
+                // Rotated order: round r starts with route r (mod the number of routes).
+                let order: Vec<usize> = (0..routes.len())
+                    .map(|k| (k + round) % routes.len())
+                    .collect();
+                for &i in &order {
+                    let Some((_, e)) = routes.get(i) else {
+                        continue;
+                    };
                     let before = e.cpu_ticks();
                     let mut r = wrk(e.port, &script, 1, opts.connections, opts.throughput_s)?;
-                    if let (Some(a), Some(b)) = (before, e.cpu_ticks()) {
-                        r.envoy_cpu_us = Some(
-                            (b.saturating_sub(a)) as f64 / tck * 1e6 / r.requests.max(1) as f64,
-                        );
-                    }
+                    r.envoy_cpu_us = cpu_per_request(e, before, r.requests, tck);
                     if let Some(v) = tput.get_mut(i) {
                         v.push(r);
                     }
                 }
-                for (i, (_, e)) in routes.iter().enumerate() {
+                for &i in &order {
+                    let Some((_, e)) = routes.get(i) else {
+                        continue;
+                    };
                     let before = e.cpu_ticks();
                     let mut r = wrk(e.port, &script, 1, 1, opts.latency_s)?;
-                    if let (Some(a), Some(b)) = (before, e.cpu_ticks()) {
-                        r.envoy_cpu_us = Some(
-                            (b.saturating_sub(a)) as f64 / tck * 1e6 / r.requests.max(1) as f64,
-                        );
-                    }
+                    r.envoy_cpu_us = cpu_per_request(e, before, r.requests, tck);
                     if let Some(v) = lat.get_mut(i) {
                         v.push(r);
                     }
@@ -291,7 +355,15 @@ pub fn run(opts: &OverheadOpts, wasm: &Path) -> Result<Vec<Case>, String> {
                     p99_us: m(&|r| r.p99_us, &l),
                     p50_runs: l.iter().map(|r| r.p50_us).collect(),
                     envoy_cpu_us: m(&|r| r.envoy_cpu_us.unwrap_or(f64::NAN), &t),
+                    cpu_runs: t
+                        .iter()
+                        .map(|r| round1(r.envoy_cpu_us.unwrap_or(f64::NAN)))
+                        .collect(),
                     envoy_cpu_us_one_conn: m(&|r| r.envoy_cpu_us.unwrap_or(f64::NAN), &l),
+                    cpu_one_conn_runs: l
+                        .iter()
+                        .map(|r| round1(r.envoy_cpu_us.unwrap_or(f64::NAN)))
+                        .collect(),
                     errors: t.iter().chain(&l).map(|r| r.errors).sum(),
                 };
                 eprintln!(
@@ -301,12 +373,15 @@ pub fn run(opts: &OverheadOpts, wasm: &Path) -> Result<Vec<Case>, String> {
                 cases.push(case);
             }
         }
-        drop(filter_no_usage);
-        drop(filter);
-        drop(plain);
+        drop(routes);
+        drop(envoys);
         std::thread::sleep(Duration::from_millis(200));
     }
     Ok(cases)
+}
+
+fn round1(x: f64) -> f64 {
+    (x * 10.0).round() / 10.0
 }
 
 fn num(x: f64) -> Value {
@@ -330,7 +405,9 @@ impl Case {
             "latency_us_one_connection": {"p50": num(self.p50_us), "p99": num(self.p99_us)},
             "p50_us_runs": self.p50_runs,
             "envoy_cpu_us_per_request": num(self.envoy_cpu_us),
+            "envoy_cpu_us_per_request_runs": self.cpu_runs.iter().map(|x| num(*x)).collect::<Vec<_>>(),
             "envoy_cpu_us_per_request_one_connection": num(self.envoy_cpu_us_one_conn),
+            "envoy_cpu_us_per_request_one_connection_runs": self.cpu_one_conn_runs.iter().map(|x| num(*x)).collect::<Vec<_>>(),
             "errors": self.errors,
         })
     }
@@ -342,6 +419,13 @@ impl Case {
             v.pointer(p)
                 .and_then(Value::as_array)
                 .map(|a| a.iter().filter_map(Value::as_f64).collect())
+                .unwrap_or_default()
+        };
+        // Per-round values keep their position (a missing one is NaN) so rounds stay paired.
+        let runs = |p: &str| {
+            v.pointer(p)
+                .and_then(Value::as_array)
+                .map(|a| a.iter().map(|x| x.as_f64().unwrap_or(f64::NAN)).collect())
                 .unwrap_or_default()
         };
         let st = |p: &str| {
@@ -363,7 +447,9 @@ impl Case {
             p99_us: f("/latency_us_one_connection/p99"),
             p50_runs: list("/p50_us_runs"),
             envoy_cpu_us: f("/envoy_cpu_us_per_request"),
+            cpu_runs: runs("/envoy_cpu_us_per_request_runs"),
             envoy_cpu_us_one_conn: f("/envoy_cpu_us_per_request_one_connection"),
+            cpu_one_conn_runs: runs("/envoy_cpu_us_per_request_one_connection_runs"),
             errors: v.get("errors").and_then(Value::as_u64).unwrap_or(0),
         }
     }

@@ -128,6 +128,78 @@ fn added_p50(a: &Case, b: &Case) -> (f64, f64, f64) {
     paired(&a.p50_runs, &b.p50_runs, |y, x| y - x)
 }
 
+/// The case of `route` measured with `base`'s concurrency and body.
+fn sibling<'a>(cases: &'a [Case], base: &Case, route: &str) -> Option<&'a Case> {
+    cases
+        .iter()
+        .find(|c| c.route == route && c.concurrency == base.concurrency && c.body == base.body)
+}
+
+/// Added Envoy CPU µs per request of `b` over `a` (16 connections, or one): median, min and
+/// max of the per-round differences; for a run without per-round figures, the difference of
+/// the medians alone.
+fn added_cpu(a: &Case, b: &Case, one_conn: bool) -> (f64, f64, f64) {
+    let (ra, rb, ma, mb) = if one_conn {
+        (
+            &a.cpu_one_conn_runs,
+            &b.cpu_one_conn_runs,
+            a.envoy_cpu_us_one_conn,
+            b.envoy_cpu_us_one_conn,
+        )
+    } else {
+        (&a.cpu_runs, &b.cpu_runs, a.envoy_cpu_us, b.envoy_cpu_us)
+    };
+    let d = paired(ra, rb, |y, x| y - x);
+    if d.0.is_finite() {
+        d
+    } else {
+        (mb - ma, f64::NAN, f64::NAN)
+    }
+}
+
+/// `+12.3 (+8.1…+15.0)`; the range only when known.
+fn spread(d: (f64, f64, f64)) -> String {
+    match d {
+        (m, _, _) if !m.is_finite() => "–".into(),
+        (m, lo, hi) if lo.is_finite() && hi.is_finite() => {
+            format!("{m:+.1} ({lo:+.1}…{hi:+.1})")
+        }
+        (m, _, _) => format!("{m:+.1}"),
+    }
+}
+
+/// The issue 12 target on reading usage and quota headers (≤ 5 µs of Envoy CPU per request).
+pub const USAGE_QUOTA_TARGET_US: f64 = 5.0;
+/// Rounds needed before "every round within the target" means something: if the true added
+/// cost were above it, each round (noise symmetric around the truth) would fall within it with
+/// probability ≤ 1/2, so all `n` rounds with probability ≤ 2^-n (a sign test; 5 rounds: ≤ 3 %).
+pub const MIN_ROUNDS_TO_SHOW: usize = 5;
+
+/// Judged on the per-round differences `d` (median, min, max) of `rounds` rounds.
+fn usage_quota_verdict(d: (f64, f64, f64), rounds: usize) -> String {
+    let (m, lo, hi) = d;
+    let t = USAGE_QUOTA_TARGET_US;
+    if !m.is_finite() {
+        "not measured".into()
+    } else if !hi.is_finite() || !lo.is_finite() {
+        format!(
+            "{} (difference of medians; no per-round figures, so not shown)",
+            if m <= t { "≤ 5 µs" } else { "> 5 µs" }
+        )
+    } else if rounds < MIN_ROUNDS_TO_SHOW {
+        format!("only {rounds} round(s): not shown either way")
+    } else if hi <= t {
+        format!(
+            "every one of {rounds} rounds ≤ {t} µs: **shown** (sign test, p ≤ {:.3})",
+            0.5f64.powi(rounds as i32)
+        )
+    } else if lo > t {
+        format!("every one of {rounds} rounds > {t} µs: **missed**")
+    } else {
+        format!("rounds on both sides of {t} µs: **not shown** either way at this noise")
+    }
+}
+
 fn overhead_pairs(cases: &[Case]) -> Vec<(&Case, &Case)> {
     let mut out = Vec::new();
     for a in cases.iter().filter(|c| c.route == "no_wasm") {
@@ -266,11 +338,14 @@ impl Report<'_> {
 
     pub fn overhead_table(&self) -> String {
         let mut s = String::from(
-            "| --concurrency | body | route | req/s (16 conns) | filter ÷ no-wasm (min…max) | p50 µs (1 conn) | p99 µs (1 conn) | added p50 µs (min…max) | Envoy CPU µs/req (16 conns) | Envoy CPU µs/req (1 conn) | errors |\n|---|---|---|---|---|---|---|---|---|---|---|\n",
+            "| --concurrency | body | route | req/s (16 conns) | ÷ no-wasm (min…max) | p50 µs (1 conn) | p99 µs (1 conn) | added p50 µs vs no-wasm (min…max) | Envoy CPU µs/req (16 conns) | Envoy CPU µs/req (1 conn) | errors |\n|---|---|---|---|---|---|---|---|---|---|---|\n",
         );
-        for (a, b) in overhead_pairs(self.overhead) {
-            for c in [a, b] {
-                let is_b = std::ptr::eq(c, b);
+        for a in self.overhead.iter().filter(|c| c.route == "no_wasm") {
+            let rows = super::overhead::ROUTES
+                .iter()
+                .filter_map(|(r, _)| sibling(self.overhead, a, r));
+            for c in rows {
+                let is_base = std::ptr::eq(c, a);
                 let _ = writeln!(
                     s,
                     "| {} | {} ({} B) | {} | {:.0} | {} | {:.0} | {:.0} | {} | {:.1} | {:.1} | {} |",
@@ -279,25 +354,120 @@ impl Report<'_> {
                     c.body_bytes,
                     c.route,
                     c.rps,
-                    if is_b {
-                        let (m, lo, hi) = share(a, b);
-                        format!("{} ({}…{})", pct(m), pct(lo), pct(hi))
-                    } else {
+                    if is_base {
                         String::new()
+                    } else {
+                        let (m, lo, hi) = share(a, c);
+                        format!("{} ({}…{})", pct(m), pct(lo), pct(hi))
                     },
                     c.p50_us,
                     c.p99_us,
-                    if is_b {
-                        let (m, lo, hi) = added_p50(a, b);
-                        format!("{m:+.0} ({lo:+.0}…{hi:+.0})")
-                    } else {
+                    if is_base {
                         String::new()
+                    } else {
+                        let (m, lo, hi) = added_p50(a, c);
+                        format!("{m:+.0} ({lo:+.0}…{hi:+.0})")
                     },
                     c.envoy_cpu_us,
                     c.envoy_cpu_us_one_conn,
                     c.errors
                 );
             }
+        }
+        s
+    }
+
+    /// Where the Envoy CPU per request goes, from the per-round differences between the routes:
+    /// being a body-routing wasm filter at all (floor − no wasm), the filter's own logic (filter
+    /// − floor), reading usage (filter − filter_no_usage) and usage and quota headers (filter −
+    /// filter_no_usage_quota). Empty when the run has no floor.
+    pub fn cpu_split_table(&self, one_conn: bool) -> String {
+        let mut s = String::new();
+        for a in self.overhead.iter().filter(|c| c.route == "no_wasm") {
+            let get = |r: &str| sibling(self.overhead, a, r);
+            let (Some(floor), Some(filter)) = (get("floor"), get("filter")) else {
+                continue;
+            };
+            if s.is_empty() {
+                s.push_str(
+                    "| --concurrency | body | no wasm | floor − no wasm | filter − floor (own logic) | filter − no wasm | usage (filter − filter_no_usage) | usage + quota headers (filter − filter_no_usage_quota) |\n|---|---|---|---|---|---|---|---|\n",
+                );
+            }
+            let diff = |x: Option<&Case>, y: Option<&Case>| match (x, y) {
+                (Some(x), Some(y)) => spread(added_cpu(x, y, one_conn)),
+                _ => "–".into(),
+            };
+            let _ = writeln!(
+                s,
+                "| {} | {} | {:.1} | {} | {} | {} | {} | {} |",
+                a.concurrency,
+                a.body,
+                if one_conn {
+                    a.envoy_cpu_us_one_conn
+                } else {
+                    a.envoy_cpu_us
+                },
+                diff(Some(a), Some(floor)),
+                diff(Some(floor), Some(filter)),
+                diff(Some(a), Some(filter)),
+                diff(get("filter_no_usage"), Some(filter)),
+                diff(get("filter_no_usage_quota"), Some(filter)),
+            );
+        }
+        s
+    }
+
+    /// One sentence per (concurrency, body) on the ≤ 5 µs target for reading usage and quota
+    /// headers (16 connections' CPU figure, the steadiest).
+    pub fn usage_quota_verdicts(&self) -> String {
+        let mut s = String::new();
+        let mut pooled: Vec<f64> = Vec::new();
+        for a in self.overhead.iter().filter(|c| c.route == "no_wasm") {
+            let (Some(bare), Some(filter)) = (
+                sibling(self.overhead, a, "filter_no_usage_quota"),
+                sibling(self.overhead, a, "filter"),
+            ) else {
+                continue;
+            };
+            let d = added_cpu(bare, filter, false);
+            let rounds = bare.cpu_runs.len().min(filter.cpu_runs.len());
+            pooled.extend(
+                bare.cpu_runs
+                    .iter()
+                    .zip(&filter.cpu_runs)
+                    .map(|(x, y)| y - x)
+                    .filter(|v| v.is_finite()),
+            );
+            let _ = writeln!(
+                s,
+                "- --concurrency {}, {} body: {} µs → {}",
+                a.concurrency,
+                a.body,
+                spread(d),
+                usage_quota_verdict(d, rounds)
+            );
+        }
+        // Pooled over the cases: the answers (and so the usage and quota reading) are the same
+        // whatever the request body and worker count, so every round is a sample of one cost.
+        let n = pooled.len();
+        if n >= 2 {
+            let mean = pooled.iter().sum::<f64>() / n as f64;
+            let var = pooled.iter().map(|v| (v - mean).powi(2)).sum::<f64>() / (n - 1) as f64;
+            let half = 2.0 * (var / n as f64).sqrt();
+            let verdict = if mean + half <= USAGE_QUOTA_TARGET_US {
+                "within the target: **shown**"
+            } else if mean - half > USAGE_QUOTA_TARGET_US {
+                "above the target: **missed**"
+            } else {
+                "the interval straddles the target: **not shown** either way"
+            };
+            let _ = writeln!(
+                s,
+                "- pooled, all {n} rounds of the cases above: mean {mean:+.1} µs, ≈95 % interval \
+                 {:+.1}…{:+.1} µs (± 2 standard errors) → {verdict}",
+                mean - half,
+                mean + half
+            );
         }
         s
     }
@@ -347,10 +517,22 @@ impl Report<'_> {
                     a.body,
                     pct(share(a, b).0),
                     added_p50(a, b).0,
-                    b.envoy_cpu_us - a.envoy_cpu_us
+                    added_cpu(a, b, false).0
                 );
             }
             s.push('\n');
+            let split = self.cpu_split_table(false);
+            if !split.is_empty() {
+                s.push_str(
+                    "Where the added Envoy CPU goes (µs per request, 16 connections; median of the \
+                     per-round differences, min…max): *floor* = a minimal wasm filter that pauses \
+                     the headers, buffers the body and sets one routing header \
+                     (`examples/floor_filter.rs`), the cost any body-routing proxy-wasm filter \
+                     pays; *filter − floor* = computeflux's own logic:\n\n",
+                );
+                s.push_str(&split);
+                s.push('\n');
+            }
         }
         if let Some(b) = self.wasm_bytes {
             let _ = writeln!(s, "Wasm module: {b} bytes.\n");
@@ -406,24 +588,65 @@ impl Report<'_> {
         if self.overhead.is_empty() {
             s.push_str("Not run.\n\n");
         } else {
+            let routes: Vec<String> = self
+                .overhead
+                .iter()
+                .map(|c| c.route.as_str())
+                .fold(Vec::<&str>::new(), |mut v, r| {
+                    if !v.contains(&r) {
+                        v.push(r);
+                    }
+                    v
+                })
+                .iter()
+                .map(|r| {
+                    let what = super::overhead::ROUTES
+                        .iter()
+                        .find(|(n, _)| n == r)
+                        .map_or("", |(_, d)| *d);
+                    format!("*{r}*: {what}")
+                })
+                .collect();
             let _ = writeln!(
                 s,
                 "`wrk` (Debian) POSTs one fixed chat body through Envoy to one mock upstream with \
-                 zero prefill/decode time. *no_wasm*: static route to one cluster; *filter*: the \
-                 computeflux filter choosing among four endpoint clusters (all that same upstream). \
-                 The two Envoys run side by side and are measured alternately ({} times each: \
-                 no-wasm, filter, no-wasm, filter, …); figures are medians over the repetitions, \
-                 and the filter's share and added p50 are medians of the per-repetition pairs \
-                 (with their min…max, which shows how noisy the shared machine was). req/s: 16 \
-                 keep-alive connections, one wrk thread, everything (wrk, Envoy, the mock) sharing \
-                 the machine's cores; latency: one connection (requests one at a time); Envoy \
-                 CPU: user+system time of the Envoy process during a run divided by its requests \
-                 (the steadiest of these figures). Parameters: {}.\n",
+                 zero prefill/decode time; the upstream's answers carry `usage` and OpenAI quota \
+                 headers (a budget no run can spend). {}. The Envoys run side by side and are \
+                 measured in rounds ({} rounds: each round runs every Envoy once, the order rotated \
+                 by one per round); figures are medians over the rounds, and shares, added p50 and \
+                 added CPU are medians of the per-round differences (with their min…max, which \
+                 shows how noisy the shared machine was). req/s: 16 keep-alive connections, one \
+                 wrk thread, everything (wrk, Envoy, the mock) sharing the machine's cores; \
+                 latency: one connection (requests one at a time); Envoy CPU: user+system time of \
+                 the Envoy process (`/proc/<pid>/stat`) during a run divided by its requests (the \
+                 steadiest of these figures). Parameters: {}.\n",
+                routes.join("; "),
                 m.params.pointer("/overhead/reps").cloned().unwrap_or(Value::Null),
                 m.params.get("overhead").cloned().unwrap_or(Value::Null)
             );
             s.push_str(&self.overhead_table());
             s.push('\n');
+            for (one_conn, what) in [(false, "16 connections"), (true, "one connection")] {
+                let split = self.cpu_split_table(one_conn);
+                if !split.is_empty() {
+                    let _ = writeln!(
+                        s,
+                        "Where the Envoy CPU per request goes, {what} (µs; the no-wasm column is its \
+                         median, the others medians of the per-round differences, min…max):\n"
+                    );
+                    s.push_str(&split);
+                    s.push('\n');
+                }
+            }
+            let verdicts = self.usage_quota_verdicts();
+            if !verdicts.is_empty() {
+                let _ = writeln!(
+                    s,
+                    "Issue 12 target, added Envoy CPU of reading usage and quota headers (filter − \
+                     filter_no_usage_quota, 16 connections) ≤ {USAGE_QUOTA_TARGET_US} µs per \
+                     request, judged on every round's difference:\n\n{verdicts}"
+                );
+            }
             for (a, b) in overhead_pairs(self.overhead) {
                 if a.concurrency == 1 && a.body == "small" {
                     let share = share(a, b).0;
@@ -475,7 +698,8 @@ impl Report<'_> {
             s,
             "Workload: {} sessions × {} turns, Poisson arrivals at {} sessions/s, think time {} ms \
              mean (±50 %), {} new prompt tokens per user turn (each turn resends the transcript), \
-             {} of sessions on the second model `m2`; no shared system prompt; seed {}. \
+             {} of sessions on the second model `m2`; no shared system prompt; each session is its own \
+             client and keeps the cookies it is given; seed {}. \
              Endpoints: mock vLLM-style prefix-cache instances `a`,`b` (serve `m1`,`m2`), `c`,`d` \
              (`m1`), all weight 1, mock flags `{}`.\n",
             g("/workload/sessions"),

@@ -562,6 +562,8 @@ mod tests {
             prompt_tokens: 10,
             cached_tokens: 0,
             attempts: None,
+            affinity: None,
+            replica: None,
             error: None,
         }
     }

@@ -105,10 +105,13 @@ pub fn plugin_config(endpoints: &[(&str, &[&str])], open_ms: u64) -> Value {
             e
         })
         .collect();
+    // The workload's clients keep each conversation's cookies (one client per conversation),
+    // the deployment `pin_cookie` is documented for (docs/decisions.md#after-a-failover).
     json!({
         "endpoints": eps,
         "session_header": super::workload::SESSION_HEADER,
         "open_ms": open_ms,
+        "pin_cookie": true,
     })
 }
 
@@ -320,6 +323,17 @@ pub fn front_bootstrap(replica_ports: &[u16], concurrency: u32) -> Result<String
         );
     }
     *cluster = c;
+    // Which replica served each request, for the raw per-request records.
+    if let Some(rc) = v.pointer_mut(
+        "/static_resources/listeners/0/filter_chains/0/filters/0/typed_config/route_config",
+    ) {
+        if let Some(o) = rc.as_object_mut() {
+            o.insert(
+                "response_headers_to_add".into(),
+                json!([{"header": {"key": "x-bench-replica", "value": "%UPSTREAM_REMOTE_ADDRESS%"}}]),
+            );
+        }
+    }
     serde_json::to_string_pretty(&v).map_err(|e| e.to_string())
 }
 

@@ -190,6 +190,10 @@ pub struct Record {
     pub cached_tokens: u64,
     /// `x-computeflux-attempts` (filter only).
     pub attempts: Option<u32>,
+    /// `x-computeflux-affinity` (filter only): how the first attempt was placed.
+    pub affinity: Option<String>,
+    /// `x-bench-replica` (replicated topology only): the replica that served the request.
+    pub replica: Option<String>,
     pub error: Option<String>,
 }
 
@@ -203,7 +207,8 @@ impl Record {
             "session": self.session, "model": self.model, "turn": self.turn,
             "start_ms": self.start_ms, "latency_ms": self.latency_ms, "status": self.status,
             "endpoint": self.endpoint, "prompt_tokens": self.prompt_tokens,
-            "cached_tokens": self.cached_tokens, "attempts": self.attempts, "error": self.error,
+            "cached_tokens": self.cached_tokens, "attempts": self.attempts,
+            "affinity": self.affinity, "replica": self.replica, "error": self.error,
         })
     }
 }
@@ -221,11 +226,54 @@ fn usage_of(body: &str) -> (u64, u64) {
     (prompt, cached)
 }
 
-fn send(port: u16, plan: &SessionPlan, turn: usize, t0: Instant, timeout: Duration) -> Record {
+/// A session's cookie jar: what a per-conversation client (a browser, one SDK client per
+/// conversation) keeps and sends back. Name → value; `Max-Age=0` removes.
+#[derive(Default)]
+struct Jar(Vec<(String, String)>);
+
+impl Jar {
+    fn header(&self) -> Option<String> {
+        (!self.0.is_empty()).then(|| {
+            self.0
+                .iter()
+                .map(|(n, v)| format!("{n}={v}"))
+                .collect::<Vec<_>>()
+                .join("; ")
+        })
+    }
+
+    /// `set-cookie` values, joined with ", " by the client (none of ours has a comma).
+    fn store(&mut self, set_cookie: &str) {
+        for one in set_cookie.split(", ") {
+            let mut attrs = one.split(';');
+            let Some((name, value)) = attrs.next().and_then(|p| p.trim().split_once('=')) else {
+                continue;
+            };
+            let expired = attrs.any(|a| a.trim().eq_ignore_ascii_case("max-age=0"));
+            self.0.retain(|(n, _)| n != name);
+            if !expired {
+                self.0.push((name.to_string(), value.to_string()));
+            }
+        }
+    }
+}
+
+fn send(
+    port: u16,
+    plan: &SessionPlan,
+    turn: usize,
+    t0: Instant,
+    timeout: Duration,
+    jar: &mut Jar,
+) -> Record {
     let body = plan.body(turn);
     let start = Instant::now();
     let start_ms = start.duration_since(t0).as_secs_f64() * 1000.0;
-    let headers = [(SESSION_HEADER, plan.id.as_str())];
+    let cookie = jar.header();
+    let mut headers = vec![(SESSION_HEADER, plan.id.as_str())];
+    if let Some(c) = cookie.as_deref() {
+        headers.push(("cookie", c));
+    }
     let res = http::request(
         port,
         "POST",
@@ -246,15 +294,22 @@ fn send(port: u16, plan: &SessionPlan, turn: usize, t0: Instant, timeout: Durati
         prompt_tokens: 0,
         cached_tokens: 0,
         attempts: None,
+        affinity: None,
+        replica: None,
         error: None,
     };
     match res {
         Ok(r) => {
             rec.status = r.status;
+            if let Some(c) = r.header("set-cookie") {
+                jar.store(c);
+            }
             rec.endpoint = r.header("x-mock-endpoint").map(str::to_string);
             rec.attempts = r
                 .header("x-computeflux-attempts")
                 .and_then(|a| a.trim().parse().ok());
+            rec.affinity = r.header("x-computeflux-affinity").map(str::to_string);
+            rec.replica = r.header("x-bench-replica").map(str::to_string);
             if rec.ok() {
                 let (p, c) = usage_of(&r.body);
                 rec.prompt_tokens = p;
@@ -290,8 +345,9 @@ pub fn drive(port: u16, plans: &[SessionPlan], t0: Instant, timeout: Duration) -
             .name(format!("session-{}", plan.index))
             .stack_size(256 * 1024)
             .spawn(move || {
+                let mut jar = Jar::default();
                 for turn in 0..plan.user_msgs.len() {
-                    let rec = send(port, &plan, turn, t0, timeout);
+                    let rec = send(port, &plan, turn, t0, timeout, &mut jar);
                     let _ = tx.send(rec);
                     if turn + 1 < plan.user_msgs.len() {
                         let think = plan.think_ms.get(turn).copied().unwrap_or(0);

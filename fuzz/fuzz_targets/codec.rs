@@ -202,7 +202,7 @@ fuzz_target!(|input: Input<'_>| match input {
             attempt: 1,
             exclusions: &ex,
             nonce: 0,
-            body_bytes: 0,
+            body_bytes: 0, pin_hint: None,
         };
         if let Ok(d) = sched.pick(&pick, now) {
             let id = d.ticket.endpoint_id;

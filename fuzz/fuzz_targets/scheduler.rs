@@ -232,7 +232,7 @@ fuzz_target!(|setup: Setup| {
                     attempt: 1 + u32::from(attempt % 3),
                     exclusions: &exclusions,
                     nonce: 0,
-                    body_bytes: 0,
+                    body_bytes: 0, pin_hint: None,
                 };
                 if let Ok(d) = sched.pick(&pick, now) {
                     let i = d.endpoint;

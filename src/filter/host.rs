@@ -56,6 +56,13 @@ extern "C" {
         value_data: *const u8,
         value_size: usize,
     ) -> u32;
+    fn proxy_add_header_map_value(
+        map_type: u32,
+        key_data: *const u8,
+        key_size: usize,
+        value_data: *const u8,
+        value_size: usize,
+    ) -> u32;
     fn proxy_remove_header_map_value(map_type: u32, key_data: *const u8, key_size: usize) -> u32;
     fn proxy_get_shared_data(
         key_data: *const u8,
@@ -233,6 +240,20 @@ pub fn header_pairs(map: MapType) -> Pairs {
 }
 
 /// Sets (replaces) header `name`. False if the host refused (e.g. the headers were sent).
+/// Adds a header value, keeping any the map has under that name (`set-cookie`).
+pub fn add_header(map: MapType, name: &str, value: &[u8]) -> bool {
+    // SAFETY: both slices are live for the call.
+    unsafe {
+        proxy_add_header_map_value(
+            map as u32,
+            name.as_ptr(),
+            name.len(),
+            value.as_ptr(),
+            value.len(),
+        ) == OK
+    }
+}
+
 pub fn set_header(map: MapType, name: &str, value: &[u8]) -> bool {
     // SAFETY: both slices are live for the call.
     unsafe {

@@ -90,7 +90,12 @@ impl Http {
             }
             Step::Relay(expose) => {
                 for (name, value) in expose {
-                    host::set_header(MapType::HttpResponseHeaders, name, value.as_bytes());
+                    // The upstream's own cookies stay; every other header is ours alone.
+                    if name == "set-cookie" {
+                        host::add_header(MapType::HttpResponseHeaders, name, value.as_bytes());
+                    } else {
+                        host::set_header(MapType::HttpResponseHeaders, name, value.as_bytes());
+                    }
                 }
                 Action::Continue
             }

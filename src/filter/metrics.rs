@@ -23,6 +23,8 @@ pub struct EndpointMetrics {
     pub failovers: Option<u32>,
     /// Pins to this endpoint broken because it was degraded.
     pub pin_breaks: Option<u32>,
+    /// Picks that passed over this endpoint because its quota was short.
+    pub quota_skips: Option<u32>,
     pub breaker_state: Option<u32>,
     pub ewma_latency_ms: Option<u32>,
     pub in_flight: Option<u32>,
@@ -105,6 +107,10 @@ impl Metrics {
                     pin_breaks: host::metric(
                         MetricType::Counter,
                         &format!("computeflux_pin_breaks_total.endpoint.{n}"),
+                    ),
+                    quota_skips: host::metric(
+                        MetricType::Counter,
+                        &format!("computeflux_quota_skips_total.endpoint.{n}"),
                     ),
                     breaker_state: host::metric(
                         MetricType::Gauge,

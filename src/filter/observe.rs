@@ -38,6 +38,9 @@ impl Observer for Recorder<'_> {
         if let Some(e) = d.broke_pin_of.and_then(|i| m.endpoint(i)) {
             Metrics::inc(e.pin_breaks);
         }
+        for e in d.quota_skipped.iter().filter_map(|&i| m.endpoint(i)) {
+            Metrics::inc(e.quota_skips);
+        }
         if !d.ticket.counted {
             Metrics::inc(m.cas_exhausted);
             warn!("computeflux: shared-data CAS retries exhausted at pick; in-flight not counted");

@@ -343,6 +343,8 @@ config_keys! {
         "The constant added to the bounded-load limit, so that light traffic and short bursts never spill: a spill costs the session a full prefill elsewhere, one more request in an inference engine's batch costs little.";
     after_failover: AfterFailover = AfterFailover::Stay, Spec::Choice(&["stay", "return_home"]),
         "Where a session goes once the endpoint it failed over from is available again: `stay` keeps it on the endpoint that served the failover (where its newest prefix is cached), `return_home` sends it back to its rendezvous home (see [decisions](decisions.md#after-a-failover)).";
+    pin_cookie: bool = false, Spec::Bool,
+        "Carries a session's place in a cookie when it is not its rendezvous home (after a failover or a pin break): the answer sets `cf_pin_<session hash>` (the endpoint's id, `Max-Age` = `affinity_ttl_ms`, `HttpOnly`, `Path=/`), and any Envoy replica, also one that never saw the session or just restarted, follows it like a pin. For clients that keep cookies (browsers, the OpenAI Python SDK's client); only sessions away from home get one (see [decisions](decisions.md#after-a-failover)).";
     pin_break_ratio: f64 = 3.0, Spec::Number { min: 1.5, max: 1000.0 },
         "A warm endpoint whose latency estimate reaches this multiple of the fastest warm alternative's is degraded: its pinned sessions are placed again elsewhere (`pin_break`) and it gets no new sessions but probes. `1000` in effect turns pin breaking off.";
     pin_break_min_ms: u64 = 50, Spec::Int { min: 0, max: MAX_MS },
@@ -353,6 +355,8 @@ config_keys! {
         "A degraded endpoint gets one new placement as a probe per this interval (per Envoy), so that its latency estimate can show its recovery.";
     quota_aware: bool = true, Spec::Bool,
         "Quota-aware routing: reads the remaining-quota headers of successful answers — OpenAI / Azure OpenAI `x-ratelimit-remaining-requests`, `x-ratelimit-remaining-tokens`, `x-ratelimit-reset-requests`, `x-ratelimit-reset-tokens` (durations such as `6m0s`), Anthropic `anthropic-ratelimit-{requests,tokens,input-tokens,output-tokens}-{remaining,reset}` (reset as RFC 3339) — and skips an endpoint whose remaining requests or tokens are below the floors below or below the request's estimated tokens, until the reset (capped by `retry_after_max_ms`; `rate_limit_ms` without a reset). New sessions go to the next endpoint in rendezvous order; a pinned session moves only when staying is a certain 429 (no request left, or fewer tokens than its estimate). Values that are not plain decimal counts up to 10^12 are ignored.";
+    quota_pacing: bool = true, Spec::Bool,
+        "Quota pacing: an endpoint that, at the rate its stated tokens or requests were used since its window began, would run out before the reset (`(limit − remaining) × time to reset ÷ time elapsed` above what remains, on top of the floors) gets no new sessions, so the sessions already pinned there keep their quota instead of moving when it runs out. Needs the answers' limit and reset headers; off, only the floors below apply.";
     quota_min_requests: u64 = 1, Spec::Int { min: 1, max: 1_000_000 },
         "An endpoint with fewer remaining requests than this (as its last answer said, minus the picks since) gets no new sessions until its reset.";
     quota_min_tokens: u64 = 0, Spec::Int { min: 0, max: 1_000_000_000 },

@@ -49,6 +49,7 @@ use super::config::{Config, ListModels};
 use super::headers::{rate_limit_hints, HeaderSource, Pairs};
 use super::models::{self, Merged, Retrieved};
 use super::outcome::{classify, FailureKind, Outcome};
+use super::pin_cookie;
 use super::quota::QuotaHint;
 use super::reply::{RejectReason, Reply};
 use super::request::{derive_session, parse_chat, RequestError};
@@ -222,6 +223,10 @@ pub struct Flow {
     id_scan: Option<IdScan>,
     /// The scan of a successful answer's usage (`usage_accounting`), while it passes.
     usage: Option<UsageScan>,
+    /// The endpoint id the request's pin cookie names (`pin_cookie`).
+    pin_hint: Option<u32>,
+    /// The `set-cookie` value for a successful answer of the current attempt (`pin_cookie`).
+    pin_cookie: Option<String>,
 }
 
 impl Default for Flow {
@@ -257,6 +262,8 @@ impl Flow {
             merge_models: false,
             id_scan: None,
             usage: None,
+            pin_hint: None,
+            pin_cookie: None,
         }
     }
 
@@ -490,7 +497,11 @@ impl Flow {
         if matches!(outcome, Outcome::Success) {
             self.scan_usage(s.cfg, headers);
         }
-        let step = Step::Relay(self.exposed(s.cfg));
+        let mut relayed = self.exposed(s.cfg);
+        if let (Outcome::Success, Some(c)) = (&outcome, &self.pin_cookie) {
+            relayed.push(("set-cookie", c.clone()));
+        }
+        let step = Step::Relay(relayed);
         if end_of_stream {
             self.on_response_end(s, obs, now_ms);
         }
@@ -597,6 +608,16 @@ impl Flow {
         match derive_session(self.tenant.as_deref(), self.session_header.as_deref(), &req) {
             Ok((session, _)) => self.session = session,
             Err(e) => return self.refuse(obs, &e),
+        }
+        if s.cfg.pin_cookie {
+            if let Some(session) = self.session {
+                let cookies = self
+                    .headers
+                    .iter()
+                    .filter(|(n, _)| n.eq_ignore_ascii_case("cookie"))
+                    .map(|(_, v)| v.as_slice());
+                self.pin_hint = pin_cookie::find(cookies, session);
+            }
         }
         self.model = Some(req.model);
         self.body = body;
@@ -765,8 +786,25 @@ impl Flow {
             exclusions: &self.exclusions,
             nonce: self.nonce,
             body_bytes: self.body.len(),
+            pin_hint: self.pin_hint,
         };
         let decision = s.pick(&pick, now_ms)?;
+        // A session served away from its home (or already carrying a cookie) is told where it
+        // now is, so that every replica follows it (see `pin_cookie`).
+        self.pin_cookie = match self.session {
+            Some(session)
+                if s.cfg.pin_cookie
+                    && decision.ticket.pin_on_success
+                    && (Some(decision.endpoint) != decision.home || self.pin_hint.is_some()) =>
+            {
+                Some(pin_cookie::set_cookie(
+                    session,
+                    decision.ticket.endpoint_id,
+                    s.cfg.affinity_ttl_ms,
+                ))
+            }
+            _ => None,
+        };
         self.attempts += 1;
         if self.affinity.is_none() {
             self.affinity = Some(decision.affinity);

@@ -20,6 +20,7 @@ pub mod models;
 pub mod multipart;
 pub mod outcome;
 pub mod payoff;
+pub mod pin_cookie;
 pub mod placement;
 pub mod quota;
 pub mod reply;

@@ -74,6 +74,26 @@ impl Remaining {
         }
     }
 
+    /// What the sessions already using the endpoint will take until the reset, at the rate
+    /// they took since the window began (`(limit − left) × time to reset ÷ time elapsed`):
+    /// quota pacing keeps new sessions off a key that is on course to run out before its reset,
+    /// so that the sessions pinned there are not moved (a re-prefill each) when it does. `0`
+    /// when the limit or the window is unknown, or in the window's first tenth (too little to
+    /// extrapolate from).
+    pub fn projected_use(self, now_ms: u64) -> u64 {
+        let Some(limit) = self.limit else {
+            return 0;
+        };
+        let to_reset = self.reset_at_ms.saturating_sub(now_ms);
+        let elapsed = self.span_ms.saturating_sub(to_reset);
+        if self.span_ms == 0 || elapsed < self.span_ms / 10 || elapsed == 0 {
+            return 0;
+        }
+        let used = u128::from(limit.saturating_sub(self.left));
+        let projected = used * u128::from(to_reset) / u128::from(elapsed);
+        u64::try_from(projected).unwrap_or(u64::MAX)
+    }
+
     /// The count as it stands at `now_ms`: itself before its reset; after it, back at its
     /// limit for the window that holds `now_ms` (if the limit and a window are known).
     pub fn current(self, now_ms: u64) -> Option<Remaining> {
@@ -132,6 +152,8 @@ pub struct QuotaRule {
     pub default_reset_ms: u64,
     /// Cap on any reset hint.
     pub max_reset_ms: u64,
+    /// Quota pacing (see [`Remaining::projected_use`]).
+    pub pacing: bool,
 }
 
 /// (remaining, reset, limit) header names of one count.
@@ -320,7 +342,12 @@ impl Quota {
                 let reserve = r
                     .limit
                     .map_or(0, |l| l.saturating_mul(rule.reserve_percent) / 100);
-                r.left < floor.max(reserve)
+                let paced = if rule.pacing {
+                    r.projected_use(now_ms)
+                } else {
+                    0
+                };
+                r.left < floor.max(reserve).saturating_add(paced)
             })
         };
         below(self.requests, rule.min_requests.max(1))
@@ -447,7 +474,50 @@ mod tests {
         reserve_percent: 0,
         default_reset_ms: 60_000,
         max_reset_ms: 300_000,
+        pacing: false,
     };
+
+    /// Pacing: a key that used 60 % of its limit in the first 40 % of its window is on course
+    /// to need 90 % more before the reset: short for new sessions although 40 % is left; the
+    /// same use over 90 % of the window projects little more, so it is not.
+    #[test]
+    fn pacing_keeps_new_sessions_off_a_key_on_course_to_run_out() {
+        let paced = QuotaRule {
+            pacing: true,
+            ..RULE
+        };
+        let at = |left: u64, elapsed: u64| {
+            let r = Remaining {
+                left,
+                reset_at_ms: 10_000 - elapsed + 1_000,
+                limit: Some(1_000),
+                span_ms: 10_000,
+                assumed: false,
+            };
+            Quota {
+                requests: None,
+                tokens: Some(r),
+            }
+        };
+        // 1 000 ms in: window began at 1 000 - elapsed... now = 1 000.
+        let q = at(400, 4_000);
+        assert_eq!(q.tokens.map(|r| r.projected_use(1_000)), Some(900));
+        assert!(q.short(10, &paced, 1_000));
+        assert!(
+            !q.short(10, &RULE, 1_000),
+            "without pacing only the floors apply"
+        );
+        let late = at(400, 9_000);
+        assert_eq!(late.tokens.map(|r| r.projected_use(1_000)), Some(66));
+        assert!(!late.short(10, &paced, 1_000));
+        // Too early in the window to extrapolate; unknown limit: nothing projected.
+        assert_eq!(at(900, 500).tokens.map(|r| r.projected_use(1_000)), Some(0));
+        let mut unknown = at(400, 4_000);
+        if let Some(t) = unknown.tokens.as_mut() {
+            t.limit = None;
+        }
+        assert!(!unknown.short(10, &paced, 1_000));
+    }
 
     #[test]
     fn openai_headers() {

@@ -84,6 +84,10 @@ pub struct Pick<'a> {
     pub nonce: u64,
     /// The request body's size, from which its token cost is estimated (quota-aware routing).
     pub body_bytes: usize,
+    /// The endpoint id the request's pin cookie names (`pin_cookie`): where another replica
+    /// last placed the session away from its home. Followed like a pin, before this replica's
+    /// own (older) memory of the session.
+    pub pin_hint: Option<u32>,
 }
 
 /// How an endpoint was chosen (the `reason` of the decision metric and log line).
@@ -207,6 +211,12 @@ pub struct Decision {
     pub ticket: Ticket,
     /// The endpoint whose pin was broken, if any (for its `pin_breaks` counter).
     pub broke_pin_of: Option<usize>,
+    /// The session's rendezvous home (the first non-degraded endpoint of its order), if any.
+    pub home: Option<usize>,
+    /// Endpoints passed over because their quota was short (`quota_aware`): a placement skipped
+    /// them, or a pinned session left one for a certain 429 (for their `quota_skips` counter).
+    /// At most one entry per endpoint; never the chosen one.
+    pub quota_skipped: Vec<usize>,
 }
 
 /// What [`Scheduler::choose`] decided, before the attempt is started.
@@ -217,8 +227,11 @@ struct Choice {
     affinity: AffinityResult,
     pin_on_success: bool,
     broke_pin_of: Option<usize>,
+    home: Option<usize>,
     /// The degraded flag of every weighed endpoint as this choice saw it (index, flag).
     degraded: Vec<(usize, bool)>,
+    /// See [`Decision::quota_skipped`].
+    quota_skipped: Vec<usize>,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -298,6 +311,7 @@ impl<'a> Scheduler<'a> {
             reserve_percent: self.cfg.quota_reserve_percent,
             default_reset_ms: self.cfg.rate_limit_ms,
             max_reset_ms: self.cfg.retry_after_max_ms,
+            pacing: self.cfg.quota_pacing,
         }
     }
 
@@ -344,21 +358,28 @@ impl<'a> Scheduler<'a> {
     /// Chooses the endpoint for one attempt and starts it (in-flight +1, probe slot taken).
     pub fn pick(&self, pick: &Pick<'_>, now_ms: u64) -> Result<Decision, NoEndpoint> {
         let (candidates, _) = self.candidates(pick)?;
-        let pinned = pick
+        let local = pick
             .session
             .and_then(|s| self.affinity().lookup(s, now_ms).map(|id| (s, id)));
-        // A pin to an endpoint that is disabled or no longer serves the model is a hard failure
-        // of that pin: evict it so it does not keep costing a lookup.
-        if let Some((session, id)) = pinned {
-            let still_valid = self
-                .cfg
+        let valid = |id: u32| {
+            self.cfg
                 .endpoints
                 .iter()
-                .any(|e| e.id == id && !e.disabled && serves_opt(e, pick.model));
-            if !still_valid {
+                .any(|e| e.id == id && !e.disabled && serves_opt(e, pick.model))
+        };
+        // A pin to an endpoint that is disabled or no longer serves the model is a hard failure
+        // of that pin: evict it so it does not keep costing a lookup.
+        let local = match local {
+            Some((session, id)) if !valid(id) => {
                 self.affinity().forget(session, id);
+                None
             }
-        }
+            other => other,
+        };
+        // A pin cookie is the client's record of the session's newest place (set by whichever
+        // replica served it last away from home): it wins over this replica's memory.
+        let hinted = pick.session.and(pick.pin_hint).filter(|&id| valid(id));
+        let pinned = hinted.or(local.map(|p| p.1));
         let bcfg = self.breaker_config();
         let result = update_if(self.store, TABLE_KEY, |bytes| {
             let (mut table, same_layout) = Table::load(bytes, self.cfg);
@@ -372,14 +393,7 @@ impl<'a> Scheduler<'a> {
             {
                 return (None, Err(NoEndpoint::BudgetExhausted));
             }
-            let choice = match self.choose(
-                &table,
-                &candidates,
-                pick,
-                pinned.map(|p| p.1),
-                now_ms,
-                &bcfg,
-            ) {
+            let choice = match self.choose(&table, &candidates, pick, pinned, now_ms, &bcfg) {
                 Err(e) => return (None, Err(e)),
                 Ok(c) => c,
             };
@@ -440,6 +454,8 @@ impl<'a> Scheduler<'a> {
                     affinity: choice.affinity,
                     ticket,
                     broke_pin_of: choice.broke_pin_of,
+                    home: choice.home,
+                    quota_skipped: choice.quota_skipped,
                 }),
             )
         });
@@ -465,7 +481,7 @@ impl<'a> Scheduler<'a> {
                         all_rate_limited: false,
                     });
                 }
-                let c = self.choose(&table, &closed, pick, pinned.map(|p| p.1), now_ms, &bcfg)?;
+                let c = self.choose(&table, &closed, pick, pinned, now_ms, &bcfg)?;
                 let ticket = Ticket {
                     endpoint: c.endpoint,
                     endpoint_id: self.cfg.endpoints.get(c.endpoint).map_or(0, |e| e.id),
@@ -481,6 +497,8 @@ impl<'a> Scheduler<'a> {
                     affinity: c.affinity,
                     ticket,
                     broke_pin_of: c.broke_pin_of,
+                    home: c.home,
+                    quota_skipped: c.quota_skipped,
                 })
             }
             // CAS kept losing: go with the decision, but nothing was stored for it.
@@ -545,6 +563,8 @@ impl<'a> Scheduler<'a> {
         let quota = |i: usize| state(i).filter(|_| cfg.quota_aware).map(|st| st.quota);
         let short = |i: usize| quota(i).is_some_and(|q| q.short(estimate, &rule, now_ms));
         let certain_429 = |i: usize| quota(i).is_some_and(|q| q.certain_429(estimate, now_ms));
+        // Endpoints that would have been taken but for their quota (at most one entry each).
+        let mut quota_skipped: Vec<usize> = Vec::new();
 
         // Breaker admission of this attempt's candidates.
         let mut admission: Vec<Option<Admission>> = vec![None; n];
@@ -587,9 +607,21 @@ impl<'a> Scheduler<'a> {
             )
         };
 
+        // The session's rendezvous order, and its home: the first non-degraded endpoint in it.
+        let key = pick.session.unwrap_or(pick.nonce);
+        let weights: Vec<(usize, u32, f64)> = statics
+            .iter()
+            .filter_map(|&i| Some((i, cfg.endpoints.get(i)?.id, weight_of(i)?.weight)))
+            .collect();
+        let order = placement::order(key, &weights);
+        let home = order.iter().copied().find(|&i| !is_degraded(i));
+
         // A live pin wins, unless its endpoint is degraded.
         let pinned_index = pinned.and_then(|id| cfg.endpoint_index(id));
         let mut broke_pin_of = None;
+        if let Some(p) = pinned_index.filter(|&p| admitted(p) && certain_429(p)) {
+            quota_skipped.push(p);
+        }
         if let Some(p) = pinned_index.filter(|&p| admitted(p) && !certain_429(p)) {
             if is_degraded(p) {
                 broke_pin_of = Some(p);
@@ -600,20 +632,15 @@ impl<'a> Scheduler<'a> {
                     affinity: AffinityResult::Hit,
                     pin_on_success: true,
                     broke_pin_of: None,
+                    home,
                     degraded,
+                    quota_skipped,
                 });
             }
         }
 
         // Placement: the first candidate in rendezvous order that admits traffic, is not
         // degraded (but for a due probe) and is within its bounded load.
-        let key = pick.session.unwrap_or(pick.nonce);
-        let weights: Vec<(usize, u32, f64)> = statics
-            .iter()
-            .filter_map(|&i| Some((i, cfg.endpoints.get(i)?.id, weight_of(i)?.weight)))
-            .collect();
-        let order = placement::order(key, &weights);
-        let home = order.iter().copied().find(|&i| !is_degraded(i));
         let eligible = |i: usize| admitted(i) && !is_degraded(i);
         let (total_load, total_weight) =
             order
@@ -643,6 +670,9 @@ impl<'a> Scheduler<'a> {
                 }
                 unavailable_before = true;
                 continue;
+            }
+            if admitted(i) && short(i) && !quota_skipped.contains(&i) {
+                quota_skipped.push(i);
             }
             if !admitted(i) || short(i) {
                 unavailable_before = true;
@@ -708,13 +738,17 @@ impl<'a> Scheduler<'a> {
             (_, AfterFailover::Stay) => true,
             (_, AfterFailover::ReturnHome) => Some(endpoint) == home,
         };
+        // Nothing else could take it: a short endpoint chosen after all was not skipped.
+        quota_skipped.retain(|&i| i != endpoint);
         Ok(Choice {
             endpoint,
             reason,
             affinity,
             pin_on_success,
             broke_pin_of,
+            home,
             degraded,
+            quota_skipped,
         })
     }
 

@@ -219,8 +219,58 @@ def errors():
     return out
 
 
+def pin_cookie():
+    """A conversation through two Envoy replicas with `pin_cookie`, as behind a load balancer:
+    the SDK's own HTTP client keeps the cookie the failover answer sets and sends it to the other
+    replica, which never saw the failover. A client without the cookie goes home there."""
+    # The SDK's own default HTTP client, shared by the two base URLs (one cookie jar).
+    jar_client = openai.DefaultHttpxClient()
+    one = client(http_client=jar_client)
+    two = client(http_client=jar_client, base_url=ARGS["other_base_url"])
+    session = {"x-session-id": "sdk-cookie-1"}
+    messages = [{"role": "user", "content": "hello from the sdk"}]
+    turns = []
+
+    def turn(c, label):
+        raw = c.chat.completions.with_raw_response.create(
+            model=ARGS["model"], messages=messages, extra_headers=session
+        )
+        completion = raw.parse()
+        assert isinstance(completion, openai.types.chat.ChatCompletion)
+        messages.extend(
+            [
+                {"role": "assistant", "content": completion.choices[0].message.content},
+                {"role": "user", "content": f"after {label}"},
+            ]
+        )
+        turns.append(
+            {
+                "label": label,
+                "endpoint": raw.headers.get(ENDPOINT),
+                "affinity": raw.headers.get("x-computeflux-affinity"),
+                "set_cookie": raw.headers.get("set-cookie"),
+            }
+        )
+        return turns[-1]
+
+    home = turn(one, "first")["endpoint"]
+    set_fault(ARGS["control_ports"][home], {"mode": "status", "status": 429, "retry_after": "30"})
+    turn(one, "failover")
+    set_fault(ARGS["control_ports"][home], {"mode": "none"})
+    # Control: a client without the cookie, through replica two (home healthy there).
+    bare = client(http_client=openai.DefaultHttpxClient(), base_url=ARGS["other_base_url"])
+    raw = bare.chat.completions.with_raw_response.create(
+        model=ARGS["model"], messages=messages, extra_headers=session
+    )
+    control = raw.headers.get(ENDPOINT)
+    turn(two, "other replica")
+    cookies = sorted(c.name for c in jar_client.cookies.jar)
+    return {"home": home, "turns": turns, "control": control, "cookies": cookies}
+
+
 SCENARIOS = {
-    f.__name__: f for f in (chat, stream, models, embeddings, transcription, responses, errors)
+    f.__name__: f
+    for f in (chat, stream, models, embeddings, transcription, responses, errors, pin_cookie)
 }
 
 if __name__ == "__main__":

@@ -85,6 +85,9 @@ pub struct Session {
     pub id: String,
     pub model: String,
     pub turns: Vec<Turn>,
+    /// The cookies this client keeps (`name=value`), if it keeps cookies at all (a browser, an
+    /// SDK client per conversation); `None` for a client that ignores them.
+    pub jar: Option<BTreeMap<String, String>>,
 }
 
 impl Session {
@@ -93,6 +96,7 @@ impl Session {
             id: id.into(),
             model: model.to_string(),
             turns: Vec::new(),
+            jar: None,
         }
     }
 
@@ -108,7 +112,31 @@ impl Session {
         let text = turn_text(&self.id, self.turns.len());
         let body = chat_body(&self.model, &[text.as_str()], Value::Null);
         let sent = Instant::now();
-        let turn = match try_post_chat(port, &[(H_SESSION, &self.id)], &body) {
+        let cookie = self.jar.as_ref().filter(|j| !j.is_empty()).map(|j| {
+            j.iter()
+                .map(|(n, v)| format!("{n}={v}"))
+                .collect::<Vec<_>>()
+                .join("; ")
+        });
+        let mut headers = vec![(H_SESSION, self.id.as_str())];
+        if let Some(c) = cookie.as_deref() {
+            headers.push(("cookie", c));
+        }
+        let res = try_post_chat(port, &headers, &body);
+        if let (Ok(r), Some(jar)) = (&res, self.jar.as_mut()) {
+            // Repeated headers are joined with ", " (the filter's cookies have no comma).
+            for one in r.header("set-cookie").unwrap_or_default().split(", ") {
+                let mut attrs = one.split(';');
+                if let Some((n, v)) = attrs.next().and_then(|p| p.trim().split_once('=')) {
+                    if attrs.any(|a| a.trim().eq_ignore_ascii_case("max-age=0")) {
+                        jar.remove(n);
+                    } else {
+                        jar.insert(n.to_string(), v.to_string());
+                    }
+                }
+            }
+        }
+        let turn = match res {
             Ok(r) => Turn {
                 via,
                 status: r.status,

@@ -135,6 +135,9 @@ impl Flow {
                 .map(|(n, v)| (n.to_string(), v.into_bytes())),
         );
         if status.is_some_and(|s| (200..300).contains(&s)) {
+            if let Some(c) = &self.pin_cookie {
+                out.push(("set-cookie".to_string(), c.clone().into_bytes()));
+            }
             self.scan_usage(cfg, &out);
         }
         Step::RelayCall {

@@ -644,6 +644,7 @@ fn a_reload_under_an_attempt_is_not_a_lost_update() {
             exclusions: &Exclusions::default(),
             nonce: 0,
             body_bytes: 0,
+            pin_hint: None,
         },
         1,
     );

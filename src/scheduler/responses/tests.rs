@@ -58,6 +58,7 @@ fn remembered_holder_is_picked_as_an_affinity_hit() {
                 exclusions: &ex,
                 nonce: 0,
                 body_bytes: 0,
+                pin_hint: None,
             },
             2_000,
         )
@@ -108,6 +109,7 @@ fn holder_unavailable_reasons() {
                 },
                 nonce: 0,
                 body_bytes: 0,
+                pin_hint: None,
             },
             now,
         )

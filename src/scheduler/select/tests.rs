@@ -30,6 +30,7 @@ fn pick_at(
             exclusions: ex,
             nonce: 0,
             body_bytes: 0,
+            pin_hint: None,
         },
         now,
     )
@@ -54,6 +55,7 @@ fn exclusions_in_order_and_model_not_found() {
             exclusions: &Exclusions::default(),
             nonce: 0,
             body_bytes: 0,
+            pin_hint: None,
         })
         .unwrap();
     assert_eq!(cands, vec![0, 1]);
@@ -74,6 +76,7 @@ fn exclusions_in_order_and_model_not_found() {
             exclusions: &ex,
             nonce: 0,
             body_bytes: 0,
+            pin_hint: None,
         })
         .unwrap_err();
     assert_eq!(err, NoEndpoint::Exhausted);
@@ -95,6 +98,7 @@ fn exclusions_in_order_and_model_not_found() {
                 exclusions: &Exclusions::default(),
                 nonce: 0,
                 body_bytes: 0,
+                pin_hint: None,
             },
             0
         )
@@ -137,6 +141,7 @@ fn affinity_sticks_and_repins_after_failover() {
                 exclusions: &ex2,
                 nonce: 0,
                 body_bytes: 0,
+                pin_hint: None,
             },
             102,
         )
@@ -409,6 +414,7 @@ fn retry_budget_limits_failovers() {
                 exclusions: &ex,
                 nonce: 0,
                 body_bytes: 0,
+                pin_hint: None,
             },
             0,
         )
@@ -435,6 +441,7 @@ fn failovers_after_401_or_429_spend_no_retry_budget() {
             exclusions: &ex,
             nonce: 0,
             body_bytes: 0,
+            pin_hint: None,
         };
         s.pick(&pick, 0)
             .map(|d| s.finish(d.ticket, &Outcome::Cancelled, 0, None, 0))
@@ -561,6 +568,7 @@ fn failover_walks_the_rendezvous_order_on_every_replica() {
                             exclusions: &ex,
                             nonce: attempt.into(),
                             body_bytes: 0,
+                            pin_hint: None,
                         },
                         0,
                     )
@@ -654,6 +662,7 @@ fn after_failover_next_turn(policy: &str) -> (usize, usize, usize) {
                 exclusions: &ex2,
                 nonce: 0,
                 body_bytes: 0,
+                pin_hint: None,
             },
             4,
         )
@@ -775,6 +784,7 @@ fn body_pick<'a>(session: Option<u64>, ex: &'a Exclusions, body_bytes: usize) ->
         exclusions: ex,
         nonce: 0,
         body_bytes,
+        pin_hint: None,
     }
 }
 
@@ -963,4 +973,95 @@ fn quota_is_remembered_only_from_successes() {
     let d = s.pick(&body_pick(None, &ex, 0), 0).unwrap();
     assert_eq!(s.table().entries[0].1.quota.requests_left(0), Some(8));
     s.finish(d.ticket, &Outcome::Cancelled, 0, None, 0);
+}
+
+/// `Decision::quota_skipped` names exactly the endpoints passed over for quota: a placement that
+/// skipped a short key, a pin left for a certain 429; not a key that fits, not the chosen one,
+/// nothing with the feature off.
+#[test]
+fn quota_skips_name_the_endpoints_passed_over_for_quota() {
+    let two = |extra: serde_json::Value| {
+        let mut v = json!({"endpoints":[{"name":"a","cluster":"ca"},{"name":"b","cluster":"cb"}]});
+        v.as_object_mut()
+            .unwrap()
+            .extend(extra.as_object().unwrap().clone());
+        cfg(v)
+    };
+    let c = two(json!({}));
+    let store = MemStore::new();
+    let s = Scheduler::new(&c, &store);
+    let ex = Exclusions::default();
+    let k = session_homed_at(&s, 0);
+    let d = s.pick(&body_pick(None, &ex, 0), 0).unwrap();
+    assert!(d.quota_skipped.is_empty(), "{:?}", d.quota_skipped);
+    let t = Ticket {
+        endpoint: 0,
+        endpoint_id: c.endpoints[0].id,
+        ..d.ticket
+    };
+    s.finish_observed(
+        t,
+        &Outcome::Success,
+        10,
+        None,
+        &stated(None, Some(1_000)),
+        0,
+    );
+    // 1 001 tokens do not fit into a's 1 000: skipped for quota, placed on b.
+    let skipped = s.pick(&body_pick(Some(k), &ex, 4_004), 1).unwrap();
+    assert_eq!((skipped.endpoint, skipped.quota_skipped), (1, vec![0]));
+    // 1 000 fit: nothing skipped.
+    let fits = s.pick(&body_pick(Some(k), &ex, 4_000), 2).unwrap();
+    assert_eq!((fits.endpoint, fits.quota_skipped), (0, vec![]));
+    // Off: nothing is skipped, nothing reported.
+    let off = two(json!({"quota_aware": false}));
+    let d = Scheduler::new(&off, &store)
+        .pick(&body_pick(Some(k), &ex, 4_004), 3)
+        .unwrap();
+    assert_eq!((d.endpoint, d.quota_skipped), (0, vec![]));
+
+    // A pinned session leaves its key only for a certain 429, and that key is reported.
+    let c = two(json!({"quota_min_tokens": 5_000}));
+    let store = MemStore::new();
+    let s = Scheduler::new(&c, &store);
+    let k = session_homed_at(&s, 0);
+    let d = s.pick(&body_pick(Some(k), &ex, 400), 0).unwrap();
+    s.finish_observed(
+        d.ticket,
+        &Outcome::Success,
+        10,
+        Some(k),
+        &stated(Some(1), Some(3_000)),
+        1,
+    );
+    // Below the floor but a request left: the pin holds, nothing skipped.
+    let stay = s.pick(&body_pick(Some(k), &ex, 400), 2).unwrap();
+    assert_eq!(
+        (stay.affinity, stay.quota_skipped),
+        (AffinityResult::Hit, vec![])
+    );
+    let moved = s.pick(&body_pick(Some(k), &ex, 400), 3).unwrap();
+    assert_eq!(
+        (moved.endpoint, moved.affinity, moved.quota_skipped),
+        (1, AffinityResult::Miss, vec![0])
+    );
+
+    // Every key spent: the one tried after all is not reported as skipped.
+    let c = two(json!({}));
+    let store = MemStore::new();
+    let s = Scheduler::new(&c, &store);
+    for i in 0..2 {
+        let d = s.pick(&body_pick(None, &ex, 0), 0).unwrap();
+        let t = Ticket {
+            endpoint: i,
+            endpoint_id: c.endpoints[i].id,
+            ..d.ticket
+        };
+        s.finish_observed(t, &Outcome::Success, 10, None, &stated(Some(0), None), 0);
+    }
+    let d = s.pick(&body_pick(Some(k), &ex, 40), 1).unwrap();
+    assert!(
+        !d.quota_skipped.contains(&d.endpoint) && d.quota_skipped.len() == 1,
+        "{d:?}"
+    );
 }
