@@ -271,6 +271,7 @@ mod tests {
             exclusions: &ex,
             nonce: 0,
             body_bytes: 0,
+            pin_hint: None,
         };
         // Where each of 400 new sessions starts (nothing is pinned: cancelled attempts).
         let homes = || -> Vec<usize> {
