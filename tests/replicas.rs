@@ -28,8 +28,8 @@ use std::time::Instant;
 
 use serde_json::{json, Value};
 use support::{
-    for_each_parallel, percent, steady_mock, tally, Checks, EnvoyConfig, MockUpstream, Replicas,
-    Session,
+    for_each_parallel, percent, steady_mock, tally, Checks, CookieJar, EnvoyConfig, MockUpstream,
+    Replicas, Session,
 };
 
 const REPLICAS: usize = 3;
@@ -134,6 +134,35 @@ impl Fleet {
             first_failure(&warm)
         );
     }
+}
+
+/// The sessions whose first turn `home` served, and the others; expects enough of the former
+/// (>= 10) to measure anything.
+fn split_homed(
+    checks: &mut Checks,
+    sessions: Vec<Session>,
+    home: &str,
+) -> (Vec<Session>, Vec<Session>) {
+    let total = sessions.len();
+    let (homed, others): (Vec<Session>, Vec<Session>) = sessions
+        .into_iter()
+        .partition(|s| s.first_endpoint() == Some(home));
+    checks.expect(
+        homed.len() >= 10,
+        format!(
+            "sessions homed on {home}: {} of {total} (need >= 10)",
+            homed.len()
+        ),
+    );
+    (homed, others)
+}
+
+/// Session id → the endpoint that served its latest turn (`-` if none did).
+fn latest_endpoints(sessions: &[Session]) -> BTreeMap<String, String> {
+    sessions
+        .iter()
+        .map(|s| (s.id.clone(), s.last_endpoint().unwrap_or("-").to_string()))
+        .collect()
 }
 
 fn expected_share(endpoint: &str) -> f64 {
@@ -360,19 +389,10 @@ fn rate_limited_home_fails_over_to_the_same_backup_on_every_replica() {
     fleet.warm_up("429");
     let mut sessions = Session::many("rl", 45, MODEL);
     fleet.round_robin(&mut sessions, REPLICAS);
-    let (mut homed, mut others): (Vec<Session>, Vec<Session>) = sessions
-        .into_iter()
-        .partition(|s| s.first_endpoint() == Some(HOME));
     let mut checks = Checks::new();
+    let (mut homed, mut others) = split_homed(&mut checks, sessions, HOME);
     expect_no_errors(&mut checks, "before the 429", &homed);
     expect_no_errors(&mut checks, "before the 429 (other sessions)", &others);
-    checks.expect(
-        homed.len() >= 10,
-        format!(
-            "sessions homed on {HOME}: {} of 45 (need >= 10)",
-            homed.len()
-        ),
-    );
 
     let home = fleet.mock(HOME);
     home.reset_stats();
@@ -383,10 +403,7 @@ fn rate_limited_home_fails_over_to_the_same_backup_on_every_replica() {
     for s in &mut homed {
         s.send(0, port0);
     }
-    let backups: BTreeMap<String, String> = homed
-        .iter()
-        .map(|s| (s.id.clone(), s.last_endpoint().unwrap_or("-").to_string()))
-        .collect();
+    let backups = latest_endpoints(&homed);
     let rejected = home
         .stats()
         .pointer("/status_counts/429")
@@ -485,7 +502,7 @@ fn pin_cookie_carries_a_failover_to_replicas_that_never_saw_it() {
     fleet.warm_up("cookie");
     let mut sessions = Session::many("ck", 45, MODEL);
     for s in &mut sessions {
-        s.jar = Some(BTreeMap::new());
+        s.jar = Some(CookieJar::default());
     }
     fleet.round_robin(&mut sessions, REPLICAS);
     let mut checks = Checks::new();
@@ -498,17 +515,7 @@ fn pin_cookie_carries_a_failover_to_replicas_that_never_saw_it() {
         with_cookie == 0,
         format!("sessions given a cookie while at home: {with_cookie} (want 0)"),
     );
-    let mut homed: Vec<Session> = sessions
-        .into_iter()
-        .filter(|s| s.first_endpoint() == Some(HOME))
-        .collect();
-    checks.expect(
-        homed.len() >= 10,
-        format!(
-            "sessions homed on {HOME}: {} of 45 (need >= 10)",
-            homed.len()
-        ),
-    );
+    let (mut homed, _) = split_homed(&mut checks, sessions, HOME);
 
     // Replica 0 alone sees the 429 and fails the sessions over.
     let home = fleet.mock(HOME);
@@ -518,10 +525,7 @@ fn pin_cookie_carries_a_failover_to_replicas_that_never_saw_it() {
         s.send(0, port0);
     }
     home.clear_fault();
-    let backups: BTreeMap<String, String> = homed
-        .iter()
-        .map(|s| (s.id.clone(), s.last_endpoint().unwrap_or("-").to_string()))
-        .collect();
+    let backups = latest_endpoints(&homed);
     let spread = tally(backups.values().map(String::as_str));
     checks.expect(
         !spread.contains_key(HOME) && !spread.contains_key("-"),
@@ -532,7 +536,7 @@ fn pin_cookie_carries_a_failover_to_replicas_that_never_saw_it() {
         .filter(|s| {
             s.jar
                 .as_ref()
-                .is_some_and(|j| j.keys().any(|k| k.starts_with("cf_pin_")))
+                .is_some_and(|j| j.names().any(|k| k.starts_with("cf_pin_")))
         })
         .count();
     checks.expect(

@@ -18,7 +18,7 @@ use std::time::{Duration, Instant};
 
 use serde_json::{json, Value};
 
-use super::support::http;
+use super::support::http::{self, CookieJar};
 
 /// SplitMix64: a small, fixed, seedable generator (the plan must be identical in every run).
 #[derive(Clone, Debug)]
@@ -226,45 +226,13 @@ fn usage_of(body: &str) -> (u64, u64) {
     (prompt, cached)
 }
 
-/// A session's cookie jar: what a per-conversation client (a browser, one SDK client per
-/// conversation) keeps and sends back. Name → value; `Max-Age=0` removes.
-#[derive(Default)]
-struct Jar(Vec<(String, String)>);
-
-impl Jar {
-    fn header(&self) -> Option<String> {
-        (!self.0.is_empty()).then(|| {
-            self.0
-                .iter()
-                .map(|(n, v)| format!("{n}={v}"))
-                .collect::<Vec<_>>()
-                .join("; ")
-        })
-    }
-
-    /// `set-cookie` values, joined with ", " by the client (none of ours has a comma).
-    fn store(&mut self, set_cookie: &str) {
-        for one in set_cookie.split(", ") {
-            let mut attrs = one.split(';');
-            let Some((name, value)) = attrs.next().and_then(|p| p.trim().split_once('=')) else {
-                continue;
-            };
-            let expired = attrs.any(|a| a.trim().eq_ignore_ascii_case("max-age=0"));
-            self.0.retain(|(n, _)| n != name);
-            if !expired {
-                self.0.push((name.to_string(), value.to_string()));
-            }
-        }
-    }
-}
-
 fn send(
     port: u16,
     plan: &SessionPlan,
     turn: usize,
     t0: Instant,
     timeout: Duration,
-    jar: &mut Jar,
+    jar: &mut CookieJar,
 ) -> Record {
     let body = plan.body(turn);
     let start = Instant::now();
@@ -301,9 +269,7 @@ fn send(
     match res {
         Ok(r) => {
             rec.status = r.status;
-            if let Some(c) = r.header("set-cookie") {
-                jar.store(c);
-            }
+            jar.store(&r);
             rec.endpoint = r.header("x-mock-endpoint").map(str::to_string);
             rec.attempts = r
                 .header("x-computeflux-attempts")
@@ -345,7 +311,8 @@ pub fn drive(port: u16, plans: &[SessionPlan], t0: Instant, timeout: Duration) -
             .name(format!("session-{}", plan.index))
             .stack_size(256 * 1024)
             .spawn(move || {
-                let mut jar = Jar::default();
+                // Each session is its own client and keeps the cookies it is given.
+                let mut jar = CookieJar::default();
                 for turn in 0..plan.user_msgs.len() {
                     let rec = send(port, &plan, turn, t0, timeout, &mut jar);
                     let _ = tx.send(rec);

@@ -146,6 +146,22 @@ pub fn order(session_key: u64, candidates: &[(usize, u32, f64)]) -> Vec<usize> {
     keyed.into_iter().map(|(_, _, i)| i).collect()
 }
 
+/// The first candidate of [`order`] that `keep` accepts, found without sorting (a pin hit needs
+/// only the session's home).
+pub fn first(
+    session_key: u64,
+    candidates: &[(usize, u32, f64)],
+    keep: impl Fn(usize) -> bool,
+) -> Option<usize> {
+    candidates
+        .iter()
+        .filter(|c| keep(c.0))
+        .map(|&(i, id, w)| (hrw_key(session_key, id, w), id, i))
+        // The largest key; among equal keys the smallest id, as `order` ranks them.
+        .max_by(|a, b| a.0.total_cmp(&b.0).then(b.1.cmp(&a.1)))
+        .map(|(_, _, i)| i)
+}
+
 /// The bounded-load limit of one candidate: in-flight attempts it may have *after* taking one
 /// more, given `total_load` in flight over all candidates.
 pub fn load_limit(total_load: u64, weight: f64, total_weight: f64, cfg: &Config) -> f64 {
@@ -216,6 +232,33 @@ mod tests {
         [5, 0, 2, 1, 3, 4],
         [3, 2, 5, 4, 1, 0],
     ];
+
+    #[test]
+    fn first_is_the_first_of_order() {
+        // Zero weights tie (key 0) and are ranked by id: covered too.
+        let cands: Vec<(usize, u32, f64)> = (0..7)
+            .map(|i| {
+                (
+                    i,
+                    500 - i as u32 * 3,
+                    [0.0, 1.0, 2.5, 0.0, 1.0, 4.0, 0.5][i],
+                )
+            })
+            .collect();
+        for s in 0..2_000u64 {
+            let key = crate::scheduler::hash::fmix64(s);
+            for skip in [None, Some(2usize), Some(5)] {
+                let keep = |i: usize| Some(i) != skip;
+                let expected = order(key, &cands).into_iter().find(|&i| keep(i));
+                assert_eq!(
+                    first(key, &cands, keep),
+                    expected,
+                    "session {s}, skip {skip:?}"
+                );
+            }
+        }
+        assert_eq!(first(1, &cands, |_| false), None);
+    }
 
     #[test]
     fn shares_follow_weights() {

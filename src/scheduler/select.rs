@@ -607,14 +607,13 @@ impl<'a> Scheduler<'a> {
             )
         };
 
-        // The session's rendezvous order, and its home: the first non-degraded endpoint in it.
+        // The session's home: the first non-degraded endpoint of its rendezvous order.
         let key = pick.session.unwrap_or(pick.nonce);
         let weights: Vec<(usize, u32, f64)> = statics
             .iter()
             .filter_map(|&i| Some((i, cfg.endpoints.get(i)?.id, weight_of(i)?.weight)))
             .collect();
-        let order = placement::order(key, &weights);
-        let home = order.iter().copied().find(|&i| !is_degraded(i));
+        let home = placement::first(key, &weights, |i| !is_degraded(i));
 
         // A live pin wins, unless its endpoint is degraded.
         let pinned_index = pinned.and_then(|id| cfg.endpoint_index(id));
@@ -641,6 +640,7 @@ impl<'a> Scheduler<'a> {
 
         // Placement: the first candidate in rendezvous order that admits traffic, is not
         // degraded (but for a due probe) and is within its bounded load.
+        let order = placement::order(key, &weights);
         let eligible = |i: usize| admitted(i) && !is_degraded(i);
         let (total_load, total_weight) =
             order

@@ -14,6 +14,49 @@ use serde_json::Value;
 
 pub const DEFAULT_TIMEOUT: Duration = Duration::from_secs(15);
 
+/// A client's cookie jar (a browser, an SDK client per conversation): name → value of what the
+/// responses set, sent back as one `cookie` header. Attributes other than `Max-Age=0` (which
+/// removes the cookie) are ignored: the tests talk to one host.
+#[derive(Clone, Debug, Default)]
+pub struct CookieJar(BTreeMap<String, String>);
+
+impl CookieJar {
+    /// The `cookie` header value, if the jar holds any.
+    pub fn header(&self) -> Option<String> {
+        (!self.0.is_empty()).then(|| {
+            self.0
+                .iter()
+                .map(|(n, v)| format!("{n}={v}"))
+                .collect::<Vec<_>>()
+                .join("; ")
+        })
+    }
+
+    /// Keeps what `r`'s `set-cookie` headers say (joined with ", " by [`request`]; the filter's
+    /// cookies carry no comma).
+    pub fn store(&mut self, r: &Response) {
+        for one in r.header("set-cookie").unwrap_or_default().split(", ") {
+            let mut attrs = one.split(';');
+            let Some((name, value)) = attrs.next().and_then(|p| p.trim().split_once('=')) else {
+                continue;
+            };
+            if attrs.any(|a| a.trim().eq_ignore_ascii_case("max-age=0")) {
+                self.0.remove(name);
+            } else {
+                self.0.insert(name.to_string(), value.to_string());
+            }
+        }
+    }
+
+    pub fn names(&self) -> impl Iterator<Item = &str> {
+        self.0.keys().map(String::as_str)
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.0.is_empty()
+    }
+}
+
 /// A complete response.
 #[derive(Clone, Debug, Default)]
 pub struct Response {

@@ -41,7 +41,7 @@ use serde_json::{json, Value};
 pub use artifacts::{envoy_bin, mock_bin, repo_root, target_dir, wasm_path};
 pub use checks::Checks;
 pub use envoy::{render_bootstrap, Envoy, EnvoyConfig, DEFAULT_STAT_TAGS};
-pub use http::{curl_h2, get, post_chat, Response};
+pub use http::{curl_h2, get, post_chat, CookieJar, Response};
 pub use mock::MockUpstream;
 pub use replicas::Replicas;
 pub use session::{for_each_parallel, percent, steady_mock, tally, Session, Turn};

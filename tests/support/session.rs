@@ -19,7 +19,7 @@ use std::time::{Duration, Instant};
 use serde_json::Value;
 
 use super::chat_body;
-use super::http::try_post_chat;
+use super::http::{try_post_chat, CookieJar};
 use super::mock::MockUpstream;
 
 pub const H_ENDPOINT: &str = "x-computeflux-endpoint";
@@ -87,7 +87,7 @@ pub struct Session {
     pub turns: Vec<Turn>,
     /// The cookies this client keeps (`name=value`), if it keeps cookies at all (a browser, an
     /// SDK client per conversation); `None` for a client that ignores them.
-    pub jar: Option<BTreeMap<String, String>>,
+    pub jar: Option<CookieJar>,
 }
 
 impl Session {
@@ -112,29 +112,14 @@ impl Session {
         let text = turn_text(&self.id, self.turns.len());
         let body = chat_body(&self.model, &[text.as_str()], Value::Null);
         let sent = Instant::now();
-        let cookie = self.jar.as_ref().filter(|j| !j.is_empty()).map(|j| {
-            j.iter()
-                .map(|(n, v)| format!("{n}={v}"))
-                .collect::<Vec<_>>()
-                .join("; ")
-        });
+        let cookie = self.jar.as_ref().and_then(CookieJar::header);
         let mut headers = vec![(H_SESSION, self.id.as_str())];
         if let Some(c) = cookie.as_deref() {
             headers.push(("cookie", c));
         }
         let res = try_post_chat(port, &headers, &body);
         if let (Ok(r), Some(jar)) = (&res, self.jar.as_mut()) {
-            // Repeated headers are joined with ", " (the filter's cookies have no comma).
-            for one in r.header("set-cookie").unwrap_or_default().split(", ") {
-                let mut attrs = one.split(';');
-                if let Some((n, v)) = attrs.next().and_then(|p| p.trim().split_once('=')) {
-                    if attrs.any(|a| a.trim().eq_ignore_ascii_case("max-age=0")) {
-                        jar.remove(n);
-                    } else {
-                        jar.insert(n.to_string(), v.to_string());
-                    }
-                }
-            }
+            jar.store(r);
         }
         let turn = match res {
             Ok(r) => Turn {

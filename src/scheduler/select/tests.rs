@@ -788,6 +788,19 @@ fn body_pick<'a>(session: Option<u64>, ex: &'a Exclusions, body_bytes: usize) ->
     }
 }
 
+/// Endpoint `i`'s successful answer at `now_ms` stated `hint` (an attempt picked, then aimed
+/// at `i`).
+fn answered(s: &Scheduler<'_>, i: usize, hint: &QuotaHint, now_ms: u64) {
+    let ex = Exclusions::default();
+    let d = s.pick(&body_pick(None, &ex, 0), now_ms).unwrap();
+    let t = Ticket {
+        endpoint: i,
+        endpoint_id: s.cfg.endpoints[i].id,
+        ..d.ticket
+    };
+    s.finish_observed(t, &Outcome::Success, 10, None, hint, now_ms);
+}
+
 fn stated(requests: Option<u64>, tokens: Option<u64>) -> QuotaHint {
     use crate::scheduler::quota::Stated;
     let st = |left| Stated {
@@ -824,20 +837,7 @@ fn a_key_short_of_quota_loses_new_sessions_to_the_next_in_order_until_its_reset(
     let k = session_homed_at(&s, 0);
     // a's answer says 1 000 tokens are left (reset in 10 s): a 4 000-byte (1 000-token)
     // request still fits, a 4 004-byte one does not.
-    let d = s.pick(&body_pick(None, &ex, 0), 0).unwrap();
-    let t = Ticket {
-        endpoint: 0,
-        endpoint_id: c.endpoints[0].id,
-        ..d.ticket
-    };
-    s.finish_observed(
-        t,
-        &Outcome::Success,
-        10,
-        None,
-        &stated(None, Some(1_000)),
-        0,
-    );
+    answered(&s, 0, &stated(None, Some(1_000)), 0);
     assert_eq!(
         s.pick(&body_pick(Some(k), &ex, 4_004), 1).unwrap().endpoint,
         1
@@ -930,13 +930,7 @@ fn when_every_key_is_short_the_home_is_still_tried() {
     let s = Scheduler::new(&c, &store);
     let ex = Exclusions::default();
     for i in 0..2 {
-        let d = s.pick(&body_pick(None, &ex, 0), 0).unwrap();
-        let t = Ticket {
-            endpoint: i,
-            endpoint_id: c.endpoints[i].id,
-            ..d.ticket
-        };
-        s.finish_observed(t, &Outcome::Success, 10, None, &stated(Some(0), None), 0);
+        answered(&s, i, &stated(Some(0), None), 0);
     }
     let k = session_homed_at(&Scheduler::new(&c, &MemStore::new()), 1);
     // The upstream's own answer (a 429 and its reset) beats a guess.
@@ -1051,13 +1045,7 @@ fn quota_skips_name_the_endpoints_passed_over_for_quota() {
     let store = MemStore::new();
     let s = Scheduler::new(&c, &store);
     for i in 0..2 {
-        let d = s.pick(&body_pick(None, &ex, 0), 0).unwrap();
-        let t = Ticket {
-            endpoint: i,
-            endpoint_id: c.endpoints[i].id,
-            ..d.ticket
-        };
-        s.finish_observed(t, &Outcome::Success, 10, None, &stated(Some(0), None), 0);
+        answered(&s, i, &stated(Some(0), None), 0);
     }
     let d = s.pick(&body_pick(Some(k), &ex, 40), 1).unwrap();
     assert!(
