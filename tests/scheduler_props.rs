@@ -27,6 +27,7 @@ use computeflux::scheduler::affinity::{self, Affinity, Entry};
 use computeflux::scheduler::breaker::{Admission, Breaker, BreakerConfig, BreakerState, OpenCause};
 use computeflux::scheduler::outcome::FailureKind;
 use computeflux::scheduler::payoff::Payoff;
+use computeflux::scheduler::overdue::Watch;
 use computeflux::scheduler::quota::{Quota, Remaining};
 use computeflux::scheduler::select::{Ticket, TABLE_KEY};
 use computeflux::scheduler::state::Table;
@@ -951,8 +952,14 @@ fn endpoint_state() -> impl Strategy<Value = EndpointState> {
                 quota,
                 (prompt, cached, samples),
             )| {
+                let mut watch = Watch::default();
+                watch.insert((total as u32) | 1, changed);
                 EndpointState {
                     latency_ms,
+                    // Derived from the drawn values: every field takes varied values.
+                    latency_dev_ms: latency_ms.unwrap_or(0.0).abs() / 3.0,
+                    degraded_probes: (degraded_probe_ms % 7) as u8,
+                    watch,
                     success_rate,
                     last_sample_ms: last,
                     total,

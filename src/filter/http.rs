@@ -202,7 +202,8 @@ impl HttpContext for Http {
             return Action::Pause;
         }
         if body_size > 0 && self.flow.awaits_first_byte() {
-            self.flow.on_first_byte(host::now_ms());
+            let now = host::now_ms();
+            self.with_flow(now, |f, s, _| f.on_first_byte(s, now));
         }
         // A Responses API answer: its id is read as it passes (bounded, never held back).
         let whole = self.flow.reads_answer().then(|| {

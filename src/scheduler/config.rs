@@ -352,7 +352,11 @@ config_keys! {
     degraded_exit_ratio: f64 = 1.5, Spec::Number { min: 1.0, max: 1000.0 },
         "A degraded endpoint is whole again once its latency estimate falls below this multiple of the fastest (hysteresis: must be below `pin_break_ratio`).";
     degraded_probe_interval_ms: u64 = 5_000, MS,
-        "A degraded endpoint gets one new placement as a probe per this interval (per Envoy), so that its latency estimate can show its recovery.";
+        "A degraded endpoint gets one new placement as a probe per this interval (per Envoy), so that its latency estimate can show its recovery. The interval doubles after each probe that is still slow (up to `degraded_probe_max_interval_ms`) and starts again from this value after a fast one.";
+    degraded_probe_max_interval_ms: u64 = 60_000, MS,
+        "The longest probe interval of an endpoint that stays degraded (never below `degraded_probe_interval_ms`): a probe is a real client's request, and one that stays slow costs that client the slowdown, so an endpoint that keeps failing its probes is probed ever less often.";
+    pin_break_overdue: u64 = 1, Spec::Int { min: 0, max: 4 },
+        "Affinity hits still waiting for their answer past the degraded threshold (`pin_break_ratio` × the fastest, `pin_break_min_ms` above it, and above the endpoint's own estimate + 4 × its mean deviation) that make a warm endpoint count as degraded while they wait, before its slow answers arrive (see [decisions](decisions.md#pin-breaking)). `0`: only answers count.";
     quota_aware: bool = true, Spec::Bool,
         "Quota-aware routing: reads the remaining-quota headers of successful answers — OpenAI / Azure OpenAI `x-ratelimit-remaining-requests`, `x-ratelimit-remaining-tokens`, `x-ratelimit-reset-requests`, `x-ratelimit-reset-tokens` (durations such as `6m0s`), Anthropic `anthropic-ratelimit-{requests,tokens,input-tokens,output-tokens}-{remaining,reset}` (reset as RFC 3339) — and skips an endpoint whose remaining requests or tokens are below the floors below or below the request's estimated tokens, until the reset (capped by `retry_after_max_ms`; `rate_limit_ms` without a reset). New sessions go to the next endpoint in rendezvous order; a pinned session moves only when staying is a certain 429 (no request left, or fewer tokens than its estimate). Values that are not plain decimal counts up to 10^12 are ignored.";
     quota_pacing: bool = true, Spec::Bool,

@@ -11,6 +11,10 @@
 //! excess latency factor and the missing success rate by it, so a long-idle endpoint drifts back
 //! to neutral and gets a fresh look; one bad sample then pushes it away again.
 
+/// Gain of the latency's mean deviation (`dev = (1-β)·dev + β·|sample − estimate|`), TCP's β
+/// (RFC 6298).
+pub const DEVIATION_ALPHA: f64 = 0.25;
+
 /// One EWMA step. `prev = None` (no sample yet) initialises with `sample`.
 pub fn update(prev: Option<f64>, sample: f64, alpha: f64) -> f64 {
     match prev {

@@ -676,12 +676,14 @@ impl Flow {
 
     /// The first body byte of a streamed answer passed: its time is the attempt's latency
     /// sample (time to first token), instead of the time to its headers.
-    pub fn on_first_byte(&mut self, now_ms: u64) {
+    /// A watched affinity hit stops being watched (see `overdue`).
+    pub fn on_first_byte(&mut self, s: &Scheduler<'_>, now_ms: u64) {
         if let Some(a) = self.current.as_mut().filter(|a| a.awaits_first_byte) {
             a.awaits_first_byte = false;
             if let Some((_, latency)) = a.verdict.as_mut() {
                 *latency = now_ms.saturating_sub(a.ticket.started_ms);
             }
+            s.release_watch(&mut a.ticket);
         }
     }
 

@@ -19,6 +19,7 @@ pub mod json_scan;
 pub mod models;
 pub mod multipart;
 pub mod outcome;
+pub mod overdue;
 pub mod payoff;
 pub mod pin_cookie;
 pub mod placement;

@@ -37,6 +37,7 @@
 use super::config::Config;
 use super::hash::rendezvous;
 use super::payoff::PayoffRule;
+use super::overdue::Rule as OverdueRule;
 use super::score::{health, LATENCY_FLOOR_MS};
 use super::state::EndpointState;
 
@@ -86,8 +87,12 @@ pub fn quantize(h: f64, step: f64) -> f64 {
 pub struct Weighed {
     /// `weight × quantize(health)`: its share of new sessions.
     pub weight: f64,
-    /// Whether it should be treated as degraded now.
+    /// Whether it should be treated as degraded now: by its estimate, or by overdue affinity
+    /// hits in flight (see `overdue`).
     pub degraded: bool,
+    /// Degraded by its estimate alone: what is stored for the hysteresis and what makes
+    /// probes due.
+    pub sticky: bool,
 }
 
 /// Weighs an endpoint for placement. `best_latency_ms` is the fastest warm latency among the
@@ -109,10 +114,31 @@ pub fn weigh(
     // An endpoint whose pinned turns find nothing cached gains nothing from sessions (a
     // boolean of smoothed state, like the health levels: see `payoff`).
     let payoff = PayoffRule::from_config(cfg).factor(&st.payoff);
+    let sticky = degraded(st.degraded, latency, cfg);
+    let overdue = latency.is_some_and(|(own, best)| {
+        st.watch.overdue(
+            own,
+            st.latency_dev_ms,
+            best,
+            &OverdueRule::from_config(cfg),
+            now_ms,
+        )
+    });
     Weighed {
         weight: weight * quantize(h, cfg.placement_quantum) * payoff,
-        degraded: degraded(st.degraded, latency, cfg),
+        degraded: sticky || overdue,
+        sticky,
     }
+}
+
+/// How long after its last probe a degraded endpoint that has had `probes` probes since it
+/// was degraded (or since one came back fast) gets the next: `degraded_probe_interval_ms`
+/// doubled per probe, up to `degraded_probe_max_interval_ms` (never below the base).
+pub fn probe_interval(cfg: &Config, probes: u8) -> u64 {
+    let base = cfg.degraded_probe_interval_ms;
+    let cap = cfg.degraded_probe_max_interval_ms.max(base);
+    let doubled = base.saturating_mul(1u64 << u32::from(probes.min(20)));
+    doubled.min(cap)
 }
 
 /// The degraded rule with hysteresis. A warm endpoint becomes degraded when its latency

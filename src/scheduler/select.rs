@@ -20,9 +20,10 @@ use super::config::AfterFailover;
 use super::config::Config;
 use super::ewma;
 use super::outcome::Outcome;
+use super::overdue;
 use super::placement::{self, Weighed};
 use super::quota::{estimate_tokens, QuotaHint, QuotaRule};
-use super::score::score;
+use super::score::{score, LATENCY_FLOOR_MS};
 use super::state::Table;
 use super::store::{update_if, Store};
 use super::usage::Usage;
@@ -194,6 +195,10 @@ pub struct Ticket {
     /// Whether the in-flight increment was stored (false when CAS retries ran out).
     pub counted: bool,
     pub started_ms: u64,
+    /// The affinity hit's slot in its endpoint's overdue watch (0: not watched; see `overdue`).
+    pub watch_token: u32,
+    /// A degraded endpoint's probe placement (a fast answer resets the probe backoff).
+    pub degraded_probe: bool,
     /// Whether a success should pin the session here (not for a degraded endpoint's probe, nor,
     /// with `after_failover: return_home`, away from the session's home).
     pub pin_on_success: bool,
@@ -404,6 +409,7 @@ impl<'a> Scheduler<'a> {
                 if let Some((_, st)) = table.entries.get_mut(j) {
                     if st.degraded != flag {
                         st.degraded = flag;
+                        st.degraded_probes = 0;
                         if flag {
                             // The first probe comes one interval after the degradation.
                             st.degraded_probe_ms = now_ms;
@@ -421,9 +427,24 @@ impl<'a> Scheduler<'a> {
             };
             if choice.reason == Reason::DegradedProbe {
                 st.degraded_probe_ms = now_ms;
+                st.degraded_probes = st.degraded_probes.saturating_add(1);
             }
             st.in_flight = st.in_flight.saturating_add(1);
             st.in_flight_changed_ms = now_ms;
+            // An affinity hit is watched: still waiting long after it should have been
+            // answered, it is early evidence of a slowdown (see `overdue`).
+            let watch_token = if choice.reason == Reason::AffinityHit
+                && self.cfg.pin_break_overdue > 0
+            {
+                let t = overdue::token(pick.nonce, pick.attempt);
+                if st.watch.insert(t, now_ms) {
+                    t
+                } else {
+                    0
+                }
+            } else {
+                0
+            };
             if self.cfg.quota_aware {
                 st.quota.consume(
                     estimate_tokens(pick.body_bytes, self.cfg.quota_bytes_per_token),
@@ -439,6 +460,8 @@ impl<'a> Scheduler<'a> {
                 probe_epoch,
                 counted: true,
                 started_ms: now_ms,
+                watch_token,
+                degraded_probe: choice.reason == Reason::DegradedProbe,
                 pin_on_success: choice.pin_on_success,
                 pinned_usage: None,
             };
@@ -488,6 +511,8 @@ impl<'a> Scheduler<'a> {
                     probe_epoch: None,
                     counted: false,
                     started_ms: now_ms,
+                    watch_token: 0,
+                    degraded_probe: false,
                     pin_on_success: c.pin_on_success,
                     pinned_usage: None,
                 };
@@ -505,6 +530,7 @@ impl<'a> Scheduler<'a> {
             Err(r) => r.map(|mut d| {
                 d.ticket.counted = false;
                 d.ticket.probe_epoch = None;
+                d.ticket.watch_token = 0;
                 d
             }),
         }
@@ -556,7 +582,9 @@ impl<'a> Scheduler<'a> {
         }
         let weight_of = |i: usize| weighed.get(i).copied().flatten();
         let is_degraded = |i: usize| weight_of(i).is_some_and(|w| w.degraded);
-        let degraded: Vec<(usize, bool)> = statics.iter().map(|&i| (i, is_degraded(i))).collect();
+        // Stored for its hysteresis: the estimate's verdict, not the transient overdue one.
+        let sticky = |i: usize| weight_of(i).is_some_and(|w| w.sticky);
+        let degraded: Vec<(usize, bool)> = statics.iter().map(|&i| (i, sticky(i))).collect();
         // Quota: short endpoints are skipped for placements, a certain 429 even by a pin.
         let estimate = estimate_tokens(pick.body_bytes, cfg.quota_bytes_per_token);
         let rule = self.quota_rule();
@@ -661,9 +689,13 @@ impl<'a> Scheduler<'a> {
                 continue;
             }
             if is_degraded(i) {
-                let due = state(i).is_some_and(|st| {
-                    now_ms.saturating_sub(st.degraded_probe_ms) >= cfg.degraded_probe_interval_ms
-                });
+                // Probes only once the estimate says so: overdue hits in flight are probes
+                // already.
+                let due = sticky(i)
+                    && state(i).is_some_and(|st| {
+                        now_ms.saturating_sub(st.degraded_probe_ms)
+                            >= placement::probe_interval(cfg, st.degraded_probes)
+                    });
                 if due && admitted(i) && !short(i) && pick.attempt <= 1 && pinned_index.is_none() {
                     chosen = Some((i, Reason::DegradedProbe));
                     break;
@@ -752,6 +784,43 @@ impl<'a> Scheduler<'a> {
         })
     }
 
+    /// The first byte of a streamed answer, whose latency sample it is: the attempt stops being
+    /// watched for being overdue (its stream may go on for long). One more table write, for
+    /// watched attempts only; if it keeps losing the CAS race the finish releases the slot.
+    pub fn release_watch(&self, ticket: &mut Ticket) {
+        if ticket.watch_token == 0 {
+            return;
+        }
+        let (token, started, id, hint) = (
+            ticket.watch_token,
+            ticket.started_ms,
+            ticket.endpoint_id,
+            ticket.endpoint,
+        );
+        let cfg = self.cfg;
+        let result = update_if(self.store, TABLE_KEY, |bytes| {
+            let (mut table, same_layout) = Table::load(bytes, cfg);
+            let at = match table.entries.get(hint) {
+                Some((i, _)) if *i == id => Some(hint),
+                _ => table.entries.iter().position(|(i, _)| *i == id),
+            };
+            let Some((at, (_, st))) = at.and_then(|i| Some((i, table.entries.get_mut(i)?))) else {
+                return (None, ());
+            };
+            if !st.watch.release(token, started) {
+                return (None, ());
+            }
+            let bytes = match bytes {
+                Some(stored) if same_layout => table.encode_patched(stored, at),
+                _ => table.encode(),
+            };
+            (Some(bytes), ())
+        });
+        if result.is_ok() {
+            ticket.watch_token = 0;
+        }
+    }
+
     /// Records an attempt's outcome: in-flight −1, statistics, breaker, affinity.
     /// `latency_ms` is the time to response headers.
     pub fn finish(
@@ -796,6 +865,18 @@ impl<'a> Scheduler<'a> {
                     .iter()
                     .position(|(id, _)| *id == ticket.endpoint_id),
             };
+            // A degraded endpoint's probe is judged against the fastest of the others.
+            let fastest_other = if ticket.degraded_probe {
+                table
+                    .entries
+                    .iter()
+                    .enumerate()
+                    .filter(|(j, (_, o))| Some(*j) != at && o.total >= cfg.cold_start_samples)
+                    .filter_map(|(_, (_, o))| o.latency_ms)
+                    .fold(None, |acc: Option<f64>, l| Some(acc.map_or(l, |a| a.min(l))))
+            } else {
+                None
+            };
             let Some((at, (_, st))) = at.and_then(|i| Some((i, table.entries.get_mut(i)?))) else {
                 return (None, None);
             };
@@ -803,6 +884,7 @@ impl<'a> Scheduler<'a> {
                 st.in_flight = st.in_flight.saturating_sub(1);
                 st.in_flight_changed_ms = now_ms;
             }
+            st.watch.release(ticket.watch_token, ticket.started_ms);
             let verdict = match outcome {
                 Outcome::Success => Some(1.0),
                 Outcome::DeadKey | Outcome::RateLimited { .. } | Outcome::EndpointFailure(_) => {
@@ -836,11 +918,24 @@ impl<'a> Scheduler<'a> {
                 st.quota.observe(quota, &rule, now_ms);
             }
             if matches!(outcome, Outcome::Success) {
-                st.latency_ms = Some(ewma::update(
-                    st.latency_ms,
-                    latency_ms as f64,
-                    cfg.ewma_alpha,
-                ));
+                let sample = latency_ms as f64;
+                if let Some(prev) = st.latency_ms {
+                    st.latency_dev_ms = ewma::update(
+                        Some(st.latency_dev_ms),
+                        (sample - prev).abs(),
+                        ewma::DEVIATION_ALPHA,
+                    );
+                }
+                st.latency_ms = Some(ewma::update(st.latency_ms, sample, cfg.ewma_alpha));
+            }
+            let fast_probe = ticket.degraded_probe
+                && matches!(outcome, Outcome::Success)
+                && fastest_other.is_some_and(|best| {
+                    (latency_ms as f64) < cfg.degraded_exit_ratio * best.max(LATENCY_FLOOR_MS)
+                });
+            if fast_probe {
+                // Recovering: probe at the base interval again.
+                st.degraded_probes = 0;
             }
             let changed = st
                 .breaker

@@ -9,6 +9,7 @@ use super::breaker::{Breaker, BreakerState, OpenCause};
 use super::budget::RetryBudget;
 use super::codec::{Reader, Writer};
 use super::config::Config;
+use super::overdue::Watch;
 use super::payoff::Payoff;
 use super::quota::Quota;
 
@@ -17,6 +18,9 @@ use super::quota::Quota;
 pub struct EndpointState {
     /// EWMA of time to response headers of successful attempts; `None` before the first.
     pub latency_ms: Option<f64>,
+    /// EWMA of |sample − estimate| (mean deviation, as TCP's RTO estimator), for the overdue
+    /// rule's spread bound (see `overdue`).
+    pub latency_dev_ms: f64,
     /// Decayed success rate in [0, 1] (EWMA of 1/0 outcomes); starts at 1.
     pub success_rate: f64,
     /// When the last latency or success sample arrived.
@@ -33,6 +37,11 @@ pub struct EndpointState {
     pub degraded: bool,
     /// When this Envoy last sent a degraded endpoint a probe placement.
     pub degraded_probe_ms: u64,
+    /// Probe placements sent since it was degraded (or since a probe came back fast): the
+    /// probe interval doubles with each, up to `degraded_probe_max_interval_ms`.
+    pub degraded_probes: u8,
+    /// Affinity hits in flight there, watched for being overdue (see `overdue`).
+    pub watch: Watch,
     /// What its last successful answer said was left of its quota (see `quota`).
     pub quota: Quota,
     /// The affinity payoff: cached share of its pinned turns' prompts (see `payoff`).
@@ -43,6 +52,7 @@ impl Default for EndpointState {
     fn default() -> Self {
         EndpointState {
             latency_ms: None,
+            latency_dev_ms: 0.0,
             success_rate: 1.0,
             last_sample_ms: 0,
             total: 0,
@@ -51,6 +61,8 @@ impl Default for EndpointState {
             breaker: Breaker::default(),
             degraded: false,
             degraded_probe_ms: 0,
+            degraded_probes: 0,
+            watch: Watch::default(),
             quota: Quota::default(),
             payoff: Payoff::default(),
         }
@@ -79,13 +91,14 @@ pub struct Table {
     pub entries: Vec<(u32, EndpointState)>,
 }
 
-const TABLE_VERSION: u8 = 4;
+const TABLE_VERSION: u8 = 5;
 const ENTRY_BYTES: usize = 4
     + 1
     + 8
     + 8
     + 8
     + 8
+    + 8
     + 4
     + 8
     + 1
@@ -98,6 +111,8 @@ const ENTRY_BYTES: usize = 4
     + 4
     + 1
     + 8
+    + 1
+    + Watch::BYTES
     + Quota::BYTES
     + Payoff::BYTES;
 const BUDGET_BYTES: usize = 8 + 8 + 8;
@@ -111,9 +126,15 @@ fn decode_entry(chunk: &[u8]) -> Option<(u32, EndpointState)> {
     let id = r.u32()?;
     let has_latency = r.u8()? == 1;
     let latency = r.f64()?;
+    let latency_dev_ms = r.f64()?;
     let success_rate = r.f64()?.clamp(0.0, 1.0);
     let state = EndpointState {
         latency_ms: has_latency.then_some(latency),
+        latency_dev_ms: if latency_dev_ms.is_finite() {
+            latency_dev_ms.max(0.0)
+        } else {
+            0.0
+        },
         success_rate,
         last_sample_ms: r.u64()?,
         total: r.u64()?,
@@ -144,6 +165,8 @@ fn decode_entry(chunk: &[u8]) -> Option<(u32, EndpointState)> {
             _ => return None,
         },
         degraded_probe_ms: r.u64()?,
+        degraded_probes: r.u8()?,
+        watch: Watch::decode(&mut r)?,
         quota: Quota::decode(&mut r)?,
         payoff: Payoff::decode(&mut r)?,
     };
@@ -154,6 +177,7 @@ fn encode_entry(w: &mut Writer, id: u32, s: &EndpointState) {
     w.u32(id);
     w.u8(u8::from(s.latency_ms.is_some()));
     w.f64(s.latency_ms.unwrap_or(0.0));
+    w.f64(s.latency_dev_ms);
     w.f64(s.success_rate);
     w.u64(s.last_sample_ms);
     w.u64(s.total);
@@ -177,6 +201,8 @@ fn encode_entry(w: &mut Writer, id: u32, s: &EndpointState) {
     w.u32(b.epoch);
     w.u8(u8::from(s.degraded));
     w.u64(s.degraded_probe_ms);
+    w.u8(s.degraded_probes);
+    s.watch.encode(w);
     s.quota.encode(w);
     s.payoff.encode(w);
 }

@@ -198,9 +198,9 @@ fn a_streamed_answer_is_timed_to_its_first_byte() {
     ]);
     f.on_response_headers(&s, &mut log, &sse, false, 1_002);
     assert!(f.awaits_first_byte());
-    f.on_first_byte(1_450);
+    f.on_first_byte(&s, 1_450);
     assert!(!f.awaits_first_byte());
-    f.on_first_byte(1_900); // later chunks change nothing
+    f.on_first_byte(&s, 1_900); // later chunks change nothing
     f.on_response_end(&s, &mut log, 3_000);
     let latency = |store: &MemStore| {
         Table::aligned(store.get(TABLE_KEY).0.as_deref(), &c).entries[0]
@@ -217,7 +217,7 @@ fn a_streamed_answer_is_timed_to_its_first_byte() {
     let json_answer = pairs(&[(":status", "200"), ("content-type", "application/json")]);
     f.on_response_headers(&s, &mut log, &json_answer, false, 1_300);
     assert!(!f.awaits_first_byte());
-    f.on_first_byte(1_400);
+    f.on_first_byte(&s, 1_400);
     f.on_response_end(&s, &mut log, 1_400);
     assert_eq!(latency(&store), Some(300.0));
 }

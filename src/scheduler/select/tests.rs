@@ -499,6 +499,8 @@ fn warm(s: &Scheduler<'_>, latencies: &[u64], samples: u64, now: u64) {
                 probe_epoch: None,
                 counted: false,
                 started_ms: now,
+                watch_token: 0,
+                degraded_probe: false,
                 pin_on_success: false,
                 pinned_usage: None,
             };
@@ -743,8 +745,15 @@ fn a_degraded_pin_breaks_with_hysteresis_and_gets_probes() {
         }
         s.finish(d.ticket, &Outcome::Cancelled, 0, None, now);
     }
-    assert!((3..=5).contains(&to_a.len()), "probes at {to_a:?}");
-    assert!(to_a.windows(2).all(|w| w[1] - w[0] >= 1000), "{to_a:?}");
+    // Probes that never come back fast: the interval doubles (1 s, 2 s, ...).
+    assert!((2..=3).contains(&to_a.len()), "probes at {to_a:?}");
+    assert!(to_a[0] >= 1_000, "{to_a:?}");
+    assert!(
+        to_a.windows(2)
+            .enumerate()
+            .all(|(i, w)| w[1] - w[0] >= 1000 << (i + 1)),
+        "{to_a:?}"
+    );
     // Recovering to 2x: still degraded (exit below 1.5x): hysteresis.
     warm(&s, &[200, 100, 100], 30, 5_000);
     let d = pick_at(&s, Some(on_a[30]), &ex, 5_001).unwrap();
@@ -774,6 +783,221 @@ fn cold_endpoints_never_break_pins() {
         assert_eq!(again.reason, Reason::AffinityHit);
         s.finish(again.ticket, &Outcome::Cancelled, 0, None, 2);
     }
+}
+
+/// Sessions of `s` pinned to endpoint 0 (of the first `n` keys).
+fn pinned_to_first(s: &Scheduler<'_>, ex: &Exclusions, n: u64, now: u64) -> Vec<u64> {
+    (0..n)
+        .map(key)
+        .filter(|&k| {
+            let d = pick_at(s, Some(k), ex, now).unwrap();
+            let first = d.endpoint == 0;
+            s.finish(d.ticket, &Outcome::Success, 100, Some(k), now);
+            first
+        })
+        .collect()
+}
+
+fn three_warm(extra: serde_json::Value) -> Config {
+    let mut v = json!({"endpoints":[
+        {"name":"a","cluster":"ca"},{"name":"b","cluster":"cb"},{"name":"c","cluster":"cc"}
+    ],"cold_start_samples":5});
+    if let (Some(o), Some(e)) = (v.as_object_mut(), extra.as_object()) {
+        o.extend(e.clone());
+    }
+    cfg(v)
+}
+
+#[test]
+fn an_overdue_affinity_hit_breaks_pins_before_any_slow_answer() {
+    let c = three_warm(json!({}));
+    let store = MemStore::new();
+    let s = Scheduler::new(&c, &store);
+    let ex = Exclusions::default();
+    warm(&s, &[100, 100, 100], 10, 0);
+    let on_a = pinned_to_first(&s, &ex, 200, 1);
+    assert!(on_a.len() > 20);
+    // One pinned turn goes to a at t = 1000 and gets no answer yet.
+    let held = pick_at(&s, Some(on_a[0]), &ex, 1_000).unwrap();
+    assert_eq!(held.reason, Reason::AffinityHit);
+    assert_ne!(held.ticket.watch_token, 0);
+    // Threshold: max(3 × 100, 100 + 50, 100 + 4 × 0) = 300 ms. Younger: pins hold.
+    let d = pick_at(&s, Some(on_a[1]), &ex, 1_299).unwrap();
+    assert_eq!(d.reason, Reason::AffinityHit);
+    s.finish(d.ticket, &Outcome::Cancelled, 0, None, 1_299);
+    // Older: the next pinned turns are placed elsewhere, in their rendezvous order.
+    for &k in &on_a[2..10] {
+        let d = pick_at(&s, Some(k), &ex, 1_300).unwrap();
+        assert_eq!(
+            (d.reason, d.broke_pin_of),
+            (Reason::PinBreak, Some(0)),
+            "session {k}"
+        );
+        assert_ne!(d.endpoint, 0);
+        s.finish(d.ticket, &Outcome::Cancelled, 0, None, 1_300);
+    }
+    // New sessions avoid it too, and no probe is due: the overdue hit is the probe.
+    for n in 5_000..5_100u64 {
+        let d = pick_at(&s, Some(key(n)), &ex, 1_300).unwrap();
+        assert_ne!(d.endpoint, 0);
+        s.finish(d.ticket, &Outcome::Cancelled, 0, None, 1_300);
+    }
+    // Transient: nothing sticky was stored.
+    assert!(!s.table().entries[0].1.degraded);
+    // The answer arrives (fast after all: a false alarm): pins to a hold again.
+    s.finish(held.ticket, &Outcome::Success, 310, Some(on_a[0]), 1_310);
+    let d = pick_at(&s, Some(on_a[10]), &ex, 1_320).unwrap();
+    assert_eq!(d.reason, Reason::AffinityHit);
+    s.finish(d.ticket, &Outcome::Cancelled, 0, None, 1_320);
+}
+
+#[test]
+fn overdue_evidence_respects_spread_cold_start_and_the_switch() {
+    // An endpoint whose answers vary widely needs a far older hit.
+    let c = three_warm(json!({}));
+    let store = MemStore::new();
+    let s = Scheduler::new(&c, &store);
+    let ex = Exclusions::default();
+    warm(&s, &[100, 100, 100], 5, 0);
+    let on_a = pinned_to_first(&s, &ex, 200, 1);
+    for lat in [20, 400, 20, 400, 20, 400] {
+        warm(&s, &[lat, 100, 100], 1, 2);
+    }
+    let st = s.table().entries[0].1;
+    let spread = st.latency_ms.unwrap() + 4.0 * st.latency_dev_ms;
+    assert!(spread > 500.0, "estimate + 4 deviations: {spread}");
+    let held = pick_at(&s, Some(on_a[0]), &ex, 1_000).unwrap();
+    let d = pick_at(&s, Some(on_a[1]), &ex, 1_000 + 400).unwrap();
+    assert_eq!(
+        d.reason,
+        Reason::AffinityHit,
+        "400 ms is within its usual spread: {:?}",
+        s.table().entries
+    );
+    s.finish(d.ticket, &Outcome::Cancelled, 0, None, 1_400);
+    let d = pick_at(&s, Some(on_a[2]), &ex, 1_000 + spread.ceil() as u64).unwrap();
+    assert_eq!(d.reason, Reason::PinBreak);
+    s.finish(d.ticket, &Outcome::Cancelled, 0, None, 2_000);
+    s.finish(held.ticket, &Outcome::Cancelled, 0, None, 2_000);
+
+    // Cold endpoints never: the same hit held for minutes changes nothing.
+    let c = three_warm(json!({"cold_start_samples": 50}));
+    let store = MemStore::new();
+    let s = Scheduler::new(&c, &store);
+    warm(&s, &[100, 100, 100], 10, 0);
+    let on_a = pinned_to_first(&s, &ex, 100, 1);
+    let held = pick_at(&s, Some(on_a[0]), &ex, 1_000).unwrap();
+    let d = pick_at(&s, Some(on_a[1]), &ex, 100_000).unwrap();
+    assert_eq!(d.reason, Reason::AffinityHit);
+    s.finish(d.ticket, &Outcome::Cancelled, 0, None, 100_000);
+    s.finish(held.ticket, &Outcome::Cancelled, 0, None, 100_000);
+
+    // `pin_break_overdue: 0` turns it off; 2 needs two overdue hits.
+    for (needed, holds) in [(0u64, 5usize), (2, 1)] {
+        let c = three_warm(json!({ "pin_break_overdue": needed }));
+        let store = MemStore::new();
+        let s = Scheduler::new(&c, &store);
+        warm(&s, &[100, 100, 100], 10, 0);
+        let on_a = pinned_to_first(&s, &ex, 200, 1);
+        let held: Vec<Decision> = (0..holds)
+            .map(|j| pick_at(&s, Some(on_a[j]), &ex, 1_000).unwrap())
+            .collect();
+        let d = pick_at(&s, Some(on_a[10]), &ex, 5_000).unwrap();
+        assert_eq!(d.reason, Reason::AffinityHit, "needed {needed}, held {holds}");
+        s.finish(d.ticket, &Outcome::Cancelled, 0, None, 5_000);
+        if needed == 2 {
+            let second = pick_at(&s, Some(on_a[11]), &ex, 1_001).unwrap();
+            let d = pick_at(&s, Some(on_a[12]), &ex, 5_000).unwrap();
+            assert_eq!(d.reason, Reason::PinBreak, "two overdue hits");
+            s.finish(d.ticket, &Outcome::Cancelled, 0, None, 5_000);
+            s.finish(second.ticket, &Outcome::Cancelled, 0, None, 5_000);
+        }
+        for h in held {
+            s.finish(h.ticket, &Outcome::Cancelled, 0, None, 5_000);
+        }
+    }
+}
+
+#[test]
+fn a_streamed_hit_stops_being_watched_at_its_first_byte() {
+    let c = three_warm(json!({}));
+    let store = MemStore::new();
+    let s = Scheduler::new(&c, &store);
+    let ex = Exclusions::default();
+    warm(&s, &[100, 100, 100], 10, 0);
+    let on_a = pinned_to_first(&s, &ex, 200, 1);
+    let mut streaming = pick_at(&s, Some(on_a[0]), &ex, 1_000).unwrap();
+    s.release_watch(&mut streaming.ticket);
+    assert_eq!(streaming.ticket.watch_token, 0);
+    assert!(s.table().entries[0].1.watch.slots.iter().all(|x| x.token == 0));
+    // Its stream goes on for a minute: no evidence against a.
+    let d = pick_at(&s, Some(on_a[1]), &ex, 61_000).unwrap();
+    assert_eq!(d.reason, Reason::AffinityHit);
+    s.finish(d.ticket, &Outcome::Cancelled, 0, None, 61_000);
+    s.finish(streaming.ticket, &Outcome::Success, 90, Some(on_a[0]), 61_000);
+}
+
+#[test]
+fn a_fast_probe_answer_resets_the_probe_backoff() {
+    let c = three_warm(json!({"degraded_probe_interval_ms": 1000}));
+    let store = MemStore::new();
+    let s = Scheduler::new(&c, &store);
+    let ex = Exclusions::default();
+    warm(&s, &[100, 100, 100], 5, 0);
+    warm(&s, &[600, 100, 100], 20, 1);
+    // The degradation is stored by the next pick; then probes come after 1 s, 2 s, 4 s ...
+    let mut n = 10_000u64;
+    let mut probes = Vec::new();
+    let mut now = 2;
+    while now < 30_000 && probes.len() < 3 {
+        let d = pick_at(&s, Some(key(n)), &ex, now).unwrap();
+        n += 1;
+        if d.reason == Reason::DegradedProbe {
+            probes.push(now);
+            // Still slow.
+            s.finish(d.ticket, &Outcome::Success, 600, None, now + 600);
+        } else {
+            s.finish(d.ticket, &Outcome::Cancelled, 0, None, now);
+        }
+        now += 50;
+    }
+    assert_eq!(probes.len(), 3, "{probes:?}");
+    assert!(probes[1] - probes[0] >= 2_000 && probes[2] - probes[1] >= 4_000, "{probes:?}");
+    assert!(s.table().entries[0].1.degraded_probes >= 3);
+    // The next probe answers fast: the interval is back to 1 s.
+    let mut fast_at = None;
+    while now < 60_000 {
+        let d = pick_at(&s, Some(key(n)), &ex, now).unwrap();
+        n += 1;
+        if d.reason == Reason::DegradedProbe {
+            s.finish(d.ticket, &Outcome::Success, 100, None, now + 100);
+            fast_at = Some(now);
+            break;
+        }
+        s.finish(d.ticket, &Outcome::Cancelled, 0, None, now);
+        now += 50;
+    }
+    let fast_at = fast_at.expect("a probe came");
+    assert_eq!(s.table().entries[0].1.degraded_probes, 0);
+    let next = (fast_at + 50..fast_at + 10_000)
+        .step_by(50)
+        .find(|&t| {
+            let d = pick_at(&s, Some(key(n)), &ex, t).unwrap();
+            n += 1;
+            let probe = d.reason == Reason::DegradedProbe;
+            s.finish(d.ticket, &Outcome::Cancelled, 0, None, t);
+            probe
+        })
+        .expect("another probe");
+    // (A probe also waits for a new session whose rendezvous order puts the slow endpoint, at
+    // a fraction of its weight, before the others: probes come later than due.) Without the
+    // reset the next would be due 16 s after the last.
+    assert!(next - fast_at < 8_000, "probe {} ms after the fast one", next - fast_at);
+    // The cap: never more than degraded_probe_max_interval_ms apart.
+    let mut st = s.table().entries[0].1;
+    st.degraded_probes = 200;
+    assert_eq!(placement::probe_interval(&c, st.degraded_probes), 60_000);
+    assert_eq!(placement::probe_interval(&c, 0), 1_000);
 }
 
 fn body_pick<'a>(session: Option<u64>, ex: &'a Exclusions, body_bytes: usize) -> Pick<'a> {
