@@ -37,12 +37,16 @@ const DEGRADED_EXIT_RATIO: f64 = 1.5;
 /// At most one probe request per this interval (per Envoy) reaches a degraded endpoint. Shorter
 /// than the default (2000) so that recovery takes seconds.
 const DEGRADED_PROBE_INTERVAL_MS: u64 = 1000;
+/// The probe interval doubles while probes stay slow, up to this (kept short so that the
+/// recovery phase takes seconds).
+const DEGRADED_PROBE_MAX_INTERVAL_MS: u64 = 4000;
 
 fn pin_break_keys() -> Value {
     json!({
         "pin_break_ratio": PIN_BREAK_RATIO,
         "degraded_exit_ratio": DEGRADED_EXIT_RATIO,
         "degraded_probe_interval_ms": DEGRADED_PROBE_INTERVAL_MS,
+        "degraded_probe_max_interval_ms": DEGRADED_PROBE_MAX_INTERVAL_MS,
     })
 }
 // -----------------------------------------------------------------------------------------------
@@ -73,6 +77,11 @@ struct Setup {
 }
 
 fn setup() -> Setup {
+    setup_with(json!({}))
+}
+
+/// [`setup`] with more plugin keys.
+fn setup_with(extra: Value) -> Setup {
     let mocks: Vec<MockUpstream> = ENDPOINTS
         .iter()
         .map(|name| steady_mock(name, PREFILL_US_PER_TOKEN))
@@ -82,8 +91,10 @@ fn setup() -> Setup {
         .map(|n| json!({"name": n, "cluster": n}))
         .collect();
     let mut plugin = json!({"endpoints": endpoints, "cold_start_samples": COLD_START_SAMPLES});
-    if let (Some(p), Value::Object(keys)) = (plugin.as_object_mut(), pin_break_keys()) {
-        p.extend(keys);
+    for more in [pin_break_keys(), extra] {
+        if let (Some(p), Value::Object(keys)) = (plugin.as_object_mut(), more) {
+            p.extend(keys);
+        }
     }
     let clusters: Vec<(&str, u16)> = mocks.iter().map(|m| (m.name.as_str(), m.port)).collect();
     let envoy = Envoy::start(EnvoyConfig::new(plugin, &clusters));
@@ -357,4 +368,91 @@ fn expect_comeback(checks: &mut Checks, envoy: &Envoy, slow: &str) {
             tally(fresh.iter().map(|s| s.last_endpoint().unwrap_or("-")))
         ),
     );
+}
+
+/// The overdue test slows its endpoint this much: its first slow answer takes ~1.2 s.
+const OVERDUE_SLOW_FACTOR: f64 = 20.0;
+/// How long after the held turn was sent the next turns go: past the overdue threshold (3 ×
+/// the fastest estimate, ~200 ms here) with a margin for a loaded machine, well before the
+/// held turn's slow answer.
+const OVERDUE_HOLD: Duration = Duration::from_millis(600);
+
+/// Overdue evidence (`pin_break_overdue`, issue 11): one pinned turn waiting on the slowed
+/// endpoint past the degraded threshold moves the next pinned turns elsewhere (`pin_break`)
+/// before its own slow answer, the first one, arrives. The control, the same sequence with
+/// `pin_break_overdue: 0`, keeps them on the slow endpoint (`hit`): without the evidence the
+/// filter knows nothing until answers come.
+#[test]
+fn an_overdue_pinned_turn_moves_the_next_ones_before_any_slow_answer() {
+    let mut checks = Checks::new();
+    for overdue in [1u64, 0] {
+        let Setup { mocks, envoy } = setup_with(json!({ "pin_break_overdue": overdue }));
+        let (sessions, slow) = pin_sessions(&mut checks, &envoy, &mocks);
+        let (mut on_slow, _): (Vec<Session>, Vec<Session>) = sessions
+            .into_iter()
+            .partition(|s| pinned_endpoint(s).as_deref() == Some(slow.as_str()));
+        let slow_mock = mocks.iter().find(|m| m.name == slow).unwrap();
+        slow_mock.set_fault(json!({"mode": "slow", "factor": OVERDUE_SLOW_FACTOR}));
+        let port = envoy.port;
+        let (held, rest) = on_slow.split_first_mut().unwrap();
+        let before = rest[0].turns.len();
+        std::thread::scope(|scope| {
+            let waiting = scope.spawn(|| held.send(0, port).clone());
+            std::thread::sleep(OVERDUE_HOLD);
+            // All at once, so that every one is sent before the held answer can arrive.
+            let n = rest.len();
+            for_each_parallel(rest, n, |_, s| {
+                s.send(0, port);
+            });
+            let held_turn = waiting.join().unwrap();
+            let held_done = held_turn.sent + held_turn.elapsed;
+            let after: Vec<&support::Turn> = rest.iter().map(|s| &s.turns[before]).collect();
+            let sent_before_answer = after.iter().filter(|t| t.sent < held_done).count();
+            let affinity = tally(after.iter().map(|t| t.affinity()));
+            let served = tally(after.iter().map(|t| t.endpoint()));
+            eprintln!(
+                "pin_break_overdue {overdue}: held turn on {} ({}) answered in {} ms; the {} \
+                 next pinned turns: affinity {affinity:?}, served by {served:?}",
+                held_turn.endpoint(),
+                held_turn.affinity(),
+                held_turn.elapsed.as_millis(),
+                after.len()
+            );
+            checks.expect(
+                held_turn.ok() && held_turn.endpoint() == slow && held_turn.affinity() == "hit",
+                format!("the held turn was a hit on the slow {slow}: {held_turn:?}"),
+            );
+            checks.expect(
+                sent_before_answer == after.len(),
+                format!(
+                    "pin_break_overdue {overdue}: next turns sent before the held answer: \
+                     {sent_before_answer}/{}",
+                    after.len()
+                ),
+            );
+            checks.expect(
+                after.iter().all(|t| t.ok()),
+                format!("pin_break_overdue {overdue}: failed next turns"),
+            );
+            let expected = if overdue > 0 { "pin_break" } else { "hit" };
+            let as_expected = after
+                .iter()
+                .filter(|t| t.affinity() == expected && (t.endpoint() == slow) == (overdue == 0))
+                .count();
+            checks.expect(
+                as_expected == after.len(),
+                format!(
+                    "pin_break_overdue {overdue}: next turns {expected} ({}): {as_expected}/{}",
+                    if overdue > 0 { "moved" } else { "stayed" },
+                    after.len()
+                ),
+            );
+        });
+        let crashes = envoy.wasm_crashes();
+        checks.expect(
+            crashes.is_empty(),
+            format!("wasm panics / VM failures: {crashes:?}"),
+        );
+    }
+    checks.finish();
 }

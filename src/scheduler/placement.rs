@@ -36,8 +36,8 @@
 
 use super::config::Config;
 use super::hash::rendezvous;
-use super::payoff::PayoffRule;
 use super::overdue::Rule as OverdueRule;
+use super::payoff::PayoffRule;
 use super::score::{health, LATENCY_FLOOR_MS};
 use super::state::EndpointState;
 

@@ -433,18 +433,17 @@ impl<'a> Scheduler<'a> {
             st.in_flight_changed_ms = now_ms;
             // An affinity hit is watched: still waiting long after it should have been
             // answered, it is early evidence of a slowdown (see `overdue`).
-            let watch_token = if choice.reason == Reason::AffinityHit
-                && self.cfg.pin_break_overdue > 0
-            {
-                let t = overdue::token(pick.nonce, pick.attempt);
-                if st.watch.insert(t, now_ms) {
-                    t
+            let watch_token =
+                if choice.reason == Reason::AffinityHit && self.cfg.pin_break_overdue > 0 {
+                    let t = overdue::token(pick.nonce, pick.attempt);
+                    if st.watch.insert(t, now_ms) {
+                        t
+                    } else {
+                        0
+                    }
                 } else {
                     0
-                }
-            } else {
-                0
-            };
+                };
             if self.cfg.quota_aware {
                 st.quota.consume(
                     estimate_tokens(pick.body_bytes, self.cfg.quota_bytes_per_token),
@@ -873,7 +872,9 @@ impl<'a> Scheduler<'a> {
                     .enumerate()
                     .filter(|(j, (_, o))| Some(*j) != at && o.total >= cfg.cold_start_samples)
                     .filter_map(|(_, (_, o))| o.latency_ms)
-                    .fold(None, |acc: Option<f64>, l| Some(acc.map_or(l, |a| a.min(l))))
+                    .fold(None, |acc: Option<f64>, l| {
+                        Some(acc.map_or(l, |a| a.min(l)))
+                    })
             } else {
                 None
             };

@@ -903,7 +903,11 @@ fn overdue_evidence_respects_spread_cold_start_and_the_switch() {
             .map(|j| pick_at(&s, Some(on_a[j]), &ex, 1_000).unwrap())
             .collect();
         let d = pick_at(&s, Some(on_a[10]), &ex, 5_000).unwrap();
-        assert_eq!(d.reason, Reason::AffinityHit, "needed {needed}, held {holds}");
+        assert_eq!(
+            d.reason,
+            Reason::AffinityHit,
+            "needed {needed}, held {holds}"
+        );
         s.finish(d.ticket, &Outcome::Cancelled, 0, None, 5_000);
         if needed == 2 {
             let second = pick_at(&s, Some(on_a[11]), &ex, 1_001).unwrap();
@@ -929,12 +933,23 @@ fn a_streamed_hit_stops_being_watched_at_its_first_byte() {
     let mut streaming = pick_at(&s, Some(on_a[0]), &ex, 1_000).unwrap();
     s.release_watch(&mut streaming.ticket);
     assert_eq!(streaming.ticket.watch_token, 0);
-    assert!(s.table().entries[0].1.watch.slots.iter().all(|x| x.token == 0));
+    assert!(s.table().entries[0]
+        .1
+        .watch
+        .slots
+        .iter()
+        .all(|x| x.token == 0));
     // Its stream goes on for a minute: no evidence against a.
     let d = pick_at(&s, Some(on_a[1]), &ex, 61_000).unwrap();
     assert_eq!(d.reason, Reason::AffinityHit);
     s.finish(d.ticket, &Outcome::Cancelled, 0, None, 61_000);
-    s.finish(streaming.ticket, &Outcome::Success, 90, Some(on_a[0]), 61_000);
+    s.finish(
+        streaming.ticket,
+        &Outcome::Success,
+        90,
+        Some(on_a[0]),
+        61_000,
+    );
 }
 
 #[test]
@@ -962,7 +977,10 @@ fn a_fast_probe_answer_resets_the_probe_backoff() {
         now += 50;
     }
     assert_eq!(probes.len(), 3, "{probes:?}");
-    assert!(probes[1] - probes[0] >= 2_000 && probes[2] - probes[1] >= 4_000, "{probes:?}");
+    assert!(
+        probes[1] - probes[0] >= 2_000 && probes[2] - probes[1] >= 4_000,
+        "{probes:?}"
+    );
     assert!(s.table().entries[0].1.degraded_probes >= 3);
     // The next probe answers fast: the interval is back to 1 s.
     let mut fast_at = None;
@@ -992,7 +1010,11 @@ fn a_fast_probe_answer_resets_the_probe_backoff() {
     // (A probe also waits for a new session whose rendezvous order puts the slow endpoint, at
     // a fraction of its weight, before the others: probes come later than due.) Without the
     // reset the next would be due 16 s after the last.
-    assert!(next - fast_at < 8_000, "probe {} ms after the fast one", next - fast_at);
+    assert!(
+        next - fast_at < 8_000,
+        "probe {} ms after the fast one",
+        next - fast_at
+    );
     // The cap: never more than degraded_probe_max_interval_ms apart.
     let mut st = s.table().entries[0].1;
     st.degraded_probes = 200;
