@@ -26,7 +26,8 @@ use std::collections::HashMap;
 use computeflux::scheduler::affinity::{self, Affinity, Entry};
 use computeflux::scheduler::breaker::{Admission, Breaker, BreakerConfig, BreakerState, OpenCause};
 use computeflux::scheduler::outcome::FailureKind;
-use computeflux::scheduler::overdue::Watch;
+use computeflux::scheduler::overdue::{self, Watch};
+use computeflux::scheduler::placement;
 use computeflux::scheduler::payoff::Payoff;
 use computeflux::scheduler::quota::{Quota, Remaining};
 use computeflux::scheduler::select::{Ticket, TABLE_KEY};
@@ -1391,5 +1392,113 @@ proptest! {
             }
         }
         prop_assert_eq!(plain.get(TABLE_KEY).0, junk.get(TABLE_KEY).0);
+    }
+}
+
+// --- Pin breaking (issue 11): the degraded rule and the overdue evidence -----------------------
+
+proptest! {
+    #![proptest_config(props(512))]
+
+    /// The degraded rule: never below `pin_break_ratio` × the fastest (or less than
+    /// `pin_break_min_ms` above it), always at or above both; and a degraded endpoint stays so
+    /// between the exit and the entry thresholds (hysteresis).
+    #[test]
+    fn degraded_exactly_above_the_threshold_with_hysteresis(
+        best in 1.0f64..5_000.0,
+        ratio_of_best in 0.0f64..10.0,
+    ) {
+        let cfg = Config::default(); // ratio 3, 50 ms, exit 1.5
+        let own = best * ratio_of_best;
+        // Latencies are compared with a 10 ms floor (score::LATENCY_FLOOR_MS).
+        let ratio = own.max(10.0) / best.max(10.0);
+        let enters = ratio >= 3.0 && own - best >= 50.0;
+        prop_assert_eq!(placement::degraded(false, Some((own, best)), &cfg), enters);
+        let stays = placement::degraded(true, Some((own, best)), &cfg);
+        if enters {
+            prop_assert!(stays);
+        }
+        if ratio < 1.5 || own - best < 25.0 {
+            prop_assert!(!stays);
+        }
+        prop_assert!(!placement::degraded(true, None, &cfg));
+    }
+
+    /// No flapping on noise: an endpoint whose samples scatter around the entry threshold
+    /// (all of them above the exit threshold) changes state at most once, from whole to
+    /// degraded; one whose samples all stay below the entry threshold never degrades.
+    #[test]
+    fn noisy_samples_around_the_threshold_never_flap(
+        best in 50.0f64..2_000.0,
+        centre in 1.6f64..4.5,
+        noise in vec(-0.4f64..0.4, 20..200),
+    ) {
+        let cfg = Config::default();
+        let mut est = Some(best);
+        let mut was = false;
+        let mut flips = 0;
+        let mut max_ratio = 0.0f64;
+        for n in &noise {
+            let sample = best * (centre + n).max(1.55);
+            max_ratio = max_ratio.max(sample / best);
+            est = Some(ewma::update(est, sample, cfg.ewma_alpha));
+            let now = placement::degraded(was, est.map(|e| (e, best)), &cfg);
+            flips += usize::from(now != was);
+            prop_assert!(!(was && !now), "left the degraded state with every sample above 1.5x");
+            was = now;
+        }
+        prop_assert!(flips <= 1);
+        if max_ratio < 3.0 {
+            prop_assert_eq!(flips, 0);
+        }
+    }
+
+    /// Cold endpoints never count as degraded, whatever their estimate and watched hits.
+    #[test]
+    fn cold_endpoints_are_never_degraded(
+        own in 1.0f64..100_000.0,
+        best in 1.0f64..1_000.0,
+        total in 0u64..20,
+        ages in vec(0u64..500_000, 0..6),
+        was in any::<bool>(),
+    ) {
+        let cfg = Config::default(); // cold_start_samples 20
+        let now = 1_000_000;
+        let mut st = EndpointState { latency_ms: Some(own), total, degraded: was, ..EndpointState::default() };
+        for (t, age) in ages.iter().enumerate() {
+            st.watch.insert(t as u32 + 1, now - age);
+        }
+        let w = placement::weigh(1.0, &st, Some(best), &cfg, now);
+        prop_assert!(!w.degraded && !w.sticky);
+    }
+
+    /// The overdue evidence: watched hits younger than every one of its three bounds (ratio ×
+    /// fastest, fastest + min gap, own + 4 deviations) never count; once overdue, older stays
+    /// overdue (until the leak bound); more needed hits than watched never fire.
+    #[test]
+    fn overdue_needs_an_age_past_every_bound(
+        own in 1.0f64..10_000.0,
+        dev in 0.0f64..2_000.0,
+        best in 1.0f64..10_000.0,
+        ages in vec(0u64..100_000, 0..=overdue::SLOTS),
+        later in 0u64..100_000,
+        needed in 1usize..=overdue::SLOTS + 1,
+    ) {
+        let rule = overdue::Rule { ratio: 3.0, min_gap_ms: 50.0, needed };
+        let now = 1_000_000;
+        let mut w = Watch::default();
+        for (t, age) in ages.iter().enumerate() {
+            prop_assert!(w.insert(t as u32 + 1, now - age));
+        }
+        let threshold = (3.0 * best.max(10.0)).max(best + 50.0).max(own + 4.0 * dev);
+        let old_enough = ages.iter().filter(|&&a| a as f64 >= threshold).count();
+        let fires = w.overdue(own, dev, best, &rule, now);
+        prop_assert_eq!(fires, old_enough >= needed);
+        if needed > ages.len() {
+            prop_assert!(!fires);
+        }
+        if fires && ages.iter().all(|a| a + later < overdue::LEAK_MS) {
+            prop_assert!(w.overdue(own, dev, best, &rule, now + later));
+        }
     }
 }

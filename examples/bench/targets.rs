@@ -418,7 +418,7 @@ fn issue10(rep: &Report<'_>, out: &mut Vec<Check>) {
     }
 }
 
-/// The issue's slow scenario has the slowdown at t = 12 s (`--sessions 800` at the default
+/// The issue's slow scenario has the slowdown at t = 12 s (`--sessions 850` at the default
 /// rate). Earlier, the replicas are still cold (a cold endpoint never triggers a break) and the
 /// sessions caught on the endpoint at the onset are about as many as the p99 tolerates (what
 /// every request after the onset costs even an oracle, `scripts/slow-floor`), so a shorter run
@@ -427,7 +427,7 @@ pub const ISSUE11_ONSET_MS: u64 = 12_000;
 
 /// The command that runs issue 11's scenario (the full `scripts/bench` runs it into `slow/`).
 pub const ISSUE11_COMMAND: &str = "scripts/bench --no-micro --no-overhead --policies \
-     computeflux,ring_hash --scenarios steady,slow --sessions 800";
+     computeflux,ring_hash --scenarios steady,slow --sessions 850";
 
 fn issue11(rep: &Report<'_>, out: &mut Vec<Check>) {
     let span = rep

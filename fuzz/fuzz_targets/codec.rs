@@ -7,6 +7,7 @@
 use arbitrary::Arbitrary;
 use computeflux::scheduler::affinity::{self, Entry, KEY_PREFIX};
 use computeflux::scheduler::breaker::{Breaker, BreakerState, OpenCause};
+use computeflux::scheduler::overdue::{Slot, Watch};
 use computeflux::scheduler::payoff::Payoff;
 use computeflux::scheduler::quota::{Quota, Remaining};
 use computeflux::scheduler::select::TABLE_KEY;
@@ -36,6 +37,9 @@ struct StateSpec {
     epoch: u32,
     degraded: bool,
     degraded_probe_ms: u64,
+    latency_dev: u32,
+    degraded_probes: u8,
+    watched: [(u32, u64); 4],
     quota_requests: Option<(u64, u64, Option<u64>, u64, bool)>,
     quota_tokens: Option<(u64, u64, Option<u64>, u64, bool)>,
     /// Prompt and cached token averages (non-negative, as the codec requires) and samples.
@@ -81,6 +85,7 @@ fn state(s: &StateSpec) -> (u32, EndpointState) {
         s.id,
         EndpointState {
             latency_ms: s.latency.map(f64::from),
+            latency_dev_ms: f64::from(s.latency_dev),
             success_rate: f64::from(s.success_permille.min(1000)) / 1000.0,
             last_sample_ms: s.last_sample_ms,
             total: s.total,
@@ -106,6 +111,10 @@ fn state(s: &StateSpec) -> (u32, EndpointState) {
             },
             degraded: s.degraded,
             degraded_probe_ms: s.degraded_probe_ms,
+            degraded_probes: s.degraded_probes,
+            watch: Watch {
+                slots: s.watched.map(|(token, started_ms)| Slot { token, started_ms }),
+            },
             quota: Quota {
                 requests: s.quota_requests.map(remaining),
                 tokens: s.quota_tokens.map(remaining),

@@ -27,7 +27,9 @@
 //!   held against the endpoint — and an attempt without an answer is `Cancelled`.
 //!
 //! That is one shared-data write for the pick and one for the finish per attempt (plus the
-//! affinity bucket on a success or dead key), as when attempts were finished at the headers.
+//! affinity bucket on a success or dead key), as when attempts were finished at the headers,
+//! and one more at the first byte of a streamed affinity hit, which releases its overdue watch
+//! (its latency sample is that byte; see `overdue`).
 //!
 //! "Exactly once" is the compiler's to check: `Scheduler::finish` takes the ticket by value,
 //! and a ticket can be neither copied nor made outside the scheduler, so this does not build:
