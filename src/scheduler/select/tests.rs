@@ -808,26 +808,39 @@ fn three_warm(extra: serde_json::Value) -> Config {
     cfg(v)
 }
 
-#[test]
-fn an_overdue_affinity_hit_breaks_pins_before_any_slow_answer() {
-    let c = three_warm(json!({}));
+/// Runs `f` on a fleet of three endpoints (`extra` configuration keys) warm at 100 ms, with
+/// the sessions among the first 200 keys pinned to endpoint 0.
+fn with_pins_on_first(
+    extra: serde_json::Value,
+    f: impl FnOnce(&Scheduler<'_>, &Exclusions, &[u64]),
+) {
+    let c = three_warm(extra);
     let store = MemStore::new();
     let s = Scheduler::new(&c, &store);
     let ex = Exclusions::default();
     warm(&s, &[100, 100, 100], 10, 0);
     let on_a = pinned_to_first(&s, &ex, 200, 1);
     assert!(on_a.len() > 20);
+    f(&s, &ex, &on_a);
+}
+
+#[test]
+fn an_overdue_affinity_hit_breaks_pins_before_any_slow_answer() {
+    with_pins_on_first(json!({}), an_overdue_hit);
+}
+
+fn an_overdue_hit(s: &Scheduler<'_>, ex: &Exclusions, on_a: &[u64]) {
     // One pinned turn goes to a at t = 1000 and gets no answer yet.
-    let held = pick_at(&s, Some(on_a[0]), &ex, 1_000).unwrap();
+    let held = pick_at(s, Some(on_a[0]), ex, 1_000).unwrap();
     assert_eq!(held.reason, Reason::AffinityHit);
     assert_ne!(held.ticket.watch_token, 0);
     // Threshold: max(3 × 100, 100 + 50, 100 + 4 × 0) = 300 ms. Younger: pins hold.
-    let d = pick_at(&s, Some(on_a[1]), &ex, 1_299).unwrap();
+    let d = pick_at(s, Some(on_a[1]), ex, 1_299).unwrap();
     assert_eq!(d.reason, Reason::AffinityHit);
     s.finish(d.ticket, &Outcome::Cancelled, 0, None, 1_299);
     // Older: the next pinned turns are placed elsewhere, in their rendezvous order.
     for &k in &on_a[2..10] {
-        let d = pick_at(&s, Some(k), &ex, 1_300).unwrap();
+        let d = pick_at(s, Some(k), ex, 1_300).unwrap();
         assert_eq!(
             (d.reason, d.broke_pin_of),
             (Reason::PinBreak, Some(0)),
@@ -838,7 +851,7 @@ fn an_overdue_affinity_hit_breaks_pins_before_any_slow_answer() {
     }
     // New sessions avoid it too, and no probe is due: the overdue hit is the probe.
     for n in 5_000..5_100u64 {
-        let d = pick_at(&s, Some(key(n)), &ex, 1_300).unwrap();
+        let d = pick_at(s, Some(key(n)), ex, 1_300).unwrap();
         assert_ne!(d.endpoint, 0);
         s.finish(d.ticket, &Outcome::Cancelled, 0, None, 1_300);
     }
@@ -846,7 +859,7 @@ fn an_overdue_affinity_hit_breaks_pins_before_any_slow_answer() {
     assert!(!s.table().entries[0].1.degraded);
     // The answer arrives (fast after all: a false alarm): pins to a hold again.
     s.finish(held.ticket, &Outcome::Success, 310, Some(on_a[0]), 1_310);
-    let d = pick_at(&s, Some(on_a[10]), &ex, 1_320).unwrap();
+    let d = pick_at(s, Some(on_a[10]), ex, 1_320).unwrap();
     assert_eq!(d.reason, Reason::AffinityHit);
     s.finish(d.ticket, &Outcome::Cancelled, 0, None, 1_320);
 }
@@ -854,102 +867,85 @@ fn an_overdue_affinity_hit_breaks_pins_before_any_slow_answer() {
 #[test]
 fn overdue_evidence_respects_spread_cold_start_and_the_switch() {
     // An endpoint whose answers vary widely needs a far older hit.
-    let c = three_warm(json!({}));
-    let store = MemStore::new();
-    let s = Scheduler::new(&c, &store);
-    let ex = Exclusions::default();
-    warm(&s, &[100, 100, 100], 5, 0);
-    let on_a = pinned_to_first(&s, &ex, 200, 1);
-    for lat in [20, 400, 20, 400, 20, 400] {
-        warm(&s, &[lat, 100, 100], 1, 2);
-    }
-    let st = s.table().entries[0].1;
-    let spread = st.latency_ms.unwrap() + 4.0 * st.latency_dev_ms;
-    assert!(spread > 500.0, "estimate + 4 deviations: {spread}");
-    let held = pick_at(&s, Some(on_a[0]), &ex, 1_000).unwrap();
-    let d = pick_at(&s, Some(on_a[1]), &ex, 1_000 + 400).unwrap();
-    assert_eq!(
-        d.reason,
-        Reason::AffinityHit,
-        "400 ms is within its usual spread: {:?}",
-        s.table().entries
-    );
-    s.finish(d.ticket, &Outcome::Cancelled, 0, None, 1_400);
-    let d = pick_at(&s, Some(on_a[2]), &ex, 1_000 + spread.ceil() as u64).unwrap();
-    assert_eq!(d.reason, Reason::PinBreak);
-    s.finish(d.ticket, &Outcome::Cancelled, 0, None, 2_000);
-    s.finish(held.ticket, &Outcome::Cancelled, 0, None, 2_000);
-
-    // Cold endpoints never: the same hit held for minutes changes nothing.
-    let c = three_warm(json!({"cold_start_samples": 50}));
-    let store = MemStore::new();
-    let s = Scheduler::new(&c, &store);
-    warm(&s, &[100, 100, 100], 10, 0);
-    let on_a = pinned_to_first(&s, &ex, 100, 1);
-    let held = pick_at(&s, Some(on_a[0]), &ex, 1_000).unwrap();
-    let d = pick_at(&s, Some(on_a[1]), &ex, 100_000).unwrap();
-    assert_eq!(d.reason, Reason::AffinityHit);
-    s.finish(d.ticket, &Outcome::Cancelled, 0, None, 100_000);
-    s.finish(held.ticket, &Outcome::Cancelled, 0, None, 100_000);
-
-    // `pin_break_overdue: 0` turns it off; 2 needs two overdue hits.
-    for (needed, holds) in [(0u64, 5usize), (2, 1)] {
-        let c = three_warm(json!({ "pin_break_overdue": needed }));
-        let store = MemStore::new();
-        let s = Scheduler::new(&c, &store);
-        warm(&s, &[100, 100, 100], 10, 0);
-        let on_a = pinned_to_first(&s, &ex, 200, 1);
-        let held: Vec<Decision> = (0..holds)
-            .map(|j| pick_at(&s, Some(on_a[j]), &ex, 1_000).unwrap())
-            .collect();
-        let d = pick_at(&s, Some(on_a[10]), &ex, 5_000).unwrap();
+    with_pins_on_first(json!({}), |s, ex, on_a| {
+        for lat in [20, 400, 20, 400, 20, 400] {
+            warm(s, &[lat, 100, 100], 1, 2);
+        }
+        let st = s.table().entries[0].1;
+        let spread = st.latency_ms.unwrap() + 4.0 * st.latency_dev_ms;
+        assert!(spread > 500.0, "estimate + 4 deviations: {spread}");
+        let held = pick_at(s, Some(on_a[0]), ex, 1_000).unwrap();
+        let d = pick_at(s, Some(on_a[1]), ex, 1_000 + 400).unwrap();
         assert_eq!(
             d.reason,
             Reason::AffinityHit,
-            "needed {needed}, held {holds}"
+            "400 ms is within its usual spread"
         );
-        s.finish(d.ticket, &Outcome::Cancelled, 0, None, 5_000);
-        if needed == 2 {
-            let second = pick_at(&s, Some(on_a[11]), &ex, 1_001).unwrap();
-            let d = pick_at(&s, Some(on_a[12]), &ex, 5_000).unwrap();
-            assert_eq!(d.reason, Reason::PinBreak, "two overdue hits");
+        s.finish(d.ticket, &Outcome::Cancelled, 0, None, 1_400);
+        let d = pick_at(s, Some(on_a[2]), ex, 1_000 + spread.ceil() as u64).unwrap();
+        assert_eq!(d.reason, Reason::PinBreak);
+        s.finish(d.ticket, &Outcome::Cancelled, 0, None, 2_000);
+        s.finish(held.ticket, &Outcome::Cancelled, 0, None, 2_000);
+    });
+    // Cold endpoints never (fewer than 1000 samples): a hit held for minutes changes nothing.
+    with_pins_on_first(json!({"cold_start_samples": 1000}), |s, ex, on_a| {
+        let held = pick_at(s, Some(on_a[0]), ex, 1_000).unwrap();
+        let d = pick_at(s, Some(on_a[1]), ex, 100_000).unwrap();
+        assert_eq!(d.reason, Reason::AffinityHit);
+        s.finish(d.ticket, &Outcome::Cancelled, 0, None, 100_000);
+        s.finish(held.ticket, &Outcome::Cancelled, 0, None, 100_000);
+    });
+    // `pin_break_overdue: 0` turns it off; 2 needs two overdue hits.
+    for (needed, holds) in [(0u64, 5usize), (2, 1)] {
+        with_pins_on_first(json!({ "pin_break_overdue": needed }), |s, ex, on_a| {
+            let held: Vec<Decision> = (0..holds)
+                .map(|j| pick_at(s, Some(on_a[j]), ex, 1_000).unwrap())
+                .collect();
+            let d = pick_at(s, Some(on_a[10]), ex, 5_000).unwrap();
+            assert_eq!(
+                d.reason,
+                Reason::AffinityHit,
+                "needed {needed}, held {holds}"
+            );
             s.finish(d.ticket, &Outcome::Cancelled, 0, None, 5_000);
-            s.finish(second.ticket, &Outcome::Cancelled, 0, None, 5_000);
-        }
-        for h in held {
-            s.finish(h.ticket, &Outcome::Cancelled, 0, None, 5_000);
-        }
+            if needed == 2 {
+                let second = pick_at(s, Some(on_a[11]), ex, 1_001).unwrap();
+                let d = pick_at(s, Some(on_a[12]), ex, 5_000).unwrap();
+                assert_eq!(d.reason, Reason::PinBreak, "two overdue hits");
+                s.finish(d.ticket, &Outcome::Cancelled, 0, None, 5_000);
+                s.finish(second.ticket, &Outcome::Cancelled, 0, None, 5_000);
+            }
+            for h in held {
+                s.finish(h.ticket, &Outcome::Cancelled, 0, None, 5_000);
+            }
+        });
     }
 }
 
 #[test]
 fn a_streamed_hit_stops_being_watched_at_its_first_byte() {
-    let c = three_warm(json!({}));
-    let store = MemStore::new();
-    let s = Scheduler::new(&c, &store);
-    let ex = Exclusions::default();
-    warm(&s, &[100, 100, 100], 10, 0);
-    let on_a = pinned_to_first(&s, &ex, 200, 1);
-    let mut streaming = pick_at(&s, Some(on_a[0]), &ex, 1_000).unwrap();
-    s.release_watch(&mut streaming.ticket);
-    assert_eq!(streaming.ticket.watch_token, 0);
-    assert!(s.table().entries[0]
-        .1
-        .watch
-        .slots
-        .iter()
-        .all(|x| x.token == 0));
-    // Its stream goes on for a minute: no evidence against a.
-    let d = pick_at(&s, Some(on_a[1]), &ex, 61_000).unwrap();
-    assert_eq!(d.reason, Reason::AffinityHit);
-    s.finish(d.ticket, &Outcome::Cancelled, 0, None, 61_000);
-    s.finish(
-        streaming.ticket,
-        &Outcome::Success,
-        90,
-        Some(on_a[0]),
-        61_000,
-    );
+    with_pins_on_first(json!({}), |s, ex, on_a| {
+        let mut streaming = pick_at(s, Some(on_a[0]), ex, 1_000).unwrap();
+        s.release_watch(&mut streaming.ticket);
+        assert_eq!(streaming.ticket.watch_token, 0);
+        assert!(s.table().entries[0]
+            .1
+            .watch
+            .slots
+            .iter()
+            .all(|x| x.token == 0));
+        // Its stream goes on for a minute: no evidence against a.
+        let d = pick_at(s, Some(on_a[1]), ex, 61_000).unwrap();
+        assert_eq!(d.reason, Reason::AffinityHit);
+        s.finish(d.ticket, &Outcome::Cancelled, 0, None, 61_000);
+        s.finish(
+            streaming.ticket,
+            &Outcome::Success,
+            90,
+            Some(on_a[0]),
+            61_000,
+        );
+    });
 }
 
 #[test]
