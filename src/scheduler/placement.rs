@@ -115,15 +115,17 @@ pub fn weigh(
     // boolean of smoothed state, like the health levels: see `payoff`).
     let payoff = PayoffRule::from_config(cfg).factor(&st.payoff);
     let sticky = degraded(st.degraded, latency, cfg);
-    let overdue = latency.is_some_and(|(own, best)| {
-        st.watch.overdue(
-            own,
-            st.latency_dev_ms,
-            best,
-            &OverdueRule::from_config(cfg),
-            now_ms,
-        )
-    });
+    // Only looked at when the estimate alone does not already say so.
+    let overdue = !sticky
+        && latency.is_some_and(|(own, best)| {
+            st.watch.overdue(
+                own,
+                st.latency_dev_ms,
+                best,
+                &OverdueRule::from_config(cfg),
+                now_ms,
+            )
+        });
     Weighed {
         weight: weight * quantize(h, cfg.placement_quantum) * payoff,
         degraded: sticky || overdue,

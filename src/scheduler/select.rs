@@ -24,7 +24,7 @@ use super::overdue;
 use super::placement::{self, Weighed};
 use super::quota::{estimate_tokens, QuotaHint, QuotaRule};
 use super::score::{score, LATENCY_FLOOR_MS};
-use super::state::Table;
+use super::state::{fastest_warm, Table};
 use super::store::{update_if, Store};
 use super::usage::Usage;
 
@@ -558,14 +558,10 @@ impl<'a> Scheduler<'a> {
                     .is_some_and(|e| !e.disabled && serves_opt(e, pick.model))
             })
             .collect();
-        let best_latency = statics
-            .iter()
-            .filter_map(|&i| state(i))
-            .filter(|st| st.total >= cfg.cold_start_samples)
-            .filter_map(|st| st.latency_ms)
-            .fold(None, |acc: Option<f64>, l| {
-                Some(acc.map_or(l, |a| a.min(l)))
-            });
+        let best_latency = fastest_warm(
+            statics.iter().filter_map(|&i| state(i)),
+            cfg.cold_start_samples,
+        );
         let mut weighed: Vec<Option<Weighed>> = vec![None; n];
         for &i in &statics {
             if let (Some(ep), Some(st)) = (cfg.endpoints.get(i), state(i)) {
@@ -799,10 +795,7 @@ impl<'a> Scheduler<'a> {
         let cfg = self.cfg;
         let result = update_if(self.store, TABLE_KEY, |bytes| {
             let (mut table, same_layout) = Table::load(bytes, cfg);
-            let at = match table.entries.get(hint) {
-                Some((i, _)) if *i == id => Some(hint),
-                _ => table.entries.iter().position(|(i, _)| *i == id),
-            };
+            let at = table.locate(hint, id);
             let Some((at, (_, st))) = at.and_then(|i| Some((i, table.entries.get_mut(i)?))) else {
                 return (None, ());
             };
@@ -857,24 +850,14 @@ impl<'a> Scheduler<'a> {
         let result = update_if(self.store, TABLE_KEY, |bytes| {
             let (mut table, same_layout) = Table::load(bytes, cfg);
             // The ticket's endpoint, also if a reload moved it; gone: nothing to record.
-            let at = match table.entries.get(ticket.endpoint) {
-                Some((id, _)) if *id == ticket.endpoint_id => Some(ticket.endpoint),
-                _ => table
-                    .entries
-                    .iter()
-                    .position(|(id, _)| *id == ticket.endpoint_id),
-            };
+            let at = table.locate(ticket.endpoint, ticket.endpoint_id);
             // A degraded endpoint's probe is judged against the fastest of the others.
             let fastest_other = if ticket.degraded_probe {
-                table
-                    .entries
-                    .iter()
-                    .enumerate()
-                    .filter(|(j, (_, o))| Some(*j) != at && o.total >= cfg.cold_start_samples)
-                    .filter_map(|(_, (_, o))| o.latency_ms)
-                    .fold(None, |acc: Option<f64>, l| {
-                        Some(acc.map_or(l, |a| a.min(l)))
-                    })
+                let others = table.entries.iter().enumerate();
+                fastest_warm(
+                    others.filter(|(j, _)| Some(*j) != at).map(|(_, (_, o))| o),
+                    cfg.cold_start_samples,
+                )
             } else {
                 None
             };

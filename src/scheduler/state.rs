@@ -73,6 +73,21 @@ impl Default for EndpointState {
 /// start and finish, so the decrement never ran) and is ignored by the load factor.
 pub const IN_FLIGHT_STALE_MS: u64 = 600_000;
 
+/// The fastest latency estimate among warm endpoints (at least `cold_start_samples`
+/// verdicts), if any.
+pub fn fastest_warm<'s>(
+    states: impl IntoIterator<Item = &'s EndpointState>,
+    cold_start_samples: u64,
+) -> Option<f64> {
+    states
+        .into_iter()
+        .filter(|st| st.total >= cold_start_samples)
+        .filter_map(|st| st.latency_ms)
+        .fold(None, |acc: Option<f64>, l| {
+            Some(acc.map_or(l, |a| a.min(l)))
+        })
+}
+
 impl EndpointState {
     /// In-flight attempts as the scorer sees them.
     pub fn load(&self, now_ms: u64) -> u32 {
@@ -288,6 +303,15 @@ impl Table {
             encode_entry(&mut w, *id, s);
         }
         w.buf
+    }
+
+    /// Where endpoint `id` is: at `hint` (its index when a ticket was issued), or wherever a
+    /// configuration reload moved it; `None` once it is gone.
+    pub fn locate(&self, hint: usize, id: u32) -> Option<usize> {
+        match self.entries.get(hint) {
+            Some((i, _)) if *i == id => Some(hint),
+            _ => self.entries.iter().position(|(i, _)| *i == id),
+        }
     }
 
     /// `None` for anything that is not a complete table of this version.
