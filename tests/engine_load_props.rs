@@ -263,10 +263,10 @@ proptest! {
     #[test]
     fn record_decode_never_panics_and_is_canonical(bytes in vec(any::<u8>(), 0..80)) {
         if let Some(r) = Scraped::decode(&bytes) {
-            prop_assert_eq!(r.encode(), bytes);
+            prop_assert_eq!(&r.encode(), &bytes);
         }
         if let Some(l) = scrape::Lease::decode(&bytes) {
-            prop_assert_eq!(l.encode(), bytes);
+            prop_assert_eq!(&l.encode(), &bytes);
         }
     }
 
@@ -282,6 +282,7 @@ proptest! {
         )),
         times in (any::<u64>(), any::<u64>(), any::<u32>()),
         error in proptest::option::of(0..ScrapeError::ALL.len()),
+        flip in (any::<prop::sample::Index>(), any::<u8>()),
     ) {
         let r = Scraped {
             last: load.map(|(e, waiting, running, kv, prompt, cached)| EngineLoad {
@@ -298,6 +299,13 @@ proptest! {
             last_error: error.map(|e| ScrapeError::ALL[e]),
         };
         prop_assert_eq!(Scraped::decode(&r.encode()), Some(r));
+        // One byte changed: refused, or another record with exactly those bytes.
+        let mut bytes = r.encode();
+        let i = flip.0.index(bytes.len());
+        bytes[i] ^= flip.1.max(1);
+        if let Some(other) = Scraped::decode(&bytes) {
+            prop_assert_eq!(other.encode(), bytes);
+        }
         // Known only when the last scrape succeeded and is fresh.
         if let LoadState::Known(l) = r.state_at(times.0.saturating_add(5), 10) {
             prop_assert_eq!(Some(l), r.last);

@@ -9,7 +9,7 @@
 //! How: one pass over the bytes of the text exposition format (0.0.4), line by line, without
 //! copying the input and with a fixed amount of memory whatever the body holds: a
 //! [`SERIES_SLOTS`]-entry table that folds duplicate series, and one accumulator per metric
-//! family it knows. Only the families in [`family`] are looked at; every other line is checked
+//! family it knows. Only the families in the table below are looked at; every other line is checked
 //! for shape (so garbage is counted) and dropped. At most `max_bytes` are read; a final line
 //! cut by that limit (or by a body the caller did not get whole) is not used, since its value
 //! may be a prefix of the real one.
@@ -20,6 +20,9 @@
 //! | `sglang`   | `sglang:num_queue_reqs`       | `sglang:num_running_reqs`   | `sglang:token_usage` (`sglang_` prefix accepted too)     |
 //! | `llamacpp` | `llamacpp:requests_deferred`  | `llamacpp:requests_processing` | none                                                  |
 //! | `tgi`      | `tgi_queue_size`              | `tgi_batch_current_size`    | none                                                     |
+//!
+//! `auto` reads the engine whose names the body holds most families of. llama.cpp's
+//! `llamacpp:prompt_tokens_total` and `llamacpp:prompt_tokens_cached_total` are read too.
 //!
 //! Counts are summed over the distinct series of a family (vLLM's `engine` label, SGLang's
 //! `dp_rank`: one series per rank); KV usage is the mean over series (each rank has its own
@@ -160,8 +163,9 @@ pub struct Parsed {
     pub stats: ScanStats,
 }
 
-/// How many distinct series of wanted families are folded exactly (duplicates detected).
-/// Beyond it, series are still summed, but a repeated one would count twice.
+/// How many distinct series of wanted families are folded exactly (duplicates detected, the
+/// result independent of line order). Beyond it, series are still summed, but a repeated one
+/// would count twice. A vLLM or SGLang server has a handful of ranks per family.
 pub const SERIES_SLOTS: usize = 64;
 
 /// Longest value or timestamp token read as a number; longer tokens make the line garbage.
@@ -733,7 +737,7 @@ mod tests {
     const MIB: usize = 1 << 20;
 
     /// vLLM V1 with two data-parallel ranks of `llama-8b` and one of `qwen-7b`, both KV names.
-    pub(super) const VLLM: &str = r#"# HELP vllm:num_requests_running Number of requests in model execution batches.
+    const VLLM: &str = r#"# HELP vllm:num_requests_running Number of requests in model execution batches.
 # TYPE vllm:num_requests_running gauge
 vllm:num_requests_running{engine="0",model_name="llama-8b"} 3.0
 vllm:num_requests_running{engine="1",model_name="llama-8b"} 4.0
@@ -763,7 +767,7 @@ vllm:time_to_first_token_seconds_count{engine="0",model_name="llama-8b"} 12.0
 vllm:cache_config_info{block_size="16",engine="0",num_gpu_blocks="2048"} 1.0
 "#;
 
-    pub(super) const SGLANG: &str = r#"# HELP sglang:num_running_reqs The number of running requests.
+    const SGLANG: &str = r#"# HELP sglang:num_running_reqs The number of running requests.
 # TYPE sglang:num_running_reqs gauge
 sglang:num_running_reqs{dp_rank="0",model_name="qwen-7b",tp_rank="0"} 6.0
 sglang:num_running_reqs{dp_rank="1",model_name="qwen-7b",tp_rank="0"} 2.0
@@ -779,8 +783,7 @@ sglang:cache_hit_rate{dp_rank="0",model_name="qwen-7b",tp_rank="0"} 0.5
 sglang:max_total_num_tokens{dp_rank="0",model_name="qwen-7b",tp_rank="0"} 500000.0
 "#;
 
-    pub(super) const LLAMACPP: &str =
-        "# HELP llamacpp:prompt_tokens_total Number of prompt tokens processed.
+    const LLAMACPP: &str = "# HELP llamacpp:prompt_tokens_total Number of prompt tokens processed.
 # TYPE llamacpp:prompt_tokens_total counter
 llamacpp:prompt_tokens_total 4096
 # HELP llamacpp:prompt_seconds_total Prompt process time
@@ -802,7 +805,7 @@ llamacpp:requests_deferred 1
 llamacpp:n_tokens_max 2048
 ";
 
-    pub(super) const TGI: &str = "# TYPE tgi_queue_size gauge
+    const TGI: &str = "# TYPE tgi_queue_size gauge
 tgi_queue_size 4
 # TYPE tgi_batch_current_size gauge
 tgi_batch_current_size 12
