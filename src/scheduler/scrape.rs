@@ -628,6 +628,12 @@ mod tests {
         s.inject_conflicts.set(2);
         let r = record(&s, &key, 5, Err(ScrapeError::Dispatch)).unwrap();
         assert_eq!(r.consecutive_failures, 1);
+        // Failing before any success: unknown for the failure, not "never scraped".
+        assert_eq!(
+            r.state_at(5, 1_000),
+            LoadState::Unknown(Unknown::Failed(ScrapeError::Dispatch))
+        );
+        assert_eq!(r.age_ms(5), None);
         s.inject_conflicts.set(CAS_RETRIES as u32);
         let lost = record(&s, &key, 6, Err(ScrapeError::Dispatch));
         assert_eq!(lost.map_err(|r| r.consecutive_failures), Err(2));
