@@ -66,7 +66,7 @@ const HEALTHY: Engine = Engine {
 /// One answer: half streamed, half plain; prompts 200–8000 tokens, 0–95 % cached; completions
 /// 16–512 tokens.
 fn answer(rng: &mut Rng, e: Engine) -> Sample {
-    let streamed = rng.next() % 2 == 0;
+    let streamed = rng.next().is_multiple_of(2);
     let prompt = rng.int(200, 8000);
     let cached = (prompt as f64 * 0.95 * rng.unit()) as u64;
     let completion = rng.int(16, 512);

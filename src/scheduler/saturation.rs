@@ -19,16 +19,16 @@
 //! Unknown            no fresh scrape, or neither waiting nor kv reported
 //! ```
 //!
-//! The Gateway API Inference Extension's saturation detector (`saturationdetector`, its
-//! utilization detector) filters out an endpoint with `waiting ≥ 5` or `kv ≥ 0.8`, without
-//! hysteresis, and treats stale metrics (older than 200 ms) as saturated. We keep its queue
-//! threshold: a queue of 5 in front of an engine that is already batching is about one batch
-//! step of delay per request for every newcomer, while 1–2 waiting requests are the normal
-//! jitter of admission (a request arrives between two scheduler steps). We enter on KV at 0.9
-//! rather than 0.8: with prefix caching engines run their cache full of reusable blocks, and
-//! vLLM's usage counts blocks held by running requests, which sits at 0.8 in a healthy busy
-//! engine; what makes new requests wait is the queue, and KV ≥ 0.9 is the sign that the next
-//! admissions will preempt. The exit needs *both* signals low (waiting ≤ 1, kv ≤ 0.8), so the
+//! The Gateway API Inference Extension's endpoint picker (the utilization detector of its
+//! `saturationdetector` package: `DefaultQueueDepthThreshold = 5`,
+//! `DefaultKVCacheUtilThreshold = 0.8`) filters out an endpoint with `waiting ≥ 5` or
+//! `kv ≥ 0.8`, without hysteresis, and counts an endpoint whose metrics are stale as saturated.
+//! We keep its queue threshold: 5 waiting means the engine turned away several requests in a
+//! row, while 1–2 are the normal jitter of admission (a request arriving between two scheduler
+//! steps). We enter on KV at 0.9 rather than 0.8, a judgement rather than a measurement: a busy
+//! engine that still admits everything (no queue) can hold most of its blocks for its running
+//! requests, and what makes a newcomer wait is the queue; at 0.9 the next admissions are close
+//! to waiting or preempting. The exit needs *both* signals low (waiting ≤ 1, kv ≤ 0.8), so the
 //! state does not flap with each scrape of a busy engine. A missing signal is not judged (llama.cpp
 //! and TGI report no KV usage: the queue alone decides); with neither, or a stale scrape, the
 //! state is [`Saturation::Unknown`] — never "has room" by assumption, and never "full" (which
