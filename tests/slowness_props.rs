@@ -405,6 +405,20 @@ fn simulated_alternatives() {
             &mut h,
         );
     }
+    // The mixed fleet: two small engines (3x slower prefill) and two large ones;
+    // endpoint 0 is small.
+    let small = Engine {
+        slow: 1.0,
+        slow_prefill: 3.0,
+    };
+    let mut h = healthy(
+        vec![small, small, HEALTHY, HEALTHY],
+        20_000,
+        1,
+        Model::Fleet,
+        Reference::Median,
+    );
+    print_healthy("mixed fleet (2 small, 2 large), a small one", &mut h);
     // Per-endpoint models do not see a 5x slower endpoint for long: its model learns it.
     let mut f = Fleet::new(vec![HEALTHY; 4], 1, Model::PerEndpoint, Reference::Median);
     for _ in 0..2000 {
