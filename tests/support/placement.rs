@@ -3,9 +3,9 @@
 //! so a test can choose sessions whose rendezvous order it knows in advance instead of relying on
 //! whichever order a random session happens to get.
 
-use computeflux::scheduler::hash::{endpoint_id, session_key};
-use computeflux::scheduler::placement::order;
-use computeflux::scheduler::request::{derive_session, parse_chat};
+use computeflux::scheduler::routing::placement::order;
+use computeflux::scheduler::state::hash::{endpoint_id, session_key};
+use computeflux::scheduler::wire::request::{derive_session, parse_chat};
 
 /// The affinity key of a chat body sent without credentials or session header (its `user`, else
 /// its fingerprint), as the filter derives it.

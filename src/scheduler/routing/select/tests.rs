@@ -1,6 +1,6 @@
 use super::*;
-use crate::scheduler::outcome::FailureKind;
-use crate::scheduler::store::MemStore;
+use crate::scheduler::health::outcome::FailureKind;
+use crate::scheduler::state::store::MemStore;
 use serde_json::json;
 #[cfg(target_arch = "wasm32")]
 use wasm_bindgen_test::wasm_bindgen_test as test;
@@ -177,7 +177,7 @@ fn dead_key_evicts_the_pin() {
 
 /// Session keys as the filter derives them.
 fn key(i: u64) -> u64 {
-    crate::scheduler::hash::session_key(b"", &i.to_le_bytes())
+    crate::scheduler::state::hash::session_key(b"", &i.to_le_bytes())
 }
 
 #[test]
@@ -226,7 +226,7 @@ fn cold_start_places_by_weight_alone_for_exactly_twenty_requests() {
     }
     let st = s.table().entries[0].1;
     assert_eq!(st.total, 20);
-    let w = crate::scheduler::placement::weigh(3.0, &st, None, &c, 402);
+    let w = crate::scheduler::routing::placement::weigh(3.0, &st, None, &c, 402);
     assert!(w.weight < 0.1, "failing endpoint still weighs {w:?}");
     let mut to_bad = 0;
     for n in 20_000..21_000u64 {
@@ -275,7 +275,10 @@ fn new_sessions_spread_over_equal_endpoints_by_rendezvous() {
     for i in 0..3000u64 {
         let d = pick_at(
             &s,
-            Some(crate::scheduler::hash::session_key(b"", &i.to_le_bytes())),
+            Some(crate::scheduler::state::hash::session_key(
+                b"",
+                &i.to_le_bytes(),
+            )),
             &Exclusions::default(),
             0,
         )
@@ -287,7 +290,10 @@ fn new_sessions_spread_over_equal_endpoints_by_rendezvous() {
         let s2 = Scheduler::new(&c, &other);
         let d2 = pick_at(
             &s2,
-            Some(crate::scheduler::hash::session_key(b"", &i.to_le_bytes())),
+            Some(crate::scheduler::state::hash::session_key(
+                b"",
+                &i.to_le_bytes(),
+            )),
             &Exclusions::default(),
             0,
         )
@@ -597,7 +603,10 @@ fn failover_walks_the_rendezvous_order_on_every_replica() {
             .enumerate()
             .map(|(i, e)| (i, e.id, e.weight))
             .collect();
-        assert_eq!(seen[0], crate::scheduler::placement::order(k, &weights));
+        assert_eq!(
+            seen[0],
+            crate::scheduler::routing::placement::order(k, &weights)
+        );
     }
 }
 
@@ -1044,7 +1053,7 @@ fn answered(s: &Scheduler<'_>, i: usize, hint: &QuotaHint, now_ms: u64) {
 }
 
 fn stated(requests: Option<u64>, tokens: Option<u64>) -> QuotaHint {
-    use crate::scheduler::quota::Stated;
+    use crate::scheduler::routing::quota::Stated;
     let st = |left| Stated {
         left,
         reset_in_ms: Some(10_000),

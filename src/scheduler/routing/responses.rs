@@ -34,11 +34,11 @@
 //!   `previous_response_id` removed from the body ([`without_previous_response_id`]) so that
 //!   the endpoint that gets it does not look for state it lacks.
 
-use super::breaker::Admission;
-use super::config::Config;
-use super::hash::session_key;
-use super::json_scan::{self, Scan};
-use super::select::{Exclusions, Scheduler};
+use crate::scheduler::config::Config;
+use crate::scheduler::health::breaker::Admission;
+use crate::scheduler::routing::select::{Exclusions, Scheduler};
+use crate::scheduler::state::hash::session_key;
+use crate::scheduler::wire::json_scan::{self, Scan};
 use serde::Deserialize;
 use serde_json::value::RawValue;
 
@@ -310,7 +310,7 @@ pub enum AnswerFormat {
 
 impl AnswerFormat {
     pub fn from_content_type(content_type: &str) -> Option<AnswerFormat> {
-        match super::api::media_type(content_type).as_str() {
+        match crate::scheduler::wire::api::media_type(content_type).as_str() {
             "application/json" => Some(AnswerFormat::Json),
             "text/event-stream" => Some(AnswerFormat::EventStream),
             _ => None,

@@ -10,8 +10,8 @@
 //! `affinity_max_sessions × 20 bytes` whatever sessions arrive. Entries hold a 64-bit hash of
 //! the (tenant-scoped) session id, never the id itself.
 
-use super::codec::{Reader, Writer};
-use super::store::{update, Store};
+use crate::scheduler::state::codec::{Reader, Writer};
+use crate::scheduler::state::store::{update, Store};
 
 /// Entries per bucket aimed for: small values keep each CAS write cheap.
 const TARGET_PER_BUCKET: u64 = 64;
@@ -178,7 +178,7 @@ pub fn decode(bytes: &[u8]) -> Option<Vec<Entry>> {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::scheduler::store::MemStore;
+    use crate::scheduler::state::store::MemStore;
     #[cfg(target_arch = "wasm32")]
     use wasm_bindgen_test::wasm_bindgen_test as test;
 
@@ -206,13 +206,13 @@ mod tests {
         let a = Affinity::new(&s, 1_000_000, 100);
         assert_eq!((0..a.buckets()).map(|b| a.capacity(b)).sum::<usize>(), 100);
         for i in 0..10_000u64 {
-            let session = crate::scheduler::hash::session_key(b"t", &i.to_le_bytes());
+            let session = crate::scheduler::state::hash::session_key(b"t", &i.to_le_bytes());
             a.remember(session, 1, i);
         }
         assert_eq!(a.stored_entries(), 100);
         // The most recent session survives; the first is long evicted.
-        let last = crate::scheduler::hash::session_key(b"t", &9_999u64.to_le_bytes());
-        let first = crate::scheduler::hash::session_key(b"t", &0u64.to_le_bytes());
+        let last = crate::scheduler::state::hash::session_key(b"t", &9_999u64.to_le_bytes());
+        let first = crate::scheduler::state::hash::session_key(b"t", &0u64.to_le_bytes());
         assert_eq!(a.lookup(last, 10_000), Some(1));
         assert_eq!(a.lookup(first, 10_000), None);
     }

@@ -5,7 +5,7 @@
 //! (time constant [`WINDOW_MS`]); a retry is allowed while
 //! `retries + 1 <= min_retries + percent/100 · requests`.
 
-use super::codec::{Reader, Writer};
+use crate::scheduler::state::codec::{Reader, Writer};
 
 /// Time constant of the decayed counters.
 pub const WINDOW_MS: f64 = 10_000.0;

@@ -14,7 +14,7 @@
 //! A probe that never reports (its VM crashed) is reclaimed after `probe_stale_ms`, under a new
 //! epoch: a late report of the reclaimed probe is then ignored like any other stale outcome.
 
-use super::outcome::Outcome;
+use crate::scheduler::health::outcome::Outcome;
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum BreakerState {
@@ -220,7 +220,7 @@ impl Breaker {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::scheduler::outcome::FailureKind;
+    use crate::scheduler::health::outcome::FailureKind;
     #[cfg(target_arch = "wasm32")]
     use wasm_bindgen_test::wasm_bindgen_test as test;
 

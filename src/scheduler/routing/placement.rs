@@ -29,17 +29,17 @@
 //! `L + 1 > L`, some candidate is always within its bound when `slack ≥ 1`.
 //!
 //! **Affinity payoff** (`payoff_floor`, off by default): an endpoint whose pinned turns find
-//! (almost) nothing in its cache weighs `payoff_weight` × the above (see [`super::payoff`]).
+//! (almost) nothing in its cache weighs `payoff_weight` × the above (see [`crate::scheduler::routing::payoff`]).
 //!
 //! **Degraded endpoints** (far slower than the fastest, see [`degraded`]) get no new sessions
 //! but a probe now and then, and their pins are broken (`select`).
 
-use super::config::Config;
-use super::hash::rendezvous;
-use super::overdue::Rule as OverdueRule;
-use super::payoff::PayoffRule;
-use super::score::{health, LATENCY_FLOOR_MS};
-use super::state::EndpointState;
+use crate::scheduler::config::Config;
+use crate::scheduler::routing::overdue::Rule as OverdueRule;
+use crate::scheduler::routing::payoff::PayoffRule;
+use crate::scheduler::routing::score::{health, LATENCY_FLOOR_MS};
+use crate::scheduler::routing::table::EndpointState;
+use crate::scheduler::state::hash::rendezvous;
 
 /// `u ∈ (0, 1)` from the 52 high bits of a 64-bit hash: never 0 nor 1 (every value is exactly
 /// representable), so `ln u` is finite and negative.
@@ -274,7 +274,7 @@ mod tests {
             })
             .collect();
         for s in 0..2_000u64 {
-            let key = crate::scheduler::hash::fmix64(s);
+            let key = crate::scheduler::state::hash::fmix64(s);
             for skip in [None, Some(2usize), Some(5)] {
                 let keep = |i: usize| Some(i) != skip;
                 let expected = order(key, &cands).into_iter().find(|&i| keep(i));
@@ -293,7 +293,7 @@ mod tests {
         let cands = [(0usize, 11u32, 1.0), (1, 22, 2.0), (2, 33, 1.0)];
         let mut homes = [0u32; 3];
         for s in 0..40_000u64 {
-            let o = order(crate::scheduler::hash::fmix64(s), &cands);
+            let o = order(crate::scheduler::state::hash::fmix64(s), &cands);
             homes[o[0]] += 1;
         }
         let share = |i: usize| f64::from(homes[i]) / 40_000.0;

@@ -3,7 +3,7 @@
 //! Why here and not in the filter: when to wait for the body, which endpoint takes each
 //! attempt, when an answer ends its attempt, when to fail over and when to stop, and what the
 //! client finally gets are the product. In wasm glue they could only be tested through Envoy;
-//! here they run natively over [`super::store::MemStore`] (unit tests, simulations of many
+//! here they run natively over [`crate::scheduler::state::store::MemStore`] (unit tests, simulations of many
 //! workers). `src/filter/http.rs` only turns Envoy's callbacks into calls on [`Flow`] and
 //! performs the [`Step`] each call returns.
 //!
@@ -46,20 +46,20 @@
 //! s.finish(d.ticket, &Outcome::Success, 1, None, 2); // use of moved value
 //! ```
 
-use super::api::{self, Api, BodyFormat, Handling};
-use super::config::{Config, ListModels};
-use super::headers::{rate_limit_hints, HeaderSource, Pairs};
-use super::models::{self, Merged, Retrieved};
-use super::outcome::{classify, FailureKind, Outcome};
-use super::pin_cookie;
-use super::quota::QuotaHint;
-use super::reply::{RejectReason, Reply};
-use super::request::{derive_session, parse_chat, RequestError};
-use super::responses::{self, AnswerFormat, IdScan};
-use super::select::{
+use crate::scheduler::config::{Config, ListModels};
+use crate::scheduler::health::outcome::{classify, FailureKind, Outcome};
+use crate::scheduler::routing::pin_cookie;
+use crate::scheduler::routing::quota::QuotaHint;
+use crate::scheduler::routing::responses::{self, AnswerFormat, IdScan};
+use crate::scheduler::routing::select::{
     AffinityResult, Decision, Exclusions, Finished, NoEndpoint, Pick, Scheduler, Ticket,
 };
-use super::usage::{Framing, Usage, UsageScan};
+use crate::scheduler::wire::api::{self, Api, BodyFormat, Handling};
+use crate::scheduler::wire::headers::{rate_limit_hints, HeaderSource, Pairs};
+use crate::scheduler::wire::models::{self, Merged, Retrieved};
+use crate::scheduler::wire::reply::{RejectReason, Reply};
+use crate::scheduler::wire::request::{derive_session, parse_chat, RequestError};
+use crate::scheduler::wire::usage::{Framing, Usage, UsageScan};
 use std::borrow::Cow;
 
 mod answer;
@@ -299,7 +299,7 @@ impl Flow {
     }
 
     /// Bytes of the relayed answer as they pass: a chunk, or at least its last
-    /// [`super::usage::TAIL_BYTES`] bytes. The answer itself goes on unchanged.
+    /// [`crate::scheduler::wire::usage::TAIL_BYTES`] bytes. The answer itself goes on unchanged.
     pub fn on_response_data(&mut self, bytes: &[u8]) {
         if self.phase != Phase::Relaying {
             return;
@@ -310,7 +310,7 @@ impl Flow {
     }
 
     /// The body of the failover answer of the last [`Step::RelayCall`] (at least its last
-    /// [`super::usage::TAIL_BYTES`] bytes), relayed whole: its usage is counted.
+    /// [`crate::scheduler::wire::usage::TAIL_BYTES`] bytes), relayed whole: its usage is counted.
     pub fn on_call_body(&mut self, obs: &mut dyn Observer, bytes: &[u8]) {
         if let Some(mut scan) = self.usage.take() {
             scan.feed(bytes);
@@ -328,7 +328,11 @@ impl Flow {
     }
 
     /// Starts reading the usage of a successful answer with these headers.
-    fn scan_usage<H: HeaderSource + ?Sized>(&mut self, cfg: &super::Config, headers: &H) {
+    fn scan_usage<H: HeaderSource + ?Sized>(
+        &mut self,
+        cfg: &crate::scheduler::config::Config,
+        headers: &H,
+    ) {
         self.usage = cfg.usage_accounting.then(|| {
             UsageScan::new(Framing::from_content_type(
                 headers.header("content-type").as_deref(),
@@ -600,7 +604,9 @@ impl Flow {
         now_ms: u64,
     ) -> Step {
         let parsed = match (self.api.map(|a| a.body()), self.content_type.as_deref()) {
-            (Some(BodyFormat::Multipart), Some(ct)) => super::multipart::parse_form(ct, &body),
+            (Some(BodyFormat::Multipart), Some(ct)) => {
+                crate::scheduler::wire::multipart::parse_form(ct, &body)
+            }
             _ => parse_chat(&body),
         };
         let req = match parsed {
@@ -701,10 +707,10 @@ impl Flow {
             return;
         };
         let found = match scan.feed(chunk) {
-            super::json_scan::Scan::Found(id) => Some(id),
-            super::json_scan::Scan::Absent => None,
-            super::json_scan::Scan::NeedMore if end => scan.finish(),
-            super::json_scan::Scan::NeedMore => return,
+            crate::scheduler::wire::json_scan::Scan::Found(id) => Some(id),
+            crate::scheduler::wire::json_scan::Scan::Absent => None,
+            crate::scheduler::wire::json_scan::Scan::NeedMore if end => scan.finish(),
+            crate::scheduler::wire::json_scan::Scan::NeedMore => return,
         };
         self.id_scan = None;
         let holder = self

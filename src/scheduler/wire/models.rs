@@ -18,8 +18,8 @@
 //! the configured models it lacks: upstream entries are kept as they came (with their own
 //! metadata), nothing is picked over the other. [`retrieve`] answers `GET /v1/models/{id}`.
 
-use super::config::Config;
-use super::request::{openai_error, MAX_MODEL_BYTES};
+use crate::scheduler::config::Config;
+use crate::scheduler::wire::request::{openai_error, MAX_MODEL_BYTES};
 use serde_json::{json, Value};
 
 /// `owned_by` of the models the filter lists.

@@ -24,9 +24,9 @@
 //! hits counts as degraded while they last; once the slow answers arrive the estimate carries
 //! the degradation (with its hysteresis), and a false alarm ends with the attempt.
 
-use super::codec::{Reader, Writer};
-use super::config::Config;
-use super::score::LATENCY_FLOOR_MS;
+use crate::scheduler::config::Config;
+use crate::scheduler::routing::score::LATENCY_FLOOR_MS;
+use crate::scheduler::state::codec::{Reader, Writer};
 
 /// The thresholds of the overdue rule, from the configuration.
 #[derive(Debug, Clone, Copy, PartialEq)]

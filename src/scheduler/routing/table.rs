@@ -5,13 +5,13 @@
 //! whatever the number of endpoints. Entries are keyed by endpoint id (a hash of the name):
 //! a configuration reload that adds, removes or reorders endpoints keeps the others' history.
 
-use super::breaker::{Breaker, BreakerState, OpenCause};
-use super::budget::RetryBudget;
-use super::codec::{Reader, Writer};
-use super::config::Config;
-use super::overdue::Watch;
-use super::payoff::Payoff;
-use super::quota::Quota;
+use crate::scheduler::config::Config;
+use crate::scheduler::health::breaker::{Breaker, BreakerState, OpenCause};
+use crate::scheduler::health::budget::RetryBudget;
+use crate::scheduler::routing::overdue::Watch;
+use crate::scheduler::routing::payoff::Payoff;
+use crate::scheduler::routing::quota::Quota;
+use crate::scheduler::state::codec::{Reader, Writer};
 
 /// Statistics of one endpoint.
 #[derive(Debug, Clone, Copy, PartialEq)]
@@ -353,9 +353,9 @@ mod tests {
         t.entries[1].1.breaker.state = BreakerState::Open;
         t.entries[1].1.degraded = true;
         t.entries[1].1.degraded_probe_ms = 77;
-        t.entries[1].1.quota.tokens = Some(crate::scheduler::quota::Remaining::new(5, 6));
+        t.entries[1].1.quota.tokens = Some(crate::scheduler::routing::quota::Remaining::new(5, 6));
         t.entries[1].1.payoff.observe(
-            &crate::scheduler::usage::Usage {
+            &crate::scheduler::wire::usage::Usage {
                 prompt_tokens: 300,
                 cached_tokens: 200,
                 completion_tokens: 1,

@@ -7,26 +7,26 @@
 //!
 //! Among the remaining candidates a live affinity pin wins, unless its endpoint is degraded
 //! (far slower than the fastest alternative: the pin is broken and the session placed again).
-//! Otherwise the session is *placed* ([`super::placement`]): the first candidate in its weighted
+//! Otherwise the session is *placed* ([`crate::scheduler::routing::placement`]): the first candidate in its weighted
 //! rendezvous order that admits traffic and is within its bounded load. The order is the same on
 //! every Envoy replica, so an unpinned session (a new one, or one that reaches a replica that
 //! never saw it, or a restarted one) goes to the same home everywhere, and a failover walks the
 //! same order, to the same backup. Requests without a session are placed the same way on a
 //! per-request key, with the full score (in-flight included) as weight.
 
-use super::affinity::Affinity;
-use super::breaker::{Admission, BreakerConfig, BreakerState};
-use super::config::AfterFailover;
-use super::config::Config;
-use super::ewma;
-use super::outcome::Outcome;
-use super::overdue;
-use super::placement::{self, Weighed};
-use super::quota::{estimate_tokens, QuotaHint, QuotaRule};
-use super::score::{score, LATENCY_FLOOR_MS};
-use super::state::{fastest_warm, Table};
-use super::store::{update_if, Store};
-use super::usage::Usage;
+use crate::scheduler::config::AfterFailover;
+use crate::scheduler::config::Config;
+use crate::scheduler::health::breaker::{Admission, BreakerConfig, BreakerState};
+use crate::scheduler::health::outcome::Outcome;
+use crate::scheduler::routing::affinity::Affinity;
+use crate::scheduler::routing::ewma;
+use crate::scheduler::routing::overdue;
+use crate::scheduler::routing::placement::{self, Weighed};
+use crate::scheduler::routing::quota::{estimate_tokens, QuotaHint, QuotaRule};
+use crate::scheduler::routing::score::{score, LATENCY_FLOOR_MS};
+use crate::scheduler::routing::table::{fastest_warm, Table};
+use crate::scheduler::state::store::{update_if, Store};
+use crate::scheduler::wire::usage::Usage;
 
 /// The weight of a dead-key (401/403) outcome in the success-rate EWMA, at least.
 pub const DEAD_KEY_ALPHA: f64 = 0.5;
@@ -59,7 +59,7 @@ impl Exclusions {
     }
 }
 
-fn serves_opt(ep: &super::config::EndpointConfig, model: Option<&str>) -> bool {
+fn serves_opt(ep: &crate::scheduler::config::EndpointConfig, model: Option<&str>) -> bool {
     model.is_none_or(|m| ep.serves(m))
 }
 
@@ -184,7 +184,7 @@ impl AffinityResult {
 ///
 /// Move-only (no `Clone`/`Copy`) and consumed by `finish`, so finishing an attempt twice does
 /// not compile; only the scheduler makes one (`non_exhaustive`). Dropping one unfinished leaks
-/// its in-flight count (until [`super::state::IN_FLIGHT_STALE_MS`]) and its probe slot.
+/// its in-flight count (until [`crate::scheduler::routing::table::IN_FLIGHT_STALE_MS`]) and its probe slot.
 #[derive(Debug, PartialEq, Eq)]
 #[non_exhaustive]
 #[must_use = "an attempt in flight must be handed back to Scheduler::finish"]
@@ -330,7 +330,8 @@ impl<'a> Scheduler<'a> {
         let mut dropped = Dropped::default();
         let mut out = Vec::with_capacity(self.cfg.endpoints.len());
         let mut serves_model = false;
-        let serves = |ep: &super::config::EndpointConfig| pick.model.is_none_or(|m| ep.serves(m));
+        let serves =
+            |ep: &crate::scheduler::config::EndpointConfig| pick.model.is_none_or(|m| ep.serves(m));
         for (i, ep) in self.cfg.endpoints.iter().enumerate() {
             if ep.disabled {
                 dropped.disabled += 1;
@@ -536,7 +537,7 @@ impl<'a> Scheduler<'a> {
     }
 
     /// The decision, read-only over a table snapshot: pin (or pin break), else placement in
-    /// rendezvous order (see the module doc and [`super::placement`]).
+    /// rendezvous order (see the module doc and [`crate::scheduler::routing::placement`]).
     fn choose(
         &self,
         table: &Table,

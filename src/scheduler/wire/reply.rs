@@ -5,7 +5,7 @@
 //! counted under its [`RejectReason`] in `computeflux_rejected_total`. The metric's label list
 //! is [`RejectReason::ALL`], so a reason added here gets its series without another edit.
 
-use super::text;
+use crate::scheduler::wire::text;
 
 /// Longest message a reply carries; longer ones are cut (on a character boundary).
 pub const MAX_MESSAGE_BYTES: usize = 512;
@@ -26,7 +26,7 @@ pub enum RejectReason {
     RateLimited,
     /// The last endpoint tried gave no answer of its own (Envoy synthesized the failure).
     UpstreamUnavailable,
-    /// A failover call's answer is larger than [`super::flow::MAX_RELAYED_ANSWER_BYTES`].
+    /// A failover call's answer is larger than [`crate::scheduler::flow::MAX_RELAYED_ANSWER_BYTES`].
     FailoverAnswerTooLarge,
     /// The body's content type contradicts its API (415).
     UnsupportedContentType,

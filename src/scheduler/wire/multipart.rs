@@ -10,7 +10,7 @@
 //! How: [`ModelScan`] is a push parser fed the body in chunks of any size. It looks for the
 //! delimiter `CRLF--boundary`, reads each part's header block (at most
 //! [`MAX_PART_HEADER_BYTES`]), and for the part named `model` keeps its value (at most
-//! [`request::MAX_MODEL_BYTES`](super::request::MAX_MODEL_BYTES)). Any other part's content is
+//! [`request::MAX_MODEL_BYTES`](crate::scheduler::wire::request::MAX_MODEL_BYTES)). Any other part's content is
 //! only scanned for the next delimiter: between chunks the parser keeps at most the delimiter's
 //! length minus one byte. Memory is bounded by a few KiB whatever arrives; work is linear in the
 //! bytes read. The first `model` part wins; the rest of the body is not validated (the upstream
@@ -23,8 +23,8 @@
 //! transport padding, preamble and epilogue ignored) and RFC 7578 (`Content-Disposition:
 //! form-data; name="…"`); lines must end in CRLF.
 
-use super::reply::RejectReason;
-use super::request::{ChatRequest, RequestError, MAX_MODEL_BYTES};
+use crate::scheduler::wire::reply::RejectReason;
+use crate::scheduler::wire::request::{ChatRequest, RequestError, MAX_MODEL_BYTES};
 
 /// RFC 2046: a boundary is 1 to 70 characters.
 pub const MAX_BOUNDARY_BYTES: usize = 70;

@@ -33,14 +33,14 @@
 //! of smoothed state, so replicas (each measuring its own traffic) agree on it except while an
 //! endpoint's payoff sits near the floor.
 
-use super::codec::{Reader, Writer};
-use super::config::Config;
-use super::usage::Usage;
+use crate::scheduler::config::Config;
+use crate::scheduler::state::codec::{Reader, Writer};
+use crate::scheduler::wire::usage::Usage;
 
 /// Weight of each new answer in the payoff averages.
 pub const PAYOFF_ALPHA: f64 = 0.1;
 
-/// The payoff state of one endpoint (part of [`super::state::EndpointState`]).
+/// The payoff state of one endpoint (part of [`crate::scheduler::routing::table::EndpointState`]).
 #[derive(Debug, Clone, Copy, PartialEq, Default)]
 pub struct Payoff {
     /// EWMA of the prompt tokens of its affinity hits' answers.
@@ -253,9 +253,9 @@ mod tests {
     /// endpoint whose pinned turns find nothing cached while its pins stay.
     #[test]
     fn the_loop_moves_new_sessions_and_keeps_pins() {
-        use crate::scheduler::outcome::Outcome;
-        use crate::scheduler::select::{Exclusions, Pick, Reason, Scheduler};
-        use crate::scheduler::store::MemStore;
+        use crate::scheduler::health::outcome::Outcome;
+        use crate::scheduler::routing::select::{Exclusions, Pick, Reason, Scheduler};
+        use crate::scheduler::state::store::MemStore;
         let cfg = Config::from_value(&serde_json::json!({
             "endpoints": [{"name": "a", "cluster": "a"}, {"name": "b", "cluster": "b"}],
             "payoff_min_samples": 3,

@@ -1,6 +1,6 @@
 //! Reading what the router needs from a JSON inference request, and nothing more.
 //!
-//! One parser serves every JSON API of [`super::api`]: chat completions, completions,
+//! One parser serves every JSON API of [`crate::scheduler::wire::api`]: chat completions, completions,
 //! embeddings, the Responses API and Anthropic Messages all carry `model` at the top level, and
 //! their conversation shapes differ only in where the history and the system prompt live.
 //!
@@ -21,12 +21,12 @@
 //! Every key is scoped by the caller's identity (its `authorization` / `x-api-key` value, hashed
 //! with the key) so one tenant can never read or steer another tenant's pins.
 
-use super::api::Api;
-use super::hash::{hash_parts, session_key};
-use super::multipart::MultipartError;
-pub use super::reply::openai_error;
-use super::reply::{RejectReason, Reply};
-use super::text;
+use crate::scheduler::state::hash::{hash_parts, session_key};
+use crate::scheduler::wire::api::Api;
+use crate::scheduler::wire::multipart::MultipartError;
+pub use crate::scheduler::wire::reply::openai_error;
+use crate::scheduler::wire::reply::{RejectReason, Reply};
+use crate::scheduler::wire::text;
 use serde::Deserialize;
 use serde_json::value::RawValue;
 
@@ -118,8 +118,12 @@ impl RequestError {
             }
             RequestError::UnsupportedContentType(api) => {
                 let expected = match api.body() {
-                    super::api::BodyFormat::Json => "a JSON body (application/json)",
-                    super::api::BodyFormat::Multipart => "a multipart/form-data body",
+                    crate::scheduler::wire::api::BodyFormat::Json => {
+                        "a JSON body (application/json)"
+                    }
+                    crate::scheduler::wire::api::BodyFormat::Multipart => {
+                        "a multipart/form-data body"
+                    }
                 };
                 format!("This endpoint ({}) takes {expected}.", api.label())
             }

@@ -1,7 +1,7 @@
 use super::*;
-use crate::scheduler::outcome::Outcome;
-use crate::scheduler::select::{AffinityResult, Pick, Reason};
-use crate::scheduler::store::MemStore;
+use crate::scheduler::health::outcome::Outcome;
+use crate::scheduler::routing::select::{AffinityResult, Pick, Reason};
+use crate::scheduler::state::store::MemStore;
 use serde_json::json;
 #[cfg(target_arch = "wasm32")]
 use wasm_bindgen_test::wasm_bindgen_test as test;

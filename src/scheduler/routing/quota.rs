@@ -37,9 +37,9 @@
 //! a far-future reset is capped. So a hostile upstream can at most make its own endpoint look
 //! short for `retry_after_max_ms`, which a 429 could do anyway.
 
-use super::codec::{Reader, Writer};
-use super::headers::HeaderSource;
-use super::outcome::{days_from_civil, parse_go_duration_ms};
+use crate::scheduler::health::outcome::{days_from_civil, parse_go_duration_ms};
+use crate::scheduler::state::codec::{Reader, Writer};
+use crate::scheduler::wire::headers::HeaderSource;
 
 /// Counts above this (10^12) are not believed: no key has that much, and such a value is
 /// more likely garbage than a quota.
@@ -457,7 +457,7 @@ impl Quota {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::scheduler::headers::Pairs;
+    use crate::scheduler::wire::headers::Pairs;
     #[cfg(target_arch = "wasm32")]
     use wasm_bindgen_test::wasm_bindgen_test as test;
 

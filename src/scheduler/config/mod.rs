@@ -843,7 +843,7 @@ impl Validator {
         if self.errors.len() > before {
             return None;
         }
-        let id = super::hash::endpoint_id(&name);
+        let id = crate::scheduler::state::hash::endpoint_id(&name);
         Some(EndpointConfig {
             name,
             cluster,

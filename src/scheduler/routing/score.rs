@@ -17,9 +17,9 @@
 //! [`health`] is the score's smoothed part, `success_rate / latency_factor`: what placement
 //! across Envoy replicas weighs endpoints by, since in-flight counts are per Envoy.
 
-use super::config::Config;
-use super::ewma::fade;
-use super::state::EndpointState;
+use crate::scheduler::config::Config;
+use crate::scheduler::routing::ewma::fade;
+use crate::scheduler::routing::table::EndpointState;
 
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub struct Scored {
