@@ -21,9 +21,8 @@
 )]
 
 use computeflux::scheduler::flow::{Flow, Step};
-use computeflux::scheduler::health::outcome::{
-    parse_go_duration_ms, parse_retry_after, retry_hint_ms,
-};
+use computeflux::scheduler::health::outcome::{parse_retry_after, retry_hint_ms};
+use computeflux::scheduler::time::parse_go_duration_ms;
 use computeflux::scheduler::wire::headers::decode_pairs;
 use computeflux::scheduler::wire::reply::{Reply, MAX_MESSAGE_BYTES};
 use computeflux::scheduler::wire::request::{derive_session, parse_chat, MAX_SESSION_BYTES};

@@ -1414,7 +1414,7 @@ proptest! {
     ) {
         let cfg = Config::default(); // ratio 3, 50 ms, exit 1.5
         let own = best * ratio_of_best;
-        // Latencies are compared with a 10 ms floor (score::LATENCY_FLOOR_MS).
+        // Latencies are compared with a 10 ms floor (ewma::LATENCY_FLOOR_MS).
         let ratio = own.max(10.0) / best.max(10.0);
         let enters = ratio >= 3.0 && own - best >= 50.0;
         prop_assert_eq!(placement::degraded(false, Some((own, best)), &cfg), enters);

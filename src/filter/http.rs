@@ -18,7 +18,7 @@
 
 use super::host;
 use super::observe::Recorder;
-use super::root::Plugin;
+use super::plugin::Plugin;
 use super::shared::SharedData;
 use crate::scheduler::flow::{Flow, Step};
 use crate::scheduler::routing::select::Scheduler;

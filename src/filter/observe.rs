@@ -5,7 +5,7 @@
 //! [`super::metrics`], the debug line per decision, warnings for lost shared-data updates).
 
 use super::metrics::Metrics;
-use super::root::{refresh_gauges, Plugin};
+use super::plugin::{refresh_gauges, Plugin};
 use crate::scheduler::flow::{Observer, Timing};
 use crate::scheduler::health::outcome::Outcome;
 use crate::scheduler::routing::select::{AffinityResult, Decision, Finished};

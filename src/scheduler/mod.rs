@@ -23,6 +23,7 @@ pub mod flow;
 pub mod health;
 pub mod routing;
 pub mod state;
+pub mod time;
 pub mod wire;
 
 pub use config::{Config, ConfigError, EndpointConfig};

@@ -605,7 +605,7 @@ impl Flow {
     ) -> Step {
         let parsed = match (self.api.map(|a| a.body()), self.content_type.as_deref()) {
             (Some(BodyFormat::Multipart), Some(ct)) => {
-                crate::scheduler::wire::multipart::parse_form(ct, &body)
+                crate::scheduler::wire::request::parse_form(ct, &body)
             }
             _ => parse_chat(&body),
         };

@@ -13,6 +13,8 @@
 //! `retry-after-ms`, and OpenAI's `x-ratelimit-reset-requests` / `-tokens` (`"1s"`, `"6m0s"`,
 //! `"20ms"`), taking the largest valid one.
 
+use crate::scheduler::time::{parse_go_duration_ms, parse_http_date_ms};
+
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum FailureKind {
     Status(u16),
@@ -123,84 +125,6 @@ pub fn parse_retry_after(value: &str, now_ms: u64) -> Option<u64> {
     }
     let at_ms = parse_http_date_ms(v)?;
     Some(at_ms.saturating_sub(now_ms))
-}
-
-/// Durations such as `1s`, `6m0s`, `20ms`, `1m30.5s`, `2h` (OpenAI's reset headers).
-pub fn parse_go_duration_ms(value: &str) -> Option<u64> {
-    let s = value.trim();
-    if s.is_empty() || s.len() > 32 {
-        return None;
-    }
-    let mut total = 0.0f64;
-    let mut rest = s;
-    while !rest.is_empty() {
-        let num_len = rest
-            .find(|c: char| !(c.is_ascii_digit() || c == '.'))
-            .unwrap_or(rest.len());
-        let (num, after) = rest.split_at_checked(num_len)?;
-        let n: f64 = num.parse().ok()?;
-        let unit_len = after
-            .find(|c: char| c.is_ascii_digit() || c == '.')
-            .unwrap_or(after.len());
-        let (unit, next) = after.split_at_checked(unit_len)?;
-        let scale = match unit {
-            "ms" => 1.0,
-            "s" => 1_000.0,
-            "m" => 60_000.0,
-            "h" => 3_600_000.0,
-            _ => return None,
-        };
-        total += n * scale;
-        rest = next;
-    }
-    (total.is_finite() && total >= 0.0).then_some(total.round() as u64)
-}
-
-/// IMF-fixdate (RFC 9110 §5.6.7), the only form senders may generate. Returns Unix ms.
-pub fn parse_http_date_ms(v: &str) -> Option<u64> {
-    // "Sun, 06 Nov 1994 08:49:37 GMT"
-    let mut parts = v.split_ascii_whitespace();
-    let _weekday = parts.next().filter(|w| w.ends_with(','))?;
-    let day: u64 = parts.next()?.parse().ok()?;
-    let month = match parts.next()? {
-        "Jan" => 1,
-        "Feb" => 2,
-        "Mar" => 3,
-        "Apr" => 4,
-        "May" => 5,
-        "Jun" => 6,
-        "Jul" => 7,
-        "Aug" => 8,
-        "Sep" => 9,
-        "Oct" => 10,
-        "Nov" => 11,
-        "Dec" => 12,
-        _ => return None,
-    };
-    let year: u64 = parts.next()?.parse().ok()?;
-    let mut hms = parts.next()?.split(':');
-    let h: u64 = hms.next()?.parse().ok()?;
-    let m: u64 = hms.next()?.parse().ok()?;
-    let s: u64 = hms.next()?.parse().ok()?;
-    if parts.next()? != "GMT" || parts.next().is_some() || hms.next().is_some() {
-        return None;
-    }
-    if !(1970..=9999).contains(&year) || !(1..=31).contains(&day) || h > 23 || m > 59 || s > 60 {
-        return None;
-    }
-    let days = days_from_civil(year, month, day);
-    Some(((days * 86_400) + h * 3600 + m * 60 + s) * 1000)
-}
-
-/// Days since 1970-01-01 of a proleptic Gregorian date (Howard Hinnant's algorithm).
-pub(crate) fn days_from_civil(y: u64, m: u64, d: u64) -> u64 {
-    let y = if m <= 2 { y - 1 } else { y };
-    let era = y / 400;
-    let yoe = y - era * 400;
-    let mp = (m + 9) % 12;
-    let doy = (153 * mp + 2) / 5 + d - 1;
-    let doe = yoe * 365 + yoe / 4 - yoe / 100 + doy;
-    era * 146_097 + doe - 719_468
 }
 
 #[cfg(test)]

@@ -15,6 +15,12 @@
 /// (RFC 6298).
 pub const DEVIATION_ALPHA: f64 = 0.25;
 
+/// Latencies below this are treated as equal: a few milliseconds of difference are network
+/// noise, not a property of an inference endpoint (and would make latency ratios jump).
+/// Here, beside the estimate, so that the table's records (`overdue`) and the scorer can both
+/// use it without importing each other.
+pub const LATENCY_FLOOR_MS: f64 = 10.0;
+
 /// One EWMA step. `prev = None` (no sample yet) initialises with `sample`.
 pub fn update(prev: Option<f64>, sample: f64, alpha: f64) -> f64 {
     match prev {

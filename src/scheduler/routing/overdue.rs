@@ -25,7 +25,7 @@
 //! the degradation (with its hysteresis), and a false alarm ends with the attempt.
 
 use crate::scheduler::config::Config;
-use crate::scheduler::routing::score::LATENCY_FLOOR_MS;
+use crate::scheduler::routing::ewma::LATENCY_FLOOR_MS;
 use crate::scheduler::state::codec::{Reader, Writer};
 
 /// The thresholds of the overdue rule, from the configuration.

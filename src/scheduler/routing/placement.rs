@@ -35,9 +35,10 @@
 //! but a probe now and then, and their pins are broken (`select`).
 
 use crate::scheduler::config::Config;
+use crate::scheduler::routing::ewma::LATENCY_FLOOR_MS;
 use crate::scheduler::routing::overdue::Rule as OverdueRule;
 use crate::scheduler::routing::payoff::PayoffRule;
-use crate::scheduler::routing::score::{health, LATENCY_FLOOR_MS};
+use crate::scheduler::routing::score::health;
 use crate::scheduler::routing::table::EndpointState;
 use crate::scheduler::state::hash::rendezvous;
 

@@ -37,7 +37,7 @@
 //! a far-future reset is capped. So a hostile upstream can at most make its own endpoint look
 //! short for `retry_after_max_ms`, which a 429 could do anyway.
 
-use crate::scheduler::health::outcome::{days_from_civil, parse_go_duration_ms};
+use crate::scheduler::time::{parse_go_duration_ms, parse_rfc3339_ms};
 use crate::scheduler::state::codec::{Reader, Writer};
 use crate::scheduler::wire::headers::HeaderSource;
 
@@ -208,62 +208,6 @@ pub fn parse_count(v: &[u8]) -> Option<u64> {
         .parse::<u64>()
         .ok()
         .filter(|n| *n <= MAX_REMAINING)
-}
-
-/// An RFC 3339 instant (`2026-11-30T16:05:09Z`, `…09.123+01:00`) as Unix ms; years 1970–9999.
-pub fn parse_rfc3339_ms(v: &[u8]) -> Option<u64> {
-    let v = std::str::from_utf8(v.trim_ascii()).ok()?;
-    if v.len() > 40 || !v.is_ascii() {
-        return None;
-    }
-    let num = |s: &str| -> Option<u64> {
-        (!s.is_empty() && s.bytes().all(|b| b.is_ascii_digit()))
-            .then(|| s.parse().ok())
-            .flatten()
-    };
-    let (date, time) = v.split_once(['T', 't', ' '])?;
-    let mut d = date.split('-');
-    let (year, month, day) = (num(d.next()?)?, num(d.next()?)?, num(d.next()?)?);
-    if d.next().is_some() {
-        return None;
-    }
-    // The offset: `Z`, or `±HH:MM` after the seconds.
-    let (clock, offset_min): (&str, i64) = if let Some(c) = time.strip_suffix(['Z', 'z']) {
-        (c, 0)
-    } else {
-        let at = time.rfind(['+', '-'])?;
-        let (c, off) = time.split_at_checked(at)?;
-        let sign = if off.starts_with('-') { -1 } else { 1 };
-        let (oh, om) = off.get(1..)?.split_once(':')?;
-        let (oh, om) = (num(oh)?, num(om)?);
-        if oh > 23 || om > 59 {
-            return None;
-        }
-        (c, sign * (oh * 60 + om) as i64)
-    };
-    let (whole, frac) = clock.split_once('.').unwrap_or((clock, ""));
-    let mut hms = whole.split(':');
-    let (h, m, s) = (num(hms.next()?)?, num(hms.next()?)?, num(hms.next()?)?);
-    if hms.next().is_some() || !frac.bytes().all(|b| b.is_ascii_digit()) || frac.len() > 9 {
-        return None;
-    }
-    if !(1970..=9999).contains(&year)
-        || !(1..=12).contains(&month)
-        || !(1..=31).contains(&day)
-        || h > 23
-        || m > 59
-        || s > 60
-    {
-        return None;
-    }
-    let ms = frac
-        .bytes()
-        .chain(std::iter::repeat(b'0'))
-        .take(3)
-        .fold(0u64, |acc, b| acc * 10 + u64::from(b - b'0'));
-    let local =
-        ((days_from_civil(year, month, day) * 86_400 + h * 3600 + m * 60 + s) * 1000 + ms) as i64;
-    u64::try_from(local - offset_min * 60_000).ok()
 }
 
 fn stated<H: HeaderSource + ?Sized>(

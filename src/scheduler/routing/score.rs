@@ -18,7 +18,7 @@
 //! across Envoy replicas weighs endpoints by, since in-flight counts are per Envoy.
 
 use crate::scheduler::config::Config;
-use crate::scheduler::routing::ewma::fade;
+use crate::scheduler::routing::ewma::{fade, LATENCY_FLOOR_MS};
 use crate::scheduler::routing::table::EndpointState;
 
 #[derive(Debug, Clone, Copy, PartialEq)]
@@ -27,9 +27,6 @@ pub struct Scored {
     pub cold: bool,
 }
 
-/// Latencies below this are treated as equal: a few milliseconds of difference are network
-/// noise, not a property of an inference endpoint (and would make latency ratios jump).
-pub const LATENCY_FLOOR_MS: f64 = 10.0;
 const SUCCESS_FLOOR: f64 = 0.01;
 
 pub fn score(

@@ -14,3 +14,7 @@ pub mod reply;
 pub mod request;
 pub mod text;
 pub mod usage;
+
+/// Longest accepted `model`, in any body format (real model ids are far shorter). Here, not in
+/// `request`, so that the form parser (`multipart`) and `request` need not import each other.
+pub const MAX_MODEL_BYTES: usize = 256;

@@ -10,7 +10,7 @@
 //! How: [`ModelScan`] is a push parser fed the body in chunks of any size. It looks for the
 //! delimiter `CRLF--boundary`, reads each part's header block (at most
 //! [`MAX_PART_HEADER_BYTES`]), and for the part named `model` keeps its value (at most
-//! [`request::MAX_MODEL_BYTES`](crate::scheduler::wire::request::MAX_MODEL_BYTES)). Any other part's content is
+//! [`MAX_MODEL_BYTES`]). Any other part's content is
 //! only scanned for the next delimiter: between chunks the parser keeps at most the delimiter's
 //! length minus one byte. Memory is bounded by a few KiB whatever arrives; work is linear in the
 //! bytes read. The first `model` part wins; the rest of the body is not validated (the upstream
@@ -19,12 +19,15 @@
 //! Nothing in a form is a session: fields such as `user` are ignored, so a multipart request has
 //! a session only if the session header names one.
 //!
+//! The parser knows nothing of routing requests: [`crate::scheduler::wire::request::parse_form`]
+//! turns its model into one.
+//!
 //! Syntax followed: RFC 2046 §5.1.1 (boundary of 1–70 characters, delimiter lines with optional
 //! transport padding, preamble and epilogue ignored) and RFC 7578 (`Content-Disposition:
 //! form-data; name="…"`); lines must end in CRLF.
 
 use crate::scheduler::wire::reply::RejectReason;
-use crate::scheduler::wire::request::{ChatRequest, RequestError, MAX_MODEL_BYTES};
+use crate::scheduler::wire::MAX_MODEL_BYTES;
 
 /// RFC 2046: a boundary is 1 to 70 characters.
 pub const MAX_BOUNDARY_BYTES: usize = 70;
@@ -306,24 +309,6 @@ pub fn read_model(content_type: &str, body: &[u8]) -> Result<String, MultipartEr
         Progress::Found(m) => Ok(m),
         Progress::Failed(e) => Err(e),
         Progress::NeedMore => scan.finish(),
-    }
-}
-
-/// The routing view of a whole form: its model, and never a session from the body (pass it to
-/// `request::derive_session`, which then uses the session header or nothing).
-pub fn parse_form(content_type: &str, body: &[u8]) -> Result<ChatRequest, RequestError> {
-    read_model(content_type, body)
-        .map(form_request)
-        .map_err(RequestError::Multipart)
-}
-
-/// The routing view of a form whose model a [`ModelScan`] found.
-pub fn form_request(model: String) -> ChatRequest {
-    ChatRequest {
-        model,
-        user: None,
-        fingerprint: None,
-        stream: false,
     }
 }
 

@@ -23,15 +23,14 @@
 
 use crate::scheduler::state::hash::{hash_parts, session_key};
 use crate::scheduler::wire::api::Api;
-use crate::scheduler::wire::multipart::MultipartError;
+use crate::scheduler::wire::multipart::{read_model, MultipartError};
 pub use crate::scheduler::wire::reply::openai_error;
 use crate::scheduler::wire::reply::{RejectReason, Reply};
 use crate::scheduler::wire::text;
 use serde::Deserialize;
 use serde_json::value::RawValue;
 
-/// Longest accepted `model` (real model ids are far shorter).
-pub const MAX_MODEL_BYTES: usize = 256;
+pub use crate::scheduler::wire::MAX_MODEL_BYTES;
 /// Longest accepted session header value.
 pub const MAX_SESSION_BYTES: usize = 4096;
 const FINGERPRINT_SEED: u64 = 0x6669_6e67_6572_7072;
@@ -352,6 +351,24 @@ pub fn derive_session(
         ));
     }
     Ok((None, SessionSource::None))
+}
+
+/// The routing view of a whole form: its model, and never a session from the body (pass it to
+/// [`derive_session`], which then uses the session header or nothing).
+pub fn parse_form(content_type: &str, body: &[u8]) -> Result<ChatRequest, RequestError> {
+    read_model(content_type, body)
+        .map(form_request)
+        .map_err(RequestError::Multipart)
+}
+
+/// The routing view of a form whose model a [`ModelScan`](crate::scheduler::wire::multipart::ModelScan) found.
+pub fn form_request(model: String) -> ChatRequest {
+    ChatRequest {
+        model,
+        user: None,
+        fingerprint: None,
+        stream: false,
+    }
 }
 
 #[cfg(test)]

@@ -1,4 +1,5 @@
 use super::*;
+use crate::scheduler::wire::request::{parse_form, RequestError};
 #[cfg(target_arch = "wasm32")]
 use wasm_bindgen_test::wasm_bindgen_test as test;
 
