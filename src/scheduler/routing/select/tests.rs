@@ -1,5 +1,8 @@
+// The selection's unit tests (over 600 lines: one scenario per rule of choose and finish).
 use super::*;
 use crate::scheduler::health::outcome::FailureKind;
+use crate::scheduler::routing::placement;
+use crate::scheduler::routing::quota::QuotaHint;
 use crate::scheduler::state::store::MemStore;
 use serde_json::json;
 #[cfg(target_arch = "wasm32")]
