@@ -1,4 +1,9 @@
 //! One client request's life, from its headers to the end of its answer — host-independent.
+//! (About 870 lines: one state machine, `Flow`; its session special cases are in `pins.rs`,
+//! the answers it builds in `answer.rs`.)
+//!
+//! The top room: it may import every other room (`time`, `state`, `config`, `wire`, `health`,
+//! `routing`), and none imports it.
 //!
 //! Why here and not in the filter: when to wait for the body, which endpoint takes each
 //! attempt, when an answer ends its attempt, when to fail over and when to stop, and what the
@@ -48,21 +53,21 @@
 
 use crate::scheduler::config::{Config, ListModels};
 use crate::scheduler::health::outcome::{classify, FailureKind, Outcome};
-use crate::scheduler::routing::pin_cookie;
 use crate::scheduler::routing::quota::QuotaHint;
-use crate::scheduler::routing::responses::{self, AnswerFormat, IdScan};
+use crate::scheduler::routing::responses::{self, IdScan};
 use crate::scheduler::routing::select::{
     AffinityResult, Decision, Exclusions, Finished, NoEndpoint, Pick, Scheduler, Ticket,
 };
 use crate::scheduler::wire::api::{self, Api, BodyFormat, Handling};
 use crate::scheduler::wire::headers::{rate_limit_hints, HeaderSource, Pairs};
 use crate::scheduler::wire::models::{self, Merged, Retrieved};
-use crate::scheduler::wire::reply::{RejectReason, Reply};
+use crate::scheduler::wire::reply::Reply;
 use crate::scheduler::wire::request::{derive_session, parse_chat, RequestError};
 use crate::scheduler::wire::usage::{Framing, Usage, UsageScan};
 use std::borrow::Cow;
 
 mod answer;
+mod pins;
 pub use answer::Call;
 
 pub const HEADER_ENDPOINT: &str = "x-computeflux-endpoint";
@@ -617,16 +622,7 @@ impl Flow {
             Ok((session, _)) => self.session = session,
             Err(e) => return self.refuse(obs, &e),
         }
-        if s.cfg.pin_cookie {
-            if let Some(session) = self.session {
-                let cookies = self
-                    .headers
-                    .iter()
-                    .filter(|(n, _)| n.eq_ignore_ascii_case("cookie"))
-                    .map(|(_, v)| v.as_slice());
-                self.pin_hint = pin_cookie::find(cookies, session);
-            }
-        }
+        self.read_pin_cookie(s.cfg);
         self.model = Some(req.model);
         self.body = body;
         if self.api == Some(Api::Responses) {
@@ -635,46 +631,6 @@ impl Flow {
             }
         }
         self.first_attempt(s, obs, now_ms)
-    }
-
-    /// A Responses API request: remembers to learn its answer's id when it will be stored, and
-    /// sends a follow-up (`previous_response_id`) to the endpoint holding the previous response.
-    /// If that endpoint cannot take it, the request is refused — unless it carries its whole
-    /// input, then it goes anywhere without `previous_response_id`.
-    fn follow_up(
-        &mut self,
-        s: &Scheduler<'_>,
-        obs: &mut dyn Observer,
-        now_ms: u64,
-    ) -> Option<Step> {
-        let f = responses::parse_follow_up(&self.body);
-        self.learn_id = f.store;
-        let prev = f.previous_response_id?;
-        let holder = responses::holder(s, self.tenant.as_deref(), &prev, now_ms)?;
-        match responses::check_holder(s, holder, self.model.as_deref(), &self.exclusions, now_ms) {
-            Ok(_) => {
-                self.session = Some(responses::response_key(self.tenant.as_deref(), &prev));
-                self.holder_pinned = true;
-                None
-            }
-            Err(_) if f.whole_input => {
-                if let Some(body) = responses::without_previous_response_id(&self.body) {
-                    self.body = body;
-                }
-                None
-            }
-            Err(e) => {
-                let reason = match e.status() {
-                    404 => RejectReason::PreviousResponseNotFound,
-                    _ => RejectReason::PreviousResponseUnavailable,
-                };
-                let mut reply = Reply::new(e.status(), reason, &e.message(&prev, now_ms));
-                if let Some(secs) = e.retry_after_s(now_ms) {
-                    reply = reply.retry_after(secs);
-                }
-                Some(self.reply(obs, reply))
-            }
-        }
     }
 
     /// Whether [`Flow::on_first_byte`] wants the next body chunk's time.
@@ -693,44 +649,6 @@ impl Flow {
             }
             s.release_watch(&mut a.ticket);
         }
-    }
-
-    /// Whether the relayed answer's body chunks should be passed to [`Flow::on_answer_chunk`].
-    pub fn reads_answer(&self) -> bool {
-        self.id_scan.is_some()
-    }
-
-    /// A chunk of the answer the client gets (relayed, or a failover call's whole answer), as
-    /// it passes; never held back. `end`: the answer is complete.
-    pub fn on_answer_chunk(&mut self, s: &Scheduler<'_>, chunk: &[u8], end: bool, now_ms: u64) {
-        let Some(scan) = self.id_scan.as_mut() else {
-            return;
-        };
-        let found = match scan.feed(chunk) {
-            crate::scheduler::wire::json_scan::Scan::Found(id) => Some(id),
-            crate::scheduler::wire::json_scan::Scan::Absent => None,
-            crate::scheduler::wire::json_scan::Scan::NeedMore if end => scan.finish(),
-            crate::scheduler::wire::json_scan::Scan::NeedMore => return,
-        };
-        self.id_scan = None;
-        let holder = self
-            .served_by
-            .and_then(|i| s.cfg.endpoints.get(i))
-            .map(|e| e.id);
-        if let (Some(id), Some(holder)) = (found, holder) {
-            responses::remember(s, self.tenant.as_deref(), &id, holder, now_ms);
-        }
-    }
-
-    /// An answer's headers: scan its body for the response id if it is a success to learn from.
-    fn expect_answer<H: HeaderSource + ?Sized>(&mut self, outcome: &Outcome, headers: &H) {
-        self.id_scan = match (self.learn_id, outcome) {
-            (true, Outcome::Success) => headers
-                .header_str("content-type")
-                .and_then(|ct| AnswerFormat::from_content_type(&ct))
-                .map(IdScan::new),
-            _ => None,
-        };
     }
 
     /// `GET /v1/models` from an endpoint: sent as a call (so its answer can be merged before it
@@ -801,20 +719,7 @@ impl Flow {
         let decision = s.pick(&pick, now_ms)?;
         // A session served away from its home (or already carrying a cookie) is told where it
         // now is, so that every replica follows it (see `pin_cookie`).
-        self.pin_cookie = match self.session {
-            Some(session)
-                if s.cfg.pin_cookie
-                    && decision.ticket.pin_on_success
-                    && (Some(decision.endpoint) != decision.home || self.pin_hint.is_some()) =>
-            {
-                Some(pin_cookie::set_cookie(
-                    session,
-                    decision.ticket.endpoint_id,
-                    s.cfg.affinity_ttl_ms,
-                ))
-            }
-            _ => None,
-        };
+        self.pin_cookie = self.pin_cookie_for(s, &decision);
         self.attempts += 1;
         if self.affinity.is_none() {
             self.affinity = Some(decision.affinity);

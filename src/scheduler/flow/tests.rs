@@ -1,3 +1,4 @@
+// The flow's unit tests (over 600 lines: one scenario per lifecycle rule, on a native MemStore).
 //! The request lifecycle natively, over `MemStore`: what used to be testable only through
 //! Envoy (phases, attempt limit, failover loop, Envoy's own 5xx, in-flight accounting).
 
