@@ -20,10 +20,10 @@
 use std::hint::black_box;
 use std::time::{Duration, Instant};
 
-use computeflux::scheduler::hash::session_key;
-use computeflux::scheduler::select::TABLE_KEY;
-use computeflux::scheduler::state::Table;
-use computeflux::scheduler::usage::{Framing, UsageScan};
+use computeflux::scheduler::routing::select::TABLE_KEY;
+use computeflux::scheduler::routing::table::Table;
+use computeflux::scheduler::state::hash::session_key;
+use computeflux::scheduler::wire::usage::{Framing, UsageScan};
 use computeflux::scheduler::{Config, Exclusions, MemStore, Outcome, Pick, Scheduler, Store};
 use criterion::{BenchmarkId, Criterion, Throughput};
 use serde_json::json;

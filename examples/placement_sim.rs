@@ -13,9 +13,9 @@
 //!
 //! Run: `cargo run --release --example placement_sim` (a few seconds).
 
-use computeflux::scheduler::hash::session_key;
-use computeflux::scheduler::outcome::Outcome;
-use computeflux::scheduler::select::{Exclusions, Pick};
+use computeflux::scheduler::health::outcome::Outcome;
+use computeflux::scheduler::routing::select::{Exclusions, Pick};
+use computeflux::scheduler::state::hash::session_key;
 use computeflux::scheduler::{Config, MemStore, Scheduler};
 use serde_json::json;
 

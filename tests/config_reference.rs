@@ -1,6 +1,6 @@
 #![cfg(not(target_arch = "wasm32"))]
 //! docs/configuration.md is the configuration reference users read; its two tables are generated
-//! from the keys' declarations in `src/scheduler/config.rs` (`CONFIG_DOC_WRITE=1 cargo test --test
+//! from the keys' declarations in `src/scheduler/config/mod.rs` (`CONFIG_DOC_WRITE=1 cargo test --test
 //! config_reference` rewrites them). This test fails if a key is missing or stale, or if its type,
 //! default, bounds or effect differ; it also
 //! checks the documented top-level defaults against `Config::default()` and that the example

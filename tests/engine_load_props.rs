@@ -16,11 +16,11 @@
     clippy::indexing_slicing
 )]
 
-use computeflux::scheduler::engine_load::{
+use computeflux::scheduler::wire::engine_load::{
     parse, Engine, EngineLoad, Format, Parsed, SERIES_SLOTS,
 };
-use computeflux::scheduler::scrape::{self, LoadState, ScrapeError, Scraped};
-use computeflux::scheduler::store::CAS_RETRIES;
+use computeflux::scheduler::routing::scrape::{self, LoadState, ScrapeError, Scraped};
+use computeflux::scheduler::state::store::CAS_RETRIES;
 use computeflux::scheduler::{MemStore, Store};
 use proptest::collection::vec;
 use proptest::prelude::*;
@@ -135,7 +135,7 @@ fn garbage_line() -> impl Strategy<Value = String> {
     ]
 }
 
-fn loads(p: &Parsed) -> Result<EngineLoad, computeflux::scheduler::engine_load::LoadError> {
+fn loads(p: &Parsed) -> Result<EngineLoad, computeflux::scheduler::wire::engine_load::LoadError> {
     p.load
 }
 

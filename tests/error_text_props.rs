@@ -21,11 +21,13 @@
 )]
 
 use computeflux::scheduler::flow::{Flow, Step};
-use computeflux::scheduler::headers::decode_pairs;
-use computeflux::scheduler::outcome::{parse_go_duration_ms, parse_retry_after, retry_hint_ms};
-use computeflux::scheduler::reply::{Reply, MAX_MESSAGE_BYTES};
-use computeflux::scheduler::request::{derive_session, parse_chat, MAX_SESSION_BYTES};
-use computeflux::scheduler::{text, Config, MemStore, RejectReason, Scheduler};
+use computeflux::scheduler::health::outcome::{parse_retry_after, retry_hint_ms};
+use computeflux::scheduler::time::parse_go_duration_ms;
+use computeflux::scheduler::wire::headers::decode_pairs;
+use computeflux::scheduler::wire::reply::{Reply, MAX_MESSAGE_BYTES};
+use computeflux::scheduler::wire::request::{derive_session, parse_chat, MAX_SESSION_BYTES};
+use computeflux::scheduler::wire::text;
+use computeflux::scheduler::{Config, MemStore, RejectReason, Scheduler};
 use proptest::prelude::*;
 use proptest::test_runner::FileFailurePersistence;
 use serde_json::{json, Value};
@@ -198,7 +200,7 @@ proptest! {
     #[test]
     fn header_lists_decode_or_refuse(t in long_text(), noise in proptest::collection::vec(any::<u8>(), 0..64), cut in any::<usize>()) {
         let pairs: Vec<(&str, &[u8])> = vec![(t.as_str(), t.as_bytes()), ("x", noise.as_slice())];
-        let bytes = computeflux::scheduler::headers::encode_pairs(&pairs);
+        let bytes = computeflux::scheduler::wire::headers::encode_pairs(&pairs);
         let decoded = decode_pairs(&bytes).unwrap();
         prop_assert_eq!(decoded.len(), 2);
         prop_assert_eq!(decoded[0].0.as_str(), t.as_str());

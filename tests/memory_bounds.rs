@@ -17,8 +17,8 @@
     clippy::indexing_slicing
 )]
 
-use computeflux::scheduler::hash::session_key;
-use computeflux::scheduler::select::TABLE_KEY;
+use computeflux::scheduler::routing::select::TABLE_KEY;
+use computeflux::scheduler::state::hash::session_key;
 use computeflux::scheduler::{Config, Exclusions, MemStore, Outcome, Pick, Scheduler, Store};
 use serde_json::json;
 

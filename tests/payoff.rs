@@ -24,8 +24,8 @@ mod support;
 use std::collections::BTreeMap;
 use std::time::{Duration, Instant};
 
-use computeflux::scheduler::payoff::Payoff;
-use computeflux::scheduler::usage::Usage;
+use computeflux::scheduler::routing::payoff::Payoff;
+use computeflux::scheduler::wire::usage::Usage;
 use serde_json::json;
 use support::placement::{header_session, rendezvous_order};
 use support::{chat_body, post_chat, Envoy, EnvoyConfig, MockUpstream, Response};

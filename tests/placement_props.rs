@@ -14,9 +14,9 @@
     clippy::indexing_slicing
 )]
 
-use computeflux::scheduler::hash::session_key;
-use computeflux::scheduler::outcome::Outcome;
-use computeflux::scheduler::select::{Exclusions, Pick, Reason};
+use computeflux::scheduler::health::outcome::Outcome;
+use computeflux::scheduler::routing::select::{Exclusions, Pick, Reason};
+use computeflux::scheduler::state::hash::session_key;
 use computeflux::scheduler::{Config, MemStore, Scheduler};
 use proptest::prelude::*;
 use serde_json::json;

@@ -23,19 +23,23 @@
 use std::cell::{Cell, RefCell};
 use std::collections::HashMap;
 
-use computeflux::scheduler::affinity::{self, Affinity, Entry};
-use computeflux::scheduler::breaker::{Admission, Breaker, BreakerConfig, BreakerState, OpenCause};
-use computeflux::scheduler::outcome::FailureKind;
-use computeflux::scheduler::overdue::{self, Watch};
-use computeflux::scheduler::payoff::Payoff;
-use computeflux::scheduler::placement;
-use computeflux::scheduler::quota::{Quota, Remaining};
-use computeflux::scheduler::select::{Ticket, TABLE_KEY};
-use computeflux::scheduler::state::Table;
-use computeflux::scheduler::store::CAS_RETRIES;
+use computeflux::scheduler::health::breaker::{
+    Admission, Breaker, BreakerConfig, BreakerState, OpenCause,
+};
+use computeflux::scheduler::health::outcome::FailureKind;
+use computeflux::scheduler::routing::affinity::{self, Affinity, Entry};
+use computeflux::scheduler::routing::ewma;
+use computeflux::scheduler::routing::overdue::{self, Watch};
+use computeflux::scheduler::routing::payoff::Payoff;
+use computeflux::scheduler::routing::placement;
+use computeflux::scheduler::routing::quota::{Quota, Remaining};
+use computeflux::scheduler::routing::select::{Ticket, TABLE_KEY};
+use computeflux::scheduler::routing::table::Table;
+use computeflux::scheduler::state::store::CAS_RETRIES;
+use computeflux::scheduler::wire::request;
 use computeflux::scheduler::{
-    ewma, request, CasMismatch, Config, Decision, EndpointState, Exclusions, MemStore, NoEndpoint,
-    Outcome, Pick, RetryBudget, Scheduler, Store,
+    CasMismatch, Config, Decision, EndpointState, Exclusions, MemStore, NoEndpoint, Outcome, Pick,
+    RetryBudget, Scheduler, Store,
 };
 use proptest::collection::vec;
 use proptest::prelude::*;
@@ -1352,7 +1356,7 @@ proptest! {
         store.set(TABLE_KEY, &table.encode(), None).unwrap();
         let s = Scheduler::new(&cfg, &store);
         let rule = s.quota_rule();
-        let estimate = computeflux::scheduler::quota::estimate_tokens(body_bytes, cfg.quota_bytes_per_token);
+        let estimate = computeflux::scheduler::routing::quota::estimate_tokens(body_bytes, cfg.quota_bytes_per_token);
         let short: Vec<bool> = table.entries.iter().map(|(_, st)| st.quota.short(estimate, &rule, now)).collect();
         let ex = Exclusions::default();
         let d = s.pick(&Pick { model: Some("m"), session, attempt: 1, exclusions: &ex, nonce, body_bytes, pin_hint: None }, now).unwrap();
@@ -1380,7 +1384,7 @@ proptest! {
             .map(|(n, v)| (n.to_string(), v.clone().into_bytes()))
             .chain([(":status".to_string(), b"200".to_vec())])
             .collect();
-        let hint = computeflux::scheduler::quota::QuotaHint::read(&headers, 0);
+        let hint = computeflux::scheduler::routing::quota::QuotaHint::read(&headers, 0);
         prop_assert!(hint.is_empty());
         let (plain, junk) = (MemStore::new(), MemStore::new());
         let ex = Exclusions::default();
@@ -1410,7 +1414,7 @@ proptest! {
     ) {
         let cfg = Config::default(); // ratio 3, 50 ms, exit 1.5
         let own = best * ratio_of_best;
-        // Latencies are compared with a 10 ms floor (score::LATENCY_FLOOR_MS).
+        // Latencies are compared with a 10 ms floor (ewma::LATENCY_FLOOR_MS).
         let ratio = own.max(10.0) / best.max(10.0);
         let enters = ratio >= 3.0 && own - best >= 50.0;
         prop_assert_eq!(placement::degraded(false, Some((own, best)), &cfg), enters);

@@ -14,14 +14,15 @@
     clippy::indexing_slicing
 )]
 
-use computeflux::scheduler::codec::{Reader, Writer};
-use computeflux::scheduler::saturation::{
+use computeflux::scheduler::state::codec::{Reader, Writer};
+use computeflux::scheduler::routing::saturation::{
     judge, keep_pin, EngineLoad, MoveMark, MoveReason, PinCase, Saturation, SaturationRule,
 };
-use computeflux::scheduler::slowness::{
+use computeflux::scheduler::routing::slowness::{
     degraded, peer_median, DegradeRule, Sample, Slowness, WorkModel, MODEL_WARM_SAMPLES,
 };
-use computeflux::scheduler::{ewma, placement, Config};
+use computeflux::scheduler::routing::{ewma, placement};
+use computeflux::scheduler::Config;
 use proptest::prelude::*;
 
 // ---------------------------------------------------------------------------------------------

@@ -5,13 +5,13 @@
 
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::indexing_slicing)]
 
-use computeflux::scheduler::api::{policy, Handling};
-use computeflux::scheduler::json_scan::{remove_member, string_at, Scan};
-use computeflux::scheduler::multipart::{
+use computeflux::scheduler::routing::responses::{AnswerFormat, IdScan};
+use computeflux::scheduler::wire::api::{policy, Handling};
+use computeflux::scheduler::wire::json_scan::{remove_member, string_at, Scan};
+use computeflux::scheduler::wire::multipart::{
     read_model, ModelScan, MultipartError, Progress, MAX_PART_HEADER_BYTES,
 };
-use computeflux::scheduler::request::MAX_MODEL_BYTES;
-use computeflux::scheduler::responses::{AnswerFormat, IdScan};
+use computeflux::scheduler::wire::request::MAX_MODEL_BYTES;
 use proptest::prelude::*;
 use serde_json::{json, Map, Value};
 

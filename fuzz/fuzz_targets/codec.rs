@@ -5,13 +5,13 @@
 #![no_main]
 
 use arbitrary::Arbitrary;
-use computeflux::scheduler::affinity::{self, Entry, KEY_PREFIX};
-use computeflux::scheduler::breaker::{Breaker, BreakerState, OpenCause};
-use computeflux::scheduler::overdue::{Slot, Watch};
-use computeflux::scheduler::payoff::Payoff;
-use computeflux::scheduler::quota::{Quota, Remaining};
-use computeflux::scheduler::select::TABLE_KEY;
-use computeflux::scheduler::state::Table;
+use computeflux::scheduler::health::breaker::{Breaker, BreakerState, OpenCause};
+use computeflux::scheduler::routing::affinity::{self, Entry, KEY_PREFIX};
+use computeflux::scheduler::routing::overdue::{Slot, Watch};
+use computeflux::scheduler::routing::payoff::Payoff;
+use computeflux::scheduler::routing::quota::{Quota, Remaining};
+use computeflux::scheduler::routing::select::TABLE_KEY;
+use computeflux::scheduler::routing::table::Table;
 use computeflux::scheduler::{
     Config, EndpointState, Exclusions, MemStore, Outcome, Pick, RetryBudget, Scheduler, Store,
 };
@@ -113,7 +113,9 @@ fn state(s: &StateSpec) -> (u32, EndpointState) {
             degraded_probe_ms: s.degraded_probe_ms,
             degraded_probes: s.degraded_probes,
             watch: Watch {
-                slots: s.watched.map(|(token, started_ms)| Slot { token, started_ms }),
+                slots: s
+                    .watched
+                    .map(|(token, started_ms)| Slot { token, started_ms }),
             },
             quota: Quota {
                 requests: s.quota_requests.map(remaining),
@@ -211,7 +213,8 @@ fuzz_target!(|input: Input<'_>| match input {
             attempt: 1,
             exclusions: &ex,
             nonce: 0,
-            body_bytes: 0, pin_hint: None,
+            body_bytes: 0,
+            pin_hint: None,
         };
         if let Ok(d) = sched.pick(&pick, now) {
             let id = d.ticket.endpoint_id;

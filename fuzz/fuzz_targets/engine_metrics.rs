@@ -4,8 +4,8 @@
 #![no_main]
 
 use arbitrary::Arbitrary;
-use computeflux::scheduler::engine_load::{parse, Format};
-use computeflux::scheduler::scrape::{Lease, Scraped};
+use computeflux::scheduler::wire::engine_load::{parse, Format};
+use computeflux::scheduler::routing::scrape::{Lease, Scraped};
 use libfuzzer_sys::fuzz_target;
 
 #[derive(Arbitrary, Debug)]

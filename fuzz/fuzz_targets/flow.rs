@@ -13,9 +13,9 @@
 
 use arbitrary::Arbitrary;
 use computeflux::scheduler::flow::{Flow, Step};
-use computeflux::scheduler::headers::Pairs;
-use computeflux::scheduler::reply::MAX_MESSAGE_BYTES;
-use computeflux::scheduler::state::Table;
+use computeflux::scheduler::routing::table::Table;
+use computeflux::scheduler::wire::headers::Pairs;
+use computeflux::scheduler::wire::reply::MAX_MESSAGE_BYTES;
 use computeflux::scheduler::{Config, MemStore, Scheduler, Store};
 use libfuzzer_sys::fuzz_target;
 use serde_json::{json, Value};
@@ -31,7 +31,12 @@ struct Input<'a> {
 enum Body<'a> {
     Valid,
     Raw(&'a [u8]),
-    Long { lead: u8, ch: char, count: u16, shape: u8 },
+    Long {
+        lead: u8,
+        ch: char,
+        count: u16,
+        shape: u8,
+    },
 }
 
 impl Body<'_> {
@@ -93,7 +98,9 @@ enum Event<'a> {
 }
 
 fn pairs(list: &[(&str, &[u8])]) -> Pairs {
-    list.iter().map(|(k, v)| (k.to_string(), v.to_vec())).collect()
+    list.iter()
+        .map(|(k, v)| (k.to_string(), v.to_vec()))
+        .collect()
 }
 
 fn check(step: &Step, flow: &Flow, cfg: &Config) {
@@ -108,7 +115,11 @@ fn check(step: &Step, flow: &Flow, cfg: &Config) {
         Step::Dispatch(i) => assert!(flow.call(cfg, *i).is_some(), "dispatch to {i}"),
         _ => {}
     }
-    assert!(flow.attempts() <= cfg.max_attempts, "{} attempts", flow.attempts());
+    assert!(
+        flow.attempts() <= cfg.max_attempts,
+        "{} attempts",
+        flow.attempts()
+    );
 }
 
 fuzz_target!(|input: Input<'_>| {
@@ -159,8 +170,19 @@ fuzz_target!(|input: Input<'_>| {
                 body,
             } => {
                 let bytes = body.bytes();
-                let size = if *end_of_stream { bytes.len() } else { usize::from(*buffered) };
-                flow.on_request_body(&s, &mut (), size, *end_of_stream, &mut || bytes.clone(), now)
+                let size = if *end_of_stream {
+                    bytes.len()
+                } else {
+                    usize::from(*buffered)
+                };
+                flow.on_request_body(
+                    &s,
+                    &mut (),
+                    size,
+                    *end_of_stream,
+                    &mut || bytes.clone(),
+                    now,
+                )
             }
             Event::Trailers(body) => {
                 let bytes = body.bytes();
@@ -220,8 +242,17 @@ fuzz_target!(|input: Input<'_>| {
     }
     flow.on_log(&s, &mut (), now);
     assert!(!flow.in_flight());
-    let table = Table::aligned(store.get(computeflux::scheduler::select::TABLE_KEY).0.as_deref(), &cfg);
+    let table = Table::aligned(
+        store
+            .get(computeflux::scheduler::routing::select::TABLE_KEY)
+            .0
+            .as_deref(),
+        &cfg,
+    );
     for (i, (_, st)) in table.entries.iter().enumerate() {
-        assert_eq!(st.in_flight, 0, "endpoint {i} still in flight after every request ended");
+        assert_eq!(
+            st.in_flight, 0,
+            "endpoint {i} still in flight after every request ended"
+        );
     }
 });

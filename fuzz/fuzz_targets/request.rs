@@ -8,7 +8,7 @@
 #![no_main]
 
 use arbitrary::Arbitrary;
-use computeflux::scheduler::request::{
+use computeflux::scheduler::wire::request::{
     derive_session, openai_error, parse_chat, MAX_MODEL_BYTES, MAX_SESSION_BYTES,
 };
 use computeflux::scheduler::SessionSource;
@@ -36,7 +36,11 @@ struct Long {
 impl Long {
     fn text(&self) -> String {
         let mut s = "a".repeat(usize::from(self.lead % 4));
-        let ch = if matches!(self.ch, '"' | '\\') { 'é' } else { self.ch };
+        let ch = if matches!(self.ch, '"' | '\\') {
+            'é'
+        } else {
+            self.ch
+        };
         s.extend(std::iter::repeat_n(ch, usize::from(self.count % 2048)));
         s
     }

@@ -14,11 +14,11 @@
 #![no_main]
 
 use arbitrary::Arbitrary;
-use computeflux::scheduler::breaker::BreakerState;
-use computeflux::scheduler::hash::session_key;
-use computeflux::scheduler::outcome::FailureKind;
-use computeflux::scheduler::select::Ticket;
-use computeflux::scheduler::store::CAS_RETRIES;
+use computeflux::scheduler::health::breaker::BreakerState;
+use computeflux::scheduler::health::outcome::FailureKind;
+use computeflux::scheduler::routing::select::Ticket;
+use computeflux::scheduler::state::hash::session_key;
+use computeflux::scheduler::state::store::CAS_RETRIES;
 use computeflux::scheduler::{Config, Exclusions, MemStore, Outcome, Pick, Scheduler};
 use libfuzzer_sys::fuzz_target;
 use serde_json::{json, Value};
@@ -232,7 +232,8 @@ fuzz_target!(|setup: Setup| {
                     attempt: 1 + u32::from(attempt % 3),
                     exclusions: &exclusions,
                     nonce: 0,
-                    body_bytes: 0, pin_hint: None,
+                    body_bytes: 0,
+                    pin_hint: None,
                 };
                 if let Ok(d) = sched.pick(&pick, now) {
                     let i = d.endpoint;

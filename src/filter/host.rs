@@ -6,7 +6,7 @@
 //! `proxy_wasm::set_log_level` unwraps `hostcalls::log`. A panic kills the worker's VM. So this
 //! module declares the host's `proxy_*` imports itself, reads what the host returns without
 //! trusting it (statuses as plain numbers, header lists decoded by
-//! [`crate::scheduler::headers::decode_pairs`]), and maps every failure to a documented
+//! [`crate::scheduler::wire::headers::decode_pairs`]), and maps every failure to a documented
 //! fallback. `tests/host_boundary.rs` fails if any other file calls the host.
 //!
 //! One call goes through the SDK: [`dispatch`]. Its dispatcher must register a failover
@@ -20,8 +20,8 @@
 //! `proxy_on_memory_allocate` (a boxed slice of exactly the requested length), so they are
 //! taken over with `Vec::from_raw_parts(ptr, len, len)`, as the SDK does.
 
-use crate::scheduler::headers::{decode_pairs, encode_pairs, Pairs};
-use crate::scheduler::store::CasMismatch;
+use crate::scheduler::state::store::CasMismatch;
+use crate::scheduler::wire::headers::{decode_pairs, encode_pairs, Pairs};
 use proxy_wasm::hostcalls;
 use proxy_wasm::types::{BufferType, LogLevel, MapType, MetricType};
 use std::ptr::{null, null_mut};

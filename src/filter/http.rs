@@ -18,11 +18,11 @@
 
 use super::host;
 use super::observe::Recorder;
-use super::root::Plugin;
+use super::plugin::Plugin;
 use super::shared::SharedData;
 use crate::scheduler::flow::{Flow, Step};
-use crate::scheduler::select::Scheduler;
-use crate::scheduler::usage::TAIL_BYTES;
+use crate::scheduler::routing::select::Scheduler;
+use crate::scheduler::wire::usage::TAIL_BYTES;
 use proxy_wasm::traits::{Context, HttpContext};
 use proxy_wasm::types::{Action, BufferType, MapType};
 use std::rc::Rc;
@@ -36,8 +36,9 @@ impl Http {
     pub fn new(plugin: Rc<Plugin>, context_id: u32) -> Self {
         // Distinct per request: the context id (unique within this VM) mixed with the clock
         // (distinct across VMs and restarts); only its spread matters.
-        let nonce =
-            crate::scheduler::hash::fmix64(host::now_ms().rotate_left(32) ^ u64::from(context_id));
+        let nonce = crate::scheduler::state::hash::fmix64(
+            host::now_ms().rotate_left(32) ^ u64::from(context_id),
+        );
         Http {
             plugin,
             flow: Flow::new(nonce),

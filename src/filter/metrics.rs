@@ -10,10 +10,10 @@
 
 use super::host;
 use crate::scheduler::config::Config;
-use crate::scheduler::outcome::Outcome;
-use crate::scheduler::reply::RejectReason;
-use crate::scheduler::select::{AffinityResult, Reason};
-use crate::scheduler::usage::Usage;
+use crate::scheduler::health::outcome::Outcome;
+use crate::scheduler::routing::select::{AffinityResult, Reason};
+use crate::scheduler::wire::reply::RejectReason;
+use crate::scheduler::wire::usage::Usage;
 use proxy_wasm::types::MetricType;
 
 /// The metric ids of one endpoint.

@@ -3,6 +3,8 @@
 //! It translates Envoy callbacks into calls on the pure [`crate::scheduler`] and back:
 //! - [`root`]: configuration (validated, refused with one log line per problem), metrics,
 //!   the periodic gauge refresh;
+//! - [`plugin`]: what every request of a VM shares (configuration, metric ids) and the gauge
+//!   refresh, apart so that `root`, `http` and `observe` do not import each other;
 //! - [`http`]: Envoy's per-request callbacks, translated into calls on the request lifecycle
 //!   ([`crate::scheduler::flow::Flow`]), whose steps it performs;
 //! - [`observe`]: what the lifecycle reports, as metrics and log lines;
@@ -14,6 +16,7 @@ mod host;
 mod http;
 mod metrics;
 mod observe;
+mod plugin;
 mod root;
 mod shared;
 

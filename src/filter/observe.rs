@@ -5,12 +5,12 @@
 //! [`super::metrics`], the debug line per decision, warnings for lost shared-data updates).
 
 use super::metrics::Metrics;
-use super::root::{refresh_gauges, Plugin};
+use super::plugin::{refresh_gauges, Plugin};
 use crate::scheduler::flow::{Observer, Timing};
-use crate::scheduler::outcome::Outcome;
-use crate::scheduler::reply::Reply;
-use crate::scheduler::select::{AffinityResult, Decision, Finished};
-use crate::scheduler::usage::Usage;
+use crate::scheduler::health::outcome::Outcome;
+use crate::scheduler::routing::select::{AffinityResult, Decision, Finished};
+use crate::scheduler::wire::reply::Reply;
+use crate::scheduler::wire::usage::Usage;
 use log::{debug, warn};
 
 pub struct Recorder<'a> {

@@ -3,22 +3,16 @@
 use super::host;
 use super::http::Http;
 use super::metrics::Metrics;
+use super::plugin::{refresh_gauges, Plugin};
 use super::shared::SharedData;
-use crate::scheduler::breaker::BreakerState;
 use crate::scheduler::config::Config;
-use crate::scheduler::hash::hash_parts;
-use crate::scheduler::select::{Scheduler, TABLE_KEY};
-use crate::scheduler::store::Store;
+use crate::scheduler::routing::select::{Scheduler, TABLE_KEY};
+use crate::scheduler::state::hash::hash_parts;
+use crate::scheduler::state::store::Store;
 use proxy_wasm::traits::{Context, HttpContext, RootContext};
 use proxy_wasm::types::{BufferType, ContextType, LogLevel};
 use std::rc::Rc;
 use std::time::Duration;
-
-/// What every HTTP context of this VM shares: the validated configuration and metric ids.
-pub struct Plugin {
-    pub cfg: Config,
-    pub metrics: Metrics,
-}
 
 #[derive(Default)]
 pub struct Root {
@@ -96,28 +90,5 @@ impl RootContext for Root {
 
     fn get_type(&self) -> Option<ContextType> {
         Some(ContextType::HttpContext)
-    }
-}
-
-/// Gauges mirror the shared endpoint table (absolute values, so every VM may set them).
-pub fn refresh_gauges(p: &Plugin, now_ms: u64) {
-    let store = SharedData;
-    let table = Scheduler::new(&p.cfg, &store).table();
-    for (i, (_, st)) in table.entries.iter().enumerate() {
-        let Some(m) = p.metrics.endpoint(i) else {
-            continue;
-        };
-        let state = match st.breaker.state_at(now_ms) {
-            BreakerState::Closed => 0,
-            BreakerState::Open => 1,
-            BreakerState::HalfOpen => 2,
-        };
-        Metrics::set(m.breaker_state, state);
-        Metrics::set(
-            m.ewma_latency_ms,
-            st.latency_ms.map_or(0, |l| l.round() as u64),
-        );
-        Metrics::set(m.in_flight, u64::from(st.load(now_ms)));
-        Metrics::set(m.affinity_payoff_permille, st.payoff.permille());
     }
 }

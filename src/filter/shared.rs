@@ -2,7 +2,7 @@
 //! VMs of every worker thread with this plugin's `vm_id`; CAS is atomic across them).
 
 use super::host;
-use crate::scheduler::store::{CasMismatch, Store};
+use crate::scheduler::state::store::{CasMismatch, Store};
 
 pub struct SharedData;
 

@@ -4,49 +4,39 @@
 //! passes `now_ms`; shared state (per-endpoint statistics, breakers, the affinity table, the
 //! retry budget) is reached only through the [`Store`] trait, whose compare-and-swap makes the
 //! same code correct across Envoy worker threads.
+//!
+//! The code lives in rooms, each named after what it is. A room imports only the rooms below it
+//! in this table (`tests/room_imports.rs` keeps it so, and finds any import cycle between files):
+//!
+//! | room        | what it is                                                      | may import                               |
+//! |-------------|-----------------------------------------------------------------|------------------------------------------|
+//! | [`time`]    | the time formats upstreams speak: HTTP-date, Go duration, RFC 3339 | —                                     |
+//! | [`state`]   | bytes every worker agrees on: the `Store`, the codec, fixed hashes | —                                     |
+//! | [`config`]  | the plugin configuration, validated                             | state                                    |
+//! | [`wire`]    | requests and answers as bytes: parse, scan, write; no policy     | config, state                            |
+//! | [`health`]  | what an outcome means, breakers, the retry budget               | time, state                              |
+//! | [`routing`] | the decision: endpoint table, signals, placement, pick, finish  | time, state, config, wire, health        |
+//! | [`flow`]    | one request's lifecycle, from headers to the last answer byte   | time, state, config, wire, health, routing |
 
-pub mod affinity;
-pub mod api;
-pub mod breaker;
-pub mod budget;
-pub mod codec;
 pub mod config;
-pub mod engine_load;
-pub mod ewma;
 pub mod flow;
-pub mod hash;
-pub mod headers;
-pub mod json_scan;
-pub mod models;
-pub mod multipart;
-pub mod outcome;
-pub mod overdue;
-pub mod payoff;
-pub mod pin_cookie;
-pub mod placement;
-pub mod quota;
-pub mod reply;
-pub mod request;
-pub mod responses;
-pub mod saturation;
-pub mod score;
-pub mod scrape;
-pub mod select;
-pub mod slowness;
+pub mod health;
+pub mod routing;
 pub mod state;
-pub mod store;
-pub mod text;
-pub mod usage;
+pub mod time;
+pub mod wire;
 
-pub use affinity::Affinity;
-pub use breaker::{Breaker, BreakerState};
-pub use budget::RetryBudget;
 pub use config::{Config, ConfigError, EndpointConfig};
 pub use flow::{Flow, Step};
-pub use outcome::{classify, Outcome};
-pub use reply::{RejectReason, Reply};
-pub use request::{ChatRequest, RequestError, SessionSource};
-pub use select::{AffinityResult, Decision, Exclusions, NoEndpoint, Pick, Reason, Scheduler};
-pub use state::EndpointState;
-pub use store::{CasMismatch, MemStore, Store};
-pub use usage::{Usage, UsageScan};
+pub use health::breaker::{Breaker, BreakerState};
+pub use health::budget::RetryBudget;
+pub use health::outcome::{classify, Outcome};
+pub use routing::affinity::Affinity;
+pub use routing::select::{
+    AffinityResult, Decision, Exclusions, NoEndpoint, Pick, Reason, Scheduler,
+};
+pub use routing::table::EndpointState;
+pub use state::store::{CasMismatch, MemStore, Store};
+pub use wire::reply::{RejectReason, Reply};
+pub use wire::request::{ChatRequest, RequestError, SessionSource};
+pub use wire::usage::{Usage, UsageScan};

@@ -1,11 +1,11 @@
 //! Where the filter places a session, computed the way it does: placement is a pure function of
-//! the configuration, the session and the endpoints' weights (see `src/scheduler/placement.rs`),
+//! the configuration, the session and the endpoints' weights (see `src/scheduler/routing/placement.rs`),
 //! so a test can choose sessions whose rendezvous order it knows in advance instead of relying on
 //! whichever order a random session happens to get.
 
-use computeflux::scheduler::hash::{endpoint_id, session_key};
-use computeflux::scheduler::placement::order;
-use computeflux::scheduler::request::{derive_session, parse_chat};
+use computeflux::scheduler::routing::placement::order;
+use computeflux::scheduler::state::hash::{endpoint_id, session_key};
+use computeflux::scheduler::wire::request::{derive_session, parse_chat};
 
 /// The affinity key of a chat body sent without credentials or session header (its `user`, else
 /// its fingerprint), as the filter derives it.

@@ -8,11 +8,11 @@ use super::{
 };
 use super::{Observer, Step};
 use crate::scheduler::config::{Config, EndpointConfig};
-use crate::scheduler::headers::{HeaderSource, Pairs};
-use crate::scheduler::reply::{RejectReason, Reply};
-use crate::scheduler::request::MAX_MODEL_BYTES;
-use crate::scheduler::select::NoEndpoint;
-use crate::scheduler::text;
+use crate::scheduler::routing::select::NoEndpoint;
+use crate::scheduler::wire::headers::{HeaderSource, Pairs};
+use crate::scheduler::wire::reply::{RejectReason, Reply};
+use crate::scheduler::wire::request::MAX_MODEL_BYTES;
+use crate::scheduler::wire::text;
 
 /// Response headers never copied from a failover answer into the local reply: Envoy frames
 /// the reply itself.

@@ -1,12 +1,13 @@
+// The flow's unit tests (over 600 lines: one scenario per lifecycle rule, on a native MemStore).
 //! The request lifecycle natively, over `MemStore`: what used to be testable only through
 //! Envoy (phases, attempt limit, failover loop, Envoy's own 5xx, in-flight accounting).
 
 use super::*;
 use crate::scheduler::config::Config;
-use crate::scheduler::reply::RejectReason;
-use crate::scheduler::select::TABLE_KEY;
-use crate::scheduler::state::Table;
-use crate::scheduler::store::{MemStore, Store};
+use crate::scheduler::routing::select::TABLE_KEY;
+use crate::scheduler::routing::table::Table;
+use crate::scheduler::state::store::{MemStore, Store};
+use crate::scheduler::wire::reply::RejectReason;
 use serde_json::json;
 #[cfg(target_arch = "wasm32")]
 use wasm_bindgen_test::wasm_bindgen_test as test;
@@ -774,7 +775,7 @@ fn usage_accounting_off_reads_nothing() {
     assert!(log.usages().is_empty());
 }
 
-fn quota_of(store: &MemStore, cfg: &Config, i: usize) -> crate::scheduler::quota::Quota {
+fn quota_of(store: &MemStore, cfg: &Config, i: usize) -> crate::scheduler::routing::quota::Quota {
     Table::aligned(store.get(TABLE_KEY).0.as_deref(), cfg).entries[i]
         .1
         .quota

@@ -1,0 +1,40 @@
+//! What every HTTP context of a VM shares (the validated configuration and metric ids), and the
+//! gauges that mirror the shared endpoint table.
+//!
+//! Its own module so that the root context (which creates HTTP contexts) and the request path
+//! and its recorder (which use the plugin) do not import each other.
+
+use super::metrics::Metrics;
+use super::shared::SharedData;
+use crate::scheduler::config::Config;
+use crate::scheduler::health::breaker::BreakerState;
+use crate::scheduler::routing::select::Scheduler;
+
+/// What every HTTP context of this VM shares: the validated configuration and metric ids.
+pub struct Plugin {
+    pub cfg: Config,
+    pub metrics: Metrics,
+}
+
+/// Gauges mirror the shared endpoint table (absolute values, so every VM may set them).
+pub fn refresh_gauges(p: &Plugin, now_ms: u64) {
+    let store = SharedData;
+    let table = Scheduler::new(&p.cfg, &store).table();
+    for (i, (_, st)) in table.entries.iter().enumerate() {
+        let Some(m) = p.metrics.endpoint(i) else {
+            continue;
+        };
+        let state = match st.breaker.state_at(now_ms) {
+            BreakerState::Closed => 0,
+            BreakerState::Open => 1,
+            BreakerState::HalfOpen => 2,
+        };
+        Metrics::set(m.breaker_state, state);
+        Metrics::set(
+            m.ewma_latency_ms,
+            st.latency_ms.map_or(0, |l| l.round() as u64),
+        );
+        Metrics::set(m.in_flight, u64::from(st.load(now_ms)));
+        Metrics::set(m.affinity_payoff_permille, st.payoff.permille());
+    }
+}

@@ -1,0 +1,160 @@
+use super::*;
+use serde_json::json;
+#[cfg(target_arch = "wasm32")]
+use wasm_bindgen_test::wasm_bindgen_test as test;
+
+fn errors(v: Value) -> Vec<String> {
+    Config::from_value(&v)
+        .err()
+        .unwrap_or_default()
+        .iter()
+        .map(|e| e.to_string())
+        .collect()
+}
+
+#[test]
+fn defaults_apply() {
+    let c = Config::from_value(&json!({"endpoints":[{"name":"a","cluster":"ca"}]})).unwrap();
+    assert_eq!(c.ewma_alpha, 0.3);
+    assert_eq!(c.affinity_ttl_ms, 300_000);
+    assert_eq!(c.cold_start_samples, 20);
+    assert_eq!(c.half_open_probes, 3);
+    assert_eq!(c.max_attempts, 3);
+    assert_eq!(c.max_body_bytes, 8 * 1024 * 1024);
+    assert_eq!(c.routing_header, "x-computeflux-cluster");
+    assert_eq!(c.endpoints[0].weight, 1.0);
+    assert!(c.endpoints[0].serves("anything"));
+}
+
+#[test]
+fn reports_every_problem_with_path_and_bound() {
+    let errs = errors(json!({
+        "endpoints": [
+            {"name":"a","cluster":"ca"},
+            {"name":"a","cluster":"cb"},
+            {"name":"c","cluster":"cc","weight":-1},
+            {"cluster":"cd","models":[]},
+            {"name":"e","cluster":"ce","headers":{"authorization":"Bearer x\r\ny: z"}}
+        ],
+        "ewma_alpha": 1.5,
+        "half_open_probes": 0,
+        "bogus": 1,
+        "max_attempts": "3"
+    }));
+    let has = |s: &str| errs.iter().any(|e| e.contains(s));
+    assert!(has("endpoints[2].weight must be > 0, got -1"), "{errs:?}");
+    assert!(has("endpoints[3].name is required"), "{errs:?}");
+    assert!(has("endpoints[3].models must not be empty"), "{errs:?}");
+    assert!(
+        has("endpoints[4].headers.authorization value must be printable"),
+        "{errs:?}"
+    );
+    assert!(
+        !errs.iter().any(|e| e.contains("Bearer")),
+        "secret leaked: {errs:?}"
+    );
+    assert!(has("ewma_alpha must be in (0, 1], got 1.5"), "{errs:?}");
+    assert!(
+        has("half_open_probes must be in 1..=1000, got 0"),
+        "{errs:?}"
+    );
+    assert!(has("bogus is not a known key"), "{errs:?}");
+    assert!(
+        has("max_attempts must be an integer, got a string"),
+        "{errs:?}"
+    );
+    assert!(has("\"a\" is used twice"), "{errs:?}");
+}
+
+/// Found by the `config` fuzz target: an empty key gave an error with an empty field path
+/// (`computeflux: invalid configuration:  is not a known key`).
+#[test]
+fn odd_keys_are_quoted_in_field_paths() {
+    let errs = errors(json!({
+        "endpoints": [{"name": "a", "cluster": "a", "": 1,
+                       "headers": {"bad header": "v", "x\ny": "v"}}],
+        "": 1,
+        "evil\ncomputeflux: configuration accepted": 2,
+    }));
+    let has = |s: &str| errs.iter().any(|e| e.starts_with(s));
+    assert!(has("\"\" is not a known key"), "{errs:?}");
+    assert!(has("endpoints[0].\"\" is not a known key"), "{errs:?}");
+    assert!(
+        has("endpoints[0].headers.\"bad header\" is not a valid"),
+        "{errs:?}"
+    );
+    assert!(
+        has("endpoints[0].headers.\"x\\ny\" is not a valid"),
+        "{errs:?}"
+    );
+    assert!(
+        has("\"evil\\ncomputeflux: configuration accepted\" is not a known key"),
+        "{errs:?}"
+    );
+    assert!(errs.iter().all(|e| !e.contains('\n')), "{errs:?}");
+}
+
+#[test]
+fn rejects_non_json_and_non_object() {
+    assert!(Config::from_json(b"{nope").unwrap_err()[0]
+        .to_string()
+        .contains("not valid JSON"));
+    assert!(Config::from_json(b"[]").unwrap_err()[0]
+        .to_string()
+        .contains("must be a JSON object"));
+    assert!(errors(json!({}))
+        .iter()
+        .any(|e| e == "endpoints is required"));
+    assert!(errors(json!({"endpoints": []}))
+        .iter()
+        .any(|e| e.contains("at least one")));
+}
+
+/// Every declared key reads its own documented default back unchanged: a declaration whose
+/// spec does not fit its field type (which would silently ignore the key) fails here.
+#[test]
+fn every_key_reads_its_documented_default() {
+    let mut obj = serde_json::Map::new();
+    obj.insert("endpoints".into(), json!([{"name": "a", "cluster": "ca"}]));
+    for k in top_level_keys().into_iter().skip(1) {
+        let v = match k.kind.as_str() {
+            "integer" => json!(k.default.parse::<u64>().unwrap()),
+            "number" => json!(k.default.parse::<f64>().unwrap()),
+            "boolean" => json!(k.default.parse::<bool>().unwrap()),
+            _ => json!(k.default),
+        };
+        obj.insert(k.key.to_string(), v);
+    }
+    let read = Config::from_value(&Value::Object(obj)).unwrap();
+    let expected = Config {
+        endpoints: read.endpoints.clone(),
+        ..Config::default()
+    };
+    assert_eq!(read, expected);
+    // And each one is actually read: a value off its default changes the configuration.
+    let c = Config::from_value(&json!({
+        "endpoints": [{"name": "a", "cluster": "ca"}],
+        "after_failover": "return_home", "half_open_probes": 7, "placement_quantum": 0.5
+    }))
+    .unwrap();
+    assert_eq!(c.after_failover, AfterFailover::ReturnHome);
+    assert_eq!((c.half_open_probes, c.placement_quantum), (7, 0.5));
+    assert!(errors(json!({"endpoints": [{"name": "a", "cluster": "ca"}],
+            "after_failover": "home"}))
+    .contains(&"after_failover must be one of stay, return_home, got \"home\"".to_string()));
+    assert!(errors(json!({"endpoints": [{"name": "a", "cluster": "ca"}],
+            "pin_break_ratio": 2.0, "degraded_exit_ratio": 2.0}))
+    .iter()
+    .any(|e| e.starts_with("degraded_exit_ratio must be below pin_break_ratio")));
+}
+
+#[test]
+fn summary_never_contains_header_values() {
+    let c = Config::from_value(
+            &json!({"endpoints":[{"name":"a","cluster":"ca","headers":{"authorization":"Bearer sk-secret"}}]}),
+        )
+        .unwrap();
+    let s = c.summary();
+    assert!(s.contains("headers=[authorization]"));
+    assert!(!s.contains("sk-secret"));
+}

@@ -1,0 +1,363 @@
+//! The checks behind [`Config::from_json`](super::Config::from_json): a [`Validator`] collects
+//! every problem, each naming its JSON path and the bound it broke, instead of stopping at the
+//! first. The keys themselves (types, defaults, bounds) are declared in `config/mod.rs`.
+
+use super::*;
+
+/// A JSON object key as it appears in an error's field path: as is when it is a plain name,
+/// else quoted as a JSON string, so that an empty key still names something and a key with a
+/// newline cannot forge a log line.
+fn path_key(key: &str) -> String {
+    let plain = !key.is_empty()
+        && key
+            .bytes()
+            .all(|b| b.is_ascii_alphanumeric() || b"_-.".contains(&b));
+    if plain {
+        key.to_string()
+    } else {
+        Value::String(key.to_string()).to_string()
+    }
+}
+
+fn is_endpoint_name(name: &str) -> bool {
+    !name.is_empty()
+        && name.len() <= 64
+        && name
+            .bytes()
+            .all(|b| b.is_ascii_alphanumeric() || b == b'_' || b == b'-')
+}
+
+/// Headers an endpoint may not set: they would break framing or routing.
+const RESERVED_HEADERS: &[&str] = &[
+    "host",
+    "content-length",
+    "transfer-encoding",
+    "connection",
+    "te",
+    "upgrade",
+];
+
+#[derive(Default)]
+pub(super) struct Validator {
+    pub(super) errors: Vec<ConfigError>,
+}
+
+impl Validator {
+    pub(super) fn push(&mut self, field: &str, problem: &str) {
+        self.errors.push(ConfigError {
+            field: field.to_string(),
+            problem: problem.to_string(),
+        });
+    }
+
+    pub(super) fn unknown_keys(
+        &mut self,
+        prefix: &str,
+        obj: &Map<String, Value>,
+        known: &[KeyDoc],
+    ) {
+        for key in obj.keys() {
+            if !known.iter().any(|k| k.key == key) {
+                let names: Vec<&str> = known.iter().map(|k| k.key).collect();
+                self.push(
+                    &format!("{prefix}{}", path_key(key)),
+                    &format!("is not a known key (known: {})", names.join(", ")),
+                );
+            }
+        }
+    }
+
+    pub(super) fn int(
+        &mut self,
+        obj: &Map<String, Value>,
+        key: &str,
+        min: u64,
+        max: u64,
+        out: &mut u64,
+    ) {
+        self.int_at(obj, key, key, min, max, out)
+    }
+
+    pub(super) fn int_at(
+        &mut self,
+        obj: &Map<String, Value>,
+        key: &str,
+        path: &str,
+        min: u64,
+        max: u64,
+        out: &mut u64,
+    ) {
+        let Some(v) = obj.get(key) else { return };
+        match v.as_u64() {
+            Some(n) if (min..=max).contains(&n) => *out = n,
+            Some(n) => self.push(path, &format!("must be in {min}..={max}, got {n}")),
+            None => match v.as_f64() {
+                Some(x) => self.push(
+                    path,
+                    &format!("must be an integer in {min}..={max}, got {x}"),
+                ),
+                None => self.push(path, &format!("must be an integer, got {}", type_name(v))),
+            },
+        }
+    }
+
+    pub(super) fn number(
+        &mut self,
+        obj: &Map<String, Value>,
+        key: &str,
+        min: f64,
+        max: f64,
+        out: &mut f64,
+    ) {
+        let Some(v) = obj.get(key) else { return };
+        match v.as_f64() {
+            Some(x) if x.is_finite() && (min..=max).contains(&x) => *out = x,
+            Some(x) => self.push(key, &format!("must be in {min}..={max}, got {x}")),
+            None => self.push(key, &format!("must be a number, got {}", type_name(v))),
+        }
+    }
+
+    pub(super) fn unit_interval(&mut self, obj: &Map<String, Value>, key: &str, out: &mut f64) {
+        let Some(v) = obj.get(key) else { return };
+        match v.as_f64() {
+            Some(x) if x > 0.0 && x <= 1.0 => *out = x,
+            Some(x) => self.push(key, &format!("must be in (0, 1], got {x}")),
+            None => self.push(
+                key,
+                &format!("must be a number in (0, 1], got {}", type_name(v)),
+            ),
+        }
+    }
+
+    pub(super) fn boolean(&mut self, obj: &Map<String, Value>, key: &str, out: &mut bool) {
+        let Some(v) = obj.get(key) else { return };
+        match v.as_bool() {
+            Some(b) => *out = b,
+            None => self.push(key, &format!("must be a boolean, got {}", type_name(v))),
+        }
+    }
+
+    pub(super) fn header_name(&mut self, obj: &Map<String, Value>, key: &str, out: &mut String) {
+        let Some(v) = obj.get(key) else { return };
+        match v.as_str() {
+            Some(s) if is_header_name(s) && !s.starts_with(':') => *out = s.to_ascii_lowercase(),
+            Some(s) => self.push(key, &format!("must be a valid HTTP header name, got {s:?}")),
+            None => self.push(key, &format!("must be a string, got {}", type_name(v))),
+        }
+    }
+
+    /// A string that must be one of `spec`'s options; returns it when it is.
+    pub(super) fn choice<'v>(
+        &mut self,
+        obj: &'v Map<String, Value>,
+        key: &str,
+        spec: Spec,
+    ) -> Option<&'v str> {
+        let Spec::Choice(options) = spec else {
+            return None;
+        };
+        let v = obj.get(key)?;
+        match v.as_str() {
+            Some(s) if options.contains(&s) => Some(s),
+            Some(s) => {
+                self.push(
+                    key,
+                    &format!("must be one of {}, got {s:?}", options.join(", ")),
+                );
+                None
+            }
+            None => {
+                self.push(key, &format!("must be a string, got {}", type_name(v)));
+                None
+            }
+        }
+    }
+
+    pub(super) fn endpoint(
+        &mut self,
+        i: usize,
+        value: &Value,
+        routing_header: &str,
+    ) -> Option<EndpointConfig> {
+        let at = format!("endpoints[{i}]");
+        let Some(obj) = value.as_object() else {
+            self.push(&at, &format!("must be an object, got {}", type_name(value)));
+            return None;
+        };
+        let before = self.errors.len();
+        self.unknown_keys(&format!("{at}."), obj, &endpoint_keys());
+        let name = match obj.get("name") {
+            None => {
+                self.push(&format!("{at}.name"), "is required");
+                String::new()
+            }
+            Some(Value::String(s)) if is_endpoint_name(s) => s.clone(),
+            Some(Value::String(s)) => {
+                self.push(
+                    &format!("{at}.name"),
+                    &format!("must match [A-Za-z0-9_-]{{1,64}}, got {s:?}"),
+                );
+                String::new()
+            }
+            Some(v) => {
+                self.push(
+                    &format!("{at}.name"),
+                    &format!("must be a string, got {}", type_name(v)),
+                );
+                String::new()
+            }
+        };
+        let cluster = match obj.get("cluster") {
+            None => {
+                self.push(&format!("{at}.cluster"), "is required");
+                String::new()
+            }
+            Some(Value::String(s)) if !s.is_empty() && s.len() <= 255 && is_header_value(s) => {
+                s.clone()
+            }
+            Some(Value::String(s)) => {
+                self.push(
+                    &format!("{at}.cluster"),
+                    &format!("must be 1..=255 printable bytes, got {s:?}"),
+                );
+                String::new()
+            }
+            Some(v) => {
+                self.push(
+                    &format!("{at}.cluster"),
+                    &format!("must be a string, got {}", type_name(v)),
+                );
+                String::new()
+            }
+        };
+        let mut weight = 1.0;
+        if let Some(v) = obj.get("weight") {
+            match v.as_f64() {
+                Some(w) if w.is_finite() && w > 0.0 && w <= 1_000_000.0 => weight = w,
+                Some(w) if w <= 0.0 => {
+                    self.push(&format!("{at}.weight"), &format!("must be > 0, got {w}"))
+                }
+                Some(w) => self.push(
+                    &format!("{at}.weight"),
+                    &format!("must be <= 1000000, got {w}"),
+                ),
+                None => self.push(
+                    &format!("{at}.weight"),
+                    &format!("must be a number, got {}", type_name(v)),
+                ),
+            }
+        }
+        let models = match obj.get("models") {
+            None => None,
+            Some(Value::Array(list)) if list.is_empty() => {
+                self.push(
+                    &format!("{at}.models"),
+                    "must not be empty (omit it to serve any model)",
+                );
+                None
+            }
+            Some(Value::Array(list)) => {
+                let mut models = Vec::with_capacity(list.len());
+                for (j, m) in list.iter().enumerate() {
+                    match m.as_str() {
+                        Some(s) if !s.is_empty() && s.len() <= 256 => models.push(s.to_string()),
+                        Some(_) => self.push(&format!("{at}.models[{j}]"), "must be 1..=256 bytes"),
+                        None => self.push(
+                            &format!("{at}.models[{j}]"),
+                            &format!("must be a string, got {}", type_name(m)),
+                        ),
+                    }
+                }
+                Some(models)
+            }
+            Some(v) => {
+                self.push(
+                    &format!("{at}.models"),
+                    &format!("must be an array of strings, got {}", type_name(v)),
+                );
+                None
+            }
+        };
+        let mut disabled = false;
+        if let Some(v) = obj.get("disabled") {
+            match v.as_bool() {
+                Some(b) => disabled = b,
+                None => self.push(
+                    &format!("{at}.disabled"),
+                    &format!("must be a boolean, got {}", type_name(v)),
+                ),
+            }
+        }
+        let mut headers = Vec::new();
+        match obj.get("headers") {
+            None => {}
+            Some(Value::Object(map)) => {
+                for (hn, hv) in map {
+                    let path = format!("{at}.headers.{}", path_key(hn));
+                    let lower = hn.to_ascii_lowercase();
+                    if !is_header_name(hn) {
+                        self.push(&path, "is not a valid HTTP header name");
+                    } else if RESERVED_HEADERS.contains(&lower.as_str()) || lower == routing_header
+                    {
+                        self.push(
+                            &path,
+                            "may not be set by an endpoint (framing or routing header)",
+                        );
+                    }
+                    match hv.as_str() {
+                        // The value is a secret: never echo it in the error.
+                        Some(s) if is_header_value(s) => headers.push((lower, s.to_string())),
+                        Some(_) => self.push(
+                            &path,
+                            "value must be printable ASCII without CR/LF (value not shown)",
+                        ),
+                        None => self.push(
+                            &path,
+                            &format!("value must be a string, got {}", type_name(hv)),
+                        ),
+                    }
+                }
+            }
+            Some(v) => self.push(
+                &format!("{at}.headers"),
+                &format!("must be an object, got {}", type_name(v)),
+            ),
+        }
+        if self.errors.len() > before {
+            return None;
+        }
+        let id = crate::scheduler::state::hash::endpoint_id(&name);
+        Some(EndpointConfig {
+            name,
+            cluster,
+            weight,
+            models,
+            disabled,
+            headers,
+            id,
+        })
+    }
+
+    pub(super) fn unique_names(&mut self, endpoints: &[EndpointConfig]) {
+        for (i, e) in endpoints.iter().enumerate() {
+            let earlier = endpoints.iter().take(i);
+            if let Some(first) = earlier.clone().position(|o| o.name == e.name) {
+                self.push(
+                    "endpoints",
+                    &format!(
+                        "names must be unique: {:?} is used twice (entries {first} and {i})",
+                        e.name
+                    ),
+                );
+            } else if let Some(other) = earlier.clone().find(|o| o.id == e.id) {
+                self.push(
+                    "endpoints",
+                    &format!(
+                        "names {:?} and {:?} collide in the 32-bit endpoint id; rename one",
+                        other.name, e.name
+                    ),
+                );
+            }
+        }
+    }
+}

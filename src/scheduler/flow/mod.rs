@@ -1,0 +1,878 @@
+//! One client request's life, from its headers to the end of its answer — host-independent.
+//! (About 870 lines: one state machine, `Flow`; its session special cases are in `pins.rs`,
+//! the answers it builds in `answer.rs`.)
+//!
+//! The top room: it may import every other room (`time`, `state`, `config`, `wire`, `health`,
+//! `routing`), and none imports it.
+//!
+//! Why here and not in the filter: when to wait for the body, which endpoint takes each
+//! attempt, when an answer ends its attempt, when to fail over and when to stop, and what the
+//! client finally gets are the product. In wasm glue they could only be tested through Envoy;
+//! here they run natively over [`crate::scheduler::state::store::MemStore`] (unit tests, simulations of many
+//! workers). `src/filter/http.rs` only turns Envoy's callbacks into calls on [`Flow`] and
+//! performs the [`Step`] each call returns.
+//!
+//! ```text
+//! Start ─POST headers─▶ AwaitBody ─end of body / trailers─▶ Routed
+//! Start ─other methods──────────────────────────────────▶ Routed
+//! Routed ─success / client error─▶ Relaying ─end of answer, or on_log─▶ Done
+//! Routed ─failure, failover allowed─▶ FailingOver ─call answer─▶ FailingOver (again) | Done
+//! Routed ─failure, no failover─▶ Done (the failing answer is relayed)
+//! a refused request, or no endpoint for the first attempt ─▶ Done (local reply)
+//! ```
+//!
+//! Every attempt holds a move-only [`Ticket`], owned here and handed back exactly once:
+//! - a failing answer (dead key, rate limit, endpoint failure) at its headers: the next pick
+//!   must see it (breaker, exclusions), and its body is never relayed if a failover follows;
+//! - a relayed answer (success, client error) when it ends, so a streamed generation counts as
+//!   in flight for as long as it streams; its latency is still the time to its headers;
+//! - a failover call when its answer arrives (the host delivers it whole);
+//! - in `on_log`, whatever is left: an answer cut mid-stream (upstream reset or client gone)
+//!   keeps the verdict of its headers — the filter cannot tell the two apart, and a cut is not
+//!   held against the endpoint — and an attempt without an answer is `Cancelled`.
+//!
+//! That is one shared-data write for the pick and one for the finish per attempt (plus the
+//! affinity bucket on a success or dead key), as when attempts were finished at the headers,
+//! and one more at the first byte of a streamed affinity hit, which releases its overdue watch
+//! (its latency sample is that byte; see `overdue`).
+//!
+//! "Exactly once" is the compiler's to check: `Scheduler::finish` takes the ticket by value,
+//! and a ticket can be neither copied nor made outside the scheduler, so this does not build:
+//!
+//! ```compile_fail,E0382
+//! use computeflux::scheduler::{Config, Exclusions, MemStore, Outcome, Pick, Scheduler};
+//! let cfg = Config::from_json(br#"{"endpoints":[{"name":"a","cluster":"a"}]}"#).unwrap();
+//! let store = MemStore::new();
+//! let s = Scheduler::new(&cfg, &store);
+//! let ex = Exclusions::default();
+//! let pick = Pick { model: None, session: None, attempt: 1, exclusions: &ex, nonce: 0, body_bytes: 0 };
+//! let d = s.pick(&pick, 0).unwrap();
+//! s.finish(d.ticket, &Outcome::Success, 1, None, 1);
+//! s.finish(d.ticket, &Outcome::Success, 1, None, 2); // use of moved value
+//! ```
+
+use crate::scheduler::config::{Config, ListModels};
+use crate::scheduler::health::outcome::{classify, FailureKind, Outcome};
+use crate::scheduler::routing::quota::QuotaHint;
+use crate::scheduler::routing::responses::{self, IdScan};
+use crate::scheduler::routing::select::{
+    AffinityResult, Decision, Exclusions, Finished, NoEndpoint, Pick, Scheduler, Ticket,
+};
+use crate::scheduler::wire::api::{self, Api, BodyFormat, Handling};
+use crate::scheduler::wire::headers::{rate_limit_hints, HeaderSource, Pairs};
+use crate::scheduler::wire::models::{self, Merged, Retrieved};
+use crate::scheduler::wire::reply::Reply;
+use crate::scheduler::wire::request::{derive_session, parse_chat, RequestError};
+use crate::scheduler::wire::usage::{Framing, Usage, UsageScan};
+use std::borrow::Cow;
+
+mod answer;
+mod pins;
+pub use answer::Call;
+
+pub const HEADER_ENDPOINT: &str = "x-computeflux-endpoint";
+pub const HEADER_ATTEMPTS: &str = "x-computeflux-attempts";
+pub const HEADER_AFFINITY: &str = "x-computeflux-affinity";
+
+/// The largest failover answer the filter relays (8 MiB).
+///
+/// Envoy hands a failover call's answer to the filter only once it is complete (the ABI has
+/// no streamed callout), so it cannot be streamed through: the filter copies it into the VM
+/// and gives it back to Envoy as a local reply. A larger answer gets a
+/// `502 failover_answer_too_large` instead: a wasm VM's memory never shrinks, so this bounds
+/// what one answer can make each worker's VM grow. Envoy bounds the answer on its side too:
+/// past the cluster's `per_connection_buffer_limit_bytes` (16 MiB in `envoy/envoy.yaml`) it
+/// drains the rest and reports the call as failed without headers, which the filter can only
+/// see as a reset. Keep that buffer above this limit.
+pub const MAX_RELAYED_ANSWER_BYTES: usize = 8 * 1024 * 1024;
+
+/// Set by Envoy's router on answers that came from an upstream; absent on Envoy's own replies
+/// (connect failure, overflow, timeout), which the filter answers in the OpenAI shape.
+pub const UPSTREAM_MARKER: &str = "x-envoy-upstream-service-time";
+
+/// Where the request is in its life.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Phase {
+    /// Before the request headers.
+    Start,
+    /// The headers are held while the body is buffered (POST).
+    AwaitBody,
+    /// Routed; waiting for the answer's headers.
+    Routed,
+    /// A failover call is in flight; the held answer must not reach the client.
+    FailingOver,
+    /// The routed answer flows to the client; its attempt ends with it.
+    Relaying,
+    /// Nothing left to decide.
+    Done,
+}
+
+/// What the host glue does after a call on [`Flow`].
+#[derive(Debug, PartialEq, Eq)]
+pub enum Step {
+    /// Let the stream go on as it is.
+    Continue,
+    /// Hold the stream (the body is being buffered; or the answer, while a call runs).
+    Pause,
+    /// First attempt: write endpoint `i`'s cluster into the routing header, set its headers,
+    /// let the request go on.
+    Route(usize),
+    /// Hold the answer and send the request to endpoint `i` with a failover call
+    /// ([`Flow::call`]); if the host refuses the call, report it with
+    /// [`Flow::dispatch_failed`] and perform the step that returns.
+    Dispatch(usize),
+    /// Let the routed answer through with these headers added.
+    Relay(Vec<(&'static str, String)>),
+    /// Answer with the current failover call's answer: this status and these headers, and
+    /// its body (`body_size` bytes, read from the call).
+    RelayCall {
+        status: u16,
+        headers: Pairs,
+        body_size: usize,
+    },
+    /// Answer with this local reply and stop the request.
+    Reply(Reply),
+    /// Answer with this JSON body and status (an answer the filter gives itself that is not an
+    /// error, e.g. `GET /v1/models`) and stop the request.
+    Answer { status: u16, body: String },
+}
+
+/// The timing of a finished attempt.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Timing {
+    /// From the pick to the answer's headers (what the latency estimate learns from); for a
+    /// failover call, to its whole answer.
+    pub to_headers_ms: u64,
+    /// From the pick to the end of the attempt.
+    pub total_ms: u64,
+}
+
+/// What the flow reports as it goes (metrics and log lines in Envoy; assertions in tests).
+pub trait Observer {
+    /// Attempt number `attempt` (1 = first) was started by `decision`.
+    fn picked(&mut self, _decision: &Decision, _attempt: u32) {}
+    /// An attempt on `endpoint` was handed back to the scheduler.
+    fn finished(&mut self, _endpoint: usize, _outcome: &Outcome, _report: &Finished, _t: Timing) {}
+    /// The request moves on from `endpoint` to another one.
+    fn failed_over(&mut self, _from: usize) {}
+    /// A failover was wanted but the retry budget is spent.
+    fn budget_exhausted(&mut self) {}
+    /// The filter answered the request itself.
+    fn replied(&mut self, _reply: &Reply) {}
+    /// The answer `endpoint` gave reported `usage`; the request's affinity at its first pick
+    /// was `affinity`.
+    fn usage(&mut self, _endpoint: usize, _affinity: AffinityResult, _usage: &Usage) {}
+}
+
+impl Observer for () {}
+
+/// The attempt in flight.
+#[derive(Debug)]
+struct Attempt {
+    ticket: Ticket,
+    /// Once its answer's headers were seen: the outcome and the latency sample (the time to
+    /// the headers, or for a streamed answer to its first body byte).
+    verdict: Option<(Outcome, u64)>,
+    /// A streamed answer whose first body byte has not passed yet.
+    awaits_first_byte: bool,
+    /// The quota its successful answer stated (empty unless `quota_aware`).
+    quota: QuotaHint,
+}
+
+/// The answer the client gets if no failover call can be sent after all.
+#[derive(Debug)]
+enum Fallback {
+    /// The routed answer, held at its headers.
+    Routed { served_by: Option<usize> },
+    /// The current failover call's answer.
+    Call {
+        served_by: Option<usize>,
+        status: Option<u16>,
+        headers: Pairs,
+        body_size: usize,
+    },
+}
+
+/// The request's lifecycle state. Create one per client request ([`Flow::default`]).
+#[derive(Debug)]
+pub struct Flow {
+    phase: Phase,
+    /// The request headers (routing header removed), sent again on failover.
+    headers: Pairs,
+    trailers: Pairs,
+    session_header: Option<Vec<u8>>,
+    tenant: Option<Vec<u8>>,
+    body: Vec<u8>,
+    model: Option<String>,
+    session: Option<u64>,
+    exclusions: Exclusions,
+    attempts: u32,
+    current: Option<Attempt>,
+    /// The endpoint whose answer the client gets.
+    served_by: Option<usize>,
+    /// The session's affinity at the first pick.
+    affinity: Option<AffinityResult>,
+    fallback: Option<Fallback>,
+    /// Placement key of a request without a session ([`Pick::nonce`]).
+    nonce: u64,
+    /// The inference API of the request, when it has one (`api::policy`).
+    api: Option<Api>,
+    content_type: Option<String>,
+    /// A Responses API follow-up pinned to the endpoint holding its previous response: no
+    /// other endpoint has that state, so it never fails over.
+    holder_pinned: bool,
+    /// A Responses API request whose answer will be stored: learn its id from the answer.
+    learn_id: bool,
+    /// `GET /v1/models` with `list_models: upstream_merged`: the call's answer is merged with
+    /// the configured models before it is relayed.
+    merge_models: bool,
+    /// Reads the id of the successful answer the client gets, as it passes.
+    id_scan: Option<IdScan>,
+    /// The scan of a successful answer's usage (`usage_accounting`), while it passes.
+    usage: Option<UsageScan>,
+    /// The endpoint id the request's pin cookie names (`pin_cookie`).
+    pin_hint: Option<u32>,
+    /// The `set-cookie` value for a successful answer of the current attempt (`pin_cookie`).
+    pin_cookie: Option<String>,
+}
+
+impl Default for Flow {
+    fn default() -> Self {
+        Flow::new(0)
+    }
+}
+
+impl Flow {
+    /// A flow whose sessionless picks are placed on `nonce` (any value that differs between
+    /// requests).
+    pub fn new(nonce: u64) -> Self {
+        Flow {
+            nonce,
+            phase: Phase::Start,
+            headers: Vec::new(),
+            trailers: Vec::new(),
+            session_header: None,
+            tenant: None,
+            body: Vec::new(),
+            model: None,
+            session: None,
+            exclusions: Exclusions::default(),
+            attempts: 0,
+            current: None,
+            served_by: None,
+            affinity: None,
+            fallback: None,
+            api: None,
+            content_type: None,
+            holder_pinned: false,
+            learn_id: false,
+            merge_models: false,
+            id_scan: None,
+            usage: None,
+            pin_hint: None,
+            pin_cookie: None,
+        }
+    }
+
+    pub fn phase(&self) -> Phase {
+        self.phase
+    }
+
+    /// Endpoints tried so far.
+    pub fn attempts(&self) -> u32 {
+        self.attempts
+    }
+
+    pub fn served_by(&self) -> Option<usize> {
+        self.served_by
+    }
+
+    /// Whether an attempt is in flight (its ticket not yet handed back).
+    pub fn in_flight(&self) -> bool {
+        self.current.is_some()
+    }
+
+    /// Whether the routed answer must be held (a failover call is in flight).
+    pub fn holds_answer(&self) -> bool {
+        self.phase == Phase::FailingOver
+    }
+
+    /// Whether the answer's bytes are wanted ([`Flow::on_response_data`],
+    /// [`Flow::on_call_body`]): its usage is being read.
+    pub fn scans_answer(&self) -> bool {
+        self.usage.is_some()
+    }
+
+    /// Bytes of the relayed answer as they pass: a chunk, or at least its last
+    /// [`crate::scheduler::wire::usage::TAIL_BYTES`] bytes. The answer itself goes on unchanged.
+    pub fn on_response_data(&mut self, bytes: &[u8]) {
+        if self.phase != Phase::Relaying {
+            return;
+        }
+        if let Some(scan) = self.usage.as_mut() {
+            scan.feed(bytes);
+        }
+    }
+
+    /// The body of the failover answer of the last [`Step::RelayCall`] (at least its last
+    /// [`crate::scheduler::wire::usage::TAIL_BYTES`] bytes), relayed whole: its usage is counted.
+    pub fn on_call_body(&mut self, obs: &mut dyn Observer, bytes: &[u8]) {
+        if let Some(mut scan) = self.usage.take() {
+            scan.feed(bytes);
+            self.report_usage(obs, scan.finish());
+        }
+    }
+
+    /// Reports the usage of the answer the client got, if it had one.
+    fn report_usage(&self, obs: &mut dyn Observer, usage: Option<Usage>) {
+        let (Some(endpoint), Some(usage)) = (self.served_by, usage) else {
+            return;
+        };
+        let affinity = self.affinity.unwrap_or(AffinityResult::None);
+        obs.usage(endpoint, affinity, &usage);
+    }
+
+    /// Starts reading the usage of a successful answer with these headers.
+    fn scan_usage<H: HeaderSource + ?Sized>(
+        &mut self,
+        cfg: &crate::scheduler::config::Config,
+        headers: &H,
+    ) {
+        self.usage = cfg.usage_accounting.then(|| {
+            UsageScan::new(Framing::from_content_type(
+                headers.header("content-type").as_deref(),
+            ))
+        });
+    }
+
+    /// The request headers. `Pause` while the body is buffered.
+    pub fn on_request_headers(
+        &mut self,
+        s: &Scheduler<'_>,
+        obs: &mut dyn Observer,
+        mut headers: Pairs,
+        end_of_stream: bool,
+        now_ms: u64,
+    ) -> Step {
+        if self.phase != Phase::Start {
+            return Step::Continue;
+        }
+        let cfg = s.cfg;
+        // Clients never pick clusters.
+        headers.retain(|(n, _)| !n.eq_ignore_ascii_case(&cfg.routing_header));
+        let method = headers.header_str(":method").unwrap_or_default();
+        let path = headers.header_str(":path").unwrap_or_default();
+        self.content_type = headers.header_str("content-type");
+        let declared = headers
+            .header_str("content-length")
+            .and_then(|v| v.trim().parse::<u64>().ok());
+        self.session_header = headers.header(&cfg.session_header).map(Cow::into_owned);
+        self.tenant = headers
+            .header("authorization")
+            .or_else(|| headers.header("x-api-key"))
+            .map(Cow::into_owned);
+        self.headers = headers;
+        match api::policy(&method, &path, self.content_type.as_deref()) {
+            Handling::Json(a) | Handling::Multipart(a) => self.api = Some(a),
+            Handling::ListModels => match cfg.list_models {
+                ListModels::Local => return self.answer(200, models::list(cfg)),
+                ListModels::UpstreamMerged => return self.fetch_models(s, obs, now_ms),
+            },
+            Handling::RetrieveModel { id } => match models::retrieve(cfg, id) {
+                Retrieved::Found(body) => return self.answer(200, body),
+                Retrieved::NotFound(body) => return self.answer(404, body),
+                Retrieved::AskUpstream(model) => {
+                    self.model = Some(model);
+                    self.session_header = None;
+                    return self.first_attempt(s, obs, now_ms);
+                }
+            },
+            Handling::StoredResponse { id } => {
+                // Only the endpoint that stored the response has it: its response key finds it
+                // through the affinity table as a pin would (and a removed or cooling holder
+                // is placed like any request: the upstream answers for itself).
+                self.session = Some(responses::response_key(self.tenant.as_deref(), id));
+                self.holder_pinned = true;
+                return self.first_attempt(s, obs, now_ms);
+            }
+            Handling::WrongContentType { api } => {
+                return self.refuse(obs, &RequestError::UnsupportedContentType(api))
+            }
+            Handling::PassThrough => {
+                // Not inference (files, batches, anything unknown): routed at once, without a
+                // model or session, the body never read.
+                self.session_header = None;
+                return self.first_attempt(s, obs, now_ms);
+            }
+        }
+        if end_of_stream {
+            return self.refuse(obs, &RequestError::EmptyBody);
+        }
+        let limit = cfg.max_body_bytes;
+        if declared.is_some_and(|n| n > limit) {
+            return self.refuse(obs, &RequestError::TooLarge { limit });
+        }
+        self.phase = Phase::AwaitBody;
+        Step::Pause
+    }
+
+    /// A body chunk; `buffered` is the body size so far. At its end `read_body` is called
+    /// once for the whole body.
+    pub fn on_request_body(
+        &mut self,
+        s: &Scheduler<'_>,
+        obs: &mut dyn Observer,
+        buffered: usize,
+        end_of_stream: bool,
+        read_body: &mut dyn FnMut() -> Vec<u8>,
+        now_ms: u64,
+    ) -> Step {
+        if self.phase != Phase::AwaitBody {
+            return Step::Continue;
+        }
+        let limit = s.cfg.max_body_bytes;
+        if buffered as u64 > limit {
+            return self.refuse(obs, &RequestError::TooLarge { limit });
+        }
+        if !end_of_stream {
+            return Step::Pause;
+        }
+        let body = read_body();
+        self.complete(s, obs, body, now_ms)
+    }
+
+    /// Request trailers end the request: a body that was still awaited is complete (the body
+    /// callback never saw its end). The trailers go along on failover calls.
+    pub fn on_request_trailers(
+        &mut self,
+        s: &Scheduler<'_>,
+        obs: &mut dyn Observer,
+        trailers: Pairs,
+        read_body: &mut dyn FnMut() -> Vec<u8>,
+        now_ms: u64,
+    ) -> Step {
+        self.trailers = trailers;
+        if self.phase != Phase::AwaitBody {
+            return Step::Continue;
+        }
+        let body = read_body();
+        let limit = s.cfg.max_body_bytes;
+        if body.len() as u64 > limit {
+            return self.refuse(obs, &RequestError::TooLarge { limit });
+        }
+        self.complete(s, obs, body, now_ms)
+    }
+
+    /// The routed answer's headers.
+    pub fn on_response_headers<H: HeaderSource + ?Sized>(
+        &mut self,
+        s: &Scheduler<'_>,
+        obs: &mut dyn Observer,
+        headers: &H,
+        end_of_stream: bool,
+        now_ms: u64,
+    ) -> Step {
+        if self.phase != Phase::Routed {
+            return Step::Continue;
+        }
+        let outcome = match headers.status() {
+            // Rate-limit hints matter only on a 429: spare other answers the header reads.
+            Some(429) => classify(429, &rate_limit_hints(headers), now_ms),
+            Some(status) => classify(status, &[], now_ms),
+            None => Outcome::EndpointFailure(FailureKind::Reset),
+        };
+        if outcome.fails_over() {
+            let Some(failed) = self.finish_current(s, obs, &outcome, None, now_ms) else {
+                return Step::Continue;
+            };
+            let fallback = Fallback::Routed {
+                served_by: self.served_by,
+            };
+            return self.after_answer(s, obs, failed, &outcome, fallback, now_ms);
+        }
+        // Relayed: the attempt lasts as long as its answer.
+        self.expect_answer(&outcome, headers);
+        let quota = quota_hint(s, &outcome, headers, now_ms);
+        let streamed = headers
+            .header_str("content-type")
+            .is_some_and(|ct| api::media_type(&ct) == "text/event-stream");
+        if let Some(a) = self.current.as_mut() {
+            let to_headers = now_ms.saturating_sub(a.ticket.started_ms);
+            a.verdict = Some((outcome, to_headers));
+            // An inference server sends a stream's headers before its prefill: the time to
+            // the first token is the time to the first body byte.
+            a.awaits_first_byte = streamed && !end_of_stream;
+            a.quota = quota;
+        }
+        self.phase = Phase::Relaying;
+        if matches!(outcome, Outcome::Success) {
+            self.scan_usage(s.cfg, headers);
+        }
+        let mut relayed = self.exposed(s.cfg);
+        if let (Outcome::Success, Some(c)) = (&outcome, &self.pin_cookie) {
+            relayed.push(("set-cookie", c.clone()));
+        }
+        let step = Step::Relay(relayed);
+        if end_of_stream {
+            self.on_response_end(s, obs, now_ms);
+        }
+        step
+    }
+
+    /// The routed answer ended (its last body chunk or its trailers).
+    pub fn on_response_end(&mut self, s: &Scheduler<'_>, obs: &mut dyn Observer, now_ms: u64) {
+        if self.phase != Phase::Relaying {
+            return;
+        }
+        self.phase = Phase::Done;
+        let usage = self.usage.take().and_then(|scan| scan.finish());
+        // An affinity hit's answer: its usage teaches the endpoint's payoff, in the same write
+        // that finishes the attempt.
+        if self.affinity == Some(AffinityResult::Hit) && self.attempts == 1 {
+            if let Some(a) = self.current.as_mut() {
+                a.ticket.pinned_usage = usage;
+            }
+        }
+        self.finish_by_verdict(s, obs, now_ms);
+        self.report_usage(obs, usage);
+    }
+
+    /// A failover call's answer; `headers` is `None` when the call failed without one
+    /// (reset, timeout after headers).
+    pub fn on_call_response(
+        &mut self,
+        s: &Scheduler<'_>,
+        obs: &mut dyn Observer,
+        headers: Option<Pairs>,
+        body_size: usize,
+        now_ms: u64,
+    ) -> Step {
+        if self.phase != Phase::FailingOver {
+            return Step::Continue;
+        }
+        let status = headers.as_ref().and_then(|h| h.status());
+        let outcome = match (status, &headers) {
+            (Some(429), Some(h)) => classify(429, &rate_limit_hints(h), now_ms),
+            (Some(status), _) => classify(status, &[], now_ms),
+            (None, _) => Outcome::EndpointFailure(FailureKind::Reset),
+        };
+        if let (Some(a), Some(h)) = (self.current.as_mut(), &headers) {
+            a.quota = quota_hint(s, &outcome, h, now_ms);
+        }
+        let Some(answered) = self.finish_current(s, obs, &outcome, None, now_ms) else {
+            return Step::Continue;
+        };
+        if let Some(h) = &headers {
+            self.expect_answer(&outcome, h);
+        }
+        let fallback = Fallback::Call {
+            served_by: Some(answered),
+            status,
+            headers: headers.unwrap_or_default(),
+            body_size,
+        };
+        self.after_answer(s, obs, answered, &outcome, fallback, now_ms)
+    }
+
+    /// The host refused the failover call of the last [`Step::Dispatch`] (its cluster is
+    /// unknown to Envoy): a connect failure of that endpoint; the next one is tried.
+    pub fn dispatch_failed(
+        &mut self,
+        s: &Scheduler<'_>,
+        obs: &mut dyn Observer,
+        now_ms: u64,
+    ) -> Step {
+        let outcome = Outcome::EndpointFailure(FailureKind::ConnectFailure);
+        let Some(failed) = self.finish_current(s, obs, &outcome, None, now_ms) else {
+            return Step::Continue;
+        };
+        let fallback = self.fallback.take().unwrap_or(Fallback::Routed {
+            served_by: self.served_by,
+        });
+        self.after_answer(s, obs, failed, &outcome, fallback, now_ms)
+    }
+
+    /// The request is over (Envoy's access-log callback, which runs in every case).
+    pub fn on_log(&mut self, s: &Scheduler<'_>, obs: &mut dyn Observer, now_ms: u64) {
+        // An answer that never ended (cut, client gone) reports no usage.
+        self.usage = None;
+        self.finish_by_verdict(s, obs, now_ms);
+        self.phase = Phase::Done;
+    }
+
+    /// The body is complete: parse it, key the session, route.
+    fn complete(
+        &mut self,
+        s: &Scheduler<'_>,
+        obs: &mut dyn Observer,
+        body: Vec<u8>,
+        now_ms: u64,
+    ) -> Step {
+        let parsed = match (self.api.map(|a| a.body()), self.content_type.as_deref()) {
+            (Some(BodyFormat::Multipart), Some(ct)) => {
+                crate::scheduler::wire::request::parse_form(ct, &body)
+            }
+            _ => parse_chat(&body),
+        };
+        let req = match parsed {
+            Ok(r) => r,
+            Err(e) => return self.refuse(obs, &e),
+        };
+        match derive_session(self.tenant.as_deref(), self.session_header.as_deref(), &req) {
+            Ok((session, _)) => self.session = session,
+            Err(e) => return self.refuse(obs, &e),
+        }
+        self.read_pin_cookie(s.cfg);
+        self.model = Some(req.model);
+        self.body = body;
+        if self.api == Some(Api::Responses) {
+            if let Some(step) = self.follow_up(s, obs, now_ms) {
+                return step;
+            }
+        }
+        self.first_attempt(s, obs, now_ms)
+    }
+
+    /// Whether [`Flow::on_first_byte`] wants the next body chunk's time.
+    pub fn awaits_first_byte(&self) -> bool {
+        self.current.as_ref().is_some_and(|a| a.awaits_first_byte)
+    }
+
+    /// The first body byte of a streamed answer passed: its time is the attempt's latency
+    /// sample (time to first token), instead of the time to its headers.
+    /// A watched affinity hit stops being watched (see `overdue`).
+    pub fn on_first_byte(&mut self, s: &Scheduler<'_>, now_ms: u64) {
+        if let Some(a) = self.current.as_mut().filter(|a| a.awaits_first_byte) {
+            a.awaits_first_byte = false;
+            if let Some((_, latency)) = a.verdict.as_mut() {
+                *latency = now_ms.saturating_sub(a.ticket.started_ms);
+            }
+            s.release_watch(&mut a.ticket);
+        }
+    }
+
+    /// `GET /v1/models` from an endpoint: sent as a call (so its answer can be merged before it
+    /// is relayed), to the first endpoint in order for this request, failing over like any.
+    fn fetch_models(&mut self, s: &Scheduler<'_>, obs: &mut dyn Observer, now_ms: u64) -> Step {
+        self.session_header = None;
+        self.merge_models = true;
+        match self.start_attempt(s, obs, now_ms) {
+            Ok(i) => {
+                self.served_by = Some(i);
+                self.phase = Phase::FailingOver;
+                Step::Dispatch(i)
+            }
+            // Nothing to ask: the configuration's own list.
+            Err(_) => self.answer(200, models::list(s.cfg)),
+        }
+    }
+
+    /// The body of a failover call's answer as the client gets it: a successful model list is
+    /// merged with the configured models (`list_models: upstream_merged`).
+    pub fn call_body(&self, cfg: &Config, status: u16, body: Vec<u8>) -> Vec<u8> {
+        if !self.merge_models || !(200..300).contains(&status) {
+            return body;
+        }
+        // An answer that is not a model list gives way to the configured models alone.
+        match models::merge(cfg, &body) {
+            Merged::Merged(merged) | Merged::UpstreamUnreadable(merged) => merged.into_bytes(),
+        }
+    }
+
+    fn answer(&mut self, status: u16, body: String) -> Step {
+        self.phase = Phase::Done;
+        Step::Answer { status, body }
+    }
+
+    fn first_attempt(&mut self, s: &Scheduler<'_>, obs: &mut dyn Observer, now_ms: u64) -> Step {
+        match self.start_attempt(s, obs, now_ms) {
+            Ok(i) => {
+                self.served_by = Some(i);
+                self.phase = Phase::Routed;
+                Step::Route(i)
+            }
+            Err(no) => self.no_endpoint(obs, no, now_ms),
+        }
+    }
+
+    /// Picks the next attempt's endpoint and keeps its ticket (the only place a [`Pick`] is
+    /// made, and the only place a ticket is taken).
+    fn start_attempt(
+        &mut self,
+        s: &Scheduler<'_>,
+        obs: &mut dyn Observer,
+        now_ms: u64,
+    ) -> Result<usize, NoEndpoint> {
+        // An attempt is finished before the next starts; never drop a ticket unfinished.
+        if self.current.is_some() {
+            self.finish_current(s, obs, &Outcome::Cancelled, None, now_ms);
+        }
+        let pick = Pick {
+            model: self.model.as_deref(),
+            session: self.session,
+            attempt: self.attempts + 1,
+            exclusions: &self.exclusions,
+            nonce: self.nonce,
+            body_bytes: self.body.len(),
+            pin_hint: self.pin_hint,
+        };
+        let decision = s.pick(&pick, now_ms)?;
+        // A session served away from its home (or already carrying a cookie) is told where it
+        // now is, so that every replica follows it (see `pin_cookie`).
+        self.pin_cookie = self.pin_cookie_for(s, &decision);
+        self.attempts += 1;
+        if self.affinity.is_none() {
+            self.affinity = Some(decision.affinity);
+        }
+        obs.picked(&decision, self.attempts);
+        let endpoint = decision.endpoint;
+        self.current = Some(Attempt {
+            ticket: decision.ticket,
+            verdict: None,
+            awaits_first_byte: false,
+            quota: QuotaHint::default(),
+        });
+        Ok(endpoint)
+    }
+
+    /// Hands the current attempt's ticket back. `to_headers_ms`: measured at the answer's
+    /// headers, else the time until now. Returns the attempt's endpoint.
+    fn finish_current(
+        &mut self,
+        s: &Scheduler<'_>,
+        obs: &mut dyn Observer,
+        outcome: &Outcome,
+        to_headers_ms: Option<u64>,
+        now_ms: u64,
+    ) -> Option<usize> {
+        let a = self.current.take()?;
+        let endpoint = a.ticket.endpoint;
+        let total_ms = now_ms.saturating_sub(a.ticket.started_ms);
+        let timing = Timing {
+            to_headers_ms: to_headers_ms.unwrap_or(total_ms),
+            total_ms,
+        };
+        let report = s.finish_observed(
+            a.ticket,
+            outcome,
+            timing.to_headers_ms,
+            self.session,
+            &a.quota,
+            now_ms,
+        );
+        self.exclusions.after_attempt(endpoint, outcome);
+        obs.finished(endpoint, outcome, &report, timing);
+        Some(endpoint)
+    }
+
+    /// Finishes the current attempt with the verdict of its answer's headers, or as
+    /// `Cancelled` if it had none.
+    fn finish_by_verdict(&mut self, s: &Scheduler<'_>, obs: &mut dyn Observer, now_ms: u64) {
+        let verdict = match &self.current {
+            Some(a) => a.verdict,
+            None => return,
+        };
+        match verdict {
+            Some((outcome, to_headers)) => {
+                self.finish_current(s, obs, &outcome, Some(to_headers), now_ms)
+            }
+            None => self.finish_current(s, obs, &Outcome::Cancelled, None, now_ms),
+        };
+    }
+
+    /// After an answer (routed or called) whose attempt is finished: fail over if the outcome
+    /// and the bounds allow, else conclude with `fallback`.
+    fn after_answer(
+        &mut self,
+        s: &Scheduler<'_>,
+        obs: &mut dyn Observer,
+        answered: usize,
+        outcome: &Outcome,
+        fallback: Fallback,
+        now_ms: u64,
+    ) -> Step {
+        match self.next_attempt(s, obs, answered, outcome, now_ms) {
+            Some(i) => {
+                self.fallback = Some(fallback);
+                self.served_by = Some(i);
+                self.phase = Phase::FailingOver;
+                Step::Dispatch(i)
+            }
+            None => self.conclude(s, obs, fallback),
+        }
+    }
+
+    /// The endpoint of the next attempt, if `outcome` fails over and the attempt limit and
+    /// retry budget allow one.
+    fn next_attempt(
+        &mut self,
+        s: &Scheduler<'_>,
+        obs: &mut dyn Observer,
+        failed: usize,
+        outcome: &Outcome,
+        now_ms: u64,
+    ) -> Option<usize> {
+        if !outcome.fails_over() || self.attempts >= s.cfg.max_attempts || self.holder_pinned {
+            return None;
+        }
+        match self.start_attempt(s, obs, now_ms) {
+            Ok(i) => {
+                obs.failed_over(failed);
+                Some(i)
+            }
+            Err(NoEndpoint::BudgetExhausted) => {
+                obs.budget_exhausted();
+                None
+            }
+            Err(_) => None,
+        }
+    }
+
+    /// No (further) failover: the client gets the last answer.
+    fn conclude(&mut self, s: &Scheduler<'_>, obs: &mut dyn Observer, fallback: Fallback) -> Step {
+        self.phase = Phase::Done;
+        match fallback {
+            Fallback::Routed { served_by } => {
+                self.served_by = served_by;
+                Step::Relay(self.exposed(s.cfg))
+            }
+            Fallback::Call {
+                served_by,
+                status,
+                headers,
+                body_size,
+            } => {
+                self.served_by = served_by;
+                self.call_answer(s.cfg, obs, status, headers, body_size)
+            }
+        }
+    }
+
+    fn refuse(&mut self, obs: &mut dyn Observer, e: &RequestError) -> Step {
+        self.reply(obs, e.reply())
+    }
+
+    fn reply(&mut self, obs: &mut dyn Observer, reply: Reply) -> Step {
+        self.phase = Phase::Done;
+        obs.replied(&reply);
+        Step::Reply(reply)
+    }
+}
+
+/// The quota a successful answer states, read only when `quota_aware` is on (each header
+/// read is a host call in Envoy).
+fn quota_hint<H: HeaderSource + ?Sized>(
+    s: &Scheduler<'_>,
+    outcome: &Outcome,
+    headers: &H,
+    now_ms: u64,
+) -> QuotaHint {
+    if s.cfg.quota_aware && matches!(outcome, Outcome::Success) {
+        QuotaHint::read(headers, now_ms)
+    } else {
+        QuotaHint::default()
+    }
+}
+
+#[cfg(test)]
+mod tests;

@@ -1,0 +1,132 @@
+//! The lifecycle's session special cases, apart from the main path in `flow/mod.rs`:
+//! - the pin cookie (`routing::pin_cookie`): read from the request, where another replica last
+//!   placed the session; set on an answer served away from the session's home;
+//! - the Responses API (`routing::responses`): a follow-up goes to the holder of its previous
+//!   response, and a stored answer's id is learned from its first bytes.
+
+use super::{Flow, Observer, Step};
+use crate::scheduler::config::Config;
+use crate::scheduler::health::outcome::Outcome;
+use crate::scheduler::routing::pin_cookie;
+use crate::scheduler::routing::responses::{self, AnswerFormat, IdScan};
+use crate::scheduler::routing::select::{Decision, Scheduler};
+use crate::scheduler::wire::headers::HeaderSource;
+use crate::scheduler::wire::reply::{RejectReason, Reply};
+
+impl Flow {
+    /// The endpoint the request's pin cookie names for its session (`pin_cookie`).
+    pub(super) fn read_pin_cookie(&mut self, cfg: &Config) {
+        if !cfg.pin_cookie {
+            return;
+        }
+        if let Some(session) = self.session {
+            let cookies = self
+                .headers
+                .iter()
+                .filter(|(n, _)| n.eq_ignore_ascii_case("cookie"))
+                .map(|(_, v)| v.as_slice());
+            self.pin_hint = pin_cookie::find(cookies, session);
+        }
+    }
+
+    /// A session served away from its home (or already carrying a cookie) is told where it
+    /// now is, so that every replica follows it (see `pin_cookie`).
+    pub(super) fn pin_cookie_for(&self, s: &Scheduler<'_>, decision: &Decision) -> Option<String> {
+        match self.session {
+            Some(session)
+                if s.cfg.pin_cookie
+                    && decision.ticket.pin_on_success
+                    && (Some(decision.endpoint) != decision.home || self.pin_hint.is_some()) =>
+            {
+                Some(pin_cookie::set_cookie(
+                    session,
+                    decision.ticket.endpoint_id,
+                    s.cfg.affinity_ttl_ms,
+                ))
+            }
+            _ => None,
+        }
+    }
+
+    /// A Responses API request: remembers to learn its answer's id when it will be stored, and
+    /// sends a follow-up (`previous_response_id`) to the endpoint holding the previous response.
+    /// If that endpoint cannot take it, the request is refused — unless it carries its whole
+    /// input, then it goes anywhere without `previous_response_id`.
+    pub(super) fn follow_up(
+        &mut self,
+        s: &Scheduler<'_>,
+        obs: &mut dyn Observer,
+        now_ms: u64,
+    ) -> Option<Step> {
+        let f = responses::parse_follow_up(&self.body);
+        self.learn_id = f.store;
+        let prev = f.previous_response_id?;
+        let holder = responses::holder(s, self.tenant.as_deref(), &prev, now_ms)?;
+        match responses::check_holder(s, holder, self.model.as_deref(), &self.exclusions, now_ms) {
+            Ok(_) => {
+                self.session = Some(responses::response_key(self.tenant.as_deref(), &prev));
+                self.holder_pinned = true;
+                None
+            }
+            Err(_) if f.whole_input => {
+                if let Some(body) = responses::without_previous_response_id(&self.body) {
+                    self.body = body;
+                }
+                None
+            }
+            Err(e) => {
+                let reason = match e.status() {
+                    404 => RejectReason::PreviousResponseNotFound,
+                    _ => RejectReason::PreviousResponseUnavailable,
+                };
+                let mut reply = Reply::new(e.status(), reason, &e.message(&prev, now_ms));
+                if let Some(secs) = e.retry_after_s(now_ms) {
+                    reply = reply.retry_after(secs);
+                }
+                Some(self.reply(obs, reply))
+            }
+        }
+    }
+
+    /// Whether the relayed answer's body chunks should be passed to [`Flow::on_answer_chunk`].
+    pub fn reads_answer(&self) -> bool {
+        self.id_scan.is_some()
+    }
+
+    /// A chunk of the answer the client gets (relayed, or a failover call's whole answer), as
+    /// it passes; never held back. `end`: the answer is complete.
+    pub fn on_answer_chunk(&mut self, s: &Scheduler<'_>, chunk: &[u8], end: bool, now_ms: u64) {
+        let Some(scan) = self.id_scan.as_mut() else {
+            return;
+        };
+        let found = match scan.feed(chunk) {
+            crate::scheduler::wire::json_scan::Scan::Found(id) => Some(id),
+            crate::scheduler::wire::json_scan::Scan::Absent => None,
+            crate::scheduler::wire::json_scan::Scan::NeedMore if end => scan.finish(),
+            crate::scheduler::wire::json_scan::Scan::NeedMore => return,
+        };
+        self.id_scan = None;
+        let holder = self
+            .served_by
+            .and_then(|i| s.cfg.endpoints.get(i))
+            .map(|e| e.id);
+        if let (Some(id), Some(holder)) = (found, holder) {
+            responses::remember(s, self.tenant.as_deref(), &id, holder, now_ms);
+        }
+    }
+
+    /// An answer's headers: scan its body for the response id if it is a success to learn from.
+    pub(super) fn expect_answer<H: HeaderSource + ?Sized>(
+        &mut self,
+        outcome: &Outcome,
+        headers: &H,
+    ) {
+        self.id_scan = match (self.learn_id, outcome) {
+            (true, Outcome::Success) => headers
+                .header_str("content-type")
+                .and_then(|ct| AnswerFormat::from_content_type(&ct))
+                .map(IdScan::new),
+            _ => None,
+        };
+    }
+}

@@ -1,0 +1,230 @@
+//! Session affinity: session → the endpoint that last served it successfully, with an idle TTL.
+//!
+//! A TTL cache rather than a hash of the session: it adapts (a failover success re-pins the
+//! session to the endpoint that now holds its KV cache) and can be evicted on hard failures.
+//!
+//! Envoy never frees a shared-data key, so there is no key per session. Sessions live in a
+//! fixed set of hashed buckets (one shared-data value each, written with CAS), each holding at
+//! most its share of `affinity_max_sessions` entries. A write prunes expired entries and, when
+//! the bucket is still full, evicts the least recently used one: memory is bounded by
+//! `affinity_max_sessions × 20 bytes` whatever sessions arrive. Entries hold a 64-bit hash of
+//! the (tenant-scoped) session id, never the id itself.
+
+use crate::scheduler::state::codec::{Reader, Writer};
+use crate::scheduler::state::store::{update, Store};
+
+/// Entries per bucket aimed for: small values keep each CAS write cheap.
+const TARGET_PER_BUCKET: u64 = 64;
+const MAX_BUCKETS: u64 = 4096;
+const BUCKET_VERSION: u8 = 1;
+pub const ENTRY_BYTES: usize = 20;
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Entry {
+    pub session: u64,
+    pub endpoint_id: u32,
+    pub last_used_ms: u64,
+}
+
+/// The bucketed affinity table over a [`Store`].
+pub struct Affinity<'a> {
+    store: &'a dyn Store,
+    ttl_ms: u64,
+    max_sessions: u64,
+    buckets: u64,
+}
+
+/// Shared-data key prefix of the buckets.
+pub const KEY_PREFIX: &str = "computeflux/affinity/";
+
+impl<'a> Affinity<'a> {
+    pub fn new(store: &'a dyn Store, ttl_ms: u64, max_sessions: u64) -> Self {
+        let buckets = max_sessions
+            .div_ceil(TARGET_PER_BUCKET)
+            .clamp(1, MAX_BUCKETS);
+        Affinity {
+            store,
+            ttl_ms,
+            max_sessions,
+            buckets,
+        }
+    }
+
+    pub fn buckets(&self) -> u64 {
+        self.buckets
+    }
+
+    fn bucket_of(&self, session: u64) -> u64 {
+        // Multiply-shift: uniform for a uniform hash, no modulo bias worth mentioning.
+        ((u128::from(session) * u128::from(self.buckets)) >> 64) as u64
+    }
+
+    /// Entries bucket `b` may hold; the capacities add up to exactly `max_sessions`.
+    pub fn capacity(&self, b: u64) -> usize {
+        let base = self.max_sessions / self.buckets;
+        let extra = u64::from(b < self.max_sessions % self.buckets);
+        (base + extra) as usize
+    }
+
+    fn key(b: u64) -> String {
+        format!("{KEY_PREFIX}{b}")
+    }
+
+    /// The pinned endpoint id of a live (not idle past the TTL) entry.
+    pub fn lookup(&self, session: u64, now_ms: u64) -> Option<u32> {
+        let (bytes, _) = self.store.get(&Self::key(self.bucket_of(session)));
+        let entries = decode(bytes.as_deref()?)?;
+        entries
+            .iter()
+            .find(|e| e.session == session && now_ms.saturating_sub(e.last_used_ms) < self.ttl_ms)
+            .map(|e| e.endpoint_id)
+    }
+
+    /// Pins `session` to `endpoint_id` (a success: refresh, or re-pin after failover).
+    /// Returns false if the CAS retries were exhausted.
+    pub fn remember(&self, session: u64, endpoint_id: u32, now_ms: u64) -> bool {
+        let b = self.bucket_of(session);
+        let cap = self.capacity(b);
+        let ttl = self.ttl_ms;
+        update(self.store, &Self::key(b), |bytes| {
+            let mut entries = bytes.and_then(decode).unwrap_or_default();
+            entries.retain(|e| e.session != session && now_ms.saturating_sub(e.last_used_ms) < ttl);
+            while entries.len() >= cap.max(1) {
+                let lru = entries
+                    .iter()
+                    .enumerate()
+                    .min_by_key(|(_, e)| e.last_used_ms)
+                    .map(|(i, _)| i);
+                match lru {
+                    Some(i) => {
+                        entries.swap_remove(i);
+                    }
+                    None => break,
+                }
+            }
+            if cap > 0 {
+                entries.push(Entry {
+                    session,
+                    endpoint_id,
+                    last_used_ms: now_ms,
+                });
+            }
+            (encode(&entries), ())
+        })
+        .is_ok()
+    }
+
+    /// Drops the pin of `session` if it points at `endpoint_id` (a hard failure there).
+    pub fn forget(&self, session: u64, endpoint_id: u32) -> bool {
+        let b = self.bucket_of(session);
+        let (bytes, _) = self.store.get(&Self::key(b));
+        let pinned = bytes.as_deref().and_then(decode).is_some_and(|es| {
+            es.iter()
+                .any(|e| e.session == session && e.endpoint_id == endpoint_id)
+        });
+        if !pinned {
+            return true;
+        }
+        update(self.store, &Self::key(b), |bytes| {
+            let mut entries = bytes.and_then(decode).unwrap_or_default();
+            entries.retain(|e| !(e.session == session && e.endpoint_id == endpoint_id));
+            (encode(&entries), ())
+        })
+        .is_ok()
+    }
+
+    /// Total entries stored (live or not yet pruned): for tests and the memory report.
+    pub fn stored_entries(&self) -> usize {
+        (0..self.buckets)
+            .map(|b| {
+                self.store
+                    .get(&Self::key(b))
+                    .0
+                    .as_deref()
+                    .and_then(decode)
+                    .map_or(0, |e| e.len())
+            })
+            .sum()
+    }
+}
+
+pub fn encode(entries: &[Entry]) -> Vec<u8> {
+    let mut w = Writer::with_capacity(1 + entries.len() * ENTRY_BYTES);
+    w.u8(BUCKET_VERSION);
+    for e in entries {
+        w.u64(e.session);
+        w.u32(e.endpoint_id);
+        w.u64(e.last_used_ms);
+    }
+    w.buf
+}
+
+pub fn decode(bytes: &[u8]) -> Option<Vec<Entry>> {
+    let mut r = Reader::new(bytes);
+    if r.u8()? != BUCKET_VERSION || !r.remaining().is_multiple_of(ENTRY_BYTES) {
+        return None;
+    }
+    let mut entries = Vec::with_capacity(r.remaining() / ENTRY_BYTES);
+    while !r.is_empty() {
+        entries.push(Entry {
+            session: r.u64()?,
+            endpoint_id: r.u32()?,
+            last_used_ms: r.u64()?,
+        });
+    }
+    Some(entries)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::scheduler::state::store::MemStore;
+    #[cfg(target_arch = "wasm32")]
+    use wasm_bindgen_test::wasm_bindgen_test as test;
+
+    #[test]
+    fn ttl_refresh_and_repin() {
+        let s = MemStore::new();
+        let a = Affinity::new(&s, 300_000, 1000);
+        assert_eq!(a.lookup(7, 0), None);
+        assert!(a.remember(7, 1, 0));
+        assert_eq!(a.lookup(7, 299_999), Some(1));
+        assert_eq!(a.lookup(7, 300_000), None, "idle past the TTL");
+        assert!(a.remember(7, 1, 200_000)); // success refreshes
+        assert_eq!(a.lookup(7, 450_000), Some(1));
+        assert!(a.remember(7, 2, 450_000)); // served elsewhere after failover: re-pin
+        assert_eq!(a.lookup(7, 450_001), Some(2));
+        assert!(a.forget(7, 1)); // not pinned to 1: no-op
+        assert_eq!(a.lookup(7, 450_001), Some(2));
+        assert!(a.forget(7, 2));
+        assert_eq!(a.lookup(7, 450_001), None);
+    }
+
+    #[test]
+    fn bounded_with_lru_eviction() {
+        let s = MemStore::new();
+        let a = Affinity::new(&s, 1_000_000, 100);
+        assert_eq!((0..a.buckets()).map(|b| a.capacity(b)).sum::<usize>(), 100);
+        for i in 0..10_000u64 {
+            let session = crate::scheduler::state::hash::session_key(b"t", &i.to_le_bytes());
+            a.remember(session, 1, i);
+        }
+        assert_eq!(a.stored_entries(), 100);
+        // The most recent session survives; the first is long evicted.
+        let last = crate::scheduler::state::hash::session_key(b"t", &9_999u64.to_le_bytes());
+        let first = crate::scheduler::state::hash::session_key(b"t", &0u64.to_le_bytes());
+        assert_eq!(a.lookup(last, 10_000), Some(1));
+        assert_eq!(a.lookup(first, 10_000), None);
+    }
+
+    #[test]
+    fn undecodable_bucket_reads_as_empty() {
+        let s = MemStore::new();
+        let a = Affinity::new(&s, 1000, 10);
+        s.set(&Affinity::key(a.bucket_of(5)), b"\x09garbage", None)
+            .unwrap();
+        assert_eq!(a.lookup(5, 0), None);
+        assert!(a.remember(5, 3, 0));
+        assert_eq!(a.lookup(5, 1), Some(3));
+    }
+}

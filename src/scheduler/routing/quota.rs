@@ -1,0 +1,402 @@
+//! Quota-aware routing: leave an API key before it answers 429.
+//!
+//! Hosted APIs say on every successful answer how much of the key's quota is left:
+//!
+//! | family | remaining | reset |
+//! |---|---|---|
+//! | OpenAI, Azure OpenAI | `x-ratelimit-remaining-requests`, `x-ratelimit-remaining-tokens` | `x-ratelimit-reset-requests`, `x-ratelimit-reset-tokens` (durations: `1s`, `6m0s`, `20ms`) |
+//! | Anthropic | `anthropic-ratelimit-{requests,tokens,input-tokens,output-tokens}-remaining` | `anthropic-ratelimit-…-reset` (RFC 3339 instant) |
+//!
+//! The rule:
+//! - The latest successful answer's counts are kept per endpoint in the endpoint table, each
+//!   with the instant its window resets (the hint, capped by `retry_after_max_ms`; without a
+//!   valid reset hint, `rate_limit_ms`). Past that instant the count is forgotten. Anthropic's
+//!   token families are folded into one count: the smallest remaining, with its reset.
+//!   An answer about the same window (its reset within [`SAME_WINDOW_MS`] of the remembered
+//!   one) lowers the remembered count but never raises it: upstreams compute the headers when
+//!   they admit a request, so an answer that took a while reports a count from before the
+//!   requests admitted meanwhile, which the picks since have already taken off. A new window
+//!   (a later reset) replaces the count.
+//! - When the answer also states the limit (`x-ratelimit-limit-*`, `anthropic-ratelimit-*-limit`),
+//!   a count whose reset has passed is not forgotten but *assumed* back at its limit for a
+//!   window as long as the last stated reset: the picks after the reset are counted before any
+//!   answer from the new window arrives (else every pick in that gap would pass unchecked), and
+//!   that first answer only lowers the assumed count.
+//! - A request's size is estimated as `ceil(body bytes / quota_bytes_per_token)` tokens.
+//! - An endpoint is *short* when its remaining requests are below `max(quota_min_requests, 1)`
+//!   or its remaining tokens below `max(quota_min_tokens, estimate)`. A short endpoint is
+//!   skipped for new placements like an unavailable one (the next in rendezvous order takes
+//!   the session, the same on every replica), unless every candidate is short.
+//! - A pinned session leaves its endpoint only when staying is a *certain* 429: no request
+//!   left, or fewer tokens left than the estimate. A mere floor is not worth a re-prefill.
+//! - Each pick takes one request and the estimate from the remembered counts, so concurrent
+//!   requests do not all pass on the same stale count before the next answer refreshes it.
+//!
+//! A header value that is not a plain decimal count (garbage, negative, fractional) or is
+//! implausibly large (over [`MAX_REMAINING`]) is ignored, as is a reset that does not parse;
+//! a far-future reset is capped. So a hostile upstream can at most make its own endpoint look
+//! short for `retry_after_max_ms`, which a 429 could do anyway.
+
+use crate::scheduler::state::codec::{Reader, Writer};
+use crate::scheduler::time::{parse_go_duration_ms, parse_rfc3339_ms};
+use crate::scheduler::wire::headers::HeaderSource;
+
+/// Counts above this (10^12) are not believed: no key has that much, and such a value is
+/// more likely garbage than a quota.
+pub const MAX_REMAINING: u64 = 1_000_000_000_000;
+
+/// Two statements whose resets are this close (ms) are about the same window.
+pub const SAME_WINDOW_MS: u64 = 1_000;
+
+/// One remembered count: what was left, and until when that is known to hold.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Remaining {
+    pub left: u64,
+    /// Unix ms at which the window resets (and the count is forgotten, or back at `limit`).
+    pub reset_at_ms: u64,
+    /// The stated limit, if any.
+    pub limit: Option<u64>,
+    /// The longest reset stated for this count (the window assumed after a reset).
+    pub span_ms: u64,
+    /// Assumed at `limit` after a reset, not yet confirmed by an answer.
+    pub assumed: bool,
+}
+
+impl Remaining {
+    /// A count of `left` until `reset_at_ms`, without limit.
+    pub fn new(left: u64, reset_at_ms: u64) -> Remaining {
+        Remaining {
+            left,
+            reset_at_ms,
+            limit: None,
+            span_ms: 0,
+            assumed: false,
+        }
+    }
+
+    /// What the sessions already using the endpoint will take until the reset, at the rate
+    /// they took since the window began (`(limit − left) × time to reset ÷ time elapsed`):
+    /// quota pacing keeps new sessions off a key that is on course to run out before its reset,
+    /// so that the sessions pinned there are not moved (a re-prefill each) when it does. `0`
+    /// when the limit or the window is unknown, or in the window's first tenth (too little to
+    /// extrapolate from).
+    pub fn projected_use(self, now_ms: u64) -> u64 {
+        let Some(limit) = self.limit else {
+            return 0;
+        };
+        let to_reset = self.reset_at_ms.saturating_sub(now_ms);
+        let elapsed = self.span_ms.saturating_sub(to_reset);
+        if self.span_ms == 0 || elapsed < self.span_ms / 10 || elapsed == 0 {
+            return 0;
+        }
+        let used = u128::from(limit.saturating_sub(self.left));
+        let projected = used * u128::from(to_reset) / u128::from(elapsed);
+        u64::try_from(projected).unwrap_or(u64::MAX)
+    }
+
+    /// The count as it stands at `now_ms`: itself before its reset; after it, back at its
+    /// limit for the window that holds `now_ms` (if the limit and a window are known).
+    pub fn current(self, now_ms: u64) -> Option<Remaining> {
+        if now_ms < self.reset_at_ms {
+            return Some(self);
+        }
+        let limit = self.limit?;
+        if self.span_ms == 0 {
+            return None;
+        }
+        let periods = (now_ms - self.reset_at_ms) / self.span_ms + 1;
+        Some(Remaining {
+            left: limit,
+            reset_at_ms: self
+                .reset_at_ms
+                .saturating_add(periods.saturating_mul(self.span_ms)),
+            assumed: true,
+            ..self
+        })
+    }
+}
+
+/// An endpoint's remembered quota (part of `EndpointState`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct Quota {
+    pub requests: Option<Remaining>,
+    pub tokens: Option<Remaining>,
+}
+
+/// One family's count as an answer stated it: remaining, and the reset hint in ms from now.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Stated {
+    pub left: u64,
+    pub reset_in_ms: Option<u64>,
+    pub limit: Option<u64>,
+}
+
+/// The quota an answer's headers stated.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct QuotaHint {
+    pub requests: Option<Stated>,
+    pub tokens: Option<Stated>,
+    /// When the answer's headers were read (resets count from there); `None`: when observed.
+    pub at_ms: Option<u64>,
+}
+
+/// What the rule needs from the configuration.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct QuotaRule {
+    pub min_requests: u64,
+    pub min_tokens: u64,
+    /// Share (percent) of a count's stated limit kept for pinned sessions: below it, new
+    /// placements go elsewhere.
+    pub reserve_percent: u64,
+    /// Reset assumed when an answer states a count without a valid reset.
+    pub default_reset_ms: u64,
+    /// Cap on any reset hint.
+    pub max_reset_ms: u64,
+    /// Quota pacing (see [`Remaining::projected_use`]).
+    pub pacing: bool,
+}
+
+/// (remaining, reset, limit) header names of one count.
+type Names = (&'static str, &'static str, &'static str);
+
+const OPENAI_REQUESTS: Names = (
+    "x-ratelimit-remaining-requests",
+    "x-ratelimit-reset-requests",
+    "x-ratelimit-limit-requests",
+);
+const OPENAI_TOKENS: Names = (
+    "x-ratelimit-remaining-tokens",
+    "x-ratelimit-reset-tokens",
+    "x-ratelimit-limit-tokens",
+);
+const ANTHROPIC_REQUESTS: Names = (
+    "anthropic-ratelimit-requests-remaining",
+    "anthropic-ratelimit-requests-reset",
+    "anthropic-ratelimit-requests-limit",
+);
+const ANTHROPIC_TOKENS: [Names; 3] = [
+    (
+        "anthropic-ratelimit-tokens-remaining",
+        "anthropic-ratelimit-tokens-reset",
+        "anthropic-ratelimit-tokens-limit",
+    ),
+    (
+        "anthropic-ratelimit-input-tokens-remaining",
+        "anthropic-ratelimit-input-tokens-reset",
+        "anthropic-ratelimit-input-tokens-limit",
+    ),
+    (
+        "anthropic-ratelimit-output-tokens-remaining",
+        "anthropic-ratelimit-output-tokens-reset",
+        "anthropic-ratelimit-output-tokens-limit",
+    ),
+];
+
+/// The tokens a request of `body_bytes` is taken to cost.
+pub fn estimate_tokens(body_bytes: usize, bytes_per_token: u64) -> u64 {
+    (body_bytes as u64).div_ceil(bytes_per_token.max(1))
+}
+
+/// A remaining count: ASCII digits only, at most [`MAX_REMAINING`].
+pub fn parse_count(v: &[u8]) -> Option<u64> {
+    let v = v.trim_ascii();
+    if v.is_empty() || v.len() > 13 || !v.iter().all(u8::is_ascii_digit) {
+        return None;
+    }
+    std::str::from_utf8(v)
+        .ok()?
+        .parse::<u64>()
+        .ok()
+        .filter(|n| *n <= MAX_REMAINING)
+}
+
+fn stated<H: HeaderSource + ?Sized>(
+    h: &H,
+    (remaining, reset, limit): Names,
+    parse_reset: &dyn Fn(&[u8]) -> Option<u64>,
+) -> Option<Stated> {
+    let left = parse_count(&h.header(remaining)?)?;
+    Some(Stated {
+        left,
+        reset_in_ms: h.header(reset).and_then(|v| parse_reset(&v)),
+        // A limit below what is left is not a limit.
+        limit: h
+            .header(limit)
+            .and_then(|v| parse_count(&v))
+            .filter(|l| *l >= left),
+    })
+}
+
+/// The smaller of two stated counts (the one that runs out first).
+fn tighter(a: Option<Stated>, b: Option<Stated>) -> Option<Stated> {
+    match (a, b) {
+        (Some(x), Some(y)) => Some(if y.left < x.left { y } else { x }),
+        (x, y) => x.or(y),
+    }
+}
+
+impl QuotaHint {
+    /// The quota a successful answer's headers state. Reads two headers when the answer
+    /// carries OpenAI's family, six when it carries none (each read is a host call in Envoy),
+    /// plus the resets and limits of the counts found.
+    pub fn read<H: HeaderSource + ?Sized>(h: &H, now_ms: u64) -> QuotaHint {
+        let duration = |v: &[u8]| std::str::from_utf8(v).ok().and_then(parse_go_duration_ms);
+        let hint = QuotaHint {
+            requests: stated(h, OPENAI_REQUESTS, &duration),
+            tokens: stated(h, OPENAI_TOKENS, &duration),
+            at_ms: Some(now_ms),
+        };
+        if !hint.is_empty() {
+            return hint;
+        }
+        let instant = |v: &[u8]| parse_rfc3339_ms(v).map(|at| at.saturating_sub(now_ms));
+        QuotaHint {
+            requests: stated(h, ANTHROPIC_REQUESTS, &instant),
+            tokens: ANTHROPIC_TOKENS
+                .iter()
+                .map(|&names| stated(h, names, &instant))
+                .fold(None, tighter),
+            at_ms: Some(now_ms),
+        }
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.requests.is_none() && self.tokens.is_none()
+    }
+}
+
+fn live(r: Option<Remaining>, now_ms: u64) -> Option<u64> {
+    r.and_then(|r| r.current(now_ms)).map(|r| r.left)
+}
+
+impl Quota {
+    /// Remaining requests known at `now_ms` (`None`: unknown, or the window has reset).
+    pub fn requests_left(&self, now_ms: u64) -> Option<u64> {
+        live(self.requests, now_ms)
+    }
+
+    pub fn tokens_left(&self, now_ms: u64) -> Option<u64> {
+        live(self.tokens, now_ms)
+    }
+
+    /// Below a floor or below this request's estimate: skipped for new placements.
+    pub fn short(&self, estimate: u64, rule: &QuotaRule, now_ms: u64) -> bool {
+        let below = |r: Option<Remaining>, floor: u64| {
+            r.and_then(|r| r.current(now_ms)).is_some_and(|r| {
+                let reserve = r
+                    .limit
+                    .map_or(0, |l| l.saturating_mul(rule.reserve_percent) / 100);
+                let paced = if rule.pacing {
+                    r.projected_use(now_ms)
+                } else {
+                    0
+                };
+                r.left < floor.max(reserve).saturating_add(paced)
+            })
+        };
+        below(self.requests, rule.min_requests.max(1))
+            || below(self.tokens, rule.min_tokens.max(estimate))
+    }
+
+    /// Staying would be a 429 for sure: left even by a pinned session.
+    pub fn certain_429(&self, estimate: u64, now_ms: u64) -> bool {
+        self.requests_left(now_ms) == Some(0)
+            || self.tokens_left(now_ms).is_some_and(|n| n < estimate)
+    }
+
+    /// A pick: one request and the estimate are spoken for until the next answer says more.
+    pub fn consume(&mut self, estimate: u64, now_ms: u64) {
+        let take = |r: Option<Remaining>, n: u64| {
+            r.and_then(|r| r.current(now_ms)).map(|r| Remaining {
+                left: r.left.saturating_sub(n),
+                ..r
+            })
+        };
+        self.requests = take(self.requests, 1).or(self.requests);
+        self.tokens = take(self.tokens, estimate).or(self.tokens);
+    }
+
+    /// An answer's statement updates what was remembered, family by family: a new window
+    /// replaces it, the same window only lowers it (see the module doc).
+    pub fn observe(&mut self, hint: &QuotaHint, rule: &QuotaRule, now_ms: u64) {
+        // Resets count from when the headers were read (a streamed answer ends much later).
+        let base = hint.at_ms.map_or(now_ms, |at| at.min(now_ms));
+        let remember = |old: Option<Remaining>, s: Stated| {
+            let reset_in = s
+                .reset_in_ms
+                .unwrap_or(rule.default_reset_ms)
+                .min(rule.max_reset_ms);
+            let new = Remaining {
+                left: s.left,
+                reset_at_ms: base.saturating_add(reset_in),
+                limit: s.limit,
+                span_ms: reset_in,
+                assumed: false,
+            };
+            match old.and_then(|o| o.current(now_ms)) {
+                // The first answer after an assumed reset: its window, its reset.
+                Some(o) if o.assumed => Remaining {
+                    left: o.left.min(new.left),
+                    span_ms: o.span_ms.max(reset_in),
+                    limit: new.limit.or(o.limit),
+                    ..new
+                },
+                Some(o) if new.reset_at_ms <= o.reset_at_ms.saturating_add(SAME_WINDOW_MS) => {
+                    Remaining {
+                        left: o.left.min(new.left),
+                        reset_at_ms: o.reset_at_ms.max(new.reset_at_ms),
+                        limit: new.limit.or(o.limit),
+                        span_ms: o.span_ms.max(reset_in),
+                        assumed: false,
+                    }
+                }
+                _ => new,
+            }
+        };
+        if let Some(s) = hint.requests {
+            self.requests = Some(remember(self.requests, s));
+        }
+        if let Some(s) = hint.tokens {
+            self.tokens = Some(remember(self.tokens, s));
+        }
+    }
+
+    /// Bytes of [`Quota::encode`].
+    pub const BYTES: usize = 2 * (1 + 8 + 8 + 8 + 8);
+
+    pub fn encode(&self, w: &mut Writer) {
+        for r in [self.requests, self.tokens] {
+            w.u8(r.map_or(0, |r| 1 | (u8::from(r.assumed) << 1)));
+            w.u64(r.map_or(0, |r| r.left));
+            w.u64(r.map_or(0, |r| r.reset_at_ms));
+            w.u64(r.and_then(|r| r.limit).unwrap_or(u64::MAX));
+            w.u64(r.map_or(0, |r| r.span_ms));
+        }
+    }
+
+    pub fn decode(r: &mut Reader<'_>) -> Option<Quota> {
+        let mut one = || -> Option<Option<Remaining>> {
+            let flags = r.u8()?;
+            if flags > 3 || flags == 2 {
+                return None;
+            }
+            let left = r.u64()?;
+            let reset_at_ms = r.u64()?;
+            let limit = r.u64()?;
+            let span_ms = r.u64()?;
+            Some((flags & 1 == 1).then_some(Remaining {
+                left,
+                reset_at_ms,
+                limit: (limit != u64::MAX).then_some(limit),
+                span_ms,
+                assumed: flags & 2 == 2,
+            }))
+        };
+        let requests = one()?;
+        let tokens = one()?;
+        Some(Quota { requests, tokens })
+    }
+}
+
+#[cfg(test)]
+mod tests;

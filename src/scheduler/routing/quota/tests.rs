@@ -1,0 +1,334 @@
+use super::*;
+use crate::scheduler::wire::headers::Pairs;
+#[cfg(target_arch = "wasm32")]
+use wasm_bindgen_test::wasm_bindgen_test as test;
+
+fn h(pairs: &[(&str, &str)]) -> Pairs {
+    pairs
+        .iter()
+        .map(|(a, b)| (a.to_string(), b.as_bytes().to_vec()))
+        .collect()
+}
+
+const RULE: QuotaRule = QuotaRule {
+    min_requests: 1,
+    min_tokens: 0,
+    reserve_percent: 0,
+    default_reset_ms: 60_000,
+    max_reset_ms: 300_000,
+    pacing: false,
+};
+
+/// Pacing: a key that used 60 % of its limit in the first 40 % of its window is on course
+/// to need 90 % more before the reset: short for new sessions although 40 % is left; the
+/// same use over 90 % of the window projects little more, so it is not.
+#[test]
+fn pacing_keeps_new_sessions_off_a_key_on_course_to_run_out() {
+    let paced = QuotaRule {
+        pacing: true,
+        ..RULE
+    };
+    let at = |left: u64, elapsed: u64| {
+        let r = Remaining {
+            left,
+            reset_at_ms: 10_000 - elapsed + 1_000,
+            limit: Some(1_000),
+            span_ms: 10_000,
+            assumed: false,
+        };
+        Quota {
+            requests: None,
+            tokens: Some(r),
+        }
+    };
+    // 1 000 ms in: window began at 1 000 - elapsed... now = 1 000.
+    let q = at(400, 4_000);
+    assert_eq!(q.tokens.map(|r| r.projected_use(1_000)), Some(900));
+    assert!(q.short(10, &paced, 1_000));
+    assert!(
+        !q.short(10, &RULE, 1_000),
+        "without pacing only the floors apply"
+    );
+    let late = at(400, 9_000);
+    assert_eq!(late.tokens.map(|r| r.projected_use(1_000)), Some(66));
+    assert!(!late.short(10, &paced, 1_000));
+    // Too early in the window to extrapolate; unknown limit: nothing projected.
+    assert_eq!(at(900, 500).tokens.map(|r| r.projected_use(1_000)), Some(0));
+    let mut unknown = at(400, 4_000);
+    if let Some(t) = unknown.tokens.as_mut() {
+        t.limit = None;
+    }
+    assert!(!unknown.short(10, &paced, 1_000));
+}
+
+#[test]
+fn openai_headers() {
+    let hint = QuotaHint::read(
+        &h(&[
+            ("x-ratelimit-remaining-requests", "59"),
+            ("x-ratelimit-remaining-tokens", "149984"),
+            ("x-ratelimit-reset-requests", "1s"),
+            ("x-ratelimit-reset-tokens", "6m0s"),
+        ]),
+        0,
+    );
+    assert_eq!(
+        hint,
+        QuotaHint {
+            requests: Some(Stated {
+                left: 59,
+                reset_in_ms: Some(1_000),
+                limit: None
+            }),
+            tokens: Some(Stated {
+                left: 149_984,
+                reset_in_ms: Some(360_000),
+                limit: None
+            }),
+            at_ms: Some(0),
+        }
+    );
+}
+
+#[test]
+fn anthropic_headers_fold_to_the_tightest_token_count() {
+    // 2026-11-30T16:00:00Z = 1_796_054_400_000 ms.
+    let now = 1_796_054_400_000;
+    assert_eq!(parse_rfc3339_ms(b"2026-11-30T16:00:00Z"), Some(now));
+    assert_eq!(
+        parse_rfc3339_ms(b"2026-11-30T17:00:01.5+01:00"),
+        Some(now + 1_500)
+    );
+    let hint = QuotaHint::read(
+        &h(&[
+            ("anthropic-ratelimit-requests-remaining", "3"),
+            ("anthropic-ratelimit-requests-reset", "2026-11-30T16:00:20Z"),
+            ("anthropic-ratelimit-tokens-remaining", "9000"),
+            ("anthropic-ratelimit-tokens-reset", "2026-11-30T16:00:30Z"),
+            ("anthropic-ratelimit-input-tokens-remaining", "700"),
+            (
+                "anthropic-ratelimit-input-tokens-reset",
+                "2026-11-30T16:00:05Z",
+            ),
+        ]),
+        now,
+    );
+    assert_eq!(
+        hint.requests,
+        Some(Stated {
+            left: 3,
+            reset_in_ms: Some(20_000),
+            limit: None
+        })
+    );
+    assert_eq!(
+        hint.tokens,
+        Some(Stated {
+            left: 700,
+            reset_in_ms: Some(5_000),
+            limit: None
+        })
+    );
+}
+
+#[test]
+fn malformed_values_are_ignored() {
+    for bad in [
+        "",
+        "abc",
+        "-5",
+        "1.5",
+        "1e9",
+        "99999999999999999999",
+        "１２",
+        "10000000000001",
+    ] {
+        let hint = QuotaHint::read(
+            &h(&[
+                ("x-ratelimit-remaining-requests", bad),
+                ("x-ratelimit-remaining-tokens", bad),
+            ]),
+            0,
+        );
+        assert!(hint.is_empty(), "{bad:?}");
+    }
+    for bad in [
+        "",
+        "tomorrow",
+        "2026-13-01T00:00:00Z",
+        "2026-11-30T25:00:00Z",
+        "2026-11-30T16:00:00",
+        "1969-12-31T23:59:59Z",
+        "2026-11-30T16:00:00+99:00",
+    ] {
+        assert_eq!(parse_rfc3339_ms(bad.as_bytes()), None, "{bad:?}");
+    }
+    // A far reset is capped, not believed.
+    let mut q = Quota::default();
+    let far = QuotaHint::read(
+        &h(&[
+            ("anthropic-ratelimit-requests-remaining", "0"),
+            ("anthropic-ratelimit-requests-reset", "9999-12-31T23:59:59Z"),
+        ]),
+        1_000,
+    );
+    q.observe(&far, &RULE, 1_000);
+    assert_eq!(q.requests.map(|r| r.reset_at_ms), Some(301_000));
+    assert_eq!(q.requests_left(301_000), None);
+}
+
+#[test]
+fn the_rule_with_worked_numbers() {
+    // 4 bytes a token: a 2 000-byte body is 500 tokens.
+    let est = estimate_tokens(2_000, 4);
+    assert_eq!(est, 500);
+    assert_eq!(estimate_tokens(2_001, 4), 501);
+    let mut q = Quota::default();
+    assert!(!q.short(est, &RULE, 0) && !q.certain_429(est, 0));
+    q.observe(
+        &QuotaHint {
+            requests: Some(Stated {
+                left: 2,
+                reset_in_ms: Some(10_000),
+                limit: None,
+            }),
+            tokens: Some(Stated {
+                left: 1_200,
+                reset_in_ms: None,
+                limit: None,
+            }),
+            at_ms: None,
+        },
+        &RULE,
+        0,
+    );
+    // 2 requests and 1 200 tokens left: room for this one.
+    assert!(!q.short(est, &RULE, 0));
+    q.consume(est, 0); // 1 request, 700 tokens
+    assert!(!q.short(est, &RULE, 0));
+    q.consume(est, 0); // 0 requests, 200 tokens
+    assert_eq!((q.requests_left(0), q.tokens_left(0)), (Some(0), Some(200)));
+    assert!(q.short(est, &RULE, 0) && q.certain_429(est, 0));
+    // A small request still fits the tokens, but no request is left.
+    assert!(q.certain_429(10, 0));
+    // The request window resets after 10 s; the tokens' (no hint) after rate_limit_ms.
+    assert_eq!(q.requests_left(10_000), None);
+    assert!(q.short(est, &RULE, 10_000) && !q.short(100, &RULE, 10_000));
+    assert!(!q.certain_429(200, 10_000));
+    assert!(!q.short(est, &RULE, 60_000));
+    // A floor makes an endpoint short before a 429 is certain.
+    let floor = QuotaRule {
+        min_tokens: 1_000,
+        ..RULE
+    };
+    let mut f = Quota::default();
+    f.observe(
+        &QuotaHint {
+            requests: None,
+            tokens: Some(Stated {
+                left: 900,
+                reset_in_ms: None,
+                limit: None,
+            }),
+            at_ms: None,
+        },
+        &floor,
+        0,
+    );
+    assert!(f.short(10, &floor, 0) && !f.certain_429(10, 0));
+}
+
+#[test]
+fn a_late_answer_about_the_same_window_does_not_undo_the_picks_since() {
+    let mut q = Quota::default();
+    let st = |left, reset_in_ms| QuotaHint {
+        requests: Some(Stated {
+            left,
+            reset_in_ms: Some(reset_in_ms),
+            limit: None,
+        }),
+        tokens: None,
+        at_ms: None,
+    };
+    q.observe(&st(10, 5_000), &RULE, 0); // window ends at 5 000
+    q.consume(1, 0);
+    q.consume(1, 0); // 8 left here
+                     // An answer admitted before those two picks says 9, ends at ≈ 5 000: still 8.
+    q.observe(&st(9, 4_900), &RULE, 100);
+    assert_eq!(q.requests_left(100), Some(8));
+    // A lower count is taken at once.
+    q.observe(&st(3, 4_800), &RULE, 200);
+    assert_eq!(q.requests_left(200), Some(3));
+    // The next window's count replaces it.
+    q.observe(&st(10, 5_000), &RULE, 5_000);
+    assert_eq!(q.requests_left(5_000), Some(10));
+}
+
+#[test]
+fn with_a_limit_a_reset_count_is_assumed_full_and_counted_down_until_an_answer() {
+    let mut q = Quota::default();
+    let hint = |left| QuotaHint {
+        requests: Some(Stated {
+            left,
+            reset_in_ms: Some(1_000),
+            limit: Some(10),
+        }),
+        tokens: None,
+        at_ms: None,
+    };
+    q.observe(&hint(0), &RULE, 0); // spent until 1 000
+    assert!(q.certain_429(1, 999));
+    // After the reset: 10 assumed, and each pick counts, with no answer yet.
+    assert_eq!(q.requests_left(1_000), Some(10));
+    for _ in 0..10 {
+        q.consume(1, 1_100);
+    }
+    assert!(q.certain_429(1, 1_200));
+    // Two windows later it is assumed full again (window: the 1 000 ms stated).
+    assert_eq!(q.requests_left(3_500), Some(10));
+    // The first answer of a window only lowers the assumed count, and sets the reset.
+    q.consume(1, 3_500); // 9 assumed, window to 4 000
+    q.observe(&hint(9), &RULE, 3_600); // that pick's answer
+    assert_eq!(
+        q.requests.map(|r| (r.left, r.reset_at_ms, r.assumed)),
+        Some((9, 4_600, false))
+    );
+    q.observe(&hint(4), &RULE, 3_700);
+    assert_eq!(q.requests_left(3_700), Some(4));
+    // A limit below the count is not believed.
+    let odd = QuotaHint::read(
+        &h(&[
+            ("x-ratelimit-remaining-requests", "5"),
+            ("x-ratelimit-limit-requests", "4"),
+        ]),
+        0,
+    );
+    assert_eq!(odd.requests.map(|s| s.limit), Some(None));
+    // A 30 % reserve of the limit of 10: new placements stop below 3 left.
+    let reserve = QuotaRule {
+        reserve_percent: 30,
+        ..RULE
+    };
+    assert!(!q.short(1, &reserve, 3_700));
+    q.consume(1, 3_700);
+    q.consume(1, 3_700);
+    assert!(q.short(1, &reserve, 3_700) && !q.certain_429(1, 3_700));
+}
+
+#[test]
+fn round_trip() {
+    let q = Quota {
+        requests: Some(Remaining::new(7, 9)),
+        tokens: Some(Remaining {
+            left: 1,
+            reset_at_ms: 2,
+            limit: Some(3),
+            span_ms: 4,
+            assumed: true,
+        }),
+    };
+    let mut w = Writer::with_capacity(Quota::BYTES);
+    q.encode(&mut w);
+    assert_eq!(w.buf.len(), Quota::BYTES);
+    assert_eq!(Quota::decode(&mut Reader::new(&w.buf)), Some(q));
+}

@@ -1,0 +1,741 @@
+//! The bookkeeping around scraping engines' `/metrics`: who scrapes, what was scraped, and
+//! whether it can still be trusted.
+//!
+//! Why: an Envoy process runs one VM per worker thread, and every one of them has a root
+//! context with a timer. If each scraped, an engine would be asked `workers` times per
+//! interval, and each worker would hold a slightly different picture. Instead the workers share
+//! a **lease** in shared data: the worker holding it scrapes every endpoint and writes one
+//! **record** per endpoint; every worker reads the records. A lease that is not renewed (its VM
+//! was torn down, its timer stalled) lapses after `lease_ms`, and the next worker to ask takes
+//! it over.
+//!
+//! - [`try_take`]: takes the lease when it is free, expired or undecodable, renews it when the
+//!   caller already holds it; a live lease of another holder is left alone. Every write is a
+//!   CAS, so two workers racing for a lapsed lease cannot both win.
+//! - [`Scraped`]: the per-endpoint record (last good load, when it was scraped, consecutive
+//!   failures and the last error), in a versioned fixed-width codec; bytes that do not decode
+//!   read as absent.
+//! - [`Scraped::state_at`]: a load is [`LoadState::Known`] only when the last scrape succeeded
+//!   and is at most `stale_after_ms` old. Anything else is [`LoadState::Unknown`] — never
+//!   "healthy" and never "dead": the scheduler then falls back to what it knew without metrics.
+//! - [`quantize`]: queue lengths in power-of-two buckets and KV usage in 10 % steps, so that
+//!   Envoy replicas scraping the same engines a moment apart usually agree on the inputs of
+//!   rendezvous placement (values near a bucket edge can still differ for one interval).
+
+use crate::scheduler::state::codec::{Reader, Writer};
+use crate::scheduler::wire::engine_load::{Engine, EngineLoad, LoadError};
+use crate::scheduler::state::store::{update, update_if, Store};
+
+/// The shared-data key of the scrape lease (one per Envoy process: the VM's shared data).
+pub const LEASE_KEY: &str = "computeflux/scrape/lease";
+
+/// The prefix of the per-endpoint records; see [`record_key`].
+pub const RECORD_PREFIX: &str = "computeflux/scrape/endpoint/";
+
+/// The shared-data key of one endpoint's record. One key per configured endpoint: bounded.
+pub fn record_key(endpoint: &str) -> String {
+    format!("{RECORD_PREFIX}{endpoint}")
+}
+
+const LEASE_VERSION: u8 = 1;
+const LEASE_BYTES: usize = 1 + 8 + 8;
+
+/// The scrape lease: which VM scrapes, until when.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Lease {
+    /// The holder's id: a nonce drawn once per VM.
+    pub holder: u64,
+    /// The lease is free from this instant on.
+    pub expires_ms: u64,
+}
+
+impl Lease {
+    pub fn encode(&self) -> Vec<u8> {
+        let mut w = Writer::with_capacity(LEASE_BYTES);
+        w.u8(LEASE_VERSION);
+        w.u64(self.holder);
+        w.u64(self.expires_ms);
+        w.buf
+    }
+
+    /// `None` for anything but a current-version lease of the exact length.
+    pub fn decode(bytes: &[u8]) -> Option<Lease> {
+        let mut r = Reader::new(bytes);
+        if r.u8()? != LEASE_VERSION {
+            return None;
+        }
+        let lease = Lease {
+            holder: r.u64()?,
+            expires_ms: r.u64()?,
+        };
+        r.is_empty().then_some(lease)
+    }
+
+    /// Whether the lease is in force at `now_ms`.
+    pub fn live_at(&self, now_ms: u64) -> bool {
+        now_ms < self.expires_ms
+    }
+}
+
+/// The lease as stored, if it decodes and is in force at `now_ms`.
+pub fn current_lease(store: &dyn Store, key: &str, now_ms: u64) -> Option<Lease> {
+    store
+        .get(key)
+        .0
+        .as_deref()
+        .and_then(Lease::decode)
+        .filter(|l| l.live_at(now_ms))
+}
+
+/// Takes (or renews) the lease for `me` until `now_ms + lease_ms`. True: `me` holds it now and
+/// should scrape. False: another holder's lease is in force, or every CAS attempt lost a race
+/// (someone else is taking it; scrape next tick if it is still free then).
+pub fn try_take(store: &dyn Store, key: &str, me: u64, now_ms: u64, lease_ms: u64) -> bool {
+    let taken = update_if(store, key, |bytes| {
+        let held_by_other = bytes
+            .and_then(Lease::decode)
+            .is_some_and(|l| l.holder != me && l.live_at(now_ms));
+        if held_by_other {
+            return (None, false);
+        }
+        let lease = Lease {
+            holder: me,
+            expires_ms: now_ms.saturating_add(lease_ms),
+        };
+        (Some(lease.encode()), true)
+    });
+    taken.unwrap_or(false)
+}
+
+/// Gives the lease up if `me` holds it (a VM shutting down), so the next worker need not wait
+/// for it to lapse. True when it was released.
+pub fn release(store: &dyn Store, key: &str, me: u64) -> bool {
+    let released = update_if(store, key, |bytes| match bytes.and_then(Lease::decode) {
+        Some(l) if l.holder == me && l.expires_ms > 0 => (
+            Some(
+                Lease {
+                    holder: me,
+                    expires_ms: 0,
+                }
+                .encode(),
+            ),
+            true,
+        ),
+        _ => (None, false),
+    });
+    released.unwrap_or(false)
+}
+
+/// Why a scrape gave no load.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ScrapeError {
+    /// `dispatch_http_call` refused the call (unknown cluster, bad headers).
+    Dispatch,
+    /// No answer within the timeout, or the connection failed.
+    Timeout,
+    /// An answer with a non-2xx status.
+    Status,
+    /// A 2xx answer without any of the format's families.
+    NoSeries,
+    /// The families were there, for other models only.
+    ModelNotServed,
+}
+
+impl ScrapeError {
+    pub const ALL: [ScrapeError; 5] = [
+        ScrapeError::Dispatch,
+        ScrapeError::Timeout,
+        ScrapeError::Status,
+        ScrapeError::NoSeries,
+        ScrapeError::ModelNotServed,
+    ];
+
+    pub fn code(self) -> u8 {
+        match self {
+            ScrapeError::Dispatch => 1,
+            ScrapeError::Timeout => 2,
+            ScrapeError::Status => 3,
+            ScrapeError::NoSeries => 4,
+            ScrapeError::ModelNotServed => 5,
+        }
+    }
+
+    pub fn from_code(code: u8) -> Option<ScrapeError> {
+        ScrapeError::ALL.into_iter().find(|e| e.code() == code)
+    }
+
+    /// A metric tag value.
+    pub fn name(self) -> &'static str {
+        match self {
+            ScrapeError::Dispatch => "dispatch",
+            ScrapeError::Timeout => "timeout",
+            ScrapeError::Status => "status",
+            ScrapeError::NoSeries => "no_series",
+            ScrapeError::ModelNotServed => "model_not_served",
+        }
+    }
+}
+
+impl From<LoadError> for ScrapeError {
+    fn from(e: LoadError) -> Self {
+        match e {
+            LoadError::NoSeries => ScrapeError::NoSeries,
+            LoadError::ModelNotServed => ScrapeError::ModelNotServed,
+        }
+    }
+}
+
+/// Why a load is unknown.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Unknown {
+    /// No scrape has succeeded yet (and none has failed either).
+    NeverScraped,
+    /// The last scrape failed (however fresh the one before it).
+    Failed(ScrapeError),
+    /// The last success is older than `stale_after_ms` (the scraper stopped).
+    Stale,
+}
+
+/// An endpoint's load as the scheduler may use it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum LoadState {
+    Known(EngineLoad),
+    Unknown(Unknown),
+}
+
+const RECORD_VERSION: u8 = 1;
+/// version, flags, engine, waiting, running, kv, prompt, cached, scraped_at, attempted_at,
+/// failures, last error.
+const RECORD_BYTES: usize = 1 + 1 + 1 + 4 + 4 + 4 + 8 + 8 + 8 + 8 + 4 + 1;
+
+const HAS_LOAD: u8 = 1;
+const HAS_WAITING: u8 = 1 << 1;
+const HAS_RUNNING: u8 = 1 << 2;
+const HAS_KV: u8 = 1 << 3;
+const HAS_PROMPT: u8 = 1 << 4;
+const HAS_CACHED: u8 = 1 << 5;
+const ALL_FLAGS: u8 = HAS_LOAD | HAS_WAITING | HAS_RUNNING | HAS_KV | HAS_PROMPT | HAS_CACHED;
+
+/// One endpoint's scrape record, as kept in shared data.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct Scraped {
+    /// The load of the last successful scrape.
+    pub last: Option<EngineLoad>,
+    /// When the last successful scrape answered (0: never).
+    pub scraped_at_ms: u64,
+    /// When the last scrape, successful or not, ended.
+    pub attempted_at_ms: u64,
+    /// Failed scrapes since the last success.
+    pub consecutive_failures: u32,
+    /// The error of the last failed scrape (kept after a success, for the logs).
+    pub last_error: Option<ScrapeError>,
+}
+
+impl Scraped {
+    /// Folds in a successful scrape.
+    pub fn succeeded(&mut self, load: EngineLoad, now_ms: u64) {
+        self.last = Some(load);
+        self.scraped_at_ms = now_ms;
+        self.attempted_at_ms = now_ms;
+        self.consecutive_failures = 0;
+    }
+
+    /// Folds in a failed scrape; the last good load is kept but no longer [`LoadState::Known`].
+    pub fn failed(&mut self, error: ScrapeError, now_ms: u64) {
+        self.attempted_at_ms = now_ms;
+        self.consecutive_failures = self.consecutive_failures.saturating_add(1);
+        self.last_error = Some(error);
+    }
+
+    /// Time since the last successful scrape, `None` before the first (a gauge of age).
+    pub fn age_ms(&self, now_ms: u64) -> Option<u64> {
+        self.last.map(|_| now_ms.saturating_sub(self.scraped_at_ms))
+    }
+
+    /// The load the scheduler may use at `now_ms`: the last scrape's, when it succeeded and is
+    /// at most `stale_after_ms` old.
+    pub fn state_at(&self, now_ms: u64, stale_after_ms: u64) -> LoadState {
+        if self.consecutive_failures > 0 {
+            let e = self.last_error.unwrap_or(ScrapeError::Timeout);
+            return LoadState::Unknown(Unknown::Failed(e));
+        }
+        let Some(load) = self.last else {
+            return LoadState::Unknown(Unknown::NeverScraped);
+        };
+        if now_ms.saturating_sub(self.scraped_at_ms) > stale_after_ms {
+            return LoadState::Unknown(Unknown::Stale);
+        }
+        LoadState::Known(load)
+    }
+
+    pub fn encode(&self) -> Vec<u8> {
+        let mut w = Writer::with_capacity(RECORD_BYTES);
+        w.u8(RECORD_VERSION);
+        let l = self.last;
+        let mut flags = 0;
+        let mut set = |bit: u8, on: bool| {
+            if on {
+                flags |= bit;
+            }
+        };
+        set(HAS_LOAD, l.is_some());
+        set(HAS_WAITING, l.is_some_and(|l| l.waiting.is_some()));
+        set(HAS_RUNNING, l.is_some_and(|l| l.running.is_some()));
+        set(HAS_KV, l.is_some_and(|l| l.kv_usage_permille.is_some()));
+        set(
+            HAS_PROMPT,
+            l.is_some_and(|l| l.prompt_tokens_total.is_some()),
+        );
+        set(
+            HAS_CACHED,
+            l.is_some_and(|l| l.prompt_tokens_cached_total.is_some()),
+        );
+        w.u8(flags);
+        w.u8(l.map_or(0, |l| l.engine.code()));
+        w.u32(l.and_then(|l| l.waiting).unwrap_or(0));
+        w.u32(l.and_then(|l| l.running).unwrap_or(0));
+        w.u32(l.and_then(|l| l.kv_usage_permille).map_or(0, u32::from));
+        w.u64(l.and_then(|l| l.prompt_tokens_total).unwrap_or(0));
+        w.u64(l.and_then(|l| l.prompt_tokens_cached_total).unwrap_or(0));
+        w.u64(self.scraped_at_ms);
+        w.u64(self.attempted_at_ms);
+        w.u32(self.consecutive_failures);
+        w.u8(self.last_error.map_or(0, ScrapeError::code));
+        w.buf
+    }
+
+    /// `None` unless the bytes are exactly what [`Scraped::encode`] writes for some record
+    /// (current version, known codes, KV ≤ 1000, absent fields zero, nothing trailing).
+    pub fn decode(bytes: &[u8]) -> Option<Scraped> {
+        let mut r = Reader::new(bytes);
+        if r.u8()? != RECORD_VERSION {
+            return None;
+        }
+        let flags = r.u8()?;
+        let engine = r.u8()?;
+        let waiting = r.u32()?;
+        let running = r.u32()?;
+        let kv = r.u32()?;
+        let prompt = r.u64()?;
+        let cached = r.u64()?;
+        let scraped_at_ms = r.u64()?;
+        let attempted_at_ms = r.u64()?;
+        let consecutive_failures = r.u32()?;
+        let error = r.u8()?;
+        if !r.is_empty() || flags & !ALL_FLAGS != 0 {
+            return None;
+        }
+        let last_error = match error {
+            0 => None,
+            c => Some(ScrapeError::from_code(c)?),
+        };
+        // A field is present when its flag is set; an absent field must be zero (one encoding
+        // per record).
+        fn field<T: Copy + PartialEq + Default>(flags: u8, bit: u8, v: T) -> Option<Option<T>> {
+            match (flags & bit != 0, v == T::default()) {
+                (true, _) => Some(Some(v)),
+                (false, true) => Some(None),
+                (false, false) => None,
+            }
+        }
+        let last = if flags & HAS_LOAD != 0 {
+            let kv = field(flags, HAS_KV, kv)?;
+            if kv.is_some_and(|k| k > 1000) {
+                return None;
+            }
+            Some(EngineLoad {
+                engine: Engine::from_code(engine)?,
+                waiting: field(flags, HAS_WAITING, waiting)?,
+                running: field(flags, HAS_RUNNING, running)?,
+                kv_usage_permille: kv.map(|k| u16::try_from(k).unwrap_or(1000)),
+                prompt_tokens_total: field(flags, HAS_PROMPT, prompt)?,
+                prompt_tokens_cached_total: field(flags, HAS_CACHED, cached)?,
+            })
+        } else {
+            let zero = flags == 0
+                && engine == 0
+                && waiting == 0
+                && running == 0
+                && kv == 0
+                && prompt == 0
+                && cached == 0;
+            if !zero {
+                return None;
+            }
+            None
+        };
+        Some(Scraped {
+            last,
+            scraped_at_ms,
+            attempted_at_ms,
+            consecutive_failures,
+            last_error,
+        })
+    }
+}
+
+/// The endpoint's record as stored (absent or undecodable: the default, never scraped).
+pub fn read(store: &dyn Store, key: &str) -> Scraped {
+    store
+        .get(key)
+        .0
+        .as_deref()
+        .and_then(Scraped::decode)
+        .unwrap_or_default()
+}
+
+/// Folds one scrape's result into the endpoint's record (read-modify-write with bounded CAS
+/// retries). Returns the record written; `Err` with the record it would have written when every
+/// attempt lost a race (only the lease holder writes, so this means a lease handover raced).
+pub fn record(
+    store: &dyn Store,
+    key: &str,
+    now_ms: u64,
+    result: Result<EngineLoad, ScrapeError>,
+) -> Result<Scraped, Scraped> {
+    update(store, key, |bytes| {
+        let mut s = bytes.and_then(Scraped::decode).unwrap_or_default();
+        match result {
+            Ok(load) => s.succeeded(load, now_ms),
+            Err(e) => s.failed(e, now_ms),
+        }
+        (s.encode(), s)
+    })
+}
+
+/// Queue lengths in power-of-two buckets: 0 → 0, 1 → 1, 2–3 → 2, 4–7 → 3, …, up to 32.
+pub fn queue_bucket(n: u32) -> u8 {
+    // 32 - leading_zeros is at most 32: fits a u8.
+    u8::try_from(u32::BITS - n.leading_zeros()).unwrap_or(u8::MAX)
+}
+
+/// The smallest count in a [`queue_bucket`]: 0, 1, 2, 4, 8, …
+pub fn bucket_floor(bucket: u8) -> u32 {
+    match bucket {
+        0 => 0,
+        b => 1u32.checked_shl(u32::from(b) - 1).unwrap_or(1 << 31),
+    }
+}
+
+/// KV usage in 10 % steps: 0–99 ‰ → 0, …, 900–999 ‰ → 9, 1000 ‰ → 10.
+pub fn kv_step(permille: u16) -> u8 {
+    u8::try_from(permille.min(1000) / 100).unwrap_or(10)
+}
+
+/// An engine's load as placement sees it: coarse enough that replicas agree.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub struct Quantized {
+    pub waiting_bucket: Option<u8>,
+    pub running_bucket: Option<u8>,
+    pub kv_step: Option<u8>,
+}
+
+impl Quantized {
+    /// Waiting + running at their buckets' floors, where known (for bounded load).
+    pub fn requests_floor(&self) -> Option<u32> {
+        match (self.waiting_bucket, self.running_bucket) {
+            (None, None) => None,
+            (w, r) => Some(
+                w.map_or(0, bucket_floor)
+                    .saturating_add(r.map_or(0, bucket_floor)),
+            ),
+        }
+    }
+}
+
+pub fn quantize(load: &EngineLoad) -> Quantized {
+    Quantized {
+        waiting_bucket: load.waiting.map(queue_bucket),
+        running_bucket: load.running.map(queue_bucket),
+        kv_step: load.kv_usage_permille.map(kv_step),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::scheduler::state::store::{CasMismatch, MemStore, CAS_RETRIES};
+    use std::cell::Cell;
+    #[cfg(target_arch = "wasm32")]
+    use wasm_bindgen_test::wasm_bindgen_test as test;
+
+    const A: u64 = 0xaaaa;
+    const B: u64 = 0xbbbb;
+    const LEASE_MS: u64 = 3_000;
+
+    fn vllm(waiting: u32, running: u32, kv: u16) -> EngineLoad {
+        EngineLoad {
+            engine: Engine::Vllm,
+            waiting: Some(waiting),
+            running: Some(running),
+            kv_usage_permille: Some(kv),
+            prompt_tokens_total: None,
+            prompt_tokens_cached_total: None,
+        }
+    }
+
+    #[test]
+    fn lease_one_holder_renewal_and_handover() {
+        let s = MemStore::new();
+        assert!(try_take(&s, LEASE_KEY, A, 1_000, LEASE_MS));
+        // B cannot take a live lease, any number of times.
+        assert!(!try_take(&s, LEASE_KEY, B, 1_001, LEASE_MS));
+        assert!(!try_take(&s, LEASE_KEY, B, 3_999, LEASE_MS));
+        // A renews: its lease now runs to 2_500 + 3_000.
+        assert!(try_take(&s, LEASE_KEY, A, 2_500, LEASE_MS));
+        assert_eq!(
+            current_lease(&s, LEASE_KEY, 2_500),
+            Some(Lease {
+                holder: A,
+                expires_ms: 5_500
+            })
+        );
+        assert!(!try_take(&s, LEASE_KEY, B, 5_499, LEASE_MS));
+        // A's VM is gone: at expiry B takes over, and A, back, cannot take it.
+        assert!(try_take(&s, LEASE_KEY, B, 5_500, LEASE_MS));
+        assert!(!try_take(&s, LEASE_KEY, A, 5_501, LEASE_MS));
+        assert_eq!(
+            current_lease(&s, LEASE_KEY, 5_501).map(|l| l.holder),
+            Some(B)
+        );
+        assert_eq!(current_lease(&s, LEASE_KEY, 8_500), None);
+        // Failed attempts did not write: A's take, A's renewal, B's takeover.
+        assert_eq!(s.writes.get(), 3);
+    }
+
+    #[test]
+    fn lease_release_frees_it_at_once() {
+        let s = MemStore::new();
+        assert!(try_take(&s, LEASE_KEY, A, 0, LEASE_MS));
+        assert!(!release(&s, LEASE_KEY, B));
+        assert!(release(&s, LEASE_KEY, A));
+        assert!(!release(&s, LEASE_KEY, A));
+        assert!(try_take(&s, LEASE_KEY, B, 1, LEASE_MS));
+    }
+
+    #[test]
+    fn lease_cas_conflicts_retry_then_give_up() {
+        let s = MemStore::new();
+        s.inject_conflicts.set(CAS_RETRIES as u32 - 1);
+        assert!(try_take(&s, LEASE_KEY, A, 0, LEASE_MS));
+        s.inject_conflicts.set(CAS_RETRIES as u32);
+        // Every write lost: A does not believe it renewed, and the store still says A until 3_000.
+        assert!(!try_take(&s, LEASE_KEY, A, 1_000, LEASE_MS));
+        assert_eq!(
+            current_lease(&s, LEASE_KEY, 1_000).unwrap().expires_ms,
+            3_000
+        );
+    }
+
+    /// A store where another worker's write lands between this worker's read and write.
+    struct Racing {
+        inner: MemStore,
+        rival: Cell<Option<(u64, u64)>>,
+    }
+
+    impl Store for Racing {
+        fn get(&self, key: &str) -> (Option<Vec<u8>>, Option<u32>) {
+            self.inner.get(key)
+        }
+        fn set(&self, key: &str, value: &[u8], cas: Option<u32>) -> Result<(), CasMismatch> {
+            if let Some((holder, now_ms)) = self.rival.take() {
+                assert!(try_take(&self.inner, key, holder, now_ms, LEASE_MS));
+            }
+            self.inner.set(key, value, cas)
+        }
+    }
+
+    #[test]
+    fn two_workers_racing_for_a_lapsed_lease_one_wins() {
+        let s = Racing {
+            inner: MemStore::new(),
+            rival: Cell::new(None),
+        };
+        assert!(try_take(&s.inner, LEASE_KEY, A, 0, LEASE_MS));
+        // At 3_000 A's lease lapsed; B takes it just after A read it.
+        s.rival.set(Some((B, 3_000)));
+        assert!(!try_take(&s, LEASE_KEY, A, 3_000, LEASE_MS));
+        assert_eq!(current_lease(&s, LEASE_KEY, 3_000).unwrap().holder, B);
+    }
+
+    #[test]
+    fn undecodable_lease_is_free() {
+        let s = MemStore::new();
+        s.set(LEASE_KEY, b"\x02garbage", None).unwrap();
+        assert!(try_take(&s, LEASE_KEY, B, 0, LEASE_MS));
+        let l = Lease {
+            holder: A,
+            expires_ms: 7,
+        };
+        assert_eq!(Lease::decode(&l.encode()), Some(l));
+        assert_eq!(l.encode().len(), LEASE_BYTES);
+        let mut longer = l.encode();
+        longer.push(0);
+        assert_eq!(Lease::decode(&longer), None);
+    }
+
+    #[test]
+    fn record_success_failure_and_freshness() {
+        let s = MemStore::new();
+        let key = record_key("gpu-a");
+        assert_eq!(key, "computeflux/scrape/endpoint/gpu-a");
+        let none = read(&s, &key);
+        assert_eq!(
+            none.state_at(0, 1_000),
+            LoadState::Unknown(Unknown::NeverScraped)
+        );
+        assert_eq!(none.age_ms(50), None);
+
+        let r = record(&s, &key, 10_000, Ok(vllm(3, 8, 420))).unwrap();
+        assert_eq!(read(&s, &key), r);
+        assert_eq!(r.state_at(10_500, 1_000), LoadState::Known(vllm(3, 8, 420)));
+        assert_eq!(r.state_at(11_000, 1_000), LoadState::Known(vllm(3, 8, 420)));
+        assert_eq!(
+            r.state_at(11_001, 1_000),
+            LoadState::Unknown(Unknown::Stale)
+        );
+        assert_eq!(r.age_ms(11_001), Some(1_001));
+
+        // A failure makes it unknown at once; the last good load is kept for the record.
+        let f = record(&s, &key, 10_200, Err(ScrapeError::Timeout)).unwrap();
+        assert_eq!(
+            f.state_at(10_200, 1_000),
+            LoadState::Unknown(Unknown::Failed(ScrapeError::Timeout))
+        );
+        let f = record(&s, &key, 10_400, Err(ScrapeError::Status)).unwrap();
+        assert_eq!(f.consecutive_failures, 2);
+        assert_eq!(f.last, Some(vllm(3, 8, 420)));
+        assert_eq!(f.scraped_at_ms, 10_000);
+        assert_eq!(f.attempted_at_ms, 10_400);
+        assert_eq!(f.age_ms(10_400), Some(400));
+
+        let ok = record(&s, &key, 10_600, Ok(vllm(0, 1, 50))).unwrap();
+        assert_eq!(ok.consecutive_failures, 0);
+        assert_eq!(ok.last_error, Some(ScrapeError::Status));
+        assert_eq!(ok.state_at(10_600, 1_000), LoadState::Known(vllm(0, 1, 50)));
+        assert_eq!(
+            read(&s, &key).state_at(10_600, 1_000),
+            LoadState::Known(vllm(0, 1, 50))
+        );
+    }
+
+    #[test]
+    fn record_survives_conflicts_and_garbage() {
+        let s = MemStore::new();
+        let key = record_key("e");
+        s.set(&key, b"\x01short", None).unwrap();
+        assert_eq!(read(&s, &key), Scraped::default());
+        s.inject_conflicts.set(2);
+        let r = record(&s, &key, 5, Err(ScrapeError::Dispatch)).unwrap();
+        assert_eq!(r.consecutive_failures, 1);
+        // Failing before any success: unknown for the failure, not "never scraped".
+        assert_eq!(
+            r.state_at(5, 1_000),
+            LoadState::Unknown(Unknown::Failed(ScrapeError::Dispatch))
+        );
+        assert_eq!(r.age_ms(5), None);
+        s.inject_conflicts.set(CAS_RETRIES as u32);
+        let lost = record(&s, &key, 6, Err(ScrapeError::Dispatch));
+        assert_eq!(lost.map_err(|r| r.consecutive_failures), Err(2));
+        assert_eq!(read(&s, &key).consecutive_failures, 1);
+    }
+
+    #[test]
+    fn record_codec_is_exact() {
+        let full = Scraped {
+            last: Some(EngineLoad {
+                engine: Engine::Llamacpp,
+                waiting: Some(1),
+                running: Some(0),
+                kv_usage_permille: None,
+                prompt_tokens_total: Some(4096),
+                prompt_tokens_cached_total: Some(3000),
+            }),
+            scraped_at_ms: 123,
+            attempted_at_ms: 456,
+            consecutive_failures: 7,
+            last_error: Some(ScrapeError::ModelNotServed),
+        };
+        for r in [
+            full,
+            Scraped::default(),
+            Scraped {
+                last: Some(vllm(u32::MAX, 0, 1000)),
+                ..Scraped::default()
+            },
+        ] {
+            let bytes = r.encode();
+            assert_eq!(bytes.len(), RECORD_BYTES);
+            assert_eq!(Scraped::decode(&bytes), Some(r));
+            assert_eq!(Scraped::decode(&bytes[..bytes.len() - 1]), None);
+            let mut longer = bytes.clone();
+            longer.push(0);
+            assert_eq!(Scraped::decode(&longer), None);
+        }
+        let mut bad = vllm(1, 1, 1).into_record().encode();
+        bad[0] = 2; // version
+        assert_eq!(Scraped::decode(&bad), None);
+        let mut bad = vllm(1, 1, 1).into_record().encode();
+        // KV is at bytes 11..15 (after version, flags, engine, waiting, running): 1001 ‰.
+        bad[11] = 0xe9;
+        bad[12] = 0x03;
+        assert_eq!(Scraped::decode(&bad), None);
+        let mut bad = vllm(1, 1, 1).into_record().encode();
+        bad[RECORD_BYTES - 1] = 9; // unknown error code
+        assert_eq!(Scraped::decode(&bad), None);
+        let mut bad = full.encode();
+        bad[1] &= !HAS_PROMPT; // absent but non-zero
+        assert_eq!(Scraped::decode(&bad), None);
+        let mut bad = full.encode();
+        bad[2] = 0; // no engine
+        assert_eq!(Scraped::decode(&bad), None);
+        for e in ScrapeError::ALL {
+            assert_eq!(ScrapeError::from_code(e.code()), Some(e));
+        }
+    }
+
+    trait IntoRecord {
+        fn into_record(self) -> Scraped;
+    }
+    impl IntoRecord for EngineLoad {
+        fn into_record(self) -> Scraped {
+            Scraped {
+                last: Some(self),
+                ..Scraped::default()
+            }
+        }
+    }
+
+    #[test]
+    fn quantization_steps() {
+        let buckets: Vec<u8> = [0, 1, 2, 3, 4, 7, 8, 15, 16, 1000, u32::MAX]
+            .into_iter()
+            .map(queue_bucket)
+            .collect();
+        assert_eq!(buckets, [0, 1, 2, 2, 3, 3, 4, 4, 5, 10, 32]);
+        let floors: Vec<u32> = [0, 1, 2, 3, 10, 32].into_iter().map(bucket_floor).collect();
+        assert_eq!(floors, [0, 1, 2, 4, 512, 1 << 31]);
+        for n in [0, 1, 5, 99, 12345, u32::MAX] {
+            assert_eq!(queue_bucket(bucket_floor(queue_bucket(n))), queue_bucket(n));
+        }
+        let steps: Vec<u8> = [0, 99, 100, 420, 799, 800, 999, 1000, u16::MAX]
+            .into_iter()
+            .map(kv_step)
+            .collect();
+        assert_eq!(steps, [0, 0, 1, 4, 7, 8, 9, 10, 10]);
+        // Two replicas that scraped 5 and 6 waiting, 41 % and 47 % KV agree.
+        assert_eq!(quantize(&vllm(5, 9, 410)), quantize(&vllm(6, 10, 470)));
+        assert_ne!(quantize(&vllm(5, 9, 410)), quantize(&vllm(8, 9, 410)));
+        let q = quantize(&vllm(5, 9, 410));
+        assert_eq!(q.requests_floor(), Some(4 + 8));
+        let tgi = EngineLoad {
+            engine: Engine::Tgi,
+            waiting: None,
+            running: None,
+            kv_usage_permille: None,
+            prompt_tokens_total: None,
+            prompt_tokens_cached_total: None,
+        };
+        assert_eq!(quantize(&tgi).requests_floor(), None);
+    }
+}

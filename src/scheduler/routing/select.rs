@@ -1,0 +1,544 @@
+//! Selection: filter (exclusions) → affinity → score → pick, and recording what happened.
+//!
+//! Exclusions apply in this order, each counted for diagnostics: disabled; dead keys (401/403
+//! earlier in *this* request); used keys (429 earlier in this request); endpoints already tried
+//! in this request; model mismatch; breaker not admitting. Dead and used keys live only in the
+//! request's [`Exclusions`]: cross-request memory is the breaker and the statistics alone.
+//!
+//! Among the remaining candidates a live affinity pin wins, unless its endpoint is degraded
+//! (far slower than the fastest alternative: the pin is broken and the session placed again).
+//! Otherwise the session is *placed* ([`crate::scheduler::routing::placement`]): the first candidate in its weighted
+//! rendezvous order that admits traffic and is within its bounded load. The order is the same on
+//! every Envoy replica, so an unpinned session (a new one, or one that reaches a replica that
+//! never saw it, or a restarted one) goes to the same home everywhere, and a failover walks the
+//! same order, to the same backup. Requests without a session are placed the same way on a
+//! per-request key, with the full score (in-flight included) as weight.
+//!
+//! Here: the types and [`Scheduler::pick`] (the table write that starts an attempt). The
+//! decision itself, step by step, is in `select/choose.rs`; what an outcome changes, one
+//! function per concern, in `select/finish.rs`.
+
+use crate::scheduler::config::Config;
+use crate::scheduler::health::breaker::{Admission, BreakerConfig, BreakerState};
+use crate::scheduler::health::outcome::Outcome;
+use crate::scheduler::routing::affinity::Affinity;
+use crate::scheduler::routing::overdue;
+use crate::scheduler::routing::quota::{estimate_tokens, QuotaRule};
+use crate::scheduler::routing::table::Table;
+use crate::scheduler::state::store::{update_if, Store};
+use crate::scheduler::wire::usage::Usage;
+
+mod choose;
+mod finish;
+
+/// The weight of a dead-key (401/403) outcome in the success-rate EWMA, at least.
+pub const DEAD_KEY_ALPHA: f64 = 0.5;
+
+/// Shared-data key of the endpoint table.
+pub const TABLE_KEY: &str = "computeflux/endpoints";
+
+/// Per-request exclusions; indexes into `Config::endpoints`. Bounded by the endpoint count.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct Exclusions {
+    pub dead: Vec<usize>,
+    pub used: Vec<usize>,
+    pub tried: Vec<usize>,
+    /// The last attempt was turned away before any work was done (401/403/429): failing over
+    /// from it adds no load the fleet did not already carry, so it spends no retry budget.
+    /// The budget exists to stop 5xx/timeout storms from multiplying load on the survivors.
+    pub retry_free: bool,
+}
+
+impl Exclusions {
+    /// Notes an attempt on `endpoint` and what its outcome implies for the rest of the request.
+    pub fn after_attempt(&mut self, endpoint: usize, outcome: &Outcome) {
+        push_unique(&mut self.tried, endpoint);
+        self.retry_free = matches!(outcome, Outcome::DeadKey | Outcome::RateLimited { .. });
+        match outcome {
+            Outcome::DeadKey => push_unique(&mut self.dead, endpoint),
+            Outcome::RateLimited { .. } => push_unique(&mut self.used, endpoint),
+            _ => {}
+        }
+    }
+}
+
+fn serves_opt(ep: &crate::scheduler::config::EndpointConfig, model: Option<&str>) -> bool {
+    model.is_none_or(|m| ep.serves(m))
+}
+
+fn push_unique(v: &mut Vec<usize>, i: usize) {
+    if !v.contains(&i) {
+        v.push(i);
+    }
+}
+
+/// What is asked of the scheduler for one attempt.
+#[derive(Debug, Clone, Copy)]
+pub struct Pick<'a> {
+    /// The requested model; `None` for requests that carry none (e.g. `GET /v1/models`),
+    /// which any endpoint may serve.
+    pub model: Option<&'a str>,
+    /// The tenant-scoped session key (`hash::session_key`), if the request has a session.
+    pub session: Option<u64>,
+    /// 1 for the first attempt of a client request, 2.. for failovers (which spend retry budget).
+    pub attempt: u32,
+    pub exclusions: &'a Exclusions,
+    /// Placement key of a request without a session (any value that differs between
+    /// requests, e.g. a counter mixed with the clock), so that such requests spread.
+    pub nonce: u64,
+    /// The request body's size, from which its token cost is estimated (quota-aware routing).
+    pub body_bytes: usize,
+    /// The endpoint id the request's pin cookie names (`pin_cookie`): where another replica
+    /// last placed the session away from its home. Followed like a pin, before this replica's
+    /// own (older) memory of the session.
+    pub pin_hint: Option<u32>,
+}
+
+/// How an endpoint was chosen (the `reason` of the decision metric and log line).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Reason {
+    /// The session's live pin.
+    AffinityHit,
+    /// The first candidate of the rendezvous order: the session's home.
+    Home,
+    /// A later candidate of the rendezvous order because earlier ones could not serve this
+    /// attempt (breaker, exclusion, degraded): the deterministic backup, and every failover.
+    Backup,
+    /// A later candidate because earlier ones were over their bounded load.
+    Spill,
+    /// The pinned endpoint was degraded: placed again without it.
+    PinBreak,
+    /// Admitted as one of a half-open breaker's probes.
+    HalfOpenProbe,
+    /// A degraded endpoint's periodic probe placement.
+    DegradedProbe,
+}
+
+impl Reason {
+    /// Every reason, in metric order (`computeflux_decisions_total` is defined from it).
+    pub const ALL: &'static [Reason] = &[
+        Reason::AffinityHit,
+        Reason::Home,
+        Reason::Backup,
+        Reason::Spill,
+        Reason::PinBreak,
+        Reason::HalfOpenProbe,
+        Reason::DegradedProbe,
+    ];
+
+    pub fn label(&self) -> &'static str {
+        match self {
+            Reason::AffinityHit => "affinity_hit",
+            Reason::Home => "home",
+            Reason::Backup => "backup",
+            Reason::Spill => "spill",
+            Reason::PinBreak => "pin_break",
+            Reason::HalfOpenProbe => "half_open_probe",
+            Reason::DegradedProbe => "degraded_probe",
+        }
+    }
+}
+
+/// The session's affinity as seen by the first attempt (the `x-computeflux-affinity` value).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum AffinityResult {
+    /// Pinned endpoint chosen.
+    Hit,
+    /// A live pin existed but its endpoint could not serve this attempt.
+    Miss,
+    /// No live pin: placed at the session's rendezvous home.
+    Home,
+    /// No live pin and the home could not serve: placed at the next in rendezvous order.
+    Backup,
+    /// No live pin and the home was over its bounded load: placed at the next within it.
+    Spill,
+    /// The pinned endpoint was degraded: the pin was broken and the session placed again.
+    PinBreak,
+    /// The request has no session key.
+    None,
+}
+
+impl AffinityResult {
+    /// Every result, in metric order (`computeflux_affinity_total` is defined from it).
+    pub const ALL: &'static [AffinityResult] = &[
+        AffinityResult::Hit,
+        AffinityResult::Miss,
+        AffinityResult::Home,
+        AffinityResult::Backup,
+        AffinityResult::Spill,
+        AffinityResult::PinBreak,
+        AffinityResult::None,
+    ];
+
+    pub fn label(&self) -> &'static str {
+        match self {
+            AffinityResult::Hit => "hit",
+            AffinityResult::Miss => "miss",
+            AffinityResult::Home => "home",
+            AffinityResult::Backup => "backup",
+            AffinityResult::Spill => "spill",
+            AffinityResult::PinBreak => "pin_break",
+            AffinityResult::None => "none",
+        }
+    }
+}
+
+/// Proof of an attempt in flight; hand it back to [`Scheduler::finish`] exactly once.
+///
+/// Move-only (no `Clone`/`Copy`) and consumed by `finish`, so finishing an attempt twice does
+/// not compile; only the scheduler makes one (`non_exhaustive`). Dropping one unfinished leaks
+/// its in-flight count (until [`crate::scheduler::routing::table::IN_FLIGHT_STALE_MS`]) and its probe slot.
+#[derive(Debug, PartialEq, Eq)]
+#[non_exhaustive]
+#[must_use = "an attempt in flight must be handed back to Scheduler::finish"]
+pub struct Ticket {
+    pub endpoint: usize,
+    pub endpoint_id: u32,
+    pub probe_epoch: Option<u32>,
+    /// Whether the in-flight increment was stored (false when CAS retries ran out).
+    pub counted: bool,
+    pub started_ms: u64,
+    /// The affinity hit's slot in its endpoint's overdue watch (0: not watched; see `overdue`).
+    pub watch_token: u32,
+    /// A degraded endpoint's probe placement (a fast answer resets the probe backoff).
+    pub degraded_probe: bool,
+    /// Whether a success should pin the session here (not for a degraded endpoint's probe, nor,
+    /// with `after_failover: return_home`, away from the session's home).
+    pub pin_on_success: bool,
+    /// Set by the holder before finishing: the usage of the answer of an affinity hit (the
+    /// session's pinned endpoint answered its first attempt), folded into the endpoint's
+    /// affinity payoff in the finishing write (see `payoff`).
+    pub pinned_usage: Option<Usage>,
+}
+
+#[derive(Debug, PartialEq, Eq)]
+pub struct Decision {
+    pub endpoint: usize,
+    pub reason: Reason,
+    pub affinity: AffinityResult,
+    pub ticket: Ticket,
+    /// The endpoint whose pin was broken, if any (for its `pin_breaks` counter).
+    pub broke_pin_of: Option<usize>,
+    /// The session's rendezvous home (the first non-degraded endpoint of its order), if any.
+    pub home: Option<usize>,
+    /// Endpoints passed over because their quota was short (`quota_aware`): a placement skipped
+    /// them, or a pinned session left one for a certain 429 (for their `quota_skips` counter).
+    /// At most one entry per endpoint; never the chosen one.
+    pub quota_skipped: Vec<usize>,
+}
+
+/// What `Scheduler::choose` decided, before the attempt is started.
+#[derive(Debug, Clone, PartialEq)]
+struct Choice {
+    endpoint: usize,
+    reason: Reason,
+    affinity: AffinityResult,
+    pin_on_success: bool,
+    broke_pin_of: Option<usize>,
+    home: Option<usize>,
+    /// The degraded flag of every weighed endpoint as this choice saw it (index, flag).
+    degraded: Vec<(usize, bool)>,
+    /// See [`Decision::quota_skipped`].
+    quota_skipped: Vec<usize>,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum NoEndpoint {
+    /// No enabled endpoint serves the model at all.
+    ModelNotFound,
+    /// Every endpoint for the model was already tried (or dead/used) in this request.
+    Exhausted,
+    /// A failover was wanted but the retry budget is spent.
+    BudgetExhausted,
+    /// Every remaining candidate's breaker is open; the earliest recovery, and whether all of
+    /// them are rate limited (answer 429 rather than 503).
+    CoolingDown {
+        retry_at_ms: u64,
+        all_rate_limited: bool,
+    },
+}
+
+/// Counts of endpoints dropped by each exclusion, in the order they are applied.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct Dropped {
+    pub disabled: u32,
+    pub dead: u32,
+    pub used: u32,
+    pub tried: u32,
+    pub model: u32,
+    pub breaker: u32,
+}
+
+/// What [`Scheduler::finish`] did, for metrics and logs.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct Finished {
+    pub breaker_changed: bool,
+    pub breaker: BreakerState,
+    pub latency_ms: Option<f64>,
+    pub in_flight: u32,
+    /// False when a CAS retry loop gave up and the update was lost.
+    pub stored: bool,
+    /// The ticket's endpoint is no longer configured (a configuration reload under the
+    /// attempt): there was nothing to record. Not a lost update.
+    pub stale: bool,
+}
+
+pub struct Scheduler<'a> {
+    pub cfg: &'a Config,
+    pub store: &'a dyn Store,
+}
+
+impl<'a> Scheduler<'a> {
+    pub fn new(cfg: &'a Config, store: &'a dyn Store) -> Self {
+        Scheduler { cfg, store }
+    }
+
+    pub fn affinity(&self) -> Affinity<'a> {
+        Affinity::new(
+            self.store,
+            self.cfg.affinity_ttl_ms,
+            self.cfg.affinity_max_sessions,
+        )
+    }
+
+    pub fn breaker_config(&self) -> BreakerConfig {
+        BreakerConfig {
+            failure_threshold: self.cfg.failure_threshold,
+            half_open_probes: self.cfg.half_open_probes,
+            open_ms: self.cfg.open_ms,
+            rate_limit_ms: self.cfg.rate_limit_ms,
+            retry_after_max_ms: self.cfg.retry_after_max_ms,
+            probe_stale_ms: self.cfg.failover_timeout_ms.max(self.cfg.open_ms),
+        }
+    }
+
+    pub fn quota_rule(&self) -> QuotaRule {
+        QuotaRule {
+            min_requests: self.cfg.quota_min_requests,
+            min_tokens: self.cfg.quota_min_tokens,
+            reserve_percent: self.cfg.quota_reserve_percent,
+            default_reset_ms: self.cfg.rate_limit_ms,
+            max_reset_ms: self.cfg.retry_after_max_ms,
+            pacing: self.cfg.quota_pacing,
+        }
+    }
+
+    /// The endpoint table as stored now, aligned to the configuration.
+    pub fn table(&self) -> Table {
+        Table::aligned(self.store.get(TABLE_KEY).0.as_deref(), self.cfg)
+    }
+
+    /// Applies the request-scoped and static exclusions. `Err` when nothing is left.
+    pub fn candidates(&self, pick: &Pick<'_>) -> Result<(Vec<usize>, Dropped), NoEndpoint> {
+        let mut dropped = Dropped::default();
+        let mut out = Vec::with_capacity(self.cfg.endpoints.len());
+        let mut serves_model = false;
+        let serves =
+            |ep: &crate::scheduler::config::EndpointConfig| pick.model.is_none_or(|m| ep.serves(m));
+        for (i, ep) in self.cfg.endpoints.iter().enumerate() {
+            if ep.disabled {
+                dropped.disabled += 1;
+            } else if pick.exclusions.dead.contains(&i) {
+                dropped.dead += 1;
+                serves_model |= serves(ep);
+            } else if pick.exclusions.used.contains(&i) {
+                dropped.used += 1;
+                serves_model |= serves(ep);
+            } else if pick.exclusions.tried.contains(&i) {
+                dropped.tried += 1;
+                serves_model |= serves(ep);
+            } else if !serves(ep) {
+                dropped.model += 1;
+            } else {
+                serves_model = true;
+                out.push(i);
+            }
+        }
+        if out.is_empty() {
+            return Err(if serves_model {
+                NoEndpoint::Exhausted
+            } else {
+                NoEndpoint::ModelNotFound
+            });
+        }
+        Ok((out, dropped))
+    }
+
+    /// Chooses the endpoint for one attempt and starts it (in-flight +1, probe slot taken).
+    pub fn pick(&self, pick: &Pick<'_>, now_ms: u64) -> Result<Decision, NoEndpoint> {
+        let (candidates, _) = self.candidates(pick)?;
+        let local = pick
+            .session
+            .and_then(|s| self.affinity().lookup(s, now_ms).map(|id| (s, id)));
+        let valid = |id: u32| {
+            self.cfg
+                .endpoints
+                .iter()
+                .any(|e| e.id == id && !e.disabled && serves_opt(e, pick.model))
+        };
+        // A pin to an endpoint that is disabled or no longer serves the model is a hard failure
+        // of that pin: evict it so it does not keep costing a lookup.
+        let local = match local {
+            Some((session, id)) if !valid(id) => {
+                self.affinity().forget(session, id);
+                None
+            }
+            other => other,
+        };
+        // A pin cookie is the client's record of the session's newest place (set by whichever
+        // replica served it last away from home): it wins over this replica's memory.
+        let hinted = pick.session.and(pick.pin_hint).filter(|&id| valid(id));
+        let pinned = hinted.or(local.map(|p| p.1));
+        let bcfg = self.breaker_config();
+        let result = update_if(self.store, TABLE_KEY, |bytes| {
+            let (mut table, same_layout) = Table::load(bytes, self.cfg);
+            if pick.attempt > 1
+                && !pick.exclusions.retry_free
+                && !table.budget.try_retry(
+                    now_ms,
+                    self.cfg.retry_budget_percent,
+                    self.cfg.retry_budget_min_retries,
+                )
+            {
+                return (None, Err(NoEndpoint::BudgetExhausted));
+            }
+            let choice = match self.choose(&table, &candidates, pick, pinned, now_ms, &bcfg) {
+                Err(e) => return (None, Err(e)),
+                Ok(c) => c,
+            };
+            let i = choice.endpoint;
+            // Degraded flags that flipped are stored for their hysteresis (rare: a full write).
+            let mut others_changed = false;
+            for &(j, flag) in &choice.degraded {
+                if let Some((_, st)) = table.entries.get_mut(j) {
+                    if st.degraded != flag {
+                        st.degraded = flag;
+                        st.degraded_probes = 0;
+                        if flag {
+                            // The first probe comes one interval after the degradation.
+                            st.degraded_probe_ms = now_ms;
+                        }
+                        others_changed |= j != i;
+                    }
+                }
+            }
+            let Some((_, st)) = table.entries.get_mut(i) else {
+                return (None, Err(NoEndpoint::Exhausted));
+            };
+            let probe_epoch = match st.breaker.admit(now_ms, &bcfg) {
+                Admission::Probe { epoch } => Some(epoch),
+                _ => None,
+            };
+            if choice.reason == Reason::DegradedProbe {
+                st.degraded_probe_ms = now_ms;
+                st.degraded_probes = st.degraded_probes.saturating_add(1);
+            }
+            st.in_flight = st.in_flight.saturating_add(1);
+            st.in_flight_changed_ms = now_ms;
+            // An affinity hit is watched: still waiting long after it should have been
+            // answered, it is early evidence of a slowdown (see `overdue`).
+            let watch_token =
+                if choice.reason == Reason::AffinityHit && self.cfg.pin_break_overdue > 0 {
+                    let t = overdue::token(pick.nonce, pick.attempt);
+                    if st.watch.insert(t, now_ms) {
+                        t
+                    } else {
+                        0
+                    }
+                } else {
+                    0
+                };
+            if self.cfg.quota_aware {
+                st.quota.consume(
+                    estimate_tokens(pick.body_bytes, self.cfg.quota_bytes_per_token),
+                    now_ms,
+                );
+            }
+            if pick.attempt <= 1 {
+                table.budget.on_request(now_ms);
+            }
+            let ticket = Ticket {
+                endpoint: i,
+                endpoint_id: self.cfg.endpoints.get(i).map_or(0, |e| e.id),
+                probe_epoch,
+                counted: true,
+                started_ms: now_ms,
+                watch_token,
+                degraded_probe: choice.reason == Reason::DegradedProbe,
+                pin_on_success: choice.pin_on_success,
+                pinned_usage: None,
+            };
+            let bytes = match bytes {
+                Some(stored) if same_layout && !others_changed => table.encode_patched(stored, i),
+                _ => table.encode(),
+            };
+            (
+                Some(bytes),
+                Ok(Decision {
+                    endpoint: i,
+                    reason: choice.reason,
+                    affinity: choice.affinity,
+                    ticket,
+                    broke_pin_of: choice.broke_pin_of,
+                    home: choice.home,
+                    quota_skipped: choice.quota_skipped,
+                }),
+            )
+        });
+        match result {
+            Ok(r) => r,
+            // CAS kept losing on a half-open probe: its slot was never stored, so sending it
+            // could exceed `half_open_probes` (every worker losing races would send one).
+            // Decide locally among the endpoints whose breaker is closed.
+            Err(Ok(d)) if d.ticket.probe_epoch.is_some() => {
+                let table = self.table();
+                let closed: Vec<usize> = candidates
+                    .iter()
+                    .copied()
+                    .filter(|&i| {
+                        table.entries.get(i).is_some_and(|(_, st)| {
+                            st.breaker.peek(now_ms, &bcfg) == Admission::Normal
+                        })
+                    })
+                    .collect();
+                if closed.is_empty() {
+                    return Err(NoEndpoint::CoolingDown {
+                        retry_at_ms: now_ms.saturating_add(1_000),
+                        all_rate_limited: false,
+                    });
+                }
+                let c = self.choose(&table, &closed, pick, pinned, now_ms, &bcfg)?;
+                let ticket = Ticket {
+                    endpoint: c.endpoint,
+                    endpoint_id: self.cfg.endpoints.get(c.endpoint).map_or(0, |e| e.id),
+                    probe_epoch: None,
+                    counted: false,
+                    started_ms: now_ms,
+                    watch_token: 0,
+                    degraded_probe: false,
+                    pin_on_success: c.pin_on_success,
+                    pinned_usage: None,
+                };
+                Ok(Decision {
+                    endpoint: c.endpoint,
+                    reason: c.reason,
+                    affinity: c.affinity,
+                    ticket,
+                    broke_pin_of: c.broke_pin_of,
+                    home: c.home,
+                    quota_skipped: c.quota_skipped,
+                })
+            }
+            // CAS kept losing: go with the decision, but nothing was stored for it.
+            Err(r) => r.map(|mut d| {
+                d.ticket.counted = false;
+                d.ticket.probe_epoch = None;
+                d.ticket.watch_token = 0;
+                d
+            }),
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests;

@@ -1,0 +1,1309 @@
+// The selection's unit tests (over 600 lines: one scenario per rule of choose and finish).
+use super::*;
+use crate::scheduler::health::outcome::FailureKind;
+use crate::scheduler::routing::placement;
+use crate::scheduler::routing::quota::QuotaHint;
+use crate::scheduler::state::store::MemStore;
+use serde_json::json;
+#[cfg(target_arch = "wasm32")]
+use wasm_bindgen_test::wasm_bindgen_test as test;
+
+fn cfg(v: serde_json::Value) -> Config {
+    Config::from_value(&v).unwrap()
+}
+
+fn four() -> Config {
+    cfg(json!({"endpoints":[
+        {"name":"a","cluster":"ca"},{"name":"b","cluster":"cb"},
+        {"name":"c","cluster":"cc","models":["other"]},{"name":"d","cluster":"cd","disabled":true}
+    ]}))
+}
+
+fn pick_at(
+    s: &Scheduler<'_>,
+    session: Option<u64>,
+    ex: &Exclusions,
+    now: u64,
+) -> Result<Decision, NoEndpoint> {
+    s.pick(
+        &Pick {
+            model: Some("m"),
+            session,
+            attempt: 1,
+            exclusions: ex,
+            nonce: 0,
+            body_bytes: 0,
+            pin_hint: None,
+        },
+        now,
+    )
+}
+
+#[test]
+fn exclusions_in_order_and_model_not_found() {
+    let c = four();
+    let store = MemStore::new();
+    let s = Scheduler::new(&c, &store);
+    let ex = Exclusions {
+        dead: vec![0],
+        used: vec![0, 1],
+        tried: vec![],
+        retry_free: false,
+    };
+    let (cands, dropped) = s
+        .candidates(&Pick {
+            model: Some("m"),
+            session: None,
+            attempt: 1,
+            exclusions: &Exclusions::default(),
+            nonce: 0,
+            body_bytes: 0,
+            pin_hint: None,
+        })
+        .unwrap();
+    assert_eq!(cands, vec![0, 1]);
+    assert_eq!(
+        dropped,
+        Dropped {
+            disabled: 1,
+            model: 1,
+            ..Default::default()
+        }
+    );
+    // a is dead (counted as dead, not used), b used: nothing left, but the model exists.
+    let err = s
+        .candidates(&Pick {
+            model: Some("m"),
+            session: None,
+            attempt: 1,
+            exclusions: &ex,
+            nonce: 0,
+            body_bytes: 0,
+            pin_hint: None,
+        })
+        .unwrap_err();
+    assert_eq!(err, NoEndpoint::Exhausted);
+    assert_eq!(
+        pick_at(&s, None, &Exclusions::default(), 0).map(|_| ()),
+        Ok(())
+    );
+    // Only a disabled endpoint serves "dmodel": not found either.
+    let c2 = cfg(
+        json!({"endpoints":[{"name":"a","cluster":"ca","models":["m"]},{"name":"d","cluster":"cd","models":["dm"],"disabled":true}]}),
+    );
+    let s2 = Scheduler::new(&c2, &store);
+    assert_eq!(
+        s2.pick(
+            &Pick {
+                model: Some("dm"),
+                session: None,
+                attempt: 1,
+                exclusions: &Exclusions::default(),
+                nonce: 0,
+                body_bytes: 0,
+                pin_hint: None,
+            },
+            0
+        )
+        .unwrap_err(),
+        NoEndpoint::ModelNotFound
+    );
+}
+
+#[test]
+fn affinity_sticks_and_repins_after_failover() {
+    let c = four();
+    let store = MemStore::new();
+    let s = Scheduler::new(&c, &store);
+    let ex = Exclusions::default();
+    let d1 = pick_at(&s, Some(77), &ex, 0).unwrap();
+    assert_eq!(d1.affinity, AffinityResult::Home);
+    s.finish(d1.ticket, &Outcome::Success, 100, Some(77), 10);
+    for t in 0..10 {
+        let d = pick_at(&s, Some(77), &ex, 20 + t).unwrap();
+        assert_eq!(
+            (d.endpoint, d.reason, d.affinity),
+            (d1.endpoint, Reason::AffinityHit, AffinityResult::Hit)
+        );
+        s.finish(d.ticket, &Outcome::Success, 100, Some(77), 20 + t);
+    }
+    // The pinned endpoint rate-limits: this request fails over; the pin moves on success.
+    let first = pick_at(&s, Some(77), &ex, 100).unwrap();
+    let rl = Outcome::RateLimited {
+        retry_after_ms: Some(5_000),
+    };
+    s.finish(first.ticket, &rl, 5, Some(77), 101);
+    let mut ex2 = Exclusions::default();
+    ex2.after_attempt(first.endpoint, &rl);
+    let second = s
+        .pick(
+            &Pick {
+                model: Some("m"),
+                session: Some(77),
+                attempt: 2,
+                exclusions: &ex2,
+                nonce: 0,
+                body_bytes: 0,
+                pin_hint: None,
+            },
+            102,
+        )
+        .unwrap();
+    assert_ne!(second.endpoint, first.endpoint);
+    assert_eq!(second.affinity, AffinityResult::Miss);
+    s.finish(second.ticket, &Outcome::Success, 50, Some(77), 150);
+    let after = pick_at(&s, Some(77), &ex, 200).unwrap();
+    assert_eq!(
+        (after.endpoint, after.affinity),
+        (second.endpoint, AffinityResult::Hit)
+    );
+    // TTL: idle past 5 minutes, the pin is gone.
+    s.finish(after.ticket, &Outcome::Cancelled, 0, Some(77), 200);
+    assert_eq!(
+        pick_at(&s, Some(77), &ex, 150 + 300_000).unwrap().affinity,
+        AffinityResult::Home
+    );
+}
+
+#[test]
+fn dead_key_evicts_the_pin() {
+    let c = four();
+    let store = MemStore::new();
+    let s = Scheduler::new(&c, &store);
+    let d = pick_at(&s, Some(5), &Exclusions::default(), 0).unwrap();
+    s.finish(d.ticket, &Outcome::Success, 10, Some(5), 1);
+    let d = pick_at(&s, Some(5), &Exclusions::default(), 2).unwrap();
+    assert_eq!(d.affinity, AffinityResult::Hit);
+    s.finish(d.ticket, &Outcome::DeadKey, 10, Some(5), 3);
+    assert_eq!(s.affinity().lookup(5, 4), None);
+}
+
+/// Session keys as the filter derives them.
+fn key(i: u64) -> u64 {
+    crate::scheduler::state::hash::session_key(b"", &i.to_le_bytes())
+}
+
+#[test]
+fn cold_start_places_by_weight_alone_for_exactly_twenty_requests() {
+    let c = cfg(
+        json!({"endpoints":[{"name":"bad","cluster":"c1","weight":3},{"name":"good","cluster":"c2","weight":1}]}),
+    );
+    let store = MemStore::new();
+    let s = Scheduler::new(&c, &store);
+    let ex = Exclusions::default();
+    // While cold, new sessions split 3:1 by weight, whatever the endpoint does.
+    let mut to_bad = 0;
+    for n in 0..20u64 {
+        let d = pick_at(&s, Some(key(n)), &ex, n * 10).unwrap();
+        assert_eq!(d.affinity, AffinityResult::Home);
+        if d.endpoint == 0 {
+            to_bad += 1;
+            // 401s: never trip the breaker, only the statistics.
+            s.finish(d.ticket, &Outcome::DeadKey, 5, None, n * 10 + 1);
+        } else {
+            s.finish(d.ticket, &Outcome::Cancelled, 5, None, n * 10 + 1);
+        }
+    }
+    assert!(to_bad > 10, "{to_bad} of 20 to the weight-3 endpoint");
+    let mut shares = [0u32; 2];
+    for n in 100..4100u64 {
+        let d = pick_at(&s, Some(key(n)), &ex, 300).unwrap();
+        shares[d.endpoint] += 1;
+        s.finish(d.ticket, &Outcome::Cancelled, 0, None, 300);
+    }
+    // Still cold (fewer than 20 samples): 3:1 by weight, 401s or not.
+    assert!(s.table().entries[0].1.total < 20);
+    let share = f64::from(shares[0]) / 4000.0;
+    assert!((share - 0.75).abs() < 0.03, "{shares:?}");
+    // Warm it up to exactly 20 samples of failure.
+    let mut n = 10_000;
+    while s.table().entries[0].1.total < 20 {
+        let d = pick_at(&s, Some(key(n)), &ex, 400).unwrap();
+        let o = if d.endpoint == 0 {
+            Outcome::DeadKey
+        } else {
+            Outcome::Cancelled
+        };
+        s.finish(d.ticket, &o, 5, None, 401);
+        n += 1;
+    }
+    let st = s.table().entries[0].1;
+    assert_eq!(st.total, 20);
+    let w = crate::scheduler::routing::placement::weigh(3.0, &st, None, &c, 402);
+    assert!(w.weight < 0.1, "failing endpoint still weighs {w:?}");
+    let mut to_bad = 0;
+    for n in 20_000..21_000u64 {
+        let d = pick_at(&s, Some(key(n)), &ex, 402).unwrap();
+        to_bad += u32::from(d.endpoint == 0);
+        s.finish(d.ticket, &Outcome::Cancelled, 0, None, 402);
+    }
+    assert!(
+        to_bad < 50,
+        "{to_bad} of 1000 new sessions still to the failing endpoint"
+    );
+}
+
+#[test]
+fn slow_endpoint_loses_new_sessions_after_warm_up() {
+    let c = cfg(
+        json!({"endpoints":[{"name":"a","cluster":"ca"},{"name":"b","cluster":"cb"}],"cold_start_samples":5}),
+    );
+    let store = MemStore::new();
+    let s = Scheduler::new(&c, &store);
+    let ex = Exclusions::default();
+    let mut now = 0;
+    for i in 0..200u64 {
+        let d = pick_at(&s, Some(i), &ex, now).unwrap();
+        let latency = if d.endpoint == 1 { 500 } else { 100 };
+        now += 1;
+        s.finish(d.ticket, &Outcome::Success, latency, None, now);
+    }
+    let mut to_b = 0;
+    for i in 1000..1100u64 {
+        let d = pick_at(&s, Some(i), &ex, now).unwrap();
+        to_b += usize::from(d.endpoint == 1);
+        s.finish(d.ticket, &Outcome::Cancelled, 0, None, now);
+    }
+    assert_eq!(to_b, 0);
+}
+
+#[test]
+fn new_sessions_spread_over_equal_endpoints_by_rendezvous() {
+    let c = cfg(
+        json!({"endpoints":[{"name":"a","cluster":"ca"},{"name":"b","cluster":"cb"},{"name":"c","cluster":"cc"}]}),
+    );
+    let store = MemStore::new();
+    let s = Scheduler::new(&c, &store);
+    let mut counts = [0usize; 3];
+    for i in 0..3000u64 {
+        let d = pick_at(
+            &s,
+            Some(crate::scheduler::state::hash::session_key(
+                b"",
+                &i.to_le_bytes(),
+            )),
+            &Exclusions::default(),
+            0,
+        )
+        .unwrap();
+        counts[d.endpoint] += 1;
+        s.finish(d.ticket, &Outcome::Cancelled, 0, None, 0);
+        // A second process with the same view agrees.
+        let other = MemStore::new();
+        let s2 = Scheduler::new(&c, &other);
+        let d2 = pick_at(
+            &s2,
+            Some(crate::scheduler::state::hash::session_key(
+                b"",
+                &i.to_le_bytes(),
+            )),
+            &Exclusions::default(),
+            0,
+        )
+        .unwrap();
+        assert_eq!(d.endpoint, d2.endpoint);
+    }
+    for n in counts {
+        assert!((800..1200).contains(&n), "{counts:?}");
+    }
+}
+
+#[test]
+fn breaker_lifecycle_through_the_scheduler() {
+    let c = cfg(
+        json!({"endpoints":[{"name":"a","cluster":"ca"},{"name":"b","cluster":"cb","weight":0.5}],
+        "open_ms":1000,"failure_threshold":2,"half_open_probes":3}),
+    );
+    let store = MemStore::new();
+    let s = Scheduler::new(&c, &store);
+    let ex = Exclusions::default();
+    // Sessions whose home is a.
+    let homed_at_a: Vec<u64> = (0..200)
+        .map(key)
+        .filter(|&k| {
+            let other = MemStore::new();
+            pick_at(&Scheduler::new(&c, &other), Some(k), &ex, 0)
+                .unwrap()
+                .endpoint
+                == 0
+        })
+        .take(12)
+        .collect();
+    assert_eq!(homed_at_a.len(), 12);
+    let fail = Outcome::EndpointFailure(FailureKind::ConnectFailure);
+    for (t, &k) in homed_at_a[..2].iter().enumerate() {
+        let d = pick_at(&s, Some(k), &ex, t as u64).unwrap();
+        assert_eq!((d.endpoint, d.reason), (0, Reason::Home));
+        s.finish(d.ticket, &fail, 1, None, t as u64);
+    }
+    // a is open: its sessions go to their backup, b.
+    let d = pick_at(&s, Some(homed_at_a[2]), &ex, 10).unwrap();
+    assert_eq!(
+        (d.endpoint, d.reason, d.affinity),
+        (1, Reason::Backup, AffinityResult::Backup)
+    );
+    s.finish(d.ticket, &Outcome::Success, 1, None, 10);
+    // Cooldown over: exactly three probes go to a, then its sessions go to b.
+    let picks: Vec<Decision> = homed_at_a[3..9]
+        .iter()
+        .map(|&k| pick_at(&s, Some(k), &ex, 1001).unwrap())
+        .collect();
+    let probes: Vec<&Decision> = picks.iter().filter(|d| d.endpoint == 0).collect();
+    assert_eq!(probes.len(), 3);
+    assert!(probes
+        .iter()
+        .all(|d| d.reason == Reason::HalfOpenProbe && d.ticket.probe_epoch.is_some()));
+    for d in picks {
+        s.finish(d.ticket, &Outcome::Success, 1, None, 1002);
+    }
+    assert_eq!(s.table().entries[0].1.breaker.state, BreakerState::Closed);
+    assert_eq!(s.table().entries[0].1.in_flight, 0);
+    assert_eq!(
+        pick_at(&s, Some(homed_at_a[9]), &ex, 1003)
+            .unwrap()
+            .endpoint,
+        0
+    );
+}
+
+#[test]
+fn all_cooling_down_reports_earliest_recovery_and_rate_limit() {
+    let c = cfg(json!({"endpoints":[{"name":"a","cluster":"ca"},{"name":"b","cluster":"cb"}]}));
+    let store = MemStore::new();
+    let s = Scheduler::new(&c, &store);
+    let ex = Exclusions::default();
+    let d = pick_at(&s, None, &ex, 0).unwrap();
+    s.finish(
+        d.ticket,
+        &Outcome::RateLimited {
+            retry_after_ms: Some(7_000),
+        },
+        1,
+        None,
+        0,
+    );
+    let d = pick_at(&s, None, &ex, 0).unwrap();
+    s.finish(
+        d.ticket,
+        &Outcome::RateLimited {
+            retry_after_ms: Some(3_000),
+        },
+        1,
+        None,
+        0,
+    );
+    assert_eq!(
+        pick_at(&s, None, &ex, 1).unwrap_err(),
+        NoEndpoint::CoolingDown {
+            retry_at_ms: 3_000,
+            all_rate_limited: true
+        }
+    );
+}
+
+#[test]
+fn retry_budget_limits_failovers() {
+    let c = cfg(
+        json!({"endpoints":[{"name":"a","cluster":"ca"},{"name":"b","cluster":"cb"}],
+        "retry_budget_percent":10,"retry_budget_min_retries":2}),
+    );
+    let store = MemStore::new();
+    let s = Scheduler::new(&c, &store);
+    let ex = Exclusions::default();
+    for _ in 0..10 {
+        let d = pick_at(&s, None, &ex, 0).unwrap();
+        s.finish(d.ticket, &Outcome::Cancelled, 0, None, 0);
+    }
+    let retry = |_| {
+        s.pick(
+            &Pick {
+                model: Some("m"),
+                session: None,
+                attempt: 2,
+                exclusions: &ex,
+                nonce: 0,
+                body_bytes: 0,
+                pin_hint: None,
+            },
+            0,
+        )
+    };
+    let results: Vec<bool> = (0..5).map(retry).map(|r| r.is_ok()).collect();
+    assert_eq!(results, vec![true, true, true, false, false]); // 2 + 10% of 10
+}
+
+#[test]
+fn failovers_after_401_or_429_spend_no_retry_budget() {
+    let c = cfg(
+        json!({"endpoints":[{"name":"a","cluster":"ca"},{"name":"b","cluster":"cb"}],
+        "retry_budget_percent":0,"retry_budget_min_retries":0}),
+    );
+    let store = MemStore::new();
+    let s = Scheduler::new(&c, &store);
+    let failover = |outcome: Outcome| {
+        let mut ex = Exclusions::default();
+        ex.after_attempt(0, &outcome);
+        let pick = Pick {
+            model: Some("m"),
+            session: None,
+            attempt: 2,
+            exclusions: &ex,
+            nonce: 0,
+            body_bytes: 0,
+            pin_hint: None,
+        };
+        s.pick(&pick, 0)
+            .map(|d| s.finish(d.ticket, &Outcome::Cancelled, 0, None, 0))
+    };
+    // No budget at all: a 5xx failover is refused, 401/403/429 failovers go through.
+    assert_eq!(
+        failover(Outcome::EndpointFailure(FailureKind::Status(503))).unwrap_err(),
+        NoEndpoint::BudgetExhausted
+    );
+    assert!(failover(Outcome::DeadKey).is_ok());
+    assert!(failover(Outcome::RateLimited {
+        retry_after_ms: None
+    })
+    .is_ok());
+}
+
+#[test]
+fn dead_keys_sink_fast() {
+    let c = cfg(json!({"endpoints":[{"name":"a","cluster":"ca"}],"cold_start_samples":0}));
+    let store = MemStore::new();
+    let s = Scheduler::new(&c, &store);
+    for _ in 0..2 {
+        let d = pick_at(&s, None, &Exclusions::default(), 0).unwrap();
+        s.finish(d.ticket, &Outcome::DeadKey, 1, None, 0);
+    }
+    // Two 401s at alpha 0.5: 1 → 0.5 → 0.25 (at the default alpha 0.1 it would be 0.81).
+    assert!((s.table().entries[0].1.success_rate - 0.25).abs() < 1e-12);
+}
+
+#[test]
+fn cas_conflicts_are_retried_and_exhaustion_is_reported() {
+    let c = four();
+    let store = MemStore::new();
+    let s = Scheduler::new(&c, &store);
+    store.inject_conflicts.set(3);
+    let d = pick_at(&s, None, &Exclusions::default(), 0).unwrap();
+    assert!(d.ticket.counted);
+    store.inject_conflicts.set(100);
+    let d2 = pick_at(&s, None, &Exclusions::default(), 0).unwrap();
+    assert!(!d2.ticket.counted);
+    store.inject_conflicts.set(0);
+    s.finish(d2.ticket, &Outcome::Success, 1, None, 1);
+    s.finish(d.ticket, &Outcome::Success, 1, None, 1);
+    assert_eq!(s.table().entries[d.endpoint].1.in_flight, 0);
+}
+
+/// Warms every endpoint of `s` with `samples` successes at the given latencies (by index).
+fn warm(s: &Scheduler<'_>, latencies: &[u64], samples: u64, now: u64) {
+    let c = s.cfg;
+    for (i, &lat) in latencies.iter().enumerate() {
+        for _ in 0..samples {
+            let ticket = Ticket {
+                endpoint: i,
+                endpoint_id: c.endpoints[i].id,
+                probe_epoch: None,
+                counted: false,
+                started_ms: now,
+                watch_token: 0,
+                degraded_probe: false,
+                pin_on_success: false,
+                pinned_usage: None,
+            };
+            s.finish(ticket, &Outcome::Success, lat, None, now);
+        }
+    }
+}
+
+fn five() -> Config {
+    cfg(json!({"endpoints":[
+        {"name":"e0","cluster":"c0"},{"name":"e1","cluster":"c1"},{"name":"e2","cluster":"c2"},
+        {"name":"e3","cluster":"c3","weight":2},{"name":"e4","cluster":"c4"}
+    ],"cold_start_samples":5}))
+}
+
+#[test]
+fn replicas_with_similar_statistics_place_every_session_alike() {
+    let c = five();
+    // Two Envoys that measured somewhat different latencies (all within 2x of each other).
+    let (a, b) = (MemStore::new(), MemStore::new());
+    let (sa, sb) = (Scheduler::new(&c, &a), Scheduler::new(&c, &b));
+    warm(&sa, &[100, 120, 110, 130, 105], 10, 0);
+    warm(&sb, &[125, 100, 140, 105, 118], 10, 0);
+    // A third that just restarted: empty shared data, everything cold.
+    let fresh = MemStore::new();
+    let sf = Scheduler::new(&c, &fresh);
+    let ex = Exclusions::default();
+    let mut homes = [0u32; 5];
+    for n in 0..2000u64 {
+        let da = pick_at(&sa, Some(key(n)), &ex, 1).unwrap();
+        let db = pick_at(&sb, Some(key(n)), &ex, 1).unwrap();
+        let df = pick_at(&sf, Some(key(n)), &ex, 1).unwrap();
+        assert_eq!((da.endpoint, da.reason), (db.endpoint, Reason::Home), "{n}");
+        assert_eq!(da.endpoint, df.endpoint, "{n}");
+        homes[da.endpoint] += 1;
+        for (s, d) in [(&sa, da), (&sb, db), (&sf, df)] {
+            s.finish(d.ticket, &Outcome::Cancelled, 0, None, 1);
+        }
+    }
+    // Shares follow weights (1,1,1,2,1 of 6).
+    for (i, &h) in homes.iter().enumerate() {
+        let expected = if i == 3 { 2.0 / 6.0 } else { 1.0 / 6.0 };
+        let share = f64::from(h) / 2000.0;
+        assert!((share - expected).abs() < 0.035, "{homes:?}");
+    }
+}
+
+#[test]
+fn failover_walks_the_rendezvous_order_on_every_replica() {
+    let c = five();
+    let ex0 = Exclusions::default();
+    for n in 0..200u64 {
+        let k = key(n);
+        let mut seen: Vec<Vec<usize>> = Vec::new();
+        for _replica in 0..2 {
+            let store = MemStore::new();
+            let s = Scheduler::new(&c, &store);
+            let mut ex = ex0.clone();
+            let mut order = Vec::new();
+            for attempt in 1..=5u32 {
+                let d = s
+                    .pick(
+                        &Pick {
+                            model: Some("m"),
+                            session: Some(k),
+                            attempt,
+                            exclusions: &ex,
+                            nonce: attempt.into(),
+                            body_bytes: 0,
+                            pin_hint: None,
+                        },
+                        0,
+                    )
+                    .unwrap();
+                let expected = if attempt == 1 {
+                    Reason::Home
+                } else {
+                    Reason::Backup
+                };
+                assert_eq!(d.reason, expected);
+                let rl = Outcome::RateLimited {
+                    retry_after_ms: None,
+                };
+                s.finish(d.ticket, &Outcome::Cancelled, 0, None, 0);
+                ex.after_attempt(d.endpoint, &rl);
+                order.push(d.endpoint);
+            }
+            seen.push(order);
+        }
+        assert_eq!(seen[0], seen[1]);
+        let weights: Vec<(usize, u32, f64)> = c
+            .endpoints
+            .iter()
+            .enumerate()
+            .map(|(i, e)| (i, e.id, e.weight))
+            .collect();
+        assert_eq!(
+            seen[0],
+            crate::scheduler::routing::placement::order(k, &weights)
+        );
+    }
+}
+
+#[test]
+fn bounded_load_spills_in_rendezvous_order() {
+    let c = cfg(json!({"endpoints":[
+        {"name":"a","cluster":"ca"},{"name":"b","cluster":"cb"},{"name":"c","cluster":"cc"},{"name":"d","cluster":"cd"}
+    ],"bounded_load_epsilon":0.25,"bounded_load_slack":1}));
+    let store = MemStore::new();
+    let s = Scheduler::new(&c, &store);
+    let ex = Exclusions::default();
+    // Keep every attempt in flight; sessions with the same home pile up until they spill.
+    let mut in_flight = Vec::new();
+    let mut spills = 0;
+    for n in 0..400u64 {
+        let d = pick_at(&s, Some(key(n)), &ex, 0).unwrap();
+        let table = s.table();
+        let total: u32 = table.entries.iter().map(|(_, st)| st.in_flight).sum();
+        let mine = table.entries[d.endpoint].1.in_flight;
+        // The bound (1 + eps) x L x 1/4 + slack, with L counting this attempt.
+        let limit = 1.25 * f64::from(total) / 4.0 + 1.0;
+        assert!(f64::from(mine) <= limit + 1e-9, "{mine} > {limit}");
+        if d.reason == Reason::Spill {
+            assert_eq!(d.affinity, AffinityResult::Spill);
+            spills += 1;
+        }
+        in_flight.push(d);
+    }
+    assert!(spills > 0);
+    for d in in_flight {
+        s.finish(d.ticket, &Outcome::Cancelled, 0, None, 1);
+    }
+    // Once load is even again, nothing spills.
+    let d = pick_at(&s, Some(key(1)), &ex, 2).unwrap();
+    assert_eq!(d.reason, Reason::Home);
+}
+
+/// A session pinned to `home`'s backup by a failover, under each `after_failover` policy:
+/// returns the endpoint of the next turn once the home admits traffic again.
+fn after_failover_next_turn(policy: &str) -> (usize, usize, usize) {
+    let c = cfg(json!({"endpoints":[
+        {"name":"a","cluster":"ca"},{"name":"b","cluster":"cb"},{"name":"c","cluster":"cc"}
+    ],"after_failover": policy}));
+    let store = MemStore::new();
+    let s = Scheduler::new(&c, &store);
+    let ex = Exclusions::default();
+    let k = key(42);
+    let home = pick_at(&s, Some(k), &ex, 0).unwrap();
+    s.finish(home.ticket, &Outcome::Success, 10, Some(k), 1);
+    let first = pick_at(&s, Some(k), &ex, 2).unwrap();
+    assert_eq!(first.reason, Reason::AffinityHit);
+    let rl = Outcome::RateLimited {
+        retry_after_ms: Some(1_000),
+    };
+    s.finish(first.ticket, &rl, 10, Some(k), 3);
+    let mut ex2 = Exclusions::default();
+    ex2.after_attempt(first.endpoint, &rl);
+    let backup = s
+        .pick(
+            &Pick {
+                model: Some("m"),
+                session: Some(k),
+                attempt: 2,
+                exclusions: &ex2,
+                nonce: 0,
+                body_bytes: 0,
+                pin_hint: None,
+            },
+            4,
+        )
+        .unwrap();
+    s.finish(backup.ticket, &Outcome::Success, 10, Some(k), 5);
+    // During the window: the backup either way.
+    let during = pick_at(&s, Some(k), &ex, 500).unwrap();
+    assert_eq!(during.endpoint, backup.endpoint);
+    s.finish(during.ticket, &Outcome::Success, 10, Some(k), 501);
+    // After the window (the half-open home admits a probe).
+    let after = pick_at(&s, Some(k), &ex, 2_000).unwrap();
+    s.finish(after.ticket, &Outcome::Cancelled, 0, None, 2_001);
+    (home.endpoint, backup.endpoint, after.endpoint)
+}
+
+#[test]
+fn after_failover_stay_keeps_the_backup_return_home_goes_home() {
+    let (home, backup, after) = after_failover_next_turn("stay");
+    assert_ne!(home, backup);
+    assert_eq!(after, backup);
+    let (home, backup, after) = after_failover_next_turn("return_home");
+    assert_ne!(home, backup);
+    assert_eq!(after, home);
+}
+
+#[test]
+fn a_degraded_pin_breaks_with_hysteresis_and_gets_probes() {
+    let c = cfg(json!({"endpoints":[
+        {"name":"a","cluster":"ca"},{"name":"b","cluster":"cb"},{"name":"c","cluster":"cc"}
+    ],"cold_start_samples":5,"degraded_probe_interval_ms":1000}));
+    let store = MemStore::new();
+    let s = Scheduler::new(&c, &store);
+    let ex = Exclusions::default();
+    warm(&s, &[100, 100, 100], 5, 0);
+    // Pin sessions to a.
+    let on_a: Vec<u64> = (0..300)
+        .map(key)
+        .filter(|&k| {
+            let d = pick_at(&s, Some(k), &ex, 1).unwrap();
+            s.finish(d.ticket, &Outcome::Success, 100, Some(k), 1);
+            d.endpoint == 0
+        })
+        .collect();
+    assert!(on_a.len() > 50);
+    // a turns 2.5x slower: below pin_break_ratio (3), pins hold.
+    warm(&s, &[250, 100, 100], 20, 2);
+    let d = pick_at(&s, Some(on_a[0]), &ex, 3).unwrap();
+    assert_eq!(d.reason, Reason::AffinityHit);
+    s.finish(d.ticket, &Outcome::Cancelled, 0, None, 3);
+    // 5x slower: pins break, to the next endpoint in each session's order.
+    warm(&s, &[500, 100, 100], 20, 4);
+    for &k in &on_a[..20] {
+        let d = pick_at(&s, Some(k), &ex, 5).unwrap();
+        assert_eq!(
+            (d.reason, d.affinity, d.broke_pin_of),
+            (Reason::PinBreak, AffinityResult::PinBreak, Some(0))
+        );
+        assert_ne!(d.endpoint, 0);
+        s.finish(d.ticket, &Outcome::Success, 100, Some(k), 6);
+        // Re-pinned where it went.
+        let again = pick_at(&s, Some(k), &ex, 7).unwrap();
+        assert_eq!(
+            (again.endpoint, again.reason),
+            (d.endpoint, Reason::AffinityHit)
+        );
+        s.finish(again.ticket, &Outcome::Cancelled, 0, None, 7);
+    }
+    assert!(s.table().entries[0].1.degraded);
+    // New sessions avoid a, but one probe per interval.
+    let mut to_a = Vec::new();
+    for n in 1000..1400u64 {
+        let now = 10 + (n - 1000) * 10; // 4 s
+        let d = pick_at(&s, Some(key(n)), &ex, now).unwrap();
+        if d.endpoint == 0 {
+            assert_eq!(d.reason, Reason::DegradedProbe);
+            assert!(!d.ticket.pin_on_success);
+            to_a.push(now);
+        }
+        s.finish(d.ticket, &Outcome::Cancelled, 0, None, now);
+    }
+    // Probes that never come back fast: the interval doubles (1 s, 2 s, ...).
+    assert!((2..=3).contains(&to_a.len()), "probes at {to_a:?}");
+    assert!(to_a[0] >= 1_000, "{to_a:?}");
+    assert!(
+        to_a.windows(2)
+            .enumerate()
+            .all(|(i, w)| w[1] - w[0] >= 1000 << (i + 1)),
+        "{to_a:?}"
+    );
+    // Recovering to 2x: still degraded (exit below 1.5x): hysteresis.
+    warm(&s, &[200, 100, 100], 30, 5_000);
+    let d = pick_at(&s, Some(on_a[30]), &ex, 5_001).unwrap();
+    assert_eq!(d.reason, Reason::PinBreak);
+    s.finish(d.ticket, &Outcome::Cancelled, 0, None, 5_001);
+    // Back to 1x: whole again; pins to it hold and new sessions reach it.
+    warm(&s, &[100, 100, 100], 30, 6_000);
+    let d = pick_at(&s, Some(on_a[31]), &ex, 6_001).unwrap();
+    assert_eq!(d.reason, Reason::AffinityHit);
+    s.finish(d.ticket, &Outcome::Cancelled, 0, None, 6_001);
+    assert!(!s.table().entries[0].1.degraded);
+}
+
+#[test]
+fn cold_endpoints_never_break_pins() {
+    let c = cfg(json!({"endpoints":[
+        {"name":"a","cluster":"ca"},{"name":"b","cluster":"cb"}
+    ],"cold_start_samples":50}));
+    let store = MemStore::new();
+    let s = Scheduler::new(&c, &store);
+    let ex = Exclusions::default();
+    warm(&s, &[1000, 10], 20, 0); // 100x slower, but cold
+    for n in 0..50u64 {
+        let d = pick_at(&s, Some(key(n)), &ex, 1).unwrap();
+        s.finish(d.ticket, &Outcome::Success, 1, Some(key(n)), 1);
+        let again = pick_at(&s, Some(key(n)), &ex, 2).unwrap();
+        assert_eq!(again.reason, Reason::AffinityHit);
+        s.finish(again.ticket, &Outcome::Cancelled, 0, None, 2);
+    }
+}
+
+/// Sessions of `s` pinned to endpoint 0 (of the first `n` keys).
+fn pinned_to_first(s: &Scheduler<'_>, ex: &Exclusions, n: u64, now: u64) -> Vec<u64> {
+    (0..n)
+        .map(key)
+        .filter(|&k| {
+            let d = pick_at(s, Some(k), ex, now).unwrap();
+            let first = d.endpoint == 0;
+            s.finish(d.ticket, &Outcome::Success, 100, Some(k), now);
+            first
+        })
+        .collect()
+}
+
+fn three_warm(extra: serde_json::Value) -> Config {
+    let mut v = json!({"endpoints":[
+        {"name":"a","cluster":"ca"},{"name":"b","cluster":"cb"},{"name":"c","cluster":"cc"}
+    ],"cold_start_samples":5});
+    if let (Some(o), Some(e)) = (v.as_object_mut(), extra.as_object()) {
+        o.extend(e.clone());
+    }
+    cfg(v)
+}
+
+/// Runs `f` on a fleet of three endpoints (`extra` configuration keys) warm at 100 ms, with
+/// the sessions among the first 200 keys pinned to endpoint 0.
+fn with_pins_on_first(
+    extra: serde_json::Value,
+    f: impl FnOnce(&Scheduler<'_>, &Exclusions, &[u64]),
+) {
+    let c = three_warm(extra);
+    let store = MemStore::new();
+    let s = Scheduler::new(&c, &store);
+    let ex = Exclusions::default();
+    warm(&s, &[100, 100, 100], 10, 0);
+    let on_a = pinned_to_first(&s, &ex, 200, 1);
+    assert!(on_a.len() > 20);
+    f(&s, &ex, &on_a);
+}
+
+#[test]
+fn an_overdue_affinity_hit_breaks_pins_before_any_slow_answer() {
+    with_pins_on_first(json!({}), an_overdue_hit);
+}
+
+fn an_overdue_hit(s: &Scheduler<'_>, ex: &Exclusions, on_a: &[u64]) {
+    // One pinned turn goes to a at t = 1000 and gets no answer yet.
+    let held = pick_at(s, Some(on_a[0]), ex, 1_000).unwrap();
+    assert_eq!(held.reason, Reason::AffinityHit);
+    assert_ne!(held.ticket.watch_token, 0);
+    // Threshold: max(3 × 100, 100 + 50, 100 + 4 × 0) = 300 ms. Younger: pins hold.
+    let d = pick_at(s, Some(on_a[1]), ex, 1_299).unwrap();
+    assert_eq!(d.reason, Reason::AffinityHit);
+    s.finish(d.ticket, &Outcome::Cancelled, 0, None, 1_299);
+    // Older: the next pinned turns are placed elsewhere, in their rendezvous order.
+    for &k in &on_a[2..10] {
+        let d = pick_at(s, Some(k), ex, 1_300).unwrap();
+        assert_eq!(
+            (d.reason, d.broke_pin_of),
+            (Reason::PinBreak, Some(0)),
+            "session {k}"
+        );
+        assert_ne!(d.endpoint, 0);
+        s.finish(d.ticket, &Outcome::Cancelled, 0, None, 1_300);
+    }
+    // New sessions avoid it too, and no probe is due: the overdue hit is the probe.
+    for n in 5_000..5_100u64 {
+        let d = pick_at(s, Some(key(n)), ex, 1_300).unwrap();
+        assert_ne!(d.endpoint, 0);
+        s.finish(d.ticket, &Outcome::Cancelled, 0, None, 1_300);
+    }
+    // Transient: nothing sticky was stored.
+    assert!(!s.table().entries[0].1.degraded);
+    // The answer arrives (fast after all: a false alarm): pins to a hold again.
+    s.finish(held.ticket, &Outcome::Success, 310, Some(on_a[0]), 1_310);
+    let d = pick_at(s, Some(on_a[10]), ex, 1_320).unwrap();
+    assert_eq!(d.reason, Reason::AffinityHit);
+    s.finish(d.ticket, &Outcome::Cancelled, 0, None, 1_320);
+}
+
+#[test]
+fn overdue_evidence_respects_spread_cold_start_and_the_switch() {
+    // An endpoint whose answers vary widely needs a far older hit.
+    with_pins_on_first(json!({}), |s, ex, on_a| {
+        for lat in [20, 400, 20, 400, 20, 400] {
+            warm(s, &[lat, 100, 100], 1, 2);
+        }
+        let st = s.table().entries[0].1;
+        let spread = st.latency_ms.unwrap() + 4.0 * st.latency_dev_ms;
+        assert!(spread > 500.0, "estimate + 4 deviations: {spread}");
+        let held = pick_at(s, Some(on_a[0]), ex, 1_000).unwrap();
+        let d = pick_at(s, Some(on_a[1]), ex, 1_000 + 400).unwrap();
+        assert_eq!(
+            d.reason,
+            Reason::AffinityHit,
+            "400 ms is within its usual spread"
+        );
+        s.finish(d.ticket, &Outcome::Cancelled, 0, None, 1_400);
+        let d = pick_at(s, Some(on_a[2]), ex, 1_000 + spread.ceil() as u64).unwrap();
+        assert_eq!(d.reason, Reason::PinBreak);
+        s.finish(d.ticket, &Outcome::Cancelled, 0, None, 2_000);
+        s.finish(held.ticket, &Outcome::Cancelled, 0, None, 2_000);
+    });
+    // Cold endpoints never (fewer than 1000 samples): a hit held for minutes changes nothing.
+    with_pins_on_first(json!({"cold_start_samples": 1000}), |s, ex, on_a| {
+        let held = pick_at(s, Some(on_a[0]), ex, 1_000).unwrap();
+        let d = pick_at(s, Some(on_a[1]), ex, 100_000).unwrap();
+        assert_eq!(d.reason, Reason::AffinityHit);
+        s.finish(d.ticket, &Outcome::Cancelled, 0, None, 100_000);
+        s.finish(held.ticket, &Outcome::Cancelled, 0, None, 100_000);
+    });
+    // `pin_break_overdue: 0` turns it off; 2 needs two overdue hits.
+    for (needed, holds) in [(0u64, 5usize), (2, 1)] {
+        with_pins_on_first(json!({ "pin_break_overdue": needed }), |s, ex, on_a| {
+            let held: Vec<Decision> = (0..holds)
+                .map(|j| pick_at(s, Some(on_a[j]), ex, 1_000).unwrap())
+                .collect();
+            let d = pick_at(s, Some(on_a[10]), ex, 5_000).unwrap();
+            assert_eq!(
+                d.reason,
+                Reason::AffinityHit,
+                "needed {needed}, held {holds}"
+            );
+            s.finish(d.ticket, &Outcome::Cancelled, 0, None, 5_000);
+            if needed == 2 {
+                let second = pick_at(s, Some(on_a[11]), ex, 1_001).unwrap();
+                let d = pick_at(s, Some(on_a[12]), ex, 5_000).unwrap();
+                assert_eq!(d.reason, Reason::PinBreak, "two overdue hits");
+                s.finish(d.ticket, &Outcome::Cancelled, 0, None, 5_000);
+                s.finish(second.ticket, &Outcome::Cancelled, 0, None, 5_000);
+            }
+            for h in held {
+                s.finish(h.ticket, &Outcome::Cancelled, 0, None, 5_000);
+            }
+        });
+    }
+}
+
+#[test]
+fn a_streamed_hit_stops_being_watched_at_its_first_byte() {
+    with_pins_on_first(json!({}), |s, ex, on_a| {
+        let mut streaming = pick_at(s, Some(on_a[0]), ex, 1_000).unwrap();
+        s.release_watch(&mut streaming.ticket);
+        assert_eq!(streaming.ticket.watch_token, 0);
+        assert!(s.table().entries[0]
+            .1
+            .watch
+            .slots
+            .iter()
+            .all(|x| x.token == 0));
+        // Its stream goes on for a minute: no evidence against a.
+        let d = pick_at(s, Some(on_a[1]), ex, 61_000).unwrap();
+        assert_eq!(d.reason, Reason::AffinityHit);
+        s.finish(d.ticket, &Outcome::Cancelled, 0, None, 61_000);
+        s.finish(
+            streaming.ticket,
+            &Outcome::Success,
+            90,
+            Some(on_a[0]),
+            61_000,
+        );
+    });
+}
+
+#[test]
+fn a_fast_probe_answer_resets_the_probe_backoff() {
+    let c = three_warm(json!({"degraded_probe_interval_ms": 1000}));
+    let store = MemStore::new();
+    let s = Scheduler::new(&c, &store);
+    let ex = Exclusions::default();
+    warm(&s, &[100, 100, 100], 5, 0);
+    warm(&s, &[600, 100, 100], 20, 1);
+    // The degradation is stored by the next pick; then probes come after 1 s, 2 s, 4 s ...
+    let mut n = 10_000u64;
+    let mut probes = Vec::new();
+    let mut now = 2;
+    while now < 30_000 && probes.len() < 3 {
+        let d = pick_at(&s, Some(key(n)), &ex, now).unwrap();
+        n += 1;
+        if d.reason == Reason::DegradedProbe {
+            probes.push(now);
+            // Still slow.
+            s.finish(d.ticket, &Outcome::Success, 600, None, now + 600);
+        } else {
+            s.finish(d.ticket, &Outcome::Cancelled, 0, None, now);
+        }
+        now += 50;
+    }
+    assert_eq!(probes.len(), 3, "{probes:?}");
+    assert!(
+        probes[1] - probes[0] >= 2_000 && probes[2] - probes[1] >= 4_000,
+        "{probes:?}"
+    );
+    assert!(s.table().entries[0].1.degraded_probes >= 3);
+    // The next probe answers fast: the interval is back to 1 s.
+    let mut fast_at = None;
+    while now < 60_000 {
+        let d = pick_at(&s, Some(key(n)), &ex, now).unwrap();
+        n += 1;
+        if d.reason == Reason::DegradedProbe {
+            s.finish(d.ticket, &Outcome::Success, 100, None, now + 100);
+            fast_at = Some(now);
+            break;
+        }
+        s.finish(d.ticket, &Outcome::Cancelled, 0, None, now);
+        now += 50;
+    }
+    let fast_at = fast_at.expect("a probe came");
+    assert_eq!(s.table().entries[0].1.degraded_probes, 0);
+    let next = (fast_at + 50..fast_at + 10_000)
+        .step_by(50)
+        .find(|&t| {
+            let d = pick_at(&s, Some(key(n)), &ex, t).unwrap();
+            n += 1;
+            let probe = d.reason == Reason::DegradedProbe;
+            s.finish(d.ticket, &Outcome::Cancelled, 0, None, t);
+            probe
+        })
+        .expect("another probe");
+    // (A probe also waits for a new session whose rendezvous order puts the slow endpoint, at
+    // a fraction of its weight, before the others: probes come later than due.) Without the
+    // reset the next would be due 16 s after the last.
+    assert!(
+        next - fast_at < 8_000,
+        "probe {} ms after the fast one",
+        next - fast_at
+    );
+    // The cap: never more than degraded_probe_max_interval_ms apart.
+    let mut st = s.table().entries[0].1;
+    st.degraded_probes = 200;
+    assert_eq!(placement::probe_interval(&c, st.degraded_probes), 60_000);
+    assert_eq!(placement::probe_interval(&c, 0), 1_000);
+}
+
+fn body_pick<'a>(session: Option<u64>, ex: &'a Exclusions, body_bytes: usize) -> Pick<'a> {
+    Pick {
+        model: Some("m"),
+        session,
+        attempt: 1,
+        exclusions: ex,
+        nonce: 0,
+        body_bytes,
+        pin_hint: None,
+    }
+}
+
+/// Endpoint `i`'s successful answer at `now_ms` stated `hint` (an attempt picked, then aimed
+/// at `i`).
+fn answered(s: &Scheduler<'_>, i: usize, hint: &QuotaHint, now_ms: u64) {
+    let ex = Exclusions::default();
+    let d = s.pick(&body_pick(None, &ex, 0), now_ms).unwrap();
+    let t = Ticket {
+        endpoint: i,
+        endpoint_id: s.cfg.endpoints[i].id,
+        ..d.ticket
+    };
+    s.finish_observed(t, &Outcome::Success, 10, None, hint, now_ms);
+}
+
+fn stated(requests: Option<u64>, tokens: Option<u64>) -> QuotaHint {
+    use crate::scheduler::routing::quota::Stated;
+    let st = |left| Stated {
+        left,
+        reset_in_ms: Some(10_000),
+        limit: None,
+    };
+    QuotaHint {
+        requests: requests.map(st),
+        tokens: tokens.map(st),
+        at_ms: None,
+    }
+}
+
+/// The session that goes to endpoint `home` first, among `0..`.
+fn session_homed_at(s: &Scheduler<'_>, home: usize) -> u64 {
+    let ex = Exclusions::default();
+    (0..1_000u64)
+        .find(|&k| {
+            let d = s.pick(&body_pick(Some(k), &ex, 0), 0).unwrap();
+            let at = d.endpoint;
+            s.finish(d.ticket, &Outcome::Cancelled, 0, None, 0);
+            at == home
+        })
+        .unwrap()
+}
+
+#[test]
+fn a_key_short_of_quota_loses_new_sessions_to_the_next_in_order_until_its_reset() {
+    let c = cfg(json!({"endpoints":[{"name":"a","cluster":"ca"},{"name":"b","cluster":"cb"}]}));
+    let store = MemStore::new();
+    let s = Scheduler::new(&c, &store);
+    let ex = Exclusions::default();
+    let k = session_homed_at(&s, 0);
+    // a's answer says 1 000 tokens are left (reset in 10 s): a 4 000-byte (1 000-token)
+    // request still fits, a 4 004-byte one does not.
+    answered(&s, 0, &stated(None, Some(1_000)), 0);
+    assert_eq!(
+        s.pick(&body_pick(Some(k), &ex, 4_004), 1).unwrap().endpoint,
+        1
+    );
+    let fits = s.pick(&body_pick(Some(k), &ex, 4_000), 2).unwrap();
+    assert_eq!((fits.endpoint, fits.reason), (0, Reason::Home));
+    // That pick took its 1 000 tokens: the next session homed at a goes to b, even a tiny one.
+    let next = s.pick(&body_pick(Some(k), &ex, 4), 3).unwrap();
+    assert_eq!(
+        (next.endpoint, next.reason, next.affinity),
+        (1, Reason::Backup, AffinityResult::Backup)
+    );
+    // After the reset a is a home again.
+    assert_eq!(
+        s.pick(&body_pick(Some(k), &ex, 4), 10_000)
+            .unwrap()
+            .endpoint,
+        0
+    );
+    // With the feature off nothing is skipped, whatever the stored state.
+    let off = cfg(json!({"quota_aware": false,
+        "endpoints":[{"name":"a","cluster":"ca"},{"name":"b","cluster":"cb"}]}));
+    let s_off = Scheduler::new(&off, &store);
+    assert_eq!(
+        s_off
+            .pick(&body_pick(Some(k), &ex, 4_004), 5)
+            .unwrap()
+            .endpoint,
+        0
+    );
+}
+
+#[test]
+fn a_pinned_session_stays_until_a_429_is_certain() {
+    let c = cfg(json!({"quota_min_tokens": 5_000,
+        "endpoints":[{"name":"a","cluster":"ca"},{"name":"b","cluster":"cb"}]}));
+    let store = MemStore::new();
+    let s = Scheduler::new(&c, &store);
+    let ex = Exclusions::default();
+    let k = session_homed_at(&s, 0);
+    let d = s.pick(&body_pick(Some(k), &ex, 400), 0).unwrap();
+    assert_eq!(d.endpoint, 0);
+    // Below the 5 000-token floor (new sessions go elsewhere), but a request left.
+    s.finish_observed(
+        d.ticket,
+        &Outcome::Success,
+        10,
+        Some(k),
+        &stated(Some(1), Some(3_000)),
+        1,
+    );
+    let stay = s.pick(&body_pick(Some(k), &ex, 400), 2).unwrap();
+    assert_eq!((stay.endpoint, stay.affinity), (0, AffinityResult::Hit));
+    assert_eq!(
+        s.pick(&body_pick(Some(k + 1), &ex, 400), 2)
+            .map(|d| d.endpoint == 0 && d.affinity != AffinityResult::Hit),
+        Ok(false)
+    );
+    // That request was taken by `stay`: the next turn would be a 429 for sure, so it moves.
+    let moved = s.pick(&body_pick(Some(k), &ex, 400), 3).unwrap();
+    assert_eq!((moved.endpoint, moved.affinity), (1, AffinityResult::Miss));
+    // In the next window (the first reset at ≈ 10 000), a request too big for the tokens left
+    // moves too, with requests to spare.
+    s.finish_observed(
+        stay.ticket,
+        &Outcome::Success,
+        10,
+        Some(k),
+        &stated(Some(50), Some(3_000)),
+        10_001,
+    );
+    assert_eq!(
+        s.pick(&body_pick(Some(k), &ex, 400), 10_002)
+            .unwrap()
+            .affinity,
+        AffinityResult::Hit
+    );
+    assert_eq!(
+        s.pick(&body_pick(Some(k), &ex, 12_004), 10_003)
+            .unwrap()
+            .endpoint,
+        1
+    );
+}
+
+#[test]
+fn when_every_key_is_short_the_home_is_still_tried() {
+    let c = cfg(json!({"endpoints":[{"name":"a","cluster":"ca"},{"name":"b","cluster":"cb"}]}));
+    let store = MemStore::new();
+    let s = Scheduler::new(&c, &store);
+    let ex = Exclusions::default();
+    for i in 0..2 {
+        answered(&s, i, &stated(Some(0), None), 0);
+    }
+    let k = session_homed_at(&Scheduler::new(&c, &MemStore::new()), 1);
+    // The upstream's own answer (a 429 and its reset) beats a guess.
+    assert_eq!(s.pick(&body_pick(Some(k), &ex, 40), 1).unwrap().endpoint, 1);
+}
+
+#[test]
+fn quota_is_remembered_only_from_successes() {
+    let c = cfg(json!({"endpoints":[{"name":"a","cluster":"ca"}]}));
+    let store = MemStore::new();
+    let s = Scheduler::new(&c, &store);
+    let ex = Exclusions::default();
+    let d = s.pick(&body_pick(None, &ex, 0), 0).unwrap();
+    s.finish_observed(
+        d.ticket,
+        &Outcome::ClientError,
+        10,
+        None,
+        &stated(Some(0), None),
+        0,
+    );
+    assert_eq!(s.table().entries[0].1.quota, Default::default());
+    let d = s.pick(&body_pick(None, &ex, 0), 0).unwrap();
+    s.finish_observed(
+        d.ticket,
+        &Outcome::Success,
+        10,
+        None,
+        &stated(Some(9), None),
+        0,
+    );
+    assert_eq!(s.table().entries[0].1.quota.requests_left(0), Some(9));
+    // Each pick takes one.
+    let d = s.pick(&body_pick(None, &ex, 0), 0).unwrap();
+    assert_eq!(s.table().entries[0].1.quota.requests_left(0), Some(8));
+    s.finish(d.ticket, &Outcome::Cancelled, 0, None, 0);
+}
+
+/// `Decision::quota_skipped` names exactly the endpoints passed over for quota: a placement that
+/// skipped a short key, a pin left for a certain 429; not a key that fits, not the chosen one,
+/// nothing with the feature off.
+#[test]
+fn quota_skips_name_the_endpoints_passed_over_for_quota() {
+    let two = |extra: serde_json::Value| {
+        let mut v = json!({"endpoints":[{"name":"a","cluster":"ca"},{"name":"b","cluster":"cb"}]});
+        v.as_object_mut()
+            .unwrap()
+            .extend(extra.as_object().unwrap().clone());
+        cfg(v)
+    };
+    let c = two(json!({}));
+    let store = MemStore::new();
+    let s = Scheduler::new(&c, &store);
+    let ex = Exclusions::default();
+    let k = session_homed_at(&s, 0);
+    let d = s.pick(&body_pick(None, &ex, 0), 0).unwrap();
+    assert!(d.quota_skipped.is_empty(), "{:?}", d.quota_skipped);
+    let t = Ticket {
+        endpoint: 0,
+        endpoint_id: c.endpoints[0].id,
+        ..d.ticket
+    };
+    s.finish_observed(
+        t,
+        &Outcome::Success,
+        10,
+        None,
+        &stated(None, Some(1_000)),
+        0,
+    );
+    // 1 001 tokens do not fit into a's 1 000: skipped for quota, placed on b.
+    let skipped = s.pick(&body_pick(Some(k), &ex, 4_004), 1).unwrap();
+    assert_eq!((skipped.endpoint, skipped.quota_skipped), (1, vec![0]));
+    // 1 000 fit: nothing skipped.
+    let fits = s.pick(&body_pick(Some(k), &ex, 4_000), 2).unwrap();
+    assert_eq!((fits.endpoint, fits.quota_skipped), (0, vec![]));
+    // Off: nothing is skipped, nothing reported.
+    let off = two(json!({"quota_aware": false}));
+    let d = Scheduler::new(&off, &store)
+        .pick(&body_pick(Some(k), &ex, 4_004), 3)
+        .unwrap();
+    assert_eq!((d.endpoint, d.quota_skipped), (0, vec![]));
+
+    // A pinned session leaves its key only for a certain 429, and that key is reported.
+    let c = two(json!({"quota_min_tokens": 5_000}));
+    let store = MemStore::new();
+    let s = Scheduler::new(&c, &store);
+    let k = session_homed_at(&s, 0);
+    let d = s.pick(&body_pick(Some(k), &ex, 400), 0).unwrap();
+    s.finish_observed(
+        d.ticket,
+        &Outcome::Success,
+        10,
+        Some(k),
+        &stated(Some(1), Some(3_000)),
+        1,
+    );
+    // Below the floor but a request left: the pin holds, nothing skipped.
+    let stay = s.pick(&body_pick(Some(k), &ex, 400), 2).unwrap();
+    assert_eq!(
+        (stay.affinity, stay.quota_skipped),
+        (AffinityResult::Hit, vec![])
+    );
+    let moved = s.pick(&body_pick(Some(k), &ex, 400), 3).unwrap();
+    assert_eq!(
+        (moved.endpoint, moved.affinity, moved.quota_skipped),
+        (1, AffinityResult::Miss, vec![0])
+    );
+
+    // Every key spent: the one tried after all is not reported as skipped.
+    let c = two(json!({}));
+    let store = MemStore::new();
+    let s = Scheduler::new(&c, &store);
+    for i in 0..2 {
+        answered(&s, i, &stated(Some(0), None), 0);
+    }
+    let d = s.pick(&body_pick(Some(k), &ex, 40), 1).unwrap();
+    assert!(
+        !d.quota_skipped.contains(&d.endpoint) && d.quota_skipped.len() == 1,
+        "{d:?}"
+    );
+}

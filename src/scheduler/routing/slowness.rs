@@ -1,0 +1,772 @@
+//! Slowness: how long an endpoint takes *for the work it was given*, compared with its peers.
+//!
+//! Why: a raw latency estimate mixes unlike samples. A plain (non-streamed) answer's latency is
+//! its whole generation; a streamed one's is its first token; both grow with the uncached part
+//! of the prompt, and a plain one with its completion. On a healthy endpoint consecutive raw
+//! samples differ by 10–25×, so any rule comparing raw estimates ("3× the fastest") fires in
+//! steady state and breaks sessions away from the endpoint that holds their cache (issue 23).
+//! Judging each sample against the work it asked for removes most of that spread.
+//!
+//! **The work model** ([`WorkModel`], one per model group, fitted from every endpoint's
+//! samples): the time a request should take on a typical endpoint of the group,
+//!
+//! ```text
+//! streamed (observed = time to first byte):  expected = base + prefill · uncached
+//! plain    (observed = time to last byte):   expected = base + prefill · uncached
+//!                                                       + decode · completion
+//! uncached = prompt − cached tokens (from the answer's `usage`)
+//! ```
+//!
+//! fitted online by exponentially forgetting weighted least squares on the features
+//! `[1, uncached, completion if plain]`, with non-negative coefficients and a small ridge pull
+//! toward a prior (so that a term with no recent samples, e.g. decode while every answer is
+//! streamed, keeps a sane value). Each sample weighs `(1 s / expected)²`, so the fit minimises
+//! *relative* errors, which is what a ratio is judged on (on the synthetic fleet an unweighted
+//! fit measured the same; the weighting guards against a few long generations dominating when
+//! the linear model fits less well). The model keeps only its weighted sums (`Σ w·x·xᵀ`,
+//! `Σ w·x·y`, forgotten by [`FORGET`] per sample) and the solution: a fixed-width value for
+//! shared data. Samples whose tokens were estimated (no `usage`: prompt from body bytes / 4,
+//! nothing cached) do not teach the model, since the cached share they omit is exactly what the
+//! model must separate. Feed it only the samples of endpoints not degraded, so that a slow
+//! endpoint does not drag the yardstick.
+//!
+//! **Slowness** ([`Slowness`], one per endpoint): an EWMA in the log domain of
+//! `observed / expected` (α = [`ALPHA`]), so that 2× and ½× weigh alike, with its mean
+//! deviation. One sample moves the log-mean by at most `α · ln`[`CLAMP_RATIO`] (an outlier such
+//! as a 10 s stall shifts the estimate by ×1.4, not ×3), yet a real 5× slowdown is fully
+//! reflected after a handful of samples. The model is a common yardstick, so its absolute
+//! calibration cancels out: what is judged is an endpoint's slowness over its peers'.
+//!
+//! **Degraded** ([`degraded`]): a warm endpoint (at least `min_samples` samples; cold endpoints
+//! never are) whose slowness reaches `ratio` × the median slowness of its warm peers serving
+//! the same model *and* whose excess costs at least `min_extra_ms` per request (its smoothed
+//! expected time × the slowness gap: a ratio of small numbers is noise). Hysteresis: it stays
+//! degraded until it falls below `exit_ratio` × the peers' median or within half of
+//! `min_extra_ms`. The median, not the best, of the peers: the best of several noisy estimates
+//! is biased low, and one lucky peer would make every other endpoint look slow.
+//!
+//! Measured (`tests/slowness_props.rs`, a synthetic fleet of 4 engines, half the answers
+//! streamed, prompts 200–8000 tokens 0–95 % cached, 16–512 output tokens, batch stretch and a
+//! 0–300 ms queue; `--nocapture` prints the figures): a healthy endpoint's slowness has p5/p50/
+//! p95 0.83/0.98/1.12, the judged ratio (own ÷ peers' median) 0.82/1.00/1.18 with a maximum of
+//! 1.6 over 5000 answers, and no endpoint is ever degraded at ratio 3 — where the raw EWMA rule
+//! (ratio to the fastest p95 2.7, max 4.9–6.4) enters the degraded state about 320 times in
+//! 20 000 answers. An endpoint turned 5× slower is degraded after 3–4 of its answers.
+
+use crate::scheduler::state::codec::{Reader, Writer};
+use crate::scheduler::config::Config;
+
+/// Gain of each sample in an endpoint's log-slowness.
+pub const ALPHA: f64 = 0.3;
+
+/// Gain of the mean deviation of the log-slowness (TCP's β, as `ewma::DEVIATION_ALPHA`).
+pub const DEVIATION_ALPHA: f64 = 0.25;
+
+/// A sample's ratio is clamped to within this factor of the current estimate before it is
+/// folded in (robustness against one stall; a sustained change still converges).
+pub const CLAMP_RATIO: f64 = 3.0;
+
+/// Per-sample forgetting factor of the work model: its memory is about `1 / (1 − FORGET)` =
+/// 200 samples of the whole group.
+pub const FORGET: f64 = 0.995;
+
+/// The ridge pull toward [`PRIOR`], in sample-equivalents per coefficient.
+pub const RIDGE: f64 = 0.5;
+
+/// Measured samples the work model needs before slowness is judged against it.
+pub const MODEL_WARM_SAMPLES: u32 = 32;
+
+/// Times below this are treated as equal (network noise), as `score::LATENCY_FLOOR_MS`.
+pub const FLOOR_MS: f64 = 10.0;
+
+/// Feature scales: coefficients are fitted per 1000 uncached tokens and per 100 completion
+/// tokens, so the three are of comparable size (a well-conditioned 3×3 system).
+const PREFILL_UNIT: f64 = 1000.0;
+const DECODE_UNIT: f64 = 100.0;
+/// Sample weight `(REF_MS / expected)²`.
+const REF_MS: f64 = 1000.0;
+
+/// The model before any sample: base 50 ms, prefill 0.2 ms and decode 10 ms per token (in the
+/// fitted units: per sample, per 1000 uncached, per 100 completion tokens).
+pub const PRIOR: [f64; 3] = [50.0, 0.2 * PREFILL_UNIT, 10.0 * DECODE_UNIT];
+
+/// One finished answer, as the slowness model sees it.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct Sample {
+    /// Streamed answers are timed to their first byte, plain ones to their last.
+    pub streamed: bool,
+    /// Time to first byte (streamed) or to the last byte (plain), in ms.
+    pub observed_ms: f64,
+    pub prompt_tokens: u64,
+    /// Prompt tokens the endpoint had cached (`<= prompt_tokens`; 0 when estimated).
+    pub cached_tokens: u64,
+    /// Completion tokens (only used for plain answers).
+    pub completion_tokens: u64,
+    /// The tokens were estimated (no `usage`): the sample is judged but does not teach the
+    /// work model.
+    pub estimated: bool,
+}
+
+impl Sample {
+    /// Prompt tokens the endpoint had to compute.
+    pub fn uncached(&self) -> u64 {
+        self.prompt_tokens.saturating_sub(self.cached_tokens)
+    }
+
+    /// A sample without `usage`: prompt tokens from the request body (bytes / 4, nothing
+    /// cached), completion tokens from the relayed answer bytes (bytes / 4).
+    pub fn estimated(
+        streamed: bool,
+        observed_ms: f64,
+        body_bytes: u64,
+        relayed_bytes: u64,
+    ) -> Self {
+        Sample {
+            streamed,
+            observed_ms,
+            prompt_tokens: body_bytes / 4,
+            cached_tokens: 0,
+            completion_tokens: relayed_bytes / 4,
+            estimated: true,
+        }
+    }
+
+    /// The fitted features `[1, uncached / 1000, completion / 100 if plain]`.
+    fn features(&self) -> [f64; 3] {
+        let completion = if self.streamed {
+            0.0
+        } else {
+            self.completion_tokens as f64
+        };
+        [
+            1.0,
+            self.uncached() as f64 / PREFILL_UNIT,
+            completion / DECODE_UNIT,
+        ]
+    }
+
+    fn usable(&self) -> bool {
+        self.observed_ms.is_finite() && self.observed_ms >= 0.0
+    }
+}
+
+/// The fleet-wide work model of one model group (see the module doc).
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct WorkModel {
+    /// `Σ w·x·xᵀ`, upper triangle: (0,0) (0,1) (0,2) (1,1) (1,2) (2,2).
+    xx: [f64; 6],
+    /// `Σ w·x·y`.
+    xy: [f64; 3],
+    /// The current solution: base ms, ms per 1000 uncached, ms per 100 completion tokens.
+    theta: [f64; 3],
+    /// Measured samples folded in (saturating).
+    pub samples: u32,
+}
+
+impl Default for WorkModel {
+    fn default() -> Self {
+        WorkModel {
+            xx: [0.0; 6],
+            xy: [0.0; 3],
+            theta: PRIOR,
+            samples: 0,
+        }
+    }
+}
+
+const MODEL_VERSION: u8 = 1;
+const SLOWNESS_VERSION: u8 = 1;
+
+impl WorkModel {
+    /// Bytes of [`WorkModel::encode_into`] (without version byte).
+    pub const BYTES: usize = 12 * 8 + 4;
+
+    /// Fixed overhead per request, ms (queueing and network included).
+    pub fn base_ms(&self) -> f64 {
+        self.theta[0]
+    }
+    /// Prefill cost, ms per uncached prompt token.
+    pub fn prefill_ms_per_token(&self) -> f64 {
+        self.theta[1] / PREFILL_UNIT
+    }
+    /// Decode cost, ms per completion token.
+    pub fn decode_ms_per_token(&self) -> f64 {
+        self.theta[2] / DECODE_UNIT
+    }
+
+    /// Whether slowness may be judged against this model yet.
+    pub fn warm(&self) -> bool {
+        self.samples >= MODEL_WARM_SAMPLES
+    }
+
+    /// What `s` should take on a typical endpoint of the group, ms (at least [`FLOOR_MS`]).
+    pub fn expected_ms(&self, s: &Sample) -> f64 {
+        let [a, b, c] = s.features();
+        let [t0, t1, t2] = self.theta;
+        let e = t0 * a + t1 * b + t2 * c;
+        if e.is_finite() {
+            e.max(FLOOR_MS)
+        } else {
+            FLOOR_MS
+        }
+    }
+
+    /// Expected service time of a request of this size run to its end (prefill and decode),
+    /// ms: what [`super::saturation::keep_pin`] uses as the mean service time.
+    pub fn service_ms(&self, uncached_tokens: u64, completion_tokens: u64) -> f64 {
+        self.expected_ms(&Sample {
+            streamed: false,
+            observed_ms: 0.0,
+            prompt_tokens: uncached_tokens,
+            cached_tokens: 0,
+            completion_tokens,
+            estimated: false,
+        })
+    }
+
+    /// Folds in one sample and refits. Estimated samples and non-finite times are ignored
+    /// (returns false).
+    pub fn observe(&mut self, s: &Sample) -> bool {
+        if s.estimated || !s.usable() {
+            return false;
+        }
+        let x = s.features();
+        let y = s.observed_ms.min(3_600_000.0);
+        let w = (REF_MS / self.expected_ms(s)).powi(2);
+        let [x0, x1, x2] = x;
+        let outer = [x0 * x0, x0 * x1, x0 * x2, x1 * x1, x1 * x2, x2 * x2];
+        for (acc, v) in self.xx.iter_mut().zip(outer) {
+            *acc = FORGET * *acc + w * v;
+        }
+        for (acc, v) in self.xy.iter_mut().zip(x) {
+            *acc = FORGET * *acc + w * v * y;
+        }
+        if let Some(t) = self.solve() {
+            self.theta = t;
+        }
+        self.samples = self.samples.saturating_add(1);
+        true
+    }
+
+    /// Non-negative ridge least squares: the best of the feasible solutions over every subset
+    /// of free coefficients (the others held at 0); with three coefficients, eight 3×3 solves.
+    fn solve(&self) -> Option<[f64; 3]> {
+        let [s00, s01, s02, s11, s12, s22] = self.xx;
+        let a = [
+            [s00 + RIDGE, s01, s02],
+            [s01, s11 + RIDGE, s12],
+            [s02, s12, s22 + RIDGE],
+        ];
+        let [p0, p1, p2] = PRIOR;
+        let [b0, b1, b2] = self.xy;
+        let b = [b0 + RIDGE * p0, b1 + RIDGE * p1, b2 + RIDGE * p2];
+        let mut best: Option<([f64; 3], f64)> = None;
+        for mask in 0u8..8 {
+            let free = [mask & 1 != 0, mask & 2 != 0, mask & 4 != 0];
+            let Some(t) = solve_masked(&a, &b, free) else {
+                continue;
+            };
+            if t.iter().any(|v| !v.is_finite() || *v < 0.0) {
+                continue;
+            }
+            // Objective up to a constant: θᵀAθ − 2bᵀθ.
+            let at = mul(&a, &t);
+            let obj = dot(&t, &at) - 2.0 * dot(&b, &t);
+            if best.is_none_or(|(_, o)| obj < o) {
+                best = Some((t, obj));
+            }
+        }
+        best.map(|(t, _)| t)
+    }
+
+    /// Appends the model without a version byte (for embedding in a versioned value).
+    pub fn encode_into(&self, w: &mut Writer) {
+        for v in self.xx.iter().chain(&self.xy).chain(&self.theta) {
+            w.f64(*v);
+        }
+        w.u32(self.samples);
+    }
+
+    /// Reads what [`WorkModel::encode_into`] wrote; `None` on anything implausible (non-finite
+    /// or negative sums and coefficients).
+    pub fn decode_from(r: &mut Reader) -> Option<WorkModel> {
+        let mut m = WorkModel::default();
+        for v in
+            m.xx.iter_mut()
+                .chain(m.xy.iter_mut())
+                .chain(m.theta.iter_mut())
+        {
+            *v = r.f64()?;
+        }
+        m.samples = r.u32()?;
+        let [s00, _, _, s11, _, s22] = m.xx;
+        if [s00, s11, s22].iter().chain(&m.theta).any(|v| *v < 0.0) {
+            return None;
+        }
+        Some(m)
+    }
+
+    /// The shared-data value: a version byte and [`WorkModel::BYTES`] bytes.
+    pub fn encode(&self) -> Vec<u8> {
+        let mut w = Writer::with_capacity(1 + Self::BYTES);
+        w.u8(MODEL_VERSION);
+        self.encode_into(&mut w);
+        w.buf
+    }
+
+    /// `None` for anything but a complete value of this version.
+    pub fn decode(bytes: &[u8]) -> Option<WorkModel> {
+        let mut r = Reader::new(bytes);
+        if r.u8()? != MODEL_VERSION {
+            return None;
+        }
+        let m = WorkModel::decode_from(&mut r)?;
+        r.is_empty().then_some(m)
+    }
+}
+
+fn dot(a: &[f64; 3], b: &[f64; 3]) -> f64 {
+    a.iter().zip(b).map(|(x, y)| x * y).sum()
+}
+
+fn mul(a: &[[f64; 3]; 3], t: &[f64; 3]) -> [f64; 3] {
+    let [r0, r1, r2] = a;
+    [dot(r0, t), dot(r1, t), dot(r2, t)]
+}
+
+/// Solves `a·θ = b` with the coefficients not `free` held at 0 (their rows and columns replaced
+/// by the identity), by Cramer's rule; `None` when (nearly) singular.
+fn solve_masked(a: &[[f64; 3]; 3], b: &[f64; 3], free: [bool; 3]) -> Option<[f64; 3]> {
+    let mut m = [[0.0; 3]; 3];
+    let mut rhs = [0.0; 3];
+    for (i, ((row, src), fi)) in m.iter_mut().zip(a).zip(free).enumerate() {
+        for (j, ((v, s), fj)) in row.iter_mut().zip(src).zip(free).enumerate() {
+            *v = if fi && fj {
+                *s
+            } else if i == j {
+                1.0
+            } else {
+                0.0
+            };
+        }
+    }
+    for ((r, v), f) in rhs.iter_mut().zip(b).zip(free) {
+        *r = if f { *v } else { 0.0 };
+    }
+    let det = det3(&m);
+    let scale = m.iter().flatten().fold(0.0f64, |acc, v| acc.max(v.abs()));
+    if !det.is_finite() || det.abs() <= 1e-12 * scale.powi(3).max(1e-300) {
+        return None;
+    }
+    let [c0, c1, c2] = [0usize, 1, 2].map(|k| {
+        let mut mk = m;
+        for (row, r) in mk.iter_mut().zip(rhs) {
+            if let Some(v) = row.get_mut(k) {
+                *v = r;
+            }
+        }
+        det3(&mk) / det
+    });
+    Some([c0, c1, c2])
+}
+
+fn det3(m: &[[f64; 3]; 3]) -> f64 {
+    let [[a, b, c], [d, e, f], [g, h, i]] = *m;
+    a * (e * i - f * h) - b * (d * i - f * g) + c * (d * h - e * g)
+}
+
+/// The smoothed slowness of one endpoint (see the module doc).
+#[derive(Debug, Clone, Copy, PartialEq, Default)]
+pub struct Slowness {
+    /// EWMA of `ln(observed / expected)`.
+    pub log_mean: f64,
+    /// EWMA of `|ln(observed / expected) − log_mean|`.
+    pub log_dev: f64,
+    /// EWMA of the expected time of its samples, ms (what a slowness gap costs per request).
+    pub expected_ms: f64,
+    /// Samples folded in (saturating).
+    pub samples: u32,
+    /// When the last one arrived.
+    pub last_sample_ms: u64,
+    /// Judged degraded at the last evaluation (kept for the hysteresis).
+    pub degraded: bool,
+}
+
+impl Slowness {
+    /// Bytes of [`Slowness::encode_into`] (without version byte).
+    pub const BYTES: usize = 3 * 8 + 4 + 8 + 1;
+
+    /// `observed / expected`, smoothed: 1 for an endpoint as fast as the model, 5 for one 5×
+    /// slower; `None` before the first sample.
+    pub fn value(&self) -> Option<f64> {
+        (self.samples > 0).then(|| self.log_mean.exp())
+    }
+
+    /// Folds in `s`, judged against `model`. Returns the sample's (clamped) ratio, or `None`
+    /// when it was not counted (a cold model, or a non-finite time).
+    pub fn observe(&mut self, s: &Sample, model: &WorkModel, now_ms: u64) -> Option<f64> {
+        if !model.warm() || !s.usable() {
+            return None;
+        }
+        let expected = model.expected_ms(s);
+        let raw = (s.observed_ms.max(FLOOR_MS) / expected).ln();
+        let clamp = CLAMP_RATIO.ln();
+        let ln = if self.samples == 0 {
+            raw.clamp(-clamp, clamp)
+        } else {
+            raw.clamp(self.log_mean - clamp, self.log_mean + clamp)
+        };
+        if self.samples == 0 {
+            self.log_mean = ln;
+            self.log_dev = 0.0;
+            self.expected_ms = expected;
+        } else {
+            self.log_dev = (1.0 - DEVIATION_ALPHA) * self.log_dev
+                + DEVIATION_ALPHA * (ln - self.log_mean).abs();
+            self.log_mean = (1.0 - ALPHA) * self.log_mean + ALPHA * ln;
+            self.expected_ms = (1.0 - ALPHA) * self.expected_ms + ALPHA * expected;
+        }
+        self.samples = self.samples.saturating_add(1);
+        self.last_sample_ms = now_ms;
+        Some(ln.exp())
+    }
+
+    /// Appends the state without a version byte (for embedding in the endpoint table).
+    pub fn encode_into(&self, w: &mut Writer) {
+        w.f64(self.log_mean);
+        w.f64(self.log_dev);
+        w.f64(self.expected_ms);
+        w.u32(self.samples);
+        w.u64(self.last_sample_ms);
+        w.u8(u8::from(self.degraded));
+    }
+
+    /// Reads what [`Slowness::encode_into`] wrote; `None` on implausible values.
+    pub fn decode_from(r: &mut Reader) -> Option<Slowness> {
+        let s = Slowness {
+            log_mean: r.f64()?,
+            log_dev: r.f64()?,
+            expected_ms: r.f64()?,
+            samples: r.u32()?,
+            last_sample_ms: r.u64()?,
+            degraded: match r.u8()? {
+                0 => false,
+                1 => true,
+                _ => return None,
+            },
+        };
+        // |ln| beyond 50 (e^50) or a negative deviation or expectation is corruption.
+        let plausible =
+            s.log_mean.abs() <= 50.0 && (0.0..=100.0).contains(&s.log_dev) && s.expected_ms >= 0.0;
+        plausible.then_some(s)
+    }
+
+    /// The shared-data value: a version byte and [`Slowness::BYTES`] bytes.
+    pub fn encode(&self) -> Vec<u8> {
+        let mut w = Writer::with_capacity(1 + Self::BYTES);
+        w.u8(SLOWNESS_VERSION);
+        self.encode_into(&mut w);
+        w.buf
+    }
+
+    /// `None` for anything but a complete value of this version.
+    pub fn decode(bytes: &[u8]) -> Option<Slowness> {
+        let mut r = Reader::new(bytes);
+        if r.u8()? != SLOWNESS_VERSION {
+            return None;
+        }
+        let s = Slowness::decode_from(&mut r)?;
+        r.is_empty().then_some(s)
+    }
+}
+
+/// The thresholds of the degraded rule.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct DegradeRule {
+    /// Enter at this multiple of the peers' median slowness (`pin_break_ratio`).
+    pub ratio: f64,
+    /// Leave below this multiple (`degraded_exit_ratio`, below `ratio`).
+    pub exit_ratio: f64,
+    /// Also needed: the gap costs this many ms per request (`pin_break_min_ms`; half to stay).
+    pub min_extra_ms: f64,
+    /// Samples an endpoint (and each peer counted) needs to be judged (`cold_start_samples`).
+    pub min_samples: u32,
+}
+
+impl DegradeRule {
+    /// The rule the configuration asks for, from the existing keys.
+    pub fn from_config(cfg: &Config) -> DegradeRule {
+        DegradeRule {
+            ratio: cfg.pin_break_ratio,
+            exit_ratio: cfg.degraded_exit_ratio,
+            min_extra_ms: cfg.pin_break_min_ms as f64,
+            min_samples: u32::try_from(cfg.cold_start_samples).unwrap_or(u32::MAX),
+        }
+    }
+}
+
+/// The median slowness of the warm peers (those with at least `min_samples` samples), the mean
+/// of the two middle ones for an even count; `None` without a warm peer. The caller passes the
+/// endpoints that serve the same model, without the one judged.
+pub fn peer_median<'a>(
+    peers: impl IntoIterator<Item = &'a Slowness>,
+    min_samples: u32,
+) -> Option<f64> {
+    let mut v: Vec<f64> = peers
+        .into_iter()
+        .filter(|p| p.samples >= min_samples)
+        .filter_map(Slowness::value)
+        .filter(|x| x.is_finite())
+        .collect();
+    v.sort_unstable_by(f64::total_cmp);
+    let n = v.len();
+    let upper = *v.get(n / 2)?;
+    if n.is_multiple_of(2) {
+        Some((upper + v.get(n / 2 - 1).copied().unwrap_or(upper)) / 2.0)
+    } else {
+        Some(upper)
+    }
+}
+
+/// The degraded rule with hysteresis (see the module doc): `own.degraded` is the previous
+/// verdict, `reference` the peers' [`peer_median`]. Cold endpoints, and endpoints without a
+/// warm peer, are never degraded. The caller stores the result in `own.degraded`.
+pub fn degraded(own: &Slowness, reference: Option<f64>, rule: &DegradeRule) -> bool {
+    let (Some(mine), Some(peers)) = (own.value(), reference) else {
+        return false;
+    };
+    if own.samples < rule.min_samples || peers.is_nan() || peers <= 0.0 || !mine.is_finite() {
+        return false;
+    }
+    let ratio = mine / peers;
+    let extra_ms = (mine - peers) * own.expected_ms;
+    if own.degraded {
+        ratio >= rule.exit_ratio && extra_ms >= rule.min_extra_ms / 2.0
+    } else {
+        ratio >= rule.ratio && extra_ms >= rule.min_extra_ms
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    #[cfg(target_arch = "wasm32")]
+    use wasm_bindgen_test::wasm_bindgen_test as test;
+
+    fn sample(
+        streamed: bool,
+        observed_ms: f64,
+        prompt: u64,
+        cached: u64,
+        completion: u64,
+    ) -> Sample {
+        Sample {
+            streamed,
+            observed_ms,
+            prompt_tokens: prompt,
+            cached_tokens: cached,
+            completion_tokens: completion,
+            estimated: false,
+        }
+    }
+
+    /// Exact data from base 40 ms, prefill 0.1 ms/token, decode 5 ms/token: the fit recovers
+    /// the three costs (the ridge pull toward the prior costs decode 0.2 %).
+    #[test]
+    fn fit_recovers_exact_costs() {
+        let mut m = WorkModel::default();
+        for i in 0..400u64 {
+            let prompt = 200 + (i * 7919) % 7800;
+            let cached = prompt * ((i * 31) % 95) / 100;
+            let completion = 16 + (i * 104_729) % 496;
+            let streamed = i % 2 == 0;
+            let mut ms = 40.0 + 0.1 * (prompt - cached) as f64;
+            if !streamed {
+                ms += 5.0 * completion as f64;
+            }
+            assert!(m.observe(&sample(streamed, ms, prompt, cached, completion)));
+        }
+        assert!((m.base_ms() - 40.0).abs() < 0.5, "{m:?}");
+        assert!((m.prefill_ms_per_token() - 0.1).abs() < 0.001, "{m:?}");
+        assert!((m.decode_ms_per_token() - 5.0).abs() < 0.05, "{m:?}");
+        assert!(m.warm());
+        // 1000 uncached, plain, 100 completion: 40 + 100 + 500.
+        assert!((m.service_ms(1000, 100) - 640.0).abs() < 2.0);
+    }
+
+    /// Data that would need a negative base (a pure per-token cost, minus a constant) gets a
+    /// base of exactly 0, not a negative one.
+    #[test]
+    fn coefficients_stay_non_negative() {
+        let mut m = WorkModel::default();
+        for i in 0..300u64 {
+            let prompt = 1000 + (i * 37) % 5000;
+            let ms = (0.2 * prompt as f64 - 150.0).max(0.0);
+            m.observe(&sample(true, ms, prompt, 0, 0));
+        }
+        assert_eq!(m.base_ms(), 0.0, "{m:?}");
+        assert!(m.prefill_ms_per_token() > 0.0);
+        // Decode never seen: stays near the prior (pulled by the ridge only).
+        assert!((m.decode_ms_per_token() - 10.0).abs() < 1e-6, "{m:?}");
+    }
+
+    #[test]
+    fn estimated_samples_do_not_teach_the_model() {
+        let mut m = WorkModel::default();
+        let s = Sample::estimated(false, 900.0, 4000, 800);
+        assert_eq!(
+            (s.prompt_tokens, s.cached_tokens, s.completion_tokens),
+            (1000, 0, 200)
+        );
+        assert!(!m.observe(&s));
+        assert_eq!(m, WorkModel::default());
+        assert!(!m.observe(&sample(true, f64::NAN, 1, 0, 0)));
+    }
+
+    fn warm_model() -> WorkModel {
+        let mut m = WorkModel::default();
+        for _ in 0..MODEL_WARM_SAMPLES {
+            m.samples += 1;
+        }
+        m
+    }
+
+    /// Worked numbers: the prior model expects 50 + 0.2 × 1000 = 250 ms of a streamed answer
+    /// with 1000 uncached tokens. 500 ms → ratio 2, log 0.693; then 250 ms → log 0 pulls it
+    /// to 0.7 × 0.693 = 0.485 (slowness 1.624), deviation 0.25 × 0.693 = 0.173.
+    #[test]
+    fn slowness_worked_example() {
+        let m = warm_model();
+        let s = sample(true, 500.0, 3000, 2000, 999);
+        assert_eq!(m.expected_ms(&s), 250.0);
+        let mut sl = Slowness::default();
+        assert_eq!(sl.value(), None);
+        assert!((sl.observe(&s, &m, 7).unwrap() - 2.0).abs() < 1e-12);
+        assert!((sl.value().unwrap() - 2.0).abs() < 1e-12);
+        sl.observe(&sample(true, 250.0, 3000, 2000, 999), &m, 9);
+        assert!((sl.log_mean - 0.7 * 2f64.ln()).abs() < 1e-12);
+        assert!((sl.value().unwrap() - 1.624_504_8).abs() < 1e-6, "{sl:?}");
+        assert!((sl.log_dev - 0.25 * 2f64.ln()).abs() < 1e-12);
+        assert_eq!((sl.samples, sl.last_sample_ms), (2, 9));
+        // A cold model teaches nothing.
+        let mut cold = Slowness::default();
+        assert_eq!(cold.observe(&s, &WorkModel::default(), 1), None);
+        assert_eq!(cold, Slowness::default());
+    }
+
+    /// One stall of 100× moves the estimate by at most ×3^0.3 = ×1.39.
+    #[test]
+    fn one_stall_moves_little() {
+        let m = warm_model();
+        let mut sl = Slowness::default();
+        for _ in 0..10 {
+            sl.observe(&sample(true, 250.0, 1000, 0, 0), &m, 0);
+        }
+        sl.observe(&sample(true, 25_000.0, 1000, 0, 0), &m, 0);
+        assert!(
+            (sl.value().unwrap() - 3f64.powf(0.3)).abs() < 1e-9,
+            "{sl:?}"
+        );
+        // A sustained 5x is reached: within 10 % after 8 samples.
+        for _ in 0..8 {
+            sl.observe(&sample(true, 1250.0, 1000, 0, 0), &m, 0);
+        }
+        assert!((sl.value().unwrap() / 5.0 - 1.0).abs() < 0.1, "{sl:?}");
+    }
+
+    fn warm_at(value: f64, expected_ms: f64) -> Slowness {
+        Slowness {
+            log_mean: value.ln(),
+            log_dev: 0.1,
+            expected_ms,
+            samples: 20,
+            last_sample_ms: 0,
+            degraded: false,
+        }
+    }
+
+    #[test]
+    fn peer_median_of_warm_peers() {
+        let peers = [warm_at(1.0, 1.0), warm_at(3.0, 1.0), warm_at(2.0, 1.0)];
+        assert!((peer_median(&peers, 20).unwrap() - 2.0).abs() < 1e-12);
+        assert!((peer_median(&peers[..2], 20).unwrap() - 2.0).abs() < 1e-12);
+        let cold = Slowness {
+            samples: 19,
+            ..warm_at(100.0, 1.0)
+        };
+        assert!((peer_median([&peers[0], &cold], 20).unwrap() - 1.0).abs() < 1e-12);
+        assert_eq!(peer_median([&cold], 20), None);
+        assert_eq!(peer_median([], 0), None);
+    }
+
+    #[test]
+    fn degraded_has_hysteresis_floor_and_ignores_cold() {
+        let rule = DegradeRule::from_config(&Config::default()); // 3.0 / 1.5 / 50 ms / 20
+        assert_eq!(
+            (
+                rule.ratio,
+                rule.exit_ratio,
+                rule.min_extra_ms,
+                rule.min_samples
+            ),
+            (3.0, 1.5, 50.0, 20)
+        );
+        // 2.9x of the peers: not yet; 3x with 100 ms of expected work (200 ms extra): yes.
+        assert!(!degraded(&warm_at(2.9, 100.0), Some(1.0), &rule));
+        assert!(degraded(&warm_at(3.0, 100.0), Some(1.0), &rule));
+        // 3x of tiny work (20 ms expected → 40 ms extra) is noise.
+        assert!(!degraded(&warm_at(3.0, 20.0), Some(1.0), &rule));
+        // Cold, or without warm peers: never.
+        let cold = Slowness {
+            samples: 19,
+            ..warm_at(10.0, 100.0)
+        };
+        assert!(!degraded(&cold, Some(1.0), &rule));
+        assert!(!degraded(&warm_at(10.0, 100.0), None, &rule));
+        // Once degraded: stays at 1.6x, leaves at 1.4x or when the gap is below 25 ms.
+        let was = |v: f64, e: f64| Slowness {
+            degraded: true,
+            ..warm_at(v, e)
+        };
+        assert!(degraded(&was(1.6, 100.0), Some(1.0), &rule));
+        assert!(!degraded(&was(1.4, 100.0), Some(1.0), &rule));
+        assert!(!degraded(&was(2.0, 20.0), Some(1.0), &rule));
+    }
+
+    #[test]
+    fn codecs_round_trip_and_reject_garbage() {
+        let mut m = WorkModel::default();
+        for i in 0..50u64 {
+            m.observe(&sample(
+                i % 2 == 0,
+                100.0 + i as f64 * 10.0,
+                1000 + i * 10,
+                i,
+                100,
+            ));
+        }
+        let bytes = m.encode();
+        assert_eq!(bytes.len(), 1 + WorkModel::BYTES);
+        assert_eq!(WorkModel::decode(&bytes), Some(m));
+        assert_eq!(WorkModel::decode(&bytes[..bytes.len() - 1]), None);
+        let mut longer = bytes.clone();
+        longer.push(0);
+        assert_eq!(WorkModel::decode(&longer), None);
+        let mut wrong = bytes.clone();
+        wrong[0] = 9;
+        assert_eq!(WorkModel::decode(&wrong), None);
+
+        let sl = Slowness {
+            degraded: true,
+            last_sample_ms: 123,
+            ..warm_at(2.5, 300.0)
+        };
+        let bytes = sl.encode();
+        assert_eq!(bytes.len(), 1 + Slowness::BYTES);
+        assert_eq!(Slowness::decode(&bytes), Some(sl));
+        let mut bad_flag = bytes.clone();
+        *bad_flag.last_mut().unwrap() = 2;
+        assert_eq!(Slowness::decode(&bad_flag), None);
+        assert_eq!(Slowness::decode(&bytes[1..]), None);
+    }
+}

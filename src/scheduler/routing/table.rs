@@ -1,0 +1,398 @@
+//! Cross-request state of every endpoint, kept together in one shared-data value.
+//!
+//! One value (the "endpoint table") holds the statistics and breaker of every configured
+//! endpoint plus the retry budget, so a selection costs one shared-data read and one CAS write
+//! whatever the number of endpoints. Entries are keyed by endpoint id (a hash of the name):
+//! a configuration reload that adds, removes or reorders endpoints keeps the others' history.
+
+use crate::scheduler::config::Config;
+use crate::scheduler::health::breaker::{Breaker, BreakerState, OpenCause};
+use crate::scheduler::health::budget::RetryBudget;
+use crate::scheduler::routing::overdue::Watch;
+use crate::scheduler::routing::payoff::Payoff;
+use crate::scheduler::routing::quota::Quota;
+use crate::scheduler::state::codec::{Reader, Writer};
+
+/// Statistics of one endpoint.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct EndpointState {
+    /// EWMA of time to response headers of successful attempts; `None` before the first.
+    pub latency_ms: Option<f64>,
+    /// EWMA of |sample − estimate| (mean deviation, as TCP's RTO estimator), for the overdue
+    /// rule's spread bound (see `overdue`).
+    pub latency_dev_ms: f64,
+    /// Decayed success rate in [0, 1] (EWMA of 1/0 outcomes); starts at 1.
+    pub success_rate: f64,
+    /// When the last latency or success sample arrived.
+    pub last_sample_ms: u64,
+    /// Completed attempts with a verdict (drives the cold start).
+    pub total: u64,
+    /// Attempts started and not yet finished.
+    pub in_flight: u32,
+    /// Last change of `in_flight` (stale counts are ignored, see [`Self::load`]).
+    pub in_flight_changed_ms: u64,
+    pub breaker: Breaker,
+    /// Far slower than the fastest alternative (see `placement::Degradation`): its pins are
+    /// broken and it gets new sessions only as probes. Kept for hysteresis.
+    pub degraded: bool,
+    /// When this Envoy last sent a degraded endpoint a probe placement.
+    pub degraded_probe_ms: u64,
+    /// Probe placements sent since it was degraded (or since a probe came back fast): the
+    /// probe interval doubles with each, up to `degraded_probe_max_interval_ms`.
+    pub degraded_probes: u8,
+    /// Affinity hits in flight there, watched for being overdue (see `overdue`).
+    pub watch: Watch,
+    /// What its last successful answer said was left of its quota (see `quota`).
+    pub quota: Quota,
+    /// The affinity payoff: cached share of its pinned turns' prompts (see `payoff`).
+    pub payoff: Payoff,
+}
+
+impl Default for EndpointState {
+    fn default() -> Self {
+        EndpointState {
+            latency_ms: None,
+            latency_dev_ms: 0.0,
+            success_rate: 1.0,
+            last_sample_ms: 0,
+            total: 0,
+            in_flight: 0,
+            in_flight_changed_ms: 0,
+            breaker: Breaker::default(),
+            degraded: false,
+            degraded_probe_ms: 0,
+            degraded_probes: 0,
+            watch: Watch::default(),
+            quota: Quota::default(),
+            payoff: Payoff::default(),
+        }
+    }
+}
+
+/// An in-flight count that has not moved for this long is presumed leaked (a VM crashed between
+/// start and finish, so the decrement never ran) and is ignored by the load factor.
+pub const IN_FLIGHT_STALE_MS: u64 = 600_000;
+
+/// The fastest latency estimate among warm endpoints (at least `cold_start_samples`
+/// verdicts), if any.
+pub fn fastest_warm<'s>(
+    states: impl IntoIterator<Item = &'s EndpointState>,
+    cold_start_samples: u64,
+) -> Option<f64> {
+    states
+        .into_iter()
+        .filter(|st| st.total >= cold_start_samples)
+        .filter_map(|st| st.latency_ms)
+        .fold(None, |acc: Option<f64>, l| {
+            Some(acc.map_or(l, |a| a.min(l)))
+        })
+}
+
+impl EndpointState {
+    /// In-flight attempts as the scorer sees them.
+    pub fn load(&self, now_ms: u64) -> u32 {
+        if now_ms.saturating_sub(self.in_flight_changed_ms) > IN_FLIGHT_STALE_MS {
+            0
+        } else {
+            self.in_flight
+        }
+    }
+}
+
+/// The endpoint table: the retry budget and one entry per endpoint, in configuration order.
+#[derive(Debug, Clone, PartialEq, Default)]
+pub struct Table {
+    pub budget: RetryBudget,
+    pub entries: Vec<(u32, EndpointState)>,
+}
+
+const TABLE_VERSION: u8 = 5;
+const ENTRY_BYTES: usize = 4
+    + 1
+    + 8
+    + 8
+    + 8
+    + 8
+    + 8
+    + 4
+    + 8
+    + 1
+    + 1
+    + 4
+    + 8
+    + 4
+    + 4
+    + 8
+    + 4
+    + 1
+    + 8
+    + 1
+    + Watch::BYTES
+    + Quota::BYTES
+    + Payoff::BYTES;
+const BUDGET_BYTES: usize = 8 + 8 + 8;
+/// Version byte, budget, entry count.
+const HEADER_BYTES: usize = 1 + BUDGET_BYTES + 4;
+
+/// One entry from exactly [`ENTRY_BYTES`] bytes (a fixed-size slice, so the field reads
+/// compile to plain loads).
+fn decode_entry(chunk: &[u8]) -> Option<(u32, EndpointState)> {
+    let mut r = Reader::new(chunk);
+    let id = r.u32()?;
+    let has_latency = r.u8()? == 1;
+    let latency = r.f64()?;
+    let latency_dev_ms = r.f64()?;
+    let success_rate = r.f64()?.clamp(0.0, 1.0);
+    let state = EndpointState {
+        latency_ms: has_latency.then_some(latency),
+        latency_dev_ms: if latency_dev_ms.is_finite() {
+            latency_dev_ms.max(0.0)
+        } else {
+            0.0
+        },
+        success_rate,
+        last_sample_ms: r.u64()?,
+        total: r.u64()?,
+        in_flight: r.u32()?,
+        in_flight_changed_ms: r.u64()?,
+        breaker: Breaker {
+            state: match r.u8()? {
+                0 => BreakerState::Closed,
+                1 => BreakerState::Open,
+                2 => BreakerState::HalfOpen,
+                _ => return None,
+            },
+            cause: match r.u8()? {
+                0 => OpenCause::Failures,
+                1 => OpenCause::RateLimited,
+                _ => return None,
+            },
+            consecutive_failures: r.u32()?,
+            open_until_ms: r.u64()?,
+            probes_admitted: r.u32()?,
+            probes_succeeded: r.u32()?,
+            last_probe_ms: r.u64()?,
+            epoch: r.u32()?,
+        },
+        degraded: match r.u8()? {
+            0 => false,
+            1 => true,
+            _ => return None,
+        },
+        degraded_probe_ms: r.u64()?,
+        degraded_probes: r.u8()?,
+        watch: Watch::decode(&mut r)?,
+        quota: Quota::decode(&mut r)?,
+        payoff: Payoff::decode(&mut r)?,
+    };
+    Some((id, state))
+}
+
+fn encode_entry(w: &mut Writer, id: u32, s: &EndpointState) {
+    w.u32(id);
+    w.u8(u8::from(s.latency_ms.is_some()));
+    w.f64(s.latency_ms.unwrap_or(0.0));
+    w.f64(s.latency_dev_ms);
+    w.f64(s.success_rate);
+    w.u64(s.last_sample_ms);
+    w.u64(s.total);
+    w.u32(s.in_flight);
+    w.u64(s.in_flight_changed_ms);
+    let b = &s.breaker;
+    w.u8(match b.state {
+        BreakerState::Closed => 0,
+        BreakerState::Open => 1,
+        BreakerState::HalfOpen => 2,
+    });
+    w.u8(match b.cause {
+        OpenCause::Failures => 0,
+        OpenCause::RateLimited => 1,
+    });
+    w.u32(b.consecutive_failures);
+    w.u64(b.open_until_ms);
+    w.u32(b.probes_admitted);
+    w.u32(b.probes_succeeded);
+    w.u64(b.last_probe_ms);
+    w.u32(b.epoch);
+    w.u8(u8::from(s.degraded));
+    w.u64(s.degraded_probe_ms);
+    w.u8(s.degraded_probes);
+    s.watch.encode(w);
+    s.quota.encode(w);
+    s.payoff.encode(w);
+}
+
+impl Table {
+    /// The table aligned to `cfg.endpoints`: entry `i` belongs to endpoint `i`. Endpoints new to
+    /// the stored table start fresh; stored entries of endpoints no longer configured are kept
+    /// out (they fall away at the next write).
+    pub fn aligned(bytes: Option<&[u8]>, cfg: &Config) -> Table {
+        Table::load(bytes, cfg).0
+    }
+
+    /// Like [`Table::aligned`], plus whether the stored bytes already had exactly the
+    /// configuration's layout (the common case), so that [`Table::encode_patched`] may rewrite
+    /// only what changed instead of the whole table.
+    pub fn load(bytes: Option<&[u8]>, cfg: &Config) -> (Table, bool) {
+        let stored = bytes.and_then(Table::decode).unwrap_or_default();
+        let same_layout = bytes.is_some()
+            && stored.entries.len() == cfg.endpoints.len()
+            && stored
+                .entries
+                .iter()
+                .zip(&cfg.endpoints)
+                .all(|((id, _), ep)| *id == ep.id);
+        if same_layout {
+            return (stored, true);
+        }
+        let mut entries = Vec::with_capacity(cfg.endpoints.len());
+        for (i, ep) in cfg.endpoints.iter().enumerate() {
+            let state = match stored.entries.get(i) {
+                Some((id, st)) if *id == ep.id => *st,
+                _ => stored
+                    .entries
+                    .iter()
+                    .find(|(id, _)| *id == ep.id)
+                    .map(|(_, st)| *st)
+                    .unwrap_or_default(),
+            };
+            entries.push((ep.id, state));
+        }
+        (
+            Table {
+                budget: stored.budget,
+                entries,
+            },
+            false,
+        )
+    }
+
+    /// The encoding of this table when it was loaded from `stored` with the same layout and only
+    /// the budget and entry `changed` were modified: a copy of `stored` with those two rewritten.
+    pub fn encode_patched(&self, stored: &[u8], changed: usize) -> Vec<u8> {
+        let mut out = stored.to_vec();
+        let mut budget = Writer::with_capacity(BUDGET_BYTES);
+        self.budget.encode(&mut budget);
+        let mut entry = Writer::with_capacity(ENTRY_BYTES);
+        let Some((id, st)) = self.entries.get(changed) else {
+            return self.encode();
+        };
+        encode_entry(&mut entry, *id, st);
+        let at = HEADER_BYTES + changed * ENTRY_BYTES;
+        let patched = out
+            .get_mut(1..1 + BUDGET_BYTES)
+            .map(|b| b.copy_from_slice(&budget.buf))
+            .is_some()
+            && out
+                .get_mut(at..at + ENTRY_BYTES)
+                .map(|e| e.copy_from_slice(&entry.buf))
+                .is_some();
+        if patched && out.len() == HEADER_BYTES + self.entries.len() * ENTRY_BYTES {
+            out
+        } else {
+            self.encode()
+        }
+    }
+
+    pub fn encode(&self) -> Vec<u8> {
+        let mut w = Writer::with_capacity(HEADER_BYTES + self.entries.len() * ENTRY_BYTES);
+        w.u8(TABLE_VERSION);
+        self.budget.encode(&mut w);
+        w.u32(self.entries.len() as u32);
+        for (id, s) in &self.entries {
+            encode_entry(&mut w, *id, s);
+        }
+        w.buf
+    }
+
+    /// Where endpoint `id` is: at `hint` (its index when a ticket was issued), or wherever a
+    /// configuration reload moved it; `None` once it is gone.
+    pub fn locate(&self, hint: usize, id: u32) -> Option<usize> {
+        match self.entries.get(hint) {
+            Some((i, _)) if *i == id => Some(hint),
+            _ => self.entries.iter().position(|(i, _)| *i == id),
+        }
+    }
+
+    /// `None` for anything that is not a complete table of this version.
+    pub fn decode(bytes: &[u8]) -> Option<Table> {
+        let mut r = Reader::new(bytes);
+        if r.u8()? != TABLE_VERSION {
+            return None;
+        }
+        let budget = RetryBudget::decode(&mut r)?;
+        let n = r.u32()? as usize;
+        if r.remaining() != n.checked_mul(ENTRY_BYTES)? {
+            return None;
+        }
+        let rest = bytes.get(bytes.len() - r.remaining()..)?;
+        let mut entries = Vec::with_capacity(n);
+        for chunk in rest.chunks_exact(ENTRY_BYTES) {
+            entries.push(decode_entry(chunk)?);
+        }
+        Some(Table { budget, entries })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use serde_json::json;
+    #[cfg(target_arch = "wasm32")]
+    use wasm_bindgen_test::wasm_bindgen_test as test;
+
+    #[test]
+    fn round_trip_and_realignment() {
+        let cfg = Config::from_value(
+            &json!({"endpoints":[{"name":"a","cluster":"a"},{"name":"b","cluster":"b"}]}),
+        )
+        .unwrap();
+        let mut t = Table::aligned(None, &cfg);
+        t.entries[1].1.total = 42;
+        t.entries[1].1.latency_ms = Some(12.5);
+        t.entries[1].1.breaker.state = BreakerState::Open;
+        t.entries[1].1.degraded = true;
+        t.entries[1].1.degraded_probe_ms = 77;
+        t.entries[1].1.quota.tokens = Some(crate::scheduler::routing::quota::Remaining::new(5, 6));
+        t.entries[1].1.payoff.observe(
+            &crate::scheduler::wire::usage::Usage {
+                prompt_tokens: 300,
+                cached_tokens: 200,
+                completion_tokens: 1,
+            },
+            1,
+        );
+        let bytes = t.encode();
+        assert_eq!(Table::decode(&bytes), Some(t.clone()));
+        assert_eq!(Table::decode(&bytes[..bytes.len() - 1]), None);
+        let mut longer = bytes.clone();
+        longer.push(0);
+        assert_eq!(Table::decode(&longer), None);
+        // Reordered configuration keeps each endpoint's history.
+        let swapped = Config::from_value(
+            &json!({"endpoints":[{"name":"b","cluster":"b"},{"name":"c","cluster":"c"}]}),
+        )
+        .unwrap();
+        let t2 = Table::aligned(Some(&bytes), &swapped);
+        assert_eq!(t2.entries[0].1.total, 42);
+        assert_eq!(t2.entries[1].1, EndpointState::default());
+    }
+
+    #[test]
+    fn patched_encoding_equals_full_encoding() {
+        let cfg = Config::from_value(&json!({"endpoints":[{"name":"a","cluster":"a"},{"name":"b","cluster":"b"},{"name":"c","cluster":"c"}]})).unwrap();
+        let mut t = Table::aligned(None, &cfg);
+        t.entries[0].1.total = 3;
+        let stored = t.encode();
+        let (mut loaded, same) = Table::load(Some(&stored), &cfg);
+        assert!(same);
+        loaded.entries[2].1.in_flight = 9;
+        loaded.entries[2].1.breaker.epoch = 4;
+        loaded.budget.on_request(1_000);
+        assert_eq!(loaded.encode_patched(&stored, 2), loaded.encode());
+        // A layout change is never patched.
+        let other = Config::from_value(&json!({"endpoints":[{"name":"b","cluster":"b"}]})).unwrap();
+        assert!(!Table::load(Some(&stored), &other).1);
+        assert!(!Table::load(None, &cfg).1);
+    }
+}

@@ -1,0 +1,567 @@
+//! Reading what the router needs from a JSON inference request, and nothing more.
+//!
+//! One parser serves every JSON API of [`crate::scheduler::wire::api`]: chat completions, completions,
+//! embeddings, the Responses API and Anthropic Messages all carry `model` at the top level, and
+//! their conversation shapes differ only in where the history and the system prompt live.
+//!
+//! The body is untrusted: it is parsed once, with borrowed raw values for the parts we only hash
+//! (message contents), so no prompt text is copied or logged. serde_json's recursion limit turns
+//! absurdly nested JSON into an error instead of a stack overflow.
+//!
+//! Session key, in order of preference:
+//! 1. the `session_header` value;
+//! 2. the body's `user` field, else `metadata.user_id` (Anthropic Messages' per-user key);
+//! 3. a conversation fingerprint: hash of the model, the system prompt and the first user
+//!    message — what every turn of one conversation resends unchanged, so clients that send no
+//!    session id still stick across turns. The history is `messages` (chat, Messages) or, for
+//!    the Responses API, `input` (an array of items, or a string: the user message); the system
+//!    prompt is the top-level `system` (Messages) or `instructions` (Responses), else the first
+//!    `system` / `developer` message.
+//!
+//! Every key is scoped by the caller's identity (its `authorization` / `x-api-key` value, hashed
+//! with the key) so one tenant can never read or steer another tenant's pins.
+
+use crate::scheduler::state::hash::{hash_parts, session_key};
+use crate::scheduler::wire::api::Api;
+use crate::scheduler::wire::multipart::{read_model, MultipartError};
+pub use crate::scheduler::wire::reply::openai_error;
+use crate::scheduler::wire::reply::{RejectReason, Reply};
+use crate::scheduler::wire::text;
+use serde::Deserialize;
+use serde_json::value::RawValue;
+
+pub use crate::scheduler::wire::MAX_MODEL_BYTES;
+/// Longest accepted session header value.
+pub const MAX_SESSION_BYTES: usize = 4096;
+const FINGERPRINT_SEED: u64 = 0x6669_6e67_6572_7072;
+
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ChatRequest {
+    pub model: String,
+    pub user: Option<String>,
+    /// Conversation fingerprint, when the body has a user message.
+    pub fingerprint: Option<u64>,
+    pub stream: bool,
+}
+
+/// Why a request is refused before it reaches any endpoint.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum RequestError {
+    EmptyBody,
+    TooLarge {
+        limit: u64,
+    },
+    InvalidJson(String),
+    NotAnObject,
+    MissingModel,
+    ModelNotString,
+    ModelTooLong,
+    SessionTooLong,
+    /// The body's content type contradicts its API (see `api::Handling::WrongContentType`).
+    UnsupportedContentType(Api),
+    /// A multipart form that cannot be read (see [`MultipartError`]).
+    Multipart(MultipartError),
+}
+
+impl RequestError {
+    pub fn status(&self) -> u16 {
+        match self {
+            RequestError::TooLarge { .. } => 413,
+            RequestError::UnsupportedContentType(_) => 415,
+            RequestError::Multipart(e) => e.status(),
+            _ => 400,
+        }
+    }
+
+    pub fn reason(&self) -> RejectReason {
+        match self {
+            RequestError::EmptyBody => RejectReason::EmptyBody,
+            RequestError::TooLarge { .. } => RejectReason::RequestTooLarge,
+            RequestError::InvalidJson(_) => RejectReason::InvalidJson,
+            RequestError::NotAnObject => RejectReason::InvalidRequestBody,
+            RequestError::MissingModel => RejectReason::MissingModel,
+            RequestError::ModelNotString | RequestError::ModelTooLong => RejectReason::InvalidModel,
+            RequestError::SessionTooLong => RejectReason::InvalidSessionId,
+            RequestError::UnsupportedContentType(_) => RejectReason::UnsupportedContentType,
+            RequestError::Multipart(e) => e.reason(),
+        }
+    }
+
+    /// The error `code` of the answer.
+    pub fn code(&self) -> &'static str {
+        self.reason().label()
+    }
+
+    /// The local reply that refuses the request.
+    pub fn reply(&self) -> Reply {
+        Reply::new(self.status(), self.reason(), &self.message())
+    }
+
+    pub fn message(&self) -> String {
+        match self {
+            RequestError::EmptyBody => {
+                "The request body is empty; expected a JSON chat completion request.".into()
+            }
+            RequestError::TooLarge { limit } => {
+                format!("The request body exceeds the limit of {limit} bytes.")
+            }
+            RequestError::InvalidJson(e) => format!("The request body is not valid JSON: {e}."),
+            RequestError::NotAnObject => "The request body must be a JSON object.".into(),
+            RequestError::MissingModel => "You must provide a model parameter.".into(),
+            RequestError::ModelNotString => "The model parameter must be a string.".into(),
+            RequestError::ModelTooLong => {
+                format!("The model parameter must be at most {MAX_MODEL_BYTES} bytes.")
+            }
+            RequestError::SessionTooLong => {
+                format!("The session id header must be at most {MAX_SESSION_BYTES} bytes.")
+            }
+            RequestError::UnsupportedContentType(api) => {
+                let expected = match api.body() {
+                    crate::scheduler::wire::api::BodyFormat::Json => {
+                        "a JSON body (application/json)"
+                    }
+                    crate::scheduler::wire::api::BodyFormat::Multipart => {
+                        "a multipart/form-data body"
+                    }
+                };
+                format!("This endpoint ({}) takes {expected}.", api.label())
+            }
+            RequestError::Multipart(e) => e.message(),
+        }
+    }
+}
+
+#[derive(Deserialize)]
+struct Body<'a> {
+    #[serde(borrow, default)]
+    model: Option<&'a RawValue>,
+    #[serde(borrow, default)]
+    user: Option<&'a RawValue>,
+    #[serde(borrow, default)]
+    messages: Option<Vec<&'a RawValue>>,
+    #[serde(borrow, default)]
+    stream: Option<&'a RawValue>,
+    /// Anthropic Messages: `{"user_id": …}`. Chat's `metadata` is a string map: same shape.
+    #[serde(borrow, default)]
+    metadata: Option<&'a RawValue>,
+    /// Anthropic Messages' system prompt (a string or content blocks).
+    #[serde(borrow, default)]
+    system: Option<&'a RawValue>,
+    /// The Responses API's system prompt.
+    #[serde(borrow, default)]
+    instructions: Option<&'a RawValue>,
+    /// The Responses API's input: a string (one user message) or an array of items.
+    #[serde(borrow, default)]
+    input: Option<&'a RawValue>,
+}
+
+#[derive(Deserialize)]
+struct Metadata<'a> {
+    #[serde(borrow, default)]
+    user_id: Option<&'a RawValue>,
+}
+
+#[derive(Deserialize)]
+struct Message<'a> {
+    #[serde(borrow, default)]
+    role: Option<&'a RawValue>,
+    #[serde(borrow, default)]
+    content: Option<&'a RawValue>,
+}
+
+/// Parses the JSON body of any JSON inference API (chat completions, completions, embeddings,
+/// responses, messages).
+pub fn parse_chat(body: &[u8]) -> Result<ChatRequest, RequestError> {
+    let first = body.iter().find(|b| !b.is_ascii_whitespace());
+    match first {
+        None => return Err(RequestError::EmptyBody),
+        Some(b'{') => {}
+        Some(b'[' | b'"' | b't' | b'f' | b'n' | b'-' | b'0'..=b'9') => {
+            // Valid JSON perhaps, but not an object: say so only if it parses.
+            return Err(
+                match serde_json::from_slice::<serde::de::IgnoredAny>(body) {
+                    Ok(_) => RequestError::NotAnObject,
+                    Err(e) => RequestError::InvalidJson(short(&e)),
+                },
+            );
+        }
+        Some(_) => {}
+    }
+    if nesting_depth(body) > MAX_DEPTH {
+        return Err(RequestError::InvalidJson(format!(
+            "nesting deeper than {MAX_DEPTH} levels"
+        )));
+    }
+    let parsed: Body<'_> =
+        serde_json::from_slice(body).map_err(|e| RequestError::InvalidJson(short(&e)))?;
+    let model = match parsed.model {
+        None => return Err(RequestError::MissingModel),
+        Some(raw) => match serde_json::from_str::<String>(raw.get()) {
+            Ok(m) if m.is_empty() => return Err(RequestError::MissingModel),
+            Ok(m) if m.len() > MAX_MODEL_BYTES => return Err(RequestError::ModelTooLong),
+            Ok(m) => m,
+            Err(_) if raw.get() == "null" => return Err(RequestError::MissingModel),
+            Err(_) => return Err(RequestError::ModelNotString),
+        },
+    };
+    let session_string = |raw: &RawValue| {
+        serde_json::from_str::<String>(raw.get())
+            .ok()
+            .filter(|u| !u.is_empty() && u.len() <= MAX_SESSION_BYTES)
+    };
+    let metadata_user = || {
+        let meta = serde_json::from_str::<Metadata<'_>>(parsed.metadata?.get()).ok()?;
+        session_string(meta.user_id?)
+    };
+    let user = parsed.user.and_then(session_string).or_else(metadata_user);
+    let stream = parsed.stream.is_some_and(|raw| raw.get() == "true");
+    let system = parsed.system.or(parsed.instructions).map(RawValue::get);
+    let fingerprint = match (parsed.messages.as_deref(), parsed.input) {
+        (Some(msgs), _) => fingerprint(&model, system, msgs),
+        (None, Some(input)) => match serde_json::from_str::<Vec<&RawValue>>(input.get()) {
+            Ok(items) => fingerprint(&model, system, &items),
+            // A string input is the user message itself.
+            Err(_) if input.get().starts_with('"') => {
+                Some(fingerprint_hash(&model, system, input.get()))
+            }
+            Err(_) => None,
+        },
+        (None, None) => None,
+    };
+    Ok(ChatRequest {
+        model,
+        user,
+        fingerprint,
+        stream,
+    })
+}
+
+/// Deepest JSON nesting accepted. serde_json ignores unknown fields iteratively without a
+/// depth bound; an upstream parser may not be so forgiving, so the filter refuses such bodies.
+pub const MAX_DEPTH: usize = 128;
+
+/// Maximum depth of `[`/`{` nesting outside strings (a linear byte scan, no allocation).
+fn nesting_depth(body: &[u8]) -> usize {
+    let (mut depth, mut max, mut in_str, mut escaped) = (0usize, 0usize, false, false);
+    for &b in body {
+        if in_str {
+            match (escaped, b) {
+                (true, _) => escaped = false,
+                (false, b'\\') => escaped = true,
+                (false, b'"') => in_str = false,
+                _ => {}
+            }
+            continue;
+        }
+        match b {
+            b'"' => in_str = true,
+            b'[' | b'{' => {
+                depth += 1;
+                max = max.max(depth);
+            }
+            b']' | b'}' => depth = depth.saturating_sub(1),
+            _ => {}
+        }
+    }
+    max
+}
+
+/// Hash of (model, system prompt, first user message), when there is a user message. `system`
+/// is a top-level system prompt; without one, the first system / developer message is used.
+fn fingerprint(model: &str, system: Option<&str>, messages: &[&RawValue]) -> Option<u64> {
+    let mut system: Option<&str> = system;
+    let mut user: Option<&str> = None;
+    for raw in messages {
+        let Ok(m) = serde_json::from_str::<Message<'_>>(raw.get()) else {
+            continue;
+        };
+        let role = m.role.map(|r| r.get());
+        let content = m.content.map_or("", |c| c.get());
+        match role {
+            Some("\"system\"") | Some("\"developer\"") if system.is_none() => {
+                system = Some(content)
+            }
+            Some("\"user\"") if user.is_none() => user = Some(content),
+            _ => {}
+        }
+        if user.is_some() && system.is_some() {
+            break;
+        }
+    }
+    Some(fingerprint_hash(model, system, user?))
+}
+
+fn fingerprint_hash(model: &str, system: Option<&str>, user: &str) -> u64 {
+    hash_parts(
+        FINGERPRINT_SEED,
+        &[
+            model.as_bytes(),
+            system.unwrap_or("").as_bytes(),
+            user.as_bytes(),
+        ],
+    )
+}
+
+/// Longest part of serde_json's error text quoted back (it may quote the client's input).
+const MAX_JSON_ERROR_BYTES: usize = 160;
+
+fn short(e: &serde_json::Error) -> String {
+    text::truncate(&e.to_string(), MAX_JSON_ERROR_BYTES).to_string()
+}
+
+/// Where the session key came from (exposed for diagnostics and tests).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum SessionSource {
+    Header,
+    User,
+    Fingerprint,
+    None,
+}
+
+/// The tenant-scoped affinity key of a request. `tenant` is the caller's credential value
+/// (hashed here, never stored), `header` the session header's raw bytes.
+pub fn derive_session(
+    tenant: Option<&[u8]>,
+    header: Option<&[u8]>,
+    req: &ChatRequest,
+) -> Result<(Option<u64>, SessionSource), RequestError> {
+    let tenant = tenant.unwrap_or(b"");
+    if let Some(h) = header.filter(|h| !h.is_empty()) {
+        if h.len() > MAX_SESSION_BYTES {
+            return Err(RequestError::SessionTooLong);
+        }
+        return Ok((
+            Some(session_key(tenant, &[b"h:", h].concat())),
+            SessionSource::Header,
+        ));
+    }
+    if let Some(u) = &req.user {
+        return Ok((
+            Some(session_key(tenant, &[b"u:", u.as_bytes()].concat())),
+            SessionSource::User,
+        ));
+    }
+    if let Some(fp) = req.fingerprint {
+        return Ok((
+            Some(session_key(
+                tenant,
+                &[&b"f:"[..], &fp.to_le_bytes()].concat(),
+            )),
+            SessionSource::Fingerprint,
+        ));
+    }
+    Ok((None, SessionSource::None))
+}
+
+/// The routing view of a whole form: its model, and never a session from the body (pass it to
+/// [`derive_session`], which then uses the session header or nothing).
+pub fn parse_form(content_type: &str, body: &[u8]) -> Result<ChatRequest, RequestError> {
+    read_model(content_type, body)
+        .map(form_request)
+        .map_err(RequestError::Multipart)
+}
+
+/// The routing view of a form whose model a [`ModelScan`](crate::scheduler::wire::multipart::ModelScan) found.
+pub fn form_request(model: String) -> ChatRequest {
+    ChatRequest {
+        model,
+        user: None,
+        fingerprint: None,
+        stream: false,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    #[cfg(target_arch = "wasm32")]
+    use wasm_bindgen_test::wasm_bindgen_test as test;
+
+    #[test]
+    fn extracts_model_user_stream_and_fingerprint() {
+        let body = br#"{"model":"gpt-4o","user":"u1","stream":true,"messages":[
+            {"role":"system","content":"be brief"},{"role":"user","content":"hi"}]}"#;
+        let r = parse_chat(body).unwrap();
+        assert_eq!(r.model, "gpt-4o");
+        assert_eq!(r.user.as_deref(), Some("u1"));
+        assert!(r.stream);
+        // The next turn resends the same first messages plus more: same fingerprint.
+        let turn2 = br#"{"model":"gpt-4o","messages":[{"role":"system","content":"be brief"},
+            {"role":"user","content":"hi"},{"role":"assistant","content":"hello"},{"role":"user","content":"more"}]}"#;
+        assert_eq!(parse_chat(turn2).unwrap().fingerprint, r.fingerprint);
+        let other = br#"{"model":"gpt-4o","messages":[{"role":"user","content":"bye"}]}"#;
+        assert_ne!(parse_chat(other).unwrap().fingerprint, r.fingerprint);
+    }
+
+    #[test]
+    fn refuses_bad_bodies_with_defined_errors() {
+        assert_eq!(parse_chat(b"").unwrap_err(), RequestError::EmptyBody);
+        assert_eq!(parse_chat(b"  \n").unwrap_err(), RequestError::EmptyBody);
+        assert!(matches!(
+            parse_chat(b"{nope").unwrap_err(),
+            RequestError::InvalidJson(_)
+        ));
+        assert_eq!(parse_chat(b"[1,2]").unwrap_err(), RequestError::NotAnObject);
+        assert_eq!(parse_chat(b"\"x\"").unwrap_err(), RequestError::NotAnObject);
+        assert_eq!(parse_chat(b"{}").unwrap_err(), RequestError::MissingModel);
+        assert_eq!(
+            parse_chat(br#"{"model":null}"#).unwrap_err(),
+            RequestError::MissingModel
+        );
+        assert_eq!(
+            parse_chat(br#"{"model":7}"#).unwrap_err(),
+            RequestError::ModelNotString
+        );
+        let long = format!(r#"{{"model":"{}"}}"#, "m".repeat(100_000));
+        assert_eq!(
+            parse_chat(long.as_bytes()).unwrap_err(),
+            RequestError::ModelTooLong
+        );
+        let deep = format!(
+            r#"{{"model":"m","x":{}{}}}"#,
+            "[".repeat(100_000),
+            "]".repeat(100_000)
+        );
+        assert!(matches!(
+            parse_chat(deep.as_bytes()).unwrap_err(),
+            RequestError::InvalidJson(_)
+        ));
+        assert!(matches!(
+            parse_chat(b"{\"model\":\"\xff\"}").unwrap_err(),
+            RequestError::InvalidJson(_)
+        ));
+        let ok_depth = format!(
+            r#"{{"model":"m","x":{}"[{{\"]"{}}}"#,
+            "[".repeat(127),
+            "]".repeat(127)
+        );
+        assert_eq!(parse_chat(ok_depth.as_bytes()).unwrap().model, "m");
+        let e = RequestError::TooLarge { limit: 10 };
+        assert_eq!((e.status(), e.code()), (413, "request_too_large"));
+    }
+
+    /// Issue 14: serde_json's message quotes the client's text; cutting it at byte 160 inside
+    /// a two-byte character panicked (and killed the wasm VM).
+    #[test]
+    fn invalid_json_error_cut_inside_a_multibyte_character_does_not_panic() {
+        let body = format!(
+            r#"{{"model":"llama-3-8b","messages":"a{}"}}"#,
+            "é".repeat(200)
+        );
+        let RequestError::InvalidJson(msg) = parse_chat(body.as_bytes()).unwrap_err() else {
+            panic!("expected invalid_json");
+        };
+        assert!(msg.len() <= MAX_JSON_ERROR_BYTES, "{msg}");
+        let e = RequestError::InvalidJson(msg);
+        assert_eq!((e.status(), e.code()), (400, "invalid_json"));
+        assert!(e.reply().body().contains("invalid_json"));
+    }
+
+    #[test]
+    fn session_precedence_and_tenant_scoping() {
+        let r =
+            parse_chat(br#"{"model":"m","user":"u","messages":[{"role":"user","content":"q"}]}"#)
+                .unwrap();
+        let (h, src) = derive_session(None, Some(b"s1"), &r).unwrap();
+        assert_eq!(src, SessionSource::Header);
+        let (u, src) = derive_session(None, None, &r).unwrap();
+        assert_eq!(src, SessionSource::User);
+        assert_ne!(h, u);
+        let no_user =
+            parse_chat(br#"{"model":"m","messages":[{"role":"user","content":"q"}]}"#).unwrap();
+        assert_eq!(
+            derive_session(None, None, &no_user).unwrap().1,
+            SessionSource::Fingerprint
+        );
+        let bare = parse_chat(br#"{"model":"m"}"#).unwrap();
+        assert_eq!(
+            derive_session(None, None, &bare).unwrap(),
+            (None, SessionSource::None)
+        );
+        // Same session id, different tenants: different keys.
+        let a = derive_session(Some(b"Bearer A"), Some(b"s1"), &r)
+            .unwrap()
+            .0;
+        let b = derive_session(Some(b"Bearer B"), Some(b"s1"), &r)
+            .unwrap()
+            .0;
+        assert_ne!(a, b);
+        let huge = vec![b'x'; MAX_SESSION_BYTES + 1];
+        assert_eq!(
+            derive_session(None, Some(&huge), &r).unwrap_err(),
+            RequestError::SessionTooLong
+        );
+    }
+
+    #[test]
+    fn messages_session_from_metadata_user_id() {
+        let turn1 = br#"{"model":"claude","max_tokens":8,"system":"be brief",
+            "metadata":{"user_id":"user_1_session_9"},
+            "messages":[{"role":"user","content":"hi"}]}"#;
+        let r = parse_chat(turn1).unwrap();
+        assert_eq!(r.user.as_deref(), Some("user_1_session_9"));
+        let (key, src) = derive_session(Some(b"k"), None, &r).unwrap();
+        assert_eq!(src, SessionSource::User);
+        // The header still wins.
+        assert_eq!(
+            derive_session(Some(b"k"), Some(b"s"), &r).unwrap().1,
+            SessionSource::Header
+        );
+        // A body `user` wins over metadata.user_id (chat completions may carry both).
+        let both = br#"{"model":"m","user":"u","metadata":{"user_id":"x"}}"#;
+        assert_eq!(parse_chat(both).unwrap().user.as_deref(), Some("u"));
+        // Without metadata: the fingerprint, with the top-level system prompt, stable across
+        // turns and different from another system prompt.
+        let bare1 = br#"{"model":"claude","system":"be brief","messages":[{"role":"user","content":"hi"}]}"#;
+        let bare2 =
+            br#"{"model":"claude","system":"be brief","messages":[{"role":"user","content":"hi"},
+            {"role":"assistant","content":"hello"},{"role":"user","content":"more"}]}"#;
+        let other =
+            br#"{"model":"claude","system":"be long","messages":[{"role":"user","content":"hi"}]}"#;
+        let fp = |b: &[u8]| parse_chat(b).unwrap().fingerprint;
+        assert!(fp(bare1).is_some());
+        assert_eq!(fp(bare1), fp(bare2));
+        assert_ne!(fp(bare1), fp(other));
+        let r2 = parse_chat(bare1).unwrap();
+        let (fkey, src) = derive_session(Some(b"k"), None, &r2).unwrap();
+        assert_eq!(src, SessionSource::Fingerprint);
+        assert_ne!(key, fkey);
+        // Malformed metadata is ignored, not an error.
+        for meta in [r#""x""#, r#"{"user_id":7}"#, r#"{"user_id":""}"#, "null"] {
+            let body = format!(r#"{{"model":"m","metadata":{meta}}}"#);
+            assert_eq!(parse_chat(body.as_bytes()).unwrap().user, None, "{meta}");
+        }
+    }
+
+    #[test]
+    fn responses_input_gives_a_fingerprint() {
+        let fp = |b: &str| parse_chat(b.as_bytes()).unwrap().fingerprint;
+        let as_string = r#"{"model":"m","input":"hi"}"#;
+        let as_items = r#"{"model":"m","input":[{"role":"user","content":"hi"}]}"#;
+        let replayed = r#"{"model":"m","input":[{"role":"user","content":"hi"},
+            {"role":"assistant","content":"yo"},{"role":"user","content":"more"}]}"#;
+        assert!(fp(as_string).is_some());
+        assert_eq!(fp(as_string), fp(as_items));
+        assert_eq!(fp(as_items), fp(replayed));
+        // Same as the chat body with the same first user message.
+        let chat = r#"{"model":"m","messages":[{"role":"user","content":"hi"}]}"#;
+        assert_eq!(fp(as_string), fp(chat));
+        let instructed = r#"{"model":"m","instructions":"be brief","input":"hi"}"#;
+        assert_ne!(fp(instructed), fp(as_string));
+        // Inputs that are neither: no fingerprint, no error.
+        assert_eq!(fp(r#"{"model":"m","input":7}"#), None);
+        assert_eq!(
+            fp(r#"{"model":"m","input":[{"type":"function_call_output"}]}"#),
+            None
+        );
+    }
+
+    #[test]
+    fn new_error_kinds_map_to_statuses() {
+        let e = RequestError::UnsupportedContentType(Api::AudioTranscriptions);
+        assert_eq!((e.status(), e.code()), (415, "unsupported_content_type"));
+        assert!(e.message().contains("multipart/form-data"));
+        let m = RequestError::Multipart(MultipartError::Truncated);
+        assert_eq!((m.status(), m.code()), (400, "invalid_multipart"));
+    }
+}
