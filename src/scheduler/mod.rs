@@ -7,6 +7,7 @@
 
 pub mod affinity;
 pub mod api;
+pub mod blame;
 pub mod breaker;
 pub mod budget;
 pub mod codec;
@@ -20,6 +21,7 @@ pub mod models;
 pub mod multipart;
 pub mod outcome;
 pub mod overdue;
+pub mod path;
 pub mod payoff;
 pub mod pin_cookie;
 pub mod placement;
