@@ -9,8 +9,8 @@
 //! - request headers / body / trailers → `on_request_headers` / `on_request_body` /
 //!   `on_request_trailers` (the body is read once, when complete);
 //! - response headers → `on_response_headers` (a 429 without reset hints is held: its body is
-//!   buffered up to `blame::JUDGE_BYTES` and judged by `on_judged_body`); each response body chunk's last bytes →
-//!   `on_response_data` (read only while the flow scans the answer's usage; the chunk passes
+//!   buffered up to `blame::JUDGE_BYTES` and judged by `on_judged_body`); each response body
+//!   chunk's last bytes → `on_response_data` (read only while the flow scans the answer's usage; the chunk passes
 //!   unchanged); the last response body chunk or the response trailers → `on_response_end`;
 //!   response body while a failover call runs → held (`Pause`);
 //! - a failover call's answer → `on_call_response`, and once relayed, its body →

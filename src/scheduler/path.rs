@@ -15,7 +15,7 @@
 //!    encoded `%` (`%25`: decoded twice it is another path), a backslash raw or encoded (some
 //!    servers read it as `/`), a NUL or other control byte raw or encoded.
 //! 2. **Canonical form**: escapes of unreserved characters (`A-Z a-z 0-9 - . _ ~`, RFC 3986
-//!    §2.3) decoded, other escapes kept with upper-case hex, repeated `/` merged, `.` and `..`
+//!    §2.3) decoded, other escapes kept as sent, repeated `/` merged, `.` and `..`
 //!    segments resolved (§5.2.4; `..` never climbs above the root).
 //! 3. **Refused as not canonical** when the canonical form differs from the sent path. The
 //!    filter does not rewrite `:path` to the canonical form: refusing is the simpler rule with
@@ -123,12 +123,8 @@ pub fn canonical(path: &str, decode_slash: bool) -> Result<String, PathError> {
             0..=0x1f | 0x7f => return Err(PathError::ControlByte),
             b'/' if decode_slash => decoded.push(b'/'),
             c if unreserved(c) => decoded.push(c),
-            c => {
-                const HEX: &[u8; 16] = b"0123456789ABCDEF";
-                decoded.push(b'%');
-                decoded.extend(HEX.get(usize::from(c >> 4)));
-                decoded.extend(HEX.get(usize::from(c & 0xf)));
-            }
+            // Kept as sent (either hex case): it is data, not structure, for every server.
+            _ => decoded.extend(raw.get(i..i + 3).unwrap_or_default()),
         }
         i += 3;
     }
@@ -201,6 +197,7 @@ mod tests {
             "/v1/models/meta-llama%2FLlama-3",
             "/v1/files/file-1/content",
             "/v1/models/caf%C3%A9",
+            "/v1/models/org%2fmodel",
             "/",
             "",
             "*",
@@ -220,7 +217,6 @@ mod tests {
             ("/v1/./chat/completions", "/v1/chat/completions"),
             ("/v1/chat/%2e%2E/chat/completions", "/v1/chat/completions"),
             ("/../../v1/embeddings", "/v1/embeddings"),
-            ("/v1/models/x%2f", "/v1/models/x%2F"),
             ("/v1/files/..", "/v1/"),
             ("/v1/files/.", "/v1/files/"),
         ] {
