@@ -68,7 +68,8 @@
 //!   `user` (else the `x-session-id` header).
 //! - `GET /_mock/requests[?limit=N]`: the last requests, oldest first:
 //!   `{"seq","t_ms","path","headers":{lowercase name: value},"model","stream","user","status",
-//!   "fault","prompt_tokens","cached_tokens"}` (`status` is null for reset / hang).
+//!   "fault","prompt_tokens","cached_tokens","body_bytes"}` (`POST /v1/files` is logged and
+//!   faulted too) (`status` is null for reset / hang).
 //! - `POST /_mock/fault` (body: the fault, replacing the current one; answers once it is in force),
 //!   `GET /_mock/fault`:
 //!   `{"mode":"none"}`, `{"mode":"status","status":429,"retry_after":"2","headers":{..},"body":".."}`,
@@ -393,6 +394,8 @@ struct Record {
     fault: Option<&'static str>,
     prompt_tokens: Option<u64>,
     cached_tokens: Option<u64>,
+    /// Bytes of the request body received.
+    body_bytes: usize,
 }
 
 impl Record {
@@ -409,6 +412,7 @@ impl Record {
             "fault": self.fault,
             "prompt_tokens": self.prompt_tokens,
             "cached_tokens": self.cached_tokens,
+            "body_bytes": self.body_bytes,
         })
     }
 }
@@ -524,6 +528,7 @@ fn decide(
         fault: None,
         prompt_tokens: None,
         cached_tokens: None,
+        body_bytes: body.as_ref().map_or(0, Bytes::len),
     };
 
     let mut guard = mock.lock();
@@ -1016,6 +1021,9 @@ async fn handle(
     let method = req.method().clone();
     let r = match (method, path.as_str()) {
         (Method::POST, p) if apis::Api::from_path(p).is_some() => chat(mock, conn, req).await,
+        // An upload (not inference): logged with its body size and faulted like the APIs
+        // above, answered as a chat completion when not faulted.
+        (Method::POST, "/v1/files") => chat(mock, conn, req).await,
         (Method::GET, "/v1/models") => {
             let ids: Vec<String> = if mock.args.models.is_empty() {
                 vec!["mock".into()]

@@ -371,7 +371,12 @@ fn slow_endpoint_loses_new_sessions_after_warm_up() {
 
 #[test]
 fn rate_limit_and_dead_key_fail_over_inside_the_request() {
-    let (mocks, envoy) = three(json!({}));
+    // Each endpoint sends its own key: a 401 is that key's, not the client's (issue 22).
+    let (mocks, envoy) = three(json!({"endpoints": [
+        {"name": "a", "cluster": "ca", "models": ["m1", "m2"], "headers": {"authorization": "Bearer key-a"}},
+        {"name": "b", "cluster": "cb", "models": ["m1", "m2"], "headers": {"authorization": "Bearer key-b"}},
+        {"name": "c", "cluster": "cc", "models": ["m1"], "headers": {"authorization": "Bearer key-c"}}
+    ]}));
     let body = chat_body("m1", &["hello"], Value::Null);
     let h = [("x-session-id", "fo-1")];
     let first = post_chat(envoy.port, &h, &body);

@@ -67,6 +67,13 @@ fn endpoint(name: &str, weight: f64, models: &[&str]) -> Value {
     json!({"name": name, "cluster": name, "weight": weight, "models": models})
 }
 
+/// `e` with an API key of its own (`authorization`): its 401/403 are a dead key (issue 22).
+fn keyed(mut e: Value) -> Value {
+    let key = format!("Bearer key-{}", e["name"].as_str().unwrap_or(""));
+    e["headers"] = json!({ "authorization": key });
+    e
+}
+
 /// The fleets this file configures: (name, weight, models) of each endpoint.
 const FLEETS: &[&[(&str, f64, &[&str])]] = &[
     &[("a", 2.0, &["m"]), ("b", 1.0, &["m"])],
@@ -648,7 +655,8 @@ fn dead_keys_are_skipped_per_request_and_lower_the_score() {
             // (latency factors are 1: a never succeeded, b is the fastest), rounded up to a
             // power of two (placement_quantum 1). success_rate_alpha 0.5: each verdict moves the
             // rate halfway.
-            "endpoints": [endpoint("a", 3.0, &["m"]), endpoint("b", 1.0, &["m"])],
+            // Each endpoint sends its own key: a 401/403 is that key's, not the client's.
+            "endpoints": [keyed(endpoint("a", 3.0, &["m"])), keyed(endpoint("b", 1.0, &["m"]))],
             "cold_start_samples": 1,
             "success_rate_alpha": 0.5,
             "stats_decay_ms": 2000,

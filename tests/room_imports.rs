@@ -32,7 +32,7 @@ const ROOMS: &[(&str, &[&str])] = &[
     ("state", &[]),
     ("config", &["state"]),
     ("wire", &["config", "state"]),
-    ("health", &["time", "state"]),
+    ("health", &["time", "state", "config"]),
     ("routing", &["time", "state", "config", "wire", "health"]),
     (
         "flow",

@@ -8,8 +8,9 @@
 //! Callback → flow:
 //! - request headers / body / trailers → `on_request_headers` / `on_request_body` /
 //!   `on_request_trailers` (the body is read once, when complete);
-//! - response headers → `on_response_headers`; each response body chunk's last bytes →
-//!   `on_response_data` (read only while the flow scans the answer's usage; the chunk passes
+//! - response headers → `on_response_headers` (a 429 without reset hints is held: its body is
+//!   buffered up to `blame::JUDGE_BYTES` and judged by `on_judged_body`); each response body
+//!   chunk's last bytes → `on_response_data` (read only while the flow scans the answer's usage; the chunk passes
 //!   unchanged); the last response body chunk or the response trailers → `on_response_end`;
 //!   response body while a failover call runs → held (`Pause`);
 //! - a failover call's answer → `on_call_response`, and once relayed, its body →
@@ -20,8 +21,10 @@ use super::host;
 use super::observe::Recorder;
 use super::plugin::Plugin;
 use super::shared::SharedData;
+use crate::scheduler::health::blame::JUDGE_BYTES;
 use crate::scheduler::flow::{Flow, Step};
 use crate::scheduler::routing::select::Scheduler;
+use crate::scheduler::wire::headers::HeaderSource;
 use crate::scheduler::wire::usage::TAIL_BYTES;
 use proxy_wasm::traits::{Context, HttpContext};
 use proxy_wasm::types::{Action, BufferType, MapType};
@@ -147,8 +150,13 @@ impl Context for Http {
         // num_headers == 0: the call failed (reset, timeout after headers).
         let headers =
             (num_headers > 0).then(|| host::header_pairs(MapType::HttpCallResponseHeaders));
+        // A 429's first bytes tell a request too large for any key from a rate limit.
+        let head = match headers.as_ref().and_then(|h| h.status()) {
+            Some(429) => host::buffer(BufferType::HttpCallResponseBody, 0, JUDGE_BYTES),
+            _ => Vec::new(),
+        };
         let step = self.with_flow(now, |f, s, r| {
-            f.on_call_response(s, r, headers, body_size, now)
+            f.on_call_answer(s, r, headers, body_size, &head, now)
         });
         self.perform(step, now);
     }
@@ -199,6 +207,18 @@ impl HttpContext for Http {
     }
 
     fn on_http_response_body(&mut self, body_size: usize, end_of_stream: bool) -> Action {
+        if self.flow.judges_answer() {
+            // A 429 held at its headers: buffered until its head can be judged.
+            if !end_of_stream && body_size < JUDGE_BYTES {
+                return Action::Pause;
+            }
+            let now = host::now_ms();
+            let head = host::buffer(BufferType::HttpResponseBody, 0, JUDGE_BYTES);
+            let step = self.with_flow(now, |f, s, r| f.on_judged_body(s, r, &head, now));
+            if self.perform(step, now) == Action::Pause {
+                return Action::Pause;
+            }
+        }
         if self.flow.holds_answer() {
             return Action::Pause;
         }
@@ -238,6 +258,14 @@ impl HttpContext for Http {
     }
 
     fn on_http_response_trailers(&mut self, _num_trailers: usize) -> Action {
+        if self.flow.judges_answer() {
+            let now = host::now_ms();
+            let head = host::buffer(BufferType::HttpResponseBody, 0, JUDGE_BYTES);
+            let step = self.with_flow(now, |f, s, r| f.on_judged_body(s, r, &head, now));
+            if self.perform(step, now) == Action::Pause {
+                return Action::Pause;
+            }
+        }
         if self.flow.holds_answer() {
             return Action::Pause;
         }

@@ -14,7 +14,7 @@
 //! | [`state`]   | bytes every worker agrees on: the `Store`, the codec, fixed hashes | —                                     |
 //! | [`config`]  | the plugin configuration, validated                             | state                                    |
 //! | [`wire`]    | requests and answers as bytes: parse, scan, write; no policy     | config, state                            |
-//! | [`health`]  | what an outcome means, breakers, the retry budget               | time, state                              |
+//! | [`health`]  | what an outcome means, breakers, the retry budget               | time, state, config                      |
 //! | [`routing`] | the decision: endpoint table, signals, placement, pick, finish  | time, state, config, wire, health        |
 //! | [`flow`]    | one request's lifecycle, from headers to the last answer byte   | time, state, config, wire, health, routing |
 

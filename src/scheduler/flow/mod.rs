@@ -18,6 +18,8 @@
 //! Routed ─success / client error─▶ Relaying ─end of answer, or on_log─▶ Done
 //! Routed ─failure, failover allowed─▶ FailingOver ─call answer─▶ FailingOver (again) | Done
 //! Routed ─failure, no failover─▶ Done (the failing answer is relayed)
+//!   (never a failover for a request routed with a body the filter did not read: a pass-through
+//!   upload cannot be replayed whole, and a truncated replay is worse than the upstream's 429)
 //! a refused request, or no endpoint for the first attempt ─▶ Done (local reply)
 //! ```
 //!
@@ -51,6 +53,7 @@
 //! s.finish(d.ticket, &Outcome::Success, 1, None, 2); // use of moved value
 //! ```
 
+use crate::scheduler::health::blame;
 use crate::scheduler::config::{Config, ListModels};
 use crate::scheduler::health::outcome::{classify, FailureKind, Outcome};
 use crate::scheduler::routing::quota::QuotaHint;
@@ -101,6 +104,9 @@ pub enum Phase {
     Routed,
     /// A failover call is in flight; the held answer must not reach the client.
     FailingOver,
+    /// A routed 429 without reset hints is held at its headers until its body's first bytes
+    /// say whose fault it is ([`Flow::on_judged_body`], `blame`).
+    Judging,
     /// The routed answer flows to the client; its attempt ends with it.
     Relaying,
     /// Nothing left to decide.
@@ -234,6 +240,9 @@ pub struct Flow {
     pin_hint: Option<u32>,
     /// The `set-cookie` value for a successful answer of the current attempt (`pin_cookie`).
     pin_cookie: Option<String>,
+    /// A request routed with a body the filter never read (pass-through): a failover call
+    /// could not send it, so it never fails over (issue 22: an upload replayed empty).
+    body_unread: bool,
 }
 
 impl Default for Flow {
@@ -271,6 +280,7 @@ impl Flow {
             usage: None,
             pin_hint: None,
             pin_cookie: None,
+            body_unread: false,
         }
     }
 
@@ -372,6 +382,8 @@ impl Flow {
             .or_else(|| headers.header("x-api-key"))
             .map(Cow::into_owned);
         self.headers = headers;
+        // Set for the requests routed at once below; a body read in full clears it.
+        self.body_unread = !end_of_stream;
         match api::policy(&method, &path, self.content_type.as_deref()) {
             Handling::Json(a) | Handling::Multipart(a) => self.api = Some(a),
             Handling::ListModels => match cfg.list_models {
@@ -398,6 +410,7 @@ impl Flow {
             Handling::WrongContentType { api } => {
                 return self.refuse(obs, &RequestError::UnsupportedContentType(api))
             }
+            Handling::InvalidPath(e) => return self.refuse(obs, &RequestError::InvalidPath(e)),
             Handling::PassThrough => {
                 // Not inference (files, batches, anything unknown): routed at once, without a
                 // model or session, the body never read.
@@ -477,10 +490,23 @@ impl Flow {
         }
         let outcome = match headers.status() {
             // Rate-limit hints matter only on a 429: spare other answers the header reads.
-            Some(429) => classify(429, &rate_limit_hints(headers), now_ms),
+            Some(429) => {
+                let hints = rate_limit_hints(headers);
+                if hints.is_empty() && !end_of_stream {
+                    // No reset hint: is the request too large for any key? Its body says.
+                    if let Some(a) = self.current.as_mut() {
+                        let to_headers = now_ms.saturating_sub(a.ticket.started_ms);
+                        a.verdict = Some((blame::judge_429(&[]), to_headers));
+                    }
+                    self.phase = Phase::Judging;
+                    return Step::Pause;
+                }
+                classify(429, &hints, now_ms)
+            }
             Some(status) => classify(status, &[], now_ms),
             None => Outcome::EndpointFailure(FailureKind::Reset),
         };
+        let outcome = blame::by_endpoint(outcome, self.endpoint(s.cfg));
         if outcome.fails_over() {
             let Some(failed) = self.finish_current(s, obs, &outcome, None, now_ms) else {
                 return Step::Continue;
@@ -519,6 +545,45 @@ impl Flow {
         step
     }
 
+    /// Whether the routed answer is held for [`Flow::on_judged_body`].
+    pub fn judges_answer(&self) -> bool {
+        self.phase == Phase::Judging
+    }
+
+    /// The held 429's body: its first bytes (at most `blame::JUDGE_BYTES`), once it ended or
+    /// that many arrived. The request's own fault (too large for any key) is relayed as it is
+    /// and not held against the endpoint; any other 429 cools the endpoint and fails over as
+    /// at the headers. A [`Step::Relay`] lets the held answer go on; a [`Step::Dispatch`]
+    /// keeps holding it.
+    pub fn on_judged_body(
+        &mut self,
+        s: &Scheduler<'_>,
+        obs: &mut dyn Observer,
+        head: &[u8],
+        now_ms: u64,
+    ) -> Step {
+        if self.phase != Phase::Judging {
+            return Step::Continue;
+        }
+        let outcome = blame::judge_429(head);
+        let to_headers = self.current.as_ref().and_then(|a| a.verdict).map(|v| v.1);
+        if outcome.fails_over() {
+            self.phase = Phase::Routed;
+            let Some(failed) = self.finish_current(s, obs, &outcome, to_headers, now_ms) else {
+                return Step::Continue;
+            };
+            let fallback = Fallback::Routed {
+                served_by: self.served_by,
+            };
+            return self.after_answer(s, obs, failed, &outcome, fallback, now_ms);
+        }
+        if let Some(a) = self.current.as_mut() {
+            a.verdict = Some((outcome, to_headers.unwrap_or(0)));
+        }
+        self.phase = Phase::Relaying;
+        Step::Relay(self.exposed(s.cfg))
+    }
+
     /// The routed answer ended (its last body chunk or its trailers).
     pub fn on_response_end(&mut self, s: &Scheduler<'_>, obs: &mut dyn Observer, now_ms: u64) {
         if self.phase != Phase::Relaying {
@@ -547,15 +612,34 @@ impl Flow {
         body_size: usize,
         now_ms: u64,
     ) -> Step {
+        self.on_call_answer(s, obs, headers, body_size, &[], now_ms)
+    }
+
+    /// [`Flow::on_call_response`] with the first bytes of the call's body (at most
+    /// `blame::JUDGE_BYTES`; read by the host only for a 429), which tell a request too large
+    /// for any key from a rate limit.
+    pub fn on_call_answer(
+        &mut self,
+        s: &Scheduler<'_>,
+        obs: &mut dyn Observer,
+        headers: Option<Pairs>,
+        body_size: usize,
+        body_head: &[u8],
+        now_ms: u64,
+    ) -> Step {
         if self.phase != Phase::FailingOver {
             return Step::Continue;
         }
         let status = headers.as_ref().and_then(|h| h.status());
         let outcome = match (status, &headers) {
-            (Some(429), Some(h)) => classify(429, &rate_limit_hints(h), now_ms),
+            (Some(429), Some(h)) => match rate_limit_hints(h) {
+                hints if hints.is_empty() => blame::judge_429(body_head),
+                hints => classify(429, &hints, now_ms),
+            },
             (Some(status), _) => classify(status, &[], now_ms),
             (None, _) => Outcome::EndpointFailure(FailureKind::Reset),
         };
+        let outcome = blame::by_endpoint(outcome, self.endpoint(s.cfg));
         if let (Some(a), Some(h)) = (self.current.as_mut(), &headers) {
             a.quota = quota_hint(s, &outcome, h, now_ms);
         }
@@ -625,6 +709,7 @@ impl Flow {
         self.read_pin_cookie(s.cfg);
         self.model = Some(req.model);
         self.body = body;
+        self.body_unread = false;
         if self.api == Some(Api::Responses) {
             if let Some(step) = self.follow_up(s, obs, now_ms) {
                 return step;
@@ -812,7 +897,11 @@ impl Flow {
         outcome: &Outcome,
         now_ms: u64,
     ) -> Option<usize> {
-        if !outcome.fails_over() || self.attempts >= s.cfg.max_attempts || self.holder_pinned {
+        if !outcome.fails_over()
+            || self.attempts >= s.cfg.max_attempts
+            || self.holder_pinned
+            || self.body_unread
+        {
             return None;
         }
         match self.start_attempt(s, obs, now_ms) {

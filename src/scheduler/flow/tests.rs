@@ -905,3 +905,178 @@ fn only_an_affinity_hits_own_answer_feeds_the_payoff() {
     assert_eq!(log.usages().len(), 1, "counted as usage");
     assert_eq!((payoff(0).samples, payoff(1).samples), (1, 0));
 }
+
+// Issue 22: what a request brings on itself is not held against the endpoint, a body the
+// filter never read is never replayed, and only a canonical path is classified.
+
+const TPM_429: &[u8] = br#"{"error":{"message":"Request too large for gpt-4o in organization org-x on tokens per min (TPM): Limit 30000, Requested 52000.","type":"tokens","code":"rate_limit_exceeded"}}"#;
+
+#[test]
+fn a_429_too_large_for_any_key_is_relayed_and_not_held_against_the_endpoint() {
+    let c = cfg(json!({"max_attempts": 3}));
+    let store = MemStore::new();
+    let s = Scheduler::new(&c, &store);
+    let mut log = Log::default();
+    let mut f = Flow::default();
+    assert_eq!(
+        route(&mut f, &s, &mut log, post_headers(&[]), 0),
+        Step::Route(0)
+    );
+    // No reset hint: held until the body says whose fault it is.
+    let h = pairs(&[(":status", "429"), (UPSTREAM_MARKER, "1")]);
+    assert_eq!(
+        f.on_response_headers(&s, &mut log, &h, false, 5),
+        Step::Pause
+    );
+    assert!(f.judges_answer() && !f.holds_answer());
+    assert!(matches!(
+        f.on_judged_body(&s, &mut log, TPM_429, 6),
+        Step::Relay(_)
+    ));
+    f.on_response_end(&s, &mut log, 7);
+    assert!(log
+        .0
+        .iter()
+        .any(|e| matches!(e, Event::Finished(0, "client_error", _, _))));
+    assert!(!log.0.iter().any(|e| matches!(e, Event::FailedOver(_))));
+    // a is not cooled: the next request goes there again.
+    let mut g = Flow::default();
+    assert_eq!(
+        route(&mut g, &s, &mut log, post_headers(&[]), 10),
+        Step::Route(0)
+    );
+}
+
+#[test]
+fn a_429_without_hints_that_is_a_rate_limit_still_fails_over() {
+    let c = cfg(json!({"max_attempts": 3}));
+    let store = MemStore::new();
+    let s = Scheduler::new(&c, &store);
+    let mut log = Log::default();
+    let mut f = Flow::default();
+    route(&mut f, &s, &mut log, post_headers(&[]), 0);
+    let h = pairs(&[(":status", "429"), (UPSTREAM_MARKER, "1")]);
+    assert_eq!(
+        f.on_response_headers(&s, &mut log, &h, false, 5),
+        Step::Pause
+    );
+    let quota = br#"{"error":{"message":"Rate limit reached: Limit 30000, Used 29000, Requested 2000.","code":"rate_limit_exceeded"}}"#;
+    assert_eq!(f.on_judged_body(&s, &mut log, quota, 6), Step::Dispatch(1));
+    assert!(f.holds_answer());
+    // A failover call's 429 is judged on its body's head too: relayed, b not cooled.
+    let b = pairs(&[(":status", "429"), (UPSTREAM_MARKER, "1")]);
+    match f.on_call_answer(&s, &mut log, Some(b), TPM_429.len(), TPM_429, 9) {
+        Step::RelayCall { status: 429, .. } => {}
+        other => panic!("{other:?}"),
+    }
+    assert!(log
+        .0
+        .iter()
+        .any(|e| matches!(e, Event::Finished(1, "client_error", _, _))));
+    // With a reset hint the header decides, as before (no body read).
+    let mut g = Flow::default();
+    route(&mut g, &s, &mut log, post_headers(&[]), 20);
+    let hinted = pairs(&[(":status", "429"), ("retry-after", "1")]);
+    assert!(matches!(
+        g.on_response_headers(&s, &mut log, &hinted, false, 21),
+        Step::Dispatch(_)
+    ));
+}
+
+#[test]
+fn a_401_is_the_clients_own_key_when_the_endpoint_injects_none() {
+    let c = cfg(json!({"max_attempts": 3}));
+    let store = MemStore::new();
+    let s = Scheduler::new(&c, &store);
+    let mut log = Log::default();
+    let mut f = Flow::default();
+    route(&mut f, &s, &mut log, post_headers(&[]), 0);
+    // a injects its own key: its 401 is a dead key, failed over to b.
+    let h = pairs(&[(":status", "401"), (UPSTREAM_MARKER, "1")]);
+    assert_eq!(
+        f.on_response_headers(&s, &mut log, &h, false, 5),
+        Step::Dispatch(1)
+    );
+    // b injects none: the client's own key was refused; relayed, not failed over.
+    let b = pairs(&[(":status", "401"), (UPSTREAM_MARKER, "1")]);
+    match f.on_call_response(&s, &mut log, Some(b), 10, 9) {
+        Step::RelayCall { status: 401, .. } => {}
+        other => panic!("{other:?}"),
+    }
+    let labels: Vec<_> = log
+        .0
+        .iter()
+        .filter_map(|e| match e {
+            Event::Finished(i, l, _, _) => Some((*i, *l)),
+            _ => None,
+        })
+        .collect();
+    assert_eq!(labels, vec![(0, "dead_key"), (1, "client_error")]);
+}
+
+#[test]
+fn a_pass_through_request_with_an_unread_body_is_never_replayed() {
+    let c = cfg(json!({"max_attempts": 3}));
+    let store = MemStore::new();
+    let s = Scheduler::new(&c, &store);
+    let mut log = Log::default();
+    let upload = pairs(&[
+        (":method", "POST"),
+        (":path", "/v1/files"),
+        (":authority", "llm"),
+    ]);
+    let mut f = Flow::default();
+    assert_eq!(
+        f.on_request_headers(&s, &mut log, upload, false, 0),
+        Step::Route(0)
+    );
+    let h = pairs(&[(":status", "503"), (UPSTREAM_MARKER, "1")]);
+    assert!(matches!(
+        f.on_response_headers(&s, &mut log, &h, false, 5),
+        Step::Relay(_)
+    ));
+    assert!(!log.0.iter().any(|e| matches!(e, Event::FailedOver(_))));
+    // Without a body there is nothing to lose: failed over as before.
+    let get = pairs(&[
+        (":method", "GET"),
+        (":path", "/v1/files"),
+        (":authority", "llm"),
+    ]);
+    let mut g = Flow::default();
+    assert!(matches!(
+        g.on_request_headers(&s, &mut log, get, true, 10),
+        Step::Route(_)
+    ));
+    assert!(matches!(
+        g.on_response_headers(&s, &mut log, &h, false, 11),
+        Step::Dispatch(_)
+    ));
+}
+
+#[test]
+fn ambiguous_paths_are_refused_before_any_pick() {
+    let c = cfg(json!({}));
+    let store = MemStore::new();
+    let s = Scheduler::new(&c, &store);
+    for path in [
+        "/v1/%63hat/completions",
+        "//v1/chat/completions",
+        "/v1/files/../chat/completions",
+        "/v1%2Fchat%2Fcompletions",
+    ] {
+        let mut log = Log::default();
+        let mut f = Flow::default();
+        let h = pairs(&[(":method", "POST"), (":path", path), (":authority", "llm")]);
+        match f.on_request_headers(&s, &mut log, h, false, 0) {
+            Step::Reply(r) => {
+                assert_eq!(
+                    (r.status, r.reason.label()),
+                    (400, "invalid_path"),
+                    "{path}"
+                )
+            }
+            other => panic!("{path}: {other:?}"),
+        }
+        assert_eq!(log.0, vec![Event::Replied("invalid_path")], "{path}");
+    }
+}

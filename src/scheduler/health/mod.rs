@@ -4,6 +4,7 @@
 //!
 //! May import `time` (the reset hints' formats) and `state` (the codec).
 
+pub mod blame;
 pub mod breaker;
 pub mod budget;
 pub mod outcome;

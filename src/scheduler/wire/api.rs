@@ -22,7 +22,13 @@
 //! `application/x-www-form-urlencoded`), as they always did.
 //!
 //! Paths are matched exactly after dropping the query and one trailing `/`; the `/v1` prefix is
-//! required (it is what every OpenAI-compatible server and SDK uses).
+//! required (it is what every OpenAI-compatible server and SDK uses). Before that, a path that
+//! is not in canonical form (`/v1/%63hat/completions`, `//v1/…`, dot segments) or is ambiguous
+//! (`%2F` that names another API once decoded, `%25`, backslashes, control bytes) is refused
+//! with `400 invalid_path` ([`Handling::InvalidPath`], see `path`): an upstream that decodes
+//! the path would otherwise serve a request the filter classified as something else.
+
+use super::path::{canonical, check, has_encoded_slash, path_part, PathError};
 
 /// The inference APIs the filter routes by model.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -68,7 +74,7 @@ pub enum BodyFormat {
 }
 
 /// What the filter does with a request.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[derive(Debug, Clone, PartialEq, Eq)]
 pub enum Handling<'a> {
     /// An inference request with a JSON body: parse it (`request::parse_chat`), route by model.
     Json(Api),
@@ -88,10 +94,43 @@ pub enum Handling<'a> {
     /// The content type contradicts the path: answer
     /// `RequestError::UnsupportedContentType(api)` (415).
     WrongContentType { api: Api },
+    /// The path is ambiguous or not canonical (`path::check`): answer
+    /// `RequestError::InvalidPath` (400) before anything else is read.
+    InvalidPath(PathError),
 }
 
 /// Decides what to do with a request from its method, `:path` and `content-type` header.
+///
+/// The path is checked first (`path::check`): only a canonical path is classified, so what
+/// goes upstream is what was classified; and a path whose encoded `/` (`%2F`) would name
+/// another API once decoded (as Starlette-based servers do) is refused too.
 pub fn policy<'a>(method: &str, path: &'a str, content_type: Option<&str>) -> Handling<'a> {
+    if let Err(e) = check(path) {
+        return Handling::InvalidPath(e);
+    }
+    let handling = classify(method, path, content_type);
+    if has_encoded_slash(path) {
+        let same = canonical(path, true)
+            .is_ok_and(|decoded| same_kind(&handling, &classify(method, &decoded, content_type)));
+        if !same {
+            return Handling::InvalidPath(PathError::EncodedSlash);
+        }
+    }
+    handling
+}
+
+/// Whether two handlings do the same thing, ids aside (an id may hold an encoded `/`).
+fn same_kind(a: &Handling<'_>, b: &Handling<'_>) -> bool {
+    use Handling as H;
+    match (a, b) {
+        (H::RetrieveModel { .. }, H::RetrieveModel { .. })
+        | (H::StoredResponse { .. }, H::StoredResponse { .. }) => true,
+        _ => a == b,
+    }
+}
+
+/// [`policy`] on a path already checked.
+fn classify<'a>(method: &str, path: &'a str, content_type: Option<&str>) -> Handling<'a> {
     let path = clean_path(path);
     let Some(rest) = path.strip_prefix("/v1/") else {
         return Handling::PassThrough;
@@ -139,8 +178,7 @@ pub fn policy<'a>(method: &str, path: &'a str, content_type: Option<&str>) -> Ha
 
 /// The path without its query (and fragment) and without one trailing `/`.
 fn clean_path(path: &str) -> &str {
-    let end = path.find(['?', '#']).unwrap_or(path.len());
-    let p = path.get(..end).unwrap_or(path);
+    let p = path_part(path);
     match p.strip_suffix('/') {
         Some(stripped) if !stripped.is_empty() => stripped,
         _ => p,
@@ -268,7 +306,6 @@ mod tests {
             ("POST", "/v1"),
             ("POST", ""),
             ("GET", "/"),
-            ("POST", "/v1/responses//"),
         ] {
             assert_eq!(
                 policy(method, path, FORM),
@@ -276,6 +313,38 @@ mod tests {
                 "{method} {path}"
             );
         }
+    }
+
+    #[test]
+    fn encoded_and_ambiguous_paths_are_refused_not_passed_through() {
+        let chat = Handling::Json(Api::ChatCompletions);
+        for path in [
+            "/v1/%63hat/completions",
+            "//v1/chat/completions",
+            "/v1/files/../chat/completions",
+            "/v1/./chat/completions",
+            "/v1/responses//",
+            "/v1%2Fchat%2Fcompletions",
+            "/v1/responses/x%2F..%2F..%2Fchat%2Fcompletions",
+            "/v1/chat/completions%00",
+            "/v1/chat%5Ccompletions",
+            "/v1/%2563hat/completions",
+            "/v1/%6",
+        ] {
+            let h = policy("POST", path, JSON);
+            assert!(matches!(h, Handling::InvalidPath(_)), "{path}: {h:?}");
+            assert_ne!(h, chat);
+        }
+        // An encoded `/` inside an id does not change the API: still served.
+        assert_eq!(
+            policy("GET", "/v1/responses/a%2Fb/input_items", None),
+            Handling::StoredResponse { id: "a%2Fb" }
+        );
+        // The query is not the path.
+        assert_eq!(
+            policy("POST", "/v1/chat/completions?p=%2F..%25", JSON),
+            chat
+        );
     }
 
     #[test]

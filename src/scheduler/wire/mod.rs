@@ -6,6 +6,7 @@
 //! decided elsewhere. May import `config` and `state` (the session hash).
 
 pub mod api;
+pub mod path;
 pub mod engine_load;
 pub mod headers;
 pub mod json_scan;

@@ -36,6 +36,8 @@ pub enum RejectReason {
     PreviousResponseNotFound,
     /// The endpoint holding `previous_response_id` cannot take the request now.
     PreviousResponseUnavailable,
+    /// The request path is ambiguous or not in canonical form (`path`).
+    InvalidPath,
 }
 
 impl RejectReason {
@@ -57,6 +59,7 @@ impl RejectReason {
         RejectReason::InvalidMultipart,
         RejectReason::PreviousResponseNotFound,
         RejectReason::PreviousResponseUnavailable,
+        RejectReason::InvalidPath,
     ];
 
     /// The error `code`, also the metric label.
@@ -78,6 +81,7 @@ impl RejectReason {
             RejectReason::InvalidMultipart => "invalid_multipart",
             RejectReason::PreviousResponseNotFound => "previous_response_not_found",
             RejectReason::PreviousResponseUnavailable => "previous_response_unavailable",
+            RejectReason::InvalidPath => "invalid_path",
         }
     }
 

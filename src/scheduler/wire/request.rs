@@ -61,6 +61,8 @@ pub enum RequestError {
     UnsupportedContentType(Api),
     /// A multipart form that cannot be read (see [`MultipartError`]).
     Multipart(MultipartError),
+    /// The request path is ambiguous or not canonical (`api::Handling::InvalidPath`).
+    InvalidPath(super::path::PathError),
 }
 
 impl RequestError {
@@ -84,6 +86,7 @@ impl RequestError {
             RequestError::SessionTooLong => RejectReason::InvalidSessionId,
             RequestError::UnsupportedContentType(_) => RejectReason::UnsupportedContentType,
             RequestError::Multipart(e) => e.reason(),
+            RequestError::InvalidPath(_) => RejectReason::InvalidPath,
         }
     }
 
@@ -127,6 +130,7 @@ impl RequestError {
                 format!("This endpoint ({}) takes {expected}.", api.label())
             }
             RequestError::Multipart(e) => e.message(),
+            RequestError::InvalidPath(e) => e.message(),
         }
     }
 }
