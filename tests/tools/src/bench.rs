@@ -8,7 +8,7 @@
 //! one run, reproducible with one command.
 //!
 //! ```text
-//! cargo run --release --example bench -- [--quick] [--out results/bench]
+//! cargo run --release -p computeflux-tools --bin bench -- [--quick] [--out results/bench]
 //!     [--policies round_robin,least_request,ring_hash,maglev,computeflux]
 //!     [--scenarios steady,rate_limited,down,slow,join,rolling_restart,quota,quota_off,no_cache]
 //!     [--replicas 1,3] [--replica-concurrency 1] [--front-concurrency 1] [--drain-s 1]
@@ -18,7 +18,7 @@
 //!     [--max-concurrency 8] [--envoy-retries on|off] [--open-ms 3000]
 //!     [--overhead-reps 6] [--overhead-seconds 2] [--micro FILE | --micro-missing REASON]
 //!     [--date D] [--commit C] [--command CMD]
-//! cargo run --release --example bench -- --render results/bench/results.json
+//! cargo run --release -p computeflux-tools --bin bench -- --render results/bench/results.json
 //! ```
 //!
 //! `--replicas 1,3` (the default) runs every scenario with a lone Envoy and with three replicas;
@@ -43,7 +43,7 @@ mod report;
 mod routing;
 #[path = "bench/summary.rs"]
 mod summary;
-#[path = "../tests/support/mod.rs"]
+#[path = "../../support/mod.rs"]
 mod support;
 #[path = "bench/targets.rs"]
 mod targets;
@@ -602,7 +602,7 @@ fn main() -> ExitCode {
     let args = match parse() {
         Ok(a) => a,
         Err(e) if e == "help" => {
-            println!("see the module docs of examples/bench.rs (or scripts/bench --help)");
+            println!("see the module docs of tests/tools/src/bench.rs (or scripts/bench --help)");
             return ExitCode::SUCCESS;
         }
         Err(e) => {

@@ -6,7 +6,7 @@
 //! endpoint; tests start several.
 //!
 //! ```text
-//! cargo run --release --example mock_upstream -- --port 0 --name a [--models m1,m2]
+//! cargo run --release -p computeflux-tools --bin mock_upstream -- --port 0 --name a [--models m1,m2]
 //!     [--prefill-us-per-token 200] [--decode-ms 20] [--cache-tokens 200000]
 //! ```
 //!
