@@ -7,7 +7,7 @@
     clippy::indexing_slicing
 )]
 //! Resilience under faults, end to end: a real Envoy (several worker threads) running the filter in
-//! front of `examples/mock_upstream` processes whose faults are switched on and off by the tests.
+//! front of `mock_upstream` processes (tests/tools) whose faults are switched on and off by the tests.
 //!
 //! Why: the breaker, its bounded half-open probes, Retry-After handling, failover and the retry
 //! budget are only worth something if they hold across Envoy's worker threads (shared data, CAS)

@@ -1,6 +1,6 @@
 //! Where the binaries under test are, building them when needed.
 //!
-//! `cargo test` does not build the wasm module (another target) nor the release mock example, so
+//! `cargo test` does not build the wasm module (another target) nor the release mock upstream (`tests/tools`), so
 //! the harness runs `cargo build` itself, once per test process (a `OnceLock`) and under an
 //! exclusive lock on `target/.computeflux-test-build.lock` so that test binaries running at the
 //! same time do not build concurrently.
@@ -10,9 +10,16 @@ use std::path::{Path, PathBuf};
 use std::process::Command;
 use std::sync::{Mutex, OnceLock};
 
-/// The repository root (the crate's manifest directory).
+/// The repository root: the manifest directory of the crate including this harness, or, for
+/// the instruments in `tests/tools` (which include it by `#[path]`), the workspace root above it
+/// (the nearest ancestor holding `Cargo.lock`).
 pub fn repo_root() -> PathBuf {
-    PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+    let manifest = Path::new(env!("CARGO_MANIFEST_DIR"));
+    manifest
+        .ancestors()
+        .find(|d| d.join("Cargo.lock").is_file())
+        .unwrap_or(manifest)
+        .to_path_buf()
 }
 
 /// Cargo's target directory (`CARGO_TARGET_DIR` if set, else `<repo>/target`).
@@ -72,8 +79,8 @@ pub fn wasm_path() -> PathBuf {
     .clone()
 }
 
-/// The mock upstream binary: `$MOCK_UPSTREAM_BIN`, else `<target>/release/examples/mock_upstream`,
-/// built once per test process (a no-op when up to date). If the build fails (e.g. the library
+/// The mock upstream binary: `$MOCK_UPSTREAM_BIN`, else `<target>/release/mock_upstream` (the
+/// `computeflux-tools` workspace member, `tests/tools`), built once per test process (a no-op when up to date). If the build fails (e.g. the library
 /// is mid-edit) but an older binary exists, that binary is used with a warning.
 pub fn mock_bin() -> PathBuf {
     if let Some(p) = std::env::var_os("MOCK_UPSTREAM_BIN") {
@@ -81,9 +88,16 @@ pub fn mock_bin() -> PathBuf {
     }
     static MOCK: OnceLock<PathBuf> = OnceLock::new();
     MOCK.get_or_init(|| {
-        let p = target_dir().join("release/examples/mock_upstream");
+        let p = target_dir().join("release/mock_upstream");
         let built = with_build_lock(|| {
-            try_cargo_build(&["build", "--release", "--example", "mock_upstream"])
+            try_cargo_build(&[
+                "build",
+                "--release",
+                "-p",
+                "computeflux-tools",
+                "--bin",
+                "mock_upstream",
+            ])
         });
         match built {
             Ok(()) => {}

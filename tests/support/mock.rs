@@ -1,4 +1,4 @@
-//! A running `examples/mock_upstream` process: one simulated inference endpoint.
+//! A running `mock_upstream` process (tests/tools/src/mock_upstream.rs): one simulated inference endpoint.
 
 use std::io::{BufRead, BufReader};
 use std::process::{Child, ChildStdin, Command, Stdio};
@@ -106,7 +106,7 @@ impl MockUpstream {
         self.child.id()
     }
 
-    /// Replaces the mock's fault (see `examples/mock_upstream.rs`), e.g.
+    /// Replaces the mock's fault (see `tests/tools/src/mock_upstream.rs`), e.g.
     /// `json!({"mode":"status","status":429,"retry_after":"2"})`. Returns once it is in force
     /// (for `refuse`: the port is closed; leaving `refuse`: the same port is bound again).
     pub fn set_fault(&self, fault: Value) {
@@ -153,7 +153,7 @@ impl MockUpstream {
         assert_eq!(r.status, 200, "mock {}: reset_stats: {}", self.name, r.body);
     }
 
-    /// Replaces the key's quota (`POST /_mock/quota`, see `examples/mock_upstream/quota.rs`),
+    /// Replaces the key's quota (`POST /_mock/quota`, see `tests/tools/src/mock_upstream/quota.rs`),
     /// e.g. `json!({"requests": 5, "window_ms": 60000, "headers_family": "openai"})`; its window
     /// starts again.
     pub fn set_quota(&self, quota: Value) {

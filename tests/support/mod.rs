@@ -3,7 +3,7 @@
 //!
 //! Why: the filter's behaviour (routing by body, affinity, failover, metrics) only exists inside
 //! Envoy, so the tests that say a feature works start Envoy 1.40 with the built wasm module in
-//! front of `examples/mock_upstream` processes and talk to it over loopback.
+//! front of `mock_upstream` processes (tests/tools) and talk to it over loopback.
 //!
 //! How: every process binds port 0 and reports its port (mock: its `LISTENING` line; Envoy: the
 //! admin address file, then the admin `/listeners` endpoint); every process is killed when its

@@ -11,7 +11,7 @@
 //!   restarted replica with empty state, "with restart");
 //! - the share of sessions homed on the slowest endpoint(s), to show what quantizing gives up.
 //!
-//! Run: `cargo run --release --example placement_sim` (a few seconds).
+//! Run: `cargo run --release -p computeflux-tools --bin placement_sim` (a few seconds).
 
 use computeflux::scheduler::health::outcome::Outcome;
 use computeflux::scheduler::routing::select::{Exclusions, Pick};

@@ -19,7 +19,7 @@ use std::time::Duration;
 
 use serde_json::{json, Value};
 
-use super::support::{self, EnvoyConfig, MockUpstream};
+use super::support::{self, EnvoyConfig};
 
 /// The endpoints: name and served models. The first four are always up; the fifth is the one
 /// that joins mid-run.
@@ -80,16 +80,6 @@ impl Policy {
             Policy::Filter => None,
         }
     }
-}
-
-/// Starts the first `n` endpoints of [`ENDPOINTS`] with the given mock flags.
-pub fn start_mocks(n: usize, args: &[String]) -> Vec<MockUpstream> {
-    let args: Vec<&str> = args.iter().map(String::as_str).collect();
-    ENDPOINTS
-        .iter()
-        .take(n)
-        .map(|(name, models)| MockUpstream::start(name, models, &args))
-        .collect()
 }
 
 /// The filter's configuration for these endpoints (one Envoy cluster `ep_<name>` each; no

@@ -33,7 +33,7 @@
     clippy::indexing_slicing
 )]
 
-#[path = "../tests/support/mod.rs"]
+#[path = "../../support/mod.rs"]
 mod support;
 
 #[path = "soak/report.rs"]
@@ -83,7 +83,7 @@ fn parse_args() -> Args {
     while let Some(flag) = it.next() {
         let mut value = || {
             it.next()
-                .unwrap_or_else(|| panic!("{flag} needs a value (see examples/soak.rs)"))
+                .unwrap_or_else(|| panic!("{flag} needs a value (see tests/tools/src/soak.rs)"))
         };
         match flag.as_str() {
             "--minutes" => a.seconds = value().parse::<u64>().expect("--minutes N") * 60,
@@ -598,7 +598,7 @@ fn main() {
     let commit = git_head();
     let command = args.command.clone().unwrap_or_else(|| {
         format!(
-            "target/release/examples/soak --seconds {} --rps {} --seed {}",
+            "target/release/soak --seconds {} --rps {} --seed {}",
             args.seconds, args.rps, args.seed
         )
     });

@@ -35,10 +35,13 @@ pub enum Scenario {
     /// One endpoint runs without a prefix cache: stickiness gains nothing there (the affinity
     /// payoff's closed loop, `payoff_floor`).
     NoCache,
+    /// Two small engines (few slots, slower prefill) and two large ones, the load close to the
+    /// fleet's capacity: an endpoint that is full must be told from one that is slow.
+    MixedFleet,
 }
 
 impl Scenario {
-    pub const ALL: [Scenario; 9] = [
+    pub const ALL: [Scenario; 10] = [
         Scenario::Steady,
         Scenario::RateLimited,
         Scenario::Down,
@@ -48,6 +51,7 @@ impl Scenario {
         Scenario::Quota,
         Scenario::QuotaOff,
         Scenario::NoCache,
+        Scenario::MixedFleet,
     ];
 
     pub fn name(&self) -> &'static str {
@@ -61,6 +65,7 @@ impl Scenario {
             Scenario::Quota => "quota",
             Scenario::QuotaOff => "quota_off",
             Scenario::NoCache => "no_cache",
+            Scenario::MixedFleet => "mixed_fleet",
         }
     }
 
@@ -87,6 +92,32 @@ impl Scenario {
         }
     }
 
+    /// Multiplies the workload's session arrival rate.
+    pub fn rate_factor(&self) -> f64 {
+        if *self == Scenario::MixedFleet {
+            MIXED_RATE_FACTOR
+        } else {
+            1.0
+        }
+    }
+
+    /// Mock flags of endpoint `i` on top of the run's (the last flag wins in the mock).
+    pub fn endpoint_args(&self, i: usize, opts: &RoutingOpts) -> Vec<String> {
+        match self {
+            Scenario::NoCache if i == FAULTY => vec!["--cache-tokens".into(), "0".into()],
+            Scenario::MixedFleet if MIXED_SMALL.contains(&i) => vec![
+                "--max-concurrency".into(),
+                MIXED_SMALL_SLOTS.to_string(),
+                "--prefill-us-per-token".into(),
+                (opts.prefill_us * MIXED_SMALL_PREFILL).to_string(),
+            ],
+            Scenario::MixedFleet => {
+                vec!["--max-concurrency".into(), MIXED_LARGE_SLOTS.to_string()]
+            }
+            _ => Vec::new(),
+        }
+    }
+
     /// How many of [`ENDPOINTS`] the run configures.
     pub fn endpoints(&self) -> usize {
         if *self == Scenario::Join {
@@ -101,7 +132,11 @@ impl Scenario {
     pub fn window(&self, span_ms: u64) -> Option<(u64, Option<u64>)> {
         let at = |f: f64| (span_ms as f64 * f).round() as u64;
         match self {
-            Scenario::Steady | Scenario::Quota | Scenario::QuotaOff | Scenario::NoCache => None,
+            Scenario::Steady
+            | Scenario::Quota
+            | Scenario::QuotaOff
+            | Scenario::NoCache
+            | Scenario::MixedFleet => None,
             Scenario::RateLimited | Scenario::Down => Some((at(0.3), Some(at(0.6)))),
             Scenario::Slow => Some((at(0.3), None)),
             // The new endpoint is "faulty" (absent) until it joins.
@@ -126,6 +161,16 @@ impl Scenario {
             (Scenario::NoCache, _) => format!(
                 "`{ep}` runs without a prefix cache (mock `--cache-tokens 0`): its turns are full \
                  prefills whether pinned or not; the others cache as in steady"
+            ),
+            (Scenario::MixedFleet, _) => format!(
+                "mixed fleet: {} are small engines ({MIXED_SMALL_SLOTS} slots, {MIXED_SMALL_PREFILL}× \
+                 slower prefill), the others large ({MIXED_LARGE_SLOTS} slots); session arrivals \
+                 × {MIXED_RATE_FACTOR} (close to the fleet's capacity)",
+                MIXED_SMALL
+                    .iter()
+                    .filter_map(|i| ENDPOINTS.get(*i).map(|e| format!("`{}`", e.0)))
+                    .collect::<Vec<_>>()
+                    .join(" and ")
             ),
             (Scenario::Quota | Scenario::QuotaOff, _) => format!(
                 "every endpoint is an API key with a token budget per window (the mock's \
@@ -174,6 +219,14 @@ impl Scenario {
     }
 }
 
+/// The mixed fleet: which endpoints are small (one per model group: `b` serves both models,
+/// `d` only m1), their slots and prefill slowdown, the large ones' slots, and the load.
+pub const MIXED_SMALL: [usize; 2] = [1, 3];
+pub const MIXED_SMALL_SLOTS: u64 = 4;
+pub const MIXED_SMALL_PREFILL: u64 = 3;
+pub const MIXED_LARGE_SLOTS: u64 = 16;
+pub const MIXED_RATE_FACTOR: f64 = 1.25;
+
 /// Each key's token budget per window, as a share of its even part of the workload's tokens
 /// in that window (endpoints in [`ENDPOINTS`] order; `c` and `d` serve `m1` only, so `m2`'s
 /// keys `a` and `b` are never the ones that run out).
@@ -186,12 +239,16 @@ pub const QUOTA_RESERVE_PERCENT: u64 = 50;
 pub const QUOTA_WINDOW_MS: u64 = 4_000;
 
 /// Gives every mock its budget: the workload's tokens (as the mock charges them: prompt bytes
-/// / 4 + 16 completion tokens, with the JSON body as an upper bound of the prompt) spread
+/// / 4 + the completion tokens, with the JSON body as an upper bound of the prompt) spread
 /// evenly over the endpoints and the run, times [`QUOTA_SHARES`].
 fn set_quotas(mocks: &[MockUpstream], plans: &[SessionPlan]) {
     let tokens: u64 = plans
         .iter()
-        .flat_map(|p| (0..p.user_msgs.len()).map(move |t| p.body(t).len() as u64 / 4 + 16))
+        .flat_map(|p| {
+            (0..p.user_msgs.len()).map(move |t| {
+                p.body(t).len() as u64 / 4 + p.max_tokens.get(t).copied().unwrap_or(16)
+            })
+        })
         .sum();
     let run_ms = plans
         .iter()
@@ -219,6 +276,8 @@ pub const RESTART_AT: [f64; 3] = [0.1, 0.4, 0.7];
 #[derive(Clone, Debug)]
 pub struct RoutingOpts {
     pub mock_args: Vec<String>,
+    /// The mocks' `--prefill-us-per-token` (the mixed fleet's small engines get a multiple).
+    pub prefill_us: u64,
     /// `--concurrency` of a lone Envoy.
     pub concurrency: u32,
     /// `--concurrency` of each replica and of the front Envoy of the replicated topology.
@@ -305,23 +364,22 @@ pub fn run(
     wasm: &std::path::Path,
 ) -> Result<Summary, String> {
     let started = Instant::now();
-    let mocks = if scenario == Scenario::NoCache {
-        // The faulty endpoint without a cache (the last flag wins in the mock).
-        ENDPOINTS
-            .iter()
-            .take(scenario.endpoints())
-            .enumerate()
-            .map(|(i, (name, models))| {
-                let mut args: Vec<&str> = opts.mock_args.iter().map(String::as_str).collect();
-                if i == FAULTY {
-                    args.extend(["--cache-tokens", "0"]);
-                }
-                MockUpstream::start(name, models, &args)
-            })
-            .collect()
-    } else {
-        topology::start_mocks(scenario.endpoints(), &opts.mock_args)
-    };
+    // Each endpoint with the run's flags and the scenario's own (the last flag wins in the mock).
+    let mocks: Vec<MockUpstream> = ENDPOINTS
+        .iter()
+        .take(scenario.endpoints())
+        .enumerate()
+        .map(|(i, (name, models))| {
+            let own = scenario.endpoint_args(i, opts);
+            let args: Vec<&str> = opts
+                .mock_args
+                .iter()
+                .chain(&own)
+                .map(String::as_str)
+                .collect();
+            MockUpstream::start(name, models, &args)
+        })
+        .collect();
     for m in &mocks {
         topology::record_pid(m.pid());
     }

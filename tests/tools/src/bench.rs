@@ -8,17 +8,19 @@
 //! one run, reproducible with one command.
 //!
 //! ```text
-//! cargo run --release --example bench -- [--quick] [--out results/bench]
+//! cargo run --release -p computeflux-tools --bin bench -- [--quick] [--out results/bench]
 //!     [--policies round_robin,least_request,ring_hash,maglev,computeflux]
 //!     [--scenarios steady,rate_limited,down,slow,join,rolling_restart,quota,quota_off,no_cache]
 //!     [--replicas 1,3] [--replica-concurrency 1] [--front-concurrency 1] [--drain-s 1]
 //!     [--baseline FILE | --no-baseline] [--no-routing] [--no-overhead]
 //!     [--sessions 200] [--turns 6] [--rate 20] [--think-ms 800] [--user-tokens 300]
 //!     [--second-model-share 0.2] [--seed 7] [--prefill-us-per-token 100] [--decode-ms 20]
-//!     [--max-concurrency 8] [--envoy-retries on|off] [--open-ms 3000]
+//!     [--engine batched|constant] [--decode-ms-per-token 1.5] [--batch-slowdown 0.05]
+//!     [--stream-share 0.5] [--output-tokens 16..512] [--system-prompts 0] [--system-tokens 200]
+//!     [--max-concurrency 16] [--envoy-retries on|off] [--open-ms 3000]
 //!     [--overhead-reps 6] [--overhead-seconds 2] [--micro FILE | --micro-missing REASON]
 //!     [--date D] [--commit C] [--command CMD]
-//! cargo run --release --example bench -- --render results/bench/results.json
+//! cargo run --release -p computeflux-tools --bin bench -- --render results/bench/results.json
 //! ```
 //!
 //! `--replicas 1,3` (the default) runs every scenario with a lone Envoy and with three replicas;
@@ -26,6 +28,12 @@
 //! stickiness), and the rolling restart only there. `--baseline` (default: the `results.json`
 //! already in `--out`) is a previous run whose lone-Envoy computeflux rows the report compares
 //! with, when its workload was the same.
+//!
+//! The routing runs' mocks behave like inference engines (`--engine batched`, the default; see
+//! `mock_upstream/engine.rs`): `--max-concurrency` slots and a queue, one prefill at a time,
+//! decode per output token slowed by the batch, every request's `max_tokens` generated exactly.
+//! `--engine constant` is the earlier model (prefill per uncached token, then `--decode-ms`,
+//! 16-token answers), which the overhead runs always use.
 //!
 //! `--render` rewrites `results.md`, `chart.svg`, `summary-table.md` (and, for a full run, the
 //! README block) from a run's `results.json` without measuring anything.
@@ -43,7 +51,7 @@ mod report;
 mod routing;
 #[path = "bench/summary.rs"]
 mod summary;
-#[path = "../tests/support/mod.rs"]
+#[path = "../../support/mod.rs"]
 mod support;
 #[path = "bench/targets.rs"]
 mod targets;
@@ -80,6 +88,10 @@ struct Args {
     prefill_us: u64,
     decode_ms: u64,
     max_concurrency: u64,
+    /// The routing runs' mock model: batched (engine-like) or constant.
+    engine_batched: bool,
+    decode_ms_per_token: f64,
+    batch_slowdown: f64,
     envoy_retries: bool,
     open_ms: u64,
     /// Plugin configuration keys (a JSON object) set on top of the bench's own.
@@ -116,11 +128,19 @@ fn parse() -> Result<Args, String> {
             think_ms: if quick { 400 } else { 800 },
             user_tokens: 300,
             second_model_share: 0.2,
+            stream_share: 0.5,
+            output_min: 16,
+            output_max: 512,
+            system_prompts: 0,
+            system_tokens: 200,
             seed: 7,
         },
         prefill_us: 100,
         decode_ms: 20,
-        max_concurrency: 8,
+        max_concurrency: 16,
+        engine_batched: true,
+        decode_ms_per_token: 1.5,
+        batch_slowdown: 0.05,
         envoy_retries: true,
         open_ms: 3000,
         plugin_extra: serde_json::Value::Null,
@@ -212,6 +232,27 @@ fn parse() -> Result<Args, String> {
             "--prefill-us-per-token" => a.prefill_us = int(&v)?,
             "--decode-ms" => a.decode_ms = int(&v)?,
             "--max-concurrency" => a.max_concurrency = int(&v)?,
+            "--engine" => {
+                a.engine_batched = match v.as_str() {
+                    "batched" => true,
+                    "constant" => false,
+                    _ => return Err(format!("--engine: batched or constant, got {v:?}")),
+                }
+            }
+            "--decode-ms-per-token" => a.decode_ms_per_token = float(&v)?,
+            "--batch-slowdown" => a.batch_slowdown = float(&v)?,
+            "--stream-share" => a.workload.stream_share = float(&v)?.min(1.0),
+            "--output-tokens" => {
+                let (lo, hi) = v
+                    .split_once("..")
+                    .and_then(|(l, h)| Some((l.parse::<u64>().ok()?, h.parse::<u64>().ok()?)))
+                    .filter(|(l, h)| 1 <= *l && l <= h)
+                    .ok_or_else(|| format!("--output-tokens: LO..HI, got {v:?}"))?;
+                a.workload.output_min = lo;
+                a.workload.output_max = hi;
+            }
+            "--system-prompts" => a.workload.system_prompts = int(&v)? as usize,
+            "--system-tokens" => a.workload.system_tokens = int(&v)? as usize,
             "--envoy-retries" => a.envoy_retries = v == "on",
             "--open-ms" => a.open_ms = int(&v)?.max(1),
             "--plugin-extra" => {
@@ -294,7 +335,7 @@ fn run(a: Args) -> Result<(), String> {
     let tmp = support::repo_root().join("results/tmp/bench");
     std::fs::create_dir_all(&tmp).map_err(|e| format!("{}: {e}", tmp.display()))?;
     let wasm = support::wasm_path();
-    let mock_args: Vec<String> = vec![
+    let mut mock_args: Vec<String> = vec![
         "--prefill-us-per-token".into(),
         a.prefill_us.to_string(),
         "--decode-ms".into(),
@@ -302,8 +343,21 @@ fn run(a: Args) -> Result<(), String> {
         "--max-concurrency".into(),
         a.max_concurrency.to_string(),
     ];
+    if a.engine_batched {
+        mock_args.extend([
+            "--engine".into(),
+            "batched".into(),
+            "--output-tokens".into(),
+            "max_tokens".into(),
+            "--decode-ms-per-token".into(),
+            a.decode_ms_per_token.to_string(),
+            "--batch-slowdown".into(),
+            a.batch_slowdown.to_string(),
+        ]);
+    }
     let opts = RoutingOpts {
         mock_args: mock_args.clone(),
+        prefill_us: a.prefill_us,
         concurrency: 2,
         replica_concurrency: a.replica_concurrency,
         front_concurrency: a.front_concurrency,
@@ -352,7 +406,13 @@ fn run(a: Args) -> Result<(), String> {
                 runs.len(),
                 sc.name()
             );
-            let s = routing::run(p, sc, n, &plans, &opts, &wasm)?;
+            let s = if sc.rate_factor() == 1.0 {
+                routing::run(p, sc, n, &plans, &opts, &wasm)?
+            } else {
+                let mut w = a.workload.clone();
+                w.rate_per_s *= sc.rate_factor();
+                routing::run(p, sc, n, &workload::plan(&w), &opts, &wasm)?
+            };
             eprintln!(
                 "bench:   cached {:.1} %, same endpoint {:.1} %, p50 {:.1} ms, p99 {:.1} ms, errors {}/{} ({}), upstream 429s {}, spread {:.2}, {:.1} s",
                 s.cached_ratio * 100.0,
@@ -417,6 +477,10 @@ fn run(a: Args) -> Result<(), String> {
                 "rate_per_s": a.workload.rate_per_s, "think_ms": a.workload.think_ms,
                 "user_tokens": a.workload.user_tokens,
                 "second_model_share": a.workload.second_model_share, "seed": a.workload.seed,
+                "stream_share": a.workload.stream_share,
+                "output_tokens": [a.workload.output_min, a.workload.output_max],
+                "system_prompts": a.workload.system_prompts,
+                "system_tokens": a.workload.system_tokens,
                 "arrival_span_ms": span_ms,
             },
             "mock_args": mock_args,
@@ -602,7 +666,7 @@ fn main() -> ExitCode {
     let args = match parse() {
         Ok(a) => a,
         Err(e) if e == "help" => {
-            println!("see the module docs of examples/bench.rs (or scripts/bench --help)");
+            println!("see the module docs of tests/tools/src/bench.rs (or scripts/bench --help)");
             return ExitCode::SUCCESS;
         }
         Err(e) => {

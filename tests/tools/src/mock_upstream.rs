@@ -6,7 +6,7 @@
 //! endpoint; tests start several.
 //!
 //! ```text
-//! cargo run --release --example mock_upstream -- --port 0 --name a [--models m1,m2]
+//! cargo run --release -p computeflux-tools --bin mock_upstream -- --port 0 --name a [--models m1,m2]
 //!     [--prefill-us-per-token 200] [--decode-ms 20] [--cache-tokens 200000]
 //! ```
 //!
@@ -26,8 +26,18 @@
 //! - `--block-tokens N` (16): tokens per cache block (vLLM's default block size).
 //! - `--completion-tokens N` (16): answer length; capped by the request's `max_tokens` /
 //!   `max_completion_tokens`.
-//! - `--max-concurrency N` (0 = unlimited): requests processed at once; the rest queue (and count
-//!   as in flight).
+//! - `--max-concurrency N` (0 = unlimited): requests processed at once (slots); the rest wait
+//!   in a FIFO queue (and count as in flight).
+//! - `--engine constant|batched` (constant): the latency model. `batched` behaves like an
+//!   inference engine (see `mock_upstream/engine.rs`): one prefill at a time, decode per output
+//!   token slowed by the batch, plain answers' headers after the generation. Its flags:
+//!   `--decode-ms-per-token F` (2), `--batch-slowdown F` (0.05), `--output-tokens
+//!   random|max_tokens` (random: log-uniform in `--output-tokens-min`..`--output-tokens-max`,
+//!   16..512, capped by `max_tokens`; max_tokens: the request's own), `--decode-step-tokens N`
+//!   (4 tokens per timer step and streamed chunk), `--seed N` (1).
+//! - `--metrics-format vllm|sglang|llamacpp|tgi` (vllm): the dialect of `GET /metrics`.
+//! - `--slow-factor F --slow-after-ms T`: every request F× slower (prefill and decode) from T ms
+//!   after the start (both models; the `slow` fault does the same on command).
 //! - `--history N` (1000): how many requests `/_mock/requests` keeps.
 //! - `--control-port N`: see above.
 //! - `--exit-on-stdin-eof`: exit when stdin closes (the test harness uses it so a killed test
@@ -35,9 +45,9 @@
 //!
 //! Tokens: one token is 4 bytes of the prompt text (the last may be shorter); the prompt text is,
 //! per message, its role, `\n`, its content's text, `\n`. Cache hits are counted in whole blocks
-//! of `--block-tokens` tokens (see `mock_upstream/cache.rs`). Latency of a served request is
-//! `prefill_us_per_token × (prompt_tokens − cached_tokens)` before the response headers, then
-//! `decode_ms` for the body.
+//! of `--block-tokens` tokens (see `mock_upstream/cache.rs`). Latency of a served request in the
+//! constant model is `prefill_us_per_token × (prompt_tokens − cached_tokens)` before the response
+//! headers, then `decode_ms` for the body; the batched model's is in `mock_upstream/engine.rs`.
 //!
 //! Endpoints:
 //! - `POST /v1/chat/completions`: OpenAI chat completion (or an SSE stream with `"stream": true`:
@@ -57,6 +67,13 @@
 //! - `POST /v1/messages` (Anthropic Messages, also streamed); `metadata.user_id` counts as the
 //!   session in `by_session`.
 //! - `GET /v1/models`.
+//! - `GET /metrics`: the engine's load in the Prometheus text exposition of `--metrics-format`,
+//!   with the real engines' names (vLLM `vllm:num_requests_waiting`, `…_running`,
+//!   `vllm:kv_cache_usage_perc`; SGLang `sglang:num_queue_reqs`, `…num_running_reqs`,
+//!   `…token_usage`; llama.cpp `llamacpp:requests_deferred`, `…requests_processing`,
+//!   `…prompt_tokens_total`, `…prompt_tokens_cached_total`; TGI `tgi_queue_size`,
+//!   `tgi_batch_current_size`): the actual queue, running requests, KV blocks held and token
+//!   counters, in either model.
 //!
 //! Every `POST` API above goes through the same fault injection, request log and (except
 //! embeddings and audio) the prefix-cache latency model as chat completions.
@@ -93,6 +110,8 @@
 mod apis;
 #[path = "mock_upstream/cache.rs"]
 mod cache;
+#[path = "mock_upstream/engine.rs"]
+mod engine;
 #[path = "mock_upstream/fault.rs"]
 mod fault;
 #[path = "mock_upstream/openai.rs"]
@@ -132,7 +151,10 @@ const USAGE: &str = "usage: mock_upstream [--port N] [--host IP] [--name S] [--m
 [--prefill-us-per-token N] [--decode-ms N] [--cache-tokens N] [--block-tokens N] \
 [--completion-tokens N] [--max-concurrency N] [--history N] [--control-port N] \
 [--quota-requests N] [--quota-tokens N] [--quota-window-ms N] [--quota-headers openai|anthropic|none] \
-[--exit-on-stdin-eof]";
+[--engine constant|batched] [--decode-ms-per-token F] [--batch-slowdown F] \
+[--output-tokens random|max_tokens] [--output-tokens-min N] [--output-tokens-max N] \
+[--decode-step-tokens N] [--seed N] [--metrics-format vllm|sglang|llamacpp|tgi] \
+[--slow-factor F] [--slow-after-ms N] [--exit-on-stdin-eof]";
 
 /// Distinct sessions remembered in `by_session`.
 const MAX_SESSIONS: usize = 10_000;
@@ -154,6 +176,14 @@ struct Args {
     control_port: Option<u16>,
     exit_on_stdin_eof: bool,
     quota: quota::Quota,
+    /// The latency model (`--engine`).
+    engine: engine::Model,
+    /// The batched model's parameters.
+    params: engine::Params,
+    metrics_format: engine::Format,
+    /// `--slow-factor F --slow-after-ms T`: every request F× slower from T ms after the start.
+    slow_factor: Option<f64>,
+    slow_after_ms: u64,
 }
 
 fn parse_args() -> Result<Args, String> {
@@ -172,6 +202,11 @@ fn parse_args() -> Result<Args, String> {
         control_port: None,
         exit_on_stdin_eof: false,
         quota: quota::Quota::default(),
+        engine: engine::Model::Constant,
+        params: engine::Params::default(),
+        metrics_format: engine::Format::Vllm,
+        slow_factor: None,
+        slow_after_ms: 0,
     };
     let mut it = std::env::args().skip(1);
     while let Some(arg) = it.next() {
@@ -193,6 +228,12 @@ fn parse_args() -> Result<Args, String> {
         let num = |v: &str| -> Result<u64, String> {
             v.parse::<u64>()
                 .map_err(|_| format!("{flag} must be a non-negative integer, got {v:?}"))
+        };
+        let float = |v: &str| -> Result<f64, String> {
+            v.parse::<f64>()
+                .ok()
+                .filter(|x| x.is_finite() && *x >= 0.0)
+                .ok_or_else(|| format!("{flag} must be a non-negative number, got {v:?}"))
         };
         match flag.as_str() {
             "--port" => a.port = u16::try_from(num(&value)?).map_err(|_| "--port > 65535")?,
@@ -221,12 +262,26 @@ fn parse_args() -> Result<Args, String> {
             "--quota-tokens" => a.quota.tokens = Some(num(&value)?),
             "--quota-window-ms" => a.quota.window_ms = num(&value)?.max(1),
             "--quota-headers" => a.quota.family = quota::Family::parse(&value)?,
+            "--engine" => a.engine = engine::Model::parse(&value)?,
+            "--decode-ms-per-token" => a.params.decode_ms_per_token = float(&value)?,
+            "--batch-slowdown" => a.params.batch_slowdown = float(&value)?,
+            "--output-tokens" => a.params.output_tokens = engine::OutputTokens::parse(&value)?,
+            "--output-tokens-min" => a.params.output_min = num(&value)?.max(1),
+            "--output-tokens-max" => a.params.output_max = num(&value)?.max(1),
+            "--decode-step-tokens" => a.params.step_tokens = num(&value)?.max(1),
+            "--seed" => a.params.seed = num(&value)?,
+            "--metrics-format" => a.metrics_format = engine::Format::parse(&value)?,
+            "--slow-factor" => a.slow_factor = Some(float(&value)?),
+            "--slow-after-ms" => a.slow_after_ms = num(&value)?,
             "--control-port" => {
                 a.control_port =
                     Some(u16::try_from(num(&value)?).map_err(|_| "--control-port > 65535")?)
             }
             other => return Err(format!("unknown flag {other}")),
         }
+    }
+    if a.params.output_max < a.params.output_min {
+        return Err("--output-tokens-max must be >= --output-tokens-min".into());
     }
     if HeaderValue::from_str(&a.name).is_err() {
         return Err(format!("--name {:?} is not a valid header value", a.name));
@@ -252,6 +307,8 @@ struct State {
     fault_gen: u64,
     responses: apis::ResponseStore,
     quota: quota::Quota,
+    /// Output lengths of the batched model (seeded by `--seed` and the name).
+    rng: engine::SplitMix,
 }
 
 struct Mock {
@@ -261,6 +318,14 @@ struct Mock {
     seq: AtomicU64,
     in_flight: AtomicI64,
     limiter: Option<Arc<Semaphore>>,
+    /// Requests waiting for a slot (the queue), holding one (the running batch), decoding.
+    waiting: AtomicI64,
+    running: AtomicI64,
+    decoding: AtomicI64,
+    /// KV-cache blocks held by the requests in their slots (prompt and output).
+    kv_blocks_used: AtomicI64,
+    /// The batched model's one-prefill-at-a-time lock (tokio's mutex is FIFO).
+    prefill: tokio::sync::Mutex<()>,
     /// Wanted: is the main port listening? Written by `/_mock/fault`.
     listening: watch::Sender<bool>,
     /// Actual: is the main port bound? Written by the accept loop.
@@ -302,7 +367,80 @@ impl Mock {
             "fault": st.fault.to_json(),
             "listening": *self.bound.borrow(),
             "stored_responses": st.responses.len(),
+            "engine": match self.args.engine {
+                engine::Model::Constant => "constant",
+                engine::Model::Batched => "batched",
+            },
+            "waiting": self.waiting.load(Ordering::SeqCst),
+            "running": self.running.load(Ordering::SeqCst),
+            "kv_blocks_used": self.kv_blocks_used.load(Ordering::SeqCst),
         })
+    }
+
+    /// What `/metrics` reports now.
+    fn load(&self) -> engine::Load {
+        let st = self.lock();
+        let n = |a: &AtomicI64| a.load(Ordering::SeqCst).max(0) as u64;
+        engine::Load {
+            model: self
+                .args
+                .models
+                .first()
+                .cloned()
+                .unwrap_or_else(|| "mock".into()),
+            waiting: n(&self.waiting),
+            running: n(&self.running),
+            kv_blocks_used: n(&self.kv_blocks_used),
+            kv_blocks_total: st.cache.capacity_blocks() as u64,
+            block_tokens: st.cache.block_tokens() as u64,
+            prompt_tokens_total: st.stats.prompt_tokens,
+            cached_tokens_total: st.stats.cached_tokens,
+            generation_tokens_total: st.stats.completion_tokens,
+            requests_total: st.stats.requests,
+            slots: self.args.max_concurrency as u64,
+        }
+    }
+
+    /// The slowdown in force now: the `slow` fault (read at every step of the batched model,
+    /// so it also slows requests already running) times `--slow-factor` once
+    /// `--slow-after-ms` has passed.
+    fn slow_now(&self, fault: bool) -> f64 {
+        let mut f = 1.0;
+        if fault {
+            if let Mode::Slow { factor } = self.lock().fault.mode {
+                f *= factor;
+            }
+        }
+        if let Some(sf) = self.args.slow_factor {
+            if self.started.elapsed() >= Duration::from_millis(self.args.slow_after_ms) {
+                f *= sf;
+            }
+        }
+        f
+    }
+}
+
+/// Adds `delta` to a gauge now and takes it back when dropped.
+struct Gauge {
+    counter: Arc<Mock>,
+    which: fn(&Mock) -> &AtomicI64,
+    delta: i64,
+}
+
+impl Gauge {
+    fn new(mock: &Arc<Mock>, which: fn(&Mock) -> &AtomicI64, delta: i64) -> Self {
+        which(mock).fetch_add(delta, Ordering::SeqCst);
+        Gauge {
+            counter: mock.clone(),
+            which,
+            delta,
+        }
+    }
+}
+
+impl Drop for Gauge {
+    fn drop(&mut self) {
+        (self.which)(&self.counter).fetch_sub(self.delta, Ordering::SeqCst);
     }
 }
 
@@ -465,10 +603,13 @@ async fn chat(mock: Arc<Mock>, conn: Arc<Conn>, req: Request<Incoming>) -> Respo
             .or_insert(value);
     }
     let body = req.into_body().collect().await.map(|c| c.to_bytes());
+    let queued = Gauge::new(&mock, |m| &m.waiting, 1);
     let permit = match &mock.limiter {
         Some(s) => s.clone().acquire_owned().await.ok(),
         None => None,
     };
+    drop(queued);
+    let slot = Gauge::new(&mock, |m| &m.running, 1);
     let seq = mock.seq.fetch_add(1, Ordering::SeqCst) + 1;
     let plan = decide(&mock, seq, &path, headers, body.ok());
     match plan {
@@ -478,7 +619,20 @@ async fn chat(mock: Arc<Mock>, conn: Arc<Conn>, req: Request<Incoming>) -> Respo
             std::future::pending().await
         }
         Plan::Hang => std::future::pending().await,
-        Plan::Serve(s) => serve(mock, conn, (guard, permit), s).await,
+        Plan::Serve(s) => {
+            let blocks = (s.prompt_tokens + s.completion_tokens)
+                .div_ceil(mock.lock().cache.block_tokens().max(1) as u64);
+            let busy = Busy {
+                _in_flight: guard,
+                _permit: permit,
+                _slot: slot,
+                _kv: Gauge::new(&mock, |m| &m.kv_blocks_used, blocks as i64),
+            };
+            match mock.args.engine {
+                engine::Model::Constant => serve(mock, conn, busy, s).await,
+                engine::Model::Batched => serve_batched(mock, conn, busy, s).await,
+            }
+        }
     }
 }
 
@@ -722,7 +876,13 @@ fn decide(
         .or_else(|| req.get("max_output_tokens"))
         .and_then(Value::as_u64)
         .unwrap_or(u64::MAX);
-    let completion_tokens = mock.args.completion_tokens.min(max_tokens).max(1);
+    let completion_tokens = match mock.args.engine {
+        engine::Model::Constant => mock.args.completion_tokens.min(max_tokens).max(1),
+        engine::Model::Batched => {
+            let asked = (max_tokens != u64::MAX).then_some(max_tokens);
+            mock.args.params.output_len(asked, &mut st.rng)
+        }
+    };
     let mut quota_headers = Vec::new();
     if st.quota.enabled() {
         match st.quota.charge(prompt_tokens + completion_tokens) {
@@ -784,20 +944,26 @@ fn scaled(d: Duration, factor: f64) -> Duration {
     Duration::from_secs_f64(d.as_secs_f64() * factor)
 }
 
-/// Holds a request's in-flight count and concurrency slot until dropped.
-type Busy = (InFlight, Option<OwnedSemaphorePermit>);
+/// Holds a request's in-flight count, concurrency slot and KV blocks until dropped.
+struct Busy {
+    _in_flight: InFlight,
+    _permit: Option<OwnedSemaphorePermit>,
+    _slot: Gauge,
+    _kv: Gauge,
+}
 
 async fn serve(mock: Arc<Mock>, conn: Arc<Conn>, guard: Busy, s: Serve) -> Response<Body> {
     let a = &mock.args;
     let uncached = s.prompt_tokens.saturating_sub(s.cached_tokens);
     let prefill = Duration::from_micros(a.prefill_us_per_token.saturating_mul(uncached));
-    let wait = scaled(prefill, s.factor) + Duration::from_millis(s.extra_delay_ms);
+    let factor = s.factor * mock.slow_now(false);
+    let wait = scaled(prefill, factor) + Duration::from_millis(s.extra_delay_ms);
     if !wait.is_zero() {
         tokio::time::sleep(wait).await;
     }
     mock.lock().cache.touch(&s.hashes);
 
-    let decode = scaled(Duration::from_millis(a.decode_ms), s.factor);
+    let decode = scaled(Duration::from_millis(a.decode_ms), factor);
     let id = format!("chatcmpl-{}-{}", a.name, s.seq);
     let created = now_unix_s();
     let usage = openai::Usage {
@@ -857,35 +1023,173 @@ async fn serve(mock: Arc<Mock>, conn: Arc<Conn>, guard: Busy, s: Serve) -> Respo
             tokio::time::sleep(decode).await;
         }
         drop(guard);
-        let text: String = words.concat();
-        let mut body = openai::completion(
-            &id,
-            created,
-            &s.model,
-            &format!("mock-{}", a.name),
-            &text,
-            &usage,
-        );
-        if s.no_usage {
-            if let Some(obj) = body.as_object_mut() {
-                obj.remove("usage");
-            }
-        }
-        if s.pad_bytes > 0 {
-            if let Some(obj) = body.as_object_mut() {
-                let pad = "x".repeat(usize::try_from(s.pad_bytes).unwrap_or(usize::MAX));
-                obj.insert("x_padding".into(), Value::String(pad));
-            }
-        }
-        json_response(200, &body)
+        plain_answer(&mock, &s, &words, &usage, &id, created)
     };
-    set_header(&mut r, "x-mock-endpoint", &a.name);
-    set_header(&mut r, "x-mock-prompt-tokens", &s.prompt_tokens.to_string());
-    set_header(&mut r, "x-mock-cached-tokens", &s.cached_tokens.to_string());
-    set_header(&mut r, "x-mock-request-seq", &s.seq.to_string());
-    for (k, v) in &s.quota_headers {
-        set_header(&mut r, k, v);
+    answer_headers(&mut r, &mock, &s);
+    r
+}
+
+/// A non-streamed chat completion of `words`.
+fn plain_answer(
+    mock: &Mock,
+    s: &Serve,
+    words: &[String],
+    usage: &openai::Usage,
+    id: &str,
+    created: u64,
+) -> Response<Body> {
+    let text: String = words.concat();
+    let mut body = openai::completion(
+        id,
+        created,
+        &s.model,
+        &format!("mock-{}", mock.args.name),
+        &text,
+        usage,
+    );
+    if s.no_usage {
+        if let Some(obj) = body.as_object_mut() {
+            obj.remove("usage");
+        }
     }
+    if s.pad_bytes > 0 {
+        if let Some(obj) = body.as_object_mut() {
+            let pad = "x".repeat(usize::try_from(s.pad_bytes).unwrap_or(usize::MAX));
+            obj.insert("x_padding".into(), Value::String(pad));
+        }
+    }
+    json_response(200, &body)
+}
+
+/// The mock's headers on a served answer.
+fn answer_headers(r: &mut Response<Body>, mock: &Mock, s: &Serve) {
+    set_header(r, "x-mock-endpoint", &mock.args.name);
+    set_header(r, "x-mock-prompt-tokens", &s.prompt_tokens.to_string());
+    set_header(r, "x-mock-cached-tokens", &s.cached_tokens.to_string());
+    set_header(r, "x-mock-request-seq", &s.seq.to_string());
+    for (k, v) in &s.quota_headers {
+        set_header(r, k, v);
+    }
+}
+
+/// Paces the batched model's decode: each step of tokens takes the per-token time of the batch
+/// as it is when the step starts, times the slowdown in force. Counts the request as decoding
+/// while it lives.
+struct Pacer {
+    mock: Arc<Mock>,
+    next: tokio::time::Instant,
+    _decoding: Gauge,
+}
+
+impl Pacer {
+    fn new(mock: &Arc<Mock>) -> Self {
+        Pacer {
+            mock: mock.clone(),
+            next: tokio::time::Instant::now(),
+            _decoding: Gauge::new(mock, |m| &m.decoding, 1),
+        }
+    }
+
+    /// Waits until `tokens` more tokens are decoded.
+    async fn tokens(&mut self, tokens: u64) {
+        let decoding = self.mock.decoding.load(Ordering::SeqCst).max(1) as u64;
+        let ms =
+            self.mock.args.params.per_token_ms(decoding) * tokens as f64 * self.mock.slow_now(true);
+        self.next += Duration::from_secs_f64(ms / 1000.0);
+        tokio::time::sleep_until(self.next).await;
+    }
+}
+
+/// Serves a request under the batched model (see `mock_upstream/engine.rs`): the one-at-a-time
+/// prefill, then decode in steps paced by the batch; a plain answer's headers after the whole
+/// generation, a streamed answer's first chunk after the prefill.
+async fn serve_batched(mock: Arc<Mock>, conn: Arc<Conn>, guard: Busy, s: Serve) -> Response<Body> {
+    {
+        let _prefill = mock.prefill.lock().await;
+        let uncached = s.prompt_tokens.saturating_sub(s.cached_tokens);
+        let us =
+            mock.args.prefill_us_per_token.saturating_mul(uncached) as f64 * mock.slow_now(true);
+        let wait = Duration::from_secs_f64(us / 1e6) + Duration::from_millis(s.extra_delay_ms);
+        if !wait.is_zero() {
+            tokio::time::sleep(wait).await;
+        }
+        mock.lock().cache.touch(&s.hashes);
+    }
+    let a = &mock.args;
+    let id = format!("chatcmpl-{}-{}", a.name, s.seq);
+    let created = now_unix_s();
+    let usage = openai::Usage {
+        prompt_tokens: s.prompt_tokens,
+        cached_tokens: s.cached_tokens,
+        completion_tokens: s.completion_tokens,
+    };
+    let step = a.params.step_tokens.max(1) as usize;
+    let mut r = if matches!(s.api, apis::Api::Responses | apis::Api::Messages) {
+        // Not paced step by step: the whole decode at the batch's current per-token time.
+        let decoding = mock.decoding.load(Ordering::SeqCst).max(0) as u64 + 1;
+        let ms = a.params.per_token_ms(decoding) * s.completion_tokens as f64 * mock.slow_now(true);
+        let decode = Duration::from_secs_f64(ms / 1000.0);
+        other_api_answer(&mock, guard, &s, decode, created).await
+    } else if s.stream {
+        let words = openai::completion_words(&a.name, s.completion_tokens);
+        let (tx, rx) = mpsc::channel::<Bytes>(16);
+        let model = s.model.clone();
+        let (cut, no_usage) = (s.cut, s.no_usage);
+        let m = mock.clone();
+        tokio::spawn(async move {
+            let _guard = guard;
+            let mut pacer = Pacer::new(&m);
+            let ev = |v: Value| Bytes::from(openai::sse(&v));
+            let role = openai::chunk(
+                &id,
+                created,
+                &model,
+                json!({"role": "assistant", "content": ""}),
+                None,
+            );
+            if tx.send(ev(role)).await.is_err() {
+                return;
+            }
+            let steps: Vec<&[String]> = words.chunks(step).collect();
+            for (i, ws) in steps.iter().enumerate() {
+                if cut && i == steps.len() / 2 {
+                    tokio::time::sleep(Duration::from_millis(50)).await;
+                    conn.reset();
+                    return;
+                }
+                pacer.tokens(ws.len() as u64).await;
+                let c = openai::chunk(&id, created, &model, json!({"content": ws.concat()}), None);
+                if tx.send(ev(c)).await.is_err() {
+                    return;
+                }
+            }
+            let fin = openai::chunk(&id, created, &model, json!({}), Some("stop"));
+            let _ = tx.send(ev(fin)).await;
+            if !no_usage {
+                let _ = tx
+                    .send(ev(openai::usage_chunk(&id, created, &model, &usage)))
+                    .await;
+            }
+            let _ = tx.send(Bytes::from_static(b"data: [DONE]\n\n")).await;
+        });
+        let mut r = Response::new(ChannelBody { rx }.boxed());
+        set_header(&mut r, "content-type", "text/event-stream");
+        set_header(&mut r, "cache-control", "no-cache");
+        r
+    } else {
+        let mut pacer = Pacer::new(&mock);
+        let mut left = s.completion_tokens;
+        while left > 0 {
+            let n = left.min(step as u64);
+            pacer.tokens(n).await;
+            left -= n;
+        }
+        drop(pacer);
+        drop(guard);
+        let words = openai::completion_words(&a.name, s.completion_tokens);
+        plain_answer(&mock, &s, &words, &usage, &id, created)
+    };
+    answer_headers(&mut r, &mock, &s);
     r
 }
 
@@ -1040,6 +1344,16 @@ async fn handle(
             json_response(200, &json!({"ok": true}))
         }
         (Method::GET, "/_mock/stats") => json_response(200, &mock.stats_json()),
+        (Method::GET, "/metrics") => {
+            let text = engine::render_metrics(mock.args.metrics_format, &mock.load());
+            let mut r = Response::new(full(text));
+            set_header(
+                &mut r,
+                "content-type",
+                "text/plain; version=0.0.4; charset=utf-8",
+            );
+            r
+        }
         (Method::GET, "/_mock/requests") => {
             let limit = query
                 .split('&')
@@ -1233,6 +1547,11 @@ async fn run(args: Args) -> Result<(), String> {
         seq: AtomicU64::new(0),
         in_flight: AtomicI64::new(0),
         limiter: (args.max_concurrency > 0).then(|| Arc::new(Semaphore::new(args.max_concurrency))),
+        waiting: AtomicI64::new(0),
+        running: AtomicI64::new(0),
+        decoding: AtomicI64::new(0),
+        kv_blocks_used: AtomicI64::new(0),
+        prefill: tokio::sync::Mutex::new(()),
         listening,
         bound,
         state: Mutex::new(State {
@@ -1243,6 +1562,9 @@ async fn run(args: Args) -> Result<(), String> {
             fault_gen: 0,
             responses: apis::ResponseStore::new(MAX_STORED_RESPONSES),
             quota: args.quota.clone(),
+            rng: engine::SplitMix::new(
+                args.params.seed ^ xxhash_rust::xxh3::xxh3_64(args.name.as_bytes()),
+            ),
         }),
         args,
     });

@@ -15,7 +15,7 @@
 //! `sha256` that Istio checks for an OCI URL (the *manifest* digest, not the module's).
 //!
 //! ```text
-//! cargo run --example oci_image -- --wasm target/wasm32-wasip1/release/computeflux.wasm \
+//! cargo run -p computeflux-tools --bin oci_image -- --wasm target/wasm32-wasip1/release/computeflux.wasm \
 //!     --out target/oci/computeflux-oci.tar [--tag 0.1.0]
 //! ```
 //! Prints one JSON line: `{"manifest_digest","manifest_size","config_digest","layer_digest",

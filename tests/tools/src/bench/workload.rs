@@ -4,8 +4,15 @@
 //! Why: the filter's value is measured in KV-cache hits, and hits only exist for a conversation
 //! whose later prompts repeat the earlier ones. So every session is a growing transcript: turn k
 //! resends the k−1 earlier user messages and fixed assistant replies, then a new user message.
-//! No two sessions share a prefix (no common system prompt): a hit can only come from routing the
-//! session back to an endpoint that served it.
+//! By default no two sessions share a prefix (no common system prompt): a hit can only come from
+//! routing the session back to an endpoint that served it; `--system-prompts N` gives every
+//! session one of N shared system prompts (`--system-tokens` long), as agents and apps do.
+//!
+//! What the engines are asked to do varies per request, as in real traffic: half of the answers
+//! are streamed (`stream_share`), half plain, decided per request by the seed; every request
+//! asks for its own `max_tokens`, log-uniform in `output_min..=output_max` (16..512), which the
+//! batched mock generates exactly (`--output-tokens max_tokens`), so that every policy faces
+//! the same work whichever endpoint serves it.
 //!
 //! How: the plan is fixed by a seed (the same sessions, texts, arrival and think times for every
 //! policy). Sessions arrive open-loop (exponential gaps at a fixed mean rate, independent of how
@@ -56,6 +63,14 @@ pub struct WorkloadParams {
     pub user_tokens: usize,
     /// Share of sessions that ask for the second model (served by two endpoints only).
     pub second_model_share: f64,
+    /// Share of requests whose answer is streamed.
+    pub stream_share: f64,
+    /// Each request's `max_tokens`: log-uniform in this range.
+    pub output_min: u64,
+    pub output_max: u64,
+    /// Shared system prompts (0: none) and their length in tokens.
+    pub system_prompts: usize,
+    pub system_tokens: usize,
     pub seed: u64,
 }
 
@@ -74,12 +89,20 @@ pub struct SessionPlan {
     pub think_ms: Vec<u64>,
     pub user_msgs: Vec<String>,
     pub replies: Vec<String>,
+    /// Per turn: `max_tokens` and whether the answer is streamed.
+    pub max_tokens: Vec<u64>,
+    pub stream: Vec<bool>,
+    /// The shared system prompt this session starts with, if any.
+    pub system: Option<String>,
 }
 
 impl SessionPlan {
     /// The chat-completion body of turn `turn` (0-based): the whole transcript so far.
     pub fn body(&self, turn: usize) -> String {
-        let mut messages = Vec::with_capacity(2 * turn + 1);
+        let mut messages = Vec::with_capacity(2 * turn + 2);
+        if let Some(sys) = &self.system {
+            messages.push(json!({"role": "system", "content": sys}));
+        }
         for k in 0..=turn {
             if k > 0 {
                 if let Some(r) = self.replies.get(k - 1) {
@@ -90,7 +113,18 @@ impl SessionPlan {
                 messages.push(json!({"role": "user", "content": u}));
             }
         }
-        json!({"model": self.model, "messages": messages, "max_tokens": 16}).to_string()
+        let max_tokens = self.max_tokens.get(turn).copied().unwrap_or(16);
+        if self.streamed(turn) {
+            json!({"model": self.model, "messages": messages, "max_tokens": max_tokens,
+                   "stream": true, "stream_options": {"include_usage": true}})
+            .to_string()
+        } else {
+            json!({"model": self.model, "messages": messages, "max_tokens": max_tokens}).to_string()
+        }
+    }
+
+    pub fn streamed(&self, turn: usize) -> bool {
+        self.stream.get(turn).copied().unwrap_or(false)
     }
 
     /// Arrival of the last session's first request, in ms from the start of the run.
@@ -125,9 +159,26 @@ fn text(rng: &mut Rng, lead: &str, bytes: usize) -> String {
     s
 }
 
+/// Log-uniform integer in `lo..=hi` (the mock's draw: short answers more common than long).
+pub fn log_uniform(rng: &mut Rng, lo: u64, hi: u64) -> u64 {
+    let (lo, hi) = (lo.max(1), hi.max(lo.max(1)));
+    let (a, b) = ((lo as f64).ln(), ((hi + 1) as f64).ln());
+    let x = (a + (b - a) * rng.unit()).exp().floor() as u64;
+    x.clamp(lo, hi)
+}
+
 /// The sessions of a run: identical for every policy given the same parameters.
 pub fn plan(p: &WorkloadParams) -> Vec<SessionPlan> {
     let mut rng = Rng::new(p.seed);
+    // The shared system prompts come from their own generator, so that the sessions' texts stay
+    // what they were without them.
+    let mut sys_rng = Rng::new(p.seed ^ 0x5157_E3D0);
+    let systems: Vec<String> = (0..p.system_prompts)
+        .map(|i| {
+            let lead = format!("[system prompt {i}] You are a helpful assistant.");
+            text(&mut sys_rng, &lead, p.system_tokens * 4)
+        })
+        .collect();
     let mut t_ms = 0.0f64;
     let mean_gap_ms = 1000.0 / p.rate_per_s.max(0.001);
     let mut out = Vec::with_capacity(p.sessions);
@@ -158,6 +209,16 @@ pub fn plan(p: &WorkloadParams) -> Vec<SessionPlan> {
                 text(&mut srng, &lead, 64)
             })
             .collect();
+        // Per-request shape from a generator of its own (same reason as the system prompts).
+        let mut xrng = Rng::new(srng.clone().next_u64() ^ 0x0A75_0F57);
+        let max_tokens = (0..p.turns)
+            .map(|_| log_uniform(&mut xrng, p.output_min, p.output_max))
+            .collect();
+        let stream = (0..p.turns).map(|_| xrng.unit() < p.stream_share).collect();
+        let system = match systems.len() {
+            0 => None,
+            n => systems.get((xrng.next_u64() % n as u64) as usize).cloned(),
+        };
         out.push(SessionPlan {
             index: i,
             id,
@@ -166,6 +227,9 @@ pub fn plan(p: &WorkloadParams) -> Vec<SessionPlan> {
             think_ms,
             user_msgs,
             replies,
+            max_tokens,
+            stream,
+            system,
         });
     }
     out
@@ -182,6 +246,11 @@ pub struct Record {
     pub start_ms: f64,
     /// Until the whole response body was read.
     pub latency_ms: f64,
+    /// Until the first byte of the response (headers) arrived.
+    pub ttfb_ms: f64,
+    /// The answer was asked for as a stream.
+    pub stream: bool,
+    pub completion_tokens: u64,
     /// 0: no HTTP response (connect error, reset, timeout).
     pub status: u16,
     /// `x-mock-endpoint`: which upstream produced the answer.
@@ -205,7 +274,9 @@ impl Record {
     pub fn to_json(&self) -> Value {
         json!({
             "session": self.session, "model": self.model, "turn": self.turn,
-            "start_ms": self.start_ms, "latency_ms": self.latency_ms, "status": self.status,
+            "start_ms": self.start_ms, "latency_ms": self.latency_ms, "ttfb_ms": self.ttfb_ms,
+            "stream": self.stream, "completion_tokens": self.completion_tokens,
+            "status": self.status,
             "endpoint": self.endpoint, "prompt_tokens": self.prompt_tokens,
             "cached_tokens": self.cached_tokens, "attempts": self.attempts,
             "affinity": self.affinity, "replica": self.replica, "error": self.error,
@@ -213,17 +284,24 @@ impl Record {
     }
 }
 
-fn usage_of(body: &str) -> (u64, u64) {
-    let v: Value = serde_json::from_str(body).unwrap_or(Value::Null);
-    let prompt = v
-        .pointer("/usage/prompt_tokens")
-        .and_then(Value::as_u64)
-        .unwrap_or(0);
-    let cached = v
-        .pointer("/usage/prompt_tokens_details/cached_tokens")
-        .and_then(Value::as_u64)
-        .unwrap_or(0);
-    (prompt, cached)
+/// `(prompt, cached, completion)` tokens from an answer's `usage` (a plain answer's body, or
+/// the stream's usage chunk).
+fn usage_of(r: &http::Response, stream: bool) -> (u64, u64, u64) {
+    let v: Value = if stream {
+        r.sse_data()
+            .iter()
+            .filter_map(|d| serde_json::from_str::<Value>(d).ok())
+            .find(|v| v.get("usage").is_some_and(|u| !u.is_null()))
+            .unwrap_or(Value::Null)
+    } else {
+        serde_json::from_str(&r.body).unwrap_or(Value::Null)
+    };
+    let n = |p: &str| v.pointer(p).and_then(Value::as_u64).unwrap_or(0);
+    (
+        n("/usage/prompt_tokens"),
+        n("/usage/prompt_tokens_details/cached_tokens"),
+        n("/usage/completion_tokens"),
+    )
 }
 
 fn send(
@@ -257,6 +335,9 @@ fn send(
         turn,
         start_ms,
         latency_ms,
+        ttfb_ms: latency_ms,
+        stream: plan.streamed(turn),
+        completion_tokens: 0,
         status: 0,
         endpoint: None,
         prompt_tokens: 0,
@@ -269,6 +350,7 @@ fn send(
     match res {
         Ok(r) => {
             rec.status = r.status;
+            rec.ttfb_ms = r.ttfb.as_secs_f64() * 1000.0;
             jar.store(&r);
             rec.endpoint = r.header("x-mock-endpoint").map(str::to_string);
             rec.attempts = r
@@ -277,9 +359,10 @@ fn send(
             rec.affinity = r.header("x-computeflux-affinity").map(str::to_string);
             rec.replica = r.header("x-bench-replica").map(str::to_string);
             if rec.ok() {
-                let (p, c) = usage_of(&r.body);
+                let (p, c, o) = usage_of(&r, rec.stream);
                 rec.prompt_tokens = p;
                 rec.cached_tokens = c;
+                rec.completion_tokens = o;
             } else {
                 let code = serde_json::from_str::<Value>(&r.body)
                     .ok()
