@@ -132,15 +132,34 @@ pub fn suite_key(module: Module, setup: Setup, variant: &str) -> String {
     }
 }
 
-/// Runs every suite; `(key, suite)` in [`setups`] order.
-pub fn run_all(filter_wasm: &[u8], floor_wasm: &[u8]) -> Result<Vec<(String, Suite)>> {
-    let filter = vm::Loaded::new(filter_wasm)?;
-    let floor = vm::Loaded::new(floor_wasm)?;
+/// Both modules, compiled once (compiling takes longer than running every suite).
+pub struct Modules {
+    filter: vm::Loaded,
+    floor: vm::Loaded,
+}
+
+impl Modules {
+    pub fn compile(filter_wasm: &[u8], floor_wasm: &[u8]) -> Result<Modules> {
+        Ok(Modules {
+            filter: vm::Loaded::new(filter_wasm)?,
+            floor: vm::Loaded::new(floor_wasm)?,
+        })
+    }
+
+    /// [`Modules::compile`] of the files [`locate_modules`] finds.
+    pub fn locate_and_compile() -> Result<Modules> {
+        let (filter, floor) = locate_modules()?;
+        Modules::compile(&std::fs::read(&filter)?, &std::fs::read(&floor)?)
+    }
+}
+
+/// Runs every suite, each in a fresh VM; `(key, suite)` in [`setups`] order.
+pub fn run_all(modules: &Modules) -> Result<Vec<(String, Suite)>> {
     let mut out = Vec::new();
     for (module, setup, variant) in setups() {
         let loaded = match module {
-            Module::Filter => &filter,
-            Module::Floor => &floor,
+            Module::Filter => &modules.filter,
+            Module::Floor => &modules.floor,
         };
         let key = suite_key(module, setup, variant);
         let suite = match scenario::run_suite(loaded, module, setup) {

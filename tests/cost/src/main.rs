@@ -8,7 +8,7 @@
 //! The modules are `$COMPUTEFLUX_WASM` and `$COMPUTEFLUX_FLOOR_WASM`, else built in the
 //! workspace's target directory.
 
-use computeflux_cost::{instruction_counts, locate_modules, markdown, run_all, Budgets};
+use computeflux_cost::{instruction_counts, markdown, run_all, Budgets, Modules};
 use std::process::ExitCode;
 
 fn main() -> ExitCode {
@@ -27,8 +27,15 @@ fn run() -> wasmtime::Result<ExitCode> {
         eprintln!("usage: computeflux-cost [--print | --check | --write-budgets | --json]");
         return Ok(ExitCode::from(2));
     }
-    let (filter, floor) = locate_modules()?;
-    let suites = run_all(&std::fs::read(&filter)?, &std::fs::read(&floor)?)?;
+    let started = std::time::Instant::now();
+    let modules = Modules::locate_and_compile()?;
+    let compiled = started.elapsed();
+    let suites = run_all(&modules)?;
+    eprintln!(
+        "computeflux-cost: modules built/located and compiled in {:.1} s, suites run in {:.1} s",
+        compiled.as_secs_f64(),
+        (started.elapsed() - compiled).as_secs_f64()
+    );
     let counts = instruction_counts(&suites);
     let path = computeflux_cost::budgets_path();
     match mode.as_str() {

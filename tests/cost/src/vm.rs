@@ -25,6 +25,10 @@ impl Loaded {
     pub fn new(wasm: &[u8]) -> wasmtime::Result<Loaded> {
         let mut config = Config::new();
         config.consume_fuel(true);
+        // Fuel counts wasm operators, whatever machine code they become: skip cranelift's
+        // optimisations, which only slow the compile (a debug build of cranelift compiles the
+        // filter in about a minute on a busy 2-core machine otherwise).
+        config.cranelift_opt_level(wasmtime::OptLevel::None);
         let engine = Engine::new(&config)?;
         let module = Module::new(&engine, wasm)?;
         let mut linker = Linker::new(&engine);

@@ -1,16 +1,14 @@
 //! The budgets gate: every scenario's instruction count within `budgets.json`'s margin, and
 //! the counts the same on a second run (the harness is deterministic or it is useless).
 
-use computeflux_cost::{instruction_counts, locate_modules, markdown, run_all, Budgets};
+use computeflux_cost::{instruction_counts, markdown, run_all, Budgets, Modules};
 
 #[test]
 fn instructions_within_budgets_and_deterministic() {
-    let (filter, floor) = locate_modules().expect("wasm modules");
-    let filter = std::fs::read(&filter).expect("read filter wasm");
-    let floor = std::fs::read(&floor).expect("read floor wasm");
-    let first = run_all(&filter, &floor).expect("first run");
+    let modules = Modules::locate_and_compile().expect("wasm modules");
+    let first = run_all(&modules).expect("first run");
     println!("{}", markdown(&first));
-    let second = run_all(&filter, &floor).expect("second run");
+    let second = run_all(&modules).expect("second run (fresh VMs)");
     assert_eq!(
         first, second,
         "two runs of the same modules gave different counts"
