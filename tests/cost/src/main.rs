@@ -1,0 +1,70 @@
+//! `computeflux-cost`: runs the exact cost harness and reports.
+//!
+//!   computeflux-cost --print            the markdown table (stdout)
+//!   computeflux-cost --check            compare with budgets.json; exit 1 on a regression
+//!   computeflux-cost --write-budgets    rewrite budgets.json from this run (margin kept)
+//!   computeflux-cost --json             every count as JSON (stdout)
+//!
+//! The modules are `$COMPUTEFLUX_WASM` and `$COMPUTEFLUX_FLOOR_WASM`, else built in the
+//! workspace's target directory.
+
+use computeflux_cost::{instruction_counts, markdown, run_all, Budgets, Modules};
+use std::process::ExitCode;
+
+fn main() -> ExitCode {
+    match run() {
+        Ok(code) => code,
+        Err(e) => {
+            eprintln!("computeflux-cost: {e:?}");
+            ExitCode::FAILURE
+        }
+    }
+}
+
+fn run() -> wasmtime::Result<ExitCode> {
+    let mode = std::env::args().nth(1).unwrap_or_else(|| "--print".into());
+    if !["--print", "--check", "--write-budgets", "--json"].contains(&mode.as_str()) {
+        eprintln!("usage: computeflux-cost [--print | --check | --write-budgets | --json]");
+        return Ok(ExitCode::from(2));
+    }
+    let started = std::time::Instant::now();
+    let modules = Modules::locate_and_compile()?;
+    let compiled = started.elapsed();
+    let suites = run_all(&modules)?;
+    eprintln!(
+        "computeflux-cost: modules built/located and compiled in {:.1} s, suites run in {:.1} s",
+        compiled.as_secs_f64(),
+        (started.elapsed() - compiled).as_secs_f64()
+    );
+    let counts = instruction_counts(&suites);
+    let path = computeflux_cost::budgets_path();
+    match mode.as_str() {
+        "--print" => print!("{}", markdown(&suites)),
+        "--json" => println!("{}", serde_json::to_string_pretty(&counts)?),
+        "--write-budgets" => {
+            let margin = Budgets::load(&path)
+                .map(|b| b.margin_percent)
+                .unwrap_or(5.0);
+            std::fs::write(&path, Budgets::render(margin, &counts))?;
+            eprintln!(
+                "wrote {} ({} counts, margin {margin}%)",
+                path.display(),
+                counts.len()
+            );
+        }
+        _ => {
+            print!("{}", markdown(&suites));
+            let (problems, notes) = Budgets::load(&path)?.check(&counts);
+            for n in &notes {
+                eprintln!("note: {n}");
+            }
+            if !problems.is_empty() {
+                for p in &problems {
+                    eprintln!("over budget: {p}");
+                }
+                return Ok(ExitCode::FAILURE);
+            }
+        }
+    }
+    Ok(ExitCode::SUCCESS)
+}
