@@ -30,6 +30,8 @@ pub struct EndpointConfig {
     pub headers: Vec<(String, String)>,
     /// `hash::endpoint_id(name)`: how the affinity table refers to this endpoint.
     pub id: u32,
+    /// How its engine's own `/metrics` is scraped; `None`: not scraped (hosted APIs).
+    pub metrics: Option<super::scrape_config::MetricsConfig>,
 }
 
 impl EndpointConfig {
@@ -393,7 +395,7 @@ pub fn endpoint_keys() -> Vec<KeyDoc> {
         bounds: bounds.into(),
         effect,
     };
-    vec![
+    let mut keys = vec![
         row("name", "string", "(required)", "unique, [A-Za-z0-9_-]{1,64}",
             "The endpoint's name in metrics labels, logs and the `x-computeflux-endpoint` header; sessions are pinned and placed by (a hash of) it, so renaming one moves its sessions."),
         row("cluster", "string", "(required)", "1..=255 bytes, an Envoy cluster name",
@@ -406,7 +408,9 @@ pub fn endpoint_keys() -> Vec<KeyDoc> {
             "Takes the endpoint out of rotation without deleting it (its sessions move elsewhere)."),
         row("headers", "object of string to string", "{}", "valid header names and values",
             "Request headers set on requests routed to this endpoint (e.g. a hosted provider's `authorization`). Values are never logged. Framing headers and the routing header are refused."),
-    ]
+    ];
+    keys.extend(super::scrape_config::metrics_keys());
+    keys
 }
 
 impl Config {
@@ -489,14 +493,25 @@ impl Config {
                     Some(m) => m.join("|"),
                 };
                 let headers: Vec<&str> = e.headers.iter().map(|(n, _)| n.as_str()).collect();
+                let metrics = e.metrics.as_ref().map_or(String::new(), |m| {
+                    format!(
+                        " metrics={}:{}{}@{}ms/{}ms",
+                        m.format_name(),
+                        m.cluster,
+                        m.path,
+                        m.interval_ms,
+                        m.timeout_ms
+                    )
+                });
                 format!(
-                    "{}(cluster={} weight={} models={} disabled={} headers=[{}])",
+                    "{}(cluster={} weight={} models={} disabled={} headers=[{}]{})",
                     e.name,
                     e.cluster,
                     e.weight,
                     models,
                     e.disabled,
-                    headers.join(",")
+                    headers.join(","),
+                    metrics
                 )
             })
             .collect();
@@ -702,7 +717,12 @@ impl Validator {
             return None;
         };
         let before = self.errors.len();
-        self.unknown_keys(&format!("{at}."), obj, &endpoint_keys());
+        // The dotted rows (`metrics.path`) document keys of the nested object, not of this one.
+        let keys: Vec<KeyDoc> = endpoint_keys()
+            .into_iter()
+            .filter(|k| !k.key.contains('.'))
+            .collect();
+        self.unknown_keys(&format!("{at}."), obj, &keys);
         let name = match obj.get("name") {
             None => {
                 self.push(&format!("{at}.name"), "is required");
@@ -840,6 +860,9 @@ impl Validator {
                 &format!("must be an object, got {}", type_name(v)),
             ),
         }
+        let metrics = obj.get("metrics").and_then(|m| {
+            super::scrape_config::parse(&format!("{at}.metrics"), m, &cluster, &mut self.errors)
+        });
         if self.errors.len() > before {
             return None;
         }
@@ -852,6 +875,7 @@ impl Validator {
             disabled,
             headers,
             id,
+            metrics,
         })
     }
 

@@ -30,6 +30,8 @@ pub mod request;
 pub mod responses;
 pub mod score;
 pub mod scrape;
+pub mod scrape_config;
+pub mod scrape_plan;
 pub mod select;
 pub mod state;
 pub mod store;
