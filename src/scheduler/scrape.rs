@@ -555,12 +555,18 @@ pub fn read_loads(store: &dyn Store) -> Loads {
 
 /// Publishes one endpoint's record into [`LOADS_KEY`] (read-modify-write with bounded CAS
 /// retries). `Err` when every attempt lost a race.
-pub fn publish(store: &dyn Store, id: u32, rec: Scraped, keep: &[u32]) -> Result<(), ()> {
+pub fn publish(
+    store: &dyn Store,
+    id: u32,
+    rec: Scraped,
+    keep: &[u32],
+) -> Result<(), super::store::CasMismatch> {
     update(store, LOADS_KEY, |bytes| {
         let mut loads = bytes.and_then(Loads::decode).unwrap_or_default();
         loads.upsert(id, rec, keep);
         (loads.encode(), ())
     })
+    .map_err(|()| super::store::CasMismatch)
 }
 
 #[cfg(test)]
