@@ -210,7 +210,9 @@ fn error_stat(endpoint: &str, kind: &str) -> String {
 
 /// Every `wasmcustom.computeflux_*` stat of `/stats` by name.
 fn stats(envoy: &Envoy) -> std::collections::BTreeMap<String, i64> {
-    let body = envoy.admin_get("/stats?format=json&filter=computeflux_").body;
+    let body = envoy
+        .admin_get("/stats?format=json&filter=computeflux_")
+        .body;
     let v: Value = serde_json::from_str(&body).unwrap();
     v["stats"]
         .as_array()
@@ -246,7 +248,11 @@ fn get(s: &std::collections::BTreeMap<String, i64>, name: &str) -> i64 {
 }
 
 fn no_panic(envoy: &Envoy) {
-    assert!(envoy.wasm_crashes().is_empty(), "{:?}", envoy.wasm_crashes());
+    assert!(
+        envoy.wasm_crashes().is_empty(),
+        "{:?}",
+        envoy.wasm_crashes()
+    );
 }
 
 /// Envoy with one endpoint per `(name, engine, metrics object)`; the endpoint's cluster is the
@@ -422,6 +428,15 @@ fn an_engine_that_never_answers_is_a_timeout() {
         assert_eq!(get(&st, &error_stat("n", other)), 0, "{other}");
     }
     assert_eq!(get(&st, &stat_name("computeflux_scrapes_total", "n")), 0);
+    let prom = envoy.prometheus();
+    assert!(
+        prom.contains("computeflux_scrape_errors_total{endpoint=\"n\",error=\"timeout\"}"),
+        "{}",
+        prom.lines()
+            .filter(|l| l.contains("scrape_errors"))
+            .collect::<Vec<_>>()
+            .join("\n")
+    );
     // At most one call in flight: timeouts come at most one per interval.
     let t = get(&st, &error_stat("n", "timeout")) as u64;
     assert!(e.hits() <= t + 1, "hits {} vs timeouts {t}", e.hits());
