@@ -37,6 +37,15 @@ const TICK: Duration = Duration::from_secs(1);
 const LOGGED_KEY: &str = "computeflux/config-logged";
 
 impl Context for Root {
+    /// The root context is going away (plugin reconfigured by ECDS, VM shut down): hand the
+    /// scrape lease over at once instead of letting it lapse.
+    fn on_done(&mut self) -> bool {
+        if let Some(s) = &mut self.scraper {
+            s.release();
+        }
+        true
+    }
+
     fn on_http_call_response(
         &mut self,
         token: u32,

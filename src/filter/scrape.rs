@@ -119,6 +119,14 @@ impl Scraper {
         scrape_plan::holder_id(&SharedData, now_ms)
     }
 
+    /// Gives the lease up if this VM holds it (its root context is going away).
+    pub fn release(&mut self) {
+        if self.holding && scrape::release(&SharedData, scrape::LEASE_KEY, self.me) {
+            log::debug!("computeflux: scrape lease released (holder {})", self.me);
+        }
+        self.holding = false;
+    }
+
     pub fn on_tick(&mut self, cfg: &Config, now_ms: u64) {
         let store = SharedData;
         let loads = scrape::read_loads(&store);
