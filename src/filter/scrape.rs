@@ -143,12 +143,7 @@ impl Scraper {
         if !self.holding {
             log::debug!("computeflux: scrape lease taken (holder {})", self.me);
             // Pick up where the previous holder stopped: one interval after its last scrape.
-            for (i, e) in cfg.endpoints.iter().enumerate() {
-                if let (Some(m), Some(rec)) = (&e.metrics, loads.get(e.id)) {
-                    let next = rec.attempted_at_ms.saturating_add(m.interval_ms);
-                    self.schedule.seed(i, next);
-                }
-            }
+            self.schedule.take_over(cfg, &loads);
             self.holding = true;
         }
         for i in self.schedule.due(cfg, now_ms) {

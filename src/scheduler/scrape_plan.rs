@@ -18,7 +18,7 @@
 
 use super::config::Config;
 use super::engine_load::{parse, EngineLoad};
-use super::scrape::ScrapeError;
+use super::scrape::{Loads, ScrapeError};
 use super::scrape_config::MetricsConfig;
 use super::store::{update, Store};
 
@@ -152,6 +152,16 @@ impl Schedule {
     pub fn seed(&mut self, i: usize, next_due_ms: u64) {
         if let Some(slot) = self.slots.get_mut(i) {
             slot.next_due_ms = next_due_ms;
+        }
+    }
+
+    /// A worker that has just taken the lease: each endpoint is next due one interval after
+    /// the last scrape anyone published (due now when there is none).
+    pub fn take_over(&mut self, cfg: &Config, loads: &Loads) {
+        for (i, e) in cfg.endpoints.iter().enumerate() {
+            if let (Some(m), Some(rec)) = (&e.metrics, loads.get(e.id)) {
+                self.seed(i, rec.attempted_at_ms.saturating_add(m.interval_ms));
+            }
         }
     }
 
@@ -355,5 +365,99 @@ mod tests {
         let h = request_headers(&m);
         assert_eq!(h[1], (":path".to_string(), b"/metrics".to_vec()));
         assert_eq!(h[2], (":authority".to_string(), b"c0".to_vec()));
+    }
+
+    /// Two workers of one Envoy share the store; each ticks every 100 ms (offset by 50 ms),
+    /// answers come back at once. The holder's root context is done at 2.9 s and releases the
+    /// lease: the other takes it at its next tick and goes on from the published record — never
+    /// two scrapes within an interval (without `take_over` it would scrape 50 ms after the
+    /// last), and the engine is asked once per interval throughout.
+    #[test]
+    fn a_lapsed_lease_is_taken_over_without_double_scrapes() {
+        use crate::scheduler::engine_load::EngineLoad;
+        use crate::scheduler::scrape::{self, Scraped};
+        let c = cfg(&[Some(200)]);
+        let m = c.endpoints[0].metrics.clone().unwrap();
+        let id = c.endpoints[0].id;
+        let store = MemStore::new();
+        let tick = tick_ms(&c);
+        assert_eq!(tick, 100);
+        let lease = lease_ms(tick);
+        struct Vm {
+            me: u64,
+            holding: bool,
+            schedule: Schedule,
+            alive_until: u64,
+        }
+        let mut vms = [
+            Vm {
+                me: holder_id(&store, 0),
+                holding: false,
+                schedule: Schedule::new(1),
+                alive_until: 2_900,
+            },
+            Vm {
+                me: holder_id(&store, 0),
+                holding: false,
+                schedule: Schedule::new(1),
+                alive_until: u64::MAX,
+            },
+        ];
+        let load = EngineLoad {
+            engine: Engine::Tgi,
+            waiting: Some(1),
+            running: Some(2),
+            kv_usage_permille: None,
+            prompt_tokens_total: None,
+            prompt_tokens_cached_total: None,
+        };
+        let mut scrapes: Vec<(u64, u64)> = Vec::new(); // (time, holder)
+        let mut token = 0;
+        for step in 0..200u64 {
+            let now = step * 50;
+            let vm = &mut vms[(step % 2) as usize];
+            if now >= vm.alive_until {
+                // Its root context is done: it hands the lease over at once.
+                if vm.holding {
+                    assert!(scrape::release(&store, scrape::LEASE_KEY, vm.me));
+                    vm.holding = false;
+                }
+                continue;
+            }
+            if !scrape::try_take(&store, scrape::LEASE_KEY, vm.me, now, lease) {
+                vm.holding = false;
+                continue;
+            }
+            if !vm.holding {
+                vm.schedule.take_over(&c, &scrape::read_loads(&store));
+                vm.holding = true;
+            }
+            for i in vm.schedule.due(&c, now) {
+                token += 1;
+                vm.schedule.sent(i, Some(token), &m, now);
+                assert_eq!(vm.schedule.answered(token), Some((0, now)));
+                let rec: Scraped =
+                    scrape::record(&store, &scrape::record_key("e0"), now, Ok(load)).unwrap();
+                scrape::publish(&store, id, rec, &[id]).unwrap();
+                scrapes.push((now, vm.me));
+            }
+        }
+        let by = |h: u64| scrapes.iter().filter(|(_, who)| *who == h).count();
+        // A scraped until its VM went away at 3 s, B after: both held the lease.
+        assert!(by(vms[0].me) >= 14 && by(vms[1].me) >= 30, "{scrapes:?}");
+        assert!(scrapes
+            .iter()
+            .all(|(t, who)| *who == vms[0].me || *t >= 2_900));
+        // Never two scrapes within an interval, handover included.
+        assert!(
+            scrapes.windows(2).all(|w| w[1].0 - w[0].0 >= 200),
+            "{scrapes:?}"
+        );
+        // 10 s at 200 ms is 50; the handover costs at most the lease (300 ms) plus one interval.
+        assert!(
+            (46..=50).contains(&scrapes.len()),
+            "{}: {scrapes:?}",
+            scrapes.len()
+        );
     }
 }
