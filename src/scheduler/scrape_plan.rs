@@ -443,7 +443,7 @@ mod tests {
             }
         }
         let by = |h: u64| scrapes.iter().filter(|(_, who)| *who == h).count();
-        // A scraped until its VM went away at 3 s, B after: both held the lease.
+        // A scraped until its root context was done at 2.9 s, B after: both held the lease.
         assert!(by(vms[0].me) >= 14 && by(vms[1].me) >= 30, "{scrapes:?}");
         assert!(scrapes
             .iter()
