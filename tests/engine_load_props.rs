@@ -16,11 +16,11 @@
     clippy::indexing_slicing
 )]
 
+use computeflux::scheduler::routing::scrape::{self, LoadState, ScrapeError, Scraped};
+use computeflux::scheduler::state::store::CAS_RETRIES;
 use computeflux::scheduler::wire::engine_load::{
     parse, Engine, EngineLoad, Format, Parsed, SERIES_SLOTS,
 };
-use computeflux::scheduler::routing::scrape::{self, LoadState, ScrapeError, Scraped};
-use computeflux::scheduler::state::store::CAS_RETRIES;
 use computeflux::scheduler::{MemStore, Store};
 use proptest::collection::vec;
 use proptest::prelude::*;

@@ -9,6 +9,7 @@
 
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
 
+use computeflux::scheduler::routing::scrape::ScrapeError;
 use computeflux::scheduler::{AffinityResult, Outcome, Reason, RejectReason};
 
 fn doc() -> String {
@@ -83,6 +84,12 @@ fn every_label_value_is_distinct_and_documented() {
         "reject reason",
         &rejects,
     );
+    let errors: Vec<&str> = ScrapeError::ALL.iter().map(|e| e.name()).collect();
+    check(
+        &line(&doc, "| `computeflux_scrape_errors_total`"),
+        "scrape error",
+        &errors,
+    );
 }
 
 /// Every metric `src/filter/metrics.rs` defines has its row in `docs/metrics.md`'s table (a
@@ -90,11 +97,12 @@ fn every_label_value_is_distinct_and_documented() {
 #[test]
 fn every_defined_metric_has_a_row() {
     let doc = doc();
-    let src = std::fs::read_to_string(concat!(
-        env!("CARGO_MANIFEST_DIR"),
-        "/src/filter/metrics.rs"
-    ))
-    .unwrap();
+    // The request path's metrics, and the scraper's (defined beside it).
+    let src = ["/src/filter/metrics.rs", "/src/filter/scrape.rs"]
+        .iter()
+        .map(|f| std::fs::read_to_string(format!("{}{f}", env!("CARGO_MANIFEST_DIR"))).unwrap())
+        .collect::<Vec<_>>()
+        .join("\n");
     let mut names: Vec<&str> = src
         .match_indices("\"computeflux_")
         .map(|(i, _)| {
@@ -113,6 +121,8 @@ fn every_defined_metric_has_a_row() {
         "computeflux_pin_breaks_total",
         "computeflux_quota_skips_total",
         "computeflux_cas_exhausted_total",
+        "computeflux_scrape_errors_total",
+        "computeflux_engine_waiting",
     ] {
         assert!(
             names.contains(&known),

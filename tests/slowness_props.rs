@@ -14,7 +14,6 @@
     clippy::indexing_slicing
 )]
 
-use computeflux::scheduler::state::codec::{Reader, Writer};
 use computeflux::scheduler::routing::saturation::{
     judge, keep_pin, EngineLoad, MoveMark, MoveReason, PinCase, Saturation, SaturationRule,
 };
@@ -22,6 +21,7 @@ use computeflux::scheduler::routing::slowness::{
     degraded, peer_median, DegradeRule, Sample, Slowness, WorkModel, MODEL_WARM_SAMPLES,
 };
 use computeflux::scheduler::routing::{ewma, placement};
+use computeflux::scheduler::state::codec::{Reader, Writer};
 use computeflux::scheduler::Config;
 use proptest::prelude::*;
 

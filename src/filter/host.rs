@@ -372,6 +372,19 @@ pub fn dispatch(
     .is_ok()
 }
 
+/// Sends a call whose answer comes back to the calling context's `on_http_call_response`
+/// with the returned token (a root context's scrape). None if the host refused it.
+pub fn dispatch_call(cluster: &str, headers: &[(String, Vec<u8>)], timeout_ms: u64) -> Option<u32> {
+    hostcalls::dispatch_http_call(
+        cluster,
+        text(headers),
+        None,
+        Vec::new(),
+        Duration::from_millis(timeout_ms),
+    )
+    .ok()
+}
+
 fn text(pairs: &[(String, Vec<u8>)]) -> Vec<(&str, &str)> {
     pairs
         .iter()

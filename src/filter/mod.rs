@@ -8,6 +8,7 @@
 //! - [`http`]: Envoy's per-request callbacks, translated into calls on the request lifecycle
 //!   ([`crate::scheduler::flow::Flow`]), whose steps it performs;
 //! - [`observe`]: what the lifecycle reports, as metrics and log lines;
+//! - [`scrape`]: the engines' own `/metrics`, scraped from the root context's timer;
 //! - [`shared`]: the scheduler's `Store` over Envoy shared data;
 //! - [`host`]: every host call, none of which can panic (`tests/host_boundary.rs` keeps it
 //!   the only one).
@@ -18,6 +19,7 @@ mod metrics;
 mod observe;
 mod plugin;
 mod root;
+mod scrape;
 mod shared;
 
 use proxy_wasm::types::LogLevel;

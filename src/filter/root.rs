@@ -4,6 +4,7 @@ use super::host;
 use super::http::Http;
 use super::metrics::Metrics;
 use super::plugin::{refresh_gauges, Plugin};
+use super::scrape::Scraper;
 use super::shared::SharedData;
 use crate::scheduler::config::Config;
 use crate::scheduler::routing::select::{Scheduler, TABLE_KEY};
@@ -17,6 +18,11 @@ use std::time::Duration;
 #[derive(Default)]
 pub struct Root {
     plugin: Option<Rc<Plugin>>,
+    /// Present when some endpoint's engine is scraped (see `scrape.rs`).
+    scraper: Option<Scraper>,
+    /// This VM's scrape lease holder id, drawn once.
+    holder_id: Option<u64>,
+    last_gauges_ms: u64,
 }
 
 const TICK: Duration = Duration::from_secs(1);
@@ -24,7 +30,28 @@ const TICK: Duration = Duration::from_secs(1);
 /// configuration is logged once per change rather than once per VM.
 const LOGGED_KEY: &str = "computeflux/config-logged";
 
-impl Context for Root {}
+impl Context for Root {
+    /// The root context is going away (plugin reconfigured by ECDS, VM shut down): hand the
+    /// scrape lease over at once instead of letting it lapse.
+    fn on_done(&mut self) -> bool {
+        if let Some(s) = &mut self.scraper {
+            s.release();
+        }
+        true
+    }
+
+    fn on_http_call_response(
+        &mut self,
+        token: u32,
+        num_headers: usize,
+        body_size: usize,
+        _num_trailers: usize,
+    ) {
+        if let (Some(p), Some(s)) = (&self.plugin, &mut self.scraper) {
+            s.on_response(&p.cfg, token, num_headers, body_size, host::now_ms());
+        }
+    }
+}
 
 impl RootContext for Root {
     fn on_vm_start(&mut self, _size: usize) -> bool {
@@ -66,8 +93,16 @@ impl RootContext for Root {
             let _ = store.set(TABLE_KEY, &table.encode(), None);
         }
         let metrics = Metrics::define(&cfg);
+        let me = *self
+            .holder_id
+            .get_or_insert_with(|| Scraper::holder_id(host::now_ms()));
+        self.scraper = Scraper::new(&cfg, me);
+        let tick = self
+            .scraper
+            .as_ref()
+            .map_or(TICK, |s| Duration::from_millis(s.tick_ms()).min(TICK));
         self.plugin = Some(Rc::new(Plugin { cfg, metrics }));
-        if !host::tick_every(TICK) {
+        if !host::tick_every(tick) {
             host::log(
                 LogLevel::Warn,
                 "computeflux: no tick timer; gauges refresh only as requests finish",
@@ -77,8 +112,15 @@ impl RootContext for Root {
     }
 
     fn on_tick(&mut self) {
-        if let Some(p) = &self.plugin {
-            refresh_gauges(p, host::now_ms());
+        let Some(p) = &self.plugin else { return };
+        let now = host::now_ms();
+        // The scraper may tick faster; the endpoint gauges keep their one-second refresh.
+        if now.saturating_sub(self.last_gauges_ms) >= TICK.as_millis() as u64 {
+            self.last_gauges_ms = now;
+            refresh_gauges(p, now);
+        }
+        if let Some(s) = &mut self.scraper {
+            s.on_tick(&p.cfg, now);
         }
     }
 

@@ -15,7 +15,9 @@ use super::http::{self, Response};
 use super::unique_u32;
 
 /// Stat tags turned into labels by default (see [`stats_tags`]).
-pub const DEFAULT_STAT_TAGS: &[&str] = &["endpoint", "outcome", "result", "reason", "affinity"];
+pub const DEFAULT_STAT_TAGS: &[&str] = &[
+    "endpoint", "outcome", "result", "reason", "affinity", "error",
+];
 
 /// How to run Envoy.
 #[derive(Clone, Debug)]

@@ -18,6 +18,7 @@ use serde_json::{Map, Value};
 use std::fmt;
 use validate::Validator;
 
+pub mod metrics;
 mod validate;
 
 /// One routing target: an API key of a hosted provider or a self-hosted GPU instance.
@@ -37,6 +38,8 @@ pub struct EndpointConfig {
     pub headers: Vec<(String, String)>,
     /// `hash::endpoint_id(name)`: how the affinity table refers to this endpoint.
     pub id: u32,
+    /// How its engine's own `/metrics` is scraped; `None`: not scraped (hosted APIs).
+    pub metrics: Option<metrics::MetricsConfig>,
 }
 
 impl EndpointConfig {
@@ -400,7 +403,7 @@ pub fn endpoint_keys() -> Vec<KeyDoc> {
         bounds: bounds.into(),
         effect,
     };
-    vec![
+    let mut keys = vec![
         row("name", "string", "(required)", "unique, [A-Za-z0-9_-]{1,64}",
             "The endpoint's name in metrics labels, logs and the `x-computeflux-endpoint` header; sessions are pinned and placed by (a hash of) it, so renaming one moves its sessions."),
         row("cluster", "string", "(required)", "1..=255 bytes, an Envoy cluster name",
@@ -413,7 +416,9 @@ pub fn endpoint_keys() -> Vec<KeyDoc> {
             "Takes the endpoint out of rotation without deleting it (its sessions move elsewhere)."),
         row("headers", "object of string to string", "{}", "valid header names and values",
             "Request headers set on requests routed to this endpoint (e.g. a hosted provider's `authorization`). Values are never logged. Framing headers and the routing header are refused."),
-    ]
+    ];
+    keys.extend(metrics::metrics_keys());
+    keys
 }
 
 impl Config {
@@ -496,14 +501,25 @@ impl Config {
                     Some(m) => m.join("|"),
                 };
                 let headers: Vec<&str> = e.headers.iter().map(|(n, _)| n.as_str()).collect();
+                let metrics = e.metrics.as_ref().map_or(String::new(), |m| {
+                    format!(
+                        " metrics={}:{}{}@{}ms/{}ms",
+                        m.format_name(),
+                        m.cluster,
+                        m.path,
+                        m.interval_ms,
+                        m.timeout_ms
+                    )
+                });
                 format!(
-                    "{}(cluster={} weight={} models={} disabled={} headers=[{}])",
+                    "{}(cluster={} weight={} models={} disabled={} headers=[{}]{})",
                     e.name,
                     e.cluster,
                     e.weight,
                     models,
                     e.disabled,
-                    headers.join(",")
+                    headers.join(","),
+                    metrics
                 )
             })
             .collect();

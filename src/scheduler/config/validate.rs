@@ -185,7 +185,12 @@ impl Validator {
             return None;
         };
         let before = self.errors.len();
-        self.unknown_keys(&format!("{at}."), obj, &endpoint_keys());
+        // The dotted rows (`metrics.path`) document keys of the nested object, not of this one.
+        let keys: Vec<KeyDoc> = endpoint_keys()
+            .into_iter()
+            .filter(|k| !k.key.contains('.'))
+            .collect();
+        self.unknown_keys(&format!("{at}."), obj, &keys);
         let name = match obj.get("name") {
             None => {
                 self.push(&format!("{at}.name"), "is required");
@@ -323,6 +328,14 @@ impl Validator {
                 &format!("must be an object, got {}", type_name(v)),
             ),
         }
+        let metrics = obj.get("metrics").and_then(|m| {
+            crate::scheduler::config::metrics::parse(
+                &format!("{at}.metrics"),
+                m,
+                &cluster,
+                &mut self.errors,
+            )
+        });
         if self.errors.len() > before {
             return None;
         }
@@ -335,6 +348,7 @@ impl Validator {
             disabled,
             headers,
             id,
+            metrics,
         })
     }
 

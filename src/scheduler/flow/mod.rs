@@ -53,8 +53,8 @@
 //! s.finish(d.ticket, &Outcome::Success, 1, None, 2); // use of moved value
 //! ```
 
-use crate::scheduler::health::blame;
 use crate::scheduler::config::{Config, ListModels};
+use crate::scheduler::health::blame;
 use crate::scheduler::health::outcome::{classify, FailureKind, Outcome};
 use crate::scheduler::routing::quota::QuotaHint;
 use crate::scheduler::routing::responses::{self, IdScan};

@@ -19,6 +19,7 @@ pub mod responses;
 pub mod saturation;
 pub mod score;
 pub mod scrape;
+pub mod scrape_plan;
 pub mod select;
 pub mod slowness;
 pub mod table;

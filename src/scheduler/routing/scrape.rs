@@ -23,8 +23,8 @@
 //!   rendezvous placement (values near a bucket edge can still differ for one interval).
 
 use crate::scheduler::state::codec::{Reader, Writer};
-use crate::scheduler::wire::engine_load::{Engine, EngineLoad, LoadError};
 use crate::scheduler::state::store::{update, update_if, Store};
+use crate::scheduler::wire::engine_load::{Engine, EngineLoad, LoadError};
 
 /// The shared-data key of the scrape lease (one per Envoy process: the VM's shared data).
 pub const LEASE_KEY: &str = "computeflux/scrape/lease";
@@ -139,15 +139,18 @@ pub enum ScrapeError {
     NoSeries,
     /// The families were there, for other models only.
     ModelNotServed,
+    /// The body was larger than the scraper reads (it is not read at all).
+    TooLarge,
 }
 
 impl ScrapeError {
-    pub const ALL: [ScrapeError; 5] = [
+    pub const ALL: [ScrapeError; 6] = [
         ScrapeError::Dispatch,
         ScrapeError::Timeout,
         ScrapeError::Status,
         ScrapeError::NoSeries,
         ScrapeError::ModelNotServed,
+        ScrapeError::TooLarge,
     ];
 
     pub fn code(self) -> u8 {
@@ -157,6 +160,7 @@ impl ScrapeError {
             ScrapeError::Status => 3,
             ScrapeError::NoSeries => 4,
             ScrapeError::ModelNotServed => 5,
+            ScrapeError::TooLarge => 6,
         }
     }
 
@@ -172,6 +176,7 @@ impl ScrapeError {
             ScrapeError::Status => "status",
             ScrapeError::NoSeries => "no_series",
             ScrapeError::ModelNotServed => "model_not_served",
+            ScrapeError::TooLarge => "too_large",
         }
     }
 }
@@ -449,6 +454,119 @@ pub fn quantize(load: &EngineLoad) -> Quantized {
         running_bucket: load.running.map(queue_bucket),
         kv_step: load.kv_usage_permille.map(kv_step),
     }
+}
+
+/// The shared-data key of [`Loads`]: every scraped endpoint's record in one value, so that a
+/// request reads all engines' loads with one `get`.
+pub const LOADS_KEY: &str = "computeflux/scrape/loads";
+
+const LOADS_VERSION: u8 = 1;
+/// Per entry: the endpoint id, then its [`Scraped`] record.
+const LOAD_ENTRY_BYTES: usize = 4 + RECORD_BYTES;
+
+/// Every scraped endpoint's [`Scraped`] record, by endpoint id (`EndpointConfig::id`), as
+/// the scrape lease holder publishes it under [`LOADS_KEY`] after each scrape.
+///
+/// Codec (little-endian): version `1` (u8), entry count (u32), then per entry, in strictly
+/// increasing id order, the id (u32) and the record's own encoding ([`Scraped::encode`], 61
+/// bytes). Anything else decodes as `None` (read as no loads at all: every load unknown).
+#[derive(Debug, Clone, PartialEq, Eq, Default)]
+pub struct Loads {
+    /// Sorted by id, ids distinct.
+    pub entries: Vec<(u32, Scraped)>,
+}
+
+impl Loads {
+    pub fn encode(&self) -> Vec<u8> {
+        let mut w = Writer::with_capacity(5 + self.entries.len() * LOAD_ENTRY_BYTES);
+        w.u8(LOADS_VERSION);
+        w.u32(u32::try_from(self.entries.len()).unwrap_or(u32::MAX));
+        for (id, rec) in &self.entries {
+            w.u32(*id);
+            w.buf.extend_from_slice(&rec.encode());
+        }
+        w.buf
+    }
+
+    pub fn decode(bytes: &[u8]) -> Option<Loads> {
+        let mut r = Reader::new(bytes);
+        if r.u8()? != LOADS_VERSION {
+            return None;
+        }
+        let n = usize::try_from(r.u32()?).ok()?;
+        if r.remaining() != n.checked_mul(LOAD_ENTRY_BYTES)? {
+            return None;
+        }
+        let mut entries: Vec<(u32, Scraped)> = Vec::with_capacity(n);
+        let mut rest = bytes.get(5..)?;
+        for _ in 0..n {
+            let (head, tail) = rest.split_at_checked(LOAD_ENTRY_BYTES)?;
+            rest = tail;
+            let (id, rec) = head.split_at_checked(4)?;
+            let id = u32::from_le_bytes(id.try_into().ok()?);
+            if entries.last().is_some_and(|(last, _)| *last >= id) {
+                return None;
+            }
+            entries.push((id, Scraped::decode(rec)?));
+        }
+        Some(Loads { entries })
+    }
+
+    /// The endpoint's record, if it was ever scraped.
+    pub fn get(&self, id: u32) -> Option<&Scraped> {
+        let i = self.entries.binary_search_by_key(&id, |(k, _)| *k).ok()?;
+        self.entries.get(i).map(|(_, rec)| rec)
+    }
+
+    /// The endpoint's load as the scheduler may use it at `now_ms` (absent: never scraped).
+    pub fn state(&self, id: u32, now_ms: u64, stale_after_ms: u64) -> LoadState {
+        match self.get(id) {
+            Some(rec) => rec.state_at(now_ms, stale_after_ms),
+            None => LoadState::Unknown(Unknown::NeverScraped),
+        }
+    }
+
+    /// The endpoint's load quantized for placement, when it is known at `now_ms`.
+    pub fn quantized(&self, id: u32, now_ms: u64, stale_after_ms: u64) -> Option<Quantized> {
+        match self.state(id, now_ms, stale_after_ms) {
+            LoadState::Known(load) => Some(quantize(&load)),
+            LoadState::Unknown(_) => None,
+        }
+    }
+
+    /// Sets the endpoint's record and drops the entries of ids not in `keep` (endpoints no
+    /// longer configured for scraping), so the value stays bounded by the configuration.
+    pub fn upsert(&mut self, id: u32, rec: Scraped, keep: &[u32]) {
+        self.entries.retain(|(k, _)| *k != id && keep.contains(k));
+        let at = self.entries.partition_point(|(k, _)| *k < id);
+        self.entries.insert(at, (id, rec));
+    }
+}
+
+/// The published loads (absent or undecodable: none).
+pub fn read_loads(store: &dyn Store) -> Loads {
+    store
+        .get(LOADS_KEY)
+        .0
+        .as_deref()
+        .and_then(Loads::decode)
+        .unwrap_or_default()
+}
+
+/// Publishes one endpoint's record into [`LOADS_KEY`] (read-modify-write with bounded CAS
+/// retries). `Err` when every attempt lost a race.
+pub fn publish(
+    store: &dyn Store,
+    id: u32,
+    rec: Scraped,
+    keep: &[u32],
+) -> Result<(), crate::scheduler::state::store::CasMismatch> {
+    update(store, LOADS_KEY, |bytes| {
+        let mut loads = bytes.and_then(Loads::decode).unwrap_or_default();
+        loads.upsert(id, rec, keep);
+        (loads.encode(), ())
+    })
+    .map_err(|()| crate::scheduler::state::store::CasMismatch)
 }
 
 #[cfg(test)]
@@ -737,5 +855,65 @@ mod tests {
             prompt_tokens_cached_total: None,
         };
         assert_eq!(quantize(&tgi).requests_floor(), None);
+    }
+
+    #[test]
+    fn loads_one_value_for_every_endpoint() {
+        let s = MemStore::new();
+        assert_eq!(read_loads(&s), Loads::default());
+        let a = vllm(5, 9, 410).into_record();
+        let mut a = a;
+        a.scraped_at_ms = 1_000;
+        a.attempted_at_ms = 1_000;
+        let mut b = Scraped::default();
+        b.failed(ScrapeError::TooLarge, 1_100);
+        publish(&s, 30, a, &[30, 7]).unwrap();
+        publish(&s, 7, b, &[30, 7]).unwrap();
+        let loads = read_loads(&s);
+        assert_eq!(loads.entries, vec![(7, b), (30, a)]);
+        assert_eq!(loads.encode().len(), 5 + 2 * (4 + RECORD_BYTES));
+        assert_eq!(
+            loads.state(30, 1_500, 1_000),
+            LoadState::Known(vllm(5, 9, 410))
+        );
+        assert_eq!(
+            loads.quantized(30, 1_500, 1_000),
+            Some(Quantized {
+                waiting_bucket: Some(3),
+                running_bucket: Some(4),
+                kv_step: Some(4)
+            })
+        );
+        assert_eq!(loads.quantized(30, 2_001, 1_000), None);
+        assert_eq!(
+            loads.state(7, 1_500, 1_000),
+            LoadState::Unknown(Unknown::Failed(ScrapeError::TooLarge))
+        );
+        assert_eq!(
+            loads.state(99, 1_500, 1_000),
+            LoadState::Unknown(Unknown::NeverScraped)
+        );
+        // An endpoint gone from the configuration is dropped at the next publish.
+        publish(&s, 7, b, &[7]).unwrap();
+        assert_eq!(read_loads(&s).entries, vec![(7, b)]);
+        // The codec takes exactly what it writes.
+        let bytes = loads.encode();
+        assert_eq!(Loads::decode(&bytes), Some(loads.clone()));
+        assert_eq!(Loads::decode(&bytes[..bytes.len() - 1]), None);
+        let mut longer = bytes.clone();
+        longer.push(0);
+        assert_eq!(Loads::decode(&longer), None);
+        let mut bad = bytes.clone();
+        bad[0] = 2;
+        assert_eq!(Loads::decode(&bad), None);
+        // Ids out of order (the second entry's id set below the first's).
+        let mut bad = bytes.clone();
+        bad[5 + 4 + RECORD_BYTES] = 1;
+        bad[5 + 4 + RECORD_BYTES + 1] = 0;
+        assert_eq!(Loads::decode(&bad), None);
+        let empty = Loads::default().encode();
+        assert_eq!(Loads::decode(&empty), Some(Loads::default()));
+        s.set(LOADS_KEY, b"junk", None).unwrap();
+        assert_eq!(read_loads(&s), Loads::default());
     }
 }

@@ -53,8 +53,8 @@
 //! (ratio to the fastest p95 2.7, max 4.9–6.4) enters the degraded state about 320 times in
 //! 20 000 answers. An endpoint turned 5× slower is degraded after 3–4 of its answers.
 
-use crate::scheduler::state::codec::{Reader, Writer};
 use crate::scheduler::config::Config;
+use crate::scheduler::state::codec::{Reader, Writer};
 
 /// Gain of each sample in an endpoint's log-slowness.
 pub const ALPHA: f64 = 0.3;

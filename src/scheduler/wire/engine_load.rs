@@ -33,39 +33,16 @@
 
 use xxhash_rust::xxh3::xxh3_64_with_seed;
 
-/// Which engine's metric names to read.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Format {
-    Vllm,
-    Sglang,
-    Llamacpp,
-    Tgi,
-    /// Whichever engine's names the body holds most families of (ties: vLLM, SGLang,
-    /// llama.cpp, TGI).
-    Auto,
-}
+pub use crate::scheduler::config::metrics::Format;
 
-impl Format {
-    /// The configuration spelling: `vllm`, `sglang`, `llamacpp`, `tgi`, `auto`.
-    pub fn from_name(name: &str) -> Option<Format> {
-        match name {
-            "vllm" => Some(Format::Vllm),
-            "sglang" => Some(Format::Sglang),
-            "llamacpp" => Some(Format::Llamacpp),
-            "tgi" => Some(Format::Tgi),
-            "auto" => Some(Format::Auto),
-            _ => None,
-        }
-    }
-
-    fn engine(self) -> Option<Engine> {
-        match self {
-            Format::Vllm => Some(Engine::Vllm),
-            Format::Sglang => Some(Engine::Sglang),
-            Format::Llamacpp => Some(Engine::Llamacpp),
-            Format::Tgi => Some(Engine::Tgi),
-            Format::Auto => None,
-        }
+/// The engine a configured format names (`None`: detect it).
+fn engine_of(format: Format) -> Option<Engine> {
+    match format {
+        Format::Vllm => Some(Engine::Vllm),
+        Format::Sglang => Some(Engine::Sglang),
+        Format::Llamacpp => Some(Engine::Llamacpp),
+        Format::Tgi => Some(Engine::Tgi),
+        Format::Auto => None,
     }
 }
 
@@ -394,7 +371,7 @@ pub fn parse<S: AsRef<str>>(
     let whole = cut >= body.len() && body.len() >= full_len;
     stats.bytes_read = bytes.len();
     stats.truncated = !whole;
-    let want = format.engine();
+    let want = engine_of(format);
     let mut fold = Fold::new();
     let mut rest = bytes;
     while !rest.is_empty() {
@@ -1075,10 +1052,7 @@ tgi_request_duration_count 9
         assert_eq!(Format::from_name("VLLM"), None);
         for e in Engine::ALL {
             assert_eq!(Engine::from_code(e.code()), Some(e));
-            assert_eq!(
-                Format::from_name(e.name()).and_then(Format::engine),
-                Some(e)
-            );
+            assert_eq!(Format::from_name(e.name()).and_then(engine_of), Some(e));
         }
     }
 }

@@ -6,12 +6,12 @@
 //! decided elsewhere. May import `config` and `state` (the session hash).
 
 pub mod api;
-pub mod path;
 pub mod engine_load;
 pub mod headers;
 pub mod json_scan;
 pub mod models;
 pub mod multipart;
+pub mod path;
 pub mod reply;
 pub mod request;
 pub mod text;

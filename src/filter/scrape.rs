@@ -1,0 +1,287 @@
+//! The scraper: asks self-hosted engines for their own `/metrics` from the root context's
+//! timer, one worker per Envoy process at a time.
+//!
+//! Why in the root context: scraping belongs to no request, and a root context has a timer and
+//! may send calls whose answers come back to it. Why a lease: every worker's VM (and the main
+//! thread's) runs a root context with its own timer; without the lease each engine would be
+//! asked `concurrency + 1` times per interval.
+//!
+//! Each tick ([`crate::scheduler::routing::scrape_plan::tick_ms`]):
+//! 1. every VM mirrors the published loads ([`scrape::LOADS_KEY`], one shared-data read) into
+//!    the gauges, so that the age of a scrape grows in `/stats` even when no scrape succeeds;
+//! 2. the VM tries the lease ([`scrape::try_take`], lease = 3 ticks); the holder sends
+//!    `GET <path>` to each due endpoint (at most one call in flight per endpoint). A VM that
+//!    has just taken the lease over first sets its due times from the published records.
+//!
+//! An answer ([`Scraper::on_response`]) is judged from its head first: a failed call, Envoy's
+//! own 503/504 (connect failure, timeout) and a body over
+//! [`crate::scheduler::routing::scrape_plan::BODY_LIMIT_BYTES`] are failures without reading the body;
+//! otherwise at most that many bytes are read and parsed. The result is folded into the
+//! endpoint's record ([`scrape::record`]) and the record published in the combined value
+//! ([`scrape::publish`]).
+
+use super::host;
+use super::metrics::Metrics;
+use super::shared::SharedData;
+use crate::scheduler::config::Config;
+use crate::scheduler::routing::scrape::{self, ScrapeError, Scraped};
+use crate::scheduler::routing::scrape_plan::{self, Schedule};
+use crate::scheduler::wire::engine_load::EngineLoad;
+use crate::scheduler::wire::headers::HeaderSource;
+use proxy_wasm::types::{BufferType, MapType, MetricType};
+
+/// The metric ids of one scraped endpoint.
+struct EndpointScrapeMetrics {
+    waiting: Option<u32>,
+    running: Option<u32>,
+    kv_usage_permille: Option<u32>,
+    age_ms: Option<u32>,
+    scrapes: Option<u32>,
+    /// In [`ScrapeError::ALL`] order.
+    errors: Vec<Option<u32>>,
+}
+
+impl EndpointScrapeMetrics {
+    fn define(n: &str) -> EndpointScrapeMetrics {
+        let gauge = |base: &str| host::metric(MetricType::Gauge, &format!("{base}.endpoint.{n}"));
+        EndpointScrapeMetrics {
+            waiting: gauge("computeflux_engine_waiting"),
+            running: gauge("computeflux_engine_running"),
+            kv_usage_permille: gauge("computeflux_engine_kv_usage_permille"),
+            age_ms: gauge("computeflux_scrape_age_ms"),
+            scrapes: host::metric(
+                MetricType::Counter,
+                &format!("computeflux_scrapes_total.endpoint.{n}"),
+            ),
+            errors: ScrapeError::ALL
+                .iter()
+                .map(|e| {
+                    host::metric(
+                        MetricType::Counter,
+                        &format!(
+                            "computeflux_scrape_errors_total.endpoint.{n}.error.{}",
+                            e.name()
+                        ),
+                    )
+                })
+                .collect(),
+        }
+    }
+
+    fn error(&self, e: ScrapeError) {
+        let i = ScrapeError::ALL.iter().position(|x| *x == e);
+        Metrics::inc(i.and_then(|i| self.errors.get(i).copied().flatten()));
+    }
+}
+
+/// One VM's scraper (present when some endpoint has `metrics`).
+pub struct Scraper {
+    me: u64,
+    tick_ms: u64,
+    holding: bool,
+    schedule: Schedule,
+    ids: Vec<u32>,
+    /// By endpoint index; `None` for endpoints that are not scraped.
+    metrics: Vec<Option<EndpointScrapeMetrics>>,
+}
+
+impl Scraper {
+    /// `None` when no endpoint is scraped. `me` is this VM's lease holder id.
+    pub fn new(cfg: &Config, me: u64) -> Option<Scraper> {
+        let ids = scrape_plan::scraped_ids(cfg);
+        if ids.is_empty() {
+            return None;
+        }
+        Some(Scraper {
+            me,
+            tick_ms: scrape_plan::tick_ms(cfg),
+            holding: false,
+            schedule: Schedule::new(cfg.endpoints.len()),
+            ids,
+            metrics: cfg
+                .endpoints
+                .iter()
+                .map(|e| {
+                    e.metrics
+                        .as_ref()
+                        .map(|_| EndpointScrapeMetrics::define(&e.name))
+                })
+                .collect(),
+        })
+    }
+
+    pub fn tick_ms(&self) -> u64 {
+        self.tick_ms
+    }
+
+    /// A lease holder id for this VM.
+    pub fn holder_id(now_ms: u64) -> u64 {
+        scrape_plan::holder_id(&SharedData, now_ms)
+    }
+
+    /// Gives the lease up if this VM holds it (its root context is going away).
+    pub fn release(&mut self) {
+        if self.holding && scrape::release(&SharedData, scrape::LEASE_KEY, self.me) {
+            log::debug!("computeflux: scrape lease released (holder {})", self.me);
+        }
+        self.holding = false;
+    }
+
+    pub fn on_tick(&mut self, cfg: &Config, now_ms: u64) {
+        let store = SharedData;
+        let loads = scrape::read_loads(&store);
+        self.refresh_gauges(cfg, &loads, now_ms);
+        let lease_ms = scrape_plan::lease_ms(self.tick_ms);
+        let held = scrape::try_take(&store, scrape::LEASE_KEY, self.me, now_ms, lease_ms);
+        if !held {
+            if self.holding {
+                log::debug!("computeflux: scrape lease lost (holder {})", self.me);
+            }
+            self.holding = false;
+            return;
+        }
+        if !self.holding {
+            log::debug!("computeflux: scrape lease taken (holder {})", self.me);
+            // Pick up where the previous holder stopped: one interval after its last scrape.
+            self.schedule.take_over(cfg, &loads);
+            self.holding = true;
+        }
+        for i in self.schedule.due(cfg, now_ms) {
+            let Some(m) = cfg.endpoints.get(i).and_then(|e| e.metrics.as_ref()) else {
+                continue;
+            };
+            let token =
+                host::dispatch_call(&m.cluster, &scrape_plan::request_headers(m), m.timeout_ms);
+            self.schedule.sent(i, token, m, now_ms);
+            if token.is_none() {
+                log::warn!(
+                    "computeflux: scrape of endpoint {i} refused; is cluster {:?} defined in Envoy?",
+                    m.cluster
+                );
+                self.finish(cfg, i, now_ms, Err(ScrapeError::Dispatch));
+            }
+        }
+    }
+
+    /// A scrape's answer. False when `token` is not one of this scraper's calls.
+    pub fn on_response(
+        &mut self,
+        cfg: &Config,
+        token: u32,
+        num_headers: usize,
+        body_size: usize,
+        now_ms: u64,
+    ) -> bool {
+        let Some((i, _sent_ms)) = self.schedule.answered(token) else {
+            return false;
+        };
+        let Some(e) = cfg.endpoints.get(i) else {
+            return true;
+        };
+        let Some(m) = &e.metrics else {
+            return true;
+        };
+        // Never read the headers of a failed call (the SDK's getter would panic; ours would
+        // return nothing, but there is nothing to read).
+        let (status, envoy_reply) = if num_headers > 0 {
+            let headers = host::header_pairs(MapType::HttpCallResponseHeaders);
+            let status = headers.status();
+            let envoy_reply = matches!(status, Some(503 | 504)) && {
+                let n = body_size.min(scrape_plan::LOCAL_REPLY_PROBE_BYTES);
+                let start = host::buffer(BufferType::HttpCallResponseBody, 0, n);
+                scrape_plan::is_envoy_reply(&start)
+            };
+            (status, envoy_reply)
+        } else {
+            (None, false)
+        };
+        let result =
+            scrape_plan::judge_head(num_headers, status, body_size, envoy_reply).and_then(|n| {
+                let n = n.min(scrape_plan::BODY_LIMIT_BYTES);
+                let body = host::buffer(BufferType::HttpCallResponseBody, 0, n);
+                scrape_plan::judge_body(&body, body_size, m, e.models.as_deref())
+            });
+        self.finish(cfg, i, now_ms, result);
+        true
+    }
+
+    /// Records a scrape's result for endpoint `i` and publishes it.
+    fn finish(
+        &mut self,
+        cfg: &Config,
+        i: usize,
+        now_ms: u64,
+        result: Result<EngineLoad, ScrapeError>,
+    ) {
+        let Some(e) = cfg.endpoints.get(i) else {
+            return;
+        };
+        let store = SharedData;
+        let rec: Scraped =
+            match scrape::record(&store, &scrape::record_key(&e.name), now_ms, result) {
+                Ok(r) => r,
+                Err(r) => {
+                    log::warn!(
+                        "computeflux: scrape record of {} lost its CAS race; publishing it anyway",
+                        e.name
+                    );
+                    r
+                }
+            };
+        if scrape::publish(&store, e.id, rec, &self.ids).is_err() {
+            log::warn!("computeflux: scraped loads not published (CAS retries exhausted)");
+        }
+        let m = self.metrics.get(i).and_then(Option::as_ref);
+        match result {
+            Ok(load) => {
+                if let Some(m) = m {
+                    Metrics::inc(m.scrapes);
+                }
+                log::debug!(
+                    "computeflux: scraped {}: {} waiting={:?} running={:?} kv={:?}",
+                    e.name,
+                    load.engine.name(),
+                    load.waiting,
+                    load.running,
+                    load.kv_usage_permille
+                );
+            }
+            Err(err) => {
+                if let Some(m) = m {
+                    m.error(err);
+                }
+                if rec.consecutive_failures == 1 {
+                    log::warn!(
+                        "computeflux: scrape of {} failed: {}; its engine load is unknown",
+                        e.name,
+                        err.name()
+                    );
+                }
+            }
+        }
+        self.refresh_gauges(cfg, &scrape::read_loads(&store), now_ms);
+    }
+
+    /// Mirrors the published loads into the gauges (absolute values: any VM may set them).
+    fn refresh_gauges(&self, cfg: &Config, loads: &scrape::Loads, now_ms: u64) {
+        for (e, m) in cfg.endpoints.iter().zip(&self.metrics) {
+            let (Some(m), Some(rec)) = (m, loads.get(e.id)) else {
+                continue;
+            };
+            if let Some(age) = rec.age_ms(now_ms) {
+                Metrics::set(m.age_ms, age);
+            }
+            if let Some(l) = rec.last {
+                if let Some(w) = l.waiting {
+                    Metrics::set(m.waiting, u64::from(w));
+                }
+                if let Some(r) = l.running {
+                    Metrics::set(m.running, u64::from(r));
+                }
+                if let Some(kv) = l.kv_usage_permille {
+                    Metrics::set(m.kv_usage_permille, u64::from(kv));
+                }
+            }
+        }
+    }
+}

@@ -1,0 +1,649 @@
+#![cfg(not(target_arch = "wasm32"))]
+//! The engine scraper through a real Envoy (1.40): an in-test HTTP server plays the engine —
+//! it answers chat requests and serves a chosen `/metrics` page, counting the scrapes — and the
+//! tests read what the filter made of the page in Envoy's `/stats`.
+//!
+//! Covered: each engine's format (vLLM with two data-parallel ranks, a second model and the
+//! older `gpu_cache_usage_perc` name; SGLang with the `sglang_` prefix; llama.cpp; TGI), a
+//! garbage page (an error, a growing age, requests still routed), a page over the read limit
+//! (an error, no memory blow-up), an engine that never answers (a `timeout`), and one scrape
+//! per interval per Envoy process with `--concurrency 2` (the lease).
+
+// Test code: failing loudly with context is the point.
+#![allow(
+    clippy::panic,
+    clippy::unwrap_used,
+    clippy::expect_used,
+    clippy::indexing_slicing
+)]
+
+mod support;
+
+use serde_json::{json, Value};
+use std::io::{Read, Write};
+use std::net::{TcpListener, TcpStream};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+use support::{chat_body, post_chat, Envoy, EnvoyConfig};
+
+/// What the engine's `/metrics` answers.
+#[derive(Clone)]
+enum Page {
+    Body(Arc<Vec<u8>>),
+    /// Reads the request and never answers.
+    Hang,
+}
+
+/// A tiny engine: `GET /metrics` serves the current [`Page`] (counted), any other request gets
+/// a minimal chat completion. HTTP/1.1 with keep-alive, one thread per connection.
+struct Engine {
+    port: u16,
+    hits: Arc<AtomicU64>,
+    page: Arc<Mutex<Page>>,
+    stop: Arc<AtomicBool>,
+}
+
+const CHAT: &str = r#"{"id":"c1","object":"chat.completion","model":"llama-8b","choices":[{"index":0,"message":{"role":"assistant","content":"hi"},"finish_reason":"stop"}],"usage":{"prompt_tokens":3,"completion_tokens":1,"total_tokens":4}}"#;
+
+impl Engine {
+    fn start(page: &str) -> Engine {
+        let listener = TcpListener::bind("127.0.0.1:0").unwrap();
+        let port = listener.local_addr().unwrap().port();
+        let e = Engine {
+            port,
+            hits: Arc::new(AtomicU64::new(0)),
+            page: Arc::new(Mutex::new(Page::Body(Arc::new(page.as_bytes().to_vec())))),
+            stop: Arc::new(AtomicBool::new(false)),
+        };
+        let (hits, pg, stop) = (e.hits.clone(), e.page.clone(), e.stop.clone());
+        std::thread::spawn(move || {
+            for conn in listener.incoming() {
+                if stop.load(Ordering::SeqCst) {
+                    return;
+                }
+                let Ok(conn) = conn else { continue };
+                let (hits, pg, stop) = (hits.clone(), pg.clone(), stop.clone());
+                std::thread::spawn(move || serve(conn, &hits, &pg, &stop));
+            }
+        });
+        e
+    }
+
+    fn set(&self, page: Page) {
+        *self.page.lock().unwrap() = page;
+    }
+
+    fn set_body(&self, body: &[u8]) {
+        self.set(Page::Body(Arc::new(body.to_vec())));
+    }
+
+    fn hits(&self) -> u64 {
+        self.hits.load(Ordering::SeqCst)
+    }
+}
+
+impl Drop for Engine {
+    fn drop(&mut self) {
+        self.stop.store(true, Ordering::SeqCst);
+        let _ = TcpStream::connect(("127.0.0.1", self.port));
+    }
+}
+
+fn serve(mut conn: TcpStream, hits: &AtomicU64, page: &Mutex<Page>, stop: &AtomicBool) {
+    let _ = conn.set_read_timeout(Some(Duration::from_millis(200)));
+    let mut buf = Vec::new();
+    let mut chunk = [0u8; 8192];
+    loop {
+        if stop.load(Ordering::SeqCst) {
+            return;
+        }
+        let Some(end) = buf.windows(4).position(|w| w == b"\r\n\r\n") else {
+            match conn.read(&mut chunk) {
+                Ok(0) => return,
+                Ok(n) => buf.extend_from_slice(&chunk[..n]),
+                Err(e)
+                    if matches!(
+                        e.kind(),
+                        std::io::ErrorKind::WouldBlock | std::io::ErrorKind::TimedOut
+                    ) => {}
+                Err(_) => return,
+            }
+            continue;
+        };
+        let head = String::from_utf8_lossy(&buf[..end]).to_string();
+        let body_len: usize = head
+            .lines()
+            .find_map(|l| {
+                let (k, v) = l.split_once(':')?;
+                k.eq_ignore_ascii_case("content-length")
+                    .then(|| v.trim().parse().ok())?
+            })
+            .unwrap_or(0);
+        while buf.len() < end + 4 + body_len {
+            match conn.read(&mut chunk) {
+                Ok(0) => return,
+                Ok(n) => buf.extend_from_slice(&chunk[..n]),
+                Err(_) if !stop.load(Ordering::SeqCst) => {}
+                Err(_) => return,
+            }
+        }
+        buf.drain(..end + 4 + body_len);
+        let path = head.split_whitespace().nth(1).unwrap_or("").to_string();
+        let (ctype, body): (&str, Arc<Vec<u8>>) = if path.starts_with("/metrics") {
+            hits.fetch_add(1, Ordering::SeqCst);
+            let p = page.lock().unwrap().clone();
+            match p {
+                Page::Body(b) => ("text/plain; version=0.0.4", b),
+                Page::Hang => {
+                    while !stop.load(Ordering::SeqCst) {
+                        std::thread::sleep(Duration::from_millis(50));
+                    }
+                    return;
+                }
+            }
+        } else {
+            ("application/json", Arc::new(CHAT.as_bytes().to_vec()))
+        };
+        let head = format!(
+            "HTTP/1.1 200 OK\r\ncontent-type: {ctype}\r\ncontent-length: {}\r\n\r\n",
+            body.len()
+        );
+        if conn.write_all(head.as_bytes()).is_err() || conn.write_all(&body).is_err() {
+            return;
+        }
+    }
+}
+
+const VLLM: &str = r#"# HELP vllm:num_requests_running Number of requests in model execution batches.
+# TYPE vllm:num_requests_running gauge
+vllm:num_requests_running{engine="0",model_name="llama-8b"} 3.0
+vllm:num_requests_running{engine="1",model_name="llama-8b"} 4.0
+vllm:num_requests_running{engine="0",model_name="qwen-7b"} 1.0
+# TYPE vllm:num_requests_waiting gauge
+vllm:num_requests_waiting{engine="0",model_name="llama-8b"} 2.0
+vllm:num_requests_waiting{engine="1",model_name="llama-8b"} 5.0
+vllm:num_requests_waiting{engine="0",model_name="qwen-7b"} 7.0
+# TYPE vllm:gpu_cache_usage_perc gauge
+vllm:gpu_cache_usage_perc{engine="0",model_name="llama-8b"} 0.25
+vllm:gpu_cache_usage_perc{engine="1",model_name="llama-8b"} 0.5
+vllm:gpu_cache_usage_perc{engine="0",model_name="qwen-7b"} 0.9
+# TYPE vllm:time_to_first_token_seconds histogram
+vllm:time_to_first_token_seconds_bucket{engine="0",le="0.5",model_name="llama-8b"} 10.0
+vllm:time_to_first_token_seconds_count{engine="0",model_name="llama-8b"} 12.0
+"#;
+
+const SGLANG: &str = "# TYPE sglang_num_running_reqs gauge
+sglang_num_running_reqs{dp_rank=\"0\",model_name=\"qwen-7b\"} 6.0
+sglang_num_running_reqs{dp_rank=\"1\",model_name=\"qwen-7b\"} 2.0
+sglang_num_queue_reqs{dp_rank=\"0\",model_name=\"qwen-7b\"} 3.0
+sglang_num_queue_reqs{dp_rank=\"1\",model_name=\"qwen-7b\"} 1.0
+sglang_token_usage{dp_rank=\"0\",model_name=\"qwen-7b\"} 0.41
+sglang_token_usage{dp_rank=\"1\",model_name=\"qwen-7b\"} 0.2
+sglang_cache_hit_rate{dp_rank=\"0\",model_name=\"qwen-7b\"} 0.5
+";
+
+const LLAMACPP: &str = "# TYPE llamacpp:prompt_tokens_total counter
+llamacpp:prompt_tokens_total 4096
+llamacpp:prompt_tokens_cached_total 3000
+# TYPE llamacpp:requests_processing gauge
+llamacpp:requests_processing 2
+# TYPE llamacpp:requests_deferred gauge
+llamacpp:requests_deferred 9
+llamacpp:n_busy_slots_per_decode 1.5
+";
+
+const TGI: &str = "# TYPE tgi_queue_size gauge
+tgi_queue_size 4
+# TYPE tgi_batch_current_size gauge
+tgi_batch_current_size 12
+tgi_batch_current_max_tokens 16000
+";
+
+fn stat_name(base: &str, endpoint: &str) -> String {
+    format!("wasmcustom.{base}.endpoint.{endpoint}")
+}
+
+fn error_stat(endpoint: &str, kind: &str) -> String {
+    format!("wasmcustom.computeflux_scrape_errors_total.endpoint.{endpoint}.error.{kind}")
+}
+
+/// Every `wasmcustom.computeflux_*` stat of `/stats` by name.
+fn stats(envoy: &Envoy) -> std::collections::BTreeMap<String, i64> {
+    let body = envoy
+        .admin_get("/stats?format=json&filter=computeflux_")
+        .body;
+    let v: Value = serde_json::from_str(&body).unwrap();
+    v["stats"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .filter_map(|s| Some((s["name"].as_str()?.to_string(), s["value"].as_i64()?)))
+        .collect()
+}
+
+/// Waits (≤ `limit`) until `f` holds on the stats; returns the last stats.
+fn wait_stats(
+    envoy: &Envoy,
+    limit: Duration,
+    what: &str,
+    f: impl Fn(&std::collections::BTreeMap<String, i64>) -> bool,
+) -> std::collections::BTreeMap<String, i64> {
+    let deadline = Instant::now() + limit;
+    loop {
+        let s = stats(envoy);
+        if f(&s) {
+            return s;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "{what}: not reached in {limit:?}; stats: {s:#?}"
+        );
+        std::thread::sleep(Duration::from_millis(100));
+    }
+}
+
+fn get(s: &std::collections::BTreeMap<String, i64>, name: &str) -> i64 {
+    s.get(name).copied().unwrap_or(-1)
+}
+
+fn no_panic(envoy: &Envoy) {
+    assert!(
+        envoy.wasm_crashes().is_empty(),
+        "{:?}",
+        envoy.wasm_crashes()
+    );
+}
+
+/// Envoy with one endpoint per `(name, engine, metrics object)`; the endpoint's cluster is the
+/// engine (chat and metrics on one port).
+fn envoy(endpoints: &[(&str, &Engine, Value)], concurrency: u32) -> Envoy {
+    let eps: Vec<Value> = endpoints
+        .iter()
+        .map(|(n, _, m)| {
+            let mut e = json!({"name": n, "cluster": format!("c-{n}"), "metrics": m});
+            if *n == "v" {
+                e["models"] = json!(["llama-8b"]);
+            }
+            e
+        })
+        .collect();
+    let clusters: Vec<(String, u16)> = endpoints
+        .iter()
+        .map(|(n, e, _)| (format!("c-{n}"), e.port))
+        .collect();
+    let refs: Vec<(&str, u16)> = clusters.iter().map(|(n, p)| (n.as_str(), *p)).collect();
+    let mut cfg = EnvoyConfig::new(json!({ "endpoints": eps }), &refs);
+    cfg.concurrency = concurrency;
+    Envoy::start(cfg)
+}
+
+#[test]
+fn each_format_is_read_into_the_gauges() {
+    let (v, s, l, t) = (
+        Engine::start(VLLM),
+        Engine::start(SGLANG),
+        Engine::start(LLAMACPP),
+        Engine::start(TGI),
+    );
+    let fast = json!({"interval_ms": 200});
+    let envoy = envoy(
+        &[
+            ("v", &v, json!({"interval_ms": 200, "format": "vllm"})),
+            ("s", &s, fast.clone()),
+            ("l", &l, json!({"interval_ms": 200, "format": "llamacpp"})),
+            ("t", &t, fast),
+        ],
+        2,
+    );
+    let st = wait_stats(&envoy, Duration::from_secs(10), "a scrape of each", |st| {
+        ["v", "s", "l", "t"]
+            .iter()
+            .all(|n| get(st, &stat_name("computeflux_scrapes_total", n)) >= 1)
+    });
+    let g = |base: &str, n: &str| get(&st, &stat_name(base, n));
+    // vLLM: the two ranks of the served model (qwen-7b is filtered out), old KV name.
+    assert_eq!(g("computeflux_engine_waiting", "v"), 2 + 5);
+    assert_eq!(g("computeflux_engine_running", "v"), 3 + 4);
+    assert_eq!(g("computeflux_engine_kv_usage_permille", "v"), 375);
+    // SGLang with the `sglang_` prefix, auto-detected: every model (no `models` filter).
+    assert_eq!(g("computeflux_engine_waiting", "s"), 4);
+    assert_eq!(g("computeflux_engine_running", "s"), 8);
+    assert_eq!(g("computeflux_engine_kv_usage_permille", "s"), 305);
+    // llama.cpp: deferred and processing; no KV gauge (left at 0).
+    assert_eq!(g("computeflux_engine_waiting", "l"), 9);
+    assert_eq!(g("computeflux_engine_running", "l"), 2);
+    assert_eq!(g("computeflux_engine_kv_usage_permille", "l"), 0);
+    // TGI.
+    assert_eq!(g("computeflux_engine_waiting", "t"), 4);
+    assert_eq!(g("computeflux_engine_running", "t"), 12);
+    for n in ["v", "s", "l", "t"] {
+        let age = g("computeflux_scrape_age_ms", n);
+        assert!((0..2_000).contains(&age), "age of {n}: {age}");
+        for e in ["timeout", "status", "no_series", "too_large", "dispatch"] {
+            assert_eq!(get(&st, &error_stat(n, e)), 0, "{n} {e}");
+        }
+    }
+    // A change on the page shows within a few intervals.
+    t.set_body(b"tgi_queue_size 40\ntgi_batch_current_size 1\n");
+    wait_stats(&envoy, Duration::from_secs(5), "tgi update", |st| {
+        get(st, &stat_name("computeflux_engine_waiting", "t")) == 40
+    });
+    // And in Prometheus form, with the endpoint as a label.
+    let prom = envoy.prometheus();
+    assert!(
+        prom.contains("computeflux_engine_waiting{endpoint=\"t\"} 40"),
+        "{}",
+        prom.lines()
+            .filter(|l| l.contains("engine_waiting"))
+            .collect::<Vec<_>>()
+            .join("\n")
+    );
+    no_panic(&envoy);
+}
+
+#[test]
+fn garbage_is_an_error_the_age_grows_and_requests_still_route() {
+    let e = Engine::start(TGI);
+    let envoy = envoy(&[("g", &e, json!({"interval_ms": 200}))], 2);
+    wait_stats(&envoy, Duration::from_secs(10), "first scrape", |st| {
+        get(st, &stat_name("computeflux_scrapes_total", "g")) >= 1
+    });
+    e.set_body(b"<html><body>502 Bad Gateway</body></html>\n\x00\xff{{{ garbage 1e999\n");
+    let st = wait_stats(&envoy, Duration::from_secs(10), "no_series errors", |st| {
+        get(st, &error_stat("g", "no_series")) >= 2
+    });
+    let age1 = get(&st, &stat_name("computeflux_scrape_age_ms", "g"));
+    std::thread::sleep(Duration::from_millis(1_000));
+    let st = stats(&envoy);
+    let age2 = get(&st, &stat_name("computeflux_scrape_age_ms", "g"));
+    assert!(age2 >= age1 + 700, "age must grow: {age1} then {age2}");
+    // The last good values stay in the gauges (the age says how old they are).
+    assert_eq!(get(&st, &stat_name("computeflux_engine_waiting", "g")), 4);
+    let r = post_chat(
+        envoy.port,
+        &[],
+        &chat_body("llama-8b", &["hello"], Value::Null),
+    );
+    assert_eq!(r.status, 200, "{}", r.body);
+    assert_eq!(r.header("x-computeflux-endpoint"), Some("g"));
+    // Back to a good page: a success again.
+    let before = get(&st, &stat_name("computeflux_scrapes_total", "g"));
+    e.set_body(TGI.as_bytes());
+    wait_stats(&envoy, Duration::from_secs(5), "recovery", |st| {
+        get(st, &stat_name("computeflux_scrapes_total", "g")) > before
+    });
+    no_panic(&envoy);
+}
+
+/// Envoy's heap (`/memory` `allocated`), in bytes.
+fn allocated(envoy: &Envoy) -> u64 {
+    let v: Value = serde_json::from_str(&envoy.admin_get("/memory").body).unwrap();
+    v["allocated"].as_str().unwrap().parse().unwrap()
+}
+
+#[test]
+fn a_page_over_the_limit_is_refused_unread() {
+    // 8 MiB of valid lines: within the limit they would be read.
+    let line = "tgi_queue_size{rank=\"0\"} 1\n";
+    let mut big = line.repeat(8 * 1024 * 1024 / line.len());
+    big.push_str("tgi_batch_current_size 3\n");
+    let e = Engine::start(&big);
+    let envoy = envoy(&[("h", &e, json!({"interval_ms": 300}))], 2);
+    let before = allocated(&envoy);
+    let st = wait_stats(&envoy, Duration::from_secs(15), "too_large errors", |st| {
+        get(st, &error_stat("h", "too_large")) >= 5
+    });
+    assert_eq!(get(&st, &stat_name("computeflux_scrapes_total", "h")), 0);
+    assert_eq!(get(&st, &stat_name("computeflux_engine_running", "h")), 0);
+    let after = allocated(&envoy);
+    eprintln!(
+        "envoy heap before {} MiB, after {} too-large scrapes {} MiB",
+        before >> 20,
+        get(&st, &error_stat("h", "too_large")),
+        after >> 20
+    );
+    // Envoy buffers each answer while it is delivered, then frees it: no growth per scrape.
+    assert!(
+        after < before + 64 * 1024 * 1024,
+        "heap grew from {before} to {after}"
+    );
+    let r = post_chat(envoy.port, &[], &chat_body("m", &["hi"], Value::Null));
+    assert_eq!(r.status, 200, "{}", r.body);
+    no_panic(&envoy);
+}
+
+#[test]
+fn an_engine_that_never_answers_is_a_timeout() {
+    let e = Engine::start(TGI);
+    e.set(Page::Hang);
+    let envoy = envoy(
+        &[("n", &e, json!({"interval_ms": 300, "timeout_ms": 200}))],
+        2,
+    );
+    let st = wait_stats(&envoy, Duration::from_secs(10), "timeouts", |st| {
+        get(st, &error_stat("n", "timeout")) >= 3
+    });
+    for other in ["status", "no_series", "too_large", "dispatch"] {
+        assert_eq!(get(&st, &error_stat("n", other)), 0, "{other}");
+    }
+    assert_eq!(get(&st, &stat_name("computeflux_scrapes_total", "n")), 0);
+    let prom = envoy.prometheus();
+    assert!(
+        prom.contains("computeflux_scrape_errors_total{endpoint=\"n\",error=\"timeout\"}"),
+        "{}",
+        prom.lines()
+            .filter(|l| l.contains("scrape_errors"))
+            .collect::<Vec<_>>()
+            .join("\n")
+    );
+    // At most one call in flight: timeouts come at most one per interval.
+    let t = get(&st, &error_stat("n", "timeout")) as u64;
+    assert!(e.hits() <= t + 1, "hits {} vs timeouts {t}", e.hits());
+    no_panic(&envoy);
+}
+
+#[test]
+fn one_scrape_per_interval_per_envoy_process() {
+    let e = Engine::start(TGI);
+    let envoy = envoy(&[("o", &e, json!({"interval_ms": 200}))], 2);
+    wait_stats(&envoy, Duration::from_secs(10), "first scrape", |st| {
+        get(st, &stat_name("computeflux_scrapes_total", "o")) >= 1
+    });
+    let h0 = e.hits();
+    let t0 = Instant::now();
+    std::thread::sleep(Duration::from_millis(3_000));
+    let hits = e.hits() - h0;
+    let secs = t0.elapsed().as_secs_f64();
+    let expected = secs * 1000.0 / 200.0;
+    eprintln!("{hits} scrapes in {secs:.2} s at a 200 ms interval (expected ≈ {expected:.1})");
+    // Three root contexts (main thread + 2 workers) tick; one holds the lease. Without it: ≈ 45.
+    assert!(
+        (hits as f64) >= expected * 0.7 && (hits as f64) <= expected * 1.25,
+        "{hits} scrapes in {secs:.2} s, expected ≈ {expected:.1}"
+    );
+    no_panic(&envoy);
+}
+
+/// Envoy whose wasm filter configuration comes from a file by ECDS (`config_discovery` with a
+/// watched directory), so that the plugin can be reconfigured live.
+struct EcdsEnvoy {
+    child: std::process::Child,
+    dir: std::path::PathBuf,
+    admin_port: u16,
+    port: u16,
+    filter: Value,
+}
+
+impl EcdsEnvoy {
+    fn start(plugin: Value, clusters: &[(&str, u16)]) -> EcdsEnvoy {
+        let cfg = EnvoyConfig::new(plugin.clone(), clusters);
+        let wasm = support::wasm_path();
+        let mut boot: Value =
+            serde_json::from_str(&support::render_bootstrap(&cfg, &wasm, 0, 0)).unwrap();
+        let dir = std::env::temp_dir().join(format!("computeflux-ecds-{}", support::unique_u32()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let filters = boot
+            .pointer_mut(
+                "/static_resources/listeners/0/filter_chains/0/filters/0/typed_config/http_filters",
+            )
+            .unwrap();
+        let wasm_filter = filters[0]["typed_config"].clone();
+        filters[0] = json!({
+            "name": "envoy.filters.http.wasm",
+            "config_discovery": {
+                "config_source": {"path_config_source": {
+                    "path": dir.join("filter.json").display().to_string(),
+                    "watched_directory": {"path": dir.display().to_string()},
+                }},
+                "type_urls": ["type.googleapis.com/envoy.extensions.filters.http.wasm.v3.Wasm"],
+            },
+        });
+        let mut e = EcdsEnvoy {
+            child: std::process::Command::new("true").spawn().unwrap(),
+            dir: dir.clone(),
+            admin_port: 0,
+            port: 0,
+            filter: wasm_filter,
+        };
+        let _ = e.child.wait();
+        e.write_plugin(&plugin, "1");
+        let boot_path = dir.join("envoy.json");
+        std::fs::write(&boot_path, boot.to_string()).unwrap();
+        let admin_path = dir.join("admin.txt");
+        e.child = std::process::Command::new(support::envoy_bin())
+            .arg("-c")
+            .arg(&boot_path)
+            .args(["--concurrency", "2", "--disable-hot-restart", "--base-id"])
+            .arg(support::unique_u32().to_string())
+            .arg("--log-path")
+            .arg(dir.join("envoy.log"))
+            .arg("--admin-address-path")
+            .arg(&admin_path)
+            .stdout(std::process::Stdio::null())
+            .stderr(std::process::Stdio::null())
+            .spawn()
+            .unwrap();
+        let (admin, port) =
+            support::envoy::wait_ready(&mut e.child, &admin_path, Duration::from_secs(20))
+                .unwrap_or_else(|err| {
+                    panic!(
+                        "{err}\n{}",
+                        std::fs::read_to_string(dir.join("envoy.log")).unwrap_or_default()
+                    )
+                });
+        e.admin_port = admin;
+        e.port = port;
+        e
+    }
+
+    /// Replaces the plugin configuration (written aside, then renamed into the watched file).
+    fn write_plugin(&self, plugin: &Value, version: &str) {
+        let mut typed = self.filter.clone();
+        typed["config"]["configuration"]["value"] = Value::String(plugin.to_string());
+        let doc = json!({
+            "version_info": version,
+            "resources": [{
+                "@type": "type.googleapis.com/envoy.config.core.v3.TypedExtensionConfig",
+                "name": "envoy.filters.http.wasm",
+                "typed_config": typed,
+            }],
+        });
+        let tmp = self.dir.join("filter.json.tmp");
+        std::fs::write(&tmp, doc.to_string()).unwrap();
+        std::fs::rename(&tmp, self.dir.join("filter.json")).unwrap();
+    }
+
+    fn stats(&self) -> std::collections::BTreeMap<String, i64> {
+        let body = support::get(self.admin_port, "/stats?format=json&filter=computeflux_").body;
+        let v: Value = serde_json::from_str(&body).unwrap();
+        v["stats"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .filter_map(|s| Some((s["name"].as_str()?.to_string(), s["value"].as_i64()?)))
+            .collect()
+    }
+
+    fn log(&self) -> String {
+        std::fs::read_to_string(self.dir.join("envoy.log")).unwrap_or_default()
+    }
+}
+
+impl Drop for EcdsEnvoy {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+        if !std::thread::panicking() {
+            let _ = std::fs::remove_dir_all(&self.dir);
+        }
+    }
+}
+
+/// Counts `engine`'s scrapes over `ms`; returns (hits, expected at `interval_ms`).
+fn rate(engine: &Engine, ms: u64, interval_ms: u64) -> (u64, f64) {
+    let h0 = engine.hits();
+    let t0 = Instant::now();
+    std::thread::sleep(Duration::from_millis(ms));
+    let hits = engine.hits() - h0;
+    (hits, t0.elapsed().as_millis() as f64 / interval_ms as f64)
+}
+
+#[test]
+fn scraping_continues_once_per_interval_after_an_ecds_reconfiguration() {
+    let (a, b) = (Engine::start(TGI), Engine::start(LLAMACPP));
+    let one = json!({"endpoints": [
+        {"name": "a", "cluster": "c-a", "metrics": {"interval_ms": 200}}]});
+    let envoy = EcdsEnvoy::start(one, &[("c-a", a.port), ("c-b", b.port)]);
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while a.hits() < 2 {
+        assert!(Instant::now() < deadline, "no scrape:\n{}", envoy.log());
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    let (hits, expected) = rate(&a, 2_000, 200);
+    eprintln!("before: a {hits} scrapes (expected ≈ {expected:.1})");
+    assert!((hits as f64) <= expected * 1.3 && (hits as f64) >= expected * 0.6);
+    assert_eq!(b.hits(), 0);
+
+    // Add an endpoint scraped every 200 ms too.
+    let two = json!({"endpoints": [
+        {"name": "a", "cluster": "c-a", "metrics": {"interval_ms": 200}},
+        {"name": "b", "cluster": "c-b", "metrics": {"interval_ms": 200}}]});
+    envoy.write_plugin(&two, "2");
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while b.hits() < 2 {
+        assert!(
+            Instant::now() < deadline,
+            "the new endpoint is never scraped after the reconfiguration:\n{}",
+            envoy.log()
+        );
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    std::thread::sleep(Duration::from_millis(500));
+    let (ha, hb) = (a.hits(), b.hits());
+    let t0 = Instant::now();
+    std::thread::sleep(Duration::from_millis(2_000));
+    let expected = t0.elapsed().as_millis() as f64 / 200.0;
+    let (ha, hb) = (a.hits() - ha, b.hits() - hb);
+    eprintln!("after: a {ha}, b {hb} scrapes (expected ≈ {expected:.1} each)");
+    for (n, h) in [("a", ha), ("b", hb)] {
+        assert!(
+            (h as f64) <= expected * 1.3 && (h as f64) >= expected * 0.6,
+            "{n}: {h} scrapes, expected ≈ {expected:.1}"
+        );
+    }
+    let st = envoy.stats();
+    assert_eq!(
+        st.get("wasmcustom.computeflux_engine_waiting.endpoint.b")
+            .copied(),
+        Some(9),
+        "{st:#?}"
+    );
+    let r = post_chat(envoy.port, &[], &chat_body("m", &["hi"], Value::Null));
+    assert_eq!(r.status, 200, "{}", r.body);
+    let log = envoy.log();
+    assert!(
+        !log.contains("panic") && !log.contains("Wasm VM failed"),
+        "{log}"
+    );
+}
