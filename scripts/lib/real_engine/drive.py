@@ -418,6 +418,10 @@ def summarize(records, errors, wall, deltas):
     served = {}
     for r in ok:
         served[r["upstream"]] = served.get(r["upstream"], 0) + 1
+    affinity = {}
+    for r in ok:
+        if r["affinity"]:
+            affinity[r["affinity"]] = affinity.get(r["affinity"], 0) + 1
     agree = None
     if any(r["endpoint"] for r in ok):
         agree = sum(r["endpoint"] == r["upstream"] for r in ok)
@@ -429,6 +433,7 @@ def summarize(records, errors, wall, deltas):
         "follow_ups_kept_pct": round(100.0 * kept / follow, 1) if follow else None,
         "served_per_engine": served,
         "filter_header_matches_upstream": agree,
+        "filter_affinity_headers": affinity,
         "usage_prompt_tokens": s("prompt_tokens"), "usage_cached_tokens": s("cached_tokens"),
         "timings_prompt_n": s("evaluated"), "timings_cache_n": s("cache_n"),
         "completion_tokens": s("completion_tokens"),
@@ -500,7 +505,9 @@ def report_md(res):
     m = res["meta"]
     L = []
     L.append("# Real engine: computeflux vs round_robin in front of two llama.cpp servers\n")
-    L.append(f"Generated {res['generated_utc']} by `{m.get('command', 'scripts/real-engine')}` "
+    la = res.get("load_average_start") or [0.0]
+    L.append(f"Generated {res['generated_utc']} on {res.get('cpus', '?')} cores shared with other work "
+             f"(load average {la[0]:.1f} at start) by `{m.get('command', 'scripts/real-engine')}` "
              f"(branch `{m.get('git_branch', '?')}`, commit `{m.get('git_commit', '?')}`).\n")
     L.append("## Setup\n")
     L.append(f"- Engines: two `llama-server` processes ({m.get('llama_server_version', '?')}), built from the "
@@ -557,7 +564,9 @@ def report_md(res):
         s = p["summary"]
         if s["filter_header_matches_upstream"] is not None:
             L.append(f"\n`x-computeflux-endpoint` named the engine Envoy forwarded to in "
-                     f"{s['filter_header_matches_upstream']} of {s['ok']} answers ({p['policy']}).")
+                     f"{s['filter_header_matches_upstream']} of {s['ok']} answers ({p['policy']}); "
+                     f"`x-computeflux-affinity`: "
+                     + ", ".join(f"{k} {v}" for k, v in sorted(s["filter_affinity_headers"].items())) + ".")
     L.append("")
     L.append("## The filter's scraped state vs the engines' /metrics\n")
     L.append("<!-- COORDINATOR: fill in once the filter scrapes /metrics (issue 23 item 3). -->")
@@ -604,6 +613,7 @@ def main():
     os.makedirs(workdir, exist_ok=True)
     procs = Procs(a.pid_file)
     res = {"generated_utc": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+           "load_average_start": os.getloadavg(), "cpus": os.cpu_count(),
            "meta": json.loads(a.meta), "args": vars(a).copy(), "policies": []}
     for k in ("server", "model", "envoy", "wasm", "out", "workdir", "pid_file", "meta"):
         res["args"].pop(k, None)
