@@ -25,7 +25,7 @@ At most C requests are in flight at once. `max_tokens` is small; the model never
 token, so every answer has exactly `max_tokens` tokens.
 
 Usage: python3 drive.py --server BIN --model GGUF --envoy BIN --wasm WASM --out DIR
-       [--sessions 24] [--turns 6] [--concurrency 4] [--max-tokens 16] [--user-words 40]
+       [--sessions 48] [--turns 8] [--concurrency 4] [--max-tokens 16] [--user-words 40]
        [--system-words 150] [--policies computeflux,round_robin] [--ctx 4096] [--parallel 2]
        [--threads 1] [--seed 23] [--meta JSON]
 Writes DIR/latest.json and DIR/latest.md.
@@ -513,7 +513,7 @@ def report_md(res):
     L.append(f"- Engines: two `llama-server` processes ({m.get('llama_server_version', '?')}), built from the "
              f"llama.cpp tree vendored in the `llama-cpp-python` {m.get('llama_cpp_python', '?')} source "
              f"distribution (cmake {m.get('cmake', '?')}, ninja {m.get('ninja', '?')} from PyPI; "
-             f"build took {m.get('build_time', '?')} on this machine).")
+             f"build: {m.get('build_time', '?')}).")
     a = res["args"]
     L.append(f"- Engine flags: `-c {a['ctx']} -np {a['parallel']} -t {a['threads']} --metrics --slots "
              f"--cache-prompt --slot-prompt-similarity 0.1 --cache-ram {a['cache_ram_mib']}` "
@@ -549,7 +549,9 @@ def report_md(res):
              "`llamacpp:prompt_tokens_total` (\"processed, excluding cached\") and "
              "`llamacpp:prompt_tokens_cached_total` over the run, summed over both engines. "
              "Which engine served a request comes from Envoy's upstream address "
-             f"(`{UPSTREAM_HEADER}`), for both policies.\n")
+             f"(`{UPSTREAM_HEADER}`), for both policies. Cached share = cached ÷ (evaluated + cached). "
+             "p50/p99 are client-side latencies of every request (Envoy included); wall is the "
+             "whole client run.\n")
     L.append("### Cross-checks\n")
     L.append("| policy | engine | requests | Σ usage.prompt_tokens | Σ usage cached_tokens | Δ prompt_tokens_total + Δ prompt_tokens_cached_total | Δ prompt_tokens_cached_total | Δ tokens_predicted_total |")
     L.append("|---|---|---|---|---|---|---|---|")
@@ -591,8 +593,8 @@ def main():
     ap.add_argument("--pid-file", default=None)
     ap.add_argument("--meta", default="{}", help="JSON object merged into the report's meta")
     ap.add_argument("--policies", default="computeflux,round_robin")
-    ap.add_argument("--sessions", type=int, default=24)
-    ap.add_argument("--turns", type=int, default=6)
+    ap.add_argument("--sessions", type=int, default=48)
+    ap.add_argument("--turns", type=int, default=8)
     ap.add_argument("--concurrency", type=int, default=4)
     ap.add_argument("--max-tokens", type=int, default=16)
     ap.add_argument("--user-words", type=int, default=40)

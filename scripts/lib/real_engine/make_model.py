@@ -154,7 +154,7 @@ def main():
     w.close()
     params = n_vocab * d * 2 + a.layers * (4 * d * d + 3 * d * a.ff + 2 * d) + d
     print(
-        f"wrote {a.out}: llama, {a.layers} layers, n_embd {d}, n_ff {a.ff}, {a.heads} heads, "
+        f"{os.path.basename(a.out)}: llama, {a.layers} layers, n_embd {d}, n_ff {a.ff}, {a.heads} heads, "
         f"vocab {n_vocab} ({len(word_ids)} word tokens), ctx {a.ctx}, {params / 1e6:.2f} M params, F32"
     )
 
