@@ -28,7 +28,8 @@ Usage: python3 drive.py --server BIN --model GGUF --envoy BIN --wasm WASM --out 
        [--sessions 48] [--turns 8] [--concurrency 4] [--max-tokens 16] [--user-words 40]
        [--system-words 150] [--policies computeflux,round_robin] [--ctx 4096] [--parallel 2]
        [--threads 1] [--seed 23] [--meta JSON]
-Writes DIR/latest.json and DIR/latest.md.
+Writes DIR/latest.json and DIR/latest.md. `python3 drive.py --from-json DIR/latest.json` prints
+the Markdown report of an earlier run again (after a change to the report's layout).
 """
 
 import argparse
@@ -569,6 +570,19 @@ def report_md(res):
                      f"{s['filter_header_matches_upstream']} of {s['ok']} answers ({p['policy']}); "
                      f"`x-computeflux-affinity`: "
                      + ", ".join(f"{k} {v}" for k, v in sorted(s["filter_affinity_headers"].items())) + ".")
+    for p in res["policies"]:
+        stats = p.get("envoy_computeflux_stats")
+        if not stats:
+            continue
+        reasons = {k.rsplit(".", 1)[-1]: v for k, v in stats.items()
+                   if ".computeflux_decisions_total.reason." in k and v}
+        broken = [r for r in p["records"] if r["status"] == 200 and r.get("affinity") == "pin_break"]
+        evaluated = sum((r.get("prompt_tokens") or 0) - (r.get("cached_tokens") or 0) for r in broken)
+        L.append(f"\nThe filter's decisions ({p['policy']}, Envoy's `computeflux_decisions_total`): "
+                 + ", ".join(f"{k} {v}" for k, v in sorted(reasons.items()))
+                 + f". The {len(broken)} `pin_break` requests moved a session off the engine holding "
+                 f"its cache; the engines evaluated {evaluated:,} prompt tokens for them (their "
+                 f"`usage`: prompt − cached).")
     L.append("")
     L.append("## The filter's scraped state vs the engines' /metrics\n")
     L.append("<!-- COORDINATOR: fill in once the filter scrapes /metrics (issue 23 item 3). -->")
@@ -605,6 +619,13 @@ def main():
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--cache-ram-mib", type=int, default=256)
     ap.add_argument("--seed", type=int, default=23)
+    if "--from-json" in sys.argv:
+        # Rewrites OUT/latest.md from an earlier run's JSON (report changes without a new run).
+        i = sys.argv.index("--from-json")
+        with open(sys.argv[i + 1]) as f:
+            res = json.load(f)
+        sys.stdout.write(report_md(res))
+        return
     a = ap.parse_args()
     policies = [p for p in a.policies.split(",") if p]
     for p in policies:
