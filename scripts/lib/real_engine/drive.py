@@ -1,0 +1,659 @@
+"""Drives the real-engine comparison for scripts/real-engine: two llama.cpp `llama-server`
+processes behind Envoy, once with the computeflux filter and once with Envoy's round_robin, and a
+chat client that runs sessions of growing prompts through each.
+
+Why: the project's benchmark mocks an engine; this measures what a real engine reports about
+the prompt tokens it had to evaluate and the ones its prompt cache served, under each policy,
+with the engine's own counters (`/metrics` with `--metrics`) and per-answer `usage`.
+
+How (per policy, engines restarted so caches start cold):
+1. start two llama-server processes on free loopback ports (llama-server cannot bind port 0:
+   a port is found by binding a socket and closing it, retried if the start fails);
+2. start Envoy with a bootstrap shaped like the integration tests' (tests/support/envoy.rs
+   render_bootstrap: the wasm filter writes the cluster into `x-computeflux-cluster`, the
+   route forwards on it; one cluster per engine) or, for round_robin, one cluster holding
+   both engines; both routes add `x-real-engine-upstream: %UPSTREAM_REMOTE_ADDRESS%` to
+   answers so the client knows which engine served every request under either policy;
+3. scrape both engines' `/metrics`, run the client, scrape again; keep the deltas, the raw
+   final scrapes, `/slots`, and (with the filter) Envoy's `computeflux` stats;
+4. stop Envoy and the engines (by PID).
+
+The client: N sessions × T turns; all sessions share one system prompt; each turn appends a
+user message of fresh words and the previous answer, so every follow-up's prompt extends the
+previous one (the prefix an engine can serve from cache). Each session sends `x-session-id`.
+At most C requests are in flight at once. `max_tokens` is small; the model never emits an end
+token, so every answer has exactly `max_tokens` tokens.
+
+Usage: python3 drive.py --server BIN --model GGUF --envoy BIN --wasm WASM --out DIR
+       [--sessions 48] [--turns 8] [--concurrency 4] [--max-tokens 16] [--user-words 40]
+       [--system-words 150] [--policies computeflux,round_robin] [--ctx 4096] [--parallel 2]
+       [--threads 1] [--seed 23] [--meta JSON]
+Writes DIR/latest.json and DIR/latest.md. `python3 drive.py --from-json DIR/latest.json` prints
+the Markdown report of an earlier run again (after a change to the report's layout).
+"""
+
+import argparse
+import concurrent.futures
+import datetime
+import json
+import os
+import random
+import re
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+import urllib.error
+import urllib.request
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import words as wordlist  # noqa: E402
+
+ENGINE_NAMES = ("e0", "e1")
+UPSTREAM_HEADER = "x-real-engine-upstream"
+COUNTERS = (
+    "prompt_tokens_total",
+    "prompt_tokens_cached_total",
+    "tokens_predicted_total",
+    "n_decode_total",
+    "prompt_seconds_total",
+    "tokens_predicted_seconds_total",
+)
+
+
+def log(msg):
+    print(f"real-engine: {msg}", file=sys.stderr, flush=True)
+
+
+def free_port():
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def http(method, url, body=None, headers=None, timeout=120.0):
+    """(status, headers dict lower-cased, body bytes); never raises for HTTP status codes."""
+    data = None if body is None else json.dumps(body).encode()
+    req = urllib.request.Request(url, data=data, method=method)
+    for k, v in (headers or {}).items():
+        req.add_header(k, v)
+    if data is not None:
+        req.add_header("content-type", "application/json")
+    try:
+        with urllib.request.urlopen(req, timeout=timeout) as r:
+            return r.status, {k.lower(): v for k, v in r.headers.items()}, r.read()
+    except urllib.error.HTTPError as e:
+        return e.code, {k.lower(): v for k, v in e.headers.items()}, e.read()
+
+
+def wait_until(pred, timeout_s, what, proc=None, logfile=None):
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if proc is not None and proc.poll() is not None:
+            tail = ""
+            if logfile and os.path.exists(logfile):
+                with open(logfile, errors="replace") as f:
+                    tail = "".join(f.readlines()[-20:])
+            raise RuntimeError(f"{what}: process exited with {proc.returncode}\n{tail}")
+        try:
+            if pred():
+                return
+        except OSError:
+            pass
+        time.sleep(0.2)
+    raise RuntimeError(f"{what}: not ready after {timeout_s} s")
+
+
+class Procs:
+    """Every process this driver started, stopped by PID (and listed in a pid file so the
+    calling script can stop them if the driver dies)."""
+
+    def __init__(self, pid_file):
+        self.procs = []
+        self.pid_file = pid_file
+
+    def start(self, args, logfile):
+        f = open(logfile, "ab")
+        p = subprocess.Popen(args, stdout=f, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+        f.close()
+        self.procs.append(p)
+        if self.pid_file:
+            with open(self.pid_file, "a") as pf:
+                pf.write(f"{p.pid}\n")
+        return p
+
+    def stop(self, p):
+        if p.poll() is None:
+            p.send_signal(signal.SIGTERM)
+            try:
+                p.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                p.kill()
+                p.wait()
+        if p in self.procs:
+            self.procs.remove(p)
+
+    def stop_all(self):
+        for p in list(self.procs):
+            self.stop(p)
+
+
+# ---------------------------------------------------------------------------------------------
+# llama-server
+
+
+def parse_metrics(text):
+    """{name without the `llamacpp:` prefix: value} for the unlabelled llama.cpp series."""
+    out = {}
+    for line in text.splitlines():
+        m = re.match(r"^llamacpp:([A-Za-z_]+)\s+(\S+)$", line.strip())
+        if m:
+            try:
+                out[m.group(1)] = float(m.group(2))
+            except ValueError:
+                pass
+    return out
+
+
+class Engine:
+    def __init__(self, name, args, procs, workdir):
+        self.name, self.a, self.procs = name, args, procs
+        self.log = os.path.join(workdir, f"llama-server-{name}.log")
+        self.port = None
+        self.proc = None
+
+    def argv(self, port):
+        a = self.a
+        return [
+            a.server, "-m", a.model, "--host", "127.0.0.1", "--port", str(port),
+            "-c", str(a.ctx), "-np", str(a.parallel), "-t", str(a.threads), "-tb", str(a.threads),
+            "--metrics", "--slots", "--no-webui", "-a", "tiny",
+            # Prompt caching (on by default; said explicitly): a slot keeps its KV cache and a
+            # request is given the slot whose cached prompt it extends most; idle slots are
+            # saved to a host-memory prompt cache (--cache-ram, MiB) and restored from it.
+            "--cache-prompt", "--slot-prompt-similarity", "0.1", "--cache-ram", str(a.cache_ram_mib),
+        ]
+
+    def start(self):
+        for _ in range(5):
+            port = free_port()
+            self.proc = self.procs.start(self.argv(port), self.log)
+            try:
+                wait_until(lambda: http("GET", f"http://127.0.0.1:{port}/health", timeout=2)[0] == 200,
+                           120, f"llama-server {self.name}", self.proc, self.log)
+                self.port = port
+                return
+            except RuntimeError as e:
+                self.procs.stop(self.proc)
+                last = e
+        raise last
+
+    def stop(self):
+        if self.proc is not None:
+            self.procs.stop(self.proc)
+            self.proc = None
+
+    def url(self, path):
+        return f"http://127.0.0.1:{self.port}{path}"
+
+    def metrics_text(self):
+        status, _, body = http("GET", self.url("/metrics"), timeout=10)
+        if status != 200:
+            raise RuntimeError(f"{self.name} /metrics answered {status}")
+        return body.decode()
+
+    def slots(self):
+        status, _, body = http("GET", self.url("/slots"), timeout=10)
+        return json.loads(body) if status == 200 else {"status": status}
+
+
+# ---------------------------------------------------------------------------------------------
+# Envoy
+
+
+def bootstrap(policy, engines, wasm, listener_port, admin_port):
+    """Shaped like tests/support/envoy.rs render_bootstrap (same filter block, same routing
+    header); round_robin is one cluster with both engines."""
+    buffer = 16 * 1024 * 1024
+    upstream_hdr = [{"header": {"key": UPSTREAM_HEADER, "value": "%UPSTREAM_REMOTE_ADDRESS%"},
+                     "append_action": "OVERWRITE_IF_EXISTS_OR_ADD"}]
+    high = {"thresholds": [{"max_connections": 100000, "max_pending_requests": 100000,
+                            "max_requests": 100000, "max_retries": 1000}]}
+
+    def cluster(name, ports, lb=None):
+        c = {
+            "name": name, "type": "STATIC", "connect_timeout": "1s",
+            "per_connection_buffer_limit_bytes": buffer, "circuit_breakers": high,
+            "load_assignment": {"cluster_name": name, "endpoints": [{"lb_endpoints": [
+                {"endpoint": {"address": {"socket_address": {"address": "127.0.0.1", "port_value": p}}}}
+                for p in ports]}]},
+        }
+        if lb:
+            c["lb_policy"] = lb
+        return c
+
+    filters = []
+    if policy == "computeflux":
+        plugin = {"endpoints": [{"name": e.name, "cluster": e.name} for e in engines]}
+        route = {"cluster_header": "x-computeflux-cluster", "timeout": "120s"}
+        entry = {"match": {"prefix": "/"}, "route": route,
+                 "request_headers_to_remove": ["x-computeflux-cluster"],
+                 "response_headers_to_add": upstream_hdr}
+        clusters = [cluster(e.name, [e.port]) for e in engines]
+        filters.append({
+            "name": "envoy.filters.http.wasm",
+            "typed_config": {
+                "@type": "type.googleapis.com/envoy.extensions.filters.http.wasm.v3.Wasm",
+                "config": {
+                    "name": "computeflux", "root_id": "computeflux",
+                    "vm_config": {"vm_id": "computeflux", "runtime": "envoy.wasm.runtime.v8",
+                                  "code": {"local": {"filename": wasm}}},
+                    "configuration": {"@type": "type.googleapis.com/google.protobuf.StringValue",
+                                      "value": json.dumps(plugin)},
+                    "allow_on_headers_stop_iteration": True,
+                    "failure_policy": "FAIL_RELOAD",
+                },
+            },
+        })
+    else:
+        plugin = None
+        entry = {"match": {"prefix": "/"}, "route": {"cluster": "pool", "timeout": "120s"},
+                 "response_headers_to_add": upstream_hdr}
+        clusters = [cluster("pool", [e.port for e in engines], "ROUND_ROBIN")]
+    filters.append({"name": "envoy.filters.http.router", "typed_config": {
+        "@type": "type.googleapis.com/envoy.extensions.filters.http.router.v3.Router"}})
+    hcm = {
+        "@type": "type.googleapis.com/envoy.extensions.filters.network.http_connection_manager.v3.HttpConnectionManager",
+        "stat_prefix": "computeflux", "codec_type": "AUTO",
+        "route_config": {"name": "computeflux", "virtual_hosts": [
+            {"name": "all", "domains": ["*"], "routes": [entry]}]},
+        "http_filters": filters,
+    }
+    return {
+        "node": {"id": "real-engine", "cluster": "real-engine"},
+        "admin": {"address": {"socket_address": {"address": "127.0.0.1", "port_value": admin_port}}},
+        "static_resources": {
+            "listeners": [{"name": "computeflux",
+                           "address": {"socket_address": {"address": "127.0.0.1", "port_value": listener_port}},
+                           "per_connection_buffer_limit_bytes": buffer,
+                           "filter_chains": [{"filters": [{
+                               "name": "envoy.filters.network.http_connection_manager",
+                               "typed_config": hcm}]}]}],
+            "clusters": clusters,
+        },
+    }, plugin
+
+
+class Envoy:
+    def __init__(self, a, procs, workdir, policy, engines):
+        self.a, self.procs, self.policy = a, procs, policy
+        self.dir = workdir
+        self.log = os.path.join(workdir, f"envoy-{policy}.log")
+        self.engines = engines
+        self.proc = None
+
+    def start(self):
+        for attempt in range(5):
+            self.port, self.admin = free_port(), free_port()
+            cfg, self.plugin = bootstrap(self.policy, self.engines, self.a.wasm, self.port, self.admin)
+            path = os.path.join(self.dir, f"envoy-{self.policy}.json")
+            with open(path, "w") as f:
+                json.dump(cfg, f, indent=1)
+            self.config_path = path
+            self.proc = self.procs.start(
+                [self.a.envoy, "-c", path, "--concurrency", "2", "--disable-hot-restart",
+                 "--base-id", str(os.getpid() % 10000 * 10 + attempt), "--log-level", "warn",
+                 "--log-path", self.log], self.log + ".stderr")
+            try:
+                wait_until(lambda: http("GET", f"http://127.0.0.1:{self.admin}/ready", timeout=2)[0] == 200,
+                           60, f"envoy ({self.policy})", self.proc, self.log + ".stderr")
+                wait_until(lambda: socket.create_connection(("127.0.0.1", self.port), 1).close() is None,
+                           20, "envoy listener", self.proc, self.log + ".stderr")
+                return
+            except RuntimeError as e:
+                self.procs.stop(self.proc)
+                last = e
+        raise last
+
+    def stop(self):
+        if self.proc is not None:
+            self.procs.stop(self.proc)
+            self.proc = None
+
+    def computeflux_stats(self):
+        status, _, body = http("GET", f"http://127.0.0.1:{self.admin}/stats?filter=computeflux_&format=json", timeout=10)
+        if status != 200:
+            return {"status": status}
+        out = {}
+        for s in json.loads(body).get("stats", []):
+            if "name" in s and "value" in s:
+                out[s["name"]] = s["value"]
+        return out
+
+
+# ---------------------------------------------------------------------------------------------
+# The client
+
+
+def percentile(xs, p):
+    if not xs:
+        return None
+    xs = sorted(xs)
+    k = max(0, min(len(xs) - 1, int(round(p / 100.0 * len(xs) + 0.5)) - 1))
+    return xs[k]
+
+
+def run_client(a, port, by_port):
+    vocab = wordlist.words()
+    sysrng = random.Random(a.seed)
+    system = "you are a helpful assistant . " + " ".join(sysrng.choice(vocab) for _ in range(a.system_words))
+    sem = threading.Semaphore(a.concurrency)
+    records = []
+    lock = threading.Lock()
+    errors = []
+
+    def session(i):
+        rng = random.Random(a.seed * 1000 + i)
+        sid = f"s{a.seed}-{i}"
+        msgs = [{"role": "system", "content": system}]
+        time.sleep(rng.random() * a.stagger_s)
+        for t in range(a.turns):
+            msgs.append({"role": "user", "content": f"question {t + 1} : "
+                         + " ".join(rng.choice(vocab) for _ in range(a.user_words))})
+            body = {"model": "tiny", "messages": msgs, "max_tokens": a.max_tokens,
+                    "temperature": 1.0, "seed": rng.randrange(1 << 30), "cache_prompt": True}
+            with sem:
+                t0 = time.monotonic()
+                try:
+                    status, hdrs, raw = http("POST", f"http://127.0.0.1:{port}/v1/chat/completions",
+                                             body, {"x-session-id": sid}, timeout=300)
+                except OSError as e:
+                    status, hdrs, raw = 0, {}, str(e).encode()
+                dt = time.monotonic() - t0
+            rec = {"session": i, "turn": t + 1, "status": status, "latency_s": dt,
+                   "endpoint": hdrs.get("x-computeflux-endpoint"),
+                   "affinity": hdrs.get("x-computeflux-affinity"),
+                   "upstream": by_port.get(hdrs.get(UPSTREAM_HEADER, "").rsplit(":", 1)[-1])}
+            if status == 200:
+                ans = json.loads(raw)
+                u = ans.get("usage") or {}
+                tm = ans.get("timings") or {}
+                rec.update(prompt_tokens=u.get("prompt_tokens"),
+                           cached_tokens=(u.get("prompt_tokens_details") or {}).get("cached_tokens"),
+                           completion_tokens=u.get("completion_tokens"),
+                           evaluated=tm.get("prompt_n"), cache_n=tm.get("cache_n"),
+                           prompt_ms=tm.get("prompt_ms"))
+                content = ans["choices"][0]["message"].get("content") or ""
+                msgs.append({"role": "assistant", "content": content})
+            else:
+                with lock:
+                    errors.append({"session": i, "turn": t + 1, "status": status,
+                                   "body": raw[:300].decode(errors="replace")})
+                msgs.append({"role": "assistant", "content": "error"})
+            with lock:
+                records.append(rec)
+
+    t0 = time.monotonic()
+    with concurrent.futures.ThreadPoolExecutor(max_workers=a.sessions) as ex:
+        list(ex.map(session, range(a.sessions)))
+    wall = time.monotonic() - t0
+    return records, errors, wall
+
+
+def summarize(records, errors, wall, deltas):
+    ok = [r for r in records if r["status"] == 200]
+    by_sess = {}
+    for r in sorted(records, key=lambda r: (r["session"], r["turn"])):
+        by_sess.setdefault(r["session"], []).append(r)
+    follow, kept = 0, 0
+    for rs in by_sess.values():
+        for prev, cur in zip(rs, rs[1:]):
+            if prev["status"] == 200 and cur["status"] == 200:
+                follow += 1
+                kept += prev["upstream"] is not None and prev["upstream"] == cur["upstream"]
+    lat = [r["latency_s"] for r in ok]
+    fl = [r["latency_s"] for r in ok if r["turn"] > 1]
+    s = lambda k: sum((r.get(k) or 0) for r in ok)  # noqa: E731
+    served = {}
+    for r in ok:
+        served[r["upstream"]] = served.get(r["upstream"], 0) + 1
+    affinity = {}
+    for r in ok:
+        if r["affinity"]:
+            affinity[r["affinity"]] = affinity.get(r["affinity"], 0) + 1
+    agree = None
+    if any(r["endpoint"] for r in ok):
+        agree = sum(r["endpoint"] == r["upstream"] for r in ok)
+    ev = sum(d.get("prompt_tokens_total", 0) for d in deltas.values())
+    ca = sum(d.get("prompt_tokens_cached_total", 0) for d in deltas.values())
+    return {
+        "requests": len(records), "ok": len(ok), "errors": len(errors),
+        "follow_ups": follow, "follow_ups_on_previous_engine": kept,
+        "follow_ups_kept_pct": round(100.0 * kept / follow, 1) if follow else None,
+        "served_per_engine": served,
+        "filter_header_matches_upstream": agree,
+        "filter_affinity_headers": affinity,
+        "usage_prompt_tokens": s("prompt_tokens"), "usage_cached_tokens": s("cached_tokens"),
+        "timings_prompt_n": s("evaluated"), "timings_cache_n": s("cache_n"),
+        "completion_tokens": s("completion_tokens"),
+        "engine_prompt_tokens_evaluated": ev, "engine_prompt_tokens_cached": ca,
+        "engine_cached_pct": round(100.0 * ca / (ev + ca), 1) if ev + ca else None,
+        "wall_s": round(wall, 2),
+        "latency_p50_ms": round(1000 * percentile(lat, 50), 1) if lat else None,
+        "latency_p99_ms": round(1000 * percentile(lat, 99), 1) if lat else None,
+        "follow_up_latency_p50_ms": round(1000 * percentile(fl, 50), 1) if fl else None,
+        "follow_up_latency_p99_ms": round(1000 * percentile(fl, 99), 1) if fl else None,
+    }
+
+
+def run_policy(a, policy, procs, workdir):
+    engines = [Engine(n, a, procs, workdir) for n in ENGINE_NAMES]
+    envoy = None
+    try:
+        for e in engines:
+            e.start()
+        by_port = {str(e.port): e.name for e in engines}
+        envoy = Envoy(a, procs, workdir, policy, engines)
+        envoy.start()
+        log(f"{policy}: engines on {[e.port for e in engines]}, envoy on {envoy.port} (admin {envoy.admin})")
+        before = {e.name: parse_metrics(e.metrics_text()) for e in engines}
+        records, errors, wall = run_client(a, envoy.port, by_port)
+        time.sleep(0.5)
+        raw_after = {e.name: e.metrics_text() for e in engines}
+        after = {n: parse_metrics(t) for n, t in raw_after.items()}
+        deltas = {n: {k: round(after[n].get(k, 0) - before[n].get(k, 0), 3) for k in COUNTERS}
+                  for n in after}
+        # Cross-check: what the answers' `usage` says each engine did vs its own counters.
+        per_engine_usage = {}
+        for r in records:
+            if r["status"] == 200 and r["upstream"]:
+                d = per_engine_usage.setdefault(r["upstream"], {"requests": 0, "prompt_tokens": 0, "cached_tokens": 0})
+                d["requests"] += 1
+                d["prompt_tokens"] += r.get("prompt_tokens") or 0
+                d["cached_tokens"] += r.get("cached_tokens") or 0
+        out = {
+            "policy": policy,
+            "summary": summarize(records, errors, wall, deltas),
+            "engine_metric_deltas": deltas,
+            "per_engine_usage": per_engine_usage,
+            "engine_metrics_final_raw": raw_after,
+            "engine_slots_final": {e.name: e.slots() for e in engines},
+            "plugin_config": envoy.plugin,
+            "errors": errors[:20],
+            "records": records,
+        }
+        if policy == "computeflux":
+            out["envoy_computeflux_stats"] = envoy.computeflux_stats()
+        return out
+    finally:
+        if envoy:
+            envoy.stop()
+        for e in engines:
+            e.stop()
+
+
+# ---------------------------------------------------------------------------------------------
+# Report
+
+
+def fmt(v):
+    return "—" if v is None else (f"{v:,}" if isinstance(v, int) else str(v))
+
+
+def report_md(res):
+    m = res["meta"]
+    L = []
+    L.append("# Real engine: computeflux vs round_robin in front of two llama.cpp servers\n")
+    la = res.get("load_average_start") or [0.0]
+    L.append(f"Generated {res['generated_utc']} on {res.get('cpus', '?')} cores shared with other work "
+             f"(load average {la[0]:.1f} at start) by `{m.get('command', 'scripts/real-engine')}` "
+             f"(branch `{m.get('git_branch', '?')}`, commit `{m.get('git_commit', '?')}`).\n")
+    L.append("## Setup\n")
+    L.append(f"- Engines: two `llama-server` processes ({m.get('llama_server_version', '?')}), built from the "
+             f"llama.cpp tree vendored in the `llama-cpp-python` {m.get('llama_cpp_python', '?')} source "
+             f"distribution (cmake {m.get('cmake', '?')}, ninja {m.get('ninja', '?')} from PyPI; "
+             f"build: {m.get('build_time', '?')}).")
+    a = res["args"]
+    L.append(f"- Engine flags: `-c {a['ctx']} -np {a['parallel']} -t {a['threads']} --metrics --slots "
+             f"--cache-prompt --slot-prompt-similarity 0.1 --cache-ram {a['cache_ram_mib']}` "
+             f"(each slot holds {a['ctx'] // a['parallel']} tokens).")
+    L.append(f"- Model: {m.get('model', '?')}")
+    L.append(f"- Envoy {m.get('envoy_version', '?')}, `--concurrency 2`; the filter: "
+             f"`target/wasm32-wasip1/release/computeflux.wasm` with its default configuration plus "
+             f"the two endpoints (`{json.dumps(res['policies'][0].get('plugin_config')) if res['policies'] else ''}`).")
+    L.append(f"- Client: {a['sessions']} sessions × {a['turns']} turns, at most {a['concurrency']} requests in "
+             f"flight, shared system prompt of {a['system_words']} words, {a['user_words']} new words per "
+             f"user turn, `max_tokens` {a['max_tokens']} (the model never stops early), `x-session-id` "
+             f"per session, sessions start within {a['stagger_s']} s. Engines are restarted between "
+             f"policies, so every policy starts with cold caches.\n")
+    L.append("## Results\n")
+    cols = ["policy", "follow-ups on previous engine", "prompt tokens evaluated (engines)",
+            "served from cache (engines)", "cached share", "requests per engine", "wall", "p50", "p99",
+            "follow-up p50", "follow-up p99", "errors"]
+    L.append("| " + " | ".join(cols) + " |")
+    L.append("|" + "---|" * len(cols))
+    for p in res["policies"]:
+        s = p["summary"]
+        served = ", ".join(f"{k}: {v}" for k, v in sorted(s["served_per_engine"].items(), key=lambda kv: str(kv[0])))
+        L.append("| " + " | ".join([
+            p["policy"],
+            f"{s['follow_ups_on_previous_engine']} / {s['follow_ups']} ({fmt(s['follow_ups_kept_pct'])} %)",
+            fmt(int(s["engine_prompt_tokens_evaluated"])), fmt(int(s["engine_prompt_tokens_cached"])),
+            f"{fmt(s['engine_cached_pct'])} %", served, f"{s['wall_s']} s",
+            f"{fmt(s['latency_p50_ms'])} ms", f"{fmt(s['latency_p99_ms'])} ms",
+            f"{fmt(s['follow_up_latency_p50_ms'])} ms", f"{fmt(s['follow_up_latency_p99_ms'])} ms",
+            str(s["errors"])]) + " |")
+    L.append("")
+    L.append("Prompt tokens evaluated / served from cache are the deltas of the engines' own "
+             "`llamacpp:prompt_tokens_total` (\"processed, excluding cached\") and "
+             "`llamacpp:prompt_tokens_cached_total` over the run, summed over both engines. "
+             "Which engine served a request comes from Envoy's upstream address "
+             f"(`{UPSTREAM_HEADER}`), for both policies. Cached share = cached ÷ (evaluated + cached). "
+             "p50/p99 are client-side latencies of every request (Envoy included); wall is the "
+             "whole client run.\n")
+    L.append("### Cross-checks\n")
+    L.append("| policy | engine | requests | Σ usage.prompt_tokens | Σ usage cached_tokens | Δ prompt_tokens_total + Δ prompt_tokens_cached_total | Δ prompt_tokens_cached_total | Δ tokens_predicted_total |")
+    L.append("|---|---|---|---|---|---|---|---|")
+    for p in res["policies"]:
+        for n, d in sorted(p["engine_metric_deltas"].items()):
+            u = p["per_engine_usage"].get(n, {})
+            L.append(f"| {p['policy']} | {n} | {u.get('requests', 0)} | {fmt(u.get('prompt_tokens', 0))} | "
+                     f"{fmt(u.get('cached_tokens', 0))} | "
+                     f"{fmt(int(d['prompt_tokens_total'] + d['prompt_tokens_cached_total']))} | "
+                     f"{fmt(int(d['prompt_tokens_cached_total']))} | {fmt(int(d['tokens_predicted_total']))} |")
+    for p in res["policies"]:
+        s = p["summary"]
+        if s["filter_header_matches_upstream"] is not None:
+            L.append(f"\n`x-computeflux-endpoint` named the engine Envoy forwarded to in "
+                     f"{s['filter_header_matches_upstream']} of {s['ok']} answers ({p['policy']}); "
+                     f"`x-computeflux-affinity`: "
+                     + ", ".join(f"{k} {v}" for k, v in sorted(s["filter_affinity_headers"].items())) + ".")
+    for p in res["policies"]:
+        stats = p.get("envoy_computeflux_stats")
+        if not stats:
+            continue
+        reasons = {k.rsplit(".", 1)[-1]: v for k, v in stats.items()
+                   if ".computeflux_decisions_total.reason." in k and v}
+        broken = [r for r in p["records"] if r["status"] == 200 and r.get("affinity") == "pin_break"]
+        evaluated = sum((r.get("prompt_tokens") or 0) - (r.get("cached_tokens") or 0) for r in broken)
+        L.append(f"\nThe filter's decisions ({p['policy']}, Envoy's `computeflux_decisions_total`): "
+                 + ", ".join(f"{k} {v}" for k, v in sorted(reasons.items()))
+                 + f". The {len(broken)} `pin_break` requests moved a session off the engine holding "
+                 f"its cache; the engines evaluated {evaluated:,} prompt tokens for them (their "
+                 f"`usage`: prompt − cached).")
+    L.append("")
+    L.append("## The filter's scraped state vs the engines' /metrics\n")
+    L.append("<!-- COORDINATOR: fill in once the filter scrapes /metrics (issue 23 item 3). -->")
+    L.append("**Not measured yet.** The filter does not scrape the engines' `/metrics` on this branch. "
+             "The raw final `/metrics` of both engines and Envoy's `computeflux_*` stats for the "
+             "computeflux run are kept in `latest.json` (`engine_metrics_final_raw`, "
+             "`envoy_computeflux_stats`) for that comparison.\n")
+    L.append("## Reproduce\n")
+    L.append("```\n" + m.get("command", "scripts/real-engine") + "\n```\n")
+    L.append("Raw per-request records, the engines' metric deltas and final `/slots` are in `latest.json`.")
+    return "\n".join(L) + "\n"
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--server", required=True)
+    ap.add_argument("--model", required=True)
+    ap.add_argument("--envoy", required=True)
+    ap.add_argument("--wasm", required=True)
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--workdir", default=None)
+    ap.add_argument("--pid-file", default=None)
+    ap.add_argument("--meta", default="{}", help="JSON object merged into the report's meta")
+    ap.add_argument("--policies", default="computeflux,round_robin")
+    ap.add_argument("--sessions", type=int, default=48)
+    ap.add_argument("--turns", type=int, default=8)
+    ap.add_argument("--concurrency", type=int, default=4)
+    ap.add_argument("--max-tokens", type=int, default=16)
+    ap.add_argument("--user-words", type=int, default=40)
+    ap.add_argument("--system-words", type=int, default=150)
+    ap.add_argument("--stagger-s", type=float, default=2.0)
+    ap.add_argument("--ctx", type=int, default=4096)
+    ap.add_argument("--parallel", type=int, default=2)
+    ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--cache-ram-mib", type=int, default=256)
+    ap.add_argument("--seed", type=int, default=23)
+    if "--from-json" in sys.argv:
+        # Rewrites OUT/latest.md from an earlier run's JSON (report changes without a new run).
+        i = sys.argv.index("--from-json")
+        with open(sys.argv[i + 1]) as f:
+            res = json.load(f)
+        sys.stdout.write(report_md(res))
+        return
+    a = ap.parse_args()
+    policies = [p for p in a.policies.split(",") if p]
+    for p in policies:
+        if p not in ("computeflux", "round_robin"):
+            sys.exit(f"drive.py: unknown policy {p}")
+    os.makedirs(a.out, exist_ok=True)
+    workdir = a.workdir or os.path.join(a.out, "work")
+    os.makedirs(workdir, exist_ok=True)
+    procs = Procs(a.pid_file)
+    res = {"generated_utc": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+           "load_average_start": os.getloadavg(), "cpus": os.cpu_count(),
+           "meta": json.loads(a.meta), "args": vars(a).copy(), "policies": []}
+    for k in ("server", "model", "envoy", "wasm", "out", "workdir", "pid_file", "meta"):
+        res["args"].pop(k, None)
+    try:
+        for p in policies:
+            log(f"running {p}")
+            r = run_policy(a, p, procs, workdir)
+            log(f"{p}: {json.dumps(r['summary'])}")
+            res["policies"].append(r)
+    finally:
+        procs.stop_all()
+    with open(os.path.join(a.out, "latest.json"), "w") as f:
+        json.dump(res, f, indent=1)
+    with open(os.path.join(a.out, "latest.md"), "w") as f:
+        f.write(report_md(res))
+    log(f"wrote {os.path.join(a.out, 'latest.md')} and latest.json")
+
+
+if __name__ == "__main__":
+    main()
