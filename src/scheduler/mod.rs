@@ -32,6 +32,7 @@ pub mod saturation;
 pub mod score;
 pub mod scrape;
 pub mod select;
+pub mod signals;
 pub mod slowness;
 pub mod state;
 pub mod store;

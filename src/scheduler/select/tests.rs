@@ -1,5 +1,7 @@
 use super::*;
 use crate::scheduler::outcome::FailureKind;
+use crate::scheduler::signals::Served;
+use crate::scheduler::slowness::{Sample, WorkModel};
 use crate::scheduler::store::MemStore;
 use serde_json::json;
 #[cfg(target_arch = "wasm32")]
@@ -226,8 +228,8 @@ fn cold_start_places_by_weight_alone_for_exactly_twenty_requests() {
     }
     let st = s.table().entries[0].1;
     assert_eq!(st.total, 20);
-    let w = crate::scheduler::placement::weigh(3.0, &st, None, &c, 402);
-    assert!(w.weight < 0.1, "failing endpoint still weighs {w:?}");
+    let w = crate::scheduler::placement::weigh(3.0, &st, &c, 402);
+    assert!(w < 0.1, "failing endpoint still weighs {w:?}");
     let mut to_bad = 0;
     for n in 20_000..21_000u64 {
         let d = pick_at(&s, Some(key(n)), &ex, 402).unwrap();
@@ -248,12 +250,14 @@ fn slow_endpoint_loses_new_sessions_after_warm_up() {
     let store = MemStore::new();
     let s = Scheduler::new(&c, &store);
     let ex = Exclusions::default();
+    seed_model(&store);
     let mut now = 0;
+    // The same work everywhere: b takes 5x as long for it.
     for i in 0..200u64 {
         let d = pick_at(&s, Some(i), &ex, now).unwrap();
         let latency = if d.endpoint == 1 { 500 } else { 100 };
         now += 1;
-        s.finish(d.ticket, &Outcome::Success, latency, None, now);
+        finish_streamed(&s, d.ticket, latency, None, now);
     }
     let mut to_b = 0;
     for i in 1000..1100u64 {
@@ -488,9 +492,57 @@ fn cas_conflicts_are_retried_and_exhaustion_is_reported() {
     assert_eq!(s.table().entries[d.endpoint].1.in_flight, 0);
 }
 
-/// Warms every endpoint of `s` with `samples` successes at the given latencies (by index).
+/// The work model's key of the tests' requests (model "m", listed by no endpoint).
+const WORK: &str = "computeflux/work/*";
+
+/// Stores a warm work model that expects the prior's costs: 50 ms + 0.2 ms per uncached
+/// token (a streamed answer of 1000 uncached tokens: 250 ms).
+fn seed_model(store: &dyn Store) {
+    let mut m = WorkModel::default();
+    for i in 0..64u64 {
+        let prompt = 500 + (i * 97) % 3000;
+        m.observe(&Sample {
+            streamed: true,
+            observed_ms: 50.0 + 0.2 * prompt as f64,
+            prompt_tokens: prompt,
+            cached_tokens: 0,
+            completion_tokens: 0,
+            estimated: false,
+        });
+    }
+    store.set(WORK, &m.encode(), None).unwrap();
+}
+
+/// A streamed answer of 1000 uncached prompt tokens that took `ms` to its first byte (the
+/// seeded model expects 250 ms: slowness `ms / 250`).
+fn streamed(ms: u64) -> Served {
+    Served {
+        streamed: true,
+        observed_ms: ms,
+        usage: Some(Usage {
+            prompt_tokens: 1000,
+            cached_tokens: 0,
+            completion_tokens: 20,
+        }),
+        body_bytes: 4000,
+        relayed_bytes: 100,
+        work_key: WORK.into(),
+    }
+}
+
+/// Finishes `ticket` as a success whose answer was a stream timed `ms` to its first byte.
+fn finish_streamed(s: &Scheduler<'_>, mut ticket: Ticket, ms: u64, session: Option<u64>, now: u64) {
+    ticket.served = Some(streamed(ms));
+    s.finish(ticket, &Outcome::Success, ms, session, now);
+}
+
+/// Warms every endpoint of `s` with `samples` successes at the given latencies (by index),
+/// each a streamed answer of the same work (see [`streamed`]), over a seeded work model.
 fn warm(s: &Scheduler<'_>, latencies: &[u64], samples: u64, now: u64) {
     let c = s.cfg;
+    if s.store.get(WORK).0.is_none() {
+        seed_model(s.store);
+    }
     for (i, &lat) in latencies.iter().enumerate() {
         for _ in 0..samples {
             let ticket = Ticket {
@@ -503,8 +555,9 @@ fn warm(s: &Scheduler<'_>, latencies: &[u64], samples: u64, now: u64) {
                 degraded_probe: false,
                 pin_on_success: false,
                 pinned_usage: None,
+                served: None,
             };
-            s.finish(ticket, &Outcome::Success, lat, None, now);
+            finish_streamed(s, ticket, lat, None, now);
         }
     }
 }
@@ -826,7 +879,7 @@ fn with_pins_on_first(
 
 #[test]
 fn an_overdue_affinity_hit_breaks_pins_before_any_slow_answer() {
-    with_pins_on_first(json!({}), an_overdue_hit);
+    with_pins_on_first(json!({"pin_break_overdue": 1}), an_overdue_hit);
 }
 
 fn an_overdue_hit(s: &Scheduler<'_>, ex: &Exclusions, on_a: &[u64]) {
@@ -834,26 +887,34 @@ fn an_overdue_hit(s: &Scheduler<'_>, ex: &Exclusions, on_a: &[u64]) {
     let held = pick_at(s, Some(on_a[0]), ex, 1_000).unwrap();
     assert_eq!(held.reason, Reason::AffinityHit);
     assert_ne!(held.ticket.watch_token, 0);
-    // Threshold: max(3 × 100, 100 + 50, 100 + 4 × 0) = 300 ms. Younger: pins hold.
-    let d = pick_at(s, Some(on_a[1]), ex, 1_299).unwrap();
+    // Threshold on the work model's terms: the endpoint's typical expected time × its peers'
+    // median slowness (`best`, about 100 ms: all three answer alike), then max(3 × best, best +
+    // 50, own + 4 deviations) = 3 × best. Younger: pins hold.
+    let table = s.table();
+    let st = table.entries[0].1.slowness;
+    let peers = crate::scheduler::signals::peer_median(&table, s.cfg, 0, 5).unwrap();
+    let best = peers * st.expected_ms;
+    assert!((80.0..150.0).contains(&best), "{best}");
+    let at = 1_000 + (3.0 * best).ceil() as u64;
+    let d = pick_at(s, Some(on_a[1]), ex, at - 1).unwrap();
     assert_eq!(d.reason, Reason::AffinityHit);
-    s.finish(d.ticket, &Outcome::Cancelled, 0, None, 1_299);
+    s.finish(d.ticket, &Outcome::Cancelled, 0, None, at - 1);
     // Older: the next pinned turns are placed elsewhere, in their rendezvous order.
     for &k in &on_a[2..10] {
-        let d = pick_at(s, Some(k), ex, 1_300).unwrap();
+        let d = pick_at(s, Some(k), ex, at).unwrap();
         assert_eq!(
             (d.reason, d.broke_pin_of),
             (Reason::PinBreak, Some(0)),
             "session {k}"
         );
         assert_ne!(d.endpoint, 0);
-        s.finish(d.ticket, &Outcome::Cancelled, 0, None, 1_300);
+        s.finish(d.ticket, &Outcome::Cancelled, 0, None, at);
     }
     // New sessions avoid it too, and no probe is due: the overdue hit is the probe.
     for n in 5_000..5_100u64 {
-        let d = pick_at(s, Some(key(n)), ex, 1_300).unwrap();
+        let d = pick_at(s, Some(key(n)), ex, at).unwrap();
         assert_ne!(d.endpoint, 0);
-        s.finish(d.ticket, &Outcome::Cancelled, 0, None, 1_300);
+        s.finish(d.ticket, &Outcome::Cancelled, 0, None, at);
     }
     // Transient: nothing sticky was stored.
     assert!(!s.table().entries[0].1.degraded);
@@ -866,13 +927,14 @@ fn an_overdue_hit(s: &Scheduler<'_>, ex: &Exclusions, on_a: &[u64]) {
 
 #[test]
 fn overdue_evidence_respects_spread_cold_start_and_the_switch() {
-    // An endpoint whose answers vary widely needs a far older hit.
-    with_pins_on_first(json!({}), |s, ex, on_a| {
+    // An endpoint whose answers vary widely for the same work needs a far older hit.
+    with_pins_on_first(json!({"pin_break_overdue": 1}), |s, ex, on_a| {
         for lat in [20, 400, 20, 400, 20, 400] {
             warm(s, &[lat, 100, 100], 1, 2);
         }
-        let st = s.table().entries[0].1;
-        let spread = st.latency_ms.unwrap() + 4.0 * st.latency_dev_ms;
+        let st = s.table().entries[0].1.slowness;
+        let own = st.value().unwrap() * st.expected_ms;
+        let spread = own + 4.0 * own * (st.log_dev.exp() - 1.0);
         assert!(spread > 500.0, "estimate + 4 deviations: {spread}");
         let held = pick_at(s, Some(on_a[0]), ex, 1_000).unwrap();
         let d = pick_at(s, Some(on_a[1]), ex, 1_000 + 400).unwrap();
@@ -888,13 +950,16 @@ fn overdue_evidence_respects_spread_cold_start_and_the_switch() {
         s.finish(held.ticket, &Outcome::Cancelled, 0, None, 2_000);
     });
     // Cold endpoints never (fewer than 1000 samples): a hit held for minutes changes nothing.
-    with_pins_on_first(json!({"cold_start_samples": 1000}), |s, ex, on_a| {
-        let held = pick_at(s, Some(on_a[0]), ex, 1_000).unwrap();
-        let d = pick_at(s, Some(on_a[1]), ex, 100_000).unwrap();
-        assert_eq!(d.reason, Reason::AffinityHit);
-        s.finish(d.ticket, &Outcome::Cancelled, 0, None, 100_000);
-        s.finish(held.ticket, &Outcome::Cancelled, 0, None, 100_000);
-    });
+    with_pins_on_first(
+        json!({"cold_start_samples": 1000, "pin_break_overdue": 1}),
+        |s, ex, on_a| {
+            let held = pick_at(s, Some(on_a[0]), ex, 1_000).unwrap();
+            let d = pick_at(s, Some(on_a[1]), ex, 100_000).unwrap();
+            assert_eq!(d.reason, Reason::AffinityHit);
+            s.finish(d.ticket, &Outcome::Cancelled, 0, None, 100_000);
+            s.finish(held.ticket, &Outcome::Cancelled, 0, None, 100_000);
+        },
+    );
     // `pin_break_overdue: 0` turns it off; 2 needs two overdue hits.
     for (needed, holds) in [(0u64, 5usize), (2, 1)] {
         with_pins_on_first(json!({ "pin_break_overdue": needed }), |s, ex, on_a| {
@@ -966,7 +1031,7 @@ fn a_fast_probe_answer_resets_the_probe_backoff() {
         if d.reason == Reason::DegradedProbe {
             probes.push(now);
             // Still slow.
-            s.finish(d.ticket, &Outcome::Success, 600, None, now + 600);
+            finish_streamed(&s, d.ticket, 600, None, now + 600);
         } else {
             s.finish(d.ticket, &Outcome::Cancelled, 0, None, now);
         }
@@ -984,7 +1049,7 @@ fn a_fast_probe_answer_resets_the_probe_backoff() {
         let d = pick_at(&s, Some(key(n)), &ex, now).unwrap();
         n += 1;
         if d.reason == Reason::DegradedProbe {
-            s.finish(d.ticket, &Outcome::Success, 100, None, now + 100);
+            finish_streamed(&s, d.ticket, 100, None, now + 100);
             fast_at = Some(now);
             break;
         }
