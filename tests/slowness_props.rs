@@ -21,7 +21,24 @@ use computeflux::scheduler::saturation::{
 use computeflux::scheduler::slowness::{
     degraded, peer_median, DegradeRule, Sample, Slowness, WorkModel, MODEL_WARM_SAMPLES,
 };
-use computeflux::scheduler::{ewma, placement, Config};
+use computeflux::scheduler::{ewma, Config};
+
+/// The degraded rule on raw latency estimates that issue 23 replaced (the last version of
+/// `placement::degraded`), kept here as the baseline the synthetic fleet is compared with.
+fn raw_degraded(was: bool, latency: Option<(f64, f64)>, cfg: &Config) -> bool {
+    let Some((own, best)) = latency else {
+        return false;
+    };
+    let floor = 10.0;
+    let ratio = own.max(floor) / best.max(floor);
+    let gap = own - best;
+    let min_gap = cfg.pin_break_min_ms as f64;
+    if was {
+        ratio >= cfg.degraded_exit_ratio && gap >= min_gap / 2.0
+    } else {
+        ratio >= cfg.pin_break_ratio && gap >= min_gap
+    }
+}
 use proptest::prelude::*;
 
 // ---------------------------------------------------------------------------------------------
@@ -183,7 +200,7 @@ impl Fleet {
             (Some(own), Some(best)) if t.total >= self.cfg.cold_start_samples => Some((own, best)),
             _ => None,
         };
-        let today_now = placement::degraded(t.degraded, latency, &self.cfg);
+        let today_now = raw_degraded(t.degraded, latency, &self.cfg);
         let today_entered = today_now && !t.degraded;
         self.today[i].degraded = today_now;
 

@@ -7,6 +7,7 @@ use super::shared::SharedData;
 use crate::scheduler::breaker::BreakerState;
 use crate::scheduler::config::Config;
 use crate::scheduler::hash::hash_parts;
+use crate::scheduler::saturation::Saturation;
 use crate::scheduler::select::{Scheduler, TABLE_KEY};
 use crate::scheduler::store::Store;
 use proxy_wasm::traits::{Context, HttpContext, RootContext};
@@ -119,5 +120,15 @@ pub fn refresh_gauges(p: &Plugin, now_ms: u64) {
         );
         Metrics::set(m.in_flight, u64::from(st.load(now_ms)));
         Metrics::set(m.affinity_payoff_permille, st.payoff.permille());
+        let slowness = st
+            .slowness
+            .value()
+            .map_or(0, |v| (v * 1000.0).round() as u64);
+        Metrics::set(m.slowness_permille, slowness);
+        Metrics::set(m.degraded, u64::from(st.degraded));
+        Metrics::set(
+            m.saturated,
+            u64::from(st.saturation == Saturation::Saturated),
+        );
     }
 }
