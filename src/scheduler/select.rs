@@ -692,9 +692,15 @@ impl<'a> Scheduler<'a> {
         let certain_429 = (0..n)
             .map(|i| quota(i).is_some_and(|q| q.certain_429(estimate, now_ms)))
             .collect();
+        // The engines' own running + waiting where every candidate reports it (one unit for
+        // all: an engine's count includes every replica's requests, an in-flight count only
+        // this one's), else this replica's in-flight counts.
+        let all_scraped = statics
+            .iter()
+            .all(|&i| loads.get(i).copied().flatten().is_some());
         let load = (0..n)
             .map(|i| {
-                let l = loads.get(i).copied().flatten();
+                let l = loads.get(i).copied().flatten().filter(|_| all_scraped);
                 state(i).map_or(0, |st| signals::placement_load(st, l.as_ref(), now_ms))
             })
             .collect();

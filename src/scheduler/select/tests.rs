@@ -1,5 +1,6 @@
 use super::*;
 use crate::scheduler::outcome::FailureKind;
+use crate::scheduler::saturation::Saturation;
 use crate::scheduler::signals::Served;
 use crate::scheduler::slowness::{Sample, WorkModel};
 use crate::scheduler::store::MemStore;
@@ -1359,4 +1360,294 @@ fn quota_skips_name_the_endpoints_passed_over_for_quota() {
         !d.quota_skipped.contains(&d.endpoint) && d.quota_skipped.len() == 1,
         "{d:?}"
     );
+}
+
+// --- Issue 23: degraded (slow for the work) vs saturated (full by the engine's own load) ------
+
+/// Writes endpoint `name`'s scraped record: `waiting` queued, `running` in the batch.
+fn scraped(store: &dyn Store, name: &str, waiting: u32, running: u32, now: u64) {
+    let load = crate::scheduler::engine_load::EngineLoad {
+        engine: crate::scheduler::engine_load::Engine::Vllm,
+        waiting: Some(waiting),
+        running: Some(running),
+        kv_usage_permille: Some(300),
+        prompt_tokens_total: None,
+        prompt_tokens_cached_total: None,
+    };
+    crate::scheduler::scrape::record(
+        store,
+        &crate::scheduler::scrape::record_key(name),
+        now,
+        Ok(load),
+    )
+    .unwrap();
+}
+
+/// A first attempt with a body of `body_bytes` (the prompt a pinned endpoint has cached).
+fn pick_body(s: &Scheduler<'_>, session: u64, body_bytes: usize, now: u64) -> Decision {
+    s.pick(
+        &Pick {
+            model: Some("m"),
+            session: Some(session),
+            attempt: 1,
+            exclusions: &Exclusions::default(),
+            nonce: 0,
+            body_bytes,
+            pin_hint: None,
+        },
+        now,
+    )
+    .unwrap()
+}
+
+#[test]
+fn a_saturated_endpoint_gets_no_new_sessions_but_keeps_pins_while_the_wait_is_short() {
+    with_pins_on_first(json!({}), |s, ex, on_a| {
+        // a's engine queues 6 (enter at 5), 64 running: full, but its queue drains fast.
+        scraped(s.store, "a", 6, 64, 1_000);
+        for n in 7_000..7_300u64 {
+            let d = pick_at(s, Some(key(n)), ex, 1_100).unwrap();
+            assert_ne!(d.endpoint, 0, "a new session went to a saturated endpoint");
+            assert!(
+                matches!(d.reason, Reason::Home | Reason::Saturated),
+                "{:?}",
+                d.reason
+            );
+            s.finish(d.ticket, &Outcome::Cancelled, 0, None, 1_100);
+        }
+        assert_eq!(s.table().entries[0].1.saturation, Saturation::Saturated);
+        // Sessions with a long cached prompt (40 000 bytes: 10 000 tokens) stay pinned.
+        for &k in &on_a[..10] {
+            let d = pick_body(s, k, 40_000, 1_200);
+            assert_eq!((d.endpoint, d.reason), (0, Reason::AffinityHit));
+            s.finish(d.ticket, &Outcome::Cancelled, 0, None, 1_200);
+        }
+        // Hysteresis: a queue of 3 keeps it saturated; 1 lets it have room again.
+        scraped(s.store, "a", 3, 64, 2_000);
+        let d = pick_at(s, Some(key(7_001)), ex, 2_000).unwrap();
+        s.finish(d.ticket, &Outcome::Cancelled, 0, None, 2_000);
+        assert_eq!(s.table().entries[0].1.saturation, Saturation::Saturated);
+        scraped(s.store, "a", 1, 64, 3_000);
+        let homed_on_a = (7_000..7_300u64)
+            .filter(|&n| {
+                let d = pick_at(s, Some(key(n)), ex, 3_000).unwrap();
+                let on_a = d.endpoint == 0;
+                s.finish(d.ticket, &Outcome::Cancelled, 0, None, 3_000);
+                on_a
+            })
+            .count();
+        assert!(homed_on_a > 50, "a has room again: {homed_on_a} of 300");
+        assert_eq!(s.table().entries[0].1.saturation, Saturation::Room);
+    });
+}
+
+#[test]
+fn every_endpoint_saturated_places_as_without_metrics() {
+    with_pins_on_first(json!({}), |s, ex, _| {
+        for name in ["a", "b", "c"] {
+            scraped(s.store, name, 9, 8, 1_000);
+        }
+        let on_a = (7_000..7_300u64)
+            .filter(|&n| {
+                let d = pick_at(s, Some(key(n)), ex, 1_100).unwrap();
+                assert_eq!(d.reason, Reason::Home);
+                let a = d.endpoint == 0;
+                s.finish(d.ticket, &Outcome::Cancelled, 0, None, 1_100);
+                a
+            })
+            .count();
+        assert!(on_a > 50, "{on_a}");
+    });
+}
+
+#[test]
+fn a_long_wait_moves_a_pin_once_per_ttl() {
+    with_pins_on_first(json!({"affinity_ttl_ms": 60_000}), |s, _, on_a| {
+        // 500 waiting, 1 running: the wait there dwarfs re-prefilling a short prompt.
+        scraped(s.store, "a", 500, 1, 1_000);
+        let k = on_a[0];
+        let d = pick_body(s, k, 400, 1_100);
+        assert_ne!(d.endpoint, 0);
+        assert_eq!(
+            (d.reason, d.affinity, d.moved_pin_of),
+            (Reason::Saturated, AffinityResult::Saturated, Some(0))
+        );
+        let moved_to = d.endpoint;
+        s.finish(d.ticket, &Outcome::Success, 100, Some(k), 1_200);
+        // The session is now pinned where it moved.
+        let d = pick_body(s, k, 400, 1_300);
+        assert_eq!((d.endpoint, d.reason), (moved_to, Reason::AffinityHit));
+        s.finish(d.ticket, &Outcome::Cancelled, 0, None, 1_300);
+        // Its new endpoint is saturated too, a has room again... and is full again: within
+        // the TTL the session is not moved a second time for saturation.
+        scraped(
+            s.store,
+            s.cfg.endpoints[moved_to].name.as_str(),
+            500,
+            1,
+            2_000,
+        );
+        scraped(s.store, "a", 0, 1, 2_000);
+        let d = pick_body(s, k, 400, 2_100);
+        assert_eq!((d.endpoint, d.reason), (moved_to, Reason::AffinityHit));
+        s.finish(d.ticket, &Outcome::Cancelled, 0, None, 2_100);
+        // After the TTL (the mark has lapsed), it may move again.
+        let later = 1_100 + 60_000;
+        scraped(
+            s.store,
+            s.cfg.endpoints[moved_to].name.as_str(),
+            500,
+            1,
+            later,
+        );
+        scraped(s.store, "a", 0, 1, later);
+        // Keep the pin alive (its TTL counts from its last use).
+        let d = pick_body(s, k, 400, later);
+        assert_eq!(d.reason, Reason::Saturated, "{d:?}");
+        assert_ne!(d.endpoint, moved_to);
+        s.finish(d.ticket, &Outcome::Cancelled, 0, None, later);
+    });
+}
+
+#[test]
+fn degraded_and_saturated_are_distinct() {
+    let c = three_warm(json!({}));
+    let store = MemStore::new();
+    let s = Scheduler::new(&c, &store);
+    let ex = Exclusions::default();
+    // a is 5x slower for the same work, b is full by its engine: a is degraded, not
+    // saturated; b saturated, not degraded.
+    warm(&s, &[500, 100, 100], 10, 0);
+    scraped(&store, "b", 20, 8, 0);
+    let d = pick_at(&s, Some(key(1)), &ex, 10).unwrap();
+    s.finish(d.ticket, &Outcome::Cancelled, 0, None, 10);
+    let t = s.table();
+    let (a, b) = (t.entries[0].1, t.entries[1].1);
+    assert!(a.degraded && a.saturation == Saturation::Unknown, "{a:?}");
+    assert!(
+        !b.degraded && b.saturation == Saturation::Saturated,
+        "{b:?}"
+    );
+    // New sessions all go to c; labels say why.
+    let mut reasons = Vec::new();
+    for n in 0..300u64 {
+        let d = pick_at(&s, Some(key(n)), &ex, 10).unwrap();
+        assert_eq!(d.endpoint, 2);
+        reasons.push(d.reason);
+        s.finish(d.ticket, &Outcome::Cancelled, 0, None, 10);
+    }
+    assert!(reasons.contains(&Reason::Degraded) && reasons.contains(&Reason::Saturated));
+    // b's slowness is c's (within the model's drift while it learned from the warm-up), far
+    // from a's 5x: being full is not being slow.
+    let slow = |i: usize| t.entries[i].1.slowness.value().unwrap();
+    assert!((0.8..1.25).contains(&(slow(1) / slow(2))), "{}", slow(1) / slow(2));
+    assert!(slow(0) / slow(2) > 4.0, "{}", slow(0) / slow(2));
+}
+
+/// Finishes a success whose answer had this shape: streamed (timed to its first byte) or
+/// plain (timed to its end), `uncached` prompt tokens and `completion` tokens, taking what the
+/// prior work model expects × `jitter` (50 ms + 0.2 ms per uncached token + 10 ms per
+/// completion token of a plain answer).
+fn finish_work(
+    s: &Scheduler<'_>,
+    mut t: Ticket,
+    streamed: bool,
+    uncached: u64,
+    completion: u64,
+    jitter: f64,
+) {
+    let decode = if streamed {
+        0.0
+    } else {
+        10.0 * completion as f64
+    };
+    let ms = ((50.0 + 0.2 * uncached as f64 + decode) * jitter) as u64;
+    t.served = Some(Served {
+        streamed,
+        observed_ms: ms,
+        usage: Some(Usage {
+            prompt_tokens: uncached + 500,
+            cached_tokens: 500,
+            completion_tokens: completion,
+        }),
+        body_bytes: 0,
+        relayed_bytes: 0,
+        work_key: WORK.into(),
+    });
+    s.finish(t, &Outcome::Success, ms, None, 0);
+}
+
+#[test]
+fn replicas_with_different_own_signals_compute_the_same_homes() {
+    // Two replicas (two stores) see the same scraped records, but each measured its own
+    // answers: on r1 endpoint a served long plain generations (raw latency ~5 s) and the
+    // others short streams (~100–300 ms); on r2 it is b. The raw latency estimates differ
+    // 20x between endpoints and between replicas; the work does not. r1 also carries 30
+    // attempts in flight on its endpoints. Weights and verdicts ignore all of that: homes agree.
+    let c = cfg(json!({"endpoints":[
+        {"name":"a","cluster":"ca"},{"name":"b","cluster":"cb","weight":2},
+        {"name":"c","cluster":"cc"},{"name":"d","cluster":"cd"}
+    ],"cold_start_samples":5}));
+    let (s1, s2) = (MemStore::new(), MemStore::new());
+    let (r1, r2) = (Scheduler::new(&c, &s1), Scheduler::new(&c, &s2));
+    for (r, long) in [(&r1, 0usize), (&r2, 1)] {
+        seed_model(r.store);
+        for j in 0..40u64 {
+            for i in 0..4usize {
+                let jitter = 0.8 + 0.4 * ((j * 7 + i as u64 * 3) % 10) as f64 / 10.0;
+                let t = r
+                    .pick(
+                        &Pick {
+                            model: Some("m"),
+                            session: None,
+                            attempt: 1,
+                            exclusions: &Exclusions {
+                                tried: (0..4).filter(|&x| x != i).collect(),
+                                ..Exclusions::default()
+                            },
+                            nonce: j,
+                            body_bytes: 0,
+                            pin_hint: None,
+                        },
+                        0,
+                    )
+                    .unwrap()
+                    .ticket;
+                if i == long {
+                    finish_work(r, t, false, 200 + j * 10, 300 + j * 5, jitter);
+                } else {
+                    finish_work(r, t, true, 100 + j * 40, 16, jitter);
+                }
+            }
+        }
+        let raw: Vec<f64> = r
+            .table()
+            .entries
+            .iter()
+            .map(|e| e.1.latency_ms.unwrap())
+            .collect();
+        assert!(raw[long] > 10.0 * raw[3 - long], "raw latencies {raw:?}");
+        assert!(r.table().entries.iter().all(|e| !e.1.degraded));
+    }
+    for store in [&s1, &s2] {
+        scraped(store, "c", 12, 8, 0); // saturated for both
+        scraped(store, "d", 1, 3, 0);
+    }
+    // Different in-flight counts: r1 holds 30 attempts.
+    let held: Vec<Decision> = (0..30u64)
+        .map(|n| pick_at(&r1, Some(key(50_000 + n)), &Exclusions::default(), 5).unwrap())
+        .collect();
+    let mut differ = 0;
+    for n in 0..2_000u64 {
+        let d1 = pick_at(&r1, Some(key(n)), &Exclusions::default(), 10).unwrap();
+        let d2 = pick_at(&r2, Some(key(n)), &Exclusions::default(), 10).unwrap();
+        assert_ne!(d1.endpoint, 2, "saturated c got a new session");
+        differ += usize::from(d1.endpoint != d2.endpoint || d1.home != d2.home);
+        r1.finish(d1.ticket, &Outcome::Cancelled, 0, None, 10);
+        r2.finish(d2.ticket, &Outcome::Cancelled, 0, None, 10);
+    }
+    assert_eq!(differ, 0);
+    for d in held {
+        r1.finish(d.ticket, &Outcome::Cancelled, 0, None, 10);
+    }
 }
