@@ -1540,7 +1540,11 @@ fn degraded_and_saturated_are_distinct() {
     // b's slowness is c's (within the model's drift while it learned from the warm-up), far
     // from a's 5x: being full is not being slow.
     let slow = |i: usize| t.entries[i].1.slowness.value().unwrap();
-    assert!((0.8..1.25).contains(&(slow(1) / slow(2))), "{}", slow(1) / slow(2));
+    assert!(
+        (0.8..1.25).contains(&(slow(1) / slow(2))),
+        "{}",
+        slow(1) / slow(2)
+    );
     assert!(slow(0) / slow(2) > 4.0, "{}", slow(0) / slow(2));
 }
 
