@@ -500,7 +500,7 @@ fn mixed_answers_never_break_pins_but_a_20x_slower_endpoint_does() {
     // Turn t of session i: streamed or plain, and 16..512 tokens, varied per turn.
     let shape = |i: usize, t: usize| {
         let n = i * 7 + t * 3;
-        json!({"stream": n % 2 == 0, "max_tokens": 16 + (n * 97) % 497})
+        json!({"stream": n.is_multiple_of(2), "max_tokens": 16 + (n * 97) % 497})
     };
     let mut sessions = Session::many("mixed", PINNED_SESSIONS, MODEL);
     let round = |sessions: &mut [Session]| {
