@@ -5,14 +5,26 @@
 //! in this request; model mismatch; breaker not admitting. Dead and used keys live only in the
 //! request's [`Exclusions`]: cross-request memory is the breaker and the statistics alone.
 //!
-//! Among the remaining candidates a live affinity pin wins, unless its endpoint is degraded
-//! (far slower than the fastest alternative: the pin is broken and the session placed again).
-//! Otherwise the session is *placed* ([`super::placement`]): the first candidate in its weighted
-//! rendezvous order that admits traffic and is within its bounded load. The order is the same on
-//! every Envoy replica, so an unpinned session (a new one, or one that reaches a replica that
-//! never saw it, or a restarted one) goes to the same home everywhere, and a failover walks the
-//! same order, to the same backup. Requests without a session are placed the same way on a
-//! per-request key, with the full score (in-flight included) as weight.
+//! [`Scheduler::choose`] reads top to bottom in four steps:
+//! 1. **board**: what every endpoint may do in this decision — its placement weight (what every
+//!    replica sees alike, see [`super::placement`]), its verdicts ([`super::signals`]: degraded
+//!    by its slowness for the work against its peers, saturated by its engine's scraped load),
+//!    quota, and the breaker's admission of this attempt's candidates;
+//! 2. **pin verdict**: a live pin wins, unless staying is a certain 429, its endpoint is
+//!    degraded (the pin is broken: `pin_break`), or it is saturated with an expected wait
+//!    longer than re-prefilling elsewhere and the session was not moved for that within its
+//!    TTL (moved: `saturated`);
+//! 3. **placement walk**: the first candidate in the session's weighted rendezvous order that
+//!    admits traffic, is not degraded (but for a due probe — the probe decision), not
+//!    saturated while another has room, not short of quota, and within its bounded load. The
+//!    order is the same on every Envoy replica, so an unpinned session goes to the same home
+//!    everywhere, and a failover walks the same order, to the same backup;
+//! 4. **settle**: the decision's labels and whether a success pins the session there.
+//!
+//! Requests without a session are placed the same way on a per-request key, with the full
+//! score (in-flight included) as weight. [`Scheduler::finish_observed`] records an attempt, one
+//! function per concern (in-flight and watch, success rate, raw latency, slowness, payoff,
+//! quota, probe backoff, breaker; then the work model and the affinity).
 
 use super::affinity::{Affinity, MOVES_PREFIX};
 use super::breaker::{Admission, BreakerConfig, BreakerState};
