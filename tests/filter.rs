@@ -332,9 +332,15 @@ fn slow_endpoint_loses_new_sessions_after_warm_up() {
         plugin,
         &[("cq", quick.port), ("cs", slow.port)],
     ));
-    // Warm both up: equal weights while cold, so sessions spread by rendezvous hash.
+    // Warm both up: equal weights while cold, so sessions spread by rendezvous hash. The work
+    // model judges answers once it has 32 of them; each endpoint then needs 5 judged answers
+    // (`cold_start_samples`) before it can be degraded: 60 requests in all.
     let mut i = 0;
-    while (quick.request_count() < 5 || slow.request_count() < 5) && i < 200 {
+    while (quick.request_count() < 5
+        || slow.request_count() < 5
+        || quick.request_count() + slow.request_count() < 60)
+        && i < 300
+    {
         let sid = format!("warm-{i}");
         post_chat(
             envoy.port,

@@ -31,9 +31,11 @@ use computeflux::scheduler::routing::affinity::{self, Affinity, Entry};
 use computeflux::scheduler::routing::ewma;
 use computeflux::scheduler::routing::overdue::{self, Watch};
 use computeflux::scheduler::routing::payoff::Payoff;
-use computeflux::scheduler::routing::placement;
 use computeflux::scheduler::routing::quota::{Quota, Remaining};
+use computeflux::scheduler::routing::saturation::Saturation;
 use computeflux::scheduler::routing::select::{Ticket, TABLE_KEY};
+use computeflux::scheduler::routing::signals;
+use computeflux::scheduler::routing::slowness::{self, DegradeRule, Sample, Slowness, WorkModel};
 use computeflux::scheduler::routing::table::Table;
 use computeflux::scheduler::state::store::CAS_RETRIES;
 use computeflux::scheduler::wire::request;
@@ -979,6 +981,19 @@ fn endpoint_state() -> impl Strategy<Value = EndpointState> {
                         cached,
                         samples,
                     },
+                    slowness: Slowness {
+                        log_mean: (prompt % 40.0) - 20.0,
+                        log_dev: cached % 10.0,
+                        expected_ms: prompt,
+                        samples,
+                        last_sample_ms: last,
+                        degraded: false,
+                    },
+                    saturation: match samples % 3 {
+                        0 => Saturation::Unknown,
+                        1 => Saturation::Room,
+                        _ => Saturation::Saturated,
+                    },
                 }
             },
         )
@@ -1399,57 +1414,104 @@ proptest! {
     }
 }
 
-// --- Pin breaking (issue 11): the degraded rule and the overdue evidence -----------------------
+// --- Pin breaking (issues 11, 23): the degraded rule and the overdue evidence ------------------
+
+/// A work model warm at the prior's costs (50 ms + 0.2 ms per uncached token).
+fn warm_model() -> WorkModel {
+    let mut m = WorkModel::default();
+    for i in 0..64u64 {
+        let prompt = 500 + (i * 97) % 3000;
+        m.observe(&Sample {
+            streamed: true,
+            observed_ms: 50.0 + 0.2 * prompt as f64,
+            prompt_tokens: prompt,
+            cached_tokens: 0,
+            completion_tokens: 0,
+            estimated: false,
+        });
+    }
+    m
+}
+
+/// A streamed answer of 1000 uncached tokens that took `ms` to its first byte.
+fn work(ms: f64) -> Sample {
+    Sample {
+        streamed: true,
+        observed_ms: ms,
+        prompt_tokens: 1000,
+        cached_tokens: 0,
+        completion_tokens: 0,
+        estimated: false,
+    }
+}
 
 proptest! {
     #![proptest_config(props(512))]
 
-    /// The degraded rule: never below `pin_break_ratio` × the fastest (or less than
-    /// `pin_break_min_ms` above it), always at or above both; and a degraded endpoint stays so
-    /// between the exit and the entry thresholds (hysteresis).
+    /// The degraded rule (issue 23: slowness against the peers' median): never below
+    /// `pin_break_ratio` × the peers (or a gap costing less than `pin_break_min_ms`), always
+    /// at or above both; and a degraded endpoint stays so between the exit and the entry
+    /// thresholds (hysteresis).
     #[test]
     fn degraded_exactly_above_the_threshold_with_hysteresis(
-        best in 1.0f64..5_000.0,
-        ratio_of_best in 0.0f64..10.0,
+        peers in 0.05f64..20.0,
+        ratio_of_peers in 0.0f64..10.0,
+        expected_ms in 1.0f64..5_000.0,
     ) {
-        let cfg = Config::default(); // ratio 3, 50 ms, exit 1.5
-        let own = best * ratio_of_best;
-        // Latencies are compared with a 10 ms floor (ewma::LATENCY_FLOOR_MS).
-        let ratio = own.max(10.0) / best.max(10.0);
-        let enters = ratio >= 3.0 && own - best >= 50.0;
-        prop_assert_eq!(placement::degraded(false, Some((own, best)), &cfg), enters);
-        let stays = placement::degraded(true, Some((own, best)), &cfg);
+        let rule = DegradeRule::from_config(&Config::default()); // ratio 3, 50 ms, exit 1.5
+        let own = peers * ratio_of_peers;
+        let st = |was| Slowness {
+            log_mean: own.max(1e-9).ln(),
+            log_dev: 0.0,
+            expected_ms,
+            samples: 20,
+            last_sample_ms: 0,
+            degraded: was,
+        };
+        // The value goes through ln/exp: compare with a relative tolerance at the edges.
+        let value = st(false).value().unwrap();
+        let ratio = value / peers;
+        let gap = (value - peers) * expected_ms;
+        let enters = slowness::degraded(&st(false), Some(peers), &rule);
+        if ratio >= 3.0 * (1.0 + 1e-9) && gap >= 50.0 * (1.0 + 1e-9) {
+            prop_assert!(enters);
+        }
+        if ratio < 3.0 * (1.0 - 1e-9) || gap < 50.0 * (1.0 - 1e-9) {
+            prop_assert!(!enters);
+        }
+        let stays = slowness::degraded(&st(true), Some(peers), &rule);
         if enters {
             prop_assert!(stays);
         }
-        if ratio < 1.5 || own - best < 25.0 {
+        if ratio < 1.5 * (1.0 - 1e-9) || gap < 25.0 * (1.0 - 1e-9) {
             prop_assert!(!stays);
         }
-        prop_assert!(!placement::degraded(true, None, &cfg));
+        prop_assert!(!slowness::degraded(&st(true), None, &rule));
     }
 
-    /// No flapping on noise: an endpoint whose samples scatter around the entry threshold
-    /// (all of them above the exit threshold) changes state at most once, from whole to
-    /// degraded; one whose samples all stay below the entry threshold never degrades.
+    /// No flapping on noise: an endpoint whose samples' slowness scatters around the entry
+    /// threshold (all of them above the exit threshold) changes state at most once, from whole
+    /// to degraded; one whose samples all stay below the entry threshold never degrades.
     #[test]
     fn noisy_samples_around_the_threshold_never_flap(
-        best in 50.0f64..2_000.0,
         centre in 1.6f64..4.5,
         noise in vec(-0.4f64..0.4, 20..200),
     ) {
-        let cfg = Config::default();
-        let mut est = Some(best);
-        let mut was = false;
+        let rule = DegradeRule::from_config(&Config::default());
+        let model = warm_model();
+        let mut st = Slowness::default();
         let mut flips = 0;
         let mut max_ratio = 0.0f64;
+        // Every sample asks for the same work: expected 250 ms (1000 uncached, streamed).
+        let expected = model.expected_ms(&work(0.0));
         for n in &noise {
-            let sample = best * (centre + n).max(1.55);
-            max_ratio = max_ratio.max(sample / best);
-            est = Some(ewma::update(est, sample, cfg.ewma_alpha));
-            let now = placement::degraded(was, est.map(|e| (e, best)), &cfg);
-            flips += usize::from(now != was);
-            prop_assert!(!was || now, "left the degraded state with every sample above 1.5x");
-            was = now;
+            let ratio = (centre + n).max(1.55);
+            max_ratio = max_ratio.max(ratio);
+            st.observe(&work(expected * ratio), &model, 0);
+            let now = slowness::degraded(&st, Some(1.0), &rule);
+            flips += usize::from(now != st.degraded);
+            prop_assert!(!st.degraded || now, "left the degraded state with every sample above 1.5x");
+            st.degraded = now;
         }
         prop_assert!(flips <= 1);
         if max_ratio < 3.0 {
@@ -1457,23 +1519,37 @@ proptest! {
         }
     }
 
-    /// Cold endpoints never count as degraded, whatever their estimate and watched hits.
+    /// Cold endpoints never count as degraded, whatever their slowness and watched hits.
     #[test]
     fn cold_endpoints_are_never_degraded(
-        own in 1.0f64..100_000.0,
-        best in 1.0f64..1_000.0,
-        total in 0u64..20,
+        own in 0.01f64..1_000.0,
+        samples in 0u32..20,
         ages in vec(0u64..500_000, 0..6),
         was in any::<bool>(),
     ) {
-        let cfg = Config::default(); // cold_start_samples 20
+        let cfg = Config::from_value(&serde_json::json!({
+            "endpoints": [{"name":"a","cluster":"a"},{"name":"b","cluster":"b"}],
+            "pin_break_overdue": 1
+        })).unwrap(); // cold_start_samples 20
         let now = 1_000_000;
-        let mut st = EndpointState { latency_ms: Some(own), total, degraded: was, ..EndpointState::default() };
+        let mut table = Table::aligned(None, &cfg);
+        let slow = |v: f64, samples| Slowness {
+            log_mean: v.ln(),
+            log_dev: 0.1,
+            expected_ms: 1_000.0,
+            samples,
+            last_sample_ms: 0,
+            degraded: false,
+        };
+        table.entries[1].1.slowness = slow(1.0, 100);
+        let st = &mut table.entries[0].1;
+        st.slowness = slow(own, samples);
+        st.degraded = was;
         for (t, age) in ages.iter().enumerate() {
             st.watch.insert(t as u32 + 1, now - age);
         }
-        let w = placement::weigh(1.0, &st, Some(best), &cfg, now);
-        prop_assert!(!w.degraded && !w.sticky);
+        let v = signals::judge(&table, &cfg, 0, None, now);
+        prop_assert!(!v.degraded && !v.sticky);
     }
 
     /// The overdue evidence: watched hits younger than every one of its three bounds (ratio ×

@@ -14,15 +14,32 @@
     clippy::indexing_slicing
 )]
 
+use computeflux::scheduler::routing::ewma;
 use computeflux::scheduler::routing::saturation::{
     judge, keep_pin, EngineLoad, MoveMark, MoveReason, PinCase, Saturation, SaturationRule,
 };
 use computeflux::scheduler::routing::slowness::{
     degraded, peer_median, DegradeRule, Sample, Slowness, WorkModel, MODEL_WARM_SAMPLES,
 };
-use computeflux::scheduler::routing::{ewma, placement};
 use computeflux::scheduler::state::codec::{Reader, Writer};
 use computeflux::scheduler::Config;
+
+/// The degraded rule on raw latency estimates that issue 23 replaced (the last version of
+/// `placement::degraded`), kept here as the baseline the synthetic fleet is compared with.
+fn raw_degraded(was: bool, latency: Option<(f64, f64)>, cfg: &Config) -> bool {
+    let Some((own, best)) = latency else {
+        return false;
+    };
+    let floor = 10.0;
+    let ratio = own.max(floor) / best.max(floor);
+    let gap = own - best;
+    let min_gap = cfg.pin_break_min_ms as f64;
+    if was {
+        ratio >= cfg.degraded_exit_ratio && gap >= min_gap / 2.0
+    } else {
+        ratio >= cfg.pin_break_ratio && gap >= min_gap
+    }
+}
 use proptest::prelude::*;
 
 // ---------------------------------------------------------------------------------------------
@@ -184,7 +201,7 @@ impl Fleet {
             (Some(own), Some(best)) if t.total >= self.cfg.cold_start_samples => Some((own, best)),
             _ => None,
         };
-        let today_now = placement::degraded(t.degraded, latency, &self.cfg);
+        let today_now = raw_degraded(t.degraded, latency, &self.cfg);
         let today_entered = today_now && !t.degraded;
         self.today[i].degraded = today_now;
 

@@ -21,6 +21,7 @@ mod support;
 use std::collections::BTreeMap;
 use std::time::{Duration, Instant};
 
+use computeflux::scheduler::AffinityResult;
 use serde_json::{json, Value};
 use support::http::try_post_chat;
 use support::{chat_body, post_chat, Envoy, EnvoyConfig, MockUpstream, Response};
@@ -185,7 +186,7 @@ fn token_metrics_equal_the_mocks_counters_per_endpoint_and_affinity() {
     let before = tokens(&st.envoy);
     assert_eq!(
         before.len(),
-        KINDS.len() * ENDPOINTS.len() * 7,
+        KINDS.len() * ENDPOINTS.len() * AffinityResult::ALL.len(),
         "one series per kind, endpoint and affinity result: {before:?}"
     );
     let mut want = Tokens::new();

@@ -5,11 +5,13 @@
 #![no_main]
 
 use arbitrary::Arbitrary;
-use computeflux::scheduler::health::breaker::{Breaker, BreakerState, OpenCause};
 use computeflux::scheduler::routing::affinity::{self, Entry, KEY_PREFIX};
+use computeflux::scheduler::health::breaker::{Breaker, BreakerState, OpenCause};
 use computeflux::scheduler::routing::overdue::{Slot, Watch};
 use computeflux::scheduler::routing::payoff::Payoff;
 use computeflux::scheduler::routing::quota::{Quota, Remaining};
+use computeflux::scheduler::routing::saturation::Saturation;
+use computeflux::scheduler::routing::slowness::Slowness;
 use computeflux::scheduler::routing::select::TABLE_KEY;
 use computeflux::scheduler::routing::table::Table;
 use computeflux::scheduler::{
@@ -44,6 +46,10 @@ struct StateSpec {
     quota_tokens: Option<(u64, u64, Option<u64>, u64, bool)>,
     /// Prompt and cached token averages (non-negative, as the codec requires) and samples.
     payoff: (u32, u32, u32),
+    /// Slowness: log-mean in thousandths (|ln| ≤ 50 as the codec requires), deviation,
+    /// expected ms, samples, last sample; and the saturation state (mod 3).
+    slowness: (i16, u16, u32, u32, u64),
+    saturation: u8,
 }
 
 fn remaining(
@@ -125,6 +131,19 @@ fn state(s: &StateSpec) -> (u32, EndpointState) {
                 prompt: f64::from(s.payoff.0),
                 cached: f64::from(s.payoff.1),
                 samples: s.payoff.2,
+            },
+            slowness: Slowness {
+                log_mean: f64::from(s.slowness.0) / 1000.0,
+                log_dev: f64::from(s.slowness.1) / 1000.0,
+                expected_ms: f64::from(s.slowness.2),
+                samples: s.slowness.3,
+                last_sample_ms: s.slowness.4,
+                degraded: false,
+            },
+            saturation: match s.saturation % 3 {
+                0 => Saturation::Unknown,
+                1 => Saturation::Room,
+                _ => Saturation::Saturated,
             },
         },
     )

@@ -222,6 +222,7 @@ impl HttpContext for Http {
         if self.flow.holds_answer() {
             return Action::Pause;
         }
+        self.flow.count_answer_bytes(body_size);
         if body_size > 0 && self.flow.awaits_first_byte() {
             let now = host::now_ms();
             self.with_flow(now, |f, s, _| f.on_first_byte(s, now));

@@ -31,6 +31,11 @@ pub struct EndpointMetrics {
     pub latency_ms: Option<u32>,
     /// The affinity payoff of its pinned turns, in thousandths (`payoff`).
     pub affinity_payoff_permille: Option<u32>,
+    /// Its smoothed slowness (observed ÷ expected for the work), in thousandths (`slowness`).
+    pub slowness_permille: Option<u32>,
+    /// Whether it is degraded (1) and saturated (1), as last stored.
+    pub degraded: Option<u32>,
+    pub saturated: Option<u32>,
     /// Token counters by affinity result, in [`AffinityResult::ALL`] order.
     pub tokens: Vec<TokenMetrics>,
 }
@@ -131,6 +136,18 @@ impl Metrics {
                     affinity_payoff_permille: host::metric(
                         MetricType::Gauge,
                         &format!("computeflux_affinity_payoff_permille.endpoint.{n}"),
+                    ),
+                    slowness_permille: host::metric(
+                        MetricType::Gauge,
+                        &format!("computeflux_slowness_permille.endpoint.{n}"),
+                    ),
+                    degraded: host::metric(
+                        MetricType::Gauge,
+                        &format!("computeflux_degraded.endpoint.{n}"),
+                    ),
+                    saturated: host::metric(
+                        MetricType::Gauge,
+                        &format!("computeflux_saturated.endpoint.{n}"),
                     ),
                     tokens: AffinityResult::ALL
                         .iter()

@@ -8,6 +8,7 @@ use super::metrics::Metrics;
 use super::shared::SharedData;
 use crate::scheduler::config::Config;
 use crate::scheduler::health::breaker::BreakerState;
+use crate::scheduler::routing::saturation::Saturation;
 use crate::scheduler::routing::select::Scheduler;
 
 /// What every HTTP context of this VM shares: the validated configuration and metric ids.
@@ -36,5 +37,15 @@ pub fn refresh_gauges(p: &Plugin, now_ms: u64) {
         );
         Metrics::set(m.in_flight, u64::from(st.load(now_ms)));
         Metrics::set(m.affinity_payoff_permille, st.payoff.permille());
+        let slowness = st
+            .slowness
+            .value()
+            .map_or(0, |v| (v * 1000.0).round() as u64);
+        Metrics::set(m.slowness_permille, slowness);
+        Metrics::set(m.degraded, u64::from(st.degraded));
+        Metrics::set(
+            m.saturated,
+            u64::from(st.saturation == Saturation::Saturated),
+        );
     }
 }

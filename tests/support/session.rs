@@ -109,8 +109,13 @@ impl Session {
 
     /// Sends the next turn to `127.0.0.1:port` (labelled `via` in the record) and records it.
     pub fn send(&mut self, via: usize, port: u16) -> &Turn {
+        self.send_with(via, port, Value::Null)
+    }
+
+    /// [`Session::send`] with more body keys (e.g. `stream`, `max_tokens`).
+    pub fn send_with(&mut self, via: usize, port: u16, extra: Value) -> &Turn {
         let text = turn_text(&self.id, self.turns.len());
-        let body = chat_body(&self.model, &[text.as_str()], Value::Null);
+        let body = chat_body(&self.model, &[text.as_str()], extra);
         let sent = Instant::now();
         let cookie = self.jar.as_ref().and_then(CookieJar::header);
         let mut headers = vec![(H_SESSION, self.id.as_str())];

@@ -61,6 +61,7 @@ use crate::scheduler::routing::responses::{self, IdScan};
 use crate::scheduler::routing::select::{
     AffinityResult, Decision, Exclusions, Finished, NoEndpoint, Pick, Scheduler, Ticket,
 };
+use crate::scheduler::routing::signals::{self, Served};
 use crate::scheduler::wire::api::{self, Api, BodyFormat, Handling};
 use crate::scheduler::wire::headers::{rate_limit_hints, HeaderSource, Pairs};
 use crate::scheduler::wire::models::{self, Merged, Retrieved};
@@ -183,6 +184,41 @@ struct Attempt {
     awaits_first_byte: bool,
     /// The quota its successful answer stated (empty unless `quota_aware`).
     quota: QuotaHint,
+    /// A relayed stream (`text/event-stream`): its sample is timed to its first byte.
+    streamed: bool,
+    /// Bytes of the relayed answer so far (the completion estimate without `usage`).
+    relayed_bytes: u64,
+}
+
+impl Attempt {
+    /// What a successful relayed answer that just ended was, for the slowness model: a
+    /// stream timed to its first byte, a plain answer to now. `None` for anything but a
+    /// success, and for a stream whose first byte was never seen.
+    fn served(
+        &self,
+        usage: Option<Usage>,
+        body_bytes: u64,
+        work_key: String,
+        now_ms: u64,
+    ) -> Option<Served> {
+        let (outcome, first_byte_ms) = self.verdict?;
+        if !matches!(outcome, Outcome::Success) || (self.streamed && self.awaits_first_byte) {
+            return None;
+        }
+        let observed_ms = if self.streamed {
+            first_byte_ms
+        } else {
+            now_ms.saturating_sub(self.ticket.started_ms)
+        };
+        Some(Served {
+            streamed: self.streamed,
+            observed_ms,
+            usage,
+            body_bytes,
+            relayed_bytes: self.relayed_bytes,
+            work_key,
+        })
+    }
 }
 
 /// The answer the client gets if no failover call can be sent after all.
@@ -528,6 +564,7 @@ impl Flow {
             // An inference server sends a stream's headers before its prefill: the time to
             // the first token is the time to the first body byte.
             a.awaits_first_byte = streamed && !end_of_stream;
+            a.streamed = streamed && !end_of_stream;
             a.quota = quota;
         }
         self.phase = Phase::Relaying;
@@ -598,6 +635,12 @@ impl Flow {
                 a.ticket.pinned_usage = usage;
             }
         }
+        // The answer, judged against the work it asked for (see `signals`).
+        let work_key = signals::work_key(s.cfg, self.model.as_deref());
+        let body_bytes = self.body.len() as u64;
+        if let Some(a) = self.current.as_mut() {
+            a.ticket.served = a.served(usage, body_bytes, work_key, now_ms);
+        }
         self.finish_by_verdict(s, obs, now_ms);
         self.report_usage(obs, usage);
     }
@@ -642,6 +685,22 @@ impl Flow {
         let outcome = blame::by_endpoint(outcome, self.endpoint(s.cfg));
         if let (Some(a), Some(h)) = (self.current.as_mut(), &headers) {
             a.quota = quota_hint(s, &outcome, h, now_ms);
+        }
+        // A call's answer arrives whole: timed to its end, its tokens estimated (its usage is
+        // read after the attempt is finished).
+        if matches!(outcome, Outcome::Success) {
+            let work_key = signals::work_key(s.cfg, self.model.as_deref());
+            let body_bytes = self.body.len() as u64;
+            if let Some(a) = self.current.as_mut() {
+                a.ticket.served = Some(Served {
+                    streamed: false,
+                    observed_ms: now_ms.saturating_sub(a.ticket.started_ms),
+                    usage: None,
+                    body_bytes,
+                    relayed_bytes: body_size as u64,
+                    work_key,
+                });
+            }
         }
         let Some(answered) = self.finish_current(s, obs, &outcome, None, now_ms) else {
             return Step::Continue;
@@ -716,6 +775,14 @@ impl Flow {
             }
         }
         self.first_attempt(s, obs, now_ms)
+    }
+
+    /// `bytes` more of the relayed answer passed (every chunk's size, whether or not its
+    /// bytes are read): the completion estimate of an answer without `usage`.
+    pub fn count_answer_bytes(&mut self, bytes: usize) {
+        if let Some(a) = self.current.as_mut() {
+            a.relayed_bytes = a.relayed_bytes.saturating_add(bytes as u64);
+        }
     }
 
     /// Whether [`Flow::on_first_byte`] wants the next body chunk's time.
@@ -816,6 +883,8 @@ impl Flow {
             verdict: None,
             awaits_first_byte: false,
             quota: QuotaHint::default(),
+            streamed: false,
+            relayed_bytes: 0,
         });
         Ok(endpoint)
     }

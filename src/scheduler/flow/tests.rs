@@ -1080,3 +1080,78 @@ fn ambiguous_paths_are_refused_before_any_pick() {
         assert_eq!(log.0, vec![Event::Replied("invalid_path")], "{path}");
     }
 }
+
+/// Issue 23: a finished answer becomes a sample that compares like with like. A stream is
+/// timed to its first byte (against its uncached prompt), a plain answer to its end (against
+/// prompt and completion); with `usage` the sample teaches the work model, without it the
+/// tokens are estimated from the body and the relayed bytes and it only judges.
+#[test]
+fn finished_answers_are_judged_against_their_work() {
+    use crate::scheduler::routing::signals::{read_model, work_key};
+    use crate::scheduler::routing::slowness::{Sample, WorkModel};
+    let c = cfg(json!({}));
+    let store = MemStore::new();
+    let key = work_key(&c, Some("m"));
+    // A warm model at the prior's costs: 50 ms + 0.2 ms per uncached token.
+    let mut m = WorkModel::default();
+    for i in 0..64u64 {
+        let prompt = 10 + i;
+        m.observe(&Sample {
+            streamed: true,
+            observed_ms: 50.0 + 0.2 * prompt as f64,
+            prompt_tokens: prompt,
+            cached_tokens: 0,
+            completion_tokens: 0,
+            estimated: false,
+        });
+    }
+    store.set(&key, &m.encode(), None).unwrap();
+    let s = Scheduler::new(&c, &store);
+    let sse = pairs(&[(":status", "200"), ("content-type", "text/event-stream")]);
+    let mut log = Log::default();
+    let mut f = Flow::default();
+    route(&mut f, &s, &mut log, post_headers(&[]), 1_000);
+    f.on_response_headers(&s, &mut log, &sse, false, 1_002);
+    f.count_answer_bytes(10);
+    f.on_first_byte(&s, 1_057);
+    f.on_response_data(SSE_USAGE);
+    f.on_response_data(b"data: [DONE]\n\n");
+    f.count_answer_bytes(SSE_USAGE.len());
+    // The stream goes on for 10 s: its sample is its first byte, 57 ms.
+    f.on_response_end(&s, &mut log, 11_000);
+    let table = Table::aligned(store.get(TABLE_KEY).0.as_deref(), &c);
+    let sl = table.entries[0].1.slowness;
+    assert_eq!(sl.samples, 1);
+    // 40 prompt tokens, 32 cached: 8 uncached, expected 50 + 1.6 ms (as fitted).
+    let expected = m.expected_ms(&Sample {
+        streamed: true,
+        observed_ms: 0.0,
+        prompt_tokens: 40,
+        cached_tokens: 32,
+        completion_tokens: 4,
+        estimated: false,
+    });
+    assert!(
+        (sl.value().unwrap() - 57.0 / expected).abs() < 1e-9,
+        "{sl:?} {expected}"
+    );
+    assert_eq!(
+        read_model(&store, &key).samples,
+        65,
+        "usage teaches the model"
+    );
+
+    // A plain answer without usage: timed to its end, estimated, teaches nothing.
+    let c2 = cfg(json!({"usage_accounting": false}));
+    let s2 = Scheduler::new(&c2, &store);
+    let mut f = Flow::default();
+    route(&mut f, &s2, &mut log, post_headers(&[]), 20_000);
+    f.on_response_headers(&s2, &mut log, &pairs(&[(":status", "200")]), false, 20_040);
+    f.count_answer_bytes(400);
+    f.on_response_end(&s2, &mut log, 21_000);
+    let sl = Table::aligned(store.get(TABLE_KEY).0.as_deref(), &c).entries[0]
+        .1
+        .slowness;
+    assert_eq!((sl.samples, sl.last_sample_ms), (2, 21_000));
+    assert_eq!(read_model(&store, &key).samples, 65);
+}

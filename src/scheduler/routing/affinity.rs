@@ -29,6 +29,7 @@ pub struct Entry {
 /// The bucketed affinity table over a [`Store`].
 pub struct Affinity<'a> {
     store: &'a dyn Store,
+    prefix: &'static str,
     ttl_ms: u64,
     max_sessions: u64,
     buckets: u64,
@@ -37,13 +38,30 @@ pub struct Affinity<'a> {
 /// Shared-data key prefix of the buckets.
 pub const KEY_PREFIX: &str = "computeflux/affinity/";
 
+/// Shared-data key prefix of the move marks: the same bucketed table, whose entries say why a
+/// session was last moved away from its pin (the endpoint field holds the reason code of
+/// `saturation::MoveReason`), so that it is not moved twice within its TTL for the same
+/// reason. Written only on such a move (rare), bounded like the pins.
+pub const MOVES_PREFIX: &str = "computeflux/moved/";
+
 impl<'a> Affinity<'a> {
     pub fn new(store: &'a dyn Store, ttl_ms: u64, max_sessions: u64) -> Self {
+        Self::with_prefix(store, KEY_PREFIX, ttl_ms, max_sessions)
+    }
+
+    /// The same table under another key prefix (see [`MOVES_PREFIX`]).
+    pub fn with_prefix(
+        store: &'a dyn Store,
+        prefix: &'static str,
+        ttl_ms: u64,
+        max_sessions: u64,
+    ) -> Self {
         let buckets = max_sessions
             .div_ceil(TARGET_PER_BUCKET)
             .clamp(1, MAX_BUCKETS);
         Affinity {
             store,
+            prefix,
             ttl_ms,
             max_sessions,
             buckets,
@@ -66,13 +84,13 @@ impl<'a> Affinity<'a> {
         (base + extra) as usize
     }
 
-    fn key(b: u64) -> String {
-        format!("{KEY_PREFIX}{b}")
+    fn key(&self, b: u64) -> String {
+        format!("{}{b}", self.prefix)
     }
 
     /// The pinned endpoint id of a live (not idle past the TTL) entry.
     pub fn lookup(&self, session: u64, now_ms: u64) -> Option<u32> {
-        let (bytes, _) = self.store.get(&Self::key(self.bucket_of(session)));
+        let (bytes, _) = self.store.get(&self.key(self.bucket_of(session)));
         let entries = decode(bytes.as_deref()?)?;
         entries
             .iter()
@@ -86,7 +104,7 @@ impl<'a> Affinity<'a> {
         let b = self.bucket_of(session);
         let cap = self.capacity(b);
         let ttl = self.ttl_ms;
-        update(self.store, &Self::key(b), |bytes| {
+        update(self.store, &self.key(b), |bytes| {
             let mut entries = bytes.and_then(decode).unwrap_or_default();
             entries.retain(|e| e.session != session && now_ms.saturating_sub(e.last_used_ms) < ttl);
             while entries.len() >= cap.max(1) {
@@ -117,7 +135,7 @@ impl<'a> Affinity<'a> {
     /// Drops the pin of `session` if it points at `endpoint_id` (a hard failure there).
     pub fn forget(&self, session: u64, endpoint_id: u32) -> bool {
         let b = self.bucket_of(session);
-        let (bytes, _) = self.store.get(&Self::key(b));
+        let (bytes, _) = self.store.get(&self.key(b));
         let pinned = bytes.as_deref().and_then(decode).is_some_and(|es| {
             es.iter()
                 .any(|e| e.session == session && e.endpoint_id == endpoint_id)
@@ -125,7 +143,7 @@ impl<'a> Affinity<'a> {
         if !pinned {
             return true;
         }
-        update(self.store, &Self::key(b), |bytes| {
+        update(self.store, &self.key(b), |bytes| {
             let mut entries = bytes.and_then(decode).unwrap_or_default();
             entries.retain(|e| !(e.session == session && e.endpoint_id == endpoint_id));
             (encode(&entries), ())
@@ -138,7 +156,7 @@ impl<'a> Affinity<'a> {
         (0..self.buckets)
             .map(|b| {
                 self.store
-                    .get(&Self::key(b))
+                    .get(&self.key(b))
                     .0
                     .as_deref()
                     .and_then(decode)
@@ -221,8 +239,7 @@ mod tests {
     fn undecodable_bucket_reads_as_empty() {
         let s = MemStore::new();
         let a = Affinity::new(&s, 1000, 10);
-        s.set(&Affinity::key(a.bucket_of(5)), b"\x09garbage", None)
-            .unwrap();
+        s.set(&a.key(a.bucket_of(5)), b"\x09garbage", None).unwrap();
         assert_eq!(a.lookup(5, 0), None);
         assert!(a.remember(5, 3, 0));
         assert_eq!(a.lookup(5, 1), Some(3));

@@ -21,5 +21,6 @@ pub mod score;
 pub mod scrape;
 pub mod scrape_plan;
 pub mod select;
+pub mod signals;
 pub mod slowness;
 pub mod table;

@@ -16,13 +16,22 @@
 //! ones are not watched: they are younger, so the oldest watched age never overstates the
 //! evidence.
 //!
-//! The rule ([`Watch::overdue`]): a hit is overdue once its age exceeds the threshold at which
-//! the endpoint's estimate would degrade it (`pin_break_ratio` × the fastest warm estimate, and
-//! `pin_break_min_ms` above it) and also the endpoint's own usual spread (estimate + 4 × mean
-//! deviation, the TCP retransmission-timeout rule), so an endpoint whose answers vary widely
-//! (long plain generations) needs a far later age. An endpoint with `pin_break_overdue` overdue
-//! hits counts as degraded while they last; once the slow answers arrive the estimate carries
-//! the degradation (with its hysteresis), and a false alarm ends with the attempt.
+//! The rule ([`Watch::overdue`]): a hit is overdue once its age exceeds `ratio × best` and
+//! `best + min_gap_ms`, and also the endpoint's own usual spread (`own + 4 × dev`, the TCP
+//! retransmission-timeout rule). Since issue 23 the caller (`signals`) passes these on the work
+//! model's terms: `best` = the endpoint's typical expected time × its peers' median slowness,
+//! `own` = that time × its own slowness, `dev` from its slowness deviation. An endpoint with
+//! `pin_break_overdue` overdue hits counts as degraded while they last; once the slow answers
+//! arrive its slowness carries the degradation (with its hysteresis), and a false alarm ends
+//! with the attempt.
+//!
+//! **Off by default** (`pin_break_overdue: 0`): what a watched hit should take is not known at
+//! the pick. A streamed hit's first byte depends on the uncached part of its prompt, which the
+//! filter can only estimate; a plain hit's end depends on how many tokens it will generate,
+//! which nobody knows (16–512 on the issue's bench: 30× apart). The endpoint's *typical*
+//! expected time is the only yardstick, and a long plain generation on a healthy endpoint
+//! exceeds three times it — a false pin break on every such turn. Answers, judged against
+//! their own work, detect a 5× slower endpoint within 3–4 answers (`slowness`).
 
 use crate::scheduler::config::Config;
 use crate::scheduler::routing::ewma::LATENCY_FLOOR_MS;

@@ -4,7 +4,7 @@
 //! Shared data is per process, so a session's pin is known only to the replica that served it.
 //! A follow-up turn that lands on another replica (or on a restarted one) must still reach the
 //! endpoint holding the conversation's KV cache: its place has to be a function of what every
-//! replica knows alike — the configuration, the session key and smoothed statistics.
+//! replica knows alike.
 //!
 //! **Weighted rendezvous hashing** (highest random weight). Each candidate gets
 //! `key = w / -ln(u)`, with `u ∈ (0, 1)` a uniform hash of (session, endpoint id) and `w` its
@@ -14,31 +14,35 @@
 //! about `w_new / Σw` of them from the others; and failover walks the same order, so replicas
 //! that discover the same fault independently converge on the same backup.
 //!
-//! **Placement weight** = `weight × quantize(health)`, where `health = success / latency
-//! factor ∈ (0, 1]` (`score::health`; `1` while cold, so the cold start is by weight alone).
-//! Replicas measure slightly different statistics; quantizing health to levels `2^(-k·q)`
-//! (`q = placement_quantum`, default one halving) makes small differences vanish: every endpoint
-//! within 2× of the fastest and succeeding weighs exactly its `weight` on every replica. Only an
-//! endpoint near a level boundary can be weighed differently, and then only the sessions near
-//! the corresponding rendezvous boundary move (`examples/placement_sim.rs` measures this).
+//! **What replicas agree on** (issue 23). Placement weight = configured `weight` × the success
+//! level × the payoff factor (a boolean of smoothed state with hysteresis, see
+//! [`super::payoff`]) — nothing else. The success level is the faded success rate rounded up to
+//! a level `2^(-k·q)` (`q = placement_quantum`): every endpoint succeeding more than half the
+//! time weighs exactly its weight, and only an endpoint that fails most requests (a dead API
+//! key, which answers 401 to every replica alike) weighs less. No latency factor and no
+//! in-flight count: each replica measures those from its own share of the traffic, and raw
+//! latencies of unlike answers differ 10–25× on a healthy endpoint, so endpoints near a level
+//! boundary were weighed differently by each replica, moving the sessions near the
+//! corresponding rendezvous boundary. What an endpoint's state does change
+//! is whether it is *skipped* in rendezvous order, and only for states with hysteresis: its
+//! breaker open, degraded ([`super::slowness`]: slow for the work against its peers; probes
+//! still go), saturated ([`super::saturation`]: full by the engine's own scraped queue and KV
+//! cache, skipped while another candidate has room), short of quota. Skipping keeps every other
+//! session's home where it was.
 //!
 //! **Bounded load** (consistent hashing with bounded loads, as Envoy's `hash_balance_factor`).
-//! In-flight counts are per replica, so they must not weigh placement; they bound it instead. A
-//! candidate whose in-flight would exceed `(1 + ε) × (L + 1) × w / Σw + slack` (L: in-flight over
-//! the candidates) is skipped in rendezvous order (a *spill*). Since the shares add up to
-//! `L + 1 > L`, some candidate is always within its bound when `slack ≥ 1`.
+//! A candidate whose load would exceed `(1 + ε) × (L + 1) × w / Σw + slack` (L: the load over
+//! the candidates) is skipped in rendezvous order (a *spill*). The load is the engine's own
+//! running + waiting where scraped (the same for every replica within one interval), else this
+//! replica's in-flight count. Since the shares add up to `L + 1 > L`, some candidate is always
+//! within its bound when `slack ≥ 1`.
 //!
-//! **Affinity payoff** (`payoff_floor`, off by default): an endpoint whose pinned turns find
-//! (almost) nothing in its cache weighs `payoff_weight` × the above (see [`crate::scheduler::routing::payoff`]).
-//!
-//! **Degraded endpoints** (far slower than the fastest, see [`degraded`]) get no new sessions
-//! but a probe now and then, and their pins are broken (`select`).
+//! Requests without a session have no cache to keep: they are placed on a per-request key with
+//! the full score (`score`, in-flight and latency included) as weight.
 
 use crate::scheduler::config::Config;
-use crate::scheduler::routing::ewma::LATENCY_FLOOR_MS;
-use crate::scheduler::routing::overdue::Rule as OverdueRule;
 use crate::scheduler::routing::payoff::PayoffRule;
-use crate::scheduler::routing::score::health;
+use crate::scheduler::routing::score::success;
 use crate::scheduler::routing::table::EndpointState;
 use crate::scheduler::state::hash::rendezvous;
 
@@ -83,55 +87,16 @@ pub fn quantize(h: f64, step: f64) -> f64 {
     level
 }
 
-/// What placement knows of one endpoint.
-#[derive(Debug, Clone, Copy, PartialEq)]
-pub struct Weighed {
-    /// `weight × quantize(health)`: its share of new sessions.
-    pub weight: f64,
-    /// Whether it should be treated as degraded now: by its estimate, or by overdue affinity
-    /// hits in flight (see `overdue`).
-    pub degraded: bool,
-    /// Degraded by its estimate alone: what is stored for the hysteresis and what makes
-    /// probes due.
-    pub sticky: bool,
-}
-
-/// Weighs an endpoint for placement. `best_latency_ms` is the fastest warm latency among the
-/// endpoints that could serve the request at all (before request exclusions and breakers, so
-/// that a failover walks the same order as the first attempt).
-pub fn weigh(
-    weight: f64,
-    st: &EndpointState,
-    best_latency_ms: Option<f64>,
-    cfg: &Config,
-    now_ms: u64,
-) -> Weighed {
-    let warm = st.total >= cfg.cold_start_samples;
-    let latency = match (st.latency_ms, best_latency_ms) {
-        (Some(own), Some(best)) if warm => Some((own, best)),
-        _ => None,
-    };
-    let h = health(st, best_latency_ms, cfg, now_ms).unwrap_or(1.0);
+/// The placement weight of an endpoint: configured `weight` × its success level × its payoff
+/// factor. Only what every replica sees alike (see the module doc).
+pub fn weigh(weight: f64, st: &EndpointState, cfg: &Config, now_ms: u64) -> f64 {
+    // A warm endpoint that fails most requests (a dead API key answers 401 to every replica)
+    // weighs its success level; above one half, exactly its weight everywhere.
+    let success = success(st, cfg, now_ms).unwrap_or(1.0);
     // An endpoint whose pinned turns find nothing cached gains nothing from sessions (a
-    // boolean of smoothed state, like the health levels: see `payoff`).
+    // boolean of smoothed state: see `payoff`).
     let payoff = PayoffRule::from_config(cfg).factor(&st.payoff);
-    let sticky = degraded(st.degraded, latency, cfg);
-    // Only looked at when the estimate alone does not already say so.
-    let overdue = !sticky
-        && latency.is_some_and(|(own, best)| {
-            st.watch.overdue(
-                own,
-                st.latency_dev_ms,
-                best,
-                &OverdueRule::from_config(cfg),
-                now_ms,
-            )
-        });
-    Weighed {
-        weight: weight * quantize(h, cfg.placement_quantum) * payoff,
-        degraded: sticky || overdue,
-        sticky,
-    }
+    weight * quantize(success, cfg.placement_quantum) * payoff
 }
 
 /// How long after its last probe a degraded endpoint that has had `probes` probes since it
@@ -142,26 +107,6 @@ pub fn probe_interval(cfg: &Config, probes: u8) -> u64 {
     let cap = cfg.degraded_probe_max_interval_ms.max(base);
     let doubled = base.saturating_mul(1u64 << u32::from(probes.min(20)));
     doubled.min(cap)
-}
-
-/// The degraded rule with hysteresis. A warm endpoint becomes degraded when its latency
-/// estimate reaches `pin_break_ratio` × the fastest's *and* exceeds it by `pin_break_min_ms`
-/// (a ratio of small numbers is noise, and a few milliseconds a turn never repay a re-prefill);
-/// it stays so until it falls below `degraded_exit_ratio` × the fastest's or within half of
-/// `pin_break_min_ms` of it. `latency` is (own, fastest) in ms; a cold or unmeasured endpoint
-/// (`None`) is never degraded.
-pub fn degraded(was: bool, latency: Option<(f64, f64)>, cfg: &Config) -> bool {
-    let Some((own, best)) = latency else {
-        return false;
-    };
-    let ratio = own.max(LATENCY_FLOOR_MS) / best.max(LATENCY_FLOOR_MS);
-    let gap = own - best;
-    let min_gap = cfg.pin_break_min_ms as f64;
-    if was {
-        ratio >= cfg.degraded_exit_ratio && gap >= min_gap / 2.0
-    } else {
-        ratio >= cfg.pin_break_ratio && gap >= min_gap
-    }
 }
 
 /// Candidates (`(index, endpoint id, weight)`) in rendezvous order for `session_key`:
@@ -301,23 +246,6 @@ mod tests {
         assert!((share(0) - 0.25).abs() < 0.01, "{homes:?}");
         assert!((share(1) - 0.50).abs() < 0.01, "{homes:?}");
         assert!((share(2) - 0.25).abs() < 0.01, "{homes:?}");
-    }
-
-    #[test]
-    fn degraded_has_hysteresis_and_ignores_cold() {
-        let cfg = Config::default(); // break 3.0 and 50 ms, exit 1.5 or 25 ms
-        assert!(!degraded(false, None, &cfg));
-        assert!(!degraded(true, None, &cfg));
-        assert!(!degraded(false, Some((290.0, 100.0)), &cfg));
-        assert!(degraded(false, Some((300.0, 100.0)), &cfg));
-        assert!(degraded(true, Some((160.0, 100.0)), &cfg));
-        assert!(!degraded(true, Some((140.0, 100.0)), &cfg));
-        // Small absolute numbers are noise: 3 ms against 1 ms is not degraded, nor 45 vs 10.
-        assert!(!degraded(false, Some((3.0, 1.0)), &cfg));
-        assert!(!degraded(false, Some((45.0, 10.0)), &cfg));
-        assert!(degraded(false, Some((60.0, 10.0)), &cfg));
-        assert!(degraded(true, Some((40.0, 10.0)), &cfg));
-        assert!(!degraded(true, Some((30.0, 10.0)), &cfg));
     }
 
     #[test]

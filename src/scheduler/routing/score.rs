@@ -58,16 +58,22 @@ pub fn health(
     cfg: &Config,
     now_ms: u64,
 ) -> Option<f64> {
-    if st.total < cfg.cold_start_samples {
-        return None;
-    }
+    let success = success(st, cfg, now_ms)?;
     let f = fade(now_ms.saturating_sub(st.last_sample_ms), cfg.stats_decay_ms);
-    let success = (1.0 - (1.0 - st.success_rate) * f).max(SUCCESS_FLOOR);
     let latency = match latency_ratio(st, best_latency_ms) {
         Some(raw) => 1.0 + (raw - 1.0).max(0.0) * f,
         None => 1.0,
     };
     Some(success / latency)
+}
+
+/// The faded success rate in `[0.01, 1]`; `None` while the endpoint is cold.
+pub fn success(st: &EndpointState, cfg: &Config, now_ms: u64) -> Option<f64> {
+    if st.total < cfg.cold_start_samples {
+        return None;
+    }
+    let f = fade(now_ms.saturating_sub(st.last_sample_ms), cfg.stats_decay_ms);
+    Some((1.0 - (1.0 - st.success_rate) * f).max(SUCCESS_FLOOR))
 }
 
 /// The endpoint's latency estimate over the fastest's, unfaded (1 for the fastest).

@@ -11,12 +11,17 @@ use crate::scheduler::health::budget::RetryBudget;
 use crate::scheduler::routing::overdue::Watch;
 use crate::scheduler::routing::payoff::Payoff;
 use crate::scheduler::routing::quota::Quota;
+use crate::scheduler::routing::saturation::Saturation;
+use crate::scheduler::routing::slowness::Slowness;
 use crate::scheduler::state::codec::{Reader, Writer};
 
 /// Statistics of one endpoint.
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub struct EndpointState {
-    /// EWMA of time to response headers of successful attempts; `None` before the first.
+    /// EWMA of the raw latency sample of successful attempts (time to response headers, or to
+    /// the first byte of a stream); `None` before the first. For metrics and the score of
+    /// requests without a session only: raw samples mix unlike work, so no rule that breaks
+    /// pins or weighs placement reads it (see `slowness`).
     pub latency_ms: Option<f64>,
     /// EWMA of |sample − estimate| (mean deviation, as TCP's RTO estimator), for the overdue
     /// rule's spread bound (see `overdue`).
@@ -32,8 +37,9 @@ pub struct EndpointState {
     /// Last change of `in_flight` (stale counts are ignored, see [`Self::load`]).
     pub in_flight_changed_ms: u64,
     pub breaker: Breaker,
-    /// Far slower than the fastest alternative (see `placement::Degradation`): its pins are
-    /// broken and it gets new sessions only as probes. Kept for hysteresis.
+    /// Slow for the work it was given, against its peers serving the same models (see
+    /// `slowness::degraded`): its pins are broken and it gets new sessions only as probes.
+    /// Kept for hysteresis.
     pub degraded: bool,
     /// When this Envoy last sent a degraded endpoint a probe placement.
     pub degraded_probe_ms: u64,
@@ -46,6 +52,12 @@ pub struct EndpointState {
     pub quota: Quota,
     /// The affinity payoff: cached share of its pinned turns' prompts (see `payoff`).
     pub payoff: Payoff,
+    /// Its smoothed slowness, observed ÷ expected for the work (see `slowness`). Its own
+    /// `degraded` flag is unused: [`EndpointState::degraded`] is the stored verdict.
+    pub slowness: Slowness,
+    /// Full by the engine's own queue and KV cache, as last judged (see `saturation`); kept
+    /// for the hysteresis.
+    pub saturation: Saturation,
 }
 
 impl Default for EndpointState {
@@ -65,6 +77,8 @@ impl Default for EndpointState {
             watch: Watch::default(),
             quota: Quota::default(),
             payoff: Payoff::default(),
+            slowness: Slowness::default(),
+            saturation: Saturation::default(),
         }
     }
 }
@@ -106,7 +120,7 @@ pub struct Table {
     pub entries: Vec<(u32, EndpointState)>,
 }
 
-const TABLE_VERSION: u8 = 5;
+const TABLE_VERSION: u8 = 6;
 const ENTRY_BYTES: usize = 4
     + 1
     + 8
@@ -129,7 +143,9 @@ const ENTRY_BYTES: usize = 4
     + 1
     + Watch::BYTES
     + Quota::BYTES
-    + Payoff::BYTES;
+    + Payoff::BYTES
+    + Slowness::BYTES
+    + 1;
 const BUDGET_BYTES: usize = 8 + 8 + 8;
 /// Version byte, budget, entry count.
 const HEADER_BYTES: usize = 1 + BUDGET_BYTES + 4;
@@ -184,6 +200,13 @@ fn decode_entry(chunk: &[u8]) -> Option<(u32, EndpointState)> {
         watch: Watch::decode(&mut r)?,
         quota: Quota::decode(&mut r)?,
         payoff: Payoff::decode(&mut r)?,
+        slowness: Slowness::decode_from(&mut r)?,
+        saturation: match r.u8()? {
+            0 => Saturation::Unknown,
+            1 => Saturation::Room,
+            2 => Saturation::Saturated,
+            _ => return None,
+        },
     };
     Some((id, state))
 }
@@ -220,6 +243,12 @@ fn encode_entry(w: &mut Writer, id: u32, s: &EndpointState) {
     s.watch.encode(w);
     s.quota.encode(w);
     s.payoff.encode(w);
+    s.slowness.encode_into(w);
+    w.u8(match s.saturation {
+        Saturation::Unknown => 0,
+        Saturation::Room => 1,
+        Saturation::Saturated => 2,
+    });
 }
 
 impl Table {
@@ -353,6 +382,9 @@ mod tests {
         t.entries[1].1.breaker.state = BreakerState::Open;
         t.entries[1].1.degraded = true;
         t.entries[1].1.degraded_probe_ms = 77;
+        t.entries[1].1.slowness.log_mean = 0.5;
+        t.entries[1].1.slowness.samples = 9;
+        t.entries[1].1.saturation = Saturation::Saturated;
         t.entries[1].1.quota.tokens = Some(crate::scheduler::routing::quota::Remaining::new(5, 6));
         t.entries[1].1.payoff.observe(
             &crate::scheduler::wire::usage::Usage {

@@ -1,8 +1,9 @@
 // The selection's unit tests (over 600 lines: one scenario per rule of choose and finish).
 use super::*;
 use crate::scheduler::health::outcome::FailureKind;
-use crate::scheduler::routing::placement;
-use crate::scheduler::routing::quota::QuotaHint;
+use crate::scheduler::routing::saturation::Saturation;
+use crate::scheduler::routing::signals::Served;
+use crate::scheduler::routing::slowness::{Sample, WorkModel};
 use crate::scheduler::state::store::MemStore;
 use serde_json::json;
 #[cfg(target_arch = "wasm32")]
@@ -229,8 +230,8 @@ fn cold_start_places_by_weight_alone_for_exactly_twenty_requests() {
     }
     let st = s.table().entries[0].1;
     assert_eq!(st.total, 20);
-    let w = crate::scheduler::routing::placement::weigh(3.0, &st, None, &c, 402);
-    assert!(w.weight < 0.1, "failing endpoint still weighs {w:?}");
+    let w = crate::scheduler::routing::placement::weigh(3.0, &st, &c, 402);
+    assert!(w < 0.1, "failing endpoint still weighs {w:?}");
     let mut to_bad = 0;
     for n in 20_000..21_000u64 {
         let d = pick_at(&s, Some(key(n)), &ex, 402).unwrap();
@@ -251,12 +252,14 @@ fn slow_endpoint_loses_new_sessions_after_warm_up() {
     let store = MemStore::new();
     let s = Scheduler::new(&c, &store);
     let ex = Exclusions::default();
+    seed_model(&store);
     let mut now = 0;
+    // The same work everywhere: b takes 5x as long for it.
     for i in 0..200u64 {
         let d = pick_at(&s, Some(i), &ex, now).unwrap();
         let latency = if d.endpoint == 1 { 500 } else { 100 };
         now += 1;
-        s.finish(d.ticket, &Outcome::Success, latency, None, now);
+        finish_streamed(&s, d.ticket, latency, None, now);
     }
     let mut to_b = 0;
     for i in 1000..1100u64 {
@@ -497,9 +500,57 @@ fn cas_conflicts_are_retried_and_exhaustion_is_reported() {
     assert_eq!(s.table().entries[d.endpoint].1.in_flight, 0);
 }
 
-/// Warms every endpoint of `s` with `samples` successes at the given latencies (by index).
+/// The work model's key of the tests' requests (model "m", listed by no endpoint).
+const WORK: &str = "computeflux/work/*";
+
+/// Stores a warm work model that expects the prior's costs: 50 ms + 0.2 ms per uncached
+/// token (a streamed answer of 1000 uncached tokens: 250 ms).
+fn seed_model(store: &dyn Store) {
+    let mut m = WorkModel::default();
+    for i in 0..64u64 {
+        let prompt = 500 + (i * 97) % 3000;
+        m.observe(&Sample {
+            streamed: true,
+            observed_ms: 50.0 + 0.2 * prompt as f64,
+            prompt_tokens: prompt,
+            cached_tokens: 0,
+            completion_tokens: 0,
+            estimated: false,
+        });
+    }
+    store.set(WORK, &m.encode(), None).unwrap();
+}
+
+/// A streamed answer of 1000 uncached prompt tokens that took `ms` to its first byte (the
+/// seeded model expects 250 ms: slowness `ms / 250`).
+fn streamed(ms: u64) -> Served {
+    Served {
+        streamed: true,
+        observed_ms: ms,
+        usage: Some(Usage {
+            prompt_tokens: 1000,
+            cached_tokens: 0,
+            completion_tokens: 20,
+        }),
+        body_bytes: 4000,
+        relayed_bytes: 100,
+        work_key: WORK.into(),
+    }
+}
+
+/// Finishes `ticket` as a success whose answer was a stream timed `ms` to its first byte.
+fn finish_streamed(s: &Scheduler<'_>, mut ticket: Ticket, ms: u64, session: Option<u64>, now: u64) {
+    ticket.served = Some(streamed(ms));
+    s.finish(ticket, &Outcome::Success, ms, session, now);
+}
+
+/// Warms every endpoint of `s` with `samples` successes at the given latencies (by index),
+/// each a streamed answer of the same work (see [`streamed`]), over a seeded work model.
 fn warm(s: &Scheduler<'_>, latencies: &[u64], samples: u64, now: u64) {
     let c = s.cfg;
+    if s.store.get(WORK).0.is_none() {
+        seed_model(s.store);
+    }
     for (i, &lat) in latencies.iter().enumerate() {
         for _ in 0..samples {
             let ticket = Ticket {
@@ -512,8 +563,9 @@ fn warm(s: &Scheduler<'_>, latencies: &[u64], samples: u64, now: u64) {
                 degraded_probe: false,
                 pin_on_success: false,
                 pinned_usage: None,
+                served: None,
             };
-            s.finish(ticket, &Outcome::Success, lat, None, now);
+            finish_streamed(s, ticket, lat, None, now);
         }
     }
 }
@@ -838,7 +890,7 @@ fn with_pins_on_first(
 
 #[test]
 fn an_overdue_affinity_hit_breaks_pins_before_any_slow_answer() {
-    with_pins_on_first(json!({}), an_overdue_hit);
+    with_pins_on_first(json!({"pin_break_overdue": 1}), an_overdue_hit);
 }
 
 fn an_overdue_hit(s: &Scheduler<'_>, ex: &Exclusions, on_a: &[u64]) {
@@ -846,26 +898,34 @@ fn an_overdue_hit(s: &Scheduler<'_>, ex: &Exclusions, on_a: &[u64]) {
     let held = pick_at(s, Some(on_a[0]), ex, 1_000).unwrap();
     assert_eq!(held.reason, Reason::AffinityHit);
     assert_ne!(held.ticket.watch_token, 0);
-    // Threshold: max(3 × 100, 100 + 50, 100 + 4 × 0) = 300 ms. Younger: pins hold.
-    let d = pick_at(s, Some(on_a[1]), ex, 1_299).unwrap();
+    // Threshold on the work model's terms: the endpoint's typical expected time × its peers'
+    // median slowness (`best`, about 100 ms: all three answer alike), then max(3 × best, best +
+    // 50, own + 4 deviations) = 3 × best. Younger: pins hold.
+    let table = s.table();
+    let st = table.entries[0].1.slowness;
+    let peers = crate::scheduler::routing::signals::peer_median(&table, s.cfg, 0, 5).unwrap();
+    let best = peers * st.expected_ms;
+    assert!((80.0..150.0).contains(&best), "{best}");
+    let at = 1_000 + (3.0 * best).ceil() as u64;
+    let d = pick_at(s, Some(on_a[1]), ex, at - 1).unwrap();
     assert_eq!(d.reason, Reason::AffinityHit);
-    s.finish(d.ticket, &Outcome::Cancelled, 0, None, 1_299);
+    s.finish(d.ticket, &Outcome::Cancelled, 0, None, at - 1);
     // Older: the next pinned turns are placed elsewhere, in their rendezvous order.
     for &k in &on_a[2..10] {
-        let d = pick_at(s, Some(k), ex, 1_300).unwrap();
+        let d = pick_at(s, Some(k), ex, at).unwrap();
         assert_eq!(
             (d.reason, d.broke_pin_of),
             (Reason::PinBreak, Some(0)),
             "session {k}"
         );
         assert_ne!(d.endpoint, 0);
-        s.finish(d.ticket, &Outcome::Cancelled, 0, None, 1_300);
+        s.finish(d.ticket, &Outcome::Cancelled, 0, None, at);
     }
     // New sessions avoid it too, and no probe is due: the overdue hit is the probe.
     for n in 5_000..5_100u64 {
-        let d = pick_at(s, Some(key(n)), ex, 1_300).unwrap();
+        let d = pick_at(s, Some(key(n)), ex, at).unwrap();
         assert_ne!(d.endpoint, 0);
-        s.finish(d.ticket, &Outcome::Cancelled, 0, None, 1_300);
+        s.finish(d.ticket, &Outcome::Cancelled, 0, None, at);
     }
     // Transient: nothing sticky was stored.
     assert!(!s.table().entries[0].1.degraded);
@@ -878,13 +938,14 @@ fn an_overdue_hit(s: &Scheduler<'_>, ex: &Exclusions, on_a: &[u64]) {
 
 #[test]
 fn overdue_evidence_respects_spread_cold_start_and_the_switch() {
-    // An endpoint whose answers vary widely needs a far older hit.
-    with_pins_on_first(json!({}), |s, ex, on_a| {
+    // An endpoint whose answers vary widely for the same work needs a far older hit.
+    with_pins_on_first(json!({"pin_break_overdue": 1}), |s, ex, on_a| {
         for lat in [20, 400, 20, 400, 20, 400] {
             warm(s, &[lat, 100, 100], 1, 2);
         }
-        let st = s.table().entries[0].1;
-        let spread = st.latency_ms.unwrap() + 4.0 * st.latency_dev_ms;
+        let st = s.table().entries[0].1.slowness;
+        let own = st.value().unwrap() * st.expected_ms;
+        let spread = own + 4.0 * own * (st.log_dev.exp() - 1.0);
         assert!(spread > 500.0, "estimate + 4 deviations: {spread}");
         let held = pick_at(s, Some(on_a[0]), ex, 1_000).unwrap();
         let d = pick_at(s, Some(on_a[1]), ex, 1_000 + 400).unwrap();
@@ -900,13 +961,16 @@ fn overdue_evidence_respects_spread_cold_start_and_the_switch() {
         s.finish(held.ticket, &Outcome::Cancelled, 0, None, 2_000);
     });
     // Cold endpoints never (fewer than 1000 samples): a hit held for minutes changes nothing.
-    with_pins_on_first(json!({"cold_start_samples": 1000}), |s, ex, on_a| {
-        let held = pick_at(s, Some(on_a[0]), ex, 1_000).unwrap();
-        let d = pick_at(s, Some(on_a[1]), ex, 100_000).unwrap();
-        assert_eq!(d.reason, Reason::AffinityHit);
-        s.finish(d.ticket, &Outcome::Cancelled, 0, None, 100_000);
-        s.finish(held.ticket, &Outcome::Cancelled, 0, None, 100_000);
-    });
+    with_pins_on_first(
+        json!({"cold_start_samples": 1000, "pin_break_overdue": 1}),
+        |s, ex, on_a| {
+            let held = pick_at(s, Some(on_a[0]), ex, 1_000).unwrap();
+            let d = pick_at(s, Some(on_a[1]), ex, 100_000).unwrap();
+            assert_eq!(d.reason, Reason::AffinityHit);
+            s.finish(d.ticket, &Outcome::Cancelled, 0, None, 100_000);
+            s.finish(held.ticket, &Outcome::Cancelled, 0, None, 100_000);
+        },
+    );
     // `pin_break_overdue: 0` turns it off; 2 needs two overdue hits.
     for (needed, holds) in [(0u64, 5usize), (2, 1)] {
         with_pins_on_first(json!({ "pin_break_overdue": needed }), |s, ex, on_a| {
@@ -978,7 +1042,7 @@ fn a_fast_probe_answer_resets_the_probe_backoff() {
         if d.reason == Reason::DegradedProbe {
             probes.push(now);
             // Still slow.
-            s.finish(d.ticket, &Outcome::Success, 600, None, now + 600);
+            finish_streamed(&s, d.ticket, 600, None, now + 600);
         } else {
             s.finish(d.ticket, &Outcome::Cancelled, 0, None, now);
         }
@@ -996,7 +1060,7 @@ fn a_fast_probe_answer_resets_the_probe_backoff() {
         let d = pick_at(&s, Some(key(n)), &ex, now).unwrap();
         n += 1;
         if d.reason == Reason::DegradedProbe {
-            s.finish(d.ticket, &Outcome::Success, 100, None, now + 100);
+            finish_streamed(&s, d.ticket, 100, None, now + 100);
             fast_at = Some(now);
             break;
         }
@@ -1306,4 +1370,298 @@ fn quota_skips_name_the_endpoints_passed_over_for_quota() {
         !d.quota_skipped.contains(&d.endpoint) && d.quota_skipped.len() == 1,
         "{d:?}"
     );
+}
+
+// --- Issue 23: degraded (slow for the work) vs saturated (full by the engine's own load) ------
+
+/// Writes endpoint `name`'s scraped record: `waiting` queued, `running` in the batch.
+fn scraped(store: &dyn Store, name: &str, waiting: u32, running: u32, now: u64) {
+    let load = crate::scheduler::wire::engine_load::EngineLoad {
+        engine: crate::scheduler::wire::engine_load::Engine::Vllm,
+        waiting: Some(waiting),
+        running: Some(running),
+        kv_usage_permille: Some(300),
+        prompt_tokens_total: None,
+        prompt_tokens_cached_total: None,
+    };
+    crate::scheduler::routing::scrape::record(
+        store,
+        &crate::scheduler::routing::scrape::record_key(name),
+        now,
+        Ok(load),
+    )
+    .unwrap();
+}
+
+/// A first attempt with a body of `body_bytes` (the prompt a pinned endpoint has cached).
+fn pick_body(s: &Scheduler<'_>, session: u64, body_bytes: usize, now: u64) -> Decision {
+    s.pick(
+        &Pick {
+            model: Some("m"),
+            session: Some(session),
+            attempt: 1,
+            exclusions: &Exclusions::default(),
+            nonce: 0,
+            body_bytes,
+            pin_hint: None,
+        },
+        now,
+    )
+    .unwrap()
+}
+
+#[test]
+fn a_saturated_endpoint_gets_no_new_sessions_but_keeps_pins_while_the_wait_is_short() {
+    with_pins_on_first(json!({}), |s, ex, on_a| {
+        // a's engine queues 6 (enter at 5), 64 running: full, but its queue drains fast.
+        scraped(s.store, "a", 6, 64, 1_000);
+        for n in 7_000..7_300u64 {
+            let d = pick_at(s, Some(key(n)), ex, 1_100).unwrap();
+            assert_ne!(d.endpoint, 0, "a new session went to a saturated endpoint");
+            assert!(
+                matches!(d.reason, Reason::Home | Reason::Saturated),
+                "{:?}",
+                d.reason
+            );
+            s.finish(d.ticket, &Outcome::Cancelled, 0, None, 1_100);
+        }
+        assert_eq!(s.table().entries[0].1.saturation, Saturation::Saturated);
+        // Sessions with a long cached prompt (40 000 bytes: 10 000 tokens) stay pinned.
+        for &k in &on_a[..10] {
+            let d = pick_body(s, k, 40_000, 1_200);
+            assert_eq!((d.endpoint, d.reason), (0, Reason::AffinityHit));
+            s.finish(d.ticket, &Outcome::Cancelled, 0, None, 1_200);
+        }
+        // Hysteresis: a queue of 3 keeps it saturated; 1 lets it have room again.
+        scraped(s.store, "a", 3, 64, 2_000);
+        let d = pick_at(s, Some(key(7_001)), ex, 2_000).unwrap();
+        s.finish(d.ticket, &Outcome::Cancelled, 0, None, 2_000);
+        assert_eq!(s.table().entries[0].1.saturation, Saturation::Saturated);
+        scraped(s.store, "a", 1, 64, 3_000);
+        let homed_on_a = (7_000..7_300u64)
+            .filter(|&n| {
+                let d = pick_at(s, Some(key(n)), ex, 3_000).unwrap();
+                let on_a = d.endpoint == 0;
+                s.finish(d.ticket, &Outcome::Cancelled, 0, None, 3_000);
+                on_a
+            })
+            .count();
+        assert!(homed_on_a > 50, "a has room again: {homed_on_a} of 300");
+        assert_eq!(s.table().entries[0].1.saturation, Saturation::Room);
+    });
+}
+
+#[test]
+fn every_endpoint_saturated_places_as_without_metrics() {
+    with_pins_on_first(json!({}), |s, ex, _| {
+        for name in ["a", "b", "c"] {
+            scraped(s.store, name, 9, 8, 1_000);
+        }
+        let on_a = (7_000..7_300u64)
+            .filter(|&n| {
+                let d = pick_at(s, Some(key(n)), ex, 1_100).unwrap();
+                assert_eq!(d.reason, Reason::Home);
+                let a = d.endpoint == 0;
+                s.finish(d.ticket, &Outcome::Cancelled, 0, None, 1_100);
+                a
+            })
+            .count();
+        assert!(on_a > 50, "{on_a}");
+    });
+}
+
+#[test]
+fn a_long_wait_moves_a_pin_once_per_ttl() {
+    with_pins_on_first(json!({"affinity_ttl_ms": 60_000}), |s, _, on_a| {
+        // 500 waiting, 1 running: the wait there dwarfs re-prefilling a short prompt.
+        scraped(s.store, "a", 500, 1, 1_000);
+        let k = on_a[0];
+        let d = pick_body(s, k, 400, 1_100);
+        assert_ne!(d.endpoint, 0);
+        assert_eq!(
+            (d.reason, d.affinity, d.moved_pin_of),
+            (Reason::Saturated, AffinityResult::Saturated, Some(0))
+        );
+        let moved_to = d.endpoint;
+        s.finish(d.ticket, &Outcome::Success, 100, Some(k), 1_200);
+        // The session is now pinned where it moved.
+        let d = pick_body(s, k, 400, 1_300);
+        assert_eq!((d.endpoint, d.reason), (moved_to, Reason::AffinityHit));
+        s.finish(d.ticket, &Outcome::Cancelled, 0, None, 1_300);
+        // Its new endpoint is saturated too, a has room again... and is full again: within
+        // the TTL the session is not moved a second time for saturation.
+        scraped(
+            s.store,
+            s.cfg.endpoints[moved_to].name.as_str(),
+            500,
+            1,
+            2_000,
+        );
+        scraped(s.store, "a", 0, 1, 2_000);
+        let d = pick_body(s, k, 400, 2_100);
+        assert_eq!((d.endpoint, d.reason), (moved_to, Reason::AffinityHit));
+        s.finish(d.ticket, &Outcome::Cancelled, 0, None, 2_100);
+        // After the TTL (the mark has lapsed), it may move again.
+        let later = 1_100 + 60_000;
+        scraped(
+            s.store,
+            s.cfg.endpoints[moved_to].name.as_str(),
+            500,
+            1,
+            later,
+        );
+        scraped(s.store, "a", 0, 1, later);
+        // Keep the pin alive (its TTL counts from its last use).
+        let d = pick_body(s, k, 400, later);
+        assert_eq!(d.reason, Reason::Saturated, "{d:?}");
+        assert_ne!(d.endpoint, moved_to);
+        s.finish(d.ticket, &Outcome::Cancelled, 0, None, later);
+    });
+}
+
+#[test]
+fn degraded_and_saturated_are_distinct() {
+    let c = three_warm(json!({}));
+    let store = MemStore::new();
+    let s = Scheduler::new(&c, &store);
+    let ex = Exclusions::default();
+    // a is 5x slower for the same work, b is full by its engine: a is degraded, not
+    // saturated; b saturated, not degraded.
+    warm(&s, &[500, 100, 100], 10, 0);
+    scraped(&store, "b", 20, 8, 0);
+    let d = pick_at(&s, Some(key(1)), &ex, 10).unwrap();
+    s.finish(d.ticket, &Outcome::Cancelled, 0, None, 10);
+    let t = s.table();
+    let (a, b) = (t.entries[0].1, t.entries[1].1);
+    assert!(a.degraded && a.saturation == Saturation::Unknown, "{a:?}");
+    assert!(
+        !b.degraded && b.saturation == Saturation::Saturated,
+        "{b:?}"
+    );
+    // New sessions all go to c; labels say why.
+    let mut reasons = Vec::new();
+    for n in 0..300u64 {
+        let d = pick_at(&s, Some(key(n)), &ex, 10).unwrap();
+        assert_eq!(d.endpoint, 2);
+        reasons.push(d.reason);
+        s.finish(d.ticket, &Outcome::Cancelled, 0, None, 10);
+    }
+    assert!(reasons.contains(&Reason::Degraded) && reasons.contains(&Reason::Saturated));
+    // b's slowness is c's (within the model's drift while it learned from the warm-up), far
+    // from a's 5x: being full is not being slow.
+    let slow = |i: usize| t.entries[i].1.slowness.value().unwrap();
+    assert!(
+        (0.8..1.25).contains(&(slow(1) / slow(2))),
+        "{}",
+        slow(1) / slow(2)
+    );
+    assert!(slow(0) / slow(2) > 4.0, "{}", slow(0) / slow(2));
+}
+
+/// Finishes a success whose answer had this shape: streamed (timed to its first byte) or
+/// plain (timed to its end), `uncached` prompt tokens and `completion` tokens, taking what the
+/// prior work model expects × `jitter` (50 ms + 0.2 ms per uncached token + 10 ms per
+/// completion token of a plain answer).
+fn finish_work(
+    s: &Scheduler<'_>,
+    mut t: Ticket,
+    streamed: bool,
+    uncached: u64,
+    completion: u64,
+    jitter: f64,
+) {
+    let decode = if streamed {
+        0.0
+    } else {
+        10.0 * completion as f64
+    };
+    let ms = ((50.0 + 0.2 * uncached as f64 + decode) * jitter) as u64;
+    t.served = Some(Served {
+        streamed,
+        observed_ms: ms,
+        usage: Some(Usage {
+            prompt_tokens: uncached + 500,
+            cached_tokens: 500,
+            completion_tokens: completion,
+        }),
+        body_bytes: 0,
+        relayed_bytes: 0,
+        work_key: WORK.into(),
+    });
+    s.finish(t, &Outcome::Success, ms, None, 0);
+}
+
+#[test]
+fn replicas_with_different_own_signals_compute_the_same_homes() {
+    // Two replicas (two stores) see the same scraped records, but each measured its own
+    // answers: on r1 endpoint a served long plain generations (raw latency ~5 s) and the
+    // others short streams (~100–300 ms); on r2 it is b. The raw latency estimates differ
+    // 20x between endpoints and between replicas; the work does not. r1 also carries 30
+    // attempts in flight on its endpoints. Weights and verdicts ignore all of that: homes agree.
+    let c = cfg(json!({"endpoints":[
+        {"name":"a","cluster":"ca"},{"name":"b","cluster":"cb","weight":2},
+        {"name":"c","cluster":"cc"},{"name":"d","cluster":"cd"}
+    ],"cold_start_samples":5}));
+    let (s1, s2) = (MemStore::new(), MemStore::new());
+    let (r1, r2) = (Scheduler::new(&c, &s1), Scheduler::new(&c, &s2));
+    for (r, long) in [(&r1, 0usize), (&r2, 1)] {
+        seed_model(r.store);
+        for j in 0..40u64 {
+            for i in 0..4usize {
+                let jitter = 0.8 + 0.4 * ((j * 7 + i as u64 * 3) % 10) as f64 / 10.0;
+                let t = r
+                    .pick(
+                        &Pick {
+                            model: Some("m"),
+                            session: None,
+                            attempt: 1,
+                            exclusions: &Exclusions {
+                                tried: (0..4).filter(|&x| x != i).collect(),
+                                ..Exclusions::default()
+                            },
+                            nonce: j,
+                            body_bytes: 0,
+                            pin_hint: None,
+                        },
+                        0,
+                    )
+                    .unwrap()
+                    .ticket;
+                if i == long {
+                    finish_work(r, t, false, 200 + j * 10, 300 + j * 5, jitter);
+                } else {
+                    finish_work(r, t, true, 100 + j * 40, 16, jitter);
+                }
+            }
+        }
+        let raw: Vec<f64> = r
+            .table()
+            .entries
+            .iter()
+            .map(|e| e.1.latency_ms.unwrap())
+            .collect();
+        assert!(raw[long] > 10.0 * raw[3 - long], "raw latencies {raw:?}");
+        assert!(r.table().entries.iter().all(|e| !e.1.degraded));
+    }
+    for store in [&s1, &s2] {
+        scraped(store, "c", 12, 8, 0); // saturated for both
+        scraped(store, "d", 1, 3, 0);
+    }
+    // Different in-flight counts: r1 holds 30 attempts.
+    let held: Vec<Decision> = (0..30u64)
+        .map(|n| pick_at(&r1, Some(key(50_000 + n)), &Exclusions::default(), 5).unwrap())
+        .collect();
+    let mut differ = 0;
+    for n in 0..2_000u64 {
+        let d1 = pick_at(&r1, Some(key(n)), &Exclusions::default(), 10).unwrap();
+        let d2 = pick_at(&r2, Some(key(n)), &Exclusions::default(), 10).unwrap();
+        assert_ne!(d1.endpoint, 2, "saturated c got a new session");
+        differ += usize::from(d1.endpoint != d2.endpoint || d1.home != d2.home);
+        r1.finish(d1.ticket, &Outcome::Cancelled, 0, None, 10);
+        r2.finish(d2.ticket, &Outcome::Cancelled, 0, None, 10);
+    }
+    assert_eq!(differ, 0);
+    for d in held {
+        r1.finish(d.ticket, &Outcome::Cancelled, 0, None, 10);
+    }
 }

@@ -1,0 +1,375 @@
+//! The signals that judge endpoints, gathered for one decision: is an endpoint *degraded* (slow
+//! for the work, against its peers) or *saturated* (full, by its engine's own load), and what
+//! its load is for bounded-load placement.
+//!
+//! Why a module of its own: the two verdicts read different sources — the endpoint table's
+//! per-endpoint [`Slowness`] and the scraped engine records — and both are kept with hysteresis
+//! in the table. `select` asks for every verdict once per decision ([`judge`]) and stores the
+//! flags that flipped; `finish` teaches the slowness and the fleet's [`WorkModel`] from the
+//! attempt's [`Served`] answer.
+//!
+//! - **Peers** ([`peers`]): the endpoints that share a configured model with an endpoint
+//!   (an endpoint without a model list serves every model, so it shares with all). Static, from
+//!   the configuration, not "the request's model": an endpoint's verdict is the same for every
+//!   request (issue 22).
+//! - **Work model** ([`work_key`]): one [`WorkModel`] per requested model that some endpoint
+//!   lists (its own shared-data key), and one for every other model: bounded by the
+//!   configuration. Keyed by the requested model because the per-token costs are the served
+//!   LLM's. Only non-degraded endpoints teach it, so a slow endpoint does not drag the
+//!   yardstick.
+//! - **Engine loads** ([`engine_loads`]): the scraped record of each endpoint, if fresh; the
+//!   one place that reads them (the scraper may later combine them into one key).
+
+use crate::scheduler::config::{Config, EndpointConfig};
+use crate::scheduler::routing::saturation::{self, EngineLoad, Saturation, SaturationRule};
+use crate::scheduler::routing::scrape::{self, LoadState};
+use crate::scheduler::routing::slowness::{self, DegradeRule, Sample, Slowness, WorkModel};
+use crate::scheduler::routing::table::{EndpointState, Table};
+use crate::scheduler::state::store::{update, Store};
+use crate::scheduler::wire::usage::Usage;
+
+/// Shared-data key prefix of the work models.
+pub const WORK_PREFIX: &str = "computeflux/work/";
+
+/// A scraped record older than this is stale (about three scrape intervals of 1–2 s; matches
+/// [`SaturationRule::default`]).
+pub const SCRAPE_STALE_MS: u64 = 5_000;
+
+/// Whether two endpoints serve a model in common (`None` serves every model).
+pub fn share_model(a: &EndpointConfig, b: &EndpointConfig) -> bool {
+    match (&a.models, &b.models) {
+        (Some(x), Some(y)) => x.iter().any(|m| y.contains(m)),
+        _ => true,
+    }
+}
+
+/// The enabled endpoints that share a model with endpoint `i`, without `i`.
+pub fn peers(cfg: &Config, i: usize) -> impl Iterator<Item = usize> + '_ {
+    let me = cfg.endpoints.get(i);
+    cfg.endpoints
+        .iter()
+        .enumerate()
+        .filter(move |(j, e)| *j != i && !e.disabled && me.is_some_and(|m| share_model(m, e)))
+        .map(|(j, _)| j)
+}
+
+/// The median slowness of endpoint `i`'s warm peers in `table`.
+pub fn peer_median(table: &Table, cfg: &Config, i: usize, min_samples: u32) -> Option<f64> {
+    let slow = peers(cfg, i).filter_map(|j| table.entries.get(j).map(|(_, st)| &st.slowness));
+    slowness::peer_median(slow, min_samples)
+}
+
+/// The work model's key for a request of `model`: its own for a model some endpoint lists,
+/// one shared key otherwise.
+pub fn work_key(cfg: &Config, model: Option<&str>) -> String {
+    let listed = model.filter(|m| {
+        cfg.endpoints.iter().any(|e| {
+            e.models
+                .as_ref()
+                .is_some_and(|ms| ms.iter().any(|x| x == m))
+        })
+    });
+    format!("{WORK_PREFIX}{}", listed.unwrap_or("*"))
+}
+
+/// The work model as stored (absent or undecodable: the prior).
+pub fn read_model(store: &dyn Store, key: &str) -> WorkModel {
+    store
+        .get(key)
+        .0
+        .as_deref()
+        .and_then(WorkModel::decode)
+        .unwrap_or_default()
+}
+
+/// Folds `sample` into the stored work model (bounded CAS retries; a lost update is one
+/// sample of hundreds). Returns whether it was stored.
+pub fn teach(store: &dyn Store, key: &str, sample: &Sample) -> bool {
+    if sample.estimated {
+        return true;
+    }
+    update(store, key, |bytes| {
+        let mut m = bytes.and_then(WorkModel::decode).unwrap_or_default();
+        m.observe(sample);
+        (m.encode(), ())
+    })
+    .is_ok()
+}
+
+/// What the filter saw of a successful answer, for the slowness model. Set on the ticket by the
+/// holder before finishing (see `flow`).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Served {
+    /// Timed to its first byte (a relayed stream); otherwise timed to its end.
+    pub streamed: bool,
+    /// Time to first byte (streamed) or to the end of the answer, ms.
+    pub observed_ms: u64,
+    /// The answer's `usage`, if it had one.
+    pub usage: Option<Usage>,
+    /// The request body's size (the prompt estimate without `usage`).
+    pub body_bytes: u64,
+    /// The answer's size (the completion estimate without `usage`).
+    pub relayed_bytes: u64,
+    /// The work model's key ([`work_key`] of the request's model).
+    pub work_key: String,
+}
+
+impl Served {
+    pub fn sample(&self) -> Sample {
+        let observed_ms = self.observed_ms as f64;
+        match &self.usage {
+            Some(u) => Sample {
+                streamed: self.streamed,
+                observed_ms,
+                prompt_tokens: u.prompt_tokens,
+                cached_tokens: u.cached_tokens.min(u.prompt_tokens),
+                completion_tokens: u.completion_tokens,
+                estimated: false,
+            },
+            None => Sample::estimated(
+                self.streamed,
+                observed_ms,
+                self.body_bytes,
+                self.relayed_bytes,
+            ),
+        }
+    }
+}
+
+/// Every configured endpoint's scraped load, if fresh (`None`: unknown — no metrics, never
+/// scraped, failed or stale; hosted API keys have none).
+pub fn engine_loads(store: &dyn Store, cfg: &Config, now_ms: u64) -> Vec<Option<EngineLoad>> {
+    cfg.endpoints
+        .iter()
+        .map(|ep| {
+            let rec = scrape::read(store, &scrape::record_key(&ep.name));
+            match rec.state_at(now_ms, SCRAPE_STALE_MS) {
+                LoadState::Known(l) => Some(EngineLoad {
+                    waiting: l.waiting,
+                    running: l.running,
+                    kv_usage_permille: l.kv_usage_permille,
+                    scraped_ms: rec.scraped_at_ms,
+                }),
+                LoadState::Unknown(_) => None,
+            }
+        })
+        .collect()
+}
+
+/// The load bounded-load placement weighs: the engine's running + waiting, quantized so that
+/// replicas agree, where scraped; else this replica's in-flight count.
+pub fn placement_load(st: &EndpointState, load: Option<&EngineLoad>, now_ms: u64) -> u32 {
+    let scraped = load.and_then(|l| {
+        scrape::quantize(&crate::scheduler::wire::engine_load::EngineLoad {
+            engine: crate::scheduler::wire::engine_load::Engine::Vllm,
+            waiting: l.waiting,
+            running: l.running,
+            kv_usage_permille: l.kv_usage_permille,
+            prompt_tokens_total: None,
+            prompt_tokens_cached_total: None,
+        })
+        .requests_floor()
+    });
+    scraped.unwrap_or_else(|| st.load(now_ms))
+}
+
+/// One endpoint's verdicts for a decision.
+#[derive(Debug, Clone, Copy, PartialEq, Default)]
+pub struct Verdict {
+    /// Degraded by its slowness (with hysteresis): stored, and what makes probes due.
+    pub sticky: bool,
+    /// Treated as degraded now: `sticky`, or overdue affinity hits in flight (see `overdue`).
+    pub degraded: bool,
+    /// Its saturation, judged now on the scraped load (stored for the hysteresis).
+    pub saturation: Saturation,
+    /// The scraped load, if fresh.
+    pub load: Option<EngineLoad>,
+}
+
+impl Verdict {
+    pub fn saturated(&self) -> bool {
+        self.saturation == Saturation::Saturated
+    }
+}
+
+/// The verdict of endpoint `i` (see the module doc).
+pub fn judge(
+    table: &Table,
+    cfg: &Config,
+    i: usize,
+    load: Option<EngineLoad>,
+    now_ms: u64,
+) -> Verdict {
+    let Some((_, st)) = table.entries.get(i) else {
+        return Verdict::default();
+    };
+    let rule = DegradeRule::from_config(cfg);
+    let reference = peer_median(table, cfg, i, rule.min_samples);
+    let own = Slowness {
+        degraded: st.degraded,
+        ..st.slowness
+    };
+    let sticky = slowness::degraded(&own, reference, &rule);
+    let overdue = !sticky && overdue(st, reference, &rule, cfg, now_ms);
+    let saturation = saturation::judge(
+        st.saturation,
+        load.as_ref(),
+        &SaturationRule {
+            max_age_ms: SCRAPE_STALE_MS,
+            ..SaturationRule::default()
+        },
+        now_ms,
+    );
+    Verdict {
+        sticky,
+        degraded: sticky || overdue,
+        saturation,
+        load,
+    }
+}
+
+/// The overdue watch (`pin_break_overdue`, off by default), on the work model's terms: a
+/// watched affinity hit is overdue once its age passes what the endpoint's typical work
+/// (its smoothed expected time) would take at `pin_break_ratio` × its peers' slowness, and its
+/// own spread (slowness × e^(4 · deviation)). See `overdue` for why it is off by default.
+fn overdue(
+    st: &EndpointState,
+    reference: Option<f64>,
+    rule: &DegradeRule,
+    cfg: &Config,
+    now_ms: u64,
+) -> bool {
+    let (Some(own), Some(peers)) = (st.slowness.value(), reference) else {
+        return false;
+    };
+    if st.slowness.samples < rule.min_samples {
+        return false;
+    }
+    let expected = st.slowness.expected_ms;
+    let own_ms = own * expected;
+    let dev_ms = own_ms * (st.slowness.log_dev.exp() - 1.0);
+    st.watch.overdue(
+        own_ms,
+        dev_ms,
+        peers * expected,
+        &crate::scheduler::routing::overdue::Rule::from_config(cfg),
+        now_ms,
+    )
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::scheduler::state::store::MemStore;
+    use serde_json::json;
+    #[cfg(target_arch = "wasm32")]
+    use wasm_bindgen_test::wasm_bindgen_test as test;
+
+    fn cfg() -> Config {
+        Config::from_value(&json!({"endpoints":[
+            {"name":"a","cluster":"a","models":["m1"]},
+            {"name":"b","cluster":"b","models":["m1","m2"]},
+            {"name":"c","cluster":"c","models":["m2"]},
+            {"name":"d","cluster":"d"},
+            {"name":"e","cluster":"e","models":["m1"],"disabled":true}
+        ]}))
+        .unwrap()
+    }
+
+    #[test]
+    fn peers_share_a_configured_model() {
+        let c = cfg();
+        let p = |i| peers(&c, i).collect::<Vec<_>>();
+        assert_eq!(p(0), vec![1, 3]);
+        assert_eq!(p(1), vec![0, 2, 3]);
+        assert_eq!(p(2), vec![1, 3]);
+        assert_eq!(p(3), vec![0, 1, 2]);
+    }
+
+    #[test]
+    fn work_keys_are_bounded_by_the_configuration() {
+        let c = cfg();
+        assert_eq!(work_key(&c, Some("m2")), "computeflux/work/m2");
+        assert_eq!(work_key(&c, Some("other")), "computeflux/work/*");
+        assert_eq!(work_key(&c, None), "computeflux/work/*");
+    }
+
+    #[test]
+    fn served_samples_use_usage_else_estimates() {
+        let mut s = Served {
+            streamed: true,
+            observed_ms: 120,
+            usage: Some(Usage {
+                prompt_tokens: 1000,
+                cached_tokens: 800,
+                completion_tokens: 50,
+            }),
+            body_bytes: 9999,
+            relayed_bytes: 9999,
+            work_key: String::new(),
+        };
+        let x = s.sample();
+        assert_eq!(
+            (x.uncached(), x.estimated, x.observed_ms),
+            (200, false, 120.0)
+        );
+        s.usage = None;
+        let y = s.sample();
+        assert_eq!(
+            (y.prompt_tokens, y.completion_tokens, y.estimated),
+            (2499, 2499, true)
+        );
+    }
+
+    #[test]
+    fn teach_skips_estimates_and_stores_measured() {
+        let store = MemStore::new();
+        let s = Sample::estimated(true, 100.0, 400, 400);
+        assert!(teach(&store, "k", &s));
+        assert_eq!(read_model(&store, "k").samples, 0);
+        let m = Sample {
+            estimated: false,
+            ..s
+        };
+        assert!(teach(&store, "k", &m));
+        assert_eq!(read_model(&store, "k").samples, 1);
+    }
+
+    #[test]
+    fn engine_loads_reads_fresh_records_only() {
+        let c = cfg();
+        let store = MemStore::new();
+        let load = crate::scheduler::wire::engine_load::EngineLoad {
+            engine: crate::scheduler::wire::engine_load::Engine::Vllm,
+            waiting: Some(6),
+            running: Some(3),
+            kv_usage_permille: Some(500),
+            prompt_tokens_total: None,
+            prompt_tokens_cached_total: None,
+        };
+        scrape::record(&store, &scrape::record_key("b"), 1_000, Ok(load)).unwrap();
+        let l = engine_loads(&store, &c, 2_000);
+        assert_eq!(l[0], None);
+        assert_eq!(
+            l[1],
+            Some(EngineLoad {
+                waiting: Some(6),
+                running: Some(3),
+                kv_usage_permille: Some(500),
+                scraped_ms: 1_000
+            })
+        );
+        assert_eq!(
+            engine_loads(&store, &c, 1_000 + SCRAPE_STALE_MS + 1)[1],
+            None
+        );
+        // Bounded load: 6 → bucket floor 4, 3 → 2.
+        let st = EndpointState {
+            in_flight: 40,
+            in_flight_changed_ms: 2_000,
+            ..EndpointState::default()
+        };
+        assert_eq!(placement_load(&st, l[1].as_ref(), 2_000), 6);
+        assert_eq!(placement_load(&st, None, 2_000), 40);
+    }
+}
