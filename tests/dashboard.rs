@@ -166,10 +166,16 @@ fn dashboard_and_docs_use_only_emitted_metrics_and_labels() {
     let a = MockUpstream::start("a", &["m"], &["--decode-ms", "0"]);
     let b = MockUpstream::start("b", &["m"], &["--decode-ms", "0"]);
     let plugin = json!({
-        "endpoints": [{"name": "a", "cluster": "a"}, {"name": "b", "cluster": "b"}],
+        // `a` is scraped (the mock's /metrics): the engine and scrape gauges are emitted too.
+        "endpoints": [
+            {"name": "a", "cluster": "a", "metrics": {"interval_ms": 200, "format": "vllm"}},
+            {"name": "b", "cluster": "b"},
+        ],
         "cold_start_samples": 0,
     });
     let envoy = Envoy::start(EnvoyConfig::new(plugin, &[("a", a.port), ("b", b.port)]));
+    // A few scrape intervals, so that the scraped gauges have values.
+    std::thread::sleep(std::time::Duration::from_millis(600));
 
     // Sessions (affinity hit/new), a request without one, a rejected one, then a failover: the
     // first endpoint picked answers 503 and the request completes on the other.

@@ -72,7 +72,7 @@ fn messages_session_is_metadata_user_id() {
 
 #[test]
 fn file_uploads_pass_through_unread() {
-    let (_mocks, envoy) = fleet(&["a"], &["m"]);
+    let (mocks, envoy) = fleet(&["a"], &["m"]);
     let body = b"--xyz\r\nContent-Disposition: form-data; name=\"purpose\"\r\n\r\nbatch\r\n\
 --xyz\r\nContent-Disposition: form-data; name=\"file\"; filename=\"b.jsonl\"\r\n\r\n{}\r\n--xyz--\r\n";
     let r = request(
@@ -84,8 +84,8 @@ fn file_uploads_pass_through_unread() {
         DEFAULT_TIMEOUT,
     )
     .expect("request");
-    // The mock has no /v1/files: its own 404 proves the upload reached the endpoint, routed by
-    // the filter (which did not answer 400 invalid_json for the form, nor 415).
+    // The endpoint's own answer (the mock reads the form as a malformed chat body: 400), not
+    // the filter's (which would have said invalid_json or 415): the upload reached `a` whole.
     assert_eq!(
         r.header("x-computeflux-endpoint"),
         Some("a"),
@@ -93,12 +93,13 @@ fn file_uploads_pass_through_unread() {
         r.status,
         r.body
     );
-    assert_eq!(r.status, 404);
-    assert!(
-        r.body.contains("mock a: no route for /v1/files"),
-        "{}",
-        r.body
-    );
+    let got: Vec<u64> = mocks[0]
+        .requests()
+        .into_iter()
+        .filter(|q| q["path"] == "/v1/files")
+        .map(|q| q["body_bytes"].as_u64().unwrap_or(0))
+        .collect();
+    assert_eq!(got, vec![body.len() as u64], "{} {}", r.status, r.body);
 }
 
 #[test]
