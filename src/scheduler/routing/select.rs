@@ -677,6 +677,8 @@ impl<'a> Scheduler<'a> {
             })
             .collect();
         let mut verdicts = vec![Verdict::default(); n];
+        let references =
+            signals::peer_medians(table, cfg, DegradeRule::from_config(cfg).min_samples);
         let mut weights = Vec::with_capacity(statics.len());
         // Requests without a session keep the full score (nothing to keep together).
         let best_latency = fastest_warm(
@@ -689,7 +691,8 @@ impl<'a> Scheduler<'a> {
             };
             let load = loads.get(i).copied().flatten();
             if let Some(v) = verdicts.get_mut(i) {
-                *v = signals::judge(table, cfg, i, load, now_ms);
+                let reference = references.get(i).copied().flatten();
+                *v = signals::judge_with(table, cfg, i, reference, load, now_ms);
             }
             let w = match pick.session {
                 Some(_) => placement::weigh(ep.weight, st, cfg, now_ms),
@@ -720,10 +723,17 @@ impl<'a> Scheduler<'a> {
             })
             .collect();
         let admission = admit(table, candidates, n, now_ms, bcfg)?;
+        let mut weight_at = vec![0.0; n];
+        for &(i, _, w) in &weights {
+            if let Some(slot) = weight_at.get_mut(i) {
+                *slot = w;
+            }
+        }
         Ok(Board {
             pinned: None,
             statics,
             weights,
+            weight_at,
             verdicts,
             short,
             certain_429,
@@ -1276,6 +1286,8 @@ struct Board {
     statics: Vec<usize>,
     /// `(index, endpoint id, placement weight)` of the statics: the rendezvous candidates.
     weights: Vec<(usize, u32, f64)>,
+    /// The same weights by endpoint index (0 for the others): an O(1) look-up in the walk.
+    weight_at: Vec<f64>,
     verdicts: Vec<Verdict>,
     /// Short of quota for this request (`quota_aware`).
     short: Vec<bool>,
@@ -1295,7 +1307,7 @@ impl Board {
         self.load.get(i).copied().unwrap_or(0)
     }
     fn weight(&self, i: usize) -> f64 {
-        self.weights.iter().find(|w| w.0 == i).map_or(0.0, |w| w.2)
+        self.weight_at.get(i).copied().unwrap_or(0.0)
     }
     fn degraded(&self, i: usize) -> bool {
         self.verdicts.get(i).is_some_and(|v| v.degraded)

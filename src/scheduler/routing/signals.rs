@@ -53,10 +53,103 @@ pub fn peers(cfg: &Config, i: usize) -> impl Iterator<Item = usize> + '_ {
         .map(|(j, _)| j)
 }
 
-/// The median slowness of endpoint `i`'s warm peers in `table`.
+/// The median slowness of endpoint `i`'s warm peers in `table` (see [`peer_medians`]).
 pub fn peer_median(table: &Table, cfg: &Config, i: usize, min_samples: u32) -> Option<f64> {
-    let slow = peers(cfg, i).filter_map(|j| table.entries.get(j).map(|(_, st)| &st.slowness));
-    slowness::peer_median(slow, min_samples)
+    peer_medians(table, cfg, min_samples)
+        .get(i)
+        .copied()
+        .flatten()
+}
+
+/// Every endpoint's peer median, computed once per decision: for each model an endpoint
+/// lists, the median slowness of the other enabled endpoints serving that model (an endpoint
+/// without a model list serves every model); an endpoint serving several models takes the
+/// largest of those medians (the most lenient reference: a slow endpoint is slow against
+/// every model's peers), one without a list compares with every other endpoint. One sorted
+/// list per model and one for the fleet, with each endpoint's own value left out by position:
+/// O(n log n + Σ models) for the whole fleet, whatever its size.
+pub fn peer_medians(table: &Table, cfg: &Config, min_samples: u32) -> Vec<Option<f64>> {
+    let n = cfg.endpoints.len();
+    let value = |i: usize| {
+        table
+            .entries
+            .get(i)
+            .map(|(_, st)| &st.slowness)
+            .filter(|s| s.samples >= min_samples)
+            .and_then(Slowness::value)
+            .filter(|x| x.is_finite())
+    };
+    let values: Vec<Option<f64>> = (0..n)
+        .map(|i| value(i).filter(|_| cfg.endpoints.get(i).is_some_and(|e| !e.disabled)))
+        .collect();
+    let mut fleet: Vec<f64> = values.iter().flatten().copied().collect();
+    let wildcard: Vec<f64> = cfg
+        .endpoints
+        .iter()
+        .zip(&values)
+        .filter(|(e, _)| e.models.is_none())
+        .filter_map(|(_, v)| *v)
+        .collect();
+    let mut per_model: std::collections::BTreeMap<&str, Vec<f64>> = Default::default();
+    for e in &cfg.endpoints {
+        for m in e.models.iter().flatten() {
+            per_model
+                .entry(m.as_str())
+                .or_insert_with(|| wildcard.clone());
+        }
+    }
+    for (e, v) in cfg.endpoints.iter().zip(&values) {
+        if let (Some(ms), Some(v)) = (&e.models, v) {
+            let mut seen: Vec<&str> = Vec::with_capacity(ms.len());
+            for m in ms {
+                if seen.contains(&m.as_str()) {
+                    continue;
+                }
+                seen.push(m);
+                if let Some(list) = per_model.get_mut(m.as_str()) {
+                    list.push(*v);
+                }
+            }
+        }
+    }
+    fleet.sort_unstable_by(f64::total_cmp);
+    for list in per_model.values_mut() {
+        list.sort_unstable_by(f64::total_cmp);
+    }
+    let without_self = |sorted: &[f64], own: Option<f64>| {
+        let skip = own.and_then(|v| sorted.binary_search_by(|x| x.total_cmp(&v)).ok());
+        median_without(sorted, skip)
+    };
+    (0..n)
+        .map(|i| {
+            let e = cfg.endpoints.get(i)?;
+            let own = values.get(i).copied().flatten();
+            match &e.models {
+                None => without_self(&fleet, own),
+                Some(ms) => ms
+                    .iter()
+                    .filter_map(|m| per_model.get(m.as_str()))
+                    .filter_map(|list| without_self(list, own))
+                    .reduce(f64::max),
+            }
+        })
+        .collect()
+}
+
+/// The median of `sorted` without its element at `skip` (if any), as [`slowness::peer_median`]
+/// computes it: the middle one, or the mean of the two middle ones.
+fn median_without(sorted: &[f64], skip: Option<usize>) -> Option<f64> {
+    let len = sorted.len() - usize::from(skip.is_some() && !sorted.is_empty());
+    let at = |k: usize| match skip {
+        Some(s) if k >= s => sorted.get(k + 1).copied(),
+        _ => sorted.get(k).copied(),
+    };
+    let upper = at(len / 2)?;
+    if len.is_multiple_of(2) {
+        Some((upper + at(len / 2 - 1).unwrap_or(upper)) / 2.0)
+    } else {
+        Some(upper)
+    }
 }
 
 /// The work model's key for a request of `model`: its own for a model some endpoint lists,
@@ -137,18 +230,24 @@ impl Served {
 }
 
 /// Every configured endpoint's scraped load, if fresh (`None`: unknown — no metrics, never
-/// scraped, failed or stale; hosted API keys have none).
+/// scraped, failed or stale; hosted API keys have none). One shared-data read, the scraper's
+/// combined value, whatever the number of scraped endpoints.
 pub fn engine_loads(store: &dyn Store, cfg: &Config, now_ms: u64) -> Vec<Option<EngineLoad>> {
+    let loads = scrape::read_loads(store);
     cfg.endpoints
         .iter()
         .map(|ep| {
-            let rec = scrape::read(store, &scrape::record_key(&ep.name));
-            match rec.state_at(now_ms, SCRAPE_STALE_MS) {
+            let stale = ep
+                .metrics
+                .as_ref()
+                .map_or(SCRAPE_STALE_MS, |m| m.stale_after_ms().min(SCRAPE_STALE_MS));
+            let scraped_ms = loads.get(ep.id).map_or(0, |r| r.scraped_at_ms);
+            match loads.state(ep.id, now_ms, stale) {
                 LoadState::Known(l) => Some(EngineLoad {
                     waiting: l.waiting,
                     running: l.running,
                     kv_usage_permille: l.kv_usage_permille,
-                    scraped_ms: rec.scraped_at_ms,
+                    scraped_ms,
                 }),
                 LoadState::Unknown(_) => None,
             }
@@ -200,11 +299,24 @@ pub fn judge(
     load: Option<EngineLoad>,
     now_ms: u64,
 ) -> Verdict {
+    let rule = DegradeRule::from_config(cfg);
+    let reference = peer_median(table, cfg, i, rule.min_samples);
+    judge_with(table, cfg, i, reference, load, now_ms)
+}
+
+/// [`judge`] with the peers' median already known (see [`peer_medians`]).
+pub fn judge_with(
+    table: &Table,
+    cfg: &Config,
+    i: usize,
+    reference: Option<f64>,
+    load: Option<EngineLoad>,
+    now_ms: u64,
+) -> Verdict {
     let Some((_, st)) = table.entries.get(i) else {
         return Verdict::default();
     };
     let rule = DegradeRule::from_config(cfg);
-    let reference = peer_median(table, cfg, i, rule.min_samples);
     let own = Slowness {
         degraded: st.degraded,
         ..st.slowness
@@ -274,6 +386,73 @@ mod tests {
             {"name":"e","cluster":"e","models":["m1"],"disabled":true}
         ]}))
         .unwrap()
+    }
+
+    /// The per-model medians against a brute force over `peers` per model.
+    #[test]
+    fn peer_medians_match_a_brute_force_per_model() {
+        let c = Config::from_json(
+            br#"{"endpoints":[
+                {"name":"a","cluster":"a","models":["m1"]},{"name":"b","cluster":"b","models":["m1","m2"]},
+                {"name":"c","cluster":"c","models":["m1"]},{"name":"d","cluster":"d","models":["m1"]},
+                {"name":"e","cluster":"e","models":["m2"]},{"name":"f","cluster":"f"},
+                {"name":"g","cluster":"g","models":["m2"],"disabled":true}]}"#,
+        )
+        .unwrap_or_default();
+        assert_eq!(c.endpoints.len(), 7);
+        let mut t = Table::load(None, &c).0;
+        for (k, (_, st)) in t.entries.iter_mut().enumerate() {
+            // d is cold; the others warm with distinct and equal values.
+            st.slowness.samples = if k == 3 { 2 } else { 40 };
+            st.slowness.log_mean = [0.0, 0.4, 0.0, 1.0, 0.2, 0.9, 0.3][k];
+        }
+        let fast = peer_medians(&t, &c, 20);
+        let warm = |j: usize| {
+            let st = &t.entries[j].1;
+            (st.slowness.samples >= 20 && !c.endpoints[j].disabled)
+                .then(|| st.slowness.value())
+                .flatten()
+        };
+        let median = |mut v: Vec<f64>| {
+            v.sort_unstable_by(f64::total_cmp);
+            let n = v.len();
+            (n > 0).then(|| {
+                if n.is_multiple_of(2) {
+                    (v[n / 2] + v[n / 2 - 1]) / 2.0
+                } else {
+                    v[n / 2]
+                }
+            })
+        };
+        #[allow(clippy::needless_range_loop)]
+        for i in 0..7 {
+            let serves = |j: usize, m: &str| {
+                c.endpoints[j]
+                    .models
+                    .as_ref()
+                    .is_none_or(|ms| ms.iter().any(|x| x == m))
+            };
+            let expected = match &c.endpoints[i].models {
+                None => median((0..7).filter(|&j| j != i).filter_map(warm).collect()),
+                Some(ms) => ms
+                    .iter()
+                    .filter_map(|m| {
+                        median(
+                            (0..7)
+                                .filter(|&j| j != i && serves(j, m))
+                                .filter_map(warm)
+                                .collect(),
+                        )
+                    })
+                    .reduce(f64::max),
+            };
+            match (fast[i], expected) {
+                (Some(x), Some(y)) => assert!((x - y).abs() < 1e-12, "{i}: {x} vs {y}"),
+                (a, b) => assert_eq!(a, b, "{i}"),
+            }
+        }
+        // a (m1): peers b, c, f warm (d cold) -> e^0.4, 1, e^0.9 -> median 1.49
+        assert!((fast[0].unwrap_or(0.0) - 0.4f64.exp()).abs() < 1e-9);
     }
 
     #[test]
@@ -347,7 +526,9 @@ mod tests {
             prompt_tokens_total: None,
             prompt_tokens_cached_total: None,
         };
-        scrape::record(&store, &scrape::record_key("b"), 1_000, Ok(load)).unwrap();
+        let rec = scrape::record(&store, &scrape::record_key("b"), 1_000, Ok(load)).unwrap();
+        let ids: Vec<u32> = c.endpoints.iter().map(|e| e.id).collect();
+        scrape::publish(&store, c.endpoints[1].id, rec, &ids).unwrap();
         let l = engine_loads(&store, &c, 2_000);
         assert_eq!(l[0], None);
         assert_eq!(

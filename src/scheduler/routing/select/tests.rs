@@ -1384,11 +1384,23 @@ fn scraped(store: &dyn Store, name: &str, waiting: u32, running: u32, now: u64) 
         prompt_tokens_total: None,
         prompt_tokens_cached_total: None,
     };
-    crate::scheduler::routing::scrape::record(
+    let rec = crate::scheduler::routing::scrape::record(
         store,
         &crate::scheduler::routing::scrape::record_key(name),
         now,
         Ok(load),
+    )
+    .unwrap();
+    // The scheduler reads the scraper's combined value: publish there, keeping the others.
+    let keep: Vec<u32> = ["a", "b", "c", "d", "e", "f"]
+        .iter()
+        .map(|n| crate::scheduler::state::hash::endpoint_id(n))
+        .collect();
+    crate::scheduler::routing::scrape::publish(
+        store,
+        crate::scheduler::state::hash::endpoint_id(name),
+        rec,
+        &keep,
     )
     .unwrap();
 }
