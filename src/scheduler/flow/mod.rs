@@ -1,5 +1,6 @@
 //! One client request's life, from its headers to the end of its answer — host-independent.
-//! (About 870 lines: one state machine, `Flow`; its session special cases are in `pins.rs`,
+//! (About 1 000 lines: one state machine, `Flow`, with the attempt bookkeeping that feeds the
+//! work model; its session special cases are in `pins.rs`,
 //! the answers it builds in `answer.rs`.)
 //!
 //! The top room: it may import every other room (`time`, `state`, `config`, `wire`, `health`,

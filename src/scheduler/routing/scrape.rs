@@ -1,4 +1,5 @@
 //! The bookkeeping around scraping engines' `/metrics`: who scrapes, what was scraped, and
+//! (Over 600 lines with its unit tests: lease, record, combined value and quantization are one shared-data protocol, tested together; the code itself is about 560 lines.)
 //! whether it can still be trusted.
 //!
 //! Why: an Envoy process runs one VM per worker thread, and every one of them has a root

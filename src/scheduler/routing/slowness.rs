@@ -1,4 +1,5 @@
 //! Slowness: how long an endpoint takes *for the work it was given*, compared with its peers.
+//! (Over 600 lines with its unit tests: the work model and the per-endpoint slowness share one codec and one set of worked examples; the code itself is about 550 lines.)
 //!
 //! Why: a raw latency estimate mixes unlike samples. A plain (non-streamed) answer's latency is
 //! its whole generation; a streamed one's is its first token; both grow with the uncached part

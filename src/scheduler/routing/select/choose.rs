@@ -1,0 +1,557 @@
+//! The pick's steps, top to bottom: `board` (what the decision knows of every candidate:
+//! weights, verdicts, admission, quota, load) → `pin_verdict` (a live pin kept, broken or moved)
+//! → `walk` (rendezvous order, skipping what cannot take a new session; probes) → `fallback` →
+//! `settle` (the reason, the affinity result, whether a success pins).
+
+use super::*;
+
+impl<'a> Scheduler<'a> {
+    /// The decision, read-only over a table snapshot, in four named steps (see the module doc):
+    /// [`Scheduler::board`] (what every endpoint may do: weights, verdicts, quota, breaker
+    /// admission), [`Scheduler::pin_verdict`] (keep, break or move a live pin),
+    /// [`Scheduler::walk`] (placement in rendezvous order, with the probe decision), and
+    /// [`Scheduler::settle`] (the labels and whether a success pins).
+    pub(super) fn choose(
+        &self,
+        table: &Table,
+        candidates: &[usize],
+        pick: &Pick<'_>,
+        pinned: Option<u32>,
+        loads: &[Option<EngineLoad>],
+        now_ms: u64,
+    ) -> Result<Choice, NoEndpoint> {
+        let bcfg = self.breaker_config();
+        let mut board = self.board(table, candidates, pick, loads, now_ms, &bcfg)?;
+        let pinned_index = pinned.and_then(|id| self.cfg.endpoint_index(id));
+        board.pinned = pinned_index;
+        let key = pick.session.unwrap_or(pick.nonce);
+        // The session's home: the first non-degraded endpoint of its rendezvous order.
+        let home = placement::first(key, &board.weights, |i| !board.degraded(i));
+        let mut quota_skipped = Vec::new();
+        let pin = self.pin_verdict(
+            &board,
+            table,
+            pick,
+            pinned_index,
+            now_ms,
+            &mut quota_skipped,
+        );
+        if let PinVerdict::Keep(p) = pin {
+            return Ok(Choice {
+                endpoint: p,
+                reason: Reason::AffinityHit,
+                affinity: AffinityResult::Hit,
+                pin_on_success: true,
+                broke_pin_of: None,
+                moved: None,
+                home,
+                verdicts: board.stored_verdicts(),
+                quota_skipped,
+            });
+        }
+        let walked = self.walk(&board, table, key, &pin, pick, now_ms, &mut quota_skipped);
+        let (endpoint, reason) = match walked.or_else(|| fallback(&board, key, &pin)) {
+            Some(c) => c,
+            None => return Err(NoEndpoint::Exhausted),
+        };
+        Ok(self.settle(
+            &board,
+            pick,
+            pinned_index,
+            &pin,
+            endpoint,
+            reason,
+            home,
+            quota_skipped,
+        ))
+    }
+
+    /// Step 1: what every endpoint may do in this decision. Weights and verdicts come from
+    /// every endpoint that could serve the request at all, before request exclusions and
+    /// breakers, so that a failover walks the first attempt's order; breaker admission is of
+    /// this attempt's candidates (`Err` when none admits).
+    pub(super) fn board(
+        &self,
+        table: &Table,
+        candidates: &[usize],
+        pick: &Pick<'_>,
+        loads: &[Option<EngineLoad>],
+        now_ms: u64,
+        bcfg: &BreakerConfig,
+    ) -> Result<Board, NoEndpoint> {
+        let cfg = self.cfg;
+        let n = cfg.endpoints.len();
+        let state = |i: usize| table.entries.get(i).map(|(_, st)| st);
+        let statics: Vec<usize> = (0..n)
+            .filter(|&i| {
+                cfg.endpoints
+                    .get(i)
+                    .is_some_and(|e| !e.disabled && serves_opt(e, pick.model))
+            })
+            .collect();
+        let mut verdicts = vec![Verdict::default(); n];
+        let references =
+            signals::peer_medians(table, cfg, DegradeRule::from_config(cfg).min_samples);
+        let mut weights = Vec::with_capacity(statics.len());
+        // Requests without a session keep the full score (nothing to keep together).
+        let best_latency = fastest_warm(
+            statics.iter().filter_map(|&i| state(i)),
+            cfg.cold_start_samples,
+        );
+        for &i in &statics {
+            let (Some(ep), Some(st)) = (cfg.endpoints.get(i), state(i)) else {
+                continue;
+            };
+            let load = loads.get(i).copied().flatten();
+            if let Some(v) = verdicts.get_mut(i) {
+                let reference = references.get(i).copied().flatten();
+                *v = signals::judge_with(table, cfg, i, reference, load, now_ms);
+            }
+            let w = match pick.session {
+                Some(_) => placement::weigh(ep.weight, st, cfg, now_ms),
+                None => score(ep.weight, st, best_latency, cfg, now_ms).score,
+            };
+            weights.push((i, ep.id, w));
+        }
+        // Quota: short endpoints are skipped for placements, a certain 429 even by a pin.
+        let estimate = estimate_tokens(pick.body_bytes, cfg.quota_bytes_per_token);
+        let rule = self.quota_rule();
+        let quota = |i: usize| state(i).filter(|_| cfg.quota_aware).map(|st| st.quota);
+        let short = (0..n)
+            .map(|i| quota(i).is_some_and(|q| q.short(estimate, &rule, now_ms)))
+            .collect();
+        let certain_429 = (0..n)
+            .map(|i| quota(i).is_some_and(|q| q.certain_429(estimate, now_ms)))
+            .collect();
+        // The engines' own running + waiting where every candidate reports it (one unit for
+        // all: an engine's count includes every replica's requests, an in-flight count only
+        // this one's), else this replica's in-flight counts.
+        let all_scraped = statics
+            .iter()
+            .all(|&i| loads.get(i).copied().flatten().is_some());
+        let load = (0..n)
+            .map(|i| {
+                let l = loads.get(i).copied().flatten().filter(|_| all_scraped);
+                state(i).map_or(0, |st| signals::placement_load(st, l.as_ref(), now_ms))
+            })
+            .collect();
+        let admission = admit(table, candidates, n, now_ms, bcfg)?;
+        let mut weight_at = vec![0.0; n];
+        for &(i, _, w) in &weights {
+            if let Some(slot) = weight_at.get_mut(i) {
+                *slot = w;
+            }
+        }
+        Ok(Board {
+            pinned: None,
+            statics,
+            weights,
+            weight_at,
+            verdicts,
+            short,
+            certain_429,
+            load,
+            admission,
+        })
+    }
+
+    /// Step 2: what becomes of a live pin. Kept, unless staying is a certain 429 (placed
+    /// again, the pin untouched), its endpoint is degraded (the pin is broken), or it is
+    /// saturated with a wait longer than re-prefilling elsewhere and the session was not moved
+    /// for that reason within its TTL (moved).
+    pub(super) fn pin_verdict(
+        &self,
+        board: &Board,
+        table: &Table,
+        pick: &Pick<'_>,
+        pinned: Option<usize>,
+        now_ms: u64,
+        quota_skipped: &mut Vec<usize>,
+    ) -> PinVerdict {
+        let Some(p) = pinned.filter(|&p| board.admitted(p)) else {
+            return PinVerdict::None;
+        };
+        if board.flag(&board.certain_429, p) {
+            quota_skipped.push(p);
+            return PinVerdict::None;
+        }
+        if board.degraded(p) {
+            return PinVerdict::Break(p);
+        }
+        if board.saturated(p)
+            && board.room_elsewhere(p)
+            && self.saturated_pin_moves(board, table, pick, p, now_ms)
+        {
+            return PinVerdict::Move(p);
+        }
+        PinVerdict::Keep(p)
+    }
+
+    /// Whether a session pinned to saturated `p` moves: the expected wait there exceeds
+    /// re-prefilling its prompt elsewhere (`saturation::keep_pin`), and it was not moved for
+    /// saturation within its TTL.
+    pub(super) fn saturated_pin_moves(
+        &self,
+        board: &Board,
+        table: &Table,
+        pick: &Pick<'_>,
+        p: usize,
+        now_ms: u64,
+    ) -> bool {
+        let Some(load) = board.verdicts.get(p).and_then(|v| v.load) else {
+            return false;
+        };
+        let model = signals::read_model(self.store, &signals::work_key(self.cfg, pick.model));
+        if !model.warm() {
+            return false;
+        }
+        let slowness = table
+            .entries
+            .get(p)
+            .and_then(|(_, st)| st.slowness.value())
+            .unwrap_or(1.0);
+        let case = PinCase {
+            waiting: load.waiting,
+            slots: load.running.map(|r| r.max(1)),
+            service_ms: model.service_ms(TYPICAL_UNCACHED_TOKENS, TYPICAL_COMPLETION_TOKENS)
+                * slowness,
+            cached_tokens: estimate_tokens(pick.body_bytes, self.cfg.quota_bytes_per_token),
+            prefill_ms_per_token: model.prefill_ms_per_token(),
+            elsewhere_wait_ms: 0.0,
+        };
+        if keep_pin(&case) {
+            return false;
+        }
+        // The moves table holds marks younger than the affinity TTL only.
+        let marked = pick
+            .session
+            .and_then(|s| self.moves().lookup(s, now_ms))
+            .and_then(move_reason);
+        marked != Some(MoveReason::Saturated)
+    }
+
+    /// Step 3: placement, the first candidate in rendezvous order that admits traffic, is not
+    /// degraded (but for a due probe), not saturated while another has room, not short of
+    /// quota, and within its bounded load. `None` when nothing is placeable.
+    #[allow(clippy::too_many_arguments)]
+    pub(super) fn walk(
+        &self,
+        board: &Board,
+        table: &Table,
+        key: u64,
+        pin: &PinVerdict,
+        pick: &Pick<'_>,
+        now_ms: u64,
+        quota_skipped: &mut Vec<usize>,
+    ) -> Option<(usize, Reason)> {
+        let left = pin.left();
+        let order = placement::order(key, &board.weights);
+        let eligible = |i: usize| {
+            board.admitted(i)
+                && !board.degraded(i)
+                && Some(i) != left
+                && !(board.saturated(i) && board.room_elsewhere(i))
+        };
+        let (total_load, total_weight) = order
+            .iter()
+            .filter(|&&i| eligible(i))
+            .fold((0u64, 0.0f64), |(l, w), &i| {
+                (l + u64::from(board.load_of(i)), w + board.weight(i))
+            });
+        let mut passed = Passed::default();
+        for &i in &order {
+            if Some(i) == left {
+                passed.unavailable = true;
+                continue;
+            }
+            if board.degraded(i) {
+                if self.probe_due(board, table, i, pick, now_ms) {
+                    return Some((i, Reason::DegradedProbe));
+                }
+                passed.degraded = true;
+                continue;
+            }
+            if board.admitted(i) && board.flag(&board.short, i) && !quota_skipped.contains(&i) {
+                quota_skipped.push(i);
+            }
+            if !board.admitted(i) || board.flag(&board.short, i) {
+                passed.unavailable = true;
+                continue;
+            }
+            if board.saturated(i) && board.room_elsewhere(i) {
+                passed.saturated = true;
+                continue;
+            }
+            let load = f64::from(board.load_of(i));
+            if load + 1.0
+                > placement::load_limit(total_load, board.weight(i), total_weight, self.cfg)
+            {
+                passed.spilled.get_or_insert(i);
+                continue;
+            }
+            return Some((i, passed.reason(pin, pick.attempt)));
+        }
+        passed.spilled.map(|i| (i, Reason::Spill))
+    }
+
+    /// The probe decision: a degraded endpoint gets a first attempt of an unpinned session once
+    /// its probe interval (with backoff) has passed, if it admits traffic and has quota.
+    /// Overdue verdicts are not probed (the hits in flight are probes already).
+    pub(super) fn probe_due(
+        &self,
+        board: &Board,
+        table: &Table,
+        i: usize,
+        pick: &Pick<'_>,
+        now_ms: u64,
+    ) -> bool {
+        let sticky = board.verdicts.get(i).is_some_and(|v| v.sticky);
+        let due = table.entries.get(i).is_some_and(|(_, st)| {
+            now_ms.saturating_sub(st.degraded_probe_ms)
+                >= placement::probe_interval(self.cfg, st.degraded_probes)
+        });
+        sticky
+            && due
+            && board.admitted(i)
+            && !board.flag(&board.short, i)
+            && pick.attempt <= 1
+            && board.pinned.is_none()
+    }
+
+    /// Step 4: the labels of the decision and whether a success pins the session there.
+    #[allow(clippy::too_many_arguments)]
+    pub(super) fn settle(
+        &self,
+        board: &Board,
+        pick: &Pick<'_>,
+        pinned: Option<usize>,
+        pin: &PinVerdict,
+        endpoint: usize,
+        mut reason: Reason,
+        home: Option<usize>,
+        mut quota_skipped: Vec<usize>,
+    ) -> Choice {
+        // The pinned endpoint taken after all (nothing else could serve): the pin is kept.
+        let kept = Some(endpoint) == pin.left();
+        if kept {
+            reason = Reason::AffinityHit;
+        }
+        let broke_pin_of = match pin {
+            PinVerdict::Break(p) if !kept => Some(*p),
+            _ => None,
+        };
+        let moved = match pin {
+            PinVerdict::Move(p) if !kept => Some(*p),
+            _ => None,
+        };
+        let affinity = match (pick.session, pinned, reason) {
+            (None, _, _) => AffinityResult::None,
+            (Some(_), _, Reason::AffinityHit) => AffinityResult::Hit,
+            (Some(_), _, Reason::PinBreak) => AffinityResult::PinBreak,
+            (Some(_), Some(_), Reason::Saturated) if moved.is_some() => AffinityResult::Saturated,
+            (Some(_), Some(_), _) => AffinityResult::Miss,
+            (Some(_), None, Reason::Home) => AffinityResult::Home,
+            (Some(_), None, Reason::Spill) => AffinityResult::Spill,
+            (Some(_), None, _) => AffinityResult::Backup,
+        };
+        if board.probing(endpoint) && reason != Reason::AffinityHit {
+            reason = Reason::HalfOpenProbe;
+        }
+        let pin_on_success = match (reason, self.cfg.after_failover) {
+            (Reason::AffinityHit, _) => true,
+            // A probe, or a burst that spilled: the session's place stays its home.
+            (Reason::DegradedProbe | Reason::Spill, _) => false,
+            (_, AfterFailover::Stay) => true,
+            (_, AfterFailover::ReturnHome) => Some(endpoint) == home,
+        };
+        // Nothing else could take it: a short endpoint chosen after all was not skipped.
+        quota_skipped.retain(|&i| i != endpoint);
+        Choice {
+            endpoint,
+            reason,
+            affinity,
+            pin_on_success,
+            broke_pin_of,
+            moved,
+            home,
+            verdicts: board.stored_verdicts(),
+            quota_skipped,
+        }
+    }
+}
+
+/// What one decision knows of every endpoint (indexes into `Config::endpoints`).
+pub(super) struct Board {
+    /// The request's pinned endpoint, if any (even one that cannot serve it now).
+    pinned: Option<usize>,
+    /// Endpoints that could serve the request at all (enabled, serving its model).
+    statics: Vec<usize>,
+    /// `(index, endpoint id, placement weight)` of the statics: the rendezvous candidates.
+    weights: Vec<(usize, u32, f64)>,
+    /// The same weights by endpoint index (0 for the others): an O(1) look-up in the walk.
+    weight_at: Vec<f64>,
+    verdicts: Vec<Verdict>,
+    /// Short of quota for this request (`quota_aware`).
+    short: Vec<bool>,
+    /// Staying there is a certain 429.
+    certain_429: Vec<bool>,
+    /// The load bounded-load placement weighs (see `signals::placement_load`).
+    load: Vec<u32>,
+    /// Breaker admission of this attempt's candidates (`None`: not a candidate).
+    admission: Vec<Option<Admission>>,
+}
+
+impl Board {
+    pub(super) fn flag(&self, v: &[bool], i: usize) -> bool {
+        v.get(i).copied().unwrap_or(false)
+    }
+    pub(super) fn load_of(&self, i: usize) -> u32 {
+        self.load.get(i).copied().unwrap_or(0)
+    }
+    pub(super) fn weight(&self, i: usize) -> f64 {
+        self.weight_at.get(i).copied().unwrap_or(0.0)
+    }
+    pub(super) fn degraded(&self, i: usize) -> bool {
+        self.verdicts.get(i).is_some_and(|v| v.degraded)
+    }
+    pub(super) fn saturated(&self, i: usize) -> bool {
+        self.verdicts.get(i).is_some_and(Verdict::saturated)
+    }
+    pub(super) fn admitted(&self, i: usize) -> bool {
+        matches!(
+            self.admission.get(i).copied().flatten(),
+            Some(Admission::Normal | Admission::Probe { .. })
+        )
+    }
+    pub(super) fn probing(&self, i: usize) -> bool {
+        matches!(
+            self.admission.get(i).copied().flatten(),
+            Some(Admission::Probe { .. })
+        )
+    }
+    /// Whether some candidate other than `i` could take a new session and is not saturated:
+    /// only then is a saturated endpoint passed over (all full: placed as without metrics).
+    pub(super) fn room_elsewhere(&self, i: usize) -> bool {
+        self.statics.iter().any(|&j| {
+            j != i
+                && self.admitted(j)
+                && !self.degraded(j)
+                && !self.flag(&self.short, j)
+                && !self.saturated(j)
+        })
+    }
+    /// The verdicts to store for their hysteresis: `(index, degraded, saturation)`.
+    pub(super) fn stored_verdicts(&self) -> Vec<(usize, bool, Saturation)> {
+        self.statics
+            .iter()
+            .filter_map(|&i| self.verdicts.get(i).map(|v| (i, v.sticky, v.saturation)))
+            .collect()
+    }
+}
+
+/// Breaker admission of `candidates`; `Err(CoolingDown)` when none admits.
+pub(super) fn admit(
+    table: &Table,
+    candidates: &[usize],
+    n: usize,
+    now_ms: u64,
+    bcfg: &BreakerConfig,
+) -> Result<Vec<Option<Admission>>, NoEndpoint> {
+    let mut admission: Vec<Option<Admission>> = vec![None; n];
+    let mut retry_at = u64::MAX;
+    let mut all_rate_limited = true;
+    let mut any_admitted = false;
+    for &i in candidates {
+        let Some((_, st)) = table.entries.get(i) else {
+            continue;
+        };
+        let a = st.breaker.peek(now_ms, bcfg);
+        match a {
+            Admission::Rejected {
+                retry_at_ms,
+                rate_limited,
+            } => {
+                retry_at = retry_at.min(retry_at_ms);
+                all_rate_limited &= rate_limited;
+            }
+            _ => any_admitted = true,
+        }
+        if let Some(slot) = admission.get_mut(i) {
+            *slot = Some(a);
+        }
+    }
+    if !any_admitted {
+        return Err(NoEndpoint::CoolingDown {
+            retry_at_ms: retry_at,
+            all_rate_limited,
+        });
+    }
+    Ok(admission)
+}
+
+/// Nothing placeable by the walk: only degraded or left endpoints admit traffic. The first
+/// other one in order (a backup), else the pinned endpoint after all.
+pub(super) fn fallback(board: &Board, key: u64, pin: &PinVerdict) -> Option<(usize, Reason)> {
+    let left = pin.left();
+    placement::order(key, &board.weights)
+        .into_iter()
+        .find(|&i| board.admitted(i) && Some(i) != left)
+        .map(|i| (i, Reason::Backup))
+        .or_else(|| left.map(|i| (i, Reason::AffinityHit)))
+}
+
+/// What becomes of a live pin ([`Scheduler::pin_verdict`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(super) enum PinVerdict {
+    /// No pin, or one that cannot serve this attempt (placed as a new session).
+    None,
+    Keep(usize),
+    /// Degraded: the pin is broken.
+    Break(usize),
+    /// Saturated with a long wait: the session moves.
+    Move(usize),
+}
+
+impl PinVerdict {
+    /// The pinned endpoint the session leaves, if any.
+    pub(super) fn left(&self) -> Option<usize> {
+        match self {
+            PinVerdict::Break(p) | PinVerdict::Move(p) => Some(*p),
+            _ => None,
+        }
+    }
+}
+
+/// What the placement walk passed over before its choice.
+#[derive(Debug, Default)]
+pub(super) struct Passed {
+    /// Breaker, exclusion or quota (or the pin left).
+    unavailable: bool,
+    degraded: bool,
+    saturated: bool,
+    /// The first candidate over its bounded load.
+    spilled: Option<usize>,
+}
+
+impl Passed {
+    pub(super) fn reason(&self, pin: &PinVerdict, attempt: u32) -> Reason {
+        match pin {
+            PinVerdict::Break(_) => Reason::PinBreak,
+            PinVerdict::Move(_) => Reason::Saturated,
+            _ if attempt > 1 || self.unavailable => Reason::Backup,
+            _ if self.degraded => Reason::Degraded,
+            _ if self.saturated => Reason::Saturated,
+            _ if self.spilled.is_some() => Reason::Spill,
+            _ => Reason::Home,
+        }
+    }
+}
+
+/// The reason of a stored move mark (`Affinity` entry's endpoint field in the moves table).
+pub(super) fn move_reason(code: u32) -> Option<MoveReason> {
+    match code {
+        1 => Some(MoveReason::Saturated),
+        2 => Some(MoveReason::Degraded),
+        _ => None,
+    }
+}

@@ -1,0 +1,322 @@
+//! After an attempt: what its outcome changes, one function per concern (release, success
+//! rate, latency, slowness, payoff, quota, probe backoff, breaker, then the work model and
+//! the affinity), all in one table write.
+
+use super::*;
+
+impl<'a> Scheduler<'a> {
+    /// The first byte of a streamed answer, whose latency sample it is: the attempt stops being
+    /// watched for being overdue (its stream may go on for long). One more table write, for
+    /// watched attempts only; if it keeps losing the CAS race the finish releases the slot.
+    pub fn release_watch(&self, ticket: &mut Ticket) {
+        if ticket.watch_token == 0 {
+            return;
+        }
+        let (token, started, id, hint) = (
+            ticket.watch_token,
+            ticket.started_ms,
+            ticket.endpoint_id,
+            ticket.endpoint,
+        );
+        let cfg = self.cfg;
+        let result = update_if(self.store, TABLE_KEY, |bytes| {
+            let (mut table, same_layout) = Table::load(bytes, cfg);
+            let at = table.locate(hint, id);
+            let Some((at, (_, st))) = at.and_then(|i| Some((i, table.entries.get_mut(i)?))) else {
+                return (None, ());
+            };
+            if !st.watch.release(token, started) {
+                return (None, ());
+            }
+            let bytes = match bytes {
+                Some(stored) if same_layout => table.encode_patched(stored, at),
+                _ => table.encode(),
+            };
+            (Some(bytes), ())
+        });
+        if result.is_ok() {
+            ticket.watch_token = 0;
+        }
+    }
+
+    /// Records an attempt's outcome: in-flight −1, statistics, breaker, affinity.
+    /// `latency_ms` is the time to response headers.
+    pub fn finish(
+        &self,
+        ticket: Ticket,
+        outcome: &Outcome,
+        latency_ms: u64,
+        session: Option<u64>,
+        now_ms: u64,
+    ) -> Finished {
+        self.finish_observed(
+            ticket,
+            outcome,
+            latency_ms,
+            session,
+            &QuotaHint::default(),
+            now_ms,
+        )
+    }
+
+    /// [`Scheduler::finish`], also remembering the quota a successful answer stated (in the
+    /// same write). The bookkeeping is one function per concern, applied to the endpoint's
+    /// entry in one table write: [`release`] (in-flight, overdue watch), [`record_success`],
+    /// [`record_latency`] (raw EWMA, metrics only), [`record_slowness`], [`record_payoff`],
+    /// [`record_quota`], [`record_probe`] (probe backoff), [`record_breaker`]; then the work
+    /// model ([`signals::teach`]) and the affinity ([`Scheduler::record_affinity`]).
+    pub fn finish_observed(
+        &self,
+        ticket: Ticket,
+        outcome: &Outcome,
+        latency_ms: u64,
+        session: Option<u64>,
+        quota: &QuotaHint,
+        now_ms: u64,
+    ) -> Finished {
+        let cfg = self.cfg;
+        let rule = self.quota_rule();
+        let bcfg = self.breaker_config();
+        let min_samples = DegradeRule::from_config(cfg).min_samples;
+        // The answer judged against the work model of its model group (read before the
+        // table write; the model changes by one sample in hundreds).
+        let served = match outcome {
+            Outcome::Success => ticket.served.as_ref(),
+            _ => None,
+        };
+        let judged = served.map(|s| (s.sample(), signals::read_model(self.store, &s.work_key)));
+        let result = update_if(self.store, TABLE_KEY, |bytes| {
+            let (mut table, same_layout) = Table::load(bytes, cfg);
+            // The ticket's endpoint, also if a reload moved it; gone: nothing to record.
+            let at = table.locate(ticket.endpoint, ticket.endpoint_id);
+            let reference = at.and_then(|i| signals::peer_median(&table, cfg, i, min_samples));
+            let Some((at, (_, st))) = at.and_then(|i| Some((i, table.entries.get_mut(i)?))) else {
+                return (None, None);
+            };
+            release(st, &ticket, now_ms);
+            record_success(st, outcome, cfg, now_ms);
+            record_latency(st, outcome, latency_ms, cfg);
+            let ratio = judged
+                .as_ref()
+                .and_then(|(sample, model)| record_slowness(st, sample, model, now_ms));
+            record_payoff(st, outcome, &ticket, cfg);
+            record_quota(st, outcome, quota, &rule, cfg, now_ms);
+            record_probe(st, &ticket, ratio, reference, cfg);
+            let changed = record_breaker(st, outcome, &ticket, now_ms, &bcfg);
+            let report = Finished {
+                breaker_changed: changed,
+                breaker: st.breaker.state_at(now_ms),
+                latency_ms: st.latency_ms,
+                in_flight: st.in_flight,
+                stored: true,
+                stale: false,
+            };
+            let degraded = st.degraded;
+            let bytes = match bytes {
+                Some(stored) if same_layout => table.encode_patched(stored, at),
+                _ => table.encode(),
+            };
+            (Some(bytes), Some((report, degraded)))
+        });
+        let (mut report, degraded) = match result {
+            Ok(r) => r,
+            Err(r) => r.map(|(mut f, d)| {
+                f.stored = false;
+                (f, d)
+            }),
+        }
+        .unwrap_or((
+            Finished {
+                breaker_changed: false,
+                breaker: BreakerState::Closed,
+                latency_ms: None,
+                in_flight: 0,
+                stored: true,
+                stale: true,
+            },
+            true,
+        ));
+        // The fleet's yardstick learns from endpoints that are not degraded only.
+        if let (Some(s), Some((sample, _)), false) = (served, &judged, degraded) {
+            signals::teach(self.store, &s.work_key, sample);
+        }
+        report.stored &= self.record_affinity(&ticket, outcome, session, now_ms);
+        report
+    }
+
+    /// The session's pin after an attempt: a success pins it (unless the ticket says not), a
+    /// dead key drops a pin to that endpoint. False when a CAS retry loop gave up.
+    pub(super) fn record_affinity(
+        &self,
+        ticket: &Ticket,
+        outcome: &Outcome,
+        session: Option<u64>,
+        now_ms: u64,
+    ) -> bool {
+        let Some(s) = session else {
+            return true;
+        };
+        let aff = self.affinity();
+        match outcome {
+            Outcome::Success if ticket.pin_on_success => {
+                aff.remember(s, ticket.endpoint_id, now_ms)
+            }
+            Outcome::DeadKey => aff.forget(s, ticket.endpoint_id),
+            _ => true,
+        }
+    }
+}
+
+/// In-flight −1 (if the pick counted it) and the overdue watch released.
+pub(super) fn release(st: &mut EndpointState, ticket: &Ticket, now_ms: u64) {
+    if ticket.counted {
+        st.in_flight = st.in_flight.saturating_sub(1);
+        st.in_flight_changed_ms = now_ms;
+    }
+    st.watch.release(ticket.watch_token, ticket.started_ms);
+}
+
+/// The success-rate EWMA and the verdict count (cold start).
+pub(super) fn record_success(st: &mut EndpointState, outcome: &Outcome, cfg: &Config, now_ms: u64) {
+    let verdict = match outcome {
+        Outcome::Success => Some(1.0),
+        Outcome::DeadKey | Outcome::RateLimited { .. } | Outcome::EndpointFailure(_) => Some(0.0),
+        Outcome::ClientError | Outcome::Cancelled => None,
+    };
+    if !matches!(outcome, Outcome::Cancelled) {
+        st.total = st.total.saturating_add(1);
+    }
+    let Some(v) = verdict else {
+        return;
+    };
+    // Fold in the fading of the idle penalty first, then the new sample.
+    let idle_fade = ewma::fade(now_ms.saturating_sub(st.last_sample_ms), cfg.stats_decay_ms);
+    let faded = 1.0 - (1.0 - st.success_rate) * idle_fade;
+    // A 401/403 is deterministic (the key is dead), not a flaky sample: it weighs at least
+    // DEAD_KEY_ALPHA, so a dead key stops winning first attempts after a couple of requests.
+    let alpha = match outcome {
+        Outcome::DeadKey => cfg.success_rate_alpha.max(DEAD_KEY_ALPHA),
+        _ => cfg.success_rate_alpha,
+    };
+    st.success_rate = ewma::update(Some(faded), v, alpha).clamp(0.0, 1.0);
+    st.last_sample_ms = now_ms;
+}
+
+/// The raw latency EWMA and its mean deviation: for metrics and the score of requests without
+/// a session only (raw samples mix unlike work; see `slowness`).
+pub(super) fn record_latency(
+    st: &mut EndpointState,
+    outcome: &Outcome,
+    latency_ms: u64,
+    cfg: &Config,
+) {
+    if !matches!(outcome, Outcome::Success) {
+        return;
+    }
+    let sample = latency_ms as f64;
+    if let Some(prev) = st.latency_ms {
+        st.latency_dev_ms = ewma::update(
+            Some(st.latency_dev_ms),
+            (sample - prev).abs(),
+            ewma::DEVIATION_ALPHA,
+        );
+    }
+    st.latency_ms = Some(ewma::update(st.latency_ms, sample, cfg.ewma_alpha));
+}
+
+/// The endpoint's slowness, from a successful answer judged against the work model. Returns
+/// the sample's unclamped ratio (observed ÷ expected), `None` while the model is cold.
+pub(super) fn record_slowness(
+    st: &mut EndpointState,
+    sample: &Sample,
+    model: &WorkModel,
+    now_ms: u64,
+) -> Option<f64> {
+    st.slowness.observe(sample, model, now_ms)?;
+    Some(sample.observed_ms.max(slowness::FLOOR_MS) / model.expected_ms(sample))
+}
+
+/// The affinity payoff, from the usage of an affinity hit's answer.
+pub(super) fn record_payoff(
+    st: &mut EndpointState,
+    outcome: &Outcome,
+    ticket: &Ticket,
+    cfg: &Config,
+) {
+    if let (Outcome::Success, Some(u)) = (outcome, &ticket.pinned_usage) {
+        st.payoff.observe(u, cfg.payoff_min_prompt_tokens);
+    }
+}
+
+/// The quota a successful answer stated (`quota_aware`).
+pub(super) fn record_quota(
+    st: &mut EndpointState,
+    outcome: &Outcome,
+    quota: &QuotaHint,
+    rule: &QuotaRule,
+    cfg: &Config,
+    now_ms: u64,
+) {
+    if matches!(outcome, Outcome::Success) && cfg.quota_aware {
+        st.quota.observe(quota, rule, now_ms);
+    }
+}
+
+/// Probe backoff: a degraded endpoint's probe whose answer was fast for its work (its ratio
+/// below `degraded_exit_ratio` × the peers' median slowness) resets the probe interval.
+pub(super) fn record_probe(
+    st: &mut EndpointState,
+    ticket: &Ticket,
+    ratio: Option<f64>,
+    reference: Option<f64>,
+    cfg: &Config,
+) {
+    let fast = match (ratio, reference) {
+        (Some(r), Some(peers)) => r < cfg.degraded_exit_ratio * peers,
+        _ => false,
+    };
+    if ticket.degraded_probe && fast {
+        // Recovering: probe at the base interval again.
+        st.degraded_probes = 0;
+    }
+}
+
+/// The breaker; returns whether its state changed.
+pub(super) fn record_breaker(
+    st: &mut EndpointState,
+    outcome: &Outcome,
+    ticket: &Ticket,
+    now_ms: u64,
+    bcfg: &BreakerConfig,
+) -> bool {
+    let changed = st.breaker.record(outcome, ticket.probe_epoch, now_ms, bcfg);
+    if changed && st.breaker.state == BreakerState::Closed {
+        // All probes succeeded: the endpoint has genuinely recovered.
+        st.success_rate = 1.0;
+    }
+    changed
+}
+
+/// Stores a verdict that flipped for its hysteresis; returns whether anything changed. A newly
+/// degraded endpoint gets its first probe one interval later.
+pub(super) fn store_verdict(
+    st: &mut EndpointState,
+    degraded: bool,
+    saturation: Saturation,
+    now_ms: u64,
+) -> bool {
+    let mut changed = false;
+    if st.degraded != degraded {
+        st.degraded = degraded;
+        st.degraded_probes = 0;
+        if degraded {
+            st.degraded_probe_ms = now_ms;
+        }
+        changed = true;
+    }
+    if st.saturation != saturation {
+        st.saturation = saturation;
+        changed = true;
+    }
+    changed
+}
