@@ -5,14 +5,14 @@
 #![no_main]
 
 use arbitrary::Arbitrary;
-use computeflux::scheduler::routing::affinity::{self, Entry, KEY_PREFIX};
 use computeflux::scheduler::health::breaker::{Breaker, BreakerState, OpenCause};
+use computeflux::scheduler::routing::affinity::{self, Entry, KEY_PREFIX};
 use computeflux::scheduler::routing::overdue::{Slot, Watch};
 use computeflux::scheduler::routing::payoff::Payoff;
 use computeflux::scheduler::routing::quota::{Quota, Remaining};
 use computeflux::scheduler::routing::saturation::Saturation;
-use computeflux::scheduler::routing::slowness::Slowness;
 use computeflux::scheduler::routing::select::TABLE_KEY;
+use computeflux::scheduler::routing::slowness::Slowness;
 use computeflux::scheduler::routing::table::Table;
 use computeflux::scheduler::{
     Config, EndpointState, Exclusions, MemStore, Outcome, Pick, RetryBudget, Scheduler, Store,

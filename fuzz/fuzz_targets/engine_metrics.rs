@@ -4,8 +4,8 @@
 #![no_main]
 
 use arbitrary::Arbitrary;
-use computeflux::scheduler::wire::engine_load::{parse, Format};
 use computeflux::scheduler::routing::scrape::{Lease, Scraped};
+use computeflux::scheduler::wire::engine_load::{parse, Format};
 use libfuzzer_sys::fuzz_target;
 
 #[derive(Arbitrary, Debug)]
@@ -34,7 +34,10 @@ fuzz_target!(|input: Input<'_>| {
     let p = parse(input.body, full, format, &models, max);
     assert!(p.stats.bytes_read <= max.min(input.body.len()));
     assert!(p.stats.garbage_lines <= p.stats.lines);
-    assert_eq!(p.stats.truncated, max < input.body.len() || input.missing > 0);
+    assert_eq!(
+        p.stats.truncated,
+        max < input.body.len() || input.missing > 0
+    );
     if let Ok(l) = p.load {
         assert!(l.kv_usage_permille.is_none_or(|k| k <= 1000));
     }

@@ -11,8 +11,8 @@
 //!   on the first `JUDGE_BYTES`.
 #![no_main]
 
-use computeflux::scheduler::api::{policy, Handling};
 use computeflux::scheduler::health::blame::{judge_429, JUDGE_BYTES};
+use computeflux::scheduler::wire::api::{policy, Handling};
 use computeflux::scheduler::wire::path::{canonical, check, has_encoded_slash, path_part};
 use libfuzzer_sys::fuzz_target;
 
