@@ -713,8 +713,10 @@ mod tests {
             (3.0, 1.5, 50.0, 20)
         );
         // 2.9x of the peers: not yet; 3x with 100 ms of expected work (200 ms extra): yes.
+        // (Just above 3.0: the value goes through ln/exp, whose last bit differs between the
+        // native libm and wasm32's, so exactly 3.0 may read as 2.9999999999999996 there.)
         assert!(!degraded(&warm_at(2.9, 100.0), Some(1.0), &rule));
-        assert!(degraded(&warm_at(3.0, 100.0), Some(1.0), &rule));
+        assert!(degraded(&warm_at(3.000_001, 100.0), Some(1.0), &rule));
         // 3x of tiny work (20 ms expected → 40 ms extra) is noise.
         assert!(!degraded(&warm_at(3.0, 20.0), Some(1.0), &rule));
         // Cold, or without warm peers: never.
