@@ -44,6 +44,13 @@ extern "C" {
         return_buffer_data: *mut *mut u8,
         return_buffer_size: *mut usize,
     ) -> u32;
+    fn proxy_set_buffer_bytes(
+        buffer_type: u32,
+        start: usize,
+        size: usize,
+        buffer_data: *const u8,
+        buffer_size: usize,
+    ) -> u32;
     fn proxy_get_header_map_pairs(
         map_type: u32,
         return_map_data: *mut *mut u8,
@@ -222,6 +229,14 @@ pub fn buffer(kind: BufferType, start: usize, max: usize) -> Vec<u8> {
     } else {
         Vec::new()
     }
+}
+
+/// Replaces the whole of a buffer (`size` its current length, or more) with `data`. False if
+/// the host refused (e.g. the buffer is not available in this callback).
+pub fn replace_buffer(kind: BufferType, size: usize, data: &[u8]) -> bool {
+    // SAFETY: `data` is live for the call; Envoy copies it (start 0 and a non-zero size drain
+    // the buffer, then the data is prepended).
+    unsafe { proxy_set_buffer_bytes(kind as u32, 0, size.max(1), data.as_ptr(), data.len()) == OK }
 }
 
 /// Every header of `map` (empty if the map is unavailable or its encoding is malformed).

@@ -77,6 +77,19 @@ impl Http {
                         host::set_header(req, name, value.as_bytes());
                     }
                 }
+                // The body decided on (a follow-up without `previous_response_id`), not the
+                // one Envoy buffered; its framing follows it.
+                if let Some((body, declared)) = self.flow.rewritten_body() {
+                    host::replace_buffer(BufferType::HttpRequestBody, usize::MAX, body);
+                    if declared {
+                        let len = body.len().to_string();
+                        host::set_header(
+                            MapType::HttpRequestHeaders,
+                            "content-length",
+                            len.as_bytes(),
+                        );
+                    }
+                }
                 Action::Continue
             }
             Step::Dispatch(i) => {

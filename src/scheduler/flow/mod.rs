@@ -222,6 +222,18 @@ impl Attempt {
     }
 }
 
+/// A Responses API follow-up bound to the endpoint holding its previous response.
+#[derive(Debug, Clone)]
+struct Holder {
+    endpoint_id: u32,
+    previous_response_id: String,
+    /// The input replays the conversation: if the holder cannot take it after all, it goes
+    /// anywhere without `previous_response_id`.
+    whole_input: bool,
+    /// The request's own session, for that case.
+    own_session: Option<u64>,
+}
+
 /// The answer the client gets if no failover call can be sent after all.
 #[derive(Debug)]
 enum Fallback {
@@ -264,6 +276,12 @@ pub struct Flow {
     /// A Responses API follow-up pinned to the endpoint holding its previous response: no
     /// other endpoint has that state, so it never fails over.
     holder_pinned: bool,
+    /// The follow-up's holder (endpoint id): its pick takes that endpoint or fails
+    /// ([`Pick::holder`]); and what to say, or do, if it fails.
+    holder: Option<Holder>,
+    /// The body differs from what the client sent (`previous_response_id` removed): the first
+    /// attempt must forward this body, not the one Envoy buffered.
+    body_rewritten: bool,
     /// A Responses API request whose answer will be stored: learn its id from the answer.
     learn_id: bool,
     /// `GET /v1/models` with `list_models: upstream_merged`: the call's answer is merged with
@@ -311,6 +329,8 @@ impl Flow {
             api: None,
             content_type: None,
             holder_pinned: false,
+            holder: None,
+            body_rewritten: false,
             learn_id: false,
             merge_models: false,
             id_scan: None,
@@ -844,6 +864,7 @@ impl Flow {
                 self.phase = Phase::Routed;
                 Step::Route(i)
             }
+            Err(no) if self.holder.is_some() => self.holder_unavailable(s, obs, no, now_ms),
             Err(no) => self.no_endpoint(obs, no, now_ms),
         }
     }
@@ -868,6 +889,7 @@ impl Flow {
             nonce: self.nonce,
             body_bytes: self.body.len(),
             pin_hint: self.pin_hint,
+            holder: self.holder.as_ref().map(|h| h.endpoint_id),
         };
         let decision = s.pick(&pick, now_ms)?;
         // A session served away from its home (or already carrying a cookie) is told where it

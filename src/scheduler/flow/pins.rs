@@ -4,12 +4,12 @@
 //! - the Responses API (`routing::responses`): a follow-up goes to the holder of its previous
 //!   response, and a stored answer's id is learned from its first bytes.
 
-use super::{Flow, Observer, Step};
+use super::{Flow, Holder, Observer, Step};
 use crate::scheduler::config::Config;
 use crate::scheduler::health::outcome::Outcome;
 use crate::scheduler::routing::pin_cookie;
-use crate::scheduler::routing::responses::{self, AnswerFormat, IdScan};
-use crate::scheduler::routing::select::{Decision, Scheduler};
+use crate::scheduler::routing::responses::{self, AnswerFormat, HolderUnavailable, IdScan};
+use crate::scheduler::routing::select::{Decision, NoEndpoint, Scheduler};
 use crate::scheduler::wire::headers::HeaderSource;
 use crate::scheduler::wire::reply::{RejectReason, Reply};
 
@@ -64,28 +64,108 @@ impl Flow {
         let holder = responses::holder(s, self.tenant.as_deref(), &prev, now_ms)?;
         match responses::check_holder(s, holder, self.model.as_deref(), &self.exclusions, now_ms) {
             Ok(_) => {
+                self.holder = Some(Holder {
+                    endpoint_id: holder,
+                    previous_response_id: prev.clone(),
+                    whole_input: f.whole_input,
+                    own_session: self.session,
+                });
                 self.session = Some(responses::response_key(self.tenant.as_deref(), &prev));
                 self.holder_pinned = true;
                 None
             }
             Err(_) if f.whole_input => {
-                if let Some(body) = responses::without_previous_response_id(&self.body) {
-                    self.body = body;
-                }
+                self.drop_previous_response_id();
                 None
             }
-            Err(e) => {
-                let reason = match e.status() {
-                    404 => RejectReason::PreviousResponseNotFound,
-                    _ => RejectReason::PreviousResponseUnavailable,
-                };
-                let mut reply = Reply::new(e.status(), reason, &e.message(&prev, now_ms));
-                if let Some(secs) = e.retry_after_s(now_ms) {
-                    reply = reply.retry_after(secs);
-                }
-                Some(self.reply(obs, reply))
-            }
+            Err(e) => Some(self.refuse_follow_up(obs, &e, &prev, now_ms)),
         }
+    }
+
+    /// The body without `previous_response_id`; the first attempt forwards it (the glue
+    /// replaces Envoy's buffered body with [`Flow::rewritten_body`]).
+    fn drop_previous_response_id(&mut self) {
+        if let Some(body) = responses::without_previous_response_id(&self.body) {
+            self.body = body;
+            self.body_rewritten = true;
+        }
+    }
+
+    /// The body the first attempt must forward instead of the one Envoy buffered, if the flow
+    /// changed it (a whole-input follow-up placed away from its holder), and whether the
+    /// request declared a `content-length` (then the host sets it to the new length; a chunked
+    /// request stays chunked). The host replaces the buffered body before it performs
+    /// [`Step::Route`].
+    pub fn rewritten_body(&self) -> Option<(&[u8], bool)> {
+        let declared = self
+            .headers
+            .iter()
+            .any(|(n, _)| n.eq_ignore_ascii_case("content-length"));
+        self.body_rewritten
+            .then_some((self.body.as_slice(), declared))
+    }
+
+    /// The holder's pick failed (its breaker turned, or it already failed this request): a
+    /// whole-input follow-up goes anywhere without `previous_response_id`; any other gets the
+    /// retryable `503 previous_response_unavailable` (or the 404 if the holder is gone).
+    pub(super) fn holder_unavailable(
+        &mut self,
+        s: &Scheduler<'_>,
+        obs: &mut dyn Observer,
+        no: NoEndpoint,
+        now_ms: u64,
+    ) -> Step {
+        let Some(h) = self.holder.take() else {
+            return self.no_endpoint(obs, no, now_ms);
+        };
+        if h.whole_input {
+            self.holder_pinned = false;
+            self.session = h.own_session;
+            self.drop_previous_response_id();
+            return self.first_attempt(s, obs, now_ms);
+        }
+        let model = self.model.as_deref();
+        let e = match responses::check_holder(s, h.endpoint_id, model, &self.exclusions, now_ms) {
+            Err(e) => e,
+            Ok(i) => {
+                let name = s
+                    .cfg
+                    .endpoints
+                    .get(i)
+                    .map_or_else(String::new, |e| e.name.clone());
+                match no {
+                    NoEndpoint::CoolingDown {
+                        retry_at_ms,
+                        all_rate_limited,
+                    } => HolderUnavailable::CoolingDown {
+                        name,
+                        retry_at_ms,
+                        rate_limited: all_rate_limited,
+                    },
+                    _ => HolderUnavailable::FailedInRequest { name },
+                }
+            }
+        };
+        self.refuse_follow_up(obs, &e, &h.previous_response_id, now_ms)
+    }
+
+    /// The OpenAI-shaped refusal of a follow-up whose holder cannot take it.
+    fn refuse_follow_up(
+        &mut self,
+        obs: &mut dyn Observer,
+        e: &HolderUnavailable,
+        prev: &str,
+        now_ms: u64,
+    ) -> Step {
+        let reason = match e.status() {
+            404 => RejectReason::PreviousResponseNotFound,
+            _ => RejectReason::PreviousResponseUnavailable,
+        };
+        let mut reply = Reply::new(e.status(), reason, &e.message(prev, now_ms));
+        if let Some(secs) = e.retry_after_s(now_ms) {
+            reply = reply.retry_after(secs);
+        }
+        self.reply(obs, reply)
     }
 
     /// Whether the relayed answer's body chunks should be passed to [`Flow::on_answer_chunk`].

@@ -646,6 +646,7 @@ fn a_reload_under_an_attempt_is_not_a_lost_update() {
             nonce: 0,
             body_bytes: 0,
             pin_hint: None,
+            holder: None,
         },
         1,
     );
@@ -1154,4 +1155,72 @@ fn finished_answers_are_judged_against_their_work() {
         .slowness;
     assert_eq!((sl.samples, sl.last_sample_ms), (2, 21_000));
     assert_eq!(read_model(&store, &key).samples, 65);
+}
+
+/// Issue 22, item 2: a follow-up whose holder is cooling down. A plain one gets the retryable
+/// 503 without a pick; one that replays its whole input is routed elsewhere, and the body the
+/// first attempt forwards is the one without `previous_response_id` (before, only failover
+/// copies had it removed: the first attempt forwarded Envoy's buffered body unchanged).
+#[test]
+fn a_whole_input_follow_up_forwards_the_body_decided_on_from_its_first_attempt() {
+    let c = cfg(json!({}));
+    let store = MemStore::new();
+    let s = Scheduler::new(&c, &store);
+    let mut log = Log::default();
+    let a = c.endpoints[0].id;
+    assert!(responses::remember(&s, None, "resp_1", a, 0));
+    // a is rate limited for 30 s.
+    let ex = Exclusions::default();
+    let pick = Pick {
+        model: Some("m"),
+        session: None,
+        attempt: 1,
+        exclusions: &ex,
+        nonce: 0,
+        body_bytes: 0,
+        pin_hint: None,
+        holder: Some(a),
+    };
+    let d = s.pick(&pick, 0).unwrap();
+    let limited = Outcome::RateLimited {
+        retry_after_ms: Some(30_000),
+    };
+    s.finish(d.ticket, &limited, 1, None, 0);
+    let headers = || {
+        pairs(&[
+            (":method", "POST"),
+            (":path", "/v1/responses"),
+            (":authority", "llm"),
+            ("content-type", "application/json"),
+            ("content-length", "1"),
+        ])
+    };
+    let plain = br#"{"model":"m","previous_response_id":"resp_1","input":"next"}"#;
+    let mut f = Flow::default();
+    f.on_request_headers(&s, &mut log, headers(), false, 10);
+    match f.on_request_body(&s, &mut log, plain.len(), true, &mut || plain.to_vec(), 10) {
+        Step::Reply(r) => {
+            assert_eq!(
+                (r.status, r.reason.label()),
+                (503, "previous_response_unavailable")
+            );
+            assert!(r.headers.iter().any(|(n, _)| *n == "retry-after"), "{r:?}");
+        }
+        other => panic!("{other:?}"),
+    }
+    assert_eq!(f.rewritten_body(), None);
+    let whole = br#"{"model":"m","previous_response_id":"resp_1","input":[{"role":"user","content":"hi"},{"role":"assistant","content":"yo"},{"role":"user","content":"next"}]}"#;
+    let mut f = Flow::default();
+    f.on_request_headers(&s, &mut log, headers(), false, 10);
+    let step = f.on_request_body(&s, &mut log, whole.len(), true, &mut || whole.to_vec(), 10);
+    assert!(matches!(step, Step::Route(i) if i != 0), "{step:?}");
+    let (body, declared) = f.rewritten_body().unwrap();
+    assert!(declared);
+    let sent: serde_json::Value = serde_json::from_slice(body).unwrap();
+    assert!(sent.get("previous_response_id").is_none(), "{sent}");
+    assert_eq!(sent["input"].as_array().map(Vec::len), Some(3));
+    // A request that was not rewritten forwards Envoy's body.
+    let mut g = Flow::default();
+    route(&mut g, &s, &mut log, post_headers(&[]), 20);
+    assert_eq!(g.rewritten_body(), None);
 }

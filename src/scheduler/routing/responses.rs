@@ -15,7 +15,9 @@
 //!   (`affinity_max_sessions`). Only the hash is stored. Answers to requests with
 //!   `"store": false` are not remembered: nothing was kept for them.
 //! - **Follow.** A request with `previous_response_id` ([`parse_follow_up`]) uses that key as
-//!   its session: a live entry makes the scheduler pick the holder (an affinity hit), and the
+//!   its session, and a live entry binds the pick to the holder (`Pick::holder`): it is taken
+//!   whatever its degraded or saturated verdict, its quota or a pin cookie (issue 22: each
+//!   of those used to send the follow-up elsewhere, to a certain 404), or the pick fails. The
 //!   success refreshes the entry. No entry (never seen, expired, or produced behind another
 //!   Envoy): routed as usual; the upstream answers 404 if it does not hold the state, as
 //!   OpenAI does.
@@ -32,7 +34,8 @@
 //!   `reasoning` / `function_call` item; see [`FollowUp::whole_input`]) does not need the
 //!   stored state. When its holder is unavailable it is routed like a new conversation, with
 //!   `previous_response_id` removed from the body ([`without_previous_response_id`]) so that
-//!   the endpoint that gets it does not look for state it lacks.
+//!   the endpoint that gets it does not look for state it lacks — on its first attempt too:
+//!   the filter replaces the body Envoy buffered (`Flow::rewritten_body`).
 
 use crate::scheduler::config::Config;
 use crate::scheduler::health::breaker::Admission;

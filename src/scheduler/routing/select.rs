@@ -106,6 +106,12 @@ pub struct Pick<'a> {
     /// last placed the session away from its home. Followed like a pin, before this replica's
     /// own (older) memory of the session.
     pub pin_hint: Option<u32>,
+    /// The endpoint id holding the state this request continues (a Responses API follow-up's
+    /// previous response): no other endpoint can serve it. The pick takes it whatever its
+    /// verdicts (degraded, saturated, short of quota) and whatever a pin cookie says, or fails
+    /// when it cannot take this attempt (breaker, request exclusions): the holder check is
+    /// part of the pick, not a hint beside it (issue 22).
+    pub holder: Option<u32>,
 }
 
 /// How an endpoint was chosen (the `reason` of the decision metric and log line).
@@ -435,7 +441,7 @@ impl<'a> Scheduler<'a> {
         // A pin cookie is the client's record of the session's newest place (set by whichever
         // replica served it last away from home): it wins over this replica's memory.
         let hinted = pick.session.and(pick.pin_hint).filter(|&id| valid(id));
-        let pinned = hinted.or(local.map(|p| p.1));
+        let pinned = pick.holder.or(hinted).or(local.map(|p| p.1));
         let bcfg = self.breaker_config();
         let loads = signals::engine_loads(self.store, self.cfg, now_ms);
         let result = update_if(self.store, TABLE_KEY, |bytes| {

@@ -27,6 +27,9 @@ impl<'a> Scheduler<'a> {
         let key = pick.session.unwrap_or(pick.nonce);
         // The session's home: the first non-degraded endpoint of its rendezvous order.
         let home = placement::first(key, &board.weights, |i| !board.degraded(i));
+        if let Some(id) = pick.holder {
+            return holder_choice(&board, self.cfg.endpoint_index(id), home);
+        }
         let mut quota_skipped = Vec::new();
         let pin = self.pin_verdict(
             &board,
@@ -487,6 +490,45 @@ pub(super) fn admit(
         });
     }
     Ok(admission)
+}
+
+/// The choice of a request only its state's holder can serve ([`Pick::holder`]): the holder
+/// if its breaker admits this attempt, whatever its verdicts or quota (nowhere else is better
+/// than a certain `previous_response_not_found`); else the holder's own cooling down, or
+/// `Exhausted` when the request already tried it or it cannot serve the request at all.
+pub(super) fn holder_choice(
+    board: &Board,
+    holder: Option<usize>,
+    home: Option<usize>,
+) -> Result<Choice, NoEndpoint> {
+    let Some(h) = holder else {
+        return Err(NoEndpoint::Exhausted);
+    };
+    match board.admission.get(h).copied().flatten() {
+        Some(Admission::Normal | Admission::Probe { .. }) => Ok(Choice {
+            endpoint: h,
+            reason: if board.probing(h) {
+                Reason::HalfOpenProbe
+            } else {
+                Reason::AffinityHit
+            },
+            affinity: AffinityResult::Hit,
+            pin_on_success: true,
+            broke_pin_of: None,
+            moved: None,
+            home,
+            verdicts: board.stored_verdicts(),
+            quota_skipped: Vec::new(),
+        }),
+        Some(Admission::Rejected {
+            retry_at_ms,
+            rate_limited,
+        }) => Err(NoEndpoint::CoolingDown {
+            retry_at_ms,
+            all_rate_limited: rate_limited,
+        }),
+        None => Err(NoEndpoint::Exhausted),
+    }
 }
 
 /// Nothing placeable by the walk: only degraded or left endpoints admit traffic. The first

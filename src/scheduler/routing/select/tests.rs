@@ -35,6 +35,7 @@ fn pick_at(
             nonce: 0,
             body_bytes: 0,
             pin_hint: None,
+            holder: None,
         },
         now,
     )
@@ -60,6 +61,7 @@ fn exclusions_in_order_and_model_not_found() {
             nonce: 0,
             body_bytes: 0,
             pin_hint: None,
+            holder: None,
         })
         .unwrap();
     assert_eq!(cands, vec![0, 1]);
@@ -81,6 +83,7 @@ fn exclusions_in_order_and_model_not_found() {
             nonce: 0,
             body_bytes: 0,
             pin_hint: None,
+            holder: None,
         })
         .unwrap_err();
     assert_eq!(err, NoEndpoint::Exhausted);
@@ -103,6 +106,7 @@ fn exclusions_in_order_and_model_not_found() {
                 nonce: 0,
                 body_bytes: 0,
                 pin_hint: None,
+                holder: None,
             },
             0
         )
@@ -146,6 +150,7 @@ fn affinity_sticks_and_repins_after_failover() {
                 nonce: 0,
                 body_bytes: 0,
                 pin_hint: None,
+                holder: None,
             },
             102,
         )
@@ -427,6 +432,7 @@ fn retry_budget_limits_failovers() {
                 nonce: 0,
                 body_bytes: 0,
                 pin_hint: None,
+                holder: None,
             },
             0,
         )
@@ -454,6 +460,7 @@ fn failovers_after_401_or_429_spend_no_retry_budget() {
             nonce: 0,
             body_bytes: 0,
             pin_hint: None,
+            holder: None,
         };
         s.pick(&pick, 0)
             .map(|d| s.finish(d.ticket, &Outcome::Cancelled, 0, None, 0))
@@ -632,6 +639,7 @@ fn failover_walks_the_rendezvous_order_on_every_replica() {
                             nonce: attempt.into(),
                             body_bytes: 0,
                             pin_hint: None,
+                            holder: None,
                         },
                         0,
                     )
@@ -729,6 +737,7 @@ fn after_failover_next_turn(policy: &str) -> (usize, usize, usize) {
                 nonce: 0,
                 body_bytes: 0,
                 pin_hint: None,
+                holder: None,
             },
             4,
         )
@@ -1103,6 +1112,7 @@ fn body_pick<'a>(session: Option<u64>, ex: &'a Exclusions, body_bytes: usize) ->
         nonce: 0,
         body_bytes,
         pin_hint: None,
+        holder: None,
     }
 }
 
@@ -1416,6 +1426,7 @@ fn pick_body(s: &Scheduler<'_>, session: u64, body_bytes: usize, now: u64) -> De
             nonce: 0,
             body_bytes,
             pin_hint: None,
+            holder: None,
         },
         now,
     )
@@ -1634,6 +1645,7 @@ fn replicas_with_different_own_signals_compute_the_same_homes() {
                             nonce: j,
                             body_bytes: 0,
                             pin_hint: None,
+                            holder: None,
                         },
                         0,
                     )
@@ -1676,4 +1688,83 @@ fn replicas_with_different_own_signals_compute_the_same_homes() {
     for d in held {
         r1.finish(d.ticket, &Outcome::Cancelled, 0, None, 10);
     }
+}
+
+// --- Issue 22, item 2: a Responses follow-up's holder is part of the pick -------------------
+
+fn holder_pick<'a>(
+    ex: &'a Exclusions,
+    session: u64,
+    holder: Option<u32>,
+    pin_hint: Option<u32>,
+) -> Pick<'a> {
+    Pick {
+        model: Some("m"),
+        session: Some(session),
+        attempt: 1,
+        exclusions: ex,
+        nonce: 0,
+        body_bytes: 4000,
+        pin_hint,
+        holder,
+    }
+}
+
+/// The holder is taken although it is degraded, a pin cookie names another endpoint, and its
+/// quota says staying is a certain 429 (each of which moves an ordinary pinned session); the
+/// pick fails, rather than going elsewhere, when its breaker is open or the request already
+/// tried it.
+#[test]
+fn a_holder_is_picked_whatever_its_verdicts_quota_or_pin_cookie() {
+    let c = cfg(json!({"endpoints":[
+        {"name":"a","cluster":"ca"},{"name":"b","cluster":"cb"},{"name":"c","cluster":"cc"}
+    ],"cold_start_samples":5}));
+    let store = MemStore::new();
+    let s = Scheduler::new(&c, &store);
+    let ex = Exclusions::default();
+    let (a, b) = (c.endpoints[0].id, c.endpoints[1].id);
+    let k = key(7);
+    warm(&s, &[500, 100, 100], 20, 0);
+    // An ordinary session pinned to a: a is degraded, the pin breaks.
+    s.affinity().remember(k, a, 1);
+    let d = s.pick(&holder_pick(&ex, k, None, None), 2).unwrap();
+    assert_eq!(d.reason, Reason::PinBreak);
+    s.finish(d.ticket, &Outcome::Cancelled, 0, None, 2);
+    // The holder: taken, and a pin cookie naming b changes nothing.
+    for hint in [None, Some(b)] {
+        let d = s.pick(&holder_pick(&ex, k, Some(a), hint), 3).unwrap();
+        assert_eq!(
+            (d.endpoint, d.reason, d.affinity),
+            (0, Reason::AffinityHit, AffinityResult::Hit)
+        );
+        s.finish(d.ticket, &Outcome::Cancelled, 0, None, 3);
+    }
+    // Its quota says no request is left: a certain 429 moves a pin, not the holder.
+    answered(&s, 0, &stated(Some(0), None), 4);
+    let d = s.pick(&holder_pick(&ex, k, None, Some(a)), 5).unwrap();
+    assert_ne!(d.endpoint, 0, "an ordinary pin leaves a certain 429");
+    s.finish(d.ticket, &Outcome::Cancelled, 0, None, 5);
+    let d = s.pick(&holder_pick(&ex, k, Some(a), None), 5).unwrap();
+    assert_eq!(d.endpoint, 0);
+    // Already tried in this request: no other endpoint instead.
+    let tried = Exclusions {
+        tried: vec![0],
+        ..Exclusions::default()
+    };
+    assert_eq!(
+        s.pick(&holder_pick(&tried, k, Some(a), None), 6),
+        Err(NoEndpoint::Exhausted)
+    );
+    // Rate limited for 7 s: the holder's own recovery time, not another endpoint.
+    let limited = Outcome::RateLimited {
+        retry_after_ms: Some(7_000),
+    };
+    s.finish(d.ticket, &limited, 5, None, 10);
+    assert_eq!(
+        s.pick(&holder_pick(&ex, k, Some(a), None), 11),
+        Err(NoEndpoint::CoolingDown {
+            retry_at_ms: 7_010,
+            all_rate_limited: true
+        })
+    );
 }
