@@ -1410,7 +1410,7 @@ proptest! {
             let s = Scheduler::new(&cfg, store);
             for t in 0..4 {
                 let d = s.pick(&Pick { model: Some("m"), session: Some(session), attempt: 1, exclusions: &ex, nonce: 0, body_bytes: 40 , pin_hint: None, holder: None}, t).unwrap();
-                s.finish_observed(d.ticket, &Outcome::Success, 5, Some(session), &h, t);
+                s.finish_observed(d.ticket, &Outcome::Success, Some(5), Some(session), &h, t);
             }
         }
         prop_assert_eq!(plain.get(TABLE_KEY).0, junk.get(TABLE_KEY).0);

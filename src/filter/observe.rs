@@ -60,7 +60,7 @@ impl Observer for Recorder<'_> {
             warn!("computeflux: shared-data CAS retries exhausted at finish");
         }
         debug!(
-            "computeflux: attempt on endpoint {} ended {} after {} ms (headers at {} ms)",
+            "computeflux: attempt on endpoint {} ended {} after {} ms (first byte at {:?} ms)",
             self.name(endpoint),
             outcome.label(),
             t.total_ms,
@@ -74,8 +74,8 @@ impl Observer for Recorder<'_> {
         if let Some(l) = report.latency_ms {
             Metrics::set(em.ewma_latency_ms, l.round() as u64);
         }
-        if matches!(outcome, Outcome::Success) {
-            Metrics::set(em.latency_ms, t.to_headers_ms);
+        if let (Outcome::Success, Some(ms)) = (outcome, t.to_headers_ms) {
+            Metrics::set(em.latency_ms, ms);
         }
         if report.breaker_changed {
             refresh_gauges(self.plugin, self.now_ms);

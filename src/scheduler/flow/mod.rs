@@ -148,9 +148,12 @@ pub enum Step {
 /// The timing of a finished attempt.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Timing {
-    /// From the pick to the answer's headers (what the latency estimate learns from); for a
-    /// failover call, to its whole answer.
-    pub to_headers_ms: u64,
+    /// The attempt's latency sample, what the latency estimate learns from: from the pick to
+    /// the answer's first byte — its headers, or a relayed stream's first body byte; for a
+    /// failover call's plain answer, its whole answer (its headers come with it). `None` when
+    /// the first byte could not be seen: a failover call's streamed answer arrives whole, and
+    /// its duration is the generation's, not its latency (issue 22).
+    pub to_headers_ms: Option<u64>,
     /// From the pick to the end of the attempt.
     pub total_ms: u64,
 }
@@ -189,6 +192,8 @@ struct Attempt {
     streamed: bool,
     /// Bytes of the relayed answer so far (the completion estimate without `usage`).
     relayed_bytes: u64,
+    /// Its first byte was never seen (a failover call's streamed answer): no latency sample.
+    unmeasured: bool,
 }
 
 impl Attempt {
@@ -707,9 +712,20 @@ impl Flow {
         if let (Some(a), Some(h)) = (self.current.as_mut(), &headers) {
             a.quota = quota_hint(s, &outcome, h, now_ms);
         }
-        // A call's answer arrives whole: timed to its end, its tokens estimated (its usage is
-        // read after the attempt is finished).
-        if matches!(outcome, Outcome::Success) {
+        // A call's answer arrives whole. A plain one is timed to its end (its headers came
+        // with its body: that is its latency), its tokens estimated (its usage is read after
+        // the attempt is finished). A stream's first byte cannot be seen: its duration is the
+        // generation's, so it is no latency sample and not judged for slowness (issue 22: a
+        // 20 s stream became a 20 s sample, and the backup was degraded for it).
+        let streamed = headers
+            .as_ref()
+            .and_then(|h| h.header_str("content-type"))
+            .is_some_and(|ct| api::media_type(&ct) == "text/event-stream");
+        if streamed {
+            if let Some(a) = self.current.as_mut() {
+                a.unmeasured = true;
+            }
+        } else if matches!(outcome, Outcome::Success) {
             let work_key = signals::work_key(s.cfg, self.model.as_deref());
             let body_bytes = self.body.len() as u64;
             if let Some(a) = self.current.as_mut() {
@@ -908,6 +924,7 @@ impl Flow {
             quota: QuotaHint::default(),
             streamed: false,
             relayed_bytes: 0,
+            unmeasured: false,
         });
         Ok(endpoint)
     }
@@ -926,7 +943,7 @@ impl Flow {
         let endpoint = a.ticket.endpoint;
         let total_ms = now_ms.saturating_sub(a.ticket.started_ms);
         let timing = Timing {
-            to_headers_ms: to_headers_ms.unwrap_or(total_ms),
+            to_headers_ms: (!a.unmeasured).then_some(to_headers_ms.unwrap_or(total_ms)),
             total_ms,
         };
         let report = s.finish_observed(

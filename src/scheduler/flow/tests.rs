@@ -165,7 +165,7 @@ fn a_streamed_answer_is_in_flight_until_it_ends_with_latency_to_its_headers() {
     // One table write for the finish, one affinity write for the pin: as at the headers.
     assert_eq!(store.writes.get(), writes + 2);
     let t = Timing {
-        to_headers_ms: 40,
+        to_headers_ms: Some(40),
         total_ms: 5_040,
     };
     assert_eq!(
@@ -250,7 +250,7 @@ fn a_stream_cut_midway_keeps_its_verdict_and_no_answer_is_cancelled() {
                 0,
                 "success",
                 Timing {
-                    to_headers_ms: 10,
+                    to_headers_ms: Some(10),
                     total_ms: 900
                 },
                 false
@@ -259,7 +259,7 @@ fn a_stream_cut_midway_keeps_its_verdict_and_no_answer_is_cancelled() {
                 0,
                 "cancelled",
                 Timing {
-                    to_headers_ms: 500,
+                    to_headers_ms: Some(500),
                     total_ms: 500
                 },
                 false
@@ -513,7 +513,7 @@ fn envoys_own_failures_resets_and_oversized_answers_get_openai_errors() {
         1,
         "success",
         Timing {
-            to_headers_ms: 1,
+            to_headers_ms: Some(1),
             total_ms: 1
         },
         false
@@ -1223,4 +1223,52 @@ fn a_whole_input_follow_up_forwards_the_body_decided_on_from_its_first_attempt()
     let mut g = Flow::default();
     route(&mut g, &s, &mut log, post_headers(&[]), 20);
     assert_eq!(g.rewritten_body(), None);
+}
+
+/// Issue 22, item 3: a failover call's streamed answer arrives whole, after its generation:
+/// its duration is no latency sample (nor a slowness sample); a plain answer's is (its headers
+/// come with its body). Before: a 20 s stream was a 20 s sample of the backup.
+#[test]
+fn a_streamed_failover_answer_is_no_latency_sample() {
+    let c = cfg(json!({}));
+    for (content_type, sample) in [("text/event-stream", None), ("application/json", Some(300))] {
+        let store = MemStore::new();
+        let s = Scheduler::new(&c, &store);
+        let mut log = Log::default();
+        let mut f = Flow::default();
+        assert_eq!(
+            route(&mut f, &s, &mut log, post_headers(&[]), 0),
+            Step::Route(0)
+        );
+        let failed = pairs(&[(":status", "503"), (UPSTREAM_MARKER, "1")]);
+        assert_eq!(
+            f.on_response_headers(&s, &mut log, &failed, false, 10),
+            Step::Dispatch(1)
+        );
+        let ok = pairs(&[
+            (":status", "200"),
+            ("content-type", content_type),
+            (UPSTREAM_MARKER, "1"),
+        ]);
+        let step = f.on_call_response(&s, &mut log, Some(ok), 100, 310);
+        assert!(
+            matches!(step, Step::RelayCall { status: 200, .. }),
+            "{step:?}"
+        );
+        let t = Timing {
+            to_headers_ms: sample,
+            total_ms: 300,
+        };
+        assert!(
+            log.0.contains(&Event::Finished(1, "success", t, false)),
+            "{content_type}: {:?}",
+            log.0
+        );
+        let table = Table::aligned(store.get(TABLE_KEY).0.as_deref(), &c);
+        assert_eq!(
+            table.entries[1].1.latency_ms,
+            sample.map(|ms| ms as f64),
+            "{content_type}"
+        );
+    }
 }

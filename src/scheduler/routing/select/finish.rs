@@ -52,7 +52,7 @@ impl<'a> Scheduler<'a> {
         self.finish_observed(
             ticket,
             outcome,
-            latency_ms,
+            Some(latency_ms),
             session,
             &QuotaHint::default(),
             now_ms,
@@ -65,11 +65,13 @@ impl<'a> Scheduler<'a> {
     /// [`record_latency`] (raw EWMA, metrics only), [`record_slowness`], [`record_payoff`],
     /// [`record_quota`], [`record_probe`] (probe backoff), [`record_breaker`]; then the work
     /// model ([`signals::teach`]) and the affinity ([`Scheduler::record_affinity`]).
+    /// `latency_ms`: the attempt's latency sample (time to its first byte), `None` when it
+    /// could not be seen (no sample is taken).
     pub fn finish_observed(
         &self,
         ticket: Ticket,
         outcome: &Outcome,
-        latency_ms: u64,
+        latency_ms: Option<u64>,
         session: Option<u64>,
         quota: &QuotaHint,
         now_ms: u64,
@@ -207,13 +209,13 @@ pub(super) fn record_success(st: &mut EndpointState, outcome: &Outcome, cfg: &Co
 pub(super) fn record_latency(
     st: &mut EndpointState,
     outcome: &Outcome,
-    latency_ms: u64,
+    latency_ms: Option<u64>,
     cfg: &Config,
 ) {
-    if !matches!(outcome, Outcome::Success) {
+    let (Outcome::Success, Some(ms)) = (outcome, latency_ms) else {
         return;
-    }
-    let sample = latency_ms as f64;
+    };
+    let sample = ms as f64;
     if let Some(prev) = st.latency_ms {
         st.latency_dev_ms = ewma::update(
             Some(st.latency_dev_ms),

@@ -1126,7 +1126,7 @@ fn answered(s: &Scheduler<'_>, i: usize, hint: &QuotaHint, now_ms: u64) {
         endpoint_id: s.cfg.endpoints[i].id,
         ..d.ticket
     };
-    s.finish_observed(t, &Outcome::Success, 10, None, hint, now_ms);
+    s.finish_observed(t, &Outcome::Success, Some(10), None, hint, now_ms);
 }
 
 fn stated(requests: Option<u64>, tokens: Option<u64>) -> QuotaHint {
@@ -1212,7 +1212,7 @@ fn a_pinned_session_stays_until_a_429_is_certain() {
     s.finish_observed(
         d.ticket,
         &Outcome::Success,
-        10,
+        Some(10),
         Some(k),
         &stated(Some(1), Some(3_000)),
         1,
@@ -1232,7 +1232,7 @@ fn a_pinned_session_stays_until_a_429_is_certain() {
     s.finish_observed(
         stay.ticket,
         &Outcome::Success,
-        10,
+        Some(10),
         Some(k),
         &stated(Some(50), Some(3_000)),
         10_001,
@@ -1275,7 +1275,7 @@ fn quota_is_remembered_only_from_successes() {
     s.finish_observed(
         d.ticket,
         &Outcome::ClientError,
-        10,
+        Some(10),
         None,
         &stated(Some(0), None),
         0,
@@ -1285,7 +1285,7 @@ fn quota_is_remembered_only_from_successes() {
     s.finish_observed(
         d.ticket,
         &Outcome::Success,
-        10,
+        Some(10),
         None,
         &stated(Some(9), None),
         0,
@@ -1324,7 +1324,7 @@ fn quota_skips_name_the_endpoints_passed_over_for_quota() {
     s.finish_observed(
         t,
         &Outcome::Success,
-        10,
+        Some(10),
         None,
         &stated(None, Some(1_000)),
         0,
@@ -1351,7 +1351,7 @@ fn quota_skips_name_the_endpoints_passed_over_for_quota() {
     s.finish_observed(
         d.ticket,
         &Outcome::Success,
-        10,
+        Some(10),
         Some(k),
         &stated(Some(1), Some(3_000)),
         1,
