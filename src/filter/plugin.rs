@@ -35,7 +35,10 @@ pub fn refresh_gauges(p: &Plugin, now_ms: u64) {
             m.ewma_latency_ms,
             st.latency_ms.map_or(0, |l| l.round() as u64),
         );
-        Metrics::set(m.in_flight, u64::from(st.load(now_ms)));
+        Metrics::set(
+            m.in_flight,
+            u64::from(st.load(now_ms, p.cfg.in_flight_max_age_ms)),
+        );
         Metrics::set(m.affinity_payoff_permille, st.payoff.permille());
         let slowness = st
             .slowness

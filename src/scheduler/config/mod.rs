@@ -343,6 +343,8 @@ config_keys! {
         "Failovers always allowed on top of the percentage (so low traffic can still fail over).";
     failover_timeout_ms: u64 = 120_000, Spec::Int { min: 1, max: 3_600_000 },
         "Timeout of each failover call the filter makes itself (the first attempt uses the Envoy route's timeout).";
+    in_flight_max_age_ms: u64 = 600_000, Spec::Int { min: 1_000, max: MAX_MS },
+        "An attempt that has not reported back this long after its start is presumed leaked (a worker's VM crashed between its start and its end, so its in-flight count would never go down) and stops counting toward its endpoint's load, between 1 and 1.5 times this after its start, however busy the endpoint. Keep it above the longest answer you serve (the route timeout, e.g. 300 s in `envoy/envoy.yaml`): a longer one stops counting early.";
     list_models: ListModels = ListModels::Local, Spec::Choice(&["local", "upstream_merged"]),
         "Who answers `GET /v1/models`: `local`, the filter from its configuration (the union of the enabled endpoints' `models`, no upstream call); `upstream_merged`, one endpoint's own list (fetched with a call, failing over like a request) followed by the configured models it did not list, for fleets whose endpoints know more than the configuration says.";
     placement_quantum: f64 = 1.0, Spec::Number { min: 0.0, max: 4.0 },

@@ -10,6 +10,7 @@
 
 pub mod affinity;
 pub mod ewma;
+pub mod in_flight;
 pub mod overdue;
 pub mod payoff;
 pub mod pin_cookie;

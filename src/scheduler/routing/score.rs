@@ -43,7 +43,7 @@ pub fn score(
         },
         Some(h) => Scored {
             // One quotient: every request already queued there costs one more service time.
-            score: weight * h / (1.0 + f64::from(st.load(now_ms))),
+            score: weight * h / (1.0 + f64::from(st.load(now_ms, cfg.in_flight_max_age_ms))),
             cold: false,
         },
     }

@@ -223,7 +223,8 @@ impl AffinityResult {
 ///
 /// Move-only (no `Clone`/`Copy`) and consumed by `finish`, so finishing an attempt twice does
 /// not compile; only the scheduler makes one (`non_exhaustive`). Dropping one unfinished leaks
-/// its in-flight count (until [`crate::scheduler::routing::table::IN_FLIGHT_STALE_MS`]) and its probe slot.
+/// its in-flight count (until `in_flight_max_age_ms` after its start, see
+/// [`crate::scheduler::routing::in_flight`]) and its probe slot.
 #[derive(Debug, PartialEq, Eq)]
 #[non_exhaustive]
 #[must_use = "an attempt in flight must be handed back to Scheduler::finish"]
@@ -480,8 +481,7 @@ impl<'a> Scheduler<'a> {
                 st.degraded_probe_ms = now_ms;
                 st.degraded_probes = st.degraded_probes.saturating_add(1);
             }
-            st.in_flight = st.in_flight.saturating_add(1);
-            st.in_flight_changed_ms = now_ms;
+            st.start_attempt(now_ms, self.cfg.in_flight_max_age_ms);
             // An affinity hit is watched: still waiting long after it should have been
             // answered, it is early evidence of a slowdown (see `overdue`).
             let watch_token =

@@ -257,7 +257,12 @@ pub fn engine_loads(store: &dyn Store, cfg: &Config, now_ms: u64) -> Vec<Option<
 
 /// The load bounded-load placement weighs: the engine's running + waiting, quantized so that
 /// replicas agree, where scraped; else this replica's in-flight count.
-pub fn placement_load(st: &EndpointState, load: Option<&EngineLoad>, now_ms: u64) -> u32 {
+pub fn placement_load(
+    st: &EndpointState,
+    load: Option<&EngineLoad>,
+    now_ms: u64,
+    max_age_ms: u64,
+) -> u32 {
     let scraped = load.and_then(|l| {
         scrape::quantize(&crate::scheduler::wire::engine_load::EngineLoad {
             engine: crate::scheduler::wire::engine_load::Engine::Vllm,
@@ -269,7 +274,7 @@ pub fn placement_load(st: &EndpointState, load: Option<&EngineLoad>, now_ms: u64
         })
         .requests_floor()
     });
-    scraped.unwrap_or_else(|| st.load(now_ms))
+    scraped.unwrap_or_else(|| st.load(now_ms, max_age_ms))
 }
 
 /// One endpoint's verdicts for a decision.
@@ -550,7 +555,7 @@ mod tests {
             in_flight_changed_ms: 2_000,
             ..EndpointState::default()
         };
-        assert_eq!(placement_load(&st, l[1].as_ref(), 2_000), 6);
-        assert_eq!(placement_load(&st, None, 2_000), 40);
+        assert_eq!(placement_load(&st, l[1].as_ref(), 2_000, 600_000), 6);
+        assert_eq!(placement_load(&st, None, 2_000, 600_000), 40);
     }
 }

@@ -8,6 +8,7 @@
 use crate::scheduler::config::Config;
 use crate::scheduler::health::breaker::{Breaker, BreakerState, OpenCause};
 use crate::scheduler::health::budget::RetryBudget;
+use crate::scheduler::routing::in_flight::InFlightAges;
 use crate::scheduler::routing::overdue::Watch;
 use crate::scheduler::routing::payoff::Payoff;
 use crate::scheduler::routing::quota::Quota;
@@ -36,6 +37,9 @@ pub struct EndpointState {
     pub in_flight: u32,
     /// Last change of `in_flight` (stale counts are ignored, see [`Self::load`]).
     pub in_flight_changed_ms: u64,
+    /// The same attempts by the age of their start: a count that never reported back expires
+    /// after `in_flight_max_age_ms`, also on a busy endpoint (see `in_flight`).
+    pub in_flight_ages: InFlightAges,
     pub breaker: Breaker,
     /// Slow for the work it was given, against its peers serving the same models (see
     /// `slowness::degraded`): its pins are broken and it gets new sessions only as probes.
@@ -70,6 +74,7 @@ impl Default for EndpointState {
             total: 0,
             in_flight: 0,
             in_flight_changed_ms: 0,
+            in_flight_ages: InFlightAges::default(),
             breaker: Breaker::default(),
             degraded: false,
             degraded_probe_ms: 0,
@@ -103,13 +108,40 @@ pub fn fastest_warm<'s>(
 }
 
 impl EndpointState {
-    /// In-flight attempts as the scorer sees them.
-    pub fn load(&self, now_ms: u64) -> u32 {
+    /// In-flight attempts as the scorer sees them: without those started `max_age_ms` ago or
+    /// more (presumed leaked; see `in_flight`), and none if the count has not moved for
+    /// [`IN_FLIGHT_STALE_MS`].
+    pub fn load(&self, now_ms: u64, max_age_ms: u64) -> u32 {
         if now_ms.saturating_sub(self.in_flight_changed_ms) > IN_FLIGHT_STALE_MS {
             0
         } else {
             self.in_flight
+                .saturating_sub(self.in_flight_ages.expired(now_ms, max_age_ms))
         }
+    }
+
+    /// An attempt started now: counted in flight.
+    pub fn start_attempt(&mut self, now_ms: u64, max_age_ms: u64) {
+        self.expire_in_flight(now_ms, max_age_ms);
+        let leaked = self.in_flight_ages.add(now_ms, max_age_ms);
+        self.in_flight = self.in_flight.saturating_sub(leaked).saturating_add(1);
+        self.in_flight_changed_ms = now_ms;
+    }
+
+    /// The attempt started at `started_ms` reported back: no longer in flight (unless its
+    /// count already expired).
+    pub fn end_attempt(&mut self, started_ms: u64, now_ms: u64, max_age_ms: u64) {
+        self.expire_in_flight(now_ms, max_age_ms);
+        if self.in_flight_ages.remove(started_ms, max_age_ms) {
+            self.in_flight = self.in_flight.saturating_sub(1);
+        }
+        self.in_flight_changed_ms = now_ms;
+    }
+
+    /// Takes attempts started `max_age_ms` ago or more off the count.
+    fn expire_in_flight(&mut self, now_ms: u64, max_age_ms: u64) {
+        let leaked = self.in_flight_ages.expire(now_ms, max_age_ms);
+        self.in_flight = self.in_flight.saturating_sub(leaked);
     }
 }
 
@@ -120,7 +152,7 @@ pub struct Table {
     pub entries: Vec<(u32, EndpointState)>,
 }
 
-const TABLE_VERSION: u8 = 6;
+const TABLE_VERSION: u8 = 7;
 const ENTRY_BYTES: usize = 4
     + 1
     + 8
@@ -130,6 +162,7 @@ const ENTRY_BYTES: usize = 4
     + 8
     + 4
     + 8
+    + InFlightAges::BYTES
     + 1
     + 1
     + 4
@@ -171,6 +204,7 @@ fn decode_entry(chunk: &[u8]) -> Option<(u32, EndpointState)> {
         total: r.u64()?,
         in_flight: r.u32()?,
         in_flight_changed_ms: r.u64()?,
+        in_flight_ages: InFlightAges::decode(&mut r)?,
         breaker: Breaker {
             state: match r.u8()? {
                 0 => BreakerState::Closed,
@@ -221,6 +255,7 @@ fn encode_entry(w: &mut Writer, id: u32, s: &EndpointState) {
     w.u64(s.total);
     w.u32(s.in_flight);
     w.u64(s.in_flight_changed_ms);
+    s.in_flight_ages.encode(w);
     let b = &s.breaker;
     w.u8(match b.state {
         BreakerState::Closed => 0,

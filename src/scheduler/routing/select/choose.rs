@@ -135,7 +135,9 @@ impl<'a> Scheduler<'a> {
         let load = (0..n)
             .map(|i| {
                 let l = loads.get(i).copied().flatten().filter(|_| all_scraped);
-                state(i).map_or(0, |st| signals::placement_load(st, l.as_ref(), now_ms))
+                state(i).map_or(0, |st| {
+                    signals::placement_load(st, l.as_ref(), now_ms, cfg.in_flight_max_age_ms)
+                })
             })
             .collect();
         let admission = admit(table, candidates, n, now_ms, bcfg)?;

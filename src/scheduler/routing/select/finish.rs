@@ -95,7 +95,7 @@ impl<'a> Scheduler<'a> {
             let Some((at, (_, st))) = at.and_then(|i| Some((i, table.entries.get_mut(i)?))) else {
                 return (None, None);
             };
-            release(st, &ticket, now_ms);
+            release(st, &ticket, now_ms, cfg);
             record_success(st, outcome, cfg, now_ms);
             record_latency(st, outcome, latency_ms, cfg);
             let ratio = judged
@@ -170,10 +170,9 @@ impl<'a> Scheduler<'a> {
 }
 
 /// In-flight −1 (if the pick counted it) and the overdue watch released.
-pub(super) fn release(st: &mut EndpointState, ticket: &Ticket, now_ms: u64) {
+pub(super) fn release(st: &mut EndpointState, ticket: &Ticket, now_ms: u64, cfg: &Config) {
     if ticket.counted {
-        st.in_flight = st.in_flight.saturating_sub(1);
-        st.in_flight_changed_ms = now_ms;
+        st.end_attempt(ticket.started_ms, now_ms, cfg.in_flight_max_age_ms);
     }
     st.watch.release(ticket.watch_token, ticket.started_ms);
 }

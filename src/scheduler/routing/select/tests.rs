@@ -1768,3 +1768,34 @@ fn a_holder_is_picked_whatever_its_verdicts_quota_or_pin_cookie() {
         })
     );
 }
+
+// --- Issue 22, item 8: in-flight counts expire per attempt age ------------------------------
+
+/// An attempt whose ticket is never handed back (a VM crash between pick and finish) on an
+/// endpoint that serves a request every second for 20 minutes: its count expires within 1.5 ×
+/// `in_flight_max_age_ms` (600 s) of its start, although the endpoint is never quiet. Before,
+/// only 10 quiet minutes expired it, and the busy endpoint carried the leaked 1 for good.
+#[test]
+fn a_busy_endpoints_leaked_in_flight_count_expires_by_its_age() {
+    let c = cfg(json!({"endpoints":[{"name":"a","cluster":"ca"}]}));
+    let store = MemStore::new();
+    let s = Scheduler::new(&c, &store);
+    let ex = Exclusions::default();
+    let leaked = pick_at(&s, None, &ex, 0).unwrap();
+    drop(leaked.ticket);
+    let mut at_end = Vec::new();
+    for sec in 1..=1_200u64 {
+        let now = sec * 1_000;
+        let d = pick_at(&s, None, &ex, now).unwrap();
+        assert_eq!(d.endpoint, 0);
+        s.finish(d.ticket, &Outcome::Success, 5, None, now + 10);
+        // What the table says between requests: only the leak, if anything.
+        at_end.push((now, s.table().entries[0].1.in_flight));
+    }
+    let leaked_until = at_end.iter().filter(|(_, n)| *n > 0).map(|(t, _)| *t).max();
+    assert!(
+        leaked_until.is_some_and(|t| (600_000..=900_000).contains(&t)),
+        "the leaked count lasted until {leaked_until:?} ms"
+    );
+    assert_eq!(at_end.last().map(|(_, n)| *n), Some(0));
+}
