@@ -250,3 +250,86 @@ fn a_streamed_failover_answer_is_not_a_whole_duration_latency_sample() {
     );
     assert!(direct < 300, "{direct}");
 }
+
+/// Item 9: with `expose_headers: false` no error body names an endpoint. Before: a failover
+/// call refused by the next endpoint answered "Endpoint gpu-beta is unavailable …", and a
+/// follow-up whose holder cools down "… is stored by endpoint gpu-alpha …".
+#[test]
+fn hidden_endpoint_names_stay_out_of_error_bodies() {
+    let names = ["gpu-alpha", "gpu-beta"];
+    let (mocks, envoy) = fleet(
+        &names,
+        &["--decode-ms", "0"],
+        json!({"expose_headers": false, "max_attempts": 2}),
+    );
+    let leaks = |r: &Response| names.iter().any(|n| r.body.contains(n));
+    // Both refuse connections: the routed attempt and the failover call get Envoy's own 503.
+    let chat = json!({"model": "m1", "messages": [{"role": "user", "content": "hi"}]});
+    for m in &mocks {
+        m.set_fault(json!({"mode": "refuse"}));
+    }
+    let r = post(envoy.port, "/v1/chat/completions", &[], &chat.to_string());
+    assert!(r.status >= 500, "{} {}", r.status, r.body);
+    assert!(!leaks(&r), "names an endpoint: {}", r.body);
+    for m in &mocks {
+        m.clear_fault();
+    }
+    // A Responses follow-up whose holder is rate limited.
+    let r = post(
+        envoy.port,
+        "/v1/responses",
+        &[],
+        &json!({"model": "m1", "input": "hello"}).to_string(),
+    );
+    assert_eq!(r.status, 200, "{}", r.body);
+    let id = r.json()["id"].as_str().unwrap().to_string();
+    for m in &mocks {
+        m.set_fault(json!({"mode": "status", "status": 429, "count": 1}));
+    }
+    let follow = json!({"model": "m1", "previous_response_id": id, "input": "again"}).to_string();
+    let r = post(envoy.port, "/v1/responses", &[], &follow);
+    assert_eq!(r.status, 429, "{}", r.body);
+    let r = post(envoy.port, "/v1/responses", &[], &follow);
+    assert_eq!(
+        (r.status, error_code(&r).as_str()),
+        (503, "previous_response_unavailable"),
+        "{}",
+        r.body
+    );
+    // (The mock's response ids carry its name; the filter's words must not.)
+    let words = r.body.replace(&id, "");
+    assert!(
+        !names.iter().any(|n| words.contains(n)),
+        "names an endpoint: {}",
+        r.body
+    );
+}
+
+/// Item 9: `list_models: upstream_merged` when the upstream fails (500) or the call is refused
+/// (the endpoint's cluster is unknown to Envoy): the configured models, 200. Before: the 500
+/// was relayed, and a refused call let the request through without a cluster.
+#[test]
+fn a_merged_model_list_never_relays_a_failed_upstream_answer() {
+    let (mocks, envoy) = fleet(
+        &["a", "b"],
+        &["--decode-ms", "0"],
+        json!({"list_models": "upstream_merged"}),
+    );
+    for m in &mocks {
+        m.set_fault(json!({"mode": "status", "status": 500}));
+    }
+    let r = http::get(envoy.port, "/v1/models");
+    assert_eq!(r.status, 200, "{}", r.body);
+    assert_eq!(r.json()["data"][0]["id"], "m1", "{}", r.body);
+    drop(envoy);
+    // An endpoint whose cluster Envoy does not know: every call is refused.
+    let ghost = MockUpstream::start("ghost", &["m1"], &[]);
+    let plugin = json!({
+        "endpoints": [{"name": "ghost", "cluster": "no-such-cluster", "models": ["m9"]}],
+        "list_models": "upstream_merged",
+    });
+    let envoy = Envoy::start(EnvoyConfig::new(plugin, &[("ghost", ghost.port)]));
+    let r = http::get(envoy.port, "/v1/models");
+    assert_eq!(r.status, 200, "{}", r.body);
+    assert_eq!(r.json()["data"][0]["id"], "m9", "{}", r.body);
+}

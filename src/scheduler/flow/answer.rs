@@ -95,18 +95,25 @@ impl Flow {
         headers: Pairs,
         body_size: usize,
     ) -> Step {
-        let name = self.endpoint(cfg).map_or("?", |e| e.name.as_str());
+        // Endpoint names only where the operator shows them (`expose_headers`).
+        let (name, subject) = match self.endpoint(cfg) {
+            Some(e) if cfg.expose_headers => (
+                format!("endpoint {}", e.name),
+                format!("Endpoint {}", e.name),
+            ),
+            _ => ("the endpoint".to_string(), "The endpoint".to_string()),
+        };
         let refusal = match status {
             None => Some(Reply::new(
                 502,
                 RejectReason::UpstreamUnavailable,
-                &format!("Endpoint {name} reset the connection before answering."),
+                &format!("{subject} reset the connection before answering."),
             )),
             Some(_) if body_size > MAX_RELAYED_ANSWER_BYTES => Some(Reply::new(
                 502,
                 RejectReason::FailoverAnswerTooLarge,
                 &format!(
-                    "The answer of endpoint {name} ({body_size} bytes) exceeds the \
+                    "The answer of {name} ({body_size} bytes) exceeds the \
                      {MAX_RELAYED_ANSWER_BYTES} bytes the filter relays after a failover."
                 ),
             )),
@@ -115,7 +122,7 @@ impl Flow {
             Some(s) if s >= 500 && headers.header(UPSTREAM_MARKER).is_none() => Some(Reply::new(
                 s,
                 RejectReason::UpstreamUnavailable,
-                &format!("Endpoint {name} is unavailable (no response from the upstream)."),
+                &format!("{subject} is unavailable (no response from the upstream)."),
             )),
             Some(_) => None,
         };

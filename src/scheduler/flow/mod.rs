@@ -754,15 +754,26 @@ impl Flow {
         self.after_answer(s, obs, answered, &outcome, fallback, now_ms)
     }
 
-    /// The host refused the failover call of the last [`Step::Dispatch`] (its cluster is
-    /// unknown to Envoy): a connect failure of that endpoint; the next one is tried.
+    /// The host refused the failover call of the last [`Step::Dispatch`]. Envoy refuses a
+    /// call whose cluster it does not know — a connect failure of that endpoint; the next one
+    /// is tried — and one whose request lacks `:method`, `:path` or `:authority` (e.g. an
+    /// HTTP/1.0 request without `Host`), whatever the cluster: the request's own fault, not
+    /// charged to the endpoint (issue 22), and not tried elsewhere (every call would be
+    /// refused alike).
     pub fn dispatch_failed(
         &mut self,
         s: &Scheduler<'_>,
         obs: &mut dyn Observer,
         now_ms: u64,
     ) -> Step {
-        let outcome = Outcome::EndpointFailure(FailureKind::ConnectFailure);
+        let unsendable = [":method", ":path", ":authority"]
+            .iter()
+            .any(|h| self.headers.header(h).is_none_or(|v| v.is_empty()));
+        let outcome = if unsendable {
+            Outcome::ClientError
+        } else {
+            Outcome::EndpointFailure(FailureKind::ConnectFailure)
+        };
         let Some(failed) = self.finish_current(s, obs, &outcome, None, now_ms) else {
             return Step::Continue;
         };
@@ -1029,6 +1040,19 @@ impl Flow {
     /// No (further) failover: the client gets the last answer.
     fn conclude(&mut self, s: &Scheduler<'_>, obs: &mut dyn Observer, fallback: Fallback) -> Step {
         self.phase = Phase::Done;
+        // `GET /v1/models` merged with an upstream's list: only a successful list is merged;
+        // any other last answer (a 5xx, a 404, a call Envoy refused) gives way to the
+        // configured models. The request itself was never routed (it has no cluster): letting
+        // it go on would send it nowhere (issue 22).
+        if self.merge_models {
+            let listed = matches!(
+                &fallback,
+                Fallback::Call { status: Some(st), .. } if (200..300).contains(st)
+            );
+            if !listed {
+                return self.answer(200, models::list(s.cfg));
+            }
+        }
         match fallback {
             Fallback::Routed { served_by } => {
                 self.served_by = served_by;

@@ -78,7 +78,7 @@ impl Flow {
                 self.drop_previous_response_id();
                 None
             }
-            Err(e) => Some(self.refuse_follow_up(obs, &e, &prev, now_ms)),
+            Err(e) => Some(self.refuse_follow_up(s, obs, &e, &prev, now_ms)),
         }
     }
 
@@ -146,12 +146,13 @@ impl Flow {
                 }
             }
         };
-        self.refuse_follow_up(obs, &e, &h.previous_response_id, now_ms)
+        self.refuse_follow_up(s, obs, &e, &h.previous_response_id, now_ms)
     }
 
     /// The OpenAI-shaped refusal of a follow-up whose holder cannot take it.
     fn refuse_follow_up(
         &mut self,
+        s: &Scheduler<'_>,
         obs: &mut dyn Observer,
         e: &HolderUnavailable,
         prev: &str,
@@ -161,7 +162,8 @@ impl Flow {
             404 => RejectReason::PreviousResponseNotFound,
             _ => RejectReason::PreviousResponseUnavailable,
         };
-        let mut reply = Reply::new(e.status(), reason, &e.message(prev, now_ms));
+        let message = e.message_naming(prev, now_ms, s.cfg.expose_headers);
+        let mut reply = Reply::new(e.status(), reason, &message);
         if let Some(secs) = e.retry_after_s(now_ms) {
             reply = reply.retry_after(secs);
         }

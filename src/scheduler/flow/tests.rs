@@ -1272,3 +1272,39 @@ fn a_streamed_failover_answer_is_no_latency_sample() {
         );
     }
 }
+
+/// Issue 22, item 9: Envoy refuses a failover call whose request lacks `:authority` (or
+/// `:path`, `:method`), whichever the cluster: the request's own fault. It is not charged to
+/// the endpoint as a connect failure, and no further call is tried (each would be refused
+/// alike): the held answer is relayed. An unknown cluster (headers complete) still is one.
+#[test]
+fn a_call_refused_for_the_requests_own_headers_is_not_charged_to_the_endpoint() {
+    let c = cfg(json!({"max_attempts": 3}));
+    let store = MemStore::new();
+    let s = Scheduler::new(&c, &store);
+    let mut log = Log::default();
+    let mut f = Flow::default();
+    let no_authority: Pairs = post_headers(&[])
+        .into_iter()
+        .filter(|(n, _)| n != ":authority")
+        .collect();
+    route(&mut f, &s, &mut log, no_authority, 0);
+    assert_eq!(
+        f.on_response_headers(&s, &mut log, &pairs(&[(":status", "503")]), false, 1),
+        Step::Dispatch(1)
+    );
+    assert!(matches!(f.dispatch_failed(&s, &mut log, 2), Step::Relay(_)));
+    let outcomes: Vec<(usize, &str)> = log
+        .0
+        .iter()
+        .filter_map(|e| match e {
+            Event::Finished(i, o, _, _) => Some((*i, *o)),
+            _ => None,
+        })
+        .collect();
+    assert_eq!(outcomes, vec![(0, "endpoint_failure"), (1, "client_error")]);
+    assert_eq!(in_flight(&store, &c), vec![0, 0, 0]);
+    let table = Table::aligned(store.get(TABLE_KEY).0.as_deref(), &c);
+    assert_eq!(table.entries[1].1.success_rate, 1.0, "b is not charged");
+    assert_eq!(table.entries[1].1.breaker.consecutive_failures, 0);
+}

@@ -260,18 +260,34 @@ impl HolderUnavailable {
     }
 
     pub fn message(&self, response_id: &str, now_ms: u64) -> String {
+        self.message_naming(response_id, now_ms, true)
+    }
+
+    /// [`HolderUnavailable::message`], naming the endpoint only if `name_endpoints`
+    /// (`expose_headers`: an operator who hides endpoint names hides them here too).
+    pub fn message_naming(&self, response_id: &str, now_ms: u64, name_endpoints: bool) -> String {
+        let who = |name: &str| {
+            if name_endpoints {
+                format!("endpoint {name}")
+            } else {
+                "its endpoint".to_string()
+            }
+        };
         let why = match self {
             HolderUnavailable::NotConfigured => {
                 "was stored by an endpoint that is no longer configured".to_string()
             }
             HolderUnavailable::Disabled { name } => {
-                format!("was stored by endpoint {name}, which is disabled")
+                format!("was stored by {}, which is disabled", who(name))
             }
             HolderUnavailable::ModelNotServed { name } => {
-                format!("was stored by endpoint {name}, which no longer serves this model")
+                format!(
+                    "was stored by {}, which no longer serves this model",
+                    who(name)
+                )
             }
             HolderUnavailable::FailedInRequest { name } => {
-                format!("is stored by endpoint {name}, which failed this request")
+                format!("is stored by {}, which failed this request", who(name))
             }
             HolderUnavailable::CoolingDown {
                 name, rate_limited, ..
@@ -282,7 +298,10 @@ impl HolderUnavailable {
                     "unavailable"
                 };
                 let secs = self.retry_after_s(now_ms).unwrap_or(1);
-                format!("is stored by endpoint {name}, which is {state} for {secs} s more")
+                format!(
+                    "is stored by {}, which is {state} for {secs} s more",
+                    who(name)
+                )
             }
         };
         format!(
