@@ -29,6 +29,7 @@ use computeflux::scheduler::health::breaker::{
 use computeflux::scheduler::health::outcome::FailureKind;
 use computeflux::scheduler::routing::affinity::{self, Affinity, Entry};
 use computeflux::scheduler::routing::ewma;
+use computeflux::scheduler::routing::in_flight::InFlightAges;
 use computeflux::scheduler::routing::overdue::{self, Watch};
 use computeflux::scheduler::routing::payoff::Payoff;
 use computeflux::scheduler::routing::quota::{Quota, Remaining};
@@ -963,6 +964,9 @@ fn endpoint_state() -> impl Strategy<Value = EndpointState> {
             )| {
                 let mut watch = Watch::default();
                 watch.insert((total as u32) | 1, changed);
+                let mut in_flight_ages = InFlightAges::default();
+                in_flight_ages.add(changed, 600_000);
+                in_flight_ages.add(last, 1_000);
                 EndpointState {
                     latency_ms,
                     // Derived from the drawn values: every field takes varied values.
@@ -974,6 +978,7 @@ fn endpoint_state() -> impl Strategy<Value = EndpointState> {
                     total,
                     in_flight,
                     in_flight_changed_ms: changed,
+                    in_flight_ages,
                     breaker,
                     degraded,
                     degraded_probe_ms,

@@ -7,6 +7,7 @@
 use arbitrary::Arbitrary;
 use computeflux::scheduler::health::breaker::{Breaker, BreakerState, OpenCause};
 use computeflux::scheduler::routing::affinity::{self, Entry, KEY_PREFIX};
+use computeflux::scheduler::routing::in_flight::InFlightAges;
 use computeflux::scheduler::routing::overdue::{Slot, Watch};
 use computeflux::scheduler::routing::payoff::Payoff;
 use computeflux::scheduler::routing::quota::{Quota, Remaining};
@@ -97,6 +98,12 @@ fn state(s: &StateSpec) -> (u32, EndpointState) {
             total: s.total,
             in_flight: s.in_flight,
             in_flight_changed_ms: s.in_flight_changed_ms,
+            in_flight_ages: {
+                let mut a = InFlightAges::default();
+                a.add(s.in_flight_changed_ms, 600_000);
+                a.add(s.last_sample_ms, u64::from(s.in_flight).max(1));
+                a
+            },
             breaker: Breaker {
                 state: match s.state % 3 {
                     0 => BreakerState::Closed,
@@ -234,6 +241,7 @@ fuzz_target!(|input: Input<'_>| match input {
             nonce: 0,
             body_bytes: 0,
             pin_hint: None,
+            holder: None,
         };
         if let Ok(d) = sched.pick(&pick, now) {
             let id = d.ticket.endpoint_id;
