@@ -57,6 +57,7 @@
 use crate::scheduler::config::{Config, ListModels};
 use crate::scheduler::health::blame;
 use crate::scheduler::health::outcome::{classify, FailureKind, Outcome};
+use crate::scheduler::routing::pin_cookie::Ignored;
 use crate::scheduler::routing::quota::QuotaHint;
 use crate::scheduler::routing::responses::{self, IdScan};
 use crate::scheduler::routing::select::{
@@ -170,6 +171,8 @@ pub trait Observer {
     /// The answer `endpoint` gave reported `usage`; the request's affinity at its first pick
     /// was `affinity`.
     fn usage(&mut self, _endpoint: usize, _affinity: AffinityResult, _usage: &Usage) {}
+    /// The request carried a pin cookie for its session that is not followed (`pin_cookie`).
+    fn pin_cookie_ignored(&mut self, _why: Ignored) {}
 }
 
 impl Observer for () {}
@@ -766,7 +769,7 @@ impl Flow {
             Ok((session, _)) => self.session = session,
             Err(e) => return self.refuse(obs, &e),
         }
-        self.read_pin_cookie(s.cfg);
+        self.read_pin_cookie(s.cfg, obs, now_ms);
         self.model = Some(req.model);
         self.body = body;
         self.body_unread = false;
@@ -872,7 +875,7 @@ impl Flow {
         let decision = s.pick(&pick, now_ms)?;
         // A session served away from its home (or already carrying a cookie) is told where it
         // now is, so that every replica follows it (see `pin_cookie`).
-        self.pin_cookie = self.pin_cookie_for(s, &decision);
+        self.pin_cookie = self.pin_cookie_for(s, &decision, now_ms);
         self.attempts += 1;
         if self.affinity.is_none() {
             self.affinity = Some(decision.affinity);
