@@ -34,6 +34,7 @@ use support::placement::{header_session, starts_with};
 use support::{chat_body, post_chat, tally, Envoy, EnvoyConfig, MockUpstream};
 
 const H_ENDPOINT: &str = "x-computeflux-endpoint";
+const H_AFFINITY: &str = "x-computeflux-affinity";
 /// The pin cookies one client may hold at once (`pin_cookie`'s slots).
 const MAX_PIN_COOKIES: usize = 8;
 const FAST: [&str; 4] = ["--prefill-us-per-token", "0", "--decode-ms", "0"];
@@ -255,4 +256,78 @@ fn one_jar_over_50_failed_over_sessions_holds_a_bounded_set_of_pin_cookies() {
         jar.names().collect::<Vec<_>>()
     );
     assert!(largest <= 1024, "cookie header of {largest} bytes");
+}
+
+/// Item 5: a request with a large base64 image, from client X pinned to key `a`, does not drain
+/// what the filter remembers of `a`'s token quota: client Y, pinned to `a`, stays. Before, the
+/// image's bytes were counted as prompt tokens (bytes ÷ 4), the remembered count fell below
+/// Y's next turn, and Y moved as if staying were a certain 429.
+#[test]
+fn a_large_base64_image_does_not_drain_the_keys_quota() {
+    let f = fleet(json!({"quota_aware": true, "quota_pacing": false}));
+    let a = f.mock("a");
+    a.set_quota(json!({"tokens": 60_000, "requests": 10_000, "window_ms": 120_000, "headers_family": "openai"}));
+    let port = f.envoy.port;
+    // Y: long turns (~3 000 tokens each); X: a short first turn.
+    let y = session_homed_on("a", "quota-y");
+    let x = session_homed_on("a", "quota-x");
+    let long = "the quick brown fox jumps over the lazy dog; ".repeat(270);
+    let y_turn = |n: usize| {
+        let mut msgs = vec![long.clone()];
+        msgs.extend((2..=n).map(|i| format!("turn {i}")));
+        let msgs: Vec<&str> = msgs.iter().map(String::as_str).collect();
+        post_chat(
+            port,
+            &[("x-session-id", y.as_str())],
+            &chat_body("m1", &msgs, Value::Null),
+        )
+    };
+    let r = y_turn(1);
+    assert_eq!(
+        (r.status, r.header(H_ENDPOINT)),
+        (200, Some("a")),
+        "{}",
+        r.body
+    );
+    let r = turn(port, &x, 1, None);
+    assert_eq!(
+        (r.status, r.header(H_ENDPOINT)),
+        (200, Some("a")),
+        "{}",
+        r.body
+    );
+    let left: usize = r
+        .header("x-ratelimit-remaining-tokens")
+        .and_then(|v| v.parse().ok())
+        .expect("a states its remaining tokens");
+    // An image whose base64 is, at 4 bytes a token, all but ~1 000 of what is left.
+    let image = "A".repeat((left - 1000) * 4);
+    let body = json!({
+        "model": "m1",
+        "messages": [
+            {"role": "user", "content": "turn 1 of x"},
+            {"role": "assistant", "content": "reply 1"},
+            {"role": "user", "content": [
+                {"type": "text", "text": "what is in this picture?"},
+                {"type": "image_url", "image_url": {"url": format!("data:image/png;base64,{image}")}},
+            ]},
+        ],
+    });
+    let r = post_chat(port, &[("x-session-id", x.as_str())], &body.to_string());
+    assert_eq!(
+        (r.status, r.header(H_ENDPOINT)),
+        (200, Some("a")),
+        "{}",
+        r.body
+    );
+    for n in 2..=4 {
+        let r = y_turn(n);
+        assert_eq!(
+            (r.status, r.header(H_ENDPOINT), r.header(H_AFFINITY)),
+            (200, Some("a"), Some("hit")),
+            "Y turn {n} moved off a: {}",
+            r.body
+        );
+    }
+    assert_eq!(a.count_429(), 0);
 }

@@ -67,6 +67,7 @@ use crate::scheduler::routing::signals::{self, Served};
 use crate::scheduler::wire::api::{self, Api, BodyFormat, Handling};
 use crate::scheduler::wire::headers::{rate_limit_hints, HeaderSource, Pairs};
 use crate::scheduler::wire::models::{self, Merged, Retrieved};
+use crate::scheduler::wire::prompt_size;
 use crate::scheduler::wire::reply::Reply;
 use crate::scheduler::wire::request::{derive_session, parse_chat, RequestError};
 use crate::scheduler::wire::usage::{Framing, Usage, UsageScan};
@@ -249,6 +250,9 @@ pub struct Flow {
     session_header: Option<Vec<u8>>,
     tenant: Option<Vec<u8>>,
     body: Vec<u8>,
+    /// The body's text bytes, inline media at a fixed size (`wire::prompt_size`): what its
+    /// token cost is estimated from, for quota-aware routing ([`Pick::body_bytes`]).
+    prompt_bytes: u64,
     model: Option<String>,
     session: Option<u64>,
     exclusions: Exclusions,
@@ -303,6 +307,7 @@ impl Flow {
             session_header: None,
             tenant: None,
             body: Vec::new(),
+            prompt_bytes: 0,
             model: None,
             session: None,
             exclusions: Exclusions::default(),
@@ -771,6 +776,11 @@ impl Flow {
         }
         self.read_pin_cookie(s.cfg, obs, now_ms);
         self.model = Some(req.model);
+        self.prompt_bytes = match self.api.map(|a| a.body()) {
+            // An upload form: its file is one media item.
+            Some(BodyFormat::Multipart) => prompt_size::MEDIA_BYTES,
+            _ => prompt_size::prompt_bytes(&body),
+        };
         self.body = body;
         self.body_unread = false;
         if self.api == Some(Api::Responses) {
@@ -869,7 +879,7 @@ impl Flow {
             attempt: self.attempts + 1,
             exclusions: &self.exclusions,
             nonce: self.nonce,
-            body_bytes: self.body.len(),
+            body_bytes: usize::try_from(self.prompt_bytes).unwrap_or(usize::MAX),
             pin_hint: self.pin_hint,
         };
         let decision = s.pick(&pick, now_ms)?;
