@@ -31,7 +31,9 @@ use computeflux::scheduler::state::hash::endpoint_id;
 use serde_json::{json, Value};
 use support::http::{self, CookieJar, Response};
 use support::placement::{header_session, starts_with};
-use support::{chat_body, post_chat, tally, Envoy, EnvoyConfig, MockUpstream};
+use support::{
+    chat_body, for_each_parallel, post_chat, tally, Envoy, EnvoyConfig, MockUpstream, Session,
+};
 
 const H_ENDPOINT: &str = "x-computeflux-endpoint";
 const H_AFFINITY: &str = "x-computeflux-affinity";
@@ -330,4 +332,113 @@ fn a_large_base64_image_does_not_drain_the_keys_quota() {
         );
     }
     assert_eq!(a.count_429(), 0);
+}
+
+/// Item 4: endpoints are judged against their peers for the same model. `s1`, `s2` serve a
+/// small model; `l1`, `l2`, `l3` a large one, every request 4× slower. Under mixed traffic no
+/// large endpoint is degraded and no pin is broken; once `l3` is another 6× slower, it is
+/// degraded and its peers are not.
+#[test]
+fn a_uniformly_slower_large_model_fleet_is_not_degraded_a_slow_one_among_it_is() {
+    const PREFILL: &str = "750";
+    let small: Vec<MockUpstream> = ["s1", "s2"]
+        .iter()
+        .map(|n| {
+            MockUpstream::start(
+                n,
+                &["small"],
+                &["--prefill-us-per-token", PREFILL, "--decode-ms", "5"],
+            )
+        })
+        .collect();
+    let large: Vec<MockUpstream> = ["l1", "l2", "l3"]
+        .iter()
+        .map(|n| {
+            MockUpstream::start(
+                n,
+                &["large"],
+                &[
+                    "--prefill-us-per-token",
+                    PREFILL,
+                    "--decode-ms",
+                    "5",
+                    "--slow-factor",
+                    "4",
+                    "--slow-after-ms",
+                    "0",
+                ],
+            )
+        })
+        .collect();
+    let mut endpoints = Vec::new();
+    for m in &small {
+        endpoints.push(json!({"name": m.name, "cluster": m.name, "models": ["small"]}));
+    }
+    for m in &large {
+        endpoints.push(json!({"name": m.name, "cluster": m.name, "models": ["large"]}));
+    }
+    let plugin = json!({
+        "endpoints": endpoints,
+        "cold_start_samples": 5,
+        "degraded_probe_interval_ms": 1000,
+    });
+    let clusters: Vec<(&str, u16)> = small
+        .iter()
+        .chain(&large)
+        .map(|m| (m.name.as_str(), m.port))
+        .collect();
+    let envoy = Envoy::start(EnvoyConfig::new(plugin, &clusters));
+    let degraded = |name: &str| {
+        envoy
+            .stat(&format!("wasmcustom.computeflux_degraded.endpoint.{name}"))
+            .unwrap_or(0)
+    };
+    let mut sessions: Vec<Session> = Session::many("small", 24, "small");
+    sessions.extend(Session::many("large", 24, "large"));
+    let port = envoy.port;
+    let rounds = |sessions: &mut Vec<Session>, n: usize| {
+        for _ in 0..n {
+            for_each_parallel(sessions, 4, |_, s| {
+                s.send(0, port);
+            });
+        }
+    };
+    rounds(&mut sessions, 6);
+    let affinities = tally(
+        sessions
+            .iter()
+            .flat_map(|s| s.turns.iter().map(|t| t.affinity())),
+    );
+    let failed: Vec<String> = sessions
+        .iter()
+        .filter(|s| s.turns.iter().any(|t| !t.ok()))
+        .map(Session::trail)
+        .collect();
+    eprintln!("uniform phase: affinity {affinities:?}");
+    assert!(failed.is_empty(), "failed turns: {failed:?}");
+    for m in &large {
+        assert_eq!(
+            degraded(&m.name),
+            0,
+            "{} degraded while uniformly slower",
+            m.name
+        );
+    }
+    assert!(
+        !affinities.contains_key("pin_break"),
+        "pins broken in a healthy fleet: {affinities:?}"
+    );
+    // l3 becomes truly slow among its peers.
+    large[2].set_fault(json!({"mode": "slow", "factor": 6}));
+    rounds(&mut sessions, 6);
+    let states: Vec<(String, i64)> = small
+        .iter()
+        .chain(&large)
+        .map(|m| (m.name.clone(), degraded(&m.name)))
+        .collect();
+    eprintln!("after l3's slowdown: degraded {states:?}");
+    assert_eq!(degraded("l3"), 1, "{states:?}");
+    for n in ["s1", "s2", "l1", "l2"] {
+        assert_eq!(degraded(n), 0, "{n}: {states:?}");
+    }
 }
