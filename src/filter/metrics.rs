@@ -11,6 +11,7 @@
 use super::host;
 use crate::scheduler::config::Config;
 use crate::scheduler::health::outcome::Outcome;
+use crate::scheduler::routing::pin_cookie::Ignored;
 use crate::scheduler::routing::select::{AffinityResult, Reason};
 use crate::scheduler::wire::reply::RejectReason;
 use crate::scheduler::wire::usage::Usage;
@@ -71,6 +72,8 @@ pub struct Metrics {
     decisions: Vec<Option<u32>>,
     /// In [`RejectReason::ALL`] order.
     rejected: Vec<Option<u32>>,
+    /// In [`Ignored::ALL`] order.
+    pin_cookies_ignored: Vec<Option<u32>>,
     pub retry_budget_exhausted: Option<u32>,
     pub cas_exhausted: Option<u32>,
 }
@@ -173,6 +176,11 @@ impl Metrics {
                 "reason",
                 RejectReason::ALL.iter().map(|r| r.label()),
             ),
+            pin_cookies_ignored: labelled(
+                "computeflux_pin_cookies_ignored_total",
+                "reason",
+                Ignored::ALL.iter().map(|r| r.label()),
+            ),
             retry_budget_exhausted: host::metric(
                 MetricType::Counter,
                 "computeflux_retry_budget_exhausted_total",
@@ -207,6 +215,10 @@ impl Metrics {
 
     pub fn decision(&self, r: Reason) {
         Self::inc(slot(Reason::ALL, &r, &self.decisions));
+    }
+
+    pub fn pin_cookie_ignored(&self, why: Ignored) {
+        Metrics::inc(slot(Ignored::ALL, &why, &self.pin_cookies_ignored));
     }
 
     pub fn rejected(&self, r: RejectReason) {

@@ -8,6 +8,7 @@ use super::metrics::Metrics;
 use super::plugin::{refresh_gauges, Plugin};
 use crate::scheduler::flow::{Observer, Timing};
 use crate::scheduler::health::outcome::Outcome;
+use crate::scheduler::routing::pin_cookie::Ignored;
 use crate::scheduler::routing::select::{AffinityResult, Decision, Finished};
 use crate::scheduler::wire::reply::Reply;
 use crate::scheduler::wire::usage::Usage;
@@ -104,6 +105,11 @@ impl Observer for Recorder<'_> {
             u.cached_tokens,
             u.completion_tokens
         );
+    }
+
+    fn pin_cookie_ignored(&mut self, why: Ignored) {
+        self.plugin.metrics.pin_cookie_ignored(why);
+        debug!("computeflux: pin cookie ignored ({})", why.label());
     }
 
     fn replied(&mut self, reply: &Reply) {

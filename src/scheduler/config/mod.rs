@@ -19,7 +19,10 @@ use std::fmt;
 use validate::Validator;
 
 pub mod metrics;
+pub mod secret;
 mod validate;
+
+use secret::PinCookieKey;
 
 /// One routing target: an API key of a hosted provider or a self-hosted GPU instance.
 #[derive(Debug, Clone, PartialEq)]
@@ -126,6 +129,9 @@ pub enum Spec {
     HeaderName,
     /// One of a fixed set of strings.
     Choice(&'static [&'static str]),
+    /// A secret string of `secret::MIN_SECRET_BYTES..=secret::MAX_SECRET_BYTES` bytes,
+    /// never shown.
+    Secret,
 }
 
 impl Spec {
@@ -134,7 +140,7 @@ impl Spec {
             Spec::Int { .. } => "integer",
             Spec::Number { .. } | Spec::UnitInterval => "number",
             Spec::Bool => "boolean",
-            Spec::HeaderName | Spec::Choice(_) => "string",
+            Spec::HeaderName | Spec::Choice(_) | Spec::Secret => "string",
         }
     }
 
@@ -146,6 +152,11 @@ impl Spec {
             Spec::Bool => String::new(),
             Spec::HeaderName => "HTTP header name".into(),
             Spec::Choice(options) => format!("one of {}", options.join(", ")),
+            Spec::Secret => format!(
+                "{}..={} bytes",
+                secret::MIN_SECRET_BYTES,
+                secret::MAX_SECRET_BYTES
+            ),
         }
     }
 }
@@ -219,6 +230,17 @@ impl Scalar for String {
     }
     fn show(&self) -> String {
         self.clone()
+    }
+}
+
+impl Scalar for PinCookieKey {
+    fn read(&mut self, v: &mut Validator, obj: &Map<String, Value>, key: &str, _spec: Spec) {
+        if let Some(secret) = v.secret(obj, key) {
+            *self = PinCookieKey::from_secret(secret.as_bytes());
+        }
+    }
+    fn show(&self) -> String {
+        PinCookieKey::show(self)
     }
 }
 
@@ -356,7 +378,9 @@ config_keys! {
     after_failover: AfterFailover = AfterFailover::Stay, Spec::Choice(&["stay", "return_home"]),
         "Where a session goes once the endpoint it failed over from is available again: `stay` keeps it on the endpoint that served the failover (where its newest prefix is cached), `return_home` sends it back to its rendezvous home (see [decisions](decisions.md#after-a-failover)).";
     pin_cookie: bool = false, Spec::Bool,
-        "Carries a session's place in a cookie when it is not its rendezvous home (after a failover or a pin break): the answer sets `cf_pin_<session hash>` (the endpoint's id, `Max-Age` = `affinity_ttl_ms`, `HttpOnly`, `Path=/`), and any Envoy replica, also one that never saw the session or just restarted, follows it like a pin. For clients that keep cookies (browsers, the OpenAI Python SDK's client); only sessions away from home get one (see [decisions](decisions.md#after-a-failover)).";
+        "Carries a session's place in a cookie when it is not its rendezvous home (after a failover or a pin break): the answer sets `cf_pin_<slot>` (one of 8 names: the session's key, the endpoint's id and an expiry, signed with `pin_cookie_secret`; `Max-Age` = `affinity_ttl_ms`, `HttpOnly`, `Path=/`), and any Envoy replica, also one that never saw the session or just restarted, follows it like a pin. For clients that keep cookies (browsers, the OpenAI Python SDK's client); only sessions away from home get one (see [decisions](decisions.md#after-a-failover)).";
+    pin_cookie_secret: PinCookieKey = PinCookieKey::default(), Spec::Secret,
+        "The key of the pin cookie's MAC (HMAC-SHA256): only cookies the filter signed, for the request's own session and not expired, are followed; others are ignored and counted in `computeflux_pin_cookies_ignored_total`. Give every replica the same value (a random string of at least 32 characters). Absent: the key is derived from the whole configuration, which is secret from clients while endpoints inject credentials (`headers`); when they inject none, a client that knows the configuration could derive it, so set this key. Any configuration change changes a derived key, and cookies issued before are ignored once (see [hardening](hardening.md#signed-pin-cookies)). Never logged.";
     pin_break_ratio: f64 = 3.0, Spec::Number { min: 1.5, max: 1000.0 },
         "A warm endpoint whose slowness (observed ÷ expected time for the work of each answer, smoothed) reaches this multiple of the median slowness of its peers serving the same models is degraded: its pinned sessions are placed again elsewhere (`pin_break`) and it gets no new sessions but probes (see [decisions](decisions.md#judging-endpoints)). `1000` in effect turns pin breaking off.";
     pin_break_min_ms: u64 = 50, Spec::Int { min: 0, max: MAX_MS },
@@ -446,6 +470,9 @@ impl Config {
         v.unknown_keys("", obj, &top_level_keys());
         let mut c = Config::default();
         Config::read_scalars(&mut v, obj, &mut c);
+        if !c.pin_cookie_secret.configured() {
+            c.pin_cookie_secret = PinCookieKey::derived(value);
+        }
         if c.routing_header == c.session_header {
             v.push("session_header", "must differ from routing_header");
         }

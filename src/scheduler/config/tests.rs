@@ -116,7 +116,12 @@ fn rejects_non_json_and_non_object() {
 fn every_key_reads_its_documented_default() {
     let mut obj = serde_json::Map::new();
     obj.insert("endpoints".into(), json!([{"name": "a", "cluster": "ca"}]));
-    for k in top_level_keys().into_iter().skip(1) {
+    // `pin_cookie_secret`'s default is its absence (a key derived from the configuration).
+    for k in top_level_keys()
+        .into_iter()
+        .skip(1)
+        .filter(|k| k.key != "pin_cookie_secret")
+    {
         let v = match k.kind.as_str() {
             "integer" => json!(k.default.parse::<u64>().unwrap()),
             "number" => json!(k.default.parse::<f64>().unwrap()),
@@ -128,9 +133,11 @@ fn every_key_reads_its_documented_default() {
     let read = Config::from_value(&Value::Object(obj)).unwrap();
     let expected = Config {
         endpoints: read.endpoints.clone(),
+        pin_cookie_secret: read.pin_cookie_secret.clone(),
         ..Config::default()
     };
     assert_eq!(read, expected);
+    assert!(!read.pin_cookie_secret.configured());
     // And each one is actually read: a value off its default changes the configuration.
     let c = Config::from_value(&json!({
         "endpoints": [{"name": "a", "cluster": "ca"}],
@@ -157,4 +164,37 @@ fn summary_never_contains_header_values() {
     let s = c.summary();
     assert!(s.contains("headers=[authorization]"));
     assert!(!s.contains("sk-secret"));
+}
+
+/// `pin_cookie_secret`: 16..=4096 bytes, never echoed; absent, the key is derived from the
+/// whole configuration, so two fleets that differ only in an endpoint's credentials have
+/// different keys, and the same configuration written differently has the same key.
+#[test]
+fn pin_cookie_secret_is_bounded_never_shown_and_derived_when_absent() {
+    let eps = json!([{"name": "a", "cluster": "ca", "headers": {"authorization": "Bearer k1"}}]);
+    let short = errors(json!({"endpoints": eps, "pin_cookie_secret": "hunter2"}));
+    assert_eq!(
+        short,
+        vec!["pin_cookie_secret must be 16..=4096 bytes long, got 7 (value not shown)"]
+    );
+    let wrong = errors(json!({"endpoints": eps, "pin_cookie_secret": 42}));
+    assert_eq!(
+        wrong,
+        vec!["pin_cookie_secret must be a string, got a number"]
+    );
+    let set =
+        Config::from_value(&json!({"endpoints": eps, "pin_cookie_secret": "0123456789abcdef0123"}))
+            .unwrap();
+    assert!(set.pin_cookie_secret.configured());
+    assert!(!set.summary().contains("0123456789abcdef"));
+    assert!(set.summary().contains("pin_cookie_secret=(set)"));
+    let derived = |v: Value| Config::from_value(&v).unwrap().pin_cookie_secret;
+    let k1 = derived(json!({"endpoints": eps, "pin_cookie": true}));
+    let same = derived(json!({"pin_cookie": true, "endpoints": eps}));
+    let other_key = derived(json!({"pin_cookie": true, "endpoints":
+        [{"name": "a", "cluster": "ca", "headers": {"authorization": "Bearer k2"}}]}));
+    assert!(!k1.configured());
+    assert_eq!(k1, same);
+    assert_ne!(k1, other_key);
+    assert_ne!(k1, set.pin_cookie_secret);
 }

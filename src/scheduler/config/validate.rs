@@ -146,6 +146,30 @@ impl Validator {
         }
     }
 
+    /// A secret string of `MIN_SECRET_BYTES..=MAX_SECRET_BYTES` bytes; returns it when it is.
+    /// The value is never echoed in an error.
+    pub(super) fn secret<'v>(&mut self, obj: &'v Map<String, Value>, key: &str) -> Option<&'v str> {
+        use super::secret::{MAX_SECRET_BYTES, MIN_SECRET_BYTES};
+        let v = obj.get(key)?;
+        match v.as_str() {
+            Some(s) if (MIN_SECRET_BYTES..=MAX_SECRET_BYTES).contains(&s.len()) => Some(s),
+            Some(s) => {
+                self.push(
+                    key,
+                    &format!(
+                        "must be {MIN_SECRET_BYTES}..={MAX_SECRET_BYTES} bytes long, got {} (value not shown)",
+                        s.len()
+                    ),
+                );
+                None
+            }
+            None => {
+                self.push(key, &format!("must be a string, got {}", type_name(v)));
+                None
+            }
+        }
+    }
+
     /// A string that must be one of `spec`'s options; returns it when it is.
     pub(super) fn choice<'v>(
         &mut self,

@@ -57,6 +57,7 @@
 use crate::scheduler::config::{Config, ListModels};
 use crate::scheduler::health::blame;
 use crate::scheduler::health::outcome::{classify, FailureKind, Outcome};
+use crate::scheduler::routing::pin_cookie::Ignored;
 use crate::scheduler::routing::quota::QuotaHint;
 use crate::scheduler::routing::responses::{self, IdScan};
 use crate::scheduler::routing::select::{
@@ -66,6 +67,7 @@ use crate::scheduler::routing::signals::{self, Served};
 use crate::scheduler::wire::api::{self, Api, BodyFormat, Handling};
 use crate::scheduler::wire::headers::{rate_limit_hints, HeaderSource, Pairs};
 use crate::scheduler::wire::models::{self, Merged, Retrieved};
+use crate::scheduler::wire::prompt_size;
 use crate::scheduler::wire::reply::Reply;
 use crate::scheduler::wire::request::{derive_session, parse_chat, RequestError};
 use crate::scheduler::wire::usage::{Framing, Usage, UsageScan};
@@ -173,6 +175,8 @@ pub trait Observer {
     /// The answer `endpoint` gave reported `usage`; the request's affinity at its first pick
     /// was `affinity`.
     fn usage(&mut self, _endpoint: usize, _affinity: AffinityResult, _usage: &Usage) {}
+    /// The request carried a pin cookie for its session that is not followed (`pin_cookie`).
+    fn pin_cookie_ignored(&mut self, _why: Ignored) {}
 }
 
 impl Observer for () {}
@@ -263,6 +267,9 @@ pub struct Flow {
     session_header: Option<Vec<u8>>,
     tenant: Option<Vec<u8>>,
     body: Vec<u8>,
+    /// The body's text bytes, inline media at a fixed size (`wire::prompt_size`): what its
+    /// token cost is estimated from, for quota-aware routing ([`Pick::body_bytes`]).
+    prompt_bytes: u64,
     model: Option<String>,
     session: Option<u64>,
     exclusions: Exclusions,
@@ -323,6 +330,7 @@ impl Flow {
             session_header: None,
             tenant: None,
             body: Vec::new(),
+            prompt_bytes: 0,
             model: None,
             session: None,
             exclusions: Exclusions::default(),
@@ -813,8 +821,13 @@ impl Flow {
             Ok((session, _)) => self.session = session,
             Err(e) => return self.refuse(obs, &e),
         }
-        self.read_pin_cookie(s.cfg);
+        self.read_pin_cookie(s.cfg, obs, now_ms);
         self.model = Some(req.model);
+        self.prompt_bytes = match self.api.map(|a| a.body()) {
+            // An upload form: its file is one media item.
+            Some(BodyFormat::Multipart) => prompt_size::MEDIA_BYTES,
+            _ => prompt_size::prompt_bytes(&body),
+        };
         self.body = body;
         self.body_unread = false;
         if self.api == Some(Api::Responses) {
@@ -914,14 +927,14 @@ impl Flow {
             attempt: self.attempts + 1,
             exclusions: &self.exclusions,
             nonce: self.nonce,
-            body_bytes: self.body.len(),
+            body_bytes: usize::try_from(self.prompt_bytes).unwrap_or(usize::MAX),
             pin_hint: self.pin_hint,
             holder: self.holder.as_ref().map(|h| h.endpoint_id),
         };
         let decision = s.pick(&pick, now_ms)?;
         // A session served away from its home (or already carrying a cookie) is told where it
         // now is, so that every replica follows it (see `pin_cookie`).
-        self.pin_cookie = self.pin_cookie_for(s, &decision);
+        self.pin_cookie = self.pin_cookie_for(s, &decision, now_ms);
         self.attempts += 1;
         if self.affinity.is_none() {
             self.affinity = Some(decision.affinity);

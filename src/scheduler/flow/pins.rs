@@ -7,15 +7,17 @@
 use super::{Flow, Holder, Observer, Step};
 use crate::scheduler::config::Config;
 use crate::scheduler::health::outcome::Outcome;
-use crate::scheduler::routing::pin_cookie;
+use crate::scheduler::routing::pin_cookie::{self, Found};
 use crate::scheduler::routing::responses::{self, AnswerFormat, HolderUnavailable, IdScan};
 use crate::scheduler::routing::select::{Decision, NoEndpoint, Scheduler};
 use crate::scheduler::wire::headers::HeaderSource;
 use crate::scheduler::wire::reply::{RejectReason, Reply};
 
 impl Flow {
-    /// The endpoint the request's pin cookie names for its session (`pin_cookie`).
-    pub(super) fn read_pin_cookie(&mut self, cfg: &Config) {
+    /// The endpoint the request's pin cookie names for its session (`pin_cookie`), if the
+    /// filter signed that cookie for this session and it has not expired; any other pin
+    /// cookie of the session is ignored and reported.
+    pub(super) fn read_pin_cookie(&mut self, cfg: &Config, obs: &mut dyn Observer, now_ms: u64) {
         if !cfg.pin_cookie {
             return;
         }
@@ -25,22 +27,40 @@ impl Flow {
                 .iter()
                 .filter(|(n, _)| n.eq_ignore_ascii_case("cookie"))
                 .map(|(_, v)| v.as_slice());
-            self.pin_hint = pin_cookie::find(cookies, session);
+            self.pin_hint = match pin_cookie::find(&cfg.pin_cookie_secret, cookies, session, now_ms)
+            {
+                Found::Endpoint(id) => Some(id),
+                Found::Ignored(why) => {
+                    obs.pin_cookie_ignored(why);
+                    None
+                }
+                Found::Absent => None,
+            };
         }
     }
 
     /// A session served away from its home (or already carrying a cookie) is told where it
-    /// now is, so that every replica follows it (see `pin_cookie`).
-    pub(super) fn pin_cookie_for(&self, s: &Scheduler<'_>, decision: &Decision) -> Option<String> {
+    /// now is, so that every replica follows it (see `pin_cookie`). Not a Responses follow-up
+    /// sent to the holder of its previous response: the holder decides where it goes, and its
+    /// session key (the previous response's id) is never seen again.
+    pub(super) fn pin_cookie_for(
+        &self,
+        s: &Scheduler<'_>,
+        decision: &Decision,
+        now_ms: u64,
+    ) -> Option<String> {
         match self.session {
             Some(session)
                 if s.cfg.pin_cookie
+                    && !self.holder_pinned
                     && decision.ticket.pin_on_success
                     && (Some(decision.endpoint) != decision.home || self.pin_hint.is_some()) =>
             {
                 Some(pin_cookie::set_cookie(
+                    &s.cfg.pin_cookie_secret,
                     session,
                     decision.ticket.endpoint_id,
+                    now_ms,
                     s.cfg.affinity_ttl_ms,
                 ))
             }

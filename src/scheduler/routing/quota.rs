@@ -22,7 +22,12 @@
 //!   window as long as the last stated reset: the picks after the reset are counted before any
 //!   answer from the new window arrives (else every pick in that gap would pass unchecked), and
 //!   that first answer only lowers the assumed count.
-//! - A request's size is estimated as `ceil(body bytes / quota_bytes_per_token)` tokens.
+//! - A request's size is estimated as `ceil(prompt bytes / quota_bytes_per_token)` tokens,
+//!   where its prompt bytes are the text of its body and a fixed size per inline image or
+//!   audio clip (`wire::prompt_size`): a base64 upload of megabytes is a few hundred tokens at
+//!   the provider, and counting its bytes took the key's count to zero (issue 22). When the
+//!   answer reports `usage`, its prompt and completion tokens replace the estimate in the
+//!   count ([`Quota::settle`]).
 //! - An endpoint is *short* when its remaining requests are below `max(quota_min_requests, 1)`
 //!   or its remaining tokens below `max(quota_min_tokens, estimate)`. A short endpoint is
 //!   skipped for new placements like an unavailable one (the next in rendezvous order takes
@@ -192,9 +197,10 @@ const ANTHROPIC_TOKENS: [Names; 3] = [
     ),
 ];
 
-/// The tokens a request of `body_bytes` is taken to cost.
-pub fn estimate_tokens(body_bytes: usize, bytes_per_token: u64) -> u64 {
-    (body_bytes as u64).div_ceil(bytes_per_token.max(1))
+/// The tokens a request of `prompt_bytes` (see [`crate::scheduler::routing::select::Pick`])
+/// is taken to cost.
+pub fn estimate_tokens(prompt_bytes: usize, bytes_per_token: u64) -> u64 {
+    (prompt_bytes as u64).div_ceil(bytes_per_token.max(1))
 }
 
 /// A remaining count: ASCII digits only, at most [`MAX_REMAINING`].
@@ -314,6 +320,22 @@ impl Quota {
         };
         self.requests = take(self.requests, 1).or(self.requests);
         self.tokens = take(self.tokens, estimate).or(self.tokens);
+    }
+
+    /// An answer reported `used` tokens (prompt and completion) for a request whose pick took
+    /// `estimated` off the count: the difference is taken off too, or given back (never past
+    /// the stated limit), so that the count follows what the key really spent.
+    pub fn settle(&mut self, estimated: u64, used: u64, now_ms: u64) {
+        let Some(r) = self.tokens.and_then(|r| r.current(now_ms)) else {
+            return;
+        };
+        let left = if used >= estimated {
+            r.left.saturating_sub(used - estimated)
+        } else {
+            r.left.saturating_add(estimated - used)
+        };
+        let left = r.limit.map_or(left, |l| left.min(l));
+        self.tokens = Some(Remaining { left, ..r });
     }
 
     /// An answer's statement updates what was remembered, family by family: a new window

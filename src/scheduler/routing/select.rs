@@ -100,7 +100,10 @@ pub struct Pick<'a> {
     /// Placement key of a request without a session (any value that differs between
     /// requests, e.g. a counter mixed with the clock), so that such requests spread.
     pub nonce: u64,
-    /// The request body's size, from which its token cost is estimated (quota-aware routing).
+    /// The request's prompt size in bytes, from which its token cost is estimated
+    /// (quota-aware routing, the re-prefill cost of a move): the text of its body, inline
+    /// media (base64 images, audio) at a fixed size each (`wire::prompt_size`), never the
+    /// raw bytes of an upload.
     pub body_bytes: usize,
     /// The endpoint id the request's pin cookie names (`pin_cookie`): where another replica
     /// last placed the session away from its home. Followed like a pin, before this replica's
@@ -249,6 +252,10 @@ pub struct Ticket {
     /// Set by the holder before finishing a success: what the answer was (streamed or not,
     /// its time, its usage or sizes), judged against the work model (see `signals`).
     pub served: Option<Served>,
+    /// The tokens this attempt took off its endpoint's remembered quota at the pick (the
+    /// request's estimate; 0 without `quota_aware`): replaced by what the answer's `usage`
+    /// reports when it ends (`Quota::settle`).
+    pub quota_tokens: u64,
 }
 
 #[derive(Debug, PartialEq, Eq)]
@@ -495,12 +502,13 @@ impl<'a> Scheduler<'a> {
                 } else {
                     0
                 };
-            if self.cfg.quota_aware {
-                st.quota.consume(
-                    estimate_tokens(pick.body_bytes, self.cfg.quota_bytes_per_token),
-                    now_ms,
-                );
-            }
+            let quota_tokens = if self.cfg.quota_aware {
+                let estimate = estimate_tokens(pick.body_bytes, self.cfg.quota_bytes_per_token);
+                st.quota.consume(estimate, now_ms);
+                estimate
+            } else {
+                0
+            };
             if pick.attempt <= 1 {
                 table.budget.on_request(now_ms);
             }
@@ -515,6 +523,7 @@ impl<'a> Scheduler<'a> {
                 pin_on_success: choice.pin_on_success,
                 pinned_usage: None,
                 served: None,
+                quota_tokens,
             };
             let bytes = match bytes {
                 Some(stored) if same_layout && !others_changed => table.encode_patched(stored, i),
@@ -568,6 +577,7 @@ impl<'a> Scheduler<'a> {
                     pin_on_success: c.pin_on_success,
                     pinned_usage: None,
                     served: None,
+                    quota_tokens: 0,
                 };
                 Ok(Decision {
                     endpoint: c.endpoint,

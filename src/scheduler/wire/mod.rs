@@ -12,6 +12,7 @@ pub mod json_scan;
 pub mod models;
 pub mod multipart;
 pub mod path;
+pub mod prompt_size;
 pub mod reply;
 pub mod request;
 pub mod text;

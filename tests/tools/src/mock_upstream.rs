@@ -44,7 +44,8 @@
 //!   process leaves no mock behind).
 //!
 //! Tokens: one token is 4 bytes of the prompt text (the last may be shorter); the prompt text is,
-//! per message, its role, `\n`, its content's text, `\n`. Cache hits are counted in whole blocks
+//! per message, its role, `\n`, its content's text, `\n` (an inline image or audio part counts as
+//! 340 bytes, 85 tokens, whatever its encoded size, as hosted APIs charge it). Cache hits are counted in whole blocks
 //! of `--block-tokens` tokens (see `mock_upstream/cache.rs`). Latency of a served request in the
 //! constant model is `prefill_us_per_token × (prompt_tokens − cached_tokens)` before the response
 //! headers, then `decode_ms` for the body; the batched model's is in `mock_upstream/engine.rs`.

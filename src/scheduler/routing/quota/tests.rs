@@ -332,3 +332,36 @@ fn round_trip() {
     assert_eq!(w.buf.len(), Quota::BYTES);
     assert_eq!(Quota::decode(&mut Reader::new(&w.buf)), Some(q));
 }
+
+/// Issue 22: the answer's `usage` replaces the pick's estimate in the remembered count: a
+/// request that used more takes the rest, one that used less gives it back, never past the
+/// stated limit, and an unknown or forgotten count stays unknown.
+#[test]
+fn settle_replaces_the_estimate_by_the_reported_usage() {
+    let at = |left: u64| Quota {
+        requests: None,
+        tokens: Some(Remaining {
+            left,
+            reset_at_ms: 10_000,
+            limit: Some(50_000),
+            span_ms: 10_000,
+            assumed: false,
+        }),
+    };
+    let mut q = at(40_000);
+    q.consume(3_000, 1_000);
+    assert_eq!(q.tokens_left(1_000), Some(37_000));
+    // Used 3 500: 500 more.
+    q.settle(3_000, 3_500, 2_000);
+    assert_eq!(q.tokens_left(2_000), Some(36_500));
+    // An estimate of 10 000 for a request that used 200: 9 800 back.
+    q.settle(10_000, 200, 2_000);
+    assert_eq!(q.tokens_left(2_000), Some(46_300));
+    // Never past the limit.
+    q.settle(10_000, 0, 2_000);
+    assert_eq!(q.tokens_left(2_000), Some(50_000));
+    // Unknown stays unknown.
+    let mut none = Quota::default();
+    none.settle(10, 1_000, 2_000);
+    assert_eq!(none, Quota::default());
+}

@@ -102,7 +102,7 @@ impl<'a> Scheduler<'a> {
                 .as_ref()
                 .and_then(|(sample, model)| record_slowness(st, sample, model, now_ms));
             record_payoff(st, outcome, &ticket, cfg);
-            record_quota(st, outcome, quota, &rule, cfg, now_ms);
+            record_quota(st, outcome, &ticket, quota, &rule, cfg, now_ms);
             record_probe(st, &ticket, ratio, reference, cfg);
             let changed = record_breaker(st, outcome, &ticket, now_ms, &bcfg);
             let report = Finished {
@@ -249,16 +249,22 @@ pub(super) fn record_payoff(
     }
 }
 
-/// The quota a successful answer stated (`quota_aware`).
+/// The quota a successful answer used and stated (`quota_aware`): the tokens its `usage`
+/// reports replace the pick's estimate, then its headers' statement applies.
 pub(super) fn record_quota(
     st: &mut EndpointState,
     outcome: &Outcome,
+    ticket: &Ticket,
     quota: &QuotaHint,
     rule: &QuotaRule,
     cfg: &Config,
     now_ms: u64,
 ) {
     if matches!(outcome, Outcome::Success) && cfg.quota_aware {
+        if let Some(u) = ticket.served.as_ref().and_then(|s| s.usage.as_ref()) {
+            let used = u.prompt_tokens.saturating_add(u.completion_tokens);
+            st.quota.settle(ticket.quota_tokens, used, now_ms);
+        }
         st.quota.observe(quota, rule, now_ms);
     }
 }

@@ -571,6 +571,7 @@ fn warm(s: &Scheduler<'_>, latencies: &[u64], samples: u64, now: u64) {
                 pin_on_success: false,
                 pinned_usage: None,
                 served: None,
+                quota_tokens: 0,
             };
             finish_streamed(s, ticket, lat, None, now);
         }

@@ -4,8 +4,10 @@
 use serde_json::{json, Value};
 
 /// The prompt text the cache sees: for each message, `role`, `\n`, the content's text, `\n`.
-/// Content may be a string or an array of parts (`{"type":"text","text":…}`); anything else is
-/// taken as its compact JSON.
+/// Content may be a string or an array of parts (`{"type":"text","text":…}`); an inline media
+/// part (`image_url`, `input_audio`, `image`) counts as [`MEDIA_TEXT_BYTES`] of text naming
+/// a hash of the part, as hosted APIs charge an image a few hundred tokens whatever its encoded
+/// size; anything else is taken as its compact JSON.
 pub fn prompt_text(messages: &[Value]) -> String {
     let mut out = String::new();
     for m in messages {
@@ -15,8 +17,13 @@ pub fn prompt_text(messages: &[Value]) -> String {
             Some(Value::String(s)) => out.push_str(s),
             Some(Value::Array(parts)) => {
                 for p in parts {
+                    let media = matches!(
+                        p.get("type").and_then(Value::as_str),
+                        Some("image_url" | "input_audio" | "image")
+                    );
                     match p.get("text").and_then(Value::as_str) {
                         Some(t) => out.push_str(t),
+                        None if media => out.push_str(&media_text(p)),
                         None => out.push_str(&p.to_string()),
                     }
                 }
@@ -27,6 +34,21 @@ pub fn prompt_text(messages: &[Value]) -> String {
         out.push('\n');
     }
     out
+}
+
+/// Bytes of text an inline media part counts as (85 tokens, OpenAI's low-detail image).
+pub const MEDIA_TEXT_BYTES: usize = 340;
+
+/// `MEDIA_TEXT_BYTES` of text that differ between different media parts.
+fn media_text(part: &Value) -> String {
+    use std::hash::{Hash, Hasher};
+    let mut h = std::collections::hash_map::DefaultHasher::new();
+    part.to_string().hash(&mut h);
+    let mut t = format!("<media {:016x}>", h.finish());
+    while t.len() < MEDIA_TEXT_BYTES {
+        t.push('.');
+    }
+    t
 }
 
 /// Words of the mock answer: `"<name>"` then `w1 … w{n-1}`, one word per completion token.
