@@ -295,8 +295,9 @@ fn a_popular_application_spreads_in_its_prefix_order() {
             .collect();
         println!("replica {r}: {trail:?}");
         checks.expect(
-            mine.iter().all(|(_, _, s)| s.status == 200),
-            format!("replica {r}: every held request answered: {trail:?}"),
+            mine.iter()
+                .all(|(_, _, s)| s.status == 200 && s.affinity == "prefix"),
+            format!("replica {r}: every held request answered, placed by prefix: {trail:?}"),
         );
         // The first four go home, the fifth spills to the prefix's second endpoint.
         checks.expect(
@@ -307,7 +308,7 @@ fn a_popular_application_spreads_in_its_prefix_order() {
         );
         checks.expect(
             mine.get(4)
-                .is_some_and(|(_, _, s)| s.endpoint == order[1] && s.affinity == "prefix_spill"),
+                .is_some_and(|(_, _, s)| s.endpoint == order[1] && s.affinity == "prefix"),
             format!("replica {r}: fifth spilled to {}: {trail:?}", order[1]),
         );
         let used: BTreeSet<&str> = mine.iter().map(|(_, _, s)| s.endpoint.as_str()).collect();
@@ -317,7 +318,7 @@ fn a_popular_application_spreads_in_its_prefix_order() {
             format!("replica {r}: spread over {used:?}, expected {leading:?}"),
         );
         // A spilled session is pinned where it was served.
-        if let Some((_, k, s)) = mine.iter().find(|(_, _, s)| s.affinity == "prefix_spill") {
+        if let Some((_, k, s)) = mine.iter().find(|(_, _, s)| s.endpoint == order[1]) {
             let id = format!("pop-r{r}-s{k}");
             let next = send(ports[r], &id, &body(APP, &id, 1));
             checks.expect(

@@ -101,11 +101,7 @@ impl Observer for Recorder<'_> {
             em.usage(affinity, u);
         }
         // A session placed by prefix that found its prompt (its instructions) cached.
-        if matches!(
-            affinity,
-            AffinityResult::Prefix | AffinityResult::PrefixSpill
-        ) && u.cached_tokens > 0
-        {
+        if affinity == AffinityResult::Prefix && u.cached_tokens > 0 {
             Metrics::inc(self.plugin.metrics.prefix_hits);
         }
         debug!(

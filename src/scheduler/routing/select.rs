@@ -21,6 +21,8 @@
 //!    everywhere, and a failover walks the same order, to the same backup;
 //! 4. **settle**: the decision's labels and whether a success pins the session there.
 //!
+//! A session without a pin whose request has a prefix key ([`Pick::prefix`]) walks the prefix's
+//! rendezvous order instead of its own (`prefix_placement`; affinity `prefix`).
 //! Requests without a session are placed the same way on a per-request key, with the full
 //! score (in-flight included) as weight. [`Scheduler::finish_observed`] records an attempt, one
 //! function per concern (in-flight and watch, success rate, raw latency, slowness, payoff,
@@ -180,12 +182,12 @@ pub enum AffinityResult {
     Backup,
     /// No live pin and the home was over its bounded load: placed at the next within it.
     Spill,
-    /// No live pin; placed by its instructions' prefix key, at the prefix's home (see
-    /// `placement`): where the application's other new sessions go.
+    /// No live pin; placed by its instructions' prefix key (see `placement`): at the prefix's
+    /// home, where the application's other new sessions go, or past it when it was over its
+    /// bounded load (a popular application spreading in its prefix's rendezvous order; the
+    /// decision's reason is `spill` then). One value for both keeps the per-endpoint token
+    /// counters (one set per value) from growing twice.
     Prefix,
-    /// No live pin; placed by its prefix key, past the prefix's home (over its bounded load):
-    /// a popular application spreads in its prefix's rendezvous order.
-    PrefixSpill,
     /// The pinned endpoint was degraded: the pin was broken and the session placed again.
     PinBreak,
     /// The pinned endpoint was saturated with a wait longer than re-prefilling elsewhere: the
@@ -204,7 +206,6 @@ impl AffinityResult {
         AffinityResult::Backup,
         AffinityResult::Spill,
         AffinityResult::Prefix,
-        AffinityResult::PrefixSpill,
         AffinityResult::PinBreak,
         AffinityResult::Saturated,
         AffinityResult::None,
@@ -218,7 +219,6 @@ impl AffinityResult {
             AffinityResult::Backup => "backup",
             AffinityResult::Spill => "spill",
             AffinityResult::Prefix => "prefix",
-            AffinityResult::PrefixSpill => "prefix_spill",
             AffinityResult::PinBreak => "pin_break",
             AffinityResult::Saturated => "saturated",
             AffinityResult::None => "none",

@@ -20,6 +20,11 @@
 //!
 //! Every key is scoped by the caller's identity (its `authorization` / `x-api-key` value, hashed
 //! with the key) so one tenant can never read or steer another tenant's pins.
+//!
+//! The same pass over the messages hashes the request's instructions segment (top-level
+//! `system` / `instructions`, `tools`, `functions`, the leading system / developer messages):
+//! what an application's sessions share, for placement by prefix (see
+//! [`crate::scheduler::wire::prefix`]).
 
 use crate::scheduler::state::hash::{hash_parts, session_key};
 use crate::scheduler::wire::api::Api;

@@ -145,7 +145,7 @@ fn a_popular_prefix_spills_in_its_rendezvous_order_and_pins_there() {
         if d.endpoint != order[0] {
             assert_eq!(
                 (d.reason, d.affinity),
-                (Reason::Spill, AffinityResult::PrefixSpill)
+                (Reason::Spill, AffinityResult::Prefix)
             );
             assert!(d.ticket.pin_on_success, "a prefix spill pins");
             first_spill.get_or_insert(d.endpoint);
