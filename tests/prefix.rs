@@ -154,20 +154,14 @@ fn sessions_of_one_application_share_an_endpoint_on_every_replica_and_after_a_re
     println!("prefix homes of the applications: {homes:?}");
     // First turns: session j of each application through replica j % 3, one at a time so
     // that every session after an application's first finds its prompt cached.
-    for app in 0..APPS {
+    for (app, &home) in homes.iter().enumerate() {
         for j in 0..SESSIONS_PER_APP {
             let id = format!("app{app}-s{j}");
             let r = fleet.replicas.len();
             let served = send(fleet.replicas.port(j % r), &id, &body(app, &id, 0));
             checks.expect(
-                served.status == 200
-                    && served.endpoint == homes[app]
-                    && served.affinity == "prefix",
-                format!(
-                    "{id} via replica {}: {served:?}, expected {}",
-                    j % r,
-                    homes[app]
-                ),
+                served.status == 200 && served.endpoint == home && served.affinity == "prefix",
+                format!("{id} via replica {}: {served:?}, expected {}", j % r, home),
             );
             if j > 0 {
                 checks.expect(
@@ -191,14 +185,14 @@ fn sessions_of_one_application_share_an_endpoint_on_every_replica_and_after_a_re
     );
     // Second turns through the next replica: a pin there, or (the replica never saw the
     // session) the same prefix home again.
-    for app in 0..APPS {
+    for (app, &home) in homes.iter().enumerate() {
         for j in 0..SESSIONS_PER_APP {
             let id = format!("app{app}-s{j}");
             let via = (j + 1) % fleet.replicas.len();
             let served = send(fleet.replicas.port(via), &id, &body(app, &id, 1));
             checks.expect(
                 served.status == 200
-                    && served.endpoint == homes[app]
+                    && served.endpoint == home
                     && (served.affinity == "prefix" || served.affinity == "hit"),
                 format!("{id} turn 2 via replica {via}: {served:?}"),
             );
@@ -219,20 +213,18 @@ fn sessions_of_one_application_share_an_endpoint_on_every_replica_and_after_a_re
     let (old_pid, new_pid) = fleet.replicas.restart(2);
     println!("replica 2 restarted: pid {old_pid} -> {new_pid}");
     let port = fleet.replicas.port(2);
-    for app in 0..APPS {
+    for (app, &home) in homes.iter().enumerate() {
         for j in 0..3 {
             let id = format!("app{app}-new{j}");
             let served = send(port, &id, &body(app, &id, 0));
             checks.expect(
-                served.status == 200
-                    && served.endpoint == homes[app]
-                    && served.affinity == "prefix",
+                served.status == 200 && served.endpoint == home && served.affinity == "prefix",
                 format!("{id} via the restarted replica: {served:?}"),
             );
             let old = format!("app{app}-s{j}");
             let served = send(port, &old, &body(app, &old, 2));
             checks.expect(
-                served.status == 200 && served.endpoint == homes[app],
+                served.status == 200 && served.endpoint == home,
                 format!("{old} turn 3 via the restarted replica: {served:?}"),
             );
         }
@@ -285,7 +277,7 @@ fn a_popular_application_spreads_in_its_prefix_order() {
     for m in &fleet.mocks {
         m.clear_fault();
     }
-    for r in 0..ports.len() {
+    for (r, &port) in ports.iter().enumerate() {
         let mut mine: Vec<&(usize, usize, Served)> =
             results.iter().filter(|(rr, _, _)| *rr == r).collect();
         mine.sort_by_key(|(_, k, _)| *k);
@@ -320,7 +312,7 @@ fn a_popular_application_spreads_in_its_prefix_order() {
         // A spilled session is pinned where it was served.
         if let Some((_, k, s)) = mine.iter().find(|(_, _, s)| s.endpoint == order[1]) {
             let id = format!("pop-r{r}-s{k}");
-            let next = send(ports[r], &id, &body(APP, &id, 1));
+            let next = send(port, &id, &body(APP, &id, 1));
             checks.expect(
                 next.endpoint == s.endpoint && next.affinity == "hit",
                 format!("{id} turn 2 on its replica: {next:?}"),
