@@ -143,6 +143,7 @@ fn cases() -> Vec<Case> {
                         body_bytes: 0,
                         pin_hint: None,
                         holder: None,
+                        prefix: None,
                     };
                     let d = s.pick(&pick, NOW_MS + i).expect("an endpoint");
                     black_box(s.finish(d.ticket, &Outcome::Success, 250, None, NOW_MS + i));
@@ -168,6 +169,7 @@ fn cases() -> Vec<Case> {
                         body_bytes: 0,
                         pin_hint: None,
                         holder: None,
+                        prefix: None,
                     };
                     let start = Instant::now();
                     let d = s.pick(&pick, NOW_MS + i).expect("an endpoint");
@@ -203,6 +205,7 @@ fn cases() -> Vec<Case> {
                     body_bytes: 0,
                     pin_hint: None,
                     holder: None,
+                    prefix: None,
                 };
                 let d = s.pick(&pick, NOW_MS + i).expect("an endpoint");
                 debug_assert_eq!(d.reason, computeflux::scheduler::Reason::AffinityHit);
@@ -228,6 +231,7 @@ fn cases() -> Vec<Case> {
                     body_bytes: 0,
                     pin_hint: None,
                     holder: None,
+                    prefix: None,
                 };
                 let start = Instant::now();
                 let d = s.pick(&pick, NOW_MS + i).expect("an endpoint");

@@ -242,6 +242,7 @@ fuzz_target!(|input: Input<'_>| match input {
             body_bytes: 0,
             pin_hint: None,
             holder: None,
+            prefix: None,
         };
         if let Ok(d) = sched.pick(&pick, now) {
             let id = d.ticket.endpoint_id;

@@ -243,6 +243,7 @@ fuzz_target!(|setup: Setup| {
                     body_bytes: 0,
                     pin_hint: None,
                     holder: None,
+                    prefix: None,
                 };
                 if let Ok(d) = sched.pick(&pick, now) {
                     let i = d.endpoint;

@@ -67,6 +67,7 @@ use crate::scheduler::routing::signals::{self, Served};
 use crate::scheduler::wire::api::{self, Api, BodyFormat, Handling};
 use crate::scheduler::wire::headers::{rate_limit_hints, HeaderSource, Pairs};
 use crate::scheduler::wire::models::{self, Merged, Retrieved};
+use crate::scheduler::wire::prefix;
 use crate::scheduler::wire::prompt_size;
 use crate::scheduler::wire::reply::Reply;
 use crate::scheduler::wire::request::{derive_session, parse_chat, RequestError};
@@ -272,6 +273,8 @@ pub struct Flow {
     prompt_bytes: u64,
     model: Option<String>,
     session: Option<u64>,
+    /// The placement key of the request's instructions, when long enough ([`Pick::prefix`]).
+    prefix: Option<u64>,
     exclusions: Exclusions,
     attempts: u32,
     current: Option<Attempt>,
@@ -333,6 +336,7 @@ impl Flow {
             prompt_bytes: 0,
             model: None,
             session: None,
+            prefix: None,
             exclusions: Exclusions::default(),
             attempts: 0,
             current: None,
@@ -821,6 +825,11 @@ impl Flow {
             Ok((session, _)) => self.session = session,
             Err(e) => return self.refuse(obs, &e),
         }
+        if s.cfg.prefix_placement {
+            self.prefix = req.instructions.as_ref().and_then(|i| {
+                prefix::prefix_key(self.tenant.as_deref(), i, s.cfg.prefix_min_bytes)
+            });
+        }
         self.read_pin_cookie(s.cfg, obs, now_ms);
         self.model = Some(req.model);
         self.prompt_bytes = match self.api.map(|a| a.body()) {
@@ -930,6 +939,7 @@ impl Flow {
             body_bytes: usize::try_from(self.prompt_bytes).unwrap_or(usize::MAX),
             pin_hint: self.pin_hint,
             holder: self.holder.as_ref().map(|h| h.endpoint_id),
+            prefix: self.prefix,
         };
         let decision = s.pick(&pick, now_ms)?;
         // A session served away from its home (or already carrying a cookie) is told where it

@@ -273,6 +273,7 @@ mod tests {
             body_bytes: 0,
             pin_hint: None,
             holder: None,
+            prefix: None,
         };
         // Where each of 400 new sessions starts (nothing is pinned: cancelled attempts).
         let homes = || -> Vec<usize> {

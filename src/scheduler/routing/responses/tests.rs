@@ -60,6 +60,7 @@ fn remembered_holder_is_picked_as_an_affinity_hit() {
                 body_bytes: 0,
                 pin_hint: None,
                 holder: None,
+                prefix: None,
             },
             2_000,
         )
@@ -112,6 +113,7 @@ fn holder_unavailable_reasons() {
                 body_bytes: 0,
                 pin_hint: None,
                 holder: None,
+                prefix: None,
             },
             now,
         )

@@ -24,7 +24,16 @@ impl<'a> Scheduler<'a> {
         let mut board = self.board(table, candidates, pick, loads, now_ms, &bcfg)?;
         let pinned_index = pinned.and_then(|id| self.cfg.endpoint_index(id));
         board.pinned = pinned_index;
-        let key = pick.session.unwrap_or(pick.nonce);
+        // A session whose instructions make a prefix key is placed by that key: the same
+        // candidates, weights, exclusions and bounded load, in the prefix's rendezvous order
+        // (see `placement`, "Placement by prefix"). The key is its home on every turn, also
+        // once pinned, so that a pin cookie, `return_home` and a broken pin's next place all
+        // mean the application's endpoint, as they would on a replica without the pin.
+        let prefix_key = pick
+            .prefix
+            .filter(|_| self.cfg.prefix_placement && pick.session.is_some());
+        let key = prefix_key.unwrap_or(pick.session.unwrap_or(pick.nonce));
+        let by_prefix = prefix_key.is_some() && pinned.is_none();
         // The session's home: the first non-degraded endpoint of its rendezvous order.
         let home = placement::first(key, &board.weights, |i| !board.degraded(i));
         if let Some(id) = pick.holder {
@@ -50,6 +59,7 @@ impl<'a> Scheduler<'a> {
                 home,
                 verdicts: board.stored_verdicts(),
                 quota_skipped,
+                by_prefix: false,
             });
         }
         let walked = self.walk(&board, table, key, &pin, pick, now_ms, &mut quota_skipped);
@@ -62,10 +72,10 @@ impl<'a> Scheduler<'a> {
             pick,
             pinned_index,
             &pin,
-            endpoint,
-            reason,
+            (endpoint, reason),
             home,
             quota_skipped,
+            by_prefix,
         ))
     }
 
@@ -331,10 +341,10 @@ impl<'a> Scheduler<'a> {
         pick: &Pick<'_>,
         pinned: Option<usize>,
         pin: &PinVerdict,
-        endpoint: usize,
-        mut reason: Reason,
+        (endpoint, mut reason): (usize, Reason),
         home: Option<usize>,
         mut quota_skipped: Vec<usize>,
+        by_prefix: bool,
     ) -> Choice {
         // The pinned endpoint taken after all (nothing else could serve): the pin is kept.
         let kept = Some(endpoint) == pin.left();
@@ -355,6 +365,7 @@ impl<'a> Scheduler<'a> {
             (Some(_), _, Reason::PinBreak) => AffinityResult::PinBreak,
             (Some(_), Some(_), Reason::Saturated) if moved.is_some() => AffinityResult::Saturated,
             (Some(_), Some(_), _) => AffinityResult::Miss,
+            (Some(_), None, Reason::Home | Reason::Spill) if by_prefix => AffinityResult::Prefix,
             (Some(_), None, Reason::Home) => AffinityResult::Home,
             (Some(_), None, Reason::Spill) => AffinityResult::Spill,
             (Some(_), None, _) => AffinityResult::Backup,
@@ -364,6 +375,9 @@ impl<'a> Scheduler<'a> {
         }
         let pin_on_success = match (reason, self.cfg.after_failover) {
             (Reason::AffinityHit, _) => true,
+            // A new session placed by prefix that spilled: a popular application spreading.
+            // Its own turns, and now its instructions, are cached where it was served.
+            (Reason::Spill, _) if by_prefix => true,
             // A probe, or a burst that spilled: the session's place stays its home.
             (Reason::DegradedProbe | Reason::Spill, _) => false,
             (_, AfterFailover::Stay) => true,
@@ -381,6 +395,7 @@ impl<'a> Scheduler<'a> {
             home,
             verdicts: board.stored_verdicts(),
             quota_skipped,
+            by_prefix,
         }
     }
 }
@@ -521,6 +536,7 @@ pub(super) fn holder_choice(
             home,
             verdicts: board.stored_verdicts(),
             quota_skipped: Vec::new(),
+            by_prefix: false,
         }),
         Some(Admission::Rejected {
             retry_at_ms,

@@ -36,6 +36,7 @@ fn pick_at(
             body_bytes: 0,
             pin_hint: None,
             holder: None,
+            prefix: None,
         },
         now,
     )
@@ -62,6 +63,7 @@ fn exclusions_in_order_and_model_not_found() {
             body_bytes: 0,
             pin_hint: None,
             holder: None,
+            prefix: None,
         })
         .unwrap();
     assert_eq!(cands, vec![0, 1]);
@@ -84,6 +86,7 @@ fn exclusions_in_order_and_model_not_found() {
             body_bytes: 0,
             pin_hint: None,
             holder: None,
+            prefix: None,
         })
         .unwrap_err();
     assert_eq!(err, NoEndpoint::Exhausted);
@@ -107,6 +110,7 @@ fn exclusions_in_order_and_model_not_found() {
                 body_bytes: 0,
                 pin_hint: None,
                 holder: None,
+                prefix: None,
             },
             0
         )
@@ -151,6 +155,7 @@ fn affinity_sticks_and_repins_after_failover() {
                 body_bytes: 0,
                 pin_hint: None,
                 holder: None,
+                prefix: None,
             },
             102,
         )
@@ -433,6 +438,7 @@ fn retry_budget_limits_failovers() {
                 body_bytes: 0,
                 pin_hint: None,
                 holder: None,
+                prefix: None,
             },
             0,
         )
@@ -461,6 +467,7 @@ fn failovers_after_401_or_429_spend_no_retry_budget() {
             body_bytes: 0,
             pin_hint: None,
             holder: None,
+            prefix: None,
         };
         s.pick(&pick, 0)
             .map(|d| s.finish(d.ticket, &Outcome::Cancelled, 0, None, 0))
@@ -641,6 +648,7 @@ fn failover_walks_the_rendezvous_order_on_every_replica() {
                             body_bytes: 0,
                             pin_hint: None,
                             holder: None,
+                            prefix: None,
                         },
                         0,
                     )
@@ -739,6 +747,7 @@ fn after_failover_next_turn(policy: &str) -> (usize, usize, usize) {
                 body_bytes: 0,
                 pin_hint: None,
                 holder: None,
+                prefix: None,
             },
             4,
         )
@@ -1114,6 +1123,7 @@ fn body_pick<'a>(session: Option<u64>, ex: &'a Exclusions, body_bytes: usize) ->
         body_bytes,
         pin_hint: None,
         holder: None,
+        prefix: None,
     }
 }
 
@@ -1428,6 +1438,7 @@ fn pick_body(s: &Scheduler<'_>, session: u64, body_bytes: usize, now: u64) -> De
             body_bytes,
             pin_hint: None,
             holder: None,
+            prefix: None,
         },
         now,
     )
@@ -1647,6 +1658,7 @@ fn replicas_with_different_own_signals_compute_the_same_homes() {
                             body_bytes: 0,
                             pin_hint: None,
                             holder: None,
+                            prefix: None,
                         },
                         0,
                     )
@@ -1708,6 +1720,7 @@ fn holder_pick<'a>(
         body_bytes: 4000,
         pin_hint,
         holder,
+        prefix: None,
     }
 }
 
