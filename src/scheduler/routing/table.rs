@@ -614,7 +614,14 @@ mod tests {
         loaded.entries[2].1.in_flight = 9;
         loaded.entries[2].1.breaker.epoch = 4;
         loaded.budget.on_request(1_000);
-        assert_eq!(loaded.encode_patched(&stored, 2), loaded.encode());
+        // The same table; only the stamps differ (the patched entry and the write counter
+        // move, the others keep theirs).
+        let patched = loaded.encode_patched(&stored, 2);
+        assert_eq!(Table::decode(&patched), Some(loaded.clone()));
+        assert_eq!(patched.len(), loaded.encode().len());
+        assert_eq!(stamp_of(&patched, 0), stamp_of(&stored, 0));
+        assert_eq!(stamp_of(&patched, 2), Some(next_stamp(Some(&stored))));
+        assert_eq!(next_stamp(Some(&patched)), next_stamp(Some(&stored)) + 1);
         // A layout change is never patched.
         let other = Config::from_value(&json!({"endpoints":[{"name":"b","cluster":"b"}]})).unwrap();
         assert!(!Table::load(Some(&stored), &other).1);
