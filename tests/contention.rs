@@ -72,7 +72,10 @@ fn eventually(limit: Duration, mut f: impl FnMut() -> bool) -> bool {
 fn body(tag: &str) -> String {
     chat_body(
         "m",
-        &[&format!("contention {tag} of process {}", std::process::id())],
+        &[&format!(
+            "contention {tag} of process {}",
+            std::process::id()
+        )],
         Value::Null,
     )
 }
@@ -114,10 +117,7 @@ fn in_flight_counts_are_exact_with_both_workers_busy() {
         .zip(&mocks)
         .map(|(n, m)| (n.as_str(), m.port))
         .collect();
-    let envoy = Envoy::start(EnvoyConfig::new(
-        json!({"endpoints": endpoints}),
-        &clusters,
-    ));
+    let envoy = Envoy::start(EnvoyConfig::new(json!({"endpoints": endpoints}), &clusters));
     let port = envoy.port;
 
     // Phase 1: both workers picking and finishing at once, every request on a new connection.
@@ -154,7 +154,10 @@ fn in_flight_counts_are_exact_with_both_workers_busy() {
         .iter()
         .filter(|m| m.stats()["status_counts"]["200"].as_i64().unwrap_or(0) > 0)
         .count();
-    assert!(used >= ENDPOINTS / 2, "sessions spread: {used} endpoints used");
+    assert!(
+        used >= ENDPOINTS / 2,
+        "sessions spread: {used} endpoints used"
+    );
 
     // Phase 2: requests held open on every endpoint: the table counts each exactly once.
     for m in &mocks {

@@ -339,7 +339,11 @@ impl<'a> Scheduler<'a> {
 
     /// A scheduler that reads the table through this worker's `cache` (same decisions, fewer
     /// entries decoded).
-    pub fn with_cache(cfg: &'a Config, store: &'a dyn Store, cache: &'a RefCell<TableCache>) -> Self {
+    pub fn with_cache(
+        cfg: &'a Config,
+        store: &'a dyn Store,
+        cache: &'a RefCell<TableCache>,
+    ) -> Self {
         Scheduler {
             cfg,
             store,

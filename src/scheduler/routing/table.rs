@@ -598,8 +598,14 @@ mod tests {
         // A layout change or undecodable bytes: the plain load, cache dropped.
         let other = Config::from_value(&json!({"endpoints":[{"name":"b","cluster":"b"}]})).unwrap();
         assert!(!Table::has_layout(&b3, &other));
-        assert_eq!(cache.load(Some(&b3), &other), Table::load(Some(&b3), &other));
-        assert_eq!(cache.load(Some(&b3[1..]), &cfg), Table::load(Some(&b3[1..]), &cfg));
+        assert_eq!(
+            cache.load(Some(&b3), &other),
+            Table::load(Some(&b3), &other)
+        );
+        assert_eq!(
+            cache.load(Some(&b3[1..]), &cfg),
+            Table::load(Some(&b3[1..]), &cfg)
+        );
         assert_eq!(cache.load(None, &cfg), Table::load(None, &cfg));
     }
 

@@ -50,7 +50,15 @@ impl<'a> Scheduler<'a> {
                 quota_skipped,
             });
         }
-        let walked = self.walk(&board, table, &keyed, &pin, pick, now_ms, &mut quota_skipped);
+        let walked = self.walk(
+            &board,
+            table,
+            &keyed,
+            &pin,
+            pick,
+            now_ms,
+            &mut quota_skipped,
+        );
         let (endpoint, reason) = match walked.or_else(|| fallback(&board, &keyed, &pin)) {
             Some(c) => c,
             None => return Err(NoEndpoint::Exhausted),
