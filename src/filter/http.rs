@@ -55,7 +55,7 @@ impl Http {
         f: impl FnOnce(&mut Flow, &Scheduler<'_>, &mut Recorder<'_>) -> R,
     ) -> R {
         let store = SharedData;
-        let sched = Scheduler::new(&self.plugin.cfg, &store);
+        let sched = Scheduler::with_cache(&self.plugin.cfg, &store, &self.plugin.table_cache);
         let mut rec = Recorder {
             plugin: &self.plugin,
             now_ms,

@@ -10,17 +10,21 @@ use crate::scheduler::config::Config;
 use crate::scheduler::health::breaker::BreakerState;
 use crate::scheduler::routing::saturation::Saturation;
 use crate::scheduler::routing::select::Scheduler;
+use crate::scheduler::routing::table::TableCache;
+use std::cell::RefCell;
 
-/// What every HTTP context of this VM shares: the validated configuration and metric ids.
+/// What every HTTP context of this VM shares: the validated configuration, metric ids, and
+/// the endpoint entries this VM last decoded (a new configuration starts a new cache).
 pub struct Plugin {
     pub cfg: Config,
     pub metrics: Metrics,
+    pub table_cache: RefCell<TableCache>,
 }
 
 /// Gauges mirror the shared endpoint table (absolute values, so every VM may set them).
 pub fn refresh_gauges(p: &Plugin, now_ms: u64) {
     let store = SharedData;
-    let table = Scheduler::new(&p.cfg, &store).table();
+    let table = Scheduler::with_cache(&p.cfg, &store, &p.table_cache).table();
     for (i, (_, st)) in table.entries.iter().enumerate() {
         let Some(m) = p.metrics.endpoint(i) else {
             continue;

@@ -101,7 +101,11 @@ impl RootContext for Root {
             .scraper
             .as_ref()
             .map_or(TICK, |s| Duration::from_millis(s.tick_ms()).min(TICK));
-        self.plugin = Some(Rc::new(Plugin { cfg, metrics }));
+        self.plugin = Some(Rc::new(Plugin {
+            cfg,
+            metrics,
+            table_cache: Default::default(),
+        }));
         if !host::tick_every(tick) {
             host::log(
                 LogLevel::Warn,

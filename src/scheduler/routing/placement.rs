@@ -81,6 +81,11 @@ pub fn quantize(h: f64, step: f64) -> f64 {
     if step <= 0.0 {
         return h;
     }
+    // The top level without the `powf` (the common case: every endpoint succeeding more than
+    // half the time; the loop below would return 1 at its first round).
+    if h >= 1.0 && !step.is_nan() {
+        return 1.0;
+    }
     let ratio = 0.5f64.powf(step);
     let mut level = 1.0;
     // Health is at least 1e-2 / latency factor in practice: this ends within a few rounds;
@@ -120,12 +125,7 @@ pub fn probe_interval(cfg: &Config, probes: u8) -> u64 {
 /// Candidates (`(index, endpoint id, weight)`) in rendezvous order for `session_key`:
 /// decreasing key, ties (equal keys, e.g. zero weights) by endpoint id.
 pub fn order(session_key: u64, candidates: &[(usize, u32, f64)]) -> Vec<usize> {
-    let mut keyed: Vec<(f64, u32, usize)> = candidates
-        .iter()
-        .map(|&(i, id, w)| (hrw_key(session_key, id, w), id, i))
-        .collect();
-    keyed.sort_unstable_by(|a, b| b.0.total_cmp(&a.0).then(a.1.cmp(&b.1)));
-    keyed.into_iter().map(|(_, _, i)| i).collect()
+    Keyed::new(session_key, candidates).order()
 }
 
 /// The first candidate of [`order`] that `keep` accepts, found without sorting (a pin hit needs
@@ -135,13 +135,43 @@ pub fn first(
     candidates: &[(usize, u32, f64)],
     keep: impl Fn(usize) -> bool,
 ) -> Option<usize> {
-    candidates
-        .iter()
-        .filter(|c| keep(c.0))
-        .map(|&(i, id, w)| (hrw_key(session_key, id, w), id, i))
-        // The largest key; among equal keys the smallest id, as `order` ranks them.
-        .max_by(|a, b| a.0.total_cmp(&b.0).then(b.1.cmp(&a.1)))
-        .map(|(_, _, i)| i)
+    Keyed::new(session_key, candidates).first(keep)
+}
+
+/// Every candidate's rendezvous key for one session, computed once (a hash and a logarithm
+/// per candidate), for the home ([`Keyed::first`]) and the order ([`Keyed::order`]) of one
+/// decision alike.
+pub struct Keyed {
+    /// `(key, endpoint id, index)`.
+    keys: Vec<(f64, u32, usize)>,
+}
+
+impl Keyed {
+    pub fn new(session_key: u64, candidates: &[(usize, u32, f64)]) -> Keyed {
+        Keyed {
+            keys: candidates
+                .iter()
+                .map(|&(i, id, w)| (hrw_key(session_key, id, w), id, i))
+                .collect(),
+        }
+    }
+
+    /// See [`order`].
+    pub fn order(&self) -> Vec<usize> {
+        let mut keyed = self.keys.clone();
+        keyed.sort_unstable_by(|a, b| b.0.total_cmp(&a.0).then(a.1.cmp(&b.1)));
+        keyed.into_iter().map(|(_, _, i)| i).collect()
+    }
+
+    /// See [`first`].
+    pub fn first(&self, keep: impl Fn(usize) -> bool) -> Option<usize> {
+        self.keys
+            .iter()
+            .filter(|c| keep(c.2))
+            // The largest key; among equal keys the smallest id, as `order` ranks them.
+            .max_by(|a, b| a.0.total_cmp(&b.0).then(b.1.cmp(&a.1)))
+            .map(|&(_, _, i)| i)
+    }
 }
 
 /// The bounded-load limit of one candidate: in-flight attempts it may have *after* taking one

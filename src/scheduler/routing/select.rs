@@ -43,9 +43,10 @@ use crate::scheduler::routing::saturation::{
 use crate::scheduler::routing::score::score;
 use crate::scheduler::routing::signals::{self, Served, Verdict};
 use crate::scheduler::routing::slowness::{self, DegradeRule, Sample, WorkModel};
-use crate::scheduler::routing::table::{fastest_warm, EndpointState, Table};
+use crate::scheduler::routing::table::{fastest_warm, EndpointState, Table, TableCache};
 use crate::scheduler::state::store::{update_if, Store};
 use crate::scheduler::wire::usage::Usage;
+use std::cell::RefCell;
 
 /// The weight of a dead-key (401/403) outcome in the success-rate EWMA, at least.
 pub const DEAD_KEY_ALPHA: f64 = 0.5;
@@ -354,11 +355,39 @@ pub struct Finished {
 pub struct Scheduler<'a> {
     pub cfg: &'a Config,
     pub store: &'a dyn Store,
+    /// The worker's decoded entries (see [`TableCache`]); `None`: decode every read.
+    pub cache: Option<&'a RefCell<TableCache>>,
 }
 
 impl<'a> Scheduler<'a> {
     pub fn new(cfg: &'a Config, store: &'a dyn Store) -> Self {
-        Scheduler { cfg, store }
+        Scheduler {
+            cfg,
+            store,
+            cache: None,
+        }
+    }
+
+    /// A scheduler that reads the table through this worker's `cache` (same decisions, fewer
+    /// entries decoded).
+    pub fn with_cache(
+        cfg: &'a Config,
+        store: &'a dyn Store,
+        cache: &'a RefCell<TableCache>,
+    ) -> Self {
+        Scheduler {
+            cfg,
+            store,
+            cache: Some(cache),
+        }
+    }
+
+    /// [`Table::load`] of `bytes`, through the cache if there is one (and it is not in use).
+    fn load_table(&self, bytes: Option<&[u8]>) -> (Table, bool) {
+        match self.cache.and_then(|c| c.try_borrow_mut().ok()) {
+            Some(mut cache) => cache.load(bytes, self.cfg),
+            None => Table::load(bytes, self.cfg),
+        }
     }
 
     pub fn affinity(&self) -> Affinity<'a> {
@@ -403,7 +432,7 @@ impl<'a> Scheduler<'a> {
 
     /// The endpoint table as stored now, aligned to the configuration.
     pub fn table(&self) -> Table {
-        Table::aligned(self.store.get(TABLE_KEY).0.as_deref(), self.cfg)
+        self.load_table(self.store.get(TABLE_KEY).0.as_deref()).0
     }
 
     /// Applies the request-scoped and static exclusions. `Err` when nothing is left.
@@ -470,7 +499,7 @@ impl<'a> Scheduler<'a> {
         let bcfg = self.breaker_config();
         let loads = signals::engine_loads(self.store, self.cfg, now_ms);
         let result = update_if(self.store, TABLE_KEY, |bytes| {
-            let (mut table, same_layout) = Table::load(bytes, self.cfg);
+            let (mut table, same_layout) = self.load_table(bytes);
             if pick.attempt > 1
                 && !pick.exclusions.retry_free
                 && !table.budget.try_retry(
@@ -544,7 +573,7 @@ impl<'a> Scheduler<'a> {
             };
             let bytes = match bytes {
                 Some(stored) if same_layout && !others_changed => table.encode_patched(stored, i),
-                _ => table.encode(),
+                _ => table.encode_over(bytes),
             };
             (
                 Some(bytes),

@@ -4,6 +4,13 @@
 //! endpoint plus the retry budget, so a selection costs one shared-data read and one CAS write
 //! whatever the number of endpoints. Entries are keyed by endpoint id (a hash of the name):
 //! a configuration reload that adds, removes or reorders endpoints keeps the others' history.
+//!
+//! What a request pays need not grow with the fleet (issue 21): entries have a fixed size, so
+//! a write that changes one endpoint rewrites that entry alone in a copy of the stored bytes
+//! ([`Table::patch_entry`], [`Table::encode_patched`]), and every entry carries the *stamp*
+//! of the write that last changed it (the header counts writes). A worker keeps the entries
+//! it decoded ([`TableCache`]); reading the table again, it decodes only the entries whose
+//! stamp moved — the one or two endpoints the requests in between used — instead of all.
 
 use crate::scheduler::config::Config;
 use crate::scheduler::health::breaker::{Breaker, BreakerState, OpenCause};
@@ -146,6 +153,7 @@ impl EndpointState {
 }
 
 /// The endpoint table: the retry budget and one entry per endpoint, in configuration order.
+/// (The write stamps live in the bytes only: see [`TableCache`].)
 #[derive(Debug, Clone, PartialEq, Default)]
 pub struct Table {
     pub budget: RetryBudget,
@@ -153,7 +161,9 @@ pub struct Table {
 }
 
 const TABLE_VERSION: u8 = 7;
+/// Id, write stamp, then the state.
 const ENTRY_BYTES: usize = 4
+    + 8
     + 1
     + 8
     + 8
@@ -180,14 +190,43 @@ const ENTRY_BYTES: usize = 4
     + Slowness::BYTES
     + 1;
 const BUDGET_BYTES: usize = 8 + 8 + 8;
-/// Version byte, budget, entry count.
-const HEADER_BYTES: usize = 1 + BUDGET_BYTES + 4;
+/// Where the header's write counter is: after the version byte and the budget.
+const STAMP_AT: usize = 1 + BUDGET_BYTES;
+/// Version byte, budget, write counter, entry count.
+const HEADER_BYTES: usize = STAMP_AT + 8 + 4;
+
+/// The little-endian u64 at `at`, if `bytes` reaches that far.
+fn u64_at(bytes: &[u8], at: usize) -> Option<u64> {
+    let b = bytes.get(at..at.checked_add(8)?)?;
+    <[u8; 8]>::try_from(b).ok().map(u64::from_le_bytes)
+}
+
+fn u32_at(bytes: &[u8], at: usize) -> Option<u32> {
+    let b = bytes.get(at..at.checked_add(4)?)?;
+    <[u8; 4]>::try_from(b).ok().map(u32::from_le_bytes)
+}
+
+/// The stamp of the next write over `stored`: one more than its write counter (1 over bytes
+/// that are not a table of this version).
+fn next_stamp(stored: Option<&[u8]>) -> u64 {
+    stored
+        .filter(|b| b.first() == Some(&TABLE_VERSION))
+        .and_then(|b| u64_at(b, STAMP_AT))
+        .unwrap_or(0)
+        .wrapping_add(1)
+}
+
+/// The write stamp of entry `i` (stored right after its id).
+fn stamp_of(bytes: &[u8], i: usize) -> Option<u64> {
+    u64_at(bytes, HEADER_BYTES + i.checked_mul(ENTRY_BYTES)? + 4)
+}
 
 /// One entry from exactly [`ENTRY_BYTES`] bytes (a fixed-size slice, so the field reads
 /// compile to plain loads).
 fn decode_entry(chunk: &[u8]) -> Option<(u32, EndpointState)> {
     let mut r = Reader::new(chunk);
     let id = r.u32()?;
+    let _stamp = r.u64()?;
     let has_latency = r.u8()? == 1;
     let latency = r.f64()?;
     let latency_dev_ms = r.f64()?;
@@ -245,8 +284,9 @@ fn decode_entry(chunk: &[u8]) -> Option<(u32, EndpointState)> {
     Some((id, state))
 }
 
-fn encode_entry(w: &mut Writer, id: u32, s: &EndpointState) {
+fn encode_entry(w: &mut Writer, id: u32, stamp: u64, s: &EndpointState) {
     w.u32(id);
+    w.u64(stamp);
     w.u8(u8::from(s.latency_ms.is_some()));
     w.f64(s.latency_ms.unwrap_or(0.0));
     w.f64(s.latency_dev_ms);
@@ -333,20 +373,26 @@ impl Table {
 
     /// The encoding of this table when it was loaded from `stored` with the same layout and only
     /// the budget and entry `changed` were modified: a copy of `stored` with those two rewritten.
+    /// The entry and the write counter get the next stamp; the other entries keep theirs.
     pub fn encode_patched(&self, stored: &[u8], changed: usize) -> Vec<u8> {
+        let stamp = next_stamp(Some(stored));
         let mut out = stored.to_vec();
         let mut budget = Writer::with_capacity(BUDGET_BYTES);
         self.budget.encode(&mut budget);
         let mut entry = Writer::with_capacity(ENTRY_BYTES);
         let Some((id, st)) = self.entries.get(changed) else {
-            return self.encode();
+            return self.encode_over(Some(stored));
         };
-        encode_entry(&mut entry, *id, st);
+        encode_entry(&mut entry, *id, stamp, st);
         let at = HEADER_BYTES + changed * ENTRY_BYTES;
         let patched = out
             .get_mut(1..1 + BUDGET_BYTES)
             .map(|b| b.copy_from_slice(&budget.buf))
             .is_some()
+            && out
+                .get_mut(STAMP_AT..STAMP_AT + 8)
+                .map(|c| c.copy_from_slice(&stamp.to_le_bytes()))
+                .is_some()
             && out
                 .get_mut(at..at + ENTRY_BYTES)
                 .map(|e| e.copy_from_slice(&entry.buf))
@@ -354,19 +400,67 @@ impl Table {
         if patched && out.len() == HEADER_BYTES + self.entries.len() * ENTRY_BYTES {
             out
         } else {
-            self.encode()
+            self.encode_over(Some(stored))
         }
     }
 
+    /// The whole table as a first write (write counter and every stamp 1).
     pub fn encode(&self) -> Vec<u8> {
+        self.encode_over(None)
+    }
+
+    /// The whole table as the write that replaces `stored`: every entry gets the next stamp
+    /// (a full rewrite is rare: a layout change or verdicts of several endpoints flipping).
+    pub fn encode_over(&self, stored: Option<&[u8]>) -> Vec<u8> {
+        let stamp = next_stamp(stored);
         let mut w = Writer::with_capacity(HEADER_BYTES + self.entries.len() * ENTRY_BYTES);
         w.u8(TABLE_VERSION);
         self.budget.encode(&mut w);
+        w.u64(stamp);
         w.u32(self.entries.len() as u32);
         for (id, s) in &self.entries {
-            encode_entry(&mut w, *id, s);
+            encode_entry(&mut w, *id, stamp, s);
         }
         w.buf
+    }
+
+    /// Whether `bytes` is a table of this version with exactly `cfg`'s layout (one entry per
+    /// configured endpoint, in configuration order): then entry `i` sits at a fixed offset and
+    /// [`Table::entry_at`] / [`Table::patch_entry`] read and rewrite it alone. Reads the ids
+    /// only (4 bytes per endpoint), not the entries.
+    pub fn has_layout(bytes: &[u8], cfg: &Config) -> bool {
+        let n = cfg.endpoints.len();
+        bytes.first() == Some(&TABLE_VERSION)
+            && u32_at(bytes, HEADER_BYTES - 4) == Some(n as u32)
+            && Some(bytes.len()) == n.checked_mul(ENTRY_BYTES).map(|e| e + HEADER_BYTES)
+            && cfg
+                .endpoints
+                .iter()
+                .enumerate()
+                .all(|(i, ep)| u32_at(bytes, HEADER_BYTES + i * ENTRY_BYTES) == Some(ep.id))
+    }
+
+    /// Entry `i` of a table with its configuration's layout ([`Table::has_layout`]), decoded
+    /// alone; `None` if it does not decode (then the caller falls back to [`Table::load`]).
+    pub fn entry_at(bytes: &[u8], i: usize) -> Option<(u32, EndpointState)> {
+        let at = HEADER_BYTES.checked_add(i.checked_mul(ENTRY_BYTES)?)?;
+        decode_entry(bytes.get(at..at.checked_add(ENTRY_BYTES)?)?)
+    }
+
+    /// A copy of `stored` (with its configuration's layout) with entry `i` rewritten under
+    /// the next stamp: a change to one endpoint costs its own entry's encoding, whatever the
+    /// fleet's size. `None` when `i` is out of range.
+    pub fn patch_entry(stored: &[u8], i: usize, id: u32, st: &EndpointState) -> Option<Vec<u8>> {
+        let at = HEADER_BYTES.checked_add(i.checked_mul(ENTRY_BYTES)?)?;
+        let stamp = next_stamp(Some(stored));
+        let mut entry = Writer::with_capacity(ENTRY_BYTES);
+        encode_entry(&mut entry, id, stamp, st);
+        let mut out = stored.to_vec();
+        out.get_mut(at..at.checked_add(ENTRY_BYTES)?)?
+            .copy_from_slice(&entry.buf);
+        out.get_mut(STAMP_AT..STAMP_AT + 8)?
+            .copy_from_slice(&stamp.to_le_bytes());
+        Some(out)
     }
 
     /// Where endpoint `id` is: at `hint` (its index when a ticket was issued), or wherever a
@@ -385,6 +479,7 @@ impl Table {
             return None;
         }
         let budget = RetryBudget::decode(&mut r)?;
+        let _writes = r.u64()?;
         let n = r.u32()? as usize;
         if r.remaining() != n.checked_mul(ENTRY_BYTES)? {
             return None;
@@ -393,6 +488,61 @@ impl Table {
         let mut entries = Vec::with_capacity(n);
         for chunk in rest.chunks_exact(ENTRY_BYTES) {
             entries.push(decode_entry(chunk)?);
+        }
+        Some(Table { budget, entries })
+    }
+}
+
+/// One worker's memory of the entries it decoded, each with the stamp it had.
+///
+/// Why: a request reads the whole table (its pick weighs every endpoint), but between two
+/// requests of one worker only the entries of the endpoints used in between changed. Their
+/// stamps moved; every other entry is taken from here instead of decoded again. The cache is
+/// per VM (one per Envoy worker thread), never shared, and only ever a shortcut: the table it
+/// returns equals [`Table::load`] of the same bytes (every write that changes an entry's bytes
+/// gives it a new stamp, from a counter that grows with each CAS-ordered write).
+#[derive(Debug, Default)]
+pub struct TableCache {
+    /// By position in the configuration: `(stamp, id, state)` as last decoded.
+    entries: Vec<Option<(u64, u32, EndpointState)>>,
+    /// Entries decoded (not taken from the cache), for tests and diagnostics.
+    pub decoded: u64,
+}
+
+impl TableCache {
+    /// [`Table::load`] of `bytes`, decoding only the entries whose stamp changed since this
+    /// cache last saw them.
+    pub fn load(&mut self, bytes: Option<&[u8]>, cfg: &Config) -> (Table, bool) {
+        match bytes.and_then(|b| self.load_same_layout(b, cfg)) {
+            Some(t) => (t, true),
+            None => {
+                self.entries.clear();
+                self.decoded = self.decoded.saturating_add(cfg.endpoints.len() as u64);
+                Table::load(bytes, cfg)
+            }
+        }
+    }
+
+    fn load_same_layout(&mut self, bytes: &[u8], cfg: &Config) -> Option<Table> {
+        if !Table::has_layout(bytes, cfg) {
+            return None;
+        }
+        let budget = RetryBudget::decode(&mut Reader::new(bytes.get(1..STAMP_AT)?))?;
+        let n = cfg.endpoints.len();
+        self.entries.resize(n, None);
+        let mut entries = Vec::with_capacity(n);
+        for (i, slot) in self.entries.iter_mut().enumerate() {
+            let stamp = stamp_of(bytes, i)?;
+            let id = u32_at(bytes, HEADER_BYTES + i * ENTRY_BYTES)?;
+            match slot {
+                Some((s, cid, st)) if *s == stamp && *cid == id => entries.push((id, *st)),
+                _ => {
+                    let (id, st) = Table::entry_at(bytes, i)?;
+                    self.decoded = self.decoded.saturating_add(1);
+                    *slot = Some((stamp, id, st));
+                    entries.push((id, st));
+                }
+            }
         }
         Some(Table { budget, entries })
     }
@@ -446,6 +596,55 @@ mod tests {
     }
 
     #[test]
+    fn cache_equals_a_full_decode_and_decodes_only_changed_entries() {
+        let cfg = Config::from_value(&json!({"endpoints":[{"name":"a","cluster":"a"},{"name":"b","cluster":"b"},{"name":"c","cluster":"c"}]})).unwrap();
+        let b0 = Table::aligned(None, &cfg).encode();
+        let mut cache = TableCache::default();
+        assert_eq!(cache.load(Some(&b0), &cfg), Table::load(Some(&b0), &cfg));
+        assert_eq!(cache.decoded, 3);
+        // Unchanged bytes: nothing decoded.
+        assert_eq!(cache.load(Some(&b0), &cfg), Table::load(Some(&b0), &cfg));
+        assert_eq!(cache.decoded, 3);
+        // One entry patched (as a pick writes): that entry only.
+        let (mut t, same) = Table::load(Some(&b0), &cfg);
+        assert!(same);
+        t.entries[1].1.in_flight = 5;
+        t.budget.on_request(1_000);
+        let b1 = t.encode_patched(&b0, 1);
+        assert_eq!(cache.load(Some(&b1), &cfg), Table::load(Some(&b1), &cfg));
+        assert_eq!(cache.load(Some(&b1), &cfg).0.entries[1].1.in_flight, 5);
+        assert_eq!(cache.decoded, 4);
+        // One entry rewritten alone (as a finish writes): that entry only.
+        let mut st = t.entries[2].1;
+        st.total = 9;
+        let b2 = Table::patch_entry(&b1, 2, t.entries[2].0, &st).unwrap();
+        assert!(Table::has_layout(&b2, &cfg));
+        assert_eq!(Table::entry_at(&b2, 2), Some((t.entries[2].0, st)));
+        assert_eq!(cache.load(Some(&b2), &cfg), Table::load(Some(&b2), &cfg));
+        assert_eq!(cache.decoded, 5);
+        // A full rewrite over it: every entry, the write counter still growing.
+        t.entries[0].1.total = 1;
+        let b3 = t.encode_over(Some(&b2));
+        assert_eq!(cache.load(Some(&b3), &cfg), Table::load(Some(&b3), &cfg));
+        assert_eq!(cache.decoded, 8);
+        assert!(next_stamp(Some(&b3)) > next_stamp(Some(&b2)));
+        // Older bytes again (a reader may see any version): still what a full decode says.
+        assert_eq!(cache.load(Some(&b1), &cfg), Table::load(Some(&b1), &cfg));
+        // A layout change or undecodable bytes: the plain load, cache dropped.
+        let other = Config::from_value(&json!({"endpoints":[{"name":"b","cluster":"b"}]})).unwrap();
+        assert!(!Table::has_layout(&b3, &other));
+        assert_eq!(
+            cache.load(Some(&b3), &other),
+            Table::load(Some(&b3), &other)
+        );
+        assert_eq!(
+            cache.load(Some(&b3[1..]), &cfg),
+            Table::load(Some(&b3[1..]), &cfg)
+        );
+        assert_eq!(cache.load(None, &cfg), Table::load(None, &cfg));
+    }
+
+    #[test]
     fn patched_encoding_equals_full_encoding() {
         let cfg = Config::from_value(&json!({"endpoints":[{"name":"a","cluster":"a"},{"name":"b","cluster":"b"},{"name":"c","cluster":"c"}]})).unwrap();
         let mut t = Table::aligned(None, &cfg);
@@ -456,7 +655,14 @@ mod tests {
         loaded.entries[2].1.in_flight = 9;
         loaded.entries[2].1.breaker.epoch = 4;
         loaded.budget.on_request(1_000);
-        assert_eq!(loaded.encode_patched(&stored, 2), loaded.encode());
+        // The same table; only the stamps differ (the patched entry and the write counter
+        // move, the others keep theirs).
+        let patched = loaded.encode_patched(&stored, 2);
+        assert_eq!(Table::decode(&patched), Some(loaded.clone()));
+        assert_eq!(patched.len(), loaded.encode().len());
+        assert_eq!(stamp_of(&patched, 0), stamp_of(&stored, 0));
+        assert_eq!(stamp_of(&patched, 2), Some(next_stamp(Some(&stored))));
+        assert_eq!(next_stamp(Some(&patched)), next_stamp(Some(&stored)) + 1);
         // A layout change is never patched.
         let other = Config::from_value(&json!({"endpoints":[{"name":"b","cluster":"b"}]})).unwrap();
         assert!(!Table::load(Some(&stored), &other).1);

@@ -12,7 +12,7 @@ use std::collections::BTreeMap;
 use wasmtime::{bail, Config, Engine, Instance, Linker, Module, Store, TypedFunc};
 
 /// Fuel given at start; far more than any run uses.
-const FUEL: u64 = u64::MAX / 2;
+pub const FUEL: u64 = u64::MAX / 2;
 
 /// The compiled module, shared by every VM of the same `.wasm`.
 pub struct Loaded {

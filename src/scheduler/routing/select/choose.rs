@@ -35,7 +35,8 @@ impl<'a> Scheduler<'a> {
         let key = prefix_key.unwrap_or(pick.session.unwrap_or(pick.nonce));
         let by_prefix = prefix_key.is_some() && pinned.is_none();
         // The session's home: the first non-degraded endpoint of its rendezvous order.
-        let home = placement::first(key, &board.weights, |i| !board.degraded(i));
+        let keyed = placement::Keyed::new(key, &board.weights);
+        let home = keyed.first(|i| !board.degraded(i));
         if let Some(id) = pick.holder {
             return holder_choice(&board, self.cfg.endpoint_index(id), home);
         }
@@ -62,8 +63,16 @@ impl<'a> Scheduler<'a> {
                 by_prefix: false,
             });
         }
-        let walked = self.walk(&board, table, key, &pin, pick, now_ms, &mut quota_skipped);
-        let (endpoint, reason) = match walked.or_else(|| fallback(&board, key, &pin)) {
+        let walked = self.walk(
+            &board,
+            table,
+            &keyed,
+            &pin,
+            pick,
+            now_ms,
+            &mut quota_skipped,
+        );
+        let (endpoint, reason) = match walked.or_else(|| fallback(&board, &keyed, &pin)) {
             Some(c) => c,
             None => return Err(NoEndpoint::Exhausted),
         };
@@ -253,14 +262,14 @@ impl<'a> Scheduler<'a> {
         &self,
         board: &Board,
         table: &Table,
-        key: u64,
+        keyed: &placement::Keyed,
         pin: &PinVerdict,
         pick: &Pick<'_>,
         now_ms: u64,
         quota_skipped: &mut Vec<usize>,
     ) -> Option<(usize, Reason)> {
         let left = pin.left();
-        let order = placement::order(key, &board.weights);
+        let order = keyed.order();
         let eligible = |i: usize| {
             board.admitted(i)
                 && !board.degraded(i)
@@ -551,9 +560,14 @@ pub(super) fn holder_choice(
 
 /// Nothing placeable by the walk: only degraded or left endpoints admit traffic. The first
 /// other one in order (a backup), else the pinned endpoint after all.
-pub(super) fn fallback(board: &Board, key: u64, pin: &PinVerdict) -> Option<(usize, Reason)> {
+pub(super) fn fallback(
+    board: &Board,
+    keyed: &placement::Keyed,
+    pin: &PinVerdict,
+) -> Option<(usize, Reason)> {
     let left = pin.left();
-    placement::order(key, &board.weights)
+    keyed
+        .order()
         .into_iter()
         .find(|&i| board.admitted(i) && Some(i) != left)
         .map(|i| (i, Reason::Backup))

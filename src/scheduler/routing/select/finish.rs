@@ -20,7 +20,23 @@ impl<'a> Scheduler<'a> {
         );
         let cfg = self.cfg;
         let result = update_if(self.store, TABLE_KEY, |bytes| {
-            let (mut table, same_layout) = Table::load(bytes, cfg);
+            // The common case: only this endpoint's entry is decoded and rewritten.
+            if let Some(stored) = bytes.filter(|b| Table::has_layout(b, cfg)) {
+                let at = match cfg.endpoints.get(hint) {
+                    Some(ep) if ep.id == id => Some(hint),
+                    _ => cfg.endpoint_index(id),
+                };
+                let Some(at) = at else { return (None, ()) };
+                if let Some((id, mut st)) = Table::entry_at(stored, at) {
+                    if !st.watch.release(token, started) {
+                        return (None, ());
+                    }
+                    if let Some(new) = Table::patch_entry(stored, at, id, &st) {
+                        return (Some(new), ());
+                    }
+                }
+            }
+            let (mut table, same_layout) = self.load_table(bytes);
             let at = table.locate(hint, id);
             let Some((at, (_, st))) = at.and_then(|i| Some((i, table.entries.get_mut(i)?))) else {
                 return (None, ());
@@ -30,7 +46,7 @@ impl<'a> Scheduler<'a> {
             }
             let bytes = match bytes {
                 Some(stored) if same_layout => table.encode_patched(stored, at),
-                _ => table.encode(),
+                _ => table.encode_over(bytes),
             };
             (Some(bytes), ())
         });
@@ -87,14 +103,9 @@ impl<'a> Scheduler<'a> {
             _ => None,
         };
         let judged = served.map(|s| (s.sample(), signals::read_model(self.store, &s.work_key)));
-        let result = update_if(self.store, TABLE_KEY, |bytes| {
-            let (mut table, same_layout) = Table::load(bytes, cfg);
-            // The ticket's endpoint, also if a reload moved it; gone: nothing to record.
-            let at = table.locate(ticket.endpoint, ticket.endpoint_id);
-            let reference = at.and_then(|i| signals::peer_median(&table, cfg, i, min_samples));
-            let Some((at, (_, st))) = at.and_then(|i| Some((i, table.entries.get_mut(i)?))) else {
-                return (None, None);
-            };
+        // Every concern applied to the endpoint's entry; `reference` is the peers' median
+        // slowness, needed by a degraded endpoint's probe only.
+        let record = |st: &mut EndpointState, reference: Option<f64>| {
             release(st, &ticket, now_ms, cfg);
             record_success(st, outcome, cfg, now_ms);
             record_latency(st, outcome, latency_ms, cfg);
@@ -113,12 +124,45 @@ impl<'a> Scheduler<'a> {
                 stored: true,
                 stale: false,
             };
-            let degraded = st.degraded;
+            (report, st.degraded)
+        };
+        let result = update_if(self.store, TABLE_KEY, |bytes| {
+            // The common case: the stored table has the configuration's layout and no peer
+            // median is needed, so only this endpoint's entry is decoded and rewritten (the
+            // cost does not grow with the fleet).
+            if let Some(stored) =
+                bytes.filter(|b| !ticket.degraded_probe && Table::has_layout(b, cfg))
+            {
+                let at = match cfg.endpoints.get(ticket.endpoint) {
+                    Some(ep) if ep.id == ticket.endpoint_id => Some(ticket.endpoint),
+                    _ => cfg.endpoint_index(ticket.endpoint_id),
+                };
+                // Gone (a configuration reload under the attempt): nothing to record.
+                let Some(at) = at else {
+                    return (None, None);
+                };
+                if let Some((id, mut st)) = Table::entry_at(stored, at) {
+                    let out = record(&mut st, None);
+                    if let Some(new) = Table::patch_entry(stored, at, id, &st) {
+                        return (Some(new), Some(out));
+                    }
+                }
+            }
+            let (mut table, same_layout) = self.load_table(bytes);
+            // The ticket's endpoint, also if a reload moved it; gone: nothing to record.
+            let at = table.locate(ticket.endpoint, ticket.endpoint_id);
+            let reference = at
+                .filter(|_| ticket.degraded_probe)
+                .and_then(|i| signals::peer_median(&table, cfg, i, min_samples));
+            let Some((at, (_, st))) = at.and_then(|i| Some((i, table.entries.get_mut(i)?))) else {
+                return (None, None);
+            };
+            let out = record(st, reference);
             let bytes = match bytes {
                 Some(stored) if same_layout => table.encode_patched(stored, at),
-                _ => table.encode(),
+                _ => table.encode_over(bytes),
             };
-            (Some(bytes), Some((report, degraded)))
+            (Some(bytes), Some(out))
         });
         let (mut report, degraded) = match result {
             Ok(r) => r,
