@@ -474,7 +474,9 @@ impl Config {
         v.unknown_keys("", obj, &top_level_keys());
         let mut c = Config::default();
         Config::read_scalars(&mut v, obj, &mut c);
-        if !c.pin_cookie_secret.configured() {
+        // Only pin cookies use the key: derive it only for them (a configuration digest at
+        // every configure, otherwise).
+        if c.pin_cookie && !c.pin_cookie_secret.configured() {
             c.pin_cookie_secret = PinCookieKey::derived(value);
         }
         if c.routing_header == c.session_header {

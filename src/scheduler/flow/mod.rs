@@ -268,7 +268,7 @@ pub struct Flow {
     session_header: Option<Vec<u8>>,
     tenant: Option<Vec<u8>>,
     body: Vec<u8>,
-    /// The body's text bytes, inline media at a fixed size (`wire::prompt_size`): what its
+    /// The body's bytes, inline media at a fixed size each (`wire::prompt_size`): what its
     /// token cost is estimated from, for quota-aware routing ([`Pick::body_bytes`]).
     prompt_bytes: u64,
     model: Option<String>,

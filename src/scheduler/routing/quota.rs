@@ -23,8 +23,8 @@
 //!   answer from the new window arrives (else every pick in that gap would pass unchecked), and
 //!   that first answer only lowers the assumed count.
 //! - A request's size is estimated as `ceil(prompt bytes / quota_bytes_per_token)` tokens,
-//!   where its prompt bytes are the text of its body and a fixed size per inline image or
-//!   audio clip (`wire::prompt_size`): a base64 upload of megabytes is a few hundred tokens at
+//!   where its prompt bytes are its body's bytes with each inline image or audio clip
+//!   counted at a fixed size (`wire::prompt_size`): a base64 upload of megabytes is a few hundred tokens at
 //!   the provider, and counting its bytes took the key's count to zero (issue 22). When the
 //!   answer reports `usage`, its prompt and completion tokens replace the estimate in the
 //!   count ([`Quota::settle`]).

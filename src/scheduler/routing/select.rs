@@ -104,7 +104,7 @@ pub struct Pick<'a> {
     /// requests, e.g. a counter mixed with the clock), so that such requests spread.
     pub nonce: u64,
     /// The request's prompt size in bytes, from which its token cost is estimated
-    /// (quota-aware routing, the re-prefill cost of a move): the text of its body, inline
+    /// (quota-aware routing, the re-prefill cost of a move): its body's bytes with inline
     /// media (base64 images, audio) at a fixed size each (`wire::prompt_size`), never the
     /// raw bytes of an upload.
     pub body_bytes: usize,
