@@ -20,7 +20,7 @@
 //!     [--system-zipf 0]
 //!     [--max-concurrency 16] [--envoy-retries on|off] [--open-ms 3000]
 //!     [--overhead-reps 6] [--overhead-seconds 2] [--micro FILE | --micro-missing REASON]
-//!     [--date D] [--commit C] [--command CMD] [--raw-dir results/tmp/bench]
+//!     [--date D] [--commit C] [--command CMD] [--raw-dir results/tmp/bench] [--replicate-all]
 //! cargo run --release -p computeflux-tools --bin bench -- --render results/bench/results.json
 //! ```
 //!
@@ -31,9 +31,9 @@
 //!
 //! `--replicas 1,3` (the default) runs every scenario with a lone Envoy and with three replicas;
 //! the replicated topology runs ring_hash, maglev and computeflux only (those that promise
-//! stickiness), and the rolling restart only there. `--baseline` (default: the `results.json`
-//! already in `--out`) is a previous run whose lone-Envoy computeflux rows the report compares
-//! with, when its workload was the same.
+//! stickiness; `--replicate-all`: every policy), and the rolling restart only there.
+//! `--baseline` (default: the `results.json` already in `--out`) is a previous run whose
+//! lone-Envoy computeflux rows the report compares with, when its workload was the same.
 //!
 //! The routing runs' mocks behave like inference engines (`--engine batched`, the default; see
 //! `mock_upstream/engine.rs`): `--max-concurrency` slots and a queue, one prefill at a time,
@@ -114,6 +114,8 @@ struct Args {
     render: Option<PathBuf>,
     /// Where the per-request records go (default `results/tmp/bench`).
     raw_dir: Option<PathBuf>,
+    /// Run every policy in the replicated topology too, not only those that promise stickiness.
+    replicate_all: bool,
 }
 
 fn parse() -> Result<Args, String> {
@@ -166,6 +168,7 @@ fn parse() -> Result<Args, String> {
         command: String::new(),
         render: None,
         raw_dir: None,
+        replicate_all: false,
     };
     let mut it = raw.into_iter();
     while let Some(flag) = it.next() {
@@ -177,6 +180,10 @@ fn parse() -> Result<Args, String> {
             }
             "--no-overhead" => {
                 a.overhead = false;
+                continue;
+            }
+            "--replicate-all" => {
+                a.replicate_all = true;
                 continue;
             }
             "--no-baseline" => {
@@ -407,11 +414,11 @@ fn run(a: Args) -> Result<(), String> {
             .scenarios
             .iter()
             .flat_map(|&sc| {
-                let policies = &a.policies;
+                let (policies, all) = (&a.policies, a.replicate_all);
                 a.replicas.iter().flat_map(move |&n| {
                     policies
                         .iter()
-                        .filter(move |p| n == 1 || p.replicable())
+                        .filter(move |p| n == 1 || all || p.replicable())
                         .filter(move |_| n > 1 || !sc.needs_replicas())
                         .filter(move |p| !sc.filter_only() || **p == Policy::Filter)
                         // The peer's routers are not restarted (the rolling restart is Envoy's).
@@ -526,7 +533,7 @@ fn run(a: Args) -> Result<(), String> {
                 "front_idle_timeout": topology::FRONT_IDLE_TIMEOUT,
                 "replica_drain_time_s": a.drain_s,
                 "replica_drain_strategy": "immediate",
-                "policies": a.policies.iter().filter(|p| p.replicable()).map(Policy::name).collect::<Vec<_>>(),
+                "policies": a.policies.iter().filter(|p| a.replicate_all || p.replicable()).map(Policy::name).collect::<Vec<_>>(),
             },
             "plugin_config_example": example_cfg,
             "overhead": {
