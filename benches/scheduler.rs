@@ -142,6 +142,7 @@ fn cases() -> Vec<Case> {
                         nonce: 0,
                         body_bytes: 0,
                         pin_hint: None,
+                        prefix: None,
                     };
                     let d = s.pick(&pick, NOW_MS + i).expect("an endpoint");
                     black_box(s.finish(d.ticket, &Outcome::Success, 250, None, NOW_MS + i));
@@ -166,6 +167,7 @@ fn cases() -> Vec<Case> {
                         nonce: 0,
                         body_bytes: 0,
                         pin_hint: None,
+                        prefix: None,
                     };
                     let start = Instant::now();
                     let d = s.pick(&pick, NOW_MS + i).expect("an endpoint");
@@ -200,6 +202,7 @@ fn cases() -> Vec<Case> {
                     nonce: 0,
                     body_bytes: 0,
                     pin_hint: None,
+                    prefix: None,
                 };
                 let d = s.pick(&pick, NOW_MS + i).expect("an endpoint");
                 debug_assert_eq!(d.reason, computeflux::scheduler::Reason::AffinityHit);
@@ -224,6 +227,7 @@ fn cases() -> Vec<Case> {
                     nonce: 0,
                     body_bytes: 0,
                     pin_hint: None,
+                    prefix: None,
                 };
                 let start = Instant::now();
                 let d = s.pick(&pick, NOW_MS + i).expect("an endpoint");

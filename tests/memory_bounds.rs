@@ -43,6 +43,7 @@ fn request(cfg: &Config, store: &MemStore, session: u64, now_ms: u64) {
         nonce: 0,
         body_bytes: 0,
         pin_hint: None,
+        prefix: None,
     };
     let d = s.pick(&pick, now_ms).unwrap();
     s.finish(d.ticket, &Outcome::Success, 10, Some(session), now_ms + 10);

@@ -233,7 +233,7 @@ fuzz_target!(|input: Input<'_>| match input {
             exclusions: &ex,
             nonce: 0,
             body_bytes: 0,
-            pin_hint: None,
+            pin_hint: None, prefix: None,
         };
         if let Ok(d) = sched.pick(&pick, now) {
             let id = d.ticket.endpoint_id;

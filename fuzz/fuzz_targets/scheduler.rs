@@ -233,7 +233,7 @@ fuzz_target!(|setup: Setup| {
                     exclusions: &exclusions,
                     nonce: 0,
                     body_bytes: 0,
-                    pin_hint: None,
+                    pin_hint: None, prefix: None,
                 };
                 if let Ok(d) = sched.pick(&pick, now) {
                     let i = d.endpoint;

@@ -73,6 +73,10 @@ pub struct Metrics {
     rejected: Vec<Option<u32>>,
     pub retry_budget_exhausted: Option<u32>,
     pub cas_exhausted: Option<u32>,
+    /// New sessions placed by their instructions' prefix key (`prefix_placement`).
+    pub prefix_placements: Option<u32>,
+    /// Answers to sessions placed by prefix whose `usage` reported cached prompt tokens.
+    pub prefix_hits: Option<u32>,
 }
 
 /// One counter per label value: `<base>.<label>.<value>`.
@@ -178,6 +182,11 @@ impl Metrics {
                 "computeflux_retry_budget_exhausted_total",
             ),
             cas_exhausted: host::metric(MetricType::Counter, "computeflux_cas_exhausted_total"),
+            prefix_placements: host::metric(
+                MetricType::Counter,
+                "computeflux_prefix_placements_total",
+            ),
+            prefix_hits: host::metric(MetricType::Counter, "computeflux_prefix_hits_total"),
         }
     }
 

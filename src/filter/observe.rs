@@ -33,6 +33,9 @@ impl Observer for Recorder<'_> {
         let m = &self.plugin.metrics;
         if attempt == 1 {
             m.affinity(d.affinity);
+            if d.by_prefix {
+                Metrics::inc(m.prefix_placements);
+            }
         }
         m.decision(d.reason);
         if let Some(e) = d.broke_pin_of.and_then(|i| m.endpoint(i)) {
@@ -96,6 +99,10 @@ impl Observer for Recorder<'_> {
     fn usage(&mut self, endpoint: usize, affinity: AffinityResult, u: &Usage) {
         if let Some(em) = self.plugin.metrics.endpoint(endpoint) {
             em.usage(affinity, u);
+        }
+        // A session placed by prefix that found its prompt (its instructions) cached.
+        if affinity == AffinityResult::Prefix && u.cached_tokens > 0 {
+            Metrics::inc(self.plugin.metrics.prefix_hits);
         }
         debug!(
             "computeflux: endpoint {} answered with {} prompt ({} cached) and {} completion tokens",

@@ -66,6 +66,7 @@ use crate::scheduler::routing::signals::{self, Served};
 use crate::scheduler::wire::api::{self, Api, BodyFormat, Handling};
 use crate::scheduler::wire::headers::{rate_limit_hints, HeaderSource, Pairs};
 use crate::scheduler::wire::models::{self, Merged, Retrieved};
+use crate::scheduler::wire::prefix;
 use crate::scheduler::wire::reply::Reply;
 use crate::scheduler::wire::request::{derive_session, parse_chat, RequestError};
 use crate::scheduler::wire::usage::{Framing, Usage, UsageScan};
@@ -248,6 +249,8 @@ pub struct Flow {
     body: Vec<u8>,
     model: Option<String>,
     session: Option<u64>,
+    /// The placement key of the request's instructions, when long enough ([`Pick::prefix`]).
+    prefix: Option<u64>,
     exclusions: Exclusions,
     attempts: u32,
     current: Option<Attempt>,
@@ -302,6 +305,7 @@ impl Flow {
             body: Vec::new(),
             model: None,
             session: None,
+            prefix: None,
             exclusions: Exclusions::default(),
             attempts: 0,
             current: None,
@@ -766,6 +770,11 @@ impl Flow {
             Ok((session, _)) => self.session = session,
             Err(e) => return self.refuse(obs, &e),
         }
+        if s.cfg.prefix_placement {
+            self.prefix = req.instructions.as_ref().and_then(|i| {
+                prefix::prefix_key(self.tenant.as_deref(), i, s.cfg.prefix_min_bytes)
+            });
+        }
         self.read_pin_cookie(s.cfg);
         self.model = Some(req.model);
         self.body = body;
@@ -868,6 +877,7 @@ impl Flow {
             nonce: self.nonce,
             body_bytes: self.body.len(),
             pin_hint: self.pin_hint,
+            prefix: self.prefix,
         };
         let decision = s.pick(&pick, now_ms)?;
         // A session served away from its home (or already carrying a cookie) is told where it

@@ -646,6 +646,7 @@ fn a_reload_under_an_attempt_is_not_a_lost_update() {
             nonce: 0,
             body_bytes: 0,
             pin_hint: None,
+            prefix: None,
         },
         1,
     );

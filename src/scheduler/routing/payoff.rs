@@ -272,6 +272,7 @@ mod tests {
             nonce: 0,
             body_bytes: 0,
             pin_hint: None,
+            prefix: None,
         };
         // Where each of 400 new sessions starts (nothing is pinned: cancelled attempts).
         let homes = || -> Vec<usize> {

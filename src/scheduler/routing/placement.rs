@@ -37,6 +37,14 @@
 //! replica's in-flight count. Since the shares add up to `L + 1 > L`, some candidate is always
 //! within its bound when `slack ≥ 1`.
 //!
+//! **Placement by prefix** (issue 20, `prefix_placement`). A session with no pin whose
+//! instructions (system prompt, tools; see [`crate::scheduler::wire::prefix`]) are long enough
+//! is placed by the same walk on its *prefix key* instead of its session key: an application's
+//! new sessions share one home, where its instructions are already cached, on every replica,
+//! and a popular one spills in the prefix's rendezvous order. The next turn, on a replica that
+//! has no pin for it, resends the same instructions, so it computes the same home (unless that
+//! replica's bounded load spills it).
+//!
 //! Requests without a session have no cache to keep: they are placed on a per-request key with
 //! the full score (`score`, in-flight and latency included) as weight.
 

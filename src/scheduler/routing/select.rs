@@ -21,6 +21,8 @@
 //!    everywhere, and a failover walks the same order, to the same backup;
 //! 4. **settle**: the decision's labels and whether a success pins the session there.
 //!
+//! A session without a pin whose request has a prefix key ([`Pick::prefix`]) walks the prefix's
+//! rendezvous order instead of its own (`prefix_placement`; affinity `prefix`).
 //! Requests without a session are placed the same way on a per-request key, with the full
 //! score (in-flight included) as weight. [`Scheduler::finish_observed`] records an attempt, one
 //! function per concern (in-flight and watch, success rate, raw latency, slowness, payoff,
@@ -106,6 +108,9 @@ pub struct Pick<'a> {
     /// last placed the session away from its home. Followed like a pin, before this replica's
     /// own (older) memory of the session.
     pub pin_hint: Option<u32>,
+    /// The placement key of the request's instructions (`wire::prefix::prefix_key`), when they
+    /// are long enough: a session without a pin is placed by it (`prefix_placement`).
+    pub prefix: Option<u64>,
 }
 
 /// How an endpoint was chosen (the `reason` of the decision metric and log line).
@@ -177,6 +182,12 @@ pub enum AffinityResult {
     Backup,
     /// No live pin and the home was over its bounded load: placed at the next within it.
     Spill,
+    /// No live pin; placed by its instructions' prefix key (see `placement`): at the prefix's
+    /// home, where the application's other new sessions go, or past it when it was over its
+    /// bounded load (a popular application spreading in its prefix's rendezvous order; the
+    /// decision's reason is `spill` then). One value for both keeps the per-endpoint token
+    /// counters (one set per value) from growing twice.
+    Prefix,
     /// The pinned endpoint was degraded: the pin was broken and the session placed again.
     PinBreak,
     /// The pinned endpoint was saturated with a wait longer than re-prefilling elsewhere: the
@@ -194,6 +205,7 @@ impl AffinityResult {
         AffinityResult::Home,
         AffinityResult::Backup,
         AffinityResult::Spill,
+        AffinityResult::Prefix,
         AffinityResult::PinBreak,
         AffinityResult::Saturated,
         AffinityResult::None,
@@ -206,6 +218,7 @@ impl AffinityResult {
             AffinityResult::Home => "home",
             AffinityResult::Backup => "backup",
             AffinityResult::Spill => "spill",
+            AffinityResult::Prefix => "prefix",
             AffinityResult::PinBreak => "pin_break",
             AffinityResult::Saturated => "saturated",
             AffinityResult::None => "none",
@@ -260,6 +273,8 @@ pub struct Decision {
     /// them, or a pinned session left one for a certain 429 (for their `quota_skips` counter).
     /// At most one entry per endpoint; never the chosen one.
     pub quota_skipped: Vec<usize>,
+    /// Placed by the request's prefix key rather than its session key (`prefix_placement`).
+    pub by_prefix: bool,
 }
 
 /// What [`Scheduler::choose`] decided, before the attempt is started.
@@ -277,6 +292,8 @@ struct Choice {
     verdicts: Vec<(usize, bool, Saturation)>,
     /// See [`Decision::quota_skipped`].
     quota_skipped: Vec<usize>,
+    /// See [`Decision::by_prefix`].
+    by_prefix: bool,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -525,6 +542,7 @@ impl<'a> Scheduler<'a> {
                     moved_pin_of: choice.moved,
                     home: choice.home,
                     quota_skipped: choice.quota_skipped,
+                    by_prefix: choice.by_prefix,
                 }),
             )
         });
@@ -572,6 +590,7 @@ impl<'a> Scheduler<'a> {
                     moved_pin_of: c.moved,
                     home: c.home,
                     quota_skipped: c.quota_skipped,
+                    by_prefix: c.by_prefix,
                 })
             }
             // CAS kept losing: go with the decision, but nothing was stored for it.
@@ -604,5 +623,7 @@ pub const TYPICAL_COMPLETION_TOKENS: u64 = 128;
 
 use finish::store_verdict;
 
+#[cfg(test)]
+mod prefix_tests;
 #[cfg(test)]
 mod tests;

@@ -1,5 +1,5 @@
 //! Requests and answers as bytes: what a request is (its API, body format, model and session:
-//! `api`, `request`, `multipart`, `json_scan`, `models`), what an answer says (`usage`,
+//! `api`, `request`, `prefix`, `multipart`, `json_scan`, `models`), what an answer says (`usage`,
 //! `headers`), and the replies the gateway writes itself (`reply`, `text`).
 //!
 //! Parsing and writing only, no routing policy: which endpoint, and what an outcome means, is
@@ -12,6 +12,7 @@ pub mod json_scan;
 pub mod models;
 pub mod multipart;
 pub mod path;
+pub mod prefix;
 pub mod reply;
 pub mod request;
 pub mod text;

@@ -20,10 +20,16 @@
 //!
 //! Every key is scoped by the caller's identity (its `authorization` / `x-api-key` value, hashed
 //! with the key) so one tenant can never read or steer another tenant's pins.
+//!
+//! The same pass over the messages hashes the request's instructions segment (top-level
+//! `system` / `instructions`, `tools`, `functions`, the leading system / developer messages):
+//! what an application's sessions share, for placement by prefix (see
+//! [`crate::scheduler::wire::prefix`]).
 
 use crate::scheduler::state::hash::{hash_parts, session_key};
 use crate::scheduler::wire::api::Api;
 use crate::scheduler::wire::multipart::{read_model, MultipartError};
+use crate::scheduler::wire::prefix::{Instructions, InstructionsHasher, Part};
 pub use crate::scheduler::wire::reply::openai_error;
 use crate::scheduler::wire::reply::{RejectReason, Reply};
 use crate::scheduler::wire::text;
@@ -41,6 +47,9 @@ pub struct ChatRequest {
     pub user: Option<String>,
     /// Conversation fingerprint, when the body has a user message.
     pub fingerprint: Option<u64>,
+    /// The instructions segment (system prompt, tools, leading system messages; see
+    /// [`crate::scheduler::wire::prefix`]), when the body has one.
+    pub instructions: Option<Instructions>,
     pub stream: bool,
 }
 
@@ -157,6 +166,12 @@ struct Body<'a> {
     /// The Responses API's input: a string (one user message) or an array of items.
     #[serde(borrow, default)]
     input: Option<&'a RawValue>,
+    /// Tool definitions (chat, Responses, Messages): part of the instructions segment.
+    #[serde(borrow, default)]
+    tools: Option<&'a RawValue>,
+    /// Chat's legacy function definitions.
+    #[serde(borrow, default)]
+    functions: Option<&'a RawValue>,
 }
 
 #[derive(Deserialize)]
@@ -220,10 +235,23 @@ pub fn parse_chat(body: &[u8]) -> Result<ChatRequest, RequestError> {
     let user = parsed.user.and_then(session_string).or_else(metadata_user);
     let stream = parsed.stream.is_some_and(|raw| raw.get() == "true");
     let system = parsed.system.or(parsed.instructions).map(RawValue::get);
+    // The instructions segment, in its canonical order (see `prefix`); the leading messages
+    // are added by the same pass that finds the fingerprint's messages.
+    let mut lead = InstructionsHasher::new(&model);
+    for (part, raw) in [
+        (Part::System, parsed.system),
+        (Part::Instructions, parsed.instructions),
+        (Part::Tools, parsed.tools),
+        (Part::Functions, parsed.functions),
+    ] {
+        if let Some(raw) = raw.filter(|r| r.get() != "null") {
+            lead.add(part, raw.get());
+        }
+    }
     let fingerprint = match (parsed.messages.as_deref(), parsed.input) {
-        (Some(msgs), _) => fingerprint(&model, system, msgs),
+        (Some(msgs), _) => fingerprint(&model, system, msgs, &mut lead),
         (None, Some(input)) => match serde_json::from_str::<Vec<&RawValue>>(input.get()) {
-            Ok(items) => fingerprint(&model, system, &items),
+            Ok(items) => fingerprint(&model, system, &items, &mut lead),
             // A string input is the user message itself.
             Err(_) if input.get().starts_with('"') => {
                 Some(fingerprint_hash(&model, system, input.get()))
@@ -232,10 +260,12 @@ pub fn parse_chat(body: &[u8]) -> Result<ChatRequest, RequestError> {
         },
         (None, None) => None,
     };
+    let instructions = lead.finish();
     Ok(ChatRequest {
         model,
         user,
         fingerprint,
+        instructions,
         stream,
     })
 }
@@ -272,15 +302,29 @@ fn nesting_depth(body: &[u8]) -> usize {
 
 /// Hash of (model, system prompt, first user message), when there is a user message. `system`
 /// is a top-level system prompt; without one, the first system / developer message is used.
-fn fingerprint(model: &str, system: Option<&str>, messages: &[&RawValue]) -> Option<u64> {
+/// The leading system / developer messages (before any other role) are added to `lead`, the
+/// instructions segment, in the same pass.
+fn fingerprint(
+    model: &str,
+    system: Option<&str>,
+    messages: &[&RawValue],
+    lead: &mut InstructionsHasher,
+) -> Option<u64> {
     let mut system: Option<&str> = system;
     let mut user: Option<&str> = None;
+    let mut leading = true;
     for raw in messages {
         let Ok(m) = serde_json::from_str::<Message<'_>>(raw.get()) else {
+            leading = false;
             continue;
         };
         let role = m.role.map(|r| r.get());
         let content = m.content.map_or("", |c| c.get());
+        let instruction = matches!(role, Some("\"system\"") | Some("\"developer\""));
+        leading &= instruction;
+        if leading {
+            lead.add(Part::Message, raw.get());
+        }
         match role {
             Some("\"system\"") | Some("\"developer\"") if system.is_none() => {
                 system = Some(content)
@@ -288,7 +332,7 @@ fn fingerprint(model: &str, system: Option<&str>, messages: &[&RawValue]) -> Opt
             Some("\"user\"") if user.is_none() => user = Some(content),
             _ => {}
         }
-        if user.is_some() && system.is_some() {
+        if user.is_some() && system.is_some() && !leading {
             break;
         }
     }
@@ -371,6 +415,7 @@ pub fn form_request(model: String) -> ChatRequest {
         model,
         user: None,
         fingerprint: None,
+        instructions: None,
         stream: false,
     }
 }
@@ -558,6 +603,192 @@ mod tests {
             fp(r#"{"model":"m","input":[{"type":"function_call_output"}]}"#),
             None
         );
+    }
+
+    fn instructions(body: &str) -> Option<crate::scheduler::wire::prefix::Instructions> {
+        parse_chat(body.as_bytes()).unwrap().instructions
+    }
+
+    fn chat(system: &str, rest: &str) -> String {
+        format!(r#"{{"model":"m","messages":[{{"role":"system","content":"{system}"}},{rest}]}}"#)
+    }
+
+    #[test]
+    fn instructions_are_what_precedes_the_conversation() {
+        let long = "You are a support agent. ".repeat(60);
+        let turn1 = chat(&long, r#"{"role":"user","content":"hi"}"#);
+        let turn2 = chat(
+            &long,
+            r#"{"role":"user","content":"hi"},{"role":"assistant","content":"yo"},
+            {"role":"system","content":"later system text is not a prefix"},{"role":"user","content":"more"}"#,
+        );
+        let other_user = chat(
+            &long,
+            r#"{"role":"user","content":"something else entirely"}"#,
+        );
+        let a = instructions(&turn1).unwrap();
+        assert_eq!(instructions(&turn2), Some(a));
+        assert_eq!(instructions(&other_user), Some(a));
+        // Exactly the leading system message as sent.
+        let sys = format!(r#"{{"role":"system","content":"{long}"}}"#);
+        assert_eq!(a.bytes, sys.len());
+        // Another system prompt, another model: another segment.
+        let edited = chat(&format!("{long}!"), r#"{"role":"user","content":"hi"}"#);
+        assert_ne!(instructions(&edited).unwrap().hash, a.hash);
+        let other_model = turn1.replacen(r#""model":"m""#, r#""model":"n""#, 1);
+        assert_ne!(instructions(&other_model).unwrap().hash, a.hash);
+        // Several leading system / developer messages all count; tools too.
+        let two = format!(
+            r#"{{"model":"m","messages":[{sys},{{"role":"developer","content":"d"}},{{"role":"user","content":"hi"}}]}}"#
+        );
+        assert!(instructions(&two).unwrap().bytes > a.bytes);
+        let tools = format!(
+            r#"{{"model":"m","tools":[{{"type":"function","function":{{"name":"f"}}}}],"messages":[{sys},{{"role":"user","content":"hi"}}]}}"#
+        );
+        assert_ne!(instructions(&tools).unwrap().hash, a.hash);
+        // No instructions at all: none.
+        assert_eq!(
+            instructions(
+                r#"{"model":"m","messages":[{"role":"user","content":"hi"},{"role":"system","content":"x"}]}"#
+            ),
+            None
+        );
+        assert_eq!(instructions(r#"{"model":"m","tools":null}"#), None);
+    }
+
+    #[test]
+    fn instructions_of_messages_and_responses_bodies() {
+        let long = "Follow the style guide. ".repeat(60);
+        let messages = |user: &str| {
+            format!(
+                r#"{{"model":"claude","max_tokens":8,"system":"{long}","messages":[{{"role":"user","content":"{user}"}}]}}"#
+            )
+        };
+        let a = instructions(&messages("hi")).unwrap();
+        assert_eq!(instructions(&messages("bye")), Some(a));
+        assert_eq!(a.bytes, long.len() + 2);
+        let responses = |input: &str| {
+            format!(r#"{{"model":"claude","instructions":"{long}","input":{input}}}"#)
+        };
+        let r = instructions(&responses(r#""hi""#)).unwrap();
+        assert_eq!(
+            instructions(&responses(r#"[{"role":"user","content":"other"}]"#)),
+            Some(r)
+        );
+        // The same text as `system` and as `instructions` is another prefix to the engine.
+        assert_ne!(r.hash, a.hash);
+        // Leading system items of a Responses input count.
+        let items = format!(
+            r#"{{"model":"m","input":[{{"role":"system","content":"{long}"}},{{"role":"user","content":"hi"}}]}}"#
+        );
+        assert!(instructions(&items).unwrap().bytes > long.len());
+    }
+
+    #[test]
+    fn short_instructions_give_no_prefix_key_and_tenants_are_apart() {
+        use crate::scheduler::wire::prefix::prefix_key;
+        let short = instructions(&chat("be brief", r#"{"role":"user","content":"hi"}"#)).unwrap();
+        assert_eq!(prefix_key(None, &short, 1024), None);
+        let long = instructions(&chat(
+            &"x".repeat(2000),
+            r#"{"role":"user","content":"hi"}"#,
+        ))
+        .unwrap();
+        let k = prefix_key(Some(b"Bearer a"), &long, 1024);
+        assert!(k.is_some());
+        assert_ne!(k, prefix_key(Some(b"Bearer b"), &long, 1024));
+    }
+
+    /// Bounded work: the leading segment ends at the first conversation message, so a huge
+    /// history after it is never added, and a huge instruction is hashed once, linearly.
+    #[test]
+    fn huge_bodies_hash_only_their_instructions() {
+        let history: Vec<String> = (0..20_000)
+            .map(|i| {
+                format!(
+                    r#"{{"role":"user","content":"message {i} {}"}}"#,
+                    "y".repeat(50)
+                )
+            })
+            .collect();
+        let body = chat("short system", &history.join(","));
+        assert!(body.len() > 1_000_000);
+        let i = instructions(&body).unwrap();
+        assert_eq!(
+            i.bytes,
+            r#"{"role":"system","content":"short system"}"#.len()
+        );
+        let huge_system = "z".repeat(4 * 1024 * 1024);
+        let big = chat(&huge_system, r#"{"role":"user","content":"hi"}"#);
+        let started = std::time::Instant::now();
+        let j = instructions(&big).unwrap();
+        assert_eq!(
+            j.bytes,
+            huge_system.len() + r#"{"role":"system","content":""}"#.len()
+        );
+        // Generous: a linear scan of 4 MiB takes milliseconds even unoptimised.
+        #[cfg(not(target_arch = "wasm32"))]
+        assert!(started.elapsed() < std::time::Duration::from_secs(5));
+        let _ = started;
+    }
+
+    #[cfg(not(target_arch = "wasm32"))]
+    mod props {
+        use super::*;
+        use proptest::prelude::*;
+
+        fn text() -> impl Strategy<Value = String> {
+            // Every character width, escaped for JSON by serde.
+            proptest::collection::vec(any::<char>(), 0..40).prop_map(|c| c.into_iter().collect())
+        }
+
+        fn body(system: &str, users: &[String]) -> String {
+            let mut msgs = vec![serde_json::json!({"role": "system", "content": system})];
+            for (i, u) in users.iter().enumerate() {
+                let role = if i % 2 == 0 { "user" } else { "assistant" };
+                msgs.push(serde_json::json!({"role": role, "content": u}));
+            }
+            serde_json::json!({"model": "m", "messages": msgs}).to_string()
+        }
+
+        proptest! {
+            #![proptest_config(ProptestConfig::with_cases(128))]
+
+            #[test]
+            fn same_instructions_same_key_whatever_follows(
+                system in text(),
+                a in proptest::collection::vec(text(), 1..6),
+                b in proptest::collection::vec(text(), 1..6),
+                sa in "[a-z0-9]{1,12}",
+                sb in "[a-z0-9]{1,12}",
+            ) {
+                let ra = parse_chat(body(&system, &a).as_bytes()).unwrap();
+                let rb = parse_chat(body(&system, &b).as_bytes()).unwrap();
+                prop_assert_eq!(ra.instructions, rb.instructions);
+                // Whatever the session: the key does not involve it.
+                let (ka, _) = derive_session(None, Some(sa.as_bytes()), &ra).unwrap();
+                let (kb, _) = derive_session(None, Some(sb.as_bytes()), &rb).unwrap();
+                prop_assert_eq!(ka == kb, sa == sb);
+                let i = ra.instructions.unwrap();
+                prop_assert_eq!(
+                    crate::scheduler::wire::prefix::prefix_key(None, &i, 64),
+                    crate::scheduler::wire::prefix::prefix_key(None, &rb.instructions.unwrap(), 64)
+                );
+            }
+
+            #[test]
+            fn different_system_prompts_different_segments(
+                x in text(),
+                y in text(),
+                user in text(),
+            ) {
+                prop_assume!(x != y);
+                let u = vec![user];
+                let ix = parse_chat(body(&x, &u).as_bytes()).unwrap().instructions.unwrap();
+                let iy = parse_chat(body(&y, &u).as_bytes()).unwrap().instructions.unwrap();
+                prop_assert_ne!(ix.hash, iy.hash);
+            }
+        }
     }
 
     #[test]

@@ -67,6 +67,7 @@ fn warm(cfg: &Config, latencies: &[f64], samples: u32, rng: &mut Rng) -> MemStor
                 nonce: 0,
                 body_bytes: 0,
                 pin_hint: None,
+                prefix: None,
             };
             let Ok(d) = s.pick(&pick, 1_000) else {
                 continue;
@@ -89,6 +90,7 @@ fn home(cfg: &Config, store: &MemStore, session: u64) -> Option<usize> {
         nonce: 0,
         body_bytes: 0,
         pin_hint: None,
+        prefix: None,
     };
     let d = s.pick(&pick, 1_001).ok()?;
     s.finish(d.ticket, &Outcome::Cancelled, 0, None, 1_001);

@@ -59,6 +59,7 @@ fn remembered_holder_is_picked_as_an_affinity_hit() {
                 nonce: 0,
                 body_bytes: 0,
                 pin_hint: None,
+                prefix: None,
             },
             2_000,
         )
@@ -110,6 +111,7 @@ fn holder_unavailable_reasons() {
                 nonce: 0,
                 body_bytes: 0,
                 pin_hint: None,
+                prefix: None,
             },
             now,
         )

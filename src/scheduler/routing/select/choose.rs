@@ -24,7 +24,15 @@ impl<'a> Scheduler<'a> {
         let mut board = self.board(table, candidates, pick, loads, now_ms, &bcfg)?;
         let pinned_index = pinned.and_then(|id| self.cfg.endpoint_index(id));
         board.pinned = pinned_index;
-        let key = pick.session.unwrap_or(pick.nonce);
+        // A session without a pin whose instructions make a prefix key is placed by that key:
+        // the same candidates, weights, exclusions and bounded load, in the prefix's
+        // rendezvous order (see `placement`, "Placement by prefix").
+        let by_prefix = self.cfg.prefix_placement && pick.session.is_some() && pinned.is_none();
+        let key = match pick.prefix.filter(|_| by_prefix) {
+            Some(prefix) => prefix,
+            None => pick.session.unwrap_or(pick.nonce),
+        };
+        let by_prefix = by_prefix && pick.prefix.is_some();
         // The session's home: the first non-degraded endpoint of its rendezvous order.
         let home = placement::first(key, &board.weights, |i| !board.degraded(i));
         let mut quota_skipped = Vec::new();
@@ -47,6 +55,7 @@ impl<'a> Scheduler<'a> {
                 home,
                 verdicts: board.stored_verdicts(),
                 quota_skipped,
+                by_prefix: false,
             });
         }
         let walked = self.walk(&board, table, key, &pin, pick, now_ms, &mut quota_skipped);
@@ -59,10 +68,10 @@ impl<'a> Scheduler<'a> {
             pick,
             pinned_index,
             &pin,
-            endpoint,
-            reason,
+            (endpoint, reason),
             home,
             quota_skipped,
+            by_prefix,
         ))
     }
 
@@ -326,10 +335,10 @@ impl<'a> Scheduler<'a> {
         pick: &Pick<'_>,
         pinned: Option<usize>,
         pin: &PinVerdict,
-        endpoint: usize,
-        mut reason: Reason,
+        (endpoint, mut reason): (usize, Reason),
         home: Option<usize>,
         mut quota_skipped: Vec<usize>,
+        by_prefix: bool,
     ) -> Choice {
         // The pinned endpoint taken after all (nothing else could serve): the pin is kept.
         let kept = Some(endpoint) == pin.left();
@@ -350,6 +359,7 @@ impl<'a> Scheduler<'a> {
             (Some(_), _, Reason::PinBreak) => AffinityResult::PinBreak,
             (Some(_), Some(_), Reason::Saturated) if moved.is_some() => AffinityResult::Saturated,
             (Some(_), Some(_), _) => AffinityResult::Miss,
+            (Some(_), None, Reason::Home | Reason::Spill) if by_prefix => AffinityResult::Prefix,
             (Some(_), None, Reason::Home) => AffinityResult::Home,
             (Some(_), None, Reason::Spill) => AffinityResult::Spill,
             (Some(_), None, _) => AffinityResult::Backup,
@@ -359,6 +369,9 @@ impl<'a> Scheduler<'a> {
         }
         let pin_on_success = match (reason, self.cfg.after_failover) {
             (Reason::AffinityHit, _) => true,
+            // A new session placed by prefix that spilled: a popular application spreading.
+            // Its own turns, and now its instructions, are cached where it was served.
+            (Reason::Spill, _) if by_prefix => true,
             // A probe, or a burst that spilled: the session's place stays its home.
             (Reason::DegradedProbe | Reason::Spill, _) => false,
             (_, AfterFailover::Stay) => true,
@@ -376,6 +389,7 @@ impl<'a> Scheduler<'a> {
             home,
             verdicts: board.stored_verdicts(),
             quota_skipped,
+            by_prefix,
         }
     }
 }

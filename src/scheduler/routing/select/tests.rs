@@ -35,6 +35,7 @@ fn pick_at(
             nonce: 0,
             body_bytes: 0,
             pin_hint: None,
+            prefix: None,
         },
         now,
     )
@@ -60,6 +61,7 @@ fn exclusions_in_order_and_model_not_found() {
             nonce: 0,
             body_bytes: 0,
             pin_hint: None,
+            prefix: None,
         })
         .unwrap();
     assert_eq!(cands, vec![0, 1]);
@@ -81,6 +83,7 @@ fn exclusions_in_order_and_model_not_found() {
             nonce: 0,
             body_bytes: 0,
             pin_hint: None,
+            prefix: None,
         })
         .unwrap_err();
     assert_eq!(err, NoEndpoint::Exhausted);
@@ -103,6 +106,7 @@ fn exclusions_in_order_and_model_not_found() {
                 nonce: 0,
                 body_bytes: 0,
                 pin_hint: None,
+                prefix: None,
             },
             0
         )
@@ -146,6 +150,7 @@ fn affinity_sticks_and_repins_after_failover() {
                 nonce: 0,
                 body_bytes: 0,
                 pin_hint: None,
+                prefix: None,
             },
             102,
         )
@@ -427,6 +432,7 @@ fn retry_budget_limits_failovers() {
                 nonce: 0,
                 body_bytes: 0,
                 pin_hint: None,
+                prefix: None,
             },
             0,
         )
@@ -454,6 +460,7 @@ fn failovers_after_401_or_429_spend_no_retry_budget() {
             nonce: 0,
             body_bytes: 0,
             pin_hint: None,
+            prefix: None,
         };
         s.pick(&pick, 0)
             .map(|d| s.finish(d.ticket, &Outcome::Cancelled, 0, None, 0))
@@ -632,6 +639,7 @@ fn failover_walks_the_rendezvous_order_on_every_replica() {
                             nonce: attempt.into(),
                             body_bytes: 0,
                             pin_hint: None,
+                            prefix: None,
                         },
                         0,
                     )
@@ -729,6 +737,7 @@ fn after_failover_next_turn(policy: &str) -> (usize, usize, usize) {
                 nonce: 0,
                 body_bytes: 0,
                 pin_hint: None,
+                prefix: None,
             },
             4,
         )
@@ -1103,6 +1112,7 @@ fn body_pick<'a>(session: Option<u64>, ex: &'a Exclusions, body_bytes: usize) ->
         nonce: 0,
         body_bytes,
         pin_hint: None,
+        prefix: None,
     }
 }
 
@@ -1416,6 +1426,7 @@ fn pick_body(s: &Scheduler<'_>, session: u64, body_bytes: usize, now: u64) -> De
             nonce: 0,
             body_bytes,
             pin_hint: None,
+            prefix: None,
         },
         now,
     )
@@ -1634,6 +1645,7 @@ fn replicas_with_different_own_signals_compute_the_same_homes() {
                             nonce: j,
                             body_bytes: 0,
                             pin_hint: None,
+                            prefix: None,
                         },
                         0,
                     )

@@ -1,0 +1,192 @@
+// Placement by prefix (`prefix_placement`): a session without a pin whose instructions make a
+// prefix key goes to the prefix's rendezvous home, on every replica; pins still win.
+use super::*;
+use crate::scheduler::routing::placement;
+use crate::scheduler::state::hash::session_key;
+use crate::scheduler::state::store::MemStore;
+use serde_json::json;
+#[cfg(target_arch = "wasm32")]
+use wasm_bindgen_test::wasm_bindgen_test as test;
+
+fn cfg(extra: serde_json::Value) -> Config {
+    let mut v = json!({"endpoints":[
+        {"name":"e0","cluster":"c0"},{"name":"e1","cluster":"c1"},{"name":"e2","cluster":"c2"},
+        {"name":"e3","cluster":"c3","weight":2},{"name":"e4","cluster":"c4"}
+    ]});
+    if let (Some(o), Some(e)) = (v.as_object_mut(), extra.as_object()) {
+        o.extend(e.clone());
+    }
+    Config::from_value(&v).unwrap()
+}
+
+fn session(i: u64) -> u64 {
+    session_key(b"", &i.to_le_bytes())
+}
+
+const PREFIX: u64 = 0x5eed_0fa9;
+
+fn pick(
+    s: &Scheduler<'_>,
+    session: u64,
+    prefix: Option<u64>,
+    attempt: u32,
+    ex: &Exclusions,
+    now: u64,
+) -> Decision {
+    s.pick(
+        &Pick {
+            model: Some("m"),
+            session: Some(session),
+            attempt,
+            exclusions: ex,
+            nonce: 0,
+            body_bytes: 0,
+            pin_hint: None,
+            prefix,
+        },
+        now,
+    )
+    .unwrap()
+}
+
+fn weights(c: &Config) -> Vec<(usize, u32, f64)> {
+    c.endpoints
+        .iter()
+        .enumerate()
+        .map(|(i, e)| (i, e.id, e.weight))
+        .collect()
+}
+
+#[test]
+fn new_sessions_of_one_prefix_share_its_home_on_every_replica() {
+    let c = cfg(json!({}));
+    let stores = [MemStore::new(), MemStore::new(), MemStore::new()];
+    let ex = Exclusions::default();
+    let home = placement::order(PREFIX, &weights(&c))[0];
+    let mut by_session = [0u32; 5];
+    for n in 0..300u64 {
+        for store in &stores {
+            let s = Scheduler::new(&c, store);
+            let d = pick(&s, session(n), Some(PREFIX), 1, &ex, 0);
+            assert_eq!(
+                (d.endpoint, d.reason, d.affinity, d.by_prefix),
+                (home, Reason::Home, AffinityResult::Prefix, true),
+                "session {n}"
+            );
+            s.finish(d.ticket, &Outcome::Cancelled, 0, None, 0);
+            // Without the prefix: the session's own home, as before.
+            let d = pick(&s, session(n), None, 1, &ex, 0);
+            assert_eq!((d.affinity, d.by_prefix), (AffinityResult::Home, false));
+            by_session[d.endpoint] += 1;
+            s.finish(d.ticket, &Outcome::Cancelled, 0, None, 0);
+        }
+    }
+    // By session key they scatter over every endpoint.
+    assert!(by_session.iter().all(|&h| h > 0), "{by_session:?}");
+}
+
+#[test]
+fn a_pinned_session_stays_and_a_served_one_is_pinned() {
+    let c = cfg(json!({}));
+    let store = MemStore::new();
+    let s = Scheduler::new(&c, &store);
+    let ex = Exclusions::default();
+    let home = placement::order(PREFIX, &weights(&c))[0];
+    // A session whose own home is elsewhere, served there before its prefix was known.
+    let n = (0..)
+        .find(|&n| placement::order(session(n), &weights(&c))[0] != home)
+        .unwrap();
+    let d = pick(&s, session(n), None, 1, &ex, 0);
+    let elsewhere = d.endpoint;
+    s.finish(d.ticket, &Outcome::Success, 10, Some(session(n)), 1);
+    let d = pick(&s, session(n), Some(PREFIX), 1, &ex, 2);
+    assert_eq!(
+        (d.endpoint, d.affinity, d.by_prefix),
+        (elsewhere, AffinityResult::Hit, false)
+    );
+    s.finish(d.ticket, &Outcome::Success, 10, Some(session(n)), 3);
+    // A new session placed by prefix is pinned where it was served.
+    let d = pick(&s, session(n + 1), Some(PREFIX), 1, &ex, 4);
+    assert!(d.ticket.pin_on_success);
+    s.finish(d.ticket, &Outcome::Success, 10, Some(session(n + 1)), 5);
+    let d = pick(&s, session(n + 1), None, 1, &ex, 6);
+    assert_eq!((d.endpoint, d.affinity), (home, AffinityResult::Hit));
+    s.finish(d.ticket, &Outcome::Cancelled, 0, None, 7);
+}
+
+#[test]
+fn switched_off_every_session_is_placed_by_its_own_key() {
+    let c = cfg(json!({"prefix_placement": false}));
+    let store = MemStore::new();
+    let s = Scheduler::new(&c, &store);
+    let ex = Exclusions::default();
+    for n in 0..100u64 {
+        let d = pick(&s, session(n), Some(PREFIX), 1, &ex, 0);
+        let own = placement::order(session(n), &weights(&c))[0];
+        assert_eq!(
+            (d.endpoint, d.affinity, d.by_prefix),
+            (own, AffinityResult::Home, false)
+        );
+        s.finish(d.ticket, &Outcome::Cancelled, 0, None, 0);
+    }
+}
+
+#[test]
+fn a_popular_prefix_spills_in_its_rendezvous_order_and_pins_there() {
+    let c = cfg(json!({"bounded_load_epsilon": 0.25, "bounded_load_slack": 2}));
+    let store = MemStore::new();
+    let s = Scheduler::new(&c, &store);
+    let ex = Exclusions::default();
+    let order = placement::order(PREFIX, &weights(&c));
+    let mut held = Vec::new();
+    let mut first_spill = None;
+    for n in 0..40u64 {
+        let d = pick(&s, session(n), Some(PREFIX), 1, &ex, 0);
+        if d.endpoint != order[0] {
+            assert_eq!(
+                (d.reason, d.affinity),
+                (Reason::Spill, AffinityResult::Prefix)
+            );
+            assert!(d.ticket.pin_on_success, "a prefix spill pins");
+            first_spill.get_or_insert(d.endpoint);
+        }
+        held.push(d);
+    }
+    // The first spill goes to the prefix's second endpoint, as on every replica.
+    assert_eq!(first_spill, Some(order[1]));
+    // It spreads over a leading part of that order, never skipping an endpoint of it.
+    let on = |i: usize| held.iter().filter(|d| d.endpoint == i).count();
+    let used = order.iter().take_while(|&&i| on(i) > 0).count();
+    assert!(used >= 2);
+    assert_eq!(
+        order[..used].iter().map(|&i| on(i)).sum::<usize>(),
+        held.len()
+    );
+    for d in held {
+        s.finish(d.ticket, &Outcome::Cancelled, 0, None, 1);
+    }
+    let d = pick(&s, session(999), Some(PREFIX), 1, &ex, 2);
+    assert_eq!((d.endpoint, d.affinity), (order[0], AffinityResult::Prefix));
+    s.finish(d.ticket, &Outcome::Cancelled, 0, None, 2);
+}
+
+#[test]
+fn a_failover_walks_the_prefix_order() {
+    let c = cfg(json!({}));
+    let store = MemStore::new();
+    let s = Scheduler::new(&c, &store);
+    let order = placement::order(PREFIX, &weights(&c));
+    let mut ex = Exclusions::default();
+    let mut walked = Vec::new();
+    for attempt in 1..=3u32 {
+        let d = pick(&s, session(7), Some(PREFIX), attempt, &ex, 0);
+        assert!(d.by_prefix);
+        walked.push(d.endpoint);
+        let failed = Outcome::RateLimited {
+            retry_after_ms: None,
+        };
+        s.finish(d.ticket, &Outcome::Cancelled, 0, None, 0);
+        ex.after_attempt(d.endpoint, &failed);
+    }
+    assert_eq!(walked, order[..3].to_vec());
+}

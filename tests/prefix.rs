@@ -1,0 +1,357 @@
+#![cfg(not(target_arch = "wasm32"))]
+//! Placement by prefix (issue 20) through real Envoy processes in front of four mock engines.
+//!
+//! What must hold: a new session (no pin) whose instructions — here a system prompt of about
+//! 1.8 KB, above `prefix_min_bytes` — make a prefix key is placed by rendezvous on that key, so
+//! the sessions of one application land on one endpoint whichever replica (or restarted
+//! replica) places them, and the mock's prefix cache serves their shared prompt; a popular
+//! application spreads to the next endpoint of its prefix's rendezvous order once its
+//! in-flight load exceeds the bound; `prefix_placement: false` places every session by its
+//! session key again.
+//!
+//! The expected endpoints are computed with the crate's own functions (the parser's
+//! instructions segment, `prefix_key`, `placement::order` over the endpoints' ids and weights),
+//! so the tests check the exact endpoint, not only that sessions agree.
+
+// Test code: failing loudly with context is the point.
+#![allow(
+    clippy::panic,
+    clippy::unwrap_used,
+    clippy::expect_used,
+    clippy::indexing_slicing
+)]
+
+mod support;
+
+use std::collections::BTreeSet;
+use std::time::Duration;
+
+use computeflux::scheduler::routing::placement;
+use computeflux::scheduler::state::hash::{endpoint_id, session_key};
+use computeflux::scheduler::wire::prefix::prefix_key;
+use computeflux::scheduler::wire::request::parse_chat;
+use serde_json::{json, Value};
+use support::{post_chat, steady_mock, Checks, EnvoyConfig, MockUpstream, Replicas};
+
+const MODEL: &str = "m1";
+const ENDPOINTS: [&str; 4] = ["a", "b", "c", "d"];
+const APPS: usize = 3;
+const SESSIONS_PER_APP: usize = 10;
+const PREFILL_US_PER_TOKEN: u64 = 20;
+const H_ENDPOINT: &str = "x-computeflux-endpoint";
+const H_AFFINITY: &str = "x-computeflux-affinity";
+
+/// About 1.8 KB of instructions, unique to `app`.
+fn system_prompt(app: usize) -> String {
+    format!("You are the support assistant of application {app}. Answer in full sentences. ")
+        .repeat(22)
+}
+
+/// Turn `turn` (0-based) of `session` of `app`: the system prompt, then the history.
+fn body(app: usize, session: &str, turn: usize) -> String {
+    let mut messages = vec![json!({"role": "system", "content": system_prompt(app)})];
+    for t in 0..=turn {
+        if t > 0 {
+            messages.push(json!({"role": "assistant", "content": format!("reply {t}")}));
+        }
+        messages.push(json!({"role": "user", "content": format!("{session} asks question {t}")}));
+    }
+    json!({"model": MODEL, "messages": messages}).to_string()
+}
+
+fn candidates() -> Vec<(usize, u32, f64)> {
+    ENDPOINTS
+        .iter()
+        .enumerate()
+        .map(|(i, n)| (i, endpoint_id(n), 1.0))
+        .collect()
+}
+
+/// The endpoints in the rendezvous order of `app`'s prefix key, as every replica computes it.
+fn prefix_order(app: usize) -> Vec<&'static str> {
+    let req = parse_chat(body(app, "any", 0).as_bytes()).unwrap();
+    let instructions = req.instructions.expect("instructions segment");
+    assert!(instructions.bytes >= 1024, "{}", instructions.bytes);
+    let key = prefix_key(None, &instructions, 1024).unwrap();
+    placement::order(key, &candidates())
+        .into_iter()
+        .map(|i| ENDPOINTS[i])
+        .collect()
+}
+
+/// The session-key home of `session` (sent in `x-session-id`, no credential).
+fn session_home(session: &str) -> &'static str {
+    let key = session_key(b"", format!("h:{session}").as_bytes());
+    ENDPOINTS[placement::order(key, &candidates())[0]]
+}
+
+struct Fleet {
+    mocks: Vec<MockUpstream>,
+    replicas: Replicas,
+}
+
+fn fleet(extra: Value, replicas: usize) -> Fleet {
+    let mocks: Vec<MockUpstream> = ENDPOINTS
+        .iter()
+        .map(|n| steady_mock(n, PREFILL_US_PER_TOKEN))
+        .collect();
+    let clusters: Vec<(&str, u16)> = mocks.iter().map(|m| (m.name.as_str(), m.port)).collect();
+    let endpoints: Vec<Value> = ENDPOINTS
+        .iter()
+        .map(|n| json!({"name": n, "cluster": n}))
+        .collect();
+    let mut config = json!({"endpoints": endpoints});
+    if let (Some(c), Some(e)) = (config.as_object_mut(), extra.as_object()) {
+        c.extend(e.clone());
+    }
+    let replicas = Replicas::start(EnvoyConfig::new(config, &clusters), replicas);
+    Fleet { mocks, replicas }
+}
+
+/// What one request got back.
+#[derive(Debug, Clone)]
+struct Served {
+    status: u16,
+    endpoint: String,
+    affinity: String,
+    cached_tokens: u64,
+}
+
+fn send(port: u16, session: &str, body: &str) -> Served {
+    let r = post_chat(port, &[("x-session-id", session)], body);
+    let cached_tokens = if r.status == 200 {
+        r.json()
+            .pointer("/usage/prompt_tokens_details/cached_tokens")
+            .and_then(Value::as_u64)
+            .unwrap_or(0)
+    } else {
+        0
+    };
+    Served {
+        status: r.status,
+        endpoint: r.header(H_ENDPOINT).unwrap_or("-").to_string(),
+        affinity: r.header(H_AFFINITY).unwrap_or("-").to_string(),
+        cached_tokens,
+    }
+}
+
+fn counter(fleet: &Fleet, name: &str) -> i64 {
+    fleet
+        .replicas
+        .envoys()
+        .iter()
+        .map(|e| e.stat(&format!("wasmcustom.{name}")).unwrap_or(0))
+        .sum()
+}
+
+/// (a) and (c): the sessions of one application land on its prefix's home from every replica,
+/// find the shared prompt cached there, and a restarted replica places them the same way.
+#[test]
+fn sessions_of_one_application_share_an_endpoint_on_every_replica_and_after_a_restart() {
+    let mut fleet = fleet(json!({}), 3);
+    let mut checks = Checks::new();
+    let homes: Vec<&str> = (0..APPS).map(|app| prefix_order(app)[0]).collect();
+    println!("prefix homes of the applications: {homes:?}");
+    // First turns: session j of each application through replica j % 3, one at a time so
+    // that every session after an application's first finds its prompt cached.
+    for (app, &home) in homes.iter().enumerate() {
+        for j in 0..SESSIONS_PER_APP {
+            let id = format!("app{app}-s{j}");
+            let r = fleet.replicas.len();
+            let served = send(fleet.replicas.port(j % r), &id, &body(app, &id, 0));
+            checks.expect(
+                served.status == 200 && served.endpoint == home && served.affinity == "prefix",
+                format!("{id} via replica {}: {served:?}, expected {}", j % r, home),
+            );
+            if j > 0 {
+                checks.expect(
+                    served.cached_tokens >= 400,
+                    format!(
+                        "{id}: the shared prompt cached ({} tokens)",
+                        served.cached_tokens
+                    ),
+                );
+            }
+        }
+    }
+    // Placed by session key, ten sessions would almost surely not share one endpoint: the
+    // test would fail without the feature (the chance is 4 × 4^-10 per application).
+    let scattered: BTreeSet<&str> = (0..SESSIONS_PER_APP)
+        .map(|j| session_home(&format!("app0-s{j}")))
+        .collect();
+    checks.expect(
+        scattered.len() > 1,
+        format!("by session key app0 would use {scattered:?}"),
+    );
+    // Second turns through the next replica: a pin there, or (the replica never saw the
+    // session) the same prefix home again.
+    for (app, &home) in homes.iter().enumerate() {
+        for j in 0..SESSIONS_PER_APP {
+            let id = format!("app{app}-s{j}");
+            let via = (j + 1) % fleet.replicas.len();
+            let served = send(fleet.replicas.port(via), &id, &body(app, &id, 1));
+            checks.expect(
+                served.status == 200
+                    && served.endpoint == home
+                    && (served.affinity == "prefix" || served.affinity == "hit"),
+                format!("{id} turn 2 via replica {via}: {served:?}"),
+            );
+        }
+    }
+    let placements = counter(&fleet, "computeflux_prefix_placements_total");
+    let hits = counter(&fleet, "computeflux_prefix_hits_total");
+    println!("prefix placements {placements}, prefix hits {hits}");
+    checks.expect(
+        placements >= (APPS * SESSIONS_PER_APP) as i64,
+        format!("computeflux_prefix_placements_total {placements}"),
+    );
+    checks.expect(
+        hits >= (APPS * (SESSIONS_PER_APP - 1)) as i64,
+        format!("computeflux_prefix_hits_total {hits}"),
+    );
+    // (c) A restarted replica (empty shared data) places new and old sessions the same way.
+    let (old_pid, new_pid) = fleet.replicas.restart(2);
+    println!("replica 2 restarted: pid {old_pid} -> {new_pid}");
+    let port = fleet.replicas.port(2);
+    for (app, &home) in homes.iter().enumerate() {
+        for j in 0..3 {
+            let id = format!("app{app}-new{j}");
+            let served = send(port, &id, &body(app, &id, 0));
+            checks.expect(
+                served.status == 200 && served.endpoint == home && served.affinity == "prefix",
+                format!("{id} via the restarted replica: {served:?}"),
+            );
+            let old = format!("app{app}-s{j}");
+            let served = send(port, &old, &body(app, &old, 2));
+            checks.expect(
+                served.status == 200 && served.endpoint == home,
+                format!("{old} turn 3 via the restarted replica: {served:?}"),
+            );
+        }
+    }
+    checks.expect(
+        fleet.replicas.wasm_crashes().is_empty(),
+        format!("wasm crashes: {:?}", fleet.replicas.wasm_crashes()),
+    );
+    drop(fleet);
+    checks.finish();
+}
+
+/// (b) A popular application spreads: with its home's in-flight load over the bound, new
+/// sessions spill to the next endpoint of the prefix's rendezvous order, on every replica
+/// alike; once the load is gone, they go home again.
+#[test]
+fn a_popular_application_spreads_in_its_prefix_order() {
+    // Bound: (1 + 1) × (L + 1) / 4 + 2 with four equal endpoints: the home takes four held
+    // sessions, the fifth spills.
+    let fleet = fleet(
+        json!({"bounded_load_epsilon": 1.0, "bounded_load_slack": 2}),
+        2,
+    );
+    let mut checks = Checks::new();
+    const APP: usize = 1;
+    const HELD: usize = 10;
+    let order = prefix_order(APP);
+    println!("prefix order of application {APP}: {order:?}");
+    for m in &fleet.mocks {
+        m.set_fault(json!({"mode": "delay_ms", "ms": 3000}));
+    }
+    let ports: Vec<u16> = (0..fleet.replicas.len())
+        .map(|r| fleet.replicas.port(r))
+        .collect();
+    // HELD new sessions through each replica, 150 ms apart, all in flight together.
+    let results: Vec<(usize, usize, Served)> = std::thread::scope(|scope| {
+        let handles: Vec<_> = (0..HELD)
+            .flat_map(|k| (0..ports.len()).map(move |r| (k, r)))
+            .map(|(k, r)| {
+                let port = ports[r];
+                scope.spawn(move || {
+                    std::thread::sleep(Duration::from_millis(150 * k as u64));
+                    let id = format!("pop-r{r}-s{k}");
+                    (r, k, send(port, &id, &body(APP, &id, 0)))
+                })
+            })
+            .collect();
+        handles.into_iter().map(|h| h.join().unwrap()).collect()
+    });
+    for m in &fleet.mocks {
+        m.clear_fault();
+    }
+    for (r, &port) in ports.iter().enumerate() {
+        let mut mine: Vec<&(usize, usize, Served)> =
+            results.iter().filter(|(rr, _, _)| *rr == r).collect();
+        mine.sort_by_key(|(_, k, _)| *k);
+        let trail: Vec<String> = mine
+            .iter()
+            .map(|(_, _, s)| format!("{}:{}", s.endpoint, s.affinity))
+            .collect();
+        println!("replica {r}: {trail:?}");
+        checks.expect(
+            mine.iter()
+                .all(|(_, _, s)| s.status == 200 && s.affinity == "prefix"),
+            format!("replica {r}: every held request answered, placed by prefix: {trail:?}"),
+        );
+        // The first four go home, the fifth spills to the prefix's second endpoint.
+        checks.expect(
+            mine.iter()
+                .take(4)
+                .all(|(_, _, s)| s.endpoint == order[0] && s.affinity == "prefix"),
+            format!("replica {r}: first four at {}: {trail:?}", order[0]),
+        );
+        checks.expect(
+            mine.get(4)
+                .is_some_and(|(_, _, s)| s.endpoint == order[1] && s.affinity == "prefix"),
+            format!("replica {r}: fifth spilled to {}: {trail:?}", order[1]),
+        );
+        let used: BTreeSet<&str> = mine.iter().map(|(_, _, s)| s.endpoint.as_str()).collect();
+        let leading: BTreeSet<&str> = order[..2].iter().copied().collect();
+        checks.expect(
+            used == leading,
+            format!("replica {r}: spread over {used:?}, expected {leading:?}"),
+        );
+        // A spilled session is pinned where it was served.
+        if let Some((_, k, s)) = mine.iter().find(|(_, _, s)| s.endpoint == order[1]) {
+            let id = format!("pop-r{r}-s{k}");
+            let next = send(port, &id, &body(APP, &id, 1));
+            checks.expect(
+                next.endpoint == s.endpoint && next.affinity == "hit",
+                format!("{id} turn 2 on its replica: {next:?}"),
+            );
+        }
+    }
+    // The load gone, a new session goes home again.
+    let served = send(ports[0], "pop-after", &body(APP, "pop-after", 0));
+    checks.expect(
+        served.endpoint == order[0] && served.affinity == "prefix",
+        format!("after the burst: {served:?}"),
+    );
+    drop(fleet);
+    checks.finish();
+}
+
+/// (d) `prefix_placement: false`: every new session is placed by its session key, as before.
+#[test]
+fn switched_off_sessions_are_placed_by_their_session_key() {
+    let fleet = fleet(json!({"prefix_placement": false}), 2);
+    let mut checks = Checks::new();
+    let mut used = BTreeSet::new();
+    for j in 0..SESSIONS_PER_APP {
+        let id = format!("off-s{j}");
+        let via = j % fleet.replicas.len();
+        let served = send(fleet.replicas.port(via), &id, &body(0, &id, 0));
+        let home = session_home(&id);
+        checks.expect(
+            served.status == 200 && served.endpoint == home && served.affinity == "home",
+            format!("{id} via replica {via}: {served:?}, expected its session home {home}"),
+        );
+        used.insert(served.endpoint);
+    }
+    checks.expect(
+        used.len() > 1,
+        format!("sessions of one application scatter by session key: {used:?}"),
+    );
+    let placements = counter(&fleet, "computeflux_prefix_placements_total");
+    checks.expect(placements == 0, format!("prefix placements {placements}"));
+    drop(fleet);
+    checks.finish();
+}
