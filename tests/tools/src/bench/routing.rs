@@ -626,7 +626,7 @@ mod tests {
         let args = Scenario::SharedPrefix.endpoint_args(0, &opts);
         assert_eq!(
             args,
-            ["--cache-tokens", "64000", "--prefill-us-per-token", "50"]
+            ["--cache-tokens", "64000", "--prefill-us-per-token", "80"]
         );
         // No engine can hold every prompt.
         assert!(SHARED_CACHE_TOKENS < (SHARED_APPS * SHARED_SYSTEM_TOKENS) as u64);
