@@ -17,17 +17,23 @@
 //!     [--second-model-share 0.2] [--seed 7] [--prefill-us-per-token 100] [--decode-ms 20]
 //!     [--engine batched|constant] [--decode-ms-per-token 1.5] [--batch-slowdown 0.05]
 //!     [--stream-share 0.5] [--output-tokens 16..512] [--system-prompts 0] [--system-tokens 200]
+//!     [--system-zipf 0]
 //!     [--max-concurrency 16] [--envoy-retries on|off] [--open-ms 3000]
 //!     [--overhead-reps 6] [--overhead-seconds 2] [--micro FILE | --micro-missing REASON]
-//!     [--date D] [--commit C] [--command CMD]
+//!     [--date D] [--commit C] [--command CMD] [--raw-dir results/tmp/bench] [--replicate-all]
 //! cargo run --release -p computeflux-tools --bin bench -- --render results/bench/results.json
 //! ```
 //!
+//! Besides the default policies, `--policies` takes `computeflux_noprefix` (the filter with
+//! `"prefix_placement": false`) and `sglang_cache_aware` (the SGLang gateway from PyPI, see
+//! `bench/peer.rs`); besides the default scenarios, `--scenarios` takes `shared_prefix` and
+//! `mixed_prefix` (issue 20, see `bench/routing.rs`). Neither is in the default run.
+//!
 //! `--replicas 1,3` (the default) runs every scenario with a lone Envoy and with three replicas;
 //! the replicated topology runs ring_hash, maglev and computeflux only (those that promise
-//! stickiness), and the rolling restart only there. `--baseline` (default: the `results.json`
-//! already in `--out`) is a previous run whose lone-Envoy computeflux rows the report compares
-//! with, when its workload was the same.
+//! stickiness; `--replicate-all`: every policy), and the rolling restart only there.
+//! `--baseline` (default: the `results.json` already in `--out`) is a previous run whose
+//! lone-Envoy computeflux rows the report compares with, when its workload was the same.
 //!
 //! The routing runs' mocks behave like inference engines (`--engine batched`, the default; see
 //! `mock_upstream/engine.rs`): `--max-concurrency` slots and a queue, one prefill at a time,
@@ -45,6 +51,8 @@
 mod deployment;
 #[path = "bench/overhead.rs"]
 mod overhead;
+#[path = "bench/peer.rs"]
+mod peer;
 #[path = "bench/report.rs"]
 mod report;
 #[path = "bench/routing.rs"]
@@ -104,6 +112,10 @@ struct Args {
     command: String,
     /// Re-render the outputs from this `results.json` instead of running.
     render: Option<PathBuf>,
+    /// Where the per-request records go (default `results/tmp/bench`).
+    raw_dir: Option<PathBuf>,
+    /// Run every policy in the replicated topology too, not only those that promise stickiness.
+    replicate_all: bool,
 }
 
 fn parse() -> Result<Args, String> {
@@ -133,6 +145,7 @@ fn parse() -> Result<Args, String> {
             output_max: 512,
             system_prompts: 0,
             system_tokens: 200,
+            system_zipf_s: 0.0,
             seed: 7,
         },
         prefill_us: 100,
@@ -154,6 +167,8 @@ fn parse() -> Result<Args, String> {
         commit: String::new(),
         command: String::new(),
         render: None,
+        raw_dir: None,
+        replicate_all: false,
     };
     let mut it = raw.into_iter();
     while let Some(flag) = it.next() {
@@ -165,6 +180,10 @@ fn parse() -> Result<Args, String> {
             }
             "--no-overhead" => {
                 a.overhead = false;
+                continue;
+            }
+            "--replicate-all" => {
+                a.replicate_all = true;
                 continue;
             }
             "--no-baseline" => {
@@ -253,6 +272,7 @@ fn parse() -> Result<Args, String> {
             }
             "--system-prompts" => a.workload.system_prompts = int(&v)? as usize,
             "--system-tokens" => a.workload.system_tokens = int(&v)? as usize,
+            "--system-zipf" => a.workload.system_zipf_s = float(&v)?,
             "--envoy-retries" => a.envoy_retries = v == "on",
             "--open-ms" => a.open_ms = int(&v)?.max(1),
             "--plugin-extra" => {
@@ -269,6 +289,7 @@ fn parse() -> Result<Args, String> {
             "--commit" => a.commit = v,
             "--command" => a.command = v,
             "--render" => a.render = Some(PathBuf::from(v)),
+            "--raw-dir" => a.raw_dir = Some(PathBuf::from(v)),
             other => return Err(format!("unknown flag {other}")),
         }
     }
@@ -366,7 +387,13 @@ fn run(a: Args) -> Result<(), String> {
         open_ms: a.open_ms,
         plugin_extra: a.plugin_extra.clone(),
         request_timeout: Duration::from_secs(30),
-        raw_dir: Some(tmp.clone()),
+        raw_dir: Some(match &a.raw_dir {
+            Some(d) => {
+                std::fs::create_dir_all(d).map_err(|e| format!("{}: {e}", d.display()))?;
+                d.clone()
+            }
+            None => tmp.clone(),
+        }),
     };
     let plans = workload::plan(&a.workload);
     let span_ms = workload::SessionPlan::last_arrival_ms(&plans);
@@ -387,13 +414,15 @@ fn run(a: Args) -> Result<(), String> {
             .scenarios
             .iter()
             .flat_map(|&sc| {
-                let policies = &a.policies;
+                let (policies, all) = (&a.policies, a.replicate_all);
                 a.replicas.iter().flat_map(move |&n| {
                     policies
                         .iter()
-                        .filter(move |p| n == 1 || p.replicable())
+                        .filter(move |p| n == 1 || all || p.replicable())
                         .filter(move |_| n > 1 || !sc.needs_replicas())
                         .filter(move |p| !sc.filter_only() || **p == Policy::Filter)
+                        // The peer's routers are not restarted (the rolling restart is Envoy's).
+                        .filter(move |p| !(sc.needs_replicas() && **p == Policy::SglangCacheAware))
                         .map(move |&p| (sc, n, p))
                 })
             })
@@ -406,11 +435,13 @@ fn run(a: Args) -> Result<(), String> {
                 runs.len(),
                 sc.name()
             );
-            let s = if sc.rate_factor() == 1.0 {
+            let w = sc.workload(&a.workload);
+            let s = if w.rate_per_s == a.workload.rate_per_s
+                && w.sessions == a.workload.sessions
+                && w.system_prompts == a.workload.system_prompts
+            {
                 routing::run(p, sc, n, &plans, &opts, &wasm)?
             } else {
-                let mut w = a.workload.clone();
-                w.rate_per_s *= sc.rate_factor();
                 routing::run(p, sc, n, &workload::plan(&w), &opts, &wasm)?
             };
             eprintln!(
@@ -481,6 +512,7 @@ fn run(a: Args) -> Result<(), String> {
                 "output_tokens": [a.workload.output_min, a.workload.output_max],
                 "system_prompts": a.workload.system_prompts,
                 "system_tokens": a.workload.system_tokens,
+                "system_zipf_s": a.workload.system_zipf_s,
                 "arrival_span_ms": span_ms,
             },
             "mock_args": mock_args,
@@ -501,7 +533,7 @@ fn run(a: Args) -> Result<(), String> {
                 "front_idle_timeout": topology::FRONT_IDLE_TIMEOUT,
                 "replica_drain_time_s": a.drain_s,
                 "replica_drain_strategy": "immediate",
-                "policies": Policy::ALL.iter().filter(|p| p.replicable()).map(Policy::name).collect::<Vec<_>>(),
+                "policies": a.policies.iter().filter(|p| a.replicate_all || p.replicable()).map(Policy::name).collect::<Vec<_>>(),
             },
             "plugin_config_example": example_cfg,
             "overhead": {

@@ -222,7 +222,7 @@ impl Report<'_> {
     }
 
     pub fn scenarios(&self) -> Vec<&'static str> {
-        Scenario::ALL
+        Scenario::KNOWN
             .iter()
             .map(Scenario::name)
             .filter(|s| self.routing.iter().any(|r| r.scenario == *s))
@@ -235,7 +235,7 @@ impl Report<'_> {
         let mut counts: Vec<u32> = self.routing.iter().map(|r| r.replicas).collect();
         counts.sort_unstable();
         counts.dedup();
-        Policy::ALL
+        Policy::KNOWN
             .iter()
             .map(Policy::name)
             .flat_map(|p| counts.iter().map(move |n| (*n, p)))
@@ -976,9 +976,11 @@ impl Report<'_> {
     pub fn svg(&self) -> String {
         let scen = self.scenarios();
         let groups = self.groups();
-        let colors = ["#8c8c8c", "#5b8fd9", "#e0a030", "#9b6bcc", "#2a9d5c"];
+        let colors = [
+            "#8c8c8c", "#5b8fd9", "#e0a030", "#9b6bcc", "#2a9d5c", "#7fc99a", "#d0604a",
+        ];
         let color = |p: &str| {
-            Policy::ALL
+            Policy::KNOWN
                 .iter()
                 .position(|x| x.name() == p)
                 .and_then(|i| colors.get(i))

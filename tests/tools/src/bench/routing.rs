@@ -12,10 +12,11 @@ use std::time::{Duration, Instant};
 use serde_json::json;
 
 use super::deployment::{DeployOpts, Deployment, Restart};
+use super::peer::SglangRouter;
 use super::summary::{self, Summary};
 use super::support::MockUpstream;
 use super::topology::{self, Policy, Setup, ENDPOINTS};
-use super::workload::{self, Record, SessionPlan};
+use super::workload::{self, Record, SessionPlan, WorkloadParams};
 
 /// The endpoint that suffers the fault (serves both models, so both lose capacity).
 pub const FAULTY: usize = 0;
@@ -38,6 +39,11 @@ pub enum Scenario {
     /// Two small engines (few slots, slower prefill) and two large ones, the load close to the
     /// fleet's capacity: an endpoint that is full must be told from one that is slow.
     MixedFleet,
+    /// Issue 20: many applications, each with its own long system prompt, Zipf-popular, short
+    /// conversations, one model on four engines whose caches cannot each hold every prompt.
+    SharedPrefix,
+    /// Issue 20: the default workload plus a few shared system prompts.
+    MixedPrefix,
 }
 
 impl Scenario {
@@ -66,11 +72,29 @@ impl Scenario {
             Scenario::QuotaOff => "quota_off",
             Scenario::NoCache => "no_cache",
             Scenario::MixedFleet => "mixed_fleet",
+            Scenario::SharedPrefix => "shared_prefix",
+            Scenario::MixedPrefix => "mixed_prefix",
         }
     }
 
+    /// Every scenario `--scenarios` accepts, in the report's order (the default set first).
+    pub const KNOWN: [Scenario; 12] = [
+        Scenario::Steady,
+        Scenario::RateLimited,
+        Scenario::Down,
+        Scenario::Slow,
+        Scenario::Join,
+        Scenario::RollingRestart,
+        Scenario::Quota,
+        Scenario::QuotaOff,
+        Scenario::NoCache,
+        Scenario::MixedFleet,
+        Scenario::SharedPrefix,
+        Scenario::MixedPrefix,
+    ];
+
     pub fn parse(s: &str) -> Option<Scenario> {
-        Scenario::ALL.into_iter().find(|x| x.name() == s)
+        Scenario::KNOWN.into_iter().find(|x| x.name() == s)
     }
 
     /// Only meaningful with several Envoy replicas.
@@ -92,13 +116,28 @@ impl Scenario {
         }
     }
 
-    /// Multiplies the workload's session arrival rate.
-    pub fn rate_factor(&self) -> f64 {
-        if *self == Scenario::MixedFleet {
-            MIXED_RATE_FACTOR
-        } else {
-            1.0
+    /// The workload of this scenario, from the run's (`base`).
+    pub fn workload(&self, base: &WorkloadParams) -> WorkloadParams {
+        let mut w = base.clone();
+        match self {
+            Scenario::MixedFleet => w.rate_per_s *= MIXED_RATE_FACTOR,
+            Scenario::SharedPrefix => {
+                w.sessions = base.sessions * SHARED_SESSIONS_FACTOR;
+                w.turns = SHARED_TURNS;
+                w.second_model_share = 0.0;
+                w.system_prompts = SHARED_APPS;
+                w.system_tokens = SHARED_SYSTEM_TOKENS;
+                w.system_zipf_s = SHARED_ZIPF_S;
+                w.rate_per_s = SHARED_REQUESTS_PER_S / SHARED_TURNS as f64;
+            }
+            Scenario::MixedPrefix => {
+                w.system_prompts = MIXED_PREFIX_APPS;
+                w.system_tokens = MIXED_PREFIX_SYSTEM_TOKENS;
+                w.system_zipf_s = SHARED_ZIPF_S;
+            }
+            _ => {}
         }
+        w
     }
 
     /// Mock flags of endpoint `i` on top of the run's (the last flag wins in the mock).
@@ -114,6 +153,12 @@ impl Scenario {
             Scenario::MixedFleet => {
                 vec!["--max-concurrency".into(), MIXED_LARGE_SLOTS.to_string()]
             }
+            Scenario::SharedPrefix => vec![
+                "--cache-tokens".into(),
+                SHARED_CACHE_TOKENS.to_string(),
+                "--prefill-us-per-token".into(),
+                SHARED_PREFILL_US.to_string(),
+            ],
             _ => Vec::new(),
         }
     }
@@ -136,7 +181,9 @@ impl Scenario {
             | Scenario::Quota
             | Scenario::QuotaOff
             | Scenario::NoCache
-            | Scenario::MixedFleet => None,
+            | Scenario::MixedFleet
+            | Scenario::SharedPrefix
+            | Scenario::MixedPrefix => None,
             Scenario::RateLimited | Scenario::Down => Some((at(0.3), Some(at(0.6)))),
             Scenario::Slow => Some((at(0.3), None)),
             // The new endpoint is "faulty" (absent) until it joins.
@@ -158,6 +205,19 @@ impl Scenario {
         let ep = ENDPOINTS.get(FAULTY).map_or("a", |e| e.0);
         match (self, self.window(span_ms)) {
             (Scenario::Steady, _) => "no fault".into(),
+            (Scenario::SharedPrefix, _) => format!(
+                "shared prefixes (issue 20): {SHARED_APPS} applications, each with its own system \
+                 prompt of {SHARED_SYSTEM_TOKENS} tokens, popularity Zipf (s = {SHARED_ZIPF_S}); \
+                 conversations of {SHARED_TURNS} turns, {SHARED_SESSIONS_FACTOR}× the run's \
+                 sessions, one model (m1) on the four endpoints, {SHARED_REQUESTS_PER_S} req/s \
+                 offered; each engine's KV cache holds {SHARED_CACHE_TOKENS} tokens (all prompts: \
+                 {} tokens) and prefills at {SHARED_PREFILL_US} µs per uncached token",
+                SHARED_APPS * SHARED_SYSTEM_TOKENS
+            ),
+            (Scenario::MixedPrefix, _) => format!(
+                "the default workload plus {MIXED_PREFIX_APPS} shared system prompts of \
+                 {MIXED_PREFIX_SYSTEM_TOKENS} tokens (popularity Zipf, s = {SHARED_ZIPF_S}); no fault"
+            ),
             (Scenario::NoCache, _) => format!(
                 "`{ep}` runs without a prefix cache (mock `--cache-tokens 0`): its turns are full \
                  prefills whether pinned or not; the others cache as in steady"
@@ -226,6 +286,25 @@ pub const MIXED_SMALL_SLOTS: u64 = 4;
 pub const MIXED_SMALL_PREFILL: u64 = 3;
 pub const MIXED_LARGE_SLOTS: u64 = 16;
 pub const MIXED_RATE_FACTOR: f64 = 1.25;
+
+/// The shared-prefix scenario (issue 20's independent benchmark: 48 applications of 3 000-token
+/// system prompts, Zipf-popular, two-turn conversations, four engines of 64 k tokens of KV cache,
+/// 27 req/s). The prefill cost is set so that the engines run near but below capacity: measured
+/// with round_robin and least_request (which place with no regard to prompts: 60 % of the prompt
+/// tokens cached, 6.7 req/s per engine), each engine's one prefill lane is busy ≈ 47 % of the
+/// time at 50 µs per uncached token, so 80 µs puts it at ≈ 75 % (a 3 000-token prompt prefills
+/// in 240 ms); a policy that finds more of the prompt cached has proportionally more headroom.
+pub const SHARED_APPS: usize = 48;
+pub const SHARED_SYSTEM_TOKENS: usize = 3_000;
+pub const SHARED_ZIPF_S: f64 = 1.0;
+pub const SHARED_TURNS: usize = 2;
+pub const SHARED_SESSIONS_FACTOR: usize = 3;
+pub const SHARED_CACHE_TOKENS: u64 = 64_000;
+pub const SHARED_PREFILL_US: u64 = 80;
+pub const SHARED_REQUESTS_PER_S: f64 = 27.0;
+/// The mixed one: the default workload's sessions with a few shared prompts.
+pub const MIXED_PREFIX_APPS: usize = 8;
+pub const MIXED_PREFIX_SYSTEM_TOKENS: usize = 1_500;
 
 /// Each key's token budget per window, as a share of its even part of the workload's tokens
 /// in that window (endpoints in [`ENDPOINTS`] order; `c` and `d` serve `m1` only, so `m2`'s
@@ -354,6 +433,22 @@ fn inject(
     Ok(Vec::new())
 }
 
+/// The JSON objects of `parts` merged, later keys over earlier ones (Null: an empty object;
+/// all empty: Null).
+fn merged(parts: &[serde_json::Value]) -> serde_json::Value {
+    let mut out = serde_json::Map::new();
+    for p in parts {
+        if let Some(o) = p.as_object() {
+            out.extend(o.clone());
+        }
+    }
+    if out.is_empty() {
+        serde_json::Value::Null
+    } else {
+        serde_json::Value::Object(out)
+    }
+}
+
 /// One topology × policy × scenario run: `replicas` Envoys (1: a lone one).
 pub fn run(
     policy: Policy,
@@ -396,26 +491,51 @@ pub fn run(
         .zip(&mocks)
         .map(|((n, models), m)| (*n, *models, m.port))
         .collect();
+    // The peer router: one per model and replica slot, Envoy in front of them (see peer.rs).
+    let peer = policy == Policy::SglangCacheAware;
+    let mut routers: Vec<(String, &'static str, SglangRouter)> = Vec::new();
+    if peer {
+        // The models the workload asks for (shared_prefix: m1 only).
+        let mut models: Vec<&'static str> = plans.iter().map(|p| p.model).collect();
+        models.sort_unstable();
+        models.dedup();
+        for r in 0..replicas.max(1) {
+            for &m in &models {
+                let ports: Vec<u16> = ENDPOINTS
+                    .iter()
+                    .zip(&mocks)
+                    .filter(|(e, _)| e.1.contains(&m))
+                    .map(|(_, mock)| mock.port)
+                    .collect();
+                let name = format!("sglang_{m}_r{r}");
+                let router = SglangRouter::start(&ports, &name)?;
+                routers.push((name, m, router));
+            }
+        }
+    }
+    let router_models: Vec<&'static str> = routers.iter().map(|r| r.1).collect();
+    let router_hosts: Vec<(&str, &[&str], u16)> = routers
+        .iter()
+        .zip(&router_models)
+        .map(|((name, _, router), m)| (name.as_str(), std::slice::from_ref(m), router.port))
+        .collect();
     let setup = Setup {
         policy,
-        hosts: &hosts,
+        hosts: if peer { &router_hosts } else { &hosts },
         concurrency: opts.concurrency,
         envoy_retries: opts.envoy_retries,
         open_ms: opts.open_ms,
-        plugin_extra: {
-            // The scenario's own keys, then the command line's (`--plugin-extra`) on top.
-            let mut extra = scenario.plugin_extra();
-            match (extra.as_object_mut(), opts.plugin_extra.as_object()) {
-                (Some(o), Some(cli)) => o.extend(cli.clone()),
-                (None, Some(_)) => extra = opts.plugin_extra.clone(),
-                _ => {}
-            }
-            extra
-        },
+        // The scenario's keys, the policy's, then the command line's (`--plugin-extra`) on top.
+        plugin_extra: merged(&[
+            scenario.plugin_extra(),
+            policy.plugin_extra(),
+            opts.plugin_extra.clone(),
+        ]),
     };
     let boot = topology::bootstrap(&setup, wasm)?;
     let deploy = DeployOpts {
-        replicas,
+        // The peer's replicas are its routers; one Envoy in front of them.
+        replicas: if peer { 1 } else { replicas },
         concurrency: opts.concurrency,
         replica_concurrency: opts.replica_concurrency,
         front_concurrency: opts.front_concurrency,
@@ -450,10 +570,93 @@ pub fn run(
         let _ = std::fs::write(path, text);
     }
     drop(deployment);
+    drop(routers);
     drop(mocks);
     let mut s = summary::summarize(policy, scenario, replicas as u32, &recs, upstream, span_ms);
     s.restarts = restarts;
     s.upstream_429 = upstream_429;
     s.wall_s = started.elapsed().as_secs_f64();
     Ok(s)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn base() -> WorkloadParams {
+        WorkloadParams {
+            sessions: 200,
+            turns: 6,
+            rate_per_s: 20.0,
+            think_ms: 800,
+            user_tokens: 300,
+            second_model_share: 0.2,
+            stream_share: 0.5,
+            output_min: 16,
+            output_max: 512,
+            system_prompts: 0,
+            system_tokens: 200,
+            system_zipf_s: 0.0,
+            seed: 7,
+        }
+    }
+
+    #[test]
+    fn shared_prefix_is_issue_20s_workload_on_small_caches() {
+        let w = Scenario::SharedPrefix.workload(&base());
+        assert_eq!((w.system_prompts, w.system_tokens, w.turns), (48, 3_000, 2));
+        assert_eq!(w.system_zipf_s, 1.0);
+        assert_eq!(w.second_model_share, 0.0);
+        assert_eq!(w.sessions, 600);
+        // 27 requests per second, two per session.
+        assert!((w.rate_per_s * w.turns as f64 - 27.0).abs() < 1e-9);
+        let opts = RoutingOpts {
+            mock_args: Vec::new(),
+            prefill_us: 100,
+            concurrency: 2,
+            replica_concurrency: 1,
+            front_concurrency: 1,
+            drain_s: 1,
+            envoy_retries: true,
+            open_ms: 3000,
+            plugin_extra: serde_json::Value::Null,
+            request_timeout: Duration::from_secs(30),
+            raw_dir: None,
+        };
+        let args = Scenario::SharedPrefix.endpoint_args(0, &opts);
+        assert_eq!(
+            args,
+            ["--cache-tokens", "64000", "--prefill-us-per-token", "80"]
+        );
+        // No engine can hold every prompt.
+        assert!(SHARED_CACHE_TOKENS < (SHARED_APPS * SHARED_SYSTEM_TOKENS) as u64);
+        let m = Scenario::MixedPrefix.workload(&base());
+        assert_eq!((m.system_prompts, m.sessions, m.turns), (8, 200, 6));
+        assert_eq!(m.second_model_share, 0.2);
+        assert_eq!(Scenario::Steady.workload(&base()).system_prompts, 0);
+        assert_eq!(
+            Scenario::parse("shared_prefix"),
+            Some(Scenario::SharedPrefix)
+        );
+        assert!(
+            !Scenario::ALL.contains(&Scenario::SharedPrefix),
+            "not in the default run"
+        );
+    }
+
+    #[test]
+    fn plugin_keys_merge_later_over_earlier() {
+        let m = merged(&[
+            json!({"a": 1, "b": 1}),
+            serde_json::Value::Null,
+            json!({"b": 2, "prefix_placement": false}),
+        ]);
+        assert_eq!(m, json!({"a": 1, "b": 2, "prefix_placement": false}));
+        assert_eq!(merged(&[serde_json::Value::Null]), serde_json::Value::Null);
+        assert_eq!(
+            merged(&[Policy::FilterNoPrefix.plugin_extra()]),
+            json!({"prefix_placement": false})
+        );
+        assert_eq!(Policy::Filter.plugin_extra(), serde_json::Value::Null);
+    }
 }

@@ -553,6 +553,7 @@ mod tests {
     fn rec(session: usize, turn: usize, model: &'static str, ep: &str) -> Record {
         Record {
             session,
+            app: None,
             model,
             turn,
             start_ms: 0.0,

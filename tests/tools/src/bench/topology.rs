@@ -39,15 +39,32 @@ pub enum Policy {
     RingHash,
     Maglev,
     Filter,
+    /// The filter with `"prefix_placement": false` (issue 20: the feature on against off in one
+    /// run).
+    FilterNoPrefix,
+    /// The SGLang gateway's `cache_aware` policy behind the same Envoy (see `peer.rs`).
+    SglangCacheAware,
 }
 
 impl Policy {
+    /// The default set of a run (`--policies` not given).
     pub const ALL: [Policy; 5] = [
         Policy::RoundRobin,
         Policy::LeastRequest,
         Policy::RingHash,
         Policy::Maglev,
         Policy::Filter,
+    ];
+
+    /// Every policy `--policies` accepts, in the report's order (the default set first).
+    pub const KNOWN: [Policy; 7] = [
+        Policy::RoundRobin,
+        Policy::LeastRequest,
+        Policy::RingHash,
+        Policy::Maglev,
+        Policy::Filter,
+        Policy::FilterNoPrefix,
+        Policy::SglangCacheAware,
     ];
 
     pub fn name(&self) -> &'static str {
@@ -57,18 +74,35 @@ impl Policy {
             Policy::RingHash => "ring_hash",
             Policy::Maglev => "maglev",
             Policy::Filter => "computeflux",
+            Policy::FilterNoPrefix => "computeflux_noprefix",
+            Policy::SglangCacheAware => "sglang_cache_aware",
         }
     }
 
     pub fn parse(s: &str) -> Option<Policy> {
-        Policy::ALL
+        Policy::KNOWN
             .into_iter()
             .find(|p| p.name() == s || (s == "filter" && *p == Policy::Filter))
     }
 
-    /// Run in the replicated topology: the policies that promise stickiness.
+    /// Run in the replicated topology: the policies that promise stickiness or place by prefix.
     pub fn replicable(&self) -> bool {
-        matches!(self, Policy::RingHash | Policy::Maglev | Policy::Filter)
+        matches!(
+            self,
+            Policy::RingHash
+                | Policy::Maglev
+                | Policy::Filter
+                | Policy::FilterNoPrefix
+                | Policy::SglangCacheAware
+        )
+    }
+
+    /// Filter configuration keys of this policy (on top of the bench's own).
+    pub fn plugin_extra(&self) -> Value {
+        match self {
+            Policy::FilterNoPrefix => json!({"prefix_placement": false}),
+            _ => Value::Null,
+        }
     }
 
     fn lb_policy(&self) -> Option<&'static str> {
@@ -77,7 +111,9 @@ impl Policy {
             Policy::LeastRequest => Some("LEAST_REQUEST"),
             Policy::RingHash => Some("RING_HASH"),
             Policy::Maglev => Some("MAGLEV"),
-            Policy::Filter => None,
+            // Envoy round-robins over the model's routers (one per replica slot).
+            Policy::SglangCacheAware => Some("ROUND_ROBIN"),
+            Policy::Filter | Policy::FilterNoPrefix => None,
         }
     }
 }
@@ -174,9 +210,31 @@ pub fn bootstrap(setup: &Setup<'_>, wasm: &Path) -> Result<String, String> {
             }
             cfg.route_extra = Value::Object(extra);
             let text = support::render_bootstrap(&cfg, wasm, 0, 0);
-            model_clusters(&text, lb, setup.hosts)
+            let text = model_clusters(&text, lb, setup.hosts)?;
+            if setup.policy == Policy::SglangCacheAware {
+                // Which router answered, for the per-request records.
+                replica_header(&text)
+            } else {
+                Ok(text)
+            }
         }
     }
+}
+
+/// `bootstrap` whose responses carry `x-bench-replica`: the upstream (router) that answered.
+fn replica_header(bootstrap: &str) -> Result<String, String> {
+    let mut v: Value = serde_json::from_str(bootstrap).map_err(|e| format!("bootstrap: {e}"))?;
+    let rc = v
+        .pointer_mut(
+            "/static_resources/listeners/0/filter_chains/0/filters/0/typed_config/route_config",
+        )
+        .and_then(Value::as_object_mut)
+        .ok_or("bootstrap has no route_config")?;
+    rc.insert(
+        "response_headers_to_add".into(),
+        json!([{"header": {"key": "x-bench-replica", "value": "%UPSTREAM_REMOTE_ADDRESS%"}}]),
+    );
+    serde_json::to_string_pretty(&v).map_err(|e| e.to_string())
 }
 
 /// The request header [`model_lua`] sets for Envoy's balancers: the cluster of the body's model.
@@ -537,6 +595,62 @@ mod tests {
         assert!(
             lua.contains(r#"replace("x-bench-model-cluster", "model_" .. model)"#),
             "{lua}"
+        );
+    }
+
+    #[test]
+    fn the_peer_gets_a_round_robin_cluster_of_its_routers_per_model() {
+        // Three replica slots: three m1 routers, three m2 routers.
+        let hosts: Vec<(&str, &[&str], u16)> = vec![
+            ("sglang_m1_r0", &["m1"], 3001),
+            ("sglang_m2_r0", &["m2"], 3002),
+            ("sglang_m1_r1", &["m1"], 3003),
+            ("sglang_m2_r1", &["m2"], 3004),
+            ("sglang_m1_r2", &["m1"], 3005),
+            ("sglang_m2_r2", &["m2"], 3006),
+        ];
+        let setup = Setup {
+            policy: Policy::SglangCacheAware,
+            hosts: &hosts,
+            concurrency: 2,
+            envoy_retries: true,
+            open_ms: 3000,
+            plugin_extra: Value::Null,
+        };
+        let v: Value = serde_json::from_str(&bootstrap(&setup, Path::new("")).unwrap()).unwrap();
+        let clusters = v
+            .pointer("/static_resources/clusters")
+            .and_then(Value::as_array)
+            .unwrap();
+        let m1 = clusters.iter().find(|c| c["name"] == "model_m1").unwrap();
+        let m2 = clusters.iter().find(|c| c["name"] == "model_m2").unwrap();
+        assert_eq!(ports(m1), [3001, 3003, 3005]);
+        assert_eq!(ports(m2), [3002, 3004, 3006]);
+        assert_eq!(m1["lb_policy"], "ROUND_ROBIN");
+        let rc = v
+            .pointer(
+                "/static_resources/listeners/0/filter_chains/0/filters/0/typed_config/route_config",
+            )
+            .unwrap();
+        assert_eq!(
+            rc["response_headers_to_add"][0]["header"]["key"],
+            "x-bench-replica"
+        );
+        assert!(rc
+            .pointer("/virtual_hosts/0/routes/0/route/hash_policy")
+            .is_none());
+        assert_eq!(
+            Policy::parse("sglang_cache_aware"),
+            Some(Policy::SglangCacheAware)
+        );
+        assert_eq!(
+            Policy::parse("computeflux_noprefix"),
+            Some(Policy::FilterNoPrefix)
+        );
+        assert!(Policy::SglangCacheAware.replicable() && Policy::FilterNoPrefix.replicable());
+        assert!(
+            !Policy::ALL.contains(&Policy::SglangCacheAware),
+            "not in the default run"
         );
     }
 

@@ -7,6 +7,9 @@
 //! By default no two sessions share a prefix (no common system prompt): a hit can only come from
 //! routing the session back to an endpoint that served it; `--system-prompts N` gives every
 //! session one of N shared system prompts (`--system-tokens` long), as agents and apps do.
+//! Which one is uniform by default; `--system-zipf S` (S > 0) makes prompt k's popularity
+//! proportional to 1/(k+1)^S, as applications' traffic is (a few popular, a long tail): the
+//! shared-prefix scenarios use it (issue 20).
 //!
 //! What the engines are asked to do varies per request, as in real traffic: half of the answers
 //! are streamed (`stream_share`), half plain, decided per request by the seed; every request
@@ -71,6 +74,8 @@ pub struct WorkloadParams {
     /// Shared system prompts (0: none) and their length in tokens.
     pub system_prompts: usize,
     pub system_tokens: usize,
+    /// Zipf exponent of the system prompts' popularity (0: uniform).
+    pub system_zipf_s: f64,
     pub seed: u64,
 }
 
@@ -92,8 +97,10 @@ pub struct SessionPlan {
     /// Per turn: `max_tokens` and whether the answer is streamed.
     pub max_tokens: Vec<u64>,
     pub stream: Vec<bool>,
-    /// The shared system prompt this session starts with, if any.
+    /// The shared system prompt this session starts with, if any, and its index (the
+    /// "application"; 0 is the most popular under a Zipf draw).
     pub system: Option<String>,
+    pub app: Option<usize>,
 }
 
 impl SessionPlan {
@@ -167,18 +174,47 @@ pub fn log_uniform(rng: &mut Rng, lo: u64, hi: u64) -> u64 {
     x.clamp(lo, hi)
 }
 
-/// The sessions of a run: identical for every policy given the same parameters.
-pub fn plan(p: &WorkloadParams) -> Vec<SessionPlan> {
-    let mut rng = Rng::new(p.seed);
-    // The shared system prompts come from their own generator, so that the sessions' texts stay
-    // what they were without them.
+/// Cumulative Zipf weights of `n` ranks with exponent `s`, normalised to end at 1 (rank k's
+/// weight is 1/(k+1)^s; `s = 0` is uniform).
+pub fn zipf_cdf(n: usize, s: f64) -> Vec<f64> {
+    let weights: Vec<f64> = (0..n).map(|k| ((k + 1) as f64).powf(-s)).collect();
+    let total: f64 = weights.iter().sum();
+    let mut acc = 0.0;
+    weights
+        .iter()
+        .map(|w| {
+            acc += w / total;
+            acc
+        })
+        .collect()
+}
+
+/// A rank drawn from `cdf` (see [`zipf_cdf`]) with one uniform number.
+pub fn zipf_draw(rng: &mut Rng, cdf: &[f64]) -> usize {
+    let u = rng.unit();
+    cdf.iter()
+        .position(|c| u < *c)
+        .unwrap_or(cdf.len().saturating_sub(1))
+}
+
+/// The shared system prompts of a workload: prompt i starts with its own lead (so two prompts
+/// share no block) and is exactly `system_tokens` × 4 bytes (mock tokens) long.
+pub fn system_prompts(p: &WorkloadParams) -> Vec<String> {
+    // Their own generator, so that the sessions' texts stay what they were without them.
     let mut sys_rng = Rng::new(p.seed ^ 0x5157_E3D0);
-    let systems: Vec<String> = (0..p.system_prompts)
+    (0..p.system_prompts)
         .map(|i| {
             let lead = format!("[system prompt {i}] You are a helpful assistant.");
             text(&mut sys_rng, &lead, p.system_tokens * 4)
         })
-        .collect();
+        .collect()
+}
+
+/// The sessions of a run: identical for every policy given the same parameters.
+pub fn plan(p: &WorkloadParams) -> Vec<SessionPlan> {
+    let mut rng = Rng::new(p.seed);
+    let systems = system_prompts(p);
+    let cdf = zipf_cdf(systems.len(), p.system_zipf_s);
     let mut t_ms = 0.0f64;
     let mean_gap_ms = 1000.0 / p.rate_per_s.max(0.001);
     let mut out = Vec::with_capacity(p.sessions);
@@ -215,10 +251,13 @@ pub fn plan(p: &WorkloadParams) -> Vec<SessionPlan> {
             .map(|_| log_uniform(&mut xrng, p.output_min, p.output_max))
             .collect();
         let stream = (0..p.turns).map(|_| xrng.unit() < p.stream_share).collect();
-        let system = match systems.len() {
+        let app = match systems.len() {
             0 => None,
-            n => systems.get((xrng.next_u64() % n as u64) as usize).cloned(),
+            // Uniform as before the Zipf option (the same draw, so older plans are unchanged).
+            n if p.system_zipf_s <= 0.0 => Some((xrng.next_u64() % n as u64) as usize),
+            _ => Some(zipf_draw(&mut xrng, &cdf)),
         };
+        let system = app.and_then(|i| systems.get(i).cloned());
         out.push(SessionPlan {
             index: i,
             id,
@@ -230,6 +269,7 @@ pub fn plan(p: &WorkloadParams) -> Vec<SessionPlan> {
             max_tokens,
             stream,
             system,
+            app,
         });
     }
     out
@@ -239,6 +279,8 @@ pub fn plan(p: &WorkloadParams) -> Vec<SessionPlan> {
 #[derive(Clone, Debug)]
 pub struct Record {
     pub session: usize,
+    /// The session's system prompt (application), if any.
+    pub app: Option<usize>,
     pub model: &'static str,
     /// 0-based.
     pub turn: usize,
@@ -273,7 +315,7 @@ impl Record {
 
     pub fn to_json(&self) -> Value {
         json!({
-            "session": self.session, "model": self.model, "turn": self.turn,
+            "session": self.session, "app": self.app, "model": self.model, "turn": self.turn,
             "start_ms": self.start_ms, "latency_ms": self.latency_ms, "ttfb_ms": self.ttfb_ms,
             "stream": self.stream, "completion_tokens": self.completion_tokens,
             "status": self.status,
@@ -331,6 +373,7 @@ fn send(
     let latency_ms = start.elapsed().as_secs_f64() * 1000.0;
     let mut rec = Record {
         session: plan.index,
+        app: plan.app,
         model: plan.model,
         turn,
         start_ms,
@@ -415,4 +458,137 @@ pub fn drive(port: u16, plans: &[SessionPlan], t0: Instant, timeout: Duration) -
         let _ = h.join();
     }
     rx.into_iter().collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn params(sessions: usize, apps: usize, zipf_s: f64, seed: u64) -> WorkloadParams {
+        WorkloadParams {
+            sessions,
+            turns: 2,
+            rate_per_s: 13.5,
+            think_ms: 400,
+            user_tokens: 300,
+            second_model_share: 0.0,
+            stream_share: 0.5,
+            output_min: 16,
+            output_max: 512,
+            system_prompts: apps,
+            system_tokens: 3_000,
+            system_zipf_s: zipf_s,
+            seed,
+        }
+    }
+
+    #[test]
+    fn zipf_cdf_is_increasing_ends_at_one_and_is_uniform_at_s_zero() {
+        let cdf = zipf_cdf(48, 1.0);
+        assert_eq!(cdf.len(), 48);
+        assert!(cdf.windows(2).all(|w| w[0] < w[1]));
+        assert!((cdf[47] - 1.0).abs() < 1e-12);
+        // Rank 0's weight is 1 / H_48 (H_48 ≈ 4.4747).
+        assert!((cdf[0] - 1.0 / 4.4747).abs() < 1e-3, "{}", cdf[0]);
+        let flat = zipf_cdf(4, 0.0);
+        for (k, c) in flat.iter().enumerate() {
+            assert!((c - (k + 1) as f64 / 4.0).abs() < 1e-12);
+        }
+        assert!(zipf_cdf(0, 1.0).is_empty());
+    }
+
+    #[test]
+    fn zipf_draws_follow_the_weights() {
+        let cdf = zipf_cdf(48, 1.0);
+        let mut rng = Rng::new(11);
+        let n = 200_000;
+        let mut counts = [0u64; 48];
+        for _ in 0..n {
+            counts[zipf_draw(&mut rng, &cdf)] += 1;
+        }
+        let h: f64 = (1..=48).map(|k| 1.0 / k as f64).sum();
+        for (k, c) in counts.iter().enumerate() {
+            let expect = n as f64 / ((k + 1) as f64 * h);
+            // Within 5 standard deviations of a binomial count.
+            let sd = (expect * (1.0 - expect / n as f64)).sqrt();
+            assert!(
+                (*c as f64 - expect).abs() < 5.0 * sd,
+                "rank {k}: {c} draws, expected {expect:.0}"
+            );
+        }
+        assert!(counts[47] > 0, "the tail is drawn at all");
+    }
+
+    #[test]
+    fn system_prompts_have_the_asked_length_and_share_no_leading_block() {
+        let p = params(10, 48, 1.0, 7);
+        let systems = system_prompts(&p);
+        assert_eq!(systems.len(), 48);
+        for s in &systems {
+            assert_eq!(
+                s.len(),
+                3_000 * 4,
+                "every prompt is system_tokens mock tokens"
+            );
+        }
+        // The mock's first cache block is 16 tokens (64 bytes) of "system\n" + the prompt: two
+        // applications must differ inside it, or they would share a cached block.
+        let mut heads: Vec<&str> = systems.iter().map(|s| &s[..57]).collect();
+        heads.sort_unstable();
+        heads.dedup();
+        assert_eq!(heads.len(), 48);
+    }
+
+    #[test]
+    fn sessions_get_their_application_by_zipf_and_carry_its_prompt() {
+        let p = params(2_000, 48, 1.0, 7);
+        let plans = plan(&p);
+        let systems = system_prompts(&p);
+        let mut counts = [0usize; 48];
+        for s in &plans {
+            let app = s.app.expect("every session has an application");
+            counts[app] += 1;
+            assert_eq!(s.system.as_deref(), Some(systems[app].as_str()));
+            let body: Value = serde_json::from_str(&s.body(1)).unwrap();
+            assert_eq!(body["messages"][0]["role"], "system");
+            assert_eq!(body["messages"][0]["content"], systems[app].as_str());
+            assert_eq!(body["messages"].as_array().unwrap().len(), 4);
+        }
+        // ≈ 22 % of the sessions are the first application's, ≈ 0.5 % the last's.
+        assert!((380..520).contains(&counts[0]), "{counts:?}");
+        assert!(
+            counts[0] > counts[3] && counts[3] > counts[40],
+            "{counts:?}"
+        );
+        // Without system prompts there is no application.
+        assert!(plan(&params(5, 0, 1.0, 7))
+            .iter()
+            .all(|s| s.app.is_none() && s.system.is_none()));
+    }
+
+    #[test]
+    fn the_plan_is_fixed_by_its_seed() {
+        let a = plan(&params(300, 48, 1.0, 7));
+        let b = plan(&params(300, 48, 1.0, 7));
+        let c = plan(&params(300, 48, 1.0, 8));
+        let bodies = |v: &[SessionPlan]| -> Vec<(u64, Option<usize>, String, String)> {
+            v.iter()
+                .map(|s| (s.arrival_ms, s.app, s.body(0), s.body(1)))
+                .collect()
+        };
+        assert_eq!(bodies(&a), bodies(&b));
+        assert_ne!(bodies(&a), bodies(&c));
+        // The Zipf option changes which prompt a session gets, nothing else of the session.
+        let uniform = plan(&params(300, 48, 0.0, 7));
+        for (z, u) in a.iter().zip(&uniform) {
+            assert_eq!(
+                (z.arrival_ms, &z.id, &z.user_msgs, &z.max_tokens),
+                (u.arrival_ms, &u.id, &u.user_msgs, &u.max_tokens)
+            );
+        }
+        assert_ne!(
+            a.iter().map(|s| s.app).collect::<Vec<_>>(),
+            uniform.iter().map(|s| s.app).collect::<Vec<_>>()
+        );
+    }
 }
