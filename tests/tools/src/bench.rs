@@ -43,6 +43,8 @@
 
 #[path = "bench/deployment.rs"]
 mod deployment;
+#[path = "bench/filter_stats.rs"]
+mod filter_stats;
 #[path = "bench/overhead.rs"]
 mod overhead;
 #[path = "bench/report.rs"]
@@ -393,7 +395,7 @@ fn run(a: Args) -> Result<(), String> {
                         .iter()
                         .filter(move |p| n == 1 || p.replicable())
                         .filter(move |_| n > 1 || !sc.needs_replicas())
-                        .filter(move |p| !sc.filter_only() || **p == Policy::Filter)
+                        .filter(move |p| !sc.filter_only() || p.is_filter())
                         .map(move |&p| (sc, n, p))
                 })
             })
@@ -459,7 +461,7 @@ fn run(a: Args) -> Result<(), String> {
         Err(e) => Err(e.clone()),
     };
     let example_cfg =
-        topology::plugin_config(topology::ENDPOINTS.get(..4).unwrap_or(&[]), a.open_ms);
+        topology::plugin_config(topology::ENDPOINTS.get(..4).unwrap_or(&[]), a.open_ms, true);
     let meta = report::Meta {
         date: a.date.clone(),
         commit: a.commit.clone(),

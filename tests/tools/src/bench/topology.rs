@@ -38,16 +38,34 @@ pub enum Policy {
     LeastRequest,
     RingHash,
     Maglev,
+    /// The filter with its defaults, scraping every mock engine's `/metrics`.
     Filter,
+    /// The filter without `metrics`: it sees only its own traffic (a hosted-API fleet).
+    FilterNoMetrics,
+    /// The filter with every latency rule off (degraded and pin breaking, the overdue watch):
+    /// what "moves no session in steady traffic" is measured against.
+    FilterRulesOff,
 }
 
 impl Policy {
+    /// The policies a run compares by default.
     pub const ALL: [Policy; 5] = [
         Policy::RoundRobin,
         Policy::LeastRequest,
         Policy::RingHash,
         Policy::Maglev,
         Policy::Filter,
+    ];
+
+    /// Every policy `--policies` accepts, in table order.
+    pub const KNOWN: [Policy; 7] = [
+        Policy::RoundRobin,
+        Policy::LeastRequest,
+        Policy::RingHash,
+        Policy::Maglev,
+        Policy::Filter,
+        Policy::FilterNoMetrics,
+        Policy::FilterRulesOff,
     ];
 
     pub fn name(&self) -> &'static str {
@@ -57,18 +75,25 @@ impl Policy {
             Policy::RingHash => "ring_hash",
             Policy::Maglev => "maglev",
             Policy::Filter => "computeflux",
+            Policy::FilterNoMetrics => "computeflux_nometrics",
+            Policy::FilterRulesOff => "computeflux_rulesoff",
         }
     }
 
     pub fn parse(s: &str) -> Option<Policy> {
-        Policy::ALL
+        Policy::KNOWN
             .into_iter()
             .find(|p| p.name() == s || (s == "filter" && *p == Policy::Filter))
     }
 
+    /// One of the filter's variants.
+    pub fn is_filter(&self) -> bool {
+        self.lb_policy().is_none()
+    }
+
     /// Run in the replicated topology: the policies that promise stickiness.
     pub fn replicable(&self) -> bool {
-        matches!(self, Policy::RingHash | Policy::Maglev | Policy::Filter)
+        matches!(self, Policy::RingHash | Policy::Maglev) || self.is_filter()
     }
 
     fn lb_policy(&self) -> Option<&'static str> {
@@ -77,20 +102,49 @@ impl Policy {
             Policy::LeastRequest => Some("LEAST_REQUEST"),
             Policy::RingHash => Some("RING_HASH"),
             Policy::Maglev => Some("MAGLEV"),
-            Policy::Filter => None,
+            Policy::Filter | Policy::FilterNoMetrics | Policy::FilterRulesOff => None,
         }
+    }
+
+    /// The variant's filter configuration keys on top of [`plugin_config`]'s.
+    pub fn plugin_extra(&self) -> Value {
+        match self {
+            // Degraded and pin breaking need a slowness of 1000× the peers' median; the overdue
+            // watch is off (its default, made explicit).
+            Policy::FilterRulesOff => json!({"pin_break_ratio": 1000.0, "pin_break_overdue": 0}),
+            _ => Value::Null,
+        }
+    }
+
+    /// Whether the variant's endpoints get a `metrics` object (see [`plugin_config`]).
+    pub fn scrapes(&self) -> bool {
+        matches!(self, Policy::Filter | Policy::FilterRulesOff)
     }
 }
 
+/// The mock engines' `/metrics` dialect (the mock's `--metrics-format` default).
+pub const METRICS_FORMAT: &str = "vllm";
+/// How often the filter scrapes each mock engine.
+pub const METRICS_INTERVAL_MS: u64 = 1_000;
+
 /// The filter's configuration for these endpoints (one Envoy cluster `ep_<name>` each; no
-/// models: the endpoint serves any model).
-pub fn plugin_config(endpoints: &[(&str, &[&str])], open_ms: u64) -> Value {
+/// models: the endpoint serves any model). With `metrics`, every endpoint is scraped as the
+/// engine it is (format [`METRICS_FORMAT`], every [`METRICS_INTERVAL_MS`]).
+pub fn plugin_config(endpoints: &[(&str, &[&str])], open_ms: u64, metrics: bool) -> Value {
     let eps: Vec<Value> = endpoints
         .iter()
         .map(|(name, models)| {
             let mut e = json!({"name": name, "cluster": format!("ep_{name}")});
-            if let (false, Some(o)) = (models.is_empty(), e.as_object_mut()) {
-                o.insert("models".into(), json!(models));
+            if let Some(o) = e.as_object_mut() {
+                if !models.is_empty() {
+                    o.insert("models".into(), json!(models));
+                }
+                if metrics {
+                    o.insert(
+                        "metrics".into(),
+                        json!({"format": METRICS_FORMAT, "interval_ms": METRICS_INTERVAL_MS}),
+                    );
+                }
             }
             e
         })
@@ -144,12 +198,13 @@ pub fn bootstrap(setup: &Setup<'_>, wasm: &Path) -> Result<String, String> {
     match setup.policy.lb_policy() {
         None => {
             let eps: Vec<(&str, &[&str])> = setup.hosts.iter().map(|(n, m, _)| (*n, *m)).collect();
-            cfg.plugin_config = plugin_config(&eps, setup.open_ms);
-            if let (Some(p), Some(extra)) = (
-                cfg.plugin_config.as_object_mut(),
-                setup.plugin_extra.as_object(),
-            ) {
-                p.extend(extra.clone());
+            cfg.plugin_config = plugin_config(&eps, setup.open_ms, setup.policy.scrapes());
+            // The variant's keys, then the run's (scenario and command line) on top.
+            for extra in [&setup.policy.plugin_extra(), &setup.plugin_extra] {
+                if let (Some(p), Some(extra)) = (cfg.plugin_config.as_object_mut(), extra.as_object())
+                {
+                    p.extend(extra.clone());
+                }
             }
             cfg.clusters = setup
                 .hosts
