@@ -1532,6 +1532,63 @@ fn a_long_wait_moves_a_pin_once_per_ttl() {
 }
 
 #[test]
+fn a_full_endpoints_own_slowness_does_not_count_its_queue_twice() {
+    with_pins_on_first(json!({}), |s, _, on_a| {
+        // a answered while it queued: slowness 1.0 (250 ms for the seeded model's 250 ms),
+        // its peers 0.4; 2.5× is not degraded.
+        warm(s, &[250], 20, 500);
+        let table = s.table();
+        let own = table.entries[0].1.slowness.value().unwrap();
+        let peers = crate::scheduler::routing::signals::peer_median(&table, s.cfg, 0, 5).unwrap();
+        assert!(own > 2.0 * peers && own < 3.0 * peers, "{own} {peers}");
+        // 6 waiting, 16 running: at the peers' speed (service 1530 ms × 0.4) the wait is
+        // 6 × 612 / 16 ≈ 230 ms, below re-prefilling 2000 tokens (8000 bytes × 0.2 ms / 4 =
+        // 400 ms): the pin stays. At a's own slowness it would be ≈ 574 ms, and it would move.
+        scraped(s.store, "a", 6, 16, 1_000);
+        for &k in &on_a[..5] {
+            let d = pick_body(s, k, 8_000, 1_100);
+            assert_eq!((d.endpoint, d.reason), (0, Reason::AffinityHit), "{d:?}");
+            s.finish(d.ticket, &Outcome::Cancelled, 0, None, 1_100);
+        }
+        assert_eq!(s.table().entries[0].1.saturation, Saturation::Saturated);
+        // Twice the queue: ≈ 460 ms, above the re-prefill: it moves.
+        scraped(s.store, "a", 12, 16, 2_000);
+        let d = pick_body(s, on_a[5], 8_000, 2_100);
+        assert_eq!(
+            (d.reason, d.moved_pin_of),
+            (Reason::Saturated, Some(0)),
+            "{d:?}"
+        );
+        s.finish(d.ticket, &Outcome::Cancelled, 0, None, 2_100);
+    });
+}
+
+#[test]
+fn a_pin_stays_when_the_other_endpoints_queue_as_long() {
+    with_pins_on_first(json!({}), |s, _, on_a| {
+        // a: 8 waiting on 4 running (a small engine), ≈ 8 × 612 / 4 ≈ 1224 ms; a short prompt
+        // (400 bytes: 20 ms to re-prefill).
+        scraped(s.store, "a", 8, 4, 1_000);
+        // b and c have room (4 waiting: below the saturation threshold of 5) but the same
+        // wait per slot: moving saves nothing.
+        scraped(s.store, "b", 4, 2, 1_000);
+        scraped(s.store, "c", 4, 2, 1_000);
+        let d = pick_body(s, on_a[0], 400, 1_100);
+        assert_eq!((d.endpoint, d.reason), (0, Reason::AffinityHit), "{d:?}");
+        s.finish(d.ticket, &Outcome::Cancelled, 0, None, 1_100);
+        // c's queue empties: the wait there is gone, and the session moves.
+        scraped(s.store, "c", 0, 2, 2_000);
+        let d = pick_body(s, on_a[1], 400, 2_100);
+        assert_eq!(
+            (d.reason, d.moved_pin_of),
+            (Reason::Saturated, Some(0)),
+            "{d:?}"
+        );
+        s.finish(d.ticket, &Outcome::Cancelled, 0, None, 2_100);
+    });
+}
+
+#[test]
 fn degraded_and_saturated_are_distinct() {
     let c = three_warm(json!({}));
     let store = MemStore::new();

@@ -201,7 +201,8 @@ pub fn bootstrap(setup: &Setup<'_>, wasm: &Path) -> Result<String, String> {
             cfg.plugin_config = plugin_config(&eps, setup.open_ms, setup.policy.scrapes());
             // The variant's keys, then the run's (scenario and command line) on top.
             for extra in [&setup.policy.plugin_extra(), &setup.plugin_extra] {
-                if let (Some(p), Some(extra)) = (cfg.plugin_config.as_object_mut(), extra.as_object())
+                if let (Some(p), Some(extra)) =
+                    (cfg.plugin_config.as_object_mut(), extra.as_object())
                 {
                     p.extend(extra.clone());
                 }
