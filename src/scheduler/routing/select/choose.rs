@@ -471,8 +471,7 @@ impl Board {
                 }
             })
             .fold(f64::INFINITY, f64::min)
-            .min(f64::MAX)
-            .max(0.0)
+            .clamp(0.0, f64::MAX)
     }
     /// The verdicts to store for their hysteresis: `(index, degraded, saturation)`.
     pub(super) fn stored_verdicts(&self) -> Vec<(usize, bool, Saturation)> {

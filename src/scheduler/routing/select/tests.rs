@@ -1534,26 +1534,52 @@ fn a_long_wait_moves_a_pin_once_per_ttl() {
 #[test]
 fn a_full_endpoints_own_slowness_does_not_count_its_queue_twice() {
     with_pins_on_first(json!({}), |s, _, on_a| {
-        // a answered while it queued: slowness 1.0 (250 ms for the seeded model's 250 ms),
-        // its peers 0.4; 2.5× is not degraded.
+        // a answered while it queued: slowness ≈ 1.3 (250 ms where the work model, which
+        // learns from these answers too, expects ≈ 190 ms), its peers ≈ 0.53; 2.4× is not
+        // degraded.
         warm(s, &[250], 20, 500);
         let table = s.table();
         let own = table.entries[0].1.slowness.value().unwrap();
         let peers = crate::scheduler::routing::signals::peer_median(&table, s.cfg, 0, 5).unwrap();
         assert!(own > 2.0 * peers && own < 3.0 * peers, "{own} {peers}");
-        // 6 waiting, 16 running: at the peers' speed (service 1530 ms × 0.4) the wait is
-        // 6 × 612 / 16 ≈ 230 ms, below re-prefilling 2000 tokens (8000 bytes × 0.2 ms / 4 =
-        // 400 ms): the pin stays. At a's own slowness it would be ≈ 574 ms, and it would move.
-        scraped(s.store, "a", 6, 16, 1_000);
+        // 8 waiting, 8 running: at the peers' speed (the model's typical service ≈ 1475 ms ×
+        // 0.53) the wait is 8 / 8 × ≈ 790 ms, below re-prefilling 5000 tokens (20 000 bytes / 4
+        // × ≈ 0.195 ms ≈ 975 ms): the pin stays. At a's own slowness it would be ≈ 1920 ms,
+        // and it would move.
+        scraped(s.store, "a", 8, 8, 1_000);
         for &k in &on_a[..5] {
-            let d = pick_body(s, k, 8_000, 1_100);
+            let d = pick_body(s, k, 20_000, 1_100);
             assert_eq!((d.endpoint, d.reason), (0, Reason::AffinityHit), "{d:?}");
             s.finish(d.ticket, &Outcome::Cancelled, 0, None, 1_100);
         }
         assert_eq!(s.table().entries[0].1.saturation, Saturation::Saturated);
-        // Twice the queue: ≈ 460 ms, above the re-prefill: it moves.
-        scraped(s.store, "a", 12, 16, 2_000);
-        let d = pick_body(s, on_a[5], 8_000, 2_100);
+        // Twice the queue: ≈ 1580 ms, above the re-prefill: it moves.
+        scraped(s.store, "a", 16, 8, 2_000);
+        let d = pick_body(s, on_a[5], 20_000, 2_100);
+        assert_eq!(
+            (d.reason, d.moved_pin_of),
+            (Reason::Saturated, Some(0)),
+            "{d:?}"
+        );
+        s.finish(d.ticket, &Outcome::Cancelled, 0, None, 2_100);
+    });
+}
+
+#[test]
+fn a_queue_shallower_than_one_batch_moves_no_pin() {
+    with_pins_on_first(json!({}), |s, _, on_a| {
+        // 6 waiting on 16 running: saturated (no new sessions), but the wait (6 / 16 of one
+        // service) is below one service time: even a session with nothing to re-prefill stays.
+        scraped(s.store, "a", 6, 16, 1_000);
+        for &k in &on_a[..5] {
+            let d = pick_body(s, k, 4, 1_100);
+            assert_eq!((d.endpoint, d.reason), (0, Reason::AffinityHit), "{d:?}");
+            s.finish(d.ticket, &Outcome::Cancelled, 0, None, 1_100);
+        }
+        assert_eq!(s.table().entries[0].1.saturation, Saturation::Saturated);
+        // A batch deep (16 on 16): it moves.
+        scraped(s.store, "a", 16, 16, 2_000);
+        let d = pick_body(s, on_a[5], 4, 2_100);
         assert_eq!(
             (d.reason, d.moved_pin_of),
             (Reason::Saturated, Some(0)),
