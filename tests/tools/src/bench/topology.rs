@@ -597,6 +597,57 @@ mod tests {
     }
 
     #[test]
+    fn filter_variants_differ_only_in_metrics_and_the_latency_rules() {
+        let hosts: Vec<(&str, &[&str], u16)> = vec![("a", &["m1"], 1001), ("b", &["m1"], 1002)];
+        let config = |policy: Policy| -> Value {
+            let setup = Setup {
+                policy,
+                hosts: &hosts,
+                concurrency: 1,
+                envoy_retries: true,
+                open_ms: 3000,
+                plugin_extra: json!({"open_ms": 5000}),
+            };
+            let boot: Value =
+                serde_json::from_str(&bootstrap(&setup, Path::new("")).unwrap()).unwrap();
+            // The plugin configuration: a JSON string at `…configuration.value`.
+            fn find(v: &Value) -> Option<String> {
+                match v {
+                    Value::Object(o) => o
+                        .get("configuration")
+                        .and_then(|c| c.get("value"))
+                        .and_then(Value::as_str)
+                        .map(str::to_string)
+                        .or_else(|| o.values().find_map(find)),
+                    Value::Array(a) => a.iter().find_map(find),
+                    _ => None,
+                }
+            }
+            serde_json::from_str(&find(&boot).unwrap()).unwrap()
+        };
+        let on = config(Policy::Filter);
+        assert_eq!(on["endpoints"][0]["metrics"]["format"], METRICS_FORMAT);
+        assert_eq!(
+            on["endpoints"][1]["metrics"]["interval_ms"],
+            METRICS_INTERVAL_MS
+        );
+        assert_eq!(on["open_ms"], 5000, "the run's keys apply on top");
+        assert!(on.get("pin_break_ratio").is_none());
+        let off = config(Policy::FilterNoMetrics);
+        assert!(off["endpoints"][0].get("metrics").is_none());
+        let rules = config(Policy::FilterRulesOff);
+        assert_eq!(rules["pin_break_ratio"], 1000.0);
+        assert_eq!(rules["pin_break_overdue"], 0);
+        assert!(rules["endpoints"][0].get("metrics").is_some());
+        assert_eq!(
+            Policy::parse("computeflux_nometrics"),
+            Some(Policy::FilterNoMetrics)
+        );
+        assert!(Policy::FilterRulesOff.replicable() && Policy::FilterRulesOff.is_filter());
+        assert!(!Policy::ALL.contains(&Policy::FilterNoMetrics));
+    }
+
+    #[test]
     fn front_round_robins_over_the_replicas_and_a_restart_keeps_the_port() {
         let v: Value =
             serde_json::from_str(&front_bootstrap(&[2001, 2002, 2003], 1).unwrap()).unwrap();
