@@ -16,7 +16,7 @@ def label(r):
 def cell(r):
     if r is None:
         return "–"
-    return "%.1f %% · %.1f %% · %.0f ms" % (r["cached_ratio"] * 100, r["same_endpoint_share"] * 100, r["latency_ms"]["p99"])
+    return "%.1f %% · %.1f %% · %.0f ms · %.1f %%" % (r["cached_ratio"] * 100, r["same_endpoint_share"] * 100, r["latency_ms"]["p99"], (r.get("error_rate") or 0) * 100)
 
 ORDER = ["computeflux", "computeflux_nometrics", "computeflux_rulesoff", "ring_hash", "least_request"]
 
@@ -88,8 +88,8 @@ def checks(rows, slow_rows):
 if __name__ == "__main__":
     main_dir, other_dir, slow_dir = sys.argv[1:4]
     rows, other, slow = load(main_dir), load(other_dir), load(slow_dir)
-    s = "## Targets (computed from the runs below)\n\n" + checks(rows, slow) + "\n"
-    s += "## Steady and mixed fleet (200 sessions × 6 turns)\n\ncached-token ratio · follow-ups on the previous endpoint · p99\n\n" + table(rows, ["steady", "mixed_fleet"]) + "\n"
+    s = "Each table cell: cached-token ratio · follow-ups on the previous endpoint · p99 · client-visible errors.\n\n## Targets (computed from the runs below)\n\n" + checks(rows, slow) + "\n"
+    s += "## Steady and mixed fleet (200 sessions × 6 turns)\n\ncached-token ratio · follow-ups on the previous endpoint · p99 · client-visible errors\n\n" + table(rows, ["steady", "mixed_fleet"]) + "\n"
     s += "Decisions (`computeflux_decisions_total`, summed over the replicas):\n\n" + decisions(rows, ["steady", "mixed_fleet"]) + "\n"
     if slow:
         s += "## Slow endpoint (850 sessions × 6 turns: `a` 5× slower from ≈ 12.7 s)\n\n" + table(slow, ["steady", "slow"]) + "\n" + decisions(slow, ["steady", "slow"]) + "\n"
