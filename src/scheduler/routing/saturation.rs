@@ -39,7 +39,13 @@
 //! a time in `service_ms` each, take about `w × service_ms / slots` (a saturated engine runs at
 //! capacity, so its running count is its slot count). Moving re-prefills the session's cached
 //! prefix elsewhere (`cached_tokens × prefill_ms_per_token` from the work model) on top of the
-//! other endpoint's own wait. Unknown queue or costs keep the pin: moving needs evidence.
+//! other endpoint's own wait. Unknown queue or costs keep the pin: moving needs evidence. A
+//! queue shallower than one batch (`w < slots`: less than one service time of wait) keeps the
+//! pin whatever the prefix: it drains by itself within one service, and every follow-up that
+//! arrives before the next scrape reads the same queue, so moving them all re-prefills each
+//! elsewhere to skip a wait the first few moves end (the bench's steady run, with the rule
+//! moving from 5 waiting on 16 slots: the moved turns' first bytes came as late as those that
+//! stayed, and 7–12 % of follow-ups lost their cache).
 //!
 //! **Moving once** ([`MoveMark`]): a session moved away for a reason is not moved again for
 //! the same reason within the affinity TTL, so that two endpoints taking turns being full cannot
@@ -185,6 +191,13 @@ pub fn keep_pin(case: &PinCase) -> bool {
         return true;
     }
     let wait_here = expected_wait_ms(waiting, slots, case.service_ms);
+    // A queue shallower than one batch (waiting < slots) drains within one service time, and
+    // every follow-up arriving before the next scrape reads the same queue: moving them all
+    // would re-prefill each elsewhere to skip a wait that the first few moves already end
+    // (measured in the bench's steady run: moved turns waited as long as those that stayed).
+    if wait_here < case.service_ms.max(0.0) {
+        return true;
+    }
     let reprefill = case.cached_tokens as f64 * case.prefill_ms_per_token.max(0.0);
     wait_here <= case.elsewhere_wait_ms.max(0.0) + reprefill
 }
@@ -321,8 +334,10 @@ mod tests {
             elsewhere_wait_ms: 300.0,
             ..case(6, 4000)
         }));
-        // A session with nothing cached moves as soon as there is any wait.
-        assert!(!keep_pin(&case(1, 0)));
+        // A session with nothing cached moves once the queue is a batch deep (one whole
+        // service time of wait), not before: a shallower queue drains by itself.
+        assert!(!keep_pin(&case(4, 0)));
+        assert!(keep_pin(&case(3, 0)));
         assert!(keep_pin(&case(0, 0)));
         // Zero slots reported counts as one.
         assert!(!keep_pin(&PinCase {

@@ -38,7 +38,7 @@ use crate::scheduler::routing::overdue;
 use crate::scheduler::routing::placement;
 use crate::scheduler::routing::quota::{estimate_tokens, QuotaHint, QuotaRule};
 use crate::scheduler::routing::saturation::{
-    keep_pin, EngineLoad, MoveReason, PinCase, Saturation,
+    expected_wait_ms, keep_pin, EngineLoad, MoveReason, PinCase, Saturation,
 };
 use crate::scheduler::routing::score::score;
 use crate::scheduler::routing::signals::{self, Served, Verdict};

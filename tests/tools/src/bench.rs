@@ -49,6 +49,8 @@
 
 #[path = "bench/deployment.rs"]
 mod deployment;
+#[path = "bench/filter_stats.rs"]
+mod filter_stats;
 #[path = "bench/overhead.rs"]
 mod overhead;
 #[path = "bench/peer.rs"]
@@ -420,7 +422,7 @@ fn run(a: Args) -> Result<(), String> {
                         .iter()
                         .filter(move |p| n == 1 || all || p.replicable())
                         .filter(move |_| n > 1 || !sc.needs_replicas())
-                        .filter(move |p| !sc.filter_only() || **p == Policy::Filter)
+                        .filter(move |p| !sc.filter_only() || p.is_filter())
                         // The peer's routers are not restarted (the rolling restart is Envoy's).
                         .filter(move |p| !(sc.needs_replicas() && **p == Policy::SglangCacheAware))
                         .map(move |&p| (sc, n, p))
@@ -490,7 +492,7 @@ fn run(a: Args) -> Result<(), String> {
         Err(e) => Err(e.clone()),
     };
     let example_cfg =
-        topology::plugin_config(topology::ENDPOINTS.get(..4).unwrap_or(&[]), a.open_ms);
+        topology::plugin_config(topology::ENDPOINTS.get(..4).unwrap_or(&[]), a.open_ms, true);
     let meta = report::Meta {
         date: a.date.clone(),
         commit: a.commit.clone(),

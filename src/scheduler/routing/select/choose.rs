@@ -168,6 +168,7 @@ impl<'a> Scheduler<'a> {
         }
         Ok(Board {
             pinned: None,
+            reference: references,
             statics,
             weights,
             weight_at,
@@ -229,19 +230,25 @@ impl<'a> Scheduler<'a> {
         if !model.warm() {
             return false;
         }
-        let slowness = table
-            .entries
+        // A full engine serves each request as well as its peers once it runs it: its service
+        // time is the work model's at its peers' median slowness, not at its own, which its
+        // answers measured while it queued (the queue is counted once, by `waiting`).
+        let speed = board
+            .reference
             .get(p)
-            .and_then(|(_, st)| st.slowness.value())
+            .copied()
+            .flatten()
+            .or_else(|| table.entries.get(p).and_then(|(_, st)| st.slowness.value()))
             .unwrap_or(1.0);
+        let service_ms =
+            model.service_ms(TYPICAL_UNCACHED_TOKENS, TYPICAL_COMPLETION_TOKENS) * speed;
         let case = PinCase {
             waiting: load.waiting,
             slots: load.running.map(|r| r.max(1)),
-            service_ms: model.service_ms(TYPICAL_UNCACHED_TOKENS, TYPICAL_COMPLETION_TOKENS)
-                * slowness,
+            service_ms,
             cached_tokens: estimate_tokens(pick.body_bytes, self.cfg.quota_bytes_per_token),
             prefill_ms_per_token: model.prefill_ms_per_token(),
-            elsewhere_wait_ms: 0.0,
+            elsewhere_wait_ms: board.shortest_wait_elsewhere(p, service_ms),
         };
         if keep_pin(&case) {
             return false;
@@ -413,6 +420,8 @@ impl<'a> Scheduler<'a> {
 pub(super) struct Board {
     /// The request's pinned endpoint, if any (even one that cannot serve it now).
     pinned: Option<usize>,
+    /// Each endpoint's peers' median slowness (`signals::peer_medians`), by index.
+    reference: Vec<Option<f64>>,
     /// Endpoints that could serve the request at all (enabled, serving its model).
     statics: Vec<usize>,
     /// `(index, endpoint id, placement weight)` of the statics: the rendezvous candidates.
@@ -468,6 +477,30 @@ impl Board {
                 && !self.flag(&self.short, j)
                 && !self.saturated(j)
         })
+    }
+    /// The shortest expected queueing delay at a candidate other than `i` that could take the
+    /// session (admitted, not degraded, short or saturated), from its scraped queue and running
+    /// batch at `service_ms` per request; 0 when one of them has no queue or no known load (a
+    /// move is judged against the best place it could go, as `saturation::keep_pin` needs).
+    pub(super) fn shortest_wait_elsewhere(&self, i: usize, service_ms: f64) -> f64 {
+        self.statics
+            .iter()
+            .filter(|&&j| {
+                j != i
+                    && self.admitted(j)
+                    && !self.degraded(j)
+                    && !self.flag(&self.short, j)
+                    && !self.saturated(j)
+            })
+            .map(|&j| {
+                let load = self.verdicts.get(j).and_then(|v| v.load);
+                match load.and_then(|l| Some((l.waiting?, l.running?))) {
+                    Some((w, r)) => expected_wait_ms(w, r.max(1), service_ms),
+                    None => 0.0,
+                }
+            })
+            .fold(f64::INFINITY, f64::min)
+            .clamp(0.0, f64::MAX)
     }
     /// The verdicts to store for their hysteresis: `(index, degraded, saturation)`.
     pub(super) fn stored_verdicts(&self) -> Vec<(usize, bool, Saturation)> {

@@ -1555,6 +1555,89 @@ fn a_long_wait_moves_a_pin_once_per_ttl() {
 }
 
 #[test]
+fn a_full_endpoints_own_slowness_does_not_count_its_queue_twice() {
+    with_pins_on_first(json!({}), |s, _, on_a| {
+        // a answered while it queued: slowness ≈ 1.3 (250 ms where the work model, which
+        // learns from these answers too, expects ≈ 190 ms), its peers ≈ 0.53; 2.4× is not
+        // degraded.
+        warm(s, &[250], 20, 500);
+        let table = s.table();
+        let own = table.entries[0].1.slowness.value().unwrap();
+        let peers = crate::scheduler::routing::signals::peer_median(&table, s.cfg, 0, 5).unwrap();
+        assert!(own > 2.0 * peers && own < 3.0 * peers, "{own} {peers}");
+        // 8 waiting, 8 running: at the peers' speed (the model's typical service ≈ 1475 ms ×
+        // 0.53) the wait is 8 / 8 × ≈ 790 ms, below re-prefilling 5000 tokens (20 000 bytes / 4
+        // × ≈ 0.195 ms ≈ 975 ms): the pin stays. At a's own slowness it would be ≈ 1920 ms,
+        // and it would move.
+        scraped(s.store, "a", 8, 8, 1_000);
+        for &k in &on_a[..5] {
+            let d = pick_body(s, k, 20_000, 1_100);
+            assert_eq!((d.endpoint, d.reason), (0, Reason::AffinityHit), "{d:?}");
+            s.finish(d.ticket, &Outcome::Cancelled, 0, None, 1_100);
+        }
+        assert_eq!(s.table().entries[0].1.saturation, Saturation::Saturated);
+        // Twice the queue: ≈ 1580 ms, above the re-prefill: it moves.
+        scraped(s.store, "a", 16, 8, 2_000);
+        let d = pick_body(s, on_a[5], 20_000, 2_100);
+        assert_eq!(
+            (d.reason, d.moved_pin_of),
+            (Reason::Saturated, Some(0)),
+            "{d:?}"
+        );
+        s.finish(d.ticket, &Outcome::Cancelled, 0, None, 2_100);
+    });
+}
+
+#[test]
+fn a_queue_shallower_than_one_batch_moves_no_pin() {
+    with_pins_on_first(json!({}), |s, _, on_a| {
+        // 6 waiting on 16 running: saturated (no new sessions), but the wait (6 / 16 of one
+        // service) is below one service time: even a session with nothing to re-prefill stays.
+        scraped(s.store, "a", 6, 16, 1_000);
+        for &k in &on_a[..5] {
+            let d = pick_body(s, k, 4, 1_100);
+            assert_eq!((d.endpoint, d.reason), (0, Reason::AffinityHit), "{d:?}");
+            s.finish(d.ticket, &Outcome::Cancelled, 0, None, 1_100);
+        }
+        assert_eq!(s.table().entries[0].1.saturation, Saturation::Saturated);
+        // A batch deep (16 on 16): it moves.
+        scraped(s.store, "a", 16, 16, 2_000);
+        let d = pick_body(s, on_a[5], 4, 2_100);
+        assert_eq!(
+            (d.reason, d.moved_pin_of),
+            (Reason::Saturated, Some(0)),
+            "{d:?}"
+        );
+        s.finish(d.ticket, &Outcome::Cancelled, 0, None, 2_100);
+    });
+}
+
+#[test]
+fn a_pin_stays_when_the_other_endpoints_queue_as_long() {
+    with_pins_on_first(json!({}), |s, _, on_a| {
+        // a: 8 waiting on 4 running (a small engine), ≈ 8 × 612 / 4 ≈ 1224 ms; a short prompt
+        // (400 bytes: 20 ms to re-prefill).
+        scraped(s.store, "a", 8, 4, 1_000);
+        // b and c have room (4 waiting: below the saturation threshold of 5) but the same
+        // wait per slot: moving saves nothing.
+        scraped(s.store, "b", 4, 2, 1_000);
+        scraped(s.store, "c", 4, 2, 1_000);
+        let d = pick_body(s, on_a[0], 400, 1_100);
+        assert_eq!((d.endpoint, d.reason), (0, Reason::AffinityHit), "{d:?}");
+        s.finish(d.ticket, &Outcome::Cancelled, 0, None, 1_100);
+        // c's queue empties: the wait there is gone, and the session moves.
+        scraped(s.store, "c", 0, 2, 2_000);
+        let d = pick_body(s, on_a[1], 400, 2_100);
+        assert_eq!(
+            (d.reason, d.moved_pin_of),
+            (Reason::Saturated, Some(0)),
+            "{d:?}"
+        );
+        s.finish(d.ticket, &Outcome::Cancelled, 0, None, 2_100);
+    });
+}
+
+#[test]
 fn degraded_and_saturated_are_distinct() {
     let c = three_warm(json!({}));
     let store = MemStore::new();

@@ -143,6 +143,14 @@ impl Deployment {
         }
     }
 
+    /// The admin ports of the Envoys running the policy (the replicas, not the front).
+    pub fn admin_ports(&self) -> Vec<u16> {
+        self.replicas
+            .iter()
+            .filter_map(|r| r.envoy.as_ref().map(|e| e.admin_port))
+            .collect()
+    }
+
     pub fn replica_count(&self) -> usize {
         if self.front.is_some() {
             self.replicas.len()

@@ -317,6 +317,66 @@ impl Report<'_> {
         s
     }
 
+    /// The filter's own decision counters and slowness estimate in `scenario` (its rows only;
+    /// empty when none sampled them).
+    pub fn decisions_table(&self, scenario: &str) -> String {
+        const REASONS: [&str; 8] = [
+            "affinity_hit",
+            "home",
+            "backup",
+            "spill",
+            "pin_break",
+            "degraded",
+            "saturated",
+            "degraded_probe",
+        ];
+        let rows: Vec<&Summary> = self
+            .groups()
+            .into_iter()
+            .filter_map(|(n, p)| self.row(n, p, scenario))
+            .filter(|r| !r.decisions.is_empty())
+            .collect();
+        if rows.is_empty() {
+            return String::new();
+        }
+        let mut s = String::from(
+            "The filter's decisions (`computeflux_decisions_total` by reason, summed over its \
+             Envoys) and its slowness estimate per endpoint (`computeflux_slowness_permille`, \
+             sampled once a second over every replica from a fifth of the run on: p10…p90 \
+             (median), in thousandths):\n\n| policy |",
+        );
+        for r in REASONS {
+            let _ = write!(s, " {r} |");
+        }
+        s.push_str(" slowness p10…p90 (p50) |\n|---|");
+        for _ in REASONS {
+            s.push_str("---|");
+        }
+        s.push_str("---|\n");
+        for r in rows {
+            let _ = write!(s, "| {} |", label(&r.policy, r.replicas));
+            for reason in REASONS {
+                let _ = write!(s, " {} |", r.decisions.get(reason).copied().unwrap_or(0));
+            }
+            let spread: Vec<String> = r
+                .slowness
+                .iter()
+                .map(|(e, x)| {
+                    format!(
+                        "{e} {:.0}…{:.0} ({:.0}, p90/p10 {:.2})",
+                        x.p10,
+                        x.p90,
+                        x.p50,
+                        x.p90_over_p10()
+                    )
+                })
+                .collect();
+            let _ = writeln!(s, " {} |", spread.join("; "));
+        }
+        s.push('\n');
+        s
+    }
+
     /// What a summary-table cell holds, and what the row labels mean.
     fn summary_legend(&self) -> String {
         let mut s = String::from(
@@ -571,6 +631,7 @@ impl Report<'_> {
             }
             let _ = writeln!(s, "### {sc}: {desc}\n");
             s.push_str(&self.scenario_table(sc));
+            s.push_str(&self.decisions_table(sc));
             if sc == "steady" {
                 s.push_str(&self.spread_table());
             }
@@ -977,7 +1038,8 @@ impl Report<'_> {
         let scen = self.scenarios();
         let groups = self.groups();
         let colors = [
-            "#8c8c8c", "#5b8fd9", "#e0a030", "#9b6bcc", "#2a9d5c", "#7fc99a", "#d0604a",
+            "#8c8c8c", "#5b8fd9", "#e0a030", "#9b6bcc", "#2a9d5c", "#7fc99a", "#d0604a", "#1b5e3a",
+            "#b0b040",
         ];
         let color = |p: &str| {
             Policy::KNOWN

@@ -7,11 +7,13 @@
 //! replays the identical session plan, and injects the scenario's fault at the same offsets, so
 //! the rows of a scenario differ only in the policy and the topology.
 
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, Instant};
 
 use serde_json::json;
 
 use super::deployment::{DeployOpts, Deployment, Restart};
+use super::filter_stats;
 use super::peer::SglangRouter;
 use super::summary::{self, Summary};
 use super::support::MockUpstream;
@@ -545,16 +547,29 @@ pub fn run(
     let port = deployment.port();
     let span_ms = SessionPlan::last_arrival_ms(plans);
     let t0 = Instant::now() + Duration::from_millis(200);
-    let (recs, injected) = std::thread::scope(|sc| {
+    let admin_ports = if policy.is_filter() {
+        deployment.admin_ports()
+    } else {
+        Vec::new()
+    };
+    let stop = AtomicBool::new(false);
+    let (recs, injected, mut gathered) = std::thread::scope(|sc| {
         let (mocks, deployment) = (&mocks, &mut deployment);
         let injector = sc.spawn(move || inject(scenario, mocks, deployment, span_ms, t0));
+        let (ports, stop) = (&admin_ports, &stop);
+        let sampler = sc.spawn(move || filter_stats::sample(ports, stop, t0));
         let recs = workload::drive(port, plans, t0, opts.request_timeout);
+        stop.store(true, Ordering::Relaxed);
         let injected = injector
             .join()
             .unwrap_or_else(|_| Err("the fault injector panicked".into()));
-        (recs, injected)
+        let gathered = sampler.join().unwrap_or_default();
+        (recs, injected, gathered)
     });
     let restarts = injected?;
+    if policy.is_filter() {
+        filter_stats::finish(&mut gathered, &deployment.admin_ports(), t0);
+    }
     let upstream: u64 = mocks.iter().map(MockUpstream::request_count).sum();
     let upstream_429: u64 = mocks.iter().map(MockUpstream::count_429).sum();
     if let Some(dir) = &opts.raw_dir {
@@ -574,6 +589,9 @@ pub fn run(
     drop(mocks);
     let mut s = summary::summarize(policy, scenario, replicas as u32, &recs, upstream, span_ms);
     s.restarts = restarts;
+    s.decisions = gathered.decisions();
+    // The estimate once warm: from a fifth of the arrival span on.
+    s.slowness = gathered.slowness_spread(span_ms as f64 * 0.2);
     s.upstream_429 = upstream_429;
     s.wall_s = started.elapsed().as_secs_f64();
     Ok(s)

@@ -9,6 +9,7 @@ use std::collections::BTreeMap;
 use serde_json::{json, Value};
 
 use super::deployment::Restart;
+use super::filter_stats::Spread;
 use super::routing::Scenario;
 use super::topology::{Policy, ENDPOINTS};
 use super::workload::{Record, Rng};
@@ -57,6 +58,12 @@ pub struct Summary {
     pub load_spread: Vec<ModelSpread>,
     /// The replica restarts of a rolling restart.
     pub restarts: Vec<Restart>,
+    /// The filter's `computeflux_decisions_total` by reason, summed over its Envoys (empty for
+    /// Envoy's balancers).
+    pub decisions: BTreeMap<String, u64>,
+    /// Per endpoint, the spread of the filter's slowness estimate sampled once a second once
+    /// warm (see `filter_stats.rs`).
+    pub slowness: BTreeMap<String, Spread>,
     pub wall_s: f64,
 }
 
@@ -409,6 +416,8 @@ impl Summary {
             "phases": phases,
             "load_spread": spread,
             "restarts": restarts,
+            "decisions": self.decisions,
+            "slowness_permille": self.slowness.iter().map(|(e, s)| (e.clone(), s.to_json())).collect::<serde_json::Map<_, _>>(),
             "wall_s": num(self.wall_s),
         })
     }
@@ -532,6 +541,16 @@ impl Summary {
             phases,
             load_spread,
             restarts,
+            decisions: counts("decisions"),
+            slowness: v
+                .get("slowness_permille")
+                .and_then(Value::as_object)
+                .map(|o| {
+                    o.iter()
+                        .map(|(e, s)| (e.clone(), Spread::from_json(s)))
+                        .collect()
+                })
+                .unwrap_or_default(),
             wall_s: f("/wall_s"),
         }
     }

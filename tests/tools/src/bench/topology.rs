@@ -38,16 +38,22 @@ pub enum Policy {
     LeastRequest,
     RingHash,
     Maglev,
+    /// The filter with its defaults, scraping every mock engine's `/metrics`.
     Filter,
     /// The filter with `"prefix_placement": false` (issue 20: the feature on against off in one
     /// run).
     FilterNoPrefix,
     /// The SGLang gateway's `cache_aware` policy behind the same Envoy (see `peer.rs`).
     SglangCacheAware,
+    /// The filter without `metrics`: it sees only its own traffic (a hosted-API fleet).
+    FilterNoMetrics,
+    /// The filter with every latency rule off (degraded and pin breaking, the overdue watch):
+    /// what "moves no session in steady traffic" is measured against.
+    FilterRulesOff,
 }
 
 impl Policy {
-    /// The default set of a run (`--policies` not given).
+    /// The policies a run compares by default.
     pub const ALL: [Policy; 5] = [
         Policy::RoundRobin,
         Policy::LeastRequest,
@@ -57,7 +63,7 @@ impl Policy {
     ];
 
     /// Every policy `--policies` accepts, in the report's order (the default set first).
-    pub const KNOWN: [Policy; 7] = [
+    pub const KNOWN: [Policy; 9] = [
         Policy::RoundRobin,
         Policy::LeastRequest,
         Policy::RingHash,
@@ -65,6 +71,8 @@ impl Policy {
         Policy::Filter,
         Policy::FilterNoPrefix,
         Policy::SglangCacheAware,
+        Policy::FilterNoMetrics,
+        Policy::FilterRulesOff,
     ];
 
     pub fn name(&self) -> &'static str {
@@ -76,6 +84,8 @@ impl Policy {
             Policy::Filter => "computeflux",
             Policy::FilterNoPrefix => "computeflux_noprefix",
             Policy::SglangCacheAware => "sglang_cache_aware",
+            Policy::FilterNoMetrics => "computeflux_nometrics",
+            Policy::FilterRulesOff => "computeflux_rulesoff",
         }
     }
 
@@ -85,24 +95,17 @@ impl Policy {
             .find(|p| p.name() == s || (s == "filter" && *p == Policy::Filter))
     }
 
+    /// One of the filter's variants.
+    pub fn is_filter(&self) -> bool {
+        self.lb_policy().is_none()
+    }
+
     /// Run in the replicated topology: the policies that promise stickiness or place by prefix.
     pub fn replicable(&self) -> bool {
         matches!(
             self,
-            Policy::RingHash
-                | Policy::Maglev
-                | Policy::Filter
-                | Policy::FilterNoPrefix
-                | Policy::SglangCacheAware
-        )
-    }
-
-    /// Filter configuration keys of this policy (on top of the bench's own).
-    pub fn plugin_extra(&self) -> Value {
-        match self {
-            Policy::FilterNoPrefix => json!({"prefix_placement": false}),
-            _ => Value::Null,
-        }
+            Policy::RingHash | Policy::Maglev | Policy::SglangCacheAware
+        ) || self.is_filter()
     }
 
     fn lb_policy(&self) -> Option<&'static str> {
@@ -113,20 +116,56 @@ impl Policy {
             Policy::Maglev => Some("MAGLEV"),
             // Envoy round-robins over the model's routers (one per replica slot).
             Policy::SglangCacheAware => Some("ROUND_ROBIN"),
-            Policy::Filter | Policy::FilterNoPrefix => None,
+            Policy::Filter
+            | Policy::FilterNoPrefix
+            | Policy::FilterNoMetrics
+            | Policy::FilterRulesOff => None,
         }
+    }
+
+    /// The variant's filter configuration keys on top of [`plugin_config`]'s.
+    pub fn plugin_extra(&self) -> Value {
+        match self {
+            // Degraded and pin breaking need a slowness of 1000× the peers' median; the overdue
+            // watch is off (its default, made explicit).
+            Policy::FilterRulesOff => json!({"pin_break_ratio": 1000.0, "pin_break_overdue": 0}),
+            Policy::FilterNoPrefix => json!({"prefix_placement": false}),
+            _ => Value::Null,
+        }
+    }
+
+    /// Whether the variant's endpoints get a `metrics` object (see [`plugin_config`]).
+    pub fn scrapes(&self) -> bool {
+        matches!(
+            self,
+            Policy::Filter | Policy::FilterRulesOff | Policy::FilterNoPrefix
+        )
     }
 }
 
+/// The mock engines' `/metrics` dialect (the mock's `--metrics-format` default).
+pub const METRICS_FORMAT: &str = "vllm";
+/// How often the filter scrapes each mock engine.
+pub const METRICS_INTERVAL_MS: u64 = 1_000;
+
 /// The filter's configuration for these endpoints (one Envoy cluster `ep_<name>` each; no
-/// models: the endpoint serves any model).
-pub fn plugin_config(endpoints: &[(&str, &[&str])], open_ms: u64) -> Value {
+/// models: the endpoint serves any model). With `metrics`, every endpoint is scraped as the
+/// engine it is (format [`METRICS_FORMAT`], every [`METRICS_INTERVAL_MS`]).
+pub fn plugin_config(endpoints: &[(&str, &[&str])], open_ms: u64, metrics: bool) -> Value {
     let eps: Vec<Value> = endpoints
         .iter()
         .map(|(name, models)| {
             let mut e = json!({"name": name, "cluster": format!("ep_{name}")});
-            if let (false, Some(o)) = (models.is_empty(), e.as_object_mut()) {
-                o.insert("models".into(), json!(models));
+            if let Some(o) = e.as_object_mut() {
+                if !models.is_empty() {
+                    o.insert("models".into(), json!(models));
+                }
+                if metrics {
+                    o.insert(
+                        "metrics".into(),
+                        json!({"format": METRICS_FORMAT, "interval_ms": METRICS_INTERVAL_MS}),
+                    );
+                }
             }
             e
         })
@@ -180,12 +219,14 @@ pub fn bootstrap(setup: &Setup<'_>, wasm: &Path) -> Result<String, String> {
     match setup.policy.lb_policy() {
         None => {
             let eps: Vec<(&str, &[&str])> = setup.hosts.iter().map(|(n, m, _)| (*n, *m)).collect();
-            cfg.plugin_config = plugin_config(&eps, setup.open_ms);
-            if let (Some(p), Some(extra)) = (
-                cfg.plugin_config.as_object_mut(),
-                setup.plugin_extra.as_object(),
-            ) {
-                p.extend(extra.clone());
+            cfg.plugin_config = plugin_config(&eps, setup.open_ms, setup.policy.scrapes());
+            // The variant's keys, then the run's (scenario and command line) on top.
+            for extra in [&setup.policy.plugin_extra(), &setup.plugin_extra] {
+                if let (Some(p), Some(extra)) =
+                    (cfg.plugin_config.as_object_mut(), extra.as_object())
+                {
+                    p.extend(extra.clone());
+                }
             }
             cfg.clusters = setup
                 .hosts
@@ -652,6 +693,57 @@ mod tests {
             !Policy::ALL.contains(&Policy::SglangCacheAware),
             "not in the default run"
         );
+    }
+
+    #[test]
+    fn filter_variants_differ_only_in_metrics_and_the_latency_rules() {
+        let hosts: Vec<(&str, &[&str], u16)> = vec![("a", &["m1"], 1001), ("b", &["m1"], 1002)];
+        let config = |policy: Policy| -> Value {
+            let setup = Setup {
+                policy,
+                hosts: &hosts,
+                concurrency: 1,
+                envoy_retries: true,
+                open_ms: 3000,
+                plugin_extra: json!({"open_ms": 5000}),
+            };
+            let boot: Value =
+                serde_json::from_str(&bootstrap(&setup, Path::new("")).unwrap()).unwrap();
+            // The plugin configuration: a JSON string at `…configuration.value`.
+            fn find(v: &Value) -> Option<String> {
+                match v {
+                    Value::Object(o) => o
+                        .get("configuration")
+                        .and_then(|c| c.get("value"))
+                        .and_then(Value::as_str)
+                        .map(str::to_string)
+                        .or_else(|| o.values().find_map(find)),
+                    Value::Array(a) => a.iter().find_map(find),
+                    _ => None,
+                }
+            }
+            serde_json::from_str(&find(&boot).unwrap()).unwrap()
+        };
+        let on = config(Policy::Filter);
+        assert_eq!(on["endpoints"][0]["metrics"]["format"], METRICS_FORMAT);
+        assert_eq!(
+            on["endpoints"][1]["metrics"]["interval_ms"],
+            METRICS_INTERVAL_MS
+        );
+        assert_eq!(on["open_ms"], 5000, "the run's keys apply on top");
+        assert!(on.get("pin_break_ratio").is_none());
+        let off = config(Policy::FilterNoMetrics);
+        assert!(off["endpoints"][0].get("metrics").is_none());
+        let rules = config(Policy::FilterRulesOff);
+        assert_eq!(rules["pin_break_ratio"], 1000.0);
+        assert_eq!(rules["pin_break_overdue"], 0);
+        assert!(rules["endpoints"][0].get("metrics").is_some());
+        assert_eq!(
+            Policy::parse("computeflux_nometrics"),
+            Some(Policy::FilterNoMetrics)
+        );
+        assert!(Policy::FilterRulesOff.replicable() && Policy::FilterRulesOff.is_filter());
+        assert!(!Policy::ALL.contains(&Policy::FilterNoMetrics));
     }
 
     #[test]
