@@ -134,7 +134,10 @@ mod tests {
                 // A second quote later changes nothing; bytes that differ from `"` by one bit
                 // (`#`, `\x22 ^ 0x80`) are not quotes.
                 hay.extend_from_slice(b"#\xa2\"");
-                assert_eq!(find_quote(&hay).unwrap_or(usize::MAX).min(len), want.unwrap_or(len));
+                assert_eq!(
+                    find_quote(&hay).unwrap_or(usize::MAX).min(len),
+                    want.unwrap_or(len)
+                );
             }
         }
     }
