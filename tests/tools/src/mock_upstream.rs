@@ -953,6 +953,34 @@ struct Busy {
     _kv: Gauge,
 }
 
+/// A `text/event-stream` answer whose events are what `rx` receives.
+fn event_stream(rx: mpsc::Receiver<Bytes>) -> Response<Body> {
+    let mut r = Response::new(ChannelBody { rx }.boxed());
+    set_header(&mut r, "content-type", "text/event-stream");
+    set_header(&mut r, "cache-control", "no-cache");
+    r
+}
+
+/// A streamed chat completion's last events: the `stop` chunk, the usage chunk when the
+/// answer reports usage, and `[DONE]`. A client gone by then is no error.
+async fn end_chat_stream(
+    tx: &mpsc::Sender<Bytes>,
+    id: &str,
+    created: u64,
+    model: &str,
+    usage: Option<&openai::Usage>,
+) {
+    let ev = |v: Value| Bytes::from(openai::sse(&v));
+    let fin = openai::chunk(id, created, model, json!({}), Some("stop"));
+    let _ = tx.send(ev(fin)).await;
+    if let Some(usage) = usage {
+        let _ = tx
+            .send(ev(openai::usage_chunk(id, created, model, usage)))
+            .await;
+    }
+    let _ = tx.send(Bytes::from_static(b"data: [DONE]\n\n")).await;
+}
+
 async fn serve(mock: Arc<Mock>, conn: Arc<Conn>, guard: Busy, s: Serve) -> Response<Body> {
     let a = &mock.args;
     let uncached = s.prompt_tokens.saturating_sub(s.cached_tokens);
@@ -1006,19 +1034,10 @@ async fn serve(mock: Arc<Mock>, conn: Arc<Conn>, guard: Busy, s: Serve) -> Respo
                     return;
                 }
             }
-            let fin = openai::chunk(&id, created, &model, json!({}), Some("stop"));
-            let _ = tx.send(ev(fin)).await;
-            if !no_usage {
-                let _ = tx
-                    .send(ev(openai::usage_chunk(&id, created, &model, &usage)))
-                    .await;
-            }
-            let _ = tx.send(Bytes::from_static(b"data: [DONE]\n\n")).await;
+            let usage = (!no_usage).then_some(&usage);
+            end_chat_stream(&tx, &id, created, &model, usage).await;
         });
-        let mut r = Response::new(ChannelBody { rx }.boxed());
-        set_header(&mut r, "content-type", "text/event-stream");
-        set_header(&mut r, "cache-control", "no-cache");
-        r
+        event_stream(rx)
     } else {
         if !decode.is_zero() {
             tokio::time::sleep(decode).await;
@@ -1164,19 +1183,10 @@ async fn serve_batched(mock: Arc<Mock>, conn: Arc<Conn>, guard: Busy, s: Serve) 
                     return;
                 }
             }
-            let fin = openai::chunk(&id, created, &model, json!({}), Some("stop"));
-            let _ = tx.send(ev(fin)).await;
-            if !no_usage {
-                let _ = tx
-                    .send(ev(openai::usage_chunk(&id, created, &model, &usage)))
-                    .await;
-            }
-            let _ = tx.send(Bytes::from_static(b"data: [DONE]\n\n")).await;
+            let usage = (!no_usage).then_some(&usage);
+            end_chat_stream(&tx, &id, created, &model, usage).await;
         });
-        let mut r = Response::new(ChannelBody { rx }.boxed());
-        set_header(&mut r, "content-type", "text/event-stream");
-        set_header(&mut r, "cache-control", "no-cache");
-        r
+        event_stream(rx)
     } else {
         let mut pacer = Pacer::new(&mock);
         let mut left = s.completion_tokens;
@@ -1256,10 +1266,7 @@ async fn other_api_answer(
             }
         }
     });
-    let mut r = Response::new(ChannelBody { rx }.boxed());
-    set_header(&mut r, "content-type", "text/event-stream");
-    set_header(&mut r, "cache-control", "no-cache");
-    r
+    event_stream(rx)
 }
 
 async fn read_json(req: Request<Incoming>) -> Result<Value, Response<Body>> {
