@@ -493,6 +493,11 @@ impl Table {
     }
 }
 
+/// Claims `cfg`'s layout generation (stub: not yet implemented).
+pub fn claim_layout(_store: &dyn crate::scheduler::state::store::Store, _cfg: &Config) -> u64 {
+    0
+}
+
 /// One worker's memory of the entries it decoded, each with the stamp it had.
 ///
 /// Why: a request reads the whole table (its pick weighs every endpoint), but between two
