@@ -1,0 +1,157 @@
+//! A live configuration update with requests in flight keeps the endpoint table (issue 22,
+//! item 7), through a real Envoy: the plugin is reconfigured by ECDS (same process, same VM,
+//! shared data kept) while slow requests of the old configuration are still being answered.
+//!
+//! The new configuration adds endpoint `d`, alone on model `m2`, which fails: its breaker
+//! opens after `failure_threshold` failures and stays open for `open_ms` (a minute), so `m2`
+//! requests are answered 503 by the filter without reaching `d`. Then the old requests finish,
+//! one by one, each writing the table under the old configuration.
+//!
+//! Before (main): each of those writes laid the table out for the old configuration, which
+//! has no `d`: `d`'s entry (its open breaker) was dropped, and the new configuration's next
+//! request for `m2` found it fresh and sent `d` new failures. After: an old writer patches the
+//! entries it knows into the newer layout and leaves `d` alone; `d` gets no request until its
+//! breaker's minute is over.
+//!
+//! Run with `COMPUTEFLUX_WASM=<another build>` to judge another module (e.g. main's).
+#![allow(
+    clippy::unwrap_used,
+    clippy::expect_used,
+    clippy::panic,
+    clippy::indexing_slicing
+)]
+
+mod support;
+
+use std::time::{Duration, Instant};
+
+use serde_json::{json, Value};
+use support::{chat_body, post_chat, EcdsEnvoy, EnvoyConfig, MockUpstream};
+
+/// Failures that open a breaker (both configurations).
+const FAILURE_THRESHOLD: u64 = 2;
+/// How long the old configuration's requests take (the upstream holds its headers this long).
+const SLOW_MS: u64 = 6_000;
+/// Old requests in flight across the update.
+const IN_FLIGHT: usize = 6;
+
+fn plugin(endpoints: Value) -> Value {
+    json!({
+        "endpoints": endpoints,
+        "failure_threshold": FAILURE_THRESHOLD,
+        "open_ms": 60_000,
+        "failover_timeout_ms": 20_000,
+    })
+}
+
+#[test]
+fn a_live_reconfiguration_keeps_the_new_endpoints_breaker_while_old_requests_drain() {
+    let a = MockUpstream::start("a", &["m1"], &[]);
+    let s = MockUpstream::start("s", &["ms"], &[]);
+    let d = MockUpstream::start("d", &["m2"], &[]);
+    s.set_fault(json!({"mode": "delay_ms", "ms": SLOW_MS}));
+    d.set_fault(json!({"mode": "status", "status": 500}));
+    let old = plugin(json!([
+        {"name": "a", "cluster": "c-a", "models": ["m1"]},
+        {"name": "s", "cluster": "c-s", "models": ["ms"]},
+    ]));
+    let new = plugin(json!([
+        {"name": "a", "cluster": "c-a", "models": ["m1"]},
+        {"name": "s", "cluster": "c-s", "models": ["ms"]},
+        {"name": "d", "cluster": "c-d", "models": ["m2"]},
+    ]));
+    let envoy = EcdsEnvoy::start_with(EnvoyConfig::new(
+        old,
+        &[("c-a", a.port), ("c-s", s.port), ("c-d", d.port)],
+    ));
+    let port = envoy.port;
+    let r = post_chat(port, &[], &chat_body("m1", &["warm"], Value::Null));
+    assert_eq!(r.status, 200, "{}", r.body);
+
+    // Slow requests of the old configuration, started 300 ms apart: they end one by one.
+    let t0 = Instant::now();
+    let slow: Vec<_> = (0..IN_FLIGHT)
+        .map(|k| {
+            std::thread::sleep(Duration::from_millis(300));
+            std::thread::spawn(move || {
+                let body = chat_body("ms", &[&format!("slow {k}")], Value::Null);
+                let r = post_chat(port, &[], &body);
+                (r.status, Instant::now())
+            })
+        })
+        .collect();
+    // The update, while they are in flight.
+    envoy.write_plugin(&new, "2");
+    // Under the new configuration `m2` has an endpoint: `d` fails until its breaker opens.
+    let deadline = Instant::now() + Duration::from_secs(10);
+    let mut statuses = Vec::new();
+    loop {
+        assert!(
+            Instant::now() < deadline,
+            "d's breaker never opened: {statuses:?}\n{}",
+            envoy.log()
+        );
+        let before = d.request_count();
+        let r = post_chat(port, &[], &chat_body("m2", &["x"], Value::Null));
+        statuses.push(r.status);
+        if before >= FAILURE_THRESHOLD && d.request_count() == before {
+            break;
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    let opened_at = t0.elapsed();
+    let hits_open = d.request_count();
+    println!(
+        "d's breaker open after {hits_open} requests at {:.1} s: m2 statuses {statuses:?}",
+        opened_at.as_secs_f64()
+    );
+    assert!(
+        opened_at < Duration::from_millis(SLOW_MS),
+        "the old requests were no longer in flight when d's breaker opened"
+    );
+
+    // The old requests drain; new requests for `m2` keep coming.
+    let mut after = Vec::new();
+    let mut drained = Vec::new();
+    let mut pending = slow;
+    while !pending.is_empty() {
+        let (done, rest): (Vec<_>, Vec<_>) = pending.into_iter().partition(|h| h.is_finished());
+        pending = rest;
+        drained.extend(done.into_iter().map(|h| h.join().unwrap()));
+        let r = post_chat(port, &[], &chat_body("m2", &["x"], Value::Null));
+        after.push(r.status);
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    for _ in 0..5 {
+        let r = post_chat(port, &[], &chat_body("m2", &["x"], Value::Null));
+        after.push(r.status);
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    let reached_d = d.request_count() - hits_open;
+    let old_ok = drained.iter().filter(|(status, _)| *status == 200).count();
+    let last_old = drained
+        .iter()
+        .map(|(_, at)| at.duration_since(t0).as_secs_f64())
+        .fold(0.0, f64::max);
+    println!(
+        "old requests: {old_ok}/{IN_FLIGHT} answered 200, the last at {last_old:.1} s; \
+         while they drained: {} m2 requests, statuses {after:?}; {reached_d} reached d \
+         (its breaker should hold them all off)",
+        after.len()
+    );
+    let gauge = envoy
+        .stats()
+        .get("wasmcustom.computeflux_breaker_state.endpoint.d")
+        .copied();
+    println!("breaker gauge of d at the end: {gauge:?} (1 = open)");
+    let log = envoy.log();
+    assert!(
+        !log.contains("panicked") && !log.contains("Wasm VM failed"),
+        "{log}"
+    );
+    assert_eq!(old_ok, IN_FLIGHT, "the old requests must all be answered");
+    assert_eq!(
+        reached_d, 0,
+        "d's open breaker was reset while the old configuration's requests drained"
+    );
+}
