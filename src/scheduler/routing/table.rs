@@ -852,7 +852,8 @@ mod tests {
         ));
         // Over corrupt bytes of a newer generation: a full rewrite, not a patch.
         let mut bad = out.clone();
-        bad[HEADER_BYTES + 12] = 9; // a has_latency byte that is neither 0 nor 1
+        // The first entry's latency (after id, stamp, presence byte) as NaN: undecodable.
+        bad[HEADER_BYTES + 13..HEADER_BYTES + 21].copy_from_slice(&f64::NAN.to_le_bytes());
         assert_eq!(Table::decode(&bad), None);
         assert!(Table::has_layout(
             &Table::load(Some(&bad), &old).0.encode_over(Some(&bad)),
