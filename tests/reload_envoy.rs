@@ -13,7 +13,14 @@
 //! entries it knows into the newer layout and leaves `d` alone; `d` gets no request until its
 //! breaker's minute is over.
 //!
-//! Run with `COMPUTEFLUX_WASM=<another build>` to judge another module (e.g. main's).
+//! A module upgrade is the same with two VMs: the old module's requests drain in the old VM
+//! while the new module serves, both with the filter's `vm_id`, so they share shared data.
+//! Before, an upgrade that changed the table's byte format had each module read the other's
+//! table as garbage and write its own, fresh, on every write; now each format has its own key.
+//!
+//! Run with `COMPUTEFLUX_WASM=<another build>` to judge another module (e.g. main's); the
+//! upgrade test starts from `COMPUTEFLUX_OLD_WASM` when set (else the same module in its own
+//! VM, an upgrade that keeps the format).
 #![allow(
     clippy::unwrap_used,
     clippy::expect_used,
@@ -26,12 +33,15 @@ mod support;
 use std::time::{Duration, Instant};
 
 use serde_json::{json, Value};
-use support::{chat_body, post_chat, EcdsEnvoy, EnvoyConfig, MockUpstream};
+use support::{chat_body, post_chat, wasm_path, EcdsEnvoy, EnvoyConfig, MockUpstream};
 
 /// Failures that open a breaker (both configurations).
 const FAILURE_THRESHOLD: u64 = 2;
-/// How long the old configuration's requests take (the upstream holds its headers this long).
+/// How long the old side's requests take (the upstream holds its headers this long): long
+/// enough for the new side to take over and open `d`'s breaker while they are in flight (a new
+/// VM took ~5 s to start on a loaded 2-core machine).
 const SLOW_MS: u64 = 6_000;
+const SLOW_UPGRADE_MS: u64 = 12_000;
 /// Old requests in flight across the update.
 const IN_FLIGHT: usize = 6;
 
@@ -44,45 +54,65 @@ fn plugin(endpoints: Value) -> Value {
     })
 }
 
-#[test]
-fn a_live_reconfiguration_keeps_the_new_endpoints_breaker_while_old_requests_drain() {
-    let a = MockUpstream::start("a", &["m1"], &[]);
-    let s = MockUpstream::start("s", &["ms"], &[]);
-    let d = MockUpstream::start("d", &["m2"], &[]);
-    s.set_fault(json!({"mode": "delay_ms", "ms": SLOW_MS}));
-    d.set_fault(json!({"mode": "status", "status": 500}));
-    let old = plugin(json!([
-        {"name": "a", "cluster": "c-a", "models": ["m1"]},
-        {"name": "s", "cluster": "c-s", "models": ["ms"]},
-    ]));
-    let new = plugin(json!([
-        {"name": "a", "cluster": "c-a", "models": ["m1"]},
-        {"name": "s", "cluster": "c-s", "models": ["ms"]},
-        {"name": "d", "cluster": "c-d", "models": ["m2"]},
-    ]));
-    let envoy = EcdsEnvoy::start_with(EnvoyConfig::new(
-        old,
-        &[("c-a", a.port), ("c-s", s.port), ("c-d", d.port)],
-    ));
+/// What the new side saw while the old side drained.
+struct Drain {
+    /// Requests that reached `d` after its breaker had opened (0 when it held).
+    reached_d: u64,
+    old_ok: usize,
+    log: String,
+}
+
+fn m2(port: u16) -> u16 {
+    post_chat(port, &[], &chat_body("m2", &["x"], Value::Null)).status
+}
+
+/// Starts `IN_FLIGHT` slow requests on `s` through `envoy`, then `update` (the new side takes
+/// over once `ready` appears in Envoy's log, or at once), opens `d`'s breaker with `m2`
+/// requests under the new side, and counts the `m2` requests that reach `d` while the old
+/// requests drain and for half a second after.
+fn drain_across(
+    envoy: &EcdsEnvoy,
+    d: &MockUpstream,
+    slow_ms: u64,
+    update: impl FnOnce(),
+    ready: Option<&str>,
+) -> Drain {
     let port = envoy.port;
     let r = post_chat(port, &[], &chat_body("m1", &["warm"], Value::Null));
     assert_eq!(r.status, 200, "{}", r.body);
-
-    // Slow requests of the old configuration, started 300 ms apart: they end one by one.
+    // Slow requests of the old side, started 300 ms apart: they end one by one.
     let t0 = Instant::now();
     let slow: Vec<_> = (0..IN_FLIGHT)
         .map(|k| {
             std::thread::sleep(Duration::from_millis(300));
             std::thread::spawn(move || {
                 let body = chat_body("ms", &[&format!("slow {k}")], Value::Null);
-                let r = post_chat(port, &[], &body);
-                (r.status, Instant::now())
+                let r = support::http::request(
+                    port,
+                    "POST",
+                    "/v1/chat/completions",
+                    &[],
+                    Some(body.as_bytes()),
+                    Duration::from_secs(40),
+                );
+                (r.map_or(0, |r| r.status), Instant::now())
             })
         })
         .collect();
     // The update, while they are in flight.
-    envoy.write_plugin(&new, "2");
-    // Under the new configuration `m2` has an endpoint: `d` fails until its breaker opens.
+    update();
+    if let Some(needle) = ready {
+        let deadline = Instant::now() + Duration::from_secs(10);
+        while !envoy.log().contains(needle) {
+            assert!(
+                Instant::now() < deadline,
+                "the update never took: {}",
+                envoy.log()
+            );
+            std::thread::sleep(Duration::from_millis(50));
+        }
+    }
+    // Under the new side `m2` goes to `d`, which fails until its breaker opens.
     let deadline = Instant::now() + Duration::from_secs(10);
     let mut statuses = Vec::new();
     loop {
@@ -92,8 +122,7 @@ fn a_live_reconfiguration_keeps_the_new_endpoints_breaker_while_old_requests_dra
             envoy.log()
         );
         let before = d.request_count();
-        let r = post_chat(port, &[], &chat_body("m2", &["x"], Value::Null));
-        statuses.push(r.status);
+        statuses.push(m2(port));
         if before >= FAILURE_THRESHOLD && d.request_count() == before {
             break;
         }
@@ -106,10 +135,9 @@ fn a_live_reconfiguration_keeps_the_new_endpoints_breaker_while_old_requests_dra
         opened_at.as_secs_f64()
     );
     assert!(
-        opened_at < Duration::from_millis(SLOW_MS),
+        opened_at < Duration::from_millis(slow_ms),
         "the old requests were no longer in flight when d's breaker opened"
     );
-
     // The old requests drain; new requests for `m2` keep coming.
     let mut after = Vec::new();
     let mut drained = Vec::new();
@@ -118,13 +146,11 @@ fn a_live_reconfiguration_keeps_the_new_endpoints_breaker_while_old_requests_dra
         let (done, rest): (Vec<_>, Vec<_>) = pending.into_iter().partition(|h| h.is_finished());
         pending = rest;
         drained.extend(done.into_iter().map(|h| h.join().unwrap()));
-        let r = post_chat(port, &[], &chat_body("m2", &["x"], Value::Null));
-        after.push(r.status);
+        after.push(m2(port));
         std::thread::sleep(Duration::from_millis(100));
     }
     for _ in 0..5 {
-        let r = post_chat(port, &[], &chat_body("m2", &["x"], Value::Null));
-        after.push(r.status);
+        after.push(m2(port));
         std::thread::sleep(Duration::from_millis(100));
     }
     let reached_d = d.request_count() - hits_open;
@@ -144,14 +170,86 @@ fn a_live_reconfiguration_keeps_the_new_endpoints_breaker_while_old_requests_dra
         .get("wasmcustom.computeflux_breaker_state.endpoint.d")
         .copied();
     println!("breaker gauge of d at the end: {gauge:?} (1 = open)");
-    let log = envoy.log();
+    Drain {
+        reached_d,
+        old_ok,
+        log: envoy.log(),
+    }
+}
+
+fn mocks(slow_ms: u64) -> (MockUpstream, MockUpstream, MockUpstream) {
+    let a = MockUpstream::start("a", &["m1"], &[]);
+    let s = MockUpstream::start("s", &["ms"], &[]);
+    let d = MockUpstream::start("d", &["m2"], &[]);
+    s.set_fault(json!({"mode": "delay_ms", "ms": slow_ms}));
+    d.set_fault(json!({"mode": "status", "status": 500}));
+    (a, s, d)
+}
+
+fn judge(drain: &Drain) {
     assert!(
-        !log.contains("panicked") && !log.contains("Wasm VM failed"),
-        "{log}"
+        !drain.log.contains("panicked") && !drain.log.contains("Wasm VM failed"),
+        "{}",
+        drain.log
     );
-    assert_eq!(old_ok, IN_FLIGHT, "the old requests must all be answered");
     assert_eq!(
-        reached_d, 0,
-        "d's open breaker was reset while the old configuration's requests drained"
+        drain.old_ok, IN_FLIGHT,
+        "the old requests must all be answered"
     );
+    assert_eq!(
+        drain.reached_d, 0,
+        "d's open breaker was reset while the old side's requests drained"
+    );
+}
+
+#[test]
+fn a_live_reconfiguration_keeps_the_new_endpoints_breaker_while_old_requests_drain() {
+    let (a, s, d) = mocks(SLOW_MS);
+    let old = plugin(json!([
+        {"name": "a", "cluster": "c-a", "models": ["m1"]},
+        {"name": "s", "cluster": "c-s", "models": ["ms"]},
+    ]));
+    let new = plugin(json!([
+        {"name": "a", "cluster": "c-a", "models": ["m1"]},
+        {"name": "s", "cluster": "c-s", "models": ["ms"]},
+        {"name": "d", "cluster": "c-d", "models": ["m2"]},
+    ]));
+    let envoy = EcdsEnvoy::start_with(EnvoyConfig::new(
+        old,
+        &[("c-a", a.port), ("c-s", s.port), ("c-d", d.port)],
+    ));
+    // Under the old configuration `m2` is a 404: the loop waits for the new one by itself.
+    let drain = drain_across(&envoy, &d, SLOW_MS, || envoy.write_plugin(&new, "2"), None);
+    judge(&drain);
+}
+
+#[test]
+fn a_module_upgrade_keeps_the_new_modules_breaker_while_the_old_module_drains() {
+    let (a, s, d) = mocks(SLOW_UPGRADE_MS);
+    let endpoints = json!([
+        {"name": "a", "cluster": "c-a", "models": ["m1"]},
+        {"name": "s", "cluster": "c-s", "models": ["ms"]},
+        {"name": "d", "cluster": "c-d", "models": ["m2"]},
+    ]);
+    let old = plugin(endpoints.clone());
+    // The same fleet; one key differs so that the new VM logs its configuration.
+    let mut new = plugin(endpoints);
+    new["open_ms"] = json!(60_001);
+    let old_wasm = std::env::var_os("COMPUTEFLUX_OLD_WASM")
+        .map(std::path::PathBuf::from)
+        .unwrap_or_else(wasm_path);
+    let new_wasm = wasm_path();
+    println!("upgrade {} -> {}", old_wasm.display(), new_wasm.display());
+    let envoy = EcdsEnvoy::start_module(
+        EnvoyConfig::new(old, &[("c-a", a.port), ("c-s", s.port), ("c-d", d.port)]),
+        &old_wasm,
+    );
+    let drain = drain_across(
+        &envoy,
+        &d,
+        SLOW_UPGRADE_MS,
+        || envoy.write_module(&new, &new_wasm, "upgraded", "2"),
+        Some("open_ms=60001"),
+    );
+    judge(&drain);
 }

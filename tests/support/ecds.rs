@@ -26,10 +26,14 @@ impl EcdsEnvoy {
     /// [`EcdsEnvoy::start`] with `cfg`'s route, connection manager and concurrency settings
     /// (its `plugin_config` is the first ECDS version).
     pub fn start_with(cfg: EnvoyConfig) -> EcdsEnvoy {
+        EcdsEnvoy::start_module(cfg, &super::wasm_path())
+    }
+
+    /// [`EcdsEnvoy::start_with`] running the module `wasm` (see [`EcdsEnvoy::write_module`]).
+    pub fn start_module(cfg: EnvoyConfig, wasm: &std::path::Path) -> EcdsEnvoy {
         let plugin = cfg.plugin_config.clone();
-        let wasm = super::wasm_path();
         let mut boot: Value =
-            serde_json::from_str(&super::render_bootstrap(&cfg, &wasm, 0, 0)).unwrap();
+            serde_json::from_str(&super::render_bootstrap(&cfg, wasm, 0, 0)).unwrap();
         let dir = std::env::temp_dir().join(format!("computeflux-ecds-{}", super::unique_u32()));
         std::fs::create_dir_all(&dir).unwrap();
         let filters = boot
@@ -90,8 +94,39 @@ impl EcdsEnvoy {
 
     /// Replaces the plugin configuration (written aside, then renamed into the watched file).
     pub fn write_plugin(&self, plugin: &Value, version: &str) {
+        self.write_filter(plugin, None, version);
+    }
+
+    /// Replaces the plugin configuration and the module: `wasm` runs in a new VM (`vm_tag` is
+    /// its VM configuration, so that even the same module file gets a VM of its own) with the
+    /// same `vm_id`, so it shares the old VM's shared data — a module upgrade, with the old
+    /// VM's requests still in flight.
+    pub fn write_module(
+        &self,
+        plugin: &Value,
+        wasm: &std::path::Path,
+        vm_tag: &str,
+        version: &str,
+    ) {
+        self.write_filter(plugin, Some((wasm, vm_tag)), version);
+    }
+
+    fn write_filter(
+        &self,
+        plugin: &Value,
+        module: Option<(&std::path::Path, &str)>,
+        version: &str,
+    ) {
         let mut typed = self.filter.clone();
         typed["config"]["configuration"]["value"] = Value::String(plugin.to_string());
+        if let Some((wasm, tag)) = module {
+            let vm = &mut typed["config"]["vm_config"];
+            vm["code"]["local"]["filename"] = Value::String(wasm.display().to_string());
+            vm["configuration"] = json!({
+                "@type": "type.googleapis.com/google.protobuf.StringValue",
+                "value": tag,
+            });
+        }
         let doc = json!({
             "version_info": version,
             "resources": [{
