@@ -13,6 +13,10 @@
 //! entries it knows into the newer layout and leaves `d` alone; `d` gets no request until its
 //! breaker's minute is over.
 //!
+//! A listener update (LDS from a watched file) is the long version: a keep-alive connection
+//! opened before it keeps sending new requests through the old filter chain, each a pick and a
+//! finish under the old configuration, for up to Envoy's drain time.
+//!
 //! A module upgrade is the same with two VMs: the old module's requests drain in the old VM
 //! while the new module serves, both with the filter's `vm_id`, so they share shared data.
 //! Before, an upgrade that changed the table's byte format had each module read the other's
@@ -252,4 +256,229 @@ fn a_module_upgrade_keeps_the_new_modules_breaker_while_the_old_module_drains() 
         Some("open_ms=60001"),
     );
     judge(&drain);
+}
+
+/// Envoy whose listener comes by LDS from a watched file: replacing it (here: its wasm
+/// filter's configuration) drains the old listener's connections for Envoy's drain time, and a
+/// keep-alive connection opened before keeps sending its requests through the old filter chain,
+/// with the old plugin configuration.
+struct LdsEnvoy {
+    child: std::process::Child,
+    dir: std::path::PathBuf,
+    port: u16,
+    listener: Value,
+}
+
+impl LdsEnvoy {
+    fn start(cfg: &EnvoyConfig) -> LdsEnvoy {
+        let wasm = wasm_path();
+        let mut boot: Value =
+            serde_json::from_str(&support::render_bootstrap(cfg, &wasm, 0, 0)).unwrap();
+        let dir = std::env::temp_dir().join(format!("computeflux-lds-{}", support::unique_u32()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let listener = boot["static_resources"]["listeners"][0].take();
+        boot["static_resources"]["listeners"] = json!([]);
+        boot["dynamic_resources"] = json!({"lds_config": {
+            "path_config_source": {
+                "path": dir.join("lds.json").display().to_string(),
+                "watched_directory": {"path": dir.display().to_string()},
+            },
+            "resource_api_version": "V3",
+        }});
+        let mut e = LdsEnvoy {
+            child: std::process::Command::new("true").spawn().unwrap(),
+            dir: dir.clone(),
+            port: 0,
+            listener,
+        };
+        let _ = e.child.wait();
+        e.write_plugin(&cfg.plugin_config, "1");
+        let boot_path = dir.join("envoy.json");
+        std::fs::write(&boot_path, boot.to_string()).unwrap();
+        let admin_path = dir.join("admin.txt");
+        e.child = std::process::Command::new(support::envoy_bin())
+            .arg("-c")
+            .arg(&boot_path)
+            .args(["--concurrency", "2", "--disable-hot-restart", "--base-id"])
+            .arg(support::unique_u32().to_string())
+            // The default drain time and gradual strategy: old connections are closed at random,
+            // more often as the 600 s pass; in the test's seconds, almost never.
+            .arg("--log-path")
+            .arg(dir.join("envoy.log"))
+            .arg("--admin-address-path")
+            .arg(&admin_path)
+            .stdout(std::process::Stdio::null())
+            .stderr(std::process::Stdio::null())
+            .spawn()
+            .unwrap();
+        let (_, port) =
+            support::envoy::wait_ready(&mut e.child, &admin_path, Duration::from_secs(20))
+                .unwrap_or_else(|err| panic!("{err}\n{}", e.log()));
+        e.port = port;
+        e
+    }
+
+    /// Replaces the listener with one whose filter has `plugin` as its configuration (the same
+    /// address, so the socket is handed over).
+    fn write_plugin(&self, plugin: &Value, version: &str) {
+        let mut l = self.listener.clone();
+        let filters = l
+            .pointer_mut("/filter_chains/0/filters/0/typed_config/http_filters/0/typed_config/config/configuration")
+            .unwrap();
+        filters["value"] = Value::String(plugin.to_string());
+        l["@type"] = json!("type.googleapis.com/envoy.config.listener.v3.Listener");
+        let doc = json!({"version_info": version, "resources": [l]});
+        let tmp = self.dir.join("lds.json.tmp");
+        std::fs::write(&tmp, doc.to_string()).unwrap();
+        std::fs::rename(&tmp, self.dir.join("lds.json")).unwrap();
+    }
+
+    fn log(&self) -> String {
+        std::fs::read_to_string(self.dir.join("envoy.log")).unwrap_or_default()
+    }
+}
+
+impl Drop for LdsEnvoy {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+        if !std::thread::panicking() {
+            let _ = std::fs::remove_dir_all(&self.dir);
+        }
+    }
+}
+
+/// One request on a kept-alive HTTP/1.1 connection: its status, and whether Envoy closes the
+/// connection after it (`connection: close`, as a draining listener does at random).
+fn keep_alive_post(conn: &mut std::net::TcpStream, body: &str) -> (u16, bool) {
+    use std::io::{Read, Write};
+    let req = format!(
+        "POST /v1/chat/completions HTTP/1.1\r\nhost: t\r\ncontent-type: application/json\r\ncontent-length: {}\r\n\r\n{body}",
+        body.len()
+    );
+    conn.write_all(req.as_bytes()).unwrap();
+    let mut buf = Vec::new();
+    let mut byte = [0u8; 1];
+    while !buf.ends_with(b"\r\n\r\n") {
+        assert_eq!(
+            conn.read(&mut byte).unwrap(),
+            1,
+            "connection closed mid-head"
+        );
+        buf.push(byte[0]);
+    }
+    let head = String::from_utf8_lossy(&buf).to_ascii_lowercase();
+    let status: u16 = head.split(' ').nth(1).unwrap().parse().unwrap();
+    let header = |name: &str| {
+        head.lines().find_map(|l| {
+            l.strip_prefix(&format!("{name}:"))
+                .map(|v| v.trim().to_string())
+        })
+    };
+    match header("content-length") {
+        Some(n) => {
+            let mut body = vec![0u8; n.parse().unwrap()];
+            conn.read_exact(&mut body).unwrap();
+        }
+        None => {
+            // Chunked: read up to the last chunk.
+            let mut rest = Vec::new();
+            while !rest.ends_with(b"0\r\n\r\n") {
+                assert_eq!(
+                    conn.read(&mut byte).unwrap(),
+                    1,
+                    "connection closed mid-body"
+                );
+                rest.push(byte[0]);
+            }
+        }
+    }
+    (status, header("connection").as_deref() == Some("close"))
+}
+
+/// A listener update (LDS): a connection opened before it keeps sending requests under the old
+/// plugin configuration — picks and finishes, each a table write — while the new one serves
+/// new connections. The new endpoint's breaker holds throughout.
+#[test]
+fn a_listener_update_keeps_the_new_endpoints_breaker_while_old_connections_drain() {
+    let (a, s, d) = mocks(SLOW_MS);
+    let old = plugin(json!([
+        {"name": "a", "cluster": "c-a", "models": ["m1"]},
+        {"name": "s", "cluster": "c-s", "models": ["ms"]},
+    ]));
+    let new = plugin(json!([
+        {"name": "a", "cluster": "c-a", "models": ["m1"]},
+        {"name": "s", "cluster": "c-s", "models": ["ms"]},
+        {"name": "d", "cluster": "c-d", "models": ["m2"]},
+    ]));
+    let envoy = LdsEnvoy::start(&EnvoyConfig::new(
+        old,
+        &[("c-a", a.port), ("c-s", s.port), ("c-d", d.port)],
+    ));
+    let port = envoy.port;
+    let m1 = chat_body("m1", &["old connection"], Value::Null);
+    let m2_body = chat_body("m2", &["x"], Value::Null);
+    let mut conn = std::net::TcpStream::connect(("127.0.0.1", port)).unwrap();
+    conn.set_read_timeout(Some(Duration::from_secs(15)))
+        .unwrap();
+    assert_eq!(keep_alive_post(&mut conn, &m1).0, 200);
+    envoy.write_plugin(&new, "2");
+    // New connections get the new configuration (m2 reaches d) once the listener is replaced.
+    let deadline = Instant::now() + Duration::from_secs(10);
+    let mut statuses = Vec::new();
+    loop {
+        assert!(
+            Instant::now() < deadline,
+            "d's breaker never opened: {statuses:?}\n{}",
+            envoy.log()
+        );
+        let before = d.request_count();
+        statuses.push(m2(port));
+        if before >= FAILURE_THRESHOLD && d.request_count() == before {
+            break;
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    let hits_open = d.request_count();
+    println!("d's breaker open after {hits_open} requests: m2 statuses {statuses:?}");
+    // The old connection: m1 requests (a pick and a finish each, under the old configuration)
+    // and an m2 probe (404 under the old configuration, which has no m2), with new m2 requests
+    // in between.
+    let (mut old_m1, mut old_m2_404, mut closed) = (0, 0, false);
+    let mut after = Vec::new();
+    for _ in 0..15 {
+        let (st, close) = keep_alive_post(&mut conn, &m1);
+        old_m1 += usize::from(st == 200);
+        if close {
+            closed = true;
+            break;
+        }
+        let (st, close) = keep_alive_post(&mut conn, &m2_body);
+        old_m2_404 += usize::from(st == 404);
+        if close {
+            closed = true;
+            break;
+        }
+        after.push(m2(port));
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    let reached_d = d.request_count() - hits_open;
+    println!(
+        "old connection: {old_m1} m1 requests answered 200, {old_m2_404} m2 probes answered 404 \
+         (the old configuration), closed by the drain: {closed}; new m2 statuses {after:?}; \
+         {reached_d} reached d (its breaker should hold them all off)"
+    );
+    let log = envoy.log();
+    assert!(
+        !log.contains("panicked") && !log.contains("Wasm VM failed"),
+        "{log}"
+    );
+    assert!(
+        old_m1 >= 3 && old_m2_404 >= 3,
+        "the old connection did not keep the old configuration long enough to judge"
+    );
+    assert_eq!(
+        reached_d, 0,
+        "d's open breaker was reset by the old connection's requests"
+    );
 }
