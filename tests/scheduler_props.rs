@@ -1028,6 +1028,7 @@ fn table() -> impl Strategy<Value = Table> {
                 updated_ms,
             },
             entries,
+            generation: 0,
         })
 }
 

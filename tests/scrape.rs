@@ -25,7 +25,7 @@ use std::net::{TcpListener, TcpStream};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
-use support::{chat_body, post_chat, Envoy, EnvoyConfig};
+use support::{chat_body, post_chat, EcdsEnvoy, Envoy, EnvoyConfig};
 
 /// What the engine's `/metrics` answers.
 #[derive(Clone)]
@@ -463,121 +463,6 @@ fn one_scrape_per_interval_per_envoy_process() {
         "{hits} scrapes in {secs:.2} s, expected ≈ {expected:.1}"
     );
     no_panic(&envoy);
-}
-
-/// Envoy whose wasm filter configuration comes from a file by ECDS (`config_discovery` with a
-/// watched directory), so that the plugin can be reconfigured live.
-struct EcdsEnvoy {
-    child: std::process::Child,
-    dir: std::path::PathBuf,
-    admin_port: u16,
-    port: u16,
-    filter: Value,
-}
-
-impl EcdsEnvoy {
-    fn start(plugin: Value, clusters: &[(&str, u16)]) -> EcdsEnvoy {
-        let cfg = EnvoyConfig::new(plugin.clone(), clusters);
-        let wasm = support::wasm_path();
-        let mut boot: Value =
-            serde_json::from_str(&support::render_bootstrap(&cfg, &wasm, 0, 0)).unwrap();
-        let dir = std::env::temp_dir().join(format!("computeflux-ecds-{}", support::unique_u32()));
-        std::fs::create_dir_all(&dir).unwrap();
-        let filters = boot
-            .pointer_mut(
-                "/static_resources/listeners/0/filter_chains/0/filters/0/typed_config/http_filters",
-            )
-            .unwrap();
-        let wasm_filter = filters[0]["typed_config"].clone();
-        filters[0] = json!({
-            "name": "envoy.filters.http.wasm",
-            "config_discovery": {
-                "config_source": {"path_config_source": {
-                    "path": dir.join("filter.json").display().to_string(),
-                    "watched_directory": {"path": dir.display().to_string()},
-                }},
-                "type_urls": ["type.googleapis.com/envoy.extensions.filters.http.wasm.v3.Wasm"],
-            },
-        });
-        let mut e = EcdsEnvoy {
-            child: std::process::Command::new("true").spawn().unwrap(),
-            dir: dir.clone(),
-            admin_port: 0,
-            port: 0,
-            filter: wasm_filter,
-        };
-        let _ = e.child.wait();
-        e.write_plugin(&plugin, "1");
-        let boot_path = dir.join("envoy.json");
-        std::fs::write(&boot_path, boot.to_string()).unwrap();
-        let admin_path = dir.join("admin.txt");
-        e.child = std::process::Command::new(support::envoy_bin())
-            .arg("-c")
-            .arg(&boot_path)
-            .args(["--concurrency", "2", "--disable-hot-restart", "--base-id"])
-            .arg(support::unique_u32().to_string())
-            .arg("--log-path")
-            .arg(dir.join("envoy.log"))
-            .arg("--admin-address-path")
-            .arg(&admin_path)
-            .stdout(std::process::Stdio::null())
-            .stderr(std::process::Stdio::null())
-            .spawn()
-            .unwrap();
-        let (admin, port) =
-            support::envoy::wait_ready(&mut e.child, &admin_path, Duration::from_secs(20))
-                .unwrap_or_else(|err| {
-                    panic!(
-                        "{err}\n{}",
-                        std::fs::read_to_string(dir.join("envoy.log")).unwrap_or_default()
-                    )
-                });
-        e.admin_port = admin;
-        e.port = port;
-        e
-    }
-
-    /// Replaces the plugin configuration (written aside, then renamed into the watched file).
-    fn write_plugin(&self, plugin: &Value, version: &str) {
-        let mut typed = self.filter.clone();
-        typed["config"]["configuration"]["value"] = Value::String(plugin.to_string());
-        let doc = json!({
-            "version_info": version,
-            "resources": [{
-                "@type": "type.googleapis.com/envoy.config.core.v3.TypedExtensionConfig",
-                "name": "envoy.filters.http.wasm",
-                "typed_config": typed,
-            }],
-        });
-        let tmp = self.dir.join("filter.json.tmp");
-        std::fs::write(&tmp, doc.to_string()).unwrap();
-        std::fs::rename(&tmp, self.dir.join("filter.json")).unwrap();
-    }
-
-    fn stats(&self) -> std::collections::BTreeMap<String, i64> {
-        let body = support::get(self.admin_port, "/stats?format=json&filter=computeflux_").body;
-        let v: Value = serde_json::from_str(&body).unwrap();
-        v["stats"]
-            .as_array()
-            .unwrap()
-            .iter()
-            .filter_map(|s| Some((s["name"].as_str()?.to_string(), s["value"].as_i64()?)))
-            .collect()
-    }
-
-    fn log(&self) -> String {
-        std::fs::read_to_string(self.dir.join("envoy.log")).unwrap_or_default()
-    }
-}
-
-impl Drop for EcdsEnvoy {
-    fn drop(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
-        if !std::thread::panicking() {
-            let _ = std::fs::remove_dir_all(&self.dir);
-        }
-    }
 }
 
 /// Counts `engine`'s scrapes over `ms`; returns (hits, expected at `interval_ms`).

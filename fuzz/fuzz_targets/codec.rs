@@ -198,6 +198,7 @@ fuzz_target!(|input: Input<'_>| match input {
                 updated_ms,
             },
             entries: states.iter().map(state).collect(),
+            generation: u64::from(requests),
         };
         let bytes = t.encode();
         assert_eq!(Table::decode(&bytes), Some(t));

@@ -7,7 +7,7 @@ use super::plugin::{refresh_gauges, Plugin};
 use super::scrape::Scraper;
 use super::shared::SharedData;
 use crate::scheduler::config::Config;
-use crate::scheduler::routing::select::{Scheduler, TABLE_KEY};
+use crate::scheduler::routing::table::claim_layout;
 use crate::scheduler::state::hash::hash_parts;
 use crate::scheduler::state::store::Store;
 use proxy_wasm::traits::{Context, HttpContext, RootContext};
@@ -62,7 +62,7 @@ impl RootContext for Root {
 
     fn on_configure(&mut self, _size: usize) -> bool {
         let bytes = host::buffer(BufferType::PluginConfiguration, 0, usize::MAX);
-        let cfg = match Config::from_json(&bytes) {
+        let mut cfg = match Config::from_json(&bytes) {
             Ok(cfg) => cfg,
             Err(errors) => {
                 for e in &errors {
@@ -87,11 +87,10 @@ impl RootContext for Root {
                 &format!("computeflux: configuration accepted: {}", cfg.summary()),
             );
         }
-        // Create the endpoint table up front: CAS does not protect key creation.
-        if store.get(TABLE_KEY).0.is_none() {
-            let table = Scheduler::new(&cfg, &store).table();
-            let _ = store.set(TABLE_KEY, &table.encode(), None);
-        }
+        // This configuration's place among the layouts that write the endpoint table (requests
+        // of the previous configuration may still be draining); creates the table up front,
+        // as CAS does not protect key creation.
+        cfg.layout_generation = claim_layout(&store, &cfg);
         let metrics = Metrics::define(&cfg);
         let me = *self
             .holder_id

@@ -27,6 +27,7 @@
 
 pub mod artifacts;
 pub mod checks;
+pub mod ecds;
 pub mod envoy;
 pub mod http;
 pub mod mock;
@@ -40,6 +41,7 @@ use serde_json::{json, Value};
 
 pub use artifacts::{envoy_bin, mock_bin, repo_root, target_dir, wasm_path};
 pub use checks::Checks;
+pub use ecds::EcdsEnvoy;
 pub use envoy::{render_bootstrap, Envoy, EnvoyConfig, DEFAULT_STAT_TAGS};
 pub use http::{curl_h2, get, post_chat, CookieJar, Response};
 pub use mock::MockUpstream;

@@ -273,12 +273,17 @@ macro_rules! config_keys {
         #[derive(Debug, Clone, PartialEq)]
         pub struct Config {
             pub endpoints: Vec<EndpointConfig>,
+            /// Not a key: the generation of this configuration's endpoint-table layout,
+            /// claimed in shared data when the plugin is configured
+            /// (`table::claim_layout`); 0 when never claimed (tests, tools). A writer never
+            /// rewrites a table laid out by a newer generation to its own layout.
+            pub layout_generation: u64,
             $( $(#[$meta])* pub $field: $ty, )*
         }
 
         impl Default for Config {
             fn default() -> Self {
-                Config { endpoints: Vec::new(), $( $field: $default, )* }
+                Config { endpoints: Vec::new(), layout_generation: 0, $( $field: $default, )* }
             }
         }
 

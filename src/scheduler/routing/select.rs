@@ -52,7 +52,7 @@ use std::cell::RefCell;
 pub const DEAD_KEY_ALPHA: f64 = 0.5;
 
 /// Shared-data key of the endpoint table.
-pub const TABLE_KEY: &str = "computeflux/endpoints";
+pub use crate::scheduler::routing::table::TABLE_KEY;
 
 /// Per-request exclusions; indexes into `Config::endpoints`. Bounded by the endpoint count.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]

@@ -11,6 +11,19 @@
 //! of the write that last changed it (the header counts writes). A worker keeps the entries
 //! it decoded ([`TableCache`]); reading the table again, it decodes only the entries whose
 //! stamp moved — the one or two endpoints the requests in between used — instead of all.
+//!
+//! Reloads and upgrades (issue 22, item 7). After a configuration update, requests of the old
+//! configuration keep writing the table while the new one serves: the requests in flight at an
+//! ECDS update, every request of the old connections for up to Envoy's drain time at a listener
+//! update. Two layouts would take turns, each write dropping the entries the other
+//! configuration alone has. So the header records the *generation* of the layout that wrote
+//! it: each configuration claims one when it is configured ([`claim_layout`]: the stored
+//! generation if the layout is already its own, else one more, written with its layout under
+//! CAS, so both sides agree on the order). A writer of an older generation never rewrites the
+//! layout: it patches the entries it can find by endpoint id and leaves the rest (see
+//! [`Table::encode_over`]). A new table version (another byte format) gets its own shared-data
+//! key ([`TABLE_KEY`]): a module of another version, also one that predates this rule, neither
+//! reads nor writes it, so an upgrade starts the new table once and resets nothing in turn.
 
 use crate::scheduler::config::Config;
 use crate::scheduler::health::breaker::{Breaker, BreakerState, OpenCause};
@@ -22,6 +35,7 @@ use crate::scheduler::routing::quota::Quota;
 use crate::scheduler::routing::saturation::Saturation;
 use crate::scheduler::routing::slowness::Slowness;
 use crate::scheduler::state::codec::{Reader, Writer};
+use crate::scheduler::state::store::{update_if, Store};
 
 /// Statistics of one endpoint.
 #[derive(Debug, Clone, Copy, PartialEq)]
@@ -158,9 +172,19 @@ impl EndpointState {
 pub struct Table {
     pub budget: RetryBudget,
     pub entries: Vec<(u32, EndpointState)>,
+    /// The layout generation of the writer (its configuration's `layout_generation`; the
+    /// stored one for [`Table::decode`]): written with a full rewrite, and what decides
+    /// whether this writer may lay the table out anew (see [`Table::encode_over`]).
+    pub generation: u64,
 }
 
-const TABLE_VERSION: u8 = 7;
+/// The byte format's version. A new one needs a new [`TABLE_KEY`] (a test checks that they
+/// agree).
+pub const TABLE_VERSION: u8 = 8;
+/// The table's shared-data key, one per [`TABLE_VERSION`]: modules of two versions running
+/// side by side during an upgrade each keep their own table instead of resetting each other's
+/// on every write (Envoy never frees a key: one table's worth of bytes per version ever run).
+pub const TABLE_KEY: &str = "computeflux/endpoints/8";
 /// Id, write stamp, then the state.
 const ENTRY_BYTES: usize = 4
     + 8
@@ -192,8 +216,10 @@ const ENTRY_BYTES: usize = 4
 const BUDGET_BYTES: usize = 8 + 8 + 8;
 /// Where the header's write counter is: after the version byte and the budget.
 const STAMP_AT: usize = 1 + BUDGET_BYTES;
-/// Version byte, budget, write counter, entry count.
-const HEADER_BYTES: usize = STAMP_AT + 8 + 4;
+/// Where the header's layout generation is: after the write counter.
+const GENERATION_AT: usize = STAMP_AT + 8;
+/// Version byte, budget, write counter, layout generation, entry count.
+const HEADER_BYTES: usize = GENERATION_AT + 8 + 4;
 
 /// The little-endian u64 at `at`, if `bytes` reaches that far.
 fn u64_at(bytes: &[u8], at: usize) -> Option<u64> {
@@ -347,7 +373,13 @@ impl Table {
                 .zip(&cfg.endpoints)
                 .all(|((id, _), ep)| *id == ep.id);
         if same_layout {
-            return (stored, true);
+            return (
+                Table {
+                    generation: cfg.layout_generation,
+                    ..stored
+                },
+                true,
+            );
         }
         let mut entries = Vec::with_capacity(cfg.endpoints.len());
         for (i, ep) in cfg.endpoints.iter().enumerate() {
@@ -366,6 +398,7 @@ impl Table {
             Table {
                 budget: stored.budget,
                 entries,
+                generation: cfg.layout_generation,
             },
             false,
         )
@@ -411,17 +444,65 @@ impl Table {
 
     /// The whole table as the write that replaces `stored`: every entry gets the next stamp
     /// (a full rewrite is rare: a layout change or verdicts of several endpoints flipping).
+    /// Over a table of a newer layout generation (this writer is a request of an older
+    /// configuration, still draining) the layout is kept instead: see [`Table::merge_into`].
     pub fn encode_over(&self, stored: Option<&[u8]>) -> Vec<u8> {
+        if let Some(merged) = stored.and_then(|s| self.merge_into(s)) {
+            return merged;
+        }
         let stamp = next_stamp(stored);
         let mut w = Writer::with_capacity(HEADER_BYTES + self.entries.len() * ENTRY_BYTES);
         w.u8(TABLE_VERSION);
         self.budget.encode(&mut w);
         w.u64(stamp);
+        w.u64(self.generation);
         w.u32(self.entries.len() as u32);
         for (id, s) in &self.entries {
             encode_entry(&mut w, *id, stamp, s);
         }
         w.buf
+    }
+
+    /// When `stored` is a valid table laid out by a newer generation than this writer's: a
+    /// copy of it with the budget and each of this table's entries that it holds (found by
+    /// endpoint id) and that this writer changed rewritten under the next stamp. Its layout,
+    /// its generation and the entries of endpoints this writer does not know stay as they are;
+    /// an entry this writer has and the stored table lacks (an endpoint the newer
+    /// configuration removed) is not written. `None` otherwise (a plain full rewrite).
+    fn merge_into(&self, stored: &[u8]) -> Option<Vec<u8>> {
+        let stored_generation = u64_at(stored, GENERATION_AT)?;
+        if stored_generation <= self.generation {
+            return None;
+        }
+        // Only over bytes that decode whole: a corrupt table is rewritten, not patched.
+        let ids: Vec<u32> = Table::decode(stored)?
+            .entries
+            .iter()
+            .map(|(id, _)| *id)
+            .collect();
+        let stamp = next_stamp(Some(stored));
+        let mut out = stored.to_vec();
+        let mut budget = Writer::with_capacity(BUDGET_BYTES);
+        self.budget.encode(&mut budget);
+        out.get_mut(1..1 + BUDGET_BYTES)?
+            .copy_from_slice(&budget.buf);
+        for (id, st) in &self.entries {
+            let Some(i) = ids.iter().position(|stored_id| stored_id == id) else {
+                continue;
+            };
+            let at = HEADER_BYTES.checked_add(i.checked_mul(ENTRY_BYTES)?)?;
+            let slot = out.get_mut(at..at.checked_add(ENTRY_BYTES)?)?;
+            let mut entry = Writer::with_capacity(ENTRY_BYTES);
+            encode_entry(&mut entry, *id, stamp, st);
+            // Unchanged but for the stamp: kept with its old stamp (workers' caches stay valid).
+            let unchanged = slot.get(12..) == entry.buf.get(12..);
+            if !unchanged {
+                slot.copy_from_slice(&entry.buf);
+            }
+        }
+        out.get_mut(STAMP_AT..STAMP_AT + 8)?
+            .copy_from_slice(&stamp.to_le_bytes());
+        Some(out)
     }
 
     /// Whether `bytes` is a table of this version with exactly `cfg`'s layout (one entry per
@@ -480,6 +561,7 @@ impl Table {
         }
         let budget = RetryBudget::decode(&mut r)?;
         let _writes = r.u64()?;
+        let generation = r.u64()?;
         let n = r.u32()? as usize;
         if r.remaining() != n.checked_mul(ENTRY_BYTES)? {
             return None;
@@ -489,7 +571,39 @@ impl Table {
         for chunk in rest.chunks_exact(ENTRY_BYTES) {
             entries.push(decode_entry(chunk)?);
         }
-        Some(Table { budget, entries })
+        Some(Table {
+            budget,
+            entries,
+            generation,
+        })
+    }
+}
+
+/// Claims `cfg`'s layout generation, at configure time (every worker's root context calls it;
+/// they agree): the stored table's generation if it already has `cfg`'s layout; else one more,
+/// and the table is laid out for `cfg` (entries kept by endpoint id) under CAS in the same
+/// step, so two configurations never claim one generation. A missing or undecodable table is
+/// created at generation 1 (creating the key here also covers that CAS does not protect key
+/// creation). If every CAS attempt loses, the generation computed last is returned unwritten:
+/// the configuration's first write lays the table out.
+pub fn claim_layout(store: &dyn Store, cfg: &Config) -> u64 {
+    let claimed = update_if(store, TABLE_KEY, |bytes| {
+        let stored = bytes.filter(|b| Table::decode(b).is_some());
+        match stored {
+            Some(b) if Table::has_layout(b, cfg) => (None, u64_at(b, GENERATION_AT).unwrap_or(0)),
+            _ => {
+                let generation = stored
+                    .and_then(|b| u64_at(b, GENERATION_AT))
+                    .unwrap_or(0)
+                    .saturating_add(1);
+                let mut table = Table::load(stored, cfg).0;
+                table.generation = generation;
+                (Some(table.encode_over(stored)), generation)
+            }
+        }
+    });
+    match claimed {
+        Ok(g) | Err(g) => g,
     }
 }
 
@@ -544,7 +658,11 @@ impl TableCache {
                 }
             }
         }
-        Some(Table { budget, entries })
+        Some(Table {
+            budget,
+            entries,
+            generation: cfg.layout_generation,
+        })
     }
 }
 
@@ -667,5 +785,102 @@ mod tests {
         let other = Config::from_value(&json!({"endpoints":[{"name":"b","cluster":"b"}]})).unwrap();
         assert!(!Table::load(Some(&stored), &other).1);
         assert!(!Table::load(None, &cfg).1);
+    }
+
+    fn two(names: &[&str]) -> Config {
+        let eps: Vec<_> = names
+            .iter()
+            .map(|n| json!({"name": n, "cluster": n}))
+            .collect();
+        Config::from_value(&json!({ "endpoints": eps })).unwrap()
+    }
+
+    #[test]
+    fn key_follows_the_version() {
+        assert_eq!(TABLE_KEY, format!("computeflux/endpoints/{TABLE_VERSION}"));
+    }
+
+    /// An older generation's write keeps the newer layout and generation, changes only its own
+    /// changed entries (by id) and the budget; a newer or equal generation lays it out anew.
+    #[test]
+    fn older_generation_patches_by_id_and_never_relays_out() {
+        let mut new = two(&["b", "a", "d"]);
+        new.layout_generation = 2;
+        let mut old = two(&["a", "b", "c"]);
+        old.layout_generation = 1;
+        let mut t = Table::aligned(None, &new);
+        t.entries[2].1.breaker.state = BreakerState::Open;
+        t.entries[0].1.total = 7;
+        let stored = t.encode();
+        // The old writer sees its layout: a and b from the table, c fresh.
+        let (mut mine, same) = Table::load(Some(&stored), &old);
+        assert!(!same);
+        assert_eq!(mine.entries[1].1.total, 7);
+        mine.entries[0].1.total = 3;
+        mine.entries[2].1.total = 9;
+        mine.budget.on_request(5);
+        let out = mine.encode_over(Some(&stored));
+        assert!(Table::has_layout(&out, &new));
+        let back = Table::decode(&out).unwrap();
+        assert_eq!(back.generation, 2);
+        assert_eq!(back.entries[1].1.total, 3, "a patched by id");
+        assert_eq!(back.entries[0].1.total, 7, "b kept");
+        assert_eq!(
+            back.entries[2].1.breaker.state,
+            BreakerState::Open,
+            "d kept"
+        );
+        assert_eq!(back.budget, mine.budget);
+        // Only a's entry got the new stamp; the write counter moved.
+        assert_eq!(stamp_of(&out, 0), stamp_of(&stored, 0));
+        assert_eq!(stamp_of(&out, 2), stamp_of(&stored, 2));
+        assert_eq!(stamp_of(&out, 1), Some(next_stamp(Some(&stored))));
+        assert_eq!(next_stamp(Some(&out)), next_stamp(Some(&stored)) + 1);
+        // The newer configuration itself (or a later one) writes its own layout.
+        let mut newer = two(&["a", "c"]);
+        newer.layout_generation = 3;
+        let relaid = Table::load(Some(&out), &newer).0.encode_over(Some(&out));
+        assert!(Table::has_layout(&relaid, &newer));
+        assert_eq!(Table::decode(&relaid).unwrap().generation, 3);
+        // Equal generations (never claimed: tests and tools) keep the old rule, last writer's
+        // layout.
+        let (a, b) = (two(&["a"]), two(&["b"]));
+        let ta = Table::aligned(None, &a).encode();
+        assert!(Table::has_layout(
+            &Table::load(Some(&ta), &b).0.encode_over(Some(&ta)),
+            &b
+        ));
+        // Over corrupt bytes of a newer generation: a full rewrite, not a patch.
+        let mut bad = out.clone();
+        // The first entry's latency (after id, stamp, presence byte) as NaN: undecodable.
+        bad[HEADER_BYTES + 13..HEADER_BYTES + 21].copy_from_slice(&f64::NAN.to_le_bytes());
+        assert_eq!(Table::decode(&bad), None);
+        assert!(Table::has_layout(
+            &Table::load(Some(&bad), &old).0.encode_over(Some(&bad)),
+            &old
+        ));
+    }
+
+    #[test]
+    fn claim_is_idempotent_per_layout_and_orders_layouts() {
+        let store = crate::scheduler::state::store::MemStore::new();
+        let (a, b) = (two(&["a", "b"]), two(&["b", "c"]));
+        assert_eq!(claim_layout(&store, &a), 1);
+        assert_eq!(claim_layout(&store, &a), 1);
+        let writes = store.writes.get();
+        assert_eq!(claim_layout(&store, &a), 1);
+        assert_eq!(
+            store.writes.get(),
+            writes,
+            "a claim of the stored layout writes nothing"
+        );
+        assert_eq!(claim_layout(&store, &b), 2);
+        // b's claim laid the table out for b, keeping b's entry.
+        let bytes = store.get(TABLE_KEY).0.unwrap();
+        assert!(Table::has_layout(&bytes, &b));
+        assert_eq!(claim_layout(&store, &a), 3);
+        // Undecodable bytes: a fresh table at generation 1.
+        store.set(TABLE_KEY, b"junk", None).unwrap();
+        assert_eq!(claim_layout(&store, &b), 1);
     }
 }
