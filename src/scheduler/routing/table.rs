@@ -160,7 +160,7 @@ pub struct Table {
     pub entries: Vec<(u32, EndpointState)>,
 }
 
-const TABLE_VERSION: u8 = 7;
+const TABLE_VERSION: u8 = 8;
 /// Id, write stamp, then the state.
 const ENTRY_BYTES: usize = 4
     + 8
