@@ -33,10 +33,23 @@
 //!
 //! **Slowness** ([`Slowness`], one per endpoint): an EWMA in the log domain of
 //! `observed / expected` (α = [`ALPHA`]), so that 2× and ½× weigh alike, with its mean
-//! deviation. One sample moves the log-mean by at most `α · ln`[`CLAMP_RATIO`] (an outlier such
-//! as a 10 s stall shifts the estimate by ×1.4, not ×3), yet a real 5× slowdown is fully
-//! reflected after a handful of samples. The model is a common yardstick, so its absolute
-//! calibration cancels out: what is judged is an endpoint's slowness over its peers'.
+//! deviation — fed only by what a queue cannot touch. A stream's first byte and a plain
+//! answer's end both wait for a slot and for the engine's serialized prefills: on the
+//! engine-like bench they read a loaded healthy endpoint as 2–4× "slower" than its peers
+//! (first byte ÷ expected p10/p90 up to 1.1/13; issue 23), and the degraded rule broke pins in
+//! steady traffic. A stream's **decode phase** (first byte to last, against the group's fitted
+//! decode time per token, [`WorkModel::stream_decode_ms_per_token`]) happens once the engine
+//! runs the request: p10/p90 0.86–1.22 on every endpoint of the same runs. So a stream with
+//! `usage` and at least [`MIN_DECODE_TOKENS`] decode tokens is judged by its decode phase; a
+//! *queue-prone* time (a plain answer, a stream's first byte without a judged decode phase)
+//! counts only on an endpoint without a judged stream for [`DECODE_FRESH_MS`], and then as a
+//! **low envelope** — a sample below the estimate moves it at α, one above at
+//! [`QUEUE_ALPHA_UP`]: waiting only adds time, so the estimate settles near the lower quartile
+//! of its ratios, the endpoint when it did not wait. One sample moves the log-mean by at most
+//! `α · ln`[`CLAMP_RATIO`] (an outlier such as a 10 s stall shifts the estimate by ×1.4, or
+//! ×1.12 if queue-prone), yet a real 5× slowdown is reflected after four streams (twelve plain
+//! answers). The model is a common yardstick, so its absolute calibration cancels out: what is
+//! judged is an endpoint's slowness over its peers'.
 //!
 //! **Degraded** ([`degraded`]): a warm endpoint (at least `min_samples` samples; cold endpoints
 //! never are) whose slowness reaches `ratio` × the median slowness of its warm peers serving
@@ -49,10 +62,13 @@
 //! Measured (`tests/slowness_props.rs`, a synthetic fleet of 4 engines, half the answers
 //! streamed, prompts 200–8000 tokens 0–95 % cached, 16–512 output tokens, batch stretch and a
 //! 0–300 ms queue; `--nocapture` prints the figures): a healthy endpoint's slowness has p5/p50/
-//! p95 0.83/0.98/1.12, the judged ratio (own ÷ peers' median) 0.82/1.00/1.18 with a maximum of
-//! 1.6 over 5000 answers, and no endpoint is ever degraded at ratio 3 — where the raw EWMA rule
+//! p95 0.88/0.99/1.10, the judged ratio (own ÷ peers' median) 0.87/1.00/1.15 with a maximum of
+//! 1.37 over 5000 answers, and no endpoint is ever degraded at ratio 3 — where the raw EWMA rule
 //! (ratio to the fastest p95 2.7, max 4.9–6.4) enters the degraded state about 320 times in
-//! 20 000 answers. An endpoint turned 5× slower is degraded after 3–4 of its answers.
+//! 20 000 answers. With two of the four engines busy (an exponential 2 s queue, full batches)
+//! their judged ratio is 1.06/1.16/1.29 (max 1.45), never degraded; the raw rule has one
+//! degraded 97 % of the time. An endpoint turned 5× slower is degraded after 12–17 of its
+//! answers (half of them streams).
 
 use crate::scheduler::config::Config;
 use crate::scheduler::state::codec::{Reader, Writer};
