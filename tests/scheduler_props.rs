@@ -996,6 +996,7 @@ fn endpoint_state() -> impl Strategy<Value = EndpointState> {
                         expected_ms: prompt,
                         samples,
                         last_sample_ms: last,
+                        last_decode_ms: last / 2,
                         degraded: false,
                     },
                     saturation: match samples % 3 {
@@ -1440,6 +1441,7 @@ fn warm_model() -> WorkModel {
             cached_tokens: 0,
             completion_tokens: 0,
             estimated: false,
+            decode_ms: None,
         });
     }
     m
@@ -1454,6 +1456,7 @@ fn work(ms: f64) -> Sample {
         cached_tokens: 0,
         completion_tokens: 0,
         estimated: false,
+        decode_ms: None,
     }
 }
 
@@ -1478,6 +1481,7 @@ proptest! {
             expected_ms,
             samples: 20,
             last_sample_ms: 0,
+            last_decode_ms: 0,
             degraded: was,
         };
         // The value goes through ln/exp: compare with a relative tolerance at the edges.
@@ -1551,6 +1555,7 @@ proptest! {
             expected_ms: 1_000.0,
             samples,
             last_sample_ms: 0,
+            last_decode_ms: 0,
             degraded: false,
         };
         table.entries[1].1.slowness = slow(1.0, 100);

@@ -216,14 +216,16 @@ impl Attempt {
         if !matches!(outcome, Outcome::Success) || (self.streamed && self.awaits_first_byte) {
             return None;
         }
-        let observed_ms = if self.streamed {
-            first_byte_ms
+        let total_ms = now_ms.saturating_sub(self.ticket.started_ms);
+        let (observed_ms, decode_ms) = if self.streamed {
+            (first_byte_ms, Some(total_ms.saturating_sub(first_byte_ms)))
         } else {
-            now_ms.saturating_sub(self.ticket.started_ms)
+            (total_ms, None)
         };
         Some(Served {
             streamed: self.streamed,
             observed_ms,
+            decode_ms,
             usage,
             body_bytes,
             relayed_bytes: self.relayed_bytes,
@@ -744,6 +746,7 @@ impl Flow {
                 a.ticket.served = Some(Served {
                     streamed: false,
                     observed_ms: now_ms.saturating_sub(a.ticket.started_ms),
+                    decode_ms: None,
                     usage: None,
                     body_bytes,
                     relayed_bytes: body_size as u64,

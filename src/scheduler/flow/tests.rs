@@ -1105,6 +1105,7 @@ fn finished_answers_are_judged_against_their_work() {
             cached_tokens: 0,
             completion_tokens: 0,
             estimated: false,
+            decode_ms: None,
         });
     }
     store.set(&key, &m.encode(), None).unwrap();
@@ -1132,6 +1133,7 @@ fn finished_answers_are_judged_against_their_work() {
         cached_tokens: 32,
         completion_tokens: 4,
         estimated: false,
+        decode_ms: None,
     });
     assert!(
         (sl.value().unwrap() - 57.0 / expected).abs() < 1e-9,

@@ -197,6 +197,8 @@ pub struct Served {
     pub streamed: bool,
     /// Time to first byte (streamed) or to the end of the answer, ms.
     pub observed_ms: u64,
+    /// A stream's decode phase, from its first byte to its end, ms (`None` for a plain answer).
+    pub decode_ms: Option<u64>,
     /// The answer's `usage`, if it had one.
     pub usage: Option<Usage>,
     /// The request body's size (the prompt estimate without `usage`).
@@ -218,6 +220,7 @@ impl Served {
                 cached_tokens: u.cached_tokens.min(u.prompt_tokens),
                 completion_tokens: u.completion_tokens,
                 estimated: false,
+                decode_ms: self.decode_ms.map(|ms| ms as f64),
             },
             None => Sample::estimated(
                 self.streamed,
@@ -482,6 +485,7 @@ mod tests {
     fn served_samples_use_usage_else_estimates() {
         let mut s = Served {
             streamed: true,
+            decode_ms: None,
             observed_ms: 120,
             usage: Some(Usage {
                 prompt_tokens: 1000,

@@ -33,10 +33,23 @@
 //!
 //! **Slowness** ([`Slowness`], one per endpoint): an EWMA in the log domain of
 //! `observed / expected` (α = [`ALPHA`]), so that 2× and ½× weigh alike, with its mean
-//! deviation. One sample moves the log-mean by at most `α · ln`[`CLAMP_RATIO`] (an outlier such
-//! as a 10 s stall shifts the estimate by ×1.4, not ×3), yet a real 5× slowdown is fully
-//! reflected after a handful of samples. The model is a common yardstick, so its absolute
-//! calibration cancels out: what is judged is an endpoint's slowness over its peers'.
+//! deviation — fed only by what a queue cannot touch. A stream's first byte and a plain
+//! answer's end both wait for a slot and for the engine's serialized prefills: on the
+//! engine-like bench they read a loaded healthy endpoint as 2–4× "slower" than its peers
+//! (first byte ÷ expected p10/p90 up to 1.1/13; issue 23), and the degraded rule broke pins in
+//! steady traffic. A stream's **decode phase** (first byte to last, against the group's fitted
+//! decode time per token, [`WorkModel::stream_decode_ms_per_token`]) happens once the engine
+//! runs the request: p10/p90 0.86–1.22 on every endpoint of the same runs. So a stream with
+//! `usage` and at least [`MIN_DECODE_TOKENS`] decode tokens is judged by its decode phase; a
+//! *queue-prone* time (a plain answer, a stream's first byte without a judged decode phase)
+//! counts only on an endpoint without a judged stream for [`DECODE_FRESH_MS`], and then as a
+//! **low envelope** — a sample below the estimate moves it at α, one above at
+//! [`QUEUE_ALPHA_UP`]: waiting only adds time, so the estimate settles near the lower quartile
+//! of its ratios, the endpoint when it did not wait. One sample moves the log-mean by at most
+//! `α · ln`[`CLAMP_RATIO`] (an outlier such as a 10 s stall shifts the estimate by ×1.4, or
+//! ×1.12 if queue-prone), yet a real 5× slowdown is reflected after four streams (twelve plain
+//! answers). The model is a common yardstick, so its absolute calibration cancels out: what is
+//! judged is an endpoint's slowness over its peers'.
 //!
 //! **Degraded** ([`degraded`]): a warm endpoint (at least `min_samples` samples; cold endpoints
 //! never are) whose slowness reaches `ratio` × the median slowness of its warm peers serving
@@ -49,10 +62,13 @@
 //! Measured (`tests/slowness_props.rs`, a synthetic fleet of 4 engines, half the answers
 //! streamed, prompts 200–8000 tokens 0–95 % cached, 16–512 output tokens, batch stretch and a
 //! 0–300 ms queue; `--nocapture` prints the figures): a healthy endpoint's slowness has p5/p50/
-//! p95 0.83/0.98/1.12, the judged ratio (own ÷ peers' median) 0.82/1.00/1.18 with a maximum of
-//! 1.6 over 5000 answers, and no endpoint is ever degraded at ratio 3 — where the raw EWMA rule
+//! p95 0.88/0.99/1.10, the judged ratio (own ÷ peers' median) 0.87/1.00/1.15 with a maximum of
+//! 1.37 over 5000 answers, and no endpoint is ever degraded at ratio 3 — where the raw EWMA rule
 //! (ratio to the fastest p95 2.7, max 4.9–6.4) enters the degraded state about 320 times in
-//! 20 000 answers. An endpoint turned 5× slower is degraded after 3–4 of its answers.
+//! 20 000 answers. With two of the four engines busy (an exponential 2 s queue, full batches)
+//! their judged ratio is 1.06/1.16/1.29 (max 1.45), never degraded; the raw rule has one
+//! degraded 97 % of the time. An endpoint turned 5× slower is degraded after 12–17 of its
+//! answers (half of them streams).
 
 use crate::scheduler::config::Config;
 use crate::scheduler::state::codec::{Reader, Writer};
@@ -76,6 +92,25 @@ pub const RIDGE: f64 = 0.5;
 
 /// Measured samples the work model needs before slowness is judged against it.
 pub const MODEL_WARM_SAMPLES: u32 = 32;
+
+/// Gain of a *queue-prone* sample (a plain answer's total time, a stream's first byte) that is
+/// above the current estimate; one below it moves the estimate by [`ALPHA`]. Waiting in an
+/// engine's queue only ever adds time, so the low envelope of these samples is what measures
+/// the endpoint's speed: with gains 0.1 up and 0.3 down the estimate settles near the lower
+/// quartile of the sample ratios, whatever the queue adds above it (see the module doc).
+pub const QUEUE_ALPHA_UP: f64 = 0.1;
+
+/// How long an endpoint's last judged decode phase keeps it judged by its streams only: its
+/// queue-prone samples (plain answers, first bytes) are not counted meanwhile.
+pub const DECODE_FRESH_MS: u64 = 60_000;
+
+/// Decode tokens a stream needs (after its first) for its decode phase to be judged: shorter
+/// phases are a few chunks, dominated by network and scheduling noise.
+pub const MIN_DECODE_TOKENS: u64 = 16;
+
+/// Decode tokens (forgotten like the work model) the model's stream decode rate needs before it
+/// is used; before, the fitted decode coefficient of plain answers stands in.
+const DECODE_WARM_TOKENS: f64 = 256.0;
 
 /// Times below this are treated as equal (network noise), as `score::LATENCY_FLOOR_MS`.
 pub const FLOOR_MS: f64 = 10.0;
@@ -106,6 +141,9 @@ pub struct Sample {
     /// The tokens were estimated (no `usage`): the sample is judged but does not teach the
     /// work model.
     pub estimated: bool,
+    /// A stream's decode phase: from its first byte to its last, in ms (`None` for a plain
+    /// answer, or a stream whose end was not timed).
+    pub decode_ms: Option<f64>,
 }
 
 impl Sample {
@@ -129,7 +167,20 @@ impl Sample {
             cached_tokens: 0,
             completion_tokens: relayed_bytes / 4,
             estimated: true,
+            decode_ms: None,
         }
+    }
+
+    /// The stream's decode phase, `(ms, tokens after the first)`, when it is long enough to
+    /// judge: measured tokens (from `usage`), at least [`MIN_DECODE_TOKENS`] of them, and at
+    /// least [`FLOOR_MS`] long.
+    pub fn decode_phase(&self) -> Option<(f64, f64)> {
+        let ms = self
+            .decode_ms
+            .filter(|_| self.streamed && !self.estimated)?;
+        let tokens = self.completion_tokens.saturating_sub(1);
+        (ms.is_finite() && ms >= FLOOR_MS && tokens >= MIN_DECODE_TOKENS)
+            .then_some((ms.min(3_600_000.0), tokens as f64))
     }
 
     /// The fitted features `[1, uncached / 1000, completion / 100 if plain]`.
@@ -162,6 +213,10 @@ pub struct WorkModel {
     theta: [f64; 3],
     /// Measured samples folded in (saturating).
     pub samples: u32,
+    /// Streams' decode phases: `Σ ms` and `Σ tokens` after the first, forgotten by [`FORGET`]
+    /// per stream; their ratio is the group's decode time per token once the engine runs the
+    /// request (no queue, no prefill in it).
+    stream_decode: [f64; 2],
 }
 
 impl Default for WorkModel {
@@ -171,16 +226,17 @@ impl Default for WorkModel {
             xy: [0.0; 3],
             theta: PRIOR,
             samples: 0,
+            stream_decode: [0.0; 2],
         }
     }
 }
 
-const MODEL_VERSION: u8 = 1;
-const SLOWNESS_VERSION: u8 = 1;
+const MODEL_VERSION: u8 = 2;
+const SLOWNESS_VERSION: u8 = 2;
 
 impl WorkModel {
     /// Bytes of [`WorkModel::encode_into`] (without version byte).
-    pub const BYTES: usize = 12 * 8 + 4;
+    pub const BYTES: usize = 14 * 8 + 4;
 
     /// Fixed overhead per request, ms (queueing and network included).
     pub fn base_ms(&self) -> f64 {
@@ -193,6 +249,25 @@ impl WorkModel {
     /// Decode cost, ms per completion token.
     pub fn decode_ms_per_token(&self) -> f64 {
         self.theta[2] / DECODE_UNIT
+    }
+
+    /// A stream's decode time per token after its first, ms: fitted from streams' decode
+    /// phases, or the plain answers' decode coefficient until enough were seen.
+    pub fn stream_decode_ms_per_token(&self) -> f64 {
+        let [ms, tokens] = self.stream_decode;
+        if tokens >= DECODE_WARM_TOKENS && ms > 0.0 {
+            ms / tokens
+        } else {
+            self.decode_ms_per_token()
+        }
+    }
+
+    /// What `s`'s decode phase should take on a typical endpoint of the group, ms (`None`
+    /// when `s` has no judged decode phase).
+    pub fn expected_decode_ms(&self, s: &Sample) -> Option<f64> {
+        let (_, tokens) = s.decode_phase()?;
+        let e = self.stream_decode_ms_per_token() * tokens;
+        (e.is_finite() && e > 0.0).then(|| e.max(FLOOR_MS))
     }
 
     /// Whether slowness may be judged against this model yet.
@@ -222,6 +297,7 @@ impl WorkModel {
             cached_tokens: 0,
             completion_tokens,
             estimated: false,
+            decode_ms: None,
         })
     }
 
@@ -230,6 +306,11 @@ impl WorkModel {
     pub fn observe(&mut self, s: &Sample) -> bool {
         if s.estimated || !s.usable() {
             return false;
+        }
+        if let Some((ms, tokens)) = s.decode_phase() {
+            let [acc_ms, acc_tokens] = &mut self.stream_decode;
+            *acc_ms = FORGET * *acc_ms + ms;
+            *acc_tokens = FORGET * *acc_tokens + tokens;
         }
         let x = s.features();
         let y = s.observed_ms.min(3_600_000.0);
@@ -282,7 +363,13 @@ impl WorkModel {
 
     /// Appends the model without a version byte (for embedding in a versioned value).
     pub fn encode_into(&self, w: &mut Writer) {
-        for v in self.xx.iter().chain(&self.xy).chain(&self.theta) {
+        for v in self
+            .xx
+            .iter()
+            .chain(&self.xy)
+            .chain(&self.theta)
+            .chain(&self.stream_decode)
+        {
             w.f64(*v);
         }
         w.u32(self.samples);
@@ -296,12 +383,18 @@ impl WorkModel {
             m.xx.iter_mut()
                 .chain(m.xy.iter_mut())
                 .chain(m.theta.iter_mut())
+                .chain(m.stream_decode.iter_mut())
         {
             *v = r.f64()?;
         }
         m.samples = r.u32()?;
         let [s00, _, _, s11, _, s22] = m.xx;
-        if [s00, s11, s22].iter().chain(&m.theta).any(|v| *v < 0.0) {
+        if [s00, s11, s22]
+            .iter()
+            .chain(&m.theta)
+            .chain(&m.stream_decode)
+            .any(|v| *v < 0.0 || !v.is_finite())
+        {
             return None;
         }
         Some(m)
@@ -389,13 +482,15 @@ pub struct Slowness {
     pub samples: u32,
     /// When the last one arrived.
     pub last_sample_ms: u64,
+    /// When the last judged decode phase arrived (0: never).
+    pub last_decode_ms: u64,
     /// Judged degraded at the last evaluation (kept for the hysteresis).
     pub degraded: bool,
 }
 
 impl Slowness {
     /// Bytes of [`Slowness::encode_into`] (without version byte).
-    pub const BYTES: usize = 3 * 8 + 4 + 8 + 1;
+    pub const BYTES: usize = 3 * 8 + 4 + 8 + 8 + 1;
 
     /// `observed / expected`, smoothed: 1 for an endpoint as fast as the model, 5 for one 5×
     /// slower; `None` before the first sample.
@@ -403,33 +498,66 @@ impl Slowness {
         (self.samples > 0).then(|| self.log_mean.exp())
     }
 
-    /// Folds in `s`, judged against `model`. Returns the sample's (clamped) ratio, or `None`
-    /// when it was not counted (a cold model, or a non-finite time).
+    /// Folds in `s`, judged against `model` (see the module doc): a stream's decode phase as
+    /// a symmetric sample; a queue-prone time (a plain answer's whole time, a stream's first
+    /// byte without a judged decode phase) as a low-envelope one, and only while the endpoint
+    /// has had no decode phase for [`DECODE_FRESH_MS`] (its streams measure it better).
+    /// Returns the sample's judged ratio, or `None` when it was not counted (a cold model, a
+    /// non-finite time, a queue-prone time on an endpoint judged by its streams).
     pub fn observe(&mut self, s: &Sample, model: &WorkModel, now_ms: u64) -> Option<f64> {
         if !model.warm() || !s.usable() {
             return None;
         }
         let expected = model.expected_ms(s);
-        let raw = (s.observed_ms.max(FLOOR_MS) / expected).ln();
-        let clamp = CLAMP_RATIO.ln();
-        let ln = if self.samples == 0 {
-            raw.clamp(-clamp, clamp)
-        } else {
-            raw.clamp(self.log_mean - clamp, self.log_mean + clamp)
+        let decode = s
+            .decode_phase()
+            .zip(model.expected_decode_ms(s))
+            .map(|((ms, _), e)| (ms.max(FLOOR_MS) / e).ln());
+        let judged_by_streams = self.last_decode_ms > 0
+            && now_ms.saturating_sub(self.last_decode_ms) <= DECODE_FRESH_MS;
+        let (ln, alpha) = match decode {
+            Some(ln) => {
+                self.last_decode_ms = now_ms.max(1);
+                (ln, ALPHA)
+            }
+            None if judged_by_streams => return None,
+            None => {
+                let ln = (s.observed_ms.max(FLOOR_MS) / expected).ln();
+                // Down at ALPHA, up at QUEUE_ALPHA_UP: the low envelope.
+                (
+                    ln,
+                    if ln > self.log_mean {
+                        QUEUE_ALPHA_UP
+                    } else {
+                        ALPHA
+                    },
+                )
+            }
         };
-        if self.samples == 0 {
-            self.log_mean = ln;
+        let judged = if self.samples == 0 {
+            let clamp = CLAMP_RATIO.ln();
+            self.log_mean = ln.clamp(-clamp, clamp);
             self.log_dev = 0.0;
             self.expected_ms = expected;
+            self.log_mean
         } else {
-            self.log_dev = (1.0 - DEVIATION_ALPHA) * self.log_dev
-                + DEVIATION_ALPHA * (ln - self.log_mean).abs();
-            self.log_mean = (1.0 - ALPHA) * self.log_mean + ALPHA * ln;
             self.expected_ms = (1.0 - ALPHA) * self.expected_ms + ALPHA * expected;
-        }
+            self.fold(ln, alpha)
+        };
         self.samples = self.samples.saturating_add(1);
         self.last_sample_ms = now_ms;
-        Some(ln.exp())
+        Some(judged.exp())
+    }
+
+    /// Folds one log-ratio in at gain `alpha`, clamped to within [`CLAMP_RATIO`] of the
+    /// estimate; returns the clamped log-ratio.
+    fn fold(&mut self, ln: f64, alpha: f64) -> f64 {
+        let clamp = CLAMP_RATIO.ln();
+        let ln = ln.clamp(self.log_mean - clamp, self.log_mean + clamp);
+        self.log_dev =
+            (1.0 - DEVIATION_ALPHA) * self.log_dev + DEVIATION_ALPHA * (ln - self.log_mean).abs();
+        self.log_mean = (1.0 - alpha) * self.log_mean + alpha * ln;
+        ln
     }
 
     /// Appends the state without a version byte (for embedding in the endpoint table).
@@ -439,6 +567,7 @@ impl Slowness {
         w.f64(self.expected_ms);
         w.u32(self.samples);
         w.u64(self.last_sample_ms);
+        w.u64(self.last_decode_ms);
         w.u8(u8::from(self.degraded));
     }
 
@@ -450,6 +579,7 @@ impl Slowness {
             expected_ms: r.f64()?,
             samples: r.u32()?,
             last_sample_ms: r.u64()?,
+            last_decode_ms: r.u64()?,
             degraded: match r.u8()? {
                 0 => false,
                 1 => true,
@@ -568,6 +698,7 @@ mod tests {
             cached_tokens: cached,
             completion_tokens: completion,
             estimated: false,
+            decode_ms: None,
         }
     }
 
@@ -655,7 +786,16 @@ mod tests {
         assert_eq!(cold, Slowness::default());
     }
 
-    /// One stall of 100× moves the estimate by at most ×3^0.3 = ×1.39.
+    /// A stream of `completion` tokens whose decode phase took `decode_ms`.
+    fn stream(first_byte_ms: f64, completion: u64, decode_ms: f64) -> Sample {
+        Sample {
+            decode_ms: Some(decode_ms),
+            ..sample(true, first_byte_ms, 1000, 0, completion)
+        }
+    }
+
+    /// One queue-prone stall of 100× moves the estimate by at most ×3^0.1 = ×1.12, one
+    /// decode-phase stall by ×3^0.3 = ×1.39.
     #[test]
     fn one_stall_moves_little() {
         let m = warm_model();
@@ -665,14 +805,101 @@ mod tests {
         }
         sl.observe(&sample(true, 25_000.0, 1000, 0, 0), &m, 0);
         assert!(
-            (sl.value().unwrap() - 3f64.powf(0.3)).abs() < 1e-9,
+            (sl.value().unwrap() - 3f64.powf(QUEUE_ALPHA_UP)).abs() < 1e-9,
             "{sl:?}"
         );
-        // A sustained 5x is reached: within 10 % after 8 samples.
-        for _ in 0..8 {
-            sl.observe(&sample(true, 1250.0, 1000, 0, 0), &m, 0);
+        // The prior decodes a token in 10 ms: 100 tokens after the first in 1 s is 1×.
+        let mut sl = Slowness::default();
+        for _ in 0..10 {
+            sl.observe(&stream(250.0, 101, 1000.0), &m, 0);
+        }
+        assert!((sl.value().unwrap() - 1.0).abs() < 1e-9, "{sl:?}");
+        sl.observe(&stream(250.0, 101, 100_000.0), &m, 0);
+        assert!(
+            (sl.value().unwrap() - 3f64.powf(ALPHA)).abs() < 1e-9,
+            "{sl:?}"
+        );
+        // Its plain answers, however slow, are not counted while its streams judge it.
+        assert_eq!(
+            sl.observe(&sample(false, 99_000.0, 1000, 0, 0), &m, 60_000),
+            None
+        );
+        assert!(
+            (sl.value().unwrap() - 3f64.powf(ALPHA)).abs() < 1e-9,
+            "{sl:?}"
+        );
+        // Once its streams stop for longer than DECODE_FRESH_MS, they are.
+        assert!(sl
+            .observe(&sample(false, 99_000.0, 1000, 0, 0), &m, 60_002)
+            .is_some());
+    }
+
+    /// Load is not slowness: queue-prone samples that wait 1–20× their work (an engine with a
+    /// queue) barely move an endpoint whose streams decode at the model's pace, and even
+    /// without streams the estimate stays near the low envelope of its samples.
+    #[test]
+    fn queueing_does_not_read_as_slowness() {
+        let m = warm_model();
+        let waits = [1.0, 3.0, 20.0, 1.5, 8.0, 1.0, 12.0, 2.0];
+        let mut with_streams = Slowness::default();
+        let mut plain_only = Slowness::default();
+        for k in 0..400 {
+            let w = waits[k % waits.len()];
+            with_streams.observe(&stream(250.0 * w, 101, 1000.0), &m, 0);
+            plain_only.observe(&sample(true, 250.0 * w, 1000, 0, 0), &m, 0);
+        }
+        let (a, b) = (with_streams.value().unwrap(), plain_only.value().unwrap());
+        assert!(a < 1.6, "{with_streams:?}");
+        assert!(b < 2.2, "{plain_only:?}");
+    }
+
+    /// A sustained 5× shows within 10 streams (their decode phases), and within 30 plain
+    /// answers (the low envelope rises at QUEUE_ALPHA_UP); the degraded ratio 3 is crossed
+    /// after 12 plain answers.
+    #[test]
+    fn sustained_slowness_is_reached() {
+        let m = warm_model();
+        let mut sl = Slowness::default();
+        for _ in 0..10 {
+            sl.observe(&stream(250.0, 101, 1000.0), &m, 0);
+        }
+        for _ in 0..10 {
+            sl.observe(&stream(1250.0, 101, 5000.0), &m, 0);
         }
         assert!((sl.value().unwrap() / 5.0 - 1.0).abs() < 0.1, "{sl:?}");
+        let mut sl = Slowness::default();
+        for _ in 0..10 {
+            sl.observe(&sample(false, 250.0, 1000, 0, 0), &m, 0);
+        }
+        let mut crossed = None;
+        for k in 1..=30 {
+            sl.observe(&sample(false, 1250.0, 1000, 0, 0), &m, 0);
+            if crossed.is_none() && sl.value().unwrap() >= 3.0 {
+                crossed = Some(k);
+            }
+        }
+        assert_eq!(crossed, Some(12), "{sl:?}");
+        assert!(sl.value().unwrap() > 4.5, "{sl:?}");
+    }
+
+    /// The stream decode rate: the plain answers' decode coefficient until 256 tokens of
+    /// streams were seen, then `Σ ms / Σ tokens` of the decode phases.
+    #[test]
+    fn stream_decode_rate_is_fitted_from_decode_phases() {
+        let mut m = WorkModel::default();
+        assert_eq!(m.stream_decode_ms_per_token(), 10.0);
+        // Too short to judge (15 tokens after the first): not taught.
+        assert!(m.observe(&stream(100.0, 16, 60.0)));
+        assert_eq!(m.stream_decode_ms_per_token(), 10.0);
+        for _ in 0..3 {
+            m.observe(&stream(100.0, 101, 200.0));
+        }
+        let r = m.stream_decode_ms_per_token();
+        assert!((r - 2.0).abs() < 1e-9, "{r}");
+        assert_eq!(m.expected_decode_ms(&stream(1.0, 51, 0.0)), None); // 0 ms: unjudged
+        assert!((m.expected_decode_ms(&stream(1.0, 51, 99.0)).unwrap() - 100.0).abs() < 1e-9);
+        // Round trip with the new sums.
+        assert_eq!(WorkModel::decode(&m.encode()), Some(m));
     }
 
     fn warm_at(value: f64, expected_ms: f64) -> Slowness {
@@ -682,6 +909,7 @@ mod tests {
             expected_ms,
             samples: 20,
             last_sample_ms: 0,
+            last_decode_ms: 0,
             degraded: false,
         }
     }
