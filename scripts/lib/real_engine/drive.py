@@ -52,6 +52,11 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import words as wordlist  # noqa: E402
 
 ENGINE_NAMES = ("e0", "e1")
+# computeflux: the filter with each endpoint's `metrics` (format llamacpp) so it scrapes the
+# engines' load; computeflux_no_metrics: the same filter without (what it sees is only what
+# passes through it); round_robin: Envoy's balancer over one cluster of both engines.
+FILTER_POLICIES = ("computeflux", "computeflux_no_metrics")
+POLICIES = FILTER_POLICIES + ("round_robin",)
 UPSTREAM_HEADER = "x-real-engine-upstream"
 COUNTERS = (
     "prompt_tokens_total",
@@ -213,7 +218,7 @@ class Engine:
 # Envoy
 
 
-def bootstrap(policy, engines, wasm, listener_port, admin_port):
+def bootstrap(policy, engines, wasm, listener_port, admin_port, scrape_interval_ms):
     """Shaped like tests/support/envoy.rs render_bootstrap (same filter block, same routing
     header); round_robin is one cluster with both engines."""
     buffer = 16 * 1024 * 1024
@@ -235,8 +240,14 @@ def bootstrap(policy, engines, wasm, listener_port, admin_port):
         return c
 
     filters = []
-    if policy == "computeflux":
+    if policy in FILTER_POLICIES:
         plugin = {"endpoints": [{"name": e.name, "cluster": e.name} for e in engines]}
+        if policy == "computeflux":
+            # The engines' own load, scraped by the filter from their `--metrics` page through
+            # their cluster (the same one the API goes to).
+            for ep in plugin["endpoints"]:
+                ep["metrics"] = {"path": "/metrics", "format": "llamacpp",
+                                 "interval_ms": scrape_interval_ms}
         route = {"cluster_header": "x-computeflux-cluster", "timeout": "120s"}
         entry = {"match": {"prefix": "/"}, "route": route,
                  "request_headers_to_remove": ["x-computeflux-cluster"],
@@ -297,7 +308,8 @@ class Envoy:
     def start(self):
         for attempt in range(5):
             self.port, self.admin = free_port(), free_port()
-            cfg, self.plugin = bootstrap(self.policy, self.engines, self.a.wasm, self.port, self.admin)
+            cfg, self.plugin = bootstrap(self.policy, self.engines, self.a.wasm, self.port, self.admin,
+                                         self.a.scrape_interval_ms)
             path = os.path.join(self.dir, f"envoy-{self.policy}.json")
             with open(path, "w") as f:
                 json.dump(cfg, f, indent=1)
@@ -334,6 +346,159 @@ class Envoy:
 
 
 # ---------------------------------------------------------------------------------------------
+# Sampling the engines' load and the filter's view of it at the same moments
+
+ENGINE_GAUGES = ("requests_processing", "requests_deferred")
+# Envoy shows the filter's per-endpoint gauges as wasmcustom.<name>.endpoint.<endpoint>.
+FILTER_GAUGES = ("computeflux_engine_running", "computeflux_engine_waiting",
+                 "computeflux_engine_kv_usage_permille", "computeflux_scrape_age_ms",
+                 "computeflux_slowness_permille", "computeflux_degraded", "computeflux_saturated",
+                 "computeflux_in_flight", "computeflux_ewma_latency_ms")
+FILTER_STATS_RE = re.compile(r"^wasmcustom\.(computeflux_[a-z_]+)\.endpoint\.([A-Za-z0-9_-]+)$")
+
+
+def engine_load(text):
+    """The engine's queue gauges and, if its page has one, its KV-cache usage (llama.cpp builds
+    of some versions export `llamacpp:kv_cache_usage_ratio`; this one may not)."""
+    m = parse_metrics(text)
+    out = {k: m.get(k) for k in ENGINE_GAUGES}
+    kv = [v for k, v in m.items() if k.startswith("kv_cache_usage")]
+    out["kv_cache_usage"] = kv[0] if kv else None
+    return out
+
+
+class Sampler:
+    """Every `period_s`, reads both engines' `/metrics` and (with the filter) Envoy's stats of
+    the filter's scraped gauges concurrently, so each sample pairs what the engine says with what
+    the filter holds at (nearly) the same moment. Each read's own duration is kept."""
+
+    def __init__(self, engines, envoy, period_s, run_t0):
+        self.engines, self.envoy, self.period_s, self.t0 = engines, envoy, period_s, run_t0
+        self.samples = []
+        self.stop_ev = threading.Event()
+        self.thread = threading.Thread(target=self.loop, daemon=True)
+        self.pool = concurrent.futures.ThreadPoolExecutor(max_workers=len(engines) + 1)
+
+    def read_engine(self, e):
+        t = time.monotonic()
+        try:
+            v = engine_load(e.metrics_text())
+        except (OSError, RuntimeError) as err:
+            v = {"error": str(err)[:100]}
+        v["read_ms"] = round(1000 * (time.monotonic() - t), 1)
+        return v
+
+    def read_filter(self):
+        t = time.monotonic()
+        out = {}
+        try:
+            status, _, body = http("GET", f"http://127.0.0.1:{self.envoy.admin}/stats?format=json&filter="
+                                   + urllib.request.quote("^wasmcustom\\.computeflux_"), timeout=5)
+            if status == 200:
+                for st in json.loads(body).get("stats", []):
+                    m = FILTER_STATS_RE.match(st.get("name", ""))
+                    if m and m.group(1) in FILTER_GAUGES and "value" in st:
+                        out.setdefault(m.group(2), {})[m.group(1)] = st["value"]
+        except (OSError, ValueError) as err:
+            out = {"error": str(err)[:100]}
+        return out, round(1000 * (time.monotonic() - t), 1)
+
+    def loop(self):
+        # One sample at a random moment of each period: a fixed period equal to (or a multiple
+        # of) the filter's scrape interval would lock onto its phase and always look just after
+        # a scrape (fresh values, ages of a few ms).
+        rng = random.Random(7)
+        start = time.monotonic()
+        k = 0
+        while not self.stop_ev.is_set():
+            at = start + (k + rng.random()) * self.period_s
+            k += 1
+            if self.stop_ev.wait(max(0.0, at - time.monotonic())):
+                break
+            t = time.monotonic()
+            futs = {e.name: self.pool.submit(self.read_engine, e) for e in self.engines}
+            ff = self.pool.submit(self.read_filter) if self.envoy is not None else None
+            sample = {"t_s": round(t - self.t0, 3),
+                      "engines": {n: f.result() for n, f in futs.items()}}
+            if ff is not None:
+                sample["filter"], sample["filter_read_ms"] = ff.result()
+            self.samples.append(sample)
+            # The next window starts after this one (reads that overran it skip windows).
+            k = max(k, int((time.monotonic() - start) / self.period_s))
+
+    def start(self):
+        self.thread.start()
+
+    def stop(self):
+        self.stop_ev.set()
+        self.thread.join(timeout=10)
+        self.pool.shutdown(wait=True)
+        return self.samples
+
+
+def compare_samples(samples, names, active_until_s=None):
+    """Per endpoint: how the filter's scraped running/waiting matched the engine's own gauges at
+    the same moments (mean and max absolute difference, share of samples equal, means of both),
+    the scrape age seen, and the slowness/degraded/saturated gauges over the run. Samples after
+    `active_until_s` (the client's last answer) are left out, so an idle tail does not dilute the
+    difference."""
+    out = {}
+    for n in names:
+        pairs = {"running": [], "waiting": []}
+        ages, slow, degraded, saturated, in_flight_vs_engine = [], [], [], [], []
+        for smp in samples:
+            if active_until_s is not None and smp["t_s"] > active_until_s:
+                continue
+            e = smp["engines"].get(n, {})
+            f = (smp.get("filter") or {}).get(n, {})
+            for key, ek, fk in (("running", "requests_processing", "computeflux_engine_running"),
+                                ("waiting", "requests_deferred", "computeflux_engine_waiting")):
+                if e.get(ek) is not None and f.get(fk) is not None:
+                    pairs[key].append((e[ek], f[fk]))
+            if f.get("computeflux_scrape_age_ms") is not None:
+                ages.append(f["computeflux_scrape_age_ms"])
+            if f.get("computeflux_slowness_permille"):
+                slow.append(f["computeflux_slowness_permille"])
+            degraded.append(f.get("computeflux_degraded") or 0)
+            saturated.append(f.get("computeflux_saturated") or 0)
+            if f.get("computeflux_in_flight") is not None and e.get("requests_processing") is not None:
+                in_flight_vs_engine.append((e["requests_processing"] + (e.get("requests_deferred") or 0),
+                                            f["computeflux_in_flight"]))
+        d = {}
+        # Baseline for the differences: how much the engine's own gauges move between two
+        # consecutive samples (what a value one sample period old would be off by).
+        for key, ek in (("running", "requests_processing"), ("waiting", "requests_deferred")):
+            series = [smp["engines"].get(n, {}).get(ek) for smp in samples
+                      if active_until_s is None or smp["t_s"] <= active_until_s]
+            series = [x for x in series if x is not None]
+            if len(series) > 1:
+                steps = [abs(b - a) for a, b in zip(series, series[1:])]
+                d[f"engine_{key}_step_mean_abs"] = round(sum(steps) / len(steps), 3)
+        for key, ps in list(pairs.items()) + [("in_flight_vs_engine_total", in_flight_vs_engine)]:
+            if not ps:
+                continue
+            diffs = [abs(a - b) for a, b in ps]
+            d[key] = {"samples": len(ps),
+                      "mean_abs_diff": round(sum(diffs) / len(ps), 3),
+                      "max_abs_diff": max(diffs),
+                      "equal_pct": round(100.0 * sum(x == 0 for x in diffs) / len(ps), 1),
+                      "engine_mean": round(sum(a for a, _ in ps) / len(ps), 3),
+                      "filter_mean": round(sum(b for _, b in ps) / len(ps), 3)}
+        if ages:
+            d["scrape_age_ms"] = {"max": max(ages), "mean": round(sum(ages) / len(ages), 1)}
+        if slow:
+            ss = sorted(slow)
+            d["slowness_permille"] = {"min": ss[0], "median": ss[len(ss) // 2], "max": ss[-1],
+                                      "samples": len(ss)}
+        d["degraded_samples"] = sum(1 for x in degraded if x)
+        d["saturated_samples"] = sum(1 for x in saturated if x)
+        kv = [smp["engines"].get(n, {}).get("kv_cache_usage") for smp in samples]
+        d["engine_kv_cache_usage_exported"] = any(x is not None for x in kv)
+        out[n] = d
+    return out
+
+
+# ---------------------------------------------------------------------------------------------
 # The client
 
 
@@ -345,7 +510,7 @@ def percentile(xs, p):
     return xs[k]
 
 
-def run_client(a, port, by_port):
+def run_client(a, port, by_port, run_t0):
     vocab = wordlist.words()
     sysrng = random.Random(a.seed)
     system = "you are a helpful assistant . " + " ".join(sysrng.choice(vocab) for _ in range(a.system_words))
@@ -373,6 +538,7 @@ def run_client(a, port, by_port):
                     status, hdrs, raw = 0, {}, str(e).encode()
                 dt = time.monotonic() - t0
             rec = {"session": i, "turn": t + 1, "status": status, "latency_s": dt,
+                   "start_s": round(t0 - run_t0, 3), "end_s": round(t0 + dt - run_t0, 3),
                    "endpoint": hdrs.get("x-computeflux-endpoint"),
                    "affinity": hdrs.get("x-computeflux-affinity"),
                    "upstream": by_port.get(hdrs.get(UPSTREAM_HEADER, "").rsplit(":", 1)[-1])}
@@ -395,10 +561,9 @@ def run_client(a, port, by_port):
             with lock:
                 records.append(rec)
 
-    t0 = time.monotonic()
     with concurrent.futures.ThreadPoolExecutor(max_workers=a.sessions) as ex:
         list(ex.map(session, range(a.sessions)))
-    wall = time.monotonic() - t0
+    wall = time.monotonic() - run_t0
     return records, errors, wall
 
 
@@ -459,7 +624,19 @@ def run_policy(a, policy, procs, workdir):
         envoy.start()
         log(f"{policy}: engines on {[e.port for e in engines]}, envoy on {envoy.port} (admin {envoy.admin})")
         before = {e.name: parse_metrics(e.metrics_text()) for e in engines}
-        records, errors, wall = run_client(a, envoy.port, by_port)
+        if policy == "computeflux":
+            # Let the filter's first scrapes land before the first request.
+            wait_until(lambda: all(envoy.computeflux_stats().get(
+                f"wasmcustom.computeflux_scrapes_total.endpoint.{e.name}", 0) > 0 for e in engines),
+                10, "the filter's first scrapes")
+        stats_before = envoy.computeflux_stats() if policy in FILTER_POLICIES else {}
+        run_t0 = time.monotonic()
+        sampler = Sampler(engines, envoy if policy in FILTER_POLICIES else None, a.sample_period_s, run_t0)
+        sampler.start()
+        try:
+            records, errors, wall = run_client(a, envoy.port, by_port, run_t0)
+        finally:
+            samples = sampler.stop()
         time.sleep(0.5)
         raw_after = {e.name: e.metrics_text() for e in engines}
         after = {n: parse_metrics(t) for n, t in raw_after.items()}
@@ -484,8 +661,13 @@ def run_policy(a, policy, procs, workdir):
             "errors": errors[:20],
             "records": records,
         }
-        if policy == "computeflux":
+        out["samples"] = samples
+        last_end = max((r["end_s"] for r in records), default=None)
+        out["scraped_vs_engine"] = compare_samples(samples, [e.name for e in engines], last_end)
+        if policy in FILTER_POLICIES:
             out["envoy_computeflux_stats"] = envoy.computeflux_stats()
+            # The stats before the client ran (the first scrapes happen before it).
+            out["envoy_computeflux_stats_before"] = stats_before
         return out
     finally:
         if envoy:
@@ -506,6 +688,7 @@ def report_md(res):
     m = res["meta"]
     L = []
     L.append("# Real engine: computeflux vs round_robin in front of two llama.cpp servers\n")
+    names = [p["policy"] for p in res["policies"]]
     la = res.get("load_average_start") or [0.0]
     L.append(f"Generated {res['generated_utc']} on {res.get('cpus', '?')} cores shared with other work "
              f"(load average {la[0]:.1f} at start) by `{m.get('command', 'scripts/real-engine')}` "
@@ -522,7 +705,12 @@ def report_md(res):
     L.append(f"- Model: {m.get('model', '?')}")
     L.append(f"- Envoy {m.get('envoy_version', '?')}, `--concurrency 2`; the filter: "
              f"`target/wasm32-wasip1/release/computeflux.wasm` with its default configuration plus "
-             f"the two endpoints (`{json.dumps(res['policies'][0].get('plugin_config')) if res['policies'] else ''}`).")
+             f"the two endpoints:")
+    for p in res["policies"]:
+        if p.get("plugin_config"):
+            L.append(f"  - `{p['policy']}`: `{json.dumps(p['plugin_config'])}`")
+    if "round_robin" in names:
+        L.append("  - `round_robin`: no filter; one Envoy cluster holding both engines, `lb_policy: ROUND_ROBIN`.")
     L.append(f"- Client: {a['sessions']} sessions × {a['turns']} turns, at most {a['concurrency']} requests in "
              f"flight, shared system prompt of {a['system_words']} words, {a['user_words']} new words per "
              f"user turn, `max_tokens` {a['max_tokens']} (the model never stops early), `x-session-id` "
@@ -579,21 +767,117 @@ def report_md(res):
         broken = [r for r in p["records"] if r["status"] == 200 and r.get("affinity") == "pin_break"]
         evaluated = sum((r.get("prompt_tokens") or 0) - (r.get("cached_tokens") or 0) for r in broken)
         L.append(f"\nThe filter's decisions ({p['policy']}, Envoy's `computeflux_decisions_total`): "
-                 + ", ".join(f"{k} {v}" for k, v in sorted(reasons.items()))
-                 + f". The {len(broken)} `pin_break` requests moved a session off the engine holding "
-                 f"its cache; the engines evaluated {evaluated:,} prompt tokens for them (their "
-                 f"`usage`: prompt − cached).")
+                 + ", ".join(f"{k} {v}" for k, v in sorted(reasons.items())) + ".")
+        zero = [r for r in ("pin_break", "degraded", "saturated", "degraded_probe") if not reasons.get(r)]
+        if zero:
+            L[-1] += " Zero: " + ", ".join(f"`{r}`" for r in zero) + "."
+        if broken:
+            L.append(f"The {len(broken)} `pin_break` requests moved a session off the engine holding "
+                     f"its cache; the engines evaluated {evaluated:,} prompt tokens for them (their "
+                     f"`usage`: prompt − cached).")
     L.append("")
-    L.append("## The filter's scraped state vs the engines' /metrics\n")
-    L.append("<!-- COORDINATOR: fill in once the filter scrapes /metrics (issue 23 item 3). -->")
-    L.append("**Not measured yet.** The filter does not scrape the engines' `/metrics` on this branch. "
-             "The raw final `/metrics` of both engines and Envoy's `computeflux_*` stats for the "
-             "computeflux run are kept in `latest.json` (`engine_metrics_final_raw`, "
-             "`envoy_computeflux_stats`) for that comparison.\n")
+    L.append(moves_md(res))
+    L.append(scraped_md(res))
     L.append("## Reproduce\n")
     L.append("```\n" + m.get("command", "scripts/real-engine") + "\n```\n")
     L.append("Raw per-request records, the engines' metric deltas and final `/slots` are in `latest.json`.")
     return "\n".join(L) + "\n"
+
+
+def moves_md(res):
+    """Every request the filter sent away from its session's previous engine on purpose
+    (affinity `pin_break` or `saturated`), with the filter's gauges at the sample before it."""
+    L = []
+    for p in res["policies"]:
+        moved = [r for r in p["records"] if r.get("affinity") in ("pin_break", "saturated")]
+        if not moved:
+            continue
+        prev = {(r["session"], r["turn"]): r for r in p["records"]}
+        L.append(f"#### Sessions moved by {p['policy']} ({len(moved)} requests)\n")
+        L.append("Each row: the request, the engine that served the session's previous turn, where the "
+                 "filter sent it, and the filter's own gauges at the last sample (every "
+                 f"{res['args'].get('sample_period_s', 0.5)} s) before the request started: slowness "
+                 "(‰, 1000 = as fast as the fleet's work model), degraded, and the EWMA time to first byte.\n")
+        L.append("| session/turn | start | from → to | latency | prompt / cached tokens | slowness e0 / e1 | degraded e0 / e1 | ewma ms e0 / e1 | previous turn's latency |")
+        L.append("|---|---|---|---|---|---|---|---|---|")
+        for r in sorted(moved, key=lambda r: r["start_s"]):
+            before = [smp for smp in p.get("samples", []) if smp["t_s"] <= r["start_s"]]
+            f = (before[-1].get("filter") or {}) if before else {}
+            g = lambda k: " / ".join(str(f.get(n, {}).get(k, "—")) for n in ENGINE_NAMES)  # noqa: E731
+            pr = prev.get((r["session"], r["turn"] - 1), {})
+            L.append(f"| {r['session']}/{r['turn']} | {r['start_s']:.2f} s | {pr.get('upstream')} → {r['upstream']} | "
+                     f"{1000 * r['latency_s']:.0f} ms | {fmt(r.get('prompt_tokens'))} / {fmt(r.get('cached_tokens'))} | "
+                     f"{g('computeflux_slowness_permille')} | {g('computeflux_degraded')} | "
+                     f"{g('computeflux_ewma_latency_ms')} | "
+                     f"{(1000 * pr['latency_s']) if pr else 0:.0f} ms |")
+        L.append("")
+    return "\n".join(L)
+
+
+def scraped_md(res):
+    L = ["## The filter's scraped state vs the engines' /metrics\n"]
+    with_metrics = [p for p in res["policies"] if p["policy"] == "computeflux" and p.get("scraped_vs_engine")]
+    if not with_metrics:
+        L.append("Not measured in this run (no `computeflux` policy with `metrics`).\n")
+        return "\n".join(L)
+    period = res["args"].get("sample_period_s", 0.5)
+    interval = res["args"].get("scrape_interval_ms")
+    for p in with_metrics:
+        cmp_, stats = p["scraped_vs_engine"], p.get("envoy_computeflux_stats", {})
+        before = p.get("envoy_computeflux_stats_before", {})
+        n_samples = len(p.get("samples", []))
+        L.append(f"During the `{p['policy']}` run the driver read, once in every {period} s window (at a "
+                 "random moment in it, so the samples do not lock onto the scrapes' phase) and at the same "
+                 f"moment (concurrently), both engines' `/metrics` and Envoy's `/stats` of the filter's gauges "
+                 f"({n_samples} samples; those after the last answer left out). The filter scrapes each "
+                 f"engine every {interval} ms (`metrics.interval_ms`) through the engine's own cluster. "
+                 "Engine `requests_processing` is compared with the filter's `computeflux_engine_running`, "
+                 "engine `requests_deferred` with `computeflux_engine_waiting`. The last column is the "
+                 "baseline: how far the engine's own gauge moves between two consecutive samples.\n")
+        L.append("| endpoint | gauge | samples | engine mean | filter mean | mean abs diff | max abs diff | equal | engine's own step between samples |")
+        L.append("|---|---|---|---|---|---|---|---|---|")
+        for n, d in sorted(cmp_.items()):
+            for key in ("running", "waiting"):
+                c = d.get(key)
+                if not c:
+                    continue
+                L.append(f"| {n} | {key} | {c['samples']} | {c['engine_mean']:.2f} | {c['filter_mean']:.2f} | "
+                         f"{c['mean_abs_diff']:.2f} | {fmt(c['max_abs_diff'])} | {c['equal_pct']} % | "
+                         f"{d.get(f'engine_{key}_step_mean_abs', 0):.2f} |")
+        L.append("")
+        L.append("| endpoint | scrapes (after the first request / total) | scrape errors | `computeflux_scrape_age_ms` sampled: mean / max | KV-cache gauge on the engine's page |")
+        L.append("|---|---|---|---|---|")
+        for n, d in sorted(cmp_.items()):
+            key = f"wasmcustom.computeflux_scrapes_total.endpoint.{n}"
+            total = stats.get(key, 0)
+            run = total - before.get(key, 0)
+            errs = {k.rsplit(".", 1)[-1]: v for k, v in stats.items()
+                    if k.startswith(f"wasmcustom.computeflux_scrape_errors_total.endpoint.{n}.") and v}
+            age = d.get("scrape_age_ms", {})
+            L.append(f"| {n} | {run} / {total} | "
+                     + (", ".join(f"{k} {v}" for k, v in sorted(errs.items())) or "0")
+                     + f" | {fmt(age.get('mean'))} / {fmt(age.get('max'))} ms | "
+                     + ("yes" if d.get("engine_kv_cache_usage_exported") else "none") + " |")
+        L.append("")
+    L.append("### The filter's judgement of the engines (slowness, degraded, saturated)\n")
+    L.append("Sampled gauges over each filter run: `computeflux_slowness_permille` (0 until the "
+             "fleet's work model is warm; the table gives the non-zero samples), and the number of "
+             "samples in which `computeflux_degraded` / `computeflux_saturated` was 1.\n")
+    L.append("| policy | endpoint | slowness ‰ min / median / max (samples) | degraded samples | saturated samples | final slowness ‰ | final EWMA ms |")
+    L.append("|---|---|---|---|---|---|---|")
+    for p in res["policies"]:
+        if p["policy"] not in FILTER_POLICIES:
+            continue
+        stats = p.get("envoy_computeflux_stats", {})
+        for n, d in sorted((p.get("scraped_vs_engine") or {}).items()):
+            sl = d.get("slowness_permille")
+            slt = f"{sl['min']} / {sl['median']} / {sl['max']} ({sl['samples']})" if sl else "— (never warm)"
+            L.append(f"| {p['policy']} | {n} | {slt} | {d.get('degraded_samples', 0)} | "
+                     f"{d.get('saturated_samples', 0)} | "
+                     f"{fmt(stats.get(f'wasmcustom.computeflux_slowness_permille.endpoint.{n}'))} | "
+                     f"{fmt(stats.get(f'wasmcustom.computeflux_ewma_latency_ms.endpoint.{n}'))} |")
+    L.append("")
+    return "\n".join(L)
 
 
 def main():
@@ -606,7 +890,7 @@ def main():
     ap.add_argument("--workdir", default=None)
     ap.add_argument("--pid-file", default=None)
     ap.add_argument("--meta", default="{}", help="JSON object merged into the report's meta")
-    ap.add_argument("--policies", default="computeflux,round_robin")
+    ap.add_argument("--policies", default="computeflux,computeflux_no_metrics,round_robin")
     ap.add_argument("--sessions", type=int, default=48)
     ap.add_argument("--turns", type=int, default=8)
     ap.add_argument("--concurrency", type=int, default=4)
@@ -619,6 +903,10 @@ def main():
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--cache-ram-mib", type=int, default=256)
     ap.add_argument("--seed", type=int, default=23)
+    ap.add_argument("--scrape-interval-ms", type=int, default=500,
+                    help="the filter's metrics.interval_ms for the engines (policy computeflux)")
+    ap.add_argument("--sample-period-s", type=float, default=0.5,
+                    help="how often the driver reads the engines' /metrics and Envoy's stats")
     if "--from-json" in sys.argv:
         # Rewrites OUT/latest.md from an earlier run's JSON (report changes without a new run).
         i = sys.argv.index("--from-json")
@@ -629,7 +917,7 @@ def main():
     a = ap.parse_args()
     policies = [p for p in a.policies.split(",") if p]
     for p in policies:
-        if p not in ("computeflux", "round_robin"):
+        if p not in POLICIES:
             sys.exit(f"drive.py: unknown policy {p}")
     os.makedirs(a.out, exist_ok=True)
     workdir = a.workdir or os.path.join(a.out, "work")
