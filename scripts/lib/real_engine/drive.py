@@ -550,7 +550,7 @@ def run_client(a, port, by_port, run_t0):
                            cached_tokens=(u.get("prompt_tokens_details") or {}).get("cached_tokens"),
                            completion_tokens=u.get("completion_tokens"),
                            evaluated=tm.get("prompt_n"), cache_n=tm.get("cache_n"),
-                           prompt_ms=tm.get("prompt_ms"))
+                           prompt_ms=tm.get("prompt_ms"), predicted_ms=tm.get("predicted_ms"))
                 content = ans["choices"][0]["message"].get("content") or ""
                 msgs.append({"role": "assistant", "content": content})
             else:
@@ -591,6 +591,13 @@ def summarize(records, errors, wall, deltas):
     agree = None
     if any(r["endpoint"] for r in ok):
         agree = sum(r["endpoint"] == r["upstream"] for r in ok)
+    # The engine's own compute for each answer (its `timings`: prompt + decode) and the rest of
+    # the client's latency: waiting in the engine's queue for a slot (`requests_deferred`),
+    # HTTP and Envoy.
+    compute = [(r.get("prompt_ms") or 0) + (r.get("predicted_ms") or 0) for r in ok
+               if r.get("prompt_ms") is not None]
+    outside = [1000 * r["latency_s"] - (r.get("prompt_ms") or 0) - (r.get("predicted_ms") or 0)
+               for r in ok if r.get("prompt_ms") is not None]
     ev = sum(d.get("prompt_tokens_total", 0) for d in deltas.values())
     ca = sum(d.get("prompt_tokens_cached_total", 0) for d in deltas.values())
     return {
@@ -606,6 +613,14 @@ def summarize(records, errors, wall, deltas):
         "engine_prompt_tokens_evaluated": ev, "engine_prompt_tokens_cached": ca,
         "engine_cached_pct": round(100.0 * ca / (ev + ca), 1) if ev + ca else None,
         "wall_s": round(wall, 2),
+        "engine_compute_p50_ms": round(percentile(compute, 50), 1) if compute else None,
+        "engine_compute_p99_ms": round(percentile(compute, 99), 1) if compute else None,
+        "outside_compute_mean_ms": round(sum(outside) / len(outside), 1) if outside else None,
+        "outside_compute_p99_ms": round(percentile(outside, 99), 1) if outside else None,
+        "engine_prompt_ms_per_token": round(1000 * sum(d.get("prompt_seconds_total", 0) for d in deltas.values())
+                                            / ev, 3) if ev else None,
+        "engine_decode_ms_per_token": round(1000 * sum(d.get("tokens_predicted_seconds_total", 0) for d in deltas.values())
+                                            / max(1, sum(d.get("tokens_predicted_total", 0) for d in deltas.values())), 2),
         "latency_p50_ms": round(1000 * percentile(lat, 50), 1) if lat else None,
         "latency_p99_ms": round(1000 * percentile(lat, 99), 1) if lat else None,
         "follow_up_latency_p50_ms": round(1000 * percentile(fl, 50), 1) if fl else None,
@@ -734,6 +749,24 @@ def report_md(res):
             f"{fmt(s['follow_up_latency_p50_ms'])} ms", f"{fmt(s['follow_up_latency_p99_ms'])} ms",
             str(s["errors"])]) + " |")
     L.append("")
+    L.append("Where the time went (client latency = the engine's compute for the answer, from its "
+             "`timings`, + the rest: waiting in the engine's queue for one of its slots, HTTP, Envoy), "
+             "the engines' own compute speed over the run (their `prompt_seconds_total` ÷ "
+             "`prompt_tokens_total`, `tokens_predicted_seconds_total` ÷ `tokens_predicted_total`), and "
+             "the machine's 1-minute load average when the policy's run started and ended (other "
+             "helpers' builds share its 2 cores; the engines run at nice):\n")
+    L.append("| policy | engine compute p50 / p99 | outside compute mean / p99 | prompt ms per token | decode ms per token | load average start → end |")
+    L.append("|---|---|---|---|---|---|")
+    for p in res["policies"]:
+        s = p["summary"]
+        if s.get("engine_compute_p50_ms") is None:
+            continue
+        la0, la1 = p.get("load_average_start") or [0], p.get("load_average_end") or [0]
+        L.append(f"| {p['policy']} | {fmt(s['engine_compute_p50_ms'])} / {fmt(s['engine_compute_p99_ms'])} ms | "
+                 f"{fmt(s['outside_compute_mean_ms'])} / {fmt(s['outside_compute_p99_ms'])} ms | "
+                 f"{fmt(s['engine_prompt_ms_per_token'])} | {fmt(s['engine_decode_ms_per_token'])} | "
+                 f"{la0[0]:.1f} → {la1[0]:.1f} |")
+    L.append("")
     L.append("Prompt tokens evaluated / served from cache are the deltas of the engines' own "
              "`llamacpp:prompt_tokens_total` (\"processed, excluding cached\") and "
              "`llamacpp:prompt_tokens_cached_total` over the run, summed over both engines. "
@@ -798,7 +831,7 @@ def moves_md(res):
                  "filter sent it, and the filter's own gauges at the last sample (every "
                  f"{res['args'].get('sample_period_s', 0.5)} s) before the request started: slowness "
                  "(‰, 1000 = as fast as the fleet's work model), degraded, and the EWMA time to first byte.\n")
-        L.append("| session/turn | start | from → to | latency | prompt / cached tokens | slowness e0 / e1 | degraded e0 / e1 | ewma ms e0 / e1 | previous turn's latency |")
+        L.append("| session/turn | start | from → to | latency | prompt / cached tokens | slowness e0 / e1 | degraded e0 / e1 | ewma ms e0 / e1 | previous turn: latency (engine compute) |")
         L.append("|---|---|---|---|---|---|---|---|---|")
         for r in sorted(moved, key=lambda r: r["start_s"]):
             before = [smp for smp in p.get("samples", []) if smp["t_s"] <= r["start_s"]]
@@ -808,8 +841,8 @@ def moves_md(res):
             L.append(f"| {r['session']}/{r['turn']} | {r['start_s']:.2f} s | {pr.get('upstream')} → {r['upstream']} | "
                      f"{1000 * r['latency_s']:.0f} ms | {fmt(r.get('prompt_tokens'))} / {fmt(r.get('cached_tokens'))} | "
                      f"{g('computeflux_slowness_permille')} | {g('computeflux_degraded')} | "
-                     f"{g('computeflux_ewma_latency_ms')} | "
-                     f"{(1000 * pr['latency_s']) if pr else 0:.0f} ms |")
+                     f"{g('computeflux_ewma_latency_ms')} | "                     + (f"{1000 * pr['latency_s']:.0f} ms ({(pr.get('prompt_ms') or 0) + (pr.get('predicted_ms') or 0):.0f} ms) |"
+                        if pr else "— |"))
         L.append("")
     return "\n".join(L)
 
@@ -931,7 +964,9 @@ def main():
     try:
         for p in policies:
             log(f"running {p}")
+            la0 = os.getloadavg()
             r = run_policy(a, p, procs, workdir)
+            r["load_average_start"], r["load_average_end"] = la0, os.getloadavg()
             log(f"{p}: {json.dumps(r['summary'])}")
             res["policies"].append(r)
     finally:
