@@ -702,8 +702,8 @@ def fmt(v):
 def report_md(res):
     m = res["meta"]
     L = []
-    L.append("# Real engine: computeflux vs round_robin in front of two llama.cpp servers\n")
     names = [p["policy"] for p in res["policies"]]
+    L.append(f"# Real engine: {' vs '.join(names) or 'no policy'} in front of two llama.cpp servers\n")
     la = res.get("load_average_start") or [0.0]
     L.append(f"Generated {res['generated_utc']} on {res.get('cpus', '?')} cores shared with other work "
              f"(load average {la[0]:.1f} at start) by `{m.get('command', 'scripts/real-engine')}` "
@@ -826,7 +826,7 @@ def moves_md(res):
         if not moved:
             continue
         prev = {(r["session"], r["turn"]): r for r in p["records"]}
-        L.append(f"#### Sessions moved by {p['policy']} ({len(moved)} requests)\n")
+        L.append(f"#### Sessions moved by {p['policy']} ({len(moved)} request{'s' if len(moved) != 1 else ''})\n")
         L.append("Each row: the request, the engine that served the session's previous turn, where the "
                  "filter sent it, and the filter's own gauges at the last sample (every "
                  f"{res['args'].get('sample_period_s', 0.5)} s) before the request started: slowness "
