@@ -93,6 +93,41 @@ def http(method, url, body=None, headers=None, timeout=120.0):
         return e.code, {k.lower(): v for k, v in e.headers.items()}, e.read()
 
 
+def http_stream(url, body, headers, timeout=120.0):
+    """A streamed (SSE) POST: (status, headers, the whole body, monotonic time of the first
+    body byte or None)."""
+    req = urllib.request.Request(url, data=json.dumps(body).encode(), method="POST")
+    for k, v in headers.items():
+        req.add_header(k, v)
+    req.add_header("content-type", "application/json")
+    try:
+        with urllib.request.urlopen(req, timeout=timeout) as r:
+            first = r.read(1)
+            ttfb = time.monotonic() if first else None
+            return r.status, {k.lower(): v for k, v in r.headers.items()}, first + r.read(), ttfb
+    except urllib.error.HTTPError as e:
+        return e.code, {k.lower(): v for k, v in e.headers.items()}, e.read(), None
+
+
+def sse_to_answer(raw):
+    """A chat completion stream folded into the shape of a plain answer: the content of its
+    deltas, and the `usage` and llama.cpp `timings` of its last chunks."""
+    content, usage, timings = [], None, None
+    for line in raw.decode(errors="replace").splitlines():
+        if not line.startswith("data: ") or line == "data: [DONE]":
+            continue
+        try:
+            obj = json.loads(line[6:])
+        except ValueError:
+            continue
+        for c in obj.get("choices") or []:
+            content.append((c.get("delta") or {}).get("content") or "")
+        usage = obj.get("usage") or usage
+        timings = obj.get("timings") or timings
+    return {"choices": [{"message": {"content": "".join(content)}}], "usage": usage,
+            "timings": timings}
+
+
 def wait_until(pred, timeout_s, what, proc=None, logfile=None):
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
@@ -529,21 +564,32 @@ def run_client(a, port, by_port, run_t0):
                          + " ".join(rng.choice(vocab) for _ in range(a.user_words))})
             body = {"model": "tiny", "messages": msgs, "max_tokens": a.max_tokens,
                     "temperature": 1.0, "seed": rng.randrange(1 << 30), "cache_prompt": True}
+            # Drawn only when asked for, so that runs without streamed answers send exactly
+            # the requests they sent before the option existed.
+            streamed = a.stream_fraction > 0 and rng.random() < a.stream_fraction
+            if streamed:
+                body["stream"] = True
+                body["stream_options"] = {"include_usage": True}
+            ttfb = None
             with sem:
                 t0 = time.monotonic()
                 try:
-                    status, hdrs, raw = http("POST", f"http://127.0.0.1:{port}/v1/chat/completions",
-                                             body, {"x-session-id": sid}, timeout=300)
+                    url = f"http://127.0.0.1:{port}/v1/chat/completions"
+                    if streamed:
+                        status, hdrs, raw, ttfb = http_stream(url, body, {"x-session-id": sid}, timeout=300)
+                    else:
+                        status, hdrs, raw = http("POST", url, body, {"x-session-id": sid}, timeout=300)
                 except OSError as e:
                     status, hdrs, raw = 0, {}, str(e).encode()
                 dt = time.monotonic() - t0
-            rec = {"session": i, "turn": t + 1, "status": status, "latency_s": dt,
+            rec = {"session": i, "turn": t + 1, "status": status, "latency_s": dt, "stream": streamed,
+                   "ttfb_s": None if ttfb is None else round(ttfb - t0, 4),
                    "start_s": round(t0 - run_t0, 3), "end_s": round(t0 + dt - run_t0, 3),
                    "endpoint": hdrs.get("x-computeflux-endpoint"),
                    "affinity": hdrs.get("x-computeflux-affinity"),
                    "upstream": by_port.get(hdrs.get(UPSTREAM_HEADER, "").rsplit(":", 1)[-1])}
             if status == 200:
-                ans = json.loads(raw)
+                ans = sse_to_answer(raw) if streamed else json.loads(raw)
                 u = ans.get("usage") or {}
                 tm = ans.get("timings") or {}
                 rec.update(prompt_tokens=u.get("prompt_tokens"),
@@ -729,7 +775,10 @@ def report_md(res):
     L.append(f"- Client: {a['sessions']} sessions × {a['turns']} turns, at most {a['concurrency']} requests in "
              f"flight, shared system prompt of {a['system_words']} words, {a['user_words']} new words per "
              f"user turn, `max_tokens` {a['max_tokens']} (the model never stops early), `x-session-id` "
-             f"per session, sessions start within {a['stagger_s']} s. Engines are restarted between "
+             f"per session, sessions start within {a['stagger_s']} s"
+             + (f", {round(100 * a['stream_fraction'])} % of requests streamed (SSE with "
+                "`stream_options.include_usage`)" if a.get("stream_fraction") else ", every answer plain (not streamed)")
+             + ". Engines are restarted between "
              f"policies, so every policy starts with cold caches.\n")
     L.append("## Results\n")
     cols = ["policy", "follow-ups on previous engine", "prompt tokens evaluated (engines)",
@@ -936,6 +985,8 @@ def main():
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--cache-ram-mib", type=int, default=256)
     ap.add_argument("--seed", type=int, default=23)
+    ap.add_argument("--stream-fraction", type=float, default=0.0,
+                    help="share of requests sent as streams (stream_options.include_usage); 0: none")
     ap.add_argument("--scrape-interval-ms", type=int, default=500,
                     help="the filter's metrics.interval_ms for the engines (policy computeflux)")
     ap.add_argument("--sample-period-s", type=float, default=0.5,
