@@ -893,6 +893,76 @@ def moves_md(res):
                      f"{g('computeflux_ewma_latency_ms')} | "                     + (f"{1000 * pr['latency_s']:.0f} ms ({(pr.get('prompt_ms') or 0) + (pr.get('predicted_ms') or 0):.0f} ms) |"
                         if pr else "— |"))
         L.append("")
+        L.append(before_move_md(p, moved, prev, res["args"].get("stream_fraction")))
+    return "\n".join(L)
+
+
+BEFORE_MOVE_S = 3.0
+
+
+def engine_window(p, name, t0, t1):
+    """What engine `name` did between t0 and t1: its answers that ended in the window (count,
+    mean time outside its compute, mean compute, mean uncached prompt tokens, mean decode ms per
+    output token) and its own load sampled in the window (mean requests_processing +
+    requests_deferred)."""
+    w = [r for r in p["records"] if r["status"] == 200 and r["upstream"] == name and t0 <= r["end_s"] <= t1
+         and r.get("prompt_ms") is not None]
+    loads = [(smp["engines"].get(name, {}).get("requests_processing") or 0)
+             + (smp["engines"].get(name, {}).get("requests_deferred") or 0)
+             for smp in p.get("samples", []) if t0 <= smp["t_s"] <= t1]
+    mean = lambda xs: sum(xs) / len(xs) if xs else None  # noqa: E731
+    return {
+        "answers": len(w),
+        "load": mean(loads),
+        "outside_ms": mean([1000 * r["latency_s"] - r["prompt_ms"] - (r.get("predicted_ms") or 0) for r in w]),
+        "compute_ms": mean([r["prompt_ms"] + (r.get("predicted_ms") or 0) for r in w]),
+        "uncached": mean([r.get("evaluated") or 0 for r in w]),
+        "decode_ms_per_token": mean([(r.get("predicted_ms") or 0) / max(1, r.get("completion_tokens") or 1) for r in w]),
+    }
+
+
+def before_move_md(p, moved, prev, stream_fraction):
+    """The two engines over the seconds before each move: was the engine left behind sick, or
+    busier?"""
+    f1 = lambda v, d=0: "—" if v is None else f"{v:.{d}f}"  # noqa: E731
+    L = [f"What the engine the session left and the engine it went to did in the {BEFORE_MOVE_S:.0f} s before "
+         "each move (their answers that ended then, the driver's samples of their own "
+         "`requests_processing` + `requests_deferred`): load, answers, mean time outside the engine's "
+         "compute (queue, HTTP, Envoy), mean compute, uncached prompt tokens per answer, decode ms per "
+         "output token (a slot's decode shares each step with the other slot's work).\n"]
+    hdr = "| session/turn | left: load / answers / outside ms / compute ms / uncached / decode ms per token | went to: same |"
+    if stream_fraction:
+        hdr = "| session/turn | streamed (previous, this) " + hdr[len("| session/turn "):]
+    L.append(hdr)
+    L.append("|---|---|---|" + ("---|" if stream_fraction else ""))
+    tot = {"left": [], "to": []}
+    for r in sorted(moved, key=lambda r: r["start_s"]):
+        pr = prev.get((r["session"], r["turn"] - 1))
+        if not pr:
+            continue
+        cells = []
+        for key, name in (("left", pr["upstream"]), ("to", r["upstream"])):
+            w = engine_window(p, name, r["start_s"] - BEFORE_MOVE_S, r["start_s"])
+            tot[key].append(w)
+            cells.append(f"{name}: {f1(w['load'], 1)} / {w['answers']} / {f1(w['outside_ms'])} / "
+                         f"{f1(w['compute_ms'])} / {f1(w['uncached'])} / {f1(w['decode_ms_per_token'], 1)}")
+        st = f" {'y' if pr.get('stream') else 'n'}, {'y' if r.get('stream') else 'n'} |" if stream_fraction else ""
+        L.append(f"| {r['session']}/{r['turn']} |{st} " + " | ".join(cells) + " |")
+    for key in tot:
+        ws = tot[key]
+        agg = {}
+        for k in ("load", "outside_ms", "compute_ms", "uncached", "decode_ms_per_token"):
+            vals = [w[k] for w in ws if w[k] is not None]
+            agg[k] = sum(vals) / len(vals) if vals else None
+        tot[key] = agg
+    if moved:
+        L.append(f"\nMean over these moves — left: load {f1(tot['left']['load'], 2)}, outside "
+                 f"{f1(tot['left']['outside_ms'])} ms, compute {f1(tot['left']['compute_ms'])} ms, "
+                 f"{f1(tot['left']['uncached'])} uncached tokens, {f1(tot['left']['decode_ms_per_token'], 1)} ms "
+                 f"per output token; went to: load {f1(tot['to']['load'], 2)}, outside "
+                 f"{f1(tot['to']['outside_ms'])} ms, compute {f1(tot['to']['compute_ms'])} ms, "
+                 f"{f1(tot['to']['uncached'])} uncached tokens, {f1(tot['to']['decode_ms_per_token'], 1)} ms per "
+                 "output token.\n")
     return "\n".join(L)
 
 
