@@ -798,6 +798,13 @@ def report_md(res):
             f"{fmt(s['follow_up_latency_p50_ms'])} ms", f"{fmt(s['follow_up_latency_p99_ms'])} ms",
             str(s["errors"])]) + " |")
     L.append("")
+    L.append("Prompt tokens evaluated / served from cache are the deltas of the engines' own "
+             "`llamacpp:prompt_tokens_total` (\"processed, excluding cached\") and "
+             "`llamacpp:prompt_tokens_cached_total` over the run, summed over both engines. "
+             "Which engine served a request comes from Envoy's upstream address "
+             f"(`{UPSTREAM_HEADER}`), for every policy. Cached share = cached ÷ (evaluated + cached). "
+             "p50/p99 are client-side latencies of every request (Envoy included); wall is the "
+             "whole client run.\n")
     L.append("Where the time went (client latency = the engine's compute for the answer, from its "
              "`timings`, + the rest: waiting in the engine's queue for one of its slots, HTTP, Envoy), "
              "the engines' own compute speed over the run (their `prompt_seconds_total` ÷ "
@@ -816,13 +823,6 @@ def report_md(res):
                  f"{fmt(s['engine_prompt_ms_per_token'])} | {fmt(s['engine_decode_ms_per_token'])} | "
                  f"{la0[0]:.1f} → {la1[0]:.1f} |")
     L.append("")
-    L.append("Prompt tokens evaluated / served from cache are the deltas of the engines' own "
-             "`llamacpp:prompt_tokens_total` (\"processed, excluding cached\") and "
-             "`llamacpp:prompt_tokens_cached_total` over the run, summed over both engines. "
-             "Which engine served a request comes from Envoy's upstream address "
-             f"(`{UPSTREAM_HEADER}`), for both policies. Cached share = cached ÷ (evaluated + cached). "
-             "p50/p99 are client-side latencies of every request (Envoy included); wall is the "
-             "whole client run.\n")
     L.append("### Cross-checks\n")
     L.append("| policy | engine | requests | Σ usage.prompt_tokens | Σ usage cached_tokens | Δ prompt_tokens_total + Δ prompt_tokens_cached_total | Δ prompt_tokens_cached_total | Δ tokens_predicted_total |")
     L.append("|---|---|---|---|---|---|---|---|")
@@ -1011,6 +1011,13 @@ def scraped_md(res):
                      + f" | {fmt(age.get('mean'))} / {fmt(age.get('max'))} ms | "
                      + ("yes" if d.get("engine_kv_cache_usage_exported") else "none") + " |")
         L.append("")
+        L.append("`computeflux_scrape_age_ms` is set when a scrape lands and on every tick of the filter "
+                 f"(half of `metrics.interval_ms`: {(interval or 0) // 2} ms here), so the load the "
+                 "scheduler holds at a given moment can be up to one tick older than the gauge says. "
+                 "The run starts once both engines have been scraped once. llama.cpp's `/metrics` "
+                 "has no KV-cache usage (a KV-cache column \"none\" above), so "
+                 "`computeflux_engine_kv_usage_permille` stays 0 and only the queue "
+                 "(`requests_deferred` ≥ 5) could make an engine saturated.\n")
     L.append("### The filter's judgement of the engines (slowness, degraded, saturated)\n")
     L.append("Sampled gauges over each filter run: `computeflux_slowness_permille` (0 until the "
              "fleet's work model is warm; the table gives the non-zero samples), and the number of "
