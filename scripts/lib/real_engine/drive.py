@@ -1015,7 +1015,7 @@ def scraped_md(res):
                  f"(half of `metrics.interval_ms`: {(interval or 0) // 2} ms here), so the load the "
                  "scheduler holds at a given moment can be up to one tick older than the gauge says. "
                  "The run starts once both engines have been scraped once. llama.cpp's `/metrics` "
-                 "has no KV-cache usage (a KV-cache column \"none\" above), so "
+                 "has no KV-cache usage (the last column above), so "
                  "`computeflux_engine_kv_usage_permille` stays 0 and only the queue "
                  "(`requests_deferred` ≥ 5) could make an engine saturated.\n")
     L.append("### The filter's judgement of the engines (slowness, degraded, saturated)\n")
