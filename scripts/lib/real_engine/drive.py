@@ -49,6 +49,7 @@ import urllib.error
 import urllib.request
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import decode_pace  # noqa: E402
 import words as wordlist  # noqa: E402
 
 ENGINE_NAMES = ("e0", "e1")
@@ -860,6 +861,8 @@ def report_md(res):
     L.append("")
     L.append(moves_md(res))
     L.append(scraped_md(res))
+    L.append("## Analysis: decode pace, the engines' batch and the slowness rule\n")
+    L.append(decode_pace.decode_pace_md(res))
     L.append("## Reproduce\n")
     L.append("```\n" + m.get("command", "scripts/real-engine") + "\n```\n")
     L.append("Raw per-request records, the engines' metric deltas and final `/slots` are in `latest.json`.")
