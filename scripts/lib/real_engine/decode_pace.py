@@ -220,6 +220,7 @@ def replay(p, variant, rows):
     st = {}
     timeline = []  # (t, engine, degraded)
     values = []  # (t, engine, log slowness)
+    judged = []  # (t, engine, log ratio of the sample, decode phase?)
     entries = 0
     for k, (r, obs, dec) in enumerate(samples):
         if k < WARM_MODEL:
@@ -230,6 +231,8 @@ def replay(p, variant, rows):
              0.0 if r.get("stream") else (r.get("completion_tokens") or 0) / 100]
         expected = max(1.0, sum(c * v for c, v in zip(coef, x)))
         t = r["end_s"]
+        judged.append((t, e, math.log(max(dec[0], 10.0) / (pace * dec[1])) if dec
+                       else math.log(max(obs, 10.0) / expected), bool(dec)))
         if dec:
             ln, alpha = math.log(max(dec[0], 10.0) / (pace * dec[1])), ALPHA
             s["last_dec"] = t
@@ -271,7 +274,7 @@ def replay(p, variant, rows):
             if name == pr["upstream"]:
                 state = deg
         hits += state
-    return entries, hits, values
+    return entries, hits, values, judged
 
 
 def agreement(p, values):
@@ -313,7 +316,7 @@ def replay_md(res, allrows, coef):
          "the engine's queue is removed (its own `timings`: prompt_ms + predicted_ms), and "
          "then with the decode part divided by the engine's scraped `requests_processing` "
          "(sampled, ≥ 1) or by the fitted engine work of the section above.\n"]
-    checks = []
+    checks, moves, per_variant = [], {}, {}
     L.append("| policy | pin_break (filter) | " + " | ".join(f"{v}: entries / follow-ups sent off" for v in VARIANTS) + " |")
     L.append("|---|---|" + "---|" * len(VARIANTS))
     for p in res["policies"]:
@@ -329,7 +332,8 @@ def replay_md(res, allrows, coef):
             if "running" in v and not any(a["sampled_running"] for a in rows):
                 cells.append("—")
                 continue
-            e, h, values = replay(p, v, rows)
+            e, h, values, judged = replay(p, v, rows)
+            per_variant[v] = judged
             cells.append(f"{e} / {h}")
             if v == VARIANTS[0]:
                 ag = agreement(p, values)
@@ -337,11 +341,59 @@ def replay_md(res, allrows, coef):
                     checks.append(f"{p['policy']}: {ag[0]} samples, median difference ×{ag[1]:.2f}, "
                                   f"{100 * ag[2]:.0f} % within 1.5×")
         L.append(f"| {p['policy']} | {pb if stats else '—'} | " + " | ".join(cells) + " |")
+        moves[p["policy"]] = (p, dict(per_variant))
     L.append("")
     if checks:
         L.append("Check of the replay (as on main) against the filter's own `computeflux_slowness_permille` "
                  "gauges at the driver's samples: the ratio e0 ÷ e1 of the replay vs the filter's — "
                  + "; ".join(checks) + ".\n")
+    L.append(moves_evidence_md(moves))
+    return "\n".join(L)
+
+
+LAST_SAMPLES = 8
+
+
+def moves_evidence_md(moves):
+    """Per pin_break: each engine's last judged samples before it, under three variants."""
+    shown = VARIANTS[:3]
+    L = [f"Which samples drove each move: for every `pin_break`, the lower quartile (what the low "
+         f"envelope settles near) of the judged ratios (observed ÷ the run's work model) of each "
+         f"engine's last {LAST_SAMPLES} answers before the move, under the variants above, and the "
+         f"left engine's over the other's (≥ 3 is `pin_break_ratio`); *d* = how many of the left "
+         f"engine's were streams judged by their decode phase.\n"]
+    L.append("| policy | session/turn | from → to | " + " | ".join(f"{v}: left / to = ratio" for v in shown) + " | d |")
+    L.append("|---|---|---|" + "---|" * len(shown) + "---|")
+    agg = {v: [] for v in shown}
+    for pol, (p, pv) in moves.items():
+        by_key = {(r["session"], r["turn"]): r for r in p["records"] if r.get("status") == 200}
+        for r in sorted(by_key.values(), key=lambda r: r["start_s"]):
+            if r.get("affinity") != "pin_break":
+                continue
+            pr = by_key.get((r["session"], r["turn"] - 1))
+            if not pr:
+                continue
+            cells, dcount = [], 0
+            for v in shown:
+                judged = pv.get(v) or []
+                q = {}
+                for e in (pr["upstream"], r["upstream"]):
+                    last = [j for j in judged if j[1] == e and j[0] <= r["start_s"]][-LAST_SAMPLES:]
+                    q[e] = math.exp(pct([j[2] for j in last], 25)) if last else None
+                    if v == shown[0] and e == pr["upstream"]:
+                        dcount = sum(j[3] for j in last)
+                a, b = q[pr["upstream"]], q[r["upstream"]]
+                if a and b:
+                    agg[v].append(a / b)
+                    cells.append(f"{a:.2f} / {b:.2f} = {a / b:.2f}")
+                else:
+                    cells.append("—")
+            L.append(f"| {pol} | {r['session']}/{r['turn']} | {pr['upstream']} → {r['upstream']} | "
+                     + " | ".join(cells) + f" | {dcount} |")
+    if any(agg.values()):
+        L.append("| all moves | median ratio | | " + " | ".join(
+            f"{pct(agg[v], 50):.2f}" if agg[v] else "—" for v in shown) + " | |")
+    L.append("")
     return "\n".join(L)
 
 
