@@ -29,7 +29,10 @@ Usage: python3 drive.py --server BIN --model GGUF --envoy BIN --wasm WASM --out 
        [--system-words 150] [--policies computeflux,round_robin] [--ctx 4096] [--parallel 2]
        [--threads 1] [--seed 23] [--meta JSON]
 Writes DIR/latest.json and DIR/latest.md. `python3 drive.py --from-json DIR/latest.json` prints
-the Markdown report of an earlier run again (after a change to the report's layout).
+the Markdown report of an earlier run again (after a change to the report's layout). The
+report's analysis section (decode pace vs the engines' batch, a replay of the slowness rule) is
+decode_pace.py's. Streams need `--max-tokens` ≥ 17 for the filter to judge their decode phase
+(it needs 16 tokens after the first).
 """
 
 import argparse
