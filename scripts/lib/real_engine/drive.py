@@ -29,7 +29,10 @@ Usage: python3 drive.py --server BIN --model GGUF --envoy BIN --wasm WASM --out 
        [--system-words 150] [--policies computeflux,round_robin] [--ctx 4096] [--parallel 2]
        [--threads 1] [--seed 23] [--meta JSON]
 Writes DIR/latest.json and DIR/latest.md. `python3 drive.py --from-json DIR/latest.json` prints
-the Markdown report of an earlier run again (after a change to the report's layout).
+the Markdown report of an earlier run again (after a change to the report's layout). The
+report's analysis section (decode pace vs the engines' batch, a replay of the slowness rule) is
+decode_pace.py's. Streams need `--max-tokens` ≥ 17 for the filter to judge their decode phase
+(it needs 16 tokens after the first).
 """
 
 import argparse
@@ -49,6 +52,7 @@ import urllib.error
 import urllib.request
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import decode_pace  # noqa: E402
 import words as wordlist  # noqa: E402
 
 ENGINE_NAMES = ("e0", "e1")
@@ -860,6 +864,8 @@ def report_md(res):
     L.append("")
     L.append(moves_md(res))
     L.append(scraped_md(res))
+    L.append("## Analysis: decode pace, the engines' batch and the slowness rule\n")
+    L.append(decode_pace.decode_pace_md(res))
     L.append("## Reproduce\n")
     L.append("```\n" + m.get("command", "scripts/real-engine") + "\n```\n")
     L.append("Raw per-request records, the engines' metric deltas and final `/slots` are in `latest.json`.")
