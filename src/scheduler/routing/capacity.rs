@@ -39,7 +39,9 @@
 //! Bounded by the configuration (entries of endpoints no longer configured are dropped on
 //! write).
 
+use crate::scheduler::config::Config;
 use crate::scheduler::routing::saturation::EngineLoad;
+use crate::scheduler::routing::signals;
 use crate::scheduler::state::codec::{Reader, Writer};
 use crate::scheduler::state::store::{update_if, Store};
 
@@ -210,6 +212,55 @@ impl Capacities {
         seen.sent = seen.sent.saturating_add(1);
         seen.slots = slots_seen(seen.slots, load);
         self.set(id, seen, keep);
+    }
+}
+
+/// What one decision knows of the engines: each configured endpoint's fresh scraped load
+/// (`signals::engine_loads`) and its room (by index into `Config::endpoints`).
+#[derive(Debug, Clone, Default)]
+pub struct Engines {
+    pub loads: Vec<Option<EngineLoad>>,
+    pub rooms: Vec<Option<Room>>,
+    /// What was seen before the decision (for [`Engines::record`]).
+    pub seen: Capacities,
+}
+
+impl Engines {
+    /// The engines as `store` holds them at `now_ms`.
+    pub fn read(store: &dyn Store, cfg: &Config, now_ms: u64) -> Engines {
+        let loads = signals::engine_loads(store, cfg, now_ms);
+        let seen = read(store);
+        let rooms = cfg
+            .endpoints
+            .iter()
+            .zip(&loads)
+            .map(|(e, l)| l.as_ref().and_then(|l| Room::of(&seen.get(e.id), l)))
+            .collect();
+        Engines { loads, rooms, seen }
+    }
+
+    /// Stores what a decision taught: the slots the fresh loads show, and `placed` (the index
+    /// of the endpoint a placement was sent to, counted on top of its last scrape). No write
+    /// when neither changed anything.
+    pub fn record(&self, store: &dyn Store, cfg: &Config, placed: Option<usize>) {
+        let fresh: Vec<(u32, EngineLoad)> = cfg
+            .endpoints
+            .iter()
+            .zip(&self.loads)
+            .filter_map(|(e, l)| l.map(|l| (e.id, l)))
+            .collect();
+        let placed = placed.and_then(|i| {
+            let load = self.loads.get(i).copied().flatten()?;
+            Some((cfg.endpoints.get(i)?.id, load))
+        });
+        let grew = fresh.iter().any(|(id, l)| {
+            let before = self.seen.get(*id).slots;
+            slots_seen(before, l) != before
+        });
+        if placed.is_some() || grew {
+            let ids: Vec<u32> = cfg.endpoints.iter().map(|e| e.id).collect();
+            record(store, &fresh, placed, &ids);
+        }
     }
 }
 

@@ -33,13 +33,13 @@ use crate::scheduler::config::Config;
 use crate::scheduler::health::breaker::{Admission, BreakerConfig, BreakerState};
 use crate::scheduler::health::outcome::Outcome;
 use crate::scheduler::routing::affinity::{Affinity, MOVES_PREFIX};
-use crate::scheduler::routing::capacity::{self, Room};
+use crate::scheduler::routing::capacity::{self, Engines, Room};
 use crate::scheduler::routing::ewma;
 use crate::scheduler::routing::overdue;
 use crate::scheduler::routing::placement;
 use crate::scheduler::routing::quota::{estimate_tokens, QuotaHint, QuotaRule};
 use crate::scheduler::routing::saturation::{
-    expected_wait_ms, keep_pin, EngineLoad, MoveReason, PinCase, Saturation,
+    expected_wait_ms, keep_pin, MoveReason, PinCase, Saturation,
 };
 use crate::scheduler::routing::score::score;
 use crate::scheduler::routing::signals::{self, Served, Verdict};
@@ -498,15 +498,7 @@ impl<'a> Scheduler<'a> {
         let hinted = pick.session.and(pick.pin_hint).filter(|&id| valid(id));
         let pinned = pick.holder.or(hinted).or(local.map(|p| p.1));
         let bcfg = self.breaker_config();
-        let loads = signals::engine_loads(self.store, self.cfg, now_ms);
-        let caps = capacity::read(self.store);
-        let rooms: Vec<Option<Room>> = self
-            .cfg
-            .endpoints
-            .iter()
-            .zip(&loads)
-            .map(|(e, l)| l.as_ref().and_then(|l| Room::of(&caps.get(e.id), l)))
-            .collect();
+        let engines = Engines::read(self.store, self.cfg, now_ms);
         let result = update_if(self.store, TABLE_KEY, |bytes| {
             let (mut table, same_layout) = self.load_table(bytes);
             if pick.attempt > 1
@@ -519,11 +511,10 @@ impl<'a> Scheduler<'a> {
             {
                 return (None, Err(NoEndpoint::BudgetExhausted));
             }
-            let choice =
-                match self.choose(&table, &candidates, pick, pinned, &loads, &rooms, now_ms) {
-                    Err(e) => return (None, Err(e)),
-                    Ok(c) => c,
-                };
+            let choice = match self.choose(&table, &candidates, pick, pinned, &engines, now_ms) {
+                Err(e) => return (None, Err(e)),
+                Ok(c) => c,
+            };
             let i = choice.endpoint;
             // Verdicts that flipped are stored for their hysteresis (rare: a full write).
             let mut others_changed = false;
@@ -622,7 +613,7 @@ impl<'a> Scheduler<'a> {
                         all_rate_limited: false,
                     });
                 }
-                let c = self.choose(&table, &closed, pick, pinned, &loads, &rooms, now_ms)?;
+                let c = self.choose(&table, &closed, pick, pinned, &engines, now_ms)?;
                 let ticket = Ticket {
                     endpoint: c.endpoint,
                     endpoint_id: self.cfg.endpoints.get(c.endpoint).map_or(0, |e| e.id),
@@ -656,8 +647,11 @@ impl<'a> Scheduler<'a> {
                 d
             }),
         };
+        // A placement (anything but a pinned session's hit) counts on top of its endpoint's
+        // last scrape (see `capacity`).
         if let Ok(d) = &decision {
-            self.record_capacity(&caps, &loads, d);
+            let placed = (d.affinity != AffinityResult::Hit).then_some(d.endpoint);
+            engines.record(self.store, self.cfg, placed);
         }
         // A session moved away from a saturated endpoint is marked, so that it is not moved
         // for that reason again within its TTL.
@@ -668,40 +662,6 @@ impl<'a> Scheduler<'a> {
             }
         }
         decision
-    }
-}
-
-impl Scheduler<'_> {
-    /// Stores what the decision taught of the engines' capacity (see `capacity`): the slots
-    /// the fresh loads show, and the placement it sent (anything but a pinned session's hit),
-    /// counted on top of its endpoint's last scrape. No write when neither changed.
-    fn record_capacity(
-        &self,
-        caps: &capacity::Capacities,
-        loads: &[Option<EngineLoad>],
-        d: &Decision,
-    ) {
-        let fresh: Vec<(u32, EngineLoad)> = self
-            .cfg
-            .endpoints
-            .iter()
-            .zip(loads)
-            .filter_map(|(e, l)| l.map(|l| (e.id, l)))
-            .collect();
-        let placed = (d.affinity != AffinityResult::Hit)
-            .then(|| {
-                let load = loads.get(d.endpoint).copied().flatten()?;
-                Some((self.cfg.endpoints.get(d.endpoint)?.id, load))
-            })
-            .flatten();
-        let grew = fresh.iter().any(|(id, l)| {
-            let seen = caps.get(*id).slots;
-            capacity::slots_seen(seen, l) != seen
-        });
-        if placed.is_some() || grew {
-            let ids: Vec<u32> = self.cfg.endpoints.iter().map(|e| e.id).collect();
-            capacity::record(self.store, &fresh, placed, &ids);
-        }
     }
 }
 

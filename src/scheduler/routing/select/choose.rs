@@ -17,12 +17,11 @@ impl<'a> Scheduler<'a> {
         candidates: &[usize],
         pick: &Pick<'_>,
         pinned: Option<u32>,
-        loads: &[Option<EngineLoad>],
-        rooms: &[Option<Room>],
+        engines: &Engines,
         now_ms: u64,
     ) -> Result<Choice, NoEndpoint> {
         let bcfg = self.breaker_config();
-        let mut board = self.board(table, candidates, pick, loads, rooms, now_ms, &bcfg)?;
+        let mut board = self.board(table, candidates, pick, engines, now_ms, &bcfg)?;
         let pinned_index = pinned.and_then(|id| self.cfg.endpoint_index(id));
         board.pinned = pinned_index;
         // A session whose instructions make a prefix key is placed by that key: the same
@@ -112,18 +111,17 @@ impl<'a> Scheduler<'a> {
     /// every endpoint that could serve the request at all, before request exclusions and
     /// breakers, so that a failover walks the first attempt's order; breaker admission is of
     /// this attempt's candidates (`Err` when none admits).
-    #[allow(clippy::too_many_arguments)]
     pub(super) fn board(
         &self,
         table: &Table,
         candidates: &[usize],
         pick: &Pick<'_>,
-        loads: &[Option<EngineLoad>],
-        rooms: &[Option<Room>],
+        engines: &Engines,
         now_ms: u64,
         bcfg: &BreakerConfig,
     ) -> Result<Board, NoEndpoint> {
         let cfg = self.cfg;
+        let (loads, rooms) = (&engines.loads, &engines.rooms);
         let n = cfg.endpoints.len();
         let state = |i: usize| table.entries.get(i).map(|(_, st)| st);
         let statics: Vec<usize> = (0..n)
@@ -452,6 +450,10 @@ impl<'a> Scheduler<'a> {
             // A new session placed by prefix that spilled: a popular application spreading.
             // Its own turns, and now its instructions, are cached where it was served.
             (Reason::Spill, _) if by_prefix => true,
+            // Spilled by slots (every candidate's capacity known: the fleet is past its slots
+            // and the home past its share). Its next turn would find the home as full, and
+            // sending it there would re-prefill the turn the spill place has cached.
+            (Reason::Spill, _) if board.by_slots => true,
             // A probe, or a burst that spilled: the session's place stays its home.
             (Reason::DegradedProbe | Reason::Spill, _) => false,
             (_, AfterFailover::Stay) => true,

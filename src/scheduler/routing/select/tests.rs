@@ -1701,12 +1701,19 @@ fn full_engines_share_new_sessions_by_slots() {
     scraped(&store, "b", 2, 4, 1_000);
     scraped(&store, "c", 4, 16, 1_000);
     let mut to = [0usize; 3];
+    let mut spilled = 0;
     for n in 0..300u64 {
         let d = pick_at(&s, Some(key(n)), &ex, 1_100).unwrap();
         to[d.endpoint] += 1;
+        if d.reason == Reason::Spill {
+            // Pinned where it spilled: its next turn finds the same full home.
+            assert!(d.ticket.pin_on_success, "{d:?}");
+            spilled += 1;
+        }
         s.finish(d.ticket, &Outcome::Cancelled, 0, None, 1_100);
     }
     assert!(to[1] < to[0] && to[1] < to[2], "{to:?}");
+    assert!(spilled > 10, "{spilled}");
     // After all 300: b's projected load (6 + its placements) is within its slot share of
     // the excess (2 × (346 + 1) × 4 / 36 + 1 ≈ 78) and so is the last placement's.
     let caps = crate::scheduler::routing::capacity::read(&store);
