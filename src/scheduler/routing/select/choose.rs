@@ -2,6 +2,8 @@
 //! weights, verdicts, admission, quota, load) → `pin_verdict` (a live pin kept, broken or moved)
 //! → `walk` (rendezvous order, skipping what cannot take a new session; probes) → `fallback` →
 //! `settle` (the reason, the affinity result, whether a success pins).
+//! (Over 600 lines: the four steps and the `Board` they all read, whose accessors — verdicts,
+//! room by slots, waits elsewhere — are the steps' vocabulary; no unit tests here, see `tests.rs`.)
 
 use super::*;
 
