@@ -9,6 +9,7 @@
 //! May import `time`, `state`, `config`, `wire` (usage, headers) and `health`.
 
 pub mod affinity;
+pub mod capacity;
 pub mod ewma;
 pub mod in_flight;
 pub mod overdue;

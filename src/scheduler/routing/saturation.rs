@@ -47,6 +47,12 @@
 //! moving from 5 waiting on 16 slots: the moved turns' first bytes came as late as those that
 //! stayed, and 7–12 % of follow-ups lost their cache).
 //!
+//! Where a moved session goes is the placement walk's choice, with one more condition (see
+//! `capacity`): an endpoint with a free slot, counting the placements this Envoy sent it since
+//! its last scrape, or else nowhere (the pin stays). Without it, the sessions moved in one
+//! scrape interval all went to the first endpoint of their rendezvous order whose last scrape
+//! said "room", a 4-slot engine among them, and waited there longer than they would have stayed.
+//!
 //! **Moving once** ([`MoveMark`]): a session moved away for a reason is not moved again for
 //! the same reason within the affinity TTL, so that two endpoints taking turns being full cannot
 //! make a session pay a prefill on every turn. The mark is meant to live in the session's

@@ -33,12 +33,13 @@ use crate::scheduler::config::Config;
 use crate::scheduler::health::breaker::{Admission, BreakerConfig, BreakerState};
 use crate::scheduler::health::outcome::Outcome;
 use crate::scheduler::routing::affinity::{Affinity, MOVES_PREFIX};
+use crate::scheduler::routing::capacity::{self, Engines, Room};
 use crate::scheduler::routing::ewma;
 use crate::scheduler::routing::overdue;
 use crate::scheduler::routing::placement;
 use crate::scheduler::routing::quota::{estimate_tokens, QuotaHint, QuotaRule};
 use crate::scheduler::routing::saturation::{
-    expected_wait_ms, keep_pin, EngineLoad, MoveReason, PinCase, Saturation,
+    expected_wait_ms, keep_pin, MoveReason, PinCase, Saturation,
 };
 use crate::scheduler::routing::score::score;
 use crate::scheduler::routing::signals::{self, Served, Verdict};
@@ -497,7 +498,7 @@ impl<'a> Scheduler<'a> {
         let hinted = pick.session.and(pick.pin_hint).filter(|&id| valid(id));
         let pinned = pick.holder.or(hinted).or(local.map(|p| p.1));
         let bcfg = self.breaker_config();
-        let loads = signals::engine_loads(self.store, self.cfg, now_ms);
+        let engines = Engines::read(self.store, self.cfg, now_ms);
         let result = update_if(self.store, TABLE_KEY, |bytes| {
             let (mut table, same_layout) = self.load_table(bytes);
             if pick.attempt > 1
@@ -510,7 +511,7 @@ impl<'a> Scheduler<'a> {
             {
                 return (None, Err(NoEndpoint::BudgetExhausted));
             }
-            let choice = match self.choose(&table, &candidates, pick, pinned, &loads, now_ms) {
+            let choice = match self.choose(&table, &candidates, pick, pinned, &engines, now_ms) {
                 Err(e) => return (None, Err(e)),
                 Ok(c) => c,
             };
@@ -612,7 +613,7 @@ impl<'a> Scheduler<'a> {
                         all_rate_limited: false,
                     });
                 }
-                let c = self.choose(&table, &closed, pick, pinned, &loads, now_ms)?;
+                let c = self.choose(&table, &closed, pick, pinned, &engines, now_ms)?;
                 let ticket = Ticket {
                     endpoint: c.endpoint,
                     endpoint_id: self.cfg.endpoints.get(c.endpoint).map_or(0, |e| e.id),
@@ -646,6 +647,12 @@ impl<'a> Scheduler<'a> {
                 d
             }),
         };
+        // A placement (anything but a pinned session's hit) counts on top of its endpoint's
+        // last scrape (see `capacity`).
+        if let Ok(d) = &decision {
+            let placed = (d.affinity != AffinityResult::Hit).then_some(d.endpoint);
+            engines.record(self.store, self.cfg, placed);
+        }
         // A session moved away from a saturated endpoint is marked, so that it is not moved
         // for that reason again within its TTL.
         if let (Ok(d), Some(s)) = (&decision, pick.session) {

@@ -2,6 +2,8 @@
 //! weights, verdicts, admission, quota, load) → `pin_verdict` (a live pin kept, broken or moved)
 //! → `walk` (rendezvous order, skipping what cannot take a new session; probes) → `fallback` →
 //! `settle` (the reason, the affinity result, whether a success pins).
+//! (Over 600 lines: the four steps and the `Board` they all read, whose accessors — verdicts,
+//! room by slots, waits elsewhere — are the steps' vocabulary; no unit tests here, see `tests.rs`.)
 
 use super::*;
 
@@ -17,11 +19,11 @@ impl<'a> Scheduler<'a> {
         candidates: &[usize],
         pick: &Pick<'_>,
         pinned: Option<u32>,
-        loads: &[Option<EngineLoad>],
+        engines: &Engines,
         now_ms: u64,
     ) -> Result<Choice, NoEndpoint> {
         let bcfg = self.breaker_config();
-        let mut board = self.board(table, candidates, pick, loads, now_ms, &bcfg)?;
+        let mut board = self.board(table, candidates, pick, engines, now_ms, &bcfg)?;
         let pinned_index = pinned.and_then(|id| self.cfg.endpoint_index(id));
         board.pinned = pinned_index;
         // A session whose instructions make a prefix key is placed by that key: the same
@@ -76,6 +78,25 @@ impl<'a> Scheduler<'a> {
             Some(c) => c,
             None => return Err(NoEndpoint::Exhausted),
         };
+        // A move goes only where the session runs at once: an endpoint over its bounded load
+        // or without room (see `capacity`) would make it wait as long as it did, after paying
+        // a prefill. The pin stays then.
+        if let PinVerdict::Move(p) = pin {
+            if reason == Reason::Spill || board.full(endpoint) {
+                return Ok(Choice {
+                    endpoint: p,
+                    reason: Reason::AffinityHit,
+                    affinity: AffinityResult::Hit,
+                    pin_on_success: true,
+                    broke_pin_of: None,
+                    moved: None,
+                    home,
+                    verdicts: board.stored_verdicts(),
+                    quota_skipped,
+                    by_prefix: false,
+                });
+            }
+        }
         Ok(self.settle(
             &board,
             pick,
@@ -97,11 +118,12 @@ impl<'a> Scheduler<'a> {
         table: &Table,
         candidates: &[usize],
         pick: &Pick<'_>,
-        loads: &[Option<EngineLoad>],
+        engines: &Engines,
         now_ms: u64,
         bcfg: &BreakerConfig,
     ) -> Result<Board, NoEndpoint> {
         let cfg = self.cfg;
+        let (loads, rooms) = (&engines.loads, &engines.rooms);
         let n = cfg.endpoints.len();
         let state = |i: usize| table.entries.get(i).map(|(_, st)| st);
         let statics: Vec<usize> = (0..n)
@@ -151,8 +173,29 @@ impl<'a> Scheduler<'a> {
         let all_scraped = statics
             .iter()
             .all(|&i| loads.get(i).copied().flatten().is_some());
+        // Every candidate's slots known (see `capacity`): the load is the projected one (scraped
+        // running + waiting and this process's placements since), bounded by slots.
+        let room: Vec<Option<Room>> = (0..n)
+            .map(|i| {
+                rooms
+                    .get(i)
+                    .copied()
+                    .flatten()
+                    .filter(|_| loads.get(i).copied().flatten().is_some())
+            })
+            .collect();
+        let by_slots = !statics.is_empty()
+            && statics.iter().all(|&i| {
+                room.get(i)
+                    .copied()
+                    .flatten()
+                    .is_some_and(|r| r.slots.is_some())
+            });
         let load = (0..n)
             .map(|i| {
+                if by_slots {
+                    return room.get(i).copied().flatten().map_or(0, |r| r.projected);
+                }
                 let l = loads.get(i).copied().flatten().filter(|_| all_scraped);
                 state(i).map_or(0, |st| {
                     signals::placement_load(st, l.as_ref(), now_ms, cfg.in_flight_max_age_ms)
@@ -176,6 +219,8 @@ impl<'a> Scheduler<'a> {
             short,
             certain_429,
             load,
+            room,
+            by_slots,
             admission,
         })
     }
@@ -281,14 +326,19 @@ impl<'a> Scheduler<'a> {
             board.admitted(i)
                 && !board.degraded(i)
                 && Some(i) != left
-                && !(board.saturated(i) && board.room_elsewhere(i))
+                && !(board.full(i) && board.room_elsewhere(i))
         };
-        let (total_load, total_weight) = order
-            .iter()
-            .filter(|&&i| eligible(i))
-            .fold((0u64, 0.0f64), |(l, w), &i| {
-                (l + u64::from(board.load_of(i)), w + board.weight(i))
-            });
+        let (total_load, total_weight, total_slots) =
+            order
+                .iter()
+                .filter(|&&i| eligible(i))
+                .fold((0u64, 0.0f64, 0u64), |(l, w, s), &i| {
+                    (
+                        l + u64::from(board.load_of(i)),
+                        w + board.weight(i),
+                        s + u64::from(board.slots(i)),
+                    )
+                });
         let mut passed = Passed::default();
         for &i in &order {
             if Some(i) == left {
@@ -309,14 +359,22 @@ impl<'a> Scheduler<'a> {
                 passed.unavailable = true;
                 continue;
             }
-            if board.saturated(i) && board.room_elsewhere(i) {
+            if board.full(i) && board.room_elsewhere(i) {
                 passed.saturated = true;
                 continue;
             }
             let load = f64::from(board.load_of(i));
-            if load + 1.0
-                > placement::load_limit(total_load, board.weight(i), total_weight, self.cfg)
-            {
+            let limit = if board.by_slots {
+                capacity::slot_limit(
+                    total_load,
+                    board.slots(i),
+                    total_slots,
+                    self.cfg.bounded_load_epsilon,
+                )
+            } else {
+                placement::load_limit(total_load, board.weight(i), total_weight, self.cfg)
+            };
+            if load + 1.0 > limit {
                 passed.spilled.get_or_insert(i);
                 continue;
             }
@@ -394,6 +452,10 @@ impl<'a> Scheduler<'a> {
             // A new session placed by prefix that spilled: a popular application spreading.
             // Its own turns, and now its instructions, are cached where it was served.
             (Reason::Spill, _) if by_prefix => true,
+            // Spilled by slots (every candidate's capacity known: the fleet is past its slots
+            // and the home past its share). Its next turn would find the home as full, and
+            // sending it there would re-prefill the turn the spill place has cached.
+            (Reason::Spill, _) if board.by_slots => true,
             // A probe, or a burst that spilled: the session's place stays its home.
             (Reason::DegradedProbe | Reason::Spill, _) => false,
             (_, AfterFailover::Stay) => true,
@@ -433,8 +495,14 @@ pub(super) struct Board {
     short: Vec<bool>,
     /// Staying there is a certain 429.
     certain_429: Vec<bool>,
-    /// The load bounded-load placement weighs (see `signals::placement_load`).
+    /// The load bounded-load placement weighs (see `signals::placement_load`), or the
+    /// projected load when `by_slots`.
     load: Vec<u32>,
+    /// Each endpoint's projected load and slots, where scraped (see `capacity`).
+    room: Vec<Option<Room>>,
+    /// Every static candidate's slots are known: bounded load by slots
+    /// (`capacity::slot_limit`) rather than by weight.
+    by_slots: bool,
     /// Breaker admission of this attempt's candidates (`None`: not a candidate).
     admission: Vec<Option<Admission>>,
 }
@@ -455,6 +523,27 @@ impl Board {
     pub(super) fn saturated(&self, i: usize) -> bool {
         self.verdicts.get(i).is_some_and(Verdict::saturated)
     }
+    /// Saturated, or without a free slot by its projected load (see `capacity`): what a
+    /// placement passes over while another candidate has room.
+    pub(super) fn full(&self, i: usize) -> bool {
+        self.saturated(i)
+            || self
+                .room
+                .get(i)
+                .copied()
+                .flatten()
+                .and_then(|r| r.free_slot())
+                == Some(false)
+    }
+    /// Its known slots (0: unknown).
+    pub(super) fn slots(&self, i: usize) -> u32 {
+        self.room
+            .get(i)
+            .copied()
+            .flatten()
+            .and_then(|r| r.slots)
+            .unwrap_or(0)
+    }
     pub(super) fn admitted(&self, i: usize) -> bool {
         matches!(
             self.admission.get(i).copied().flatten(),
@@ -467,15 +556,16 @@ impl Board {
             Some(Admission::Probe { .. })
         )
     }
-    /// Whether some candidate other than `i` could take a new session and is not saturated:
-    /// only then is a saturated endpoint passed over (all full: placed as without metrics).
+    /// Whether some candidate other than `i` could take a new session and is not full (see
+    /// [`Board::full`]): only then is a full endpoint passed over (all full: placed as
+    /// without metrics).
     pub(super) fn room_elsewhere(&self, i: usize) -> bool {
         self.statics.iter().any(|&j| {
             j != i
                 && self.admitted(j)
                 && !self.degraded(j)
                 && !self.flag(&self.short, j)
-                && !self.saturated(j)
+                && !self.full(j)
         })
     }
     /// The shortest expected queueing delay at a candidate other than `i` that could take the
@@ -490,7 +580,7 @@ impl Board {
                     && self.admitted(j)
                     && !self.degraded(j)
                     && !self.flag(&self.short, j)
-                    && !self.saturated(j)
+                    && !self.full(j)
             })
             .map(|&j| {
                 let load = self.verdicts.get(j).and_then(|v| v.load);

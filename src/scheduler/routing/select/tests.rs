@@ -1480,16 +1480,28 @@ fn a_saturated_endpoint_gets_no_new_sessions_but_keeps_pins_while_the_wait_is_sh
         s.finish(d.ticket, &Outcome::Cancelled, 0, None, 2_000);
         assert_eq!(s.table().entries[0].1.saturation, Saturation::Saturated);
         scraped(s.store, "a", 1, 64, 3_000);
-        let homed_on_a = (7_000..7_300u64)
-            .filter(|&n| {
-                let d = pick_at(s, Some(key(n)), ex, 3_000).unwrap();
-                let on_a = d.endpoint == 0;
-                s.finish(d.ticket, &Outcome::Cancelled, 0, None, 3_000);
-                on_a
-            })
-            .count();
-        assert!(homed_on_a > 50, "a has room again: {homed_on_a} of 300");
+        let homed_on_a = |now: u64| {
+            (7_000..7_300u64)
+                .filter(|&n| {
+                    let d = pick_at(s, Some(key(n)), ex, now).unwrap();
+                    let on_a = d.endpoint == 0;
+                    s.finish(d.ticket, &Outcome::Cancelled, 0, None, now);
+                    on_a
+                })
+                .count()
+        };
+        // No longer saturated, but its 64 slots (the running count it showed with a queue)
+        // are all taken and one waits: no free slot, no new session while others have room.
+        assert_eq!(homed_on_a(3_000), 0);
         assert_eq!(s.table().entries[0].1.saturation, Saturation::Room);
+        // 40 running, no queue: 24 free slots. The placements sent since that scrape count:
+        // the first 24 sessions whose home is a go there, the others pass it (of 300, about
+        // 100 have their home on a).
+        scraped(s.store, "a", 0, 40, 4_000);
+        assert_eq!(homed_on_a(4_000), 24);
+        // The next scrape shows them (or not): the count starts again.
+        scraped(s.store, "a", 0, 40, 5_000);
+        assert_eq!(homed_on_a(5_000), 24);
     });
 }
 
@@ -1632,8 +1644,9 @@ fn a_pin_stays_when_the_other_endpoints_queue_as_long() {
         let d = pick_body(s, on_a[0], 400, 1_100);
         assert_eq!((d.endpoint, d.reason), (0, Reason::AffinityHit), "{d:?}");
         s.finish(d.ticket, &Outcome::Cancelled, 0, None, 1_100);
-        // c's queue empties: the wait there is gone, and the session moves.
-        scraped(s.store, "c", 0, 2, 2_000);
+        // c's queue empties and a slot of its batch (2, the running count it showed with a
+        // queue) is free: the wait there is gone, and the session moves.
+        scraped(s.store, "c", 0, 1, 2_000);
         let d = pick_body(s, on_a[1], 400, 2_100);
         assert_eq!(
             (d.reason, d.moved_pin_of),
@@ -1642,6 +1655,78 @@ fn a_pin_stays_when_the_other_endpoints_queue_as_long() {
         );
         s.finish(d.ticket, &Outcome::Cancelled, 0, None, 2_100);
     });
+}
+
+/// The mixed fleet's herd (results/bench/signals/diagnosis.md): a large engine turns full and
+/// its pinned sessions move in one burst, between two scrapes. They go only where a slot is
+/// free counting the moves already sent since the scrape: 2 to the small engine b (4 slots,
+/// 2 running), 6 to c (16 slots, 10 running); the rest stay until the next scrape.
+#[test]
+fn a_burst_of_moves_fills_free_slots_only() {
+    with_pins_on_first(json!({}), |s, _, on_a| {
+        assert!(on_a.len() >= 20);
+        // Slots seen: b and c queued once (their running counts then are their slots).
+        scraped(s.store, "b", 2, 4, 1_000);
+        scraped(s.store, "c", 3, 16, 1_000);
+        let d = pick_body(s, key(90_000), 400, 1_000);
+        s.finish(d.ticket, &Outcome::Cancelled, 0, None, 1_000);
+        // a is a batch and more deep; b and c have room by their last scrape.
+        scraped(s.store, "a", 40, 16, 2_000);
+        scraped(s.store, "b", 0, 2, 2_000);
+        scraped(s.store, "c", 0, 10, 2_000);
+        let mut to = [0usize; 3];
+        for &k in &on_a[..20] {
+            let d = pick_body(s, k, 400, 2_100);
+            match d.reason {
+                Reason::Saturated => assert_eq!(d.moved_pin_of, Some(0), "{d:?}"),
+                Reason::AffinityHit => assert_eq!(d.endpoint, 0, "{d:?}"),
+                other => panic!("{other:?}"),
+            }
+            to[d.endpoint] += 1;
+            s.finish(d.ticket, &Outcome::Cancelled, 0, None, 2_100);
+        }
+        assert_eq!(to, [12, 2, 6]);
+        // The next scrape shows free slots again: the next sessions move.
+        scraped(s.store, "b", 0, 1, 3_000);
+        let d = pick_body(s, on_a[20], 400, 3_100);
+        assert_eq!((d.reason, d.endpoint), (Reason::Saturated, 1), "{d:?}");
+        s.finish(d.ticket, &Outcome::Cancelled, 0, None, 3_100);
+    });
+}
+
+/// Bounded load by slots: every engine's slots known and all of them full (no free slot, no
+/// saturation), new sessions spill by slot share, not by weight: the 4-slot b takes fewer than
+/// the 16-slot a and c although all weigh 1 (by weight with the slack of 8, each ≈ a third).
+#[test]
+fn full_engines_share_new_sessions_by_slots() {
+    let c = three_warm(json!({}));
+    let store = MemStore::new();
+    let s = Scheduler::new(&c, &store);
+    let ex = Exclusions::default();
+    warm(&s, &[100, 100, 100], 10, 0);
+    scraped(&store, "a", 4, 16, 1_000);
+    scraped(&store, "b", 2, 4, 1_000);
+    scraped(&store, "c", 4, 16, 1_000);
+    let mut to = [0usize; 3];
+    let mut spilled = 0;
+    for n in 0..300u64 {
+        let d = pick_at(&s, Some(key(n)), &ex, 1_100).unwrap();
+        to[d.endpoint] += 1;
+        if d.reason == Reason::Spill {
+            // Pinned where it spilled: its next turn finds the same full home.
+            assert!(d.ticket.pin_on_success, "{d:?}");
+            spilled += 1;
+        }
+        s.finish(d.ticket, &Outcome::Cancelled, 0, None, 1_100);
+    }
+    assert!(to[1] < to[0] && to[1] < to[2], "{to:?}");
+    assert!(spilled > 10, "{spilled}");
+    // After all 300: b's projected load (6 + its placements) is within its slot share of
+    // the excess (2 × (346 + 1) × 4 / 36 + 1 ≈ 78) and so is the last placement's.
+    let caps = crate::scheduler::routing::capacity::read(&store);
+    let b = caps.get(c.endpoints[1].id);
+    assert_eq!((b.slots, b.sent as usize), (4, to[1]));
+    assert!(6 + to[1] <= 78, "{to:?}");
 }
 
 #[test]

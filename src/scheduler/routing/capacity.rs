@@ -1,0 +1,420 @@
+//! Capacity: how many requests an engine runs at once, and how many this Envoy has sent it
+//! since its last scrape, so that a burst of placements cannot pile onto a small engine.
+//!
+//! Why: the saturation state ([`super::saturation`]) and the bounded load read the engine's
+//! `running + waiting` as of its last scrape (one a second). Between two scrapes every
+//! placement reads the same picture, so when the large engines of a mixed fleet turn full, all
+//! the sessions moved or placed in that second go to the next endpoint of their rendezvous
+//! order whose last scrape said "room" — often a 4-slot engine — and then wait there 10 s
+//! (the bench's `mixed_fleet`: 37 moves onto `d` within a few scrapes). And the bounded-load
+//! limit is a share of all requests by configured *weight* plus a slack of 8, which lets a
+//! 4-slot engine take 8 more than its share whatever its size.
+//!
+//! **Slots** ([`slots_seen`]): an engine that queues (`waiting > 0`) runs all it can, so its
+//! running count then *is* its slot count (vLLM's `max_num_seqs` or what its KV cache admits,
+//! llama.cpp's `--parallel`, the mock's `--max-concurrency`). We keep the largest running
+//! count seen at a scrape with a queue; until an engine has queued once its slots are unknown,
+//! and it is judged as before (no engine format reports its slot count as a metric).
+//!
+//! **Projected load** ([`Room`]): the scraped `running + waiting`, plus the placements (new
+//! sessions, moves; not affinity hits, whose load the scrape already shows as the sessions'
+//! steady traffic) this Envoy process sent the endpoint since that scrape. The count is this
+//! process's own (kept in shared data, so all its workers add to it) and starts again at every
+//! new scrape, which includes the placements by then. With several replicas each counts its own
+//! share only: the projection is a lower bound.
+//!
+//! **Room**: an endpoint with known slots has room for one more when `projected + 1 ≤ slots`.
+//! A placement passes over an endpoint without room when another has room (as it passes over
+//! a saturated one), and a saturated pin moves only to an endpoint with room.
+//!
+//! **Bounded load by slots** ([`slot_limit`]): when every candidate's slots are known, an
+//! endpoint takes a new session while `projected + 1 ≤ max(slots, (1 + ε) × (P + 1) × slots /
+//! S + 1)` (`P`, `S`: the candidates' projected loads and slots): always up to its own slots,
+//! beyond them only its slot share of the fleet's excess. Without known slots everywhere
+//! (hosted API keys, engines that never queued), the bound stays the weighted share of
+//! `placement::load_limit`.
+//!
+//! The record ([`Capacities`], one shared-data value under [`CAPACITY_KEY`]): per configured
+//! endpoint id, its slots seen, the scrape time its sent count is on top of, and the count.
+//! Bounded by the configuration (entries of endpoints no longer configured are dropped on
+//! write).
+
+use crate::scheduler::config::Config;
+use crate::scheduler::routing::saturation::EngineLoad;
+use crate::scheduler::routing::signals;
+use crate::scheduler::state::codec::{Reader, Writer};
+use crate::scheduler::state::store::{update_if, Store};
+
+/// The shared-data key of [`Capacities`].
+pub const CAPACITY_KEY: &str = "computeflux/capacity";
+
+const VERSION: u8 = 1;
+/// Per entry: id (u32), slots (u32), scraped_ms (u64), sent (u32).
+const ENTRY_BYTES: usize = 4 + 4 + 8 + 4;
+
+/// What this Envoy process knows of one engine's capacity.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct Seen {
+    /// The largest running count seen at a scrape with a queue; 0: unknown.
+    pub slots: u32,
+    /// The scrape (its completion time) that `sent` counts on top of.
+    pub scraped_ms: u64,
+    /// Placements sent since that scrape.
+    pub sent: u32,
+}
+
+/// The slot count `load` shows, folded into what was seen before (`prev`, 0: unknown): its
+/// running count if it queues, never less than before.
+pub fn slots_seen(prev: u32, load: &EngineLoad) -> u32 {
+    match (load.waiting, load.running) {
+        (Some(w), Some(r)) if w > 0 => prev.max(r),
+        _ => prev,
+    }
+}
+
+/// One endpoint's projected load and slots for a decision.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Room {
+    /// Scraped running + waiting, plus the placements sent since that scrape.
+    pub projected: u32,
+    /// Its slots, if it was ever seen queueing.
+    pub slots: Option<u32>,
+}
+
+impl Room {
+    /// The room for one more, from a fresh `load` and what was `seen` of the engine. `None`
+    /// without a scraped running count (no basis for a projection).
+    pub fn of(seen: &Seen, load: &EngineLoad) -> Option<Room> {
+        let running = load.running?;
+        let sent = if seen.scraped_ms == load.scraped_ms {
+            seen.sent
+        } else {
+            0
+        };
+        let slots = slots_seen(seen.slots, load);
+        Some(Room {
+            projected: running
+                .saturating_add(load.waiting.unwrap_or(0))
+                .saturating_add(sent),
+            slots: (slots > 0).then_some(slots),
+        })
+    }
+
+    /// Whether one more would run at once: `Some(projected + 1 ≤ slots)`, `None` when the
+    /// slots are unknown.
+    pub fn free_slot(&self) -> Option<bool> {
+        self.slots.map(|s| u64::from(self.projected) < u64::from(s))
+    }
+}
+
+/// The bounded-load limit of an endpoint with `slots`, when every candidate's slots are known:
+/// the load it may have after taking one more, given the candidates' projected loads summing
+/// to `total_projected` and their slots to `total_slots`. Its own slots at least; beyond them
+/// `(1 + epsilon) × (P + 1) × slots / S + 1`, its slot share of the excess.
+pub fn slot_limit(total_projected: u64, slots: u32, total_slots: u64, epsilon: f64) -> f64 {
+    let own = f64::from(slots);
+    if total_slots == 0 {
+        return own;
+    }
+    let share = own / total_slots as f64;
+    let shared = (1.0 + epsilon.max(0.0)) * (total_projected as f64 + 1.0) * share + 1.0;
+    own.max(shared)
+}
+
+/// Every configured endpoint's [`Seen`], by endpoint id.
+///
+/// Codec (little-endian): version `1` (u8), entry count (u32), then per entry in strictly
+/// increasing id order: id (u32), slots (u32), scraped_ms (u64), sent (u32). Anything else
+/// decodes as `None` (read as nothing seen: every endpoint judged as before).
+#[derive(Debug, Clone, PartialEq, Eq, Default)]
+pub struct Capacities {
+    /// Sorted by id, ids distinct.
+    entries: Vec<(u32, Seen)>,
+}
+
+impl Capacities {
+    pub fn encode(&self) -> Vec<u8> {
+        let mut w = Writer::with_capacity(5 + self.entries.len() * ENTRY_BYTES);
+        w.u8(VERSION);
+        w.u32(u32::try_from(self.entries.len()).unwrap_or(u32::MAX));
+        for (id, s) in &self.entries {
+            w.u32(*id);
+            w.u32(s.slots);
+            w.u64(s.scraped_ms);
+            w.u32(s.sent);
+        }
+        w.buf
+    }
+
+    pub fn decode(bytes: &[u8]) -> Option<Capacities> {
+        let mut r = Reader::new(bytes);
+        if r.u8()? != VERSION {
+            return None;
+        }
+        let n = usize::try_from(r.u32()?).ok()?;
+        if r.remaining() != n.checked_mul(ENTRY_BYTES)? {
+            return None;
+        }
+        let mut entries: Vec<(u32, Seen)> = Vec::with_capacity(n);
+        for _ in 0..n {
+            let id = r.u32()?;
+            if entries.last().is_some_and(|(last, _)| *last >= id) {
+                return None;
+            }
+            let seen = Seen {
+                slots: r.u32()?,
+                scraped_ms: r.u64()?,
+                sent: r.u32()?,
+            };
+            entries.push((id, seen));
+        }
+        Some(Capacities { entries })
+    }
+
+    /// What was seen of endpoint `id` (nothing: the default).
+    pub fn get(&self, id: u32) -> Seen {
+        self.entries
+            .binary_search_by_key(&id, |(k, _)| *k)
+            .ok()
+            .and_then(|i| self.entries.get(i))
+            .map(|(_, s)| *s)
+            .unwrap_or_default()
+    }
+
+    fn set(&mut self, id: u32, seen: Seen, keep: &[u32]) {
+        self.entries.retain(|(k, _)| *k != id && keep.contains(k));
+        let at = self.entries.partition_point(|(k, _)| *k < id);
+        self.entries.insert(at, (id, seen));
+    }
+
+    /// Folds the slots each fresh load shows (`(id, load)`); true when some grew.
+    pub fn observe(&mut self, loads: &[(u32, EngineLoad)], keep: &[u32]) -> bool {
+        let mut changed = false;
+        for (id, load) in loads {
+            let mut seen = self.get(*id);
+            let slots = slots_seen(seen.slots, load);
+            if slots != seen.slots {
+                seen.slots = slots;
+                self.set(*id, seen, keep);
+                changed = true;
+            }
+        }
+        changed
+    }
+
+    /// Counts one placement sent to endpoint `id`, whose last scrape is `load`.
+    pub fn sent(&mut self, id: u32, load: &EngineLoad, keep: &[u32]) {
+        let mut seen = self.get(id);
+        if seen.scraped_ms != load.scraped_ms {
+            seen.scraped_ms = load.scraped_ms;
+            seen.sent = 0;
+        }
+        seen.sent = seen.sent.saturating_add(1);
+        seen.slots = slots_seen(seen.slots, load);
+        self.set(id, seen, keep);
+    }
+}
+
+/// What one decision knows of the engines: each configured endpoint's fresh scraped load
+/// (`signals::engine_loads`) and its room (by index into `Config::endpoints`).
+#[derive(Debug, Clone, Default)]
+pub struct Engines {
+    pub loads: Vec<Option<EngineLoad>>,
+    pub rooms: Vec<Option<Room>>,
+    /// What was seen before the decision (for [`Engines::record`]).
+    pub seen: Capacities,
+}
+
+impl Engines {
+    /// The engines as `store` holds them at `now_ms`.
+    pub fn read(store: &dyn Store, cfg: &Config, now_ms: u64) -> Engines {
+        let loads = signals::engine_loads(store, cfg, now_ms);
+        let seen = read(store);
+        let rooms = cfg
+            .endpoints
+            .iter()
+            .zip(&loads)
+            .map(|(e, l)| l.as_ref().and_then(|l| Room::of(&seen.get(e.id), l)))
+            .collect();
+        Engines { loads, rooms, seen }
+    }
+
+    /// Stores what a decision taught: the slots the fresh loads show, and `placed` (the index
+    /// of the endpoint a placement was sent to, counted on top of its last scrape). No write
+    /// when neither changed anything.
+    pub fn record(&self, store: &dyn Store, cfg: &Config, placed: Option<usize>) {
+        let fresh: Vec<(u32, EngineLoad)> = cfg
+            .endpoints
+            .iter()
+            .zip(&self.loads)
+            .filter_map(|(e, l)| l.map(|l| (e.id, l)))
+            .collect();
+        let placed = placed.and_then(|i| {
+            let load = self.loads.get(i).copied().flatten()?;
+            Some((cfg.endpoints.get(i)?.id, load))
+        });
+        let grew = fresh.iter().any(|(id, l)| {
+            let before = self.seen.get(*id).slots;
+            slots_seen(before, l) != before
+        });
+        if placed.is_some() || grew {
+            let ids: Vec<u32> = cfg.endpoints.iter().map(|e| e.id).collect();
+            record(store, &fresh, placed, &ids);
+        }
+    }
+}
+
+/// The stored capacities (absent or undecodable: nothing seen).
+pub fn read(store: &dyn Store) -> Capacities {
+    store
+        .get(CAPACITY_KEY)
+        .0
+        .as_deref()
+        .and_then(Capacities::decode)
+        .unwrap_or_default()
+}
+
+/// Stores what a decision learned: the slots the fresh `loads` show, and the placement it sent
+/// (`placed`: endpoint id and its load), if any. Writes only when something changed; a lost
+/// CAS race loses one count (bounded retries). `keep`: the configured endpoint ids.
+pub fn record(
+    store: &dyn Store,
+    loads: &[(u32, EngineLoad)],
+    placed: Option<(u32, EngineLoad)>,
+    keep: &[u32],
+) -> bool {
+    update_if(store, CAPACITY_KEY, |bytes| {
+        let mut caps = bytes.and_then(Capacities::decode).unwrap_or_default();
+        let mut changed = caps.observe(loads, keep);
+        if let Some((id, load)) = &placed {
+            caps.sent(*id, load, keep);
+            changed = true;
+        }
+        (changed.then(|| caps.encode()), changed)
+    })
+    .unwrap_or(false)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::scheduler::state::store::MemStore;
+    #[cfg(target_arch = "wasm32")]
+    use wasm_bindgen_test::wasm_bindgen_test as test;
+
+    fn load(waiting: u32, running: u32, scraped_ms: u64) -> EngineLoad {
+        EngineLoad {
+            waiting: Some(waiting),
+            running: Some(running),
+            kv_usage_permille: None,
+            scraped_ms,
+        }
+    }
+
+    #[test]
+    fn slots_are_the_running_count_of_a_queueing_engine() {
+        assert_eq!(slots_seen(0, &load(0, 3, 0)), 0, "no queue: unknown");
+        assert_eq!(slots_seen(0, &load(2, 4, 0)), 4);
+        assert_eq!(slots_seen(4, &load(1, 3, 0)), 4, "never shrinks");
+        assert_eq!(slots_seen(4, &load(1, 16, 0)), 16);
+        let no_running = EngineLoad {
+            running: None,
+            ..load(5, 0, 0)
+        };
+        assert_eq!(slots_seen(7, &no_running), 7);
+    }
+
+    /// The burst: a 4-slot engine scraped at 2 running, no queue, seen queueing earlier. Two
+    /// placements fill it; the third finds no room until the next scrape.
+    #[test]
+    fn placements_since_the_scrape_fill_the_slots() {
+        let keep = [7, 9];
+        let store = MemStore::new();
+        assert!(record(&store, &[(7, load(3, 4, 1_000))], None, &keep));
+        assert_eq!(read(&store).get(7).slots, 4);
+        let now = load(0, 2, 2_000);
+        let room = |store: &MemStore| Room::of(&read(store).get(7), &now).unwrap();
+        assert_eq!(
+            room(&store),
+            Room {
+                projected: 2,
+                slots: Some(4)
+            }
+        );
+        assert_eq!(room(&store).free_slot(), Some(true));
+        record(&store, &[(7, now)], Some((7, now)), &keep);
+        assert_eq!(room(&store).free_slot(), Some(true));
+        record(&store, &[(7, now)], Some((7, now)), &keep);
+        assert_eq!(room(&store).projected, 4);
+        assert_eq!(room(&store).free_slot(), Some(false));
+        // The next scrape counts them itself: the count starts again.
+        let next = load(0, 3, 3_000);
+        assert_eq!(Room::of(&read(&store).get(7), &next).unwrap().projected, 3);
+        // Nothing changed: no write.
+        assert!(!record(&store, &[(7, next)], None, &keep));
+        // Slots unknown: room is not judged.
+        assert_eq!(
+            Room::of(&Seen::default(), &load(0, 9, 0))
+                .unwrap()
+                .free_slot(),
+            None
+        );
+        assert_eq!(
+            Room::of(
+                &Seen::default(),
+                &EngineLoad {
+                    running: None,
+                    ..now
+                }
+            ),
+            None
+        );
+    }
+
+    #[test]
+    fn entries_stay_bounded_by_the_configuration_and_round_trip() {
+        let mut c = Capacities::default();
+        c.sent(9, &load(1, 16, 5), &[9, 3]);
+        c.sent(3, &load(0, 2, 5), &[9, 3]);
+        let bytes = c.encode();
+        assert_eq!(bytes.len(), 5 + 2 * ENTRY_BYTES);
+        assert_eq!(Capacities::decode(&bytes), Some(c.clone()));
+        assert_eq!(c.get(9).slots, 16);
+        assert_eq!(
+            c.get(3),
+            Seen {
+                slots: 0,
+                scraped_ms: 5,
+                sent: 1
+            }
+        );
+        // Endpoint 3 is no longer configured: dropped at the next write.
+        c.sent(9, &load(1, 16, 5), &[9]);
+        assert_eq!(c.get(3), Seen::default());
+        assert_eq!(c.get(9).sent, 2);
+        // Undecodable: none.
+        assert_eq!(Capacities::decode(&[2, 0, 0, 0, 0]), None);
+        assert_eq!(Capacities::decode(&bytes[..bytes.len() - 1]), None);
+        let mut unsorted = Capacities::default().encode();
+        unsorted[1] = 2;
+        for id in [5u32, 4] {
+            unsorted.extend_from_slice(&id.to_le_bytes());
+            unsorted.extend_from_slice(&[0; ENTRY_BYTES - 4]);
+        }
+        assert_eq!(Capacities::decode(&unsorted), None);
+    }
+
+    /// Worked: a fleet of 4 + 16 + 4 + 16 = 40 slots. Below its slots an engine is within
+    /// bound whatever the fleet's load; with 48 projected (20 % over), a small engine may hold
+    /// 2 × 49 × 0.1 + 1 = 10.8, a large one 2 × 49 × 0.4 + 1 = 40.2.
+    #[test]
+    fn slot_limit_worked_numbers() {
+        assert_eq!(slot_limit(0, 4, 40, 1.0), 4.0);
+        assert_eq!(slot_limit(0, 16, 40, 1.0), 16.0);
+        assert!((slot_limit(48, 4, 40, 1.0) - 10.8).abs() < 1e-9);
+        assert!((slot_limit(48, 16, 40, 1.0) - 40.2).abs() < 1e-9);
+        assert_eq!(slot_limit(48, 4, 0, 1.0), 4.0);
+        // With epsilon 0, the excess is shared by slots exactly: 49 × 0.1 + 1.
+        assert!((slot_limit(48, 4, 40, 0.0) - 5.9).abs() < 1e-9);
+    }
+}
