@@ -259,7 +259,7 @@ impl<'a> Scheduler<'a> {
 
     /// Whether a session pinned to saturated `p` moves: the expected wait there exceeds
     /// re-prefilling its prompt elsewhere (`saturation::keep_pin`), and it was not moved for
-    /// saturation within its TTL.
+    /// saturation within its TTL; never unless `saturated_pin_moves` (off by default).
     pub(super) fn saturated_pin_moves(
         &self,
         board: &Board,
@@ -268,6 +268,9 @@ impl<'a> Scheduler<'a> {
         p: usize,
         now_ms: u64,
     ) -> bool {
+        if !self.cfg.saturated_pin_moves {
+            return false;
+        }
         let Some(load) = board.verdicts.get(p).and_then(|v| v.load) else {
             return false;
         };

@@ -1524,58 +1524,80 @@ fn every_endpoint_saturated_places_as_without_metrics() {
     });
 }
 
+/// `saturated_pin_moves` is off by default: however long the queue, a pinned session stays;
+/// new sessions still avoid the saturated engine.
 #[test]
-fn a_long_wait_moves_a_pin_once_per_ttl() {
-    with_pins_on_first(json!({"affinity_ttl_ms": 60_000}), |s, _, on_a| {
-        // 500 waiting, 1 running: the wait there dwarfs re-prefilling a short prompt.
+fn a_saturated_pin_stays_by_default() {
+    with_pins_on_first(json!({}), |s, _, on_a| {
         scraped(s.store, "a", 500, 1, 1_000);
-        let k = on_a[0];
-        let d = pick_body(s, k, 400, 1_100);
-        assert_ne!(d.endpoint, 0);
-        assert_eq!(
-            (d.reason, d.affinity, d.moved_pin_of),
-            (Reason::Saturated, AffinityResult::Saturated, Some(0))
-        );
-        let moved_to = d.endpoint;
-        s.finish(d.ticket, &Outcome::Success, 100, Some(k), 1_200);
-        // The session is now pinned where it moved.
-        let d = pick_body(s, k, 400, 1_300);
-        assert_eq!((d.endpoint, d.reason), (moved_to, Reason::AffinityHit));
-        s.finish(d.ticket, &Outcome::Cancelled, 0, None, 1_300);
-        // Its new endpoint is saturated too, a has room again... and is full again: within
-        // the TTL the session is not moved a second time for saturation.
-        scraped(
-            s.store,
-            s.cfg.endpoints[moved_to].name.as_str(),
-            500,
-            1,
-            2_000,
-        );
-        scraped(s.store, "a", 0, 1, 2_000);
-        let d = pick_body(s, k, 400, 2_100);
-        assert_eq!((d.endpoint, d.reason), (moved_to, Reason::AffinityHit));
-        s.finish(d.ticket, &Outcome::Cancelled, 0, None, 2_100);
-        // After the TTL (the mark has lapsed), it may move again.
-        let later = 1_100 + 60_000;
-        scraped(
-            s.store,
-            s.cfg.endpoints[moved_to].name.as_str(),
-            500,
-            1,
-            later,
-        );
-        scraped(s.store, "a", 0, 1, later);
-        // Keep the pin alive (its TTL counts from its last use).
-        let d = pick_body(s, k, 400, later);
-        assert_eq!(d.reason, Reason::Saturated, "{d:?}");
-        assert_ne!(d.endpoint, moved_to);
-        s.finish(d.ticket, &Outcome::Cancelled, 0, None, later);
+        for &k in &on_a[..5] {
+            let d = pick_body(s, k, 400, 1_100);
+            assert_eq!((d.endpoint, d.reason), (0, Reason::AffinityHit));
+            s.finish(d.ticket, &Outcome::Cancelled, 0, None, 1_100);
+        }
+        for n in 0..50u64 {
+            let d = pick_body(s, key(70_000 + n), 400, 1_100);
+            assert_ne!(d.endpoint, 0, "a new session went to the saturated engine");
+            s.finish(d.ticket, &Outcome::Cancelled, 0, None, 1_100);
+        }
     });
 }
 
 #[test]
+fn a_long_wait_moves_a_pin_once_per_ttl() {
+    with_pins_on_first(
+        json!({"affinity_ttl_ms": 60_000, "saturated_pin_moves": true}),
+        |s, _, on_a| {
+            // 500 waiting, 1 running: the wait there dwarfs re-prefilling a short prompt.
+            scraped(s.store, "a", 500, 1, 1_000);
+            let k = on_a[0];
+            let d = pick_body(s, k, 400, 1_100);
+            assert_ne!(d.endpoint, 0);
+            assert_eq!(
+                (d.reason, d.affinity, d.moved_pin_of),
+                (Reason::Saturated, AffinityResult::Saturated, Some(0))
+            );
+            let moved_to = d.endpoint;
+            s.finish(d.ticket, &Outcome::Success, 100, Some(k), 1_200);
+            // The session is now pinned where it moved.
+            let d = pick_body(s, k, 400, 1_300);
+            assert_eq!((d.endpoint, d.reason), (moved_to, Reason::AffinityHit));
+            s.finish(d.ticket, &Outcome::Cancelled, 0, None, 1_300);
+            // Its new endpoint is saturated too, a has room again... and is full again: within
+            // the TTL the session is not moved a second time for saturation.
+            scraped(
+                s.store,
+                s.cfg.endpoints[moved_to].name.as_str(),
+                500,
+                1,
+                2_000,
+            );
+            scraped(s.store, "a", 0, 1, 2_000);
+            let d = pick_body(s, k, 400, 2_100);
+            assert_eq!((d.endpoint, d.reason), (moved_to, Reason::AffinityHit));
+            s.finish(d.ticket, &Outcome::Cancelled, 0, None, 2_100);
+            // After the TTL (the mark has lapsed), it may move again.
+            let later = 1_100 + 60_000;
+            scraped(
+                s.store,
+                s.cfg.endpoints[moved_to].name.as_str(),
+                500,
+                1,
+                later,
+            );
+            scraped(s.store, "a", 0, 1, later);
+            // Keep the pin alive (its TTL counts from its last use).
+            let d = pick_body(s, k, 400, later);
+            assert_eq!(d.reason, Reason::Saturated, "{d:?}");
+            assert_ne!(d.endpoint, moved_to);
+            s.finish(d.ticket, &Outcome::Cancelled, 0, None, later);
+        },
+    );
+}
+
+#[test]
 fn a_full_endpoints_own_slowness_does_not_count_its_queue_twice() {
-    with_pins_on_first(json!({}), |s, _, on_a| {
+    with_pins_on_first(json!({"saturated_pin_moves": true}), |s, _, on_a| {
         // a answered while it queued: slowness ≈ 1.3 (250 ms where the work model, which
         // learns from these answers too, expects ≈ 190 ms), its peers ≈ 0.53; 2.4× is not
         // degraded.
@@ -1609,7 +1631,7 @@ fn a_full_endpoints_own_slowness_does_not_count_its_queue_twice() {
 
 #[test]
 fn a_queue_shallower_than_one_batch_moves_no_pin() {
-    with_pins_on_first(json!({}), |s, _, on_a| {
+    with_pins_on_first(json!({"saturated_pin_moves": true}), |s, _, on_a| {
         // 6 waiting on 16 running: saturated (no new sessions), but the wait (6 / 16 of one
         // service) is below one service time: even a session with nothing to re-prefill stays.
         scraped(s.store, "a", 6, 16, 1_000);
@@ -1633,7 +1655,7 @@ fn a_queue_shallower_than_one_batch_moves_no_pin() {
 
 #[test]
 fn a_pin_stays_when_the_other_endpoints_queue_as_long() {
-    with_pins_on_first(json!({}), |s, _, on_a| {
+    with_pins_on_first(json!({"saturated_pin_moves": true}), |s, _, on_a| {
         // a: 8 waiting on 4 running (a small engine), ≈ 8 × 612 / 4 ≈ 1224 ms; a short prompt
         // (400 bytes: 20 ms to re-prefill).
         scraped(s.store, "a", 8, 4, 1_000);
@@ -1663,7 +1685,7 @@ fn a_pin_stays_when_the_other_endpoints_queue_as_long() {
 /// 2 running), 6 to c (16 slots, 10 running); the rest stay until the next scrape.
 #[test]
 fn a_burst_of_moves_fills_free_slots_only() {
-    with_pins_on_first(json!({}), |s, _, on_a| {
+    with_pins_on_first(json!({"saturated_pin_moves": true}), |s, _, on_a| {
         assert!(on_a.len() >= 20);
         // Slots seen: b and c queued once (their running counts then are their slots).
         scraped(s.store, "b", 2, 4, 1_000);
