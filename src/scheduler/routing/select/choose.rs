@@ -10,7 +10,9 @@ impl<'a> Scheduler<'a> {
     /// [`Scheduler::board`] (what every endpoint may do: weights, verdicts, quota, breaker
     /// admission), [`Scheduler::pin_verdict`] (keep, break or move a live pin),
     /// [`Scheduler::walk`] (placement in rendezvous order, with the probe decision), and
-    /// [`Scheduler::settle`] (the labels and whether a success pins).
+    /// [`Scheduler::settle`] (the labels and whether a success pins). `indexed`: the endpoints
+    /// the learned prefix index names for the request, deepest key first (`prefix_index`).
+    #[allow(clippy::too_many_arguments)]
     pub(super) fn choose(
         &self,
         table: &Table,
