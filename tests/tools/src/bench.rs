@@ -17,7 +17,7 @@
 //!     [--second-model-share 0.2] [--seed 7] [--prefill-us-per-token 100] [--decode-ms 20]
 //!     [--engine batched|constant] [--decode-ms-per-token 1.5] [--batch-slowdown 0.05]
 //!     [--stream-share 0.5] [--output-tokens 16..512] [--system-prompts 0] [--system-tokens 200]
-//!     [--system-zipf 0]
+//!     [--system-zipf 0] [--system-head-tokens 0]
 //!     [--max-concurrency 16] [--envoy-retries on|off] [--open-ms 3000]
 //!     [--overhead-reps 6] [--overhead-seconds 2] [--micro FILE | --micro-missing REASON]
 //!     [--date D] [--commit C] [--command CMD] [--raw-dir results/tmp/bench] [--replicate-all]
@@ -25,9 +25,11 @@
 //! ```
 //!
 //! Besides the default policies, `--policies` takes `computeflux_noprefix` (the filter with
-//! `"prefix_placement": false`) and `sglang_cache_aware` (the SGLang gateway from PyPI, see
-//! `bench/peer.rs`); besides the default scenarios, `--scenarios` takes `shared_prefix` and
-//! `mixed_prefix` (issue 20, see `bench/routing.rs`). Neither is in the default run.
+//! `"prefix_placement": false`), `computeflux_index` (`"prefix_index": true`),
+//! `computeflux_head` (`"prefix_home": "head"`) and `sglang_cache_aware` (the SGLang gateway
+//! from PyPI, see `bench/peer.rs`); besides the default scenarios, `--scenarios` takes
+//! `shared_prefix`, `mixed_prefix` and `shared_preamble` (issue 20, see `bench/routing.rs`).
+//! Neither is in the default run.
 //!
 //! `--replicas 1,3` (the default) runs every scenario with a lone Envoy and with three replicas;
 //! the replicated topology runs ring_hash, maglev and computeflux only (those that promise
@@ -148,6 +150,7 @@ fn parse() -> Result<Args, String> {
             system_prompts: 0,
             system_tokens: 200,
             system_zipf_s: 0.0,
+            system_head_tokens: 0,
             seed: 7,
         },
         prefill_us: 100,
@@ -275,6 +278,7 @@ fn parse() -> Result<Args, String> {
             "--system-prompts" => a.workload.system_prompts = int(&v)? as usize,
             "--system-tokens" => a.workload.system_tokens = int(&v)? as usize,
             "--system-zipf" => a.workload.system_zipf_s = float(&v)?,
+            "--system-head-tokens" => a.workload.system_head_tokens = int(&v)? as usize,
             "--envoy-retries" => a.envoy_retries = v == "on",
             "--open-ms" => a.open_ms = int(&v)?.max(1),
             "--plugin-extra" => {
@@ -515,6 +519,7 @@ fn run(a: Args) -> Result<(), String> {
                 "system_prompts": a.workload.system_prompts,
                 "system_tokens": a.workload.system_tokens,
                 "system_zipf_s": a.workload.system_zipf_s,
+                "system_head_tokens": a.workload.system_head_tokens,
                 "arrival_span_ms": span_ms,
             },
             "mock_args": mock_args,

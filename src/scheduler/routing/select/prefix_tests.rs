@@ -43,7 +43,7 @@ fn pick(
             body_bytes: 0,
             pin_hint: None,
             holder: None,
-            prefix,
+            prefix: prefix.map(PrefixChain::single),
         },
         now,
     )
@@ -190,4 +190,142 @@ fn a_failover_walks_the_prefix_order() {
         ex.after_attempt(d.endpoint, &failed);
     }
     assert_eq!(walked, order[..3].to_vec());
+}
+
+// The prefix chain (issue 20, item 3): placement on the shallowest key (`prefix_home: head`),
+// and the learned index (`prefix_index`).
+const HEAD: u64 = 0x4ead_0001;
+const APP_A: u64 = 0xa_0001;
+const APP_B: u64 = 0xb_0001;
+
+fn pick_chain(
+    s: &Scheduler<'_>,
+    session: u64,
+    keys: &[u64],
+    attempt: u32,
+    ex: &Exclusions,
+    now: u64,
+) -> Decision {
+    s.pick(
+        &Pick {
+            model: Some("m"),
+            session: Some(session),
+            attempt,
+            exclusions: ex,
+            nonce: 0,
+            body_bytes: 0,
+            pin_hint: None,
+            holder: None,
+            prefix: PrefixChain::from_keys(keys),
+        },
+        now,
+    )
+    .unwrap()
+}
+
+#[test]
+fn head_placement_gives_applications_that_share_a_head_one_home() {
+    let c = cfg(json!({"prefix_home": "head"}));
+    let store = MemStore::new();
+    let s = Scheduler::new(&c, &store);
+    let ex = Exclusions::default();
+    let head_home = placement::order(HEAD, &weights(&c))[0];
+    for n in 0..50u64 {
+        let app = if n % 2 == 0 { APP_A } else { APP_B };
+        let d = pick_chain(&s, session(n), &[HEAD, app], 1, &ex, 0);
+        assert_eq!(
+            (d.endpoint, d.affinity),
+            (head_home, AffinityResult::Prefix)
+        );
+        s.finish(d.ticket, &Outcome::Cancelled, 0, None, 0);
+    }
+    // The default places each application on its own (longest) key.
+    let c = cfg(json!({}));
+    let s = Scheduler::new(&c, &store);
+    let d = pick_chain(&s, session(1), &[HEAD, APP_B], 1, &ex, 0);
+    assert_eq!(d.endpoint, placement::order(APP_B, &weights(&c))[0]);
+    s.finish(d.ticket, &Outcome::Cancelled, 0, None, 0);
+}
+
+#[test]
+fn the_index_sends_a_new_application_where_its_shared_head_was_served() {
+    let c = cfg(json!({"prefix_index": true}));
+    let store = MemStore::new();
+    let s = Scheduler::new(&c, &store);
+    let ex = Exclusions::default();
+    let b_home = placement::order(APP_B, &weights(&c))[0];
+    // Application A was served on an endpoint that is not B's rendezvous home.
+    let x = (0..5).find(|&i| i != b_home).unwrap();
+    let x_id = c.endpoints[x].id;
+    s.learn_prefix(PrefixChain::from_keys(&[HEAD, APP_A]).as_ref(), x_id, 10);
+    let d = pick_chain(&s, session(1), &[HEAD, APP_B], 1, &ex, 20);
+    assert_eq!(
+        (d.endpoint, d.reason, d.affinity, d.by_prefix, d.by_index),
+        (x, Reason::Home, AffinityResult::Prefix, true, true)
+    );
+    assert!(d.ticket.pin_on_success);
+    s.finish(d.ticket, &Outcome::Cancelled, 0, None, 21);
+    // B's own key, once learned elsewhere, is deeper: it wins over the head.
+    let y = (0..5).find(|&i| i != x).unwrap();
+    s.learn_prefix(
+        PrefixChain::from_keys(&[HEAD, APP_B]).as_ref(),
+        c.endpoints[y].id,
+        30,
+    );
+    s.learn_prefix(PrefixChain::from_keys(&[HEAD]).as_ref(), x_id, 31);
+    let d = pick_chain(&s, session(2), &[HEAD, APP_B], 1, &ex, 40);
+    assert_eq!((d.endpoint, d.by_index), (y, true));
+    s.finish(d.ticket, &Outcome::Cancelled, 0, None, 41);
+    // A failover's excluded endpoint is not taken from the index: the walk goes on.
+    let mut ex2 = Exclusions::default();
+    ex2.after_attempt(
+        y,
+        &Outcome::RateLimited {
+            retry_after_ms: None,
+        },
+    );
+    let d = pick_chain(&s, session(3), &[HEAD, APP_B], 2, &ex2, 50);
+    assert_ne!(d.endpoint, y);
+    s.finish(d.ticket, &Outcome::Cancelled, 0, None, 51);
+    // Switched off (the default), the index is neither read nor written.
+    let off = cfg(json!({}));
+    let s = Scheduler::new(&off, &store);
+    let d = pick_chain(&s, session(4), &[HEAD, APP_B], 1, &ex, 60);
+    assert_eq!((d.endpoint, d.by_index), (b_home, false));
+    s.finish(d.ticket, &Outcome::Cancelled, 0, None, 61);
+    let fresh = MemStore::new();
+    Scheduler::new(&off, &fresh).learn_prefix(PrefixChain::from_keys(&[HEAD]).as_ref(), 1, 0);
+    assert_eq!(fresh.keys(), 0);
+}
+
+#[test]
+fn the_index_gives_way_to_bounded_load() {
+    let c =
+        cfg(json!({"prefix_index": true, "bounded_load_epsilon": 0.25, "bounded_load_slack": 2}));
+    let store = MemStore::new();
+    let s = Scheduler::new(&c, &store);
+    let ex = Exclusions::default();
+    let b_order = placement::order(APP_B, &weights(&c));
+    let x = b_order[4];
+    s.learn_prefix(
+        PrefixChain::from_keys(&[HEAD, APP_B]).as_ref(),
+        c.endpoints[x].id,
+        0,
+    );
+    let mut held = Vec::new();
+    for n in 0..30u64 {
+        held.push(pick_chain(&s, session(n), &[HEAD, APP_B], 1, &ex, 1));
+    }
+    let on_x = held.iter().filter(|d| d.endpoint == x).count();
+    let by_index = held.iter().filter(|d| d.by_index).count();
+    assert_eq!(on_x, by_index, "only the index sends sessions to x");
+    assert!(
+        (2..30).contains(&on_x),
+        "x takes some, then its bound stops it: {on_x}"
+    );
+    // Past x's bound the walk is the rendezvous one: B's home first.
+    assert!(held.iter().any(|d| d.endpoint == b_order[0] && !d.by_index));
+    for d in held {
+        s.finish(d.ticket, &Outcome::Cancelled, 0, None, 2);
+    }
 }

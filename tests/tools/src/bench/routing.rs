@@ -46,6 +46,9 @@ pub enum Scenario {
     SharedPrefix,
     /// Issue 20: the default workload plus a few shared system prompts.
     MixedPrefix,
+    /// Issue 20, item 3: `SharedPrefix` whose applications all start with the same preamble (a
+    /// policy and tools message), then a shorter prompt of their own; smaller caches.
+    SharedPreamble,
 }
 
 impl Scenario {
@@ -76,11 +79,12 @@ impl Scenario {
             Scenario::MixedFleet => "mixed_fleet",
             Scenario::SharedPrefix => "shared_prefix",
             Scenario::MixedPrefix => "mixed_prefix",
+            Scenario::SharedPreamble => "shared_preamble",
         }
     }
 
     /// Every scenario `--scenarios` accepts, in the report's order (the default set first).
-    pub const KNOWN: [Scenario; 12] = [
+    pub const KNOWN: [Scenario; 13] = [
         Scenario::Steady,
         Scenario::RateLimited,
         Scenario::Down,
@@ -93,6 +97,7 @@ impl Scenario {
         Scenario::MixedFleet,
         Scenario::SharedPrefix,
         Scenario::MixedPrefix,
+        Scenario::SharedPreamble,
     ];
 
     pub fn parse(s: &str) -> Option<Scenario> {
@@ -123,7 +128,7 @@ impl Scenario {
         let mut w = base.clone();
         match self {
             Scenario::MixedFleet => w.rate_per_s *= MIXED_RATE_FACTOR,
-            Scenario::SharedPrefix => {
+            Scenario::SharedPrefix | Scenario::SharedPreamble => {
                 w.sessions = base.sessions * SHARED_SESSIONS_FACTOR;
                 w.turns = SHARED_TURNS;
                 w.second_model_share = 0.0;
@@ -131,6 +136,10 @@ impl Scenario {
                 w.system_tokens = SHARED_SYSTEM_TOKENS;
                 w.system_zipf_s = SHARED_ZIPF_S;
                 w.rate_per_s = SHARED_REQUESTS_PER_S / SHARED_TURNS as f64;
+                if *self == Scenario::SharedPreamble {
+                    w.system_head_tokens = PREAMBLE_HEAD_TOKENS;
+                    w.system_tokens = PREAMBLE_TAIL_TOKENS;
+                }
             }
             Scenario::MixedPrefix => {
                 w.system_prompts = MIXED_PREFIX_APPS;
@@ -161,6 +170,12 @@ impl Scenario {
                 "--prefill-us-per-token".into(),
                 SHARED_PREFILL_US.to_string(),
             ],
+            Scenario::SharedPreamble => vec![
+                "--cache-tokens".into(),
+                PREAMBLE_CACHE_TOKENS.to_string(),
+                "--prefill-us-per-token".into(),
+                SHARED_PREFILL_US.to_string(),
+            ],
             _ => Vec::new(),
         }
     }
@@ -185,7 +200,8 @@ impl Scenario {
             | Scenario::NoCache
             | Scenario::MixedFleet
             | Scenario::SharedPrefix
-            | Scenario::MixedPrefix => None,
+            | Scenario::MixedPrefix
+            | Scenario::SharedPreamble => None,
             Scenario::RateLimited | Scenario::Down => Some((at(0.3), Some(at(0.6)))),
             Scenario::Slow => Some((at(0.3), None)),
             // The new endpoint is "faulty" (absent) until it joins.
@@ -215,6 +231,14 @@ impl Scenario {
                  offered; each engine's KV cache holds {SHARED_CACHE_TOKENS} tokens (all prompts: \
                  {} tokens) and prefills at {SHARED_PREFILL_US} µs per uncached token",
                 SHARED_APPS * SHARED_SYSTEM_TOKENS
+            ),
+            (Scenario::SharedPreamble, _) => format!(
+                "shared preamble (issue 20, item 3): as shared_prefix, but every one of the \
+                 {SHARED_APPS} applications' prompts is the same {PREAMBLE_HEAD_TOKENS}-token \
+                 system message (a policy and tools preamble) followed by a \
+                 {PREAMBLE_TAIL_TOKENS}-token system message of its own; each engine's KV cache \
+                 holds {PREAMBLE_CACHE_TOKENS} tokens (all prompts: {} tokens)",
+                PREAMBLE_HEAD_TOKENS + SHARED_APPS * PREAMBLE_TAIL_TOKENS
             ),
             (Scenario::MixedPrefix, _) => format!(
                 "the default workload plus {MIXED_PREFIX_APPS} shared system prompts of \
@@ -304,6 +328,12 @@ pub const SHARED_SESSIONS_FACTOR: usize = 3;
 pub const SHARED_CACHE_TOKENS: u64 = 64_000;
 pub const SHARED_PREFILL_US: u64 = 80;
 pub const SHARED_REQUESTS_PER_S: f64 = 27.0;
+/// The shared-preamble scenario: the same applications, arrivals and turns as shared_prefix,
+/// each prompt split into a preamble all share and a shorter part of its own (3 000 tokens in
+/// all, as there), on engines of half the cache (all prompts would fit in one 64 k cache).
+pub const PREAMBLE_HEAD_TOKENS: usize = 2_000;
+pub const PREAMBLE_TAIL_TOKENS: usize = 1_000;
+pub const PREAMBLE_CACHE_TOKENS: u64 = 32_000;
 /// The mixed one: the default workload's sessions with a few shared prompts.
 pub const MIXED_PREFIX_APPS: usize = 8;
 pub const MIXED_PREFIX_SYSTEM_TOKENS: usize = 1_500;
@@ -615,6 +645,7 @@ mod tests {
             system_prompts: 0,
             system_tokens: 200,
             system_zipf_s: 0.0,
+            system_head_tokens: 0,
             seed: 7,
         }
     }
@@ -652,6 +683,24 @@ mod tests {
         assert_eq!((m.system_prompts, m.sessions, m.turns), (8, 200, 6));
         assert_eq!(m.second_model_share, 0.2);
         assert_eq!(Scenario::Steady.workload(&base()).system_prompts, 0);
+        let p = Scenario::SharedPreamble.workload(&base());
+        assert_eq!(
+            (
+                p.system_prompts,
+                p.system_head_tokens,
+                p.system_tokens,
+                p.sessions
+            ),
+            (48, 2_000, 1_000, 600)
+        );
+        assert_eq!(
+            Scenario::SharedPreamble.endpoint_args(0, &opts),
+            ["--cache-tokens", "32000", "--prefill-us-per-token", "80"]
+        );
+        assert!(
+            PREAMBLE_CACHE_TOKENS
+                < (PREAMBLE_HEAD_TOKENS + SHARED_APPS * PREAMBLE_TAIL_TOKENS) as u64
+        );
         assert_eq!(
             Scenario::parse("shared_prefix"),
             Some(Scenario::SharedPrefix)

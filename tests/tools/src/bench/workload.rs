@@ -9,7 +9,9 @@
 //! session one of N shared system prompts (`--system-tokens` long), as agents and apps do.
 //! Which one is uniform by default; `--system-zipf S` (S > 0) makes prompt k's popularity
 //! proportional to 1/(k+1)^S, as applications' traffic is (a few popular, a long tail): the
-//! shared-prefix scenarios use it (issue 20).
+//! shared-prefix scenarios use it (issue 20). `system_head_tokens` > 0 puts one more system
+//! message before every application's own: a preamble all applications share (a corporate
+//! policy, tool descriptions), as the `shared_preamble` scenario does (issue 20, item 3).
 //!
 //! What the engines are asked to do varies per request, as in real traffic: half of the answers
 //! are streamed (`stream_share`), half plain, decided per request by the seed; every request
@@ -76,6 +78,9 @@ pub struct WorkloadParams {
     pub system_tokens: usize,
     /// Zipf exponent of the system prompts' popularity (0: uniform).
     pub system_zipf_s: f64,
+    /// Tokens of a system message every application's sessions send before their own system
+    /// prompt (0: none).
+    pub system_head_tokens: usize,
     pub seed: u64,
 }
 
@@ -101,12 +106,17 @@ pub struct SessionPlan {
     /// "application"; 0 is the most popular under a Zipf draw).
     pub system: Option<String>,
     pub app: Option<usize>,
+    /// The preamble every application shares, sent as a system message before `system`.
+    pub system_head: Option<String>,
 }
 
 impl SessionPlan {
     /// The chat-completion body of turn `turn` (0-based): the whole transcript so far.
     pub fn body(&self, turn: usize) -> String {
-        let mut messages = Vec::with_capacity(2 * turn + 2);
+        let mut messages = Vec::with_capacity(2 * turn + 3);
+        if let Some(head) = self.system_head.as_ref().filter(|_| self.system.is_some()) {
+            messages.push(json!({"role": "system", "content": head}));
+        }
         if let Some(sys) = &self.system {
             messages.push(json!({"role": "system", "content": sys}));
         }
@@ -210,10 +220,23 @@ pub fn system_prompts(p: &WorkloadParams) -> Vec<String> {
         .collect()
 }
 
+/// The preamble all applications share (`system_head_tokens` × 4 bytes), if any.
+pub fn system_head(p: &WorkloadParams) -> Option<String> {
+    let mut head_rng = Rng::new(p.seed ^ 0x4EAD_0001);
+    (p.system_head_tokens > 0).then(|| {
+        text(
+            &mut head_rng,
+            "[shared preamble] Company policy and tools for every assistant.",
+            p.system_head_tokens * 4,
+        )
+    })
+}
+
 /// The sessions of a run: identical for every policy given the same parameters.
 pub fn plan(p: &WorkloadParams) -> Vec<SessionPlan> {
     let mut rng = Rng::new(p.seed);
     let systems = system_prompts(p);
+    let head = system_head(p);
     let cdf = zipf_cdf(systems.len(), p.system_zipf_s);
     let mut t_ms = 0.0f64;
     let mean_gap_ms = 1000.0 / p.rate_per_s.max(0.001);
@@ -270,6 +293,7 @@ pub fn plan(p: &WorkloadParams) -> Vec<SessionPlan> {
             stream,
             system,
             app,
+            system_head: head.clone(),
         });
     }
     out
@@ -478,6 +502,7 @@ mod tests {
             system_prompts: apps,
             system_tokens: 3_000,
             system_zipf_s: zipf_s,
+            system_head_tokens: 0,
             seed,
         }
     }
@@ -564,6 +589,26 @@ mod tests {
         assert!(plan(&params(5, 0, 1.0, 7))
             .iter()
             .all(|s| s.app.is_none() && s.system.is_none()));
+    }
+
+    #[test]
+    fn a_shared_preamble_comes_first_and_changes_nothing_else() {
+        let plain = plan(&params(50, 48, 1.0, 7));
+        let mut p = params(50, 48, 1.0, 7);
+        p.system_head_tokens = 2_000;
+        let with = plan(&p);
+        let head = system_head(&p).unwrap();
+        assert_eq!(head.len(), 8_000);
+        for (a, b) in plain.iter().zip(&with) {
+            assert_eq!((&a.id, a.app, &a.system), (&b.id, b.app, &b.system));
+            let v: Value = serde_json::from_str(&b.body(1)).unwrap();
+            let msgs = v["messages"].as_array().unwrap();
+            assert_eq!(msgs.len(), 5);
+            assert_eq!(msgs[0]["content"], head.as_str());
+            assert_eq!(msgs[1]["content"], b.system.as_deref().unwrap());
+            assert_eq!(msgs[2]["role"], "user");
+        }
+        assert_eq!(system_head(&params(1, 1, 1.0, 7)), None);
     }
 
     #[test]
