@@ -390,6 +390,16 @@ impl<'a> Scheduler<'a> {
         }
     }
 
+    /// Every endpoint's peers' median slowness in `table` ([`signals::peer_medians`]), from
+    /// the worker's memo when there is one (recomputed only when some slowness changed).
+    fn peer_references(&self, table: &Table) -> Vec<Option<f64>> {
+        let min_samples = DegradeRule::from_config(self.cfg).min_samples;
+        match self.cache.and_then(|c| c.try_borrow_mut().ok()) {
+            Some(mut cache) => cache.peers.medians(table, self.cfg, min_samples).to_vec(),
+            None => signals::peer_medians(table, self.cfg, min_samples),
+        }
+    }
+
     pub fn affinity(&self) -> Affinity<'a> {
         Affinity::new(
             self.store,

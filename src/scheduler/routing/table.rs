@@ -20,6 +20,7 @@ use crate::scheduler::routing::overdue::Watch;
 use crate::scheduler::routing::payoff::Payoff;
 use crate::scheduler::routing::quota::Quota;
 use crate::scheduler::routing::saturation::Saturation;
+use crate::scheduler::routing::signals::MedianMemo;
 use crate::scheduler::routing::slowness::Slowness;
 use crate::scheduler::state::codec::{Reader, Writer};
 
@@ -507,6 +508,8 @@ pub struct TableCache {
     entries: Vec<Option<(u64, u32, EndpointState)>>,
     /// Entries decoded (not taken from the cache), for tests and diagnostics.
     pub decoded: u64,
+    /// The peers' median slowness of the last decision, and what it was computed from.
+    pub peers: MedianMemo,
 }
 
 impl TableCache {

@@ -112,8 +112,7 @@ impl<'a> Scheduler<'a> {
             })
             .collect();
         let mut verdicts = vec![Verdict::default(); n];
-        let references =
-            signals::peer_medians(table, cfg, DegradeRule::from_config(cfg).min_samples);
+        let references = self.peer_references(table);
         let mut weights = Vec::with_capacity(statics.len());
         // Requests without a session keep the full score (nothing to keep together).
         let best_latency = fastest_warm(
