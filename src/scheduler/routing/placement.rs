@@ -159,8 +159,17 @@ impl Keyed {
     /// See [`order`].
     pub fn order(&self) -> Vec<usize> {
         let mut keyed = self.keys.clone();
-        keyed.sort_unstable_by(|a, b| b.0.total_cmp(&a.0).then(a.1.cmp(&b.1)));
+        keyed.sort_unstable_by(|a, b| b.0.total_cmp(&a.0).then(a.1.cmp(&b.1)).then(a.2.cmp(&b.2)));
         keyed.into_iter().map(|(_, _, i)| i).collect()
+    }
+
+    /// The same order as [`Keyed::order`], produced lazily: a heap built in linear time,
+    /// then one pop per candidate taken. A walk usually stops at its first or second
+    /// candidate, so a decision no longer sorts the whole fleet.
+    pub fn lazy(&self) -> LazyOrder {
+        LazyOrder {
+            heap: self.keys.iter().map(|&k| Ranked(k)).collect(),
+        }
     }
 
     /// See [`first`].
@@ -169,8 +178,43 @@ impl Keyed {
             .iter()
             .filter(|c| keep(c.2))
             // The largest key; among equal keys the smallest id, as `order` ranks them.
-            .max_by(|a, b| a.0.total_cmp(&b.0).then(b.1.cmp(&a.1)))
+            .max_by(|a, b| a.0.total_cmp(&b.0).then(b.1.cmp(&a.1)).then(b.2.cmp(&a.2)))
             .map(|&(_, _, i)| i)
+    }
+}
+
+/// A candidate ranked as [`Keyed::order`] ranks them: the greater comes first (larger key,
+/// then smaller id; the index breaks what the order leaves open).
+#[derive(Debug, Clone, Copy)]
+struct Ranked((f64, u32, usize));
+
+impl PartialEq for Ranked {
+    fn eq(&self, other: &Self) -> bool {
+        self.cmp(other) == std::cmp::Ordering::Equal
+    }
+}
+impl Eq for Ranked {}
+impl PartialOrd for Ranked {
+    fn partial_cmp(&self, other: &Self) -> Option<std::cmp::Ordering> {
+        Some(self.cmp(other))
+    }
+}
+impl Ord for Ranked {
+    fn cmp(&self, other: &Self) -> std::cmp::Ordering {
+        let (a, b) = (self.0, other.0);
+        a.0.total_cmp(&b.0).then(b.1.cmp(&a.1)).then(b.2.cmp(&a.2))
+    }
+}
+
+/// The rendezvous order of one decision, one candidate at a time ([`Keyed::lazy`]).
+pub struct LazyOrder {
+    heap: std::collections::BinaryHeap<Ranked>,
+}
+
+impl Iterator for LazyOrder {
+    type Item = usize;
+    fn next(&mut self) -> Option<usize> {
+        self.heap.pop().map(|Ranked((_, _, i))| i)
     }
 }
 

@@ -275,21 +275,15 @@ impl<'a> Scheduler<'a> {
         quota_skipped: &mut Vec<usize>,
     ) -> Option<(usize, Reason)> {
         let left = pin.left();
-        let order = keyed.order();
         let eligible = |i: usize| {
             board.admitted(i)
                 && !board.degraded(i)
                 && Some(i) != left
                 && !(board.saturated(i) && board.room_elsewhere(i))
         };
-        let (total_load, total_weight) = order
-            .iter()
-            .filter(|&&i| eligible(i))
-            .fold((0u64, 0.0f64), |(l, w), &i| {
-                (l + u64::from(board.load_of(i)), w + board.weight(i))
-            });
+        let (total_load, total_weight) = eligible_totals(board, keyed, eligible);
         let mut passed = Passed::default();
-        for &i in &order {
+        for i in keyed.lazy() {
             if Some(i) == left {
                 passed.unavailable = true;
                 continue;
@@ -590,6 +584,39 @@ pub(super) fn holder_choice(
     }
 }
 
+/// The load and weight of the walk's `eligible` candidates, summed in rendezvous order (the
+/// weight's rounding depends on the order). When every eligible weight is the same number
+/// (the common case: equal configured weights, all healthy), every order gives the same
+/// partial sums, so the candidates are summed as they come and nothing is sorted.
+pub(super) fn eligible_totals(
+    board: &Board,
+    keyed: &placement::Keyed,
+    eligible: impl Fn(usize) -> bool,
+) -> (u64, f64) {
+    let mut total_load = 0u64;
+    let mut first_weight: Option<u64> = None;
+    let mut uniform = true;
+    let mut total_weight = 0.0f64;
+    for &(i, _, _) in &board.weights {
+        if !eligible(i) {
+            continue;
+        }
+        total_load += u64::from(board.load_of(i));
+        let w = board.weight(i);
+        uniform &= *first_weight.get_or_insert(w.to_bits()) == w.to_bits();
+        total_weight += w;
+    }
+    if uniform {
+        return (total_load, total_weight);
+    }
+    let weight = keyed
+        .order()
+        .into_iter()
+        .filter(|&i| eligible(i))
+        .fold(0.0f64, |w, i| w + board.weight(i));
+    (total_load, weight)
+}
+
 /// Nothing placeable by the walk: only degraded or left endpoints admit traffic. The first
 /// other one in order (a backup), else the pinned endpoint after all.
 pub(super) fn fallback(
@@ -661,3 +688,7 @@ pub(super) fn move_reason(code: u32) -> Option<MoveReason> {
         _ => None,
     }
 }
+
+#[cfg(all(test, not(target_arch = "wasm32")))]
+#[path = "lazy_tests.rs"]
+mod lazy_tests;
