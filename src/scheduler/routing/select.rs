@@ -390,6 +390,25 @@ impl<'a> Scheduler<'a> {
         }
     }
 
+    /// `f` over [`Table::load`] of `bytes`: the worker's cached table itself, lent without a
+    /// copy and taken back afterwards (the cache is free again while `f` runs), when there
+    /// is a cache; else a table loaded for the occasion.
+    fn with_table<R>(&self, bytes: Option<&[u8]>, f: impl FnOnce(&Table, bool) -> R) -> R {
+        let lent = self
+            .cache
+            .and_then(|c| c.try_borrow_mut().ok())
+            .map(|mut cache| cache.lend(bytes, self.cfg));
+        let Some((table, same_layout)) = lent else {
+            let (table, same_layout) = Table::load(bytes, self.cfg);
+            return f(&table, same_layout);
+        };
+        let out = f(&table, same_layout);
+        if let Some(mut cache) = self.cache.and_then(|c| c.try_borrow_mut().ok()) {
+            cache.give_back(table);
+        }
+        out
+    }
+
     /// Every endpoint's peers' median slowness in `table` ([`signals::peer_medians`]), from
     /// the worker's memo when there is one (recomputed only when some slowness changed).
     fn peer_references(&self, table: &Table) -> Vec<Option<f64>> {
@@ -509,96 +528,18 @@ impl<'a> Scheduler<'a> {
         let bcfg = self.breaker_config();
         let loads = signals::engine_loads(self.store, self.cfg, now_ms);
         let result = update_if(self.store, TABLE_KEY, |bytes| {
-            let (mut table, same_layout) = self.load_table(bytes);
-            if pick.attempt > 1
-                && !pick.exclusions.retry_free
-                && !table.budget.try_retry(
+            self.with_table(bytes, |table, same_layout| {
+                self.start(
+                    table,
+                    same_layout,
+                    bytes,
+                    &candidates,
+                    pick,
+                    pinned,
+                    &loads,
                     now_ms,
-                    self.cfg.retry_budget_percent,
-                    self.cfg.retry_budget_min_retries,
                 )
-            {
-                return (None, Err(NoEndpoint::BudgetExhausted));
-            }
-            let choice = match self.choose(&table, &candidates, pick, pinned, &loads, now_ms) {
-                Err(e) => return (None, Err(e)),
-                Ok(c) => c,
-            };
-            let i = choice.endpoint;
-            // Verdicts that flipped are stored for their hysteresis (rare: a full write).
-            let mut others_changed = false;
-            for &(j, degraded, saturation) in &choice.verdicts {
-                if let Some((_, st)) = table.entries.get_mut(j) {
-                    let flipped = store_verdict(st, degraded, saturation, now_ms);
-                    others_changed |= flipped && j != i;
-                }
-            }
-            let Some((_, st)) = table.entries.get_mut(i) else {
-                return (None, Err(NoEndpoint::Exhausted));
-            };
-            let probe_epoch = match st.breaker.admit(now_ms, &bcfg) {
-                Admission::Probe { epoch } => Some(epoch),
-                _ => None,
-            };
-            if choice.reason == Reason::DegradedProbe {
-                st.degraded_probe_ms = now_ms;
-                st.degraded_probes = st.degraded_probes.saturating_add(1);
-            }
-            st.start_attempt(now_ms, self.cfg.in_flight_max_age_ms);
-            // An affinity hit is watched: still waiting long after it should have been
-            // answered, it is early evidence of a slowdown (see `overdue`).
-            let watch_token =
-                if choice.reason == Reason::AffinityHit && self.cfg.pin_break_overdue > 0 {
-                    let t = overdue::token(pick.nonce, pick.attempt);
-                    if st.watch.insert(t, now_ms) {
-                        t
-                    } else {
-                        0
-                    }
-                } else {
-                    0
-                };
-            let quota_tokens = if self.cfg.quota_aware {
-                let estimate = estimate_tokens(pick.body_bytes, self.cfg.quota_bytes_per_token);
-                st.quota.consume(estimate, now_ms);
-                estimate
-            } else {
-                0
-            };
-            if pick.attempt <= 1 {
-                table.budget.on_request(now_ms);
-            }
-            let ticket = Ticket {
-                endpoint: i,
-                endpoint_id: self.cfg.endpoints.get(i).map_or(0, |e| e.id),
-                probe_epoch,
-                counted: true,
-                started_ms: now_ms,
-                watch_token,
-                degraded_probe: choice.reason == Reason::DegradedProbe,
-                pin_on_success: choice.pin_on_success,
-                pinned_usage: None,
-                served: None,
-                quota_tokens,
-            };
-            let bytes = match bytes {
-                Some(stored) if same_layout && !others_changed => table.encode_patched(stored, i),
-                _ => table.encode_over(bytes),
-            };
-            (
-                Some(bytes),
-                Ok(Decision {
-                    endpoint: i,
-                    reason: choice.reason,
-                    affinity: choice.affinity,
-                    ticket,
-                    broke_pin_of: choice.broke_pin_of,
-                    moved_pin_of: choice.moved,
-                    home: choice.home,
-                    quota_skipped: choice.quota_skipped,
-                    by_prefix: choice.by_prefix,
-                }),
-            )
+            })
         });
         let decision = match result {
             Ok(r) => r,
@@ -665,6 +606,139 @@ impl<'a> Scheduler<'a> {
             }
         }
         decision
+    }
+
+    /// The write of one pick over the stored table `bytes` (read as `table`): the choice,
+    /// the verdicts that flipped, the attempt started on the chosen entry, and the bytes to
+    /// store. Only the entries that change are copied out of `table`; a write that changes
+    /// the chosen entry alone patches it into a copy of the stored bytes.
+    #[allow(clippy::too_many_arguments, clippy::type_complexity)]
+    fn start(
+        &self,
+        table: &Table,
+        same_layout: bool,
+        bytes: Option<&[u8]>,
+        candidates: &[usize],
+        pick: &Pick<'_>,
+        pinned: Option<u32>,
+        loads: &[Option<EngineLoad>],
+        now_ms: u64,
+    ) -> (Option<Vec<u8>>, Result<Decision, NoEndpoint>) {
+        let bcfg = self.breaker_config();
+        let mut budget = table.budget;
+        if pick.attempt > 1
+            && !pick.exclusions.retry_free
+            && !budget.try_retry(
+                now_ms,
+                self.cfg.retry_budget_percent,
+                self.cfg.retry_budget_min_retries,
+            )
+        {
+            return (None, Err(NoEndpoint::BudgetExhausted));
+        }
+        let choice = match self.choose(table, candidates, pick, pinned, loads, now_ms) {
+            Err(e) => return (None, Err(e)),
+            Ok(c) => c,
+        };
+        let i = choice.endpoint;
+        // Verdicts that flipped are stored for their hysteresis (rare: a full write).
+        let mut own = table.entries.get(i).map(|(_, st)| *st);
+        let mut flipped: Vec<(usize, EndpointState)> = Vec::new();
+        for &(j, degraded, saturation) in &choice.verdicts {
+            if j == i {
+                if let Some(st) = own.as_mut() {
+                    store_verdict(st, degraded, saturation, now_ms);
+                }
+            } else if let Some((_, st)) = table.entries.get(j) {
+                let mut st = *st;
+                if store_verdict(&mut st, degraded, saturation, now_ms) {
+                    flipped.push((j, st));
+                }
+            }
+        }
+        let others_changed = !flipped.is_empty();
+        let Some(mut st) = own else {
+            return (None, Err(NoEndpoint::Exhausted));
+        };
+        let probe_epoch = match st.breaker.admit(now_ms, &bcfg) {
+            Admission::Probe { epoch } => Some(epoch),
+            _ => None,
+        };
+        if choice.reason == Reason::DegradedProbe {
+            st.degraded_probe_ms = now_ms;
+            st.degraded_probes = st.degraded_probes.saturating_add(1);
+        }
+        st.start_attempt(now_ms, self.cfg.in_flight_max_age_ms);
+        // An affinity hit is watched: still waiting long after it should have been
+        // answered, it is early evidence of a slowdown (see `overdue`).
+        let watch_token = if choice.reason == Reason::AffinityHit && self.cfg.pin_break_overdue > 0
+        {
+            let t = overdue::token(pick.nonce, pick.attempt);
+            if st.watch.insert(t, now_ms) {
+                t
+            } else {
+                0
+            }
+        } else {
+            0
+        };
+        let quota_tokens = if self.cfg.quota_aware {
+            let estimate = estimate_tokens(pick.body_bytes, self.cfg.quota_bytes_per_token);
+            st.quota.consume(estimate, now_ms);
+            estimate
+        } else {
+            0
+        };
+        if pick.attempt <= 1 {
+            budget.on_request(now_ms);
+        }
+        let id = table.entries.get(i).map_or(0, |(id, _)| *id);
+        let ticket = Ticket {
+            endpoint: i,
+            endpoint_id: self.cfg.endpoints.get(i).map_or(0, |e| e.id),
+            probe_epoch,
+            counted: true,
+            started_ms: now_ms,
+            watch_token,
+            degraded_probe: choice.reason == Reason::DegradedProbe,
+            pin_on_success: choice.pin_on_success,
+            pinned_usage: None,
+            served: None,
+            quota_tokens,
+        };
+        let patched = match bytes {
+            Some(stored) if same_layout && !others_changed => {
+                Table::patch_budget_and_entry(stored, &budget, i, id, &st, table.entries.len())
+            }
+            _ => None,
+        };
+        let bytes = patched.unwrap_or_else(|| {
+            let mut whole = table.clone();
+            whole.budget = budget;
+            for (j, s) in flipped {
+                if let Some((_, e)) = whole.entries.get_mut(j) {
+                    *e = s;
+                }
+            }
+            if let Some((_, e)) = whole.entries.get_mut(i) {
+                *e = st;
+            }
+            whole.encode_over(bytes)
+        });
+        (
+            Some(bytes),
+            Ok(Decision {
+                endpoint: i,
+                reason: choice.reason,
+                affinity: choice.affinity,
+                ticket,
+                broke_pin_of: choice.broke_pin_of,
+                moved_pin_of: choice.moved,
+                home: choice.home,
+                quota_skipped: choice.quota_skipped,
+                by_prefix: choice.by_prefix,
+            }),
+        )
     }
 }
 
