@@ -409,6 +409,20 @@ impl<'a> Scheduler<'a> {
         out
     }
 
+    /// By endpoint index: whether it serves `model` (disabled or not), from the worker's memo
+    /// when there is one.
+    pub(crate) fn serving(&self, model: Option<&str>) -> Vec<bool> {
+        match self.cache.and_then(|c| c.try_borrow_mut().ok()) {
+            Some(mut cache) => cache.serves.serves(self.cfg, model).to_vec(),
+            None => self
+                .cfg
+                .endpoints
+                .iter()
+                .map(|e| serves_opt(e, model))
+                .collect(),
+        }
+    }
+
     /// Every endpoint's peers' median slowness in `table` ([`signals::peer_medians`]), from
     /// the worker's memo when there is one (recomputed only when some slowness changed).
     fn peer_references(&self, table: &Table) -> Vec<Option<f64>> {
@@ -469,9 +483,10 @@ impl<'a> Scheduler<'a> {
         let mut dropped = Dropped::default();
         let mut out = Vec::with_capacity(self.cfg.endpoints.len());
         let mut serves_model = false;
-        let serves =
-            |ep: &crate::scheduler::config::EndpointConfig| pick.model.is_none_or(|m| ep.serves(m));
+        let mask = self.serving(pick.model);
+        let serves_at = |i: usize| mask.get(i).copied().unwrap_or(false);
         for (i, ep) in self.cfg.endpoints.iter().enumerate() {
+            let serves = |_: &crate::scheduler::config::EndpointConfig| serves_at(i);
             if ep.disabled {
                 dropped.disabled += 1;
             } else if pick.exclusions.dead.contains(&i) {

@@ -534,6 +534,36 @@ pub struct TableCache {
     pub decoded: u64,
     /// The peers' median slowness of the last decision, and what it was computed from.
     pub peers: MedianMemo,
+    /// Which endpoints serve the model of the last decision (see [`ServesMemo`]).
+    pub serves: ServesMemo,
+}
+
+/// Which configured endpoints list a model (or serve every model), for the last model asked.
+///
+/// Why: every decision filters the fleet by the request's model, comparing the model name
+/// with every endpoint's list (about 300 instructions per endpoint under wasm, twice per
+/// decision), while the answer depends only on the configuration and the name. Belongs to
+/// one configuration, as the cache it lives in.
+#[derive(Debug, Default, Clone)]
+pub struct ServesMemo {
+    /// The model (`None`: a request without one) and, by endpoint index, whether it is served.
+    last: Option<(Option<String>, Vec<bool>)>,
+}
+
+impl ServesMemo {
+    /// By endpoint index: whether `cfg`'s endpoint serves `model` (disabled or not).
+    pub fn serves(&mut self, cfg: &Config, model: Option<&str>) -> &[bool] {
+        let hit = matches!(&self.last, Some((m, v)) if m.as_deref() == model && v.len() == cfg.endpoints.len());
+        if !hit {
+            let v = cfg
+                .endpoints
+                .iter()
+                .map(|e| model.is_none_or(|m| e.serves(m)))
+                .collect();
+            self.last = Some((model.map(str::to_string), v));
+        }
+        self.last.as_ref().map_or(&[], |(_, v)| v.as_slice())
+    }
 }
 
 impl TableCache {
@@ -748,6 +778,21 @@ mod tests {
             Table::patch_budget_and_entry(&b1, &t.budget, 2, id, &t.entries[2].1, 4),
             None
         );
+    }
+
+    #[test]
+    fn serves_memo_follows_the_model_asked() {
+        let cfg = Config::from_value(&json!({"endpoints":[
+            {"name":"a","cluster":"a","models":["m1"]},
+            {"name":"b","cluster":"b","models":["m2","m1"]},
+            {"name":"c","cluster":"c"}]}))
+        .unwrap();
+        let mut memo = ServesMemo::default();
+        assert_eq!(memo.serves(&cfg, Some("m1")), &[true, true, true]);
+        assert_eq!(memo.serves(&cfg, Some("m2")), &[false, true, true]);
+        assert_eq!(memo.serves(&cfg, Some("m2")), &[false, true, true]);
+        assert_eq!(memo.serves(&cfg, Some("x")), &[false, false, true]);
+        assert_eq!(memo.serves(&cfg, None), &[true, true, true]);
     }
 
     #[test]

@@ -104,11 +104,11 @@ impl<'a> Scheduler<'a> {
         let cfg = self.cfg;
         let n = cfg.endpoints.len();
         let state = |i: usize| table.entries.get(i).map(|(_, st)| st);
+        let serving = self.serving(pick.model);
         let statics: Vec<usize> = (0..n)
             .filter(|&i| {
-                cfg.endpoints
-                    .get(i)
-                    .is_some_and(|e| !e.disabled && serves_opt(e, pick.model))
+                cfg.endpoints.get(i).is_some_and(|e| !e.disabled)
+                    && serving.get(i).copied().unwrap_or(false)
             })
             .collect();
         let mut verdicts = vec![Verdict::default(); n];
