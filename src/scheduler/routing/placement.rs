@@ -163,12 +163,15 @@ impl Keyed {
         keyed.into_iter().map(|(_, _, i)| i).collect()
     }
 
-    /// The same order as [`Keyed::order`], produced lazily: a heap built in linear time,
-    /// then one pop per candidate taken. A walk usually stops at its first or second
-    /// candidate, so a decision no longer sorts the whole fleet.
+    /// The same order as [`Keyed::order`], produced lazily: the first candidates by a scan
+    /// for the greatest each, the rest (if a walk goes that far) from a heap built once. A
+    /// walk usually stops at its first or second candidate, so a decision no longer sorts the
+    /// whole fleet.
     pub fn lazy(&self) -> LazyOrder {
         LazyOrder {
-            heap: self.keys.iter().map(|&k| Ranked(k)).collect(),
+            rest: self.keys.iter().map(|&k| Ranked(k)).collect(),
+            scans: LazyOrder::SCANS,
+            heap: None,
         }
     }
 
@@ -208,13 +211,40 @@ impl Ord for Ranked {
 
 /// The rendezvous order of one decision, one candidate at a time ([`Keyed::lazy`]).
 pub struct LazyOrder {
-    heap: std::collections::BinaryHeap<Ranked>,
+    /// Candidates not yet taken (until the heap is built).
+    rest: Vec<Ranked>,
+    /// Scans left before the rest goes into a heap.
+    scans: u32,
+    heap: Option<std::collections::BinaryHeap<Ranked>>,
+}
+
+impl LazyOrder {
+    /// A scan costs one comparison per candidate left, a heap about two to build and a
+    /// logarithm per pop: past a few candidates the heap is cheaper.
+    const SCANS: u32 = 2;
 }
 
 impl Iterator for LazyOrder {
     type Item = usize;
     fn next(&mut self) -> Option<usize> {
-        self.heap.pop().map(|Ranked((_, _, i))| i)
+        if let Some(heap) = self.heap.as_mut() {
+            return heap.pop().map(|Ranked((_, _, i))| i);
+        }
+        if self.scans == 0 {
+            let mut heap = std::collections::BinaryHeap::from(std::mem::take(&mut self.rest));
+            let next = heap.pop().map(|Ranked((_, _, i))| i);
+            self.heap = Some(heap);
+            return next;
+        }
+        self.scans -= 1;
+        let at = self
+            .rest
+            .iter()
+            .enumerate()
+            .max_by(|a, b| a.1.cmp(b.1))
+            .map(|(at, _)| at)?;
+        let Ranked((_, _, i)) = self.rest.swap_remove(at);
+        Some(i)
     }
 }
 
