@@ -44,7 +44,7 @@ use crate::scheduler::routing::score::score;
 use crate::scheduler::routing::signals::{self, Served, Verdict};
 use crate::scheduler::routing::slowness::{self, DegradeRule, Sample, WorkModel};
 use crate::scheduler::routing::table::{fastest_warm, EndpointState, Table, TableCache};
-use crate::scheduler::state::store::{update_if, Store};
+use crate::scheduler::state::store::{update_if, update_owned, Store};
 use crate::scheduler::wire::usage::Usage;
 use std::cell::RefCell;
 
@@ -542,19 +542,48 @@ impl<'a> Scheduler<'a> {
         let pinned = pick.holder.or(hinted).or(local.map(|p| p.1));
         let bcfg = self.breaker_config();
         let loads = signals::engine_loads(self.store, self.cfg, now_ms);
-        let result = update_if(self.store, TABLE_KEY, |bytes| {
-            self.with_table(bytes, |table, same_layout| {
+        let result = update_owned(self.store, TABLE_KEY, |bytes| {
+            let (write, decision) = self.with_table(bytes.as_deref(), |table, same_layout| {
                 self.start(
                     table,
                     same_layout,
-                    bytes,
+                    bytes.as_deref(),
                     &candidates,
                     pick,
                     pinned,
                     &loads,
                     now_ms,
                 )
-            })
+            });
+            match write {
+                Write::Nothing => (None, decision),
+                Write::Whole(new) => (Some(new), decision),
+                Write::Patch {
+                    budget,
+                    endpoint,
+                    id,
+                    state,
+                    entries,
+                } => {
+                    let stored = bytes.and_then(|mut stored| {
+                        Table::patch_in_place(&mut stored, &budget, endpoint, id, &state, entries)
+                            .then_some(stored)
+                    });
+                    match stored {
+                        Some(stored) => (Some(stored), decision),
+                        // Checked by `start`: not reached. Nothing stored for the attempt.
+                        None => (
+                            None,
+                            decision.map(|mut d| {
+                                d.ticket.counted = false;
+                                d.ticket.probe_epoch = None;
+                                d.ticket.watch_token = 0;
+                                d
+                            }),
+                        ),
+                    }
+                }
+            }
         });
         let decision = match result {
             Ok(r) => r,
@@ -638,7 +667,7 @@ impl<'a> Scheduler<'a> {
         pinned: Option<u32>,
         loads: &[Option<EngineLoad>],
         now_ms: u64,
-    ) -> (Option<Vec<u8>>, Result<Decision, NoEndpoint>) {
+    ) -> (Write, Result<Decision, NoEndpoint>) {
         let bcfg = self.breaker_config();
         let mut budget = table.budget;
         if pick.attempt > 1
@@ -649,10 +678,10 @@ impl<'a> Scheduler<'a> {
                 self.cfg.retry_budget_min_retries,
             )
         {
-            return (None, Err(NoEndpoint::BudgetExhausted));
+            return (Write::Nothing, Err(NoEndpoint::BudgetExhausted));
         }
         let choice = match self.choose(table, candidates, pick, pinned, loads, now_ms) {
-            Err(e) => return (None, Err(e)),
+            Err(e) => return (Write::Nothing, Err(e)),
             Ok(c) => c,
         };
         let i = choice.endpoint;
@@ -673,7 +702,7 @@ impl<'a> Scheduler<'a> {
         }
         let others_changed = !flipped.is_empty();
         let Some(mut st) = own else {
-            return (None, Err(NoEndpoint::Exhausted));
+            return (Write::Nothing, Err(NoEndpoint::Exhausted));
         };
         let probe_epoch = match st.breaker.admit(now_ms, &bcfg) {
             Admission::Probe { epoch } => Some(epoch),
@@ -721,13 +750,18 @@ impl<'a> Scheduler<'a> {
             served: None,
             quota_tokens,
         };
-        let patched = match bytes {
-            Some(stored) if same_layout && !others_changed => {
-                Table::patch_budget_and_entry(stored, &budget, i, id, &st, table.entries.len())
+        let patch = bytes.is_some_and(|stored| {
+            same_layout && !others_changed && Table::patchable(stored, i, table.entries.len())
+        });
+        let write = if patch {
+            Write::Patch {
+                budget,
+                endpoint: i,
+                id,
+                state: st,
+                entries: table.entries.len(),
             }
-            _ => None,
-        };
-        let bytes = patched.unwrap_or_else(|| {
+        } else {
             let mut whole = table.clone();
             whole.budget = budget;
             for (j, s) in flipped {
@@ -738,10 +772,10 @@ impl<'a> Scheduler<'a> {
             if let Some((_, e)) = whole.entries.get_mut(i) {
                 *e = st;
             }
-            whole.encode_over(bytes)
-        });
+            Write::Whole(whole.encode_over(bytes))
+        };
         (
-            Some(bytes),
+            write,
             Ok(Decision {
                 endpoint: i,
                 reason: choice.reason,
@@ -755,6 +789,21 @@ impl<'a> Scheduler<'a> {
             }),
         )
     }
+}
+
+/// What a pick writes over the stored table (see [`Scheduler::start`]).
+enum Write {
+    Nothing,
+    /// The budget and one entry rewritten in the stored bytes themselves.
+    Patch {
+        budget: crate::scheduler::health::budget::RetryBudget,
+        endpoint: usize,
+        id: u32,
+        state: EndpointState,
+        entries: usize,
+    },
+    /// The whole table.
+    Whole(Vec<u8>),
 }
 
 mod choose;

@@ -406,19 +406,56 @@ impl Table {
         if stored.len() != HEADER_BYTES.checked_add(entries.checked_mul(ENTRY_BYTES)?)? {
             return None;
         }
-        let stamp = next_stamp(Some(stored));
         let mut out = stored.to_vec();
+        Table::patch_in_place(&mut out, budget, changed, id, st, entries).then_some(out)
+    }
+
+    /// Whether [`Table::patch_in_place`] can rewrite entry `changed` of `stored` as a table of
+    /// `entries` entries (its size is exactly that, and the entry is within it).
+    pub fn patchable(stored: &[u8], changed: usize, entries: usize) -> bool {
+        let size = entries
+            .checked_mul(ENTRY_BYTES)
+            .and_then(|e| e.checked_add(HEADER_BYTES));
+        size == Some(stored.len()) && changed < entries
+    }
+
+    /// [`Table::patch_budget_and_entry`] without the copy: `stored` itself is rewritten (false,
+    /// and nothing written, when it does not have that layout or `changed` is out of range).
+    pub fn patch_in_place(
+        stored: &mut [u8],
+        budget: &RetryBudget,
+        changed: usize,
+        id: u32,
+        st: &EndpointState,
+        entries: usize,
+    ) -> bool {
+        let at = changed
+            .checked_mul(ENTRY_BYTES)
+            .and_then(|e| e.checked_add(HEADER_BYTES));
+        let size = entries
+            .checked_mul(ENTRY_BYTES)
+            .and_then(|e| e.checked_add(HEADER_BYTES));
+        if !Table::patchable(stored, changed, entries) {
+            return false;
+        }
+        let (Some(at), Some(_)) = (at, size) else {
+            return false;
+        };
+        let stamp = next_stamp(Some(stored));
         let mut b = Writer::with_capacity(BUDGET_BYTES);
         budget.encode(&mut b);
         let mut entry = Writer::with_capacity(ENTRY_BYTES);
         encode_entry(&mut entry, id, stamp, st);
-        let at = HEADER_BYTES.checked_add(changed.checked_mul(ENTRY_BYTES)?)?;
-        out.get_mut(1..1 + BUDGET_BYTES)?.copy_from_slice(&b.buf);
-        out.get_mut(STAMP_AT..STAMP_AT + 8)?
-            .copy_from_slice(&stamp.to_le_bytes());
-        out.get_mut(at..at.checked_add(ENTRY_BYTES)?)?
-            .copy_from_slice(&entry.buf);
-        Some(out)
+        if let Some(dst) = stored.get_mut(1..1 + BUDGET_BYTES) {
+            dst.copy_from_slice(&b.buf);
+        }
+        if let Some(dst) = stored.get_mut(STAMP_AT..STAMP_AT + 8) {
+            dst.copy_from_slice(&stamp.to_le_bytes());
+        }
+        if let Some(dst) = stored.get_mut(at..at + ENTRY_BYTES) {
+            dst.copy_from_slice(&entry.buf);
+        }
+        true
     }
 
     /// The whole table as a first write (write counter and every stamp 1).
@@ -778,6 +815,35 @@ mod tests {
             Table::patch_budget_and_entry(&b1, &t.budget, 2, id, &t.entries[2].1, 4),
             None
         );
+        // In place: the same bytes, without the copy; out of range or another size: untouched.
+        let mut own = b1.clone();
+        assert!(Table::patch_in_place(
+            &mut own,
+            &t.budget,
+            2,
+            id,
+            &t.entries[2].1,
+            3
+        ));
+        assert_eq!(own, t.encode_patched(&b1, 2));
+        let mut own = b1.clone();
+        assert!(!Table::patch_in_place(
+            &mut own,
+            &t.budget,
+            3,
+            id,
+            &t.entries[2].1,
+            3
+        ));
+        assert!(!Table::patch_in_place(
+            &mut own,
+            &t.budget,
+            2,
+            id,
+            &t.entries[2].1,
+            2
+        ));
+        assert_eq!(own, b1);
     }
 
     #[test]
