@@ -137,7 +137,8 @@ impl<'a> Scheduler<'a> {
         // Quota: short endpoints are skipped for placements, a certain 429 even by a pin.
         let estimate = estimate_tokens(pick.body_bytes, cfg.quota_bytes_per_token);
         let rule = self.quota_rule();
-        let quota = |i: usize| state(i).filter(|_| cfg.quota_aware).map(|st| st.quota);
+        // By reference: a copied `Quota` per endpoint and flag cost more than the flags.
+        let quota = |i: usize| state(i).filter(|_| cfg.quota_aware).map(|st| &st.quota);
         let short = (0..n)
             .map(|i| quota(i).is_some_and(|q| q.short(estimate, &rule, now_ms)))
             .collect();
