@@ -791,7 +791,9 @@ impl<'a> Scheduler<'a> {
     }
 }
 
-/// What a pick writes over the stored table (see [`Scheduler::start`]).
+/// What a pick writes over the stored table (see [`Scheduler::start`]). Returned once per
+/// pick and consumed at once: boxing the large variant would cost an allocation each time.
+#[allow(clippy::large_enum_variant)]
 enum Write {
     Nothing,
     /// The budget and one entry rewritten in the stored bytes themselves.

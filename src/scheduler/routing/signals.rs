@@ -528,7 +528,7 @@ mod tests {
         for step in 0..200u32 {
             state = crate::scheduler::state::hash::fmix64(state.wrapping_add(u64::from(step)));
             let k = (state % 5) as usize;
-            if state % 3 == 0 {
+            if state.is_multiple_of(3) {
                 let st = &mut t.entries[k].1.slowness;
                 st.samples = ((state >> 8) % 30) as u32;
                 st.log_mean = ((state >> 16) % 100) as f64 / 50.0 - 1.0;

@@ -787,8 +787,10 @@ mod tests {
         assert_eq!(lent, Table::load(Some(&b0), &cfg));
         assert_eq!(cache.decoded, 3);
         cache.give_back(lent.0);
-        let mut st = EndpointState::default();
-        st.total = 7;
+        let st = EndpointState {
+            total: 7,
+            ..EndpointState::default()
+        };
         let b1 = Table::patch_entry(&b0, 1, Table::aligned(None, &cfg).entries[1].0, &st).unwrap();
         let lent = cache.lend(Some(&b1), &cfg);
         assert_eq!(lent, Table::load(Some(&b1), &cfg));

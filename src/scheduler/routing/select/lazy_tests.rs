@@ -80,7 +80,12 @@ fn fleet(seed: u64, n: usize, equal_weights: bool) -> (Config, Table) {
             let w = if equal_weights {
                 1.0
             } else {
-                [1.0, 2.0, 0.5, 1.0, 3.0][(r(i as u64) % 5) as usize]
+                match r(i as u64) % 5 {
+                    1 => 2.0,
+                    2 => 0.5,
+                    4 => 3.0,
+                    _ => 1.0,
+                }
             };
             json!({"name": format!("e{i}"), "cluster": format!("c{i}"), "weight": w})
         })
