@@ -485,17 +485,27 @@ impl<'a> Scheduler<'a> {
         let mut serves_model = false;
         let mask = self.serving(pick.model);
         let serves_at = |i: usize| mask.get(i).copied().unwrap_or(false);
+        // A first attempt excludes nothing: no per-endpoint look-up in empty lists.
+        let ex = pick.exclusions;
+        let none_excluded = ex.dead.is_empty() && ex.used.is_empty() && ex.tried.is_empty();
         for (i, ep) in self.cfg.endpoints.iter().enumerate() {
             let serves = |_: &crate::scheduler::config::EndpointConfig| serves_at(i);
             if ep.disabled {
                 dropped.disabled += 1;
-            } else if pick.exclusions.dead.contains(&i) {
+            } else if none_excluded {
+                if serves(ep) {
+                    serves_model = true;
+                    out.push(i);
+                } else {
+                    dropped.model += 1;
+                }
+            } else if ex.dead.contains(&i) {
                 dropped.dead += 1;
                 serves_model |= serves(ep);
-            } else if pick.exclusions.used.contains(&i) {
+            } else if ex.used.contains(&i) {
                 dropped.used += 1;
                 serves_model |= serves(ep);
-            } else if pick.exclusions.tried.contains(&i) {
+            } else if ex.tried.contains(&i) {
                 dropped.tried += 1;
                 serves_model |= serves(ep);
             } else if !serves(ep) {

@@ -292,6 +292,10 @@ impl Served {
 /// combined value, whatever the number of scraped endpoints.
 pub fn engine_loads(store: &dyn Store, cfg: &Config, now_ms: u64) -> Vec<Option<EngineLoad>> {
     let loads = scrape::read_loads(store);
+    // Nothing scraped (no endpoint has metrics, or none answered yet): every load unknown.
+    if loads.entries.is_empty() {
+        return vec![None; cfg.endpoints.len()];
+    }
     cfg.endpoints
         .iter()
         .map(|ep| {

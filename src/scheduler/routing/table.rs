@@ -659,14 +659,17 @@ impl TableCache {
         self.stamps.resize(n, None);
         self.table.entries.resize(n, (0, EndpointState::default()));
         self.table.budget = budget;
-        for (i, (slot, entry)) in self
+        let chunks = bytes.get(HEADER_BYTES..)?.chunks_exact(ENTRY_BYTES);
+        for (i, ((slot, entry), chunk)) in self
             .stamps
             .iter_mut()
             .zip(self.table.entries.iter_mut())
+            .zip(chunks)
             .enumerate()
         {
-            let stamp = stamp_of(bytes, i)?;
-            let id = u32_at(bytes, HEADER_BYTES + i * ENTRY_BYTES)?;
+            // Id, then stamp: the first 12 bytes of the entry.
+            let id = u32_at(chunk, 0)?;
+            let stamp = u64_at(chunk, 4)?;
             if *slot == Some((stamp, id)) {
                 continue;
             }
