@@ -5,7 +5,7 @@
 //! [`super::metrics`], the debug line per decision, warnings for lost shared-data updates).
 
 use super::metrics::Metrics;
-use super::plugin::{refresh_gauges, Plugin};
+use super::plugin::{refresh_endpoint_gauges, Plugin};
 use crate::scheduler::flow::{Observer, Timing};
 use crate::scheduler::health::outcome::Outcome;
 use crate::scheduler::routing::pin_cookie::Ignored;
@@ -85,7 +85,7 @@ impl Observer for Recorder<'_> {
             Metrics::set(em.latency_ms, ms);
         }
         if report.breaker_changed {
-            refresh_gauges(self.plugin, self.now_ms);
+            refresh_endpoint_gauges(self.plugin, endpoint, self.now_ms);
         }
     }
 

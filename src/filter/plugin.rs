@@ -9,8 +9,9 @@ use super::shared::SharedData;
 use crate::scheduler::config::Config;
 use crate::scheduler::health::breaker::BreakerState;
 use crate::scheduler::routing::saturation::Saturation;
-use crate::scheduler::routing::select::Scheduler;
-use crate::scheduler::routing::table::TableCache;
+use crate::scheduler::routing::select::{Scheduler, TABLE_KEY};
+use crate::scheduler::routing::table::{EndpointState, Table, TableCache};
+use crate::scheduler::state::store::Store;
 use std::cell::RefCell;
 
 /// What every HTTP context of this VM shares: the validated configuration, metric ids, and
@@ -26,33 +27,53 @@ pub fn refresh_gauges(p: &Plugin, now_ms: u64) {
     let store = SharedData;
     let table = Scheduler::with_cache(&p.cfg, &store, &p.table_cache).table();
     for (i, (_, st)) in table.entries.iter().enumerate() {
-        let Some(m) = p.metrics.endpoint(i) else {
-            continue;
-        };
-        let state = match st.breaker.state_at(now_ms) {
-            BreakerState::Closed => 0,
-            BreakerState::Open => 1,
-            BreakerState::HalfOpen => 2,
-        };
-        Metrics::set(m.breaker_state, state);
-        Metrics::set(
-            m.ewma_latency_ms,
-            st.latency_ms.map_or(0, |l| l.round() as u64),
-        );
-        Metrics::set(
-            m.in_flight,
-            u64::from(st.load(now_ms, p.cfg.in_flight_max_age_ms)),
-        );
-        Metrics::set(m.affinity_payoff_permille, st.payoff.permille());
-        let slowness = st
-            .slowness
-            .value()
-            .map_or(0, |v| (v * 1000.0).round() as u64);
-        Metrics::set(m.slowness_permille, slowness);
-        Metrics::set(m.degraded, u64::from(st.degraded));
-        Metrics::set(
-            m.saturated,
-            u64::from(st.saturation == Saturation::Saturated),
-        );
+        set_gauges(p, i, st, now_ms);
     }
+}
+
+/// The gauges of endpoint `i` alone (its breaker changed): its own entry read from the shared
+/// table, not the whole table (a request's cost must not grow with the fleet, issue 21; the
+/// others' gauges follow at the next tick). Falls back to [`refresh_gauges`] when the stored
+/// table does not have the configuration's layout.
+pub fn refresh_endpoint_gauges(p: &Plugin, i: usize, now_ms: u64) {
+    let bytes = SharedData.get(TABLE_KEY).0;
+    let entry = bytes
+        .as_deref()
+        .filter(|b| Table::has_layout(b, &p.cfg))
+        .and_then(|b| Table::entry_at(b, i));
+    match entry {
+        Some((_, st)) => set_gauges(p, i, &st, now_ms),
+        None => refresh_gauges(p, now_ms),
+    }
+}
+
+fn set_gauges(p: &Plugin, i: usize, st: &EndpointState, now_ms: u64) {
+    let Some(m) = p.metrics.endpoint(i) else {
+        return;
+    };
+    let state = match st.breaker.state_at(now_ms) {
+        BreakerState::Closed => 0,
+        BreakerState::Open => 1,
+        BreakerState::HalfOpen => 2,
+    };
+    Metrics::set(m.breaker_state, state);
+    Metrics::set(
+        m.ewma_latency_ms,
+        st.latency_ms.map_or(0, |l| l.round() as u64),
+    );
+    Metrics::set(
+        m.in_flight,
+        u64::from(st.load(now_ms, p.cfg.in_flight_max_age_ms)),
+    );
+    Metrics::set(m.affinity_payoff_permille, st.payoff.permille());
+    let slowness = st
+        .slowness
+        .value()
+        .map_or(0, |v| (v * 1000.0).round() as u64);
+    Metrics::set(m.slowness_permille, slowness);
+    Metrics::set(m.degraded, u64::from(st.degraded));
+    Metrics::set(
+        m.saturated,
+        u64::from(st.saturation == Saturation::Saturated),
+    );
 }

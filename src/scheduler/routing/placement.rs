@@ -159,8 +159,20 @@ impl Keyed {
     /// See [`order`].
     pub fn order(&self) -> Vec<usize> {
         let mut keyed = self.keys.clone();
-        keyed.sort_unstable_by(|a, b| b.0.total_cmp(&a.0).then(a.1.cmp(&b.1)));
+        keyed.sort_unstable_by(|a, b| b.0.total_cmp(&a.0).then(a.1.cmp(&b.1)).then(a.2.cmp(&b.2)));
         keyed.into_iter().map(|(_, _, i)| i).collect()
+    }
+
+    /// The same order as [`Keyed::order`], produced lazily: the first candidates by a scan
+    /// for the greatest each, the rest (if a walk goes that far) from a heap built once. A
+    /// walk usually stops at its first or second candidate, so a decision no longer sorts the
+    /// whole fleet.
+    pub fn lazy(&self) -> LazyOrder {
+        LazyOrder {
+            rest: self.keys.iter().map(|&k| Ranked(k)).collect(),
+            scans: LazyOrder::SCANS,
+            heap: None,
+        }
     }
 
     /// See [`first`].
@@ -169,8 +181,70 @@ impl Keyed {
             .iter()
             .filter(|c| keep(c.2))
             // The largest key; among equal keys the smallest id, as `order` ranks them.
-            .max_by(|a, b| a.0.total_cmp(&b.0).then(b.1.cmp(&a.1)))
+            .max_by(|a, b| a.0.total_cmp(&b.0).then(b.1.cmp(&a.1)).then(b.2.cmp(&a.2)))
             .map(|&(_, _, i)| i)
+    }
+}
+
+/// A candidate ranked as [`Keyed::order`] ranks them: the greater comes first (larger key,
+/// then smaller id; the index breaks what the order leaves open).
+#[derive(Debug, Clone, Copy)]
+struct Ranked((f64, u32, usize));
+
+impl PartialEq for Ranked {
+    fn eq(&self, other: &Self) -> bool {
+        self.cmp(other) == std::cmp::Ordering::Equal
+    }
+}
+impl Eq for Ranked {}
+impl PartialOrd for Ranked {
+    fn partial_cmp(&self, other: &Self) -> Option<std::cmp::Ordering> {
+        Some(self.cmp(other))
+    }
+}
+impl Ord for Ranked {
+    fn cmp(&self, other: &Self) -> std::cmp::Ordering {
+        let (a, b) = (self.0, other.0);
+        a.0.total_cmp(&b.0).then(b.1.cmp(&a.1)).then(b.2.cmp(&a.2))
+    }
+}
+
+/// The rendezvous order of one decision, one candidate at a time ([`Keyed::lazy`]).
+pub struct LazyOrder {
+    /// Candidates not yet taken (until the heap is built).
+    rest: Vec<Ranked>,
+    /// Scans left before the rest goes into a heap.
+    scans: u32,
+    heap: Option<std::collections::BinaryHeap<Ranked>>,
+}
+
+impl LazyOrder {
+    /// A scan costs one comparison per candidate left, a heap about two to build and a
+    /// logarithm per pop: past a few candidates the heap is cheaper.
+    const SCANS: u32 = 2;
+}
+
+impl Iterator for LazyOrder {
+    type Item = usize;
+    fn next(&mut self) -> Option<usize> {
+        if let Some(heap) = self.heap.as_mut() {
+            return heap.pop().map(|Ranked((_, _, i))| i);
+        }
+        if self.scans == 0 {
+            let mut heap = std::collections::BinaryHeap::from(std::mem::take(&mut self.rest));
+            let next = heap.pop().map(|Ranked((_, _, i))| i);
+            self.heap = Some(heap);
+            return next;
+        }
+        self.scans -= 1;
+        let at = self
+            .rest
+            .iter()
+            .enumerate()
+            .max_by(|a, b| a.1.cmp(b.1))
+            .map(|(at, _)| at)?;
+        let Ranked((_, _, i)) = self.rest.swap_remove(at);
+        Some(i)
     }
 }
 

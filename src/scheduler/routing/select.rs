@@ -46,7 +46,7 @@ use crate::scheduler::routing::score::score;
 use crate::scheduler::routing::signals::{self, Served, Verdict};
 use crate::scheduler::routing::slowness::{self, DegradeRule, Sample, WorkModel};
 use crate::scheduler::routing::table::{fastest_warm, EndpointState, Table, TableCache};
-use crate::scheduler::state::store::{update_if, Store};
+use crate::scheduler::state::store::{update_if, update_owned, Store};
 use crate::scheduler::wire::prefix::PrefixChain;
 use crate::scheduler::wire::usage::Usage;
 use std::cell::RefCell;
@@ -398,6 +398,49 @@ impl<'a> Scheduler<'a> {
         }
     }
 
+    /// `f` over [`Table::load`] of `bytes`: the worker's cached table itself, lent without a
+    /// copy and taken back afterwards (the cache is free again while `f` runs), when there
+    /// is a cache; else a table loaded for the occasion.
+    fn with_table<R>(&self, bytes: Option<&[u8]>, f: impl FnOnce(&Table, bool) -> R) -> R {
+        let lent = self
+            .cache
+            .and_then(|c| c.try_borrow_mut().ok())
+            .map(|mut cache| cache.lend(bytes, self.cfg));
+        let Some((table, same_layout)) = lent else {
+            let (table, same_layout) = Table::load(bytes, self.cfg);
+            return f(&table, same_layout);
+        };
+        let out = f(&table, same_layout);
+        if let Some(mut cache) = self.cache.and_then(|c| c.try_borrow_mut().ok()) {
+            cache.give_back(table);
+        }
+        out
+    }
+
+    /// By endpoint index: whether it serves `model` (disabled or not), from the worker's memo
+    /// when there is one.
+    pub(crate) fn serving(&self, model: Option<&str>) -> Vec<bool> {
+        match self.cache.and_then(|c| c.try_borrow_mut().ok()) {
+            Some(mut cache) => cache.serves.serves(self.cfg, model).to_vec(),
+            None => self
+                .cfg
+                .endpoints
+                .iter()
+                .map(|e| serves_opt(e, model))
+                .collect(),
+        }
+    }
+
+    /// Every endpoint's peers' median slowness in `table` ([`signals::peer_medians`]), from
+    /// the worker's memo when there is one (recomputed only when some slowness changed).
+    fn peer_references(&self, table: &Table) -> Vec<Option<f64>> {
+        let min_samples = DegradeRule::from_config(self.cfg).min_samples;
+        match self.cache.and_then(|c| c.try_borrow_mut().ok()) {
+            Some(mut cache) => cache.peers.medians(table, self.cfg, min_samples).to_vec(),
+            None => signals::peer_medians(table, self.cfg, min_samples),
+        }
+    }
+
     pub fn affinity(&self) -> Affinity<'a> {
         Affinity::new(
             self.store,
@@ -478,18 +521,29 @@ impl<'a> Scheduler<'a> {
         let mut dropped = Dropped::default();
         let mut out = Vec::with_capacity(self.cfg.endpoints.len());
         let mut serves_model = false;
-        let serves =
-            |ep: &crate::scheduler::config::EndpointConfig| pick.model.is_none_or(|m| ep.serves(m));
+        let mask = self.serving(pick.model);
+        let serves_at = |i: usize| mask.get(i).copied().unwrap_or(false);
+        // A first attempt excludes nothing: no per-endpoint look-up in empty lists.
+        let ex = pick.exclusions;
+        let none_excluded = ex.dead.is_empty() && ex.used.is_empty() && ex.tried.is_empty();
         for (i, ep) in self.cfg.endpoints.iter().enumerate() {
+            let serves = |_: &crate::scheduler::config::EndpointConfig| serves_at(i);
             if ep.disabled {
                 dropped.disabled += 1;
-            } else if pick.exclusions.dead.contains(&i) {
+            } else if none_excluded {
+                if serves(ep) {
+                    serves_model = true;
+                    out.push(i);
+                } else {
+                    dropped.model += 1;
+                }
+            } else if ex.dead.contains(&i) {
                 dropped.dead += 1;
                 serves_model |= serves(ep);
-            } else if pick.exclusions.used.contains(&i) {
+            } else if ex.used.contains(&i) {
                 dropped.used += 1;
                 serves_model |= serves(ep);
-            } else if pick.exclusions.tried.contains(&i) {
+            } else if ex.tried.contains(&i) {
                 dropped.tried += 1;
                 serves_model |= serves(ep);
             } else if !serves(ep) {
@@ -540,106 +594,49 @@ impl<'a> Scheduler<'a> {
             None => self.indexed(pick, now_ms),
             Some(_) => Vec::new(),
         };
-        let result = update_if(self.store, TABLE_KEY, |bytes| {
-            let (mut table, same_layout) = self.load_table(bytes);
-            if pick.attempt > 1
-                && !pick.exclusions.retry_free
-                && !table.budget.try_retry(
+        let result = update_owned(self.store, TABLE_KEY, |bytes| {
+            let (write, decision) = self.with_table(bytes.as_deref(), |table, same_layout| {
+                self.start(
+                    table,
+                    same_layout,
+                    bytes.as_deref(),
+                    &candidates,
+                    pick,
+                    pinned,
+                    &engines,
+                    &indexed,
                     now_ms,
-                    self.cfg.retry_budget_percent,
-                    self.cfg.retry_budget_min_retries,
                 )
-            {
-                return (None, Err(NoEndpoint::BudgetExhausted));
-            }
-            let choice = match self.choose(
-                &table,
-                &candidates,
-                pick,
-                pinned,
-                &engines,
-                &indexed,
-                now_ms,
-            ) {
-                Err(e) => return (None, Err(e)),
-                Ok(c) => c,
-            };
-            let i = choice.endpoint;
-            // Verdicts that flipped are stored for their hysteresis (rare: a full write).
-            let mut others_changed = false;
-            for &(j, degraded, saturation) in &choice.verdicts {
-                if let Some((_, st)) = table.entries.get_mut(j) {
-                    let flipped = store_verdict(st, degraded, saturation, now_ms);
-                    others_changed |= flipped && j != i;
+            });
+            match write {
+                Write::Nothing => (None, decision),
+                Write::Whole(new) => (Some(new), decision),
+                Write::Patch {
+                    budget,
+                    endpoint,
+                    id,
+                    state,
+                    entries,
+                } => {
+                    let stored = bytes.and_then(|mut stored| {
+                        Table::patch_in_place(&mut stored, &budget, endpoint, id, &state, entries)
+                            .then_some(stored)
+                    });
+                    match stored {
+                        Some(stored) => (Some(stored), decision),
+                        // Checked by `start`: not reached. Nothing stored for the attempt.
+                        None => (
+                            None,
+                            decision.map(|mut d| {
+                                d.ticket.counted = false;
+                                d.ticket.probe_epoch = None;
+                                d.ticket.watch_token = 0;
+                                d
+                            }),
+                        ),
+                    }
                 }
             }
-            let Some((_, st)) = table.entries.get_mut(i) else {
-                return (None, Err(NoEndpoint::Exhausted));
-            };
-            let probe_epoch = match st.breaker.admit(now_ms, &bcfg) {
-                Admission::Probe { epoch } => Some(epoch),
-                _ => None,
-            };
-            if choice.reason == Reason::DegradedProbe {
-                st.degraded_probe_ms = now_ms;
-                st.degraded_probes = st.degraded_probes.saturating_add(1);
-            }
-            st.start_attempt(now_ms, self.cfg.in_flight_max_age_ms);
-            // An affinity hit is watched: still waiting long after it should have been
-            // answered, it is early evidence of a slowdown (see `overdue`).
-            let watch_token =
-                if choice.reason == Reason::AffinityHit && self.cfg.pin_break_overdue > 0 {
-                    let t = overdue::token(pick.nonce, pick.attempt);
-                    if st.watch.insert(t, now_ms) {
-                        t
-                    } else {
-                        0
-                    }
-                } else {
-                    0
-                };
-            let quota_tokens = if self.cfg.quota_aware {
-                let estimate = estimate_tokens(pick.body_bytes, self.cfg.quota_bytes_per_token);
-                st.quota.consume(estimate, now_ms);
-                estimate
-            } else {
-                0
-            };
-            if pick.attempt <= 1 {
-                table.budget.on_request(now_ms);
-            }
-            let ticket = Ticket {
-                endpoint: i,
-                endpoint_id: self.cfg.endpoints.get(i).map_or(0, |e| e.id),
-                probe_epoch,
-                counted: true,
-                started_ms: now_ms,
-                watch_token,
-                degraded_probe: choice.reason == Reason::DegradedProbe,
-                pin_on_success: choice.pin_on_success,
-                pinned_usage: None,
-                served: None,
-                quota_tokens,
-            };
-            let bytes = match bytes {
-                Some(stored) if same_layout && !others_changed => table.encode_patched(stored, i),
-                _ => table.encode_over(bytes),
-            };
-            (
-                Some(bytes),
-                Ok(Decision {
-                    endpoint: i,
-                    reason: choice.reason,
-                    affinity: choice.affinity,
-                    ticket,
-                    broke_pin_of: choice.broke_pin_of,
-                    moved_pin_of: choice.moved,
-                    home: choice.home,
-                    quota_skipped: choice.quota_skipped,
-                    by_prefix: choice.by_prefix,
-                    by_index: choice.by_index,
-                }),
-            )
         });
         let decision = match result {
             Ok(r) => r,
@@ -714,6 +711,163 @@ impl<'a> Scheduler<'a> {
         }
         decision
     }
+
+    /// The write of one pick over the stored table `bytes` (read as `table`): the choice,
+    /// the verdicts that flipped, the attempt started on the chosen entry, and the bytes to
+    /// store. Only the entries that change are copied out of `table`; a write that changes
+    /// the chosen entry alone patches it into a copy of the stored bytes.
+    #[allow(clippy::too_many_arguments, clippy::type_complexity)]
+    fn start(
+        &self,
+        table: &Table,
+        same_layout: bool,
+        bytes: Option<&[u8]>,
+        candidates: &[usize],
+        pick: &Pick<'_>,
+        pinned: Option<u32>,
+        engines: &Engines,
+        indexed: &[usize],
+        now_ms: u64,
+    ) -> (Write, Result<Decision, NoEndpoint>) {
+        let bcfg = self.breaker_config();
+        let mut budget = table.budget;
+        if pick.attempt > 1
+            && !pick.exclusions.retry_free
+            && !budget.try_retry(
+                now_ms,
+                self.cfg.retry_budget_percent,
+                self.cfg.retry_budget_min_retries,
+            )
+        {
+            return (Write::Nothing, Err(NoEndpoint::BudgetExhausted));
+        }
+        let choice = match self.choose(table, candidates, pick, pinned, engines, indexed, now_ms) {
+            Err(e) => return (Write::Nothing, Err(e)),
+            Ok(c) => c,
+        };
+        let i = choice.endpoint;
+        // Verdicts that flipped are stored for their hysteresis (rare: a full write).
+        let mut own = table.entries.get(i).map(|(_, st)| *st);
+        let mut flipped: Vec<(usize, EndpointState)> = Vec::new();
+        for &(j, degraded, saturation) in &choice.verdicts {
+            if j == i {
+                if let Some(st) = own.as_mut() {
+                    store_verdict(st, degraded, saturation, now_ms);
+                }
+            } else if let Some((_, st)) = table.entries.get(j) {
+                let mut st = *st;
+                if store_verdict(&mut st, degraded, saturation, now_ms) {
+                    flipped.push((j, st));
+                }
+            }
+        }
+        let others_changed = !flipped.is_empty();
+        let Some(mut st) = own else {
+            return (Write::Nothing, Err(NoEndpoint::Exhausted));
+        };
+        let probe_epoch = match st.breaker.admit(now_ms, &bcfg) {
+            Admission::Probe { epoch } => Some(epoch),
+            _ => None,
+        };
+        if choice.reason == Reason::DegradedProbe {
+            st.degraded_probe_ms = now_ms;
+            st.degraded_probes = st.degraded_probes.saturating_add(1);
+        }
+        st.start_attempt(now_ms, self.cfg.in_flight_max_age_ms);
+        // An affinity hit is watched: still waiting long after it should have been
+        // answered, it is early evidence of a slowdown (see `overdue`).
+        let watch_token = if choice.reason == Reason::AffinityHit && self.cfg.pin_break_overdue > 0
+        {
+            let t = overdue::token(pick.nonce, pick.attempt);
+            if st.watch.insert(t, now_ms) {
+                t
+            } else {
+                0
+            }
+        } else {
+            0
+        };
+        let quota_tokens = if self.cfg.quota_aware {
+            let estimate = estimate_tokens(pick.body_bytes, self.cfg.quota_bytes_per_token);
+            st.quota.consume(estimate, now_ms);
+            estimate
+        } else {
+            0
+        };
+        if pick.attempt <= 1 {
+            budget.on_request(now_ms);
+        }
+        let id = table.entries.get(i).map_or(0, |(id, _)| *id);
+        let ticket = Ticket {
+            endpoint: i,
+            endpoint_id: self.cfg.endpoints.get(i).map_or(0, |e| e.id),
+            probe_epoch,
+            counted: true,
+            started_ms: now_ms,
+            watch_token,
+            degraded_probe: choice.reason == Reason::DegradedProbe,
+            pin_on_success: choice.pin_on_success,
+            pinned_usage: None,
+            served: None,
+            quota_tokens,
+        };
+        let patch = bytes.is_some_and(|stored| {
+            same_layout && !others_changed && Table::patchable(stored, i, table.entries.len())
+        });
+        let write = if patch {
+            Write::Patch {
+                budget,
+                endpoint: i,
+                id,
+                state: st,
+                entries: table.entries.len(),
+            }
+        } else {
+            let mut whole = table.clone();
+            whole.budget = budget;
+            for (j, s) in flipped {
+                if let Some((_, e)) = whole.entries.get_mut(j) {
+                    *e = s;
+                }
+            }
+            if let Some((_, e)) = whole.entries.get_mut(i) {
+                *e = st;
+            }
+            Write::Whole(whole.encode_over(bytes))
+        };
+        (
+            write,
+            Ok(Decision {
+                endpoint: i,
+                reason: choice.reason,
+                affinity: choice.affinity,
+                ticket,
+                broke_pin_of: choice.broke_pin_of,
+                moved_pin_of: choice.moved,
+                home: choice.home,
+                quota_skipped: choice.quota_skipped,
+                by_prefix: choice.by_prefix,
+                by_index: choice.by_index,
+            }),
+        )
+    }
+}
+
+/// What a pick writes over the stored table (see [`Scheduler::start`]). Returned once per
+/// pick and consumed at once: boxing the large variant would cost an allocation each time.
+#[allow(clippy::large_enum_variant)]
+enum Write {
+    Nothing,
+    /// The budget and one entry rewritten in the stored bytes themselves.
+    Patch {
+        budget: crate::scheduler::health::budget::RetryBudget,
+        endpoint: usize,
+        id: u32,
+        state: EndpointState,
+        entries: usize,
+    },
+    /// The whole table.
+    Whole(Vec<u8>),
 }
 
 mod choose;

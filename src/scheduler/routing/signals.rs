@@ -136,6 +136,64 @@ pub fn peer_medians(table: &Table, cfg: &Config, min_samples: u32) -> Vec<Option
         .collect()
 }
 
+/// One worker's memo of [`peer_medians`], kept beside its table cache.
+///
+/// Why: every decision needs every endpoint's peer median, and computing them sorts the
+/// fleet's slowness values per model (about 1 400 instructions per endpoint under wasm at 512
+/// endpoints), while the inputs change only when an answer teaches some endpoint's slowness:
+/// most decisions see exactly the inputs of the one before. The memo keeps the inputs it was
+/// computed from and recomputes only when one of them differs, so it always returns what
+/// [`peer_medians`] returns for the same table. It belongs to one configuration (the cache it
+/// lives in is made anew with each configuration); ids and disabled flags are compared too.
+#[derive(Debug, Default, Clone)]
+pub struct MedianMemo {
+    min_samples: u32,
+    /// Per endpoint, in configuration order: id, disabled, slowness as last used.
+    inputs: Vec<(u32, bool, Slowness)>,
+    medians: Vec<Option<f64>>,
+    /// Times the medians were recomputed, for tests and diagnostics.
+    pub computed: u64,
+}
+
+impl MedianMemo {
+    /// [`peer_medians`] of `table`, recomputed only when its inputs changed.
+    pub fn medians(&mut self, table: &Table, cfg: &Config, min_samples: u32) -> &[Option<f64>] {
+        let n = cfg.endpoints.len();
+        let same = self.min_samples == min_samples
+            && self.inputs.len() == n
+            && table.entries.len() == n
+            && self
+                .inputs
+                .iter()
+                .zip(&cfg.endpoints)
+                .zip(&table.entries)
+                .all(|(((id, disabled, slow), ep), (_, st))| {
+                    *id == ep.id && *disabled == ep.disabled && *slow == st.slowness
+                });
+        if !same {
+            self.min_samples = min_samples;
+            self.inputs = cfg
+                .endpoints
+                .iter()
+                .enumerate()
+                .map(|(i, ep)| {
+                    let slow = table
+                        .entries
+                        .get(i)
+                        .map(|(_, st)| st.slowness)
+                        .unwrap_or_default();
+                    (ep.id, ep.disabled, slow)
+                })
+                .collect();
+            // Entries missing from the table count as absent (as `peer_medians` reads them):
+            // such a table is never taken as the same as a complete one (length check above).
+            self.medians = peer_medians(table, cfg, min_samples);
+            self.computed = self.computed.saturating_add(1);
+        }
+        &self.medians
+    }
+}
+
 /// The median of `sorted` without its element at `skip` (if any), as [`slowness::peer_median`]
 /// computes it: the middle one, or the mean of the two middle ones.
 fn median_without(sorted: &[f64], skip: Option<usize>) -> Option<f64> {
@@ -237,6 +295,10 @@ impl Served {
 /// combined value, whatever the number of scraped endpoints.
 pub fn engine_loads(store: &dyn Store, cfg: &Config, now_ms: u64) -> Vec<Option<EngineLoad>> {
     let loads = scrape::read_loads(store);
+    // Nothing scraped (no endpoint has metrics, or none answered yet): every load unknown.
+    if loads.entries.is_empty() {
+        return vec![None; cfg.endpoints.len()];
+    }
     cfg.endpoints
         .iter()
         .map(|ep| {
@@ -461,6 +523,35 @@ mod tests {
         }
         // a (m1): peers b, c, f warm (d cold) -> e^0.4, 1, e^0.9 -> median 1.49
         assert!((fast[0].unwrap_or(0.0) - 0.4f64.exp()).abs() < 1e-9);
+    }
+
+    /// The memo returns what `peer_medians` returns, recomputing only when an input moved.
+    #[test]
+    fn median_memo_equals_a_fresh_computation() {
+        let c = cfg();
+        let mut t = Table::load(None, &c).0;
+        let mut memo = MedianMemo::default();
+        let mut state = 0x9e37_79b9_7f4a_7c15u64;
+        for step in 0..200u32 {
+            state = crate::scheduler::state::hash::fmix64(state.wrapping_add(u64::from(step)));
+            let k = (state % 5) as usize;
+            if state.is_multiple_of(3) {
+                let st = &mut t.entries[k].1.slowness;
+                st.samples = ((state >> 8) % 30) as u32;
+                st.log_mean = ((state >> 16) % 100) as f64 / 50.0 - 1.0;
+            }
+            let before = memo.computed;
+            let fresh = peer_medians(&t, &c, 20);
+            assert_eq!(memo.medians(&t, &c, 20), fresh.as_slice(), "step {step}");
+            let again = memo.computed;
+            assert_eq!(memo.medians(&t, &c, 20), fresh.as_slice());
+            assert_eq!(memo.computed, again, "unchanged inputs reuse the medians");
+            assert!(memo.computed <= before + 1);
+        }
+        // Another threshold is another computation.
+        let n = memo.computed;
+        assert_eq!(memo.medians(&t, &c, 3), peer_medians(&t, &c, 3).as_slice());
+        assert_eq!(memo.computed, n + 1);
     }
 
     #[test]

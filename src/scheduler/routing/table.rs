@@ -33,6 +33,7 @@ use crate::scheduler::routing::overdue::Watch;
 use crate::scheduler::routing::payoff::Payoff;
 use crate::scheduler::routing::quota::Quota;
 use crate::scheduler::routing::saturation::Saturation;
+use crate::scheduler::routing::signals::MedianMemo;
 use crate::scheduler::routing::slowness::Slowness;
 use crate::scheduler::state::codec::{Reader, Writer};
 use crate::scheduler::state::store::{update_if, Store};
@@ -243,6 +244,7 @@ fn next_stamp(stored: Option<&[u8]>) -> u64 {
 }
 
 /// The write stamp of entry `i` (stored right after its id).
+#[cfg(test)]
 fn stamp_of(bytes: &[u8], i: usize) -> Option<u64> {
     u64_at(bytes, HEADER_BYTES + i.checked_mul(ENTRY_BYTES)? + 4)
 }
@@ -408,33 +410,86 @@ impl Table {
     /// the budget and entry `changed` were modified: a copy of `stored` with those two rewritten.
     /// The entry and the write counter get the next stamp; the other entries keep theirs.
     pub fn encode_patched(&self, stored: &[u8], changed: usize) -> Vec<u8> {
-        let stamp = next_stamp(Some(stored));
-        let mut out = stored.to_vec();
-        let mut budget = Writer::with_capacity(BUDGET_BYTES);
-        self.budget.encode(&mut budget);
-        let mut entry = Writer::with_capacity(ENTRY_BYTES);
-        let Some((id, st)) = self.entries.get(changed) else {
-            return self.encode_over(Some(stored));
-        };
-        encode_entry(&mut entry, *id, stamp, st);
-        let at = HEADER_BYTES + changed * ENTRY_BYTES;
-        let patched = out
-            .get_mut(1..1 + BUDGET_BYTES)
-            .map(|b| b.copy_from_slice(&budget.buf))
-            .is_some()
-            && out
-                .get_mut(STAMP_AT..STAMP_AT + 8)
-                .map(|c| c.copy_from_slice(&stamp.to_le_bytes()))
-                .is_some()
-            && out
-                .get_mut(at..at + ENTRY_BYTES)
-                .map(|e| e.copy_from_slice(&entry.buf))
-                .is_some();
-        if patched && out.len() == HEADER_BYTES + self.entries.len() * ENTRY_BYTES {
-            out
-        } else {
-            self.encode_over(Some(stored))
+        self.entries
+            .get(changed)
+            .and_then(|(id, st)| {
+                Table::patch_budget_and_entry(
+                    stored,
+                    &self.budget,
+                    changed,
+                    *id,
+                    st,
+                    self.entries.len(),
+                )
+            })
+            .unwrap_or_else(|| self.encode_over(Some(stored)))
+    }
+
+    /// [`Table::encode_patched`] from its parts, for a table of `entries` entries loaded from
+    /// `stored` with its layout whose budget is now `budget` and entry `changed` is now
+    /// `(id, st)`, the others unchanged. `None` when `stored` does not have that layout (then
+    /// the whole table is encoded instead).
+    pub fn patch_budget_and_entry(
+        stored: &[u8],
+        budget: &RetryBudget,
+        changed: usize,
+        id: u32,
+        st: &EndpointState,
+        entries: usize,
+    ) -> Option<Vec<u8>> {
+        if stored.len() != HEADER_BYTES.checked_add(entries.checked_mul(ENTRY_BYTES)?)? {
+            return None;
         }
+        let mut out = stored.to_vec();
+        Table::patch_in_place(&mut out, budget, changed, id, st, entries).then_some(out)
+    }
+
+    /// Whether [`Table::patch_in_place`] can rewrite entry `changed` of `stored` as a table of
+    /// `entries` entries (its size is exactly that, and the entry is within it).
+    pub fn patchable(stored: &[u8], changed: usize, entries: usize) -> bool {
+        let size = entries
+            .checked_mul(ENTRY_BYTES)
+            .and_then(|e| e.checked_add(HEADER_BYTES));
+        size == Some(stored.len()) && changed < entries
+    }
+
+    /// [`Table::patch_budget_and_entry`] without the copy: `stored` itself is rewritten (false,
+    /// and nothing written, when it does not have that layout or `changed` is out of range).
+    pub fn patch_in_place(
+        stored: &mut [u8],
+        budget: &RetryBudget,
+        changed: usize,
+        id: u32,
+        st: &EndpointState,
+        entries: usize,
+    ) -> bool {
+        let at = changed
+            .checked_mul(ENTRY_BYTES)
+            .and_then(|e| e.checked_add(HEADER_BYTES));
+        let size = entries
+            .checked_mul(ENTRY_BYTES)
+            .and_then(|e| e.checked_add(HEADER_BYTES));
+        if !Table::patchable(stored, changed, entries) {
+            return false;
+        }
+        let (Some(at), Some(_)) = (at, size) else {
+            return false;
+        };
+        let stamp = next_stamp(Some(stored));
+        let mut b = Writer::with_capacity(BUDGET_BYTES);
+        budget.encode(&mut b);
+        let mut entry = Writer::with_capacity(ENTRY_BYTES);
+        encode_entry(&mut entry, id, stamp, st);
+        if let Some(dst) = stored.get_mut(1..1 + BUDGET_BYTES) {
+            dst.copy_from_slice(&b.buf);
+        }
+        if let Some(dst) = stored.get_mut(STAMP_AT..STAMP_AT + 8) {
+            dst.copy_from_slice(&stamp.to_le_bytes());
+        }
+        if let Some(dst) = stored.get_mut(at..at + ENTRY_BYTES) {
+            dst.copy_from_slice(&entry.buf);
+        }
+        true
     }
 
     /// The whole table as a first write (write counter and every stamp 1).
@@ -615,54 +670,132 @@ pub fn claim_layout(store: &dyn Store, cfg: &Config) -> u64 {
 /// per VM (one per Envoy worker thread), never shared, and only ever a shortcut: the table it
 /// returns equals [`Table::load`] of the same bytes (every write that changes an entry's bytes
 /// gives it a new stamp, from a counter that grows with each CAS-ordered write).
+///
+/// A reader that only reads (the pick) borrows the cached table itself ([`TableCache::lend`]
+/// and [`TableCache::give_back`]) instead of a copy: copying every entry cost more than
+/// decoding the changed ones (about 870 instructions per endpoint under wasm).
 #[derive(Debug, Default)]
 pub struct TableCache {
-    /// By position in the configuration: `(stamp, id, state)` as last decoded.
-    entries: Vec<Option<(u64, u32, EndpointState)>>,
+    /// By position in the configuration: `(stamp, id)` of the entry of `table` as decoded.
+    stamps: Vec<Option<(u64, u32)>>,
+    /// The table as last loaded; empty while lent.
+    table: Table,
+    /// `table` is lent out: its entries are not here, whatever `stamps` says.
+    lent: bool,
     /// Entries decoded (not taken from the cache), for tests and diagnostics.
     pub decoded: u64,
+    /// The peers' median slowness of the last decision, and what it was computed from.
+    pub peers: MedianMemo,
+    /// Which endpoints serve the model of the last decision (see [`ServesMemo`]).
+    pub serves: ServesMemo,
+}
+
+/// Which configured endpoints list a model (or serve every model), for the last model asked.
+///
+/// Why: every decision filters the fleet by the request's model, comparing the model name
+/// with every endpoint's list (about 300 instructions per endpoint under wasm, twice per
+/// decision), while the answer depends only on the configuration and the name. Belongs to
+/// one configuration, as the cache it lives in.
+#[derive(Debug, Default, Clone)]
+pub struct ServesMemo {
+    /// The model (`None`: a request without one) and, by endpoint index, whether it is served.
+    last: Option<(Option<String>, Vec<bool>)>,
+}
+
+impl ServesMemo {
+    /// By endpoint index: whether `cfg`'s endpoint serves `model` (disabled or not).
+    pub fn serves(&mut self, cfg: &Config, model: Option<&str>) -> &[bool] {
+        let hit = matches!(&self.last, Some((m, v)) if m.as_deref() == model && v.len() == cfg.endpoints.len());
+        if !hit {
+            let v = cfg
+                .endpoints
+                .iter()
+                .map(|e| model.is_none_or(|m| e.serves(m)))
+                .collect();
+            self.last = Some((model.map(str::to_string), v));
+        }
+        self.last.as_ref().map_or(&[], |(_, v)| v.as_slice())
+    }
 }
 
 impl TableCache {
     /// [`Table::load`] of `bytes`, decoding only the entries whose stamp changed since this
     /// cache last saw them.
     pub fn load(&mut self, bytes: Option<&[u8]>, cfg: &Config) -> (Table, bool) {
-        match bytes.and_then(|b| self.load_same_layout(b, cfg)) {
-            Some(t) => (t, true),
-            None => {
-                self.entries.clear();
-                self.decoded = self.decoded.saturating_add(cfg.endpoints.len() as u64);
-                Table::load(bytes, cfg)
-            }
+        match bytes.and_then(|b| self.refresh(b, cfg)) {
+            Some(()) => (self.table.clone(), true),
+            None => self.reset(bytes, cfg),
         }
     }
 
-    fn load_same_layout(&mut self, bytes: &[u8], cfg: &Config) -> Option<Table> {
+    /// [`TableCache::load`] without the copy: the cached table itself, to be handed back
+    /// unchanged with [`TableCache::give_back`] (until then the cache holds nothing).
+    pub fn lend(&mut self, bytes: Option<&[u8]>, cfg: &Config) -> (Table, bool) {
+        match bytes.and_then(|b| self.refresh(b, cfg)) {
+            Some(()) => {
+                self.lent = true;
+                (std::mem::take(&mut self.table), true)
+            }
+            None => self.reset(bytes, cfg),
+        }
+    }
+
+    /// Takes back a table from [`TableCache::lend`] (unchanged: it must still match the
+    /// stamps). Anything else is dropped, and the cache starts over.
+    pub fn give_back(&mut self, table: Table) {
+        if self.lent && table.entries.len() == self.stamps.len() {
+            self.table = table;
+        } else {
+            self.stamps.clear();
+        }
+        self.lent = false;
+    }
+
+    fn reset(&mut self, bytes: Option<&[u8]>, cfg: &Config) -> (Table, bool) {
+        self.stamps.clear();
+        self.table = Table::default();
+        self.lent = false;
+        self.decoded = self.decoded.saturating_add(cfg.endpoints.len() as u64);
+        Table::load(bytes, cfg)
+    }
+
+    /// Brings `table` up to `bytes` when they have the configuration's layout.
+    fn refresh(&mut self, bytes: &[u8], cfg: &Config) -> Option<()> {
         if !Table::has_layout(bytes, cfg) {
             return None;
         }
         let budget = RetryBudget::decode(&mut Reader::new(bytes.get(1..STAMP_AT)?))?;
         let n = cfg.endpoints.len();
-        self.entries.resize(n, None);
-        let mut entries = Vec::with_capacity(n);
-        for (i, slot) in self.entries.iter_mut().enumerate() {
-            let stamp = stamp_of(bytes, i)?;
-            let id = u32_at(bytes, HEADER_BYTES + i * ENTRY_BYTES)?;
-            match slot {
-                Some((s, cid, st)) if *s == stamp && *cid == id => entries.push((id, *st)),
-                _ => {
-                    let (id, st) = Table::entry_at(bytes, i)?;
-                    self.decoded = self.decoded.saturating_add(1);
-                    *slot = Some((stamp, id, st));
-                    entries.push((id, st));
-                }
-            }
+        if self.lent || self.table.entries.len() != self.stamps.len() {
+            self.stamps.clear();
+            self.table.entries.clear();
         }
-        Some(Table {
-            budget,
-            entries,
-            generation: cfg.layout_generation,
-        })
+        self.lent = false;
+        self.stamps.resize(n, None);
+        self.table.entries.resize(n, (0, EndpointState::default()));
+        self.table.budget = budget;
+        self.table.generation = cfg.layout_generation;
+        let chunks = bytes.get(HEADER_BYTES..)?.chunks_exact(ENTRY_BYTES);
+        for (i, ((slot, entry), chunk)) in self
+            .stamps
+            .iter_mut()
+            .zip(self.table.entries.iter_mut())
+            .zip(chunks)
+            .enumerate()
+        {
+            // Id, then stamp: the first 12 bytes of the entry.
+            let id = u32_at(chunk, 0)?;
+            let stamp = u64_at(chunk, 4)?;
+            if *slot == Some((stamp, id)) {
+                continue;
+            }
+            // Undecodable: nothing of this load may be trusted (the caller starts over).
+            *slot = None;
+            *entry = Table::entry_at(bytes, i)?;
+            self.decoded = self.decoded.saturating_add(1);
+            *slot = Some((stamp, id));
+        }
+        Some(())
     }
 }
 
@@ -760,6 +893,93 @@ mod tests {
             Table::load(Some(&b3[1..]), &cfg)
         );
         assert_eq!(cache.load(None, &cfg), Table::load(None, &cfg));
+    }
+
+    /// A lent table is the loaded table itself; given back unchanged, the next load decodes
+    /// only what moved; not given back (or given back another), the cache starts over.
+    #[test]
+    fn lent_tables_equal_loads_and_come_back() {
+        let cfg = Config::from_value(&json!({"endpoints":[{"name":"a","cluster":"a"},{"name":"b","cluster":"b"},{"name":"c","cluster":"c"}]})).unwrap();
+        let b0 = Table::aligned(None, &cfg).encode();
+        let mut cache = TableCache::default();
+        let lent = cache.lend(Some(&b0), &cfg);
+        assert_eq!(lent, Table::load(Some(&b0), &cfg));
+        assert_eq!(cache.decoded, 3);
+        cache.give_back(lent.0);
+        let st = EndpointState {
+            total: 7,
+            ..EndpointState::default()
+        };
+        let b1 = Table::patch_entry(&b0, 1, Table::aligned(None, &cfg).entries[1].0, &st).unwrap();
+        let lent = cache.lend(Some(&b1), &cfg);
+        assert_eq!(lent, Table::load(Some(&b1), &cfg));
+        assert_eq!(cache.decoded, 4, "only the patched entry");
+        // Never given back: the next load decodes everything and is still right.
+        assert_eq!(cache.load(Some(&b1), &cfg), Table::load(Some(&b1), &cfg));
+        assert_eq!(cache.decoded, 7);
+        // Given back something else: dropped.
+        let lent = cache.lend(Some(&b1), &cfg);
+        cache.give_back(Table::default());
+        drop(lent);
+        assert_eq!(cache.load(Some(&b1), &cfg), Table::load(Some(&b1), &cfg));
+        assert_eq!(cache.decoded, 10);
+        // The parts patch equals the table's patch.
+        let (mut t, _) = Table::load(Some(&b1), &cfg);
+        t.entries[2].1.in_flight = 3;
+        t.budget.on_request(5);
+        let id = t.entries[2].0;
+        assert_eq!(
+            Table::patch_budget_and_entry(&b1, &t.budget, 2, id, &t.entries[2].1, 3),
+            Some(t.encode_patched(&b1, 2))
+        );
+        assert_eq!(
+            Table::patch_budget_and_entry(&b1, &t.budget, 2, id, &t.entries[2].1, 4),
+            None
+        );
+        // In place: the same bytes, without the copy; out of range or another size: untouched.
+        let mut own = b1.clone();
+        assert!(Table::patch_in_place(
+            &mut own,
+            &t.budget,
+            2,
+            id,
+            &t.entries[2].1,
+            3
+        ));
+        assert_eq!(own, t.encode_patched(&b1, 2));
+        let mut own = b1.clone();
+        assert!(!Table::patch_in_place(
+            &mut own,
+            &t.budget,
+            3,
+            id,
+            &t.entries[2].1,
+            3
+        ));
+        assert!(!Table::patch_in_place(
+            &mut own,
+            &t.budget,
+            2,
+            id,
+            &t.entries[2].1,
+            2
+        ));
+        assert_eq!(own, b1);
+    }
+
+    #[test]
+    fn serves_memo_follows_the_model_asked() {
+        let cfg = Config::from_value(&json!({"endpoints":[
+            {"name":"a","cluster":"a","models":["m1"]},
+            {"name":"b","cluster":"b","models":["m2","m1"]},
+            {"name":"c","cluster":"c"}]}))
+        .unwrap();
+        let mut memo = ServesMemo::default();
+        assert_eq!(memo.serves(&cfg, Some("m1")), &[true, true, true]);
+        assert_eq!(memo.serves(&cfg, Some("m2")), &[false, true, true]);
+        assert_eq!(memo.serves(&cfg, Some("m2")), &[false, true, true]);
+        assert_eq!(memo.serves(&cfg, Some("x")), &[false, false, true]);
+        assert_eq!(memo.serves(&cfg, None), &[true, true, true]);
     }
 
     #[test]

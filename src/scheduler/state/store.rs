@@ -61,6 +61,33 @@ pub fn update_if<R>(
     }
 }
 
+/// Like [`update_if`], but `f` owns the bytes it read, so that it may return them changed in
+/// place instead of a changed copy (a large value costs its copy in instructions under wasm).
+pub fn update_owned<R>(
+    store: &dyn Store,
+    key: &str,
+    mut f: impl FnMut(Option<Vec<u8>>) -> (Option<Vec<u8>>, R),
+) -> Result<R, R> {
+    let mut last = None;
+    for _ in 0..CAS_RETRIES {
+        let (bytes, cas) = store.get(key);
+        let (new, result) = f(bytes);
+        let Some(new) = new else { return Ok(result) };
+        match store.set(key, &new, cas) {
+            Ok(()) => return Ok(result),
+            Err(CasMismatch) => last = Some(result),
+        }
+    }
+    match last {
+        Some(r) => Err(r),
+        None => {
+            // Unreachable with CAS_RETRIES > 0; compute once more without writing.
+            let (bytes, _) = store.get(key);
+            Err(f(bytes).1)
+        }
+    }
+}
+
 /// An in-memory store with Envoy's semantics (CAS tokens start at 1 and grow on each write;
 /// a write to a missing key succeeds whatever its CAS), plus conflict injection for tests.
 #[derive(Default)]

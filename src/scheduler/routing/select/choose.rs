@@ -159,16 +159,15 @@ impl<'a> Scheduler<'a> {
         let (loads, rooms) = (&engines.loads, &engines.rooms);
         let n = cfg.endpoints.len();
         let state = |i: usize| table.entries.get(i).map(|(_, st)| st);
+        let serving = self.serving(pick.model);
         let statics: Vec<usize> = (0..n)
             .filter(|&i| {
-                cfg.endpoints
-                    .get(i)
-                    .is_some_and(|e| !e.disabled && serves_opt(e, pick.model))
+                cfg.endpoints.get(i).is_some_and(|e| !e.disabled)
+                    && serving.get(i).copied().unwrap_or(false)
             })
             .collect();
         let mut verdicts = vec![Verdict::default(); n];
-        let references =
-            signals::peer_medians(table, cfg, DegradeRule::from_config(cfg).min_samples);
+        let references = self.peer_references(table);
         let mut weights = Vec::with_capacity(statics.len());
         // Requests without a session keep the full score (nothing to keep together).
         let best_latency = fastest_warm(
@@ -193,7 +192,8 @@ impl<'a> Scheduler<'a> {
         // Quota: short endpoints are skipped for placements, a certain 429 even by a pin.
         let estimate = estimate_tokens(pick.body_bytes, cfg.quota_bytes_per_token);
         let rule = self.quota_rule();
-        let quota = |i: usize| state(i).filter(|_| cfg.quota_aware).map(|st| st.quota);
+        // By reference: a copied `Quota` per endpoint and flag cost more than the flags.
+        let quota = |i: usize| state(i).filter(|_| cfg.quota_aware).map(|st| &st.quota);
         let short = (0..n)
             .map(|i| quota(i).is_some_and(|q| q.short(estimate, &rule, now_ms)))
             .collect();
@@ -357,26 +357,15 @@ impl<'a> Scheduler<'a> {
         quota_skipped: &mut Vec<usize>,
     ) -> Option<(usize, Reason)> {
         let left = pin.left();
-        let order = keyed.order();
         let eligible = |i: usize| {
             board.admitted(i)
                 && !board.degraded(i)
                 && Some(i) != left
                 && !(board.full(i) && board.room_elsewhere(i))
         };
-        let (total_load, total_weight, total_slots) =
-            order
-                .iter()
-                .filter(|&&i| eligible(i))
-                .fold((0u64, 0.0f64, 0u64), |(l, w, s), &i| {
-                    (
-                        l + u64::from(board.load_of(i)),
-                        w + board.weight(i),
-                        s + u64::from(board.slots(i)),
-                    )
-                });
+        let (total_load, total_weight, total_slots) = eligible_totals(board, keyed, eligible);
         let mut passed = Passed::default();
-        for &i in &order {
+        for i in keyed.lazy() {
             if Some(i) == left {
                 passed.unavailable = true;
                 continue;
@@ -757,6 +746,41 @@ pub(super) fn holder_choice(
     }
 }
 
+/// The load and weight of the walk's `eligible` candidates, summed in rendezvous order (the
+/// weight's rounding depends on the order). When every eligible weight is the same number
+/// (the common case: equal configured weights, all healthy), every order gives the same
+/// partial sums, so the candidates are summed as they come and nothing is sorted.
+pub(super) fn eligible_totals(
+    board: &Board,
+    keyed: &placement::Keyed,
+    eligible: impl Fn(usize) -> bool,
+) -> (u64, f64, u64) {
+    let mut total_load = 0u64;
+    let mut total_slots = 0u64;
+    let mut first_weight: Option<u64> = None;
+    let mut uniform = true;
+    let mut total_weight = 0.0f64;
+    for &(i, _, _) in &board.weights {
+        if !eligible(i) {
+            continue;
+        }
+        total_load += u64::from(board.load_of(i));
+        total_slots += u64::from(board.slots(i));
+        let w = board.weight(i);
+        uniform &= *first_weight.get_or_insert(w.to_bits()) == w.to_bits();
+        total_weight += w;
+    }
+    if uniform {
+        return (total_load, total_weight, total_slots);
+    }
+    let weight = keyed
+        .order()
+        .into_iter()
+        .filter(|&i| eligible(i))
+        .fold(0.0f64, |w, i| w + board.weight(i));
+    (total_load, weight, total_slots)
+}
+
 /// Nothing placeable by the walk: only degraded or left endpoints admit traffic. The first
 /// other one in order (a backup), else the pinned endpoint after all.
 pub(super) fn fallback(
@@ -828,3 +852,7 @@ pub(super) fn move_reason(code: u32) -> Option<MoveReason> {
         _ => None,
     }
 }
+
+#[cfg(all(test, not(target_arch = "wasm32")))]
+#[path = "lazy_tests.rs"]
+mod lazy_tests;
