@@ -229,6 +229,16 @@ impl Engines {
     /// The engines as `store` holds them at `now_ms`.
     pub fn read(store: &dyn Store, cfg: &Config, now_ms: u64) -> Engines {
         let loads = signals::engine_loads(store, cfg, now_ms);
+        if loads.iter().all(Option::is_none) {
+            // Nothing scraped (hosted keys, or no fresh scrape): no room is known, and the
+            // capacities are neither read nor written (a request's cost stays per candidate).
+            let rooms = vec![None; loads.len()];
+            return Engines {
+                loads,
+                rooms,
+                seen: Capacities::default(),
+            };
+        }
         let seen = read(store);
         let rooms = cfg
             .endpoints
@@ -243,6 +253,9 @@ impl Engines {
     /// of the endpoint a placement was sent to, counted on top of its last scrape). No write
     /// when neither changed anything.
     pub fn record(&self, store: &dyn Store, cfg: &Config, placed: Option<usize>) {
+        if self.loads.iter().all(Option::is_none) {
+            return;
+        }
         let fresh: Vec<(u32, EngineLoad)> = cfg
             .endpoints
             .iter()
