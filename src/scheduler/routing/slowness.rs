@@ -1,5 +1,5 @@
 //! Slowness: how long an endpoint takes *for the work it was given*, compared with its peers.
-//! (Over 600 lines with its unit tests: the work model and the per-endpoint slowness share one codec and one set of worked examples; the code itself is about 550 lines.)
+//! (Over 600 lines with its unit tests: the work model and the per-endpoint slowness share one codec and one set of worked examples; the code itself is about 620 lines with the running-stream pace.)
 //!
 //! Why: a raw latency estimate mixes unlike samples. A plain (non-streamed) answer's latency is
 //! its whole generation; a streamed one's is its first token; both grow with the uncached part
@@ -50,6 +50,21 @@
 //! ×1.12 if queue-prone), yet a real 5× slowdown is reflected after four streams (twelve plain
 //! answers). The model is a common yardstick, so its absolute calibration cancels out: what is
 //! judged is an endpoint's slowness over its peers'.
+//!
+//! **A running stream's pace** ([`WorkModel::pace_ratio`], [`Slowness::observe_pace`]): a
+//! stream is judged when it ends, and on an endpoint turned 5× slower its streams last 3–7 s,
+//! so the four slow samples the estimate needs came 5 s after the onset on the bench's `slow`
+//! run, and every turn sent there meanwhile paid the slowdown. So a stream is also judged
+//! while it runs, at doubling sizes of what it relayed after its first chunk (from
+//! [`PACE_FIRST_CHECK_BYTES`]): its tokens so far are estimated from those bytes with the
+//! group's mean tokens per byte (learned from finished streams with `usage`), *over*-estimated
+//! by [`PACE_TOKEN_MARGIN`] — too many tokens read the pace as fast, the safe error; counting
+//! `data:` events would read every chunk, and counting chunks undercounts when Envoy coalesces
+//! them — and its time since the first byte is compared with what those tokens take at the
+//! group's decode rate. A pace that has reached `pin_break_ratio` is folded in as that
+//! stream's decode-phase sample, and its end is not judged again (one sample per stream); a
+//! slower one is left to its end. Healthy streams (decode ratio p90 1.22) do not reach 3: steady
+//! traffic folds none.
 //!
 //! **Degraded** ([`degraded`]): a warm endpoint (at least `min_samples` samples; cold endpoints
 //! never are) whose slowness reaches `ratio` × the median slowness of its warm peers serving
