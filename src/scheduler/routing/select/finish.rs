@@ -24,7 +24,8 @@ impl<'a> Scheduler<'a> {
 
     /// A stream still running on the ticket's endpoint, `decode_ms` since its first byte with
     /// `decode_bytes` relayed after its first chunk: if its pace against the work model of
-    /// `work_key` ([`WorkModel::pace_ratio`]) has reached `pin_break_ratio`, it is folded into
+    /// `work_key` ([`WorkModel::pace_ratio`]) has reached [`slowness::PACE_SHARE`] of
+    /// `pin_break_ratio`, it is folded into
     /// the endpoint's slowness now (see `slowness`), before the slow stream ends. Returns
     /// whether it was: the stream's end is then not judged again. One shared-data read per
     /// check (the caller checks at doubling sizes), and a table write only for a slow pace.
@@ -40,7 +41,7 @@ impl<'a> Scheduler<'a> {
         let Some(ratio) = model.pace_ratio(decode_ms as f64, decode_bytes) else {
             return false;
         };
-        if ratio < self.cfg.pin_break_ratio {
+        if ratio < self.cfg.pin_break_ratio * slowness::PACE_SHARE {
             return false;
         }
         self.update_entry(ticket, |st| {
