@@ -1320,7 +1320,8 @@ fn a_call_refused_for_the_requests_own_headers_is_not_charged_to_the_endpoint() 
 fn a_slow_running_stream_is_judged_by_its_pace() {
     use crate::scheduler::routing::signals::{read_model, work_key};
     use crate::scheduler::routing::slowness::{Sample, WorkModel, PACE_FIRST_CHECK_BYTES};
-    let c = cfg(json!({}));
+    // Peers b and c warm at slowness 1 (the rule compares with their median).
+    let c = cfg(json!({"cold_start_samples": 2}));
     let store = MemStore::new();
     let key = work_key(&c, Some("m"));
     // A warm model: 2 ms per decode token, 170 bytes per token.
@@ -1339,6 +1340,11 @@ fn a_slow_running_stream_is_judged_by_its_pace() {
         m.observe_decode_bytes(&s, 17_000);
     }
     store.set(&key, &m.encode(), None).unwrap();
+    let mut table = Table::aligned(None, &c);
+    for (_, st) in table.entries.iter_mut().skip(1) {
+        st.slowness.samples = 40;
+    }
+    store.set(TABLE_KEY, &table.encode(), None).unwrap();
     let s = Scheduler::new(&c, &store);
     let sse = pairs(&[(":status", "200"), ("content-type", "text/event-stream")]);
     let mut log = Log::default();
@@ -1368,7 +1374,8 @@ fn a_slow_running_stream_is_judged_by_its_pace() {
     let before = slowness(&store);
     assert_eq!(before.samples, 2);
     // A stream 5× slower: 10 ms per token. Judged at its first check (6120 bytes = 36
-    // events: 43 tokens with the margin, 350 ms observed against 86 ms: 4×).
+    // events: 43 tokens with the margin, 350 ms observed against 86 ms: 4× ≥ 3 × the peers'
+    // median 1).
     let t0 = 30_000;
     let mut f = Flow::default();
     route(&mut f, &s, &mut log, post_headers(&[]), t0);

@@ -61,10 +61,13 @@
 //! by [`PACE_TOKEN_MARGIN`] — too many tokens read the pace as fast, the safe error; counting
 //! `data:` events would read every chunk, and counting chunks undercounts when Envoy coalesces
 //! them — and its time since the first byte is compared with what those tokens take at the
-//! group's decode rate. A pace that has reached [`PACE_SHARE`] of `pin_break_ratio` is folded
-//! in as that stream's decode-phase sample, and its end is not judged again (one sample per stream); a
-//! faster one is left to its end. Healthy streams (decode ratio p90 1.22) do not reach 2: steady
-//! traffic folds none.
+//! group's decode rate. A pace that has reached `pin_break_ratio` × the median slowness of the
+//! endpoint's peers (the degraded rule's threshold) is folded in as that stream's decode-phase
+//! sample, and its end is not judged again (one sample per stream); a
+//! faster one is left to its end. Only a pace that alone says "degraded" is folded early: a
+//! lower bar (2× the group's rate was tried) also folded the streams of a healthy peer that
+//! took the slowed endpoint's sessions (its batches stretch decode), which raised the peers'
+//! median and delayed the verdict (`results/bench/pace/README.md`).
 //!
 //! **Degraded** ([`degraded`]): a warm endpoint (at least `min_samples` samples; cold endpoints
 //! never are) whose slowness reaches `ratio` × the median slowness of its warm peers serving
@@ -140,12 +143,11 @@ pub const PACE_FIRST_CHECK_BYTES: u64 = 6144;
 /// vary in size around the group's mean, and a pace that reads too fast is the safe error.
 pub const PACE_TOKEN_MARGIN: f64 = 1.2;
 
-/// A running stream's pace is folded in once it reaches this share of `pin_break_ratio` × the
-/// group's decode rate (2× at the default ratio 3): the group's rate still includes a slowed
-/// endpoint's own streams until it is degraded (a 5× endpoint with a tenth of the streams
-/// raises it by 1.4×), and the margin reads the pace 1.2× fast. On the bench's steady runs no
-/// healthy stream of 36 tokens or more decoded at even 1.7× the median rate (÷ the margin).
-pub const PACE_SHARE: f64 = 2.0 / 3.0;
+/// A running stream's pace is folded in once it reaches `pin_break_ratio` × its endpoint's
+/// peers' median slowness (the degraded rule's own threshold, see `select::judge_pace`); a pace
+/// below this share of `pin_break_ratio` is not compared with the peers at all (no table read):
+/// a peers' median below one half would be no fleet's.
+pub const PACE_PEERS_FLOOR: f64 = 0.5;
 
 /// Times below this are treated as equal (network noise), as `score::LATENCY_FLOOR_MS`.
 pub const FLOOR_MS: f64 = 10.0;

@@ -24,11 +24,13 @@ impl<'a> Scheduler<'a> {
 
     /// A stream still running on the ticket's endpoint, `decode_ms` since its first byte with
     /// `decode_bytes` relayed after its first chunk: if its pace against the work model of
-    /// `work_key` ([`WorkModel::pace_ratio`]) has reached [`slowness::PACE_SHARE`] of
-    /// `pin_break_ratio`, it is folded into
-    /// the endpoint's slowness now (see `slowness`), before the slow stream ends. Returns
+    /// `work_key` ([`WorkModel::pace_ratio`]) has reached `pin_break_ratio` × the median
+    /// slowness of the endpoint's warm peers — the degraded rule's threshold — it is folded
+    /// into the endpoint's slowness now (see `slowness`), before the slow stream ends. Returns
     /// whether it was: the stream's end is then not judged again. One shared-data read per
-    /// check (the caller checks at doubling sizes), and a table write only for a slow pace.
+    /// check (the caller checks at doubling sizes); a pace below half of `pin_break_ratio`
+    /// (whatever the peers) stops there, a slower one reads the table for the peers' median
+    /// and writes it only if folded.
     pub fn judge_pace(
         &self,
         ticket: &Ticket,
@@ -41,12 +43,38 @@ impl<'a> Scheduler<'a> {
         let Some(ratio) = model.pace_ratio(decode_ms as f64, decode_bytes) else {
             return false;
         };
-        if ratio < self.cfg.pin_break_ratio * slowness::PACE_SHARE {
+        let cfg = self.cfg;
+        if ratio < cfg.pin_break_ratio * slowness::PACE_PEERS_FLOOR {
             return false;
         }
-        self.update_entry(ticket, |st| {
-            st.slowness.observe_pace(ratio, now_ms).is_some()
-        }) == Some(true)
+        let min_samples = DegradeRule::from_config(cfg).min_samples;
+        let (id, hint) = (ticket.endpoint_id, ticket.endpoint);
+        let result = update_if(self.store, TABLE_KEY, |bytes| {
+            let (mut table, same_layout) = self.load_table(bytes);
+            let Some(at) = table.locate(hint, id) else {
+                return (None, false);
+            };
+            let Some(peers) = signals::peer_median(&table, cfg, at, min_samples) else {
+                return (None, false);
+            };
+            if ratio < cfg.pin_break_ratio * peers {
+                return (None, false);
+            }
+            let folded = table
+                .entries
+                .get_mut(at)
+                .and_then(|(_, st)| st.slowness.observe_pace(ratio, now_ms))
+                .is_some();
+            if !folded {
+                return (None, false);
+            }
+            let bytes = match bytes {
+                Some(stored) if same_layout => table.encode_patched(stored, at),
+                _ => table.encode_over(bytes),
+            };
+            (Some(bytes), true)
+        });
+        result == Ok(true)
     }
 
     /// Applies `change` to the ticket's endpoint entry in one table write (only that entry is
