@@ -1373,9 +1373,10 @@ fn a_slow_running_stream_is_judged_by_its_pace() {
     }
     let before = slowness(&store);
     assert_eq!(before.samples, 2);
-    // A stream 5× slower: 10 ms per token. Judged at its first check (6120 bytes = 36
-    // events: 43 tokens with the margin, 350 ms observed against 86 ms: 4× ≥ 3 × the peers'
-    // median 1).
+    // A stream 5× slower: 10 ms per token. Its first checks (13 and 26 events, 2210 and 4420
+    // bytes: 15.6 and 31.2 tokens with the margin) are too short; the third (52 events, 8840
+    // bytes: 62.4 tokens, 520 ms observed against 125 ms: 4.2× ≥ 3 × the peers' median 1)
+    // judges it.
     let t0 = 30_000;
     let mut f = Flow::default();
     route(&mut f, &s, &mut log, post_headers(&[]), t0);
@@ -1392,8 +1393,8 @@ fn a_slow_running_stream_is_judged_by_its_pace() {
             }
         }
     }
-    assert!(PACE_FIRST_CHECK_BYTES / 170 <= 37);
-    assert_eq!(judged_at, Some(37), "{:?}", slowness(&store));
+    assert_eq!(PACE_FIRST_CHECK_BYTES.div_ceil(170), 13);
+    assert_eq!(judged_at, Some(52), "{:?}", slowness(&store));
     assert!(slowness(&store).value().unwrap() > before.value().unwrap() * 1.3);
     f.on_response_data(SSE_USAGE);
     f.on_response_data(b"data: [DONE]\n\n");

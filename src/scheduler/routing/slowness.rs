@@ -135,9 +135,11 @@ const DECODE_WARM_TOKENS: f64 = 256.0;
 pub const PACE_MIN_TOKENS: f64 = 32.0;
 
 /// A running stream's pace is first checked once this many bytes were relayed after its first
-/// chunk, then at every doubling (a few checks per stream, whatever its length): about 36
-/// chat-completion events of ~170 bytes, past [`PACE_MIN_TOKENS`] with the margin.
-pub const PACE_FIRST_CHECK_BYTES: u64 = 6144;
+/// chunk, then at every doubling (a few checks per stream, whatever its length). The bench's
+/// streams relay about 54 bytes per token after their first chunk (38 tokens here, 46 with the
+/// margin); events of ~170 bytes reach [`PACE_MIN_TOKENS`] at the third check (8 KiB). A
+/// first check at 6 KiB came 115 tokens into the bench's streams: most were never checked.
+pub const PACE_FIRST_CHECK_BYTES: u64 = 2048;
 
 /// The factor by which a running stream's tokens are over-estimated from its bytes: events
 /// vary in size around the group's mean, and a pace that reads too fast is the safe error.
