@@ -69,8 +69,8 @@
 //! took the slowed endpoint's sessions (its batches stretch decode), which raised the peers'
 //! median and delayed the verdict (`results/bench/pace/README.md`).
 //!
-//! **Degraded** ([`degraded`]): a warm endpoint (at least `min_samples` samples; cold endpoints
-//! never are) whose slowness reaches `ratio` × the median slowness of its warm peers serving
+//! **Degraded** ([`degraded`]): a warm endpoint (at least `min_samples` answers judged — folded,
+//! or queue-prone and skipped because its streams judge it; cold endpoints never are) whose slowness reaches `ratio` × the median slowness of its warm peers serving
 //! the same model *and* whose excess costs at least `min_extra_ms` per request (its smoothed
 //! expected time × the slowness gap: a ratio of small numbers is noise). Hysteresis: it stays
 //! degraded until it falls below `exit_ratio` × the peers' median or within half of
