@@ -11,7 +11,7 @@
 //! - response headers → `on_response_headers` (a 429 without reset hints is held: its body is
 //!   buffered up to `blame::JUDGE_BYTES` and judged by `on_judged_body`); each response body
 //!   chunk's last bytes → `on_response_data` (read only while the flow scans the answer's usage; the chunk passes
-//!   unchanged); the last response body chunk or the response trailers → `on_response_end`;
+//!   unchanged); a relayed stream's size, at doubling sizes → `on_pace` (its pace while it runs); the last response body chunk or the response trailers → `on_response_end`;
 //!   response body while a failover call runs → held (`Pause`);
 //! - a failover call's answer → `on_call_response`, and once relayed, its body →
 //!   `on_call_body`; a call Envoy refuses → `dispatch_failed`;
@@ -239,6 +239,11 @@ impl HttpContext for Http {
         if body_size > 0 && self.flow.awaits_first_byte() {
             let now = host::now_ms();
             self.with_flow(now, |f, s, _| f.on_first_byte(s, now));
+        }
+        // A running stream's pace, at doubling sizes (see `slowness`).
+        if self.flow.pace_due() {
+            let now = host::now_ms();
+            self.with_flow(now, |f, s, _| f.on_pace(s, now));
         }
         // A Responses API answer: its id is read as it passes (bounded, never held back).
         let whole = self.flow.reads_answer().then(|| {

@@ -64,6 +64,7 @@ use crate::scheduler::routing::select::{
     AffinityResult, Decision, Exclusions, Finished, NoEndpoint, Pick, Scheduler, Ticket,
 };
 use crate::scheduler::routing::signals::{self, Served};
+use crate::scheduler::routing::slowness;
 use crate::scheduler::wire::api::{self, Api, BodyFormat, Handling};
 use crate::scheduler::wire::headers::{rate_limit_hints, HeaderSource, Pairs};
 use crate::scheduler::wire::models::{self, Merged, Retrieved};
@@ -199,6 +200,19 @@ struct Attempt {
     relayed_bytes: u64,
     /// Its first byte was never seen (a failover call's streamed answer): no latency sample.
     unmeasured: bool,
+    /// A relayed stream's decode phase so far, for its pace (see `slowness`).
+    pace: Pace,
+}
+
+/// A relayed stream's decode phase while it runs: when it began, the bytes relayed until then,
+/// and the size at which its pace is checked next (0: never; once its pace was judged, never
+/// again, and its end is not judged a second time).
+#[derive(Debug, Default)]
+struct Pace {
+    first_byte_at_ms: u64,
+    bytes_at_first_byte: u64,
+    next_check_bytes: u64,
+    judged: bool,
 }
 
 impl Attempt {
@@ -217,15 +231,22 @@ impl Attempt {
             return None;
         }
         let total_ms = now_ms.saturating_sub(self.ticket.started_ms);
+        // A stream whose pace was judged while it ran is not judged again by its end.
         let (observed_ms, decode_ms) = if self.streamed {
-            (first_byte_ms, Some(total_ms.saturating_sub(first_byte_ms)))
+            let decode_ms = total_ms.saturating_sub(first_byte_ms);
+            (first_byte_ms, (!self.pace.judged).then_some(decode_ms))
         } else {
             (total_ms, None)
         };
+        let decode_bytes = self.streamed.then(|| {
+            self.relayed_bytes
+                .saturating_sub(self.pace.bytes_at_first_byte)
+        });
         Some(Served {
             streamed: self.streamed,
             observed_ms,
             decode_ms,
+            decode_bytes,
             usage,
             body_bytes,
             relayed_bytes: self.relayed_bytes,
@@ -747,6 +768,7 @@ impl Flow {
                     streamed: false,
                     observed_ms: now_ms.saturating_sub(a.ticket.started_ms),
                     decode_ms: None,
+                    decode_bytes: None,
                     usage: None,
                     body_bytes,
                     relayed_bytes: body_size as u64,
@@ -872,8 +894,39 @@ impl Flow {
             if let Some((_, latency)) = a.verdict.as_mut() {
                 *latency = now_ms.saturating_sub(a.ticket.started_ms);
             }
+            a.pace = Pace {
+                first_byte_at_ms: now_ms,
+                bytes_at_first_byte: a.relayed_bytes,
+                next_check_bytes: slowness::PACE_FIRST_CHECK_BYTES,
+                judged: false,
+            };
             s.release_watch(&mut a.ticket);
         }
+    }
+
+    /// Whether a relayed stream's pace is due for a check ([`Flow::on_pace`]): enough bytes
+    /// passed since the last one. A comparison per chunk.
+    pub fn pace_due(&self) -> bool {
+        self.current.as_ref().is_some_and(|a| {
+            let p = &a.pace;
+            p.next_check_bytes > 0
+                && !p.judged
+                && a.relayed_bytes.saturating_sub(p.bytes_at_first_byte) >= p.next_check_bytes
+        })
+    }
+
+    /// Checks a running stream's pace (see `slowness`): a decode phase already slow past
+    /// `pin_break_ratio` for the bytes it relayed is judged now, not when the slow stream ends.
+    /// The next check is at twice the size.
+    pub fn on_pace(&mut self, s: &Scheduler<'_>, now_ms: u64) {
+        let work_key = signals::work_key(s.cfg, self.model.as_deref());
+        let Some(a) = self.current.as_mut() else {
+            return;
+        };
+        let decode_bytes = a.relayed_bytes.saturating_sub(a.pace.bytes_at_first_byte);
+        a.pace.next_check_bytes = decode_bytes.saturating_mul(2);
+        let decode_ms = now_ms.saturating_sub(a.pace.first_byte_at_ms);
+        a.pace.judged = s.judge_pace(&a.ticket, &work_key, decode_ms, decode_bytes, now_ms);
     }
 
     /// `GET /v1/models` from an endpoint: sent as a call (so its answer can be merged before it
@@ -962,6 +1015,7 @@ impl Flow {
             streamed: false,
             relayed_bytes: 0,
             unmeasured: false,
+            pace: Pace::default(),
         });
         Ok(endpoint)
     }

@@ -1312,3 +1312,97 @@ fn a_call_refused_for_the_requests_own_headers_is_not_charged_to_the_endpoint() 
     assert_eq!(table.entries[1].1.success_rate, 1.0, "b is not charged");
     assert_eq!(table.entries[1].1.breaker.consecutive_failures, 0);
 }
+
+/// A running stream's pace (issue 23): once its relayed bytes stand for enough tokens, a
+/// decode phase 5× slower than the group's is folded into the endpoint's slowness while the
+/// stream runs, and its end is not judged again; a healthy pace is left to the stream's end.
+#[test]
+fn a_slow_running_stream_is_judged_by_its_pace() {
+    use crate::scheduler::routing::signals::{read_model, work_key};
+    use crate::scheduler::routing::slowness::{Sample, WorkModel, PACE_FIRST_CHECK_BYTES};
+    // Peers b and c warm at slowness 1 (the rule compares with their median).
+    let c = cfg(json!({"cold_start_samples": 2}));
+    let store = MemStore::new();
+    let key = work_key(&c, Some("m"));
+    // A warm model: 2 ms per decode token, 170 bytes per token.
+    let mut m = WorkModel::default();
+    for _ in 0..64u64 {
+        let s = Sample {
+            streamed: true,
+            observed_ms: 60.0,
+            prompt_tokens: 50,
+            cached_tokens: 0,
+            completion_tokens: 101,
+            estimated: false,
+            decode_ms: Some(200.0),
+        };
+        m.observe(&s);
+        m.observe_decode_bytes(&s, 17_000);
+    }
+    store.set(&key, &m.encode(), None).unwrap();
+    let mut table = Table::aligned(None, &c);
+    for (_, st) in table.entries.iter_mut().skip(1) {
+        st.slowness.samples = 40;
+    }
+    store.set(TABLE_KEY, &table.encode(), None).unwrap();
+    let s = Scheduler::new(&c, &store);
+    let sse = pairs(&[(":status", "200"), ("content-type", "text/event-stream")]);
+    let mut log = Log::default();
+    let slowness = |store: &MemStore| {
+        Table::aligned(store.get(TABLE_KEY).0.as_deref(), &c).entries[0]
+            .1
+            .slowness
+    };
+    // Two streams at the group's pace: judged at their ends only.
+    for k in 0..2u64 {
+        let t0 = 1_000 + k * 10_000;
+        let mut f = Flow::default();
+        route(&mut f, &s, &mut log, post_headers(&[]), t0);
+        f.on_response_headers(&s, &mut log, &sse, false, t0 + 2);
+        f.count_answer_bytes(170);
+        f.on_first_byte(&s, t0 + 60);
+        for i in 1..=100u64 {
+            f.count_answer_bytes(170);
+            if f.pace_due() {
+                f.on_pace(&s, t0 + 60 + 2 * i);
+            }
+        }
+        f.on_response_data(SSE_USAGE);
+        f.on_response_data(b"data: [DONE]\n\n");
+        f.on_response_end(&s, &mut log, t0 + 260);
+    }
+    let before = slowness(&store);
+    assert_eq!(before.samples, 2);
+    // A stream 5× slower: 10 ms per token. Its first checks (13 and 26 events, 2210 and 4420
+    // bytes: 15.6 and 31.2 tokens with the margin) are too short; the third (52 events, 8840
+    // bytes: 62.4 tokens, 520 ms observed against 125 ms: 4.2× ≥ 3 × the peers' median 1)
+    // judges it.
+    let t0 = 30_000;
+    let mut f = Flow::default();
+    route(&mut f, &s, &mut log, post_headers(&[]), t0);
+    f.on_response_headers(&s, &mut log, &sse, false, t0 + 2);
+    f.count_answer_bytes(170);
+    f.on_first_byte(&s, t0 + 60);
+    let mut judged_at = None;
+    for i in 1..=100u64 {
+        f.count_answer_bytes(170);
+        if f.pace_due() {
+            f.on_pace(&s, t0 + 60 + 10 * i);
+            if judged_at.is_none() && slowness(&store).samples == 3 {
+                judged_at = Some(i);
+            }
+        }
+    }
+    assert_eq!(PACE_FIRST_CHECK_BYTES.div_ceil(170), 13);
+    assert_eq!(judged_at, Some(52), "{:?}", slowness(&store));
+    assert!(slowness(&store).value().unwrap() > before.value().unwrap() * 1.3);
+    let folded = slowness(&store);
+    f.on_response_data(SSE_USAGE);
+    f.on_response_data(b"data: [DONE]\n\n");
+    f.on_response_end(&s, &mut log, t0 + 1_060);
+    // Its end is not judged again (its first byte teaches the model, as any stream's, and
+    // counts toward warm-up without being folded).
+    let after = slowness(&store);
+    assert_eq!((after.log_mean, after.samples), (folded.log_mean, 4));
+    assert_eq!(read_model(&store, &key).samples, 67);
+}

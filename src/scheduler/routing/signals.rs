@@ -234,14 +234,18 @@ pub fn read_model(store: &dyn Store, key: &str) -> WorkModel {
 }
 
 /// Folds `sample` into the stored work model (bounded CAS retries; a lost update is one
-/// sample of hundreds). Returns whether it was stored.
-pub fn teach(store: &dyn Store, key: &str, sample: &Sample) -> bool {
+/// sample of hundreds), with the relayed bytes of its decode phase when counted. Returns
+/// whether it was stored.
+pub fn teach(store: &dyn Store, key: &str, sample: &Sample, decode_bytes: Option<u64>) -> bool {
     if sample.estimated {
         return true;
     }
     update(store, key, |bytes| {
         let mut m = bytes.and_then(WorkModel::decode).unwrap_or_default();
         m.observe(sample);
+        if let Some(b) = decode_bytes {
+            m.observe_decode_bytes(sample, b);
+        }
         (m.encode(), ())
     })
     .is_ok()
@@ -257,6 +261,9 @@ pub struct Served {
     pub observed_ms: u64,
     /// A stream's decode phase, from its first byte to its end, ms (`None` for a plain answer).
     pub decode_ms: Option<u64>,
+    /// A stream's relayed bytes after its first chunk (`None` for a plain answer): with
+    /// `usage`, what calibrates the pace of running streams (`slowness::WorkModel::pace_ratio`).
+    pub decode_bytes: Option<u64>,
     /// The answer's `usage`, if it had one.
     pub usage: Option<Usage>,
     /// The request body's size (the prompt estimate without `usage`).
@@ -577,6 +584,7 @@ mod tests {
         let mut s = Served {
             streamed: true,
             decode_ms: None,
+            decode_bytes: None,
             observed_ms: 120,
             usage: Some(Usage {
                 prompt_tokens: 1000,
@@ -604,13 +612,13 @@ mod tests {
     fn teach_skips_estimates_and_stores_measured() {
         let store = MemStore::new();
         let s = Sample::estimated(true, 100.0, 400, 400);
-        assert!(teach(&store, "k", &s));
+        assert!(teach(&store, "k", &s, None));
         assert_eq!(read_model(&store, "k").samples, 0);
         let m = Sample {
             estimated: false,
             ..s
         };
-        assert!(teach(&store, "k", &m));
+        assert!(teach(&store, "k", &m, None));
         assert_eq!(read_model(&store, "k").samples, 1);
     }
 

@@ -1,5 +1,5 @@
 //! Slowness: how long an endpoint takes *for the work it was given*, compared with its peers.
-//! (Over 600 lines with its unit tests: the work model and the per-endpoint slowness share one codec and one set of worked examples; the code itself is about 550 lines.)
+//! (Over 600 lines with its unit tests: the work model and the per-endpoint slowness share one codec and one set of worked examples; the code itself is about 620 lines with the running-stream pace.)
 //!
 //! Why: a raw latency estimate mixes unlike samples. A plain (non-streamed) answer's latency is
 //! its whole generation; a streamed one's is its first token; both grow with the uncached part
@@ -51,8 +51,26 @@
 //! answers). The model is a common yardstick, so its absolute calibration cancels out: what is
 //! judged is an endpoint's slowness over its peers'.
 //!
-//! **Degraded** ([`degraded`]): a warm endpoint (at least `min_samples` samples; cold endpoints
-//! never are) whose slowness reaches `ratio` × the median slowness of its warm peers serving
+//! **A running stream's pace** ([`WorkModel::pace_ratio`], [`Slowness::observe_pace`]): a
+//! stream is judged when it ends, and on an endpoint turned 5× slower its streams last 3–7 s,
+//! so the four slow samples the estimate needs came 5 s after the onset on the bench's `slow`
+//! run, and every turn sent there meanwhile paid the slowdown. So a stream is also judged
+//! while it runs, at doubling sizes of what it relayed after its first chunk (from
+//! [`PACE_FIRST_CHECK_BYTES`]): its tokens so far are estimated from those bytes with the
+//! group's mean tokens per byte (learned from finished streams with `usage`), *over*-estimated
+//! by [`PACE_TOKEN_MARGIN`] — too many tokens read the pace as fast, the safe error; counting
+//! `data:` events would read every chunk, and counting chunks undercounts when Envoy coalesces
+//! them — and its time since the first byte is compared with what those tokens take at the
+//! group's decode rate. A pace that has reached `pin_break_ratio` × the median slowness of the
+//! endpoint's peers (the degraded rule's threshold) is folded in as that stream's decode-phase
+//! sample, and its end is not judged again (one sample per stream); a
+//! faster one is left to its end. Only a pace that alone says "degraded" is folded early: a
+//! lower bar (2× the group's rate was tried) also folded the streams of a healthy peer that
+//! took the slowed endpoint's sessions (its batches stretch decode), which raised the peers'
+//! median and delayed the verdict (`results/bench/pace/README.md`).
+//!
+//! **Degraded** ([`degraded`]): a warm endpoint (at least `min_samples` answers judged — folded,
+//! or queue-prone and skipped because its streams judge it; cold endpoints never are) whose slowness reaches `ratio` × the median slowness of its warm peers serving
 //! the same model *and* whose excess costs at least `min_extra_ms` per request (its smoothed
 //! expected time × the slowness gap: a ratio of small numbers is noise). Hysteresis: it stays
 //! degraded until it falls below `exit_ratio` × the peers' median or within half of
@@ -111,6 +129,27 @@ pub const MIN_DECODE_TOKENS: u64 = 16;
 /// Decode tokens (forgotten like the work model) the model's stream decode rate needs before it
 /// is used; before, the fitted decode coefficient of plain answers stands in.
 const DECODE_WARM_TOKENS: f64 = 256.0;
+
+/// A running stream is judged by its pace ([`WorkModel::pace_ratio`]) once its relayed bytes
+/// stand for at least this many (over-estimated) tokens.
+pub const PACE_MIN_TOKENS: f64 = 32.0;
+
+/// A running stream's pace is first checked once this many bytes were relayed after its first
+/// chunk, then at every doubling (a few checks per stream, whatever its length). The bench's
+/// streams relay about 54 bytes per token after their first chunk (38 tokens here, 46 with the
+/// margin); events of ~170 bytes reach [`PACE_MIN_TOKENS`] at the third check (8 KiB). A
+/// first check at 6 KiB came 115 tokens into the bench's streams: most were never checked.
+pub const PACE_FIRST_CHECK_BYTES: u64 = 2048;
+
+/// The factor by which a running stream's tokens are over-estimated from its bytes: events
+/// vary in size around the group's mean, and a pace that reads too fast is the safe error.
+pub const PACE_TOKEN_MARGIN: f64 = 1.2;
+
+/// A running stream's pace is folded in once it reaches `pin_break_ratio` × its endpoint's
+/// peers' median slowness (the degraded rule's own threshold, see `select::judge_pace`); a pace
+/// below this share of `pin_break_ratio` is not compared with the peers at all (no table read):
+/// a peers' median below one half would be no fleet's.
+pub const PACE_PEERS_FLOOR: f64 = 0.5;
 
 /// Times below this are treated as equal (network noise), as `score::LATENCY_FLOOR_MS`.
 pub const FLOOR_MS: f64 = 10.0;
@@ -217,6 +256,10 @@ pub struct WorkModel {
     /// per stream; their ratio is the group's decode time per token once the engine runs the
     /// request (no queue, no prefill in it).
     stream_decode: [f64; 2],
+    /// The same streams' decode phases as relayed bytes: `Σ tokens` after the first and
+    /// `Σ bytes` after the first chunk, forgotten together by [`FORGET`] per stream; their
+    /// ratio turns a running stream's relayed bytes into tokens ([`WorkModel::pace_ratio`]).
+    stream_bytes: [f64; 2],
 }
 
 impl Default for WorkModel {
@@ -227,16 +270,17 @@ impl Default for WorkModel {
             theta: PRIOR,
             samples: 0,
             stream_decode: [0.0; 2],
+            stream_bytes: [0.0; 2],
         }
     }
 }
 
-const MODEL_VERSION: u8 = 2;
+const MODEL_VERSION: u8 = 3;
 const SLOWNESS_VERSION: u8 = 2;
 
 impl WorkModel {
     /// Bytes of [`WorkModel::encode_into`] (without version byte).
-    pub const BYTES: usize = 14 * 8 + 4;
+    pub const BYTES: usize = 16 * 8 + 4;
 
     /// Fixed overhead per request, ms (queueing and network included).
     pub fn base_ms(&self) -> f64 {
@@ -268,6 +312,37 @@ impl WorkModel {
         let (_, tokens) = s.decode_phase()?;
         let e = self.stream_decode_ms_per_token() * tokens;
         (e.is_finite() && e > 0.0).then(|| e.max(FLOOR_MS))
+    }
+
+    /// Folds in the relayed size of `s`'s decode phase (bytes after its first chunk), which
+    /// calibrates [`WorkModel::pace_ratio`]; ignored unless `s` has a judged decode phase.
+    pub fn observe_decode_bytes(&mut self, s: &Sample, bytes: u64) {
+        let Some((_, tokens)) = s.decode_phase().filter(|_| bytes > 0) else {
+            return;
+        };
+        let [acc_tokens, acc_bytes] = &mut self.stream_bytes;
+        *acc_tokens = FORGET * *acc_tokens + tokens;
+        *acc_bytes = FORGET * *acc_bytes + (bytes as f64).min(1e9);
+    }
+
+    /// The pace of a stream still running, against the group's: its decode phase so far
+    /// (`decode_ms` since its first byte, `decode_bytes` relayed after its first chunk) ÷ what
+    /// the tokens in those bytes should take. The tokens are *over*estimated
+    /// ([`PACE_TOKEN_MARGIN`] above the group's mean tokens per byte), so the pace reads fast
+    /// rather than slow. `None` while the model is cold, before [`DECODE_WARM_TOKENS`] of
+    /// streams calibrated the bytes, or below [`PACE_MIN_TOKENS`].
+    pub fn pace_ratio(&self, decode_ms: f64, decode_bytes: u64) -> Option<f64> {
+        let [tokens, bytes] = self.stream_bytes;
+        if !self.warm() || tokens < DECODE_WARM_TOKENS || bytes <= 0.0 || !decode_ms.is_finite() {
+            return None;
+        }
+        let estimated = decode_bytes as f64 * tokens / bytes * PACE_TOKEN_MARGIN;
+        if estimated < PACE_MIN_TOKENS {
+            return None;
+        }
+        let expected = (self.stream_decode_ms_per_token() * estimated).max(FLOOR_MS);
+        let ratio = decode_ms.max(FLOOR_MS) / expected;
+        ratio.is_finite().then_some(ratio)
     }
 
     /// Whether slowness may be judged against this model yet.
@@ -369,6 +444,7 @@ impl WorkModel {
             .chain(&self.xy)
             .chain(&self.theta)
             .chain(&self.stream_decode)
+            .chain(&self.stream_bytes)
         {
             w.f64(*v);
         }
@@ -384,6 +460,7 @@ impl WorkModel {
                 .chain(m.xy.iter_mut())
                 .chain(m.theta.iter_mut())
                 .chain(m.stream_decode.iter_mut())
+                .chain(m.stream_bytes.iter_mut())
         {
             *v = r.f64()?;
         }
@@ -393,6 +470,7 @@ impl WorkModel {
             .iter()
             .chain(&m.theta)
             .chain(&m.stream_decode)
+            .chain(&m.stream_bytes)
             .any(|v| *v < 0.0 || !v.is_finite())
         {
             return None;
@@ -478,7 +556,11 @@ pub struct Slowness {
     pub log_dev: f64,
     /// EWMA of the expected time of its samples, ms (what a slowness gap costs per request).
     pub expected_ms: f64,
-    /// Samples folded in (saturating).
+    /// Answers judged (saturating): the samples folded in, and the queue-prone times of an
+    /// endpoint judged by its streams, which are not folded but count toward its warm-up
+    /// (`cold_start_samples`). Counting only folded samples made an endpoint with half its
+    /// answers plain take twice as many answers to be judged: on the bench's `slow` run, whose
+    /// slowdown starts at 3 s, the slowed endpoint became warm only at 6.8 s.
     pub samples: u32,
     /// When the last one arrived.
     pub last_sample_ms: u64,
@@ -520,7 +602,11 @@ impl Slowness {
                 self.last_decode_ms = now_ms.max(1);
                 (ln, ALPHA)
             }
-            None if judged_by_streams => return None,
+            None if judged_by_streams => {
+                // Not folded, but seen: the endpoint's answers make it warm (see `samples`).
+                self.samples = self.samples.saturating_add(1);
+                return None;
+            }
             None => {
                 let ln = (s.observed_ms.max(FLOOR_MS) / expected).ln();
                 // Down at ALPHA, up at QUEUE_ALPHA_UP: the low envelope.
@@ -544,6 +630,21 @@ impl Slowness {
             self.expected_ms = (1.0 - ALPHA) * self.expected_ms + ALPHA * expected;
             self.fold(ln, alpha)
         };
+        self.samples = self.samples.saturating_add(1);
+        self.last_sample_ms = now_ms;
+        Some(judged.exp())
+    }
+
+    /// Folds in the pace of a stream still running (`ratio` from [`WorkModel::pace_ratio`]) as
+    /// a decode-phase sample: the caller folds only a pace past the degraded threshold, and
+    /// that stream's end is then not judged again (one sample per stream). A cold endpoint
+    /// (no sample yet) is left to its answers. Returns the folded (clamped) ratio.
+    pub fn observe_pace(&mut self, ratio: f64, now_ms: u64) -> Option<f64> {
+        if self.samples == 0 || !ratio.is_finite() || ratio <= 0.0 {
+            return None;
+        }
+        let judged = self.fold(ratio.ln(), ALPHA);
+        self.last_decode_ms = now_ms.max(1);
         self.samples = self.samples.saturating_add(1);
         self.last_sample_ms = now_ms;
         Some(judged.exp())
@@ -900,6 +1001,54 @@ mod tests {
         assert!((m.expected_decode_ms(&stream(1.0, 51, 99.0)).unwrap() - 100.0).abs() < 1e-9);
         // Round trip with the new sums.
         assert_eq!(WorkModel::decode(&m.encode()), Some(m));
+    }
+
+    /// A running stream's pace: bytes calibrated from finished streams (100 tokens in 17 000
+    /// bytes: 170 per token), tokens over-estimated by the margin (6000 bytes → 35.3 × 1.2 =
+    /// 42.4 tokens), judged against the group's decode rate (2 ms per token: 84.7 ms).
+    #[test]
+    fn running_pace_worked_example() {
+        let mut m = warm_model();
+        assert_eq!(m.pace_ratio(500.0, 6000), None); // bytes not calibrated yet
+        for _ in 0..3 {
+            let s = stream(100.0, 101, 200.0);
+            m.observe(&s);
+            m.observe_decode_bytes(&s, 17_000);
+        }
+        // A stream too short to judge calibrates nothing.
+        m.observe_decode_bytes(&stream(100.0, 10, 20.0), 1);
+        let expected = 6000.0 / 170.0 * PACE_TOKEN_MARGIN * 2.0;
+        let r = m.pace_ratio(500.0, 6000).unwrap();
+        assert!(
+            (r - 500.0 / expected).abs() < 1e-9,
+            "{r} vs {}",
+            500.0 / expected
+        );
+        // Below PACE_MIN_TOKENS (4000 bytes: 28 tokens): not judged.
+        assert_eq!(m.pace_ratio(500.0, 4000), None);
+        assert_eq!(m.pace_ratio(f64::NAN, 6000), None);
+        assert_eq!(WorkModel::decode(&m.encode()), Some(m));
+
+        // Folded as a decode-phase sample: a cold endpoint is left to its answers; a warm one
+        // moves at ALPHA and is judged by its streams from now on.
+        let mut cold = Slowness::default();
+        assert_eq!(cold.observe_pace(5.0, 10), None);
+        assert_eq!(cold, Slowness::default());
+        let mut sl = Slowness::default();
+        for _ in 0..10 {
+            sl.observe(&stream(250.0, 101, 200.0), &m, 0);
+        }
+        let before = sl.value().unwrap();
+        assert!((before - 1.0).abs() < 1e-9, "{sl:?}");
+        // 5× is clamped to CLAMP_RATIO × the estimate, like any sample.
+        assert!((sl.observe_pace(5.0, 10).unwrap() - CLAMP_RATIO).abs() < 1e-9);
+        let after = sl.value().unwrap();
+        assert!((after - CLAMP_RATIO.powf(ALPHA)).abs() < 1e-9, "{sl:?}");
+        assert_eq!((sl.samples, sl.last_decode_ms), (11, 10));
+        assert_eq!(
+            sl.observe(&sample(false, 99_000.0, 1000, 0, 0), &m, 20),
+            None
+        );
     }
 
     fn warm_at(value: f64, expected_ms: f64) -> Slowness {

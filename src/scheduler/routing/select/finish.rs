@@ -12,12 +12,81 @@ impl<'a> Scheduler<'a> {
         if ticket.watch_token == 0 {
             return;
         }
-        let (token, started, id, hint) = (
-            ticket.watch_token,
-            ticket.started_ms,
-            ticket.endpoint_id,
-            ticket.endpoint,
-        );
+        let (token, started) = (ticket.watch_token, ticket.started_ms);
+        // Released, or not watched any more: either way not released again.
+        if self
+            .update_entry(ticket, |st| st.watch.release(token, started))
+            .is_some()
+        {
+            ticket.watch_token = 0;
+        }
+    }
+
+    /// A stream still running on the ticket's endpoint, `decode_ms` since its first byte with
+    /// `decode_bytes` relayed after its first chunk: if its pace against the work model of
+    /// `work_key` ([`WorkModel::pace_ratio`]) has reached `pin_break_ratio` × the median
+    /// slowness of the endpoint's warm peers — the degraded rule's threshold — it is folded
+    /// into the endpoint's slowness now (see `slowness`), before the slow stream ends. Returns
+    /// whether it was: the stream's end is then not judged again. One shared-data read per
+    /// check (the caller checks at doubling sizes); a pace below half of `pin_break_ratio`
+    /// (whatever the peers) stops there, a slower one reads the table for the peers' median
+    /// and writes it only if folded.
+    pub fn judge_pace(
+        &self,
+        ticket: &Ticket,
+        work_key: &str,
+        decode_ms: u64,
+        decode_bytes: u64,
+        now_ms: u64,
+    ) -> bool {
+        let model = signals::read_model(self.store, work_key);
+        let Some(ratio) = model.pace_ratio(decode_ms as f64, decode_bytes) else {
+            return false;
+        };
+        let cfg = self.cfg;
+        if ratio < cfg.pin_break_ratio * slowness::PACE_PEERS_FLOOR {
+            return false;
+        }
+        let min_samples = DegradeRule::from_config(cfg).min_samples;
+        let (id, hint) = (ticket.endpoint_id, ticket.endpoint);
+        let result = update_if(self.store, TABLE_KEY, |bytes| {
+            let (mut table, same_layout) = self.load_table(bytes);
+            let Some(at) = table.locate(hint, id) else {
+                return (None, false);
+            };
+            let Some(peers) = signals::peer_median(&table, cfg, at, min_samples) else {
+                return (None, false);
+            };
+            if ratio < cfg.pin_break_ratio * peers {
+                return (None, false);
+            }
+            let folded = table
+                .entries
+                .get_mut(at)
+                .and_then(|(_, st)| st.slowness.observe_pace(ratio, now_ms))
+                .is_some();
+            if !folded {
+                return (None, false);
+            }
+            let bytes = match bytes {
+                Some(stored) if same_layout => table.encode_patched(stored, at),
+                _ => table.encode_over(bytes),
+            };
+            (Some(bytes), true)
+        });
+        result == Ok(true)
+    }
+
+    /// Applies `change` to the ticket's endpoint entry in one table write (only that entry is
+    /// decoded and rewritten in the common case); `change` returns false when it changed
+    /// nothing (no write). Returns whether a change was stored, `None` when the CAS retries
+    /// gave up.
+    fn update_entry(
+        &self,
+        ticket: &Ticket,
+        mut change: impl FnMut(&mut EndpointState) -> bool,
+    ) -> Option<bool> {
+        let (id, hint) = (ticket.endpoint_id, ticket.endpoint);
         let cfg = self.cfg;
         let result = update_if(self.store, TABLE_KEY, |bytes| {
             // The common case: only this endpoint's entry is decoded and rewritten.
@@ -26,33 +95,31 @@ impl<'a> Scheduler<'a> {
                     Some(ep) if ep.id == id => Some(hint),
                     _ => cfg.endpoint_index(id),
                 };
-                let Some(at) = at else { return (None, ()) };
+                let Some(at) = at else { return (None, false) };
                 if let Some((id, mut st)) = Table::entry_at(stored, at) {
-                    if !st.watch.release(token, started) {
-                        return (None, ());
+                    if !change(&mut st) {
+                        return (None, false);
                     }
                     if let Some(new) = Table::patch_entry(stored, at, id, &st) {
-                        return (Some(new), ());
+                        return (Some(new), true);
                     }
                 }
             }
             let (mut table, same_layout) = self.load_table(bytes);
             let at = table.locate(hint, id);
             let Some((at, (_, st))) = at.and_then(|i| Some((i, table.entries.get_mut(i)?))) else {
-                return (None, ());
+                return (None, false);
             };
-            if !st.watch.release(token, started) {
-                return (None, ());
+            if !change(st) {
+                return (None, false);
             }
             let bytes = match bytes {
                 Some(stored) if same_layout => table.encode_patched(stored, at),
                 _ => table.encode_over(bytes),
             };
-            (Some(bytes), ())
+            (Some(bytes), true)
         });
-        if result.is_ok() {
-            ticket.watch_token = 0;
-        }
+        result.ok()
     }
 
     /// Records an attempt's outcome: in-flight −1, statistics, breaker, affinity.
@@ -184,7 +251,7 @@ impl<'a> Scheduler<'a> {
         ));
         // The fleet's yardstick learns from endpoints that are not degraded only.
         if let (Some(s), Some((sample, _)), false) = (served, &judged, degraded) {
-            signals::teach(self.store, &s.work_key, sample);
+            signals::teach(self.store, &s.work_key, sample, s.decode_bytes);
         }
         report.stored &= self.record_affinity(&ticket, outcome, session, now_ms);
         report

@@ -542,6 +542,7 @@ fn streamed(ms: u64) -> Served {
     Served {
         streamed: true,
         decode_ms: None,
+        decode_bytes: None,
         observed_ms: ms,
         usage: Some(Usage {
             prompt_tokens: 1000,
@@ -1811,6 +1812,7 @@ fn finish_work(
     t.served = Some(Served {
         streamed,
         decode_ms: None,
+        decode_bytes: None,
         observed_ms: ms,
         usage: Some(Usage {
             prompt_tokens: uncached + 500,
