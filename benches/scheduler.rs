@@ -144,6 +144,7 @@ fn cases() -> Vec<Case> {
                         pin_hint: None,
                         holder: None,
                         prefix: None,
+                        follow_up: false,
                     };
                     let d = s.pick(&pick, NOW_MS + i).expect("an endpoint");
                     black_box(s.finish(d.ticket, &Outcome::Success, 250, None, NOW_MS + i));
@@ -170,6 +171,7 @@ fn cases() -> Vec<Case> {
                         pin_hint: None,
                         holder: None,
                         prefix: None,
+                        follow_up: false,
                     };
                     let start = Instant::now();
                     let d = s.pick(&pick, NOW_MS + i).expect("an endpoint");
@@ -206,6 +208,7 @@ fn cases() -> Vec<Case> {
                     pin_hint: None,
                     holder: None,
                     prefix: None,
+                    follow_up: false,
                 };
                 let d = s.pick(&pick, NOW_MS + i).expect("an endpoint");
                 debug_assert_eq!(d.reason, computeflux::scheduler::Reason::AffinityHit);
@@ -232,6 +235,7 @@ fn cases() -> Vec<Case> {
                     pin_hint: None,
                     holder: None,
                     prefix: None,
+                    follow_up: false,
                 };
                 let start = Instant::now();
                 let d = s.pick(&pick, NOW_MS + i).expect("an endpoint");

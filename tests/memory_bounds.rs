@@ -45,6 +45,7 @@ fn request(cfg: &Config, store: &MemStore, session: u64, now_ms: u64) {
         pin_hint: None,
         holder: None,
         prefix: None,
+        follow_up: false,
     };
     let d = s.pick(&pick, now_ms).unwrap();
     s.finish(d.ticket, &Outcome::Success, 10, Some(session), now_ms + 10);

@@ -54,6 +54,7 @@ fn homes(cfg: &Config, sessions: &[u64]) -> Vec<String> {
                 pin_hint: None,
                 holder: None,
                 prefix: None,
+                follow_up: false,
             };
             let d = s.pick(&pick, 0).unwrap();
             s.finish(d.ticket, &Outcome::Cancelled, 0, None, 0);

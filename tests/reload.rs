@@ -59,6 +59,7 @@ fn pick(s: &Scheduler<'_>, model: &str, nonce: u64, now_ms: u64) -> Decision {
             pin_hint: None,
             holder: None,
             prefix: None,
+            follow_up: false,
         },
         now_ms,
     )
@@ -129,6 +130,7 @@ fn old_configuration_draining_never_resets_the_new_layout() {
                 pin_hint: None,
                 holder: None,
                 prefix: None,
+                follow_up: false,
             },
             now + 2,
         );

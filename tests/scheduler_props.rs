@@ -288,6 +288,7 @@ impl Store for RacingStore<'_> {
                 pin_hint: None,
                 holder: None,
                 prefix: None,
+                follow_up: false,
             };
             let before = Scheduler::new(self.cfg, &self.inner).table();
             if let Ok(d) = Scheduler::new(self.cfg, &self.inner).pick(&pick, now) {
@@ -518,6 +519,7 @@ impl<'a> Sim<'a> {
             pin_hint: None,
             holder: None,
             prefix: None,
+            follow_up: false,
         };
         *self.store.last_table_read.borrow_mut() = None;
         self.store.table_conflicts.set(0);
@@ -1289,6 +1291,7 @@ fn cas_exhaustion_never_sends_an_unrecorded_probe() {
         pin_hint: None,
         holder: None,
         prefix: None,
+        follow_up: false,
     };
     let d = s.pick(&pick, 0).unwrap();
     assert_eq!(d.endpoint, 0, "the heavier endpoint first");

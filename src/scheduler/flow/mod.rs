@@ -298,6 +298,8 @@ pub struct Flow {
     session: Option<u64>,
     /// The placement keys of the request's instructions, when long enough ([`Pick::prefix`]).
     prefix: Option<prefix::PrefixChain>,
+    /// The body carries earlier turns ([`Pick::follow_up`]).
+    follow_up: bool,
     exclusions: Exclusions,
     attempts: u32,
     current: Option<Attempt>,
@@ -350,6 +352,7 @@ impl Flow {
     pub fn new(nonce: u64) -> Self {
         Flow {
             nonce,
+            follow_up: false,
             phase: Phase::Start,
             headers: Vec::new(),
             trailers: Vec::new(),
@@ -856,6 +859,7 @@ impl Flow {
             });
         }
         self.read_pin_cookie(s.cfg, obs, now_ms);
+        self.follow_up = req.follow_up;
         self.model = Some(req.model);
         self.prompt_bytes = match self.api.map(|a| a.body()) {
             // An upload form: its file is one media item.
@@ -996,6 +1000,7 @@ impl Flow {
             pin_hint: self.pin_hint,
             holder: self.holder.as_ref().map(|h| h.endpoint_id),
             prefix: self.prefix,
+            follow_up: self.follow_up,
         };
         let decision = s.pick(&pick, now_ms)?;
         // A session served away from its home (or already carrying a cookie) is told where it

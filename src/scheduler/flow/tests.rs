@@ -648,6 +648,7 @@ fn a_reload_under_an_attempt_is_not_a_lost_update() {
             pin_hint: None,
             holder: None,
             prefix: None,
+            follow_up: false,
         },
         1,
     );
@@ -1184,6 +1185,7 @@ fn a_whole_input_follow_up_forwards_the_body_decided_on_from_its_first_attempt()
         pin_hint: None,
         holder: Some(a),
         prefix: None,
+        follow_up: false,
     };
     let d = s.pick(&pick, 0).unwrap();
     let limited = Outcome::RateLimited {

@@ -274,6 +274,7 @@ mod tests {
             pin_hint: None,
             holder: None,
             prefix: None,
+            follow_up: false,
         };
         // Where each of 400 new sessions starts (nothing is pinned: cancelled attempts).
         let homes = || -> Vec<usize> {

@@ -125,6 +125,12 @@ pub struct Pick<'a> {
     /// they are long enough: a session without a pin is placed by one of them
     /// (`prefix_placement`, `prefix_home`), or where the learned index says (`prefix_index`).
     pub prefix: Option<PrefixChain>,
+    /// A later turn of a conversation (the body carries earlier turns: at least three
+    /// messages or input items). Without a pin at this replica, its home is taken as a pin
+    /// would be — full or over its bounded load, not passed — since its cache is there and
+    /// every replica computes the same home (the first turn may have been served by another
+    /// replica, which holds the pin).
+    pub follow_up: bool,
 }
 
 /// How an endpoint was chosen (the `reason` of the decision metric and log line).

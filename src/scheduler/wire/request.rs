@@ -51,7 +51,15 @@ pub struct ChatRequest {
     /// [`crate::scheduler::wire::prefix`]), when the body has one.
     pub instructions: Option<Instructions>,
     pub stream: bool,
+    /// The body carries earlier turns: at least [`FOLLOW_UP_ITEMS`] messages (or Responses
+    /// `input` items). Counted, not parsed: a first turn with few-shot examples counts too,
+    /// which only makes it go to its home like a later turn would.
+    pub follow_up: bool,
 }
+
+/// Messages (or input items) from which a request is a later turn: system, user, assistant,
+/// user — or user, assistant, user.
+pub const FOLLOW_UP_ITEMS: usize = 3;
 
 /// Why a request is refused before it reaches any endpoint.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -248,10 +256,17 @@ pub fn parse_chat(body: &[u8]) -> Result<ChatRequest, RequestError> {
             lead.add(part, raw.get());
         }
     }
+    let mut items_seen = 0usize;
     let fingerprint = match (parsed.messages.as_deref(), parsed.input) {
-        (Some(msgs), _) => fingerprint(&model, system, msgs, &mut lead),
+        (Some(msgs), _) => {
+            items_seen = msgs.len();
+            fingerprint(&model, system, msgs, &mut lead)
+        }
         (None, Some(input)) => match serde_json::from_str::<Vec<&RawValue>>(input.get()) {
-            Ok(items) => fingerprint(&model, system, &items, &mut lead),
+            Ok(items) => {
+                items_seen = items.len();
+                fingerprint(&model, system, &items, &mut lead)
+            }
             // A string input is the user message itself.
             Err(_) if input.get().starts_with('"') => {
                 Some(fingerprint_hash(&model, system, input.get()))
@@ -267,6 +282,7 @@ pub fn parse_chat(body: &[u8]) -> Result<ChatRequest, RequestError> {
         fingerprint,
         instructions,
         stream,
+        follow_up: items_seen >= FOLLOW_UP_ITEMS,
     })
 }
 
@@ -417,12 +433,28 @@ pub fn form_request(model: String) -> ChatRequest {
         fingerprint: None,
         instructions: None,
         stream: false,
+        follow_up: false,
     }
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn later_turns_are_counted_not_parsed() {
+        let first = br#"{"model":"m","messages":[{"role":"system","content":"s"},{"role":"user","content":"hi"}]}"#;
+        assert!(!parse_chat(first).unwrap().follow_up);
+        let later = br#"{"model":"m","messages":[{"role":"user","content":"hi"},{"role":"assistant","content":"yo"},{"role":"user","content":"more"}]}"#;
+        assert!(parse_chat(later).unwrap().follow_up);
+        let input = br#"{"model":"m","input":[{"role":"user","content":"hi"},{"role":"assistant","content":"yo"},{"role":"user","content":"more"}]}"#;
+        assert!(parse_chat(input).unwrap().follow_up);
+        assert!(
+            !parse_chat(br#"{"model":"m","input":"hi"}"#)
+                .unwrap()
+                .follow_up
+        );
+    }
     #[cfg(target_arch = "wasm32")]
     use wasm_bindgen_test::wasm_bindgen_test as test;
 

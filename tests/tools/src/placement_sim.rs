@@ -69,6 +69,7 @@ fn warm(cfg: &Config, latencies: &[f64], samples: u32, rng: &mut Rng) -> MemStor
                 pin_hint: None,
                 holder: None,
                 prefix: None,
+                follow_up: false,
             };
             let Ok(d) = s.pick(&pick, 1_000) else {
                 continue;
@@ -93,6 +94,7 @@ fn home(cfg: &Config, store: &MemStore, session: u64) -> Option<usize> {
         pin_hint: None,
         holder: None,
         prefix: None,
+        follow_up: false,
     };
     let d = s.pick(&pick, 1_001).ok()?;
     s.finish(d.ticket, &Outcome::Cancelled, 0, None, 1_001);

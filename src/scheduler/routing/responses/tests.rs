@@ -61,6 +61,7 @@ fn remembered_holder_is_picked_as_an_affinity_hit() {
                 pin_hint: None,
                 holder: None,
                 prefix: None,
+                follow_up: false,
             },
             2_000,
         )
@@ -114,6 +115,7 @@ fn holder_unavailable_reasons() {
                 pin_hint: None,
                 holder: None,
                 prefix: None,
+                follow_up: false,
             },
             now,
         )

@@ -384,6 +384,10 @@ impl<'a> Scheduler<'a> {
                 passed.unavailable = true;
                 continue;
             }
+            // A later turn without a pin here: its home, as a pin would be (see `Pick`).
+            if pick.follow_up && pick.attempt <= 1 && matches!(pin, PinVerdict::None) {
+                return Some((i, passed.reason(pin, pick.attempt)));
+            }
             if board.full(i) && board.room_elsewhere(i) {
                 passed.saturated = true;
                 continue;

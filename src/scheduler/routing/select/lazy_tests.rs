@@ -151,6 +151,7 @@ proptest! {
             pin_hint: None,
             holder: None,
             prefix: None,
+            follow_up: false,
         };
         let candidates: Vec<usize> = (0..n).collect();
         let bcfg = s.breaker_config();

@@ -44,6 +44,7 @@ fn pick(
             pin_hint: None,
             holder: None,
             prefix: prefix.map(PrefixChain::single),
+            follow_up: false,
         },
         now,
     )
@@ -217,6 +218,7 @@ fn pick_chain(
             pin_hint: None,
             holder: None,
             prefix: PrefixChain::from_keys(keys),
+            follow_up: false,
         },
         now,
     )

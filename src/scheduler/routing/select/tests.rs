@@ -37,6 +37,7 @@ fn pick_at(
             pin_hint: None,
             holder: None,
             prefix: None,
+            follow_up: false,
         },
         now,
     )
@@ -64,6 +65,7 @@ fn exclusions_in_order_and_model_not_found() {
             pin_hint: None,
             holder: None,
             prefix: None,
+            follow_up: false,
         })
         .unwrap();
     assert_eq!(cands, vec![0, 1]);
@@ -87,6 +89,7 @@ fn exclusions_in_order_and_model_not_found() {
             pin_hint: None,
             holder: None,
             prefix: None,
+            follow_up: false,
         })
         .unwrap_err();
     assert_eq!(err, NoEndpoint::Exhausted);
@@ -111,6 +114,7 @@ fn exclusions_in_order_and_model_not_found() {
                 pin_hint: None,
                 holder: None,
                 prefix: None,
+                follow_up: false,
             },
             0
         )
@@ -156,6 +160,7 @@ fn affinity_sticks_and_repins_after_failover() {
                 pin_hint: None,
                 holder: None,
                 prefix: None,
+                follow_up: false,
             },
             102,
         )
@@ -439,6 +444,7 @@ fn retry_budget_limits_failovers() {
                 pin_hint: None,
                 holder: None,
                 prefix: None,
+                follow_up: false,
             },
             0,
         )
@@ -468,6 +474,7 @@ fn failovers_after_401_or_429_spend_no_retry_budget() {
             pin_hint: None,
             holder: None,
             prefix: None,
+            follow_up: false,
         };
         s.pick(&pick, 0)
             .map(|d| s.finish(d.ticket, &Outcome::Cancelled, 0, None, 0))
@@ -652,6 +659,7 @@ fn failover_walks_the_rendezvous_order_on_every_replica() {
                             pin_hint: None,
                             holder: None,
                             prefix: None,
+                            follow_up: false,
                         },
                         0,
                     )
@@ -751,6 +759,7 @@ fn after_failover_next_turn(policy: &str) -> (usize, usize, usize) {
                 pin_hint: None,
                 holder: None,
                 prefix: None,
+                follow_up: false,
             },
             4,
         )
@@ -1132,6 +1141,7 @@ fn body_pick<'a>(session: Option<u64>, ex: &'a Exclusions, body_bytes: usize) ->
         pin_hint: None,
         holder: None,
         prefix: None,
+        follow_up: false,
     }
 }
 
@@ -1447,6 +1457,7 @@ fn pick_body(s: &Scheduler<'_>, session: u64, body_bytes: usize, now: u64) -> De
             pin_hint: None,
             holder: None,
             prefix: None,
+            follow_up: false,
         },
         now,
     )
@@ -1523,6 +1534,56 @@ fn every_endpoint_saturated_places_as_without_metrics() {
             .count();
         assert!(on_a > 50, "{on_a}");
     });
+}
+
+/// A later turn reaching a replica that holds no pin for it (its first turn was served by
+/// another replica) goes to its home even when the home is saturated, as a pin would; a first
+/// turn of a new session avoids the saturated home.
+#[test]
+fn a_follow_up_without_a_pin_here_goes_home_even_when_full() {
+    let c = three_warm(json!({}));
+    let store = MemStore::new();
+    let s = Scheduler::new(&c, &store);
+    // Sessions whose home is a (as every replica computes it): placed once on a scheduler
+    // that is thrown away (another replica).
+    let other = MemStore::new();
+    let o = Scheduler::new(&c, &other);
+    let on_a: Vec<u64> = (0..400u64)
+        .map(key)
+        .filter(|&k| {
+            let d = pick_body(&o, k, 400, 1_000);
+            o.finish(d.ticket, &Outcome::Cancelled, 0, None, 1_000);
+            d.endpoint == 0
+        })
+        .take(10)
+        .collect();
+    assert_eq!(on_a.len(), 10);
+    scraped(&store, "a", 500, 4, 1_000);
+    for &k in &on_a {
+        let mut p = Pick {
+            model: Some("m"),
+            session: Some(k),
+            attempt: 1,
+            exclusions: &Exclusions::default(),
+            nonce: 0,
+            body_bytes: 400,
+            pin_hint: None,
+            holder: None,
+            prefix: None,
+            follow_up: true,
+        };
+        let d = s.pick(&p, 1_100).unwrap();
+        assert_eq!(
+            (d.endpoint, d.affinity),
+            (0, AffinityResult::Home),
+            "follow-up {k}"
+        );
+        s.finish(d.ticket, &Outcome::Cancelled, 0, None, 1_100);
+        p.follow_up = false;
+        let d = s.pick(&p, 1_100).unwrap();
+        assert_ne!(d.endpoint, 0, "a first turn went to the saturated home");
+        s.finish(d.ticket, &Outcome::Cancelled, 0, None, 1_100);
+    }
 }
 
 /// `saturated_pin_moves` is off by default: however long the queue, a pinned session stays;
@@ -1859,6 +1920,7 @@ fn replicas_with_different_own_signals_compute_the_same_homes() {
                             pin_hint: None,
                             holder: None,
                             prefix: None,
+                            follow_up: false,
                         },
                         0,
                     )
@@ -1921,6 +1983,7 @@ fn holder_pick<'a>(
         pin_hint,
         holder,
         prefix: None,
+        follow_up: false,
     }
 }
 
