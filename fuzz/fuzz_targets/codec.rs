@@ -244,6 +244,7 @@ fuzz_target!(|input: Input<'_>| match input {
             pin_hint: None,
             holder: None,
             prefix: None,
+            follow_up: false,
         };
         if let Ok(d) = sched.pick(&pick, now) {
             let id = d.ticket.endpoint_id;

@@ -244,6 +244,7 @@ fuzz_target!(|setup: Setup| {
                     pin_hint: None,
                     holder: None,
                     prefix: None,
+                    follow_up: false,
                 };
                 if let Ok(d) = sched.pick(&pick, now) {
                     let i = d.endpoint;
