@@ -145,6 +145,7 @@ fn state(s: &StateSpec) -> (u32, EndpointState) {
                 expected_ms: f64::from(s.slowness.2),
                 samples: s.slowness.3,
                 last_sample_ms: s.slowness.4,
+                last_decode_ms: s.slowness.4 / 2,
                 degraded: false,
             },
             saturation: match s.saturation % 3 {
