@@ -165,6 +165,19 @@ impl MockUpstream {
         );
     }
 
+    /// `GET /_mock/quota_usage`: `(unix ms, tokens used in its window after it)` for each
+    /// request the key's quota admitted, oldest first.
+    pub fn quota_usage(&self) -> Vec<(u64, u64)> {
+        let v = http::get(self.control_port, "/_mock/quota_usage").json();
+        v.as_array()
+            .map(|a| {
+                a.iter()
+                    .filter_map(|e| Some((e.get(0)?.as_u64()?, e.get(1)?.as_u64()?)))
+                    .collect()
+            })
+            .unwrap_or_default()
+    }
+
     /// 429s answered since the last `reset_stats` (`status_counts["429"]`).
     pub fn count_429(&self) -> u64 {
         self.stats()

@@ -101,9 +101,11 @@
 //!   mode to the next N requests; `"for_ms":N` on `refuse` re-binds after N ms.
 //! - `POST /_mock/reset_stats` (counters and request log), `POST /_mock/flush_cache`.
 //! - `POST /_mock/quota` (body: `{"requests":N,"tokens":N,"window_ms":N,
-//!   "headers_family":"openai|anthropic|none","headers":{..}}`, replacing the budget and
+//!   "headers_family":"openai|anthropic|none","headers":{..},"per_model":bool,
+//!   "models":{"m1":{"requests":N,"tokens":N}}}`, replacing the budget and
 //!   restarting its window), `GET /_mock/quota`: an API key's quota (see
-//!   `mock_upstream/quota.rs`). Also `--quota-requests N --quota-tokens N --quota-window-ms N
+//!   `mock_upstream/quota.rs`). `GET /_mock/quota_usage`: `[[unix ms, tokens used in the
+//!   window after it], …]` for each admitted request, oldest first. Also `--quota-requests N --quota-tokens N --quota-window-ms N
 //!   --quota-headers openai|anthropic|none`. Its 429s count in `status_counts` and in
 //!   `quota_rejected` of `/_mock/stats`.
 
@@ -886,7 +888,7 @@ fn decide(
     };
     let mut quota_headers = Vec::new();
     if st.quota.enabled() {
-        match st.quota.charge(prompt_tokens + completion_tokens) {
+        match st.quota.charge(prompt_tokens + completion_tokens, &model) {
             quota::Verdict::Admit(h) => quota_headers = h,
             quota::Verdict::Reject(retry_after_s, h) => {
                 entry.fault = Some("quota");
@@ -1388,6 +1390,9 @@ async fn handle(
             },
         },
         (Method::GET, "/_mock/quota") => json_response(200, &mock.lock().quota.to_json()),
+        (Method::GET, "/_mock/quota_usage") => {
+            json_response(200, &mock.lock().quota.usage_log_json())
+        }
         (Method::POST, "/_mock/quota") => match read_json(req).await {
             Err(r) => r,
             Ok(v) => {

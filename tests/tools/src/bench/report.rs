@@ -855,7 +855,12 @@ impl Report<'_> {
              *upstream/req* = chat requests the mocks received per client request (retries, \
              failovers). Fault scenarios add the errors other than 404 and the p99 *during* the \
              fault and the cached ratio *after* it (steady run, same topology and time window, in \
-             parentheses).\n"
+             parentheses). Quota scenarios add the steady run's cached ratio (same topology), the \
+             follow-up turns answered by another endpoint than their previous turn, split by \
+             whether the key left still had the turn's tokens (prompt + completion) in its window \
+             when the turn was sent (*both keys with quota*: the key taken admitted it too) or \
+             not (*key left short*), from the mocks' logs of what each key had used; and the \
+             429s the keys answered (*upstream 429s*, those absorbed by failover included).\n"
         );
         s
     }
@@ -864,15 +869,27 @@ impl Report<'_> {
     fn scenario_table(&self, sc: &str) -> String {
         let mut s = String::new();
         let fault = sc != "steady";
+        // Quota scenarios (issue 22): the steady run's cached ratio beside theirs, the moved
+        // follow-ups split by whether the key left could still have served the turn, and the
+        // 429s the keys answered (absorbed by failover or not).
+        let quota = sc.starts_with("quota");
         s.push_str(
             "| policy | cached | same ep. | p50 ms | p99 ms | errors | error statuses | cost | upstream/req |",
         );
         if fault {
             s.push_str(" non-404 errors during | p99 during ms | cached after (steady) |");
         }
+        if quota {
+            s.push_str(
+                " cached in steady | moved follow-ups | moved, both keys with quota | moved, key left short | upstream 429s |",
+            );
+        }
         s.push_str("\n|---|---|---|---|---|---|---|---|---|");
         if fault {
             s.push_str("---|---|---|");
+        }
+        if quota {
+            s.push_str("---|---|---|---|---|");
         }
         s.push('\n');
         for (n, p) in self.groups() {
@@ -908,6 +925,22 @@ impl Report<'_> {
                     during.map_or("–".into(), |d| ms(d.p99_ms)),
                     opt(after, pct),
                     opt(steady_after, pct)
+                );
+            }
+            if quota {
+                let steady = self.row(n, p, "steady").map(|st| st.cached_ratio);
+                let m = r.quota_moves;
+                let count = |f: fn(&super::summary::QuotaMoves) -> u64| {
+                    m.as_ref().map_or("–".into(), |m| f(m).to_string())
+                };
+                let _ = write!(
+                    s,
+                    " {} | {} | {} | {} | {} |",
+                    opt(steady, pct),
+                    count(|m| m.moved),
+                    count(|m| m.both_had_quota),
+                    count(|m| m.left_was_short),
+                    r.upstream_429
                 );
             }
             s.push('\n');

@@ -351,8 +351,9 @@ pub const QUOTA_WINDOW_MS: u64 = 4_000;
 
 /// Gives every mock its budget: the workload's tokens (as the mock charges them: prompt bytes
 /// / 4 + the completion tokens, with the JSON body as an upper bound of the prompt) spread
-/// evenly over the endpoints and the run, times [`QUOTA_SHARES`].
-fn set_quotas(mocks: &[MockUpstream], plans: &[SessionPlan]) {
+/// evenly over the endpoints and the run, times [`QUOTA_SHARES`]. Returns each key's budget
+/// (tokens per [`QUOTA_WINDOW_MS`]), in the mocks' order.
+fn set_quotas(mocks: &[MockUpstream], plans: &[SessionPlan]) -> Vec<u64> {
     let tokens: u64 = plans
         .iter()
         .flat_map(|p| {
@@ -370,13 +371,17 @@ fn set_quotas(mocks: &[MockUpstream], plans: &[SessionPlan]) {
     let window_ms = QUOTA_WINDOW_MS;
     let per_key_window =
         tokens as f64 / mocks.len().max(1) as f64 * window_ms as f64 / run_ms as f64;
+    let mut budgets = Vec::new();
     for (m, share) in mocks.iter().zip(QUOTA_SHARES) {
+        let tokens = (per_key_window * share).round() as u64;
         m.set_quota(json!({
-            "tokens": (per_key_window * share).round() as u64,
+            "tokens": tokens,
             "window_ms": window_ms,
             "headers_family": "openai",
         }));
+        budgets.push(tokens);
     }
+    budgets
 }
 
 /// When the replicas of a rolling restart begin to drain, as fractions of the arrival span (a
@@ -510,9 +515,11 @@ pub fn run(
     for m in &mocks {
         topology::record_pid(m.pid());
     }
-    if matches!(scenario, Scenario::Quota | Scenario::QuotaOff) {
-        set_quotas(&mocks, plans);
-    }
+    let budgets = if matches!(scenario, Scenario::Quota | Scenario::QuotaOff) {
+        set_quotas(&mocks, plans)
+    } else {
+        Vec::new()
+    };
     if scenario == Scenario::Join {
         if let Some(e) = mocks.get(4) {
             e.set_fault(json!({"mode": "refuse"}));
@@ -577,6 +584,11 @@ pub fn run(
     let port = deployment.port();
     let span_ms = SessionPlan::last_arrival_ms(plans);
     let t0 = Instant::now() + Duration::from_millis(200);
+    // The same instant on the mocks' clock (their quota windows are in unix ms).
+    let t0_unix_ms = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.as_millis() as u64)
+        + 200;
     let admin_ports = if policy.is_filter() {
         deployment.admin_ports()
     } else {
@@ -602,6 +614,17 @@ pub fn run(
     }
     let upstream: u64 = mocks.iter().map(MockUpstream::request_count).sum();
     let upstream_429: u64 = mocks.iter().map(MockUpstream::count_429).sum();
+    let keys: Vec<summary::KeyUsage> = ENDPOINTS
+        .iter()
+        .zip(&mocks)
+        .zip(&budgets)
+        .map(|(((name, _), m), tokens)| summary::KeyUsage {
+            endpoint: name.to_string(),
+            tokens: *tokens,
+            window_ms: QUOTA_WINDOW_MS,
+            log: m.quota_usage(),
+        })
+        .collect();
     if let Some(dir) = &opts.raw_dir {
         let name = summary::label(policy.name(), replicas as u32).replace(" ×", "-x");
         let path = dir.join(format!("{name}-{}.jsonl", scenario.name()));
@@ -623,6 +646,9 @@ pub fn run(
     // The estimate once warm: from a fifth of the arrival span on.
     s.slowness = gathered.slowness_spread(span_ms as f64 * 0.2);
     s.upstream_429 = upstream_429;
+    if !keys.is_empty() {
+        s.quota_moves = Some(summary::quota_moves(&recs, &keys, t0_unix_ms));
+    }
     s.wall_s = started.elapsed().as_secs_f64();
     Ok(s)
 }

@@ -51,6 +51,9 @@ pub struct Summary {
     pub upstream_per_request: f64,
     /// 429s the mocks answered (those the filter absorbed by failover included).
     pub upstream_429: u64,
+    /// Quota scenarios: the follow-up turns that moved, split by whether the endpoint they
+    /// left could still have served them (see [`quota_moves`]). `None` elsewhere.
+    pub quota_moves: Option<QuotaMoves>,
     /// Per phase (before / during / after the fault window): requests, errors, cached ratio,
     /// same-endpoint share, p99.
     pub phases: BTreeMap<String, PhaseSummary>,
@@ -65,6 +68,74 @@ pub struct Summary {
     /// warm (see `filter_stats.rs`).
     pub slowness: BTreeMap<String, Spread>,
     pub wall_s: f64,
+}
+
+/// Follow-up turns (both turns successful) answered by another endpoint than their previous
+/// turn, in a run whose endpoints are API keys with token budgets.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct QuotaMoves {
+    pub moved: u64,
+    /// The key left still had the turn's tokens in its window when the turn was sent (and the
+    /// key taken had them too: it admitted the turn). Issue 22 wants none.
+    pub both_had_quota: u64,
+    /// The key left had fewer tokens left than the turn cost: the move avoided a 429.
+    pub left_was_short: u64,
+}
+
+/// One key's budget and what it had used, as the mock logged it: `(unix ms, tokens used in
+/// that window after the request)` per admitted request, windows aligned to multiples of
+/// `window_ms` (`mock_upstream/quota.rs`).
+#[derive(Clone, Debug, Default)]
+pub struct KeyUsage {
+    pub endpoint: String,
+    pub tokens: u64,
+    pub window_ms: u64,
+    pub log: Vec<(u64, u64)>,
+}
+
+impl KeyUsage {
+    /// Tokens used in the window holding `at_ms` before that instant.
+    pub fn used_at(&self, at_ms: u64) -> u64 {
+        let window_start = at_ms - at_ms % self.window_ms.max(1);
+        // The log is in time order: the last entry at or before `at_ms`, if it is in the window.
+        let i = self.log.partition_point(|e| e.0 <= at_ms);
+        match i.checked_sub(1).and_then(|j| self.log.get(j)) {
+            Some(&(t, used)) if t >= window_start => used,
+            _ => 0,
+        }
+    }
+}
+
+/// Splits the moved follow-ups of `recs` by whether the key they left could have served them
+/// when they were sent: its window's use then plus the turn's tokens (prompt + completion, as
+/// the mocks charge them) within its budget. `t0_unix_ms`: the run's start (`start_ms` 0).
+pub fn quota_moves(recs: &[Record], keys: &[KeyUsage], t0_unix_ms: u64) -> QuotaMoves {
+    let prev: BTreeMap<(usize, usize), &Record> =
+        recs.iter().map(|r| ((r.session, r.turn), r)).collect();
+    let mut out = QuotaMoves::default();
+    for r in recs.iter().filter(|r| r.turn > 0 && r.ok()) {
+        let Some(p) = prev.get(&(r.session, r.turn - 1)).filter(|p| p.ok()) else {
+            continue;
+        };
+        if p.endpoint.is_none() || p.endpoint == r.endpoint {
+            continue;
+        }
+        out.moved += 1;
+        let Some(key) = keys
+            .iter()
+            .find(|k| Some(k.endpoint.as_str()) == p.endpoint.as_deref())
+        else {
+            continue;
+        };
+        let at = t0_unix_ms + r.start_ms.max(0.0) as u64;
+        let cost = r.prompt_tokens + r.completion_tokens;
+        if key.used_at(at) + cost <= key.tokens {
+            out.both_had_quota += 1;
+        } else {
+            out.left_was_short += 1;
+        }
+    }
+    out
 }
 
 #[derive(Clone, Debug, Default)]
@@ -413,6 +484,10 @@ impl Summary {
             "cost_vs_round_robin": self.cost_vs_round_robin.map_or(Value::Null, num),
             "upstream_requests_per_request": num(self.upstream_per_request),
             "upstream_429": self.upstream_429,
+            "quota_moves": self.quota_moves.map_or(Value::Null, |m| json!({
+                "moved": m.moved, "both_had_quota": m.both_had_quota,
+                "left_was_short": m.left_was_short,
+            })),
             "phases": phases,
             "load_spread": spread,
             "restarts": restarts,
@@ -538,6 +613,14 @@ impl Summary {
             cost_vs_round_robin: v.get("cost_vs_round_robin").and_then(Value::as_f64),
             upstream_per_request: f("/upstream_requests_per_request"),
             upstream_429: v.get("upstream_429").and_then(Value::as_u64).unwrap_or(0),
+            quota_moves: v
+                .get("quota_moves")
+                .filter(|m| m.is_object())
+                .map(|m| QuotaMoves {
+                    moved: m.get("moved").and_then(Value::as_u64).unwrap_or(0),
+                    both_had_quota: m.get("both_had_quota").and_then(Value::as_u64).unwrap_or(0),
+                    left_was_short: m.get("left_was_short").and_then(Value::as_u64).unwrap_or(0),
+                }),
             phases,
             load_spread,
             restarts,
@@ -620,5 +703,48 @@ mod tests {
         let many = random_max_ratio_p95(4000, 2);
         assert!(few > 1.15 && few < 1.5, "{few}");
         assert!(many > 1.0 && many < 1.05, "{many}");
+    }
+
+    #[test]
+    fn a_move_counts_as_avoidable_when_the_key_left_had_the_tokens() {
+        // Key `c`: 100 tokens per 1000 ms window; 80 used at 10 ms into the window starting at
+        // 1_000_000 (t0 = 1_000_000).
+        let keys = vec![KeyUsage {
+            endpoint: "c".into(),
+            tokens: 100,
+            window_ms: 1_000,
+            log: vec![(1_000_010, 80)],
+        }];
+        let at = |session, turn, ep, ms: f64| Record {
+            start_ms: ms,
+            ..rec(session, turn, "m1", ep)
+        };
+        let recs = vec![
+            // Session 0 leaves `c` at 20 ms: 80 + 26 > 100, a 429 avoided.
+            at(0, 0, "c", 0.0),
+            at(0, 1, "a", 20.0),
+            // Session 1 leaves `c` in the next window (nothing used yet): avoidable.
+            at(1, 0, "c", 0.0),
+            at(1, 1, "a", 1_005.0),
+            // Session 2 leaves `a` (no budget known): counted as moved only.
+            at(2, 0, "a", 0.0),
+            at(2, 1, "b", 5.0),
+            // Session 3 stays.
+            at(3, 0, "c", 0.0),
+            at(3, 1, "c", 5.0),
+        ];
+        let m = quota_moves(&recs, &keys, 1_000_000);
+        assert_eq!(
+            m,
+            QuotaMoves {
+                moved: 3,
+                both_had_quota: 1,
+                left_was_short: 1
+            }
+        );
+        let c = keys.first().unwrap();
+        assert_eq!(c.used_at(1_000_009), 0);
+        assert_eq!(c.used_at(1_000_999), 80);
+        assert_eq!(c.used_at(1_001_000), 0);
     }
 }

@@ -8,6 +8,10 @@
 //! as `1m0s` / `250ms`), `anthropic` (`anthropic-ratelimit-{requests,tokens,input-tokens}-
 //! {limit,remaining,reset}`, resets as RFC 3339 instants), or `none`. `headers` are added to
 //! every successful answer after the family's own (tests use them to send hostile values).
+//!
+//! With `per_model` each model has its own budget and window, as OpenAI limits a key per model
+//! (`models` overrides the budget of named models: `{"m1": {"requests": 2, "tokens": null}}`),
+//! and the headers of an answer state its model's counts.
 
 use serde_json::{json, Value};
 use std::collections::BTreeMap;
@@ -49,11 +53,29 @@ pub struct Quota {
     pub window_ms: u64,
     pub family: Family,
     pub headers: BTreeMap<String, String>,
+    /// One budget per model (the request's `model`), else one for the key.
+    pub per_model: bool,
+    /// Budgets `(requests, tokens)` of named models, with `per_model`.
+    pub models: BTreeMap<String, (Option<u64>, Option<u64>)>,
+    /// Use in the current window, per model with `per_model`, else under `""`.
+    uses: BTreeMap<String, Use>,
+    /// 429s answered for an exhausted budget (all windows).
+    pub rejected: u64,
+    /// `(unix ms, tokens used in that window after it)` for each admitted request, the last
+    /// [`USAGE_LOG_CAP`]: the bench reads it back to tell whether a key could still have served
+    /// a turn that the router moved elsewhere (windows are aligned to multiples of `window_ms`).
+    usage_log: std::collections::VecDeque<(u64, u64)>,
+}
+
+/// Entries kept in [`Quota`]'s usage log (a bench run admits a few thousand requests per key).
+pub const USAGE_LOG_CAP: usize = 100_000;
+
+/// One budget's use in its current window.
+#[derive(Debug, Clone, Copy, Default)]
+struct Use {
     window_start_ms: u64,
     used_requests: u64,
     used_tokens: u64,
-    /// 429s answered for an exhausted budget (all windows).
-    pub rejected: u64,
 }
 
 /// What the budget says about one request.
@@ -78,10 +100,11 @@ impl Default for Quota {
             window_ms: 60_000,
             family: Family::OpenAi,
             headers: BTreeMap::new(),
-            window_start_ms: 0,
-            used_requests: 0,
-            used_tokens: 0,
+            per_model: false,
+            models: BTreeMap::new(),
+            uses: BTreeMap::new(),
             rejected: 0,
+            usage_log: std::collections::VecDeque::new(),
         }
     }
 }
@@ -116,16 +139,36 @@ impl Quota {
                 headers.insert(k.to_ascii_lowercase(), s.to_string());
             }
         }
+        let per_model = v.get("per_model").and_then(Value::as_bool).unwrap_or(false);
+        let mut models = BTreeMap::new();
+        if let Some(m) = v.get("models").and_then(Value::as_object) {
+            for (name, b) in m {
+                let n = |k: &str| b.get(k).and_then(Value::as_u64);
+                models.insert(name.clone(), (n("requests"), n("tokens")));
+            }
+        }
         *self = Quota {
             requests,
             tokens,
             window_ms,
             family,
             headers,
+            per_model,
+            models,
             rejected: self.rejected,
             ..Quota::default()
         };
         Ok(())
+    }
+
+    /// The usage log (see the field) as `[[unix ms, tokens used], …]`, oldest first.
+    pub fn usage_log_json(&self) -> Value {
+        Value::Array(
+            self.usage_log
+                .iter()
+                .map(|(t, u)| json!([t, u]))
+                .collect(),
+        )
     }
 
     pub fn to_json(&self) -> Value {
@@ -135,46 +178,65 @@ impl Quota {
             "window_ms": self.window_ms,
             "headers_family": self.family.label(),
             "headers": self.headers,
-            "used_requests": self.used_requests,
-            "used_tokens": self.used_tokens,
+            "per_model": self.per_model,
+            "used_requests": self.uses.values().map(|u| u.used_requests).sum::<u64>(),
+            "used_tokens": self.uses.values().map(|u| u.used_tokens).sum::<u64>(),
             "rejected": self.rejected,
         })
     }
 
-    /// Charges one request of `tokens` tokens, if the budget allows.
-    pub fn charge(&mut self, tokens: u64) -> Verdict {
+    /// Charges one request of `tokens` tokens for `model`, if the budget allows.
+    pub fn charge(&mut self, tokens: u64, model: &str) -> Verdict {
         let now = now_ms();
-        if now.saturating_sub(self.window_start_ms) >= self.window_ms {
-            self.window_start_ms = now - now % self.window_ms;
-            self.used_requests = 0;
-            self.used_tokens = 0;
+        let key = if self.per_model { model } else { "" };
+        let (b_requests, b_tokens) = self
+            .models
+            .get(key)
+            .copied()
+            .filter(|_| self.per_model)
+            .unwrap_or((self.requests, self.tokens));
+        let window_ms = self.window_ms;
+        let u = self.uses.entry(key.to_string()).or_default();
+        if now.saturating_sub(u.window_start_ms) >= window_ms {
+            *u = Use {
+                window_start_ms: now - now % window_ms,
+                ..Use::default()
+            };
         }
-        let reset_in_ms = (self.window_start_ms + self.window_ms)
-            .saturating_sub(now)
-            .max(1);
-        let over_requests = self.requests.is_some_and(|b| self.used_requests >= b);
-        let over_tokens = self
-            .tokens
-            .is_some_and(|b| self.used_tokens.saturating_add(tokens) > b);
+        let reset_in_ms = (u.window_start_ms + window_ms).saturating_sub(now).max(1);
+        let over_requests = b_requests.is_some_and(|b| u.used_requests >= b);
+        let over_tokens = b_tokens.is_some_and(|b| u.used_tokens.saturating_add(tokens) > b);
         if over_requests || over_tokens {
+            let u = *u;
             self.rejected += 1;
             return Verdict::Reject(
                 reset_in_ms.div_ceil(1000),
-                self.family_headers(now, reset_in_ms),
+                self.family_headers(now, reset_in_ms, (b_requests, b_tokens), u),
             );
         }
-        self.used_requests += 1;
-        self.used_tokens = self.used_tokens.saturating_add(tokens);
-        let mut h = self.family_headers(now, reset_in_ms);
+        u.used_requests += 1;
+        u.used_tokens = u.used_tokens.saturating_add(tokens);
+        let u = *u;
+        if self.usage_log.len() >= USAGE_LOG_CAP {
+            self.usage_log.pop_front();
+        }
+        self.usage_log.push_back((now, u.used_tokens));
+        let mut h = self.family_headers(now, reset_in_ms, (b_requests, b_tokens), u);
         h.extend(self.headers.iter().map(|(k, v)| (k.clone(), v.clone())));
         Verdict::Admit(h)
     }
 
-    fn family_headers(&self, now: u64, reset_in_ms: u64) -> Vec<(String, String)> {
+    fn family_headers(
+        &self,
+        now: u64,
+        reset_in_ms: u64,
+        (requests, tokens): (Option<u64>, Option<u64>),
+        u: Use,
+    ) -> Vec<(String, String)> {
         let left = |budget: Option<u64>, used: u64| budget.map(|b| (b, b.saturating_sub(used)));
         let families = [
-            ("requests", left(self.requests, self.used_requests)),
-            ("tokens", left(self.tokens, self.used_tokens)),
+            ("requests", left(requests, u.used_requests)),
+            ("tokens", left(tokens, u.used_tokens)),
         ];
         let mut out = Vec::new();
         for (what, budget) in families {
@@ -273,14 +335,35 @@ mod tests {
         let mut q = Quota::default();
         q.configure(&json!({"requests": 2, "tokens": 100, "window_ms": 600_000}))
             .unwrap();
-        let Verdict::Admit(h) = q.charge(60) else {
+        let Verdict::Admit(h) = q.charge(60, "m1") else {
             panic!()
         };
         assert!(h.contains(&("x-ratelimit-remaining-tokens".into(), "40".into())));
         assert!(h.contains(&("x-ratelimit-remaining-requests".into(), "1".into())));
-        assert!(matches!(q.charge(41), Verdict::Reject(..)));
-        assert!(matches!(q.charge(40), Verdict::Admit(_)));
-        assert!(matches!(q.charge(0), Verdict::Reject(..)));
+        assert!(matches!(q.charge(41, "m2"), Verdict::Reject(..)));
+        assert!(matches!(q.charge(40, "m1"), Verdict::Admit(_)));
+        assert!(matches!(q.charge(0, "m1"), Verdict::Reject(..)));
         assert_eq!(q.rejected, 2);
+        // Each admitted request is logged with the window's use after it.
+        let used: Vec<u64> = q.usage_log.iter().map(|e| e.1).collect();
+        assert_eq!(used, [60, 100]);
+        assert_eq!(q.usage_log_json().as_array().map(Vec::len), Some(2));
+    }
+
+    /// Per model: each model has its own budget (named ones their own), and an answer's
+    /// headers state its model's counts.
+    #[test]
+    fn per_model_budgets_are_separate() {
+        let mut q = Quota::default();
+        q.configure(&json!({"requests": 10, "window_ms": 600_000, "per_model": true,
+            "models": {"m1": {"requests": 1}}}))
+            .unwrap();
+        assert!(matches!(q.charge(5, "m1"), Verdict::Admit(_)));
+        assert!(matches!(q.charge(5, "m1"), Verdict::Reject(..)));
+        let Verdict::Admit(h) = q.charge(5, "m2") else {
+            panic!()
+        };
+        assert!(h.contains(&("x-ratelimit-remaining-requests".into(), "9".into())));
+        assert!(h.contains(&("x-ratelimit-limit-requests".into(), "10".into())));
     }
 }
