@@ -636,6 +636,18 @@ pub fn run(
             text.push('\n');
         }
         let _ = std::fs::write(path, text);
+        // The keys' budgets and use, for reading the moves again (`summary::quota_moves`).
+        if !keys.is_empty() {
+            let usage: Vec<serde_json::Value> = keys
+                .iter()
+                .map(|k| json!({"endpoint": k.endpoint, "tokens": k.tokens, "window_ms": k.window_ms, "log": k.log}))
+                .collect();
+            let path = dir.join(format!("{name}-{}-quota-usage.json", scenario.name()));
+            let _ = std::fs::write(
+                path,
+                json!({"t0_unix_ms": t0_unix_ms, "keys": usage}).to_string(),
+            );
+        }
     }
     drop(deployment);
     drop(routers);
@@ -647,7 +659,15 @@ pub fn run(
     s.slowness = gathered.slowness_spread(span_ms as f64 * 0.2);
     s.upstream_429 = upstream_429;
     if !keys.is_empty() {
-        s.quota_moves = Some(summary::quota_moves(&recs, &keys, t0_unix_ms));
+        let max_tokens = |r: &Record| {
+            plans
+                .iter()
+                .find(|p| p.index == r.session)
+                .and_then(|p| p.max_tokens.get(r.turn))
+                .copied()
+                .unwrap_or(0)
+        };
+        s.quota_moves = Some(summary::quota_moves(&recs, &keys, t0_unix_ms, max_tokens));
     }
     s.wall_s = started.elapsed().as_secs_f64();
     Ok(s)

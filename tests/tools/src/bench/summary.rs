@@ -75,8 +75,9 @@ pub struct Summary {
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct QuotaMoves {
     pub moved: u64,
-    /// The key left still had the turn's tokens in its window when the turn was sent (and the
-    /// key taken had them too: it admitted the turn). Issue 22 wants none.
+    /// The key left still had the turn's tokens in its window when the turn was sent (its
+    /// prompt and its `max_tokens`: the key could certainly have served it), and the key taken
+    /// had them too (it admitted the turn). Issue 22 wants none.
     pub both_had_quota: u64,
     /// The key left had fewer tokens left than the turn cost: the move avoided a 429.
     pub left_was_short: u64,
@@ -107,9 +108,16 @@ impl KeyUsage {
 }
 
 /// Splits the moved follow-ups of `recs` by whether the key they left could have served them
-/// when they were sent: its window's use then plus the turn's tokens (prompt + completion, as
-/// the mocks charge them) within its budget. `t0_unix_ms`: the run's start (`start_ms` 0).
-pub fn quota_moves(recs: &[Record], keys: &[KeyUsage], t0_unix_ms: u64) -> QuotaMoves {
+/// when they were sent: its window's use then plus the turn's most tokens (`max_tokens(r)`:
+/// its prompt and the completion it allowed; the mocks charge prompt + completion, the
+/// completion drawn up to that) within its budget. `t0_unix_ms`: the run's start (`start_ms`
+/// 0).
+pub fn quota_moves(
+    recs: &[Record],
+    keys: &[KeyUsage],
+    t0_unix_ms: u64,
+    max_tokens: impl Fn(&Record) -> u64,
+) -> QuotaMoves {
     let prev: BTreeMap<(usize, usize), &Record> =
         recs.iter().map(|r| ((r.session, r.turn), r)).collect();
     let mut out = QuotaMoves::default();
@@ -128,7 +136,7 @@ pub fn quota_moves(recs: &[Record], keys: &[KeyUsage], t0_unix_ms: u64) -> Quota
             continue;
         };
         let at = t0_unix_ms + r.start_ms.max(0.0) as u64;
-        let cost = r.prompt_tokens + r.completion_tokens;
+        let cost = r.prompt_tokens + max_tokens(r).max(r.completion_tokens);
         if key.used_at(at) + cost <= key.tokens {
             out.both_had_quota += 1;
         } else {
@@ -733,7 +741,7 @@ mod tests {
             at(3, 0, "c", 0.0),
             at(3, 1, "c", 5.0),
         ];
-        let m = quota_moves(&recs, &keys, 1_000_000);
+        let m = quota_moves(&recs, &keys, 1_000_000, |r| r.completion_tokens);
         assert_eq!(
             m,
             QuotaMoves {
