@@ -24,6 +24,7 @@ use crate::scheduler::config::{Config, EndpointConfig};
 use crate::scheduler::routing::saturation::{self, EngineLoad, Saturation, SaturationRule};
 use crate::scheduler::routing::scrape::{self, LoadState};
 use crate::scheduler::routing::slowness::{self, DegradeRule, Sample, Slowness, WorkModel};
+use crate::scheduler::routing::table::MedianMemo;
 use crate::scheduler::routing::table::{EndpointState, Table};
 use crate::scheduler::state::store::{update, Store};
 use crate::scheduler::wire::usage::Usage;
@@ -136,25 +137,8 @@ pub fn peer_medians(table: &Table, cfg: &Config, min_samples: u32) -> Vec<Option
         .collect()
 }
 
-/// One worker's memo of [`peer_medians`], kept beside its table cache.
-///
-/// Why: every decision needs every endpoint's peer median, and computing them sorts the
-/// fleet's slowness values per model (about 1 400 instructions per endpoint under wasm at 512
-/// endpoints), while the inputs change only when an answer teaches some endpoint's slowness:
-/// most decisions see exactly the inputs of the one before. The memo keeps the inputs it was
-/// computed from and recomputes only when one of them differs, so it always returns what
-/// [`peer_medians`] returns for the same table. It belongs to one configuration (the cache it
-/// lives in is made anew with each configuration); ids and disabled flags are compared too.
-#[derive(Debug, Default, Clone)]
-pub struct MedianMemo {
-    min_samples: u32,
-    /// Per endpoint, in configuration order: id, disabled, slowness as last used.
-    inputs: Vec<(u32, bool, Slowness)>,
-    medians: Vec<Option<f64>>,
-    /// Times the medians were recomputed, for tests and diagnostics.
-    pub computed: u64,
-}
-
+// `MedianMemo` is defined in `table` (the per-worker `TableCache` holds one; defining it here
+// would make `table` and `signals` import each other); its medians are computed here.
 impl MedianMemo {
     /// [`peer_medians`] of `table`, recomputed only when its inputs changed.
     pub fn medians(&mut self, table: &Table, cfg: &Config, min_samples: u32) -> &[Option<f64>] {

@@ -163,12 +163,7 @@ impl Quota {
 
     /// The usage log (see the field) as `[[unix ms, tokens used], …]`, oldest first.
     pub fn usage_log_json(&self) -> Value {
-        Value::Array(
-            self.usage_log
-                .iter()
-                .map(|(t, u)| json!([t, u]))
-                .collect(),
-        )
+        Value::Array(self.usage_log.iter().map(|(t, u)| json!([t, u])).collect())
     }
 
     pub fn to_json(&self) -> Value {
@@ -355,9 +350,11 @@ mod tests {
     #[test]
     fn per_model_budgets_are_separate() {
         let mut q = Quota::default();
-        q.configure(&json!({"requests": 10, "window_ms": 600_000, "per_model": true,
-            "models": {"m1": {"requests": 1}}}))
-            .unwrap();
+        q.configure(
+            &json!({"requests": 10, "window_ms": 600_000, "per_model": true,
+            "models": {"m1": {"requests": 1}}}),
+        )
+        .unwrap();
         assert!(matches!(q.charge(5, "m1"), Verdict::Admit(_)));
         assert!(matches!(q.charge(5, "m1"), Verdict::Reject(..)));
         let Verdict::Admit(h) = q.charge(5, "m2") else {
