@@ -135,6 +135,8 @@ mod tests {
         assert_eq!(idx.lookup(&c, 10_002), vec![2]);
     }
 
+    // Property tests run natively only (proptest is not a wasm32 dev-dependency).
+    #[cfg(not(target_arch = "wasm32"))]
     mod props {
         use super::*;
         use proptest::prelude::*;

@@ -352,6 +352,8 @@ mod tests {
         assert_eq!(PrefixChain::from_keys(&[]), None);
     }
 
+    // Property tests run natively only (proptest is not a wasm32 dev-dependency).
+    #[cfg(not(target_arch = "wasm32"))]
     mod props {
         use super::*;
         use proptest::prelude::*;
