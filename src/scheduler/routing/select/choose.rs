@@ -59,19 +59,7 @@ impl<'a> Scheduler<'a> {
             &mut quota_skipped,
         );
         if let PinVerdict::Keep(p) = pin {
-            return Ok(Choice {
-                endpoint: p,
-                reason: Reason::AffinityHit,
-                affinity: AffinityResult::Hit,
-                pin_on_success: true,
-                broke_pin_of: None,
-                moved: None,
-                home,
-                verdicts: board.stored_verdicts(),
-                quota_skipped,
-                by_prefix: false,
-                by_index: false,
-            });
+            return Ok(kept_pin(p, home, &board, quota_skipped));
         }
         // The learned index (`prefix_index`): the endpoint of the deepest key this replica saw
         // served, if it can take the session now; else the rendezvous walk as without it.
@@ -115,19 +103,7 @@ impl<'a> Scheduler<'a> {
         // a prefill. The pin stays then.
         if let PinVerdict::Move(p) = pin {
             if reason == Reason::Spill || board.full(endpoint) {
-                return Ok(Choice {
-                    endpoint: p,
-                    reason: Reason::AffinityHit,
-                    affinity: AffinityResult::Hit,
-                    pin_on_success: true,
-                    broke_pin_of: None,
-                    moved: None,
-                    home,
-                    verdicts: board.stored_verdicts(),
-                    quota_skipped,
-                    by_prefix: false,
-                    by_index: false,
-                });
+                return Ok(kept_pin(p, home, &board, quota_skipped));
             }
         }
         Ok(self.settle(
@@ -783,6 +759,23 @@ pub(super) fn eligible_totals(
         .filter(|&i| eligible(i))
         .fold(0.0f64, |w, i| w + board.weight(i));
     (total_load, weight, total_slots)
+}
+
+/// The session stays on its pinned endpoint `p` (an affinity hit).
+fn kept_pin(p: usize, home: Option<usize>, board: &Board, quota_skipped: Vec<usize>) -> Choice {
+    Choice {
+        endpoint: p,
+        reason: Reason::AffinityHit,
+        affinity: AffinityResult::Hit,
+        pin_on_success: true,
+        broke_pin_of: None,
+        moved: None,
+        home,
+        verdicts: board.stored_verdicts(),
+        quota_skipped,
+        by_prefix: false,
+        by_index: false,
+    }
 }
 
 /// Nothing placeable by the walk: only degraded or left endpoints admit traffic. The first
