@@ -341,8 +341,23 @@ impl<'a> Scheduler<'a> {
         };
         let (total_load, total_weight, total_slots) = eligible_totals(board, keyed, eligible);
         let mut passed = Passed::default();
+        // A later turn without a pin here: its home, as a pin would be (see `Pick`), and by the
+        // pin's quota rule: passed over only for a certain 429, not for the reserve that keeps
+        // new sessions off a key (a replica that did not serve the last turn would otherwise
+        // move it from a key with quota to another with quota).
+        let as_pin = pick.follow_up && pick.attempt <= 1 && matches!(pin, PinVerdict::None);
         for i in keyed.lazy() {
             if Some(i) == left {
+                passed.unavailable = true;
+                continue;
+            }
+            if as_pin && !board.degraded(i) {
+                if board.admitted(i) && !board.flag(&board.certain_429, i) {
+                    return Some((i, passed.reason(pin, pick.attempt)));
+                }
+                if board.admitted(i) && !quota_skipped.contains(&i) {
+                    quota_skipped.push(i);
+                }
                 passed.unavailable = true;
                 continue;
             }
@@ -359,10 +374,6 @@ impl<'a> Scheduler<'a> {
             if !board.admitted(i) || board.flag(&board.short, i) {
                 passed.unavailable = true;
                 continue;
-            }
-            // A later turn without a pin here: its home, as a pin would be (see `Pick`).
-            if pick.follow_up && pick.attempt <= 1 && matches!(pin, PinVerdict::None) {
-                return Some((i, passed.reason(pin, pick.attempt)));
             }
             if board.full(i) && board.room_elsewhere(i) {
                 passed.saturated = true;

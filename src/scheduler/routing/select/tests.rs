@@ -1281,6 +1281,39 @@ fn a_pinned_session_stays_until_a_429_is_certain() {
 }
 
 #[test]
+fn a_later_turn_without_a_pin_here_keeps_to_its_home_until_a_429_is_certain() {
+    // Another replica served this conversation's earlier turns: no pin here, but the body
+    // carries them (`follow_up`). Like a pin it stays on a key short of the reserve, and moves
+    // only when a 429 is certain; a first turn with the same key is placed elsewhere.
+    let c = cfg(json!({"quota_min_tokens": 5_000,
+        "endpoints":[{"name":"a","cluster":"ca"},{"name":"b","cluster":"cb"}]}));
+    let store = MemStore::new();
+    let s = Scheduler::new(&c, &store);
+    let ex = Exclusions::default();
+    let k = session_homed_at(&Scheduler::new(&c, &MemStore::new()), 0);
+    // a stated 1 request and 3 000 tokens left: below the 5 000-token reserve.
+    answered(&s, 0, &stated(Some(1), Some(3_000)), 0);
+    let later = |now| {
+        s.pick(
+            &Pick {
+                follow_up: true,
+                ..body_pick(Some(k), &ex, 400)
+            },
+            now,
+        )
+        .unwrap()
+    };
+    let first = s.pick(&body_pick(Some(k), &ex, 400), 1).unwrap();
+    assert_eq!(first.endpoint, 1, "a first turn is kept off the reserve");
+    let stay = later(2);
+    assert_eq!((stay.endpoint, stay.reason), (0, Reason::Home));
+    // `stay` took a's last request: the next would be a certain 429, so it moves.
+    let moved = later(3);
+    assert_eq!(moved.endpoint, 1);
+    assert_eq!(moved.quota_skipped, vec![0]);
+}
+
+#[test]
 fn when_every_key_is_short_the_home_is_still_tried() {
     let c = cfg(json!({"endpoints":[{"name":"a","cluster":"ca"},{"name":"b","cluster":"cb"}]}));
     let store = MemStore::new();
