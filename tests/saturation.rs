@@ -424,7 +424,7 @@ const TURNS_AFTER: usize = 5;
 const MAX_TURNS_TO_MOVE: usize = 3;
 const PROBE_INTERVAL_MS: u64 = 1000;
 
-/// A full engine (`a`: 4 slots, a queue of ~6 from elsewhere) and a slow one (`b`: every
+/// A full engine (`a`: 8 slots, a queue of ~6 from elsewhere) and a slow one (`b`: every
 /// request 5× slower) in one fleet with two healthy ones: `a` keeps every pinned session
 /// (`hit`), gets no new session, is never degraded and none of its pins is broken, although
 /// its turns wait in its queue; `b`'s pinned sessions move within a few turns (`pin_break`),
@@ -433,7 +433,9 @@ const PROBE_INTERVAL_MS: u64 = 1000;
 fn a_full_engine_keeps_its_pins_while_a_slow_one_loses_them() {
     let weights = [("a", 1.0), ("b", 1.0), ("c", 1.0), ("d", 1.0)];
     let mocks = vec![
-        engine("a", 4, &[]),
+        // As many slots as the test's clients: the test's own turns never make it queue (a
+        // queue seen at a scrape tells the filter its slots, and it is full at those).
+        engine("a", CLIENTS as u32, &[]),
         engine("b", 16, &[]),
         engine("c", 16, &[]),
         engine("d", 16, &[]),
@@ -475,8 +477,8 @@ fn a_full_engine_keeps_its_pins_while_a_slow_one_loses_them() {
         ),
     );
 
-    // Phase 2: `a` fills up from elsewhere (4 slots, 10 clients), `b` turns 5× slower.
-    let backlog = Backlog::start(mock(&mocks, "a").port, 10, 40, 0);
+    // Phase 2: `a` fills up from elsewhere (8 slots, 14 clients), `b` turns 5× slower.
+    let backlog = Backlog::start(mock(&mocks, "a").port, CLIENTS + 6, 40, 0);
     mock(&mocks, "b").set_fault(json!({"mode": "slow", "factor": 5}));
     wait_all(std::slice::from_ref(&envoy), "a's queue scraped", |s| {
         of(s, "computeflux_engine_waiting", "a") >= SATURATED_WAITING
