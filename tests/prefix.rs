@@ -356,7 +356,7 @@ fn switched_off_sessions_are_placed_by_their_session_key() {
     checks.finish();
 }
 
-/// About 1.1 KB of a preamble every application of the chain tests sends first.
+/// About 1.1 KB of a preamble every application of the preamble test sends first.
 fn preamble() -> String {
     "Company policy for every assistant: be accurate, cite sources, keep data private. ".repeat(14)
 }
@@ -371,89 +371,50 @@ fn preamble_body(app: usize, session: &str) -> String {
     json!({"model": MODEL, "messages": messages}).to_string()
 }
 
-/// The rendezvous orders of the head (shared preamble) and longest keys of `app`'s chain.
-fn chain_orders(app: usize) -> (Vec<&'static str>, Vec<&'static str>) {
-    use computeflux::scheduler::wire::prefix::prefix_chain;
+/// The rendezvous order of the key of `app`'s whole instructions (preamble and its own
+/// prompt), as every replica computes it.
+fn preamble_order(app: usize) -> Vec<&'static str> {
     let req = parse_chat(preamble_body(app, "any").as_bytes()).unwrap();
-    let chain = prefix_chain(None, &req.instructions.unwrap(), 1024).unwrap();
-    assert_eq!(chain.keys().len(), 2, "the preamble makes a key of its own");
-    let order = |k: u64| -> Vec<&'static str> {
-        placement::order(k, &candidates())
-            .into_iter()
-            .map(|i| ENDPOINTS[i])
-            .collect()
-    };
-    (order(chain.head()), order(chain.longest()))
+    let key = prefix_key(None, &req.instructions.unwrap(), 1024).unwrap();
+    placement::order(key, &candidates())
+        .into_iter()
+        .map(|i| ENDPOINTS[i])
+        .collect()
 }
 
-/// (e) The prefix chain (issue 20, item 3). `prefix_index: true`: a new session of an
-/// application never served before goes where this Envoy last served the preamble it shares
-/// with another application, not to its own prefix's home. `prefix_home: head`: every
-/// application sharing the preamble has the preamble's home, on every replica.
+/// (e) Applications that share a leading preamble message and differ after it (issue 20,
+/// item 3): each is placed by the key of its whole instructions segment, so each has its own
+/// home, from every replica, and its later sessions find its whole prompt cached there; a
+/// replica that has just served the preamble elsewhere does not send the other application
+/// there. (A learned index and a placement on the preamble's key that would have grouped them
+/// were measured no better and dropped: decisions.md, "A learned prefix index, tried and
+/// dropped".)
 #[test]
-fn the_prefix_chain_places_applications_that_share_a_preamble_together() {
+fn applications_that_share_a_preamble_are_placed_by_their_whole_instructions() {
     let mut checks = Checks::new();
-    let (head_order, a_order) = chain_orders(0);
+    let a_home = preamble_order(0)[0];
     // An application whose own home differs from application 0's.
-    let b = (1..50)
-        .find(|&b| chain_orders(b).1[0] != a_order[0])
-        .unwrap();
-    let b_home = chain_orders(b).1[0];
-    // The index: application 0 first (placed at its own home, learned), then b.
-    let indexed = fleet(json!({"prefix_index": true}), 1);
-    let port = indexed.replicas.port(0);
-    for j in 0..3 {
-        let id = format!("a-s{j}");
-        let served = send(port, &id, &preamble_body(0, &id));
-        checks.expect(
-            served.status == 200 && served.endpoint == a_order[0] && served.affinity == "prefix",
-            format!(
-                "{id}: {served:?}, expected application 0's home {}",
-                a_order[0]
-            ),
-        );
-    }
-    for j in 0..3 {
-        let id = format!("b-s{j}");
-        let served = send(port, &id, &preamble_body(b, &id));
-        checks.expect(
-            served.status == 200 && served.endpoint == a_order[0] && served.affinity == "prefix",
-            format!(
-                "{id}: {served:?}, expected the preamble's learned place {} (not b's home {b_home})",
-                a_order[0]
-            ),
-        );
-        if j == 0 {
+    let b = (1..50).find(|&b| preamble_order(b)[0] != a_home).unwrap();
+    let b_home = preamble_order(b)[0];
+    let fleet = fleet(json!({}), 2);
+    for (app, home) in [(0, a_home), (b, b_home)] {
+        for j in 0..3 {
+            let id = format!("app{app}-s{j}");
+            let via = j % fleet.replicas.len();
+            let served = send(fleet.replicas.port(via), &id, &preamble_body(app, &id));
             checks.expect(
-                served.cached_tokens >= 250,
-                format!(
-                    "{id}: the preamble cached ({} tokens)",
-                    served.cached_tokens
-                ),
+                served.status == 200 && served.endpoint == home && served.affinity == "prefix",
+                format!("{id} via replica {via}: {served:?}, expected its own home {home}"),
             );
-        }
-    }
-    let learned = counter(&indexed, "computeflux_prefix_index_placements_total");
-    checks.expect(
-        learned >= 4,
-        format!("computeflux_prefix_index_placements_total {learned}"),
-    );
-    drop(indexed);
-    // The head key: every application on the preamble's home, from either replica.
-    let fleet = fleet(json!({"prefix_home": "head"}), 2);
-    for app in [0, b] {
-        for j in 0..2 {
-            let id = format!("head-{app}-s{j}");
-            let served = send(fleet.replicas.port(j % 2), &id, &preamble_body(app, &id));
-            checks.expect(
-                served.status == 200
-                    && served.endpoint == head_order[0]
-                    && served.affinity == "prefix",
-                format!(
-                    "{id}: {served:?}, expected the preamble's home {}",
-                    head_order[0]
-                ),
-            );
+            if j > 0 {
+                checks.expect(
+                    served.cached_tokens >= 400,
+                    format!(
+                        "{id}: its whole prompt cached ({} tokens)",
+                        served.cached_tokens
+                    ),
+                );
+            }
         }
     }
     checks.expect(

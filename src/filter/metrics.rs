@@ -78,8 +78,6 @@ pub struct Metrics {
     pub cas_exhausted: Option<u32>,
     /// New sessions placed by their instructions' prefix key (`prefix_placement`).
     pub prefix_placements: Option<u32>,
-    /// Of those, the ones placed where the learned prefix index said (`prefix_index`).
-    pub prefix_index_placements: Option<u32>,
     /// Answers to sessions placed by prefix whose `usage` reported cached prompt tokens.
     pub prefix_hits: Option<u32>,
 }
@@ -195,10 +193,6 @@ impl Metrics {
             prefix_placements: host::metric(
                 MetricType::Counter,
                 "computeflux_prefix_placements_total",
-            ),
-            prefix_index_placements: host::metric(
-                MetricType::Counter,
-                "computeflux_prefix_index_placements_total",
             ),
             prefix_hits: host::metric(MetricType::Counter, "computeflux_prefix_hits_total"),
         }

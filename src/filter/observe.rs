@@ -37,9 +37,6 @@ impl Observer for Recorder<'_> {
             if d.by_prefix {
                 Metrics::inc(m.prefix_placements);
             }
-            if d.by_index {
-                Metrics::inc(m.prefix_index_placements);
-            }
         }
         m.decision(d.reason);
         if let Some(e) = d.broke_pin_of.and_then(|i| m.endpoint(i)) {

@@ -76,27 +76,6 @@ impl AfterFailover {
     }
 }
 
-/// Which key of a request's prefix chain places a new session (`prefix_home`).
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum PrefixHome {
-    /// The whole instructions segment's key: one application, one home.
-    Longest,
-    /// The shallowest key at least `prefix_min_bytes` long: applications that share their
-    /// first instructions part share a home.
-    Head,
-}
-
-impl PrefixHome {
-    pub const ALL: &'static [PrefixHome] = &[PrefixHome::Longest, PrefixHome::Head];
-
-    pub fn label(&self) -> &'static str {
-        match self {
-            PrefixHome::Longest => "longest",
-            PrefixHome::Head => "head",
-        }
-    }
-}
-
 /// Who answers `GET /v1/models`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum ListModels {
@@ -283,7 +262,7 @@ macro_rules! choice_scalar {
     )*};
 }
 
-choice_scalar!(AfterFailover, ListModels, PrefixHome);
+choice_scalar!(AfterFailover, ListModels);
 
 /// Declares every top-level scalar key once: `field: type = default, spec, "effect";`.
 macro_rules! config_keys {
@@ -407,12 +386,6 @@ config_keys! {
         "Places a new session (no pin, no pin cookie) whose instructions — `system` / `developer` messages before the first other message, top-level `system` or `instructions`, `tools` and `functions` — are at least `prefix_min_bytes` long by rendezvous on a key of those instructions (with the model, scoped by the caller's credential) instead of its session key: every Envoy replica sends one application's new sessions to the same endpoint, where its instructions are already cached, and a popular one spills in the prefix's rendezvous order under bounded load. Once served the session is pinned as before; pinned sessions and requests without a session are placed as before (see [decisions](decisions.md#placement-by-prefix)). Off: every new session is placed by its session key.";
     prefix_min_bytes: u64 = 1024, Spec::Int { min: 64, max: 1_048_576 },
         "Shortest instructions segment, in bytes of the request's JSON, that places a new session by prefix (`prefix_placement`). Shorter instructions cost little to prefill anywhere, and grouping every short-prompt session on one endpoint would only add load there.";
-    prefix_home: PrefixHome = PrefixHome::Longest, Spec::Choice(&["longest", "head"]),
-        "Which of a request's prefix keys places a new session (`prefix_placement`): `longest`, the key of its whole instructions segment (one application, one home); `head`, the key of its first instructions parts at least `prefix_min_bytes` long (applications that share a leading policy message or tool definitions share a home, on every replica alike). Measured in [decisions](decisions.md#a-learned-prefix-index-measured): `longest`.";
-    prefix_index: bool = false, Spec::Bool,
-        "Off by default (measured no better, see [decisions](decisions.md#a-learned-prefix-index-measured)). A per-Envoy index (shared data, LRU, `prefix_index_entries` entries) of the prefix keys of the requests each endpoint served successfully, the key of every instructions part boundary included (at most 4 per request): a new session placed by prefix goes first to the endpoint of its deepest key found there, if it can take it (breaker, degraded, saturated, quota, bounded load), else as without the index. Replicas learn their own.";
-    prefix_index_entries: u64 = 4096, Spec::Int { min: 64, max: 65_536 },
-        "Bound of the prefix index (`prefix_index`): entries of 20 bytes in hashed buckets of shared data, least recently served evicted first, idle ones dropped after `affinity_ttl_ms`.";
     pin_cookie: bool = false, Spec::Bool,
         "Carries a session's place in a cookie when it is not its rendezvous home (after a failover or a pin break): the answer sets `cf_pin_<slot>` (one of 8 names: the session's key, the endpoint's id and an expiry, signed with `pin_cookie_secret`; `Max-Age` = `affinity_ttl_ms`, `HttpOnly`, `Path=/`), and any Envoy replica, also one that never saw the session or just restarted, follows it like a pin. For clients that keep cookies (browsers, the OpenAI Python SDK's client); only sessions away from home get one (see [decisions](decisions.md#after-a-failover)).";
     pin_cookie_secret: PinCookieKey = PinCookieKey::default(), Spec::Secret,

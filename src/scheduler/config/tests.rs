@@ -94,6 +94,29 @@ fn odd_keys_are_quoted_in_field_paths() {
     assert!(errs.iter().all(|e| !e.contains('\n')), "{errs:?}");
 }
 
+/// Keys that were tried and dropped (`prefix_index`, `prefix_index_entries`, `prefix_home`;
+/// see decisions.md, "A learned prefix index, tried and dropped") are unknown keys like any
+/// other: a configuration that still sets one is refused, naming it, rather than run without
+/// the behaviour it asked for.
+#[test]
+fn dropped_prefix_keys_are_refused_by_name() {
+    let errs = errors(json!({
+        "endpoints": [{"name": "a", "cluster": "ca"}],
+        "prefix_index": true, "prefix_index_entries": 4096, "prefix_home": "head"
+    }));
+    for key in ["prefix_index", "prefix_index_entries", "prefix_home"] {
+        assert!(
+            errs.iter()
+                .any(|e| e.starts_with(&format!("{key} is not a known key (known: endpoints,"))),
+            "{key}: {errs:?}"
+        );
+    }
+    assert_eq!(errs.len(), 3, "{errs:?}");
+    // The default they left behind: placement by the whole instructions segment's key.
+    let c = Config::from_value(&json!({"endpoints": [{"name": "a", "cluster": "ca"}]})).unwrap();
+    assert!(c.prefix_placement);
+}
+
 #[test]
 fn rejects_non_json_and_non_object() {
     assert!(Config::from_json(b"{nope").unwrap_err()[0]

@@ -296,8 +296,8 @@ pub struct Flow {
     prompt_bytes: u64,
     model: Option<String>,
     session: Option<u64>,
-    /// The placement keys of the request's instructions, when long enough ([`Pick::prefix`]).
-    prefix: Option<prefix::PrefixChain>,
+    /// The placement key of the request's instructions, when long enough ([`Pick::prefix`]).
+    prefix: Option<u64>,
     /// The body carries earlier turns ([`Pick::follow_up`]).
     follow_up: bool,
     exclusions: Exclusions,
@@ -855,7 +855,7 @@ impl Flow {
         }
         if s.cfg.prefix_placement {
             self.prefix = req.instructions.as_ref().and_then(|i| {
-                prefix::prefix_chain(self.tenant.as_deref(), i, s.cfg.prefix_min_bytes)
+                prefix::prefix_key(self.tenant.as_deref(), i, s.cfg.prefix_min_bytes)
             });
         }
         self.read_pin_cookie(s.cfg, obs, now_ms);
@@ -1042,10 +1042,6 @@ impl Flow {
             to_headers_ms: (!a.unmeasured).then_some(to_headers_ms.unwrap_or(total_ms)),
             total_ms,
         };
-        // The learned prefix index (`prefix_index`) hears of every success.
-        if matches!(outcome, Outcome::Success) {
-            s.learn_prefix(self.prefix.as_ref(), a.ticket.endpoint_id, now_ms);
-        }
         let report = s.finish_observed(
             a.ticket,
             outcome,

@@ -98,15 +98,6 @@ impl<'a> Affinity<'a> {
             .map(|e| e.endpoint_id)
     }
 
-    /// The live entry of `session`, with its last use.
-    pub fn lookup_entry(&self, session: u64, now_ms: u64) -> Option<Entry> {
-        let (bytes, _) = self.store.get(&self.key(self.bucket_of(session)));
-        let entries = decode(bytes.as_deref()?)?;
-        entries
-            .into_iter()
-            .find(|e| e.session == session && now_ms.saturating_sub(e.last_used_ms) < self.ttl_ms)
-    }
-
     /// Pins `session` to `endpoint_id` (a success: refresh, or re-pin after failover).
     /// Returns false if the CAS retries were exhausted.
     pub fn remember(&self, session: u64, endpoint_id: u32, now_ms: u64) -> bool {

@@ -2,8 +2,7 @@
 //!
 //! - `table`: the per-endpoint record every worker shares (one `Store` key);
 //! - the signals kept in it or beside it: `ewma` latency, `quota`, `payoff`, the `overdue` watch,
-//!   session `affinity`, the `pin_cookie`, `responses` (Responses API follow-ups), the learned
-//!   `prefix_index`;
+//!   session `affinity`, the `pin_cookie`, `responses` (Responses API follow-ups);
 //! - `score` and `placement` (weighted rendezvous), and `select`: exclusions → pin → placement →
 //!   pick, then the finishing write.
 //!
@@ -17,7 +16,6 @@ pub mod overdue;
 pub mod payoff;
 pub mod pin_cookie;
 pub mod placement;
-pub mod prefix_index;
 pub mod quota;
 pub mod responses;
 pub mod saturation;

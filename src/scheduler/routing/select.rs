@@ -28,8 +28,8 @@
 //! function per concern (in-flight and watch, success rate, raw latency, slowness, payoff,
 //! quota, probe backoff, breaker; then the work model and the affinity).
 
+use crate::scheduler::config::AfterFailover;
 use crate::scheduler::config::Config;
-use crate::scheduler::config::{AfterFailover, PrefixHome};
 use crate::scheduler::health::breaker::{Admission, BreakerConfig, BreakerState};
 use crate::scheduler::health::outcome::Outcome;
 use crate::scheduler::routing::affinity::{Affinity, MOVES_PREFIX};
@@ -37,7 +37,6 @@ use crate::scheduler::routing::capacity::{self, Engines, Room};
 use crate::scheduler::routing::ewma;
 use crate::scheduler::routing::overdue;
 use crate::scheduler::routing::placement;
-use crate::scheduler::routing::prefix_index::PrefixIndex;
 use crate::scheduler::routing::quota::{estimate_tokens, QuotaHint, QuotaRule};
 use crate::scheduler::routing::saturation::{
     expected_wait_ms, keep_pin, MoveReason, PinCase, Saturation,
@@ -47,7 +46,6 @@ use crate::scheduler::routing::signals::{self, Served, Verdict};
 use crate::scheduler::routing::slowness::{self, DegradeRule, Sample, WorkModel};
 use crate::scheduler::routing::table::{fastest_warm, EndpointState, Table, TableCache};
 use crate::scheduler::state::store::{update_if, update_owned, Store};
-use crate::scheduler::wire::prefix::PrefixChain;
 use crate::scheduler::wire::usage::Usage;
 use std::cell::RefCell;
 
@@ -121,10 +119,9 @@ pub struct Pick<'a> {
     /// when it cannot take this attempt (breaker, request exclusions): the holder check is
     /// part of the pick, not a hint beside it (issue 22).
     pub holder: Option<u32>,
-    /// The placement keys of the request's instructions (`wire::prefix::prefix_chain`), when
-    /// they are long enough: a session without a pin is placed by one of them
-    /// (`prefix_placement`, `prefix_home`), or where the learned index says (`prefix_index`).
-    pub prefix: Option<PrefixChain>,
+    /// The placement key of the request's instructions (`wire::prefix::prefix_key`), when they
+    /// are long enough: a session without a pin is placed by it (`prefix_placement`).
+    pub prefix: Option<u64>,
     /// A later turn of a conversation (the body carries earlier turns: at least three
     /// messages or input items). Without a pin at this replica, its home is taken as a pin
     /// would be — full or over its bounded load, not passed — since its cache is there and
@@ -300,8 +297,6 @@ pub struct Decision {
     pub quota_skipped: Vec<usize>,
     /// Placed by the request's prefix key rather than its session key (`prefix_placement`).
     pub by_prefix: bool,
-    /// Placed where the learned prefix index said (`prefix_index`).
-    pub by_index: bool,
 }
 
 /// What [`Scheduler::choose`] decided, before the attempt is started.
@@ -321,8 +316,6 @@ struct Choice {
     quota_skipped: Vec<usize>,
     /// See [`Decision::by_prefix`].
     by_prefix: bool,
-    /// See [`Decision::by_index`].
-    by_index: bool,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -455,36 +448,6 @@ impl<'a> Scheduler<'a> {
         )
     }
 
-    /// The learned prefix index (see `prefix_index`).
-    pub fn prefix_index(&self) -> PrefixIndex<'a> {
-        PrefixIndex::new(self.store, self.cfg)
-    }
-
-    /// The endpoints (indexes) the prefix index names for an unpinned session's chain, deepest
-    /// key first, each once; empty unless `prefix_index` applies to this pick.
-    fn indexed(&self, pick: &Pick<'_>, now_ms: u64) -> Vec<usize> {
-        let Some(chain) = pick.prefix.filter(|_| {
-            self.cfg.prefix_index && self.cfg.prefix_placement && pick.session.is_some()
-        }) else {
-            return Vec::new();
-        };
-        let mut out = Vec::with_capacity(chain.keys().len());
-        for id in self.prefix_index().lookup(&chain, now_ms) {
-            if let Some(i) = self.cfg.endpoint_index(id).filter(|i| !out.contains(i)) {
-                out.push(i);
-            }
-        }
-        out
-    }
-
-    /// Learns that the endpoint `endpoint_id` served a request of `chain` successfully (a
-    /// no-op unless `prefix_index`).
-    pub fn learn_prefix(&self, chain: Option<&PrefixChain>, endpoint_id: u32, now_ms: u64) {
-        if let Some(c) = chain.filter(|_| self.cfg.prefix_index) {
-            self.prefix_index().record(c, endpoint_id, now_ms);
-        }
-    }
-
     /// The move marks (see `affinity::MOVES_PREFIX`).
     pub fn moves(&self) -> Affinity<'a> {
         Affinity::with_prefix(
@@ -596,10 +559,6 @@ impl<'a> Scheduler<'a> {
         let pinned = pick.holder.or(hinted).or(local.map(|p| p.1));
         let bcfg = self.breaker_config();
         let engines = Engines::read(self.store, self.cfg, now_ms);
-        let indexed = match pinned {
-            None => self.indexed(pick, now_ms),
-            Some(_) => Vec::new(),
-        };
         let result = update_owned(self.store, TABLE_KEY, |bytes| {
             let (write, decision) = self.with_table(bytes.as_deref(), |table, same_layout| {
                 self.start(
@@ -610,7 +569,6 @@ impl<'a> Scheduler<'a> {
                     pick,
                     pinned,
                     &engines,
-                    &indexed,
                     now_ms,
                 )
             });
@@ -666,7 +624,7 @@ impl<'a> Scheduler<'a> {
                         all_rate_limited: false,
                     });
                 }
-                let c = self.choose(&table, &closed, pick, pinned, &engines, &indexed, now_ms)?;
+                let c = self.choose(&table, &closed, pick, pinned, &engines, now_ms)?;
                 let ticket = Ticket {
                     endpoint: c.endpoint,
                     endpoint_id: self.cfg.endpoints.get(c.endpoint).map_or(0, |e| e.id),
@@ -690,7 +648,6 @@ impl<'a> Scheduler<'a> {
                     home: c.home,
                     quota_skipped: c.quota_skipped,
                     by_prefix: c.by_prefix,
-                    by_index: c.by_index,
                 })
             }
             // CAS kept losing: go with the decision, but nothing was stored for it.
@@ -732,7 +689,6 @@ impl<'a> Scheduler<'a> {
         pick: &Pick<'_>,
         pinned: Option<u32>,
         engines: &Engines,
-        indexed: &[usize],
         now_ms: u64,
     ) -> (Write, Result<Decision, NoEndpoint>) {
         let bcfg = self.breaker_config();
@@ -747,7 +703,7 @@ impl<'a> Scheduler<'a> {
         {
             return (Write::Nothing, Err(NoEndpoint::BudgetExhausted));
         }
-        let choice = match self.choose(table, candidates, pick, pinned, engines, indexed, now_ms) {
+        let choice = match self.choose(table, candidates, pick, pinned, engines, now_ms) {
             Err(e) => return (Write::Nothing, Err(e)),
             Ok(c) => c,
         };
@@ -853,7 +809,6 @@ impl<'a> Scheduler<'a> {
                 home: choice.home,
                 quota_skipped: choice.quota_skipped,
                 by_prefix: choice.by_prefix,
-                by_index: choice.by_index,
             }),
         )
     }

@@ -31,15 +31,11 @@
 //! key as before. The key is scoped by the caller's identity like a session key, so two tenants
 //! sending the same instructions are placed independently.
 //!
-//! **The chain** (issue 20, item 3): besides the whole segment, the hash is read at the end of
-//! each of its first [`MAX_BOUNDARIES`] parts (a digest of the same stream, so nothing is hashed
-//! twice), and [`prefix_chain`] turns those at least `prefix_min_bytes` long into at most
-//! [`MAX_CHAIN`] keys, shallowest first, the whole segment's key last. Applications that share a
-//! leading part (the same policy message or tool definitions, then one of their own) share the
-//! chain's first keys and differ in its last: what a learned index (`routing::prefix_index`) or
-//! a placement on the shallowest key can use. Boundaries are the parts the client sent, not
-//! blocks of fixed size: one part is one message of the engine's template, so a shared part is
-//! a shared run of KV blocks; a common head inside one message's text makes no key of its own.
+//! **One key, the whole segment's.** A chain of keys at the parts' boundaries (so that
+//! applications sharing a leading policy message or tool definitions share a key), read by a
+//! learned per-Envoy index or by a placement on the shallowest key, was built and measured
+//! (issue 20, item 3) and placed no better than this key's rendezvous order: it was dropped
+//! (see decisions.md, "A learned prefix index, tried and dropped").
 
 use crate::scheduler::state::hash::hash_parts;
 use xxhash_rust::xxh3::Xxh3;
@@ -59,30 +55,18 @@ pub enum Part {
     Message = b'm',
 }
 
-/// Part boundaries whose digest is kept (later parts still count in the whole segment's hash).
-pub const MAX_BOUNDARIES: usize = 8;
-/// Most keys of one request's chain (the whole segment's included): bounds the index's reads
-/// and writes per request.
-pub const MAX_CHAIN: usize = 4;
-
 /// The instructions segment of a request: its hash (with the model) and its length in bytes
-/// (without the model), and the same at the end of each of its first parts.
+/// (without the model).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Instructions {
     pub hash: u64,
     pub bytes: usize,
-    /// `(hash, bytes)` of the stream at the end of each of the first `boundary_count` parts
-    /// (the last of them is `(hash, bytes)` when there are at most [`MAX_BOUNDARIES`] parts).
-    pub boundaries: [(u64, usize); MAX_BOUNDARIES],
-    pub boundary_count: usize,
 }
 
 /// Streams the parts of the instructions segment into one hash, in the order they are added.
 pub struct InstructionsHasher {
     hasher: Xxh3,
     bytes: usize,
-    boundaries: [(u64, usize); MAX_BOUNDARIES],
-    boundary_count: usize,
 }
 
 impl InstructionsHasher {
@@ -90,12 +74,7 @@ impl InstructionsHasher {
         let mut hasher = Xxh3::with_seed(INSTRUCTIONS_SEED);
         hasher.update(&(model.len() as u64).to_le_bytes());
         hasher.update(model.as_bytes());
-        InstructionsHasher {
-            hasher,
-            bytes: 0,
-            boundaries: [(0, 0); MAX_BOUNDARIES],
-            boundary_count: 0,
-        }
+        InstructionsHasher { hasher, bytes: 0 }
     }
 
     /// Adds one part (its raw JSON text).
@@ -104,10 +83,6 @@ impl InstructionsHasher {
         self.hasher.update(&(raw.len() as u64).to_le_bytes());
         self.hasher.update(raw.as_bytes());
         self.bytes = self.bytes.saturating_add(raw.len());
-        if let Some(slot) = self.boundaries.get_mut(self.boundary_count) {
-            *slot = (self.hasher.digest(), self.bytes);
-            self.boundary_count += 1;
-        }
     }
 
     /// The segment, if any part was added.
@@ -115,58 +90,7 @@ impl InstructionsHasher {
         (self.bytes > 0).then(|| Instructions {
             hash: self.hasher.digest(),
             bytes: self.bytes,
-            boundaries: self.boundaries,
-            boundary_count: self.boundary_count,
         })
-    }
-}
-
-/// A request's prefix keys, shallowest first; the last is the whole segment's
-/// ([`prefix_key`]). Never empty.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct PrefixChain {
-    keys: [u64; MAX_CHAIN],
-    len: usize,
-}
-
-impl PrefixChain {
-    /// A chain of one key (the whole segment's).
-    pub fn single(key: u64) -> Self {
-        PrefixChain {
-            keys: [key; MAX_CHAIN],
-            len: 1,
-        }
-    }
-
-    /// A chain of the given keys, shallowest first (at most [`MAX_CHAIN`]: the first ones
-    /// and the last); `None` when empty.
-    pub fn from_keys(keys: &[u64]) -> Option<Self> {
-        let (&last, inner) = keys.split_last()?;
-        let mut chain = PrefixChain::single(last);
-        for (slot, &k) in chain.keys.iter_mut().zip(inner.iter().take(MAX_CHAIN - 1)) {
-            *slot = k;
-        }
-        let n = inner.len().min(MAX_CHAIN - 1);
-        if let Some(slot) = chain.keys.get_mut(n) {
-            *slot = last;
-        }
-        chain.len = n + 1;
-        Some(chain)
-    }
-
-    /// The keys, shallowest first.
-    pub fn keys(&self) -> &[u64] {
-        self.keys.get(..self.len).unwrap_or(&[])
-    }
-
-    /// The whole segment's key.
-    pub fn longest(&self) -> u64 {
-        self.keys().last().copied().unwrap_or(1)
-    }
-
-    /// The shallowest key at least `prefix_min_bytes` long (the longest when there is one).
-    pub fn head(&self) -> u64 {
-        self.keys().first().copied().unwrap_or(1)
     }
 }
 
@@ -185,44 +109,6 @@ pub fn prefix_key(
         0 => Some(1),
         h => Some(h),
     }
-}
-
-/// The chain of `instructions` ([`PrefixChain`]): the keys of the part boundaries at least
-/// `min_bytes` into the segment, at most [`MAX_CHAIN`] − 1 of them (the shallowest), then the
-/// whole segment's; `None` when the segment is shorter than `min_bytes`.
-pub fn prefix_chain(
-    tenant: Option<&[u8]>,
-    instructions: &Instructions,
-    min_bytes: u64,
-) -> Option<PrefixChain> {
-    let longest = prefix_key(tenant, instructions, min_bytes)?;
-    let mut chain = PrefixChain::single(longest);
-    let inner = instructions
-        .boundaries
-        .iter()
-        .take(instructions.boundary_count)
-        .filter(|(_, bytes)| (*bytes as u64) >= min_bytes && *bytes < instructions.bytes)
-        .take(MAX_CHAIN - 1);
-    let mut len = 0;
-    for (hash, bytes) in inner {
-        let partial = Instructions {
-            hash: *hash,
-            bytes: *bytes,
-            ..*instructions
-        };
-        if let (Some(k), Some(slot)) = (
-            prefix_key(tenant, &partial, min_bytes),
-            chain.keys.get_mut(len),
-        ) {
-            *slot = k;
-            len += 1;
-        }
-    }
-    if let Some(slot) = chain.keys.get_mut(len) {
-        *slot = longest;
-    }
-    chain.len = len + 1;
-    Some(chain)
 }
 
 #[cfg(test)]
@@ -286,118 +172,5 @@ mod tests {
         assert!(k.is_some());
         assert_ne!(k, prefix_key(Some(b"Bearer other"), &i, 100));
         assert_eq!(k, prefix_key(Some(b""), &i, 100));
-    }
-
-    fn parts(n: usize, len: usize, tail: &str) -> Vec<String> {
-        (0..n)
-            .map(|k| {
-                if k + 1 == n {
-                    format!("\"{tail}{}\"", "t".repeat(len))
-                } else {
-                    format!("\"{k}{}\"", "h".repeat(len))
-                }
-            })
-            .collect()
-    }
-
-    fn chain_of(raw: &[String], min: u64) -> Option<PrefixChain> {
-        let mut h = InstructionsHasher::new("m");
-        for r in raw {
-            h.add(Part::Message, r);
-        }
-        prefix_chain(None, &h.finish()?, min)
-    }
-
-    #[test]
-    fn the_chain_ends_with_the_whole_segments_key_and_shares_its_head() {
-        // Two applications: the same 2 000-byte policy message, then one of their own.
-        let a = chain_of(&parts(2, 2_000, "app a"), 1_024).unwrap();
-        let b = chain_of(&parts(2, 2_000, "app b"), 1_024).unwrap();
-        assert_eq!(a.keys().len(), 2);
-        assert_eq!(a.head(), b.head(), "the shared head is one key");
-        assert_ne!(a.longest(), b.longest());
-        // The whole segment's key is today's prefix key: placement by it is unchanged.
-        let mut h = InstructionsHasher::new("m");
-        for r in parts(2, 2_000, "app a") {
-            h.add(Part::Message, &r);
-        }
-        let whole = h.finish().unwrap();
-        assert_eq!(Some(a.longest()), prefix_key(None, &whole, 1_024));
-        assert_eq!(whole.boundary_count, 2);
-        assert_eq!(whole.boundaries[1], (whole.hash, whole.bytes));
-        // A head shorter than the minimum makes no key of its own.
-        let short = chain_of(&parts(2, 600, "app a"), 1_024).unwrap();
-        assert_eq!(short.keys().len(), 1);
-        assert_eq!(short.head(), short.longest());
-        // Too short altogether: no chain.
-        assert_eq!(chain_of(&parts(2, 200, "x"), 1_024), None);
-    }
-
-    #[test]
-    fn the_chain_is_bounded_and_keeps_the_shallowest_boundaries() {
-        let raw = parts(12, 1_100, "last");
-        let c = chain_of(&raw, 1_024).unwrap();
-        assert_eq!(c.keys().len(), MAX_CHAIN);
-        // Its first keys are those of the first parts: the same as a request with only them.
-        let first = chain_of(&raw[..2], 1_024).unwrap();
-        assert_eq!(c.keys()[..2], first.keys()[..2]);
-        let keys = c.keys();
-        for (i, k) in keys.iter().enumerate() {
-            assert!(!keys[i + 1..].contains(k), "distinct keys: {keys:?}");
-        }
-        assert_eq!(PrefixChain::single(7).keys(), &[7]);
-        let f = PrefixChain::from_keys(&[1, 2, 3, 4, 5, 6]).unwrap();
-        assert_eq!(f.keys(), &[1, 2, 3, 6]);
-        assert_eq!((f.head(), f.longest()), (1, 6));
-        assert_eq!(PrefixChain::from_keys(&[]), None);
-    }
-
-    // Property tests run natively only (proptest is not a wasm32 dev-dependency).
-    #[cfg(not(target_arch = "wasm32"))]
-    mod props {
-        use super::*;
-        use proptest::prelude::*;
-
-        proptest! {
-            #![proptest_config(ProptestConfig::with_cases(128))]
-
-            /// Whatever the parts: at most `MAX_CHAIN` keys, none 0, the last the whole
-            /// segment's key, and a request that starts with the same parts shares the keys of
-            /// those parts.
-            #[test]
-            fn chains_are_bounded_and_prefix_consistent(
-                lens in proptest::collection::vec(1usize..3_000, 1..14),
-                min in 64u64..4_096,
-                cut in 0usize..14,
-            ) {
-                let raw: Vec<String> =
-                    lens.iter().enumerate().map(|(k, l)| format!("\"{k}:{}\"", "x".repeat(*l))).collect();
-                let mut h = InstructionsHasher::new("m");
-                for r in &raw {
-                    h.add(Part::Message, r);
-                }
-                let whole = h.finish().unwrap();
-                let chain = prefix_chain(None, &whole, min);
-                prop_assert_eq!(chain.is_some(), whole.bytes as u64 >= min);
-                let Some(chain) = chain else { return Ok(()) };
-                prop_assert!(!chain.keys().is_empty() && chain.keys().len() <= MAX_CHAIN);
-                prop_assert!(chain.keys().iter().all(|&k| k != 0));
-                prop_assert_eq!(Some(chain.longest()), prefix_key(None, &whole, min));
-                // A shorter request made of the first parts: its inner keys are a prefix of ours.
-                let cut = cut.clamp(1, raw.len());
-                let mut g = InstructionsHasher::new("m");
-                for r in raw.iter().take(cut) {
-                    g.add(Part::Message, r);
-                }
-                if let Some(short) = g.finish().and_then(|i| prefix_chain(None, &i, min)) {
-                    let inner = short.keys().len() - 1;
-                    let n = inner.min(chain.keys().len() - 1);
-                    prop_assert_eq!(&short.keys()[..n], &chain.keys()[..n]);
-                    if cut < raw.len() && cut <= MAX_BOUNDARIES && chain.keys().len() < MAX_CHAIN {
-                        prop_assert!(chain.keys().contains(&short.longest()));
-                    }
-                }
-            }
-        }
     }
 }

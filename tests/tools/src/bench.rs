@@ -25,9 +25,8 @@
 //! ```
 //!
 //! Besides the default policies, `--policies` takes `computeflux_noprefix` (the filter with
-//! `"prefix_placement": false`), `computeflux_index` (`"prefix_index": true`),
-//! `computeflux_head` (`"prefix_home": "head"`) and `sglang_cache_aware` (the SGLang gateway
-//! from PyPI, see `bench/peer.rs`); besides the default scenarios, `--scenarios` takes
+//! `"prefix_placement": false`), `computeflux_nometrics`, `computeflux_rulesoff` and
+//! `sglang_cache_aware` (the SGLang gateway from PyPI, see `bench/peer.rs`); besides the default scenarios, `--scenarios` takes
 //! `shared_prefix`, `mixed_prefix` and `shared_preamble` (issue 20, see `bench/routing.rs`).
 //! Neither is in the default run.
 //!

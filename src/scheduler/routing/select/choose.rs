@@ -12,8 +12,7 @@ impl<'a> Scheduler<'a> {
     /// [`Scheduler::board`] (what every endpoint may do: weights, verdicts, quota, breaker
     /// admission), [`Scheduler::pin_verdict`] (keep, break or move a live pin),
     /// [`Scheduler::walk`] (placement in rendezvous order, with the probe decision), and
-    /// [`Scheduler::settle`] (the labels and whether a success pins). `indexed`: the endpoints
-    /// the learned prefix index names for the request, deepest key first (`prefix_index`).
+    /// [`Scheduler::settle`] (the labels and whether a success pins).
     #[allow(clippy::too_many_arguments)]
     pub(super) fn choose(
         &self,
@@ -22,7 +21,6 @@ impl<'a> Scheduler<'a> {
         pick: &Pick<'_>,
         pinned: Option<u32>,
         engines: &Engines,
-        indexed: &[usize],
         now_ms: u64,
     ) -> Result<Choice, NoEndpoint> {
         let bcfg = self.breaker_config();
@@ -36,11 +34,7 @@ impl<'a> Scheduler<'a> {
         // mean the application's endpoint, as they would on a replica without the pin.
         let prefix_key = pick
             .prefix
-            .filter(|_| self.cfg.prefix_placement && pick.session.is_some())
-            .map(|chain| match self.cfg.prefix_home {
-                PrefixHome::Longest => chain.longest(),
-                PrefixHome::Head => chain.head(),
-            });
+            .filter(|_| self.cfg.prefix_placement && pick.session.is_some());
         let key = prefix_key.unwrap_or(pick.session.unwrap_or(pick.nonce));
         let by_prefix = prefix_key.is_some() && pinned.is_none();
         // The session's home: the first non-degraded endpoint of its rendezvous order.
@@ -60,30 +54,6 @@ impl<'a> Scheduler<'a> {
         );
         if let PinVerdict::Keep(p) = pin {
             return Ok(kept_pin(p, home, &board, quota_skipped));
-        }
-        // The learned index (`prefix_index`): the endpoint of the deepest key this replica saw
-        // served, if it can take the session now; else the rendezvous walk as without it.
-        let learned = if by_prefix && matches!(pin, PinVerdict::None) {
-            indexed
-                .iter()
-                .copied()
-                .find(|&i| self.takes_new_session(&board, &keyed, i, &mut quota_skipped))
-        } else {
-            None
-        };
-        if let Some(i) = learned {
-            let mut c = self.settle(
-                &board,
-                pick,
-                pinned_index,
-                &pin,
-                (i, Reason::Home),
-                home,
-                quota_skipped,
-                by_prefix,
-            );
-            c.by_index = true;
-            return Ok(c);
         }
         let walked = self.walk(
             &board,
@@ -399,44 +369,6 @@ impl<'a> Scheduler<'a> {
         passed.spilled.map(|i| (i, Reason::Spill))
     }
 
-    /// Whether `i` can take a new session as the walk's first choice would: it admits
-    /// traffic, is not degraded, short of quota or saturated while another has room, and is
-    /// within its bounded load over the same candidates as the walk's.
-    pub(super) fn takes_new_session(
-        &self,
-        board: &Board,
-        keyed: &placement::Keyed,
-        i: usize,
-        quota_skipped: &mut Vec<usize>,
-    ) -> bool {
-        if !board.admitted(i) || board.degraded(i) {
-            return false;
-        }
-        if board.flag(&board.short, i) {
-            if !quota_skipped.contains(&i) {
-                quota_skipped.push(i);
-            }
-            return false;
-        }
-        if board.saturated(i) && board.room_elsewhere(i) {
-            return false;
-        }
-        let eligible = |j: usize| {
-            board.admitted(j)
-                && !board.degraded(j)
-                && !(board.saturated(j) && board.room_elsewhere(j))
-        };
-        let (total_load, total_weight) = keyed
-            .order()
-            .into_iter()
-            .filter(|&j| eligible(j))
-            .fold((0u64, 0.0f64), |(l, w), j| {
-                (l + u64::from(board.load_of(j)), w + board.weight(j))
-            });
-        f64::from(board.load_of(i)) + 1.0
-            <= placement::load_limit(total_load, board.weight(i), total_weight, self.cfg)
-    }
-
     /// The probe decision: a degraded endpoint gets a first attempt of an unpinned session once
     /// its probe interval (with backoff) has passed, if it admits traffic and has quota.
     /// Overdue verdicts are not probed (the hits in flight are probes already).
@@ -528,7 +460,6 @@ impl<'a> Scheduler<'a> {
             verdicts: board.stored_verdicts(),
             quota_skipped,
             by_prefix,
-            by_index: false,
         }
     }
 }
@@ -724,7 +655,6 @@ pub(super) fn holder_choice(
             verdicts: board.stored_verdicts(),
             quota_skipped: Vec::new(),
             by_prefix: false,
-            by_index: false,
         }),
         Some(Admission::Rejected {
             retry_at_ms,
@@ -785,7 +715,6 @@ fn kept_pin(p: usize, home: Option<usize>, board: &Board, quota_skipped: Vec<usi
         verdicts: board.stored_verdicts(),
         quota_skipped,
         by_prefix: false,
-        by_index: false,
     }
 }
 

@@ -43,10 +43,6 @@ pub enum Policy {
     /// The filter with `"prefix_placement": false` (issue 20: the feature on against off in one
     /// run).
     FilterNoPrefix,
-    /// The filter with the learned prefix index on (`"prefix_index": true`; issue 20, item 3).
-    FilterPrefixIndex,
-    /// The filter placing by the shallowest prefix key (`"prefix_home": "head"`; item 3).
-    FilterPrefixHead,
     /// The SGLang gateway's `cache_aware` policy behind the same Envoy (see `peer.rs`).
     SglangCacheAware,
     /// The filter without `metrics`: it sees only its own traffic (a hosted-API fleet).
@@ -67,15 +63,13 @@ impl Policy {
     ];
 
     /// Every policy `--policies` accepts, in the report's order (the default set first).
-    pub const KNOWN: [Policy; 11] = [
+    pub const KNOWN: [Policy; 9] = [
         Policy::RoundRobin,
         Policy::LeastRequest,
         Policy::RingHash,
         Policy::Maglev,
         Policy::Filter,
         Policy::FilterNoPrefix,
-        Policy::FilterPrefixIndex,
-        Policy::FilterPrefixHead,
         Policy::SglangCacheAware,
         Policy::FilterNoMetrics,
         Policy::FilterRulesOff,
@@ -89,8 +83,6 @@ impl Policy {
             Policy::Maglev => "maglev",
             Policy::Filter => "computeflux",
             Policy::FilterNoPrefix => "computeflux_noprefix",
-            Policy::FilterPrefixIndex => "computeflux_index",
-            Policy::FilterPrefixHead => "computeflux_head",
             Policy::SglangCacheAware => "sglang_cache_aware",
             Policy::FilterNoMetrics => "computeflux_nometrics",
             Policy::FilterRulesOff => "computeflux_rulesoff",
@@ -126,8 +118,6 @@ impl Policy {
             Policy::SglangCacheAware => Some("ROUND_ROBIN"),
             Policy::Filter
             | Policy::FilterNoPrefix
-            | Policy::FilterPrefixIndex
-            | Policy::FilterPrefixHead
             | Policy::FilterNoMetrics
             | Policy::FilterRulesOff => None,
         }
@@ -140,8 +130,6 @@ impl Policy {
             // watch is off (its default, made explicit).
             Policy::FilterRulesOff => json!({"pin_break_ratio": 1000.0, "pin_break_overdue": 0}),
             Policy::FilterNoPrefix => json!({"prefix_placement": false}),
-            Policy::FilterPrefixIndex => json!({"prefix_index": true}),
-            Policy::FilterPrefixHead => json!({"prefix_home": "head"}),
             _ => Value::Null,
         }
     }
@@ -150,11 +138,7 @@ impl Policy {
     pub fn scrapes(&self) -> bool {
         matches!(
             self,
-            Policy::Filter
-                | Policy::FilterRulesOff
-                | Policy::FilterNoPrefix
-                | Policy::FilterPrefixIndex
-                | Policy::FilterPrefixHead
+            Policy::Filter | Policy::FilterRulesOff | Policy::FilterNoPrefix
         )
     }
 }
