@@ -77,6 +77,22 @@
 //! `min_extra_ms`. The median, not the best, of the peers: the best of several noisy estimates
 //! is biased low, and one lucky peer would make every other endpoint look slow.
 //!
+//! **The engine's own decode pace comes first where it is published** ([`pace_degraded`],
+//! called by `signals::judge_with`). Everything above is learned from this Envoy process's own
+//! answers: with three replicas each sees a third of them and needs three times as long to be
+//! convinced, and the requests a slowed engine serves meanwhile are the slow run's p99 (2.13×
+//! steady with one Envoy, 3.57× with three). Self-hosted engines publish their decode time as
+//! cumulative counters; the scraper turns them into the pace of the last window of at least
+//! `scrape::PACE_MIN_TOKENS` tokens (`scrape.rs`), which every replica derives alike from all
+//! of the engine's traffic. Where an endpoint and at least one of its peers have a fresh pace,
+//! the degraded rule is taken on own pace ÷ the peers' median pace with the same thresholds
+//! (`ratio`, `exit_ratio`, and `min_extra_ms` on a typical answer of [`PACE_ANSWER_TOKENS`]) —
+//! as the primary signal, not folded into this EWMA, which would bring back the per-replica
+//! history and the α-paced onset it replaces. The batch stretches a healthy engine's decode by
+//! at most 1.75× (the bench's 16 slots): far from 3×. Endpoints without a pace (hosted keys,
+//! TGI, a failed or stale scrape, a restarted engine before its first window) keep the
+//! slowness below.
+//!
 //! Measured (`tests/slowness_props.rs`, a synthetic fleet of 4 engines, half the answers
 //! streamed, prompts 200–8000 tokens 0–95 % cached, 16–512 output tokens, batch stretch and a
 //! 0–300 ms queue; `--nocapture` prints the figures): a healthy endpoint's slowness has p5/p50/
