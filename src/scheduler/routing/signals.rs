@@ -86,15 +86,16 @@ pub fn peer_medians(table: &Table, cfg: &Config, min_samples: u32) -> Vec<Option
 
 /// Every endpoint's peers' median engine pace (µs per token, from the fresh scraped loads):
 /// [`peer_medians`]'s rule over the endpoints whose engines publish a pace. `None` for an
-/// endpoint none of whose peers has one.
+/// endpoint none of whose peers has one; an empty list when no engine has one.
 pub fn pace_medians(cfg: &Config, loads: &[Option<EngineLoad>]) -> Vec<Option<f64>> {
     if !loads
         .iter()
         .flatten()
         .any(|l| l.decode_us_per_token.is_some())
     {
-        // No engine publishes a pace (hosted keys, no metrics): nothing to compare.
-        return vec![None; cfg.endpoints.len()];
+        // No engine publishes a pace (hosted keys, no metrics): nothing to compare, and no
+        // allocation (an empty list reads as `None` for every endpoint).
+        return Vec::new();
     }
     let values: Vec<Option<f64>> = (0..cfg.endpoints.len())
         .map(|i| {
