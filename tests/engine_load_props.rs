@@ -16,10 +16,12 @@
     clippy::indexing_slicing
 )]
 
-use computeflux::scheduler::routing::scrape::{self, LoadState, ScrapeError, Scraped};
+use computeflux::scheduler::routing::scrape::{
+    self, LoadState, Pace, ScrapeError, Scraped, PACE_MIN_TOKENS,
+};
 use computeflux::scheduler::state::store::CAS_RETRIES;
 use computeflux::scheduler::wire::engine_load::{
-    parse, Engine, EngineLoad, Format, Parsed, SERIES_SLOTS,
+    parse, DecodeTotals, Engine, EngineLoad, Format, Parsed, SERIES_SLOTS,
 };
 use computeflux::scheduler::{MemStore, Store};
 use proptest::collection::vec;
@@ -261,7 +263,7 @@ proptest! {
     }
 
     #[test]
-    fn record_decode_never_panics_and_is_canonical(bytes in vec(any::<u8>(), 0..80)) {
+    fn record_decode_never_panics_and_is_canonical(bytes in vec(any::<u8>(), 0..140)) {
         if let Some(r) = Scraped::decode(&bytes) {
             prop_assert_eq!(&r.encode(), &bytes);
         }
@@ -283,7 +285,14 @@ proptest! {
         times in (any::<u64>(), any::<u64>(), any::<u32>()),
         error in proptest::option::of(0..ScrapeError::ALL.len()),
         flip in (any::<prop::sample::Index>(), any::<u8>()),
+        decode in proptest::option::of((
+            any::<(u64, u64)>(),
+            any::<(u64, u64)>(),
+            proptest::option::of((1..=u32::MAX, any::<u64>())),
+        )),
     ) {
+        let decode = decode.filter(|_| load.is_some());
+        let totals = |(seconds_us, count): (u64, u64)| DecodeTotals { seconds_us, count };
         let r = Scraped {
             last: load.map(|(e, waiting, running, kv, prompt, cached)| EngineLoad {
                 engine: Engine::ALL[e],
@@ -292,11 +301,14 @@ proptest! {
                 kv_usage_permille: kv,
                 prompt_tokens_total: prompt,
                 prompt_tokens_cached_total: cached,
+                decode: decode.map(|(d, _, _)| totals(d)),
             }),
             scraped_at_ms: times.0,
             attempted_at_ms: times.1,
             consecutive_failures: times.2,
             last_error: error.map(|e| ScrapeError::ALL[e]),
+            decode_base: decode.map(|(_, b, _)| totals(b)),
+            pace: decode.and_then(|(_, _, p)| p).map(|(us_per_token, at_ms)| Pace { us_per_token, at_ms }),
         };
         prop_assert_eq!(Scraped::decode(&r.encode()), Some(r));
         // One byte changed: refused, or another record with exactly those bytes.
@@ -310,6 +322,75 @@ proptest! {
         if let LoadState::Known(l) = r.state_at(times.0.saturating_add(5), 10) {
             prop_assert_eq!(Some(l), r.last);
             prop_assert_eq!(r.consecutive_failures, 0);
+        }
+    }
+
+    /// The pace derivation over any sequence of scraped decode counters (steps that grow,
+    /// stand still or go down, tiny and huge): never panics; a pace is set only by a window
+    /// of at least `PACE_MIN_TOKENS` tokens since the last (re)start and equals that window's
+    /// Δseconds ÷ Δtokens (at least 1 µs); a decrease leaves no pace; the record round-trips.
+    #[test]
+    fn pace_is_the_last_full_window(
+        steps in vec((0u8..8, any::<u64>(), any::<u64>(), 0u64..5_000_000, 0u64..200), 1..60),
+    ) {
+        let store = MemStore::new();
+        let key = scrape::record_key("e");
+        let (mut sec, mut count) = (0u64, 0u64);
+        // The model: the window's base, and the pace expected.
+        let mut base: Option<(u64, u64)> = None;
+        let mut pace: Option<u32> = None;
+        for (i, (kind, raw_s, raw_n, ds, dn)) in steps.into_iter().enumerate() {
+            let now = 1_000 * (i as u64 + 1);
+            let with = |d: Option<DecodeTotals>| EngineLoad {
+                engine: Engine::Vllm,
+                waiting: Some(0),
+                running: Some(1),
+                kv_usage_permille: None,
+                prompt_tokens_total: None,
+                prompt_tokens_cached_total: None,
+                decode: d,
+            };
+            let load = match kind {
+                // A restart (or garbage): arbitrary counters.
+                0 => { sec = raw_s; count = raw_n; Some(with(Some(DecodeTotals { seconds_us: sec, count }))) }
+                // No counters at all this time.
+                1 => Some(with(None)),
+                // A failed scrape.
+                2 => None,
+                _ => {
+                    sec = sec.saturating_add(ds);
+                    count = count.saturating_add(dn);
+                    Some(with(Some(DecodeTotals { seconds_us: sec, count })))
+                }
+            };
+            let rec = match load {
+                Some(l) => scrape::record(&store, &key, now, Ok(l)).unwrap(),
+                None => scrape::record(&store, &key, now, Err(ScrapeError::Timeout)).unwrap(),
+            };
+            match load.map(|l| l.decode) {
+                None => {}
+                Some(None) => { base = None; pace = None; }
+                Some(Some(d)) => match base {
+                    None => base = Some((d.seconds_us, d.count)),
+                    Some((bs, bn)) if d.seconds_us < bs || d.count < bn => {
+                        base = Some((d.seconds_us, d.count));
+                        pace = None;
+                    }
+                    Some((bs, bn)) if d.count - bn >= PACE_MIN_TOKENS => {
+                        let us = (d.seconds_us - bs) / (d.count - bn);
+                        pace = Some(u32::try_from(us).unwrap_or(u32::MAX).max(1));
+                        base = Some((d.seconds_us, d.count));
+                    }
+                    Some(_) => {}
+                },
+            }
+            prop_assert_eq!(rec.pace.map(|p| p.us_per_token), pace);
+            prop_assert_eq!(rec.decode_base.map(|b| (b.seconds_us, b.count)), base);
+            prop_assert!(rec.pace.is_none_or(|p| p.us_per_token >= 1));
+            prop_assert_eq!(Scraped::decode(&rec.encode()), Some(rec));
+            // The scheduler sees the pace only on a fresh, successful scrape.
+            let seen = rec.pace_at(now, 10_000);
+            prop_assert_eq!(seen, pace.filter(|_| load.is_some()));
         }
     }
 

@@ -7,7 +7,11 @@
 //! older `gpu_cache_usage_perc` name; SGLang with the `sglang_` prefix; llama.cpp; TGI), a
 //! garbage page (an error, a growing age, requests still routed), a page over the read limit
 //! (an error, no memory blow-up), an engine that never answers (a `timeout`), and one scrape
-//! per interval per Envoy process with `--concurrency 2` (the lease).
+//! per interval per Envoy process with `--concurrency 2` (the lease). And the engines' own
+//! decode pace (issue 23): an engine whose published decode counters say it decodes 5× slower
+//! than its peers is judged degraded — its pinned sessions move (`pin_break`) and new sessions
+//! avoid it — although every answer it relays is as fast as its peers'; with equal paces no
+//! pin moves.
 
 // Test code: failing loudly with context is the point.
 #![allow(
@@ -25,7 +29,7 @@ use std::net::{TcpListener, TcpStream};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
-use support::{chat_body, post_chat, EcdsEnvoy, Envoy, EnvoyConfig};
+use support::{chat_body, post_chat, EcdsEnvoy, Envoy, EnvoyConfig, Session};
 
 /// What the engine's `/metrics` answers.
 #[derive(Clone)]
@@ -531,4 +535,190 @@ fn scraping_continues_once_per_interval_after_an_ecds_reconfiguration() {
         !log.contains("panic") && !log.contains("Wasm VM failed"),
         "{log}"
     );
+}
+
+/// A vLLM page with a steady load and the decode counters `seconds_us` / `tokens` (the
+/// `inter_token_latency_seconds` histogram's `_sum` and `_count`).
+fn paced_page(seconds_us: u64, tokens: u64) -> String {
+    format!(
+        "# TYPE vllm:num_requests_running gauge
+vllm:num_requests_running{{engine=\"0\",model_name=\"m1\"}} 1
+# TYPE vllm:num_requests_waiting gauge
+vllm:num_requests_waiting{{engine=\"0\",model_name=\"m1\"}} 0
+# TYPE vllm:kv_cache_usage_perc gauge
+vllm:kv_cache_usage_perc{{engine=\"0\",model_name=\"m1\"}} 0.1
+# TYPE vllm:inter_token_latency_seconds histogram
+vllm:inter_token_latency_seconds_bucket{{engine=\"0\",le=\"+Inf\",model_name=\"m1\"}} {tokens}
+vllm:inter_token_latency_seconds_sum{{engine=\"0\",model_name=\"m1\"}} {}
+vllm:inter_token_latency_seconds_count{{engine=\"0\",model_name=\"m1\"}} {tokens}
+",
+        seconds_us as f64 / 1e6
+    )
+}
+
+/// Engines whose `/metrics` counters advance as if each decoded `TOKENS_PER_TICK` tokens every
+/// tick at its own pace (µs per token, changed by the test); stops when dropped.
+struct Pacing {
+    paces: Arc<Vec<AtomicU64>>,
+    stop: Arc<AtomicBool>,
+}
+
+const TOKENS_PER_TICK: u64 = 50;
+const HEALTHY_US_PER_TOKEN: u64 = 2_000;
+
+impl Pacing {
+    fn start(pages: Vec<Arc<Mutex<Page>>>) -> Pacing {
+        let paces: Arc<Vec<AtomicU64>> = Arc::new(
+            pages
+                .iter()
+                .map(|_| AtomicU64::new(HEALTHY_US_PER_TOKEN))
+                .collect(),
+        );
+        let stop = Arc::new(AtomicBool::new(false));
+        let (p, st) = (paces.clone(), stop.clone());
+        std::thread::spawn(move || {
+            let mut totals = vec![(0u64, 0u64); pages.len()];
+            while !st.load(Ordering::SeqCst) {
+                for (i, page) in pages.iter().enumerate() {
+                    let (sec, n) = &mut totals[i];
+                    *sec += p[i].load(Ordering::SeqCst) * TOKENS_PER_TICK;
+                    *n += TOKENS_PER_TICK;
+                    let body = paced_page(*sec, *n);
+                    *page.lock().unwrap() = Page::Body(Arc::new(body.into_bytes()));
+                }
+                std::thread::sleep(Duration::from_millis(50));
+            }
+        });
+        Pacing { paces, stop }
+    }
+
+    fn set(&self, i: usize, us_per_token: u64) {
+        self.paces[i].store(us_per_token, Ordering::SeqCst);
+    }
+}
+
+impl Drop for Pacing {
+    fn drop(&mut self) {
+        self.stop.store(true, Ordering::SeqCst);
+    }
+}
+
+/// One turn of every session, four at a time.
+fn turn_all(envoy: &Envoy, sessions: &mut [Session]) {
+    let port = envoy.port;
+    support::for_each_parallel(sessions, 4, |_, s| {
+        s.send(0, port);
+    });
+}
+
+/// Issue 23: the engine's own decode pace judges it, the same for every replica. Four engines
+/// answer every chat request alike (instantly, the same body): the filter's own answers see
+/// no difference. Their `/metrics` publish decode counters; when engine `a`'s say it decodes
+/// 5× slower than the others, `a` is degraded within a few scrape intervals: every session
+/// pinned there moves on its next turn (`pin_break`) and new sessions avoid it (bar probes).
+/// Before that, with equal paces, a turn of every session moves none.
+#[test]
+fn an_engine_whose_published_pace_is_slow_loses_its_pins_and_new_sessions() {
+    const NAMES: [&str; 4] = ["a", "b", "c", "d"];
+    const INTERVAL_MS: u64 = 200;
+    let engines: Vec<Engine> = NAMES
+        .iter()
+        .map(|_| Engine::start(&paced_page(0, 0)))
+        .collect();
+    let pacing = Pacing::start(engines.iter().map(|e| e.page.clone()).collect());
+    let metrics = json!({"interval_ms": INTERVAL_MS, "format": "vllm"});
+    let eps: Vec<(&str, &Engine, Value)> = NAMES
+        .iter()
+        .zip(&engines)
+        .map(|(n, e)| (*n, e, metrics.clone()))
+        .collect();
+    let envoy = envoy(&eps, 2);
+    let pace_stat = |n: &str| stat_name("computeflux_engine_decode_us_per_token", n);
+    wait_stats(
+        &envoy,
+        Duration::from_secs(10),
+        "a pace for every engine",
+        |st| {
+            NAMES
+                .iter()
+                .all(|n| get(st, &pace_stat(n)) == HEALTHY_US_PER_TOKEN as i64)
+        },
+    );
+
+    // Equal paces: sessions are placed everywhere and stay.
+    let mut sessions = Session::many("pace", 48, "m1");
+    turn_all(&envoy, &mut sessions);
+    turn_all(&envoy, &mut sessions);
+    let home = |s: &Session| s.first_endpoint().unwrap_or("?").to_string();
+    let on_a: Vec<usize> = (0..sessions.len())
+        .filter(|&i| home(&sessions[i]) == "a")
+        .collect();
+    assert!(
+        on_a.len() >= 3,
+        "few sessions on a: {:?}",
+        sessions.iter().map(Session::trail).collect::<Vec<_>>()
+    );
+    for s in &sessions {
+        assert!(s.turns.iter().all(|t| t.ok()), "{}", s.trail());
+        assert_eq!(
+            s.last_endpoint(),
+            s.first_endpoint(),
+            "moved: {}",
+            s.trail()
+        );
+        assert_ne!(s.turns[1].affinity(), "pin_break", "{}", s.trail());
+    }
+
+    // Engine a's counters now say 5× slower; its answers through Envoy do not change.
+    pacing.set(0, 5 * HEALTHY_US_PER_TOKEN);
+    let judged = Instant::now();
+    wait_stats(
+        &envoy,
+        Duration::from_secs(10),
+        "a's slow pace scraped",
+        |st| get(st, &pace_stat("a")) >= 4 * HEALTHY_US_PER_TOKEN as i64,
+    );
+    let seen_after = judged.elapsed();
+    turn_all(&envoy, &mut sessions);
+    for &i in &on_a {
+        let s = &sessions[i];
+        let last = s.turns.last().unwrap();
+        assert!(last.ok(), "{}", s.trail());
+        assert_ne!(
+            last.endpoint(),
+            "a",
+            "still on the slow engine: {}",
+            s.trail()
+        );
+        assert_eq!(last.affinity(), "pin_break", "{}", s.trail());
+    }
+    for (i, s) in sessions.iter().enumerate() {
+        if !on_a.contains(&i) {
+            assert_eq!(
+                s.last_endpoint(),
+                s.first_endpoint(),
+                "moved: {}",
+                s.trail()
+            );
+        }
+    }
+    let (mut fresh, started) = (Session::many("after", 40, "m1"), Instant::now());
+    turn_all(&envoy, &mut fresh);
+    let to_a = fresh
+        .iter()
+        .filter(|s| s.last_endpoint() == Some("a"))
+        .count();
+    // At most one probe per `degraded_probe_interval_ms` (2 s by default), plus one.
+    let probes = (started.elapsed().as_millis() as usize).div_ceil(2_000) + 1;
+    assert!(
+        to_a <= probes,
+        "{to_a} new sessions on the slow engine (probes allowed: {probes})"
+    );
+    eprintln!(
+        "pace: {} sessions pinned to a moved; a's slow pace scraped after {seen_after:?}; \
+         {to_a}/40 new sessions on a",
+        on_a.len()
+    );
+    no_panic(&envoy);
+    drop(pacing);
 }

@@ -1,6 +1,7 @@
 //! The engine-metrics parser and the scrape record codec on arbitrary bytes: never panics,
 //! never reads past its limit, reports only clamped values, and what it reads does not change
-//! when CRLF replaces LF. Run: `scripts/fuzz` (or `cargo +nightly fuzz run engine_metrics`).
+//! when CRLF replaces LF. Two pages scraped one after the other (the body and `second`) fold
+//! into a record whose decode pace, if any, is at least 1 µs per token and round-trips. Run: `scripts/fuzz` (or `cargo +nightly fuzz run engine_metrics`).
 #![no_main]
 
 use arbitrary::Arbitrary;
@@ -16,6 +17,8 @@ struct Input<'a> {
     missing: u8,
     model: Option<&'a str>,
     body: &'a [u8],
+    /// The page of the next scrape (for the decode pace window).
+    second: &'a [u8],
 }
 
 const FORMATS: [Format; 5] = [
@@ -56,6 +59,18 @@ fuzz_target!(|input: Input<'_>| {
         assert_eq!(whole.load, other.load);
         assert_eq!(whole.stats.garbage_lines, other.stats.garbage_lines);
     }
+
+    // Two scrapes in a row: the pace window never panics and stays canonical.
+    let next = parse(input.second, input.second.len(), format, &models, usize::MAX);
+    let mut rec = Scraped::default();
+    for (i, load) in [p.load, next.load].into_iter().enumerate() {
+        if let Ok(l) = load {
+            rec.succeeded(l, i as u64 + 1);
+        }
+    }
+    assert!(rec.pace.is_none_or(|pc| pc.us_per_token >= 1));
+    assert_eq!(rec.decode_base.is_some(), rec.last.and_then(|l| l.decode).is_some());
+    assert_eq!(Scraped::decode(&rec.encode()), Some(rec));
 
     if let Some(r) = Scraped::decode(input.body) {
         assert_eq!(r.encode(), input.body);

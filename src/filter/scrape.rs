@@ -35,6 +35,8 @@ struct EndpointScrapeMetrics {
     waiting: Option<u32>,
     running: Option<u32>,
     kv_usage_permille: Option<u32>,
+    /// The engine's decode pace of its last window, µs per token (0: none).
+    decode_us_per_token: Option<u32>,
     age_ms: Option<u32>,
     scrapes: Option<u32>,
     /// In [`ScrapeError::ALL`] order.
@@ -48,6 +50,7 @@ impl EndpointScrapeMetrics {
             waiting: gauge("computeflux_engine_waiting"),
             running: gauge("computeflux_engine_running"),
             kv_usage_permille: gauge("computeflux_engine_kv_usage_permille"),
+            decode_us_per_token: gauge("computeflux_engine_decode_us_per_token"),
             age_ms: gauge("computeflux_scrape_age_ms"),
             scrapes: host::metric(
                 MetricType::Counter,
@@ -282,6 +285,11 @@ impl Scraper {
                     Metrics::set(m.kv_usage_permille, u64::from(kv));
                 }
             }
+            // 0 when the engine publishes no pace, or its counters just restarted.
+            Metrics::set(
+                m.decode_us_per_token,
+                rec.pace.map_or(0, |p| u64::from(p.us_per_token)),
+            );
         }
     }
 }

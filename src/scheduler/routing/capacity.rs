@@ -321,6 +321,7 @@ mod tests {
             running: Some(running),
             kv_usage_permille: None,
             scraped_ms,
+            decode_us_per_token: None,
         }
     }
 

@@ -75,6 +75,9 @@ pub struct EngineLoad {
     pub kv_usage_permille: Option<u16>,
     /// When the scrape completed.
     pub scraped_ms: u64,
+    /// The engine's own decode pace, µs per token (`scrape::Scraped::pace_at`): what judges
+    /// its slowness against its peers' where they publish one too (`signals`).
+    pub decode_us_per_token: Option<u32>,
 }
 
 /// The saturation of an endpoint.
@@ -277,6 +280,7 @@ mod tests {
             running: Some(8),
             kv_usage_permille: kv,
             scraped_ms: 1_000,
+            decode_us_per_token: None,
         }
     }
 

@@ -22,10 +22,35 @@
 //! - [`quantize`]: queue lengths in power-of-two buckets and KV usage in 10 % steps, so that
 //!   Envoy replicas scraping the same engines a moment apart usually agree on the inputs of
 //!   rendezvous placement (values near a bucket edge can still differ for one interval).
+//! - [`Scraped::pace`]: the engine's own **decode pace**, from the cumulative decode counters
+//!   it publishes ([`DecodeTotals`]: seconds and tokens). The record keeps the counters at the
+//!   start of the current window; once the engine has decoded at least [`PACE_MIN_TOKENS`]
+//!   since, the window closes: its pace is Δseconds ÷ Δtokens, and the next window starts at
+//!   the counters just read. A smaller window stays open across scrapes (a few tokens are
+//!   noise), and the last closed window's pace stands meanwhile: an idle engine keeps the pace
+//!   it last showed, since nothing it did since says otherwise. A counter that went down is an
+//!   engine restart: the window restarts from the new counters and the old pace is dropped (it
+//!   measured another process). The pace is usable only while the record's load is
+//!   [`LoadState::Known`] (fresh): every Envoy replica scraping the same engine derives nearly
+//!   the same pace, where each replica's own answers see a third of the traffic (issue 23).
 
 use crate::scheduler::state::codec::{Reader, Writer};
 use crate::scheduler::state::store::{update, update_if, Store};
-use crate::scheduler::wire::engine_load::{Engine, EngineLoad, LoadError};
+use crate::scheduler::wire::engine_load::{DecodeTotals, Engine, EngineLoad, LoadError};
+
+/// Tokens (Δcount of the engine's decode counters) a window needs before its pace is taken.
+/// 32 tokens are a fraction of one answer on an engine serving traffic (one scrape interval of
+/// the bench's engines decodes hundreds), and enough that per-token jitter averages out.
+pub const PACE_MIN_TOKENS: u64 = 32;
+
+/// An engine's decode pace over its last closed window (see the module doc).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Pace {
+    /// Decode time per token (per observation), µs, at least 1.
+    pub us_per_token: u32,
+    /// When the window closed (the scrape that read its end).
+    pub at_ms: u64,
+}
 
 /// The shared-data key of the scrape lease (one per Envoy process: the VM's shared data).
 pub const LEASE_KEY: &str = "computeflux/scrape/lease";
@@ -209,10 +234,11 @@ pub enum LoadState {
     Unknown(Unknown),
 }
 
-const RECORD_VERSION: u8 = 1;
+const RECORD_VERSION: u8 = 2;
 /// version, flags, engine, waiting, running, kv, prompt, cached, scraped_at, attempted_at,
-/// failures, last error.
-const RECORD_BYTES: usize = 1 + 1 + 1 + 4 + 4 + 4 + 8 + 8 + 8 + 8 + 4 + 1;
+/// failures, last error, decode totals (seconds, count), window base (seconds, count), pace
+/// (µs per token, at).
+const RECORD_BYTES: usize = 1 + 1 + 1 + 4 + 4 + 4 + 8 + 8 + 8 + 8 + 4 + 1 + 16 + 16 + 4 + 8;
 
 const HAS_LOAD: u8 = 1;
 const HAS_WAITING: u8 = 1 << 1;
@@ -220,7 +246,11 @@ const HAS_RUNNING: u8 = 1 << 2;
 const HAS_KV: u8 = 1 << 3;
 const HAS_PROMPT: u8 = 1 << 4;
 const HAS_CACHED: u8 = 1 << 5;
-const ALL_FLAGS: u8 = HAS_LOAD | HAS_WAITING | HAS_RUNNING | HAS_KV | HAS_PROMPT | HAS_CACHED;
+/// The last load has decode totals (and then the record has a window base).
+const HAS_DECODE: u8 = 1 << 6;
+const HAS_PACE: u8 = 1 << 7;
+const ALL_FLAGS: u8 =
+    HAS_LOAD | HAS_WAITING | HAS_RUNNING | HAS_KV | HAS_PROMPT | HAS_CACHED | HAS_DECODE | HAS_PACE;
 
 /// One endpoint's scrape record, as kept in shared data.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
@@ -235,15 +265,60 @@ pub struct Scraped {
     pub consecutive_failures: u32,
     /// The error of the last failed scrape (kept after a success, for the logs).
     pub last_error: Option<ScrapeError>,
+    /// The engine's decode counters at the start of the open pace window (present exactly
+    /// when the last load has decode totals).
+    pub decode_base: Option<DecodeTotals>,
+    /// The pace of the last closed window (only with a window base).
+    pub pace: Option<Pace>,
 }
 
 impl Scraped {
     /// Folds in a successful scrape.
     pub fn succeeded(&mut self, load: EngineLoad, now_ms: u64) {
+        self.advance_pace(load.decode, now_ms);
         self.last = Some(load);
         self.scraped_at_ms = now_ms;
         self.attempted_at_ms = now_ms;
         self.consecutive_failures = 0;
+    }
+
+    /// Moves the pace window to the counters `now` (see the module doc): closes it once
+    /// [`PACE_MIN_TOKENS`] were decoded since its base, restarts it (dropping the pace) when a
+    /// counter went down, and forgets both when the engine stopped publishing the counters.
+    fn advance_pace(&mut self, now: Option<DecodeTotals>, now_ms: u64) {
+        let Some(now) = now else {
+            self.decode_base = None;
+            self.pace = None;
+            return;
+        };
+        let Some(base) = self.decode_base else {
+            self.decode_base = Some(now);
+            return;
+        };
+        if now.seconds_us < base.seconds_us || now.count < base.count {
+            self.decode_base = Some(now);
+            self.pace = None;
+            return;
+        }
+        let tokens = now.count - base.count;
+        if tokens < PACE_MIN_TOKENS {
+            return;
+        }
+        let us = (now.seconds_us - base.seconds_us) / tokens;
+        self.pace = Some(Pace {
+            us_per_token: u32::try_from(us).unwrap_or(u32::MAX).max(1),
+            at_ms: now_ms,
+        });
+        self.decode_base = Some(now);
+    }
+
+    /// The engine's decode pace, µs per token, when its load is known at `now_ms` (see
+    /// [`Scraped::state_at`]) and a window has closed since it last (re)started.
+    pub fn pace_at(&self, now_ms: u64, stale_after_ms: u64) -> Option<u32> {
+        match self.state_at(now_ms, stale_after_ms) {
+            LoadState::Known(_) => self.pace.map(|p| p.us_per_token),
+            LoadState::Unknown(_) => None,
+        }
     }
 
     /// Folds in a failed scrape; the last good load is kept but no longer [`LoadState::Known`].
@@ -296,6 +371,9 @@ impl Scraped {
             HAS_CACHED,
             l.is_some_and(|l| l.prompt_tokens_cached_total.is_some()),
         );
+        let decode = l.and_then(|l| l.decode);
+        set(HAS_DECODE, decode.is_some());
+        set(HAS_PACE, self.pace.is_some());
         w.u8(flags);
         w.u8(l.map_or(0, |l| l.engine.code()));
         w.u32(l.and_then(|l| l.waiting).unwrap_or(0));
@@ -307,11 +385,20 @@ impl Scraped {
         w.u64(self.attempted_at_ms);
         w.u32(self.consecutive_failures);
         w.u8(self.last_error.map_or(0, ScrapeError::code));
+        let d = decode.unwrap_or_default();
+        w.u64(d.seconds_us);
+        w.u64(d.count);
+        let b = self.decode_base.unwrap_or_default();
+        w.u64(b.seconds_us);
+        w.u64(b.count);
+        w.u32(self.pace.map_or(0, |p| p.us_per_token));
+        w.u64(self.pace.map_or(0, |p| p.at_ms));
         w.buf
     }
 
     /// `None` unless the bytes are exactly what [`Scraped::encode`] writes for some record
-    /// (current version, known codes, KV ≤ 1000, absent fields zero, nothing trailing).
+    /// (current version, known codes, KV ≤ 1000, absent fields zero, a window base exactly
+    /// with decode totals, a pace only with a base and at least 1 µs, nothing trailing).
     pub fn decode(bytes: &[u8]) -> Option<Scraped> {
         let mut r = Reader::new(bytes);
         if r.u8()? != RECORD_VERSION {
@@ -328,9 +415,43 @@ impl Scraped {
         let attempted_at_ms = r.u64()?;
         let consecutive_failures = r.u32()?;
         let error = r.u8()?;
-        if !r.is_empty() || flags & !ALL_FLAGS != 0 {
+        let decode = DecodeTotals {
+            seconds_us: r.u64()?,
+            count: r.u64()?,
+        };
+        let base = DecodeTotals {
+            seconds_us: r.u64()?,
+            count: r.u64()?,
+        };
+        let pace_us = r.u32()?;
+        let pace_at_ms = r.u64()?;
+        // Every flag bit has a meaning: no unknown bits to reject.
+        const _: () = assert!(ALL_FLAGS == u8::MAX);
+        if !r.is_empty() {
             return None;
         }
+        let has_decode = flags & HAS_DECODE != 0;
+        let has_pace = flags & HAS_PACE != 0;
+        let zero = DecodeTotals::default();
+        // Decode totals and a window base go together (with a load: checked below); a pace
+        // needs them; absent values are zero (one encoding per record).
+        let consistent = if has_decode {
+            !has_pace || pace_us >= 1
+        } else {
+            decode == zero && base == zero && !has_pace
+        } && (has_pace || (pace_us == 0 && pace_at_ms == 0));
+        if !consistent {
+            return None;
+        }
+        let (decode_base, pace) = if has_decode {
+            let pace = has_pace.then_some(Pace {
+                us_per_token: pace_us,
+                at_ms: pace_at_ms,
+            });
+            (Some(base), pace)
+        } else {
+            (None, None)
+        };
         let last_error = match error {
             0 => None,
             c => Some(ScrapeError::from_code(c)?),
@@ -356,8 +477,12 @@ impl Scraped {
                 kv_usage_permille: kv.map(|k| u16::try_from(k).unwrap_or(1000)),
                 prompt_tokens_total: field(flags, HAS_PROMPT, prompt)?,
                 prompt_tokens_cached_total: field(flags, HAS_CACHED, cached)?,
+                decode: has_decode.then_some(decode),
             })
         } else {
+            if has_decode {
+                return None;
+            }
             let zero = flags == 0
                 && engine == 0
                 && waiting == 0
@@ -376,6 +501,8 @@ impl Scraped {
             attempted_at_ms,
             consecutive_failures,
             last_error,
+            decode_base,
+            pace,
         })
     }
 }
@@ -393,6 +520,9 @@ pub fn read(store: &dyn Store, key: &str) -> Scraped {
 /// Folds one scrape's result into the endpoint's record (read-modify-write with bounded CAS
 /// retries). Returns the record written; `Err` with the record it would have written when every
 /// attempt lost a race (only the lease holder writes, so this means a lease handover raced).
+// Both variants are the same ~200-byte record, returned once per scrape: boxing one would cost
+// an allocation for nothing.
+#[allow(clippy::result_large_err)]
 pub fn record(
     store: &dyn Store,
     key: &str,
@@ -461,15 +591,15 @@ pub fn quantize(load: &EngineLoad) -> Quantized {
 /// request reads all engines' loads with one `get`.
 pub const LOADS_KEY: &str = "computeflux/scrape/loads";
 
-const LOADS_VERSION: u8 = 1;
+const LOADS_VERSION: u8 = 2;
 /// Per entry: the endpoint id, then its [`Scraped`] record.
 const LOAD_ENTRY_BYTES: usize = 4 + RECORD_BYTES;
 
 /// Every scraped endpoint's [`Scraped`] record, by endpoint id (`EndpointConfig::id`), as
 /// the scrape lease holder publishes it under [`LOADS_KEY`] after each scrape.
 ///
-/// Codec (little-endian): version `1` (u8), entry count (u32), then per entry, in strictly
-/// increasing id order, the id (u32) and the record's own encoding ([`Scraped::encode`], 61
+/// Codec (little-endian): version `2` (u8), entry count (u32), then per entry, in strictly
+/// increasing id order, the id (u32) and the record's own encoding ([`Scraped::encode`], 105
 /// bytes). Anything else decodes as `None` (read as no loads at all: every load unknown).
 #[derive(Debug, Clone, PartialEq, Eq, Default)]
 pub struct Loads {
@@ -590,6 +720,7 @@ mod tests {
             kv_usage_permille: Some(kv),
             prompt_tokens_total: None,
             prompt_tokens_cached_total: None,
+            decode: None,
         }
     }
 
@@ -759,6 +890,78 @@ mod tests {
         assert_eq!(read(&s, &key).consecutive_failures, 1);
     }
 
+    fn with_decode(seconds_us: u64, count: u64) -> EngineLoad {
+        EngineLoad {
+            decode: Some(DecodeTotals { seconds_us, count }),
+            ..vllm(0, 4, 100)
+        }
+    }
+
+    /// The pace windows: the first scrape only sets the base; a window closes at
+    /// `PACE_MIN_TOKENS` (exactly 32 here), smaller ones stay open and keep the last pace; a
+    /// counter going down (restart) drops the pace and restarts the window; a load without the
+    /// counters forgets both; a failed or stale scrape hides the pace.
+    #[test]
+    fn pace_windows_resets_and_freshness() {
+        let s = MemStore::new();
+        let key = record_key("e");
+        let at = |now: u64, sec_us: u64, n: u64| {
+            record(&s, &key, now, Ok(with_decode(sec_us, n))).map_err(|_| ())
+        };
+        let r = at(1_000, 5_000_000, 2_000).unwrap();
+        assert_eq!(r.pace, None);
+        assert_eq!(
+            r.decode_base,
+            Some(DecodeTotals {
+                seconds_us: 5_000_000,
+                count: 2_000
+            })
+        );
+        // 31 tokens: the window stays open.
+        let r = at(2_000, 5_062_000, 2_031).unwrap();
+        assert_eq!((r.pace, r.decode_base.unwrap().count), (None, 2_000));
+        // 32 tokens in 64 ms since the base: 2 ms per token.
+        let r = at(3_000, 5_064_000, 2_032).unwrap();
+        assert_eq!(
+            r.pace,
+            Some(Pace {
+                us_per_token: 2_000,
+                at_ms: 3_000
+            })
+        );
+        assert_eq!(r.pace_at(3_500, 1_000), Some(2_000));
+        // Idle: the same counters keep the pace.
+        let r = at(4_000, 5_064_000, 2_032).unwrap();
+        assert_eq!(r.pace_at(4_000, 1_000), Some(2_000));
+        // Five times slower over 100 tokens.
+        let r = at(5_000, 6_064_000, 2_132).unwrap();
+        assert_eq!(r.pace_at(5_000, 1_000), Some(10_000));
+        // Stale or failed: no pace for the scheduler (the record keeps it).
+        assert_eq!(r.pace_at(6_001, 1_000), None);
+        let f = record(&s, &key, 5_500, Err(ScrapeError::Timeout)).unwrap();
+        assert_eq!(f.pace_at(5_500, 1_000), None);
+        assert!(f.pace.is_some());
+        // The engine restarted: smaller counters, no pace, the window restarts there.
+        let r = at(6_000, 40_000, 20).unwrap();
+        assert_eq!(r.pace, None);
+        assert_eq!(r.decode_base.unwrap().count, 20);
+        // Only one counter went down (the seconds): a restart too.
+        let r = at(6_500, 39_000, 100).unwrap();
+        assert_eq!((r.pace, r.decode_base.unwrap().count), (None, 100));
+        let r = at(7_000, 39_000 + 32 * 3_000, 132).unwrap();
+        assert_eq!(r.pace.map(|p| p.us_per_token), Some(3_000));
+        // No time at all for many tokens reads as the floor of 1 µs, not 0.
+        let r = at(7_500, 39_000 + 32 * 3_000, 10_132).unwrap();
+        assert_eq!(r.pace.map(|p| p.us_per_token), Some(1));
+        // Counters near the top: saturates at u32::MAX µs per token, no overflow.
+        let r = at(8_000, u64::MAX, 10_164).unwrap();
+        assert_eq!(r.pace.map(|p| p.us_per_token), Some(u32::MAX));
+        // The engine stopped publishing the counters: both forgotten.
+        let r = record(&s, &key, 9_000, Ok(vllm(0, 1, 0))).unwrap();
+        assert_eq!((r.pace, r.decode_base), (None, None));
+        assert_eq!(Scraped::decode(&r.encode()), Some(r));
+    }
+
     #[test]
     fn record_codec_is_exact() {
         let full = Scraped {
@@ -769,11 +972,23 @@ mod tests {
                 kv_usage_permille: None,
                 prompt_tokens_total: Some(4096),
                 prompt_tokens_cached_total: Some(3000),
+                decode: Some(DecodeTotals {
+                    seconds_us: 9_000_000,
+                    count: 4_500,
+                }),
             }),
             scraped_at_ms: 123,
             attempted_at_ms: 456,
             consecutive_failures: 7,
             last_error: Some(ScrapeError::ModelNotServed),
+            decode_base: Some(DecodeTotals {
+                seconds_us: 8_000_000,
+                count: 4_000,
+            }),
+            pace: Some(Pace {
+                us_per_token: 2_000,
+                at_ms: 120,
+            }),
         };
         for r in [
             full,
@@ -792,7 +1007,7 @@ mod tests {
             assert_eq!(Scraped::decode(&longer), None);
         }
         let mut bad = vllm(1, 1, 1).into_record().encode();
-        bad[0] = 2; // version
+        bad[0] = 1; // the previous version
         assert_eq!(Scraped::decode(&bad), None);
         let mut bad = vllm(1, 1, 1).into_record().encode();
         // KV is at bytes 11..15 (after version, flags, engine, waiting, running): 1001 ‰.
@@ -807,6 +1022,27 @@ mod tests {
         assert_eq!(Scraped::decode(&bad), None);
         let mut bad = full.encode();
         bad[2] = 0; // no engine
+        assert_eq!(Scraped::decode(&bad), None);
+        // A pace without decode totals, decode totals without a pace's zeros, a zero pace.
+        let no_decode = Scraped {
+            last: Some(vllm(1, 1, 1)),
+            ..Scraped::default()
+        };
+        let mut bad = no_decode.encode();
+        bad[1] |= HAS_PACE;
+        bad[RECORD_BYTES - 12] = 1;
+        assert_eq!(Scraped::decode(&bad), None);
+        let mut bad = no_decode.encode();
+        bad[RECORD_BYTES - 20] = 1; // a window base without decode totals
+        assert_eq!(Scraped::decode(&bad), None);
+        let mut bad = full.encode();
+        bad[RECORD_BYTES - 12..RECORD_BYTES - 8].copy_from_slice(&[0; 4]);
+        assert_eq!(Scraped::decode(&bad), None);
+        let mut bad = full.encode();
+        bad[1] &= !HAS_PACE; // pace bytes left non-zero
+        assert_eq!(Scraped::decode(&bad), None);
+        let mut bad = full.encode();
+        bad[1] &= !HAS_LOAD;
         assert_eq!(Scraped::decode(&bad), None);
         for e in ScrapeError::ALL {
             assert_eq!(ScrapeError::from_code(e.code()), Some(e));
@@ -854,6 +1090,7 @@ mod tests {
             kv_usage_permille: None,
             prompt_tokens_total: None,
             prompt_tokens_cached_total: None,
+            decode: None,
         };
         assert_eq!(quantize(&tgi).requests_floor(), None);
     }
@@ -905,7 +1142,7 @@ mod tests {
         longer.push(0);
         assert_eq!(Loads::decode(&longer), None);
         let mut bad = bytes.clone();
-        bad[0] = 2;
+        bad[0] = 1;
         assert_eq!(Loads::decode(&bad), None);
         // Ids out of order (the second entry's id set below the first's).
         let mut bad = bytes.clone();

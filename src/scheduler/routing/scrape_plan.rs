@@ -410,6 +410,7 @@ mod tests {
             kv_usage_permille: None,
             prompt_tokens_total: None,
             prompt_tokens_cached_total: None,
+            decode: None,
         };
         let mut scrapes: Vec<(u64, u64)> = Vec::new(); // (time, holder)
         let mut token = 0;

@@ -80,8 +80,49 @@ pub fn peer_medians(table: &Table, cfg: &Config, min_samples: u32) -> Vec<Option
             .and_then(Slowness::value)
             .filter(|x| x.is_finite())
     };
+    let values: Vec<Option<f64>> = (0..n).map(value).collect();
+    medians_among_peers(cfg, &values)
+}
+
+/// Every endpoint's peers' median engine pace (µs per token, from the fresh scraped loads):
+/// [`peer_medians`]'s rule over the endpoints whose engines publish a pace. `None` for an
+/// endpoint none of whose peers has one; an empty list when no engine has one.
+pub fn pace_medians(cfg: &Config, loads: &[Option<EngineLoad>]) -> Vec<Option<f64>> {
+    if !loads
+        .iter()
+        .flatten()
+        .any(|l| l.decode_us_per_token.is_some())
+    {
+        // No engine publishes a pace (hosted keys, no metrics): nothing to compare, and no
+        // allocation (an empty list reads as `None` for every endpoint).
+        return Vec::new();
+    }
+    let values: Vec<Option<f64>> = (0..cfg.endpoints.len())
+        .map(|i| {
+            loads
+                .get(i)
+                .copied()
+                .flatten()
+                .and_then(|l| l.decode_us_per_token)
+                .map(f64::from)
+        })
+        .collect();
+    medians_among_peers(cfg, &values)
+}
+
+/// The median of `values` (by endpoint index, `None`: no value) over each endpoint's enabled
+/// peers, as [`peer_medians`] documents.
+fn medians_among_peers(cfg: &Config, values: &[Option<f64>]) -> Vec<Option<f64>> {
+    let n = cfg.endpoints.len();
     let values: Vec<Option<f64>> = (0..n)
-        .map(|i| value(i).filter(|_| cfg.endpoints.get(i).is_some_and(|e| !e.disabled)))
+        .map(|i| {
+            values
+                .get(i)
+                .copied()
+                .flatten()
+                .filter(|x| x.is_finite())
+                .filter(|_| cfg.endpoints.get(i).is_some_and(|e| !e.disabled))
+        })
         .collect();
     let mut fleet: Vec<f64> = values.iter().flatten().copied().collect();
     let wildcard: Vec<f64> = cfg
@@ -304,6 +345,7 @@ pub fn engine_loads(store: &dyn Store, cfg: &Config, now_ms: u64) -> Vec<Option<
                     running: l.running,
                     kv_usage_permille: l.kv_usage_permille,
                     scraped_ms,
+                    decode_us_per_token: loads.get(ep.id).and_then(|r| r.pace_at(now_ms, stale)),
                 }),
                 LoadState::Unknown(_) => None,
             }
@@ -327,6 +369,7 @@ pub fn placement_load(
             kv_usage_permille: l.kv_usage_permille,
             prompt_tokens_total: None,
             prompt_tokens_cached_total: None,
+            decode: None,
         })
         .requests_floor()
     });
@@ -362,15 +405,19 @@ pub fn judge(
 ) -> Verdict {
     let rule = DegradeRule::from_config(cfg);
     let reference = peer_median(table, cfg, i, rule.min_samples);
-    judge_with(table, cfg, i, reference, load, now_ms)
+    judge_with(table, cfg, i, reference, None, load, now_ms)
 }
 
-/// [`judge`] with the peers' median already known (see [`peer_medians`]).
+/// [`judge`] with the peers' medians already known: their slowness ([`peer_medians`]) and
+/// their engines' pace ([`pace_medians`]). Where the endpoint's engine and at least one peer's
+/// publish a decode pace, the degraded rule judges the pace ([`slowness::pace_degraded`]);
+/// otherwise the slowness learned from this process's own answers.
 pub fn judge_with(
     table: &Table,
     cfg: &Config,
     i: usize,
     reference: Option<f64>,
+    pace_reference: Option<f64>,
     load: Option<EngineLoad>,
     now_ms: u64,
 ) -> Verdict {
@@ -382,7 +429,13 @@ pub fn judge_with(
         degraded: st.degraded,
         ..st.slowness
     };
-    let sticky = slowness::degraded(&own, reference, &rule);
+    let pace = load.and_then(|l| l.decode_us_per_token);
+    let sticky = match (pace, pace_reference) {
+        (Some(mine), Some(peers)) => {
+            slowness::pace_degraded(f64::from(mine), peers, st.degraded, &rule)
+        }
+        _ => slowness::degraded(&own, reference, &rule),
+    };
     let overdue = !sticky && overdue(st, reference, &rule, cfg, now_ms);
     let saturation = saturation::judge(
         st.saturation,
@@ -617,6 +670,7 @@ mod tests {
             kv_usage_permille: Some(500),
             prompt_tokens_total: None,
             prompt_tokens_cached_total: None,
+            decode: None,
         };
         let rec = scrape::record(&store, &scrape::record_key("b"), 1_000, Ok(load)).unwrap();
         let ids: Vec<u32> = c.endpoints.iter().map(|e| e.id).collect();
@@ -629,7 +683,8 @@ mod tests {
                 waiting: Some(6),
                 running: Some(3),
                 kv_usage_permille: Some(500),
-                scraped_ms: 1_000
+                scraped_ms: 1_000,
+                decode_us_per_token: None,
             })
         );
         assert_eq!(

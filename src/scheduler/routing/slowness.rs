@@ -77,6 +77,22 @@
 //! `min_extra_ms`. The median, not the best, of the peers: the best of several noisy estimates
 //! is biased low, and one lucky peer would make every other endpoint look slow.
 //!
+//! **The engine's own decode pace comes first where it is published** ([`pace_degraded`],
+//! called by `signals::judge_with`). Everything above is learned from this Envoy process's own
+//! answers: with three replicas each sees a third of them and needs three times as long to be
+//! convinced, and the requests a slowed engine serves meanwhile are the slow run's p99 (2.13×
+//! steady with one Envoy, 3.57× with three). Self-hosted engines publish their decode time as
+//! cumulative counters; the scraper turns them into the pace of the last window of at least
+//! `scrape::PACE_MIN_TOKENS` tokens (`scrape.rs`), which every replica derives alike from all
+//! of the engine's traffic. Where an endpoint and at least one of its peers have a fresh pace,
+//! the degraded rule is taken on own pace ÷ the peers' median pace with the same thresholds
+//! (`ratio`, `exit_ratio`, and `min_extra_ms` on a typical answer of [`PACE_ANSWER_TOKENS`]) —
+//! as the primary signal, not folded into this EWMA, which would bring back the per-replica
+//! history and the α-paced onset it replaces. The batch stretches a healthy engine's decode by
+//! at most 1.75× (the bench's 16 slots): far from 3×. Endpoints without a pace (hosted keys,
+//! TGI, a failed or stale scrape, a restarted engine before its first window) keep the
+//! slowness below.
+//!
 //! Measured (`tests/slowness_props.rs`, a synthetic fleet of 4 engines, half the answers
 //! streamed, prompts 200–8000 tokens 0–95 % cached, 16–512 output tokens, batch stretch and a
 //! 0–300 ms queue; `--nocapture` prints the figures): a healthy endpoint's slowness has p5/p50/
@@ -779,11 +795,64 @@ pub fn degraded(own: &Slowness, reference: Option<f64>, rule: &DegradeRule) -> b
     }
 }
 
+/// Output tokens of a typical answer, for the cost of an engine pace gap in
+/// [`pace_degraded`]: the median of the log-uniform 16–512 output lengths of the bench's
+/// engines is about 90.
+pub const PACE_ANSWER_TOKENS: f64 = 100.0;
+
+/// The degraded rule on the engines' own decode pace (see the module doc): `mine_us` is the
+/// endpoint's engine-reported decode time per token, `peers_us` its peers' median, `was` the
+/// previous verdict. Enter at `ratio` × the peers' pace, stay until below `exit_ratio`, as
+/// [`degraded`]; and the gap must cost `min_extra_ms` ([`PACE_ANSWER_TOKENS`] × the per-token
+/// gap; half to stay), so that a 5× gap between engines that decode in microseconds does not
+/// move sessions. No warm-up: every counted window already averages
+/// `scrape::PACE_MIN_TOKENS` tokens or more.
+pub fn pace_degraded(mine_us: f64, peers_us: f64, was: bool, rule: &DegradeRule) -> bool {
+    if !mine_us.is_finite() || !peers_us.is_finite() || peers_us <= 0.0 {
+        return false;
+    }
+    let ratio = mine_us / peers_us;
+    let extra_ms = (mine_us - peers_us) / 1000.0 * PACE_ANSWER_TOKENS;
+    if was {
+        ratio >= rule.exit_ratio && extra_ms >= rule.min_extra_ms / 2.0
+    } else {
+        ratio >= rule.ratio && extra_ms >= rule.min_extra_ms
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
     #[cfg(target_arch = "wasm32")]
     use wasm_bindgen_test::wasm_bindgen_test as test;
+
+    /// The pace rule with the default thresholds (enter 3×, leave below 1.5×, 50 ms): a
+    /// batch-stretched healthy engine (1.75× its peers) is never degraded, a 5× slower one is,
+    /// and stays until it is back under 1.5×; a large ratio of tiny paces costs nothing.
+    #[test]
+    fn pace_rule_thresholds_and_hysteresis() {
+        let rule = DegradeRule {
+            ratio: 3.0,
+            exit_ratio: 1.5,
+            min_extra_ms: 50.0,
+            min_samples: 20,
+        };
+        assert!(!pace_degraded(3_500.0, 2_000.0, false, &rule));
+        assert!(!pace_degraded(5_999.0, 2_000.0, false, &rule));
+        assert!(pace_degraded(6_000.0, 2_000.0, false, &rule));
+        assert!(pace_degraded(10_000.0, 2_000.0, false, &rule));
+        // Hysteresis: 1.75× keeps it degraded, 1.45× releases it.
+        assert!(pace_degraded(3_500.0, 2_000.0, true, &rule));
+        assert!(!pace_degraded(2_900.0, 2_000.0, true, &rule));
+        // 5× of 50 µs: 20 ms per answer, below 50 ms.
+        assert!(!pace_degraded(250.0, 50.0, false, &rule));
+        // 5× of 200 µs: 80 ms per answer.
+        assert!(pace_degraded(1_000.0, 200.0, false, &rule));
+        // Garbage never degrades.
+        assert!(!pace_degraded(f64::NAN, 2_000.0, false, &rule));
+        assert!(!pace_degraded(10_000.0, 0.0, false, &rule));
+        assert!(!pace_degraded(f64::INFINITY, 2_000.0, true, &rule));
+    }
 
     fn sample(
         streamed: bool,

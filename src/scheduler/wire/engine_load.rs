@@ -25,6 +25,20 @@
 //! `auto` reads the engine whose names the body holds most families of. llama.cpp's
 //! `llamacpp:prompt_tokens_total` and `llamacpp:prompt_tokens_cached_total` are read too.
 //!
+//! **Decode pace** ([`DecodeTotals`]): each engine also publishes its own decode time as a pair
+//! of cumulative counters, seconds spent and tokens (or observations) they were spent on; the
+//! scraper differences two scrapes into the pace of the window between them (`scrape.rs`).
+//!
+//! | format     | seconds (sum)                                  | count                                            |
+//! |------------|------------------------------------------------|--------------------------------------------------|
+//! | `vllm`     | `vllm:inter_token_latency_seconds_sum`, else `vllm:time_per_output_token_seconds_sum` (deprecated, same values), else `vllm:request_time_per_output_token_seconds_sum` (one observation per request) | the same histogram's `_count` |
+//! | `sglang`   | `sglang:inter_token_latency_seconds_sum`, else `sglang:time_per_output_token_seconds_sum` | the same histogram's `_count` |
+//! | `llamacpp` | `llamacpp:tokens_predicted_seconds_total`      | `llamacpp:tokens_predicted_total`                |
+//! | `tgi`      | none                                           |                                                  |
+//!
+//! The two halves of a pair come from the same family (a `_sum` of one name is never divided
+//! by the `_count` of another); seconds are summed in microseconds.
+//!
 //! Counts are summed over the distinct series of a family (vLLM's `engine` label, SGLang's
 //! `dp_rank`: one series per rank); KV usage is the mean over series (each rank has its own
 //! cache). A series whose `model_name` label is not in the model filter is left out; a series
@@ -98,6 +112,19 @@ pub struct EngineLoad {
     pub prompt_tokens_total: Option<u64>,
     /// llama.cpp's `llamacpp:prompt_tokens_cached_total` (a counter).
     pub prompt_tokens_cached_total: Option<u64>,
+    /// The engine's cumulative decode time and what it was spent on (see the module doc).
+    pub decode: Option<DecodeTotals>,
+}
+
+/// An engine's cumulative decode counters: time spent decoding and the tokens (for vLLM's
+/// per-request histogram, the requests) it was spent on. Both only grow while the engine runs;
+/// a decrease means it restarted.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct DecodeTotals {
+    /// Seconds spent, in microseconds (summed over series).
+    pub seconds_us: u64,
+    /// Tokens or observations (summed over series).
+    pub count: u64,
 }
 
 /// Why a body gave no load.
@@ -170,9 +197,34 @@ enum Family {
     LlamaPromptCached,
     TgiWaiting,
     TgiRunning,
+    VllmItlSum,
+    VllmItlCount,
+    VllmTpotSum,
+    VllmTpotCount,
+    VllmReqTpotSum,
+    VllmReqTpotCount,
+    SglangItlSum,
+    SglangItlCount,
+    SglangTpotSum,
+    SglangTpotCount,
+    LlamaPredictedSeconds,
+    LlamaPredicted,
 }
 
-const FAMILIES: usize = 13;
+const FAMILIES: usize = 25;
+
+/// The decode `(seconds, count)` family pairs of each engine, in order of preference.
+const DECODE_PAIRS: [(Family, Family); 6] = {
+    use Family::*;
+    [
+        (VllmItlSum, VllmItlCount),
+        (VllmTpotSum, VllmTpotCount),
+        (VllmReqTpotSum, VllmReqTpotCount),
+        (SglangItlSum, SglangItlCount),
+        (SglangTpotSum, SglangTpotCount),
+        (LlamaPredictedSeconds, LlamaPredicted),
+    ]
+};
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 enum Kind {
@@ -182,6 +234,8 @@ enum Kind {
     Fraction,
     /// A token counter: summed, clamped to u64.
     Counter,
+    /// A cumulative time in seconds: summed in microseconds, clamped to u64.
+    Seconds,
 }
 
 impl Family {
@@ -192,9 +246,16 @@ impl Family {
     fn engine(self) -> Engine {
         use Family::*;
         match self {
-            VllmWaiting | VllmRunning | VllmKv | VllmKvOld => Engine::Vllm,
-            SglangWaiting | SglangRunning | SglangKv => Engine::Sglang,
-            LlamaWaiting | LlamaRunning | LlamaPrompt | LlamaPromptCached => Engine::Llamacpp,
+            VllmWaiting | VllmRunning | VllmKv | VllmKvOld | VllmItlSum | VllmItlCount
+            | VllmTpotSum | VllmTpotCount | VllmReqTpotSum | VllmReqTpotCount => Engine::Vllm,
+            SglangWaiting | SglangRunning | SglangKv | SglangItlSum | SglangItlCount
+            | SglangTpotSum | SglangTpotCount => Engine::Sglang,
+            LlamaWaiting
+            | LlamaRunning
+            | LlamaPrompt
+            | LlamaPromptCached
+            | LlamaPredictedSeconds
+            | LlamaPredicted => Engine::Llamacpp,
             TgiWaiting | TgiRunning => Engine::Tgi,
         }
     }
@@ -203,7 +264,14 @@ impl Family {
         use Family::*;
         match self {
             VllmKv | VllmKvOld | SglangKv => Kind::Fraction,
-            LlamaPrompt | LlamaPromptCached => Kind::Counter,
+            LlamaPrompt | LlamaPromptCached | VllmItlCount | VllmTpotCount | VllmReqTpotCount
+            | SglangItlCount | SglangTpotCount | LlamaPredicted => Kind::Counter,
+            VllmItlSum
+            | VllmTpotSum
+            | VllmReqTpotSum
+            | SglangItlSum
+            | SglangTpotSum
+            | LlamaPredictedSeconds => Kind::Seconds,
             _ => Kind::Count,
         }
     }
@@ -221,6 +289,14 @@ fn family(name: &[u8]) -> Option<Family> {
         b"llamacpp:requests_processing" => LlamaRunning,
         b"llamacpp:prompt_tokens_total" => LlamaPrompt,
         b"llamacpp:prompt_tokens_cached_total" => LlamaPromptCached,
+        b"llamacpp:tokens_predicted_seconds_total" => LlamaPredictedSeconds,
+        b"llamacpp:tokens_predicted_total" => LlamaPredicted,
+        b"vllm:inter_token_latency_seconds_sum" => VllmItlSum,
+        b"vllm:inter_token_latency_seconds_count" => VllmItlCount,
+        b"vllm:time_per_output_token_seconds_sum" => VllmTpotSum,
+        b"vllm:time_per_output_token_seconds_count" => VllmTpotCount,
+        b"vllm:request_time_per_output_token_seconds_sum" => VllmReqTpotSum,
+        b"vllm:request_time_per_output_token_seconds_count" => VllmReqTpotCount,
         b"tgi_queue_size" => TgiWaiting,
         b"tgi_batch_current_size" => TgiRunning,
         _ => {
@@ -231,6 +307,10 @@ fn family(name: &[u8]) -> Option<Family> {
                 b"num_queue_reqs" => SglangWaiting,
                 b"num_running_reqs" => SglangRunning,
                 b"token_usage" => SglangKv,
+                b"inter_token_latency_seconds_sum" => SglangItlSum,
+                b"inter_token_latency_seconds_count" => SglangItlCount,
+                b"time_per_output_token_seconds_sum" => SglangTpotSum,
+                b"time_per_output_token_seconds_count" => SglangTpotCount,
                 _ => return None,
             }
         }
@@ -349,6 +429,7 @@ fn scale(kind: Kind, v: f64) -> Option<u64> {
         // `as` saturates (and +Inf becomes the maximum).
         Kind::Count => v.round().min(f64::from(u32::MAX)) as u64,
         Kind::Counter => v.round() as u64,
+        Kind::Seconds => (v * 1_000_000.0).round() as u64,
         Kind::Fraction => (v.min(1.0) * 1_000_000.0).round() as u64,
     })
 }
@@ -443,6 +524,18 @@ fn finish(fold: &Fold, want: Option<Engine>) -> Result<EngineLoad, LoadError> {
         LlamaPromptCached,
         TgiWaiting,
         TgiRunning,
+        VllmItlSum,
+        VllmItlCount,
+        VllmTpotSum,
+        VllmTpotCount,
+        VllmReqTpotSum,
+        VllmReqTpotCount,
+        SglangItlSum,
+        SglangItlCount,
+        SglangTpotSum,
+        SglangTpotCount,
+        LlamaPredictedSeconds,
+        LlamaPredicted,
     ];
     let engine = match want {
         Some(e) => e,
@@ -487,6 +580,7 @@ fn finish(fold: &Fold, want: Option<Engine>) -> Result<EngineLoad, LoadError> {
         prompt_tokens_cached_total: (engine == Engine::Llamacpp)
             .then(|| fold.sum(LlamaPromptCached))
             .flatten(),
+        decode: decode_totals(fold, engine),
     };
     if load.waiting.is_some() || load.running.is_some() || load.kv_usage_permille.is_some() {
         return Ok(load);
@@ -502,6 +596,20 @@ fn finish(fold: &Fold, want: Option<Engine>) -> Result<EngineLoad, LoadError> {
     } else {
         Err(LoadError::NoSeries)
     }
+}
+
+/// The engine's decode counters: the first of its [`DECODE_PAIRS`] whose sum and count were
+/// both in the body.
+fn decode_totals(fold: &Fold, engine: Engine) -> Option<DecodeTotals> {
+    DECODE_PAIRS
+        .iter()
+        .filter(|(sum, _)| sum.engine() == engine)
+        .find_map(|(sum, count)| {
+            Some(DecodeTotals {
+                seconds_us: fold.sum(*sum)?,
+                count: fold.sum(*count)?,
+            })
+        })
 }
 
 /// An order-independent key of a series' label set (a sum of per-pair hashes, so `{a,b}` and
@@ -769,6 +877,8 @@ llamacpp:prompt_tokens_total 4096
 llamacpp:prompt_seconds_total 1.25
 # TYPE llamacpp:tokens_predicted_total counter
 llamacpp:tokens_predicted_total 512
+# TYPE llamacpp:tokens_predicted_seconds_total counter
+llamacpp:tokens_predicted_seconds_total 6.4
 # TYPE llamacpp:prompt_tokens_cached_total counter
 llamacpp:prompt_tokens_cached_total 3000
 # TYPE llamacpp:n_busy_slots_per_decode gauge
@@ -866,8 +976,87 @@ tgi_request_duration_count 9
                 kv_usage_permille: None,
                 prompt_tokens_total: Some(4096),
                 prompt_tokens_cached_total: Some(3000),
+                decode: Some(DecodeTotals {
+                    seconds_us: 6_400_000,
+                    count: 512
+                }),
             }
         );
+    }
+
+    /// Decode counters: vLLM's newest histogram wins over the deprecated name (its `_sum` and
+    /// `_count` are never mixed with another's), summed over ranks and filtered by model;
+    /// SGLang's under either prefix; a sum without its count gives no pair.
+    #[test]
+    fn decode_counters_per_engine() {
+        let vllm = format!(
+            "{VLLM}vllm:time_per_output_token_seconds_sum{{engine=\"0\",model_name=\"llama-8b\"}} 99.0
+vllm:time_per_output_token_seconds_count{{engine=\"0\",model_name=\"llama-8b\"}} 9
+vllm:inter_token_latency_seconds_sum{{engine=\"0\",model_name=\"llama-8b\"}} 1.5
+vllm:inter_token_latency_seconds_sum{{engine=\"1\",model_name=\"llama-8b\"}} 0.25
+vllm:inter_token_latency_seconds_sum{{engine=\"0\",model_name=\"qwen-7b\"}} 70
+vllm:inter_token_latency_seconds_count{{engine=\"0\",model_name=\"llama-8b\"}} 300
+vllm:inter_token_latency_seconds_count{{engine=\"1\",model_name=\"llama-8b\"}} 50
+vllm:inter_token_latency_seconds_count{{engine=\"0\",model_name=\"qwen-7b\"}} 7
+vllm:inter_token_latency_seconds_bucket{{engine=\"0\",le=\"0.01\",model_name=\"llama-8b\"}} 300
+"
+        );
+        let d = |p: Parsed| p.load.ok().and_then(|l| l.decode);
+        let want = Some(DecodeTotals {
+            seconds_us: 1_750_000,
+            count: 350,
+        });
+        assert_eq!(d(load(&vllm, Format::Vllm, &["llama-8b"])), want);
+        assert_eq!(d(load(&vllm, Format::Auto, &["llama-8b"])), want);
+        // Only the deprecated name: used.
+        let old = format!(
+            "{VLLM}vllm:time_per_output_token_seconds_sum{{engine=\"0\",model_name=\"llama-8b\"}} 0.5
+vllm:time_per_output_token_seconds_count{{engine=\"0\",model_name=\"llama-8b\"}} 100
+vllm:inter_token_latency_seconds_sum{{engine=\"0\",model_name=\"llama-8b\"}} 1.5
+"
+        );
+        assert_eq!(
+            d(load(&old, Format::Vllm, &["llama-8b"])),
+            Some(DecodeTotals {
+                seconds_us: 500_000,
+                count: 100
+            })
+        );
+        assert_eq!(d(load(VLLM, Format::Vllm, ANY)), None);
+        for prefix in ["sglang:", "sglang_"] {
+            let body = format!(
+                "{SGLANG}{prefix}inter_token_latency_seconds_sum{{model_name=\"qwen-7b\"}} 2.0
+{prefix}inter_token_latency_seconds_count{{model_name=\"qwen-7b\"}} 1000
+"
+            );
+            assert_eq!(
+                d(load(&body, Format::Sglang, ANY)),
+                Some(DecodeTotals {
+                    seconds_us: 2_000_000,
+                    count: 1000
+                })
+            );
+        }
+        // Another engine's counters are not read.
+        let mixed = format!(
+            "{TGI}llamacpp:tokens_predicted_seconds_total 1\nllamacpp:tokens_predicted_total 9\n"
+        );
+        assert_eq!(d(load(&mixed, Format::Tgi, ANY)), None);
+        // Garbage values clamp: negative reads as 0, +Inf saturates, NaN drops the series.
+        let odd = format!(
+            "{SGLANG}sglang:inter_token_latency_seconds_sum -3\nsglang:inter_token_latency_seconds_count +Inf\n"
+        );
+        assert_eq!(
+            d(load(&odd, Format::Sglang, ANY)),
+            Some(DecodeTotals {
+                seconds_us: 0,
+                count: u64::MAX
+            })
+        );
+        let nan = format!(
+            "{SGLANG}sglang:inter_token_latency_seconds_sum NaN\nsglang:inter_token_latency_seconds_count 5\n"
+        );
+        assert_eq!(d(load(&nan, Format::Sglang, ANY)), None);
     }
 
     #[test]

@@ -327,6 +327,10 @@ struct Mock {
     decoding: AtomicI64,
     /// KV-cache blocks held by the requests in their slots (prompt and output).
     kv_blocks_used: AtomicI64,
+    /// The decode time simulated so far (µs) and the output tokens it produced: the engines'
+    /// decode-pace counters on `/metrics`.
+    decode_us_total: AtomicU64,
+    decode_tokens_total: AtomicU64,
     /// The batched model's one-prefill-at-a-time lock (tokio's mutex is FIFO).
     prefill: tokio::sync::Mutex<()>,
     /// Wanted: is the main port listening? Written by `/_mock/fault`.
@@ -401,7 +405,17 @@ impl Mock {
             generation_tokens_total: st.stats.completion_tokens,
             requests_total: st.stats.requests,
             slots: self.args.max_concurrency as u64,
+            decode_us_total: self.decode_us_total.load(Ordering::SeqCst),
+            decode_tokens_total: self.decode_tokens_total.load(Ordering::SeqCst),
         }
+    }
+
+    /// Counts `tokens` output tokens decoded in `time` (the simulated decode, slowdowns
+    /// included), once that time has passed.
+    fn decoded(&self, time: Duration, tokens: u64) {
+        let us = u64::try_from(time.as_micros()).unwrap_or(u64::MAX);
+        self.decode_us_total.fetch_add(us, Ordering::SeqCst);
+        self.decode_tokens_total.fetch_add(tokens, Ordering::SeqCst);
     }
 
     /// The slowdown in force now: the `slow` fault (read at every step of the batched model,
@@ -1010,6 +1024,7 @@ async fn serve(mock: Arc<Mock>, conn: Arc<Conn>, guard: Busy, s: Serve) -> Respo
         let (tx, rx) = mpsc::channel::<Bytes>(16);
         let per_chunk = decode / (words.len().max(1) as u32);
         let model = s.model.clone();
+        let m = mock.clone();
         tokio::spawn(async move {
             let _guard = guard;
             let ev = |v: Value| Bytes::from(openai::sse(&v));
@@ -1031,6 +1046,7 @@ async fn serve(mock: Arc<Mock>, conn: Arc<Conn>, guard: Busy, s: Serve) -> Respo
                     return;
                 }
                 tokio::time::sleep(per_chunk).await;
+                m.decoded(per_chunk, 1);
                 let c = openai::chunk(&id, created, &model, json!({"content": w}), None);
                 if tx.send(ev(c)).await.is_err() {
                     return;
@@ -1044,6 +1060,7 @@ async fn serve(mock: Arc<Mock>, conn: Arc<Conn>, guard: Busy, s: Serve) -> Respo
         if !decode.is_zero() {
             tokio::time::sleep(decode).await;
         }
+        mock.decoded(decode, s.completion_tokens);
         drop(guard);
         plain_answer(&mock, &s, &words, &usage, &id, created)
     };
@@ -1117,8 +1134,10 @@ impl Pacer {
         let decoding = self.mock.decoding.load(Ordering::SeqCst).max(1) as u64;
         let ms =
             self.mock.args.params.per_token_ms(decoding) * tokens as f64 * self.mock.slow_now(true);
-        self.next += Duration::from_secs_f64(ms / 1000.0);
+        let step = Duration::from_secs_f64(ms / 1000.0);
+        self.next += step;
         tokio::time::sleep_until(self.next).await;
+        self.mock.decoded(step, tokens);
     }
 }
 
@@ -1252,16 +1271,25 @@ async fn other_api_answer(
         if !decode.is_zero() {
             tokio::time::sleep(decode).await;
         }
+        mock.decoded(decode, s.completion_tokens);
         drop(guard);
         return json_response(200, &body);
     }
     let (tx, rx) = mpsc::channel::<Bytes>(16);
     let per_event = decode / (events.len().max(1) as u32);
+    // The decode's tokens spread over the events after the first.
+    let (m, tokens, steps) = (
+        mock.clone(),
+        s.completion_tokens,
+        events.len().max(2) as u64 - 1,
+    );
     tokio::spawn(async move {
         let _guard = guard;
         for (i, e) in events.into_iter().enumerate() {
             if i > 0 {
                 tokio::time::sleep(per_event).await;
+                let k = i as u64;
+                m.decoded(per_event, tokens * k / steps - tokens * (k - 1) / steps);
             }
             if tx.send(Bytes::from(e)).await.is_err() {
                 return;
@@ -1564,6 +1592,8 @@ async fn run(args: Args) -> Result<(), String> {
         running: AtomicI64::new(0),
         decoding: AtomicI64::new(0),
         kv_blocks_used: AtomicI64::new(0),
+        decode_us_total: AtomicU64::new(0),
+        decode_tokens_total: AtomicU64::new(0),
         prefill: tokio::sync::Mutex::new(()),
         listening,
         bound,

@@ -114,6 +114,7 @@ impl<'a> Scheduler<'a> {
             .collect();
         let mut verdicts = vec![Verdict::default(); n];
         let references = self.peer_references(table);
+        let pace_references = signals::pace_medians(cfg, loads);
         let mut weights = Vec::with_capacity(statics.len());
         // Requests without a session keep the full score (nothing to keep together).
         let best_latency = fastest_warm(
@@ -127,7 +128,8 @@ impl<'a> Scheduler<'a> {
             let load = loads.get(i).copied().flatten();
             if let Some(v) = verdicts.get_mut(i) {
                 let reference = references.get(i).copied().flatten();
-                *v = signals::judge_with(table, cfg, i, reference, load, now_ms);
+                let pace_reference = pace_references.get(i).copied().flatten();
+                *v = signals::judge_with(table, cfg, i, reference, pace_reference, load, now_ms);
             }
             let w = match pick.session {
                 Some(_) => placement::weigh(ep.weight, st, cfg, now_ms),

@@ -1455,6 +1455,7 @@ fn scraped(store: &dyn Store, name: &str, waiting: u32, running: u32, now: u64) 
         kv_usage_permille: Some(300),
         prompt_tokens_total: None,
         prompt_tokens_cached_total: None,
+        decode: None,
     };
     let rec = crate::scheduler::routing::scrape::record(
         store,

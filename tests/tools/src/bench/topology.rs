@@ -148,6 +148,16 @@ pub const METRICS_FORMAT: &str = "vllm";
 /// How often the filter scrapes each mock engine.
 pub const METRICS_INTERVAL_MS: u64 = 1_000;
 
+/// [`METRICS_INTERVAL_MS`], or `BENCH_METRICS_INTERVAL_MS` from the environment (100..=60000)
+/// for an experiment with another interval (the run's `results.md` shows the plugin config).
+pub fn metrics_interval_ms() -> u64 {
+    std::env::var("BENCH_METRICS_INTERVAL_MS")
+        .ok()
+        .and_then(|v| v.parse::<u64>().ok())
+        .filter(|v| (100..=60_000).contains(v))
+        .unwrap_or(METRICS_INTERVAL_MS)
+}
+
 /// The filter's configuration for these endpoints (one Envoy cluster `ep_<name>` each; no
 /// models: the endpoint serves any model). With `metrics`, every endpoint is scraped as the
 /// engine it is (format [`METRICS_FORMAT`], every [`METRICS_INTERVAL_MS`]).
@@ -163,7 +173,7 @@ pub fn plugin_config(endpoints: &[(&str, &[&str])], open_ms: u64, metrics: bool)
                 if metrics {
                     o.insert(
                         "metrics".into(),
-                        json!({"format": METRICS_FORMAT, "interval_ms": METRICS_INTERVAL_MS}),
+                        json!({"format": METRICS_FORMAT, "interval_ms": metrics_interval_ms()}),
                     );
                 }
             }
@@ -728,7 +738,7 @@ mod tests {
         assert_eq!(on["endpoints"][0]["metrics"]["format"], METRICS_FORMAT);
         assert_eq!(
             on["endpoints"][1]["metrics"]["interval_ms"],
-            METRICS_INTERVAL_MS
+            metrics_interval_ms()
         );
         assert_eq!(on["open_ms"], 5000, "the run's keys apply on top");
         assert!(on.get("pin_break_ratio").is_none());

@@ -25,7 +25,12 @@
 //! How the metrics are named: [`render_metrics`] writes the Prometheus text exposition of the
 //! engine chosen by `--metrics-format` (vllm, sglang, llamacpp, tgi) with the names those
 //! engines publish (see /work/shared/ENGINE-METRICS.md): queue depth, running requests, KV-cache
-//! usage and the prompt / cached-token counters. KV-cache usage is the share of the cache's
+//! usage, the prompt / cached-token counters, and the decode-pace counters — the decode time
+//! the mock actually simulated (batch stretch and the `slow` fault included) and the tokens it
+//! produced, as vLLM's `vllm:inter_token_latency_seconds` (and its deprecated twin
+//! `vllm:time_per_output_token_seconds`), SGLang's `sglang:inter_token_latency_seconds`
+//! (histograms: `_sum`, `_count` and a `+Inf` bucket) and llama.cpp's
+//! `llamacpp:tokens_predicted_seconds_total` / `llamacpp:tokens_predicted_total`. KV-cache usage is the share of the cache's
 //! blocks held by the requests in their slots (prompt and output), as vLLM counts it: blocks that
 //! only hold an evictable cached prefix are free.
 
@@ -182,6 +187,9 @@ pub struct Load {
     pub generation_tokens_total: u64,
     pub requests_total: u64,
     pub slots: u64,
+    /// Decode time simulated so far, µs, and the output tokens it produced.
+    pub decode_us_total: u64,
+    pub decode_tokens_total: u64,
 }
 
 impl Load {
@@ -207,6 +215,16 @@ fn sample(out: &mut String, name: &str, labels: &str, value: f64) {
     }
 }
 
+/// A histogram's `+Inf` bucket, `_sum` and `_count` (no finite buckets: the mock keeps no
+/// distribution, and a scraper of the pace needs only the two totals).
+fn histogram(out: &mut String, name: &str, help: &str, labels: &str, sum: f64, count: u64) {
+    family(out, name, "histogram", help);
+    let sep = if labels.is_empty() { "" } else { "," };
+    let _ = writeln!(out, "{name}_bucket{{{labels}{sep}le=\"+Inf\"}} {count}");
+    sample(out, &format!("{name}_sum"), labels, sum);
+    sample(out, &format!("{name}_count"), labels, count as f64);
+}
+
 fn escape(v: &str) -> String {
     v.replace('\\', "\\\\")
         .replace('"', "\\\"")
@@ -218,6 +236,7 @@ pub fn render_metrics(format: Format, load: &Load) -> String {
     let mut o = String::new();
     let m = escape(&load.model);
     let f = |v: u64| v as f64;
+    let decode_s = load.decode_us_total as f64 / 1e6;
     match format {
         Format::Vllm => {
             let l = format!("engine=\"0\",model_name=\"{m}\"");
@@ -267,6 +286,18 @@ pub fn render_metrics(format: Format, load: &Load) -> String {
             for (name, help, v) in c {
                 family(&mut o, name, "counter", help);
                 sample(&mut o, name, &l, v);
+            }
+            for (name, help) in [
+                (
+                    "vllm:inter_token_latency_seconds",
+                    "Histogram of inter-token latency in seconds.",
+                ),
+                (
+                    "vllm:time_per_output_token_seconds",
+                    "Histogram of time per output token in seconds. DEPRECATED: Use vllm:inter_token_latency_seconds instead.",
+                ),
+            ] {
+                histogram(&mut o, name, help, &l, decode_s, load.decode_tokens_total);
             }
             family(
                 &mut o,
@@ -339,6 +370,14 @@ pub fn render_metrics(format: Format, load: &Load) -> String {
                 family(&mut o, name, "counter", help);
                 sample(&mut o, name, &l, v);
             }
+            histogram(
+                &mut o,
+                "sglang:inter_token_latency_seconds",
+                "Histogram of inter-token latency in seconds.",
+                &l,
+                decode_s,
+                load.decode_tokens_total,
+            );
         }
         Format::Llamacpp => {
             let c = [
@@ -355,7 +394,12 @@ pub fn render_metrics(format: Format, load: &Load) -> String {
                 (
                     "llamacpp:tokens_predicted_total",
                     "Number of generation tokens processed.",
-                    f(load.generation_tokens_total),
+                    f(load.decode_tokens_total),
+                ),
+                (
+                    "llamacpp:tokens_predicted_seconds_total",
+                    "Predict process time",
+                    decode_s,
                 ),
             ];
             for (name, help, v) in c {
@@ -437,6 +481,8 @@ mod tests {
             generation_tokens_total: 77,
             requests_total: 9,
             slots: 4,
+            decode_us_total: 1_540_000,
+            decode_tokens_total: 770,
         }
     }
 
@@ -503,7 +549,47 @@ mod tests {
         assert!(t.contains("# TYPE llamacpp:prompt_tokens_total counter\n"));
         let t = render_metrics(Format::Tgi, &load());
         assert_eq!(value(&t, "tgi_queue_size"), Some(3.0));
+        assert!(!t.contains("seconds"));
         assert_eq!(value(&t, "tgi_batch_current_size"), Some(4.0));
+    }
+
+    /// The decode-pace counters: 770 tokens in 1.54 s in every dialect, as the real engines
+    /// name them (vLLM both histogram names, with a `+Inf` bucket equal to the count).
+    #[test]
+    fn decode_pace_counters() {
+        let t = render_metrics(Format::Vllm, &load());
+        for name in [
+            "vllm:inter_token_latency_seconds",
+            "vllm:time_per_output_token_seconds",
+        ] {
+            let l = "{engine=\"0\",model_name=\"m1\"}";
+            assert_eq!(value(&t, &format!("{name}_sum{l}")), Some(1.54));
+            assert_eq!(value(&t, &format!("{name}_count{l}")), Some(770.0));
+            assert_eq!(
+                value(
+                    &t,
+                    &format!("{name}_bucket{{engine=\"0\",model_name=\"m1\",le=\"+Inf\"}}")
+                ),
+                Some(770.0)
+            );
+            assert!(t.contains(&format!("# TYPE {name} histogram\n")));
+        }
+        let t = render_metrics(Format::Sglang, &load());
+        let l = "{model_name=\"m1\"}";
+        assert_eq!(
+            value(&t, &format!("sglang:inter_token_latency_seconds_sum{l}")),
+            Some(1.54)
+        );
+        assert_eq!(
+            value(&t, &format!("sglang:inter_token_latency_seconds_count{l}")),
+            Some(770.0)
+        );
+        let t = render_metrics(Format::Llamacpp, &load());
+        assert_eq!(
+            value(&t, "llamacpp:tokens_predicted_seconds_total"),
+            Some(1.54)
+        );
+        assert_eq!(value(&t, "llamacpp:tokens_predicted_total"), Some(770.0));
     }
 
     #[test]
@@ -516,6 +602,11 @@ mod tests {
                     typed.insert(rest.split(' ').next().unwrap().to_string());
                 } else if !line.starts_with('#') {
                     let name = line.split(['{', ' ']).next().unwrap();
+                    // A histogram's series carry its family's name and a suffix.
+                    let family = ["_bucket", "_sum", "_count"]
+                        .iter()
+                        .find_map(|s| name.strip_suffix(s).filter(|f| typed.contains(*f)));
+                    let name = family.unwrap_or(name);
                     assert!(
                         typed.contains(name),
                         "{f:?}: {name} has no TYPE line before it"
