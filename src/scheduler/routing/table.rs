@@ -815,8 +815,11 @@ impl TableCache {
 #[derive(Debug, Default, Clone)]
 pub struct MedianMemo {
     pub(crate) min_samples: u32,
-    /// Per endpoint, in configuration order: id, disabled, slowness as last used.
-    pub(crate) inputs: Vec<(u32, bool, Slowness)>,
+    /// Per endpoint, in configuration order: id, disabled, and the one part of its slowness
+    /// the medians read (`signals::median_input`: its smoothed log value's bits once it has
+    /// the samples to count, else nothing), as last used. A cold endpoint's answers, and
+    /// every other field of a warm one's slowness, leave the medians as they were.
+    pub(crate) inputs: Vec<(u32, bool, Option<u64>)>,
     pub(crate) medians: Vec<Option<f64>>,
     /// Times the medians were recomputed, for tests and diagnostics.
     pub computed: u64,
