@@ -716,7 +716,13 @@ impl<'a> Scheduler<'a> {
                 if let Some(st) = own.as_mut() {
                     store_verdict(st, degraded, saturation, now_ms);
                 }
-            } else if let Some((_, st)) = table.entries.get(j) {
+            } else if let Some((_, st)) = table
+                .entries
+                .get(j)
+                // Only an entry whose stored verdict differs is copied (what `store_verdict`
+                // would change): a copy per endpoint cost about 80 instructions each.
+                .filter(|(_, st)| st.degraded != degraded || st.saturation != saturation)
+            {
                 let mut st = *st;
                 if store_verdict(&mut st, degraded, saturation, now_ms) {
                     flipped.push((j, st));

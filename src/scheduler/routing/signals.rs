@@ -178,6 +178,13 @@ fn medians_among_peers(cfg: &Config, values: &[Option<f64>]) -> Vec<Option<f64>>
         .collect()
 }
 
+/// What [`peer_medians`] reads of one endpoint's slowness: its value counts once it has
+/// `min_samples` samples (and at least one), and is a function of `log_mean` alone; the bits,
+/// so that equal inputs mean equal values (NaN included).
+pub(crate) fn median_input(s: &Slowness, min_samples: u32) -> Option<u64> {
+    (s.samples >= min_samples && s.samples > 0).then_some(s.log_mean.to_bits())
+}
+
 // `MedianMemo` is defined in `table` (the per-worker `TableCache` holds one; defining it here
 // would make `table` and `signals` import each other); its medians are computed here.
 impl MedianMemo {
@@ -192,8 +199,10 @@ impl MedianMemo {
                 .iter()
                 .zip(&cfg.endpoints)
                 .zip(&table.entries)
-                .all(|(((id, disabled, slow), ep), (_, st))| {
-                    *id == ep.id && *disabled == ep.disabled && *slow == st.slowness
+                .all(|(((id, disabled, input), ep), (_, st))| {
+                    *id == ep.id
+                        && *disabled == ep.disabled
+                        && *input == median_input(&st.slowness, min_samples)
                 });
         if !same {
             self.min_samples = min_samples;
@@ -202,12 +211,11 @@ impl MedianMemo {
                 .iter()
                 .enumerate()
                 .map(|(i, ep)| {
-                    let slow = table
+                    let input = table
                         .entries
                         .get(i)
-                        .map(|(_, st)| st.slowness)
-                        .unwrap_or_default();
-                    (ep.id, ep.disabled, slow)
+                        .and_then(|(_, st)| median_input(&st.slowness, min_samples));
+                    (ep.id, ep.disabled, input)
                 })
                 .collect();
             // Entries missing from the table count as absent (as `peer_medians` reads them):
@@ -592,6 +600,22 @@ mod tests {
             assert_eq!(memo.computed, again, "unchanged inputs reuse the medians");
             assert!(memo.computed <= before + 1);
         }
+        // What the medians do not read (a cold endpoint's value, the other fields of any
+        // slowness) changes nothing: no recomputation.
+        let n = memo.computed;
+        for k in 0..5 {
+            let st = &mut t.entries[k].1.slowness;
+            st.expected_ms += 7.0;
+            st.last_sample_ms += 1;
+            if st.samples < 20 {
+                st.log_mean += 0.25;
+            }
+        }
+        assert_eq!(
+            memo.medians(&t, &c, 20),
+            peer_medians(&t, &c, 20).as_slice()
+        );
+        assert_eq!(memo.computed, n);
         // Another threshold is another computation.
         let n = memo.computed;
         assert_eq!(memo.medians(&t, &c, 3), peer_medians(&t, &c, 3).as_slice());

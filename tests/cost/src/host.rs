@@ -116,6 +116,10 @@ pub struct Host {
     pub log_level: u32,
     /// Echo the module's log lines and WASI stdout/stderr to stderr.
     pub echo: bool,
+    /// Sample wasm stacks now (`--profile`, see `vm::Profile`).
+    pub sampling: bool,
+    /// Sampled stacks (innermost function first) and how often each was seen.
+    pub samples: BTreeMap<Vec<String>, u64>,
 }
 
 impl Default for Host {
@@ -132,6 +136,8 @@ impl Default for Host {
             metrics: Vec::new(),
             calls: Vec::new(),
             next_token: 1,
+            sampling: false,
+            samples: BTreeMap::new(),
             local_response: None,
             logs: Vec::new(),
             stream_ops: Vec::new(),

@@ -429,3 +429,105 @@ impl Budgets {
         (problems, notes)
     }
 }
+
+/// Where the instructions go (`computeflux-cost --profile SCENARIO ENDPOINTS [RUNS]`): the
+/// suite of `ENDPOINTS` run `RUNS` times with the wasm stack sampled at a fixed wall-clock
+/// interval while `SCENARIO` runs; functions by share of samples, self and inclusive.
+///
+/// Sampled, not counted: a share estimates the function's part of the scenario's instructions
+/// (cranelift compiles without optimisation here, so machine code per wasm operator varies
+/// little), and time the host spends in a call is charged to the wasm code that runs next.
+/// The module is built with its function names kept (`strip` off, its own target directory)
+/// unless `$COMPUTEFLUX_WASM` names one.
+#[cfg(feature = "profile")]
+pub mod profile {
+    use super::*;
+    use std::sync::atomic::{AtomicBool, Ordering};
+    use std::sync::Arc;
+
+    pub fn run(scenario_name: &str, endpoints: usize, runs: usize) -> Result<String> {
+        let wasm = match std::env::var_os("COMPUTEFLUX_WASM") {
+            Some(p) => PathBuf::from(p),
+            None => {
+                let dir = target_dir().join("cost-profile");
+                let cargo = std::env::var_os("CARGO").unwrap_or_else(|| "cargo".into());
+                let out = Command::new(cargo)
+                    .args(["build", "--release", "--target", "wasm32-wasip1", "--lib"])
+                    .current_dir(repo_root())
+                    .env("CARGO_TARGET_DIR", &dir)
+                    .env("CARGO_PROFILE_RELEASE_STRIP", "false")
+                    .output()?;
+                if !out.status.success() {
+                    bail!("{}", String::from_utf8_lossy(&out.stderr));
+                }
+                dir.join("wasm32-wasip1/release/computeflux.wasm")
+            }
+        };
+        let loaded = vm::Loaded::profiling(&std::fs::read(&wasm)?)?;
+        let stop = Arc::new(AtomicBool::new(false));
+        let ticker = {
+            let (engine, stop) = (loaded.engine.clone(), stop.clone());
+            std::thread::spawn(move || {
+                while !stop.load(Ordering::Relaxed) {
+                    std::thread::sleep(std::time::Duration::from_micros(20));
+                    engine.increment_epoch();
+                }
+            })
+        };
+        let mut samples: BTreeMap<Vec<String>, u64> = BTreeMap::new();
+        let mut instructions = 0;
+        for _ in 0..runs {
+            let (suite, s) = scenario::run_suite_sampling(
+                &loaded,
+                Module::Filter,
+                Setup::new(endpoints),
+                Some(scenario_name),
+            )?;
+            instructions = match scenario_name {
+                "tick" => suite.tick.instructions,
+                n => suite.request(n).map_or(0, |m| m.instructions),
+            };
+            for (k, v) in s {
+                *samples.entry(k).or_insert(0) += v;
+            }
+        }
+        stop.store(true, Ordering::Relaxed);
+        let _ = ticker.join();
+        let total: u64 = samples.values().sum();
+        let mut own: BTreeMap<&str, u64> = BTreeMap::new();
+        let mut all: BTreeMap<&str, u64> = BTreeMap::new();
+        for (stack, n) in &samples {
+            if let Some(top) = stack.first() {
+                *own.entry(top).or_insert(0) += n;
+            }
+            let mut seen: Vec<&str> = Vec::new();
+            for f in stack {
+                if !seen.contains(&f.as_str()) {
+                    seen.push(f);
+                    *all.entry(f).or_insert(0) += n;
+                }
+            }
+        }
+        let mut out = String::new();
+        let _ = writeln!(
+            out,
+            "{scenario_name} at {endpoints} endpoints: {} instructions, {total} samples over {runs} runs",
+            thousands(instructions)
+        );
+        for (title, m) in [("self", &own), ("inclusive", &all)] {
+            let mut v: Vec<(&str, u64)> = m.iter().map(|(k, v)| (*k, *v)).collect();
+            v.sort_by_key(|e| std::cmp::Reverse(e.1));
+            let _ = writeln!(out, "\n{title}:");
+            for (f, n) in v.iter().take(60) {
+                let share = *n as f64 / total.max(1) as f64;
+                let _ = writeln!(
+                    out,
+                    "{:5.1}% {:>10}  {f}",
+                    share * 100.0,
+                    thousands((share * instructions as f64) as u64)
+                );
+            }
+        }
+        Ok(out)
+    }
+}

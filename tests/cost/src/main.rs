@@ -4,6 +4,9 @@
 //!   computeflux-cost --check            compare with budgets.json; exit 1 on a regression
 //!   computeflux-cost --write-budgets    rewrite budgets.json from this run (margin kept)
 //!   computeflux-cost --json             every count as JSON (stdout)
+//!   computeflux-cost --profile SCENARIO ENDPOINTS [RUNS]
+//!                                       where SCENARIO's instructions go, sampled (needs
+//!                                       `--features profile`; see `computeflux_cost::profile`)
 //!
 //! The modules are `$COMPUTEFLUX_WASM` and `$COMPUTEFLUX_FLOOR_WASM`, else built in the
 //! workspace's target directory.
@@ -23,6 +26,18 @@ fn main() -> ExitCode {
 
 fn run() -> wasmtime::Result<ExitCode> {
     let mode = std::env::args().nth(1).unwrap_or_else(|| "--print".into());
+    #[cfg(feature = "profile")]
+    if mode == "--profile" {
+        let args: Vec<String> = std::env::args().skip(2).collect();
+        let scenario = args.first().map_or("new_session", String::as_str);
+        let endpoints = args.get(1).and_then(|a| a.parse().ok()).unwrap_or(512);
+        let runs = args.get(2).and_then(|a| a.parse().ok()).unwrap_or(20);
+        print!(
+            "{}",
+            computeflux_cost::profile::run(scenario, endpoints, runs)?
+        );
+        return Ok(ExitCode::SUCCESS);
+    }
     if !["--print", "--check", "--write-budgets", "--json"].contains(&mode.as_str()) {
         eprintln!("usage: computeflux-cost [--print | --check | --write-budgets | --json]");
         return Ok(ExitCode::from(2));

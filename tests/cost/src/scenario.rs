@@ -324,6 +324,16 @@ fn transcription_answer() -> Answer {
 
 /// A fresh VM of `loaded`, configured, measured through warm-up and every scenario.
 pub fn run_suite(loaded: &Loaded, module: Module, setup: Setup) -> Result<Suite> {
+    run_suite_sampling(loaded, module, setup, None).map(|(suite, _)| suite)
+}
+
+/// [`run_suite`], sampling wasm stacks while the scenario `sampled` runs (`--profile`).
+pub fn run_suite_sampling(
+    loaded: &Loaded,
+    module: Module,
+    setup: Setup,
+    sampled: Option<&str>,
+) -> Result<(Suite, std::collections::BTreeMap<Vec<String>, u64>)> {
     let config = match module {
         Module::Filter => filter_config(setup),
         Module::Floor => floor_config(),
@@ -356,14 +366,17 @@ pub fn run_suite(loaded: &Loaded, module: Module, setup: Setup) -> Result<Suite>
         exchange(&mut vm, next(), &req, &[json_answer(0)])?;
         vm.host().advance_ms(100);
     }
+    vm.host().sampling = sampled == Some("tick");
     let tick = measure(&mut vm, "tick", |vm| {
         vm.tick(ROOT)?;
         Ok(String::new())
     })?;
+    vm.host().sampling = false;
 
     let mut requests = Vec::new();
     for name in SCENARIOS {
         vm.host().advance_ms(250);
+        vm.host().sampling = sampled == Some(name);
         let c = next();
         let m = match name {
             "new_session" => {
@@ -398,15 +411,20 @@ pub fn run_suite(loaded: &Loaded, module: Module, setup: Setup) -> Result<Suite>
             }
             other => bail!("unknown scenario {other}"),
         };
+        vm.host().sampling = false;
         requests.push(m);
     }
-    Ok(Suite {
-        module,
-        setup,
-        startup,
-        tick,
-        requests,
-    })
+    let samples = std::mem::take(&mut vm.host().samples);
+    Ok((
+        Suite {
+            module,
+            setup,
+            startup,
+            tick,
+            requests,
+        },
+        samples,
+    ))
 }
 
 fn measure(vm: &mut Vm, name: &str, f: impl FnOnce(&mut Vm) -> Result<String>) -> Result<Measured> {

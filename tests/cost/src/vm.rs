@@ -16,15 +16,28 @@ pub const FUEL: u64 = u64::MAX / 2;
 
 /// The compiled module, shared by every VM of the same `.wasm`.
 pub struct Loaded {
-    engine: Engine,
+    pub engine: Engine,
     module: Module,
     linker: Linker<Host>,
+    /// Stacks are sampled at epoch ticks (`--profile`); fuel is counted the same.
+    profiling: bool,
 }
 
 impl Loaded {
     pub fn new(wasm: &[u8]) -> wasmtime::Result<Loaded> {
+        Loaded::with(wasm, false)
+    }
+
+    /// For `--profile`: epoch interruption on, so that a thread ticking the engine's epoch
+    /// makes every VM of this module record its wasm stack (when its host is `sampling`).
+    pub fn profiling(wasm: &[u8]) -> wasmtime::Result<Loaded> {
+        Loaded::with(wasm, true)
+    }
+
+    fn with(wasm: &[u8], profiling: bool) -> wasmtime::Result<Loaded> {
         let mut config = Config::new();
         config.consume_fuel(true);
+        config.epoch_interruption(profiling);
         // Fuel counts wasm operators, whatever machine code they become: skip cranelift's
         // optimisations, which only slow the compile (a debug build of cranelift compiles the
         // filter in about a minute on a busy 2-core machine otherwise).
@@ -37,6 +50,7 @@ impl Loaded {
             engine,
             module,
             linker,
+            profiling,
         })
     }
 }
@@ -55,6 +69,24 @@ impl Vm {
     pub fn new(loaded: &Loaded) -> wasmtime::Result<Vm> {
         let mut store = Store::new(&loaded.engine, Host::default());
         store.set_fuel(FUEL)?;
+        if loaded.profiling {
+            store.set_epoch_deadline(1);
+            store.epoch_deadline_callback(|mut ctx| {
+                if ctx.data().sampling {
+                    let trace = wasmtime::WasmBacktrace::capture(&ctx);
+                    let stack: Vec<String> = trace
+                        .frames()
+                        .iter()
+                        .map(|f| {
+                            f.func_name()
+                                .map_or_else(|| format!("#{}", f.func_index()), str::to_string)
+                        })
+                        .collect();
+                    *ctx.data_mut().samples.entry(stack).or_insert(0) += 1;
+                }
+                Ok(wasmtime::UpdateDeadline::Continue(1))
+            });
+        }
         let instance = loaded.linker.instantiate(&mut store, &loaded.module)?;
         let mut vm = Vm {
             store,
