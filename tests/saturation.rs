@@ -194,16 +194,7 @@ type Stats = BTreeMap<String, i64>;
 
 /// Every `wasmcustom.computeflux_*` counter and gauge of `envoy`'s `/stats`, by name.
 fn stats(envoy: &Envoy) -> Stats {
-    let body = envoy
-        .admin_get("/stats?format=json&filter=computeflux_")
-        .body;
-    let v: Value = serde_json::from_str(&body).unwrap();
-    v["stats"]
-        .as_array()
-        .unwrap()
-        .iter()
-        .filter_map(|s| Some((s["name"].as_str()?.to_string(), s["value"].as_i64()?)))
-        .collect()
+    envoy.computeflux_stats()
 }
 
 /// The per-endpoint stat `base` of `endpoint` (-1 when absent).

@@ -214,16 +214,7 @@ fn error_stat(endpoint: &str, kind: &str) -> String {
 
 /// Every `wasmcustom.computeflux_*` stat of `/stats` by name.
 fn stats(envoy: &Envoy) -> std::collections::BTreeMap<String, i64> {
-    let body = envoy
-        .admin_get("/stats?format=json&filter=computeflux_")
-        .body;
-    let v: Value = serde_json::from_str(&body).unwrap();
-    v["stats"]
-        .as_array()
-        .unwrap()
-        .iter()
-        .filter_map(|s| Some((s["name"].as_str()?.to_string(), s["value"].as_i64()?)))
-        .collect()
+    envoy.computeflux_stats()
 }
 
 /// Waits (≤ `limit`) until `f` holds on the stats; returns the last stats.

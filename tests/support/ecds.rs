@@ -141,14 +141,7 @@ impl EcdsEnvoy {
     }
 
     pub fn stats(&self) -> std::collections::BTreeMap<String, i64> {
-        let body = super::get(self.admin_port, "/stats?format=json&filter=computeflux_").body;
-        let v: Value = serde_json::from_str(&body).unwrap();
-        v["stats"]
-            .as_array()
-            .unwrap()
-            .iter()
-            .filter_map(|s| Some((s["name"].as_str()?.to_string(), s["value"].as_i64()?)))
-            .collect()
+        super::envoy::computeflux_stats(self.admin_port)
     }
 
     pub fn log(&self) -> String {

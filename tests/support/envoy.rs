@@ -412,6 +412,11 @@ impl Envoy {
         http::get(self.admin_port, path)
     }
 
+    /// Every `wasmcustom.computeflux_*` counter and gauge of `/stats`, by name.
+    pub fn computeflux_stats(&self) -> std::collections::BTreeMap<String, i64> {
+        computeflux_stats(self.admin_port)
+    }
+
     /// `POST <path>` on the admin interface (e.g. `/reset_counters`). Panics on I/O errors.
     pub fn admin_post(&self, path: &str) -> Response {
         match http::request(
@@ -529,4 +534,17 @@ pub fn wait_ready(
             return Ok((admin_port, p));
         }
     }
+}
+
+/// Every `wasmcustom.computeflux_*` counter and gauge of the `/stats` of the Envoy whose admin
+/// interface is on `admin_port`, by name.
+pub fn computeflux_stats(admin_port: u16) -> std::collections::BTreeMap<String, i64> {
+    let body = http::get(admin_port, "/stats?format=json&filter=computeflux_").body;
+    let v: serde_json::Value = serde_json::from_str(&body).unwrap();
+    v["stats"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .filter_map(|s| Some((s["name"].as_str()?.to_string(), s["value"].as_i64()?)))
+        .collect()
 }

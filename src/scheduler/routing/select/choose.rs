@@ -643,20 +643,12 @@ pub(super) fn holder_choice(
     };
     match board.admission.get(h).copied().flatten() {
         Some(Admission::Normal | Admission::Probe { .. }) => Ok(Choice {
-            endpoint: h,
             reason: if board.probing(h) {
                 Reason::HalfOpenProbe
             } else {
                 Reason::AffinityHit
             },
-            affinity: AffinityResult::Hit,
-            pin_on_success: true,
-            broke_pin_of: None,
-            moved: None,
-            home,
-            verdicts: board.stored_verdicts(),
-            quota_skipped: Vec::new(),
-            by_prefix: false,
+            ..kept_pin(h, home, board, Vec::new())
         }),
         Some(Admission::Rejected {
             retry_at_ms,
