@@ -618,7 +618,11 @@ impl Flow {
         }
         // Relayed: the attempt lasts as long as its answer.
         self.expect_answer(&outcome, headers);
-        let quota = quota_hint(s, &outcome, headers, now_ms);
+        let sent_ms = self
+            .current
+            .as_ref()
+            .map_or(now_ms, |a| a.ticket.started_ms);
+        let quota = quota_hint(s, &outcome, headers, sent_ms);
         let streamed = headers
             .header_str("content-type")
             .is_some_and(|ct| api::media_type(&ct) == "text/event-stream");
@@ -748,7 +752,7 @@ impl Flow {
         };
         let outcome = blame::by_endpoint(outcome, self.endpoint(s.cfg));
         if let (Some(a), Some(h)) = (self.current.as_mut(), &headers) {
-            a.quota = quota_hint(s, &outcome, h, now_ms);
+            a.quota = quota_hint(s, &outcome, h, a.ticket.started_ms);
         }
         // A call's answer arrives whole. A plain one is timed to its end (its headers came
         // with its body: that is its latency), its tokens estimated (its usage is read after
@@ -1167,15 +1171,16 @@ impl Flow {
 }
 
 /// The quota a successful answer states, read only when `quota_aware` is on (each header
-/// read is a host call in Envoy).
+/// read is a host call in Envoy). `sent_ms`: when the attempt was sent (resets count from
+/// there: the upstream admitted it then).
 fn quota_hint<H: HeaderSource + ?Sized>(
     s: &Scheduler<'_>,
     outcome: &Outcome,
     headers: &H,
-    now_ms: u64,
+    sent_ms: u64,
 ) -> QuotaHint {
     if s.cfg.quota_aware && matches!(outcome, Outcome::Success) {
-        QuotaHint::read(headers, now_ms)
+        QuotaHint::read(headers, sent_ms)
     } else {
         QuotaHint::default()
     }

@@ -12,11 +12,14 @@
 //!   with the instant its window resets (the hint, capped by `retry_after_max_ms`; without a
 //!   valid reset hint, `rate_limit_ms`). Past that instant the count is forgotten. Anthropic's
 //!   token families are folded into one count: the smallest remaining, with its reset.
+//!   Upstreams compute the headers when they admit a request, so a reset counts from when the
+//!   request was sent, not from when its headers were read (a plain answer's come after its
+//!   whole generation: counted from there, a 4 s window's count outlived its reset by seconds).
 //!   An answer about the same window (its reset within [`SAME_WINDOW_MS`] of the remembered
-//!   one) lowers the remembered count but never raises it: upstreams compute the headers when
-//!   they admit a request, so an answer that took a while reports a count from before the
-//!   requests admitted meanwhile, which the picks since have already taken off. A new window
-//!   (a later reset) replaces the count.
+//!   one) lowers the remembered count but never raises it: an answer that took a while
+//!   reports a count from before the requests admitted meanwhile, which the picks since have
+//!   already taken off. A new window (a later reset) replaces the count; an answer about a
+//!   window that has ended (relayed after its reset) or an earlier one is passed over.
 //! - When the answer also states the limit (`x-ratelimit-limit-*`, `anthropic-ratelimit-*-limit`),
 //!   a count whose reset has passed is not forgotten but *assumed* back at its limit for a
 //!   window as long as the last stated reset: the picks after the reset are counted before any
@@ -27,7 +30,12 @@
 //!   counted at a fixed size (`wire::prompt_size`): a base64 upload of megabytes is a few hundred tokens at
 //!   the provider, and counting its bytes took the key's count to zero (issue 22). When the
 //!   answer reports `usage`, its prompt and completion tokens replace the estimate in the
-//!   count ([`Quota::settle`]).
+//!   count ([`Quota::settle`]), unless a statement already counts them: one of a request
+//!   sent later was merged (the upstream charged this one before it) or the window began
+//!   after it was sent. Answers end out of the order they were admitted (a short stream
+//!   overtakes a long plain answer), and settling those again took a long answer's tokens
+//!   off twice: one Envoy's count drifted thousands of tokens below the key's within a window
+//!   and moved pinned turns off keys that still had quota (issue 22's quota bench).
 //! - An endpoint is *short* when its remaining requests are below `max(quota_min_requests, 1)`
 //!   or its remaining tokens below `max(quota_min_tokens, estimate)`. A short endpoint is
 //!   skipped for new placements like an unavailable one (the next in rendezvous order takes
@@ -65,6 +73,10 @@ pub struct Remaining {
     pub span_ms: u64,
     /// Assumed at `limit` after a reset, not yet confirmed by an answer.
     pub assumed: bool,
+    /// When the request whose answer made the latest statement merged into this count was
+    /// sent (Unix ms; the upstream admitted it at about then, and charged every request
+    /// admitted before it): an answer to a request sent earlier is already in the count.
+    pub stated_ms: u64,
 }
 
 impl Remaining {
@@ -76,6 +88,7 @@ impl Remaining {
             limit: None,
             span_ms: 0,
             assumed: false,
+            stated_ms: 0,
         }
     }
 
@@ -141,7 +154,8 @@ pub struct Stated {
 pub struct QuotaHint {
     pub requests: Option<Stated>,
     pub tokens: Option<Stated>,
-    /// When the answer's headers were read (resets count from there); `None`: when observed.
+    /// When the request was sent (Unix ms): upstreams admit a request, charge it and compute
+    /// its reset from then, so resets count from there; `None`: when observed.
     pub at_ms: Option<u64>,
 }
 
@@ -244,25 +258,26 @@ fn tighter(a: Option<Stated>, b: Option<Stated>) -> Option<Stated> {
 impl QuotaHint {
     /// The quota a successful answer's headers state. Reads two headers when the answer
     /// carries OpenAI's family, six when it carries none (each read is a host call in Envoy),
-    /// plus the resets and limits of the counts found.
-    pub fn read<H: HeaderSource + ?Sized>(h: &H, now_ms: u64) -> QuotaHint {
+    /// plus the resets and limits of the counts found. `sent_ms`: when the request was sent
+    /// (a duration counts from there, an instant is taken as it is).
+    pub fn read<H: HeaderSource + ?Sized>(h: &H, sent_ms: u64) -> QuotaHint {
         let duration = |v: &[u8]| std::str::from_utf8(v).ok().and_then(parse_go_duration_ms);
         let hint = QuotaHint {
             requests: stated(h, OPENAI_REQUESTS, &duration),
             tokens: stated(h, OPENAI_TOKENS, &duration),
-            at_ms: Some(now_ms),
+            at_ms: Some(sent_ms),
         };
         if !hint.is_empty() {
             return hint;
         }
-        let instant = |v: &[u8]| parse_rfc3339_ms(v).map(|at| at.saturating_sub(now_ms));
+        let instant = |v: &[u8]| parse_rfc3339_ms(v).map(|at| at.saturating_sub(sent_ms));
         QuotaHint {
             requests: stated(h, ANTHROPIC_REQUESTS, &instant),
             tokens: ANTHROPIC_TOKENS
                 .iter()
                 .map(|&names| stated(h, names, &instant))
                 .fold(None, tighter),
-            at_ms: Some(now_ms),
+            at_ms: Some(sent_ms),
         }
     }
 
@@ -322,13 +337,21 @@ impl Quota {
         self.tokens = take(self.tokens, estimate).or(self.tokens);
     }
 
-    /// An answer reported `used` tokens (prompt and completion) for a request whose pick took
-    /// `estimated` off the count: the difference is taken off too, or given back (never past
-    /// the stated limit), so that the count follows what the key really spent.
-    pub fn settle(&mut self, estimated: u64, used: u64, now_ms: u64) {
+    /// An answer reported `used` tokens (prompt and completion) for a request sent at
+    /// `sent_ms` whose pick took `estimated` off the count: the difference is taken off too,
+    /// or given back (never past the stated limit), so that the count follows what the key
+    /// really spent. Not when the count already holds what the upstream charged for it: a
+    /// statement merged since was about a request sent later (upstreams charge at admission,
+    /// in arrival order: answers that end out of order would count a long answer twice), or the
+    /// count's window began after the request was sent (it was charged to the window before).
+    pub fn settle(&mut self, estimated: u64, used: u64, sent_ms: u64, now_ms: u64) {
         let Some(r) = self.tokens.and_then(|r| r.current(now_ms)) else {
             return;
         };
+        let window_start_ms = r.reset_at_ms.saturating_sub(r.span_ms);
+        if r.stated_ms > sent_ms || (r.span_ms > 0 && sent_ms < window_start_ms) {
+            return;
+        }
         let left = if used >= estimated {
             r.left.saturating_sub(used - estimated)
         } else {
@@ -339,9 +362,13 @@ impl Quota {
     }
 
     /// An answer's statement updates what was remembered, family by family: a new window
-    /// replaces it, the same window only lowers it (see the module doc).
+    /// replaces it, the same window only lowers it (see the module doc). A statement about a
+    /// window that has already ended, or about an earlier window than the remembered count's
+    /// (an answer that took longer than the window, relayed after the reset), says nothing
+    /// about the current one and is passed over.
     pub fn observe(&mut self, hint: &QuotaHint, rule: &QuotaRule, now_ms: u64) {
-        // Resets count from when the headers were read (a streamed answer ends much later).
+        // Resets count from when the request was sent (the upstream admitted it then; a plain
+        // answer's headers come after its whole generation).
         let base = hint.at_ms.map_or(now_ms, |at| at.min(now_ms));
         let remember = |old: Option<Remaining>, s: Stated| {
             let reset_in = s
@@ -354,26 +381,46 @@ impl Quota {
                 limit: s.limit,
                 span_ms: reset_in,
                 assumed: false,
+                stated_ms: base,
             };
-            match old.and_then(|o| o.current(now_ms)) {
+            let Some(o) = old.and_then(|o| o.current(now_ms)) else {
+                return new;
+            };
+            let ended = new.reset_at_ms <= now_ms;
+            let earlier = base < o.stated_ms
+                && new.reset_at_ms.saturating_add(SAME_WINDOW_MS) < o.reset_at_ms;
+            if ended || earlier {
+                return o;
+            }
+            if o.assumed {
                 // The first answer after an assumed reset: its window, its reset.
-                Some(o) if o.assumed => Remaining {
+                return Remaining {
                     left: o.left.min(new.left),
                     span_ms: o.span_ms.max(reset_in),
                     limit: new.limit.or(o.limit),
+                    stated_ms: if new.left <= o.left {
+                        base
+                    } else {
+                        o.stated_ms
+                    },
                     ..new
-                },
-                Some(o) if new.reset_at_ms <= o.reset_at_ms.saturating_add(SAME_WINDOW_MS) => {
-                    Remaining {
-                        left: o.left.min(new.left),
-                        reset_at_ms: o.reset_at_ms.max(new.reset_at_ms),
-                        limit: new.limit.or(o.limit),
-                        span_ms: o.span_ms.max(reset_in),
-                        assumed: false,
-                    }
-                }
-                _ => new,
+                };
             }
+            if new.reset_at_ms <= o.reset_at_ms.saturating_add(SAME_WINDOW_MS) {
+                return Remaining {
+                    left: o.left.min(new.left),
+                    reset_at_ms: o.reset_at_ms.max(new.reset_at_ms),
+                    limit: new.limit.or(o.limit),
+                    span_ms: o.span_ms.max(reset_in),
+                    assumed: false,
+                    stated_ms: if new.left <= o.left {
+                        o.stated_ms.max(base)
+                    } else {
+                        o.stated_ms
+                    },
+                };
+            }
+            new
         };
         if let Some(s) = hint.requests {
             self.requests = Some(remember(self.requests, s));
@@ -384,7 +431,7 @@ impl Quota {
     }
 
     /// Bytes of [`Quota::encode`].
-    pub const BYTES: usize = 2 * (1 + 8 + 8 + 8 + 8);
+    pub const BYTES: usize = 2 * (1 + 8 + 8 + 8 + 8 + 8);
 
     pub fn encode(&self, w: &mut Writer) {
         for r in [self.requests, self.tokens] {
@@ -393,6 +440,7 @@ impl Quota {
             w.u64(r.map_or(0, |r| r.reset_at_ms));
             w.u64(r.and_then(|r| r.limit).unwrap_or(u64::MAX));
             w.u64(r.map_or(0, |r| r.span_ms));
+            w.u64(r.map_or(0, |r| r.stated_ms));
         }
     }
 
@@ -406,12 +454,14 @@ impl Quota {
             let reset_at_ms = r.u64()?;
             let limit = r.u64()?;
             let span_ms = r.u64()?;
+            let stated_ms = r.u64()?;
             Some((flags & 1 == 1).then_some(Remaining {
                 left,
                 reset_at_ms,
                 limit: (limit != u64::MAX).then_some(limit),
                 span_ms,
                 assumed: flags & 2 == 2,
+                stated_ms,
             }))
         };
         let requests = one()?;

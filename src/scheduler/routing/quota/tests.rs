@@ -35,6 +35,7 @@ fn pacing_keeps_new_sessions_off_a_key_on_course_to_run_out() {
             limit: Some(1_000),
             span_ms: 10_000,
             assumed: false,
+            stated_ms: 0,
         };
         Quota {
             requests: None,
@@ -325,6 +326,7 @@ fn round_trip() {
             limit: Some(3),
             span_ms: 4,
             assumed: true,
+            stated_ms: 5,
         }),
     };
     let mut w = Writer::with_capacity(Quota::BYTES);
@@ -346,22 +348,180 @@ fn settle_replaces_the_estimate_by_the_reported_usage() {
             limit: Some(50_000),
             span_ms: 10_000,
             assumed: false,
+            stated_ms: 0,
         }),
     };
     let mut q = at(40_000);
     q.consume(3_000, 1_000);
     assert_eq!(q.tokens_left(1_000), Some(37_000));
     // Used 3 500: 500 more.
-    q.settle(3_000, 3_500, 2_000);
+    q.settle(3_000, 3_500, 1_000, 2_000);
     assert_eq!(q.tokens_left(2_000), Some(36_500));
     // An estimate of 10 000 for a request that used 200: 9 800 back.
-    q.settle(10_000, 200, 2_000);
+    q.settle(10_000, 200, 1_000, 2_000);
     assert_eq!(q.tokens_left(2_000), Some(46_300));
     // Never past the limit.
-    q.settle(10_000, 0, 2_000);
+    q.settle(10_000, 0, 1_000, 2_000);
     assert_eq!(q.tokens_left(2_000), Some(50_000));
     // Unknown stays unknown.
     let mut none = Quota::default();
-    none.settle(10, 1_000, 2_000);
+    none.settle(10, 1_000, 1_000, 2_000);
     assert_eq!(none, Quota::default());
+}
+
+/// A key with fixed windows that charges each request (prompt and completion) when it admits
+/// it and states what is left then, as hosted APIs and the bench's mock do.
+struct Upstream {
+    budget: u64,
+    window_ms: u64,
+    window_start_ms: u64,
+    used: u64,
+}
+
+impl Upstream {
+    fn roll(&mut self, now_ms: u64) {
+        let start = now_ms - now_ms % self.window_ms;
+        if start != self.window_start_ms {
+            self.window_start_ms = start;
+            self.used = 0;
+        }
+    }
+
+    fn left(&mut self, now_ms: u64) -> u64 {
+        self.roll(now_ms);
+        self.budget - self.used
+    }
+
+    /// The statement of an admitted request: tokens left, and the reset in ms from admission.
+    fn admit(&mut self, tokens: u64, now_ms: u64) -> Option<Stated> {
+        self.roll(now_ms);
+        if self.used + tokens > self.budget {
+            return None;
+        }
+        self.used += tokens;
+        Some(Stated {
+            left: self.budget - self.used,
+            reset_in_ms: Some(self.window_start_ms + self.window_ms - now_ms),
+            limit: Some(self.budget),
+        })
+    }
+}
+
+/// Issue 22 (one Envoy's quota bench moved 66 follow-ups between keys that both had quota):
+/// the remembered count must follow the key's real use, not drift below it. Requests are sent
+/// every 40 ms, each answered after 0.1–3.6 s (plain answers' headers come at their end), so
+/// answers end out of the order the key admitted them, and some after the window they were
+/// charged to. Before: resets counted from when the headers were read (late by a whole
+/// generation, so a window's count outlived its reset), a statement relayed after the reset
+/// lowered the new window's count, and an answer's `usage` was taken off again when a
+/// statement of a request sent after it (which the key had charged it in) was already merged:
+/// the count fell thousands of tokens below the key's and turns left a key that had quota.
+#[test]
+fn the_count_follows_a_keys_real_use_when_answers_end_out_of_order() {
+    let mut rng = 0x2545_f491_4f6c_dd1d_u64;
+    let mut next = |n: u64| {
+        rng ^= rng << 13;
+        rng ^= rng >> 7;
+        rng ^= rng << 17;
+        rng % n
+    };
+    let window_ms = 4_000;
+    let mut key = Upstream {
+        budget: 170_000,
+        window_ms,
+        window_start_ms: 0,
+        used: 0,
+    };
+    let rule = QuotaRule {
+        default_reset_ms: window_ms,
+        ..RULE
+    };
+    let mut q = Quota::default();
+    // (end, sent, estimate, used, statement) of the answers in flight.
+    let mut flight: Vec<(u64, u64, u64, u64, Stated)> = Vec::new();
+    let (mut worst_low, mut worst_high, mut checks) = (0_i64, 0_i64, 0);
+    let t0 = 1_796_054_400_000_u64 + 1_234;
+    for i in 0..3_000_u64 {
+        let now = t0 + i * 40;
+        // The answers that ended by now, in the order they ended.
+        flight.sort_by_key(|f| f.0);
+        while flight.first().is_some_and(|f| f.0 <= now) {
+            let (end, sent, estimate, used, stated) = flight.remove(0);
+            q.settle(estimate, used, sent, end);
+            let hint = QuotaHint {
+                requests: None,
+                tokens: Some(stated),
+                at_ms: Some(sent),
+            };
+            q.observe(&hint, &rule, end);
+        }
+        // What the key has left vs what the count says, at each pick from the second window on
+        // (picks before the first statement cannot be counted).
+        if let Some(counted) = q.tokens_left(now).filter(|_| now >= t0 + window_ms) {
+            let real = key.left(now) as i64;
+            // The requests in flight, charged by the key: the count may not know them yet (a
+            // statement merged since replaced its picks' estimates).
+            let unsettled: i64 = flight
+                .iter()
+                .filter(|f| f.1 >= key.window_start_ms)
+                .map(|f| f.3 as i64)
+                .sum();
+            worst_low = worst_low.max(real - counted as i64);
+            worst_high = worst_high.max(counted as i64 - real - unsettled);
+            checks += 1;
+        }
+        let prompt = 500 + next(1_500);
+        let completion = 30 + next(200);
+        let took = 100 + next(3_500);
+        q.consume(prompt, now);
+        let stated = key.admit(prompt + completion, now);
+        let Some(stated) = stated else {
+            panic!("the budget is meant to hold: request {i} refused");
+        };
+        flight.push((now + took, now, prompt, prompt + completion, stated));
+    }
+    assert!(checks > 2_800, "{checks}");
+    assert!(
+        worst_low <= 0,
+        "the count fell {worst_low} tokens below what the key had left"
+    );
+    assert!(
+        worst_high <= 0,
+        "the count was {worst_high} tokens above the key's beyond the answers in flight"
+    );
+}
+
+/// A plain answer's headers come after its whole generation; the reset they state counts from
+/// when the key admitted the request (when it was sent), not from when they were read. And an
+/// answer relayed after its window ended says nothing about the next one.
+#[test]
+fn resets_count_from_when_the_request_was_sent() {
+    let mut q = Quota::default();
+    let hint = |left, reset_in_ms, sent| QuotaHint {
+        requests: None,
+        tokens: Some(Stated {
+            left,
+            reset_in_ms: Some(reset_in_ms),
+            limit: Some(10_000),
+        }),
+        at_ms: Some(sent),
+    };
+    q.observe(&hint(9_000, 4_000, 0), &RULE, 100); // a 4 s window, ends at 4 000
+                                                   // Sent at 3 000, "1s" to the reset, relayed at 3 900: the window still ends at 4 000
+                                                   // (counted from 3 900 it would have lasted to 4 900, with 2 000 left instead of 10 000).
+    q.observe(&hint(2_000, 1_000, 3_000), &RULE, 3_900);
+    assert_eq!(q.tokens.map(|r| r.reset_at_ms), Some(4_000));
+    assert_eq!(q.tokens_left(3_900), Some(2_000));
+    assert_eq!(
+        q.tokens_left(4_000),
+        Some(10_000),
+        "assumed back at its limit"
+    );
+    q.consume(500, 4_100);
+    // A straggler of the ended window, relayed in the next: passed over.
+    q.observe(&hint(300, 200, 3_800), &RULE, 6_000);
+    assert_eq!(q.tokens_left(6_000), Some(9_500));
+    // An answer of this window lowers it.
+    q.observe(&hint(9_000, 3_900, 4_100), &RULE, 6_100);
+    assert_eq!(q.tokens_left(6_100), Some(9_000));
 }

@@ -374,7 +374,8 @@ pub(super) fn record_quota(
     if matches!(outcome, Outcome::Success) && cfg.quota_aware {
         if let Some(u) = ticket.served.as_ref().and_then(|s| s.usage.as_ref()) {
             let used = u.prompt_tokens.saturating_add(u.completion_tokens);
-            st.quota.settle(ticket.quota_tokens, used, now_ms);
+            st.quota
+                .settle(ticket.quota_tokens, used, ticket.started_ms, now_ms);
         }
         st.quota.observe(quota, rule, now_ms);
     }
