@@ -838,6 +838,32 @@ fn a_success_answers_quota_is_remembered_in_the_finish_write_and_moves_the_next_
     );
 }
 
+/// Issue 22: a plain answer's headers come after its whole generation, but the upstream
+/// stated its reset when it admitted the request: "1s" on an answer relayed 3 s after it was
+/// sent has passed. Counted from the headers, the key stayed spent two seconds past its reset.
+#[test]
+fn a_quota_reset_counts_from_when_the_request_was_sent() {
+    let c = cfg(json!({}));
+    let store = MemStore::new();
+    let s = Scheduler::new(&c, &store);
+    let mut log = Log::default();
+    let mut f = Flow::default();
+    let headers = post_headers(&[("x-session-id", "q1")]);
+    assert_eq!(route(&mut f, &s, &mut log, headers, 0), Step::Route(0));
+    let answer = pairs(&[
+        (":status", "200"),
+        ("x-ratelimit-remaining-requests", "0"),
+        ("x-ratelimit-reset-requests", "1s"),
+    ]);
+    f.on_response_headers(&s, &mut log, &answer, false, 3_000);
+    f.on_response_end(&s, &mut log, 3_010);
+    assert_eq!(quota_of(&store, &c, 0).requests_left(3_010), None);
+    // The next session whose home is `a` goes there.
+    let mut g = Flow::default();
+    let headers = post_headers(&[("x-session-id", "q2")]);
+    assert_eq!(route(&mut g, &s, &mut log, headers, 3_020), Step::Route(0));
+}
+
 #[test]
 fn quota_headers_are_not_read_off_failures_nor_with_the_feature_off() {
     for (extra, status) in [(json!({}), "500"), (json!({"quota_aware": false}), "200")] {
