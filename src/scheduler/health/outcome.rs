@@ -97,24 +97,40 @@ pub fn classify(status: u16, headers: &[(String, String)], now_ms: u64) -> Outco
     }
 }
 
-/// The longest valid reset hint among the rate-limit headers, in ms from `now_ms`.
+/// The wait a 429's rate-limit headers state, in ms from `now_ms`: the longest valid hint,
+/// except that a whole-second `Retry-After` (rounded up: `1` for a window that resets in
+/// 312 ms) yields to a millisecond hint of the same wait (`retry-after-ms`,
+/// `x-ratelimit-reset-*` within the second below it). Cooled for the rounded second, a key
+/// stayed unused for most of a second after its window had reset, and the sessions pinned
+/// there moved (issue 22's quota bench). Hints that disagree by more keep the longest.
 pub fn retry_hint_ms(headers: &[(String, String)], now_ms: u64) -> Option<u64> {
-    headers
-        .iter()
-        .filter_map(|(name, value)| match name.as_str() {
-            "retry-after" => parse_retry_after(value, now_ms),
-            "retry-after-ms" => value
-                .trim()
-                .parse::<f64>()
-                .ok()
-                .filter(|v| v.is_finite() && *v >= 0.0)
-                .map(|v| v as u64),
-            "x-ratelimit-reset-requests" | "x-ratelimit-reset-tokens" => {
-                parse_go_duration_ms(value)
+    let mut coarse: Option<u64> = None;
+    let mut precise: Option<u64> = None;
+    for (name, value) in headers {
+        match name.as_str() {
+            "retry-after" => {
+                let v = parse_retry_after(value, now_ms);
+                coarse = coarse.max(v);
             }
-            _ => None,
-        })
-        .max()
+            "retry-after-ms" => {
+                let v = value
+                    .trim()
+                    .parse::<f64>()
+                    .ok()
+                    .filter(|v| v.is_finite() && *v >= 0.0)
+                    .map(|v| v as u64);
+                precise = precise.max(v);
+            }
+            "x-ratelimit-reset-requests" | "x-ratelimit-reset-tokens" => {
+                precise = precise.max(parse_go_duration_ms(value));
+            }
+            _ => {}
+        }
+    }
+    match (coarse, precise) {
+        (Some(c), Some(p)) if p <= c && p.saturating_add(1_000) > c => Some(p),
+        (c, p) => c.max(p),
+    }
 }
 
 /// `Retry-After`: delta-seconds, or an IMF-fixdate (`Sun, 06 Nov 1994 08:49:37 GMT`).
@@ -211,5 +227,32 @@ mod tests {
             0,
         );
         assert_eq!(hint, Some(2_500));
+    }
+
+    /// A whole-second `Retry-After` is the rounded-up form of a millisecond hint of the same
+    /// wait: the precise one is taken. Hints that disagree keep the longest.
+    #[test]
+    fn a_rounded_retry_after_yields_to_the_same_wait_in_milliseconds() {
+        let hint = |pairs: &[(&str, &str)]| retry_hint_ms(&h(pairs), 0);
+        let tokens = ("x-ratelimit-reset-tokens", "312ms");
+        assert_eq!(hint(&[("retry-after", "1"), tokens]), Some(312));
+        assert_eq!(hint(&[tokens, ("retry-after", "1")]), Some(312));
+        assert_eq!(
+            hint(&[("retry-after", "2"), ("retry-after-ms", "1478")]),
+            Some(1_478)
+        );
+        assert_eq!(
+            hint(&[("retry-after", "2"), ("retry-after-ms", "2000")]),
+            Some(2_000)
+        );
+        // Not the same wait: the longest.
+        assert_eq!(hint(&[("retry-after", "20"), tokens]), Some(20_000));
+        assert_eq!(
+            hint(&[("retry-after", "1"), ("x-ratelimit-reset-requests", "6m0s")]),
+            Some(360_000)
+        );
+        assert_eq!(hint(&[("retry-after", "3")]), Some(3_000));
+        assert_eq!(hint(&[tokens]), Some(312));
+        assert_eq!(hint(&[("retry-after", "soon"), tokens]), Some(312));
     }
 }
