@@ -145,6 +145,7 @@ fn cases() -> Vec<Case> {
                         holder: None,
                         prefix: None,
                         follow_up: false,
+                        max_output_tokens: 0,
                     };
                     let d = s.pick(&pick, NOW_MS + i).expect("an endpoint");
                     black_box(s.finish(d.ticket, &Outcome::Success, 250, None, NOW_MS + i));
@@ -172,6 +173,7 @@ fn cases() -> Vec<Case> {
                         holder: None,
                         prefix: None,
                         follow_up: false,
+                        max_output_tokens: 0,
                     };
                     let start = Instant::now();
                     let d = s.pick(&pick, NOW_MS + i).expect("an endpoint");
@@ -209,6 +211,7 @@ fn cases() -> Vec<Case> {
                     holder: None,
                     prefix: None,
                     follow_up: false,
+                    max_output_tokens: 0,
                 };
                 let d = s.pick(&pick, NOW_MS + i).expect("an endpoint");
                 debug_assert_eq!(d.reason, computeflux::scheduler::Reason::AffinityHit);
@@ -236,6 +239,7 @@ fn cases() -> Vec<Case> {
                     holder: None,
                     prefix: None,
                     follow_up: false,
+                    max_output_tokens: 0,
                 };
                 let start = Instant::now();
                 let d = s.pick(&pick, NOW_MS + i).expect("an endpoint");

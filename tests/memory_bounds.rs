@@ -46,6 +46,7 @@ fn request(cfg: &Config, store: &MemStore, session: u64, now_ms: u64) {
         holder: None,
         prefix: None,
         follow_up: false,
+        max_output_tokens: 0,
     };
     let d = s.pick(&pick, now_ms).unwrap();
     s.finish(d.ticket, &Outcome::Success, 10, Some(session), now_ms + 10);

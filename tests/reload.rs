@@ -60,6 +60,7 @@ fn pick(s: &Scheduler<'_>, model: &str, nonce: u64, now_ms: u64) -> Decision {
             holder: None,
             prefix: None,
             follow_up: false,
+            max_output_tokens: 0,
         },
         now_ms,
     )
@@ -131,6 +132,7 @@ fn old_configuration_draining_never_resets_the_new_layout() {
                 holder: None,
                 prefix: None,
                 follow_up: false,
+                max_output_tokens: 0,
             },
             now + 2,
         );

@@ -289,6 +289,7 @@ impl Store for RacingStore<'_> {
                 holder: None,
                 prefix: None,
                 follow_up: false,
+                max_output_tokens: 0,
             };
             let before = Scheduler::new(self.cfg, &self.inner).table();
             if let Ok(d) = Scheduler::new(self.cfg, &self.inner).pick(&pick, now) {
@@ -520,6 +521,7 @@ impl<'a> Sim<'a> {
             holder: None,
             prefix: None,
             follow_up: false,
+            max_output_tokens: 0,
         };
         *self.store.last_table_read.borrow_mut() = None;
         self.store.table_conflicts.set(0);
@@ -1113,7 +1115,7 @@ proptest! {
         store.set(TABLE_KEY, &bytes, None).unwrap();
         let s = Scheduler::new(&cfg, &store);
         let ex = Exclusions::default();
-        let _ = s.pick(&Pick { model: Some("m"), session: Some(1), attempt: 1, exclusions: &ex, nonce: 0, body_bytes: 0 , pin_hint: None, holder: None, prefix: None, follow_up: false }, 0);
+        let _ = s.pick(&Pick { model: Some("m"), session: Some(1), attempt: 1, exclusions: &ex, nonce: 0, body_bytes: 0 , pin_hint: None, holder: None, prefix: None, follow_up: false, max_output_tokens: 0 }, 0);
     }
 }
 
@@ -1292,6 +1294,7 @@ fn cas_exhaustion_never_sends_an_unrecorded_probe() {
         holder: None,
         prefix: None,
         follow_up: false,
+        max_output_tokens: 0,
     };
     let d = s.pick(&pick, 0).unwrap();
     assert_eq!(d.endpoint, 0, "the heavier endpoint first");
@@ -1390,7 +1393,7 @@ proptest! {
         let estimate = computeflux::scheduler::routing::quota::estimate_tokens(body_bytes, cfg.quota_bytes_per_token);
         let short: Vec<bool> = table.entries.iter().map(|(_, st)| st.quota.short(estimate, &rule, now)).collect();
         let ex = Exclusions::default();
-        let d = s.pick(&Pick { model: Some("m"), session, attempt: 1, exclusions: &ex, nonce, body_bytes, pin_hint: None, holder: None, prefix: None , follow_up: false }, now).unwrap();
+        let d = s.pick(&Pick { model: Some("m"), session, attempt: 1, exclusions: &ex, nonce, body_bytes, pin_hint: None, holder: None, prefix: None , follow_up: false, max_output_tokens: 0 }, now).unwrap();
         if short.iter().any(|s| !s) {
             prop_assert!(!short[d.endpoint], "placed on short {} of {:?}", d.endpoint, short);
         }
@@ -1422,7 +1425,7 @@ proptest! {
         for (store, h) in [(&plain, Default::default()), (&junk, hint)] {
             let s = Scheduler::new(&cfg, store);
             for t in 0..4 {
-                let d = s.pick(&Pick { model: Some("m"), session: Some(session), attempt: 1, exclusions: &ex, nonce: 0, body_bytes: 40 , pin_hint: None, holder: None, prefix: None, follow_up: false }, t).unwrap();
+                let d = s.pick(&Pick { model: Some("m"), session: Some(session), attempt: 1, exclusions: &ex, nonce: 0, body_bytes: 40 , pin_hint: None, holder: None, prefix: None, follow_up: false, max_output_tokens: 0 }, t).unwrap();
                 s.finish_observed(d.ticket, &Outcome::Success, Some(5), Some(session), &h, t);
             }
         }

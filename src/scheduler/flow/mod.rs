@@ -300,6 +300,8 @@ pub struct Flow {
     prefix: Option<u64>,
     /// The body carries earlier turns ([`Pick::follow_up`]).
     follow_up: bool,
+    /// The request's output limit, if it states one ([`Pick::max_output_tokens`]).
+    max_output_tokens: u64,
     exclusions: Exclusions,
     attempts: u32,
     current: Option<Attempt>,
@@ -353,6 +355,7 @@ impl Flow {
         Flow {
             nonce,
             follow_up: false,
+            max_output_tokens: 0,
             phase: Phase::Start,
             headers: Vec::new(),
             trailers: Vec::new(),
@@ -864,6 +867,7 @@ impl Flow {
         }
         self.read_pin_cookie(s.cfg, obs, now_ms);
         self.follow_up = req.follow_up;
+        self.max_output_tokens = req.max_output_tokens.unwrap_or(0);
         self.model = Some(req.model);
         self.prompt_bytes = match self.api.map(|a| a.body()) {
             // An upload form: its file is one media item.
@@ -1005,6 +1009,7 @@ impl Flow {
             holder: self.holder.as_ref().map(|h| h.endpoint_id),
             prefix: self.prefix,
             follow_up: self.follow_up,
+            max_output_tokens: self.max_output_tokens,
         };
         let decision = s.pick(&pick, now_ms)?;
         // A session served away from its home (or already carrying a cookie) is told where it

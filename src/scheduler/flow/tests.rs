@@ -649,6 +649,7 @@ fn a_reload_under_an_attempt_is_not_a_lost_update() {
             holder: None,
             prefix: None,
             follow_up: false,
+            max_output_tokens: 0,
         },
         1,
     );
@@ -1212,6 +1213,7 @@ fn a_whole_input_follow_up_forwards_the_body_decided_on_from_its_first_attempt()
         holder: Some(a),
         prefix: None,
         follow_up: false,
+        max_output_tokens: 0,
     };
     let d = s.pick(&pick, 0).unwrap();
     let limited = Outcome::RateLimited {

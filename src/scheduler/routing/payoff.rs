@@ -275,6 +275,7 @@ mod tests {
             holder: None,
             prefix: None,
             follow_up: false,
+            max_output_tokens: 0,
         };
         // Where each of 400 new sessions starts (nothing is pinned: cancelled attempts).
         let homes = || -> Vec<usize> {

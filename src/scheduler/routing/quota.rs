@@ -25,7 +25,9 @@
 //!   window as long as the last stated reset: the picks after the reset are counted before any
 //!   answer from the new window arrives (else every pick in that gap would pass unchecked), and
 //!   that first answer only lowers the assumed count.
-//! - A request's size is estimated as `ceil(prompt bytes / quota_bytes_per_token)` tokens,
+//! - A request's size is estimated as `ceil(prompt bytes / quota_bytes_per_token)` tokens plus
+//!   the output limit it states (hosted APIs charge `max_tokens` at admission: a turn whose
+//!   prompt fit but whose limit did not was a 429, and the key cooled for every session on it),
 //!   where its prompt bytes are its body's bytes with each inline image or audio clip
 //!   counted at a fixed size (`wire::prompt_size`): a base64 upload of megabytes is a few hundred tokens at
 //!   the provider, and counting its bytes took the key's count to zero (issue 22). When the

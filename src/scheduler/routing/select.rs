@@ -128,6 +128,17 @@ pub struct Pick<'a> {
     /// every replica computes the same home (the first turn may have been served by another
     /// replica, which holds the pin).
     pub follow_up: bool,
+    /// The most output tokens the request allows, if it says (0: unknown): part of its
+    /// estimated cost to a key's token quota ([`Pick::quota_estimate`]).
+    pub max_output_tokens: u64,
+}
+
+impl Pick<'_> {
+    /// The tokens a key's quota is taken to lose to this request: its prompt's estimate plus
+    /// its output limit, as hosted APIs charge at admission.
+    pub fn quota_estimate(&self, bytes_per_token: u64) -> u64 {
+        estimate_tokens(self.body_bytes, bytes_per_token).saturating_add(self.max_output_tokens)
+    }
 }
 
 /// How an endpoint was chosen (the `reason` of the decision metric and log line).
@@ -756,7 +767,7 @@ impl<'a> Scheduler<'a> {
             0
         };
         let quota_tokens = if self.cfg.quota_aware {
-            let estimate = estimate_tokens(pick.body_bytes, self.cfg.quota_bytes_per_token);
+            let estimate = pick.quota_estimate(self.cfg.quota_bytes_per_token);
             st.quota.consume(estimate, now_ms);
             estimate
         } else {

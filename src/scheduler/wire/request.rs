@@ -55,7 +55,14 @@ pub struct ChatRequest {
     /// `input` items). Counted, not parsed: a first turn with few-shot examples counts too,
     /// which only makes it go to its home like a later turn would.
     pub follow_up: bool,
+    /// The most output tokens the request allows (`max_completion_tokens`, `max_tokens`,
+    /// `max_output_tokens`), if it says: hosted APIs charge it to the key's token quota when
+    /// they admit the request, so quota-aware routing counts it too.
+    pub max_output_tokens: Option<u64>,
 }
+
+/// Above this a stated output limit is not believed (no model writes 10^7 tokens).
+pub const MAX_OUTPUT_TOKENS: u64 = 10_000_000;
 
 /// Messages (or input items) from which a request is a later turn: system, user, assistant,
 /// user — or user, assistant, user.
@@ -180,6 +187,13 @@ struct Body<'a> {
     /// Chat's legacy function definitions.
     #[serde(borrow, default)]
     functions: Option<&'a RawValue>,
+    #[serde(borrow, default)]
+    max_completion_tokens: Option<&'a RawValue>,
+    #[serde(borrow, default)]
+    max_tokens: Option<&'a RawValue>,
+    /// The Responses API's output limit.
+    #[serde(borrow, default)]
+    max_output_tokens: Option<&'a RawValue>,
 }
 
 #[derive(Deserialize)]
@@ -276,6 +290,16 @@ pub fn parse_chat(body: &[u8]) -> Result<ChatRequest, RequestError> {
         (None, None) => None,
     };
     let instructions = lead.finish();
+    // A plain count, believed up to [`MAX_OUTPUT_TOKENS`]; anything else is no statement.
+    let max_output_tokens = [
+        parsed.max_completion_tokens,
+        parsed.max_tokens,
+        parsed.max_output_tokens,
+    ]
+    .into_iter()
+    .flatten()
+    .find_map(|raw| raw.get().parse::<u64>().ok())
+    .filter(|n| *n <= MAX_OUTPUT_TOKENS);
     Ok(ChatRequest {
         model,
         user,
@@ -283,6 +307,7 @@ pub fn parse_chat(body: &[u8]) -> Result<ChatRequest, RequestError> {
         instructions,
         stream,
         follow_up: items_seen >= FOLLOW_UP_ITEMS,
+        max_output_tokens,
     })
 }
 
@@ -459,6 +484,7 @@ pub fn form_request(model: String) -> ChatRequest {
         instructions: None,
         stream: false,
         follow_up: false,
+        max_output_tokens: None,
     }
 }
 
@@ -537,6 +563,30 @@ mod tests {
     }
     #[cfg(target_arch = "wasm32")]
     use wasm_bindgen_test::wasm_bindgen_test as test;
+
+    /// The output limit, under any of its names; a value that is not a plain count (or is
+    /// implausibly large) is no statement.
+    #[test]
+    fn reads_the_output_limit() {
+        let limit = |body: &str| parse_chat(body.as_bytes()).unwrap().max_output_tokens;
+        assert_eq!(limit(r#"{"model":"m","max_tokens":256}"#), Some(256));
+        assert_eq!(
+            limit(r#"{"model":"m","max_completion_tokens":64,"max_tokens":9}"#),
+            Some(64)
+        );
+        assert_eq!(
+            limit(r#"{"model":"m","max_output_tokens":1000}"#),
+            Some(1_000)
+        );
+        assert_eq!(limit(r#"{"model":"m"}"#), None);
+        for odd in ["-1", "1.5", "\"9\"", "null", "99999999999", "1e3"] {
+            assert_eq!(
+                limit(&format!(r#"{{"model":"m","max_tokens":{odd}}}"#)),
+                None,
+                "{odd}"
+            );
+        }
+    }
 
     #[test]
     fn extracts_model_user_stream_and_fingerprint() {

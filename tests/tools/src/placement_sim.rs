@@ -70,6 +70,7 @@ fn warm(cfg: &Config, latencies: &[f64], samples: u32, rng: &mut Rng) -> MemStor
                 holder: None,
                 prefix: None,
                 follow_up: false,
+                max_output_tokens: 0,
             };
             let Ok(d) = s.pick(&pick, 1_000) else {
                 continue;
@@ -95,6 +96,7 @@ fn home(cfg: &Config, store: &MemStore, session: u64) -> Option<usize> {
         holder: None,
         prefix: None,
         follow_up: false,
+        max_output_tokens: 0,
     };
     let d = s.pick(&pick, 1_001).ok()?;
     s.finish(d.ticket, &Outcome::Cancelled, 0, None, 1_001);

@@ -62,6 +62,7 @@ fn remembered_holder_is_picked_as_an_affinity_hit() {
                 holder: None,
                 prefix: None,
                 follow_up: false,
+                max_output_tokens: 0,
             },
             2_000,
         )
@@ -116,6 +117,7 @@ fn holder_unavailable_reasons() {
                 holder: None,
                 prefix: None,
                 follow_up: false,
+                max_output_tokens: 0,
             },
             now,
         )

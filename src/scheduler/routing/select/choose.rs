@@ -138,7 +138,7 @@ impl<'a> Scheduler<'a> {
             weights.push((i, ep.id, w));
         }
         // Quota: short endpoints are skipped for placements, a certain 429 even by a pin.
-        let estimate = estimate_tokens(pick.body_bytes, cfg.quota_bytes_per_token);
+        let estimate = pick.quota_estimate(cfg.quota_bytes_per_token);
         let rule = self.quota_rule();
         // By reference: a copied `Quota` per endpoint and flag cost more than the flags.
         let quota = |i: usize| state(i).filter(|_| cfg.quota_aware).map(|st| &st.quota);

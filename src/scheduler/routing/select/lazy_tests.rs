@@ -152,6 +152,7 @@ proptest! {
             holder: None,
             prefix: None,
             follow_up: false,
+            max_output_tokens: 0,
         };
         let candidates: Vec<usize> = (0..n).collect();
         let bcfg = s.breaker_config();

@@ -45,6 +45,7 @@ fn pick(
             holder: None,
             prefix,
             follow_up: false,
+            max_output_tokens: 0,
         },
         now,
     )

@@ -38,6 +38,7 @@ fn pick_at(
             holder: None,
             prefix: None,
             follow_up: false,
+            max_output_tokens: 0,
         },
         now,
     )
@@ -66,6 +67,7 @@ fn exclusions_in_order_and_model_not_found() {
             holder: None,
             prefix: None,
             follow_up: false,
+            max_output_tokens: 0,
         })
         .unwrap();
     assert_eq!(cands, vec![0, 1]);
@@ -90,6 +92,7 @@ fn exclusions_in_order_and_model_not_found() {
             holder: None,
             prefix: None,
             follow_up: false,
+            max_output_tokens: 0,
         })
         .unwrap_err();
     assert_eq!(err, NoEndpoint::Exhausted);
@@ -115,6 +118,7 @@ fn exclusions_in_order_and_model_not_found() {
                 holder: None,
                 prefix: None,
                 follow_up: false,
+                max_output_tokens: 0,
             },
             0
         )
@@ -161,6 +165,7 @@ fn affinity_sticks_and_repins_after_failover() {
                 holder: None,
                 prefix: None,
                 follow_up: false,
+                max_output_tokens: 0,
             },
             102,
         )
@@ -445,6 +450,7 @@ fn retry_budget_limits_failovers() {
                 holder: None,
                 prefix: None,
                 follow_up: false,
+                max_output_tokens: 0,
             },
             0,
         )
@@ -475,6 +481,7 @@ fn failovers_after_401_or_429_spend_no_retry_budget() {
             holder: None,
             prefix: None,
             follow_up: false,
+            max_output_tokens: 0,
         };
         s.pick(&pick, 0)
             .map(|d| s.finish(d.ticket, &Outcome::Cancelled, 0, None, 0))
@@ -660,6 +667,7 @@ fn failover_walks_the_rendezvous_order_on_every_replica() {
                             holder: None,
                             prefix: None,
                             follow_up: false,
+                            max_output_tokens: 0,
                         },
                         0,
                     )
@@ -760,6 +768,7 @@ fn after_failover_next_turn(policy: &str) -> (usize, usize, usize) {
                 holder: None,
                 prefix: None,
                 follow_up: false,
+                max_output_tokens: 0,
             },
             4,
         )
@@ -1142,6 +1151,7 @@ fn body_pick<'a>(session: Option<u64>, ex: &'a Exclusions, body_bytes: usize) ->
         holder: None,
         prefix: None,
         follow_up: false,
+        max_output_tokens: 0,
     }
 }
 
@@ -1278,6 +1288,43 @@ fn a_pinned_session_stays_until_a_429_is_certain() {
             .endpoint,
         1
     );
+}
+
+/// Hosted APIs charge a request's output limit to the key's tokens when they admit it: a
+/// pinned turn whose prompt fits what is left but whose prompt plus `max_tokens` does not would
+/// be a 429 (and the key cooled for every session pinned there), so it moves; without a limit,
+/// or with one that fits, it stays. The answer's `usage` then replaces the estimate.
+#[test]
+fn a_turns_output_limit_counts_against_the_keys_tokens() {
+    let c = cfg(json!({"endpoints":[{"name":"a","cluster":"ca"},{"name":"b","cluster":"cb"}]}));
+    let store = MemStore::new();
+    let s = Scheduler::new(&c, &store);
+    let ex = Exclusions::default();
+    let k = session_homed_at(&s, 0);
+    let d = s.pick(&body_pick(Some(k), &ex, 400), 0).unwrap();
+    assert_eq!(d.endpoint, 0);
+    s.finish_observed(
+        d.ticket,
+        &Outcome::Success,
+        Some(10),
+        Some(k),
+        &stated(None, Some(1_000)),
+        1,
+    );
+    // 1 000 tokens left; a 2 000-byte prompt is 500 of them (4 bytes per token).
+    let with_limit = |max_output_tokens| Pick {
+        max_output_tokens,
+        ..body_pick(Some(k), &ex, 2_000)
+    };
+    let over = s.pick(&with_limit(600), 2).unwrap();
+    assert_eq!((over.endpoint, over.affinity), (1, AffinityResult::Miss));
+    assert_eq!(
+        over.ticket.quota_tokens, 1_100,
+        "500 for the prompt, 600 for the output"
+    );
+    let fits = s.pick(&with_limit(400), 3).unwrap();
+    assert_eq!((fits.endpoint, fits.affinity), (0, AffinityResult::Hit));
+    assert_eq!(fits.ticket.quota_tokens, 900);
 }
 
 #[test]
@@ -1492,6 +1539,7 @@ fn pick_body(s: &Scheduler<'_>, session: u64, body_bytes: usize, now: u64) -> De
             holder: None,
             prefix: None,
             follow_up: false,
+            max_output_tokens: 0,
         },
         now,
     )
@@ -1605,6 +1653,7 @@ fn a_follow_up_without_a_pin_here_goes_home_even_when_full() {
             holder: None,
             prefix: None,
             follow_up: true,
+            max_output_tokens: 0,
         };
         let d = s.pick(&p, 1_100).unwrap();
         assert_eq!(
@@ -1955,6 +2004,7 @@ fn replicas_with_different_own_signals_compute_the_same_homes() {
                             holder: None,
                             prefix: None,
                             follow_up: false,
+                            max_output_tokens: 0,
                         },
                         0,
                     )
@@ -2018,6 +2068,7 @@ fn holder_pick<'a>(
         holder,
         prefix: None,
         follow_up: false,
+        max_output_tokens: 0,
     }
 }
 
