@@ -116,6 +116,8 @@ impl<'a> Scheduler<'a> {
         let references = self.peer_references(table);
         let pace_references = signals::pace_medians(cfg, loads);
         let mut weights = Vec::with_capacity(statics.len());
+        // The endpoints whose verdict differs from the stored one (rare: see `flips`).
+        let mut flips = Vec::new();
         // Requests without a session keep the full score (nothing to keep together).
         let best_latency = fastest_warm(
             statics.iter().filter_map(|&i| state(i)),
@@ -130,6 +132,9 @@ impl<'a> Scheduler<'a> {
                 let reference = references.get(i).copied().flatten();
                 let pace_reference = pace_references.get(i).copied().flatten();
                 *v = signals::judge_with(table, cfg, i, reference, pace_reference, load, now_ms);
+                if st.degraded != v.sticky || st.saturation != v.saturation {
+                    flips.push(i);
+                }
             }
             let w = match pick.session {
                 Some(_) => placement::weigh(ep.weight, st, cfg, now_ms),
@@ -197,6 +202,7 @@ impl<'a> Scheduler<'a> {
             weights,
             weight_at,
             verdicts,
+            flips,
             short,
             certain_429,
             load,
@@ -459,7 +465,7 @@ impl<'a> Scheduler<'a> {
             broke_pin_of,
             moved,
             home,
-            verdicts: board.stored_verdicts(),
+            verdicts: board.stored_verdicts(endpoint),
             quota_skipped,
             by_prefix,
         }
@@ -479,6 +485,10 @@ pub(super) struct Board {
     /// The same weights by endpoint index (0 for the others): an O(1) look-up in the walk.
     weight_at: Vec<f64>,
     verdicts: Vec<Verdict>,
+    /// The statics whose verdict (sticky degraded flag or saturation) differs from the one
+    /// stored in their entry, in index order: the only ones besides the chosen endpoint whose
+    /// verdict the pick's write stores (see [`Board::stored_verdicts`]).
+    flips: Vec<usize>,
     /// Short of quota for this request (`quota_aware`).
     short: Vec<bool>,
     /// Staying there is a certain 429.
@@ -581,10 +591,18 @@ impl Board {
             .clamp(0.0, f64::MAX)
     }
     /// The verdicts to store for their hysteresis: `(index, degraded, saturation)`.
-    pub(super) fn stored_verdicts(&self) -> Vec<(usize, bool, Saturation)> {
-        self.statics
+    /// The verdicts the pick's write stores for their hysteresis: the chosen endpoint's (its
+    /// entry is rewritten anyway) and those that differ from the stored ones ([`Board::flips`]),
+    /// of the statics only. The other statics' verdicts equal what is stored, so their entries
+    /// are neither copied nor compared again (that cost about 120 instructions per endpoint).
+    pub(super) fn stored_verdicts(&self, chosen: usize) -> Vec<(usize, bool, Saturation)> {
+        let chosen_static =
+            self.statics.binary_search(&chosen).is_ok() && !self.flips.contains(&chosen);
+        self.flips
             .iter()
-            .filter_map(|&i| self.verdicts.get(i).map(|v| (i, v.sticky, v.saturation)))
+            .copied()
+            .chain(chosen_static.then_some(chosen))
+            .filter_map(|i| self.verdicts.get(i).map(|v| (i, v.sticky, v.saturation)))
             .collect()
     }
 }
@@ -706,7 +724,7 @@ fn kept_pin(p: usize, home: Option<usize>, board: &Board, quota_skipped: Vec<usi
         broke_pin_of: None,
         moved: None,
         home,
-        verdicts: board.stored_verdicts(),
+        verdicts: board.stored_verdicts(p),
         quota_skipped,
         by_prefix: false,
     }
