@@ -92,15 +92,15 @@ impl<'a> Scheduler<'a> {
     /// every endpoint that could serve the request at all, before request exclusions and
     /// breakers, so that a failover walks the first attempt's order; breaker admission is of
     /// this attempt's candidates (`Err` when none admits).
-    pub(super) fn board(
+    pub(super) fn board<'t>(
         &self,
-        table: &Table,
+        table: &'t Table,
         candidates: &[usize],
         pick: &Pick<'_>,
         engines: &Engines,
         now_ms: u64,
         bcfg: &BreakerConfig,
-    ) -> Result<Board, NoEndpoint> {
+    ) -> Result<Board<'t>, NoEndpoint> {
         let cfg = self.cfg;
         let (loads, rooms) = (&engines.loads, &engines.rooms);
         let n = cfg.endpoints.len();
@@ -145,14 +145,14 @@ impl<'a> Scheduler<'a> {
         // Quota: short endpoints are skipped for placements, a certain 429 even by a pin.
         let estimate = estimate_tokens(pick.body_bytes, cfg.quota_bytes_per_token);
         let rule = self.quota_rule();
-        // By reference: a copied `Quota` per endpoint and flag cost more than the flags.
-        let quota = |i: usize| state(i).filter(|_| cfg.quota_aware).map(|st| &st.quota);
-        let short = (0..n)
-            .map(|i| quota(i).is_some_and(|q| q.short(estimate, &rule, now_ms)))
-            .collect();
-        let certain_429 = (0..n)
-            .map(|i| quota(i).is_some_and(|q| q.certain_429(estimate, now_ms)))
-            .collect();
+        // Judged on demand, of the endpoints a decision looks at (a pin, the walk's first few):
+        // judging all cost about 110 instructions per endpoint and request.
+        let quotas = QuotaView {
+            table: cfg.quota_aware.then_some(table),
+            estimate,
+            rule,
+            now_ms,
+        };
         // The engines' own running + waiting where every candidate reports it (one unit for
         // all: an engine's count includes every replica's requests, an in-flight count only
         // this one's), else this replica's in-flight counts.
@@ -203,8 +203,7 @@ impl<'a> Scheduler<'a> {
             weight_at,
             verdicts,
             flips,
-            short,
-            certain_429,
+            quotas,
             load,
             room,
             by_slots,
@@ -228,7 +227,7 @@ impl<'a> Scheduler<'a> {
         let Some(p) = pinned.filter(|&p| board.admitted(p)) else {
             return PinVerdict::None;
         };
-        if board.flag(&board.certain_429, p) {
+        if board.certain_429(p) {
             quota_skipped.push(p);
             return PinVerdict::None;
         }
@@ -330,7 +329,7 @@ impl<'a> Scheduler<'a> {
                 continue;
             }
             if as_pin && !board.degraded(i) {
-                if board.admitted(i) && !board.flag(&board.certain_429, i) {
+                if board.admitted(i) && !board.certain_429(i) {
                     return Some((i, passed.reason(pin, pick.attempt)));
                 }
                 if board.admitted(i) && !quota_skipped.contains(&i) {
@@ -346,10 +345,10 @@ impl<'a> Scheduler<'a> {
                 passed.degraded = true;
                 continue;
             }
-            if board.admitted(i) && board.flag(&board.short, i) && !quota_skipped.contains(&i) {
+            if board.admitted(i) && board.short(i) && !quota_skipped.contains(&i) {
                 quota_skipped.push(i);
             }
-            if !board.admitted(i) || board.flag(&board.short, i) {
+            if !board.admitted(i) || board.short(i) {
                 passed.unavailable = true;
                 continue;
             }
@@ -396,7 +395,7 @@ impl<'a> Scheduler<'a> {
         sticky
             && due
             && board.admitted(i)
-            && !board.flag(&board.short, i)
+            && !board.short(i)
             && pick.attempt <= 1
             && board.pinned.is_none()
     }
@@ -473,7 +472,7 @@ impl<'a> Scheduler<'a> {
 }
 
 /// What one decision knows of every endpoint (indexes into `Config::endpoints`).
-pub(super) struct Board {
+pub(super) struct Board<'t> {
     /// The request's pinned endpoint, if any (even one that cannot serve it now).
     pinned: Option<usize>,
     /// Each endpoint's peers' median slowness (`signals::peer_medians`), by index.
@@ -489,10 +488,9 @@ pub(super) struct Board {
     /// stored in their entry, in index order: the only ones besides the chosen endpoint whose
     /// verdict the pick's write stores (see [`Board::stored_verdicts`]).
     flips: Vec<usize>,
-    /// Short of quota for this request (`quota_aware`).
-    short: Vec<bool>,
-    /// Staying there is a certain 429.
-    certain_429: Vec<bool>,
+    /// Every endpoint's remembered quota against this request (`quota_aware`): see
+    /// [`Board::short`] and [`Board::certain_429`].
+    quotas: QuotaView<'t>,
     /// The load bounded-load placement weighs (see `signals::placement_load`), or the
     /// projected load when `by_slots`.
     load: Vec<u32>,
@@ -505,9 +503,28 @@ pub(super) struct Board {
     admission: Vec<Option<Admission>>,
 }
 
-impl Board {
-    pub(super) fn flag(&self, v: &[bool], i: usize) -> bool {
-        v.get(i).copied().unwrap_or(false)
+/// The table's quotas as one decision sees them (`None`: not `quota_aware`, never short).
+pub(super) struct QuotaView<'t> {
+    table: Option<&'t Table>,
+    estimate: u64,
+    rule: QuotaRule,
+    now_ms: u64,
+}
+
+impl<'t> Board<'t> {
+    /// Short of quota for this request: skipped for placements (`quota_aware`).
+    pub(super) fn short(&self, i: usize) -> bool {
+        let q = &self.quotas;
+        q.table
+            .and_then(|t| t.entries.get(i))
+            .is_some_and(|(_, st)| st.quota.short(q.estimate, &q.rule, q.now_ms))
+    }
+    /// Staying there is a certain 429 (`quota_aware`): even a pin leaves it.
+    pub(super) fn certain_429(&self, i: usize) -> bool {
+        let q = &self.quotas;
+        q.table
+            .and_then(|t| t.entries.get(i))
+            .is_some_and(|(_, st)| st.quota.certain_429(q.estimate, q.now_ms))
     }
     pub(super) fn load_of(&self, i: usize) -> u32 {
         self.load.get(i).copied().unwrap_or(0)
@@ -559,11 +576,7 @@ impl Board {
     /// without metrics).
     pub(super) fn room_elsewhere(&self, i: usize) -> bool {
         self.statics.iter().any(|&j| {
-            j != i
-                && self.admitted(j)
-                && !self.degraded(j)
-                && !self.flag(&self.short, j)
-                && !self.full(j)
+            j != i && self.admitted(j) && !self.degraded(j) && !self.short(j) && !self.full(j)
         })
     }
     /// The shortest expected queueing delay at a candidate other than `i` that could take the
@@ -574,11 +587,7 @@ impl Board {
         self.statics
             .iter()
             .filter(|&&j| {
-                j != i
-                    && self.admitted(j)
-                    && !self.degraded(j)
-                    && !self.flag(&self.short, j)
-                    && !self.full(j)
+                j != i && self.admitted(j) && !self.degraded(j) && !self.short(j) && !self.full(j)
             })
             .map(|&j| {
                 let load = self.verdicts.get(j).and_then(|v| v.load);
