@@ -33,16 +33,16 @@ pub fn refresh_gauges(p: &Plugin, now_ms: u64) {
 
 /// The gauges of endpoint `i` alone (its breaker changed): its own entry read from the shared
 /// table, not the whole table (a request's cost must not grow with the fleet, issue 21; the
-/// others' gauges follow at the next tick). Falls back to [`refresh_gauges`] when the stored
-/// table does not have the configuration's layout.
+/// others' gauges follow at the next tick). Falls back to [`refresh_gauges`] when the
+/// endpoint's entry is not where the configuration puts it.
 pub fn refresh_endpoint_gauges(p: &Plugin, i: usize, now_ms: u64) {
     let bytes = SharedData.get(TABLE_KEY).0;
     let entry = bytes
         .as_deref()
-        .filter(|b| Table::has_layout(b, &p.cfg))
-        .and_then(|b| Table::entry_at(b, i));
+        .zip(p.cfg.endpoints.get(i))
+        .and_then(|(b, ep)| Table::entry_of(b, i, ep.id));
     match entry {
-        Some((_, st)) => set_gauges(p, i, &st, now_ms),
+        Some(st) => set_gauges(p, i, &st, now_ms),
         None => refresh_gauges(p, now_ms),
     }
 }

@@ -321,7 +321,9 @@ struct Choice {
     /// The saturated endpoint a pinned session moved away from, if any.
     moved: Option<usize>,
     home: Option<usize>,
-    /// The degraded flag and saturation of every weighed endpoint as this choice saw them.
+    /// The degraded flag and saturation as this choice saw them, of the chosen endpoint and of
+    /// every weighed endpoint whose verdict differs from its stored one (see
+    /// `Board::stored_verdicts`).
     verdicts: Vec<(usize, bool, Saturation)>,
     /// See [`Decision::quota_skipped`].
     quota_skipped: Vec<usize>,

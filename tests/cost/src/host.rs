@@ -227,6 +227,12 @@ pub fn deserialize_map(bytes: &[u8]) -> Result<Pairs> {
 
 fn count(caller: &mut Caller<'_, Host>, name: &'static str) {
     *caller.data_mut().traffic.calls.entry(name).or_insert(0) += 1;
+    if caller.data().echo && name != "proxy_log" {
+        // Every host call with the fuel used so far (COMPUTEFLUX_COST_ECHO=1): the cost of
+        // the code between two calls, exactly, without touching the module.
+        let used = crate::vm::FUEL.saturating_sub(caller.get_fuel().unwrap_or(0));
+        eprintln!("[host {name} fuel {used}]");
+    }
 }
 
 fn memory(caller: &mut Caller<'_, Host>) -> Result<Memory> {
@@ -544,6 +550,9 @@ pub fn link(linker: &mut Linker<Host>, module: &Module) -> Result<()> {
          -> Result<i32> {
             count(&mut c, "proxy_get_shared_data");
             let key = read(&mut c, kptr, klen)?;
+            if c.data().echo {
+                eprintln!("[host   key {}]", String::from_utf8_lossy(&key));
+            }
             match c.data().shared.get(&key).cloned() {
                 Some((value, cas)) => {
                     give(&mut c, &value, ptr_out, size_out)?;
@@ -566,6 +575,9 @@ pub fn link(linker: &mut Linker<Host>, module: &Module) -> Result<()> {
          -> Result<i32> {
             count(&mut c, "proxy_set_shared_data");
             let key = read(&mut c, kptr, klen)?;
+            if c.data().echo {
+                eprintln!("[host   key {}]", String::from_utf8_lossy(&key));
+            }
             let value = read(&mut c, vptr, vlen)?;
             let host = c.data_mut();
             let cas = cas as u32;

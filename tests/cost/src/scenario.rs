@@ -429,6 +429,9 @@ pub fn run_suite_sampling(
 
 fn measure(vm: &mut Vm, name: &str, f: impl FnOnce(&mut Vm) -> Result<String>) -> Result<Measured> {
     let fuel_before = vm.fuel_used()?;
+    if vm.host().echo {
+        eprintln!("[measure {name} fuel {fuel_before}]");
+    }
     let traffic_before = vm.host().traffic.clone();
     let by_callback_before = vm.fuel.clone();
     let outcome = f(vm)?;

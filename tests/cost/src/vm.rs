@@ -114,6 +114,9 @@ impl Vm {
             Err(e) => bail!("export {name}: {e}"),
         };
         let before = self.fuel_used()?;
+        if self.store.data().echo {
+            eprintln!("[call {name} fuel {before}]");
+        }
         let out = f.call(&mut self.store, params)?;
         let used = self.fuel_used()? - before;
         *self.fuel.entry(name).or_insert(0) += used;

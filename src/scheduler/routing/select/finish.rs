@@ -88,23 +88,24 @@ impl<'a> Scheduler<'a> {
     ) -> Option<bool> {
         let (id, hint) = (ticket.endpoint_id, ticket.endpoint);
         let cfg = self.cfg;
-        let result = update_if(self.store, TABLE_KEY, |bytes| {
-            // The common case: only this endpoint's entry is decoded and rewritten.
-            if let Some(stored) = bytes.filter(|b| Table::has_layout(b, cfg)) {
-                let at = match cfg.endpoints.get(hint) {
-                    Some(ep) if ep.id == id => Some(hint),
-                    _ => cfg.endpoint_index(id),
-                };
-                let Some(at) = at else { return (None, false) };
-                if let Some((id, mut st)) = Table::entry_at(stored, at) {
+        let at = match cfg.endpoints.get(hint) {
+            Some(ep) if ep.id == id => Some(hint),
+            _ => cfg.endpoint_index(id),
+        };
+        let result = update_owned(self.store, TABLE_KEY, |mut bytes| {
+            // The common case: only this endpoint's entry is decoded and rewritten, in the
+            // bytes read (no copy of the table, no look at the other entries).
+            if let (Some(at), Some(stored)) = (at, bytes.as_mut()) {
+                if let Some(mut st) = Table::entry_of(stored, at, id) {
                     if !change(&mut st) {
                         return (None, false);
                     }
-                    if let Some(new) = Table::patch_entry(stored, at, id, &st) {
-                        return (Some(new), true);
+                    if Table::patch_entry_in_place(stored, at, id, &st) {
+                        return (bytes, true);
                     }
                 }
             }
+            let bytes = bytes.as_deref();
             let (mut table, same_layout) = self.load_table(bytes);
             let at = table.locate(hint, id);
             let Some((at, (_, st))) = at.and_then(|i| Some((i, table.entries.get_mut(i)?))) else {
@@ -193,28 +194,25 @@ impl<'a> Scheduler<'a> {
             };
             (report, st.degraded)
         };
-        let result = update_if(self.store, TABLE_KEY, |bytes| {
-            // The common case: the stored table has the configuration's layout and no peer
-            // median is needed, so only this endpoint's entry is decoded and rewritten (the
-            // cost does not grow with the fleet).
-            if let Some(stored) =
-                bytes.filter(|b| !ticket.degraded_probe && Table::has_layout(b, cfg))
-            {
-                let at = match cfg.endpoints.get(ticket.endpoint) {
-                    Some(ep) if ep.id == ticket.endpoint_id => Some(ticket.endpoint),
-                    _ => cfg.endpoint_index(ticket.endpoint_id),
-                };
-                // Gone (a configuration reload under the attempt): nothing to record.
-                let Some(at) = at else {
-                    return (None, None);
-                };
-                if let Some((id, mut st)) = Table::entry_at(stored, at) {
+        let id = ticket.endpoint_id;
+        let at = match cfg.endpoints.get(ticket.endpoint) {
+            Some(ep) if ep.id == id => Some(ticket.endpoint),
+            _ => cfg.endpoint_index(id),
+        };
+        let result = update_owned(self.store, TABLE_KEY, |mut bytes| {
+            // The common case: the endpoint's entry is where the configuration puts it and no
+            // peer median is needed, so only that entry is decoded and rewritten, in the bytes
+            // read (the cost does not grow with the fleet: no copy of the table, no look at
+            // the other entries).
+            if let (Some(at), Some(stored), false) = (at, bytes.as_mut(), ticket.degraded_probe) {
+                if let Some(mut st) = Table::entry_of(stored, at, id) {
                     let out = record(&mut st, None);
-                    if let Some(new) = Table::patch_entry(stored, at, id, &st) {
-                        return (Some(new), Some(out));
+                    if Table::patch_entry_in_place(stored, at, id, &st) {
+                        return (bytes, Some(out));
                     }
                 }
             }
+            let bytes = bytes.as_deref();
             let (mut table, same_layout) = self.load_table(bytes);
             // The ticket's endpoint, also if a reload moved it; gone: nothing to record.
             let at = table.locate(ticket.endpoint, ticket.endpoint_id);

@@ -47,10 +47,10 @@ impl<'a> Scheduler<'a> {
                 passed.degraded = true;
                 continue;
             }
-            if board.admitted(i) && board.flag(&board.short, i) && !quota_skipped.contains(&i) {
+            if board.admitted(i) && board.short(i) && !quota_skipped.contains(&i) {
                 quota_skipped.push(i);
             }
-            if !board.admitted(i) || board.flag(&board.short, i) {
+            if !board.admitted(i) || board.short(i) {
                 passed.unavailable = true;
                 continue;
             }
