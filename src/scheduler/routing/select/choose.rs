@@ -371,8 +371,12 @@ impl<'a> Scheduler<'a> {
         passed.spilled.map(|i| (i, Reason::Spill))
     }
 
-    /// The probe decision: a degraded endpoint gets a first attempt of an unpinned session once
-    /// its probe interval (with backoff) has passed, if it admits traffic and has quota.
+    /// The probe decision: a degraded endpoint gets a first attempt of a new session (a first
+    /// turn, unpinned) once its probe interval (with backoff) has passed, if it admits traffic
+    /// and has quota. A later turn is never a probe, pinned here or not: its history is cached
+    /// where its session lives, and with several replicas most later turns reach a replica
+    /// that holds no pin for them — as probes they paid a full prefill on the slow endpoint
+    /// (the bench's `slow` run, three replicas: 3.9–4.5 s, nothing cached).
     /// Overdue verdicts are not probed (the hits in flight are probes already).
     pub(super) fn probe_due(
         &self,
@@ -393,6 +397,7 @@ impl<'a> Scheduler<'a> {
             && !board.flag(&board.short, i)
             && pick.attempt <= 1
             && board.pinned.is_none()
+            && !pick.follow_up
     }
 
     /// Step 4: the labels of the decision and whether a success pins the session there.

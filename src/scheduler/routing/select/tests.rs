@@ -1060,6 +1060,50 @@ fn a_streamed_hit_stops_being_watched_at_its_first_byte() {
     });
 }
 
+/// A probe is a first turn: a later turn without a pin at this replica (with several
+/// replicas, two turns in three) has its history cached where its session lives, and as a
+/// probe it would pay a full prefill on the slow endpoint (the bench's `slow` run with three
+/// replicas: follow-up turns probed onto the 5× endpoint took 3.9–4.5 s, cached 0).
+#[test]
+fn a_follow_up_without_a_pin_here_is_never_a_probe() {
+    let c = three_warm(json!({"degraded_probe_interval_ms": 1000}));
+    let store = MemStore::new();
+    let s = Scheduler::new(&c, &store);
+    let ex = Exclusions::default();
+    warm(&s, &[100, 100, 100], 5, 0);
+    warm(&s, &[600, 100, 100], 20, 1);
+    let turn = |k: u64, follow_up: bool, now: u64| {
+        let p = Pick {
+            model: Some("m"),
+            session: Some(k),
+            attempt: 1,
+            exclusions: &ex,
+            nonce: 0,
+            body_bytes: 400,
+            pin_hint: None,
+            holder: None,
+            prefix: None,
+            follow_up,
+        };
+        let d = s.pick(&p, now).unwrap();
+        s.finish(d.ticket, &Outcome::Cancelled, 0, None, now);
+        (d.endpoint, d.reason)
+    };
+    // Later turns of 400 sessions over 20 s, probes due every second: none reaches a.
+    for n in 0..400u64 {
+        let (endpoint, reason) = turn(key(20_000 + n), true, 2 + n * 50);
+        assert_ne!(
+            endpoint, 0,
+            "a follow-up went to the degraded endpoint as {reason:?}"
+        );
+    }
+    // First turns still probe it.
+    let probed = (0..400u64)
+        .filter(|n| turn(key(30_000 + n), false, 30_000 + n * 50) == (0, Reason::DegradedProbe))
+        .count();
+    assert!(probed >= 1);
+}
+
 #[test]
 fn a_fast_probe_answer_resets_the_probe_backoff() {
     let c = three_warm(json!({"degraded_probe_interval_ms": 1000}));
