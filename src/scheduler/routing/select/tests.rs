@@ -1891,6 +1891,66 @@ fn full_engines_share_new_sessions_by_slots() {
     assert!(6 + to[1] <= 78, "{to:?}");
 }
 
+/// Every candidate full: a new session still passes over an endpoint whose queue is a batch
+/// deep or more when another's is at most a quarter of it (in batches: waiting ÷ running),
+/// and goes home as before when the queues are alike. Later turns without a pin here still go
+/// home, and nothing pinned moves.
+#[test]
+fn every_engine_full_new_sessions_pass_over_a_far_longer_queue() {
+    let c = three_warm(json!({}));
+    let store = MemStore::new();
+    let s = Scheduler::new(&c, &store);
+    let ex = Exclusions::default();
+    warm(&s, &[100, 100, 100], 10, 0);
+    // All saturated (≥ 5 waiting): a and b 2.5 batches deep, c 0.375.
+    scraped(&store, "a", 40, 16, 1_000);
+    scraped(&store, "b", 40, 16, 1_000);
+    scraped(&store, "c", 6, 16, 1_000);
+    let mut to = [0usize; 3];
+    for n in 0..200u64 {
+        let d = pick_at(&s, Some(key(n)), &ex, 1_100).unwrap();
+        to[d.endpoint] += 1;
+        if d.endpoint == 2 && d.home != Some(2) {
+            assert_eq!(d.reason, Reason::Saturated, "{d:?}");
+            assert!(d.ticket.pin_on_success, "{d:?}");
+        }
+        s.finish(d.ticket, &Outcome::Cancelled, 0, None, 1_100);
+    }
+    assert_eq!(to, [0, 0, 200]);
+    // A later turn without a pin here goes home, as a pin would.
+    let homes: Vec<usize> = (0..60u64)
+        .filter_map(|n| {
+            let p = Pick {
+                model: Some("m"),
+                session: Some(key(1_000 + n)),
+                attempt: 1,
+                exclusions: &ex,
+                nonce: 0,
+                body_bytes: 400,
+                pin_hint: None,
+                holder: None,
+                prefix: None,
+                follow_up: true,
+            };
+            let d = s.pick(&p, 1_100).unwrap();
+            s.finish(d.ticket, &Outcome::Cancelled, 0, None, 1_100);
+            (d.affinity == AffinityResult::Home).then_some(d.endpoint)
+        })
+        .collect();
+    assert_eq!(homes.len(), 60);
+    assert!(homes.contains(&0) && homes.contains(&1), "{homes:?}");
+    // Queues alike (1.25 batches against 0.375 × 4 = 1.5): every one goes home, as before.
+    scraped(&store, "a", 20, 16, 2_000);
+    scraped(&store, "b", 20, 16, 2_000);
+    let mut to = [0usize; 3];
+    for n in 0..200u64 {
+        let d = pick_at(&s, Some(key(5_000 + n)), &ex, 2_100).unwrap();
+        to[d.endpoint] += 1;
+        s.finish(d.ticket, &Outcome::Cancelled, 0, None, 2_100);
+    }
+    assert!(to.iter().all(|&n| n > 30), "{to:?}");
+}
+
 #[test]
 fn degraded_and_saturated_are_distinct() {
     let c = three_warm(json!({}));
