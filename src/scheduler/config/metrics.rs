@@ -7,7 +7,8 @@
 //! for an endpoint that has the object; an endpoint without it (a hosted API key) is never
 //! scraped and keeps the behaviour it had before scraping existed.
 //!
-//! Defaults: `path` `/metrics`, `format` `auto`, `interval_ms` 1000 (100..=60000),
+//! Defaults: `path` `/metrics`, `format` `auto`, `interval_ms` 250 (100..=60000; see
+//! [`DEFAULT_INTERVAL_MS`] for why so often),
 //! `timeout_ms` 500 (10..=60000), `cluster` the endpoint's own cluster, `authority` the scrape
 //! cluster's name. A scraped load is trusted for [`MetricsConfig::stale_after_ms`] after the
 //! scrape that produced it.
@@ -61,7 +62,14 @@ pub struct MetricsConfig {
 pub const FORMATS: &[&str] = &["auto", "vllm", "sglang", "llamacpp", "tgi"];
 
 pub const DEFAULT_PATH: &str = "/metrics";
-pub const DEFAULT_INTERVAL_MS: u64 = 1_000;
+/// Four scrapes a second: the engine's decode pace judges a slowed engine degraded at the
+/// first scrape whose window lies mostly after the onset (`scrape::Scraped::pace`), so every
+/// request sent there meanwhile pays the slowdown. At 1000 ms that took 1.3–2.2 s on the
+/// bench's `slow` run (three replicas, each scraping on its own phase), and the requests sent
+/// to the slowed engine in that time were half of those above 1.5 × the steady p99. The cost
+/// is one small GET per endpoint per interval per Envoy process (the Gateway API Inference
+/// Extension's endpoint picker polls every 50 ms by default).
+pub const DEFAULT_INTERVAL_MS: u64 = 250;
 pub const MIN_INTERVAL_MS: u64 = 100;
 pub const MAX_INTERVAL_MS: u64 = 60_000;
 pub const DEFAULT_TIMEOUT_MS: u64 = 500;
@@ -330,13 +338,13 @@ mod tests {
             MetricsConfig {
                 path: "/metrics".into(),
                 format: Format::Auto,
-                interval_ms: 1_000,
+                interval_ms: 250,
                 timeout_ms: 500,
                 cluster: "gpu-1".into(),
                 authority: "gpu-1".into(),
             }
         );
-        assert_eq!(m.stale_after_ms(), 3_500);
+        assert_eq!(m.stale_after_ms(), 1_250);
         let m = c.endpoints[2].metrics.clone().unwrap();
         assert_eq!(m.format, Format::Sglang);
         assert_eq!(m.format_name(), "sglang");
@@ -380,7 +388,7 @@ mod tests {
         let keys = metrics_keys();
         let default = |k: &str| keys.iter().find(|d| d.key == k).unwrap().default.clone();
         assert_eq!(default("metrics.path"), DEFAULT_PATH);
-        assert_eq!(default("metrics.interval_ms"), "1000");
+        assert_eq!(default("metrics.interval_ms"), "250");
         assert_eq!(default("metrics.timeout_ms"), "500");
         assert_eq!(default("metrics.format"), "auto");
         for f in FORMATS {

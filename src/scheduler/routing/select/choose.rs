@@ -317,10 +317,7 @@ impl<'a> Scheduler<'a> {
     ) -> Option<(usize, Reason)> {
         let left = pin.left();
         let eligible = |i: usize| {
-            board.admitted(i)
-                && !board.degraded(i)
-                && Some(i) != left
-                && !(board.full(i) && board.room_elsewhere(i))
+            board.admitted(i) && !board.degraded(i) && Some(i) != left && !board.passed_over(i)
         };
         let (total_load, total_weight, total_slots) = eligible_totals(board, keyed, eligible);
         let mut passed = Passed::default();
@@ -358,7 +355,7 @@ impl<'a> Scheduler<'a> {
                 passed.unavailable = true;
                 continue;
             }
-            if board.full(i) && board.room_elsewhere(i) {
+            if board.passed_over(i) {
                 passed.saturated = true;
                 continue;
             }
@@ -382,8 +379,12 @@ impl<'a> Scheduler<'a> {
         passed.spilled.map(|i| (i, Reason::Spill))
     }
 
-    /// The probe decision: a degraded endpoint gets a first attempt of an unpinned session once
-    /// its probe interval (with backoff) has passed, if it admits traffic and has quota.
+    /// The probe decision: a degraded endpoint gets a first attempt of a new session (a first
+    /// turn, unpinned) once its probe interval (with backoff) has passed, if it admits traffic
+    /// and has quota. A later turn is never a probe, pinned here or not: its history is cached
+    /// where its session lives, and with several replicas most later turns reach a replica
+    /// that holds no pin for them — as probes they paid a full prefill on the slow endpoint
+    /// (the bench's `slow` run, three replicas: 3.9–4.5 s, nothing cached).
     /// Overdue verdicts are not probed (the hits in flight are probes already).
     pub(super) fn probe_due(
         &self,
@@ -404,6 +405,7 @@ impl<'a> Scheduler<'a> {
             && !board.short(i)
             && pick.attempt <= 1
             && board.pinned.is_none()
+            && !pick.follow_up
     }
 
     /// Step 4: the labels of the decision and whether a success pins the session there.
@@ -476,6 +478,10 @@ impl<'a> Scheduler<'a> {
         }
     }
 }
+
+/// How much shorter (in batches of wait) another full candidate's queue must be for a new
+/// session to pass over a full endpoint when none has room ([`Board::far_shorter_queue_elsewhere`]).
+pub(super) const QUEUE_GAP: f64 = 4.0;
 
 /// What one decision knows of every endpoint (indexes into `Config::endpoints`).
 pub(super) struct Board<'t> {
@@ -583,6 +589,39 @@ impl<'t> Board<'t> {
     pub(super) fn room_elsewhere(&self, i: usize) -> bool {
         self.statics.iter().any(|&j| {
             j != i && self.admitted(j) && !self.degraded(j) && !self.short(j) && !self.full(j)
+        })
+    }
+    /// Whether a new session's placement passes over full `i` (see [`Board::full`]): another
+    /// candidate has room, or — every one full — another's queue is far shorter
+    /// ([`Board::far_shorter_queue_elsewhere`]).
+    pub(super) fn passed_over(&self, i: usize) -> bool {
+        self.full(i) && (self.room_elsewhere(i) || self.far_shorter_queue_elsewhere(i))
+    }
+    /// The wait at `i` in batches: its engine's scraped waiting ÷ running (at least 1), where
+    /// both are known.
+    fn queue_batches(&self, i: usize) -> Option<f64> {
+        let load = self.verdicts.get(i).and_then(|v| v.load)?;
+        Some(f64::from(load.waiting?) / f64::from(load.running?.max(1)))
+    }
+    /// Whether `i`'s queue is at least a batch deep and another candidate that could take a
+    /// new session (admitted, not degraded, not short) has a known queue at most
+    /// 1 / [`QUEUE_GAP`] of it. When every candidate is full, placement used to go home as
+    /// without metrics; on the bench's `slow` run that put new sessions on the one endpoint
+    /// left serving a second model, which took all of that model's sessions from the slowed
+    /// one (waiting 20–34 on 16 slots for 8 s while the others had 0–12): its queue was the
+    /// whole remaining tail above 1.5 × the steady p99. A queue shallower than a batch drains
+    /// by itself, and a gap of 4× leaves the jitter between replicas' scrapes alone. New
+    /// sessions only: no pin moves for it.
+    pub(super) fn far_shorter_queue_elsewhere(&self, i: usize) -> bool {
+        let Some(mine) = self.queue_batches(i).filter(|q| *q >= 1.0) else {
+            return false;
+        };
+        self.statics.iter().any(|&j| {
+            j != i
+                && self.admitted(j)
+                && !self.degraded(j)
+                && !self.flag(&self.short, j)
+                && self.queue_batches(j).is_some_and(|q| q * QUEUE_GAP <= mine)
         })
     }
     /// The shortest expected queueing delay at a candidate other than `i` that could take the

@@ -1069,6 +1069,50 @@ fn a_streamed_hit_stops_being_watched_at_its_first_byte() {
     });
 }
 
+/// A probe is a first turn: a later turn without a pin at this replica (with several
+/// replicas, two turns in three) has its history cached where its session lives, and as a
+/// probe it would pay a full prefill on the slow endpoint (the bench's `slow` run with three
+/// replicas: follow-up turns probed onto the 5× endpoint took 3.9–4.5 s, cached 0).
+#[test]
+fn a_follow_up_without_a_pin_here_is_never_a_probe() {
+    let c = three_warm(json!({"degraded_probe_interval_ms": 1000}));
+    let store = MemStore::new();
+    let s = Scheduler::new(&c, &store);
+    let ex = Exclusions::default();
+    warm(&s, &[100, 100, 100], 5, 0);
+    warm(&s, &[600, 100, 100], 20, 1);
+    let turn = |k: u64, follow_up: bool, now: u64| {
+        let p = Pick {
+            model: Some("m"),
+            session: Some(k),
+            attempt: 1,
+            exclusions: &ex,
+            nonce: 0,
+            body_bytes: 400,
+            pin_hint: None,
+            holder: None,
+            prefix: None,
+            follow_up,
+        };
+        let d = s.pick(&p, now).unwrap();
+        s.finish(d.ticket, &Outcome::Cancelled, 0, None, now);
+        (d.endpoint, d.reason)
+    };
+    // Later turns of 400 sessions over 20 s, probes due every second: none reaches a.
+    for n in 0..400u64 {
+        let (endpoint, reason) = turn(key(20_000 + n), true, 2 + n * 50);
+        assert_ne!(
+            endpoint, 0,
+            "a follow-up went to the degraded endpoint as {reason:?}"
+        );
+    }
+    // First turns still probe it.
+    let probed = (0..400u64)
+        .filter(|n| turn(key(30_000 + n), false, 30_000 + n * 50) == (0, Reason::DegradedProbe))
+        .count();
+    assert!(probed >= 1);
+}
+
 #[test]
 fn a_fast_probe_answer_resets_the_probe_backoff() {
     let c = three_warm(json!({"degraded_probe_interval_ms": 1000}));
@@ -1894,6 +1938,66 @@ fn full_engines_share_new_sessions_by_slots() {
     let b = caps.get(c.endpoints[1].id);
     assert_eq!((b.slots, b.sent as usize), (4, to[1]));
     assert!(6 + to[1] <= 78, "{to:?}");
+}
+
+/// Every candidate full: a new session still passes over an endpoint whose queue is a batch
+/// deep or more when another's is at most a quarter of it (in batches: waiting ÷ running),
+/// and goes home as before when the queues are alike. Later turns without a pin here still go
+/// home, and nothing pinned moves.
+#[test]
+fn every_engine_full_new_sessions_pass_over_a_far_longer_queue() {
+    let c = three_warm(json!({}));
+    let store = MemStore::new();
+    let s = Scheduler::new(&c, &store);
+    let ex = Exclusions::default();
+    warm(&s, &[100, 100, 100], 10, 0);
+    // All saturated (≥ 5 waiting): a and b 2.5 batches deep, c 0.375.
+    scraped(&store, "a", 40, 16, 1_000);
+    scraped(&store, "b", 40, 16, 1_000);
+    scraped(&store, "c", 6, 16, 1_000);
+    let mut to = [0usize; 3];
+    for n in 0..200u64 {
+        let d = pick_at(&s, Some(key(n)), &ex, 1_100).unwrap();
+        to[d.endpoint] += 1;
+        if d.endpoint == 2 && d.home != Some(2) {
+            assert_eq!(d.reason, Reason::Saturated, "{d:?}");
+            assert!(d.ticket.pin_on_success, "{d:?}");
+        }
+        s.finish(d.ticket, &Outcome::Cancelled, 0, None, 1_100);
+    }
+    assert_eq!(to, [0, 0, 200]);
+    // A later turn without a pin here goes home, as a pin would.
+    let homes: Vec<usize> = (0..60u64)
+        .filter_map(|n| {
+            let p = Pick {
+                model: Some("m"),
+                session: Some(key(1_000 + n)),
+                attempt: 1,
+                exclusions: &ex,
+                nonce: 0,
+                body_bytes: 400,
+                pin_hint: None,
+                holder: None,
+                prefix: None,
+                follow_up: true,
+            };
+            let d = s.pick(&p, 1_100).unwrap();
+            s.finish(d.ticket, &Outcome::Cancelled, 0, None, 1_100);
+            (d.affinity == AffinityResult::Home).then_some(d.endpoint)
+        })
+        .collect();
+    assert_eq!(homes.len(), 60);
+    assert!(homes.contains(&0) && homes.contains(&1), "{homes:?}");
+    // Queues alike (1.25 batches against 0.375 × 4 = 1.5): every one goes home, as before.
+    scraped(&store, "a", 20, 16, 2_000);
+    scraped(&store, "b", 20, 16, 2_000);
+    let mut to = [0usize; 3];
+    for n in 0..200u64 {
+        let d = pick_at(&s, Some(key(5_000 + n)), &ex, 2_100).unwrap();
+        to[d.endpoint] += 1;
+        s.finish(d.ticket, &Outcome::Cancelled, 0, None, 2_100);
+    }
+    assert!(to.iter().all(|&n| n > 30), "{to:?}");
 }
 
 #[test]

@@ -31,6 +31,30 @@ pub struct Page {
     pub decisions: BTreeMap<String, u64>,
     /// `endpoint` → slowness in thousandths (0: not judged yet).
     pub slowness: BTreeMap<String, f64>,
+    /// `name{endpoint}` → value of the per-endpoint gauges in [`TIMELINE_GAUGES`] (kept only for
+    /// the timeline, see [`timeline_interval`]).
+    pub gauges: BTreeMap<String, f64>,
+}
+
+/// The per-endpoint gauges a timeline records: what the filter judged and what it scraped.
+pub const TIMELINE_GAUGES: [&str; 6] = [
+    "computeflux_degraded",
+    "computeflux_saturated",
+    "computeflux_engine_waiting",
+    "computeflux_engine_running",
+    "computeflux_engine_decode_us_per_token",
+    "computeflux_in_flight",
+];
+
+/// `BENCH_TIMELINE_MS=N` (diagnostics): sample every N ms instead of once a second and keep
+/// every sample of [`TIMELINE_GAUGES`] per process, written next to the per-request records
+/// (`--raw-dir`) as `…-timeline.jsonl`. Unset: no timeline.
+pub fn timeline_interval() -> Option<Duration> {
+    std::env::var("BENCH_TIMELINE_MS")
+        .ok()
+        .and_then(|v| v.parse::<u64>().ok())
+        .filter(|ms| *ms > 0)
+        .map(Duration::from_millis)
 }
 
 /// The label value of `name` in a Prometheus series' label set `{a="x",b="y"}`.
@@ -65,6 +89,11 @@ pub fn parse(text: &str) -> Page {
                     page.slowness.insert(e.to_string(), v);
                 }
             }
+            n if TIMELINE_GAUGES.contains(&n) => {
+                if let Some(e) = label(labels, "endpoint") {
+                    page.gauges.insert(format!("{n}{{{e}}}"), v);
+                }
+            }
             _ => {}
         }
     }
@@ -92,10 +121,16 @@ pub struct Gathered {
     /// Endpoint → every non-zero slowness sample (all replicas pooled), with the sample's time
     /// in ms from the run's origin.
     slowness: BTreeMap<String, Vec<(f64, f64)>>,
+    /// With [`timeline_interval`]: one JSON object per sample and process.
+    pub timeline: Vec<Value>,
 }
 
 impl Gathered {
     fn add(&mut self, port: u16, page: Page, at_ms: f64) {
+        if timeline_interval().is_some() {
+            self.timeline
+                .push(json!({"t_ms": at_ms, "port": port, "gauges": page.gauges}));
+        }
         self.latest.insert(port, page.decisions);
         for (e, v) in page.slowness {
             if v > 0.0 {
@@ -182,8 +217,9 @@ impl Spread {
 /// Polls `ports` (admin ports) every [`SAMPLE_INTERVAL`] until `stop`; times from `t0`.
 pub fn sample(ports: &[u16], stop: &AtomicBool, t0: Instant) -> Gathered {
     let mut g = Gathered::default();
+    let every = timeline_interval().unwrap_or(SAMPLE_INTERVAL);
     while !stop.load(Ordering::Relaxed) {
-        let next = Instant::now() + SAMPLE_INTERVAL;
+        let next = Instant::now() + every;
         let at_ms = Instant::now().saturating_duration_since(t0).as_secs_f64() * 1000.0;
         for p in ports {
             if let Some(page) = read(*p) {
@@ -191,7 +227,7 @@ pub fn sample(ports: &[u16], stop: &AtomicBool, t0: Instant) -> Gathered {
             }
         }
         while !stop.load(Ordering::Relaxed) && Instant::now() < next {
-            std::thread::sleep(Duration::from_millis(50));
+            std::thread::sleep(Duration::from_millis(10).min(every));
         }
     }
     g

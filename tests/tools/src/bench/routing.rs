@@ -636,6 +636,11 @@ pub fn run(
             text.push('\n');
         }
         let _ = std::fs::write(path, text);
+        if !gathered.timeline.is_empty() {
+            let lines: Vec<String> = gathered.timeline.iter().map(|v| v.to_string()).collect();
+            let path = dir.join(format!("{name}-{}-timeline.jsonl", scenario.name()));
+            let _ = std::fs::write(path, lines.join("\n") + "\n");
+        }
         // The keys' budgets and use, for reading the moves again (`summary::quota_moves`).
         if !keys.is_empty() {
             let usage: Vec<serde_json::Value> = keys

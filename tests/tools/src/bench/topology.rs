@@ -145,22 +145,21 @@ impl Policy {
 
 /// The mock engines' `/metrics` dialect (the mock's `--metrics-format` default).
 pub const METRICS_FORMAT: &str = "vllm";
-/// How often the filter scrapes each mock engine.
-pub const METRICS_INTERVAL_MS: u64 = 1_000;
-
-/// [`METRICS_INTERVAL_MS`], or `BENCH_METRICS_INTERVAL_MS` from the environment (100..=60000)
-/// for an experiment with another interval (the run's `results.md` shows the plugin config).
-pub fn metrics_interval_ms() -> u64 {
+/// How often the filter scrapes each mock engine: `BENCH_METRICS_INTERVAL_MS` from the
+/// environment (100..=60000) for an experiment with another interval (the run's `results.md`
+/// shows the plugin config); unset, the config leaves `interval_ms` out and the bench measures
+/// the filter's default (`metrics.interval_ms`, 250 ms).
+pub fn metrics_interval_ms() -> Option<u64> {
     std::env::var("BENCH_METRICS_INTERVAL_MS")
         .ok()
         .and_then(|v| v.parse::<u64>().ok())
         .filter(|v| (100..=60_000).contains(v))
-        .unwrap_or(METRICS_INTERVAL_MS)
 }
 
 /// The filter's configuration for these endpoints (one Envoy cluster `ep_<name>` each; no
 /// models: the endpoint serves any model). With `metrics`, every endpoint is scraped as the
-/// engine it is (format [`METRICS_FORMAT`], every [`METRICS_INTERVAL_MS`]).
+/// engine it is (format [`METRICS_FORMAT`], at the filter's default interval unless
+/// [`metrics_interval_ms`] says otherwise).
 pub fn plugin_config(endpoints: &[(&str, &[&str])], open_ms: u64, metrics: bool) -> Value {
     let eps: Vec<Value> = endpoints
         .iter()
@@ -171,10 +170,11 @@ pub fn plugin_config(endpoints: &[(&str, &[&str])], open_ms: u64, metrics: bool)
                     o.insert("models".into(), json!(models));
                 }
                 if metrics {
-                    o.insert(
-                        "metrics".into(),
-                        json!({"format": METRICS_FORMAT, "interval_ms": metrics_interval_ms()}),
-                    );
+                    let mut m = json!({"format": METRICS_FORMAT});
+                    if let (Some(ms), Some(mo)) = (metrics_interval_ms(), m.as_object_mut()) {
+                        mo.insert("interval_ms".into(), json!(ms));
+                    }
+                    o.insert("metrics".into(), m);
                 }
             }
             e
@@ -737,8 +737,8 @@ mod tests {
         let on = config(Policy::Filter);
         assert_eq!(on["endpoints"][0]["metrics"]["format"], METRICS_FORMAT);
         assert_eq!(
-            on["endpoints"][1]["metrics"]["interval_ms"],
-            metrics_interval_ms()
+            on["endpoints"][1]["metrics"].get("interval_ms").cloned(),
+            metrics_interval_ms().map(|ms| json!(ms))
         );
         assert_eq!(on["open_ms"], 5000, "the run's keys apply on top");
         assert!(on.get("pin_break_ratio").is_none());
