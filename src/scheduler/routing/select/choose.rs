@@ -620,7 +620,7 @@ impl<'t> Board<'t> {
             j != i
                 && self.admitted(j)
                 && !self.degraded(j)
-                && !self.flag(&self.short, j)
+                && !self.short(j)
                 && self.queue_batches(j).is_some_and(|q| q * QUEUE_GAP <= mine)
         })
     }

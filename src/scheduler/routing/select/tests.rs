@@ -1093,6 +1093,7 @@ fn a_follow_up_without_a_pin_here_is_never_a_probe() {
             holder: None,
             prefix: None,
             follow_up,
+            max_output_tokens: 0,
         };
         let d = s.pick(&p, now).unwrap();
         s.finish(d.ticket, &Outcome::Cancelled, 0, None, now);
@@ -1980,6 +1981,7 @@ fn every_engine_full_new_sessions_pass_over_a_far_longer_queue() {
                 holder: None,
                 prefix: None,
                 follow_up: true,
+                max_output_tokens: 0,
             };
             let d = s.pick(&p, 1_100).unwrap();
             s.finish(d.ticket, &Outcome::Cancelled, 0, None, 1_100);
