@@ -45,6 +45,9 @@
 //! has no pin for it, resends the same instructions, so it computes the same home (unless that
 //! replica's bounded load spills it).
 //!
+//! A new session placed by prefix has a tighter bound as well ([`prefix_load_limit`],
+//! `prefix_load_epsilon`): its home spills once it holds `1 + ε` times its share of the load.
+//!
 //! Requests without a session have no cache to keep: they are placed on a per-request key with
 //! the full score (`score`, in-flight and latency included) as weight.
 
@@ -338,6 +341,22 @@ pub fn load_limit(total_load: u64, weight: f64, total_weight: f64, cfg: &Config)
         + cfg.bounded_load_slack as f64
 }
 
+/// The bounded-load limit of a new session placed by its prefix key (`prefix_load_epsilon`):
+/// load it may have after taking one more, given `total_load` over the candidates and its
+/// `share` of them (by slots where every engine's slots are known, else by weight).
+///
+/// Tighter than [`load_limit`]'s, with a slack of one instead of `bounded_load_slack`: a
+/// session-key placement spreads sessions evenly by itself, so its bound only catches a marked
+/// imbalance; a prefix sends *every* new session of an application to one home, and a popular
+/// application's conversations (each turn resent with its growing transcript) pile up there
+/// until the home is full, while its pinned turns keep coming. Spilling once the home holds
+/// `1 + ε` times its share keeps it near the fleet's mean; the spill goes to the next endpoint
+/// of the prefix's order, the same on every replica. The slack of one keeps a fleet of equal
+/// loads from spilling at all, and some candidate is always within its bound.
+pub fn prefix_load_limit(total_load: u64, share: f64, cfg: &Config) -> f64 {
+    (1.0 + cfg.prefix_load_epsilon) * (total_load as f64 + 1.0) * share + 1.0
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -487,5 +506,20 @@ mod tests {
                                      // 9 in flight, a quarter of the weight: 2 x 10 x 0.25 + 8
         assert_eq!(load_limit(9, 1.0, 4.0, &cfg), 13.0);
         assert_eq!(load_limit(0, 1.0, 0.0, &cfg), 8.0);
+    }
+
+    #[test]
+    fn prefix_load_limit_exact() {
+        let cfg = Config::default(); // prefix_load_epsilon 0.25
+                                     // 19 in flight, a quarter of the fleet: 1.25 x 20 x 0.25 + 1
+        assert_eq!(prefix_load_limit(19, 0.25, &cfg), 7.25);
+        assert_eq!(prefix_load_limit(0, 0.0, &cfg), 1.0);
+        // Equal loads never spill: 4 endpoints with l each take a fifth at 1.25 l + 1.3125.
+        for l in 0..100u64 {
+            assert!(
+                (l + 1) as f64 <= prefix_load_limit(4 * l, 0.25, &cfg),
+                "{l}"
+            );
+        }
     }
 }
