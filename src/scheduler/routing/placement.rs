@@ -46,7 +46,8 @@
 //! replica's bounded load spills it).
 //!
 //! A new session placed by prefix has a tighter bound as well ([`prefix_load_limit`],
-//! `prefix_load_epsilon`): its home spills once it holds `1 + ε` times its share of the load.
+//! `prefix_load_epsilon`): past `prefix_load_slack`, its home spills once it holds `1 + ε`
+//! times its share of the load.
 //!
 //! Requests without a session have no cache to keep: they are placed on a per-request key with
 //! the full score (`score`, in-flight and latency included) as weight.
@@ -343,18 +344,22 @@ pub fn load_limit(total_load: u64, weight: f64, total_weight: f64, cfg: &Config)
 
 /// The bounded-load limit of a new session placed by its prefix key (`prefix_load_epsilon`):
 /// load it may have after taking one more, given `total_load` over the candidates and its
-/// `share` of them (by slots where every engine's slots are known, else by weight).
+/// `share` of them (by slots where every engine's slots are known, else by weight):
+/// `max(prefix_load_slack, (1 + ε) × (L + 1) × share + 1)`.
 ///
-/// Tighter than [`load_limit`]'s, with a slack of one instead of `bounded_load_slack`: a
-/// session-key placement spreads sessions evenly by itself, so its bound only catches a marked
-/// imbalance; a prefix sends *every* new session of an application to one home, and a popular
-/// application's conversations (each turn resent with its growing transcript) pile up there
-/// until the home is full, while its pinned turns keep coming. Spilling once the home holds
-/// `1 + ε` times its share keeps it near the fleet's mean; the spill goes to the next endpoint
-/// of the prefix's order, the same on every replica. The slack of one keeps a fleet of equal
-/// loads from spilling at all, and some candidate is always within its bound.
+/// Tighter than [`load_limit`]'s once the fleet is busy: a session-key placement spreads
+/// sessions evenly by itself, so its bound only catches a marked imbalance; a prefix sends
+/// *every* new session of an application to one home, and a popular application's
+/// conversations (each turn resent with its growing transcript) pile up there while their
+/// pinned turns keep coming. Past `prefix_load_slack` requests, the home takes a new session
+/// only while it holds at most `1 + ε` times its share (plus one, so that equal loads never
+/// spill and some candidate is always within its bound); the spill goes to the next endpoint
+/// of the prefix's order, the same on every replica. Below the slack nothing spills, as for
+/// sessions: at light load one more request costs an engine little and a spill costs the
+/// application's instructions prefilled (and cached) on a second endpoint.
 pub fn prefix_load_limit(total_load: u64, share: f64, cfg: &Config) -> f64 {
-    (1.0 + cfg.prefix_load_epsilon) * (total_load as f64 + 1.0) * share + 1.0
+    let by_share = (1.0 + cfg.prefix_load_epsilon) * (total_load as f64 + 1.0) * share + 1.0;
+    by_share.max(cfg.prefix_load_slack as f64)
 }
 
 #[cfg(test)]
@@ -510,10 +515,12 @@ mod tests {
 
     #[test]
     fn prefix_load_limit_exact() {
-        let cfg = Config::default(); // prefix_load_epsilon 0.25
-                                     // 19 in flight, a quarter of the fleet: 1.25 x 20 x 0.25 + 1
-        assert_eq!(prefix_load_limit(19, 0.25, &cfg), 7.25);
-        assert_eq!(prefix_load_limit(0, 0.0, &cfg), 1.0);
+        let cfg = Config::default(); // prefix_load_epsilon 0.25, prefix_load_slack 8
+                                     // 39 in flight, a quarter of the fleet: 1.25 x 40 x 0.25 + 1
+        assert_eq!(prefix_load_limit(39, 0.25, &cfg), 13.5);
+        // Light load: the slack.
+        assert_eq!(prefix_load_limit(19, 0.25, &cfg), 8.0);
+        assert_eq!(prefix_load_limit(0, 0.0, &cfg), 8.0);
         // Equal loads never spill: 4 endpoints with l each take a fifth at 1.25 l + 1.3125.
         for l in 0..100u64 {
             assert!(

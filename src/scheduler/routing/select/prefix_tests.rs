@@ -193,10 +193,11 @@ fn a_failover_walks_the_prefix_order() {
     assert_eq!(walked, order[..3].to_vec());
 }
 
-/// A new session placed by prefix spills once its home holds more than `1 + prefix_load_epsilon`
-/// times its share of the load, plus one (issue 20's mixed workload: a popular application's
-/// conversations piled up on its home under the session bound, which let the home take 12 of
-/// its own here before spilling); a session-key placement keeps the session bound.
+/// A new session placed by prefix spills once its home holds more than `prefix_load_slack`
+/// requests and more than `1 + prefix_load_epsilon` times its share of the load, plus one
+/// (issue 20's mixed workload: a popular application's conversations piled up on its home
+/// under the session bound, which lets the home take 12 of its own here before spilling); a
+/// session-key placement keeps the session bound.
 #[test]
 fn a_prefix_home_spills_at_its_share_a_session_home_at_the_session_bound() {
     let c = cfg(json!({})); // bounded_load 1 / 8, prefix_load_epsilon 0.25
@@ -204,30 +205,31 @@ fn a_prefix_home_spills_at_its_share_a_session_home_at_the_session_bound() {
     let s = Scheduler::new(&c, &store);
     let ex = Exclusions::default();
     let order = placement::order(PREFIX, &weights(&c));
-    let w = |i: usize| c.endpoints[i].weight / 6.0;
-    // The home takes the first; the second would make it 2 > 1.25 x 2 x share + 1.
-    let first = pick(&s, session(0), Some(PREFIX), 1, &ex, 0);
-    assert_eq!((first.endpoint, first.reason), (order[0], Reason::Home));
-    let second = pick(&s, session(1), Some(PREFIX), 1, &ex, 0);
-    assert!(2.0 > placement::prefix_load_limit(1, w(order[0]), &c));
+    let share = c.endpoints[order[0]].weight / 6.0;
+    // Held new sessions of one prefix: the home takes the slack (8), the ninth spills to the
+    // prefix's second endpoint and is pinned there once served.
+    let mut held: Vec<Decision> = (0..11u64)
+        .map(|n| pick(&s, session(n), Some(PREFIX), 1, &ex, 0))
+        .collect();
+    assert!(held[..8]
+        .iter()
+        .all(|d| (d.endpoint, d.reason) == (order[0], Reason::Home)));
+    assert!(9.0 > placement::prefix_load_limit(8, share, &c));
+    // The session bound would have kept it home: 9 <= 2 x 9 x share + 8.
+    assert!(9.0 <= placement::load_limit(8, c.endpoints[order[0]].weight, 6.0, &c));
+    let ninth = &held[8];
     assert_eq!(
-        (second.endpoint, second.reason, second.affinity),
+        (ninth.endpoint, ninth.reason, ninth.affinity),
         (order[1], Reason::Spill, AffinityResult::Prefix)
     );
-    assert!(second.ticket.pin_on_success);
-    // Ten held sessions: spread over the prefix's order, the home holding about its share.
-    let mut held = vec![first, second];
-    for n in 2..10u64 {
-        held.push(pick(&s, session(n), Some(PREFIX), 1, &ex, 0));
-    }
-    let on_home = held.iter().filter(|d| d.endpoint == order[0]).count();
-    assert!((1..=3).contains(&on_home), "{on_home}");
-    for d in held {
+    assert!(ninth.ticket.pin_on_success);
+    assert!(held[8..].iter().all(|d| d.endpoint != order[0]));
+    for d in held.drain(..) {
         s.finish(d.ticket, &Outcome::Cancelled, 0, None, 1);
     }
-    // One session key, ten attempts held: all on its own home (the session bound: 12).
+    // One session key, eleven attempts held: all on its own home (the session bound: 12).
     let own = placement::order(session(50), &weights(&c))[0];
-    let held: Vec<Decision> = (0..10)
+    let held: Vec<Decision> = (0..11)
         .map(|_| pick(&s, session(50), None, 1, &ex, 2))
         .collect();
     assert!(held

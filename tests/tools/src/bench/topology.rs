@@ -43,8 +43,8 @@ pub enum Policy {
     /// The filter with `"prefix_placement": false` (issue 20: the feature on against off in one
     /// run).
     FilterNoPrefix,
-    /// The filter with `"prefix_load_epsilon": 0.5` (a looser prefix bound than the default).
-    FilterPrefixEps50,
+    /// The filter with `"prefix_load_slack": 4` (a prefix home spills from a lower load).
+    FilterPrefixSlack4,
     /// The filter with `"prefix_load_epsilon": 100`: a prefix placement bounded as a session's
     /// (the bound before `prefix_load_epsilon`).
     FilterPrefixWide,
@@ -75,7 +75,7 @@ impl Policy {
         Policy::Maglev,
         Policy::Filter,
         Policy::FilterNoPrefix,
-        Policy::FilterPrefixEps50,
+        Policy::FilterPrefixSlack4,
         Policy::FilterPrefixWide,
         Policy::SglangCacheAware,
         Policy::FilterNoMetrics,
@@ -90,7 +90,7 @@ impl Policy {
             Policy::Maglev => "maglev",
             Policy::Filter => "computeflux",
             Policy::FilterNoPrefix => "computeflux_noprefix",
-            Policy::FilterPrefixEps50 => "computeflux_prefix_eps50",
+            Policy::FilterPrefixSlack4 => "computeflux_prefix_slack4",
             Policy::FilterPrefixWide => "computeflux_prefix_wide",
             Policy::SglangCacheAware => "sglang_cache_aware",
             Policy::FilterNoMetrics => "computeflux_nometrics",
@@ -127,7 +127,7 @@ impl Policy {
             Policy::SglangCacheAware => Some("ROUND_ROBIN"),
             Policy::Filter
             | Policy::FilterNoPrefix
-            | Policy::FilterPrefixEps50
+            | Policy::FilterPrefixSlack4
             | Policy::FilterPrefixWide
             | Policy::FilterNoMetrics
             | Policy::FilterRulesOff => None,
@@ -141,7 +141,7 @@ impl Policy {
             // watch is off (its default, made explicit).
             Policy::FilterRulesOff => json!({"pin_break_ratio": 1000.0, "pin_break_overdue": 0}),
             Policy::FilterNoPrefix => json!({"prefix_placement": false}),
-            Policy::FilterPrefixEps50 => json!({"prefix_load_epsilon": 0.5}),
+            Policy::FilterPrefixSlack4 => json!({"prefix_load_slack": 4}),
             Policy::FilterPrefixWide => json!({"prefix_load_epsilon": 100.0}),
             _ => Value::Null,
         }
@@ -154,7 +154,7 @@ impl Policy {
             Policy::Filter
                 | Policy::FilterRulesOff
                 | Policy::FilterNoPrefix
-                | Policy::FilterPrefixEps50
+                | Policy::FilterPrefixSlack4
                 | Policy::FilterPrefixWide
         )
     }
