@@ -45,10 +45,6 @@
 //! has no pin for it, resends the same instructions, so it computes the same home (unless that
 //! replica's bounded load spills it).
 //!
-//! A new session placed by prefix has a tighter bound as well ([`prefix_load_limit`],
-//! `prefix_load_epsilon`): past `prefix_load_slack`, its home spills once it holds `1 + ε`
-//! times its share of the load.
-//!
 //! Requests without a session have no cache to keep: they are placed on a per-request key with
 //! the full score (`score`, in-flight and latency included) as weight.
 
@@ -342,26 +338,6 @@ pub fn load_limit(total_load: u64, weight: f64, total_weight: f64, cfg: &Config)
         + cfg.bounded_load_slack as f64
 }
 
-/// The bounded-load limit of a new session placed by its prefix key (`prefix_load_epsilon`):
-/// load it may have after taking one more, given `total_load` over the candidates and its
-/// `share` of them (by slots where every engine's slots are known, else by weight):
-/// `max(prefix_load_slack, (1 + ε) × (L + 1) × share + 1)`.
-///
-/// Tighter than [`load_limit`]'s once the fleet is busy: a session-key placement spreads
-/// sessions evenly by itself, so its bound only catches a marked imbalance; a prefix sends
-/// *every* new session of an application to one home, and a popular application's
-/// conversations (each turn resent with its growing transcript) pile up there while their
-/// pinned turns keep coming. Past `prefix_load_slack` requests, the home takes a new session
-/// only while it holds at most `1 + ε` times its share (plus one, so that equal loads never
-/// spill and some candidate is always within its bound); the spill goes to the next endpoint
-/// of the prefix's order, the same on every replica. Below the slack nothing spills, as for
-/// sessions: at light load one more request costs an engine little and a spill costs the
-/// application's instructions prefilled (and cached) on a second endpoint.
-pub fn prefix_load_limit(total_load: u64, share: f64, cfg: &Config) -> f64 {
-    let by_share = (1.0 + cfg.prefix_load_epsilon) * (total_load as f64 + 1.0) * share + 1.0;
-    by_share.max(cfg.prefix_load_slack as f64)
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -511,22 +487,5 @@ mod tests {
                                      // 9 in flight, a quarter of the weight: 2 x 10 x 0.25 + 8
         assert_eq!(load_limit(9, 1.0, 4.0, &cfg), 13.0);
         assert_eq!(load_limit(0, 1.0, 0.0, &cfg), 8.0);
-    }
-
-    #[test]
-    fn prefix_load_limit_exact() {
-        let cfg = Config::default(); // prefix_load_epsilon 0.25, prefix_load_slack 8
-                                     // 39 in flight, a quarter of the fleet: 1.25 x 40 x 0.25 + 1
-        assert_eq!(prefix_load_limit(39, 0.25, &cfg), 13.5);
-        // Light load: the slack.
-        assert_eq!(prefix_load_limit(19, 0.25, &cfg), 8.0);
-        assert_eq!(prefix_load_limit(0, 0.0, &cfg), 8.0);
-        // Equal loads never spill: 4 endpoints with l each take a fifth at 1.25 l + 1.3125.
-        for l in 0..100u64 {
-            assert!(
-                (l + 1) as f64 <= prefix_load_limit(4 * l, 0.25, &cfg),
-                "{l}"
-            );
-        }
     }
 }

@@ -25,9 +25,7 @@
 //! ```
 //!
 //! Besides the default policies, `--policies` takes `computeflux_noprefix` (the filter with
-//! `"prefix_placement": false`), `computeflux_prefix_slack4` and `computeflux_prefix_wide` (the
-//! filter with `prefix_load_slack` 4, and with `prefix_load_epsilon` 100: bounded as a
-//! session), `computeflux_nometrics`, `computeflux_rulesoff` and
+//! `"prefix_placement": false`), `computeflux_nometrics`, `computeflux_rulesoff` and
 //! `sglang_cache_aware` (the SGLang gateway from PyPI, see `bench/peer.rs`); besides the default scenarios, `--scenarios` takes
 //! `shared_prefix`, `mixed_prefix` and `shared_preamble` (issue 20, see `bench/routing.rs`).
 //! Neither is in the default run.

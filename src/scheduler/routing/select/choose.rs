@@ -61,7 +61,6 @@ impl<'a> Scheduler<'a> {
             &keyed,
             &pin,
             pick,
-            by_prefix,
             now_ms,
             &mut quota_skipped,
         );
@@ -293,9 +292,7 @@ impl<'a> Scheduler<'a> {
 
     /// Step 3: placement, the first candidate in rendezvous order that admits traffic, is not
     /// degraded (but for a due probe), not saturated while another has room, not short of
-    /// quota, and within its bounded load. `None` when nothing is placeable. A new session
-    /// placed by its prefix key (`by_prefix`) has the tighter bound of
-    /// [`placement::prefix_load_limit`] as well.
+    /// quota, and within its bounded load. `None` when nothing is placeable.
     #[allow(clippy::too_many_arguments)]
     pub(super) fn walk(
         &self,
@@ -304,7 +301,6 @@ impl<'a> Scheduler<'a> {
         keyed: &placement::Keyed,
         pin: &PinVerdict,
         pick: &Pick<'_>,
-        by_prefix: bool,
         now_ms: u64,
         quota_skipped: &mut Vec<usize>,
     ) -> Option<(usize, Reason)> {
@@ -365,18 +361,6 @@ impl<'a> Scheduler<'a> {
                 )
             } else {
                 placement::load_limit(total_load, board.weight(i), total_weight, self.cfg)
-            };
-            // A new session placed by prefix: the prefix's share of the fleet's load, tighter
-            // (see `placement::prefix_load_limit`), never looser than a session's.
-            let limit = if by_prefix {
-                let share = if board.by_slots {
-                    share_of(f64::from(board.slots(i)), total_slots as f64)
-                } else {
-                    share_of(board.weight(i), total_weight)
-                };
-                limit.min(placement::prefix_load_limit(total_load, share, self.cfg))
-            } else {
-                limit
             };
             if load + 1.0 > limit {
                 passed.spilled.get_or_insert(i);
@@ -710,15 +694,6 @@ pub(super) fn eligible_totals(
         .filter(|&i| eligible(i))
         .fold(0.0f64, |w, i| w + board.weight(i));
     (total_load, weight, total_slots)
-}
-
-/// `part / whole`, 0 when the whole is not positive.
-fn share_of(part: f64, whole: f64) -> f64 {
-    if whole > 0.0 {
-        part / whole
-    } else {
-        0.0
-    }
 }
 
 /// The session stays on its pinned endpoint `p` (an affinity hit).

@@ -165,7 +165,7 @@ proptest! {
         let l = usize::from(left) % (n + 1);
         let pin = if l < n { PinVerdict::Break(l) } else { PinVerdict::None };
         let (mut q1, mut q2) = (Vec::new(), Vec::new());
-        let fast = s.walk(&board, &t, &keyed, &pin, &pick, false, NOW, &mut q1);
+        let fast = s.walk(&board, &t, &keyed, &pin, &pick, NOW, &mut q1);
         let slow = s.walk_sorted(&board, &t, &keyed, &pin, &pick, NOW, &mut q2);
         prop_assert_eq!(fast, slow);
         prop_assert_eq!(q1, q2);

@@ -43,11 +43,6 @@ pub enum Policy {
     /// The filter with `"prefix_placement": false` (issue 20: the feature on against off in one
     /// run).
     FilterNoPrefix,
-    /// The filter with `"prefix_load_slack": 4` (a prefix home spills from a lower load).
-    FilterPrefixSlack4,
-    /// The filter with `"prefix_load_epsilon": 100`: a prefix placement bounded as a session's
-    /// (the bound before `prefix_load_epsilon`).
-    FilterPrefixWide,
     /// The SGLang gateway's `cache_aware` policy behind the same Envoy (see `peer.rs`).
     SglangCacheAware,
     /// The filter without `metrics`: it sees only its own traffic (a hosted-API fleet).
@@ -68,15 +63,13 @@ impl Policy {
     ];
 
     /// Every policy `--policies` accepts, in the report's order (the default set first).
-    pub const KNOWN: [Policy; 11] = [
+    pub const KNOWN: [Policy; 9] = [
         Policy::RoundRobin,
         Policy::LeastRequest,
         Policy::RingHash,
         Policy::Maglev,
         Policy::Filter,
         Policy::FilterNoPrefix,
-        Policy::FilterPrefixSlack4,
-        Policy::FilterPrefixWide,
         Policy::SglangCacheAware,
         Policy::FilterNoMetrics,
         Policy::FilterRulesOff,
@@ -90,8 +83,6 @@ impl Policy {
             Policy::Maglev => "maglev",
             Policy::Filter => "computeflux",
             Policy::FilterNoPrefix => "computeflux_noprefix",
-            Policy::FilterPrefixSlack4 => "computeflux_prefix_slack4",
-            Policy::FilterPrefixWide => "computeflux_prefix_wide",
             Policy::SglangCacheAware => "sglang_cache_aware",
             Policy::FilterNoMetrics => "computeflux_nometrics",
             Policy::FilterRulesOff => "computeflux_rulesoff",
@@ -127,8 +118,6 @@ impl Policy {
             Policy::SglangCacheAware => Some("ROUND_ROBIN"),
             Policy::Filter
             | Policy::FilterNoPrefix
-            | Policy::FilterPrefixSlack4
-            | Policy::FilterPrefixWide
             | Policy::FilterNoMetrics
             | Policy::FilterRulesOff => None,
         }
@@ -141,8 +130,6 @@ impl Policy {
             // watch is off (its default, made explicit).
             Policy::FilterRulesOff => json!({"pin_break_ratio": 1000.0, "pin_break_overdue": 0}),
             Policy::FilterNoPrefix => json!({"prefix_placement": false}),
-            Policy::FilterPrefixSlack4 => json!({"prefix_load_slack": 4}),
-            Policy::FilterPrefixWide => json!({"prefix_load_epsilon": 100.0}),
             _ => Value::Null,
         }
     }
@@ -151,11 +138,7 @@ impl Policy {
     pub fn scrapes(&self) -> bool {
         matches!(
             self,
-            Policy::Filter
-                | Policy::FilterRulesOff
-                | Policy::FilterNoPrefix
-                | Policy::FilterPrefixSlack4
-                | Policy::FilterPrefixWide
+            Policy::Filter | Policy::FilterRulesOff | Policy::FilterNoPrefix
         )
     }
 }
