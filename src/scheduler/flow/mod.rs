@@ -71,7 +71,7 @@ use crate::scheduler::wire::models::{self, Merged, Retrieved};
 use crate::scheduler::wire::prefix;
 use crate::scheduler::wire::prompt_size;
 use crate::scheduler::wire::reply::Reply;
-use crate::scheduler::wire::request::{derive_session, parse_chat, RequestError};
+use crate::scheduler::wire::request::{derive_session, parse_chat_with, RequestError};
 use crate::scheduler::wire::usage::{Framing, Usage, UsageScan};
 use std::borrow::Cow;
 
@@ -850,7 +850,8 @@ impl Flow {
             (Some(BodyFormat::Multipart), Some(ct)) => {
                 crate::scheduler::wire::request::parse_form(ct, &body)
             }
-            _ => parse_chat(&body),
+            // The instructions are hashed only for placement by prefix.
+            _ => parse_chat_with(&body, s.cfg.prefix_placement),
         };
         let req = match parsed {
             Ok(r) => r,

@@ -64,8 +64,10 @@ pub struct Instructions {
 }
 
 /// Streams the parts of the instructions segment into one hash, in the order they are added.
+/// One made by [`InstructionsHasher::off`] hashes nothing and finishes with no segment (a
+/// configuration without `prefix_placement` pays nothing for it).
 pub struct InstructionsHasher {
-    hasher: Xxh3,
+    hasher: Option<Xxh3>,
     bytes: usize,
 }
 
@@ -74,21 +76,36 @@ impl InstructionsHasher {
         let mut hasher = Xxh3::with_seed(INSTRUCTIONS_SEED);
         hasher.update(&(model.len() as u64).to_le_bytes());
         hasher.update(model.as_bytes());
-        InstructionsHasher { hasher, bytes: 0 }
+        InstructionsHasher {
+            hasher: Some(hasher),
+            bytes: 0,
+        }
+    }
+
+    /// A hasher that ignores every part.
+    pub fn off() -> Self {
+        InstructionsHasher {
+            hasher: None,
+            bytes: 0,
+        }
     }
 
     /// Adds one part (its raw JSON text).
     pub fn add(&mut self, part: Part, raw: &str) {
-        self.hasher.update(&[part as u8]);
-        self.hasher.update(&(raw.len() as u64).to_le_bytes());
-        self.hasher.update(raw.as_bytes());
+        let Some(hasher) = self.hasher.as_mut() else {
+            return;
+        };
+        hasher.update(&[part as u8]);
+        hasher.update(&(raw.len() as u64).to_le_bytes());
+        hasher.update(raw.as_bytes());
         self.bytes = self.bytes.saturating_add(raw.len());
     }
 
-    /// The segment, if any part was added.
+    /// The segment, if any part was added (never for [`InstructionsHasher::off`]).
     pub fn finish(&self) -> Option<Instructions> {
-        (self.bytes > 0).then(|| Instructions {
-            hash: self.hasher.digest(),
+        let hasher = self.hasher.as_ref().filter(|_| self.bytes > 0)?;
+        Some(Instructions {
+            hash: hasher.digest(),
             bytes: self.bytes,
         })
     }
@@ -162,6 +179,9 @@ mod tests {
         assert_ne!(a.map(|i| i.hash), c.map(|i| i.hash));
         assert_ne!(a.map(|i| i.hash), d.map(|i| i.hash));
         assert_eq!(segment("m", &[]), None);
+        let mut off = InstructionsHasher::off();
+        off.add(Part::System, "\"ab\"");
+        assert_eq!(off.finish(), None);
     }
 
     #[test]

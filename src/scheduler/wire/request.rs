@@ -213,6 +213,13 @@ struct Message<'a> {
 /// Parses the JSON body of any JSON inference API (chat completions, completions, embeddings,
 /// responses, messages).
 pub fn parse_chat(body: &[u8]) -> Result<ChatRequest, RequestError> {
+    parse_chat_with(body, true)
+}
+
+/// [`parse_chat`], hashing the instructions segment only when `instructions` (placement by
+/// prefix on): off, [`ChatRequest::instructions`] is `None` and the pass costs what it did
+/// before placement by prefix.
+pub fn parse_chat_with(body: &[u8], instructions: bool) -> Result<ChatRequest, RequestError> {
     let first = body.iter().find(|b| !b.is_ascii_whitespace());
     match first {
         None => return Err(RequestError::EmptyBody),
@@ -259,7 +266,11 @@ pub fn parse_chat(body: &[u8]) -> Result<ChatRequest, RequestError> {
     let system = parsed.system.or(parsed.instructions).map(RawValue::get);
     // The instructions segment, in its canonical order (see `prefix`); the leading messages
     // are added by the same pass that finds the fingerprint's messages.
-    let mut lead = InstructionsHasher::new(&model);
+    let mut lead = if instructions {
+        InstructionsHasher::new(&model)
+    } else {
+        InstructionsHasher::off()
+    };
     for (part, raw) in [
         (Part::System, parsed.system),
         (Part::Instructions, parsed.instructions),
@@ -859,6 +870,24 @@ mod tests {
         let k = prefix_key(Some(b"Bearer a"), &long, 1024);
         assert!(k.is_some());
         assert_ne!(k, prefix_key(Some(b"Bearer b"), &long, 1024));
+    }
+
+    /// With placement by prefix off the instructions are not hashed: no segment, and the rest
+    /// of the parse is the same.
+    #[test]
+    fn instructions_are_hashed_only_when_asked() {
+        let body = chat(&"x".repeat(2000), r#"{"role":"user","content":"hi"}"#);
+        let on = parse_chat(body.as_bytes()).unwrap();
+        let off = parse_chat_with(body.as_bytes(), false).unwrap();
+        assert!(on.instructions.is_some());
+        assert_eq!(off.instructions, None);
+        assert_eq!(
+            ChatRequest {
+                instructions: None,
+                ..on
+            },
+            off
+        );
     }
 
     /// Bounded work: the leading segment ends at the first conversation message, so a huge

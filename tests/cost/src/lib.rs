@@ -102,7 +102,8 @@ fn cargo_build(args: &[&str]) -> Result<()> {
 
 /// Every suite the budgets and the table cover: the filter at each endpoint count (and, at 4
 /// and 512 endpoints, with usage accounting and quota awareness off, to isolate what reading
-/// usage and quota headers costs), and the floor once (it knows no endpoints).
+/// usage and quota headers costs; at every count with `prefix_placement` off, to isolate what
+/// placement by prefix costs), and the floor once (it knows no endpoints).
 pub fn setups() -> Vec<(Module, Setup, &'static str)> {
     let mut v = Vec::new();
     for n in ENDPOINT_COUNTS {
@@ -124,6 +125,16 @@ pub fn setups() -> Vec<(Module, Setup, &'static str)> {
                 ..Setup::new(n)
             },
             "no_quota",
+        ));
+    }
+    for n in ENDPOINT_COUNTS {
+        v.push((
+            Module::Filter,
+            Setup {
+                prefix_placement: false,
+                ..Setup::new(n)
+            },
+            "no_prefix",
         ));
     }
     v.push((Module::Floor, Setup::new(1), ""));
@@ -292,6 +303,46 @@ pub fn markdown(suites: &[(String, Suite)]) -> String {
                 }
             };
             let _ = writeln!(md, "| {n} | {row} | {} | {} |", diff(nu), diff(nq));
+        }
+    }
+
+    // What placement by prefix costs (issue 20: at most 5 % of the filter's own cost): the
+    // same suite with `prefix_placement` off, which neither hashes the instructions nor
+    // derives a prefix key. `*_prefix` rows send a 3 000-byte system prompt (a prefix key);
+    // the others the harness's 29-byte one (hashed, too short for a key).
+    let _ = writeln!(
+        md,
+        "\n### Placement by prefix (instructions; `prefix_placement` on vs off)\n"
+    );
+    let _ = writeln!(
+        md,
+        "| endpoints | scenario | on | off | on − off | of the request | of the filter's own (− floor) |"
+    );
+    let _ = writeln!(md, "|---:|---|---:|---:|---:|---:|---:|");
+    for n in ENDPOINT_COUNTS {
+        let on = get(&format!("filter/{n}"));
+        let off = get(&format!("filter/{n}/no_prefix"));
+        for row in [
+            "new_session",
+            "affinity_hit",
+            "new_session_prefix",
+            "affinity_hit_prefix",
+        ] {
+            let count = |s: Option<&Suite>| s.and_then(|s| s.request(row)).map(|m| m.instructions);
+            let (Some(a), Some(b)) = (count(on), count(off)) else {
+                continue;
+            };
+            let fl = count(floor).unwrap_or(0);
+            let d = a as i64 - b as i64;
+            let own = b.saturating_sub(fl).max(1);
+            let _ = writeln!(
+                md,
+                "| {n} | {row} | {} | {} | {d:+} | {:+.2} % | {:+.2} % |",
+                thousands(a),
+                thousands(b),
+                d as f64 * 100.0 / b.max(1) as f64,
+                d as f64 * 100.0 / own as f64
+            );
         }
     }
 

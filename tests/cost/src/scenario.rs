@@ -26,14 +26,21 @@ pub const CHUNK_BYTES: usize = 16 * 1024;
 pub const ROUTING_HEADER: &str = "x-computeflux-cluster";
 
 /// The measured scenarios, in the order they run.
-pub const SCENARIOS: [&str; 6] = [
+pub const SCENARIOS: [&str; 8] = [
     "new_session",
     "affinity_hit",
     "body_32k",
     "streamed_usage",
     "multipart",
     "failover",
+    "new_session_prefix",
+    "affinity_hit_prefix",
 ];
+
+/// The system prompt of the `*_prefix` scenarios, in bytes: an application's instructions,
+/// long enough to make a prefix key (`prefix_min_bytes`, 1024 by default), as issue 20's
+/// benchmark sends (3 000 tokens there; 3 000 bytes here).
+pub const PREFIX_SYSTEM_BYTES: usize = 3_000;
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Module {
@@ -56,6 +63,7 @@ pub struct Setup {
     pub endpoints: usize,
     pub usage_accounting: bool,
     pub quota_aware: bool,
+    pub prefix_placement: bool,
 }
 
 impl Setup {
@@ -64,6 +72,7 @@ impl Setup {
             endpoints,
             usage_accounting: true,
             quota_aware: true,
+            prefix_placement: true,
         }
     }
 }
@@ -97,11 +106,13 @@ pub fn filter_config(s: Setup) -> String {
   "max_attempts": 3,
   "max_body_bytes": 8388608,
   "usage_accounting": {},
-  "quota_aware": {}
+  "quota_aware": {},
+  "prefix_placement": {}
 }}"#,
         endpoints.join(",\n    "),
         s.usage_accounting,
-        s.quota_aware
+        s.quota_aware,
+        s.prefix_placement
     )
 }
 
@@ -175,8 +186,33 @@ fn chat_request(session: Option<&str>, body: String) -> Request {
 }
 
 fn messages_body(turns: usize, filler_bytes: usize, stream: bool) -> String {
-    let mut msgs =
-        vec![r#"{"role":"system","content":"You are a helpful assistant."}"#.to_string()];
+    with_system(
+        r#"{"role":"system","content":"You are a helpful assistant."}"#.to_string(),
+        turns,
+        filler_bytes,
+        stream,
+    )
+}
+
+/// [`messages_body`] whose system message is `bytes` long as sent (an application's
+/// instructions: a prefix key when at least `prefix_min_bytes`).
+fn prefix_body(turns: usize, bytes: usize) -> String {
+    let bare = r#"{"role":"system","content":""}"#.len();
+    let text: String = "You are the support assistant of Example Corp. Follow the policy. "
+        .chars()
+        .cycle()
+        .take(bytes.saturating_sub(bare))
+        .collect();
+    with_system(
+        format!(r#"{{"role":"system","content":"{text}"}}"#),
+        turns,
+        0,
+        false,
+    )
+}
+
+fn with_system(system: String, turns: usize, filler_bytes: usize, stream: bool) -> String {
+    let mut msgs = vec![system];
     for t in 0..turns {
         if t > 0 {
             msgs.push(format!(
@@ -407,6 +443,18 @@ pub fn run_suite_sampling(
                 let req = chat_request(Some("conv-4"), messages_body(1, 0, false));
                 measure(&mut vm, name, |vm| {
                     exchange(vm, c, &req, &[rate_limited(), json_answer(0)])
+                })?
+            }
+            // A new session of an application with long instructions (placed by its prefix
+            // key when `prefix_placement` is on), then its second turn (a pin hit).
+            "new_session_prefix" => {
+                let req = chat_request(Some("conv-5"), prefix_body(1, PREFIX_SYSTEM_BYTES));
+                measure(&mut vm, name, |vm| exchange(vm, c, &req, &[json_answer(0)]))?
+            }
+            "affinity_hit_prefix" => {
+                let req = chat_request(Some("conv-5"), prefix_body(2, PREFIX_SYSTEM_BYTES));
+                measure(&mut vm, name, |vm| {
+                    exchange(vm, c, &req, &[json_answer(96)])
                 })?
             }
             other => bail!("unknown scenario {other}"),
