@@ -63,6 +63,8 @@ fn remaining(
         limit: limit.filter(|l| *l != u64::MAX),
         span_ms,
         assumed,
+        // Any value round-trips; this one varies with the others.
+        stated_ms: reset_at_ms.wrapping_sub(span_ms),
     }
 }
 
@@ -246,6 +248,7 @@ fuzz_target!(|input: Input<'_>| match input {
             holder: None,
             prefix: None,
             follow_up: false,
+            max_output_tokens: 0,
         };
         if let Ok(d) = sched.pick(&pick, now) {
             let id = d.ticket.endpoint_id;

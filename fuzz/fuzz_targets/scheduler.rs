@@ -245,6 +245,7 @@ fuzz_target!(|setup: Setup| {
                     holder: None,
                     prefix: None,
                     follow_up: false,
+                    max_output_tokens: u64::from(*attempt) * 100,
                 };
                 if let Ok(d) = sched.pick(&pick, now) {
                     let i = d.endpoint;
