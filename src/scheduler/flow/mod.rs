@@ -621,22 +621,17 @@ impl Flow {
         }
         // Relayed: the attempt lasts as long as its answer.
         self.expect_answer(&outcome, headers);
-        let sent_ms = self
-            .current
-            .as_ref()
-            .map_or(now_ms, |a| a.ticket.started_ms);
-        let quota = quota_hint(s, &outcome, headers, sent_ms);
         let streamed = headers
             .header_str("content-type")
             .is_some_and(|ct| api::media_type(&ct) == "text/event-stream");
         if let Some(a) = self.current.as_mut() {
+            a.quota = quota_hint(s, &outcome, headers, a.ticket.started_ms);
             let to_headers = now_ms.saturating_sub(a.ticket.started_ms);
             a.verdict = Some((outcome, to_headers));
             // An inference server sends a stream's headers before its prefill: the time to
             // the first token is the time to the first body byte.
             a.awaits_first_byte = streamed && !end_of_stream;
             a.streamed = streamed && !end_of_stream;
-            a.quota = quota;
         }
         self.phase = Phase::Relaying;
         if matches!(outcome, Outcome::Success) {

@@ -213,6 +213,37 @@ enum Family {
 
 const FAMILIES: usize = 25;
 
+impl Family {
+    /// Every family, in declaration order.
+    const ALL: [Family; FAMILIES] = [
+        Family::VllmWaiting,
+        Family::VllmRunning,
+        Family::VllmKv,
+        Family::VllmKvOld,
+        Family::SglangWaiting,
+        Family::SglangRunning,
+        Family::SglangKv,
+        Family::LlamaWaiting,
+        Family::LlamaRunning,
+        Family::LlamaPrompt,
+        Family::LlamaPromptCached,
+        Family::TgiWaiting,
+        Family::TgiRunning,
+        Family::VllmItlSum,
+        Family::VllmItlCount,
+        Family::VllmTpotSum,
+        Family::VllmTpotCount,
+        Family::VllmReqTpotSum,
+        Family::VllmReqTpotCount,
+        Family::SglangItlSum,
+        Family::SglangItlCount,
+        Family::SglangTpotSum,
+        Family::SglangTpotCount,
+        Family::LlamaPredictedSeconds,
+        Family::LlamaPredicted,
+    ];
+}
+
 /// The decode `(seconds, count)` family pairs of each engine, in order of preference.
 const DECODE_PAIRS: [(Family, Family); 6] = {
     use Family::*;
@@ -510,40 +541,14 @@ pub fn parse<S: AsRef<str>>(
 /// The load of the chosen engine from the folded families.
 fn finish(fold: &Fold, want: Option<Engine>) -> Result<EngineLoad, LoadError> {
     use Family::*;
-    const ALL: [Family; FAMILIES] = [
-        VllmWaiting,
-        VllmRunning,
-        VllmKv,
-        VllmKvOld,
-        SglangWaiting,
-        SglangRunning,
-        SglangKv,
-        LlamaWaiting,
-        LlamaRunning,
-        LlamaPrompt,
-        LlamaPromptCached,
-        TgiWaiting,
-        TgiRunning,
-        VllmItlSum,
-        VllmItlCount,
-        VllmTpotSum,
-        VllmTpotCount,
-        VllmReqTpotSum,
-        VllmReqTpotCount,
-        SglangItlSum,
-        SglangItlCount,
-        SglangTpotSum,
-        SglangTpotCount,
-        LlamaPredictedSeconds,
-        LlamaPredicted,
-    ];
     let engine = match want {
         Some(e) => e,
         None => {
             // The engine with the most families present; `max_by_key` keeps the last maximum,
-            // so walk the engines in reverse to let the first in `ALL` win ties.
+            // so walk the engines in reverse to let the first in `Engine::ALL` win ties.
             let families_seen = |e: Engine| {
-                ALL.iter()
+                Family::ALL
+                    .iter()
                     .filter(|f| f.engine() == e && fold.acc(**f).seen > 0)
                     .count()
             };

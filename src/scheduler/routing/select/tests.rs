@@ -1083,17 +1083,8 @@ fn a_follow_up_without_a_pin_here_is_never_a_probe() {
     warm(&s, &[600, 100, 100], 20, 1);
     let turn = |k: u64, follow_up: bool, now: u64| {
         let p = Pick {
-            model: Some("m"),
-            session: Some(k),
-            attempt: 1,
-            exclusions: &ex,
-            nonce: 0,
-            body_bytes: 400,
-            pin_hint: None,
-            holder: None,
-            prefix: None,
             follow_up,
-            max_output_tokens: 0,
+            ..body_pick(Some(k), &ex, 400)
         };
         let d = s.pick(&p, now).unwrap();
         s.finish(d.ticket, &Outcome::Cancelled, 0, None, now);
@@ -1971,17 +1962,8 @@ fn every_engine_full_new_sessions_pass_over_a_far_longer_queue() {
     let homes: Vec<usize> = (0..60u64)
         .filter_map(|n| {
             let p = Pick {
-                model: Some("m"),
-                session: Some(key(1_000 + n)),
-                attempt: 1,
-                exclusions: &ex,
-                nonce: 0,
-                body_bytes: 400,
-                pin_hint: None,
-                holder: None,
-                prefix: None,
                 follow_up: true,
-                max_output_tokens: 0,
+                ..body_pick(Some(key(1_000 + n)), &ex, 400)
             };
             let d = s.pick(&p, 1_100).unwrap();
             s.finish(d.ticket, &Outcome::Cancelled, 0, None, 1_100);
