@@ -944,21 +944,24 @@ pub(super) fn last_servers(
         let Some(models) = cfg.endpoints.get(i).and_then(|e| e.models.as_ref()) else {
             continue;
         };
-        let last = models.iter().filter(|m| Some(m.as_str()) != model).any(|m| {
-            let peers = cfg
-                .endpoints
-                .iter()
-                .enumerate()
-                .filter(|&(j, e)| j != i && !e.disabled && e.serves(m));
-            let mut lost = false;
-            for (j, _) in peers {
-                if !degraded(j) {
-                    return false;
+        let last = models
+            .iter()
+            .filter(|m| Some(m.as_str()) != model)
+            .any(|m| {
+                let peers = cfg
+                    .endpoints
+                    .iter()
+                    .enumerate()
+                    .filter(|&(j, e)| j != i && !e.disabled && e.serves(m));
+                let mut lost = false;
+                for (j, _) in peers {
+                    if !degraded(j) {
+                        return false;
+                    }
+                    lost = true;
                 }
-                lost = true;
-            }
-            lost
-        });
+                lost
+            });
         if let Some(slot) = captive.get_mut(i) {
             *slot = last;
         }
