@@ -943,10 +943,11 @@ pub(super) fn last_servers(
             table.entries.get(j).is_some_and(|(_, st)| st.degraded)
         }
     };
-    let n = cfg.endpoints.len();
-    if !(0..n).any(degraded) {
+    // The common case in one linear pass: nobody degraded, by this decision or as stored.
+    if !verdicts.iter().any(|v| v.degraded) && !table.entries.iter().any(|(_, st)| st.degraded) {
         return Vec::new();
     }
+    let n = cfg.endpoints.len();
     let mut captive = vec![false; n];
     for &i in statics {
         let Some(models) = cfg.endpoints.get(i).and_then(|e| e.models.as_ref()) else {
