@@ -183,6 +183,11 @@ impl Keyed {
         }
     }
 
+    /// The key the candidates are ranked for (a session's, a prefix's or a request's).
+    pub fn session_key(&self) -> u64 {
+        self.session_key
+    }
+
     /// The exact key of a candidate, ranked.
     fn exact(&self, &(_, id, i, w): &Bounded) -> (f64, u32, usize) {
         (hrw_key(self.session_key, id, w), id, i)

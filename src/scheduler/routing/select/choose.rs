@@ -55,7 +55,13 @@ impl<'a> Scheduler<'a> {
         if let PinVerdict::Keep(p) = pin {
             return Ok(kept_pin(p, home, &board, quota_skipped));
         }
-        let walked = self.walk(
+        // A later turn without a pin here goes home as a pin would (see `walk`): relieved as a
+        // pin would be when its home is the last server of another model (`relief_move`).
+        let as_pin = pick.follow_up && pick.attempt <= 1 && pin == PinVerdict::None;
+        let relieved_home = home.filter(|&h| as_pin && self.relief_move(&board, pick, h, now_ms));
+        let mut pin = relieved_home.map_or(pin, PinVerdict::Relieve);
+        let skipped_before = quota_skipped.clone();
+        let mut walked = self.walk(
             &board,
             table,
             &keyed,
@@ -64,6 +70,29 @@ impl<'a> Scheduler<'a> {
             now_ms,
             &mut quota_skipped,
         );
+        // A relief move goes only where the queue is far shorter; else the pin stays (a later
+        // turn without one goes home as before).
+        if let PinVerdict::Relieve(p) = pin {
+            let taken = walked.is_some_and(|(e, r)| {
+                r != Reason::Spill && e != p && board.far_shorter_queue(e, p)
+            });
+            if !taken {
+                if relieved_home.is_none() {
+                    return Ok(kept_pin(p, home, &board, skipped_before));
+                }
+                pin = PinVerdict::None;
+                quota_skipped = skipped_before;
+                walked = self.walk(
+                    &board,
+                    table,
+                    &keyed,
+                    &pin,
+                    pick,
+                    now_ms,
+                    &mut quota_skipped,
+                );
+            }
+        }
         let (endpoint, reason) = match walked.or_else(|| fallback(&board, &keyed, &pin)) {
             Some(c) => c,
             None => return Err(NoEndpoint::Exhausted),
@@ -195,6 +224,11 @@ impl<'a> Scheduler<'a> {
             })
             .collect();
         let admission = admit(table, candidates, n, now_ms, bcfg)?;
+        let captive = if cfg.relieve_last_server {
+            last_servers(cfg, table, &verdicts, &statics, pick.model)
+        } else {
+            Vec::new()
+        };
         let mut weight_at = vec![0.0; n];
         for &(i, _, w) in &weights {
             if let Some(slot) = weight_at.get_mut(i) {
@@ -214,6 +248,7 @@ impl<'a> Scheduler<'a> {
             room,
             by_slots,
             admission,
+            captive,
         })
     }
 
@@ -239,6 +274,9 @@ impl<'a> Scheduler<'a> {
         }
         if board.degraded(p) {
             return PinVerdict::Break(p);
+        }
+        if self.relief_move(board, pick, p, now_ms) {
+            return PinVerdict::Relieve(p);
         }
         if board.saturated(p)
             && board.room_elsewhere(p)
@@ -301,6 +339,50 @@ impl<'a> Scheduler<'a> {
         marked != Some(MoveReason::Saturated)
     }
 
+    /// Whether a session of the request's model on captive `p` (the last healthy server of
+    /// another model, [`last_servers`]) moves off it: `p`'s queue is at least a batch deep and
+    /// another candidate that could take it (admitted, not degraded, not short, not captive)
+    /// has a queue at most 1 / [`QUEUE_GAP`] of it in batches, and the session was not moved
+    /// for load within its TTL. Why: the last server takes every session of its other model
+    /// from the degraded peer, on top of its own; on the bench's `slow` run its queue (20–40
+    /// waiting on 16 slots for 6 s while its peers had a few) was most of the p99 tail, and
+    /// the sessions of the model that others serve were half of its load.
+    pub(super) fn relief_move(
+        &self,
+        board: &Board,
+        pick: &Pick<'_>,
+        p: usize,
+        now_ms: u64,
+    ) -> bool {
+        if !board.captive(p) || pick.attempt > 1 {
+            return false;
+        }
+        let Some(session) = pick.session else {
+            return false;
+        };
+        let target = board.statics.iter().any(|&j| {
+            j != p
+                && board.admitted(j)
+                && !board.degraded(j)
+                && !board.short(j)
+                && !board.captive(j)
+                && board.far_shorter_queue(j, p)
+        });
+        if !target {
+            return false;
+        }
+        // The moves table holds marks younger than the affinity TTL only.
+        let marked = self.moves().lookup(session, now_ms).and_then(move_reason);
+        marked != Some(MoveReason::Saturated)
+    }
+
+    /// Whether a placement passes over captive `i` for relief ([`Board::relief_passes_over`]
+    /// with the session's [`reserved`] coin).
+    fn relief_passes_over(&self, board: &Board, keyed: &placement::Keyed, i: usize) -> bool {
+        let id = self.cfg.endpoints.get(i).map_or(0, |e| e.id);
+        board.relief_passes_over(i, reserved(keyed.session_key(), id))
+    }
+
     /// Step 3: placement, the first candidate in rendezvous order that admits traffic, is not
     /// degraded (but for a due probe), not saturated while another has room, not short of
     /// quota, and within its bounded load. `None` when nothing is placeable.
@@ -356,6 +438,12 @@ impl<'a> Scheduler<'a> {
                 continue;
             }
             if board.passed_over(i) {
+                passed.saturated = true;
+                continue;
+            }
+            // The last server of another model keeps half of its placements for that model, and
+            // takes the others only as the lightest (see `relieve_last_server`).
+            if board.captive(i) && self.relief_passes_over(board, keyed, i) {
                 passed.saturated = true;
                 continue;
             }
@@ -431,7 +519,7 @@ impl<'a> Scheduler<'a> {
             _ => None,
         };
         let moved = match pin {
-            PinVerdict::Move(p) if !kept => Some(*p),
+            PinVerdict::Move(p) | PinVerdict::Relieve(p) if !kept => Some(*p),
             _ => None,
         };
         let affinity = match (pick.session, pinned, reason) {
@@ -513,6 +601,10 @@ pub(super) struct Board<'t> {
     by_slots: bool,
     /// Breaker admission of this attempt's candidates (`None`: not a candidate).
     admission: Vec<Option<Admission>>,
+    /// The candidates left as the last healthy server of another model than the request's
+    /// (see [`last_servers`]), by index; empty when none is (no endpoint degraded, or
+    /// `relieve_last_server` off).
+    captive: Vec<bool>,
 }
 
 /// The table's quotas as one decision sees them (`None`: not `quota_aware`, never short).
@@ -623,6 +715,35 @@ impl<'t> Board<'t> {
                 && !self.short(j)
                 && self.queue_batches(j).is_some_and(|q| q * QUEUE_GAP <= mine)
         })
+    }
+    /// Whether `i` is the last healthy server of another model than the request's
+    /// ([`last_servers`]): sessions of the request's model are steered off it.
+    pub(super) fn captive(&self, i: usize) -> bool {
+        self.captive.get(i).copied().unwrap_or(false)
+    }
+    /// Whether a placement passes over captive `i` ([`last_servers`]) for relief: some
+    /// candidate other than `i` that could take it (admitted, not degraded, not short, not
+    /// passed over, not captive itself) has a lower load ([`Board::load_of`]), or, for the
+    /// half of the sessions whose `reserved` coin came up, any such candidate at all.
+    pub(super) fn relief_passes_over(&self, i: usize, reserved: bool) -> bool {
+        let mine = self.load_of(i);
+        self.statics.iter().any(|&j| {
+            j != i
+                && self.admitted(j)
+                && !self.degraded(j)
+                && !self.short(j)
+                && !self.captive(j)
+                && !self.passed_over(j)
+                && (reserved || self.load_of(j) < mine)
+        })
+    }
+    /// Whether `j`'s known queue is at most 1 / [`QUEUE_GAP`] of `i`'s in batches, with `i`'s
+    /// at least a batch deep (the relief move's condition, [`Scheduler::relief_move`]).
+    pub(super) fn far_shorter_queue(&self, j: usize, i: usize) -> bool {
+        let Some(mine) = self.queue_batches(i).filter(|q| *q >= 1.0) else {
+            return false;
+        };
+        self.queue_batches(j).is_some_and(|q| q * QUEUE_GAP <= mine)
     }
     /// The shortest expected queueing delay at a candidate other than `i` that could take the
     /// session (admitted, not degraded, short or saturated), from its scraped queue and running
@@ -800,6 +921,77 @@ pub(super) fn fallback(
         .or_else(|| left.map(|i| (i, Reason::AffinityHit)))
 }
 
+/// The candidates (`statics`) left as the *last healthy server* of a model other than the
+/// request's `model`, by index (empty when none is): an endpoint whose configured `models`
+/// name another model that some other enabled endpoint serves too, all of which are degraded
+/// (this decision's verdict for a candidate, the stored sticky flag for the others). It takes
+/// every session of that model from its degraded peers, so the request's model, which other
+/// candidates serve, is steered off it (`relieve_last_server`). An endpoint without a `models`
+/// list serves every model and is never counted as the last server of one. Costs nothing
+/// while no endpoint is degraded (one pass over the verdicts and the table).
+pub(super) fn last_servers(
+    cfg: &Config,
+    table: &Table,
+    verdicts: &[Verdict],
+    statics: &[usize],
+    model: Option<&str>,
+) -> Vec<bool> {
+    let degraded = |j: usize| {
+        if statics.binary_search(&j).is_ok() {
+            verdicts.get(j).is_some_and(|v| v.degraded)
+        } else {
+            table.entries.get(j).is_some_and(|(_, st)| st.degraded)
+        }
+    };
+    // The common case in one linear pass: nobody degraded, by this decision or as stored.
+    if !verdicts.iter().any(|v| v.degraded) && !table.entries.iter().any(|(_, st)| st.degraded) {
+        return Vec::new();
+    }
+    let n = cfg.endpoints.len();
+    let mut captive = vec![false; n];
+    for &i in statics {
+        let Some(models) = cfg.endpoints.get(i).and_then(|e| e.models.as_ref()) else {
+            continue;
+        };
+        let last = models
+            .iter()
+            .filter(|m| Some(m.as_str()) != model)
+            .any(|m| {
+                let peers = cfg
+                    .endpoints
+                    .iter()
+                    .enumerate()
+                    .filter(|&(j, e)| j != i && !e.disabled && e.serves(m));
+                let mut lost = false;
+                for (j, _) in peers {
+                    if !degraded(j) {
+                        return false;
+                    }
+                    lost = true;
+                }
+                lost
+            });
+        if let Some(slot) = captive.get_mut(i) {
+            *slot = last;
+        }
+    }
+    captive
+}
+
+/// The placement of the session with rendezvous key `key` on captive endpoint `id` is kept
+/// for the model only it still serves (see [`Board::relief_passes_over`]): a coin from the low bit
+/// of the session's (salted) rendezvous hash with `id`, the same on every replica and independent of the
+/// rendezvous order (which reads the high 52 bits), so half the sessions homed there are kept
+/// off it. Why half: the share of the captive model in the traffic is unknown to the filter;
+/// the bench's `slow` run (a fifth of the sessions on `m2`) put as many new `m1` sessions on
+/// the last `m2` server after the onset as on each of its peers when placed by load alone.
+pub(super) fn reserved(key: u64, id: u32) -> bool {
+    crate::scheduler::state::hash::rendezvous(key ^ RESERVE_SALT, id) & 1 == 0
+}
+
+/// Salts the reservation coin's key, so that it is no function of the rendezvous keys.
+const RESERVE_SALT: u64 = 0x5eed_0f1a_575e_4e00;
+
 /// What becomes of a live pin ([`Scheduler::pin_verdict`]).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(super) enum PinVerdict {
@@ -810,13 +1002,16 @@ pub(super) enum PinVerdict {
     Break(usize),
     /// Saturated with a long wait: the session moves.
     Move(usize),
+    /// The last healthy server of another model, with a far longer queue than another
+    /// candidate's: the session moves ([`Scheduler::relief_move`]).
+    Relieve(usize),
 }
 
 impl PinVerdict {
     /// The pinned endpoint the session leaves, if any.
     pub(super) fn left(&self) -> Option<usize> {
         match self {
-            PinVerdict::Break(p) | PinVerdict::Move(p) => Some(*p),
+            PinVerdict::Break(p) | PinVerdict::Move(p) | PinVerdict::Relieve(p) => Some(*p),
             _ => None,
         }
     }
@@ -837,7 +1032,7 @@ impl Passed {
     pub(super) fn reason(&self, pin: &PinVerdict, attempt: u32) -> Reason {
         match pin {
             PinVerdict::Break(_) => Reason::PinBreak,
-            PinVerdict::Move(_) => Reason::Saturated,
+            PinVerdict::Move(_) | PinVerdict::Relieve(_) => Reason::Saturated,
             _ if attempt > 1 || self.unavailable => Reason::Backup,
             _ if self.degraded => Reason::Degraded,
             _ if self.saturated => Reason::Saturated,

@@ -2249,3 +2249,182 @@ fn a_busy_endpoints_leaked_in_flight_count_expires_by_its_age() {
     );
     assert_eq!(at_end.last().map(|(_, n)| *n), Some(0));
 }
+
+// --- The last healthy server of a model is relieved of the other models' sessions -----------
+
+/// The bench's fleet: `a` and `b` serve `m` and `m2`, `c` and `d` only `m`; every endpoint
+/// warm at 100 ms and scraped. `extra`: configuration keys on top.
+fn two_models(extra: serde_json::Value) -> Config {
+    let mut v = json!({"endpoints":[
+        {"name":"a","cluster":"ca","models":["m","m2"]},{"name":"b","cluster":"cb","models":["m","m2"]},
+        {"name":"c","cluster":"cc","models":["m"]},{"name":"d","cluster":"cd","models":["m"]}
+    ],"cold_start_samples":5,"affinity_ttl_ms":60_000});
+    if let (Some(o), Some(e)) = (v.as_object_mut(), extra.as_object()) {
+        o.extend(e.clone());
+    }
+    cfg(v)
+}
+
+/// A first attempt of `session` for `model`, a later turn when `follow_up`.
+fn model_pick<'a>(model: &'a str, session: u64, ex: &'a Exclusions, follow_up: bool) -> Pick<'a> {
+    Pick {
+        model: Some(model),
+        follow_up,
+        ..body_pick(Some(session), ex, 4000)
+    }
+}
+
+/// Where 300 new `m` sessions go (by endpoint index) at `now`.
+fn new_m_sessions(s: &Scheduler<'_>, ex: &Exclusions, from: u64, now: u64) -> [usize; 4] {
+    let mut to = [0usize; 4];
+    for n in from..from + 300 {
+        let d = s.pick(&model_pick("m", key(n), ex, false), now).unwrap();
+        to[d.endpoint] += 1;
+        s.finish(d.ticket, &Outcome::Cancelled, 0, None, now);
+    }
+    to
+}
+
+/// `a` degraded (5× slower for the work) leaves `b` the last server of `m2`: new `m` sessions
+/// pass over `b` while `c` or `d` is lighter, and half of them (the reservation coin) when it is
+/// not; never while no endpoint is degraded or with `relieve_last_server` off; `m2` sessions
+/// still go to `b`.
+#[test]
+fn new_sessions_pass_over_the_last_server_of_another_model() {
+    for relief in [true, false] {
+        let c = two_models(json!({ "relieve_last_server": relief }));
+        let store = MemStore::new();
+        let s = Scheduler::new(&c, &store);
+        let ex = Exclusions::default();
+        warm(&s, &[100, 100, 100, 100], 10, 0);
+        // b busier than c and d, none of them full (no queue anywhere).
+        for (name, waiting, running) in [("a", 0, 2), ("b", 0, 14), ("c", 0, 6), ("d", 0, 6)] {
+            scraped(&store, name, waiting, running, 1_000);
+        }
+        // Healthy fleet: b takes its rendezvous share whatever the switch.
+        let healthy = new_m_sessions(&s, &ex, 0, 1_100);
+        assert!(healthy[1] > 40, "{relief}: {healthy:?}");
+        // a turns 5× slower: degraded.
+        warm(&s, &[500, 100, 100, 100], 20, 1_200);
+        let slow = new_m_sessions(&s, &ex, 1_000, 1_300);
+        assert!(s.table().entries[0].1.degraded);
+        assert_eq!(slow[0], 0, "{slow:?}");
+        if relief {
+            assert_eq!(slow[1], 0, "{slow:?}");
+        } else {
+            assert!(slow[1] > 40, "{slow:?}");
+        }
+        // m2 sessions have nowhere else to go.
+        for n in 0..50u64 {
+            let d = s
+                .pick(&model_pick("m2", key(5_000 + n), &ex, false), 1_300)
+                .unwrap();
+            assert_eq!(d.endpoint, 1, "{d:?}");
+            s.finish(d.ticket, &Outcome::Cancelled, 0, None, 1_300);
+        }
+        // b no busier than the others: it takes new m sessions again, but for the half kept
+        // for m2 (the reservation coin) with the switch on.
+        for (name, waiting, running) in [("b", 0, 6), ("c", 0, 6), ("d", 0, 6)] {
+            scraped(&store, name, waiting, running, 1_400);
+        }
+        let even = new_m_sessions(&s, &ex, 2_000, 1_500);
+        if relief {
+            assert!((25..=75).contains(&even[1]), "{even:?}");
+        } else {
+            assert!(even[1] > 80, "{even:?}");
+        }
+    }
+}
+
+/// With `a` degraded and `b` the last server of `m2` a batch deep in queue while `c` and `d`
+/// have a quarter of that: `m` sessions pinned to `b` move (reason `saturated`, once: the next
+/// turn is an affinity hit where they went), later turns without a pin here whose home is `b`
+/// too; `m2` sessions stay; nothing moves without a degraded endpoint, with the switch off, or
+/// when the queues are alike.
+#[test]
+fn pinned_sessions_move_off_the_last_server_of_another_model_once() {
+    for relief in [true, false] {
+        let c = two_models(json!({ "relieve_last_server": relief }));
+        let store = MemStore::new();
+        let s = Scheduler::new(&c, &store);
+        let ex = Exclusions::default();
+        warm(&s, &[100, 100, 100, 100], 10, 0);
+        // Sessions of both models pinned to b.
+        let mut on_b = Vec::new();
+        for (model, from) in [("m", 0u64), ("m2", 10_000)] {
+            for n in from..from + 300 {
+                let d = s.pick(&model_pick(model, key(n), &ex, false), 1).unwrap();
+                if d.endpoint == 1 {
+                    on_b.push((model, key(n)));
+                }
+                s.finish(d.ticket, &Outcome::Success, 100, Some(key(n)), 1);
+            }
+        }
+        let count = |model: &str| on_b.iter().filter(|(m, _)| *m == model).count();
+        let (m, m2) = (count("m"), count("m2"));
+        assert!(m > 20 && m2 > 20, "{m} {m2}");
+        // b 1.25 batches deep, c and d 0.25.
+        for (name, waiting, running) in [("a", 0, 4), ("b", 20, 16), ("c", 4, 16), ("d", 4, 16)] {
+            scraped(&store, name, waiting, running, 1_000);
+        }
+        // No endpoint degraded: every pin holds.
+        for &(model, k) in &on_b[..10] {
+            let d = s.pick(&model_pick(model, k, &ex, true), 1_100).unwrap();
+            assert_eq!((d.endpoint, d.reason), (1, Reason::AffinityHit), "{d:?}");
+            s.finish(d.ticket, &Outcome::Cancelled, 0, None, 1_100);
+        }
+        warm(&s, &[500, 100, 100, 100], 20, 1_200);
+        for &(model, k) in &on_b {
+            let d = s.pick(&model_pick(model, k, &ex, true), 1_300).unwrap();
+            if relief && model == "m" {
+                assert!(d.endpoint == 2 || d.endpoint == 3, "{d:?}");
+                assert_eq!(
+                    (d.reason, d.moved_pin_of),
+                    (Reason::Saturated, Some(1)),
+                    "{d:?}"
+                );
+                s.finish(d.ticket, &Outcome::Success, 100, Some(k), 1_300);
+                let again = s.pick(&model_pick(model, k, &ex, true), 1_400).unwrap();
+                assert_eq!(again.reason, Reason::AffinityHit, "{again:?}");
+                assert_eq!(again.endpoint, d.endpoint);
+                s.finish(again.ticket, &Outcome::Cancelled, 0, None, 1_400);
+            } else {
+                assert_eq!((d.endpoint, d.reason), (1, Reason::AffinityHit), "{d:?}");
+                s.finish(d.ticket, &Outcome::Cancelled, 0, None, 1_300);
+            }
+        }
+        assert!(s.table().entries[0].1.degraded);
+        // Later turns without a pin here whose home is b (a skipped, degraded): they move too
+        // (with the switch on).
+        let all: Vec<(usize, u32, f64)> = (0..4).map(|i| (i, c.endpoints[i].id, 1.0)).collect();
+        let homed: Vec<u64> = (20_000..21_000u64)
+            .map(key)
+            .filter(|&k| placement::order(k, &all).into_iter().find(|&i| i != 0) == Some(1))
+            .take(20)
+            .collect();
+        assert_eq!(homed.len(), 20);
+        for &k in &homed[..10] {
+            let d = s.pick(&model_pick("m", k, &ex, true), 1_500).unwrap();
+            if relief {
+                assert!(d.endpoint == 2 || d.endpoint == 3, "{d:?}");
+                assert_eq!(
+                    (d.reason, d.moved_pin_of),
+                    (Reason::Saturated, Some(1)),
+                    "{d:?}"
+                );
+            } else {
+                assert_eq!((d.endpoint, d.moved_pin_of), (1, None), "{d:?}");
+            }
+            s.finish(d.ticket, &Outcome::Cancelled, 0, None, 1_500);
+        }
+        // Queues alike (c and d as deep as b): they go home.
+        for (name, waiting, running) in [("b", 20, 16), ("c", 20, 16), ("d", 20, 16)] {
+            scraped(&store, name, waiting, running, 1_600);
+        }
+        for &k in &homed[10..] {
+            let d = s.pick(&model_pick("m", k, &ex, true), 1_700).unwrap();
+            assert_eq!((d.endpoint, d.moved_pin_of), (1, None), "{d:?}");
+            s.finish(d.ticket, &Outcome::Cancelled, 0, None, 1_700);
+        }
+    }
+}

@@ -50,6 +50,9 @@ pub enum Policy {
     /// The filter with every latency rule off (degraded and pin breaking, the overdue watch):
     /// what "moves no session in steady traffic" is measured against.
     FilterRulesOff,
+    /// The filter with `"relieve_last_server": false` (the last healthy server of a model is
+    /// not relieved of the other models' sessions): the rule on against off in one run.
+    FilterNoRelief,
 }
 
 impl Policy {
@@ -63,7 +66,7 @@ impl Policy {
     ];
 
     /// Every policy `--policies` accepts, in the report's order (the default set first).
-    pub const KNOWN: [Policy; 9] = [
+    pub const KNOWN: [Policy; 10] = [
         Policy::RoundRobin,
         Policy::LeastRequest,
         Policy::RingHash,
@@ -73,6 +76,7 @@ impl Policy {
         Policy::SglangCacheAware,
         Policy::FilterNoMetrics,
         Policy::FilterRulesOff,
+        Policy::FilterNoRelief,
     ];
 
     pub fn name(&self) -> &'static str {
@@ -86,6 +90,7 @@ impl Policy {
             Policy::SglangCacheAware => "sglang_cache_aware",
             Policy::FilterNoMetrics => "computeflux_nometrics",
             Policy::FilterRulesOff => "computeflux_rulesoff",
+            Policy::FilterNoRelief => "computeflux_norelief",
         }
     }
 
@@ -119,7 +124,8 @@ impl Policy {
             Policy::Filter
             | Policy::FilterNoPrefix
             | Policy::FilterNoMetrics
-            | Policy::FilterRulesOff => None,
+            | Policy::FilterRulesOff
+            | Policy::FilterNoRelief => None,
         }
     }
 
@@ -130,6 +136,7 @@ impl Policy {
             // watch is off (its default, made explicit).
             Policy::FilterRulesOff => json!({"pin_break_ratio": 1000.0, "pin_break_overdue": 0}),
             Policy::FilterNoPrefix => json!({"prefix_placement": false}),
+            Policy::FilterNoRelief => json!({"relieve_last_server": false}),
             _ => Value::Null,
         }
     }
@@ -138,7 +145,10 @@ impl Policy {
     pub fn scrapes(&self) -> bool {
         matches!(
             self,
-            Policy::Filter | Policy::FilterRulesOff | Policy::FilterNoPrefix
+            Policy::Filter
+                | Policy::FilterRulesOff
+                | Policy::FilterNoPrefix
+                | Policy::FilterNoRelief
         )
     }
 }
