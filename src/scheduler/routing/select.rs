@@ -448,7 +448,12 @@ impl<'a> Scheduler<'a> {
     fn peer_references(&self, table: &Table) -> Vec<Option<f64>> {
         let min_samples = DegradeRule::from_config(self.cfg).min_samples;
         match self.cache.and_then(|c| c.try_borrow_mut().ok()) {
-            Some(mut cache) => cache.peers.medians(table, self.cfg, min_samples).to_vec(),
+            Some(mut cache) => {
+                // Through the lent table's list of re-decoded entries: only theirs compared.
+                let (memo, changed) = cache.lent_changes(table.entries.len());
+                memo.medians_since(table, self.cfg, min_samples, changed.as_deref())
+                    .to_vec()
+            }
             None => signals::peer_medians(table, self.cfg, min_samples),
         }
     }
@@ -860,6 +865,8 @@ pub const TYPICAL_COMPLETION_TOKENS: u64 = 128;
 
 use finish::store_verdict;
 
+#[cfg(all(test, not(target_arch = "wasm32")))]
+mod memo_tests;
 #[cfg(test)]
 mod prefix_tests;
 #[cfg(test)]

@@ -190,20 +190,45 @@ pub(crate) fn median_input(s: &Slowness, min_samples: u32) -> Option<u64> {
 impl MedianMemo {
     /// [`peer_medians`] of `table`, recomputed only when its inputs changed.
     pub fn medians(&mut self, table: &Table, cfg: &Config, min_samples: u32) -> &[Option<f64>] {
+        self.medians_since(table, cfg, min_samples, None)
+    }
+
+    /// [`MedianMemo::medians`], comparing only the inputs of the entries in `changed` when
+    /// given: the entries of `table` that may differ from the table the memo last saw through
+    /// this call (the table cache's re-decoded entries; see `TableCache::lent_changes`). Every
+    /// other entry is then the same as last time. Without it (or right after a call without
+    /// it), every input is compared.
+    pub fn medians_since(
+        &mut self,
+        table: &Table,
+        cfg: &Config,
+        min_samples: u32,
+        changed: Option<&[usize]>,
+    ) -> &[Option<f64>] {
         let n = cfg.endpoints.len();
-        let same = self.min_samples == min_samples
-            && self.inputs.len() == n
-            && table.entries.len() == n
-            && self
-                .inputs
-                .iter()
-                .zip(&cfg.endpoints)
-                .zip(&table.entries)
-                .all(|(((id, disabled, input), ep), (_, st))| {
+        let same_input = |i: usize| {
+            match (
+                self.inputs.get(i),
+                cfg.endpoints.get(i),
+                table.entries.get(i),
+            ) {
+                (Some((id, disabled, input)), Some(ep), Some((_, st))) => {
                     *id == ep.id
                         && *disabled == ep.disabled
                         && *input == median_input(&st.slowness, min_samples)
-                });
+                }
+                _ => false,
+            }
+        };
+        let shape = self.min_samples == min_samples
+            && self.inputs.len() == n
+            && table.entries.len() == n;
+        let same = shape
+            && match changed.filter(|_| self.synced) {
+                Some(changed) => changed.iter().all(|&i| same_input(i)),
+                None => (0..n).all(same_input),
+            };
+        self.synced = changed.is_some();
         if !same {
             self.min_samples = min_samples;
             self.inputs = cfg
@@ -225,6 +250,92 @@ impl MedianMemo {
         }
         &self.medians
     }
+}
+
+/// One worker's memo of its quiet endpoints' verdicts and session placement weights.
+///
+/// Why: a pick judges every candidate (its verdict, for the walk and for the hysteresis its
+/// write stores) and weighs it (the rendezvous weights): about 350 instructions per endpoint
+/// and request under wasm, while most endpoints of a large fleet are quiet between two
+/// requests of a worker. An endpoint is quiet ([`quiet`]) when neither value can change with
+/// the clock: no fresh scraped load (its saturation is `Unknown`, its slowness judges it),
+/// no watched attempt that could become overdue, and a success level that does not fade
+/// (cold, or never failing). Its verdict and weight are then functions of its entry, its
+/// peers' median and the configuration alone, and are kept here by the entry's write stamp
+/// (see [`crate::scheduler::routing::table::TableCache`], which holds this memo: one per
+/// configuration) and the median's bits. Anything not quiet, or not kept, is computed as
+/// before; the memo never returns what computing would not.
+#[derive(Debug, Default, Clone)]
+pub struct QuietMemo {
+    /// By endpoint index.
+    pub(crate) at: Vec<Option<Quiet>>,
+    /// Values taken from the memo instead of computed, for tests and diagnostics.
+    pub hits: u64,
+}
+
+/// What [`QuietMemo`] keeps of one endpoint.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub(crate) struct Quiet {
+    /// The entry's `(write stamp, id)` as the table cache decoded it.
+    pub(crate) key: (u64, u32),
+    /// The bits of the peers' median it was judged against.
+    pub(crate) reference: Option<u64>,
+    pub(crate) verdict: Verdict,
+    /// Its session placement weight (`placement::weigh`).
+    pub(crate) weight: f64,
+}
+
+impl QuietMemo {
+    /// The kept verdict and weight of endpoint `i` whose entry has `key`, judged against
+    /// `reference`, without a scraped load (`None`: compute them).
+    pub(crate) fn get(
+        &mut self,
+        i: usize,
+        key: Option<(u64, u32)>,
+        reference: Option<f64>,
+    ) -> Option<(Verdict, f64)> {
+        let q = self.at.get(i).copied().flatten()?;
+        if Some(q.key) != key || q.reference != reference.map(f64::to_bits) {
+            return None;
+        }
+        self.hits = self.hits.saturating_add(1);
+        Some((q.verdict, q.weight))
+    }
+
+    /// Keeps endpoint `i`'s values (only call for a [`quiet`] endpoint).
+    pub(crate) fn keep(
+        &mut self,
+        n: usize,
+        i: usize,
+        key: (u64, u32),
+        reference: Option<f64>,
+        verdict: Verdict,
+        weight: f64,
+    ) {
+        if self.at.len() != n {
+            self.at = vec![None; n];
+        }
+        if let Some(slot) = self.at.get_mut(i) {
+            *slot = Some(Quiet {
+                key,
+                reference: reference.map(f64::to_bits),
+                verdict,
+                weight,
+            });
+        }
+    }
+}
+
+/// Whether endpoint state `st` without a scraped load (`load`: none) is quiet: its verdict
+/// ([`judge_with`]) and session weight (`placement::weigh`) cannot change with the clock
+/// (see [`QuietMemo`]). The saturation of an endpoint without a load is `Unknown` whatever
+/// the time; the overdue watch counts watched attempts by age (none watched, or the watch
+/// off: never overdue); the success level fades toward 1 with idle time unless the endpoint
+/// is cold (no level) or its rate is 1 (nothing to fade).
+pub fn quiet(st: &EndpointState, load: Option<&EngineLoad>, cfg: &Config) -> bool {
+    load.is_none()
+        && (cfg.pin_break_overdue == 0 || st.watch.slots.iter().all(|s| s.token == 0))
+        && (st.total < cfg.cold_start_samples || st.success_rate == 1.0)
 }
 
 /// The median of `sorted` without its element at `skip` (if any), as [`slowness::peer_median`]

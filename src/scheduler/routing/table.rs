@@ -33,6 +33,7 @@ use crate::scheduler::routing::overdue::Watch;
 use crate::scheduler::routing::payoff::Payoff;
 use crate::scheduler::routing::quota::Quota;
 use crate::scheduler::routing::saturation::Saturation;
+use crate::scheduler::routing::signals::QuietMemo;
 use crate::scheduler::routing::slowness::Slowness;
 use crate::scheduler::state::codec::{Reader, Writer};
 use crate::scheduler::state::store::{update_if, Store};
@@ -133,7 +134,8 @@ impl EndpointState {
     /// more (presumed leaked; see `in_flight`), and none if the count has not moved for
     /// [`IN_FLIGHT_STALE_MS`].
     pub fn load(&self, now_ms: u64, max_age_ms: u64) -> u32 {
-        if now_ms.saturating_sub(self.in_flight_changed_ms) > IN_FLIGHT_STALE_MS {
+        // Nothing in flight: nothing to expire (a pick asks every endpoint).
+        if self.in_flight == 0 || now_ms.saturating_sub(self.in_flight_changed_ms) > IN_FLIGHT_STALE_MS {
             0
         } else {
             self.in_flight
@@ -743,6 +745,12 @@ pub struct TableCache {
     pub peers: MedianMemo,
     /// Which endpoints serve the model of the last decision (see [`ServesMemo`]).
     pub serves: ServesMemo,
+    /// The quiet endpoints' verdicts and weights, by write stamp (see
+    /// [`crate::scheduler::routing::signals::QuietMemo`]).
+    pub quiet: QuietMemo,
+    /// Positions of the entries decoded since [`TableCache::lent_changes`] last handed them
+    /// out (`None`: more than the table holds, or unknown: anything may have changed).
+    changed: Option<Vec<usize>>,
 }
 
 /// Which configured endpoints list a model (or serve every model), for the last model asked.
@@ -795,6 +803,39 @@ impl TableCache {
         }
     }
 
+    /// While a table with `entries` entries is lent ([`TableCache::lend`]): the `(stamp, id)`
+    /// of each of its entries, by position, and the quiet memo, which is keyed by them. `None`
+    /// when no table is lent (the stamps may then describe other bytes than the caller's).
+    pub fn lent_stamps(
+        &mut self,
+        entries: usize,
+    ) -> Option<(&[Option<(u64, u32)>], &mut QuietMemo)> {
+        (self.lent && self.stamps.len() == entries)
+            .then_some((self.stamps.as_slice(), &mut self.quiet))
+    }
+
+    /// While a table is lent: the peers' median memo and the positions of the entries decoded
+    /// since the last call (`None`: unknown, compare everything), which this call forgets.
+    /// Without a lent table: the memo and `None` (the caller's table may be other bytes).
+    pub fn lent_changes(&mut self, entries: usize) -> (&mut MedianMemo, Option<Vec<usize>>) {
+        if !(self.lent && self.stamps.len() == entries) {
+            return (&mut self.peers, None);
+        }
+        let changed = self.changed.replace(Vec::new());
+        (&mut self.peers, changed)
+    }
+
+    /// Notes that entry `i` was decoded anew.
+    fn note_changed(&mut self, i: usize, entries: usize) {
+        if let Some(changed) = self.changed.as_mut() {
+            if changed.len() < entries {
+                changed.push(i);
+            } else {
+                self.changed = None;
+            }
+        }
+    }
+
     /// Takes back a table from [`TableCache::lend`] (unchanged: it must still match the
     /// stamps). Anything else is dropped, and the cache starts over.
     pub fn give_back(&mut self, table: Table) {
@@ -831,6 +872,7 @@ impl TableCache {
         self.table.budget = budget;
         self.table.generation = cfg.layout_generation;
         let chunks = bytes.get(HEADER_BYTES..)?.chunks_exact(ENTRY_BYTES);
+        let mut changed = Vec::new();
         for (i, ((slot, entry), chunk)) in self
             .stamps
             .iter_mut()
@@ -849,6 +891,10 @@ impl TableCache {
             *entry = Table::entry_at(bytes, i)?;
             self.decoded = self.decoded.saturating_add(1);
             *slot = Some((stamp, id));
+            changed.push(i);
+        }
+        for i in changed {
+            self.note_changed(i, n);
         }
         Some(())
     }
@@ -874,6 +920,9 @@ pub struct MedianMemo {
     pub(crate) medians: Vec<Option<f64>>,
     /// Times the medians were recomputed, for tests and diagnostics.
     pub computed: u64,
+    /// The inputs are those of the table cache's table as of its last list of changes
+    /// (`MedianMemo::medians_since`): the next list says all that may differ.
+    pub(crate) synced: bool,
 }
 
 #[cfg(test)]

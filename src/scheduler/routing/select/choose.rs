@@ -129,25 +129,69 @@ impl<'a> Scheduler<'a> {
                 cfg.cold_start_samples,
             ),
         };
+        // The quiet endpoints' verdicts and weights from the worker's memo, while the table
+        // is the one lent by its cache (the memo is keyed by that table's write stamps).
+        let mut cache = self.cache.and_then(|c| c.try_borrow_mut().ok());
+        let mut memo = cache
+            .as_deref_mut()
+            .and_then(|c| c.lent_stamps(table.entries.len()));
         for &i in &statics {
-            let (Some(ep), Some(st)) = (cfg.endpoints.get(i), state(i)) else {
+            let (Some(ep), Some(st), Some(v)) = (cfg.endpoints.get(i), state(i), verdicts.get_mut(i))
+            else {
                 continue;
             };
             let load = loads.get(i).copied().flatten();
-            if let Some(v) = verdicts.get_mut(i) {
-                let reference = references.get(i).copied().flatten();
-                let pace_reference = pace_references.get(i).copied().flatten();
-                *v = signals::judge_with(table, cfg, i, reference, pace_reference, load, now_ms);
-                if st.degraded != v.sticky || st.saturation != v.saturation {
-                    flips.push(i);
+            let reference = references.get(i).copied().flatten();
+            let key = memo
+                .as_ref()
+                .and_then(|(stamps, _)| stamps.get(i).copied().flatten());
+            let kept = match (&mut memo, load) {
+                (Some((_, quiet)), None) => quiet.get(i, key, reference),
+                _ => None,
+            };
+            let session_weight = match kept {
+                Some((verdict, weight)) => {
+                    *v = verdict;
+                    Some(weight)
                 }
+                None => {
+                    let pace_reference = pace_references.get(i).copied().flatten();
+                    *v = signals::judge_with(
+                        table,
+                        cfg,
+                        i,
+                        reference,
+                        pace_reference,
+                        load,
+                        now_ms,
+                    );
+                    let keep = match (&mut memo, key) {
+                        (Some((_, quiet)), Some(key)) if signals::quiet(st, load.as_ref(), cfg) => {
+                            Some((quiet, key))
+                        }
+                        _ => None,
+                    };
+                    // A request without a session weighs by score: the placement weight only
+                    // to keep it.
+                    let weight = (pick.session.is_some() || keep.is_some())
+                        .then(|| placement::weigh(ep.weight, st, cfg, now_ms));
+                    if let (Some((quiet, key)), Some(w)) = (keep, weight) {
+                        quiet.keep(n, i, key, reference, *v, w);
+                    }
+                    weight
+                }
+            };
+            if st.degraded != v.sticky || st.saturation != v.saturation {
+                flips.push(i);
             }
-            let w = match pick.session {
-                Some(_) => placement::weigh(ep.weight, st, cfg, now_ms),
-                None => score(ep.weight, st, best_latency, cfg, now_ms).score,
+            let w = match (pick.session, session_weight) {
+                (Some(_), Some(w)) => w,
+                _ => score(ep.weight, st, best_latency, cfg, now_ms).score,
             };
             weights.push((i, ep.id, w));
         }
+        drop(memo);
+        drop(cache);
         // Quota: short endpoints are skipped for placements, a certain 429 even by a pin.
         let estimate = pick.quota_estimate(cfg.quota_bytes_per_token);
         let rule = self.quota_rule();
@@ -162,20 +206,28 @@ impl<'a> Scheduler<'a> {
         // The engines' own running + waiting where every candidate reports it (one unit for
         // all: an engine's count includes every replica's requests, an in-flight count only
         // this one's), else this replica's in-flight counts.
-        let all_scraped = statics
-            .iter()
-            .all(|&i| loads.get(i).copied().flatten().is_some());
+        // Nothing scraped (hosted keys, no metrics): no room, in-flight counts; nothing to
+        // look up per endpoint.
+        let any_scraped = loads.iter().any(Option::is_some);
+        let all_scraped = any_scraped
+            && statics
+                .iter()
+                .all(|&i| loads.get(i).copied().flatten().is_some());
         // Every candidate's slots known (see `capacity`): the load is the projected one (scraped
         // running + waiting and this process's placements since), bounded by slots.
-        let room: Vec<Option<Room>> = (0..n)
-            .map(|i| {
-                rooms
-                    .get(i)
-                    .copied()
-                    .flatten()
-                    .filter(|_| loads.get(i).copied().flatten().is_some())
-            })
-            .collect();
+        let room: Vec<Option<Room>> = if any_scraped {
+            (0..n)
+                .map(|i| {
+                    rooms
+                        .get(i)
+                        .copied()
+                        .flatten()
+                        .filter(|_| loads.get(i).copied().flatten().is_some())
+                })
+                .collect()
+        } else {
+            vec![None; n]
+        };
         let by_slots = !statics.is_empty()
             && statics.iter().all(|&i| {
                 room.get(i)

@@ -1,0 +1,162 @@
+// The worker's caches (the table cache, its quiet-endpoint memo, the median and model memos)
+// change no decision: a scheduler reading through one decides exactly as one that decodes and
+// computes everything, over a run of picks and finishes on a moving clock.
+use super::*;
+use crate::scheduler::health::breaker::BreakerState;
+use crate::scheduler::health::outcome::{FailureKind, Outcome};
+use crate::scheduler::state::hash::fmix64;
+use crate::scheduler::state::store::MemStore;
+use proptest::prelude::*;
+use serde_json::json;
+
+const START: u64 = 5_000_000;
+
+/// `n` endpoints (some serving a second model, one sometimes disabled), with the knobs that
+/// make verdicts and weights depend on the clock set low: few samples to warm, a short decay,
+/// the overdue watch on or off.
+fn config(seed: u64, n: usize) -> Config {
+    let r = |k: u64| fmix64(seed ^ fmix64(k));
+    let eps: Vec<_> = (0..n)
+        .map(|i| {
+            let mut e = json!({"name": format!("e{i}"), "cluster": format!("c{i}")});
+            if r(i as u64) % 3 == 0 {
+                e["models"] = json!(["m1", "m2"]);
+            } else {
+                e["models"] = json!(["m1"]);
+            }
+            if i == 1 && r(77) % 4 == 0 {
+                e["disabled"] = json!(true);
+            }
+            e
+        })
+        .collect();
+    Config::from_value(&json!({
+        "endpoints": eps,
+        "cold_start_samples": 1 + r(1) % 3,
+        "stats_decay_ms": 1_000,
+        "failure_threshold": 2,
+        "open_ms": 3_000,
+        "pin_break_overdue": r(2) % 2,
+        "pin_break_min_ms": 1,
+    }))
+    .unwrap_or_default()
+}
+
+/// A stored table drawn from `seed`: some endpoints warm and slow, some failing, some open,
+/// some with attempts in flight or watched.
+fn seeded(store: &MemStore, cfg: &Config, seed: u64) {
+    let mut t = Table::load(None, cfg).0;
+    for (i, (_, st)) in t.entries.iter_mut().enumerate() {
+        let x = fmix64(seed ^ fmix64(1_000 + i as u64));
+        if x % 3 == 0 {
+            st.total = 50;
+            st.last_sample_ms = START - (x >> 4) % 5_000;
+            st.success_rate = if (x >> 8) % 2 == 0 { 0.4 } else { 1.0 };
+        }
+        if (x >> 12) % 5 == 0 {
+            st.breaker.state = BreakerState::Open;
+            st.breaker.open_until_ms = START + (x >> 16) % 6_000;
+        }
+        if (x >> 20) % 2 == 0 {
+            st.slowness.samples = 40;
+            st.slowness.expected_ms = 2_000.0;
+            st.slowness.log_mean = if (x >> 24) % 3 == 0 { 1.8 } else { 0.0 };
+        }
+        if (x >> 28) % 4 == 0 {
+            st.start_attempt(START - 1_000, cfg.in_flight_max_age_ms);
+            st.watch.insert(7 + i as u32, START - 10_000);
+        }
+    }
+    let _ = store.set(TABLE_KEY, &t.encode(), None);
+}
+
+fn outcome(x: u64) -> Outcome {
+    match x % 6 {
+        0 => Outcome::EndpointFailure(FailureKind::Status(503)),
+        1 => Outcome::RateLimited {
+            retry_after_ms: Some(1_500),
+        },
+        2 => Outcome::DeadKey,
+        _ => Outcome::Success,
+    }
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig::with_cases(120))]
+    #[test]
+    fn cached_decisions_equal_computed_ones(
+        seed in any::<u64>(),
+        n in 1usize..10,
+        steps in 1usize..60,
+    ) {
+        let cfg = config(seed, n);
+        let (plain, cached) = (MemStore::new(), MemStore::new());
+        seeded(&plain, &cfg, seed);
+        seeded(&cached, &cfg, seed);
+        let cache = RefCell::new(TableCache::default());
+        let a = Scheduler::new(&cfg, &plain);
+        let b = Scheduler::with_cache(&cfg, &cached, &cache);
+        let mut now = START;
+        let mut pending: Vec<(Ticket, Ticket, u64, Option<u64>)> = Vec::new();
+        for step in 0..steps {
+            let x = fmix64(seed ^ fmix64(50_000 + step as u64));
+            now += match x % 5 {
+                0 => 0,
+                1 => 7,
+                2 => 900,
+                3 => 2_500,
+                _ => 40_000,
+            };
+            let session = match (x >> 4) % 5 {
+                0 => None,
+                s => Some(s),
+            };
+            let model = if (x >> 8) % 4 == 0 { Some("m2") } else { Some("m1") };
+            let mut ex = Exclusions::default();
+            for attempt in 1..=2u32 {
+                let pick = Pick {
+                    model,
+                    session,
+                    attempt,
+                    exclusions: &ex,
+                    nonce: x,
+                    body_bytes: 1_000,
+                    pin_hint: None,
+                    holder: None,
+                    prefix: None,
+                    follow_up: (x >> 12) % 7 == 0,
+                    max_output_tokens: 0,
+                };
+                let (da, db) = (a.pick(&pick, now), b.pick(&pick, now));
+                prop_assert_eq!(&da, &db, "step {} attempt {}", step, attempt);
+                let (Ok(da), Ok(db)) = (da, db) else { break };
+                let o = outcome(x >> (16 + attempt));
+                if (x >> 24) % 3 == 0 {
+                    pending.push((da.ticket, db.ticket, now, session));
+                    break;
+                }
+                let (fa, fb) = (
+                    a.finish(da.ticket, &o, 40, session, now),
+                    b.finish(db.ticket, &o, 40, session, now),
+                );
+                prop_assert_eq!(fa, fb);
+                if !o.fails_over() {
+                    break;
+                }
+                ex.after_attempt(da.endpoint, &o);
+            }
+            if (x >> 30) % 2 == 0 && !pending.is_empty() {
+                let (ta, tb, started, s) = pending.remove(0);
+                let o = outcome(x >> 40);
+                let lat = now.saturating_sub(started);
+                let (fa, fb) = (a.finish(ta, &o, lat, s, now), b.finish(tb, &o, lat, s, now));
+                prop_assert_eq!(fa, fb);
+            }
+        }
+        prop_assert_eq!(a.table(), b.table());
+        for (ta, tb, _, s) in pending {
+            let o = Outcome::Success;
+            prop_assert_eq!(a.finish(ta, &o, 10, s, now), b.finish(tb, &o, 10, s, now));
+        }
+    }
+}
