@@ -206,23 +206,20 @@ impl MedianMemo {
         changed: Option<&[usize]>,
     ) -> &[Option<f64>] {
         let n = cfg.endpoints.len();
-        let same_input = |i: usize| {
-            match (
-                self.inputs.get(i),
-                cfg.endpoints.get(i),
-                table.entries.get(i),
-            ) {
-                (Some((id, disabled, input)), Some(ep), Some((_, st))) => {
-                    *id == ep.id
-                        && *disabled == ep.disabled
-                        && *input == median_input(&st.slowness, min_samples)
-                }
-                _ => false,
+        let same_input = |i: usize| match (
+            self.inputs.get(i),
+            cfg.endpoints.get(i),
+            table.entries.get(i),
+        ) {
+            (Some((id, disabled, input)), Some(ep), Some((_, st))) => {
+                *id == ep.id
+                    && *disabled == ep.disabled
+                    && *input == median_input(&st.slowness, min_samples)
             }
+            _ => false,
         };
-        let shape = self.min_samples == min_samples
-            && self.inputs.len() == n
-            && table.entries.len() == n;
+        let shape =
+            self.min_samples == min_samples && self.inputs.len() == n && table.entries.len() == n;
         let same = shape
             && match changed.filter(|_| self.synced) {
                 Some(changed) => changed.iter().all(|&i| same_input(i)),
@@ -267,61 +264,84 @@ impl MedianMemo {
 /// before; the memo never returns what computing would not.
 #[derive(Debug, Default, Clone)]
 pub struct QuietMemo {
-    /// By endpoint index.
-    pub(crate) at: Vec<Option<Quiet>>,
+    /// By endpoint index (compact: a hit reads one entry and writes at most two flags).
+    pub(crate) at: Vec<Quiet>,
     /// Values taken from the memo instead of computed, for tests and diagnostics.
     pub hits: u64,
 }
 
-/// What [`QuietMemo`] keeps of one endpoint.
-#[derive(Debug, Clone, Copy, PartialEq)]
+/// What [`QuietMemo`] keeps of one endpoint. A quiet endpoint's verdict is its sticky flag
+/// alone: not overdue (so `degraded` equals it), saturation `Unknown`, no load.
+#[derive(Debug, Clone, Copy, PartialEq, Default)]
 pub(crate) struct Quiet {
-    /// The entry's `(write stamp, id)` as the table cache decoded it.
-    pub(crate) key: (u64, u32),
-    /// The bits of the peers' median it was judged against.
-    pub(crate) reference: Option<u64>,
-    pub(crate) verdict: Verdict,
+    /// Holds a value (false: nothing kept).
+    valid: bool,
+    /// The entry's write stamp and id, as the table cache decoded it.
+    stamp: u64,
+    id: u32,
+    /// The peers' median it was judged against (its bits; `has_reference` false: none).
+    has_reference: bool,
+    reference: u64,
+    sticky: bool,
+    /// Its verdict differs from the one stored in its entry (see `Board::flips`).
+    flip: bool,
     /// Its session placement weight (`placement::weigh`).
-    pub(crate) weight: f64,
+    weight: f64,
 }
 
+/// A [`QuietMemo`] hit: the endpoint's id, session weight, sticky flag and whether its
+/// verdict flipped.
+pub(crate) type QuietHit = (u32, f64, bool, bool);
+
 impl QuietMemo {
-    /// The kept verdict and weight of endpoint `i` whose entry has `key`, judged against
+    /// The kept values of endpoint `i` whose entry has `key` (`(stamp, id)`), judged against
     /// `reference`, without a scraped load (`None`: compute them).
     pub(crate) fn get(
         &mut self,
         i: usize,
-        key: Option<(u64, u32)>,
+        key: Option<&Option<(u64, u32)>>,
         reference: Option<f64>,
-    ) -> Option<(Verdict, f64)> {
-        let q = self.at.get(i).copied().flatten()?;
-        if Some(q.key) != key || q.reference != reference.map(f64::to_bits) {
+    ) -> Option<QuietHit> {
+        let q = self.at.get(i)?;
+        let &(stamp, id) = key?.as_ref()?;
+        let same_reference = match reference {
+            Some(r) => q.has_reference && q.reference == r.to_bits(),
+            None => !q.has_reference,
+        };
+        if !(q.valid && q.stamp == stamp && q.id == id && same_reference) {
             return None;
         }
+        let hit = (q.id, q.weight, q.sticky, q.flip);
         self.hits = self.hits.saturating_add(1);
-        Some((q.verdict, q.weight))
+        Some(hit)
     }
 
-    /// Keeps endpoint `i`'s values (only call for a [`quiet`] endpoint).
+    /// Keeps endpoint `i`'s values (only call for a [`quiet`] endpoint, of `n`).
+    #[allow(clippy::too_many_arguments)]
     pub(crate) fn keep(
         &mut self,
         n: usize,
         i: usize,
-        key: (u64, u32),
+        (stamp, id): (u64, u32),
         reference: Option<f64>,
-        verdict: Verdict,
+        verdict: &Verdict,
+        flip: bool,
         weight: f64,
     ) {
         if self.at.len() != n {
-            self.at = vec![None; n];
+            self.at = vec![Quiet::default(); n];
         }
         if let Some(slot) = self.at.get_mut(i) {
-            *slot = Some(Quiet {
-                key,
-                reference: reference.map(f64::to_bits),
-                verdict,
+            *slot = Quiet {
+                valid: true,
+                stamp,
+                id,
+                has_reference: reference.is_some(),
+                reference: reference.map_or(0, f64::to_bits),
+                sticky: verdict.sticky,
+                flip,
                 weight,
-            });
+            };
         }
     }
 }

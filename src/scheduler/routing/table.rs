@@ -135,7 +135,9 @@ impl EndpointState {
     /// [`IN_FLIGHT_STALE_MS`].
     pub fn load(&self, now_ms: u64, max_age_ms: u64) -> u32 {
         // Nothing in flight: nothing to expire (a pick asks every endpoint).
-        if self.in_flight == 0 || now_ms.saturating_sub(self.in_flight_changed_ms) > IN_FLIGHT_STALE_MS {
+        if self.in_flight == 0
+            || now_ms.saturating_sub(self.in_flight_changed_ms) > IN_FLIGHT_STALE_MS
+        {
             0
         } else {
             self.in_flight

@@ -160,3 +160,34 @@ proptest! {
         }
     }
 }
+
+#[test]
+fn quiet_memo_is_used_between_picks() {
+    let cfg = config(3, 16);
+    let store = MemStore::new();
+    let cache = RefCell::new(TableCache::default());
+    let s = Scheduler::with_cache(&cfg, &store, &cache);
+    let ex = Exclusions::default();
+    for k in 0..4u64 {
+        let pick = Pick {
+            model: Some("m1"),
+            session: Some(100 + k),
+            attempt: 1,
+            exclusions: &ex,
+            nonce: k,
+            body_bytes: 1_000,
+            pin_hint: None,
+            holder: None,
+            prefix: None,
+            follow_up: false,
+            max_output_tokens: 0,
+        };
+        let d = s.pick(&pick, START + k);
+        if let Ok(d) = d {
+            let _ = s.finish(d.ticket, &Outcome::Success, 10, pick.session, START + k);
+        }
+    }
+    let hits = cache.borrow().quiet.hits;
+    eprintln!("hits {hits} computed {}", cache.borrow().peers.computed);
+    assert!(hits > 16, "{hits}");
+}
