@@ -153,8 +153,11 @@ pub struct Keyed {
     /// The first candidate of the whole order (its position in `bounds` and its exact key),
     /// once computed: the home of a fleet without degraded endpoints and the first step of
     /// the walk are the same search, done once.
-    top: std::cell::Cell<Option<Option<(usize, (f64, u32, usize))>>>,
+    top: std::cell::Cell<Option<Top>>,
 }
+
+/// The first candidate of an order, if any: its position in `bounds` and `(key, id, index)`.
+type Top = Option<(usize, (f64, u32, usize))>;
 
 /// One candidate: `(bound of its key, endpoint id, index, weight)`.
 type Bounded = (f64, u32, usize, f64);
@@ -190,7 +193,7 @@ impl Keyed {
 
     /// The first candidate of [`Keyed::order`] (position in `bounds`, exact key), computed
     /// once per decision.
-    fn top(&self) -> Option<(usize, (f64, u32, usize))> {
+    fn top(&self) -> Top {
         if let Some(top) = self.top.get() {
             return top;
         }
@@ -282,7 +285,7 @@ impl Ord for Ranked {
 /// The first of `cands` in rendezvous order for `session_key`: `(position, (key, id,
 /// index))`. The greatest bound first, then every candidate whose bound reaches the best exact
 /// key so far (the largest key; among equal keys the smallest id), as [`Keyed::first`].
-fn best_of(session_key: u64, cands: &[Bounded]) -> Option<(usize, (f64, u32, usize))> {
+fn best_of(session_key: u64, cands: &[Bounded]) -> Top {
     let top = cands
         .iter()
         .enumerate()

@@ -24,8 +24,8 @@ use crate::scheduler::config::{Config, EndpointConfig};
 use crate::scheduler::routing::saturation::{self, EngineLoad, Saturation, SaturationRule};
 use crate::scheduler::routing::scrape::{self, LoadState};
 use crate::scheduler::routing::slowness::{self, DegradeRule, Sample, Slowness, WorkModel};
-use crate::scheduler::routing::table::MedianMemo;
 use crate::scheduler::routing::table::{EndpointState, Table};
+use crate::scheduler::routing::table::{MedianMemo, Quiet, QuietHit, QuietMemo};
 use crate::scheduler::state::store::{update, Store};
 use crate::scheduler::wire::usage::Usage;
 
@@ -249,50 +249,7 @@ impl MedianMemo {
     }
 }
 
-/// One worker's memo of its quiet endpoints' verdicts and session placement weights.
-///
-/// Why: a pick judges every candidate (its verdict, for the walk and for the hysteresis its
-/// write stores) and weighs it (the rendezvous weights): about 350 instructions per endpoint
-/// and request under wasm, while most endpoints of a large fleet are quiet between two
-/// requests of a worker. An endpoint is quiet ([`quiet`]) when neither value can change with
-/// the clock: no fresh scraped load (its saturation is `Unknown`, its slowness judges it),
-/// no watched attempt that could become overdue, and a success level that does not fade
-/// (cold, or never failing). Its verdict and weight are then functions of its entry, its
-/// peers' median and the configuration alone, and are kept here by the entry's write stamp
-/// (see [`crate::scheduler::routing::table::TableCache`], which holds this memo: one per
-/// configuration) and the median's bits. Anything not quiet, or not kept, is computed as
-/// before; the memo never returns what computing would not.
-#[derive(Debug, Default, Clone)]
-pub struct QuietMemo {
-    /// By endpoint index (compact: a hit reads one entry and writes at most two flags).
-    pub(crate) at: Vec<Quiet>,
-    /// Values taken from the memo instead of computed, for tests and diagnostics.
-    pub hits: u64,
-}
-
-/// What [`QuietMemo`] keeps of one endpoint. A quiet endpoint's verdict is its sticky flag
-/// alone: not overdue (so `degraded` equals it), saturation `Unknown`, no load.
-#[derive(Debug, Clone, Copy, PartialEq, Default)]
-pub(crate) struct Quiet {
-    /// Holds a value (false: nothing kept).
-    valid: bool,
-    /// The entry's write stamp and id, as the table cache decoded it.
-    stamp: u64,
-    id: u32,
-    /// The peers' median it was judged against (its bits; `has_reference` false: none).
-    has_reference: bool,
-    reference: u64,
-    sticky: bool,
-    /// Its verdict differs from the one stored in its entry (see `Board::flips`).
-    flip: bool,
-    /// Its session placement weight (`placement::weigh`).
-    weight: f64,
-}
-
-/// A [`QuietMemo`] hit: the endpoint's id, session weight, sticky flag and whether its
-/// verdict flipped.
-pub(crate) type QuietHit = (u32, f64, bool, bool);
-
+// `QuietMemo` is defined in `table` (the per-worker `TableCache` holds one), as `MedianMemo`.
 impl QuietMemo {
     /// The kept values of endpoint `i` whose entry has `key` (`(stamp, id)`), judged against
     /// `reference`, without a scraped load (`None`: compute them).

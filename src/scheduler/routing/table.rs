@@ -33,7 +33,6 @@ use crate::scheduler::routing::overdue::Watch;
 use crate::scheduler::routing::payoff::Payoff;
 use crate::scheduler::routing::quota::Quota;
 use crate::scheduler::routing::saturation::Saturation;
-use crate::scheduler::routing::signals::QuietMemo;
 use crate::scheduler::routing::slowness::Slowness;
 use crate::scheduler::state::codec::{Reader, Writer};
 use crate::scheduler::state::store::{update_if, Store};
@@ -747,8 +746,7 @@ pub struct TableCache {
     pub peers: MedianMemo,
     /// Which endpoints serve the model of the last decision (see [`ServesMemo`]).
     pub serves: ServesMemo,
-    /// The quiet endpoints' verdicts and weights, by write stamp (see
-    /// [`crate::scheduler::routing::signals::QuietMemo`]).
+    /// The quiet endpoints' verdicts and weights, by write stamp (see [`QuietMemo`]).
     pub quiet: QuietMemo,
     /// Positions of the entries decoded since [`TableCache::lent_changes`] last handed them
     /// out (`None`: more than the table holds, or unknown: anything may have changed).
@@ -808,10 +806,7 @@ impl TableCache {
     /// While a table with `entries` entries is lent ([`TableCache::lend`]): the `(stamp, id)`
     /// of each of its entries, by position, and the quiet memo, which is keyed by them. `None`
     /// when no table is lent (the stamps may then describe other bytes than the caller's).
-    pub fn lent_stamps(
-        &mut self,
-        entries: usize,
-    ) -> Option<(&[Option<(u64, u32)>], &mut QuietMemo)> {
+    pub fn lent_stamps(&mut self, entries: usize) -> Option<LentStamps<'_>> {
         (self.lent && self.stamps.len() == entries)
             .then_some((self.stamps.as_slice(), &mut self.quiet))
     }
@@ -926,6 +921,54 @@ pub struct MedianMemo {
     /// (`MedianMemo::medians_since`): the next list says all that may differ.
     pub(crate) synced: bool,
 }
+
+/// What [`TableCache::lent_stamps`] lends: the `(stamp, id)` of each entry of the lent table,
+/// by position, and the quiet memo keyed by them.
+pub type LentStamps<'a> = (&'a [Option<(u64, u32)>], &'a mut QuietMemo);
+
+/// One worker's memo of its quiet endpoints' verdicts and session placement weights.
+///
+/// Why: a pick judges every candidate (its verdict, for the walk and for the hysteresis its
+/// write stores) and weighs it (the rendezvous weights): about 350 instructions per endpoint
+/// and request under wasm, while most endpoints of a large fleet are quiet between two
+/// requests of a worker. An endpoint is quiet (`signals::quiet`) when neither value can change
+/// with the clock: no fresh scraped load (its saturation is `Unknown`, its slowness judges
+/// it), no watched attempt that could become overdue, and a success level that does not fade
+/// (cold, or never failing). Its verdict and weight are then functions of its entry, its
+/// peers' median and the configuration alone, and are kept here by the entry's write stamp
+/// (see [`TableCache`], which holds this memo: one per configuration) and the median's bits.
+/// Anything not quiet, or not kept, is computed as before; the memo never returns what
+/// computing would not (`select`'s `memo_tests` hold it to that).
+#[derive(Debug, Default, Clone)]
+pub struct QuietMemo {
+    /// By endpoint index (compact: a hit reads one entry and writes at most two flags).
+    pub(crate) at: Vec<Quiet>,
+    /// Values taken from the memo instead of computed, for tests and diagnostics.
+    pub hits: u64,
+}
+
+/// What [`QuietMemo`] keeps of one endpoint. A quiet endpoint's verdict is its sticky flag
+/// alone: not overdue (so `degraded` equals it), saturation `Unknown`, no load.
+#[derive(Debug, Clone, Copy, PartialEq, Default)]
+pub(crate) struct Quiet {
+    /// Holds a value (false: nothing kept).
+    pub(crate) valid: bool,
+    /// The entry's write stamp and id, as the table cache decoded it.
+    pub(crate) stamp: u64,
+    pub(crate) id: u32,
+    /// The peers' median it was judged against (its bits; `has_reference` false: none).
+    pub(crate) has_reference: bool,
+    pub(crate) reference: u64,
+    pub(crate) sticky: bool,
+    /// Its verdict differs from the one stored in its entry (`select`'s `Board::flips`).
+    pub(crate) flip: bool,
+    /// Its session placement weight (`placement::weigh`).
+    pub(crate) weight: f64,
+}
+
+/// A [`QuietMemo`] hit: the endpoint's id, session weight, sticky flag and whether its
+/// verdict flipped.
+pub(crate) type QuietHit = (u32, f64, bool, bool);
 
 #[cfg(test)]
 mod tests {

@@ -215,7 +215,6 @@ impl<'a> Scheduler<'a> {
             };
             weights.push((i, ep.id, w));
         }
-        drop(memo);
         drop(cache);
 
         // Quota: short endpoints are skipped for placements, a certain 429 even by a pin.

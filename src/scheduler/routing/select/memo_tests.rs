@@ -18,16 +18,17 @@ fn config(seed: u64, n: usize) -> Config {
     let r = |k: u64| fmix64(seed ^ fmix64(k));
     let eps: Vec<_> = (0..n)
         .map(|i| {
-            let mut e = json!({"name": format!("e{i}"), "cluster": format!("c{i}")});
-            if r(i as u64) % 3 == 0 {
-                e["models"] = json!(["m1", "m2"]);
+            let models = if r(i as u64) % 3 == 0 {
+                json!(["m1", "m2"])
             } else {
-                e["models"] = json!(["m1"]);
-            }
-            if i == 1 && r(77) % 4 == 0 {
-                e["disabled"] = json!(true);
-            }
-            e
+                json!(["m1"])
+            };
+            json!({
+                "name": format!("e{i}"),
+                "cluster": format!("c{i}"),
+                "models": models,
+                "disabled": i == 1 && r(77) % 4 == 0,
+            })
         })
         .collect();
     Config::from_value(&json!({
@@ -48,21 +49,25 @@ fn seeded(store: &MemStore, cfg: &Config, seed: u64) {
     let mut t = Table::load(None, cfg).0;
     for (i, (_, st)) in t.entries.iter_mut().enumerate() {
         let x = fmix64(seed ^ fmix64(1_000 + i as u64));
-        if x % 3 == 0 {
+        if x.is_multiple_of(3) {
             st.total = 50;
             st.last_sample_ms = START - (x >> 4) % 5_000;
-            st.success_rate = if (x >> 8) % 2 == 0 { 0.4 } else { 1.0 };
+            st.success_rate = if (x >> 8).is_multiple_of(2) { 0.4 } else { 1.0 };
         }
-        if (x >> 12) % 5 == 0 {
+        if (x >> 12).is_multiple_of(5) {
             st.breaker.state = BreakerState::Open;
             st.breaker.open_until_ms = START + (x >> 16) % 6_000;
         }
-        if (x >> 20) % 2 == 0 {
+        if (x >> 20).is_multiple_of(2) {
             st.slowness.samples = 40;
             st.slowness.expected_ms = 2_000.0;
-            st.slowness.log_mean = if (x >> 24) % 3 == 0 { 1.8 } else { 0.0 };
+            st.slowness.log_mean = if (x >> 24).is_multiple_of(3) {
+                1.8
+            } else {
+                0.0
+            };
         }
-        if (x >> 28) % 4 == 0 {
+        if (x >> 28).is_multiple_of(4) {
             st.start_attempt(START - 1_000, cfg.in_flight_max_age_ms);
             st.watch.insert(7 + i as u32, START - 10_000);
         }
@@ -111,7 +116,7 @@ proptest! {
                 0 => None,
                 s => Some(s),
             };
-            let model = if (x >> 8) % 4 == 0 { Some("m2") } else { Some("m1") };
+            let model = if (x >> 8).is_multiple_of(4) { Some("m2") } else { Some("m1") };
             let mut ex = Exclusions::default();
             for attempt in 1..=2u32 {
                 let pick = Pick {
@@ -124,14 +129,14 @@ proptest! {
                     pin_hint: None,
                     holder: None,
                     prefix: None,
-                    follow_up: (x >> 12) % 7 == 0,
+                    follow_up: (x >> 12).is_multiple_of(7),
                     max_output_tokens: 0,
                 };
                 let (da, db) = (a.pick(&pick, now), b.pick(&pick, now));
                 prop_assert_eq!(&da, &db, "step {} attempt {}", step, attempt);
                 let (Ok(da), Ok(db)) = (da, db) else { break };
                 let o = outcome(x >> (16 + attempt));
-                if (x >> 24) % 3 == 0 {
+                if (x >> 24).is_multiple_of(3) {
                     pending.push((da.ticket, db.ticket, now, session));
                     break;
                 }
@@ -145,7 +150,7 @@ proptest! {
                 }
                 ex.after_attempt(da.endpoint, &o);
             }
-            if (x >> 30) % 2 == 0 && !pending.is_empty() {
+            if (x >> 30).is_multiple_of(2) && !pending.is_empty() {
                 let (ta, tb, started, s) = pending.remove(0);
                 let o = outcome(x >> 40);
                 let lat = now.saturating_sub(started);
