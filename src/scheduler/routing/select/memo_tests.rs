@@ -196,3 +196,79 @@ fn quiet_memo_is_used_between_picks() {
     eprintln!("hits {hits} computed {}", cache.borrow().peers.computed);
     assert!(hits > 16, "{hits}");
 }
+
+/// The exclusions as `candidates` applied them before it took them out of one pass: a look-up
+/// in every list per endpoint.
+fn candidates_one_by_one(
+    cfg: &Config,
+    model: Option<&str>,
+    ex: &Exclusions,
+) -> Result<(Vec<usize>, Dropped), NoEndpoint> {
+    let mut dropped = Dropped::default();
+    let mut out = Vec::new();
+    let mut serves_model = false;
+    for (i, ep) in cfg.endpoints.iter().enumerate() {
+        let serves = serves_opt(ep, model);
+        if ep.disabled {
+            dropped.disabled += 1;
+        } else if ex.dead.contains(&i) {
+            dropped.dead += 1;
+            serves_model |= serves;
+        } else if ex.used.contains(&i) {
+            dropped.used += 1;
+            serves_model |= serves;
+        } else if ex.tried.contains(&i) {
+            dropped.tried += 1;
+            serves_model |= serves;
+        } else if !serves {
+            dropped.model += 1;
+        } else {
+            serves_model = true;
+            out.push(i);
+        }
+    }
+    if out.is_empty() {
+        return Err(if serves_model {
+            NoEndpoint::Exhausted
+        } else {
+            NoEndpoint::ModelNotFound
+        });
+    }
+    Ok((out, dropped))
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig::with_cases(300))]
+    #[test]
+    fn candidates_equal_the_one_by_one_exclusions(
+        seed in any::<u64>(),
+        n in 1usize..10,
+        dead in proptest::collection::vec(0usize..12, 0..3),
+        used in proptest::collection::vec(0usize..12, 0..3),
+        tried in proptest::collection::vec(0usize..12, 0..4),
+        m2 in any::<bool>(),
+    ) {
+        let cfg = config(seed, n);
+        let store = MemStore::new();
+        let cache = RefCell::new(TableCache::default());
+        let ex = Exclusions { dead, used, tried, retry_free: false };
+        let model = Some(if m2 { "m2" } else { "m1" });
+        let pick = Pick {
+            model,
+            session: None,
+            attempt: 2,
+            exclusions: &ex,
+            nonce: 0,
+            body_bytes: 0,
+            pin_hint: None,
+            holder: None,
+            prefix: None,
+            follow_up: false,
+            max_output_tokens: 0,
+        };
+        let expected = candidates_one_by_one(&cfg, model, &ex);
+        prop_assert_eq!(Scheduler::new(&cfg, &store).candidates(&pick), expected.clone());
+        let s = Scheduler::with_cache(&cfg, &store, &cache);
+        prop_assert_eq!(s.candidates(&pick), expected);
+    }
+}
