@@ -523,33 +523,36 @@ impl<'a> Scheduler<'a> {
             }
         }
         let ex = pick.exclusions;
-        let mut excluded: Vec<usize> = ex
-            .dead
-            .iter()
-            .chain(&ex.used)
-            .chain(&ex.tried)
-            .copied()
-            .collect();
-        excluded.sort_unstable();
-        excluded.dedup();
-        for i in excluded {
-            if self.cfg.endpoints.get(i).is_none_or(|ep| ep.disabled) {
-                continue;
-            }
-            // Counted by the first list that names it, in the order exclusions apply.
-            if ex.dead.contains(&i) {
-                dropped.dead += 1;
-            } else if ex.used.contains(&i) {
-                dropped.used += 1;
-            } else {
-                dropped.tried += 1;
-            }
-            match out.binary_search(&i) {
-                Ok(at) => {
-                    out.remove(at);
+        // A first attempt excludes nothing.
+        if !(ex.dead.is_empty() && ex.used.is_empty() && ex.tried.is_empty()) {
+            let mut excluded: Vec<usize> = ex
+                .dead
+                .iter()
+                .chain(&ex.used)
+                .chain(&ex.tried)
+                .copied()
+                .collect();
+            excluded.sort_unstable();
+            excluded.dedup();
+            for i in excluded {
+                if self.cfg.endpoints.get(i).is_none_or(|ep| ep.disabled) {
+                    continue;
                 }
-                // Not serving the model: counted as excluded, not as a model mismatch.
-                Err(_) => dropped.model = dropped.model.saturating_sub(1),
+                // Counted by the first list that names it, in the order exclusions apply.
+                if ex.dead.contains(&i) {
+                    dropped.dead += 1;
+                } else if ex.used.contains(&i) {
+                    dropped.used += 1;
+                } else {
+                    dropped.tried += 1;
+                }
+                match out.binary_search(&i) {
+                    Ok(at) => {
+                        out.remove(at);
+                    }
+                    // Not serving the model: counted as excluded, not as a model mismatch.
+                    Err(_) => dropped.model = dropped.model.saturating_sub(1),
+                }
             }
         }
         if out.is_empty() {
