@@ -877,11 +877,9 @@ impl TableCache {
             .zip(chunks)
             .enumerate()
         {
-            // Id, then stamp: the first 12 bytes of the entry (read as one array: two
-            // checked reads per entry of the fleet cost about twice as much).
-            let [a, b, c, d, e, f, g, h, j, k, l, m] = *chunk.first_chunk::<12>()?;
-            let id = u32::from_le_bytes([a, b, c, d]);
-            let stamp = u64::from_le_bytes([e, f, g, h, j, k, l, m]);
+            // Id, then stamp: the first 12 bytes of the entry.
+            let id = u32_at(chunk, 0)?;
+            let stamp = u64_at(chunk, 4)?;
             if *slot == Some((stamp, id)) {
                 continue;
             }
