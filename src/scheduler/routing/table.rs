@@ -744,7 +744,7 @@ pub struct TableCache {
     pub decoded: u64,
     /// The peers' median slowness of the last decision, and what it was computed from.
     pub peers: MedianMemo,
-    /// Which endpoints serve the model of the last decision (see [`ServesMemo`]).
+    /// Which endpoints serve the models of the last few decisions (see [`ServesMemo`]).
     pub serves: ServesMemo,
     /// The quiet endpoints' verdicts and weights, by write stamp (see [`QuietMemo`]).
     pub quiet: QuietMemo,
@@ -753,31 +753,49 @@ pub struct TableCache {
     changed: Option<Vec<usize>>,
 }
 
-/// Which configured endpoints list a model (or serve every model), for the last model asked.
+/// Which configured endpoints list a model (or serve every model), for the last few models
+/// asked.
 ///
 /// Why: every decision filters the fleet by the request's model, comparing the model name
 /// with every endpoint's list (about 300 instructions per endpoint under wasm, twice per
-/// decision), while the answer depends only on the configuration and the name. Belongs to
-/// one configuration, as the cache it lives in.
+/// decision), while the answer depends only on the configuration and the name. A fleet that
+/// serves several models sees them interleaved, so the last [`ServesMemo::MODELS`] names are
+/// kept (a name not among them replaces the oldest). Belongs to one configuration, as the
+/// cache it lives in.
 #[derive(Debug, Default, Clone)]
 pub struct ServesMemo {
-    /// The model (`None`: a request without one) and, by endpoint index, whether it is served.
-    last: Option<(Option<String>, Vec<bool>)>,
+    /// The models (`None`: a request without one), oldest first, each with whether each
+    /// endpoint serves it, by endpoint index.
+    kept: Vec<(Option<String>, Vec<bool>)>,
 }
 
 impl ServesMemo {
+    /// Models kept.
+    pub const MODELS: usize = 8;
+
     /// By endpoint index: whether `cfg`'s endpoint serves `model` (disabled or not).
     pub fn serves(&mut self, cfg: &Config, model: Option<&str>) -> &[bool] {
-        let hit = matches!(&self.last, Some((m, v)) if m.as_deref() == model && v.len() == cfg.endpoints.len());
-        if !hit {
-            let v = cfg
-                .endpoints
-                .iter()
-                .map(|e| model.is_none_or(|m| e.serves(m)))
-                .collect();
-            self.last = Some((model.map(str::to_string), v));
-        }
-        self.last.as_ref().map_or(&[], |(_, v)| v.as_slice())
+        let n = cfg.endpoints.len();
+        let at = self
+            .kept
+            .iter()
+            .position(|(m, v)| m.as_deref() == model && v.len() == n);
+        let at = match at {
+            Some(at) => at,
+            None => {
+                let v = cfg
+                    .endpoints
+                    .iter()
+                    .map(|e| model.is_none_or(|m| e.serves(m)))
+                    .collect();
+                if self.kept.len() >= Self::MODELS {
+                    self.kept.remove(0);
+                }
+                self.kept.push((model.map(str::to_string), v));
+                self.kept.len().saturating_sub(1)
+            }
+        };
+        self.kept.get(at).map_or(&[], |(_, v)| v.as_slice())
     }
 }
 
@@ -1189,6 +1207,13 @@ mod tests {
         assert_eq!(memo.serves(&cfg, Some("m2")), &[false, true, true]);
         assert_eq!(memo.serves(&cfg, Some("x")), &[false, false, true]);
         assert_eq!(memo.serves(&cfg, None), &[true, true, true]);
+        // Interleaved models are answered from the memo, and past its size it still answers.
+        for k in 0..3 * ServesMemo::MODELS {
+            let m = format!("m{}", k % (ServesMemo::MODELS + 2));
+            let want = [m == "m1", m == "m1" || m == "m2", true];
+            assert_eq!(memo.serves(&cfg, Some(&m)), &want, "{m}");
+        }
+        assert!(memo.kept.len() <= ServesMemo::MODELS);
     }
 
     #[test]
