@@ -451,8 +451,11 @@ impl<'a> Scheduler<'a> {
             Some(mut cache) => {
                 // Through the lent table's list of re-decoded entries: only theirs compared.
                 let (memo, changed) = cache.lent_changes(table.entries.len());
-                memo.medians_since(table, self.cfg, min_samples, changed.as_deref())
-                    .to_vec()
+                let medians = memo
+                    .medians_since(table, self.cfg, min_samples, changed)
+                    .to_vec();
+                cache.forget_changes(table.entries.len());
+                medians
             }
             None => signals::peer_medians(table, self.cfg, min_samples),
         }

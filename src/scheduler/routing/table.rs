@@ -748,9 +748,11 @@ pub struct TableCache {
     pub serves: ServesMemo,
     /// The quiet endpoints' verdicts and weights, by write stamp (see [`QuietMemo`]).
     pub quiet: QuietMemo,
-    /// Positions of the entries decoded since [`TableCache::lent_changes`] last handed them
-    /// out (`None`: more than the table holds, or unknown: anything may have changed).
-    changed: Option<Vec<usize>>,
+    /// Positions of the entries decoded since [`TableCache::forget_changes`] (meaningful
+    /// while `changed_known`; else more than the table holds, or unknown: anything may have
+    /// changed).
+    changed: Vec<usize>,
+    changed_known: bool,
 }
 
 /// Which configured endpoints list a model (or serve every model), for the last few models
@@ -832,22 +834,17 @@ impl TableCache {
     /// While a table is lent: the peers' median memo and the positions of the entries decoded
     /// since the last call (`None`: unknown, compare everything), which this call forgets.
     /// Without a lent table: the memo and `None` (the caller's table may be other bytes).
-    pub fn lent_changes(&mut self, entries: usize) -> (&mut MedianMemo, Option<Vec<usize>>) {
-        if !(self.lent && self.stamps.len() == entries) {
-            return (&mut self.peers, None);
-        }
-        let changed = self.changed.replace(Vec::new());
-        (&mut self.peers, changed)
+    pub fn lent_changes(&mut self, entries: usize) -> (&mut MedianMemo, Option<&[usize]>) {
+        let known = self.lent && self.stamps.len() == entries && self.changed_known;
+        (&mut self.peers, known.then_some(self.changed.as_slice()))
     }
 
-    /// Notes that entry `i` was decoded anew.
-    fn note_changed(&mut self, i: usize, entries: usize) {
-        if let Some(changed) = self.changed.as_mut() {
-            if changed.len() < entries {
-                changed.push(i);
-            } else {
-                self.changed = None;
-            }
+    /// After [`TableCache::lent_changes`] was read, while the table is lent: the list starts
+    /// again, empty and known.
+    pub fn forget_changes(&mut self, entries: usize) {
+        if self.lent && self.stamps.len() == entries {
+            self.changed.clear();
+            self.changed_known = true;
         }
     }
 
@@ -887,7 +884,7 @@ impl TableCache {
         self.table.budget = budget;
         self.table.generation = cfg.layout_generation;
         let chunks = bytes.get(HEADER_BYTES..)?.chunks_exact(ENTRY_BYTES);
-        let mut changed = Vec::new();
+        let (changed, known) = (&mut self.changed, &mut self.changed_known);
         for (i, ((slot, entry), chunk)) in self
             .stamps
             .iter_mut()
@@ -906,10 +903,12 @@ impl TableCache {
             *entry = Table::entry_at(bytes, i)?;
             self.decoded = self.decoded.saturating_add(1);
             *slot = Some((stamp, id));
-            changed.push(i);
-        }
-        for i in changed {
-            self.note_changed(i, n);
+            // Noted for the medians memo (past the table's size: unknown).
+            if *known && changed.len() < n {
+                changed.push(i);
+            } else {
+                *known = false;
+            }
         }
         Some(())
     }
