@@ -96,6 +96,11 @@ impl Breaker {
 
     /// Read-only admission check, used while ranking candidates.
     pub fn peek(&self, now_ms: u64, cfg: &BreakerConfig) -> Admission {
+        // What `admit` answers a closed breaker, without copying it (a pick peeks at every
+        // candidate's breaker).
+        if self.state == BreakerState::Closed {
+            return Admission::Normal;
+        }
         let mut copy = *self;
         copy.admit(now_ms, cfg)
     }

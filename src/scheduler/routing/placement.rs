@@ -150,7 +150,14 @@ pub fn first(
 pub struct Keyed {
     session_key: u64,
     bounds: Vec<Bounded>,
+    /// The first candidate of the whole order (its position in `bounds` and its exact key),
+    /// once computed: the home of a fleet without degraded endpoints and the first step of
+    /// the walk are the same search, done once.
+    top: std::cell::Cell<Option<Top>>,
 }
+
+/// The first candidate of an order, if any: its position in `bounds` and `(key, id, index)`.
+type Top = Option<(usize, (f64, u32, usize))>;
 
 /// One candidate: `(bound of its key, endpoint id, index, weight)`.
 type Bounded = (f64, u32, usize, f64);
@@ -180,12 +187,30 @@ impl Keyed {
                 .iter()
                 .map(|&(i, id, w)| (key_bound(session_key, id, w), id, i, w))
                 .collect(),
+            top: std::cell::Cell::new(None),
         }
     }
 
     /// The key the candidates are ranked for (a session's, a prefix's or a request's).
     pub fn session_key(&self) -> u64 {
         self.session_key
+    }
+
+    /// The first candidate of [`Keyed::order`] (position in `bounds`, exact key), computed
+    /// once per decision.
+    fn top(&self) -> Top {
+        if let Some(top) = self.top.get() {
+            return top;
+        }
+        let top = best_of(self.session_key, &self.bounds);
+        self.top.set(Some(top));
+        top
+    }
+
+    /// [`Keyed::first`] accepting every candidate: the first of the order, shared with the
+    /// first step of [`Keyed::lazy`].
+    pub fn first_of_all(&self) -> Option<usize> {
+        self.top().map(|(_, (_, _, i))| i)
     }
 
     /// The exact key of a candidate, ranked.
@@ -204,10 +229,13 @@ impl Keyed {
     /// for the greatest each, the rest (if a walk goes that far) from a heap built once. A
     /// walk usually stops at its first or second candidate, so a decision no longer sorts the
     /// whole fleet.
-    pub fn lazy(&self) -> LazyOrder {
+    pub fn lazy(&self) -> LazyOrder<'_> {
         LazyOrder {
+            keyed: self,
+            started: false,
+            unbuilt: None,
             session_key: self.session_key,
-            rest: self.bounds.iter().map(|&c| (c, None)).collect(),
+            rest: Vec::new(),
             scans: LazyOrder::SCANS,
             heap: None,
         }
@@ -259,8 +287,41 @@ impl Ord for Ranked {
     }
 }
 
+/// The first of `cands` in rendezvous order for `session_key`: `(position, (key, id,
+/// index))`. The greatest bound first, then every candidate whose bound reaches the best exact
+/// key so far (the largest key; among equal keys the smallest id), as [`Keyed::first`].
+fn best_of(session_key: u64, cands: &[Bounded]) -> Top {
+    let top = cands
+        .iter()
+        .enumerate()
+        .fold(None, |top: Option<(usize, f64)>, (at, c)| match top {
+            Some(t) if t.1 >= c.0 => Some(t),
+            _ => Some((at, c.0)),
+        })?
+        .0;
+    let exact = |&(_, id, i, w): &Bounded| (hrw_key(session_key, id, w), id, i);
+    let mut best_at = top;
+    let mut best = exact(cands.get(top)?);
+    for (at, c) in cands.iter().enumerate() {
+        if at != best_at && c.0 >= best.0 {
+            let k = exact(c);
+            if rank(&k, &best).is_gt() {
+                best = k;
+                best_at = at;
+            }
+        }
+    }
+    Some((best_at, best))
+}
+
 /// The rendezvous order of one decision, one candidate at a time ([`Keyed::lazy`]).
-pub struct LazyOrder {
+pub struct LazyOrder<'k> {
+    keyed: &'k Keyed,
+    /// The first candidate was given ([`Keyed::top`], shared with the home).
+    started: bool,
+    /// The position of the first candidate while `rest` is still to be built from the others
+    /// (when a second is asked for: most walks stop at their first candidate).
+    unbuilt: Option<usize>,
     session_key: u64,
     /// Candidates not yet taken (until the heap is built), each with its exact key once
     /// computed.
@@ -270,7 +331,7 @@ pub struct LazyOrder {
     heap: Option<std::collections::BinaryHeap<Ranked>>,
 }
 
-impl LazyOrder {
+impl LazyOrder<'_> {
     /// A scan costs one comparison per candidate left, a heap about two to build and a
     /// logarithm per pop: past a few candidates the heap is cheaper.
     const SCANS: u32 = 2;
@@ -284,9 +345,28 @@ impl LazyOrder {
     }
 }
 
-impl Iterator for LazyOrder {
+impl Iterator for LazyOrder<'_> {
     type Item = usize;
     fn next(&mut self) -> Option<usize> {
+        if !self.started {
+            // The first scan is the home's search: taken from the keyed candidates. The rest
+            // is copied out only if the walk goes on (most stop at their first candidate).
+            self.started = true;
+            self.scans = self.scans.saturating_sub(1);
+            let (at, (_, _, i)) = self.keyed.top()?;
+            self.unbuilt = Some(at);
+            return Some(i);
+        }
+        if let Some(at) = self.unbuilt.take() {
+            self.rest = self
+                .keyed
+                .bounds
+                .iter()
+                .enumerate()
+                .filter(|(j, _)| *j != at)
+                .map(|(_, &c)| (c, None))
+                .collect();
+        }
         if let Some(heap) = self.heap.as_mut() {
             return heap.pop().map(|Ranked((_, _, i))| i);
         }

@@ -448,7 +448,15 @@ impl<'a> Scheduler<'a> {
     fn peer_references(&self, table: &Table) -> Vec<Option<f64>> {
         let min_samples = DegradeRule::from_config(self.cfg).min_samples;
         match self.cache.and_then(|c| c.try_borrow_mut().ok()) {
-            Some(mut cache) => cache.peers.medians(table, self.cfg, min_samples).to_vec(),
+            Some(mut cache) => {
+                // Through the lent table's list of re-decoded entries: only theirs compared.
+                let (memo, changed) = cache.lent_changes(table.entries.len());
+                let medians = memo
+                    .medians_since(table, self.cfg, min_samples, changed)
+                    .to_vec();
+                cache.forget_changes(table.entries.len());
+                medians
+            }
             None => signals::peer_medians(table, self.cfg, min_samples),
         }
     }
@@ -505,34 +513,49 @@ impl<'a> Scheduler<'a> {
         let mut serves_model = false;
         let mask = self.serving(pick.model);
         let serves_at = |i: usize| mask.get(i).copied().unwrap_or(false);
-        // A first attempt excludes nothing: no per-endpoint look-up in empty lists.
-        let ex = pick.exclusions;
-        let none_excluded = ex.dead.is_empty() && ex.used.is_empty() && ex.tried.is_empty();
+        // One pass as if nothing were excluded, then the request's few exclusions taken out
+        // (a look-up in the exclusion lists per endpoint cost about 300 instructions each).
         for (i, ep) in self.cfg.endpoints.iter().enumerate() {
-            let serves = |_: &crate::scheduler::config::EndpointConfig| serves_at(i);
             if ep.disabled {
                 dropped.disabled += 1;
-            } else if none_excluded {
-                if serves(ep) {
-                    serves_model = true;
-                    out.push(i);
-                } else {
-                    dropped.model += 1;
-                }
-            } else if ex.dead.contains(&i) {
-                dropped.dead += 1;
-                serves_model |= serves(ep);
-            } else if ex.used.contains(&i) {
-                dropped.used += 1;
-                serves_model |= serves(ep);
-            } else if ex.tried.contains(&i) {
-                dropped.tried += 1;
-                serves_model |= serves(ep);
-            } else if !serves(ep) {
-                dropped.model += 1;
-            } else {
+            } else if serves_at(i) {
                 serves_model = true;
                 out.push(i);
+            } else {
+                dropped.model += 1;
+            }
+        }
+        let ex = pick.exclusions;
+        // A first attempt excludes nothing.
+        if !(ex.dead.is_empty() && ex.used.is_empty() && ex.tried.is_empty()) {
+            let mut excluded: Vec<usize> = ex
+                .dead
+                .iter()
+                .chain(&ex.used)
+                .chain(&ex.tried)
+                .copied()
+                .collect();
+            excluded.sort_unstable();
+            excluded.dedup();
+            for i in excluded {
+                if self.cfg.endpoints.get(i).is_none_or(|ep| ep.disabled) {
+                    continue;
+                }
+                // Counted by the first list that names it, in the order exclusions apply.
+                if ex.dead.contains(&i) {
+                    dropped.dead += 1;
+                } else if ex.used.contains(&i) {
+                    dropped.used += 1;
+                } else {
+                    dropped.tried += 1;
+                }
+                match out.binary_search(&i) {
+                    Ok(at) => {
+                        out.remove(at);
+                    }
+                    // Not serving the model: counted as excluded, not as a model mismatch.
+                    Err(_) => dropped.model = dropped.model.saturating_sub(1),
+                }
             }
         }
         if out.is_empty() {
@@ -860,6 +883,8 @@ pub const TYPICAL_COMPLETION_TOKENS: u64 = 128;
 
 use finish::store_verdict;
 
+#[cfg(all(test, not(target_arch = "wasm32")))]
+mod memo_tests;
 #[cfg(test)]
 mod prefix_tests;
 #[cfg(test)]

@@ -24,8 +24,8 @@ use crate::scheduler::config::{Config, EndpointConfig};
 use crate::scheduler::routing::saturation::{self, EngineLoad, Saturation, SaturationRule};
 use crate::scheduler::routing::scrape::{self, LoadState};
 use crate::scheduler::routing::slowness::{self, DegradeRule, Sample, Slowness, WorkModel};
-use crate::scheduler::routing::table::MedianMemo;
 use crate::scheduler::routing::table::{EndpointState, Table};
+use crate::scheduler::routing::table::{MedianMemo, Quiet, QuietHit, QuietMemo};
 use crate::scheduler::state::store::{update, Store};
 use crate::scheduler::wire::usage::Usage;
 
@@ -190,20 +190,42 @@ pub(crate) fn median_input(s: &Slowness, min_samples: u32) -> Option<u64> {
 impl MedianMemo {
     /// [`peer_medians`] of `table`, recomputed only when its inputs changed.
     pub fn medians(&mut self, table: &Table, cfg: &Config, min_samples: u32) -> &[Option<f64>] {
+        self.medians_since(table, cfg, min_samples, None)
+    }
+
+    /// [`MedianMemo::medians`], comparing only the inputs of the entries in `changed` when
+    /// given: the entries of `table` that may differ from the table the memo last saw through
+    /// this call (the table cache's re-decoded entries; see `TableCache::lent_changes`). Every
+    /// other entry is then the same as last time. Without it (or right after a call without
+    /// it), every input is compared.
+    pub fn medians_since(
+        &mut self,
+        table: &Table,
+        cfg: &Config,
+        min_samples: u32,
+        changed: Option<&[usize]>,
+    ) -> &[Option<f64>] {
         let n = cfg.endpoints.len();
-        let same = self.min_samples == min_samples
-            && self.inputs.len() == n
-            && table.entries.len() == n
-            && self
-                .inputs
-                .iter()
-                .zip(&cfg.endpoints)
-                .zip(&table.entries)
-                .all(|(((id, disabled, input), ep), (_, st))| {
-                    *id == ep.id
-                        && *disabled == ep.disabled
-                        && *input == median_input(&st.slowness, min_samples)
-                });
+        let same_input = |i: usize| match (
+            self.inputs.get(i),
+            cfg.endpoints.get(i),
+            table.entries.get(i),
+        ) {
+            (Some((id, disabled, input)), Some(ep), Some((_, st))) => {
+                *id == ep.id
+                    && *disabled == ep.disabled
+                    && *input == median_input(&st.slowness, min_samples)
+            }
+            _ => false,
+        };
+        let shape =
+            self.min_samples == min_samples && self.inputs.len() == n && table.entries.len() == n;
+        let same = shape
+            && match changed.filter(|_| self.synced) {
+                Some(changed) => changed.iter().all(|&i| same_input(i)),
+                None => (0..n).all(same_input),
+            };
+        self.synced = changed.is_some();
         if !same {
             self.min_samples = min_samples;
             self.inputs = cfg
@@ -225,6 +247,72 @@ impl MedianMemo {
         }
         &self.medians
     }
+}
+
+// `QuietMemo` is defined in `table` (the per-worker `TableCache` holds one), as `MedianMemo`.
+impl QuietMemo {
+    /// The kept values of endpoint `i` whose entry has `key` (`(stamp, id)`), judged against
+    /// `reference`, without a scraped load (`None`: compute them).
+    pub(crate) fn get(
+        &mut self,
+        i: usize,
+        key: Option<&Option<(u64, u32)>>,
+        reference: Option<f64>,
+    ) -> Option<QuietHit> {
+        let q = self.at.get(i)?;
+        let &(stamp, id) = key?.as_ref()?;
+        let same_reference = match reference {
+            Some(r) => q.has_reference && q.reference == r.to_bits(),
+            None => !q.has_reference,
+        };
+        if !(q.valid && q.stamp == stamp && q.id == id && same_reference) {
+            return None;
+        }
+        let hit = (q.id, q.weight, q.sticky, q.flip);
+        self.hits = self.hits.saturating_add(1);
+        Some(hit)
+    }
+
+    /// Keeps endpoint `i`'s values (only call for a [`quiet`] endpoint, of `n`).
+    #[allow(clippy::too_many_arguments)]
+    pub(crate) fn keep(
+        &mut self,
+        n: usize,
+        i: usize,
+        (stamp, id): (u64, u32),
+        reference: Option<f64>,
+        verdict: &Verdict,
+        flip: bool,
+        weight: f64,
+    ) {
+        if self.at.len() != n {
+            self.at = vec![Quiet::default(); n];
+        }
+        if let Some(slot) = self.at.get_mut(i) {
+            *slot = Quiet {
+                valid: true,
+                stamp,
+                id,
+                has_reference: reference.is_some(),
+                reference: reference.map_or(0, f64::to_bits),
+                sticky: verdict.sticky,
+                flip,
+                weight,
+            };
+        }
+    }
+}
+
+/// Whether endpoint state `st` without a scraped load (`load`: none) is quiet: its verdict
+/// ([`judge_with`]) and session weight (`placement::weigh`) cannot change with the clock
+/// (see [`QuietMemo`]). The saturation of an endpoint without a load is `Unknown` whatever
+/// the time; the overdue watch counts watched attempts by age (none watched, or the watch
+/// off: never overdue); the success level fades toward 1 with idle time unless the endpoint
+/// is cold (no level) or its rate is 1 (nothing to fade).
+pub fn quiet(st: &EndpointState, load: Option<&EngineLoad>, cfg: &Config) -> bool {
+    load.is_none()
+        && (cfg.pin_break_overdue == 0 || st.watch.slots.iter().all(|s| s.token == 0))
+        && (st.total < cfg.cold_start_samples || st.success_rate == 1.0)
 }
 
 /// The median of `sorted` without its element at `skip` (if any), as [`slowness::peer_median`]

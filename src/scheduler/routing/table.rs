@@ -133,7 +133,10 @@ impl EndpointState {
     /// more (presumed leaked; see `in_flight`), and none if the count has not moved for
     /// [`IN_FLIGHT_STALE_MS`].
     pub fn load(&self, now_ms: u64, max_age_ms: u64) -> u32 {
-        if now_ms.saturating_sub(self.in_flight_changed_ms) > IN_FLIGHT_STALE_MS {
+        // Nothing in flight: nothing to expire (a pick asks every endpoint).
+        if self.in_flight == 0
+            || now_ms.saturating_sub(self.in_flight_changed_ms) > IN_FLIGHT_STALE_MS
+        {
             0
         } else {
             self.in_flight
@@ -741,35 +744,60 @@ pub struct TableCache {
     pub decoded: u64,
     /// The peers' median slowness of the last decision, and what it was computed from.
     pub peers: MedianMemo,
-    /// Which endpoints serve the model of the last decision (see [`ServesMemo`]).
+    /// Which endpoints serve the models of the last few decisions (see [`ServesMemo`]).
     pub serves: ServesMemo,
+    /// The quiet endpoints' verdicts and weights, by write stamp (see [`QuietMemo`]).
+    pub quiet: QuietMemo,
+    /// Positions of the entries decoded since [`TableCache::forget_changes`] (meaningful
+    /// while `changed_known`; else more than the table holds, or unknown: anything may have
+    /// changed).
+    changed: Vec<usize>,
+    changed_known: bool,
 }
 
-/// Which configured endpoints list a model (or serve every model), for the last model asked.
+/// Which configured endpoints list a model (or serve every model), for the last few models
+/// asked.
 ///
 /// Why: every decision filters the fleet by the request's model, comparing the model name
 /// with every endpoint's list (about 300 instructions per endpoint under wasm, twice per
-/// decision), while the answer depends only on the configuration and the name. Belongs to
-/// one configuration, as the cache it lives in.
+/// decision), while the answer depends only on the configuration and the name. A fleet that
+/// serves several models sees them interleaved, so the last [`ServesMemo::MODELS`] names are
+/// kept (a name not among them replaces the oldest). Belongs to one configuration, as the
+/// cache it lives in.
 #[derive(Debug, Default, Clone)]
 pub struct ServesMemo {
-    /// The model (`None`: a request without one) and, by endpoint index, whether it is served.
-    last: Option<(Option<String>, Vec<bool>)>,
+    /// The models (`None`: a request without one), oldest first, each with whether each
+    /// endpoint serves it, by endpoint index.
+    kept: Vec<(Option<String>, Vec<bool>)>,
 }
 
 impl ServesMemo {
+    /// Models kept.
+    pub const MODELS: usize = 8;
+
     /// By endpoint index: whether `cfg`'s endpoint serves `model` (disabled or not).
     pub fn serves(&mut self, cfg: &Config, model: Option<&str>) -> &[bool] {
-        let hit = matches!(&self.last, Some((m, v)) if m.as_deref() == model && v.len() == cfg.endpoints.len());
-        if !hit {
-            let v = cfg
-                .endpoints
-                .iter()
-                .map(|e| model.is_none_or(|m| e.serves(m)))
-                .collect();
-            self.last = Some((model.map(str::to_string), v));
-        }
-        self.last.as_ref().map_or(&[], |(_, v)| v.as_slice())
+        let n = cfg.endpoints.len();
+        let at = self
+            .kept
+            .iter()
+            .position(|(m, v)| m.as_deref() == model && v.len() == n);
+        let at = match at {
+            Some(at) => at,
+            None => {
+                let v = cfg
+                    .endpoints
+                    .iter()
+                    .map(|e| model.is_none_or(|m| e.serves(m)))
+                    .collect();
+                if self.kept.len() >= Self::MODELS {
+                    self.kept.remove(0);
+                }
+                self.kept.push((model.map(str::to_string), v));
+                self.kept.len().saturating_sub(1)
+            }
+        };
+        self.kept.get(at).map_or(&[], |(_, v)| v.as_slice())
     }
 }
 
@@ -792,6 +820,31 @@ impl TableCache {
                 (std::mem::take(&mut self.table), true)
             }
             None => self.reset(bytes, cfg),
+        }
+    }
+
+    /// While a table with `entries` entries is lent ([`TableCache::lend`]): the `(stamp, id)`
+    /// of each of its entries, by position, and the quiet memo, which is keyed by them. `None`
+    /// when no table is lent (the stamps may then describe other bytes than the caller's).
+    pub fn lent_stamps(&mut self, entries: usize) -> Option<LentStamps<'_>> {
+        (self.lent && self.stamps.len() == entries)
+            .then_some((self.stamps.as_slice(), &mut self.quiet))
+    }
+
+    /// While a table is lent: the peers' median memo and the positions of the entries decoded
+    /// since the last call (`None`: unknown, compare everything), which this call forgets.
+    /// Without a lent table: the memo and `None` (the caller's table may be other bytes).
+    pub fn lent_changes(&mut self, entries: usize) -> (&mut MedianMemo, Option<&[usize]>) {
+        let known = self.lent && self.stamps.len() == entries && self.changed_known;
+        (&mut self.peers, known.then_some(self.changed.as_slice()))
+    }
+
+    /// After [`TableCache::lent_changes`] was read, while the table is lent: the list starts
+    /// again, empty and known.
+    pub fn forget_changes(&mut self, entries: usize) {
+        if self.lent && self.stamps.len() == entries {
+            self.changed.clear();
+            self.changed_known = true;
         }
     }
 
@@ -831,6 +884,7 @@ impl TableCache {
         self.table.budget = budget;
         self.table.generation = cfg.layout_generation;
         let chunks = bytes.get(HEADER_BYTES..)?.chunks_exact(ENTRY_BYTES);
+        let (changed, known) = (&mut self.changed, &mut self.changed_known);
         for (i, ((slot, entry), chunk)) in self
             .stamps
             .iter_mut()
@@ -849,6 +903,12 @@ impl TableCache {
             *entry = Table::entry_at(bytes, i)?;
             self.decoded = self.decoded.saturating_add(1);
             *slot = Some((stamp, id));
+            // Noted for the medians memo (past the table's size: unknown).
+            if *known && changed.len() < n {
+                changed.push(i);
+            } else {
+                *known = false;
+            }
         }
         Some(())
     }
@@ -874,7 +934,58 @@ pub struct MedianMemo {
     pub(crate) medians: Vec<Option<f64>>,
     /// Times the medians were recomputed, for tests and diagnostics.
     pub computed: u64,
+    /// The inputs are those of the table cache's table as of its last list of changes
+    /// (`MedianMemo::medians_since`): the next list says all that may differ.
+    pub(crate) synced: bool,
 }
+
+/// What [`TableCache::lent_stamps`] lends: the `(stamp, id)` of each entry of the lent table,
+/// by position, and the quiet memo keyed by them.
+pub type LentStamps<'a> = (&'a [Option<(u64, u32)>], &'a mut QuietMemo);
+
+/// One worker's memo of its quiet endpoints' verdicts and session placement weights.
+///
+/// Why: a pick judges every candidate (its verdict, for the walk and for the hysteresis its
+/// write stores) and weighs it (the rendezvous weights): about 350 instructions per endpoint
+/// and request under wasm, while most endpoints of a large fleet are quiet between two
+/// requests of a worker. An endpoint is quiet (`signals::quiet`) when neither value can change
+/// with the clock: no fresh scraped load (its saturation is `Unknown`, its slowness judges
+/// it), no watched attempt that could become overdue, and a success level that does not fade
+/// (cold, or never failing). Its verdict and weight are then functions of its entry, its
+/// peers' median and the configuration alone, and are kept here by the entry's write stamp
+/// (see [`TableCache`], which holds this memo: one per configuration) and the median's bits.
+/// Anything not quiet, or not kept, is computed as before; the memo never returns what
+/// computing would not (`select`'s `memo_tests` hold it to that).
+#[derive(Debug, Default, Clone)]
+pub struct QuietMemo {
+    /// By endpoint index (compact: a hit reads one entry and writes at most two flags).
+    pub(crate) at: Vec<Quiet>,
+    /// Values taken from the memo instead of computed, for tests and diagnostics.
+    pub hits: u64,
+}
+
+/// What [`QuietMemo`] keeps of one endpoint. A quiet endpoint's verdict is its sticky flag
+/// alone: not overdue (so `degraded` equals it), saturation `Unknown`, no load.
+#[derive(Debug, Clone, Copy, PartialEq, Default)]
+pub(crate) struct Quiet {
+    /// Holds a value (false: nothing kept).
+    pub(crate) valid: bool,
+    /// The entry's write stamp and id, as the table cache decoded it.
+    pub(crate) stamp: u64,
+    pub(crate) id: u32,
+    /// The peers' median it was judged against (its bits; `has_reference` false: none).
+    pub(crate) has_reference: bool,
+    pub(crate) reference: u64,
+    pub(crate) sticky: bool,
+    /// Its verdict differs from the one stored in its entry (`select`'s `Board::flips`).
+    pub(crate) flip: bool,
+    /// Its session placement weight (`placement::weigh`).
+    pub(crate) weight: f64,
+}
+
+/// A [`QuietMemo`] hit: the endpoint's id, session weight, sticky flag and whether its
+/// verdict flipped.
+pub(crate) type QuietHit = (u32, f64, bool, bool);
 
 #[cfg(test)]
 mod tests {
@@ -1095,6 +1206,13 @@ mod tests {
         assert_eq!(memo.serves(&cfg, Some("m2")), &[false, true, true]);
         assert_eq!(memo.serves(&cfg, Some("x")), &[false, false, true]);
         assert_eq!(memo.serves(&cfg, None), &[true, true, true]);
+        // Interleaved models are answered from the memo, and past its size it still answers.
+        for k in 0..3 * ServesMemo::MODELS {
+            let m = format!("m{}", k % (ServesMemo::MODELS + 2));
+            let want = [m == "m1", m == "m1" || m == "m2", true];
+            assert_eq!(memo.serves(&cfg, Some(&m)), &want, "{m}");
+        }
+        assert!(memo.kept.len() <= ServesMemo::MODELS);
     }
 
     #[test]

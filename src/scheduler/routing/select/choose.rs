@@ -39,7 +39,13 @@ impl<'a> Scheduler<'a> {
         let by_prefix = prefix_key.is_some() && pinned.is_none();
         // The session's home: the first non-degraded endpoint of its rendezvous order.
         let keyed = placement::Keyed::new(key, &board.weights);
-        let home = keyed.first(|i| !board.degraded(i));
+        let home = if board.any_degraded {
+            keyed.first(|i| !board.degraded(i))
+        } else {
+            // Every candidate is not degraded: the home is the first of the order, which the
+            // walk starts from (one search for both).
+            keyed.first_of_all()
+        };
         if let Some(id) = pick.holder {
             return holder_choice(&board, self.cfg.endpoint_index(id), home);
         }
@@ -158,25 +164,88 @@ impl<'a> Scheduler<'a> {
                 cfg.cold_start_samples,
             ),
         };
+        // Nothing scraped (hosted keys, no metrics): no load, no room, in-flight counts;
+        // nothing to look up per endpoint.
+        let any_scraped = loads.iter().any(Option::is_some);
+        let mut any_degraded = false;
+        // The quiet endpoints' verdicts and weights from the worker's memo, while the table
+        // is the one lent by its cache (the memo is keyed by that table's write stamps).
+        let mut cache = self.cache.and_then(|c| c.try_borrow_mut().ok());
+        let mut memo = cache
+            .as_deref_mut()
+            .and_then(|c| c.lent_stamps(table.entries.len()));
         for &i in &statics {
-            let (Some(ep), Some(st)) = (cfg.endpoints.get(i), state(i)) else {
-                continue;
+            let load = if any_scraped {
+                loads.get(i).copied().flatten()
+            } else {
+                None
             };
-            let load = loads.get(i).copied().flatten();
-            if let Some(v) = verdicts.get_mut(i) {
-                let reference = references.get(i).copied().flatten();
-                let pace_reference = pace_references.get(i).copied().flatten();
-                *v = signals::judge_with(table, cfg, i, reference, pace_reference, load, now_ms);
-                if st.degraded != v.sticky || st.saturation != v.saturation {
+            let reference = references.get(i).copied().flatten();
+            // A quiet endpoint kept by the memo: its sticky flag is its verdict (not overdue,
+            // saturation unknown, no load: what `verdicts` holds until set).
+            let hit = match (&mut memo, load) {
+                (Some((stamps, quiet)), None) => quiet.get(i, stamps.get(i), reference),
+                _ => None,
+            };
+            if let Some((id, weight, sticky, flip)) = hit {
+                if sticky {
+                    if let Some(v) = verdicts.get_mut(i) {
+                        v.sticky = true;
+                        v.degraded = true;
+                    }
+                }
+                any_degraded |= sticky;
+                if flip {
                     flips.push(i);
                 }
+                let w = match pick.session {
+                    Some(_) => weight,
+                    None => match (cfg.endpoints.get(i), state(i)) {
+                        (Some(ep), Some(st)) => {
+                            score(ep.weight, st, best_latency, cfg, now_ms).score
+                        }
+                        _ => continue,
+                    },
+                };
+                weights.push((i, id, w));
+                continue;
             }
-            let w = match pick.session {
-                Some(_) => placement::weigh(ep.weight, st, cfg, now_ms),
-                None => score(ep.weight, st, best_latency, cfg, now_ms).score,
+            let (Some(ep), Some(st), Some(v)) =
+                (cfg.endpoints.get(i), state(i), verdicts.get_mut(i))
+            else {
+                continue;
+            };
+            let pace_reference = pace_references.get(i).copied().flatten();
+            *v = signals::judge_with(table, cfg, i, reference, pace_reference, load, now_ms);
+            any_degraded |= v.degraded;
+            let flip = st.degraded != v.sticky || st.saturation != v.saturation;
+            if flip {
+                flips.push(i);
+            }
+            let key = memo
+                .as_ref()
+                .and_then(|(stamps, _)| stamps.get(i).copied().flatten());
+            let keep = match (&mut memo, key) {
+                (Some((_, quiet)), Some(key)) if signals::quiet(st, load.as_ref(), cfg) => {
+                    Some((quiet, key))
+                }
+                _ => None,
+            };
+            // A request without a session weighs by score: the placement weight only to
+            // keep it.
+            let weight = (pick.session.is_some() || keep.is_some())
+                .then(|| placement::weigh(ep.weight, st, cfg, now_ms));
+            if let (Some((quiet, key)), Some(w)) = (keep, weight) {
+                quiet.keep(n, i, key, reference, v, flip, w);
+            }
+            let w = match (pick.session, weight) {
+                (Some(_), Some(w)) => w,
+                _ => score(ep.weight, st, best_latency, cfg, now_ms).score,
             };
             weights.push((i, ep.id, w));
         }
+        drop(cache);
+
         // Quota: short endpoints are skipped for placements, a certain 429 even by a pin.
         let estimate = pick.quota_estimate(cfg.quota_bytes_per_token);
         let rule = self.quota_rule();
@@ -191,20 +260,25 @@ impl<'a> Scheduler<'a> {
         // The engines' own running + waiting where every candidate reports it (one unit for
         // all: an engine's count includes every replica's requests, an in-flight count only
         // this one's), else this replica's in-flight counts.
-        let all_scraped = statics
-            .iter()
-            .all(|&i| loads.get(i).copied().flatten().is_some());
+        let all_scraped = any_scraped
+            && statics
+                .iter()
+                .all(|&i| loads.get(i).copied().flatten().is_some());
         // Every candidate's slots known (see `capacity`): the load is the projected one (scraped
         // running + waiting and this process's placements since), bounded by slots.
-        let room: Vec<Option<Room>> = (0..n)
-            .map(|i| {
-                rooms
-                    .get(i)
-                    .copied()
-                    .flatten()
-                    .filter(|_| loads.get(i).copied().flatten().is_some())
-            })
-            .collect();
+        let room: Vec<Option<Room>> = if any_scraped {
+            (0..n)
+                .map(|i| {
+                    rooms
+                        .get(i)
+                        .copied()
+                        .flatten()
+                        .filter(|_| loads.get(i).copied().flatten().is_some())
+                })
+                .collect()
+        } else {
+            vec![None; n]
+        };
         let by_slots = !statics.is_empty()
             && statics.iter().all(|&i| {
                 room.get(i)
@@ -212,35 +286,39 @@ impl<'a> Scheduler<'a> {
                     .flatten()
                     .is_some_and(|r| r.slots.is_some())
             });
-        let load = (0..n)
-            .map(|i| {
-                if by_slots {
-                    return room.get(i).copied().flatten().map_or(0, |r| r.projected);
-                }
-                let l = loads.get(i).copied().flatten().filter(|_| all_scraped);
-                state(i).map_or(0, |st| {
-                    signals::placement_load(st, l.as_ref(), now_ms, cfg.in_flight_max_age_ms)
+        // Without scraped loads, an endpoint's load is its in-flight count: read on demand
+        // ([`Board::load_of`]) rather than for every endpoint.
+        let load = if any_scraped {
+            (0..n)
+                .map(|i| {
+                    if by_slots {
+                        return room.get(i).copied().flatten().map_or(0, |r| r.projected);
+                    }
+                    let l = loads.get(i).copied().flatten().filter(|_| all_scraped);
+                    state(i).map_or(0, |st| {
+                        signals::placement_load(st, l.as_ref(), now_ms, cfg.in_flight_max_age_ms)
+                    })
                 })
-            })
-            .collect();
+                .collect()
+        } else {
+            Vec::new()
+        };
         let admission = admit(table, candidates, n, now_ms, bcfg)?;
         let captive = if cfg.relieve_last_server {
             last_servers(cfg, table, &verdicts, &statics, pick.model)
         } else {
             Vec::new()
         };
-        let mut weight_at = vec![0.0; n];
-        for &(i, _, w) in &weights {
-            if let Some(slot) = weight_at.get_mut(i) {
-                *slot = w;
-            }
-        }
         Ok(Board {
             pinned: None,
+            any_degraded,
+            table,
+            now_ms,
+            max_age_ms: cfg.in_flight_max_age_ms,
+            plain: !any_scraped,
             reference: references,
             statics,
             weights,
-            weight_at,
             verdicts,
             flips,
             quotas,
@@ -401,7 +479,9 @@ impl<'a> Scheduler<'a> {
         let eligible = |i: usize| {
             board.admitted(i) && !board.degraded(i) && Some(i) != left && !board.passed_over(i)
         };
-        let (total_load, total_weight, total_slots) = eligible_totals(board, keyed, eligible);
+        let (total_load, total_weight, total_slots) = board
+            .plain_totals(left)
+            .unwrap_or_else(|| eligible_totals(board, keyed, eligible));
         let mut passed = Passed::default();
         // A later turn without a pin here: its home, as a pin would be (see `Pick`), and by the
         // pin's quota rule: passed over only for a certain 429, not for the reserve that keeps
@@ -575,14 +655,21 @@ pub(super) const QUEUE_GAP: f64 = 4.0;
 pub(super) struct Board<'t> {
     /// The request's pinned endpoint, if any (even one that cannot serve it now).
     pinned: Option<usize>,
+    /// Some static candidate is degraded (else the home is the first of the order).
+    any_degraded: bool,
+    /// The table, its time and in-flight age limit: for [`Board::load_of`] when `load` is
+    /// empty.
+    table: &'t Table,
+    now_ms: u64,
+    max_age_ms: u64,
+    /// Nothing is scraped: the walk's totals may be [`PlainTotals`].
+    plain: bool,
     /// Each endpoint's peers' median slowness (`signals::peer_medians`), by index.
     reference: Vec<Option<f64>>,
     /// Endpoints that could serve the request at all (enabled, serving its model).
     statics: Vec<usize>,
     /// `(index, endpoint id, placement weight)` of the statics: the rendezvous candidates.
     weights: Vec<(usize, u32, f64)>,
-    /// The same weights by endpoint index (0 for the others): an O(1) look-up in the walk.
-    weight_at: Vec<f64>,
     verdicts: Vec<Verdict>,
     /// The statics whose verdict (sticky degraded flag or saturation) differs from the one
     /// stored in their entry, in index order: the only ones besides the chosen endpoint whose
@@ -592,7 +679,8 @@ pub(super) struct Board<'t> {
     /// [`Board::short`] and [`Board::certain_429`].
     quotas: QuotaView<'t>,
     /// The load bounded-load placement weighs (see `signals::placement_load`), or the
-    /// projected load when `by_slots`.
+    /// projected load when `by_slots`; empty when nothing is scraped (the in-flight count,
+    /// read on demand).
     load: Vec<u32>,
     /// Each endpoint's projected load and slots, where scraped (see `capacity`).
     room: Vec<Option<Room>>,
@@ -605,6 +693,40 @@ pub(super) struct Board<'t> {
     /// (see [`last_servers`]), by index; empty when none is (no endpoint degraded, or
     /// `relieve_last_server` off).
     captive: Vec<bool>,
+}
+
+/// The totals of the walk's eligible candidates ([`eligible_totals`]) when no engine load is
+/// scraped: then no candidate is full (no saturation, no room known) and no slots are known, so
+/// the eligible are the admitted, non-degraded candidates but the one left, summed in index
+/// order as `eligible_totals` sums equal weights, with fewer look-ups; `None` when the counted
+/// weights differ (`eligible_totals` sums them in rendezvous order).
+#[derive(Debug, Clone, Copy)]
+pub(super) struct PlainTotals {
+    load: u64,
+    weight: f64,
+}
+
+impl PlainTotals {
+    /// Over the rendezvous candidates `weights` (in index order): `counted(i)`, the load of
+    /// candidate `i` if it is counted. `None` when the counted weights differ.
+    fn of(weights: &[(usize, u32, f64)], counted: impl Fn(usize) -> Option<u32>) -> Option<Self> {
+        let mut t = PlainTotals {
+            load: 0,
+            weight: 0.0,
+        };
+        let mut first: Option<u64> = None;
+        for &(i, _, w) in weights {
+            let Some(load) = counted(i) else {
+                continue;
+            };
+            if *first.get_or_insert(w.to_bits()) != w.to_bits() {
+                return None;
+            }
+            t.load += u64::from(load);
+            t.weight += w;
+        }
+        Some(t)
+    }
 }
 
 /// The table's quotas as one decision sees them (`None`: not `quota_aware`, never short).
@@ -631,10 +753,34 @@ impl<'t> Board<'t> {
             .is_some_and(|(_, st)| st.quota.certain_429(q.estimate, q.now_ms))
     }
     pub(super) fn load_of(&self, i: usize) -> u32 {
+        if self.load.is_empty() {
+            return self
+                .table
+                .entries
+                .get(i)
+                .map_or(0, |(_, st)| st.load(self.now_ms, self.max_age_ms));
+        }
         self.load.get(i).copied().unwrap_or(0)
     }
+    /// The walk's `(load, weight, slots)` totals over the eligible candidates, without `left`
+    /// (the pinned endpoint the session leaves), the cheap way when nothing is scraped and
+    /// every counted weight is the same number (see [`PlainTotals`]); else `None`.
+    pub(super) fn plain_totals(&self, left: Option<usize>) -> Option<(u64, f64, u64)> {
+        if !self.plain {
+            return None;
+        }
+        let t = PlainTotals::of(&self.weights, |i| {
+            (Some(i) != left && self.admitted(i) && !self.degraded(i)).then(|| self.load_of(i))
+        })?;
+        Some((t.load, t.weight, 0))
+    }
     pub(super) fn weight(&self, i: usize) -> f64 {
-        self.weight_at.get(i).copied().unwrap_or(0.0)
+        // The weights are in index order (the statics'): a search, for the few a walk weighs.
+        self.weights
+            .binary_search_by_key(&i, |&(j, _, _)| j)
+            .ok()
+            .and_then(|at| self.weights.get(at))
+            .map_or(0.0, |&(_, _, w)| w)
     }
     pub(super) fn degraded(&self, i: usize) -> bool {
         self.verdicts.get(i).is_some_and(|v| v.degraded)
@@ -868,24 +1014,29 @@ pub(super) fn eligible_totals(
     let mut first_weight: Option<u64> = None;
     let mut uniform = true;
     let mut total_weight = 0.0f64;
-    for &(i, _, _) in &board.weights {
+    for &(i, _, w) in &board.weights {
         if !eligible(i) {
             continue;
         }
         total_load += u64::from(board.load_of(i));
         total_slots += u64::from(board.slots(i));
-        let w = board.weight(i);
         uniform &= *first_weight.get_or_insert(w.to_bits()) == w.to_bits();
         total_weight += w;
     }
     if uniform {
         return (total_load, total_weight, total_slots);
     }
+    let mut weight_at = vec![0.0; board.statics.last().map_or(0, |&i| i + 1)];
+    for &(i, _, w) in &board.weights {
+        if let Some(slot) = weight_at.get_mut(i) {
+            *slot = w;
+        }
+    }
     let weight = keyed
         .order()
         .into_iter()
         .filter(|&i| eligible(i))
-        .fold(0.0f64, |w, i| w + board.weight(i));
+        .fold(0.0f64, |w, i| w + weight_at.get(i).copied().unwrap_or(0.0));
     (total_load, weight, total_slots)
 }
 

@@ -1,0 +1,274 @@
+// The worker's caches (the table cache, its quiet-endpoint memo, the median and model memos)
+// change no decision: a scheduler reading through one decides exactly as one that decodes and
+// computes everything, over a run of picks and finishes on a moving clock.
+use super::*;
+use crate::scheduler::health::breaker::BreakerState;
+use crate::scheduler::health::outcome::{FailureKind, Outcome};
+use crate::scheduler::state::hash::fmix64;
+use crate::scheduler::state::store::MemStore;
+use proptest::prelude::*;
+use serde_json::json;
+
+const START: u64 = 5_000_000;
+
+/// `n` endpoints (some serving a second model, one sometimes disabled), with the knobs that
+/// make verdicts and weights depend on the clock set low: few samples to warm, a short decay,
+/// the overdue watch on or off.
+fn config(seed: u64, n: usize) -> Config {
+    let r = |k: u64| fmix64(seed ^ fmix64(k));
+    let eps: Vec<_> = (0..n)
+        .map(|i| {
+            let models = if r(i as u64) % 3 == 0 {
+                json!(["m1", "m2"])
+            } else {
+                json!(["m1"])
+            };
+            json!({
+                "name": format!("e{i}"),
+                "cluster": format!("c{i}"),
+                "models": models,
+                "disabled": i == 1 && r(77) % 4 == 0,
+            })
+        })
+        .collect();
+    Config::from_value(&json!({
+        "endpoints": eps,
+        "cold_start_samples": 1 + r(1) % 3,
+        "stats_decay_ms": 1_000,
+        "failure_threshold": 2,
+        "open_ms": 3_000,
+        "pin_break_overdue": r(2) % 2,
+        "pin_break_min_ms": 1,
+    }))
+    .unwrap_or_default()
+}
+
+/// A stored table drawn from `seed`: some endpoints warm and slow, some failing, some open,
+/// some with attempts in flight or watched.
+fn seeded(store: &MemStore, cfg: &Config, seed: u64) {
+    let mut t = Table::load(None, cfg).0;
+    for (i, (_, st)) in t.entries.iter_mut().enumerate() {
+        let x = fmix64(seed ^ fmix64(1_000 + i as u64));
+        if x.is_multiple_of(3) {
+            st.total = 50;
+            st.last_sample_ms = START - (x >> 4) % 5_000;
+            st.success_rate = if (x >> 8).is_multiple_of(2) { 0.4 } else { 1.0 };
+        }
+        if (x >> 12).is_multiple_of(5) {
+            st.breaker.state = BreakerState::Open;
+            st.breaker.open_until_ms = START + (x >> 16) % 6_000;
+        }
+        if (x >> 20).is_multiple_of(2) {
+            st.slowness.samples = 40;
+            st.slowness.expected_ms = 2_000.0;
+            st.slowness.log_mean = if (x >> 24).is_multiple_of(3) {
+                1.8
+            } else {
+                0.0
+            };
+        }
+        if (x >> 28).is_multiple_of(4) {
+            st.start_attempt(START - 1_000, cfg.in_flight_max_age_ms);
+            st.watch.insert(7 + i as u32, START - 10_000);
+        }
+    }
+    let _ = store.set(TABLE_KEY, &t.encode(), None);
+}
+
+fn outcome(x: u64) -> Outcome {
+    match x % 6 {
+        0 => Outcome::EndpointFailure(FailureKind::Status(503)),
+        1 => Outcome::RateLimited {
+            retry_after_ms: Some(1_500),
+        },
+        2 => Outcome::DeadKey,
+        _ => Outcome::Success,
+    }
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig::with_cases(120))]
+    #[test]
+    fn cached_decisions_equal_computed_ones(
+        seed in any::<u64>(),
+        n in 1usize..10,
+        steps in 1usize..60,
+    ) {
+        let cfg = config(seed, n);
+        let (plain, cached) = (MemStore::new(), MemStore::new());
+        seeded(&plain, &cfg, seed);
+        seeded(&cached, &cfg, seed);
+        let cache = RefCell::new(TableCache::default());
+        let a = Scheduler::new(&cfg, &plain);
+        let b = Scheduler::with_cache(&cfg, &cached, &cache);
+        let mut now = START;
+        let mut pending: Vec<(Ticket, Ticket, u64, Option<u64>)> = Vec::new();
+        for step in 0..steps {
+            let x = fmix64(seed ^ fmix64(50_000 + step as u64));
+            now += match x % 5 {
+                0 => 0,
+                1 => 7,
+                2 => 900,
+                3 => 2_500,
+                _ => 40_000,
+            };
+            let session = match (x >> 4) % 5 {
+                0 => None,
+                s => Some(s),
+            };
+            let model = if (x >> 8).is_multiple_of(4) { Some("m2") } else { Some("m1") };
+            let mut ex = Exclusions::default();
+            for attempt in 1..=2u32 {
+                let pick = Pick {
+                    model,
+                    session,
+                    attempt,
+                    exclusions: &ex,
+                    nonce: x,
+                    body_bytes: 1_000,
+                    pin_hint: None,
+                    holder: None,
+                    prefix: None,
+                    follow_up: (x >> 12).is_multiple_of(7),
+                    max_output_tokens: 0,
+                };
+                let (da, db) = (a.pick(&pick, now), b.pick(&pick, now));
+                prop_assert_eq!(&da, &db, "step {} attempt {}", step, attempt);
+                let (Ok(da), Ok(db)) = (da, db) else { break };
+                let o = outcome(x >> (16 + attempt));
+                if (x >> 24).is_multiple_of(3) {
+                    pending.push((da.ticket, db.ticket, now, session));
+                    break;
+                }
+                let (fa, fb) = (
+                    a.finish(da.ticket, &o, 40, session, now),
+                    b.finish(db.ticket, &o, 40, session, now),
+                );
+                prop_assert_eq!(fa, fb);
+                if !o.fails_over() {
+                    break;
+                }
+                ex.after_attempt(da.endpoint, &o);
+            }
+            if (x >> 30).is_multiple_of(2) && !pending.is_empty() {
+                let (ta, tb, started, s) = pending.remove(0);
+                let o = outcome(x >> 40);
+                let lat = now.saturating_sub(started);
+                let (fa, fb) = (a.finish(ta, &o, lat, s, now), b.finish(tb, &o, lat, s, now));
+                prop_assert_eq!(fa, fb);
+            }
+        }
+        prop_assert_eq!(a.table(), b.table());
+        for (ta, tb, _, s) in pending {
+            let o = Outcome::Success;
+            prop_assert_eq!(a.finish(ta, &o, 10, s, now), b.finish(tb, &o, 10, s, now));
+        }
+    }
+}
+
+#[test]
+fn quiet_memo_is_used_between_picks() {
+    let cfg = config(3, 16);
+    let store = MemStore::new();
+    let cache = RefCell::new(TableCache::default());
+    let s = Scheduler::with_cache(&cfg, &store, &cache);
+    let ex = Exclusions::default();
+    for k in 0..4u64 {
+        let pick = Pick {
+            model: Some("m1"),
+            session: Some(100 + k),
+            attempt: 1,
+            exclusions: &ex,
+            nonce: k,
+            body_bytes: 1_000,
+            pin_hint: None,
+            holder: None,
+            prefix: None,
+            follow_up: false,
+            max_output_tokens: 0,
+        };
+        let d = s.pick(&pick, START + k);
+        if let Ok(d) = d {
+            let _ = s.finish(d.ticket, &Outcome::Success, 10, pick.session, START + k);
+        }
+    }
+    let hits = cache.borrow().quiet.hits;
+    eprintln!("hits {hits} computed {}", cache.borrow().peers.computed);
+    assert!(hits > 16, "{hits}");
+}
+
+/// The exclusions as `candidates` applied them before it took them out of one pass: a look-up
+/// in every list per endpoint.
+fn candidates_one_by_one(
+    cfg: &Config,
+    model: Option<&str>,
+    ex: &Exclusions,
+) -> Result<(Vec<usize>, Dropped), NoEndpoint> {
+    let mut dropped = Dropped::default();
+    let mut out = Vec::new();
+    let mut serves_model = false;
+    for (i, ep) in cfg.endpoints.iter().enumerate() {
+        let serves = serves_opt(ep, model);
+        if ep.disabled {
+            dropped.disabled += 1;
+        } else if ex.dead.contains(&i) {
+            dropped.dead += 1;
+            serves_model |= serves;
+        } else if ex.used.contains(&i) {
+            dropped.used += 1;
+            serves_model |= serves;
+        } else if ex.tried.contains(&i) {
+            dropped.tried += 1;
+            serves_model |= serves;
+        } else if !serves {
+            dropped.model += 1;
+        } else {
+            serves_model = true;
+            out.push(i);
+        }
+    }
+    if out.is_empty() {
+        return Err(if serves_model {
+            NoEndpoint::Exhausted
+        } else {
+            NoEndpoint::ModelNotFound
+        });
+    }
+    Ok((out, dropped))
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig::with_cases(300))]
+    #[test]
+    fn candidates_equal_the_one_by_one_exclusions(
+        seed in any::<u64>(),
+        n in 1usize..10,
+        dead in proptest::collection::vec(0usize..12, 0..3),
+        used in proptest::collection::vec(0usize..12, 0..3),
+        tried in proptest::collection::vec(0usize..12, 0..4),
+        m2 in any::<bool>(),
+    ) {
+        let cfg = config(seed, n);
+        let store = MemStore::new();
+        let cache = RefCell::new(TableCache::default());
+        let ex = Exclusions { dead, used, tried, retry_free: false };
+        let model = Some(if m2 { "m2" } else { "m1" });
+        let pick = Pick {
+            model,
+            session: None,
+            attempt: 2,
+            exclusions: &ex,
+            nonce: 0,
+            body_bytes: 0,
+            pin_hint: None,
+            holder: None,
+            prefix: None,
+            follow_up: false,
+            max_output_tokens: 0,
+        };
+        let expected = candidates_one_by_one(&cfg, model, &ex);
+        prop_assert_eq!(Scheduler::new(&cfg, &store).candidates(&pick), expected.clone());
+        let s = Scheduler::with_cache(&cfg, &store, &cache);
+        prop_assert_eq!(s.candidates(&pick), expected);
+    }
+}
