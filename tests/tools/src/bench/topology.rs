@@ -43,6 +43,11 @@ pub enum Policy {
     /// The filter with `"prefix_placement": false` (issue 20: the feature on against off in one
     /// run).
     FilterNoPrefix,
+    /// The filter with placement by prefix but without the session bound of a busy prefix
+    /// home (`"prefix_session_half_life_ms": 0`): a prefix home spills by its load alone.
+    FilterNoSessionBound,
+    /// The filter with a tighter session bound (`"prefix_session_epsilon": 0.1`).
+    FilterSessionBoundTight,
     /// The SGLang gateway's `cache_aware` policy behind the same Envoy (see `peer.rs`).
     SglangCacheAware,
     /// The filter without `metrics`: it sees only its own traffic (a hosted-API fleet).
@@ -63,13 +68,15 @@ impl Policy {
     ];
 
     /// Every policy `--policies` accepts, in the report's order (the default set first).
-    pub const KNOWN: [Policy; 9] = [
+    pub const KNOWN: [Policy; 11] = [
         Policy::RoundRobin,
         Policy::LeastRequest,
         Policy::RingHash,
         Policy::Maglev,
         Policy::Filter,
         Policy::FilterNoPrefix,
+        Policy::FilterNoSessionBound,
+        Policy::FilterSessionBoundTight,
         Policy::SglangCacheAware,
         Policy::FilterNoMetrics,
         Policy::FilterRulesOff,
@@ -83,6 +90,8 @@ impl Policy {
             Policy::Maglev => "maglev",
             Policy::Filter => "computeflux",
             Policy::FilterNoPrefix => "computeflux_noprefix",
+            Policy::FilterNoSessionBound => "computeflux_nosessionbound",
+            Policy::FilterSessionBoundTight => "computeflux_sessionbound10",
             Policy::SglangCacheAware => "sglang_cache_aware",
             Policy::FilterNoMetrics => "computeflux_nometrics",
             Policy::FilterRulesOff => "computeflux_rulesoff",
@@ -118,6 +127,8 @@ impl Policy {
             Policy::SglangCacheAware => Some("ROUND_ROBIN"),
             Policy::Filter
             | Policy::FilterNoPrefix
+            | Policy::FilterNoSessionBound
+            | Policy::FilterSessionBoundTight
             | Policy::FilterNoMetrics
             | Policy::FilterRulesOff => None,
         }
@@ -130,6 +141,8 @@ impl Policy {
             // watch is off (its default, made explicit).
             Policy::FilterRulesOff => json!({"pin_break_ratio": 1000.0, "pin_break_overdue": 0}),
             Policy::FilterNoPrefix => json!({"prefix_placement": false}),
+            Policy::FilterNoSessionBound => json!({"prefix_session_half_life_ms": 0}),
+            Policy::FilterSessionBoundTight => json!({"prefix_session_epsilon": 0.1}),
             _ => Value::Null,
         }
     }
@@ -138,7 +151,11 @@ impl Policy {
     pub fn scrapes(&self) -> bool {
         matches!(
             self,
-            Policy::Filter | Policy::FilterRulesOff | Policy::FilterNoPrefix
+            Policy::Filter
+                | Policy::FilterRulesOff
+                | Policy::FilterNoPrefix
+                | Policy::FilterNoSessionBound
+                | Policy::FilterSessionBoundTight
         )
     }
 }
