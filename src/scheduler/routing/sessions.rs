@@ -22,8 +22,8 @@
 //! whose count would exceed `(1 + prefix_session_epsilon) × (S + 1) × w / Σw` (S: the count
 //! over the walk's candidates, w its placement weight) — the bounded-load formula over
 //! sessions instead of requests, so some candidate is always within it — **while that
-//! candidate is busy** ([`busy`]: its load at least half its known slots, else at least
-//! `bounded_load_slack`). An idle fleet gains nothing from spreading an application's
+//! candidate is busy** ([`busy`]: its load at least `prefix_session_busy_load`, 8 by default,
+//! or half its known slots if that is less). An idle fleet gains nothing from spreading an application's
 //! sessions and would lose the cache that keeping them together buys (the bench's
 //! `shared_prefix` runs its endpoints far below their slots with one holding 37 % of the
 //! sessions): only a busy home spills by count.
@@ -180,13 +180,13 @@ pub fn session_limit(total_sessions: f64, weight: f64, total_weight: f64, epsilo
 
 /// Whether an endpoint with `load` (running + waiting, or in flight: the load the bounded
 /// load reads) and `slots` (0: unknown) is busy enough for the session bound to apply: at
-/// least half its slots, else at least `slack` (`bounded_load_slack`, the load a bounded
-/// placement takes for free).
-pub fn busy(load: u32, slots: u32, slack: u64) -> bool {
-    match slots {
-        0 => u64::from(load) >= slack,
-        s => u64::from(load) * 2 >= u64::from(s),
-    }
+/// least `busy_load` (`prefix_session_busy_load`), or half its slots if that is less.
+pub fn busy(load: u32, slots: u32, busy_load: u64) -> bool {
+    let threshold = match slots {
+        0 => busy_load,
+        s => busy_load.min(u64::from(s).div_ceil(2)),
+    };
+    u64::from(load) >= threshold
 }
 
 #[cfg(test)]
@@ -267,9 +267,11 @@ mod tests {
     }
 
     #[test]
-    fn busy_at_half_the_slots_else_at_the_slack() {
+    fn busy_at_the_busy_load_or_half_the_slots() {
         assert!(!busy(7, 16, 8) && busy(8, 16, 8));
         assert!(!busy(7, 0, 8) && busy(8, 0, 8));
-        assert!(busy(2, 4, 8));
+        assert!(!busy(1, 4, 8) && busy(2, 4, 8));
+        assert!(!busy(3, 16, 4) && busy(4, 16, 4));
+        assert!(busy(0, 0, 0) && busy(0, 16, 0));
     }
 }

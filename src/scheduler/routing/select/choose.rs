@@ -408,7 +408,7 @@ impl<'a> Scheduler<'a> {
         sessions::busy(
             board.load_of(i),
             board.slots(i),
-            self.cfg.bounded_load_slack,
+            self.cfg.prefix_session_busy_load,
         ) && n + 1.0
             > sessions::session_limit(
                 total,

@@ -217,7 +217,7 @@ fn pick_turn(s: &Scheduler<'_>, session: u64, follow_up: bool, now: u64) -> Deci
 }
 
 /// The session bound (`sessions`): once the prefix's home is busy (8 in flight, the default
-/// `bounded_load_slack`, no slots known) and holds more than 1.25 × its share of the new
+/// `prefix_session_busy_load`, no slots known) and holds more than 1.25 × its share of the new
 /// sessions placed, the next new session of the prefix spills to the prefix's second endpoint
 /// — where the in-flight bound alone (ε 1, slack 8) would still take it home until its 12th.
 #[test]

@@ -48,6 +48,10 @@ pub enum Policy {
     FilterNoSessionBound,
     /// The filter with a tighter session bound (`"prefix_session_epsilon": 0.1`).
     FilterSessionBoundTight,
+    /// The filter with the session bound from a lower load (`"prefix_session_busy_load": 4`).
+    FilterSessionBusy4,
+    /// The filter with the session bound at any load (`"prefix_session_busy_load": 0`).
+    FilterSessionBusy0,
     /// The SGLang gateway's `cache_aware` policy behind the same Envoy (see `peer.rs`).
     SglangCacheAware,
     /// The filter without `metrics`: it sees only its own traffic (a hosted-API fleet).
@@ -68,7 +72,7 @@ impl Policy {
     ];
 
     /// Every policy `--policies` accepts, in the report's order (the default set first).
-    pub const KNOWN: [Policy; 11] = [
+    pub const KNOWN: [Policy; 13] = [
         Policy::RoundRobin,
         Policy::LeastRequest,
         Policy::RingHash,
@@ -77,6 +81,8 @@ impl Policy {
         Policy::FilterNoPrefix,
         Policy::FilterNoSessionBound,
         Policy::FilterSessionBoundTight,
+        Policy::FilterSessionBusy4,
+        Policy::FilterSessionBusy0,
         Policy::SglangCacheAware,
         Policy::FilterNoMetrics,
         Policy::FilterRulesOff,
@@ -92,6 +98,8 @@ impl Policy {
             Policy::FilterNoPrefix => "computeflux_noprefix",
             Policy::FilterNoSessionBound => "computeflux_nosessionbound",
             Policy::FilterSessionBoundTight => "computeflux_sessionbound10",
+            Policy::FilterSessionBusy4 => "computeflux_sessionbusy4",
+            Policy::FilterSessionBusy0 => "computeflux_sessionbusy0",
             Policy::SglangCacheAware => "sglang_cache_aware",
             Policy::FilterNoMetrics => "computeflux_nometrics",
             Policy::FilterRulesOff => "computeflux_rulesoff",
@@ -129,6 +137,8 @@ impl Policy {
             | Policy::FilterNoPrefix
             | Policy::FilterNoSessionBound
             | Policy::FilterSessionBoundTight
+            | Policy::FilterSessionBusy4
+            | Policy::FilterSessionBusy0
             | Policy::FilterNoMetrics
             | Policy::FilterRulesOff => None,
         }
@@ -143,6 +153,8 @@ impl Policy {
             Policy::FilterNoPrefix => json!({"prefix_placement": false}),
             Policy::FilterNoSessionBound => json!({"prefix_session_half_life_ms": 0}),
             Policy::FilterSessionBoundTight => json!({"prefix_session_epsilon": 0.1}),
+            Policy::FilterSessionBusy4 => json!({"prefix_session_busy_load": 4}),
+            Policy::FilterSessionBusy0 => json!({"prefix_session_busy_load": 0}),
             _ => Value::Null,
         }
     }
@@ -156,6 +168,10 @@ impl Policy {
                 | Policy::FilterNoPrefix
                 | Policy::FilterNoSessionBound
                 | Policy::FilterSessionBoundTight
+                | Policy::FilterSessionBusy4
+                | Policy::FilterSessionBusy0
+                | Policy::FilterSessionBusy4
+                | Policy::FilterSessionBusy0
         )
     }
 }
