@@ -170,8 +170,6 @@ impl Policy {
                 | Policy::FilterSessionBoundTight
                 | Policy::FilterSessionBusy4
                 | Policy::FilterSessionBusy0
-                | Policy::FilterSessionBusy4
-                | Policy::FilterSessionBusy0
         )
     }
 }
