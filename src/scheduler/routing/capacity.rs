@@ -223,10 +223,10 @@ pub struct Engines {
     pub rooms: Vec<Option<Room>>,
     /// What was seen before the decision (for [`Engines::record`]).
     pub seen: Capacities,
-    /// The new sessions this process placed per endpoint (`sessions::Placed`, faded to the
-    /// decision's time), by index: read only for a new session placed by prefix while the
-    /// session bound is on (see `sessions`); `None` otherwise.
-    pub sessions: Option<Vec<f64>>,
+    /// The new sessions this process placed per endpoint (see `sessions`), faded to the
+    /// decision's time: read only for a new session placed by prefix while the session bound
+    /// is on; `None` otherwise.
+    pub sessions: Option<crate::scheduler::routing::sessions::Counts>,
 }
 
 impl Engines {

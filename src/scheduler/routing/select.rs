@@ -578,7 +578,7 @@ impl<'a> Scheduler<'a> {
         let new_session = pick.session.is_some() && pinned.is_none() && !pick.follow_up;
         let counting = self.cfg.prefix_placement && self.cfg.prefix_session_half_life_ms > 0;
         if counting && new_session && pick.prefix.is_some() {
-            engines.sessions = Some(sessions::read(self.store).counts(self.cfg, now_ms));
+            engines.sessions = Some(sessions::read(self.store).at(self.cfg, now_ms));
         }
         let result = update_owned(self.store, TABLE_KEY, |bytes| {
             let (write, decision) = self.with_table(bytes.as_deref(), |table, same_layout| {

@@ -20,8 +20,9 @@
 //!
 //! **The bound** ([`session_limit`]): a new session placed by prefix passes over a candidate
 //! whose count would exceed `(1 + prefix_session_epsilon) × (S + 1) × w / Σw` (S: the count
-//! over the walk's candidates, w its placement weight) — the bounded-load formula over
-//! sessions instead of requests, so some candidate is always within it — **while that
+//! over the walk's candidates, w its placement weight) plus [`SESSION_SLACK`] (2) — the
+//! bounded-load formula over sessions instead of requests, so some candidate is always
+//! within it — **while that
 //! candidate is busy** ([`busy`]: its load at least `prefix_session_busy_load`, 8 by default,
 //! or half its known slots if that is less). An idle fleet gains nothing from spreading an application's
 //! sessions and would lose the cache that keeping them together buys (the bench's
@@ -116,21 +117,29 @@ impl Placed {
             .map_or(0.0, |(_, n)| *n)
     }
 
-    /// Every configured endpoint's count faded to `now_ms`, by index into `cfg.endpoints`.
-    pub fn counts(&self, cfg: &Config, now_ms: u64) -> Vec<f64> {
-        let f = fade(
+    /// The counts as of `now_ms`, for one decision.
+    pub fn at(self, cfg: &Config, now_ms: u64) -> Counts {
+        let fade = fade(
             now_ms.saturating_sub(self.at_ms),
             cfg.prefix_session_half_life_ms,
         );
-        cfg.endpoints.iter().map(|e| self.get(e.id) * f).collect()
+        Counts { placed: self, fade }
     }
 
     /// Counts one session placed on endpoint `id` at `now_ms`: every count is faded to
-    /// `now_ms` first (a clock that went back fades nothing); `keep`: the configured ids.
-    pub fn add(&mut self, id: u32, now_ms: u64, half_life_ms: u64, keep: &[u32]) {
+    /// `now_ms` first (a clock that went back fades nothing). Entries of endpoints no longer
+    /// configured are dropped once there are more entries than the `configured` ids (a reload
+    /// that removed some; the ids are asked for only then), so the value never holds more
+    /// than one entry over the fleet.
+    pub fn add(
+        &mut self,
+        id: u32,
+        now_ms: u64,
+        half_life_ms: u64,
+        configured: (usize, impl FnOnce() -> Vec<u32>),
+    ) {
         let f = fade(now_ms.saturating_sub(self.at_ms), half_life_ms);
         self.at_ms = self.at_ms.max(now_ms);
-        self.entries.retain(|(k, _)| keep.contains(k));
         for (_, n) in &mut self.entries {
             *n *= f;
         }
@@ -142,6 +151,27 @@ impl Placed {
             }
             Err(at) => self.entries.insert(at, (id, 1.0)),
         }
+        let (count, ids) = configured;
+        if self.entries.len() > count {
+            let mut keep = ids();
+            keep.sort_unstable();
+            self.entries
+                .retain(|(k, _)| *k == id || keep.binary_search(k).is_ok());
+        }
+    }
+}
+
+/// The counts one decision reads: stored ones and their fade to the decision's time.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Counts {
+    placed: Placed,
+    fade: f64,
+}
+
+impl Counts {
+    /// Endpoint `id`'s count, faded (0 for an endpoint without one).
+    pub fn of(&self, id: u32) -> f64 {
+        self.placed.get(id) * self.fade
     }
 }
 
@@ -158,24 +188,31 @@ pub fn read(store: &dyn Store) -> Placed {
 /// Counts one new session placed on endpoint `id`. A lost CAS race loses one count (bounded
 /// retries); false then.
 pub fn record(store: &dyn Store, cfg: &Config, id: u32, now_ms: u64) -> bool {
-    let keep: Vec<u32> = cfg.endpoints.iter().map(|e| e.id).collect();
+    let ids = || cfg.endpoints.iter().map(|e| e.id).collect();
     update_if(store, SESSIONS_KEY, |bytes| {
         let mut placed = bytes.and_then(Placed::decode).unwrap_or_default();
-        placed.add(id, now_ms, cfg.prefix_session_half_life_ms, &keep);
+        let configured = (cfg.endpoints.len(), ids);
+        placed.add(id, now_ms, cfg.prefix_session_half_life_ms, configured);
         (Some(placed.encode()), true)
     })
     .unwrap_or(false)
 }
 
+/// The sessions a busy candidate may hold beyond its share, so that a process that has
+/// placed few sessions (just started, or a large fleet's share below one session) does not
+/// pass over every busy home for the first session counted there.
+pub const SESSION_SLACK: f64 = 2.0;
+
 /// The sessions a candidate may hold *after* taking one more: `(1 + epsilon) × (S + 1) ×`
-/// its weight share, given `total_sessions` (S) over the walk's candidates.
+/// its weight share + [`SESSION_SLACK`], given `total_sessions` (S) over the walk's
+/// candidates.
 pub fn session_limit(total_sessions: f64, weight: f64, total_weight: f64, epsilon: f64) -> f64 {
     let share = if total_weight > 0.0 {
         weight / total_weight
     } else {
         0.0
     };
-    (1.0 + epsilon.max(0.0)) * (total_sessions.max(0.0) + 1.0) * share
+    (1.0 + epsilon.max(0.0)) * (total_sessions.max(0.0) + 1.0) * share + SESSION_SLACK
 }
 
 /// Whether an endpoint with `load` (running + waiting, or in flight: the load the bounded
@@ -214,18 +251,20 @@ mod tests {
         assert!(record(&store, &c, a, 1_000));
         assert!(record(&store, &c, b, 1_000 + h));
         // a's two faded by one half-life, b's one fresh.
-        let n = read(&store).counts(&c, 1_000 + h);
+        let n = read(&store).at(&c, 1_000 + h);
         assert!(
-            (n[0] - 1.0).abs() < 1e-9 && (n[1] - 1.0).abs() < 1e-9,
+            (n.of(a) - 1.0).abs() < 1e-9 && (n.of(b) - 1.0).abs() < 1e-9,
             "{n:?}"
         );
-        let n = read(&store).counts(&c, 1_000 + 2 * h);
+        let n = read(&store).at(&c, 1_000 + 2 * h);
         assert!(
-            (n[0] - 0.5).abs() < 1e-9 && (n[1] - 0.5).abs() < 1e-9,
+            (n.of(a) - 0.5).abs() < 1e-9 && (n.of(b) - 0.5).abs() < 1e-9,
             "{n:?}"
         );
+        assert_eq!(n.of(a ^ b ^ 1), 0.0);
         // A clock behind the record fades nothing.
-        assert_eq!(read(&store).counts(&c, 0), vec![1.0, 1.0]);
+        let n = read(&store).at(&c, 0);
+        assert_eq!((n.of(a), n.of(b)), (1.0, 1.0));
         let p = read(&store);
         assert_eq!(Placed::decode(&p.encode()), Some(p.clone()));
         assert_eq!(p.encode().len(), 13 + 2 * ENTRY_BYTES);
@@ -234,10 +273,12 @@ mod tests {
     #[test]
     fn entries_stay_bounded_by_the_configuration_and_bad_bytes_read_as_nothing() {
         let mut p = Placed::default();
-        p.add(9, 0, 1_000, &[9, 3]);
-        p.add(3, 0, 1_000, &[9, 3]);
-        p.add(9, 0, 1_000, &[9]);
-        assert_eq!(p.entries, vec![(9, 2.0)]);
+        p.add(9, 0, 1_000, (2, || vec![9, 3]));
+        p.add(3, 0, 1_000, (2, || vec![9, 3]));
+        // Endpoint 3 removed, 5 added: 3 is dropped once the entries outnumber the fleet.
+        p.add(5, 0, 1_000, (2, || vec![9, 5]));
+        p.add(9, 0, 1_000, (2, || vec![9, 5]));
+        assert_eq!(p.entries, vec![(5, 1.0), (9, 2.0)]);
         let bytes = p.encode();
         assert_eq!(Placed::decode(&bytes[..bytes.len() - 1]), None);
         let mut v2 = bytes.clone();
@@ -247,21 +288,24 @@ mod tests {
         let at = negative.len() - 8;
         negative[at..].copy_from_slice(&(-1.0f64).to_le_bytes());
         assert_eq!(Placed::decode(&negative), None);
+        let mut unsorted = bytes.clone();
+        unsorted[13..17].copy_from_slice(&9u32.to_le_bytes());
+        assert_eq!(Placed::decode(&unsorted), None);
         let store = MemStore::new();
         store.set(SESSIONS_KEY, &[1, 2, 3], None).ok();
         assert_eq!(read(&store), Placed::default());
     }
 
     /// Worked: four endpoints of weight 1, 60 sessions counted over them, ε 0.25: a candidate
-    /// may hold 1.25 × 61 / 4 = 19.06 after one more, so one holding 19 spills and one
-    /// holding 18 takes it.
+    /// may hold 1.25 × 61 / 4 + 2 = 21.06 after one more, so one holding 21 spills and one
+    /// holding 20 takes it. A process that counted nothing yet lets a busy home take two.
     #[test]
     fn session_limit_worked_numbers() {
         let l = session_limit(60.0, 1.0, 4.0, 0.25);
-        assert!((l - 19.0625).abs() < 1e-9);
-        // 19 + 1 is over it (a spill), 18 + 1 within.
-        assert!((19.0..20.0).contains(&l));
-        assert_eq!(session_limit(60.0, 1.0, 0.0, 0.25), 0.0);
+        assert!((l - 21.0625).abs() < 1e-9);
+        assert!((21.0..22.0).contains(&l), "21 + 1 over it, 20 + 1 within");
+        assert_eq!(session_limit(60.0, 1.0, 0.0, 0.25), SESSION_SLACK);
+        assert!(session_limit(0.0, 1.0, 512.0, 0.25) >= 2.0);
         // The limits of all candidates add up to more than S: one is always within.
         let total: f64 = (0..4).map(|_| session_limit(60.0, 1.0, 4.0, 0.0)).sum();
         assert!(total > 60.0);

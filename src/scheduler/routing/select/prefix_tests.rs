@@ -268,8 +268,8 @@ fn the_session_bound_spares_idle_homes_pins_and_later_turns() {
         assert_eq!((d.endpoint, d.reason), (order[0], Reason::Home), "{n}");
         s.finish(d.ticket, &Outcome::Success, 10, Some(session(n)), 0);
     }
-    let counts = sessions::read(&store).counts(&c, 0);
-    assert_eq!(counts[order[0]], 40.0);
+    let counts = sessions::read(&store).at(&c, 0);
+    assert_eq!(counts.of(c.endpoints[order[0]].id), 40.0);
     // Busy: 8 new sessions held in flight at home (spilling after the first few: the home
     // holds all 40 counted sessions, far over its share, once it is busy).
     let mut held = Vec::new();
@@ -296,7 +296,8 @@ fn the_session_bound_spares_idle_homes_pins_and_later_turns() {
         s.finish(d.ticket, &Outcome::Cancelled, 0, None, 3);
     }
     // A later turn is not counted as a new session; a session-key placement is.
-    let before = sessions::read(&other).counts(&c, 3);
+    let total = |n: &sessions::Counts| c.endpoints.iter().map(|e| n.of(e.id)).sum::<f64>();
+    let before = sessions::read(&other).at(&c, 3);
     let key_only = s2
         .pick(
             &Pick {
@@ -306,17 +307,14 @@ fn the_session_bound_spares_idle_homes_pins_and_later_turns() {
             3,
         )
         .unwrap();
-    let after = sessions::read(&other).counts(&c, 3);
-    let e = key_only.endpoint;
+    let after = sessions::read(&other).at(&c, 3);
+    let e = c.endpoints[key_only.endpoint].id;
     assert!(
-        (after[e] - before[e] - 1.0).abs() < 1e-9,
+        (after.of(e) - before.of(e) - 1.0).abs() < 1e-9,
         "{after:?} {before:?}"
     );
     // 8 first turns a millisecond earlier (faded by 2^(-1/60000)); the later turn is not counted.
-    assert!(
-        (before.iter().sum::<f64>() - 8.0).abs() < 1e-3,
-        "{before:?}"
-    );
+    assert!((total(&before) - 8.0).abs() < 1e-3, "{before:?}");
     s2.finish(key_only.ticket, &Outcome::Cancelled, 0, None, 3);
 }
 
