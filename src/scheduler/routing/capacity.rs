@@ -223,6 +223,10 @@ pub struct Engines {
     pub rooms: Vec<Option<Room>>,
     /// What was seen before the decision (for [`Engines::record`]).
     pub seen: Capacities,
+    /// The new sessions this process placed per endpoint (see `sessions`), faded to the
+    /// decision's time: read only for a new session placed by prefix while the session bound
+    /// is on; `None` otherwise.
+    pub sessions: Option<crate::scheduler::routing::sessions::Counts>,
 }
 
 impl Engines {
@@ -237,6 +241,7 @@ impl Engines {
                 loads,
                 rooms,
                 seen: Capacities::default(),
+                sessions: None,
             };
         }
         let seen = read(store);
@@ -246,7 +251,12 @@ impl Engines {
             .zip(&loads)
             .map(|(e, l)| l.as_ref().and_then(|l| Room::of(&seen.get(e.id), l)))
             .collect();
-        Engines { loads, rooms, seen }
+        Engines {
+            loads,
+            rooms,
+            seen,
+            sessions: None,
+        }
     }
 
     /// Stores what a decision taught: the slots the fresh loads show, and `placed` (the index

@@ -23,6 +23,7 @@ pub mod score;
 pub mod scrape;
 pub mod scrape_plan;
 pub mod select;
+pub mod sessions;
 pub mod signals;
 pub mod slowness;
 pub mod table;

@@ -42,6 +42,7 @@ use crate::scheduler::routing::saturation::{
     expected_wait_ms, keep_pin, MoveReason, PinCase, Saturation,
 };
 use crate::scheduler::routing::score::score;
+use crate::scheduler::routing::sessions;
 use crate::scheduler::routing::signals::{self, Served, Verdict};
 use crate::scheduler::routing::slowness::{self, DegradeRule, Sample, WorkModel};
 use crate::scheduler::routing::table::{fastest_warm, EndpointState, Table, TableCache};
@@ -594,7 +595,14 @@ impl<'a> Scheduler<'a> {
         let hinted = pick.session.and(pick.pin_hint).filter(|&id| valid(id));
         let pinned = pick.holder.or(hinted).or(local.map(|p| p.1));
         let bcfg = self.breaker_config();
-        let engines = Engines::read(self.store, self.cfg, now_ms);
+        let mut engines = Engines::read(self.store, self.cfg, now_ms);
+        // A new session placed by prefix reads the sessions placed per endpoint, for the
+        // session bound of a busy prefix home (see `sessions`).
+        let new_session = pick.session.is_some() && pinned.is_none() && !pick.follow_up;
+        let counting = self.cfg.prefix_placement && self.cfg.prefix_session_half_life_ms > 0;
+        if counting && new_session && pick.prefix.is_some() {
+            engines.sessions = Some(sessions::read(self.store).at(self.cfg, now_ms));
+        }
         let result = update_owned(self.store, TABLE_KEY, |bytes| {
             let (write, decision) = self.with_table(bytes.as_deref(), |table, same_layout| {
                 self.start(
@@ -699,6 +707,18 @@ impl<'a> Scheduler<'a> {
         if let Ok(d) = &decision {
             let placed = (d.affinity != AffinityResult::Hit).then_some(d.endpoint);
             engines.record(self.store, self.cfg, placed);
+            // A new session's first attempt counts where it was placed (by prefix or by its
+            // own key: both bring their later turns there).
+            let placed_new = matches!(
+                d.affinity,
+                AffinityResult::Prefix
+                    | AffinityResult::Home
+                    | AffinityResult::Spill
+                    | AffinityResult::Backup
+            );
+            if counting && new_session && pick.attempt <= 1 && placed_new {
+                sessions::record(self.store, self.cfg, d.ticket.endpoint_id, now_ms);
+            }
         }
         // A session moved away from a saturated endpoint is marked, so that it is not moved
         // for that reason again within its TTL.

@@ -310,6 +310,7 @@ impl<'a> Scheduler<'a> {
             Vec::new()
         };
         Ok(Board {
+            sessions: engines.sessions.clone(),
             pinned: None,
             any_degraded,
             table,
@@ -482,6 +483,9 @@ impl<'a> Scheduler<'a> {
         let (total_load, total_weight, total_slots) = board
             .plain_totals(left)
             .unwrap_or_else(|| eligible_totals(board, keyed, eligible));
+        // The sessions placed over the same candidates (the session bound's S), summed when
+        // a busy candidate first needs it.
+        let mut total_sessions = None;
         let mut passed = Passed::default();
         // A later turn without a pin here: its home, as a pin would be (see `Pick`), and by the
         // pin's quota rule: passed over only for a certain 429, not for the reserve that keeps
@@ -538,13 +542,56 @@ impl<'a> Scheduler<'a> {
             } else {
                 placement::load_limit(total_load, board.weight(i), total_weight, self.cfg)
             };
-            if load + 1.0 > limit {
+            if load + 1.0 > limit
+                || self.over_session_bound(board, i, total_weight, &mut total_sessions, &eligible)
+            {
                 passed.spilled.get_or_insert(i);
                 continue;
             }
             return Some((i, passed.reason(pin, pick.attempt)));
         }
         passed.spilled.map(|i| (i, Reason::Spill))
+    }
+
+    /// Whether a new session placed by prefix passes over busy `i` for the sessions already
+    /// placed there (see `sessions`): its count + 1 over `(1 + prefix_session_epsilon) ×
+    /// (S + 1) ×` its weight share + the slack, S summed over the `eligible` candidates into
+    /// `total` the first time (an idle walk never sums it). False without counts (pins,
+    /// follow-ups, session keys, the bound off) and while `i` is not busy.
+    pub(super) fn over_session_bound(
+        &self,
+        board: &Board,
+        i: usize,
+        total_weight: f64,
+        total: &mut Option<f64>,
+        eligible: &impl Fn(usize) -> bool,
+    ) -> bool {
+        let Some(counts) = board.sessions.as_ref() else {
+            return false;
+        };
+        let busy = sessions::busy(
+            board.load_of(i),
+            board.slots(i),
+            self.cfg.prefix_session_busy_load,
+        );
+        let Some(id) = self.cfg.endpoints.get(i).map(|e| e.id).filter(|_| busy) else {
+            return false;
+        };
+        let total = *total.get_or_insert_with(|| {
+            board
+                .weights
+                .iter()
+                .filter(|&&(j, _, _)| eligible(j))
+                .map(|&(_, id, _)| counts.of(id))
+                .sum::<f64>()
+        });
+        let limit = sessions::session_limit(
+            total,
+            board.weight(i),
+            total_weight,
+            self.cfg.prefix_session_epsilon,
+        );
+        counts.of(id) + 1.0 > limit
     }
 
     /// The probe decision: a degraded endpoint gets a first attempt of a new session (a first
@@ -653,6 +700,9 @@ pub(super) const QUEUE_GAP: f64 = 4.0;
 
 /// What one decision knows of every endpoint (indexes into `Config::endpoints`).
 pub(super) struct Board<'t> {
+    /// The new sessions this process placed per endpoint (see `sessions`): `Some` only for
+    /// a new session placed by prefix with the session bound on.
+    sessions: Option<sessions::Counts>,
     /// The request's pinned endpoint, if any (even one that cannot serve it now).
     pinned: Option<usize>,
     /// Some static candidate is degraded (else the home is the first of the order).

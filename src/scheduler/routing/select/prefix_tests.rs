@@ -2,6 +2,7 @@
 // prefix key goes to the prefix's rendezvous home, on every replica; pins still win.
 use super::*;
 use crate::scheduler::routing::placement;
+use crate::scheduler::routing::sessions;
 use crate::scheduler::state::hash::session_key;
 use crate::scheduler::state::store::MemStore;
 use serde_json::json;
@@ -192,4 +193,145 @@ fn a_failover_walks_the_prefix_order() {
         ex.after_attempt(d.endpoint, &failed);
     }
     assert_eq!(walked, order[..3].to_vec());
+}
+
+/// `pick` for a session's later turn (`follow_up`) or its first.
+fn pick_turn(s: &Scheduler<'_>, session: u64, follow_up: bool, now: u64) -> Decision {
+    s.pick(
+        &Pick {
+            model: Some("m"),
+            session: Some(session),
+            attempt: 1,
+            exclusions: &Exclusions::default(),
+            nonce: 0,
+            body_bytes: 0,
+            pin_hint: None,
+            holder: None,
+            prefix: Some(PREFIX),
+            follow_up,
+            max_output_tokens: 0,
+        },
+        now,
+    )
+    .unwrap()
+}
+
+/// The session bound (`sessions`): once the prefix's home is busy (8 in flight, the default
+/// `prefix_session_busy_load`, no slots known) and holds more than 1.25 × its share of the new
+/// sessions placed, the next new session of the prefix spills to the prefix's second endpoint
+/// — where the in-flight bound alone (ε 1, slack 8) would still take it home until its 12th.
+#[test]
+fn a_busy_prefix_home_spills_by_the_sessions_placed_there() {
+    for bound in [true, false] {
+        let c = cfg(match bound {
+            true => json!({}),
+            false => json!({"prefix_session_half_life_ms": 0}),
+        });
+        let store = MemStore::new();
+        let s = Scheduler::new(&c, &store);
+        let order = placement::order(PREFIX, &weights(&c));
+        let mut held = Vec::new();
+        for n in 0..8u64 {
+            let d = pick_turn(&s, session(n), false, 0);
+            assert_eq!((d.endpoint, d.reason), (order[0], Reason::Home), "{n}");
+            held.push(d);
+        }
+        let d = pick_turn(&s, session(8), false, 0);
+        if bound {
+            assert_eq!(
+                (d.endpoint, d.reason, d.affinity),
+                (order[1], Reason::Spill, AffinityResult::Prefix)
+            );
+            assert!(d.ticket.pin_on_success, "a prefix spill pins");
+        } else {
+            assert_eq!((d.endpoint, d.reason), (order[0], Reason::Home));
+        }
+        held.push(d);
+        for d in held {
+            s.finish(d.ticket, &Outcome::Cancelled, 0, None, 1);
+        }
+    }
+}
+
+/// An idle home takes every new session of its prefix however many it was given (the count
+/// alone never spreads an application), and a busy one keeps its pinned sessions and the
+/// later turns that reach a replica without their pin.
+#[test]
+fn the_session_bound_spares_idle_homes_pins_and_later_turns() {
+    let c = cfg(json!({}));
+    let store = MemStore::new();
+    let s = Scheduler::new(&c, &store);
+    let order = placement::order(PREFIX, &weights(&c));
+    // 40 sessions served one after another: never busy, all at home, all counted.
+    for n in 0..40u64 {
+        let d = pick_turn(&s, session(n), false, 0);
+        assert_eq!((d.endpoint, d.reason), (order[0], Reason::Home), "{n}");
+        s.finish(d.ticket, &Outcome::Success, 10, Some(session(n)), 0);
+    }
+    let counts = sessions::read(&store).at(&c, 0);
+    assert_eq!(counts.of(c.endpoints[order[0]].id), 40.0);
+    // Busy: 8 new sessions held in flight at home (spilling after the first few: the home
+    // holds all 40 counted sessions, far over its share, once it is busy).
+    let mut held = Vec::new();
+    for n in 100..120u64 {
+        held.push(pick_turn(&s, session(n), false, 1));
+    }
+    let home_load = held.iter().filter(|d| d.endpoint == order[0]).count();
+    assert_eq!(home_load, 8, "the home takes sessions until it is busy");
+    assert!(held.iter().any(|d| d.endpoint == order[1]));
+    // A pinned session stays; a later turn without a pin here goes home as a pin would.
+    let d = pick_turn(&s, session(3), true, 2);
+    assert_eq!((d.endpoint, d.affinity), (order[0], AffinityResult::Hit));
+    s.finish(d.ticket, &Outcome::Cancelled, 0, None, 2);
+    let other = MemStore::new();
+    let s2 = Scheduler::new(&c, &other);
+    let mut busy2 = Vec::new();
+    for n in 200..208u64 {
+        busy2.push(pick_turn(&s2, session(n), false, 2));
+    }
+    let d = pick_turn(&s2, session(3), true, 2);
+    assert_eq!((d.endpoint, d.affinity), (order[0], AffinityResult::Prefix));
+    busy2.push(d);
+    for d in held.into_iter().chain(busy2) {
+        s.finish(d.ticket, &Outcome::Cancelled, 0, None, 3);
+    }
+    // A later turn is not counted as a new session; a session-key placement is.
+    let total = |n: &sessions::Counts| c.endpoints.iter().map(|e| n.of(e.id)).sum::<f64>();
+    let before = sessions::read(&other).at(&c, 3);
+    let key_only = s2
+        .pick(
+            &Pick {
+                prefix: None,
+                ..pick_turn_args(session(300))
+            },
+            3,
+        )
+        .unwrap();
+    let after = sessions::read(&other).at(&c, 3);
+    let e = c.endpoints[key_only.endpoint].id;
+    assert!(
+        (after.of(e) - before.of(e) - 1.0).abs() < 1e-9,
+        "{after:?} {before:?}"
+    );
+    // 8 first turns a millisecond earlier (faded by 2^(-1/60000)); the later turn is not counted.
+    assert!((total(&before) - 8.0).abs() < 1e-3, "{before:?}");
+    s2.finish(key_only.ticket, &Outcome::Cancelled, 0, None, 3);
+}
+
+/// The arguments of a first turn of `session` with the prefix (see [`pick_turn`]).
+fn pick_turn_args(session: u64) -> Pick<'static> {
+    static NONE: std::sync::OnceLock<Exclusions> = std::sync::OnceLock::new();
+    Pick {
+        model: Some("m"),
+        session: Some(session),
+        attempt: 1,
+        exclusions: NONE.get_or_init(Exclusions::default),
+        nonce: 0,
+        body_bytes: 0,
+        pin_hint: None,
+        holder: None,
+        prefix: Some(PREFIX),
+        follow_up: false,
+        max_output_tokens: 0,
+    }
 }

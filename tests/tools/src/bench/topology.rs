@@ -43,6 +43,15 @@ pub enum Policy {
     /// The filter with `"prefix_placement": false` (issue 20: the feature on against off in one
     /// run).
     FilterNoPrefix,
+    /// The filter with placement by prefix but without the session bound of a busy prefix
+    /// home (`"prefix_session_half_life_ms": 0`): a prefix home spills by its load alone.
+    FilterNoSessionBound,
+    /// The filter with a tighter session bound (`"prefix_session_epsilon": 0.1`).
+    FilterSessionBoundTight,
+    /// The filter with the session bound from a lower load (`"prefix_session_busy_load": 4`).
+    FilterSessionBusy4,
+    /// The filter with the session bound at any load (`"prefix_session_busy_load": 0`).
+    FilterSessionBusy0,
     /// The SGLang gateway's `cache_aware` policy behind the same Envoy (see `peer.rs`).
     SglangCacheAware,
     /// The filter without `metrics`: it sees only its own traffic (a hosted-API fleet).
@@ -66,13 +75,17 @@ impl Policy {
     ];
 
     /// Every policy `--policies` accepts, in the report's order (the default set first).
-    pub const KNOWN: [Policy; 10] = [
+    pub const KNOWN: [Policy; 14] = [
         Policy::RoundRobin,
         Policy::LeastRequest,
         Policy::RingHash,
         Policy::Maglev,
         Policy::Filter,
         Policy::FilterNoPrefix,
+        Policy::FilterNoSessionBound,
+        Policy::FilterSessionBoundTight,
+        Policy::FilterSessionBusy4,
+        Policy::FilterSessionBusy0,
         Policy::SglangCacheAware,
         Policy::FilterNoMetrics,
         Policy::FilterRulesOff,
@@ -87,6 +100,10 @@ impl Policy {
             Policy::Maglev => "maglev",
             Policy::Filter => "computeflux",
             Policy::FilterNoPrefix => "computeflux_noprefix",
+            Policy::FilterNoSessionBound => "computeflux_nosessionbound",
+            Policy::FilterSessionBoundTight => "computeflux_sessionbound10",
+            Policy::FilterSessionBusy4 => "computeflux_sessionbusy4",
+            Policy::FilterSessionBusy0 => "computeflux_sessionbusy0",
             Policy::SglangCacheAware => "sglang_cache_aware",
             Policy::FilterNoMetrics => "computeflux_nometrics",
             Policy::FilterRulesOff => "computeflux_rulesoff",
@@ -123,6 +140,10 @@ impl Policy {
             Policy::SglangCacheAware => Some("ROUND_ROBIN"),
             Policy::Filter
             | Policy::FilterNoPrefix
+            | Policy::FilterNoSessionBound
+            | Policy::FilterSessionBoundTight
+            | Policy::FilterSessionBusy4
+            | Policy::FilterSessionBusy0
             | Policy::FilterNoMetrics
             | Policy::FilterRulesOff
             | Policy::FilterNoRelief => None,
@@ -137,6 +158,10 @@ impl Policy {
             Policy::FilterRulesOff => json!({"pin_break_ratio": 1000.0, "pin_break_overdue": 0}),
             Policy::FilterNoPrefix => json!({"prefix_placement": false}),
             Policy::FilterNoRelief => json!({"relieve_last_server": false}),
+            Policy::FilterNoSessionBound => json!({"prefix_session_half_life_ms": 0}),
+            Policy::FilterSessionBoundTight => json!({"prefix_session_epsilon": 0.1}),
+            Policy::FilterSessionBusy4 => json!({"prefix_session_busy_load": 4}),
+            Policy::FilterSessionBusy0 => json!({"prefix_session_busy_load": 0}),
             _ => Value::Null,
         }
     }
@@ -149,6 +174,10 @@ impl Policy {
                 | Policy::FilterRulesOff
                 | Policy::FilterNoPrefix
                 | Policy::FilterNoRelief
+                | Policy::FilterNoSessionBound
+                | Policy::FilterSessionBoundTight
+                | Policy::FilterSessionBusy4
+                | Policy::FilterSessionBusy0
         )
     }
 }
