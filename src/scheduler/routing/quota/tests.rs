@@ -606,7 +606,10 @@ fn pacing_carries_the_last_windows_use_into_the_next() {
     let mut q = Quota::default();
     q.observe(&stated(2_000), &paced, 0);
     // 100 ms into the next window (assumed at the limit): 8 000 projected, short.
-    assert_eq!(q.tokens.and_then(|r| r.current(4_100)).map(|r| r.prev_used), Some(8_000));
+    assert_eq!(
+        q.tokens.and_then(|r| r.current(4_100)).map(|r| r.prev_used),
+        Some(8_000)
+    );
     assert!(q.short(10, &paced, 4_100));
     // Its first answer (a new window's statement) keeps what the last one used.
     q.observe(&stated(9_500), &paced, 4_100);
@@ -617,6 +620,11 @@ fn pacing_carries_the_last_windows_use_into_the_next() {
     light.observe(&stated(9_000), &paced, 0);
     assert!(!light.short(10, &paced, 4_100));
     // A whole window passed unseen: nothing carried.
-    assert_eq!(q.tokens.and_then(|r| r.current(12_500)).map(|r| r.prev_used), Some(0));
+    assert_eq!(
+        q.tokens
+            .and_then(|r| r.current(12_500))
+            .map(|r| r.prev_used),
+        Some(0)
+    );
     assert!(!q.short(10, &paced, 12_500));
 }
