@@ -41,7 +41,15 @@
 //! - An endpoint is *short* when its remaining requests are below `max(quota_min_requests, 1)`
 //!   or its remaining tokens below `max(quota_min_tokens, estimate)`. A short endpoint is
 //!   skipped for new placements like an unavailable one (the next in rendezvous order takes
-//!   the session, the same on every replica), unless every candidate is short.
+//!   the session, the same on every replica), unless every candidate is short. With pacing
+//!   (`quota_pacing`) and a stated limit it is short too when the pinned sessions' use until
+//!   the reset would leave less than the floors ([`Remaining::projected_use`]), or when their
+//!   use over the last window's length already exceeds the limit less the reserve
+//!   ([`Remaining::span_use`]): sessions placed now spend in the next window.
+//! - A 429 whose statement explains it (no request left, or fewer tokens than the request's
+//!   estimate, with a reset) sets the count like an answer's instead of opening the breaker
+//!   ([`Quota::refused`]): with several replicas each one's count misses the others' use, and
+//!   a key cooled whole for one large turn turned away the pinned turns that still fitted.
 //! - A pinned session leaves its endpoint only when staying is a *certain* 429: no request
 //!   left, or fewer tokens left than the estimate. A mere floor is not worth a re-prefill.
 //! - Each pick takes one request and the estimate from the remembered counts, so concurrent
@@ -102,22 +110,37 @@ impl Remaining {
     /// What the sessions already using the endpoint will take until the reset: quota pacing
     /// keeps new sessions off a key that is on course to run out before its reset, so that the
     /// sessions pinned there are not moved (a re-prefill each) when it does. The larger of two
-    /// rates, times the time to reset:
-    /// - this window's since it began (`(limit − left) ÷ time elapsed`; not in the window's
-    ///   first tenth, too little to extrapolate from);
-    /// - the last full span's: this window's use plus the previous window's in the part of
-    ///   the span before this one began (`prev_used × (1 − elapsed ÷ span)`), over the span.
-    ///   Without it, a window's start looked empty: the sessions pinned there were still
-    ///   there, and new sessions were placed on a key those were about to exhaust (issue 22's
-    ///   quota bench, three replicas: 30 follow-ups moved off keys run dry).
-    ///
-    /// `0` when the limit or the window is unknown.
+    /// rates (see [`Remaining::span_use`]), times the time to reset. `0` when the limit or the
+    /// window is unknown.
     pub fn projected_use(self, now_ms: u64) -> u64 {
-        let Some(limit) = self.limit else {
+        let Some((rate_use, span, to_reset)) = self.rates(now_ms) else {
             return 0;
         };
+        u64::try_from(rate_use * to_reset / span).unwrap_or(u64::MAX)
+    }
+
+    /// What the sessions already using the endpoint take per window: the larger of
+    /// - this window's use at its rate since it began (`(limit − left) × span ÷ time elapsed`;
+    ///   not in the window's first tenth, too little to extrapolate from);
+    /// - the use over the last span: this window's plus the previous window's in the part of
+    ///   the span before this one began (`prev_used × (1 − elapsed ÷ span)`).
+    ///
+    /// Sessions placed now spend most of their tokens in the windows after this one, at this
+    /// rate (more, as their prompts grow): with only this window's use, a window's start
+    /// looked empty, and new sessions were placed on a key that the sessions pinned there
+    /// then ran dry in the next window (issue 22's quota bench: 16 to 30 follow-ups moved
+    /// per run, each a re-prefill). `0` when the limit or the window is unknown.
+    pub fn span_use(self, now_ms: u64) -> u64 {
+        self.rates(now_ms).map_or(0, |(rate_use, _, _)| {
+            u64::try_from(rate_use).unwrap_or(u64::MAX)
+        })
+    }
+
+    /// `(use per span at the larger rate, span, time to reset)`, see [`Remaining::span_use`].
+    fn rates(self, now_ms: u64) -> Option<(u128, u128, u128)> {
+        let limit = self.limit?;
         if self.span_ms == 0 {
-            return 0;
+            return None;
         }
         let span = u128::from(self.span_ms);
         let to_reset = u128::from(self.reset_at_ms.saturating_sub(now_ms)).min(span);
@@ -126,11 +149,10 @@ impl Remaining {
         let in_window = if elapsed == 0 || elapsed < span / 10 {
             0
         } else {
-            used * to_reset / elapsed
+            used * span / elapsed
         };
         let last_span = used + u128::from(self.prev_used) * to_reset / span;
-        let carried = last_span * to_reset / span;
-        u64::try_from(in_window.max(carried)).unwrap_or(u64::MAX)
+        Some((in_window.max(last_span), span, to_reset))
     }
 
     /// The count as it stands at `now_ms`: itself before its reset; after it, back at its
@@ -326,19 +348,24 @@ impl Quota {
         live(self.tokens, now_ms)
     }
 
-    /// Below a floor or below this request's estimate: skipped for new placements.
+    /// Below a floor or below this request's estimate: skipped for new placements. With
+    /// pacing, also when what is left will not cover the reserve and the pinned sessions' use
+    /// until the reset ([`Remaining::projected_use`]), or when their use per window already
+    /// takes more than the limit less the reserve ([`Remaining::span_use`]: the reserve is
+    /// for their growth, in this window and the next).
     pub fn short(&self, estimate: u64, rule: &QuotaRule, now_ms: u64) -> bool {
         let below = |r: Option<Remaining>, floor: u64| {
             r.and_then(|r| r.current(now_ms)).is_some_and(|r| {
                 let reserve = r
                     .limit
                     .map_or(0, |l| l.saturating_mul(rule.reserve_percent) / 100);
-                let paced = if rule.pacing {
-                    r.projected_use(now_ms)
-                } else {
-                    0
-                };
-                r.left < floor.max(reserve).saturating_add(paced)
+                if !rule.pacing {
+                    return r.left < floor.max(reserve);
+                }
+                let busy = r
+                    .limit
+                    .is_some_and(|l| r.span_use(now_ms) > l.saturating_sub(reserve));
+                busy || r.left < floor.max(reserve).saturating_add(r.projected_use(now_ms))
             })
         };
         below(self.requests, rule.min_requests.max(1))

@@ -619,6 +619,20 @@ fn pacing_carries_the_last_windows_use_into_the_next() {
     let mut light = Quota::default();
     light.observe(&stated(9_000), &paced, 0);
     assert!(!light.short(10, &paced, 4_100));
+    // Late in a window, what is left covers the reserve and the use until the reset, but the
+    // pinned sessions use more per window than the limit less the reserve: sessions placed
+    // now would spend in the next window, which they would run dry. Short.
+    let mut late = Quota::default();
+    late.observe(&stated(2_000), &paced, 0);
+    let mut third = stated(6_500);
+    if let Some(t) = third.tokens.as_mut() {
+        t.reset_in_ms = Some(1_000);
+    }
+    late.observe(&third, &paced, 7_000);
+    let r = late.tokens.unwrap();
+    assert_eq!((r.prev_used, r.projected_use(7_000)), (8_000, 1_375));
+    assert_eq!(r.span_use(7_000), 5_500);
+    assert!(late.short(10, &paced, 7_000));
     // A whole window passed unseen: nothing carried.
     assert_eq!(
         q.tokens
