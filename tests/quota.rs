@@ -20,7 +20,7 @@
 mod support;
 
 use serde_json::{json, Value};
-use support::{steady_mock, Checks, Envoy, EnvoyConfig, MockUpstream, Session};
+use support::{post_chat, steady_mock, Checks, Envoy, EnvoyConfig, MockUpstream, Session};
 
 const KEYS: [&str; 3] = ["k1", "k2", "k3"];
 const MODEL: &str = "m1";
@@ -237,5 +237,94 @@ fn malformed_or_hostile_quota_headers_change_nothing() {
         );
         checks.expect(moved == 0 && errors == 0, format!("hostile {i}: every session placed at home and kept (got {moved} moved, {errors} errors)"));
     }
+    checks.finish();
+}
+
+/// Issue 22's quota bench, three replicas: each Envoy's count misses what the others spend, so
+/// a large turn gets a 429 that states fewer tokens left than it needs. That 429 is the
+/// request against what the key has left, not the key out of service: the client's turn fails
+/// over, and another session's small turn pinned to the same key still goes there (before, the
+/// key was cooled for its whole window and the small turn moved, a re-prefill). Here the
+/// "other replica" is a client spending the key directly at its mock.
+#[test]
+fn a_429_that_states_the_tokens_left_keeps_the_key_for_turns_that_fit() {
+    let mocks = mocks();
+    let mut checks = Checks::new();
+    quota(
+        &mocks,
+        json!({"tokens": 20_000, "window_ms": WINDOW_MS, "headers_family": "openai"}),
+    );
+    let e = envoy(&mocks, json!({}));
+    // Two sessions whose first turns went to the same key.
+    let mut sessions = Session::many("shared", 12, MODEL);
+    for s in &mut sessions {
+        s.send(0, e.port);
+    }
+    let (a, b) = (0..sessions.len())
+        .flat_map(|i| (i + 1..sessions.len()).map(move |j| (i, j)))
+        .find(|&(i, j)| sessions[i].last_endpoint() == sessions[j].last_endpoint())
+        .expect("two of 12 sessions share a key among 3");
+    let key = sessions[a].last_endpoint().unwrap().to_string();
+    let mock = mocks.iter().find(|m| m.name == key).unwrap();
+    // Spend the key behind the filter's back down to about 600 tokens.
+    let left = |r: &support::Response| -> u64 {
+        r.header("x-ratelimit-remaining-tokens")
+            .and_then(|v| v.parse().ok())
+            .unwrap()
+    };
+    let probe = post_chat(
+        mock.port,
+        &[],
+        &support::chat_body(MODEL, &["x"], Value::Null),
+    );
+    let spend = left(&probe).saturating_sub(600) as usize * 4;
+    let r = post_chat(
+        mock.port,
+        &[],
+        &support::chat_body(
+            MODEL,
+            &[&"y".repeat(spend.saturating_sub(200))],
+            Value::Null,
+        ),
+    );
+    let remaining = left(&r);
+    println!("key {key}: {remaining} tokens left behind the filter's back");
+    checks.expect(
+        (300..=900).contains(&remaining),
+        format!("the key was spent to 300..900 tokens (got {remaining})"),
+    );
+    // Session a's large turn (about 2 000 tokens) is refused there and fails over.
+    let big = support::chat_body(MODEL, &[&"z".repeat(8_000)], Value::Null);
+    let id_a = sessions[a].id.clone();
+    let r = post_chat(e.port, &[("x-session-id", id_a.as_str())], &big);
+    let first_429 = mock.count_429();
+    println!(
+        "large turn: {} via {:?} after {:?} attempts; {key} answered {first_429} 429",
+        r.status,
+        r.header("x-computeflux-endpoint"),
+        r.header("x-computeflux-attempts")
+    );
+    checks.expect(r.status == 200, "the large turn is answered (failed over)");
+    checks.expect(first_429 == 1, "the key refused it with a 429");
+    // Session b's small turn stays on the key.
+    let t = sessions[b].send(0, e.port).clone();
+    println!(
+        "small turn: {} on {} ({})",
+        t.status,
+        t.endpoint(),
+        t.affinity()
+    );
+    checks.expect(
+        t.ok() && t.endpoint() == key && t.affinity() == "hit",
+        format!(
+            "the small turn pinned to {key} stays there (got {} {})",
+            t.endpoint(),
+            t.affinity()
+        ),
+    );
+    checks.expect(
+        mock.count_429() == first_429,
+        "and is not refused: it fitted",
+    );
     checks.finish();
 }

@@ -611,6 +611,9 @@ impl Flow {
         };
         let outcome = blame::by_endpoint(outcome, self.endpoint(s.cfg));
         if outcome.fails_over() {
+            if let Some(a) = self.current.as_mut() {
+                a.quota = quota_hint(s, &outcome, headers, a.ticket.started_ms);
+            }
             let Some(failed) = self.finish_current(s, obs, &outcome, None, now_ms) else {
                 return Step::Continue;
             };
@@ -1171,16 +1174,17 @@ impl Flow {
     }
 }
 
-/// The quota a successful answer states, read only when `quota_aware` is on (each header
-/// read is a host call in Envoy). `sent_ms`: when the attempt was sent (resets count from
-/// there: the upstream admitted it then).
+/// The quota a successful answer or a 429 states (a 429's, when it explains the refusal,
+/// stands in for the breaker: `Quota::refused`), read only when `quota_aware` is on (each
+/// header read is a host call in Envoy). `sent_ms`: when the attempt was sent (resets count
+/// from there: the upstream admitted it then).
 fn quota_hint<H: HeaderSource + ?Sized>(
     s: &Scheduler<'_>,
     outcome: &Outcome,
     headers: &H,
     sent_ms: u64,
 ) -> QuotaHint {
-    if s.cfg.quota_aware && matches!(outcome, Outcome::Success) {
+    if s.cfg.quota_aware && matches!(outcome, Outcome::Success | Outcome::RateLimited { .. }) {
         QuotaHint::read(headers, sent_ms)
     } else {
         QuotaHint::default()

@@ -865,6 +865,63 @@ fn a_quota_reset_counts_from_when_the_request_was_sent() {
     assert_eq!(route(&mut g, &s, &mut log, headers, 3_020), Step::Route(0));
 }
 
+/// Issue 22's quota bench, three replicas: a 429 whose headers state fewer tokens left than
+/// the request needs is the request against what the key has left. It fails over, the key's
+/// count takes the stated value, and the breaker stays closed: the next request that fits
+/// still goes there (before, the key was cooled until its reset, then probed by three).
+#[test]
+fn a_429_whose_quota_headers_explain_it_fails_over_and_leaves_the_key_open() {
+    let c = cfg(json!({"max_attempts": 3}));
+    let store = MemStore::new();
+    let s = Scheduler::new(&c, &store);
+    let mut log = Log::default();
+    let mut f = Flow::default();
+    assert_eq!(
+        route(&mut f, &s, &mut log, post_headers(&[]), 0),
+        Step::Route(0)
+    );
+    // `BODY` is estimated at 15 tokens; 10 are left until the reset in 2 s.
+    let refused = pairs(&[
+        (":status", "429"),
+        (UPSTREAM_MARKER, "1"),
+        ("retry-after", "2"),
+        ("x-ratelimit-limit-tokens", "1000"),
+        ("x-ratelimit-remaining-tokens", "10"),
+        ("x-ratelimit-reset-tokens", "2s"),
+    ]);
+    assert_eq!(
+        f.on_response_headers(&s, &mut log, &refused, false, 5),
+        Step::Dispatch(1)
+    );
+    let table = Table::aligned(store.get(TABLE_KEY).0.as_deref(), &c);
+    assert_eq!(table.entries[0].1.quota.tokens_left(10), Some(10));
+    assert_eq!(
+        table.entries[0].1.breaker.state,
+        crate::scheduler::health::breaker::BreakerState::Closed
+    );
+    // Without an explaining statement (10 000 left), the breaker opens as before.
+    let store = MemStore::new();
+    let s = Scheduler::new(&c, &store);
+    let mut g = Flow::default();
+    assert_eq!(
+        route(&mut g, &s, &mut log, post_headers(&[]), 20),
+        Step::Route(0)
+    );
+    let unexplained = pairs(&[
+        (":status", "429"),
+        (UPSTREAM_MARKER, "1"),
+        ("retry-after", "2"),
+        ("x-ratelimit-remaining-tokens", "10000"),
+        ("x-ratelimit-reset-tokens", "2s"),
+    ]);
+    g.on_response_headers(&s, &mut log, &unexplained, false, 25);
+    let table = Table::aligned(store.get(TABLE_KEY).0.as_deref(), &c);
+    assert_eq!(
+        table.entries[0].1.breaker.state,
+        crate::scheduler::health::breaker::BreakerState::Open
+    );
+}
+
 #[test]
 fn quota_headers_are_not_read_off_failures_nor_with_the_feature_off() {
     for (extra, status) in [(json!({}), "500"), (json!({"quota_aware": false}), "200")] {

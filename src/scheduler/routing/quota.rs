@@ -41,7 +41,15 @@
 //! - An endpoint is *short* when its remaining requests are below `max(quota_min_requests, 1)`
 //!   or its remaining tokens below `max(quota_min_tokens, estimate)`. A short endpoint is
 //!   skipped for new placements like an unavailable one (the next in rendezvous order takes
-//!   the session, the same on every replica), unless every candidate is short.
+//!   the session, the same on every replica), unless every candidate is short. With pacing
+//!   (`quota_pacing`) and a stated limit it is short too when the pinned sessions' use until
+//!   the reset would leave less than the floors ([`Remaining::projected_use`]), or when their
+//!   use over the last window's length already exceeds the limit less the reserve
+//!   ([`Remaining::span_use`]): sessions placed now spend in the next window.
+//! - A 429 whose statement explains it (no request left, or fewer tokens than the request's
+//!   estimate, with a reset) sets the count like an answer's instead of opening the breaker
+//!   ([`Quota::refused`]): with several replicas each one's count misses the others' use, and
+//!   a key cooled whole for one large turn turned away the pinned turns that still fitted.
 //! - A pinned session leaves its endpoint only when staying is a *certain* 429: no request
 //!   left, or fewer tokens left than the estimate. A mere floor is not worth a re-prefill.
 //! - Each pick takes one request and the estimate from the remembered counts, so concurrent
@@ -79,6 +87,10 @@ pub struct Remaining {
     /// sent (Unix ms; the upstream admitted it at about then, and charged every request
     /// admitted before it): an answer to a request sent earlier is already in the count.
     pub stated_ms: u64,
+    /// What the window before this one used (its limit less its last count; 0 when unknown
+    /// or when a whole window passed unseen): the rate of the sessions already pinned to the
+    /// key at the start of a window, when this window's own use is too young to tell it.
+    pub prev_used: u64,
 }
 
 impl Remaining {
@@ -91,27 +103,56 @@ impl Remaining {
             span_ms: 0,
             assumed: false,
             stated_ms: 0,
+            prev_used: 0,
         }
     }
 
-    /// What the sessions already using the endpoint will take until the reset, at the rate
-    /// they took since the window began (`(limit − left) × time to reset ÷ time elapsed`):
-    /// quota pacing keeps new sessions off a key that is on course to run out before its reset,
-    /// so that the sessions pinned there are not moved (a re-prefill each) when it does. `0`
-    /// when the limit or the window is unknown, or in the window's first tenth (too little to
-    /// extrapolate from).
+    /// What the sessions already using the endpoint will take until the reset: quota pacing
+    /// keeps new sessions off a key that is on course to run out before its reset, so that the
+    /// sessions pinned there are not moved (a re-prefill each) when it does. The larger of two
+    /// rates (see [`Remaining::span_use`]), times the time to reset. `0` when the limit or the
+    /// window is unknown.
     pub fn projected_use(self, now_ms: u64) -> u64 {
-        let Some(limit) = self.limit else {
+        let Some((rate_use, span, to_reset)) = self.rates(now_ms) else {
             return 0;
         };
-        let to_reset = self.reset_at_ms.saturating_sub(now_ms);
-        let elapsed = self.span_ms.saturating_sub(to_reset);
-        if self.span_ms == 0 || elapsed < self.span_ms / 10 || elapsed == 0 {
-            return 0;
+        u64::try_from(rate_use * to_reset / span).unwrap_or(u64::MAX)
+    }
+
+    /// What the sessions already using the endpoint take per window: the larger of
+    /// - this window's use at its rate since it began (`(limit − left) × span ÷ time elapsed`;
+    ///   not in the window's first tenth, too little to extrapolate from);
+    /// - the use over the last span: this window's plus the previous window's in the part of
+    ///   the span before this one began (`prev_used × (1 − elapsed ÷ span)`).
+    ///
+    /// Sessions placed now spend most of their tokens in the windows after this one, at this
+    /// rate (more, as their prompts grow): with only this window's use, a window's start
+    /// looked empty, and new sessions were placed on a key that the sessions pinned there
+    /// then ran dry in the next window (issue 22's quota bench: 16 to 30 follow-ups moved
+    /// per run, each a re-prefill). `0` when the limit or the window is unknown.
+    pub fn span_use(self, now_ms: u64) -> u64 {
+        self.rates(now_ms).map_or(0, |(rate_use, _, _)| {
+            u64::try_from(rate_use).unwrap_or(u64::MAX)
+        })
+    }
+
+    /// `(use per span at the larger rate, span, time to reset)`, see [`Remaining::span_use`].
+    fn rates(self, now_ms: u64) -> Option<(u128, u128, u128)> {
+        let limit = self.limit?;
+        if self.span_ms == 0 {
+            return None;
         }
+        let span = u128::from(self.span_ms);
+        let to_reset = u128::from(self.reset_at_ms.saturating_sub(now_ms)).min(span);
+        let elapsed = span - to_reset;
         let used = u128::from(limit.saturating_sub(self.left));
-        let projected = used * u128::from(to_reset) / u128::from(elapsed);
-        u64::try_from(projected).unwrap_or(u64::MAX)
+        let in_window = if elapsed == 0 || elapsed < span / 10 {
+            0
+        } else {
+            used * span / elapsed
+        };
+        let last_span = used + u128::from(self.prev_used) * to_reset / span;
+        Some((in_window.max(last_span), span, to_reset))
     }
 
     /// The count as it stands at `now_ms`: itself before its reset; after it, back at its
@@ -131,6 +172,11 @@ impl Remaining {
                 .reset_at_ms
                 .saturating_add(periods.saturating_mul(self.span_ms)),
             assumed: true,
+            prev_used: if periods == 1 {
+                limit.saturating_sub(self.left)
+            } else {
+                0
+            },
             ..self
         })
     }
@@ -302,19 +348,24 @@ impl Quota {
         live(self.tokens, now_ms)
     }
 
-    /// Below a floor or below this request's estimate: skipped for new placements.
+    /// Below a floor or below this request's estimate: skipped for new placements. With
+    /// pacing, also when what is left will not cover the reserve and the pinned sessions' use
+    /// until the reset ([`Remaining::projected_use`]), or when their use per window already
+    /// takes more than the limit less the reserve ([`Remaining::span_use`]: the reserve is
+    /// for their growth, in this window and the next).
     pub fn short(&self, estimate: u64, rule: &QuotaRule, now_ms: u64) -> bool {
         let below = |r: Option<Remaining>, floor: u64| {
             r.and_then(|r| r.current(now_ms)).is_some_and(|r| {
                 let reserve = r
                     .limit
                     .map_or(0, |l| l.saturating_mul(rule.reserve_percent) / 100);
-                let paced = if rule.pacing {
-                    r.projected_use(now_ms)
-                } else {
-                    0
-                };
-                r.left < floor.max(reserve).saturating_add(paced)
+                if !rule.pacing {
+                    return r.left < floor.max(reserve);
+                }
+                let busy = r
+                    .limit
+                    .is_some_and(|l| r.span_use(now_ms) > l.saturating_sub(reserve));
+                busy || r.left < floor.max(reserve).saturating_add(r.projected_use(now_ms))
             })
         };
         below(self.requests, rule.min_requests.max(1))
@@ -363,6 +414,33 @@ impl Quota {
         self.tokens = Some(Remaining { left, ..r });
     }
 
+    /// A 429's statement (upstreams that state the counts on answers state them on their 429s
+    /// too): when it explains the refusal — no request left, or fewer tokens left than this
+    /// request's `estimate`, with a reset to wait for — it is remembered like an answer's
+    /// and `true` is returned: the count, not the breaker, keeps the key's requests off it
+    /// until the reset, and only those that do not fit. Cooled whole for a 429 that said
+    /// 1 808 tokens were left, a key turned away a pinned turn of 1 431 tokens on that replica
+    /// until its window ended, then admitted only the breaker's few probes for the length of
+    /// their generations: issue 22's quota bench, three replicas, moved pinned turns off keys
+    /// with quota. A 429 whose statement does not explain it (or that has none) is left to
+    /// the breaker.
+    pub fn refused(
+        &mut self,
+        hint: &QuotaHint,
+        estimate: u64,
+        rule: &QuotaRule,
+        now_ms: u64,
+    ) -> bool {
+        let explains = |s: Option<Stated>, need: u64| {
+            s.is_some_and(|s| s.reset_in_ms.is_some() && s.left < need)
+        };
+        if !(explains(hint.requests, 1) || explains(hint.tokens, estimate)) {
+            return false;
+        }
+        self.observe(hint, rule, now_ms);
+        true
+    }
+
     /// An answer's statement updates what was remembered, family by family: a new window
     /// replaces it, the same window only lowers it (see the module doc). A statement about a
     /// window that has already ended, or about an earlier window than the remembered count's
@@ -384,6 +462,7 @@ impl Quota {
                 span_ms: reset_in,
                 assumed: false,
                 stated_ms: base,
+                prev_used: 0,
             };
             let Some(o) = old.and_then(|o| o.current(now_ms)) else {
                 return new;
@@ -405,6 +484,7 @@ impl Quota {
                     } else {
                         o.stated_ms
                     },
+                    prev_used: o.prev_used,
                     ..new
                 };
             }
@@ -420,9 +500,14 @@ impl Quota {
                     } else {
                         o.stated_ms
                     },
+                    prev_used: o.prev_used,
                 };
             }
-            new
+            // A new window: the one remembered was the window before it.
+            Remaining {
+                prev_used: o.limit.map_or(0, |l| l.saturating_sub(o.left)),
+                ..new
+            }
         };
         if let Some(s) = hint.requests {
             self.requests = Some(remember(self.requests, s));
@@ -433,7 +518,7 @@ impl Quota {
     }
 
     /// Bytes of [`Quota::encode`].
-    pub const BYTES: usize = 2 * (1 + 8 + 8 + 8 + 8 + 8);
+    pub const BYTES: usize = 2 * (1 + 8 + 8 + 8 + 8 + 8 + 8);
 
     pub fn encode(&self, w: &mut Writer) {
         for r in [self.requests, self.tokens] {
@@ -443,6 +528,7 @@ impl Quota {
             w.u64(r.and_then(|r| r.limit).unwrap_or(u64::MAX));
             w.u64(r.map_or(0, |r| r.span_ms));
             w.u64(r.map_or(0, |r| r.stated_ms));
+            w.u64(r.map_or(0, |r| r.prev_used));
         }
     }
 
@@ -457,6 +543,7 @@ impl Quota {
             let limit = r.u64()?;
             let span_ms = r.u64()?;
             let stated_ms = r.u64()?;
+            let prev_used = r.u64()?;
             Some((flags & 1 == 1).then_some(Remaining {
                 left,
                 reset_at_ms,
@@ -464,6 +551,7 @@ impl Quota {
                 span_ms,
                 assumed: flags & 2 == 2,
                 stated_ms,
+                prev_used,
             }))
         };
         let requests = one()?;

@@ -143,8 +143,8 @@ impl<'a> Scheduler<'a> {
         )
     }
 
-    /// [`Scheduler::finish`], also remembering the quota a successful answer stated (in the
-    /// same write). The bookkeeping is one function per concern, applied to the endpoint's
+    /// [`Scheduler::finish`], also remembering the quota a successful answer (or a 429 it
+    /// explains) stated (in the same write). The bookkeeping is one function per concern, applied to the endpoint's
     /// entry in one table write: [`release`] (in-flight, overdue watch), [`record_success`],
     /// [`record_latency`] (raw EWMA, metrics only), [`record_slowness`], [`record_payoff`],
     /// [`record_quota`], [`record_probe`] (probe backoff), [`record_breaker`]; then the work
@@ -181,9 +181,9 @@ impl<'a> Scheduler<'a> {
                 .as_ref()
                 .and_then(|(sample, model)| record_slowness(st, sample, model, now_ms));
             record_payoff(st, outcome, &ticket, cfg);
-            record_quota(st, outcome, &ticket, quota, &rule, cfg, now_ms);
+            let by_quota = record_quota(st, outcome, &ticket, quota, &rule, cfg, now_ms);
             record_probe(st, &ticket, ratio, reference, cfg);
-            let changed = record_breaker(st, outcome, &ticket, now_ms, &bcfg);
+            let changed = record_breaker(st, outcome, &ticket, now_ms, &bcfg, by_quota);
             let report = Finished {
                 breaker_changed: changed,
                 breaker: st.breaker.state_at(now_ms),
@@ -359,7 +359,9 @@ pub(super) fn record_payoff(
 }
 
 /// The quota a successful answer used and stated (`quota_aware`): the tokens its `usage`
-/// reports replace the pick's estimate, then its headers' statement applies.
+/// reports replace the pick's estimate, then its headers' statement applies. A 429's
+/// statement applies when it explains the refusal ([`Quota::refused`](crate::scheduler::routing::quota::Quota::refused)):
+/// returns `true` then, and the breaker is left alone ([`record_breaker`]).
 pub(super) fn record_quota(
     st: &mut EndpointState,
     outcome: &Outcome,
@@ -368,14 +370,22 @@ pub(super) fn record_quota(
     rule: &QuotaRule,
     cfg: &Config,
     now_ms: u64,
-) {
-    if matches!(outcome, Outcome::Success) && cfg.quota_aware {
-        if let Some(u) = ticket.served.as_ref().and_then(|s| s.usage.as_ref()) {
-            let used = u.prompt_tokens.saturating_add(u.completion_tokens);
-            st.quota
-                .settle(ticket.quota_tokens, used, ticket.started_ms, now_ms);
+) -> bool {
+    if !cfg.quota_aware {
+        return false;
+    }
+    match outcome {
+        Outcome::Success => {
+            if let Some(u) = ticket.served.as_ref().and_then(|s| s.usage.as_ref()) {
+                let used = u.prompt_tokens.saturating_add(u.completion_tokens);
+                st.quota
+                    .settle(ticket.quota_tokens, used, ticket.started_ms, now_ms);
+            }
+            st.quota.observe(quota, rule, now_ms);
+            false
         }
-        st.quota.observe(quota, rule, now_ms);
+        Outcome::RateLimited { .. } => st.quota.refused(quota, ticket.quota_tokens, rule, now_ms),
+        _ => false,
     }
 }
 
@@ -399,13 +409,23 @@ pub(super) fn record_probe(
 }
 
 /// The breaker; returns whether its state changed.
+///
+/// A 429 that the endpoint's quota count explains (`by_quota`, see [`record_quota`]) is the
+/// request's size against what the key has left, not the key out of service: it neither
+/// opens the breaker nor, as a half-open probe, re-opens it (its slot is given back).
 pub(super) fn record_breaker(
     st: &mut EndpointState,
     outcome: &Outcome,
     ticket: &Ticket,
     now_ms: u64,
     bcfg: &BreakerConfig,
+    by_quota: bool,
 ) -> bool {
+    let outcome = if by_quota {
+        &Outcome::ClientError
+    } else {
+        outcome
+    };
     let changed = st.breaker.record(outcome, ticket.probe_epoch, now_ms, bcfg);
     if changed && st.breaker.state == BreakerState::Closed {
         // All probes succeeded: the endpoint has genuinely recovered.

@@ -1396,6 +1396,82 @@ fn a_later_turn_without_a_pin_here_keeps_to_its_home_until_a_429_is_certain() {
     assert_eq!(moved.quota_skipped, vec![0]);
 }
 
+/// Issue 22's quota bench, three replicas: a replica's count missed what the others spent, a
+/// 2 000-token turn got a 429 that said 1 500 tokens were left, and the key was cooled whole
+/// on that replica: a pinned turn of 1 000 tokens moved although it fitted, and after the
+/// reset the breaker's three probes held the key for the length of their generations while
+/// the other pinned turns moved. The 429's statement explains it: the count, not the breaker,
+/// keeps off what does not fit.
+#[test]
+fn a_429_its_quota_statement_explains_keeps_the_key_for_the_turns_that_fit() {
+    use crate::scheduler::routing::quota::Stated;
+    let c = cfg(
+        json!({"endpoints":[{"name":"a","cluster":"ca"},{"name":"b","cluster":"cb"}],
+        "half_open_probes": 3}),
+    );
+    let store = MemStore::new();
+    let s = Scheduler::new(&c, &store);
+    let ex = Exclusions::default();
+    let tokens = |left: u64, reset_in_ms: u64, at_ms: u64| QuotaHint {
+        requests: None,
+        tokens: Some(Stated {
+            left,
+            reset_in_ms: Some(reset_in_ms),
+            limit: Some(60_000),
+        }),
+        at_ms: Some(at_ms),
+    };
+    let k = session_homed_at(&s, 0);
+    let d = s.pick(&body_pick(Some(k), &ex, 400), 0).unwrap();
+    assert_eq!(d.endpoint, 0);
+    s.finish_observed(
+        d.ticket,
+        &Outcome::Success,
+        Some(10),
+        Some(k),
+        &tokens(30_000, 4_000, 0),
+        1,
+    );
+    // A 2 000-token turn (8 000 bytes) is refused: 1 500 left, the window resets at 4 000.
+    let big = s.pick(&body_pick(Some(k), &ex, 8_000), 100).unwrap();
+    assert_eq!((big.endpoint, big.affinity), (0, AffinityResult::Hit));
+    let refused = Outcome::RateLimited {
+        retry_after_ms: Some(3_900),
+    };
+    s.finish_observed(
+        big.ticket,
+        &refused,
+        Some(10),
+        Some(k),
+        &tokens(1_500, 3_900, 100),
+        110,
+    );
+    assert_eq!(s.table().entries[0].1.breaker.state, BreakerState::Closed);
+    // A 1 000-token turn stays; another 2 000-token one moves (a certain 429).
+    let fits = s.pick(&body_pick(Some(k), &ex, 4_000), 120).unwrap();
+    assert_eq!((fits.endpoint, fits.affinity), (0, AffinityResult::Hit));
+    let over = s.pick(&body_pick(Some(k), &ex, 8_000), 130).unwrap();
+    assert_eq!((over.endpoint, over.affinity), (1, AffinityResult::Miss));
+    // After the reset every turn goes there as before, not three probes and then elsewhere.
+    for now in 4_001..4_006 {
+        let d = s.pick(&body_pick(Some(k), &ex, 4_000), now).unwrap();
+        assert_eq!((d.endpoint, d.reason), (0, Reason::AffinityHit), "{now}");
+    }
+    // A 429 whose statement does not explain it (enough left for the request) opens the
+    // breaker as before.
+    let d = s.pick(&body_pick(Some(k), &ex, 400), 4_010).unwrap();
+    assert_eq!(d.endpoint, 0);
+    s.finish_observed(
+        d.ticket,
+        &refused,
+        Some(10),
+        Some(k),
+        &tokens(20_000, 3_900, 4_010),
+        4_020,
+    );
+    assert_eq!(s.table().entries[0].1.breaker.state, BreakerState::Open);
+}
+
 #[test]
 fn when_every_key_is_short_the_home_is_still_tried() {
     let c = cfg(json!({"endpoints":[{"name":"a","cluster":"ca"},{"name":"b","cluster":"cb"}]}));
