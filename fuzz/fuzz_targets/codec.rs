@@ -13,6 +13,7 @@ use computeflux::scheduler::routing::payoff::Payoff;
 use computeflux::scheduler::routing::quota::{Quota, Remaining};
 use computeflux::scheduler::routing::saturation::Saturation;
 use computeflux::scheduler::routing::select::TABLE_KEY;
+use computeflux::scheduler::routing::sessions::SESSIONS_KEY;
 use computeflux::scheduler::routing::slowness::Slowness;
 use computeflux::scheduler::routing::table::Table;
 use computeflux::scheduler::{
@@ -258,6 +259,9 @@ fuzz_target!(|input: Input<'_>| match input {
             assert_eq!(aff.lookup(session | 1, now + 6), Some(id));
         }
         assert!(aff.stored_entries() <= 10);
-        assert_eq!(store.keys() as u64, aff.buckets() + 1);
+        // The table, the affinity buckets, and the count of sessions placed once a new
+        // session was placed.
+        let sessions = u64::from(store.get(SESSIONS_KEY).0.is_some());
+        assert_eq!(store.keys() as u64, aff.buckets() + 1 + sessions);
     }
 });

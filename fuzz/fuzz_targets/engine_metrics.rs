@@ -61,7 +61,13 @@ fuzz_target!(|input: Input<'_>| {
     }
 
     // Two scrapes in a row: the pace window never panics and stays canonical.
-    let next = parse(input.second, input.second.len(), format, &models, usize::MAX);
+    let next = parse(
+        input.second,
+        input.second.len(),
+        format,
+        &models,
+        usize::MAX,
+    );
     let mut rec = Scraped::default();
     for (i, load) in [p.load, next.load].into_iter().enumerate() {
         if let Ok(l) = load {
@@ -69,7 +75,10 @@ fuzz_target!(|input: Input<'_>| {
         }
     }
     assert!(rec.pace.is_none_or(|pc| pc.us_per_token >= 1));
-    assert_eq!(rec.decode_base.is_some(), rec.last.and_then(|l| l.decode).is_some());
+    assert_eq!(
+        rec.decode_base.is_some(),
+        rec.last.and_then(|l| l.decode).is_some()
+    );
     assert_eq!(Scraped::decode(&rec.encode()), Some(rec));
 
     if let Some(r) = Scraped::decode(input.body) {
