@@ -901,15 +901,12 @@ impl<'t> Board<'t> {
     /// by itself, and a gap of 4× leaves the jitter between replicas' scrapes alone. New
     /// sessions only: no pin moves for it.
     pub(super) fn far_shorter_queue_elsewhere(&self, i: usize) -> bool {
-        let Some(mine) = self.queue_batches(i).filter(|q| *q >= 1.0) else {
-            return false;
-        };
         self.statics.iter().any(|&j| {
             j != i
                 && self.admitted(j)
                 && !self.degraded(j)
                 && !self.short(j)
-                && self.queue_batches(j).is_some_and(|q| q * QUEUE_GAP <= mine)
+                && self.far_shorter_queue(j, i)
         })
     }
     /// Whether `i` is the last healthy server of another model than the request's
