@@ -16,9 +16,11 @@
 //!   request was sent, not from when its headers were read (a plain answer's come after its
 //!   whole generation: counted from there, a 4 s window's count outlived its reset by seconds).
 //!   An answer about the same window (its reset within [`SAME_WINDOW_MS`] of the remembered
-//!   one) lowers the remembered count but never raises it: an answer that took a while
-//!   reports a count from before the requests admitted meanwhile, which the picks since have
-//!   already taken off. A new window (a later reset) replaces the count; an answer about a
+//!   one) reports a count from before the requests admitted meanwhile, which the picks since
+//!   have already taken off: it is reconciled with those picks (the statement less what this
+//!   replica picked after its request, [`Quota::observe`]), raising the count or lowering it;
+//!   without its pick's [`Mark`], or when a fresher statement is merged already, it only
+//!   lowers the count. A new window (a later reset) replaces the count; an answer about a
 //!   window that has ended (relayed after its reset) or an earlier one is passed over.
 //! - When the answer also states the limit (`x-ratelimit-limit-*`, `anthropic-ratelimit-*-limit`),
 //!   a count whose reset has passed is not forgotten but *assumed* back at its limit for a
