@@ -703,6 +703,9 @@ impl<'a> Scheduler<'a> {
                 d.ticket.counted = false;
                 d.ticket.probe_epoch = None;
                 d.ticket.watch_token = 0;
+                // Its pick's place among the stored picks is unknown: its answer's statement
+                // only lowers the count.
+                d.ticket.quota_mark = QuotaMark::default();
                 d
             }),
         };
