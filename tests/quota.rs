@@ -328,3 +328,102 @@ fn a_429_that_states_the_tokens_left_keeps_the_key_for_turns_that_fit() {
     );
     checks.finish();
 }
+
+/// Issue 22 (quota bench, one Envoy: a key with 2 827 tokens left looked short for a pinned
+/// turn of 2 387, and the turn moved): a fresher answer's statement about the same window is
+/// reconciled with the picks made after its request, raising the count. Here an answer without
+/// `usage` (as OpenAI streams send by default) leaves its pick's estimate — a 12 000-token
+/// `max_tokens` the key never charged — in the key's count; another session's answer then
+/// states about 19 800 tokens left. Before: a statement only lowered the count, which stayed
+/// near 7 800 for the whole window, and the first session's next turn asking 10 000 was a
+/// "certain 429" and left its key; after: it stays, and the key does not refuse it.
+#[test]
+fn a_fresher_statement_raises_the_count_that_an_unsettled_estimate_lowered() {
+    let mocks = mocks();
+    let mut checks = Checks::new();
+    quota(
+        &mocks,
+        json!({"tokens": 20_000, "window_ms": WINDOW_MS, "headers_family": "openai"}),
+    );
+    let e = envoy(&mocks, json!({}));
+    let mut sessions = Session::many("unsettled", 12, MODEL);
+    for s in &mut sessions {
+        s.send(0, e.port);
+    }
+    let (a, b) = (0..sessions.len())
+        .flat_map(|i| (i + 1..sessions.len()).map(move |j| (i, j)))
+        .find(|&(i, j)| sessions[i].last_endpoint() == sessions[j].last_endpoint())
+        .expect("two of 12 sessions share a key among 3");
+    let key = sessions[a].last_endpoint().unwrap().to_string();
+    let mock = mocks.iter().find(|m| m.name == key).unwrap();
+    // Session a's turn asks for 12 000 tokens; the key charges what it generates and the
+    // answer reports no usage.
+    mock.set_fault(json!({"mode": "no_usage", "count": 1}));
+    let t = sessions[a]
+        .send_with(0, e.port, json!({"max_tokens": 12_000}))
+        .clone();
+    println!(
+        "unsettled turn: {} on {} ({})",
+        t.status,
+        t.endpoint(),
+        t.affinity()
+    );
+    checks.expect(
+        t.ok() && t.endpoint() == key,
+        "the turn without usage is served by its key",
+    );
+    // Session b's small turn on the same key: its answer states what the key has left.
+    let t = sessions[b].send(0, e.port).clone();
+    println!(
+        "stating turn: {} on {} ({})",
+        t.status,
+        t.endpoint(),
+        t.affinity()
+    );
+    checks.expect(
+        t.ok() && t.endpoint() == key,
+        "the stating turn is served by the key",
+    );
+    let left = mocks_left(mock);
+    println!("key {key}: {left} tokens left");
+    checks.expect(
+        left > 11_000,
+        format!("the key has room for a 10 000-token turn (has {left})"),
+    );
+    // Session a's next turn asks for 10 000: it fits the key.
+    let t = sessions[a]
+        .send_with(0, e.port, json!({"max_tokens": 10_000}))
+        .clone();
+    println!(
+        "large turn: {} on {} ({})",
+        t.status,
+        t.endpoint(),
+        t.affinity()
+    );
+    checks.expect(
+        t.ok() && t.endpoint() == key && t.affinity() == "hit",
+        format!(
+            "the turn that fits stays on {key} (got {} {})",
+            t.endpoint(),
+            t.affinity()
+        ),
+    );
+    let rejected = total_429(&mocks);
+    checks.expect(
+        rejected == 0,
+        format!("no key answered 429 (got {rejected})"),
+    );
+    checks.finish();
+}
+
+/// What a mock key has left, from a request sent to it directly (1 token: the request's own).
+fn mocks_left(mock: &MockUpstream) -> u64 {
+    let r = post_chat(
+        mock.port,
+        &[],
+        &support::chat_body(MODEL, &["x"], json!({"max_tokens": 1})),
+    );
+    r.header("x-ratelimit-remaining-tokens")
+        .and_then(|v| v.parse().ok())
+        .unwrap()
+}

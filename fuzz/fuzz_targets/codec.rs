@@ -67,6 +67,7 @@ fn remaining(
         // Any value round-trips; this one varies with the others.
         stated_ms: reset_at_ms.wrapping_sub(span_ms),
         prev_used: left.wrapping_mul(3),
+        picked: span_ms.wrapping_mul(5),
     }
 }
 

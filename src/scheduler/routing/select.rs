@@ -37,7 +37,7 @@ use crate::scheduler::routing::capacity::{self, Engines, Room};
 use crate::scheduler::routing::ewma;
 use crate::scheduler::routing::overdue;
 use crate::scheduler::routing::placement;
-use crate::scheduler::routing::quota::{estimate_tokens, QuotaHint, QuotaRule};
+use crate::scheduler::routing::quota::{estimate_tokens, QuotaHint, QuotaMark, QuotaRule};
 use crate::scheduler::routing::saturation::{
     expected_wait_ms, keep_pin, MoveReason, PinCase, Saturation,
 };
@@ -289,6 +289,9 @@ pub struct Ticket {
     /// request's estimate; 0 without `quota_aware`): replaced by what the answer's `usage`
     /// reports when it ends (`Quota::settle`).
     pub quota_tokens: u64,
+    /// Where that pick stood in the endpoint's quota windows: the answer's statement is
+    /// reconciled with the picks made after it (`Quota::observe`).
+    pub quota_mark: QuotaMark,
 }
 
 #[derive(Debug, PartialEq, Eq)]
@@ -681,6 +684,7 @@ impl<'a> Scheduler<'a> {
                     pinned_usage: None,
                     served: None,
                     quota_tokens: 0,
+                    quota_mark: QuotaMark::default(),
                 };
                 Ok(Decision {
                     endpoint: c.endpoint,
@@ -699,6 +703,9 @@ impl<'a> Scheduler<'a> {
                 d.ticket.counted = false;
                 d.ticket.probe_epoch = None;
                 d.ticket.watch_token = 0;
+                // Its pick's place among the stored picks is unknown: its answer's statement
+                // only lowers the count.
+                d.ticket.quota_mark = QuotaMark::default();
                 d
             }),
         };
@@ -811,12 +818,11 @@ impl<'a> Scheduler<'a> {
         } else {
             0
         };
-        let quota_tokens = if self.cfg.quota_aware {
+        let (quota_tokens, quota_mark) = if self.cfg.quota_aware {
             let estimate = pick.quota_estimate(self.cfg.quota_bytes_per_token);
-            st.quota.consume(estimate, now_ms);
-            estimate
+            (estimate, st.quota.consume(estimate, now_ms))
         } else {
-            0
+            (0, QuotaMark::default())
         };
         if pick.attempt <= 1 {
             budget.on_request(now_ms);
@@ -834,6 +840,7 @@ impl<'a> Scheduler<'a> {
             pinned_usage: None,
             served: None,
             quota_tokens,
+            quota_mark,
         };
         let patch = bytes.is_some_and(|stored| {
             same_layout && !others_changed && Table::patchable(stored, i, table.entries.len())

@@ -10,6 +10,11 @@ fn h(pairs: &[(&str, &str)]) -> Pairs {
         .collect()
 }
 
+const NO_MARK: QuotaMark = QuotaMark {
+    requests: None,
+    tokens: None,
+};
+
 const RULE: QuotaRule = QuotaRule {
     min_requests: 1,
     min_tokens: 0,
@@ -37,6 +42,7 @@ fn pacing_keeps_new_sessions_off_a_key_on_course_to_run_out() {
             assumed: false,
             stated_ms: 0,
             prev_used: 0,
+            picked: 0,
         };
         Quota {
             requests: None,
@@ -178,7 +184,7 @@ fn malformed_values_are_ignored() {
         ]),
         1_000,
     );
-    q.observe(&far, &RULE, 1_000);
+    q.observe(&far, &NO_MARK, &RULE, 1_000);
     assert_eq!(q.requests.map(|r| r.reset_at_ms), Some(301_000));
     assert_eq!(q.requests_left(301_000), None);
 }
@@ -205,6 +211,7 @@ fn the_rule_with_worked_numbers() {
             }),
             at_ms: None,
         },
+        &NO_MARK,
         &RULE,
         0,
     );
@@ -238,6 +245,7 @@ fn the_rule_with_worked_numbers() {
             }),
             at_ms: None,
         },
+        &NO_MARK,
         &floor,
         0,
     );
@@ -256,17 +264,17 @@ fn a_late_answer_about_the_same_window_does_not_undo_the_picks_since() {
         tokens: None,
         at_ms: None,
     };
-    q.observe(&st(10, 5_000), &RULE, 0); // window ends at 5 000
+    q.observe(&st(10, 5_000), &NO_MARK, &RULE, 0); // window ends at 5 000
     q.consume(1, 0);
     q.consume(1, 0); // 8 left here
                      // An answer admitted before those two picks says 9, ends at ≈ 5 000: still 8.
-    q.observe(&st(9, 4_900), &RULE, 100);
+    q.observe(&st(9, 4_900), &NO_MARK, &RULE, 100);
     assert_eq!(q.requests_left(100), Some(8));
     // A lower count is taken at once.
-    q.observe(&st(3, 4_800), &RULE, 200);
+    q.observe(&st(3, 4_800), &NO_MARK, &RULE, 200);
     assert_eq!(q.requests_left(200), Some(3));
     // The next window's count replaces it.
-    q.observe(&st(10, 5_000), &RULE, 5_000);
+    q.observe(&st(10, 5_000), &NO_MARK, &RULE, 5_000);
     assert_eq!(q.requests_left(5_000), Some(10));
 }
 
@@ -282,7 +290,7 @@ fn with_a_limit_a_reset_count_is_assumed_full_and_counted_down_until_an_answer()
         tokens: None,
         at_ms: None,
     };
-    q.observe(&hint(0), &RULE, 0); // spent until 1 000
+    q.observe(&hint(0), &NO_MARK, &RULE, 0); // spent until 1 000
     assert!(q.certain_429(1, 999));
     // After the reset: 10 assumed, and each pick counts, with no answer yet.
     assert_eq!(q.requests_left(1_000), Some(10));
@@ -294,12 +302,12 @@ fn with_a_limit_a_reset_count_is_assumed_full_and_counted_down_until_an_answer()
     assert_eq!(q.requests_left(3_500), Some(10));
     // The first answer of a window only lowers the assumed count, and sets the reset.
     q.consume(1, 3_500); // 9 assumed, window to 4 000
-    q.observe(&hint(9), &RULE, 3_600); // that pick's answer
+    q.observe(&hint(9), &NO_MARK, &RULE, 3_600); // that pick's answer
     assert_eq!(
         q.requests.map(|r| (r.left, r.reset_at_ms, r.assumed)),
         Some((9, 4_600, false))
     );
-    q.observe(&hint(4), &RULE, 3_700);
+    q.observe(&hint(4), &NO_MARK, &RULE, 3_700);
     assert_eq!(q.requests_left(3_700), Some(4));
     // A limit below the count is not believed.
     let odd = QuotaHint::read(
@@ -333,6 +341,7 @@ fn round_trip() {
             assumed: true,
             stated_ms: 5,
             prev_used: 6,
+            picked: 7,
         }),
     };
     let mut w = Writer::with_capacity(Quota::BYTES);
@@ -356,6 +365,7 @@ fn settle_replaces_the_estimate_by_the_reported_usage() {
             assumed: false,
             stated_ms: 0,
             prev_used: 0,
+            picked: 0,
         }),
     };
     let mut q = at(40_000);
@@ -460,7 +470,7 @@ fn the_count_follows_a_keys_real_use_when_answers_end_out_of_order() {
                 tokens: Some(stated),
                 at_ms: Some(sent),
             };
-            q.observe(&hint, &rule, end);
+            q.observe(&hint, &NO_MARK, &rule, end);
         }
         // What the key has left vs what the count says, at each pick from the second window on
         // (picks before the first statement cannot be counted).
@@ -513,10 +523,10 @@ fn resets_count_from_when_the_request_was_sent() {
         }),
         at_ms: Some(sent),
     };
-    q.observe(&hint(9_000, 4_000, 0), &RULE, 100); // a 4 s window, ends at 4 000
-                                                   // Sent at 3 000, "1s" to the reset, relayed at 3 900: the window still ends at 4 000
-                                                   // (counted from 3 900 it would have lasted to 4 900, with 2 000 left instead of 10 000).
-    q.observe(&hint(2_000, 1_000, 3_000), &RULE, 3_900);
+    q.observe(&hint(9_000, 4_000, 0), &NO_MARK, &RULE, 100); // a 4 s window, ends at 4 000
+                                                             // Sent at 3 000, "1s" to the reset, relayed at 3 900: the window still ends at 4 000
+                                                             // (counted from 3 900 it would have lasted to 4 900, with 2 000 left instead of 10 000).
+    q.observe(&hint(2_000, 1_000, 3_000), &NO_MARK, &RULE, 3_900);
     assert_eq!(q.tokens.map(|r| r.reset_at_ms), Some(4_000));
     assert_eq!(q.tokens_left(3_900), Some(2_000));
     assert_eq!(
@@ -526,10 +536,10 @@ fn resets_count_from_when_the_request_was_sent() {
     );
     q.consume(500, 4_100);
     // A straggler of the ended window, relayed in the next: passed over.
-    q.observe(&hint(300, 200, 3_800), &RULE, 6_000);
+    q.observe(&hint(300, 200, 3_800), &NO_MARK, &RULE, 6_000);
     assert_eq!(q.tokens_left(6_000), Some(9_500));
     // An answer of this window lowers it.
-    q.observe(&hint(9_000, 3_900, 4_100), &RULE, 6_100);
+    q.observe(&hint(9_000, 3_900, 4_100), &NO_MARK, &RULE, 6_100);
     assert_eq!(q.tokens_left(6_100), Some(9_000));
 }
 
@@ -550,7 +560,7 @@ fn a_429_that_its_statement_explains_sets_the_count_instead_of_the_breaker() {
         at_ms: Some(1_000),
     };
     let mut q = Quota::default();
-    assert!(q.refused(&hint(1_808, Some(1_449)), 1_903, &RULE, 1_010));
+    assert!(q.refused(&hint(1_808, Some(1_449)), 1_903, &NO_MARK, &RULE, 1_010));
     assert_eq!(q.tokens_left(1_010), Some(1_808));
     assert!(!q.certain_429(1_431, 1_020), "a turn that fits stays");
     assert!(q.certain_429(1_903, 1_020), "one that does not moves");
@@ -567,7 +577,7 @@ fn a_429_that_its_statement_explains_sets_the_count_instead_of_the_breaker() {
         tokens: None,
         at_ms: Some(0),
     };
-    assert!(r.refused(&requests, 10, &RULE, 5));
+    assert!(r.refused(&requests, 10, &NO_MARK, &RULE, 5));
     assert_eq!(r.requests_left(5), Some(0));
     // Not explained: the count untouched.
     for (h, estimate) in [
@@ -576,7 +586,7 @@ fn a_429_that_its_statement_explains_sets_the_count_instead_of_the_breaker() {
         (QuotaHint::default(), 1_903),
     ] {
         let mut q = Quota::default();
-        assert!(!q.refused(&h, estimate, &RULE, 1_010), "{h:?}");
+        assert!(!q.refused(&h, estimate, &NO_MARK, &RULE, 1_010), "{h:?}");
         assert_eq!(q, Quota::default());
     }
 }
@@ -604,7 +614,7 @@ fn pacing_carries_the_last_windows_use_into_the_next() {
     };
     // Window [0, 4 000): 8 000 of 10 000 used by its end.
     let mut q = Quota::default();
-    q.observe(&stated(2_000), &paced, 0);
+    q.observe(&stated(2_000), &NO_MARK, &paced, 0);
     // 100 ms into the next window (assumed at the limit): 8 000 projected, short.
     assert_eq!(
         q.tokens.and_then(|r| r.current(4_100)).map(|r| r.prev_used),
@@ -612,23 +622,23 @@ fn pacing_carries_the_last_windows_use_into_the_next() {
     );
     assert!(q.short(10, &paced, 4_100));
     // Its first answer (a new window's statement) keeps what the last one used.
-    q.observe(&stated(9_500), &paced, 4_100);
+    q.observe(&stated(9_500), &NO_MARK, &paced, 4_100);
     assert_eq!(q.tokens.map(|r| r.prev_used), Some(8_000));
     assert!(q.short(10, &paced, 4_200));
     // A window used lightly before: the new one is open to new sessions.
     let mut light = Quota::default();
-    light.observe(&stated(9_000), &paced, 0);
+    light.observe(&stated(9_000), &NO_MARK, &paced, 0);
     assert!(!light.short(10, &paced, 4_100));
     // Late in a window, what is left covers the reserve and the use until the reset, but the
     // pinned sessions use more per window than the limit less the reserve: sessions placed
     // now would spend in the next window, which they would run dry. Short.
     let mut late = Quota::default();
-    late.observe(&stated(2_000), &paced, 0);
+    late.observe(&stated(2_000), &NO_MARK, &paced, 0);
     let mut third = stated(6_500);
     if let Some(t) = third.tokens.as_mut() {
         t.reset_in_ms = Some(1_000);
     }
-    late.observe(&third, &paced, 7_000);
+    late.observe(&third, &NO_MARK, &paced, 7_000);
     let r = late.tokens.unwrap();
     assert_eq!((r.prev_used, r.projected_use(7_000)), (8_000, 1_375));
     assert_eq!(r.span_use(7_000), 5_500);
@@ -641,4 +651,106 @@ fn pacing_carries_the_last_windows_use_into_the_next() {
         Some(0)
     );
     assert!(!q.short(10, &paced, 12_500));
+}
+
+/// A key with a 4 s window and a stated limit of 10 000 tokens, stated full by an answer to a
+/// request sent at 0; `stated(left, sent)`: an answer's statement about that window.
+fn reconcile_setup() -> (Quota, impl Fn(u64, u64) -> QuotaHint) {
+    let stated = |left: u64, sent: u64| QuotaHint {
+        requests: None,
+        tokens: Some(Stated {
+            left,
+            reset_in_ms: Some(4_000 - sent),
+            limit: Some(10_000),
+        }),
+        at_ms: Some(sent),
+    };
+    let mut q = Quota::default();
+    q.observe(&stated(10_000, 0), &NO_MARK, &RULE, 0);
+    (q, stated)
+}
+
+/// Issue 22 (quota bench, one Envoy: a key with 2 827 tokens left looked short for a pinned
+/// turn of 2 387 and the turn moved): a fresher statement about the same window raises the
+/// count to what the key states less the picks made after the stated request. Here a pick of
+/// 3 000 whose attempt failed (nothing charged, no `usage` to settle it) stays in the count;
+/// the next answer states 9 000 left. Before: only lowered, the count stayed at 6 000 (a
+/// 6 500-token pinned turn was a "certain 429"); after: 9 000, less the 1 100 picked after it.
+#[test]
+fn a_fresher_statement_raises_the_count_to_the_statement_less_the_picks_since() {
+    let (mut q, stated) = reconcile_setup();
+    q.consume(3_000, 10); // failed: never charged, never settled
+    let b = q.consume(1_100, 20); // charged 1 000
+    q.settle(1_100, 1_000, 20, 300);
+    assert_eq!(q.tokens_left(300), Some(6_000));
+    let c = q.consume(1_100, 400); // in flight, not in b's statement
+    q.observe(&stated(9_000, 20), &b, &RULE, 500);
+    assert_eq!(q.tokens_left(500), Some(7_900));
+    assert!(!q.certain_429(6_500, 500));
+    // c's answer: what it states holds every pick before it; c itself settles first.
+    q.settle(1_100, 1_000, 400, 900);
+    assert_eq!(q.tokens_left(900), Some(8_000));
+    q.observe(&stated(8_000, 400), &c, &RULE, 900);
+    assert_eq!(q.tokens_left(900), Some(8_000));
+    // Without marks (a statement that cannot be placed among the picks) it is only lowered.
+    let (mut old, stated) = reconcile_setup();
+    old.consume(3_000, 10);
+    old.consume(1_100, 20);
+    old.settle(1_100, 1_000, 20, 300);
+    old.observe(&stated(9_000, 20), &NO_MARK, &RULE, 500);
+    assert_eq!(old.tokens_left(500), Some(6_000));
+}
+
+/// A statement below the count (another replica spent on the key) lowers it to the statement
+/// less the picks made after the stated request: merged as the lower of the two, those picks
+/// were forgotten and the count stood above what the key had left (4 000 vs 2 900).
+#[test]
+fn a_lower_statement_keeps_the_picks_made_after_it() {
+    let (mut q, stated) = reconcile_setup();
+    let a = q.consume(1_100, 10);
+    q.consume(1_100, 20); // in flight
+    assert_eq!(q.tokens_left(20), Some(7_800));
+    // a's answer: 5 000 spent elsewhere, and a's 1 000.
+    q.settle(1_100, 1_000, 10, 300);
+    q.observe(&stated(4_000, 10), &a, &RULE, 300);
+    assert_eq!(q.tokens_left(300), Some(2_900));
+}
+
+/// The count stands when it lies between the reconciled count and the statement (it has given
+/// back what the picks since that have settled overshot); and a mark is used only in its own
+/// window, with no fresher statement merged: else the statement only lowers, as before.
+#[test]
+fn reconciling_keeps_settled_overshoot_and_needs_a_mark_of_this_window() {
+    let (mut q, stated) = reconcile_setup();
+    let a = q.consume(1_100, 10); // long answer
+    q.consume(1_100, 20); // short answer, settled first
+    q.settle(1_100, 1_000, 20, 200);
+    assert_eq!(q.tokens_left(200), Some(7_900));
+    q.settle(1_100, 1_000, 10, 900);
+    // Reconciled: 9 000 − 1 100 = 7 900 < the count's 8 000, which stands.
+    q.observe(&stated(9_000, 10), &a, &RULE, 900);
+    assert_eq!(q.tokens_left(900), Some(8_000));
+    // A mark of the window before: not reconciled (the picks counted restarted at the reset).
+    let (mut q, stated) = reconcile_setup();
+    let old_window = q.consume(3_000, 3_900);
+    q.consume(500, 4_100); // assumed back at 10 000: 9 500
+    let late = |left| QuotaHint {
+        at_ms: Some(4_050),
+        ..stated(left, 0)
+    };
+    let mut hint = late(9_900);
+    if let Some(t) = hint.tokens.as_mut() {
+        t.reset_in_ms = Some(3_950);
+    }
+    q.observe(&hint, &old_window, &RULE, 4_200);
+    assert_eq!(q.tokens_left(4_200), Some(9_500));
+    // A statement older than one already merged: only lowers.
+    let (mut q, stated) = reconcile_setup();
+    let first = q.consume(1_000, 10);
+    let second = q.consume(1_000, 20);
+    q.consume(3_000, 30);
+    q.observe(&stated(8_000, 20), &second, &RULE, 100);
+    assert_eq!(q.tokens_left(100), Some(5_000));
+    q.observe(&stated(9_000, 10), &first, &RULE, 150);
+    assert_eq!(q.tokens_left(150), Some(5_000));
 }

@@ -381,10 +381,13 @@ pub(super) fn record_quota(
                 st.quota
                     .settle(ticket.quota_tokens, used, ticket.started_ms, now_ms);
             }
-            st.quota.observe(quota, rule, now_ms);
+            st.quota.observe(quota, &ticket.quota_mark, rule, now_ms);
             false
         }
-        Outcome::RateLimited { .. } => st.quota.refused(quota, ticket.quota_tokens, rule, now_ms),
+        Outcome::RateLimited { .. } => {
+            st.quota
+                .refused(quota, ticket.quota_tokens, &ticket.quota_mark, rule, now_ms)
+        }
         _ => false,
     }
 }

@@ -596,6 +596,7 @@ fn warm(s: &Scheduler<'_>, latencies: &[u64], samples: u64, now: u64) {
                 pinned_usage: None,
                 served: None,
                 quota_tokens: 0,
+                quota_mark: Default::default(),
             };
             finish_streamed(s, ticket, lat, None, now);
         }
