@@ -56,10 +56,10 @@
 
 #[path = "bench/deployment.rs"]
 mod deployment;
-#[path = "bench/fleet.rs"]
-mod fleet;
 #[path = "bench/filter_stats.rs"]
 mod filter_stats;
+#[path = "bench/fleet.rs"]
+mod fleet;
 #[path = "bench/overhead.rs"]
 mod overhead;
 #[path = "bench/peer.rs"]
@@ -510,7 +510,10 @@ fn run(a: Args) -> Result<(), String> {
         work_dir: tmp.clone(),
     };
     let fleet = if a.overhead && !fleet_opts.endpoints.is_empty() {
-        eprintln!("bench: overhead against fleet size {:?}", fleet_opts.endpoints);
+        eprintln!(
+            "bench: overhead against fleet size {:?}",
+            fleet_opts.endpoints
+        );
         Some(fleet::run(&fleet_opts, &wasm)?)
     } else {
         None

@@ -140,15 +140,8 @@ impl<'a> Scheduler<'a> {
         let (loads, rooms) = (&engines.loads, &engines.rooms);
         let n = cfg.endpoints.len();
         let state = |i: usize| table.entries.get(i).map(|(_, st)| st);
-        let serving = self.serving(pick.model);
-        // One pass over the configuration beside the mask, into a vector of the right size (an
-        // index look-up into both and a growing vector cost about 70 instructions per endpoint).
-        let mut statics: Vec<usize> = Vec::with_capacity(n);
-        for (i, (ep, serves)) in cfg.endpoints.iter().zip(&serving).enumerate() {
-            if *serves && !ep.disabled {
-                statics.push(i);
-            }
-        }
+        // The enabled endpoints serving the model, from the worker's memo (see `Statics`).
+        let statics: Vec<usize> = self.statics(pick.model).indexes;
         let mut verdicts = vec![Verdict::default(); n];
         let references = self.peer_references(table);
         let pace_references = signals::pace_medians(cfg, loads);
