@@ -45,7 +45,9 @@ use crate::scheduler::routing::score::score;
 use crate::scheduler::routing::sessions;
 use crate::scheduler::routing::signals::{self, Served, Verdict};
 use crate::scheduler::routing::slowness::{self, DegradeRule, Sample, WorkModel};
-use crate::scheduler::routing::table::{fastest_warm, EndpointState, Statics, Table, TableCache};
+use crate::scheduler::routing::table::{
+    fastest_warm, BoardMemo, EndpointState, Statics, Table, TableCache,
+};
 use crate::scheduler::state::store::{update_if, update_owned, Store};
 use crate::scheduler::wire::usage::Usage;
 use std::cell::RefCell;

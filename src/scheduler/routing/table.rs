@@ -753,6 +753,12 @@ pub struct TableCache {
     /// changed).
     changed: Vec<usize>,
     changed_known: bool,
+    /// The last session decision's verdicts and weights (see [`BoardMemo`]).
+    pub board: BoardMemo,
+    /// Positions of the entries decoded since the board memo was last brought up to date
+    /// (as `changed`, for [`BoardMemo`]; `board_changed_known` false: unknown).
+    board_changed: Vec<usize>,
+    board_changed_known: bool,
 }
 
 /// Which configured endpoints list a model (or serve every model), for the last few models
@@ -884,6 +890,28 @@ impl TableCache {
         (&mut self.peers, known.then_some(self.changed.as_slice()))
     }
 
+    /// While a table with `entries` entries is lent: what a decision's board reads from and
+    /// keeps in this cache ([`LentBoard`]). The list of entries changed since the board memo
+    /// was last brought up to date is handed over and starts again empty: the caller brings
+    /// the memo up to date or invalidates it. `None` when no table is lent.
+    pub fn lent_board(&mut self, entries: usize) -> Option<LentBoard<'_>> {
+        if !(self.lent && self.stamps.len() == entries) {
+            return None;
+        }
+        let changed = self
+            .board_changed_known
+            .then(|| std::mem::take(&mut self.board_changed));
+        self.board_changed.clear();
+        self.board_changed_known = true;
+        Some(LentBoard {
+            stamps: self.stamps.as_slice(),
+            quiet: &mut self.quiet,
+            board: &mut self.board,
+            changed,
+            medians_computed: self.peers.computed,
+        })
+    }
+
     /// After [`TableCache::lent_changes`] was read, while the table is lent: the list starts
     /// again, empty and known.
     pub fn forget_changes(&mut self, entries: usize) {
@@ -930,6 +958,7 @@ impl TableCache {
         self.table.generation = cfg.layout_generation;
         let chunks = bytes.get(HEADER_BYTES..)?.chunks_exact(ENTRY_BYTES);
         let (changed, known) = (&mut self.changed, &mut self.changed_known);
+        let (board_changed, board_known) = (&mut self.board_changed, &mut self.board_changed_known);
         for (i, ((slot, entry), chunk)) in self
             .stamps
             .iter_mut()
@@ -953,6 +982,13 @@ impl TableCache {
                 changed.push(i);
             } else {
                 *known = false;
+            }
+            // And for the board memo, which reads its own list (its decisions are not every
+            // decision the medians memo serves).
+            if *board_known && board_changed.len() < n {
+                board_changed.push(i);
+            } else {
+                *board_known = false;
             }
         }
         Some(())
@@ -982,6 +1018,54 @@ pub struct MedianMemo {
     /// The inputs are those of the table cache's table as of its last list of changes
     /// (`MedianMemo::medians_since`): the next list says all that may differ.
     pub(crate) synced: bool,
+}
+
+/// What [`TableCache::lent_board`] lends.
+pub struct LentBoard<'a> {
+    /// `(stamp, id)` of each entry of the lent table, by position (as [`LentStamps`]).
+    pub stamps: &'a [Option<(u64, u32)>],
+    pub quiet: &'a mut QuietMemo,
+    pub board: &'a mut BoardMemo,
+    /// Positions decoded since the board memo was last brought up to date (`None`: unknown).
+    pub changed: Option<Vec<usize>>,
+    /// The medians memo's recomputations so far ([`MedianMemo::computed`]): unchanged, the
+    /// peers' medians are those of the memo's last decision.
+    pub medians_computed: u64,
+}
+
+/// One worker's last session decision's board: the static candidates' verdicts, flips and
+/// placement weights, kept current by the entries that changed since.
+///
+/// Why: with the quiet memo a pick still visits every candidate (a memo look-up, about 180
+/// instructions per endpoint under wasm), while between two decisions of a worker only the
+/// entries of the endpoints used in between changed. This memo keeps the whole board of the
+/// last session decision for one model; the next one recomputes only the positions whose
+/// entry was decoded again since (their stamp moved), whose peers' median changed, or whose
+/// values depend on the clock (`live`: not quiet, see [`QuietMemo`]). Every other position's
+/// values are those the quiet memo would return. It belongs to one configuration (the cache
+/// it lives in); `select`'s `memo_tests` hold it to the decisions computed without it.
+#[derive(Debug, Default, Clone)]
+pub struct BoardMemo {
+    /// Holds a board (false: the next session decision computes every position).
+    pub(crate) valid: bool,
+    pub(crate) model: Option<String>,
+    /// The medians memo's recomputations when the board was last brought up to date, and the
+    /// medians it read then (by index).
+    pub(crate) medians_computed: u64,
+    pub(crate) references: Vec<Option<f64>>,
+    /// The static candidates (index order) and their `(index, id, weight)`, aligned.
+    pub(crate) statics: Vec<usize>,
+    pub(crate) weights: Vec<(usize, u32, f64)>,
+    /// By index: the verdict.
+    pub(crate) verdicts: Vec<crate::scheduler::routing::signals::Verdict>,
+    /// The positions whose verdict differs from the stored one, index order.
+    pub(crate) flips: Vec<usize>,
+    /// Positions whose values depend on the clock: recomputed by every decision.
+    pub(crate) live: Vec<usize>,
+    /// Static candidates treated as degraded.
+    pub(crate) degraded: usize,
+    /// Decisions that reused the memo, for tests and diagnostics.
+    pub hits: u64,
 }
 
 /// What [`TableCache::lent_stamps`] lends: the `(stamp, id)` of each entry of the lent table,
