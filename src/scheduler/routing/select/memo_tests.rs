@@ -327,3 +327,83 @@ proptest! {
         prop_assert_eq!(s.candidates(&pick), expected);
     }
 }
+
+/// A quiet endpoint whose entry does not change but whose peers' median does (one peer's
+/// slowness moved) is judged again by the board memo: the decisions of new sessions, whose
+/// homes are the first non-degraded endpoints of their orders, stay those computed without
+/// caches.
+#[test]
+fn board_memo_judges_again_what_a_moved_median_changes() {
+    let eps: Vec<_> = (0..12)
+        .map(|i| json!({"name": format!("e{i}"), "cluster": format!("c{i}")}))
+        .collect();
+    let cfg = Config::from_value(&json!({"endpoints": eps, "cold_start_samples": 1})).unwrap();
+    // e0 4.5× slower than expected; five peers at 1×, six at 4×: e0's peers' median is 4×
+    // (not degraded); one 4× peer back at 1× moves it to 1× (degraded), and the 4× peers'
+    // medians with it.
+    let log_mean = |i: usize| match i {
+        0 => 1.5,
+        1..=5 => 0.0,
+        _ => 1.4,
+    };
+    let (plain, cached, before) = (MemStore::new(), MemStore::new(), MemStore::new());
+    let mut t = Table::load(None, &cfg).0;
+    for (i, (_, st)) in t.entries.iter_mut().enumerate() {
+        st.slowness.samples = 40;
+        st.slowness.expected_ms = 2_000.0;
+        st.slowness.log_mean = log_mean(i);
+        st.slowness.last_sample_ms = START;
+    }
+    for store in [&plain, &cached, &before] {
+        let _ = store.set(TABLE_KEY, &t.encode(), None);
+    }
+    let cache = RefCell::new(TableCache::default());
+    let a = Scheduler::new(&cfg, &plain);
+    let b = Scheduler::with_cache(&cfg, &cached, &cache);
+    let ex = Exclusions::default();
+    let pick = |session: u64| Pick {
+        model: Some("m1"),
+        session: Some(session),
+        attempt: 1,
+        exclusions: &ex,
+        nonce: session,
+        body_bytes: 1_000,
+        pin_hint: None,
+        holder: None,
+        prefix: None,
+        follow_up: false,
+        max_output_tokens: 0,
+    };
+    let mut now = START;
+    for s in 0..3 {
+        now += 10;
+        assert_eq!(a.pick(&pick(s), now), b.pick(&pick(s), now));
+    }
+    // Peer e11 back to 1×: only its entry is written (the others keep their stamps).
+    for store in [&plain, &cached] {
+        let bytes = store.get(TABLE_KEY).0.unwrap();
+        let mut t = Table::load(Some(&bytes), &cfg).0;
+        t.entries[11].1.slowness.log_mean = 0.0;
+        let _ = store.set(TABLE_KEY, &t.encode_patched(&bytes, 11), None);
+    }
+    let hits = cache.borrow().board.hits;
+    // Where the same sessions would go without the change (e0 and the 4× peers admitted).
+    let c = Scheduler::new(&cfg, &before);
+    let slow = |i: usize| i == 0 || (6..=10).contains(&i);
+    let mut went_slow_before = 0;
+    for s in 3..40 {
+        now += 10;
+        let (da, db) = (a.pick(&pick(s), now), b.pick(&pick(s), now));
+        assert_eq!(da, db, "session {s}");
+        assert!(
+            da.as_ref().is_ok_and(|d| !slow(d.endpoint)),
+            "session {s}: {da:?}"
+        );
+        went_slow_before += usize::from(c.pick(&pick(s), now).is_ok_and(|d| slow(d.endpoint)));
+    }
+    assert!(
+        cache.borrow().board.hits > hits + 30,
+        "the board memo was used"
+    );
+    assert!(went_slow_before > 0, "the change moved some session");
+}
