@@ -1064,6 +1064,13 @@ pub struct BoardMemo {
     pub(crate) live: Vec<usize>,
     /// Static candidates treated as degraded.
     pub(crate) degraded: usize,
+    /// The positions the last reuse computed again.
+    pub(crate) dirty: Vec<usize>,
+    /// By index: the breaker admission of the statics as a first attempt saw it (empty: none
+    /// kept), and the statics whose breaker was not closed (asked again by every decision: a
+    /// closed breaker admits whatever the time).
+    pub(crate) admission: Vec<Option<crate::scheduler::health::breaker::Admission>>,
+    pub(crate) open: Vec<usize>,
     /// Decisions that reused the memo, for tests and diagnostics.
     pub hits: u64,
 }

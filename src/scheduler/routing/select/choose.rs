@@ -257,6 +257,7 @@ impl<'a> Scheduler<'a> {
         };
         drop(one);
         let mut full_memo = memo;
+        let reused_board = reused.is_some();
         let (verdicts, weights, flips, any_degraded) = match reused {
             Some(board) => board,
             None => {
@@ -338,7 +339,7 @@ impl<'a> Scheduler<'a> {
                     };
                     weights.push((i, ep.id, w));
                 }
-                if let Some(bm) = board_memo {
+                if let Some(bm) = board_memo.as_deref_mut() {
                     if memo_fits && weights.len() == statics.len() {
                         bm.keep(
                             pick.model,
@@ -354,6 +355,29 @@ impl<'a> Scheduler<'a> {
                     }
                 }
                 (verdicts, weights, flips, degraded > 0)
+            }
+        };
+        // Breaker admission of this attempt's candidates: a first attempt's candidates are the
+        // statics, whose admission the board memo keeps when it was reused (a closed breaker
+        // admits whatever the time; the others are asked again).
+        let first = candidates.len() == statics.len();
+        let kept = match (reused_board, board_memo.as_deref_mut()) {
+            (true, Some(bm)) if first => bm.admission(table, now_ms, bcfg),
+            _ => None,
+        };
+        let admission = match kept {
+            Some(a) => a,
+            None => {
+                // Nothing kept past this point unless kept below (`admit` may answer `Err`).
+                if let Some(bm) = board_memo.as_deref_mut() {
+                    bm.keep_admission(None);
+                }
+                let mut open = Vec::new();
+                let a = admit(table, candidates, n, now_ms, bcfg, &mut open)?;
+                if let (Some(bm), true) = (board_memo, first) {
+                    bm.keep_admission(Some((&a, open)));
+                }
+                a
             }
         };
         drop(cache);
@@ -415,7 +439,6 @@ impl<'a> Scheduler<'a> {
         } else {
             Vec::new()
         };
-        let admission = admit(table, candidates, n, now_ms, bcfg)?;
         let captive = if cfg.relieve_last_server {
             last_servers(cfg, table, &verdicts, &statics, pick.model)
         } else {
@@ -1087,13 +1110,15 @@ impl<'t> Board<'t> {
     }
 }
 
-/// Breaker admission of `candidates`; `Err(CoolingDown)` when none admits.
+/// Breaker admission of `candidates`; `Err(CoolingDown)` when none admits. The candidates
+/// whose breaker is not closed are added to `open` (the others admit whatever the time).
 pub(super) fn admit(
     table: &Table,
     candidates: &[usize],
     n: usize,
     now_ms: u64,
     bcfg: &BreakerConfig,
+    open: &mut Vec<usize>,
 ) -> Result<Vec<Option<Admission>>, NoEndpoint> {
     let mut admission: Vec<Option<Admission>> = vec![None; n];
     let mut retry_at = u64::MAX;
@@ -1103,6 +1128,9 @@ pub(super) fn admit(
         let Some((_, st)) = table.entries.get(i) else {
             continue;
         };
+        if st.breaker.state != BreakerState::Closed {
+            open.push(i);
+        }
         let a = st.breaker.peek(now_ms, bcfg);
         match a {
             Admission::Rejected {
@@ -1458,6 +1486,7 @@ impl BoardMemo {
             }
         }
         self.live = live;
+        self.dirty = dirty;
         if new_medians {
             self.references = references.to_vec();
             self.medians_computed = medians_computed;
@@ -1503,5 +1532,60 @@ impl BoardMemo {
         self.flips.extend_from_slice(flips);
         self.live = live;
         self.degraded = degraded;
+        self.dirty.clear();
+        // Kept only by `keep_admission`, for this board.
+        self.admission.clear();
+        self.open.clear();
+    }
+
+    /// The admission of the statics (a first attempt's candidates) in `table`, from the memo
+    /// just brought up to date by [`BoardMemo::update`]: the positions it recomputed and
+    /// those whose breaker was not closed are asked again. `None` when it keeps none, or when
+    /// no candidate admits (the caller answers that with its retry time).
+    pub(super) fn admission(
+        &mut self,
+        table: &Table,
+        now_ms: u64,
+        bcfg: &BreakerConfig,
+    ) -> Option<Vec<Option<Admission>>> {
+        if !self.valid || self.admission.len() != self.verdicts.len() {
+            return None;
+        }
+        let mut ask: Vec<usize> = self.dirty.iter().chain(&self.open).copied().collect();
+        ask.sort_unstable();
+        ask.dedup();
+        let mut open = Vec::new();
+        for i in ask {
+            let (Some((_, st)), Some(slot)) = (table.entries.get(i), self.admission.get_mut(i))
+            else {
+                self.admission.clear();
+                return None;
+            };
+            *slot = Some(st.breaker.peek(now_ms, bcfg));
+            if st.breaker.state != BreakerState::Closed {
+                open.push(i);
+            }
+        }
+        self.open = open;
+        let admits =
+            |a: &Option<Admission>| matches!(a, Some(Admission::Normal | Admission::Probe { .. }));
+        let any = self.open.len() < self.statics.len()
+            || self
+                .open
+                .iter()
+                .any(|&i| self.admission.get(i).is_some_and(admits));
+        any.then(|| self.admission.clone())
+    }
+
+    /// Keeps the admission of the statics computed by `admit`, with the statics whose
+    /// breaker is not closed (`None`: of other candidates, or not computed: nothing kept).
+    pub(super) fn keep_admission(&mut self, kept: Option<(&Vec<Option<Admission>>, Vec<usize>)>) {
+        self.admission.clear();
+        self.open.clear();
+        let Some((a, open)) = kept.filter(|_| self.valid) else {
+            return;
+        };
+        self.admission.extend_from_slice(a);
+        self.open = open;
     }
 }
