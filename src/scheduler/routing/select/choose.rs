@@ -255,7 +255,6 @@ impl<'a> Scheduler<'a> {
             ),
             _ => None,
         };
-        drop(one);
         let mut full_memo = memo;
         let reused_board = reused.is_some();
         let (verdicts, weights, flips, any_degraded) = match reused {
@@ -1404,6 +1403,9 @@ pub(super) struct One {
     quiet: bool,
 }
 
+/// A board's verdicts (by index), weights and flips, borrowed.
+type BoardRefs<'b> = (&'b [Verdict], &'b [(usize, u32, f64)], &'b [usize]);
+
 /// A board's verdicts (by index), weights, flips and whether any static candidate is degraded.
 type BoardParts = (Vec<Verdict>, Vec<(usize, u32, f64)>, Vec<usize>, bool);
 
@@ -1463,9 +1465,7 @@ impl BoardMemo {
                 self.degraded = self.degraded.saturating_sub(1);
             }
             *v = Verdict::default();
-            let Some(o) = one(i, v) else {
-                return None;
-            };
+            let o = one(i, v)?;
             if v.degraded {
                 self.degraded += 1;
             }
@@ -1509,7 +1509,7 @@ impl BoardMemo {
         &mut self,
         model: Option<&str>,
         statics: &[usize],
-        (verdicts, weights, flips): (&[Verdict], &[(usize, u32, f64)], &[usize]),
+        (verdicts, weights, flips): BoardRefs<'_>,
         live: Vec<usize>,
         degraded: usize,
         references: &[Option<f64>],
