@@ -219,6 +219,7 @@ impl Capacities {
 /// (`signals::engine_loads`) and its room (by index into `Config::endpoints`).
 #[derive(Debug, Clone, Default)]
 pub struct Engines {
+    /// By endpoint index (empty when nothing is scraped: read with `get`).
     pub loads: Vec<Option<EngineLoad>>,
     pub rooms: Vec<Option<Room>>,
     /// What was seen before the decision (for [`Engines::record`]).
@@ -236,10 +237,10 @@ impl Engines {
         if loads.iter().all(Option::is_none) {
             // Nothing scraped (hosted keys, or no fresh scrape): no room is known, and the
             // capacities are neither read nor written (a request's cost stays per candidate).
-            let rooms = vec![None; loads.len()];
+            // Empty lists: every endpoint's load and room read by index as `None`.
             return Engines {
-                loads,
-                rooms,
+                loads: Vec::new(),
+                rooms: Vec::new(),
                 seen: Capacities::default(),
                 sessions: None,
             };

@@ -45,7 +45,9 @@ use crate::scheduler::routing::score::score;
 use crate::scheduler::routing::sessions;
 use crate::scheduler::routing::signals::{self, Served, Verdict};
 use crate::scheduler::routing::slowness::{self, DegradeRule, Sample, WorkModel};
-use crate::scheduler::routing::table::{fastest_warm, EndpointState, Table, TableCache};
+use crate::scheduler::routing::table::{
+    fastest_warm, BoardMemo, EndpointState, Statics, Table, TableCache,
+};
 use crate::scheduler::state::store::{update_if, update_owned, Store};
 use crate::scheduler::wire::usage::Usage;
 use std::cell::RefCell;
@@ -510,25 +512,32 @@ impl<'a> Scheduler<'a> {
         self.load_table(self.store.get(TABLE_KEY).0.as_deref()).0
     }
 
+    /// The endpoints that could serve `model` at all ([`Statics`]), from the worker's memo
+    /// when there is one.
+    pub(crate) fn statics(&self, model: Option<&str>) -> Statics {
+        match self.cache.and_then(|c| c.try_borrow_mut().ok()) {
+            Some(mut cache) => cache
+                .serves
+                .statics(self.cfg, model)
+                .cloned()
+                .unwrap_or_default(),
+            None => Statics::of(self.cfg, &self.serving(model)),
+        }
+    }
+
     /// Applies the request-scoped and static exclusions. `Err` when nothing is left.
     pub fn candidates(&self, pick: &Pick<'_>) -> Result<(Vec<usize>, Dropped), NoEndpoint> {
-        let mut dropped = Dropped::default();
-        let mut out = Vec::with_capacity(self.cfg.endpoints.len());
-        let mut serves_model = false;
-        let mask = self.serving(pick.model);
-        let serves_at = |i: usize| mask.get(i).copied().unwrap_or(false);
-        // One pass as if nothing were excluded, then the request's few exclusions taken out
-        // (a look-up in the exclusion lists per endpoint cost about 300 instructions each).
-        for (i, ep) in self.cfg.endpoints.iter().enumerate() {
-            if ep.disabled {
-                dropped.disabled += 1;
-            } else if serves_at(i) {
-                serves_model = true;
-                out.push(i);
-            } else {
-                dropped.model += 1;
-            }
-        }
+        // The static candidates as if nothing were excluded, then the request's few
+        // exclusions taken out (a look-up in the exclusion lists per endpoint cost about 300
+        // instructions each).
+        let statics = self.statics(pick.model);
+        let mut dropped = Dropped {
+            disabled: statics.disabled,
+            model: statics.not_serving,
+            ..Dropped::default()
+        };
+        let serves_model = !statics.indexes.is_empty();
+        let mut out = statics.indexes;
         let ex = pick.exclusions;
         // A first attempt excludes nothing.
         if !(ex.dead.is_empty() && ex.used.is_empty() && ex.tried.is_empty()) {

@@ -423,9 +423,11 @@ impl Served {
 /// combined value, whatever the number of scraped endpoints.
 pub fn engine_loads(store: &dyn Store, cfg: &Config, now_ms: u64) -> Vec<Option<EngineLoad>> {
     let loads = scrape::read_loads(store);
-    // Nothing scraped (no endpoint has metrics, or none answered yet): every load unknown.
+    // Nothing scraped (no endpoint has metrics, or none answered yet): every load unknown,
+    // as an empty list (read by index with `get`: `None` for every endpoint), not one `None`
+    // per endpoint to build and scan.
     if loads.entries.is_empty() {
-        return vec![None; cfg.endpoints.len()];
+        return Vec::new();
     }
     cfg.endpoints
         .iter()

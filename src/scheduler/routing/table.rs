@@ -753,6 +753,12 @@ pub struct TableCache {
     /// changed).
     changed: Vec<usize>,
     changed_known: bool,
+    /// The last session decision's verdicts and weights (see [`BoardMemo`]).
+    pub board: BoardMemo,
+    /// Positions of the entries decoded since the board memo was last brought up to date
+    /// (as `changed`, for [`BoardMemo`]; `board_changed_known` false: unknown).
+    board_changed: Vec<usize>,
+    board_changed_known: bool,
 }
 
 /// Which configured endpoints list a model (or serve every model), for the last few models
@@ -767,8 +773,41 @@ pub struct TableCache {
 #[derive(Debug, Default, Clone)]
 pub struct ServesMemo {
     /// The models (`None`: a request without one), oldest first, each with whether each
-    /// endpoint serves it, by endpoint index.
-    kept: Vec<(Option<String>, Vec<bool>)>,
+    /// endpoint serves it, by endpoint index, and its static candidates ([`Statics`]).
+    kept: Vec<(Option<String>, Vec<bool>, Statics)>,
+}
+
+/// The endpoints that could serve a model at all (enabled and serving it), in index order,
+/// with the counts of those left out: disabled, and enabled but not serving the model. A
+/// function of the configuration and the model alone, kept beside the model's mask so that a
+/// decision does not filter the fleet again (about 50 instructions per endpoint, twice per
+/// decision: `Scheduler::candidates` and the pick's board).
+#[derive(Debug, Default, Clone, PartialEq)]
+pub struct Statics {
+    pub indexes: Vec<usize>,
+    pub disabled: u32,
+    pub not_serving: u32,
+}
+
+impl Statics {
+    /// Computed from `cfg` and the mask of who serves the model.
+    pub fn of(cfg: &Config, serves: &[bool]) -> Statics {
+        let mut s = Statics {
+            indexes: Vec::with_capacity(cfg.endpoints.len()),
+            disabled: 0,
+            not_serving: 0,
+        };
+        for (i, (ep, serves)) in cfg.endpoints.iter().zip(serves).enumerate() {
+            if ep.disabled {
+                s.disabled += 1;
+            } else if *serves {
+                s.indexes.push(i);
+            } else {
+                s.not_serving += 1;
+            }
+        }
+        s
+    }
 }
 
 impl ServesMemo {
@@ -777,27 +816,39 @@ impl ServesMemo {
 
     /// By endpoint index: whether `cfg`'s endpoint serves `model` (disabled or not).
     pub fn serves(&mut self, cfg: &Config, model: Option<&str>) -> &[bool] {
+        let at = self.position(cfg, model);
+        self.kept.get(at).map_or(&[], |(_, v, _)| v.as_slice())
+    }
+
+    /// The static candidates for `model` ([`Statics`]).
+    pub fn statics(&mut self, cfg: &Config, model: Option<&str>) -> Option<&Statics> {
+        let at = self.position(cfg, model);
+        self.kept.get(at).map(|(_, _, s)| s)
+    }
+
+    /// Where `model`'s entry is kept, made if it is not.
+    fn position(&mut self, cfg: &Config, model: Option<&str>) -> usize {
         let n = cfg.endpoints.len();
         let at = self
             .kept
             .iter()
-            .position(|(m, v)| m.as_deref() == model && v.len() == n);
-        let at = match at {
+            .position(|(m, v, _)| m.as_deref() == model && v.len() == n);
+        match at {
             Some(at) => at,
             None => {
-                let v = cfg
+                let v: Vec<bool> = cfg
                     .endpoints
                     .iter()
                     .map(|e| model.is_none_or(|m| e.serves(m)))
                     .collect();
+                let statics = Statics::of(cfg, &v);
                 if self.kept.len() >= Self::MODELS {
                     self.kept.remove(0);
                 }
-                self.kept.push((model.map(str::to_string), v));
+                self.kept.push((model.map(str::to_string), v, statics));
                 self.kept.len().saturating_sub(1)
             }
-        };
-        self.kept.get(at).map_or(&[], |(_, v)| v.as_slice())
+        }
     }
 }
 
@@ -837,6 +888,28 @@ impl TableCache {
     pub fn lent_changes(&mut self, entries: usize) -> (&mut MedianMemo, Option<&[usize]>) {
         let known = self.lent && self.stamps.len() == entries && self.changed_known;
         (&mut self.peers, known.then_some(self.changed.as_slice()))
+    }
+
+    /// While a table with `entries` entries is lent: what a decision's board reads from and
+    /// keeps in this cache ([`LentBoard`]). The list of entries changed since the board memo
+    /// was last brought up to date is handed over and starts again empty: the caller brings
+    /// the memo up to date or invalidates it. `None` when no table is lent.
+    pub fn lent_board(&mut self, entries: usize) -> Option<LentBoard<'_>> {
+        if !(self.lent && self.stamps.len() == entries) {
+            return None;
+        }
+        let changed = self
+            .board_changed_known
+            .then(|| std::mem::take(&mut self.board_changed));
+        self.board_changed.clear();
+        self.board_changed_known = true;
+        Some(LentBoard {
+            stamps: self.stamps.as_slice(),
+            quiet: &mut self.quiet,
+            board: &mut self.board,
+            changed,
+            medians_computed: self.peers.computed,
+        })
     }
 
     /// After [`TableCache::lent_changes`] was read, while the table is lent: the list starts
@@ -885,6 +958,7 @@ impl TableCache {
         self.table.generation = cfg.layout_generation;
         let chunks = bytes.get(HEADER_BYTES..)?.chunks_exact(ENTRY_BYTES);
         let (changed, known) = (&mut self.changed, &mut self.changed_known);
+        let (board_changed, board_known) = (&mut self.board_changed, &mut self.board_changed_known);
         for (i, ((slot, entry), chunk)) in self
             .stamps
             .iter_mut()
@@ -908,6 +982,13 @@ impl TableCache {
                 changed.push(i);
             } else {
                 *known = false;
+            }
+            // And for the board memo, which reads its own list (its decisions are not every
+            // decision the medians memo serves).
+            if *board_known && board_changed.len() < n {
+                board_changed.push(i);
+            } else {
+                *board_known = false;
             }
         }
         Some(())
@@ -937,6 +1018,61 @@ pub struct MedianMemo {
     /// The inputs are those of the table cache's table as of its last list of changes
     /// (`MedianMemo::medians_since`): the next list says all that may differ.
     pub(crate) synced: bool,
+}
+
+/// What [`TableCache::lent_board`] lends.
+pub struct LentBoard<'a> {
+    /// `(stamp, id)` of each entry of the lent table, by position (as [`LentStamps`]).
+    pub stamps: &'a [Option<(u64, u32)>],
+    pub quiet: &'a mut QuietMemo,
+    pub board: &'a mut BoardMemo,
+    /// Positions decoded since the board memo was last brought up to date (`None`: unknown).
+    pub changed: Option<Vec<usize>>,
+    /// The medians memo's recomputations so far ([`MedianMemo::computed`]): unchanged, the
+    /// peers' medians are those of the memo's last decision.
+    pub medians_computed: u64,
+}
+
+/// One worker's last session decision's board: the static candidates' verdicts, flips and
+/// placement weights, kept current by the entries that changed since.
+///
+/// Why: with the quiet memo a pick still visits every candidate (a memo look-up, about 180
+/// instructions per endpoint under wasm), while between two decisions of a worker only the
+/// entries of the endpoints used in between changed. This memo keeps the whole board of the
+/// last session decision for one model; the next one recomputes only the positions whose
+/// entry was decoded again since (their stamp moved), whose peers' median changed, or whose
+/// values depend on the clock (`live`: not quiet, see [`QuietMemo`]). Every other position's
+/// values are those the quiet memo would return. It belongs to one configuration (the cache
+/// it lives in); `select`'s `memo_tests` hold it to the decisions computed without it.
+#[derive(Debug, Default, Clone)]
+pub struct BoardMemo {
+    /// Holds a board (false: the next session decision computes every position).
+    pub(crate) valid: bool,
+    pub(crate) model: Option<String>,
+    /// The medians memo's recomputations when the board was last brought up to date, and the
+    /// medians it read then (by index).
+    pub(crate) medians_computed: u64,
+    pub(crate) references: Vec<Option<f64>>,
+    /// The static candidates (index order) and their `(index, id, weight)`, aligned.
+    pub(crate) statics: Vec<usize>,
+    pub(crate) weights: Vec<(usize, u32, f64)>,
+    /// By index: the verdict.
+    pub(crate) verdicts: Vec<crate::scheduler::routing::signals::Verdict>,
+    /// The positions whose verdict differs from the stored one, index order.
+    pub(crate) flips: Vec<usize>,
+    /// Positions whose values depend on the clock: recomputed by every decision.
+    pub(crate) live: Vec<usize>,
+    /// Static candidates treated as degraded.
+    pub(crate) degraded: usize,
+    /// The positions the last reuse computed again.
+    pub(crate) dirty: Vec<usize>,
+    /// By index: the breaker admission of the statics as a first attempt saw it (empty: none
+    /// kept), and the statics whose breaker was not closed (asked again by every decision: a
+    /// closed breaker admits whatever the time).
+    pub(crate) admission: Vec<Option<crate::scheduler::health::breaker::Admission>>,
+    pub(crate) open: Vec<usize>,
+    /// Decisions that reused the memo, for tests and diagnostics.
+    pub hits: u64,
 }
 
 /// What [`TableCache::lent_stamps`] lends: the `(stamp, id)` of each entry of the lent table,
@@ -1211,6 +1347,8 @@ mod tests {
             let m = format!("m{}", k % (ServesMemo::MODELS + 2));
             let want = [m == "m1", m == "m1" || m == "m2", true];
             assert_eq!(memo.serves(&cfg, Some(&m)), &want, "{m}");
+            let statics = Statics::of(&cfg, &want);
+            assert_eq!(memo.statics(&cfg, Some(&m)), Some(&statics), "{m}");
         }
         assert!(memo.kept.len() <= ServesMemo::MODELS);
     }

@@ -19,7 +19,8 @@
 //!     [--stream-share 0.5] [--output-tokens 16..512] [--system-prompts 0] [--system-tokens 200]
 //!     [--system-zipf 0] [--system-head-tokens 0]
 //!     [--max-concurrency 16] [--envoy-retries on|off] [--open-ms 3000]
-//!     [--overhead-reps 6] [--overhead-seconds 2] [--micro FILE | --micro-missing REASON]
+//!     [--overhead-reps 6] [--overhead-seconds 2] [--overhead-endpoints 4,512]
+//!     [--micro FILE | --micro-missing REASON]
 //!     [--date D] [--commit C] [--command CMD] [--raw-dir results/tmp/bench] [--replicate-all]
 //! cargo run --release -p computeflux-tools --bin bench -- --render results/bench/results.json
 //! ```
@@ -42,6 +43,11 @@
 //! `--engine constant` is the earlier model (prefill per uncached token, then `--decode-ms`,
 //! 16-token answers), which the overhead runs always use.
 //!
+//! `--overhead-endpoints 4,512` makes the overhead part the comparison against fleet size instead
+//! (`bench/fleet.rs`: plain Envoy and the filter with each number of endpoint clusters, Envoy CPU
+//! per request, filter ÷ no wasm req/s, the CPU ratio to the smallest fleet), written into
+//! `results.json` (`overhead_fleet`), `fleet.md` and the end of `results.md`.
+//!
 //! `--render` rewrites `results.md`, `chart.svg`, `summary-table.md` (and, for a full run, the
 //! README block) from a run's `results.json` without measuring anything.
 //!
@@ -52,6 +58,8 @@
 mod deployment;
 #[path = "bench/filter_stats.rs"]
 mod filter_stats;
+#[path = "bench/fleet.rs"]
+mod fleet;
 #[path = "bench/overhead.rs"]
 mod overhead;
 #[path = "bench/peer.rs"]
@@ -109,6 +117,8 @@ struct Args {
     plugin_extra: serde_json::Value,
     overhead_reps: usize,
     overhead_s: u64,
+    /// Fleet sizes for the overhead against fleet size (empty: the usual overhead matrix).
+    overhead_endpoints: Vec<usize>,
     micro: Result<PathBuf, String>,
     date: String,
     commit: String,
@@ -164,6 +174,7 @@ fn parse() -> Result<Args, String> {
         // Six rounds: enough for a sign test on a 5 µs difference (see bench/report.rs).
         overhead_reps: if quick { 1 } else { 6 },
         overhead_s: if quick { 1 } else { 2 },
+        overhead_endpoints: Vec::new(),
         micro: Err(
             "not run (pass --micro FILE with `cargo bench --bench scheduler` output)".into(),
         ),
@@ -288,6 +299,20 @@ fn parse() -> Result<Args, String> {
             }
             "--overhead-reps" => a.overhead_reps = int(&v)?.max(1) as usize,
             "--overhead-seconds" => a.overhead_s = int(&v)?.max(1),
+            "--overhead-endpoints" => {
+                a.overhead_endpoints = v
+                    .split(',')
+                    .map(|n| {
+                        n.trim()
+                            .parse::<usize>()
+                            .ok()
+                            .filter(|n| (1..=4096).contains(n))
+                            .ok_or_else(|| format!("--overhead-endpoints: not 1..=4096: {n:?}"))
+                    })
+                    .collect::<Result<_, _>>()?;
+                a.overhead_endpoints.sort_unstable();
+                a.overhead_endpoints.dedup();
+            }
             "--micro" => a.micro = Ok(PathBuf::from(v)),
             "--micro-missing" => a.micro = Err(v),
             "--date" => a.date = v,
@@ -476,7 +501,24 @@ fn run(a: Args) -> Result<(), String> {
         work_dir: tmp.clone(),
     };
     let floor = floor_wasm();
-    let cases = if a.overhead {
+    let fleet_opts = fleet::FleetOpts {
+        endpoints: a.overhead_endpoints.clone(),
+        seconds: a.overhead_s,
+        reps: a.overhead_reps,
+        connections: 8,
+        sessions: 2000,
+        work_dir: tmp.clone(),
+    };
+    let fleet = if a.overhead && !fleet_opts.endpoints.is_empty() {
+        eprintln!(
+            "bench: overhead against fleet size {:?}",
+            fleet_opts.endpoints
+        );
+        Some(fleet::run(&fleet_opts, &wasm)?)
+    } else {
+        None
+    };
+    let cases = if a.overhead && fleet.is_none() {
         eprintln!("bench: overhead");
         if !floor.is_file() {
             return Err(format!(
@@ -566,8 +608,22 @@ fn run(a: Args) -> Result<(), String> {
         micro,
         baseline,
     };
-    let json_text = serde_json::to_string_pretty(&rep.json()).map_err(|e| e.to_string())? + "\n";
+    let mut json_value = rep.json();
+    if let (Some(f), Some(o)) = (&fleet, json_value.as_object_mut()) {
+        o.insert("overhead_fleet".into(), f.clone());
+    }
+    let json_text = serde_json::to_string_pretty(&json_value).map_err(|e| e.to_string())? + "\n";
     write_outputs(&rep, &a.out, Some(json_text))?;
+    if let Some(f) = &fleet {
+        let md = fleet::markdown(f, &rep.meta.machine);
+        let path = a.out.join("fleet.md");
+        std::fs::write(&path, &md).map_err(|e| format!("{}: {e}", path.display()))?;
+        let results = a.out.join("results.md");
+        let text = std::fs::read_to_string(&results).unwrap_or_default();
+        std::fs::write(&results, format!("{text}\n{md}"))
+            .map_err(|e| format!("{}: {e}", results.display()))?;
+        eprint!("{md}");
+    }
     if !a.quick && a.routing && a.overhead {
         update_readme(&rep.readme_block());
     }

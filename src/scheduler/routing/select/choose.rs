@@ -140,21 +140,10 @@ impl<'a> Scheduler<'a> {
         let (loads, rooms) = (&engines.loads, &engines.rooms);
         let n = cfg.endpoints.len();
         let state = |i: usize| table.entries.get(i).map(|(_, st)| st);
-        let serving = self.serving(pick.model);
-        // One pass over the configuration beside the mask, into a vector of the right size (an
-        // index look-up into both and a growing vector cost about 70 instructions per endpoint).
-        let mut statics: Vec<usize> = Vec::with_capacity(n);
-        for (i, (ep, serves)) in cfg.endpoints.iter().zip(&serving).enumerate() {
-            if *serves && !ep.disabled {
-                statics.push(i);
-            }
-        }
-        let mut verdicts = vec![Verdict::default(); n];
+        // The enabled endpoints serving the model, from the worker's memo (see `Statics`).
+        let statics: Vec<usize> = self.statics(pick.model).indexes;
         let references = self.peer_references(table);
         let pace_references = signals::pace_medians(cfg, loads);
-        let mut weights = Vec::with_capacity(statics.len());
-        // The endpoints whose verdict differs from the stored one (rare: see `flips`).
-        let mut flips = Vec::new();
         // Requests without a session keep the full score (nothing to keep together); the
         // fastest warm latency is its yardstick, not needed by a session's placement weight.
         let best_latency = match pick.session {
@@ -167,14 +156,26 @@ impl<'a> Scheduler<'a> {
         // Nothing scraped (hosted keys, no metrics): no load, no room, in-flight counts;
         // nothing to look up per endpoint.
         let any_scraped = loads.iter().any(Option::is_some);
-        let mut any_degraded = false;
         // The quiet endpoints' verdicts and weights from the worker's memo, while the table
-        // is the one lent by its cache (the memo is keyed by that table's write stamps).
+        // is the one lent by its cache (the memo is keyed by that table's write stamps), and
+        // the last session decision's board (see `BoardMemo`).
         let mut cache = self.cache.and_then(|c| c.try_borrow_mut().ok());
-        let mut memo = cache
+        let lent = cache
             .as_deref_mut()
-            .and_then(|c| c.lent_stamps(table.entries.len()));
-        for &i in &statics {
+            .and_then(|c| c.lent_board(table.entries.len()));
+        let (mut memo, mut board_memo, changed, medians_computed) = match lent {
+            Some(l) => (
+                Some((l.stamps, l.quiet)),
+                Some(l.board),
+                l.changed,
+                l.medians_computed,
+            ),
+            None => (None, None, None, 0),
+        };
+        // One static candidate's verdict (into `v`, which holds the default verdict), flip and
+        // `(index, id, weight)` (`None`: not in the table), and whether they hold until its
+        // entry or its peers' median changes (quiet).
+        let mut one = |i: usize, v: &mut Verdict| -> Option<One> {
             let load = if any_scraped {
                 loads.get(i).copied().flatten()
             } else {
@@ -182,46 +183,37 @@ impl<'a> Scheduler<'a> {
             };
             let reference = references.get(i).copied().flatten();
             // A quiet endpoint kept by the memo: its sticky flag is its verdict (not overdue,
-            // saturation unknown, no load: what `verdicts` holds until set).
+            // saturation unknown, no load).
             let hit = match (&mut memo, load) {
                 (Some((stamps, quiet)), None) => quiet.get(i, stamps.get(i), reference),
                 _ => None,
             };
             if let Some((id, weight, sticky, flip)) = hit {
                 if sticky {
-                    if let Some(v) = verdicts.get_mut(i) {
-                        v.sticky = true;
-                        v.degraded = true;
-                    }
-                }
-                any_degraded |= sticky;
-                if flip {
-                    flips.push(i);
+                    v.sticky = true;
+                    v.degraded = true;
                 }
                 let w = match pick.session {
-                    Some(_) => weight,
+                    Some(_) => Some(weight),
                     None => match (cfg.endpoints.get(i), state(i)) {
                         (Some(ep), Some(st)) => {
-                            score(ep.weight, st, best_latency, cfg, now_ms).score
+                            Some(score(ep.weight, st, best_latency, cfg, now_ms).score)
                         }
-                        _ => continue,
+                        _ => None,
                     },
                 };
-                weights.push((i, id, w));
-                continue;
+                return Some(One {
+                    flip,
+                    weight: w.map(|w| (i, id, w)),
+                    quiet: true,
+                });
             }
-            let (Some(ep), Some(st), Some(v)) =
-                (cfg.endpoints.get(i), state(i), verdicts.get_mut(i))
-            else {
-                continue;
+            let (Some(ep), Some(st)) = (cfg.endpoints.get(i), state(i)) else {
+                return None;
             };
             let pace_reference = pace_references.get(i).copied().flatten();
             *v = signals::judge_with(table, cfg, i, reference, pace_reference, load, now_ms);
-            any_degraded |= v.degraded;
             let flip = st.degraded != v.sticky || st.saturation != v.saturation;
-            if flip {
-                flips.push(i);
-            }
             let key = memo
                 .as_ref()
                 .and_then(|(stamps, _)| stamps.get(i).copied().flatten());
@@ -231,6 +223,7 @@ impl<'a> Scheduler<'a> {
                 }
                 _ => None,
             };
+            let quiet = keep.is_some();
             // A request without a session weighs by score: the placement weight only to
             // keep it.
             let weight = (pick.session.is_some() || keep.is_some())
@@ -242,8 +235,150 @@ impl<'a> Scheduler<'a> {
                 (Some(_), Some(w)) => w,
                 _ => score(ep.weight, st, best_latency, cfg, now_ms).score,
             };
-            weights.push((i, ep.id, w));
-        }
+            Some(One {
+                flip,
+                weight: Some((i, ep.id, w)),
+                quiet,
+            })
+        };
+        // A session decision without scraped loads over the same model as the memo's board:
+        // only the positions that changed since are computed (see `BoardMemo`).
+        let memo_fits = pick.session.is_some() && !any_scraped;
+        let reused = match (memo_fits, board_memo.as_deref_mut(), changed.as_deref()) {
+            (true, Some(bm), Some(changed)) => bm.update(
+                pick.model,
+                n,
+                changed,
+                &references,
+                medians_computed,
+                &mut one,
+            ),
+            _ => None,
+        };
+        let mut full_memo = memo;
+        let reused_board = reused.is_some();
+        let (verdicts, weights, flips, any_degraded) = match reused {
+            Some(board) => board,
+            None => {
+                let mut verdicts = vec![Verdict::default(); n];
+                let mut weights = Vec::with_capacity(statics.len());
+                // The endpoints whose verdict differs from the stored one (rare: see `flips`).
+                let mut flips = Vec::new();
+                let mut degraded = 0;
+                let mut live = Vec::new();
+                // `one`'s body, inline (a call per endpoint cost about 90 instructions more):
+                // keep the two the same (`memo_tests` compare the decisions of both).
+                for &i in &statics {
+                    let load = if any_scraped {
+                        loads.get(i).copied().flatten()
+                    } else {
+                        None
+                    };
+                    let reference = references.get(i).copied().flatten();
+                    let hit = match (&mut full_memo, load) {
+                        (Some((stamps, quiet)), None) => quiet.get(i, stamps.get(i), reference),
+                        _ => None,
+                    };
+                    if let Some((id, weight, sticky, flip)) = hit {
+                        if sticky {
+                            if let Some(v) = verdicts.get_mut(i) {
+                                v.sticky = true;
+                                v.degraded = true;
+                            }
+                        }
+                        degraded += usize::from(sticky);
+                        if flip {
+                            flips.push(i);
+                        }
+                        let w = match pick.session {
+                            Some(_) => weight,
+                            None => match (cfg.endpoints.get(i), state(i)) {
+                                (Some(ep), Some(st)) => {
+                                    score(ep.weight, st, best_latency, cfg, now_ms).score
+                                }
+                                _ => continue,
+                            },
+                        };
+                        weights.push((i, id, w));
+                        continue;
+                    }
+                    let (Some(ep), Some(st), Some(v)) =
+                        (cfg.endpoints.get(i), state(i), verdicts.get_mut(i))
+                    else {
+                        continue;
+                    };
+                    let pace_reference = pace_references.get(i).copied().flatten();
+                    *v =
+                        signals::judge_with(table, cfg, i, reference, pace_reference, load, now_ms);
+                    degraded += usize::from(v.degraded);
+                    let flip = st.degraded != v.sticky || st.saturation != v.saturation;
+                    if flip {
+                        flips.push(i);
+                    }
+                    let key = full_memo
+                        .as_ref()
+                        .and_then(|(stamps, _)| stamps.get(i).copied().flatten());
+                    let keep = match (&mut full_memo, key) {
+                        (Some((_, quiet)), Some(key)) if signals::quiet(st, load.as_ref(), cfg) => {
+                            Some((quiet, key))
+                        }
+                        _ => None,
+                    };
+                    if keep.is_none() {
+                        live.push(i);
+                    }
+                    let weight = (pick.session.is_some() || keep.is_some())
+                        .then(|| placement::weigh(ep.weight, st, cfg, now_ms));
+                    if let (Some((quiet, key)), Some(w)) = (keep, weight) {
+                        quiet.keep(n, i, key, reference, v, flip, w);
+                    }
+                    let w = match (pick.session, weight) {
+                        (Some(_), Some(w)) => w,
+                        _ => score(ep.weight, st, best_latency, cfg, now_ms).score,
+                    };
+                    weights.push((i, ep.id, w));
+                }
+                if let Some(bm) = board_memo.as_deref_mut() {
+                    if memo_fits && weights.len() == statics.len() {
+                        bm.keep(
+                            pick.model,
+                            &statics,
+                            (&verdicts, &weights, &flips),
+                            live,
+                            degraded,
+                            &references,
+                            medians_computed,
+                        );
+                    } else {
+                        bm.valid = false;
+                    }
+                }
+                (verdicts, weights, flips, degraded > 0)
+            }
+        };
+        // Breaker admission of this attempt's candidates: a first attempt's candidates are the
+        // statics, whose admission the board memo keeps when it was reused (a closed breaker
+        // admits whatever the time; the others are asked again).
+        let first = candidates.len() == statics.len();
+        let kept = match (reused_board, board_memo.as_deref_mut()) {
+            (true, Some(bm)) if first => bm.admission(table, now_ms, bcfg),
+            _ => None,
+        };
+        let admission = match kept {
+            Some(a) => a,
+            None => {
+                // Nothing kept past this point unless kept below (`admit` may answer `Err`).
+                if let Some(bm) = board_memo.as_deref_mut() {
+                    bm.keep_admission(None);
+                }
+                let mut open = Vec::new();
+                let a = admit(table, candidates, n, now_ms, bcfg, &mut open)?;
+                if let (Some(bm), true) = (board_memo, first) {
+                    bm.keep_admission(Some((&a, open)));
+                }
+                a
+            }
+        };
         drop(cache);
 
         // Quota: short endpoints are skipped for placements, a certain 429 even by a pin.
@@ -303,7 +438,6 @@ impl<'a> Scheduler<'a> {
         } else {
             Vec::new()
         };
-        let admission = admit(table, candidates, n, now_ms, bcfg)?;
         let captive = if cfg.relieve_last_server {
             last_servers(cfg, table, &verdicts, &statics, pick.model)
         } else {
@@ -480,9 +614,18 @@ impl<'a> Scheduler<'a> {
         let eligible = |i: usize| {
             board.admitted(i) && !board.degraded(i) && Some(i) != left && !board.passed_over(i)
         };
-        let (total_load, total_weight, total_slots) = board
-            .plain_totals(left)
-            .unwrap_or_else(|| eligible_totals(board, keyed, eligible));
+        // The eligible candidates' totals, summed when a candidate's bound first needs them:
+        // a bound is never below the slack (by weight) or the endpoint's own slots (by
+        // slots), so a candidate whose load stays under that is within it whatever the totals
+        // (summing them visited every candidate: about 110 instructions each).
+        let mut totals = None;
+        let mut totals_of = || {
+            *totals.get_or_insert_with(|| {
+                board
+                    .plain_totals(left)
+                    .unwrap_or_else(|| eligible_totals(board, keyed, eligible))
+            })
+        };
         // The sessions placed over the same candidates (the session bound's S), summed when
         // a busy candidate first needs it.
         let mut total_sessions = None;
@@ -532,18 +675,33 @@ impl<'a> Scheduler<'a> {
                 continue;
             }
             let load = f64::from(board.load_of(i));
-            let limit = if board.by_slots {
-                capacity::slot_limit(
-                    total_load,
-                    board.slots(i),
-                    total_slots,
-                    self.cfg.bounded_load_epsilon,
-                )
+            let floor = if board.by_slots {
+                f64::from(board.slots(i))
             } else {
-                placement::load_limit(total_load, board.weight(i), total_weight, self.cfg)
+                self.cfg.bounded_load_slack as f64
             };
-            if load + 1.0 > limit
-                || self.over_session_bound(board, i, total_weight, &mut total_sessions, &eligible)
+            let limit = |(total_load, total_weight, total_slots): (u64, f64, u64)| {
+                if board.by_slots {
+                    capacity::slot_limit(
+                        total_load,
+                        board.slots(i),
+                        total_slots,
+                        self.cfg.bounded_load_epsilon,
+                    )
+                } else {
+                    placement::load_limit(total_load, board.weight(i), total_weight, self.cfg)
+                }
+            };
+            let over_load = load + 1.0 > floor && load + 1.0 > limit(totals_of());
+            // Every scheduler test checks the floor: the bound itself gives the same answer.
+            #[cfg(test)]
+            assert_eq!(over_load, load + 1.0 > limit(totals_of()), "floor {floor}");
+            // The session bound reads the total weight only for counted new sessions.
+            if over_load
+                || (board.sessions.is_some() && {
+                    let total_weight = totals_of().1;
+                    self.over_session_bound(board, i, total_weight, &mut total_sessions, &eligible)
+                })
             {
                 passed.spilled.get_or_insert(i);
                 continue;
@@ -975,13 +1133,15 @@ impl<'t> Board<'t> {
     }
 }
 
-/// Breaker admission of `candidates`; `Err(CoolingDown)` when none admits.
+/// Breaker admission of `candidates`; `Err(CoolingDown)` when none admits. The candidates
+/// whose breaker is not closed are added to `open` (the others admit whatever the time).
 pub(super) fn admit(
     table: &Table,
     candidates: &[usize],
     n: usize,
     now_ms: u64,
     bcfg: &BreakerConfig,
+    open: &mut Vec<usize>,
 ) -> Result<Vec<Option<Admission>>, NoEndpoint> {
     let mut admission: Vec<Option<Admission>> = vec![None; n];
     let mut retry_at = u64::MAX;
@@ -991,6 +1151,9 @@ pub(super) fn admit(
         let Some((_, st)) = table.entries.get(i) else {
             continue;
         };
+        if st.breaker.state != BreakerState::Closed {
+            open.push(i);
+        }
         let a = st.breaker.peek(now_ms, bcfg);
         match a {
             Admission::Rejected {
@@ -1252,3 +1415,201 @@ pub(super) fn move_reason(code: u32) -> Option<MoveReason> {
 #[cfg(all(test, not(target_arch = "wasm32")))]
 #[path = "lazy_tests.rs"]
 mod lazy_tests;
+
+/// One static candidate's values in a decision's board (see [`Scheduler::board`]).
+pub(super) struct One {
+    /// The verdict differs from the one stored in its entry.
+    flip: bool,
+    /// `(index, id, weight)`; `None`: no weight (a request without a session whose entry is
+    /// missing).
+    weight: Option<(usize, u32, f64)>,
+    /// The values hold until its entry or its peers' median changes (see `QuietMemo`).
+    quiet: bool,
+}
+
+/// A board's verdicts (by index), weights and flips, borrowed.
+type BoardRefs<'b> = (&'b [Verdict], &'b [(usize, u32, f64)], &'b [usize]);
+
+/// A board's verdicts (by index), weights, flips and whether any static candidate is degraded.
+type BoardParts = (Vec<Verdict>, Vec<(usize, u32, f64)>, Vec<usize>, bool);
+
+// `BoardMemo` is defined in `table` (the per-worker `TableCache` holds one), as `QuietMemo`.
+impl BoardMemo {
+    /// The board of a session decision for `model` over `n` endpoints, from the memo brought
+    /// up to date: the positions in `changed` (entries decoded again since), those whose
+    /// peers' median differs from the memo's (compared only when the medians memo recomputed
+    /// since: `medians_computed`), and the live ones are computed again with `one`. `None`
+    /// (and the memo invalid) when it holds no board for this model or too much changed: the
+    /// caller computes every position and keeps them ([`BoardMemo::keep`]).
+    pub(super) fn update(
+        &mut self,
+        model: Option<&str>,
+        n: usize,
+        changed: &[usize],
+        references: &[Option<f64>],
+        medians_computed: u64,
+        one: &mut impl FnMut(usize, &mut Verdict) -> Option<One>,
+    ) -> Option<BoardParts> {
+        let fits = self.valid && self.model.as_deref() == model && self.verdicts.len() == n;
+        self.valid = false;
+        // Past a quarter of the board, computing it whole costs about the same.
+        let most = self.statics.len() / 4 + 4;
+        if !fits || changed.len() + self.live.len() > most {
+            return None;
+        }
+        let statics = &self.statics;
+        let mut dirty: Vec<usize> = changed
+            .iter()
+            .chain(&self.live)
+            .copied()
+            .filter(|i| statics.binary_search(i).is_ok())
+            .collect();
+        let new_medians = self.medians_computed != medians_computed;
+        if new_medians {
+            for &i in statics {
+                let now = references.get(i).copied().flatten().map(f64::to_bits);
+                let then = self.references.get(i).copied().flatten().map(f64::to_bits);
+                if now != then {
+                    dirty.push(i);
+                    if dirty.len() > most {
+                        return None;
+                    }
+                }
+            }
+        }
+        dirty.sort_unstable();
+        dirty.dedup();
+        let mut live = Vec::new();
+        for &i in &dirty {
+            let (Ok(s), Some(v)) = (self.statics.binary_search(&i), self.verdicts.get_mut(i))
+            else {
+                return None;
+            };
+            if v.degraded {
+                self.degraded = self.degraded.saturating_sub(1);
+            }
+            *v = Verdict::default();
+            let o = one(i, v)?;
+            if v.degraded {
+                self.degraded += 1;
+            }
+            let (Some(w), Some(slot_w)) = (o.weight, self.weights.get_mut(s)) else {
+                return None;
+            };
+            *slot_w = w;
+            // The flipped positions stay in index order.
+            match (self.flips.binary_search(&i), o.flip) {
+                (Ok(at), false) => {
+                    self.flips.remove(at);
+                }
+                (Err(at), true) => self.flips.insert(at, i),
+                _ => {}
+            }
+            if !o.quiet {
+                live.push(i);
+            }
+        }
+        self.live = live;
+        self.dirty = dirty;
+        if new_medians {
+            self.references = references.to_vec();
+            self.medians_computed = medians_computed;
+        }
+        self.valid = true;
+        self.hits = self.hits.saturating_add(1);
+        Some((
+            self.verdicts.clone(),
+            self.weights.clone(),
+            self.flips.clone(),
+            self.degraded > 0,
+        ))
+    }
+
+    /// Keeps a whole board computed for a session decision for `model` (`weights` aligned
+    /// with `statics`; `live`: the positions that are not quiet; `degraded`: the statics
+    /// treated as degraded).
+    #[allow(clippy::too_many_arguments)]
+    pub(super) fn keep(
+        &mut self,
+        model: Option<&str>,
+        statics: &[usize],
+        (verdicts, weights, flips): BoardRefs<'_>,
+        live: Vec<usize>,
+        degraded: usize,
+        references: &[Option<f64>],
+        medians_computed: u64,
+    ) {
+        self.valid = true;
+        if self.model.as_deref() != model {
+            self.model = model.map(str::to_string);
+        }
+        self.medians_computed = medians_computed;
+        self.references.clear();
+        self.references.extend_from_slice(references);
+        self.statics.clear();
+        self.statics.extend_from_slice(statics);
+        self.weights.clear();
+        self.weights.extend_from_slice(weights);
+        self.verdicts.clear();
+        self.verdicts.extend_from_slice(verdicts);
+        self.flips.clear();
+        self.flips.extend_from_slice(flips);
+        self.live = live;
+        self.degraded = degraded;
+        self.dirty.clear();
+        // Kept only by `keep_admission`, for this board.
+        self.admission.clear();
+        self.open.clear();
+    }
+
+    /// The admission of the statics (a first attempt's candidates) in `table`, from the memo
+    /// just brought up to date by [`BoardMemo::update`]: the positions it recomputed and
+    /// those whose breaker was not closed are asked again. `None` when it keeps none, or when
+    /// no candidate admits (the caller answers that with its retry time).
+    pub(super) fn admission(
+        &mut self,
+        table: &Table,
+        now_ms: u64,
+        bcfg: &BreakerConfig,
+    ) -> Option<Vec<Option<Admission>>> {
+        if !self.valid || self.admission.len() != self.verdicts.len() {
+            return None;
+        }
+        let mut ask: Vec<usize> = self.dirty.iter().chain(&self.open).copied().collect();
+        ask.sort_unstable();
+        ask.dedup();
+        let mut open = Vec::new();
+        for i in ask {
+            let (Some((_, st)), Some(slot)) = (table.entries.get(i), self.admission.get_mut(i))
+            else {
+                self.admission.clear();
+                return None;
+            };
+            *slot = Some(st.breaker.peek(now_ms, bcfg));
+            if st.breaker.state != BreakerState::Closed {
+                open.push(i);
+            }
+        }
+        self.open = open;
+        let admits =
+            |a: &Option<Admission>| matches!(a, Some(Admission::Normal | Admission::Probe { .. }));
+        let any = self.open.len() < self.statics.len()
+            || self
+                .open
+                .iter()
+                .any(|&i| self.admission.get(i).is_some_and(admits));
+        any.then(|| self.admission.clone())
+    }
+
+    /// Keeps the admission of the statics computed by `admit`, with the statics whose
+    /// breaker is not closed (`None`: of other candidates, or not computed: nothing kept).
+    pub(super) fn keep_admission(&mut self, kept: Option<(&Vec<Option<Admission>>, Vec<usize>)>) {
+        self.admission.clear();
+        self.open.clear();
+        let Some((a, open)) = kept.filter(|_| self.valid) else {
+            return;
+        };
+        self.admission.extend_from_slice(a);
+        self.open = open;
+    }
+}

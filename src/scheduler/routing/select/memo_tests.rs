@@ -94,6 +94,36 @@ proptest! {
         n in 1usize..10,
         steps in 1usize..60,
     ) {
+        same_decisions(seed, n, steps, |_| 40)?;
+    }
+
+    /// Larger fleets (where the board memo recomputes only what changed) and answers whose
+    /// latencies move endpoints' slowness, so that peers' medians and verdicts change while
+    /// most entries do not.
+    #[test]
+    fn cached_decisions_equal_computed_ones_in_larger_fleets(
+        seed in any::<u64>(),
+        n in 10usize..40,
+        steps in 1usize..80,
+    ) {
+        same_decisions(seed, n, steps, |x| match x % 4 {
+            0 => 40,
+            1 => 2_500,
+            2 => 9_000,
+            _ => 30_000,
+        })?;
+    }
+}
+
+/// A run of picks and finishes (latency of a finish drawn by `latency`) through a scheduler
+/// without caches and one with them: the same decisions, finishes and final table.
+fn same_decisions(
+    seed: u64,
+    n: usize,
+    steps: usize,
+    latency: impl Fn(u64) -> u64,
+) -> Result<(), TestCaseError> {
+    {
         let cfg = config(seed, n);
         let (plain, cached) = (MemStore::new(), MemStore::new());
         seeded(&plain, &cfg, seed);
@@ -116,7 +146,11 @@ proptest! {
                 0 => None,
                 s => Some(s),
             };
-            let model = if (x >> 8).is_multiple_of(4) { Some("m2") } else { Some("m1") };
+            let model = if (x >> 8).is_multiple_of(4) {
+                Some("m2")
+            } else {
+                Some("m1")
+            };
             let mut ex = Exclusions::default();
             for attempt in 1..=2u32 {
                 let pick = Pick {
@@ -140,9 +174,10 @@ proptest! {
                     pending.push((da.ticket, db.ticket, now, session));
                     break;
                 }
+                let lat = latency(x >> 44);
                 let (fa, fb) = (
-                    a.finish(da.ticket, &o, 40, session, now),
-                    b.finish(db.ticket, &o, 40, session, now),
+                    a.finish(da.ticket, &o, lat, session, now),
+                    b.finish(db.ticket, &o, lat, session, now),
                 );
                 prop_assert_eq!(fa, fb);
                 if !o.fails_over() {
@@ -164,18 +199,17 @@ proptest! {
             prop_assert_eq!(a.finish(ta, &o, 10, s, now), b.finish(tb, &o, 10, s, now));
         }
     }
+    Ok(())
 }
 
-#[test]
-fn quiet_memo_is_used_between_picks() {
-    let cfg = config(3, 16);
+/// Four session picks and finishes, for `model(k)` on turn `k`.
+fn four_picks(cfg: &Config, cache: &RefCell<TableCache>, model: impl Fn(u64) -> &'static str) {
     let store = MemStore::new();
-    let cache = RefCell::new(TableCache::default());
-    let s = Scheduler::with_cache(&cfg, &store, &cache);
+    let s = Scheduler::with_cache(cfg, &store, cache);
     let ex = Exclusions::default();
     for k in 0..4u64 {
         let pick = Pick {
-            model: Some("m1"),
+            model: Some(model(k)),
             session: Some(100 + k),
             attempt: 1,
             exclusions: &ex,
@@ -192,9 +226,30 @@ fn quiet_memo_is_used_between_picks() {
             let _ = s.finish(d.ticket, &Outcome::Success, 10, pick.session, START + k);
         }
     }
+}
+
+#[test]
+fn quiet_memo_is_used_between_picks() {
+    // The models alternate: the board memo (one model's board) is computed whole every time,
+    // from the quiet memo.
+    let cfg = config(3, 16);
+    let cache = RefCell::new(TableCache::default());
+    four_picks(&cfg, &cache, |k| if k % 2 == 0 { "m1" } else { "m2" });
     let hits = cache.borrow().quiet.hits;
     eprintln!("hits {hits} computed {}", cache.borrow().peers.computed);
-    assert!(hits > 16, "{hits}");
+    assert!(hits > 8, "{hits}");
+    assert_eq!(cache.borrow().board.hits, 0);
+}
+
+#[test]
+fn board_memo_is_used_between_picks_of_one_model() {
+    let cfg = config(3, 16);
+    let cache = RefCell::new(TableCache::default());
+    four_picks(&cfg, &cache, |_| "m1");
+    let hits = cache.borrow().board.hits;
+    // The first pick finds no table (nothing lent), the second computes the board whole; the
+    // later ones reuse it.
+    assert_eq!(hits, 2);
 }
 
 /// The exclusions as `candidates` applied them before it took them out of one pass: a look-up
@@ -271,4 +326,84 @@ proptest! {
         let s = Scheduler::with_cache(&cfg, &store, &cache);
         prop_assert_eq!(s.candidates(&pick), expected);
     }
+}
+
+/// A quiet endpoint whose entry does not change but whose peers' median does (one peer's
+/// slowness moved) is judged again by the board memo: the decisions of new sessions, whose
+/// homes are the first non-degraded endpoints of their orders, stay those computed without
+/// caches.
+#[test]
+fn board_memo_judges_again_what_a_moved_median_changes() {
+    let eps: Vec<_> = (0..12)
+        .map(|i| json!({"name": format!("e{i}"), "cluster": format!("c{i}")}))
+        .collect();
+    let cfg = Config::from_value(&json!({"endpoints": eps, "cold_start_samples": 1})).unwrap();
+    // e0 4.5× slower than expected; five peers at 1×, six at 4×: e0's peers' median is 4×
+    // (not degraded); one 4× peer back at 1× moves it to 1× (degraded), and the 4× peers'
+    // medians with it.
+    let log_mean = |i: usize| match i {
+        0 => 1.5,
+        1..=5 => 0.0,
+        _ => 1.4,
+    };
+    let (plain, cached, before) = (MemStore::new(), MemStore::new(), MemStore::new());
+    let mut t = Table::load(None, &cfg).0;
+    for (i, (_, st)) in t.entries.iter_mut().enumerate() {
+        st.slowness.samples = 40;
+        st.slowness.expected_ms = 2_000.0;
+        st.slowness.log_mean = log_mean(i);
+        st.slowness.last_sample_ms = START;
+    }
+    for store in [&plain, &cached, &before] {
+        let _ = store.set(TABLE_KEY, &t.encode(), None);
+    }
+    let cache = RefCell::new(TableCache::default());
+    let a = Scheduler::new(&cfg, &plain);
+    let b = Scheduler::with_cache(&cfg, &cached, &cache);
+    let ex = Exclusions::default();
+    let pick = |session: u64| Pick {
+        model: Some("m1"),
+        session: Some(session),
+        attempt: 1,
+        exclusions: &ex,
+        nonce: session,
+        body_bytes: 1_000,
+        pin_hint: None,
+        holder: None,
+        prefix: None,
+        follow_up: false,
+        max_output_tokens: 0,
+    };
+    let mut now = START;
+    for s in 0..3 {
+        now += 10;
+        assert_eq!(a.pick(&pick(s), now), b.pick(&pick(s), now));
+    }
+    // Peer e11 back to 1×: only its entry is written (the others keep their stamps).
+    for store in [&plain, &cached] {
+        let bytes = store.get(TABLE_KEY).0.unwrap();
+        let mut t = Table::load(Some(&bytes), &cfg).0;
+        t.entries[11].1.slowness.log_mean = 0.0;
+        let _ = store.set(TABLE_KEY, &t.encode_patched(&bytes, 11), None);
+    }
+    let hits = cache.borrow().board.hits;
+    // Where the same sessions would go without the change (e0 and the 4× peers admitted).
+    let c = Scheduler::new(&cfg, &before);
+    let slow = |i: usize| i == 0 || (6..=10).contains(&i);
+    let mut went_slow_before = 0;
+    for s in 3..40 {
+        now += 10;
+        let (da, db) = (a.pick(&pick(s), now), b.pick(&pick(s), now));
+        assert_eq!(da, db, "session {s}");
+        assert!(
+            da.as_ref().is_ok_and(|d| !slow(d.endpoint)),
+            "session {s}: {da:?}"
+        );
+        went_slow_before += usize::from(c.pick(&pick(s), now).is_ok_and(|d| slow(d.endpoint)));
+    }
+    assert!(
+        cache.borrow().board.hits > hits + 30,
+        "the board memo was used"
+    );
+    assert!(went_slow_before > 0, "the change moved some session");
 }
