@@ -2504,3 +2504,84 @@ fn pinned_sessions_move_off_the_last_server_of_another_model_once() {
         }
     }
 }
+
+/// `a` degraded: the sessions it gives up — new `m` sessions homed on it, pins broken off it —
+/// go to the lightest of `c` and `d` (`place_displaced_by_load`), not to the next of their
+/// rendezvous order; sessions homed on `c` or `d` stay home; nothing changes while no endpoint
+/// is degraded, and with the switch off the displaced sessions follow their order.
+#[test]
+fn sessions_displaced_by_a_degraded_endpoint_go_to_the_lightest() {
+    for spread in [true, false] {
+        // Without relief, so that b is one more candidate and not passed over for `m2`.
+        let c = two_models(json!({
+            "place_displaced_by_load": spread,
+            "relieve_last_server": false,
+        }));
+        let store = MemStore::new();
+        let s = Scheduler::new(&c, &store);
+        let ex = Exclusions::default();
+        warm(&s, &[100, 100, 100, 100], 10, 0);
+        // c light, b and d busy (no queue anywhere).
+        for (name, waiting, running) in [("a", 0, 6), ("b", 0, 12), ("c", 0, 2), ("d", 0, 12)] {
+            scraped(&store, name, waiting, running, 1_000);
+        }
+        let all: Vec<(usize, u32, f64)> = (0..4).map(|i| (i, c.endpoints[i].id, 1.0)).collect();
+        let homed_on = |home: usize, from: u64| -> Vec<u64> {
+            (from..from + 4_000)
+                .map(key)
+                .filter(|&k| placement::order(k, &all).first() == Some(&home))
+                .take(40)
+                .collect()
+        };
+        // Healthy fleet: every session goes home, light c or not.
+        for (home, from) in [(0usize, 0u64), (3, 10_000)] {
+            for k in homed_on(home, from) {
+                let d = s.pick(&model_pick("m", k, &ex, false), 1_100).unwrap();
+                assert_eq!(d.endpoint, home, "{spread}: {d:?}");
+                s.finish(d.ticket, &Outcome::Success, 100, Some(k), 1_100);
+            }
+        }
+        // a 5× slower: degraded.
+        warm(&s, &[500, 100, 100, 100], 20, 1_200);
+        // New sessions homed on a (the first pick stores a's verdict).
+        let mut to = [0usize; 4];
+        for k in homed_on(0, 20_000) {
+            let d = s.pick(&model_pick("m", k, &ex, false), 1_300).unwrap();
+            to[d.endpoint] += 1;
+            if spread {
+                assert_eq!(d.reason, Reason::Degraded, "{d:?}");
+            }
+            s.finish(d.ticket, &Outcome::Cancelled, 0, None, 1_300);
+        }
+        assert!(s.table().entries[0].1.degraded);
+        assert_eq!(to[0], 0, "{to:?}");
+        if spread {
+            assert_eq!(to, [0, 0, 40, 0], "{spread}");
+        } else {
+            assert!(to[1] > 5 && to[3] > 5, "{spread}: {to:?}");
+        }
+        // Pins on a break: to c with the switch on.
+        let mut broke = [0usize; 4];
+        for k in homed_on(0, 0) {
+            let d = s.pick(&model_pick("m", k, &ex, true), 1_400).unwrap();
+            assert_eq!(
+                (d.reason, d.broke_pin_of),
+                (Reason::PinBreak, Some(0)),
+                "{d:?}"
+            );
+            broke[d.endpoint] += 1;
+            s.finish(d.ticket, &Outcome::Cancelled, 0, None, 1_400);
+        }
+        if spread {
+            assert_eq!(broke, [0, 0, 40, 0], "{spread}");
+        } else {
+            assert!(broke[1] > 5 && broke[3] > 5, "{spread}: {broke:?}");
+        }
+        // Sessions homed on d, busy as it is: home (nothing displaced them).
+        for k in homed_on(3, 30_000) {
+            let d = s.pick(&model_pick("m", k, &ex, false), 1_500).unwrap();
+            assert_eq!(d.endpoint, 3, "{spread}: {d:?}");
+            s.finish(d.ticket, &Outcome::Cancelled, 0, None, 1_500);
+        }
+    }
+}
