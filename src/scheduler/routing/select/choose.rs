@@ -492,9 +492,6 @@ impl<'a> Scheduler<'a> {
         // new sessions off a key (a replica that did not serve the last turn would otherwise
         // move it from a key with quota to another with quota).
         let as_pin = pick.follow_up && pick.attempt <= 1 && matches!(pin, PinVerdict::None);
-        // A displaced session's place so far: the lightest candidate that could take it, by
-        // [`Board::fill`], the first in rendezvous order among equals.
-        let mut lightest: Option<(f64, (usize, Reason))> = None;
         for i in keyed.lazy() {
             if Some(i) == left {
                 passed.unavailable = true;
@@ -511,19 +508,13 @@ impl<'a> Scheduler<'a> {
                 continue;
             }
             if board.degraded(i) {
-                if lightest.is_none() && self.probe_due(board, table, i, pick, now_ms) {
+                if self.probe_due(board, table, i, pick, now_ms) {
                     return Some((i, Reason::DegradedProbe));
                 }
                 passed.degraded = true;
                 continue;
             }
-            // Past a displaced session's first place, a short candidate is only not taken (it
-            // was not passed over on the way to the place).
-            if board.admitted(i)
-                && board.short(i)
-                && lightest.is_none()
-                && !quota_skipped.contains(&i)
-            {
+            if board.admitted(i) && board.short(i) && !quota_skipped.contains(&i) {
                 quota_skipped.push(i);
             }
             if !board.admitted(i) || board.short(i) {
@@ -538,7 +529,6 @@ impl<'a> Scheduler<'a> {
             // takes the others only as the lightest (see `relieve_last_server`).
             if board.captive(i) && self.relief_passes_over(board, keyed, i) {
                 passed.saturated = true;
-                passed.relieved = true;
                 continue;
             }
             let load = f64::from(board.load_of(i));
@@ -558,24 +548,9 @@ impl<'a> Scheduler<'a> {
                 passed.spilled.get_or_insert(i);
                 continue;
             }
-            let found = (i, passed.reason(pin, pick.attempt));
-            // Displaced by a degraded endpoint (see `place_displaced_by_load`): the rest of
-            // the order is looked at for a lighter candidate; else the first is the place.
-            let displaced = self.cfg.place_displaced_by_load
-                && (passed.degraded
-                    || passed.relieved
-                    || matches!(pin, PinVerdict::Break(_) | PinVerdict::Relieve(_)));
-            if !displaced {
-                return Some(found);
-            }
-            let fill = board.fill(i);
-            if lightest.is_none_or(|(f, _)| fill < f) {
-                lightest = Some((fill, found));
-            }
+            return Some((i, passed.reason(pin, pick.attempt)));
         }
-        lightest
-            .map(|(_, c)| c)
-            .or_else(|| passed.spilled.map(|i| (i, Reason::Spill)))
+        passed.spilled.map(|i| (i, Reason::Spill))
     }
 
     /// Whether a new session placed by prefix passes over busy `i` for the sessions already
@@ -848,22 +823,6 @@ impl<'t> Board<'t> {
             (Some(i) != left && self.admitted(i) && !self.degraded(i)).then(|| self.load_of(i))
         })?;
         Some((t.load, t.weight, 0))
-    }
-    /// How full `i` would be with one more, for a displaced session's place
-    /// (`place_displaced_by_load`): its load + 1 over its slots where every candidate's slots
-    /// are known, else over its placement weight (the bounded load's own units).
-    pub(super) fn fill(&self, i: usize) -> f64 {
-        let load = f64::from(self.load_of(i)) + 1.0;
-        let size = if self.by_slots {
-            f64::from(self.slots(i))
-        } else {
-            self.weight(i)
-        };
-        if size > 0.0 {
-            load / size
-        } else {
-            f64::INFINITY
-        }
     }
     pub(super) fn weight(&self, i: usize) -> f64 {
         // The weights are in index order (the statics'): a search, for the few a walk weighs.
@@ -1263,8 +1222,6 @@ pub(super) struct Passed {
     unavailable: bool,
     degraded: bool,
     saturated: bool,
-    /// The last healthy server of another model, for relief (`relieve_last_server`).
-    relieved: bool,
     /// The first candidate over its bounded load.
     spilled: Option<usize>,
 }

@@ -66,9 +66,6 @@ pub enum Policy {
     FilterEps25,
     /// The filter with a tighter bounded load (`"bounded_load_epsilon": 0.15`).
     FilterEps15,
-    /// The filter with `"place_displaced_by_load": true` (sessions a degraded endpoint gives up
-    /// go to the lightest candidate): the rule on against off in one run.
-    FilterDisplaced,
 }
 
 impl Policy {
@@ -82,7 +79,7 @@ impl Policy {
     ];
 
     /// Every policy `--policies` accepts, in the report's order (the default set first).
-    pub const KNOWN: [Policy; 17] = [
+    pub const KNOWN: [Policy; 16] = [
         Policy::RoundRobin,
         Policy::LeastRequest,
         Policy::RingHash,
@@ -99,7 +96,6 @@ impl Policy {
         Policy::FilterNoRelief,
         Policy::FilterEps25,
         Policy::FilterEps15,
-        Policy::FilterDisplaced,
     ];
 
     pub fn name(&self) -> &'static str {
@@ -120,7 +116,6 @@ impl Policy {
             Policy::FilterNoRelief => "computeflux_norelief",
             Policy::FilterEps25 => "computeflux_eps25",
             Policy::FilterEps15 => "computeflux_eps15",
-            Policy::FilterDisplaced => "computeflux_displaced",
         }
     }
 
@@ -161,8 +156,7 @@ impl Policy {
             | Policy::FilterRulesOff
             | Policy::FilterNoRelief
             | Policy::FilterEps25
-            | Policy::FilterEps15
-            | Policy::FilterDisplaced => None,
+            | Policy::FilterEps15 => None,
         }
     }
 
@@ -176,7 +170,6 @@ impl Policy {
             Policy::FilterNoRelief => json!({"relieve_last_server": false}),
             Policy::FilterEps25 => json!({"bounded_load_epsilon": 0.25}),
             Policy::FilterEps15 => json!({"bounded_load_epsilon": 0.15}),
-            Policy::FilterDisplaced => json!({"place_displaced_by_load": true}),
             Policy::FilterNoSessionBound => json!({"prefix_session_half_life_ms": 0}),
             Policy::FilterSessionBoundTight => json!({"prefix_session_epsilon": 0.1}),
             Policy::FilterSessionBusy4 => json!({"prefix_session_busy_load": 4}),
@@ -195,7 +188,6 @@ impl Policy {
                 | Policy::FilterNoRelief
                 | Policy::FilterEps25
                 | Policy::FilterEps15
-                | Policy::FilterDisplaced
                 | Policy::FilterNoSessionBound
                 | Policy::FilterSessionBoundTight
                 | Policy::FilterSessionBusy4
