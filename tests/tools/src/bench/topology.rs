@@ -62,6 +62,10 @@ pub enum Policy {
     /// The filter with `"relieve_last_server": false` (the last healthy server of a model is
     /// not relieved of the other models' sessions): the rule on against off in one run.
     FilterNoRelief,
+    /// The filter with a tighter bounded load (`"bounded_load_epsilon": 0.25`).
+    FilterEps25,
+    /// The filter with a tighter bounded load (`"bounded_load_epsilon": 0.15`).
+    FilterEps15,
 }
 
 impl Policy {
@@ -75,7 +79,7 @@ impl Policy {
     ];
 
     /// Every policy `--policies` accepts, in the report's order (the default set first).
-    pub const KNOWN: [Policy; 14] = [
+    pub const KNOWN: [Policy; 16] = [
         Policy::RoundRobin,
         Policy::LeastRequest,
         Policy::RingHash,
@@ -90,6 +94,8 @@ impl Policy {
         Policy::FilterNoMetrics,
         Policy::FilterRulesOff,
         Policy::FilterNoRelief,
+        Policy::FilterEps25,
+        Policy::FilterEps15,
     ];
 
     pub fn name(&self) -> &'static str {
@@ -108,6 +114,8 @@ impl Policy {
             Policy::FilterNoMetrics => "computeflux_nometrics",
             Policy::FilterRulesOff => "computeflux_rulesoff",
             Policy::FilterNoRelief => "computeflux_norelief",
+            Policy::FilterEps25 => "computeflux_eps25",
+            Policy::FilterEps15 => "computeflux_eps15",
         }
     }
 
@@ -146,7 +154,9 @@ impl Policy {
             | Policy::FilterSessionBusy0
             | Policy::FilterNoMetrics
             | Policy::FilterRulesOff
-            | Policy::FilterNoRelief => None,
+            | Policy::FilterNoRelief
+            | Policy::FilterEps25
+            | Policy::FilterEps15 => None,
         }
     }
 
@@ -158,6 +168,8 @@ impl Policy {
             Policy::FilterRulesOff => json!({"pin_break_ratio": 1000.0, "pin_break_overdue": 0}),
             Policy::FilterNoPrefix => json!({"prefix_placement": false}),
             Policy::FilterNoRelief => json!({"relieve_last_server": false}),
+            Policy::FilterEps25 => json!({"bounded_load_epsilon": 0.25}),
+            Policy::FilterEps15 => json!({"bounded_load_epsilon": 0.15}),
             Policy::FilterNoSessionBound => json!({"prefix_session_half_life_ms": 0}),
             Policy::FilterSessionBoundTight => json!({"prefix_session_epsilon": 0.1}),
             Policy::FilterSessionBusy4 => json!({"prefix_session_busy_load": 4}),
@@ -174,6 +186,8 @@ impl Policy {
                 | Policy::FilterRulesOff
                 | Policy::FilterNoPrefix
                 | Policy::FilterNoRelief
+                | Policy::FilterEps25
+                | Policy::FilterEps15
                 | Policy::FilterNoSessionBound
                 | Policy::FilterSessionBoundTight
                 | Policy::FilterSessionBusy4
