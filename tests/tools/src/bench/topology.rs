@@ -52,6 +52,14 @@ pub enum Policy {
     FilterSessionBusy4,
     /// The filter with the session bound at any load (`"prefix_session_busy_load": 0`).
     FilterSessionBusy0,
+    /// The filter whose session bound spills in the prefix's rendezvous order
+    /// (`"prefix_session_spill": "prefix_order"`), not to the least-counted candidate.
+    FilterSpillNext,
+    /// The filter whose session bound spills to the first candidate of the prefix's order at
+    /// or below its share (`"prefix_session_spill": "under_share"`).
+    FilterSpillUnder,
+    /// The filter with the session bound at its share (`"prefix_session_epsilon": 0`).
+    FilterSessionBound0,
     /// The SGLang gateway's `cache_aware` policy behind the same Envoy (see `peer.rs`).
     SglangCacheAware,
     /// The filter without `metrics`: it sees only its own traffic (a hosted-API fleet).
@@ -75,7 +83,7 @@ impl Policy {
     ];
 
     /// Every policy `--policies` accepts, in the report's order (the default set first).
-    pub const KNOWN: [Policy; 14] = [
+    pub const KNOWN: [Policy; 17] = [
         Policy::RoundRobin,
         Policy::LeastRequest,
         Policy::RingHash,
@@ -86,6 +94,9 @@ impl Policy {
         Policy::FilterSessionBoundTight,
         Policy::FilterSessionBusy4,
         Policy::FilterSessionBusy0,
+        Policy::FilterSpillNext,
+        Policy::FilterSpillUnder,
+        Policy::FilterSessionBound0,
         Policy::SglangCacheAware,
         Policy::FilterNoMetrics,
         Policy::FilterRulesOff,
@@ -104,6 +115,9 @@ impl Policy {
             Policy::FilterSessionBoundTight => "computeflux_sessionbound10",
             Policy::FilterSessionBusy4 => "computeflux_sessionbusy4",
             Policy::FilterSessionBusy0 => "computeflux_sessionbusy0",
+            Policy::FilterSpillNext => "computeflux_spillnext",
+            Policy::FilterSpillUnder => "computeflux_spillunder",
+            Policy::FilterSessionBound0 => "computeflux_sessionbound0",
             Policy::SglangCacheAware => "sglang_cache_aware",
             Policy::FilterNoMetrics => "computeflux_nometrics",
             Policy::FilterRulesOff => "computeflux_rulesoff",
@@ -144,6 +158,9 @@ impl Policy {
             | Policy::FilterSessionBoundTight
             | Policy::FilterSessionBusy4
             | Policy::FilterSessionBusy0
+            | Policy::FilterSpillNext
+            | Policy::FilterSpillUnder
+            | Policy::FilterSessionBound0
             | Policy::FilterNoMetrics
             | Policy::FilterRulesOff
             | Policy::FilterNoRelief => None,
@@ -162,6 +179,9 @@ impl Policy {
             Policy::FilterSessionBoundTight => json!({"prefix_session_epsilon": 0.1}),
             Policy::FilterSessionBusy4 => json!({"prefix_session_busy_load": 4}),
             Policy::FilterSessionBusy0 => json!({"prefix_session_busy_load": 0}),
+            Policy::FilterSpillNext => json!({"prefix_session_spill": "prefix_order"}),
+            Policy::FilterSpillUnder => json!({"prefix_session_spill": "under_share"}),
+            Policy::FilterSessionBound0 => json!({"prefix_session_epsilon": 0.0}),
             _ => Value::Null,
         }
     }
@@ -178,6 +198,9 @@ impl Policy {
                 | Policy::FilterSessionBoundTight
                 | Policy::FilterSessionBusy4
                 | Policy::FilterSessionBusy0
+                | Policy::FilterSpillNext
+                | Policy::FilterSpillUnder
+                | Policy::FilterSessionBound0
         )
     }
 }
