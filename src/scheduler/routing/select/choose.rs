@@ -585,12 +585,13 @@ impl<'a> Scheduler<'a> {
         left: Option<usize>,
         totals: (u64, f64, u64),
     ) -> bool {
+        let kept_for_its_model = board.captive(i) && self.relief_passes_over(board, keyed, i);
         Some(i) != left
             && board.admitted(i)
             && !board.degraded(i)
             && !board.short(i)
             && !board.passed_over(i)
-            && !(board.captive(i) && self.relief_passes_over(board, keyed, i))
+            && !kept_for_its_model
             && self.within_load(board, i, totals)
     }
 
