@@ -37,9 +37,8 @@
 //! endpoint that also serves a second model looks as full as it is, and the first model's
 //! spills fill the endpoints the second leaves. On the bench's `mixed_prefix` the popular
 //! applications' homes were `a`, `b` and `d`; `c` was no one's, and spills in prefix order
-//! reached it last (39 sessions at the end against 51–55). (`under_share`, the first of the
-//! prefix's order at or below its share, and `prefix_order`, as before, are kept for
-//! comparison; see `docs/decisions.md`.)
+//! reached it last (39 sessions at the end against 51–55). (`prefix_order`, the rule before, is
+//! kept for comparison; see `docs/decisions.md`.)
 //!
 //! **Replicas**: each counts its own placements, so each sees about a third of the sessions
 //! with three replicas; the bound compares shares, which agree between replicas up to that

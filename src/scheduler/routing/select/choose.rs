@@ -550,10 +550,7 @@ impl<'a> Scheduler<'a> {
                             &eligible,
                         )
                 };
-                let target = total_sessions.and_then(|s| {
-                    self.session_spill_target(board, keyed, s, total_weight, &eligible, fits)
-                });
-                if let Some(t) = target {
+                if let Some(t) = self.session_spill_target(board, keyed, &eligible, fits) {
                     return Some((t, passed.reason(pin, pick.attempt)));
                 }
                 continue;
@@ -597,39 +594,28 @@ impl<'a> Scheduler<'a> {
 
     /// Where a new session goes that the session bound passed over
     /// (`prefix_session_spill`): `None` for `prefix_order` (the walk goes on), or when no
-    /// candidate `fits` (takes a new session within its bounds). `least_counted`: the
-    /// candidate with the fewest sessions counted per unit of weight, ties in the prefix's
-    /// order; `under_share`: the first of the prefix's order whose count is at most its
-    /// weighted share of the `total_sessions` counted over the `eligible` candidates, else
-    /// the least counted. The counts are of every model's sessions, so an endpoint that also
-    /// serves another model's sessions looks as full as it is.
+    /// candidate `fits` (takes a new session within its bounds); for `least_counted`, the
+    /// `eligible` candidate that fits with the fewest sessions counted per unit of weight,
+    /// ties in the prefix's order. The counts are of every model's sessions, so an endpoint
+    /// that also serves another model's sessions looks as full as it is.
     fn session_spill_target(
         &self,
         board: &Board,
         keyed: &placement::Keyed,
-        total_sessions: f64,
-        total_weight: f64,
         eligible: &impl Fn(usize) -> bool,
         fits: impl Fn(usize) -> bool,
     ) -> Option<usize> {
+        if self.cfg.prefix_session_spill == SessionSpill::PrefixOrder {
+            return None;
+        }
         let counts = board.sessions.as_ref()?;
-        let count = |j: usize| self.cfg.endpoints.get(j).map_or(0.0, |e| counts.of(e.id));
-        let under_share = match self.cfg.prefix_session_spill {
-            SessionSpill::PrefixOrder => return None,
-            SessionSpill::LeastCounted => false,
-            SessionSpill::UnderShare => true,
-        };
         let mut least: Option<(usize, f64)> = None;
         for j in keyed.lazy() {
             let w = board.weight(j);
             if !eligible(j) || w <= 0.0 || !fits(j) {
                 continue;
             }
-            let c = count(j);
-            if under_share && total_weight > 0.0 && c <= total_sessions * w / total_weight {
-                return Some(j);
-            }
-            let per_weight = c / w;
+            let per_weight = self.cfg.endpoints.get(j).map_or(0.0, |e| counts.of(e.id)) / w;
             if least.is_none_or(|(_, l)| per_weight < l) {
                 least = Some((j, per_weight));
             }

@@ -359,16 +359,11 @@ fn preload(store: &MemStore, c: &Config, i: usize, n: u32) {
 /// (`prefix_session_spill`). Worked: counts home 30, then in the prefix's order 15, 10, 0, 10;
 /// 8 new sessions held in flight at home make it busy (and count 38 there), so S = 73 and the
 /// 9th is over the home's limit (39 > 1.25 × 74 / 5 + 2 = 20.5). `least_counted` sends it to
-/// the fourth endpoint (0), `under_share` to the third (the first at or below 73 / 5 = 14.6),
-/// `prefix_order` to the second (15: not busy, so not bounded). The next spill of
-/// `least_counted` goes to the fourth again (1 is still the least).
+/// the fourth endpoint (0), `prefix_order` to the second (15: not busy, so not bounded). The
+/// next spill of `least_counted` goes to the fourth again (1 is still the least).
 #[test]
 fn a_busy_home_over_its_share_spills_to_the_target_its_rule_names() {
-    for (rule, want) in [
-        ("least_counted", [3, 3]),
-        ("under_share", [2, 2]),
-        ("prefix_order", [1, 1]),
-    ] {
+    for (rule, want) in [("least_counted", [3, 3]), ("prefix_order", [1, 1])] {
         let c = equal_cfg(json!({ "prefix_session_spill": rule }));
         let store = MemStore::new();
         let s = Scheduler::new(&c, &store);
@@ -474,15 +469,15 @@ mod props {
         /// Whatever the counts and loads, the session bound decides only new sessions placed
         /// by prefix: a session without a prefix (the `steady` workload), a later turn
         /// without a pin and a pinned session are placed exactly as with the bound off; and a
-        /// new session it spills to the least-counted or under-share candidate is within the
-        /// session bound there, or that candidate is not busy.
+        /// new session it spills to the least-counted candidate is within the session bound
+        /// there, or that candidate is not busy.
         #[test]
         fn the_bound_moves_only_new_prefix_sessions_and_spills_within_it(
             counts in proptest::collection::vec(0u32..40, 5),
             held in proptest::collection::vec(0usize..5, 0..40),
-            rule in 0usize..3,
+            rule in 0usize..2,
         ) {
-            let rule = ["least_counted", "under_share", "prefix_order"][rule];
+            let rule = ["least_counted", "prefix_order"][rule];
             let on = equal_cfg(json!({ "prefix_session_spill": rule }));
             let off = equal_cfg(json!({ "prefix_session_half_life_ms": 0 }));
             let (s_on, s_off) = (MemStore::new(), MemStore::new());

@@ -55,9 +55,6 @@ pub enum Policy {
     /// The filter whose session bound spills in the prefix's rendezvous order
     /// (`"prefix_session_spill": "prefix_order"`), not to the least-counted candidate.
     FilterSpillNext,
-    /// The filter whose session bound spills to the first candidate of the prefix's order at
-    /// or below its share (`"prefix_session_spill": "under_share"`).
-    FilterSpillUnder,
     /// The filter with the session bound at its share (`"prefix_session_epsilon": 0`).
     FilterSessionBound0,
     /// The SGLang gateway's `cache_aware` policy behind the same Envoy (see `peer.rs`).
@@ -83,7 +80,7 @@ impl Policy {
     ];
 
     /// Every policy `--policies` accepts, in the report's order (the default set first).
-    pub const KNOWN: [Policy; 17] = [
+    pub const KNOWN: [Policy; 16] = [
         Policy::RoundRobin,
         Policy::LeastRequest,
         Policy::RingHash,
@@ -95,7 +92,6 @@ impl Policy {
         Policy::FilterSessionBusy4,
         Policy::FilterSessionBusy0,
         Policy::FilterSpillNext,
-        Policy::FilterSpillUnder,
         Policy::FilterSessionBound0,
         Policy::SglangCacheAware,
         Policy::FilterNoMetrics,
@@ -116,7 +112,6 @@ impl Policy {
             Policy::FilterSessionBusy4 => "computeflux_sessionbusy4",
             Policy::FilterSessionBusy0 => "computeflux_sessionbusy0",
             Policy::FilterSpillNext => "computeflux_spillnext",
-            Policy::FilterSpillUnder => "computeflux_spillunder",
             Policy::FilterSessionBound0 => "computeflux_sessionbound0",
             Policy::SglangCacheAware => "sglang_cache_aware",
             Policy::FilterNoMetrics => "computeflux_nometrics",
@@ -159,7 +154,6 @@ impl Policy {
             | Policy::FilterSessionBusy4
             | Policy::FilterSessionBusy0
             | Policy::FilterSpillNext
-            | Policy::FilterSpillUnder
             | Policy::FilterSessionBound0
             | Policy::FilterNoMetrics
             | Policy::FilterRulesOff
@@ -180,7 +174,6 @@ impl Policy {
             Policy::FilterSessionBusy4 => json!({"prefix_session_busy_load": 4}),
             Policy::FilterSessionBusy0 => json!({"prefix_session_busy_load": 0}),
             Policy::FilterSpillNext => json!({"prefix_session_spill": "prefix_order"}),
-            Policy::FilterSpillUnder => json!({"prefix_session_spill": "under_share"}),
             Policy::FilterSessionBound0 => json!({"prefix_session_epsilon": 0.0}),
             _ => Value::Null,
         }
@@ -199,7 +192,6 @@ impl Policy {
                 | Policy::FilterSessionBusy4
                 | Policy::FilterSessionBusy0
                 | Policy::FilterSpillNext
-                | Policy::FilterSpillUnder
                 | Policy::FilterSessionBound0
         )
     }
