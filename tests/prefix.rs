@@ -424,3 +424,166 @@ fn applications_that_share_a_preamble_are_placed_by_their_whole_instructions() {
     drop(fleet);
     checks.finish();
 }
+
+/// Slots of the engine-like mocks of the session-bound test: a home is busy from half of them
+/// (`prefix_session_busy_load` 8).
+const ENGINE_SLOTS: &str = "16";
+
+/// (f) The session bound of a busy prefix home (`prefix_session_*`, decisions.md, "Bounding a
+/// busy prefix home by the sessions placed there"), through two Envoy replicas in front of four
+/// engine-like mocks whose `/metrics` the filter scrapes. Application X's home `h` took 6 new
+/// sessions and Y's home (X's second endpoint) 6; then clients that bypass Envoy keep 10 of
+/// `h`'s 16 slots running, so `h` is busy (≥ 8) by the engine's own load, the same on every
+/// replica, and still within its bounded load (its own slots). The next new session of X is
+/// over `h`'s share (6 + 1 > 1.25 × 13 / 4 + 2) and spills — to the least-counted candidate,
+/// X's third endpoint (X's second holds Y's 6), and the one after to X's fourth. X's pinned
+/// sessions keep going to `h`, and a later turn on the replica that never saw its session
+/// goes to `h` as a pin would. With the bound off (`prefix_session_half_life_ms: 0`) the new
+/// sessions stay on `h`: the test fails.
+#[test]
+fn a_busy_prefix_home_over_its_share_spills_new_sessions_to_the_least_counted_endpoint() {
+    const PLACED: usize = 6;
+    let x = 0;
+    let order = prefix_order(x);
+    let h = order[0];
+    // An application whose prefix home is X's second endpoint.
+    let y = (1..200)
+        .find(|&y| prefix_order(y)[0] == order[1])
+        .expect("an application homed on X's second endpoint");
+    println!(
+        "X's prefix order {order:?}; Y = application {y}, home {}",
+        order[1]
+    );
+    let mocks: Vec<MockUpstream> = ENDPOINTS
+        .iter()
+        .map(|n| {
+            MockUpstream::start(
+                n,
+                &[MODEL],
+                &[
+                    "--engine",
+                    "batched",
+                    "--max-concurrency",
+                    ENGINE_SLOTS,
+                    "--output-tokens",
+                    "max_tokens",
+                    "--decode-ms-per-token",
+                    "2",
+                    "--prefill-us-per-token",
+                    "20",
+                ],
+            )
+        })
+        .collect();
+    let clusters: Vec<(&str, u16)> = mocks.iter().map(|m| (m.name.as_str(), m.port)).collect();
+    let scrape = json!({"format": "vllm", "interval_ms": 250, "timeout_ms": 1000});
+    let endpoints: Vec<Value> = ENDPOINTS
+        .iter()
+        .map(|n| json!({"name": n, "cluster": n, "metrics": scrape}))
+        .collect();
+    let replicas = Replicas::start(
+        EnvoyConfig::new(json!({"endpoints": endpoints}), &clusters),
+        2,
+    );
+    let mut checks = Checks::new();
+    let short = |app: usize, id: &str, turn: usize| {
+        let mut v: Value = serde_json::from_str(&body(app, id, turn)).unwrap();
+        v["max_tokens"] = json!(4);
+        v.to_string()
+    };
+    let port0 = replicas.port(0);
+    // Idle fleet: every new session of X goes home, of Y to Y's home, all through replica 0
+    // (which counts them).
+    for (app, home) in [(x, h), (y, order[1])] {
+        for j in 0..PLACED {
+            let id = format!("app{app}-s{j}");
+            let served = send(port0, &id, &short(app, &id, 0));
+            checks.expect(
+                served.status == 200 && served.endpoint == home && served.affinity == "prefix",
+                format!("{id} on the idle fleet: {served:?}, expected {home}"),
+            );
+        }
+    }
+    // Make h busy by its engine's own load: 10 clients straight to its mock.
+    let stop = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let h_port = mocks.iter().find(|m| m.name == h).unwrap().port;
+    let backlog: Vec<_> = (0..10)
+        .map(|k| {
+            let stop = stop.clone();
+            std::thread::spawn(move || {
+                let body = json!({"model": MODEL, "max_tokens": 2000,
+                    "messages": [{"role": "user", "content": format!("backlog {k}")}]})
+                .to_string();
+                while !stop.load(std::sync::atomic::Ordering::SeqCst) {
+                    let _ = support::http::request(
+                        h_port,
+                        "POST",
+                        "/v1/chat/completions",
+                        &[],
+                        Some(body.as_bytes()),
+                        Duration::from_secs(30),
+                    );
+                }
+            })
+        })
+        .collect();
+    let running = format!("wasmcustom.computeflux_engine_running.endpoint.{h}");
+    let deadline = std::time::Instant::now() + Duration::from_secs(15);
+    while replicas
+        .envoys()
+        .iter()
+        .any(|e| e.computeflux_stats().get(&running).copied().unwrap_or(0) < 8)
+    {
+        assert!(
+            std::time::Instant::now() < deadline,
+            "{h}'s engine load never scraped as busy"
+        );
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    // New sessions of X: over h's share while h is busy, each to the least-counted candidate.
+    let mut spilled = Vec::new();
+    for j in 0..2 {
+        let id = format!("app{x}-new{j}");
+        let served = send(port0, &id, &short(x, &id, 0));
+        let want = order[2 + j];
+        checks.expect(
+            served.status == 200 && served.endpoint == want && served.affinity == "prefix",
+            format!("{id} while {h} is busy and over its share: {served:?}, expected {want}"),
+        );
+        spilled.push((id, served.endpoint));
+    }
+    // Pinned sessions never move for the bound: X's first sessions stay on h (replica 0 holds
+    // their pins), the spilled ones where they were served; replica 1 never saw any of them and
+    // sends a later turn where a pin would go, h.
+    for j in 0..3 {
+        let id = format!("app{x}-s{j}");
+        let served = send(port0, &id, &short(x, &id, 1));
+        checks.expect(
+            served.status == 200 && served.endpoint == h && served.affinity == "hit",
+            format!("{id} turn 2 (pinned to {h}): {served:?}"),
+        );
+        let served = send(replicas.port(1), &id, &short(x, &id, 2));
+        checks.expect(
+            served.status == 200 && served.endpoint == h,
+            format!("{id} turn 3 via the replica without its pin: {served:?}"),
+        );
+    }
+    for (id, at) in &spilled {
+        let served = send(port0, id, &short(x, id, 1));
+        checks.expect(
+            served.status == 200 && &served.endpoint == at && served.affinity == "hit",
+            format!("{id} turn 2 (pinned to {at}): {served:?}"),
+        );
+    }
+    stop.store(true, std::sync::atomic::Ordering::SeqCst);
+    for t in backlog {
+        t.join().unwrap();
+    }
+    checks.expect(
+        replicas.wasm_crashes().is_empty(),
+        format!("wasm crashes: {:?}", replicas.wasm_crashes()),
+    );
+    drop(replicas);
+    drop(mocks);
+    checks.finish();
+}

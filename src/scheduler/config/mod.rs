@@ -76,6 +76,29 @@ impl AfterFailover {
     }
 }
 
+/// Where a new session goes that the session bound passes over at a busy prefix home (see
+/// `routing::sessions`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum SessionSpill {
+    /// The candidate that took the fewest new sessions for its weight (this process's counts;
+    /// ties in the prefix's rendezvous order).
+    LeastCounted,
+    /// The next candidate of the prefix's rendezvous order that takes the session.
+    PrefixOrder,
+}
+
+impl SessionSpill {
+    pub const ALL: &'static [SessionSpill] =
+        &[SessionSpill::LeastCounted, SessionSpill::PrefixOrder];
+
+    pub fn label(&self) -> &'static str {
+        match self {
+            SessionSpill::LeastCounted => "least_counted",
+            SessionSpill::PrefixOrder => "prefix_order",
+        }
+    }
+}
+
 /// Who answers `GET /v1/models`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum ListModels {
@@ -262,7 +285,7 @@ macro_rules! choice_scalar {
     )*};
 }
 
-choice_scalar!(AfterFailover, ListModels);
+choice_scalar!(AfterFailover, ListModels, SessionSpill);
 
 /// Declares every top-level scalar key once: `field: type = default, spec, "effect";`.
 macro_rules! config_keys {
@@ -387,9 +410,11 @@ config_keys! {
     prefix_min_bytes: u64 = 1024, Spec::Int { min: 64, max: 1_048_576 },
         "Shortest instructions segment, in bytes of the request's JSON, that places a new session by prefix (`prefix_placement`). Shorter instructions cost little to prefill anywhere, and grouping every short-prompt session on one endpoint would only add load there.";
     prefix_session_epsilon: f64 = 0.25, Spec::Number { min: 0.0, max: 100.0 },
-        "Bound on the sessions a busy prefix home takes: a new session placed by prefix (`prefix_placement`) passes over an endpoint, in the prefix's rendezvous order, whose count of new sessions this Envoy placed there recently (`prefix_session_half_life_ms`) would exceed `(1 + epsilon) ×` its weighted share of those placed on the candidates, while that endpoint is busy (`prefix_session_busy_load`). A session's later turns come back where it was placed, so a home that took more than its share keeps its load long after the load it showed at the placement; an idle fleet is never spread (see [decisions](decisions.md#bounding-a-busy-prefix-home-by-the-sessions-placed-there)). Pinned sessions never move for it.";
+        "Bound on the sessions a busy prefix home takes: a new session placed by prefix (`prefix_placement`) passes over an endpoint of the prefix's rendezvous order (to the endpoint `prefix_session_spill` names) whose count of new sessions this Envoy placed there recently (`prefix_session_half_life_ms`) would exceed `(1 + epsilon) ×` its weighted share of those placed on the candidates, while that endpoint is busy (`prefix_session_busy_load`). A session's later turns come back where it was placed, so a home that took more than its share keeps its load long after the load it showed at the placement; an idle fleet is never spread (see [decisions](decisions.md#bounding-a-busy-prefix-home-by-the-sessions-placed-there)). Pinned sessions never move for it.";
     prefix_session_busy_load: u64 = 8, Spec::Int { min: 0, max: 1_000_000 },
         "The load (its engine's scraped running + waiting where known, else the in-flight attempts this Envoy counts) from which an endpoint is busy enough for `prefix_session_epsilon` to pass over it; with known slots, at most half of them. Below it a prefix home takes every new session of its prefixes, however many it was given. `0`: always busy.";
+    prefix_session_spill: SessionSpill = SessionSpill::LeastCounted, Spec::Choice(&["least_counted", "prefix_order"]),
+        "Where a new session goes that `prefix_session_epsilon` passes over at a busy endpoint: `least_counted`, the candidate (admitted, healthy, within its bounded load) that took the fewest new sessions for its weight, ties in the prefix's rendezvous order; `prefix_order`, the next candidate of the prefix's order. An endpoint serving several models carries every model's sessions in its count, so a model's sessions fill the endpoints the others leave (see [decisions](decisions.md#bounding-a-busy-prefix-home-by-the-sessions-placed-there)).";
     prefix_session_half_life_ms: u64 = 60_000, Spec::Int { min: 0, max: MAX_MS },
         "Half-life of the per-endpoint count of new sessions that `prefix_session_epsilon` bounds (about how long a session keeps sending turns). `0` turns the session bound off: a prefix home then spills by its load alone.";
     pin_cookie: bool = false, Spec::Bool,

@@ -44,7 +44,8 @@
 //! and a popular one spills in the prefix's rendezvous order. The next turn, on a replica that
 //! has no pin for it, resends the same instructions, so it computes the same home (unless that
 //! replica's bounded load spills it). A busy prefix home that took more than its share of the
-//! new sessions placed recently also spills them (see [`super::sessions`]).
+//! new sessions placed recently also spills them, to the candidate that took the fewest (see
+//! [`super::sessions`]).
 //!
 //! Requests without a session have no cache to keep: they are placed on a per-request key with
 //! the full score (`score`, in-flight and latency included) as weight.

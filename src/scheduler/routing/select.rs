@@ -28,8 +28,8 @@
 //! function per concern (in-flight and watch, success rate, raw latency, slowness, payoff,
 //! quota, probe backoff, breaker; then the work model and the affinity).
 
-use crate::scheduler::config::AfterFailover;
 use crate::scheduler::config::Config;
+use crate::scheduler::config::{AfterFailover, SessionSpill};
 use crate::scheduler::health::breaker::{Admission, BreakerConfig, BreakerState};
 use crate::scheduler::health::outcome::Outcome;
 use crate::scheduler::routing::affinity::{Affinity, MOVES_PREFIX};

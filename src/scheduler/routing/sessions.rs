@@ -29,6 +29,17 @@
 //! `shared_prefix` runs its endpoints far below their slots with one holding 37 % of the
 //! sessions): only a busy home spills by count.
 //!
+//! **Where the spill goes** (`prefix_session_spill`, default `least_counted`): to the candidate
+//! that would take the session (admitted, healthy, not saturated, within its bounded load)
+//! with the fewest sessions counted per unit of placement weight, ties in the prefix's
+//! rendezvous order — not to the next endpoint of the prefix's order, which is as often
+//! another popular application's busy home. The counts are of every model's sessions, so an
+//! endpoint that also serves a second model looks as full as it is, and the first model's
+//! spills fill the endpoints the second leaves. On the bench's `mixed_prefix` the popular
+//! applications' homes were `a`, `b` and `d`; `c` was no one's, and spills in prefix order
+//! reached it last (39 sessions at the end against 51–55). (`prefix_order`, the rule before, is
+//! kept for comparison; see `docs/decisions.md`.)
+//!
 //! **Replicas**: each counts its own placements, so each sees about a third of the sessions
 //! with three replicas; the bound compares shares, which agree between replicas up to that
 //! sampling, not exactly. The busy test reads the engines' scraped load where known, the same

@@ -680,35 +680,109 @@ impl<'a> Scheduler<'a> {
             } else {
                 self.cfg.bounded_load_slack as f64
             };
-            let limit = |(total_load, total_weight, total_slots): (u64, f64, u64)| {
-                if board.by_slots {
-                    capacity::slot_limit(
-                        total_load,
-                        board.slots(i),
-                        total_slots,
-                        self.cfg.bounded_load_epsilon,
-                    )
-                } else {
-                    placement::load_limit(total_load, board.weight(i), total_weight, self.cfg)
-                }
-            };
-            let over_load = load + 1.0 > floor && load + 1.0 > limit(totals_of());
+            let over_load = load + 1.0 > floor && !self.within_load(board, i, totals_of());
             // Every scheduler test checks the floor: the bound itself gives the same answer.
             #[cfg(test)]
-            assert_eq!(over_load, load + 1.0 > limit(totals_of()), "floor {floor}");
-            // The session bound reads the total weight only for counted new sessions.
-            if over_load
-                || (board.sessions.is_some() && {
-                    let total_weight = totals_of().1;
-                    self.over_session_bound(board, i, total_weight, &mut total_sessions, &eligible)
-                })
-            {
+            assert_eq!(
+                over_load,
+                !self.within_load(board, i, totals_of()),
+                "floor {floor}"
+            );
+            if over_load {
                 passed.spilled.get_or_insert(i);
+                continue;
+            }
+            // The session bound reads the totals only for counted new sessions.
+            if board.sessions.is_some() && {
+                let total_weight = totals_of().1;
+                self.over_session_bound(board, i, total_weight, &mut total_sessions, &eligible)
+            } {
+                passed.spilled.get_or_insert(i);
+                let totals = totals_of();
+                let total_weight = totals.1;
+                // Passed over for the sessions placed there: the spill goes where the counts
+                // say there is room (`prefix_session_spill`), else on in the prefix's order.
+                let fits = |j: usize| {
+                    self.takes_new(board, keyed, j, left, totals)
+                        && !self.over_session_bound(
+                            board,
+                            j,
+                            total_weight,
+                            &mut total_sessions.clone(),
+                            &eligible,
+                        )
+                };
+                if let Some(t) = self.session_spill_target(board, keyed, &eligible, fits) {
+                    return Some((t, passed.reason(pin, pick.attempt)));
+                }
                 continue;
             }
             return Some((i, passed.reason(pin, pick.attempt)));
         }
         passed.spilled.map(|i| (i, Reason::Spill))
+    }
+
+    /// Whether `i`'s load + 1 is within its bounded-load limit (by slots where every
+    /// candidate's are known), given the walk's `(load, weight, slots)` totals.
+    fn within_load(&self, board: &Board, i: usize, (load, weight, slots): (u64, f64, u64)) -> bool {
+        let limit = if board.by_slots {
+            capacity::slot_limit(load, board.slots(i), slots, self.cfg.bounded_load_epsilon)
+        } else {
+            placement::load_limit(load, board.weight(i), weight, self.cfg)
+        };
+        f64::from(board.load_of(i)) + 1.0 <= limit
+    }
+
+    /// Whether the walk would place a new session on `i` but for the session bound: not the
+    /// pin left, admitted, not degraded, not short, not passed over (saturated), not a captive
+    /// kept for its model, within its bounded load.
+    fn takes_new(
+        &self,
+        board: &Board,
+        keyed: &placement::Keyed,
+        i: usize,
+        left: Option<usize>,
+        totals: (u64, f64, u64),
+    ) -> bool {
+        let kept_for_its_model = board.captive(i) && self.relief_passes_over(board, keyed, i);
+        Some(i) != left
+            && board.admitted(i)
+            && !board.degraded(i)
+            && !board.short(i)
+            && !board.passed_over(i)
+            && !kept_for_its_model
+            && self.within_load(board, i, totals)
+    }
+
+    /// Where a new session goes that the session bound passed over
+    /// (`prefix_session_spill`): `None` for `prefix_order` (the walk goes on), or when no
+    /// candidate `fits` (takes a new session within its bounds); for `least_counted`, the
+    /// `eligible` candidate that fits with the fewest sessions counted per unit of weight,
+    /// ties in the prefix's order. The counts are of every model's sessions, so an endpoint
+    /// that also serves another model's sessions looks as full as it is.
+    fn session_spill_target(
+        &self,
+        board: &Board,
+        keyed: &placement::Keyed,
+        eligible: &impl Fn(usize) -> bool,
+        fits: impl Fn(usize) -> bool,
+    ) -> Option<usize> {
+        if self.cfg.prefix_session_spill == SessionSpill::PrefixOrder {
+            return None;
+        }
+        let counts = board.sessions.as_ref()?;
+        let mut least: Option<(usize, f64)> = None;
+        for j in keyed.lazy() {
+            let w = board.weight(j);
+            if !eligible(j) || w <= 0.0 || !fits(j) {
+                continue;
+            }
+            let per_weight = self.cfg.endpoints.get(j).map_or(0.0, |e| counts.of(e.id)) / w;
+            if least.is_none_or(|(_, l)| per_weight < l) {
+                least = Some((j, per_weight));
+            }
+        }
+        least.map(|(j, _)| j)
     }
 
     /// Whether a new session placed by prefix passes over busy `i` for the sessions already

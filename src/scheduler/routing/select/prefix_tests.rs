@@ -335,3 +335,198 @@ fn pick_turn_args(session: u64) -> Pick<'static> {
         max_output_tokens: 0,
     }
 }
+
+/// Five endpoints of weight 1 (the spill-target tests' shares are then plain counts).
+fn equal_cfg(extra: serde_json::Value) -> Config {
+    let mut v = json!({"endpoints":[
+        {"name":"e0","cluster":"c0"},{"name":"e1","cluster":"c1"},{"name":"e2","cluster":"c2"},
+        {"name":"e3","cluster":"c3"},{"name":"e4","cluster":"c4"}
+    ]});
+    if let (Some(o), Some(e)) = (v.as_object_mut(), extra.as_object()) {
+        o.extend(e.clone());
+    }
+    Config::from_value(&v).unwrap()
+}
+
+/// Counts `n` new sessions placed on endpoint `i` at time 0.
+fn preload(store: &MemStore, c: &Config, i: usize, n: u32) {
+    for _ in 0..n {
+        assert!(sessions::record(store, c, c.endpoints[i].id, 0));
+    }
+}
+
+/// Where the session bound sends a new session of a busy home over its share
+/// (`prefix_session_spill`). Worked: counts home 30, then in the prefix's order 15, 10, 0, 10;
+/// 8 new sessions held in flight at home make it busy (and count 38 there), so S = 73 and the
+/// 9th is over the home's limit (39 > 1.25 × 74 / 5 + 2 = 20.5). `least_counted` sends it to
+/// the fourth endpoint (0), `prefix_order` to the second (15: not busy, so not bounded). The
+/// next spill of `least_counted` goes to the fourth again (1 is still the least).
+#[test]
+fn a_busy_home_over_its_share_spills_to_the_target_its_rule_names() {
+    for (rule, want) in [("least_counted", [3, 3]), ("prefix_order", [1, 1])] {
+        let c = equal_cfg(json!({ "prefix_session_spill": rule }));
+        let store = MemStore::new();
+        let s = Scheduler::new(&c, &store);
+        let order = placement::order(PREFIX, &weights(&c));
+        for (k, n) in [30, 15, 10, 0, 10].into_iter().enumerate() {
+            preload(&store, &c, order[k], n);
+        }
+        let mut held = Vec::new();
+        for n in 0..8u64 {
+            let d = pick_turn(&s, session(n), false, 0);
+            assert_eq!(
+                (d.endpoint, d.reason),
+                (order[0], Reason::Home),
+                "{rule} {n}"
+            );
+            held.push(d);
+        }
+        for (j, &k) in want.iter().enumerate() {
+            let d = pick_turn(&s, session(100 + j as u64), false, 0);
+            assert_eq!(
+                (d.endpoint, d.reason, d.affinity),
+                (order[k], Reason::Spill, AffinityResult::Prefix),
+                "{rule}: spill {j}"
+            );
+            assert!(d.ticket.pin_on_success, "a prefix spill pins");
+            held.push(d);
+        }
+        // A pinned session of the busy home, and a later turn without a pin, stay home.
+        let d = pick_turn(&s, session(0), true, 1);
+        assert_eq!((d.endpoint, d.reason), (order[0], Reason::Home), "{rule}");
+        held.push(d);
+        for d in held {
+            s.finish(d.ticket, &Outcome::Cancelled, 0, None, 1);
+        }
+    }
+}
+
+/// An endpoint that also serves another model carries that model's sessions in its count: a
+/// busy home of model `m` over its share spills `m`'s new session to the endpoint that serves
+/// `m` only (`e2`, last in the prefix's order), not to the second of the order, which holds
+/// the other model's sessions (where `prefix_order` sends it).
+#[test]
+fn the_least_counted_target_counts_every_model_s_sessions() {
+    let endpoints = json!([
+        {"name":"e0","cluster":"c0","models":["m","m2"]},
+        {"name":"e1","cluster":"c1","models":["m","m2"]},
+        {"name":"e2","cluster":"c2","models":["m"]}
+    ]);
+    for (rule, spill_to) in [("least_counted", 2), ("prefix_order", 1)] {
+        let c = Config::from_value(&json!({"endpoints": endpoints, "prefix_session_spill": rule}))
+            .unwrap();
+        // A prefix whose order ends with e2.
+        let prefix = (1..)
+            .map(|k: u64| PREFIX ^ (k << 20))
+            .find(|&p| c.endpoints[placement::order(p, &weights(&c))[2]].name == "e2")
+            .unwrap();
+        let order = placement::order(prefix, &weights(&c));
+        let store = MemStore::new();
+        let s = Scheduler::new(&c, &store);
+        // The home took 10 of m's sessions, the second endpoint 12 of m2's.
+        preload(&store, &c, order[0], 10);
+        preload(&store, &c, order[1], 12);
+        let first = |n: u64| Pick {
+            prefix: Some(prefix),
+            ..pick_turn_args(session(n))
+        };
+        let mut held = Vec::new();
+        for n in 0..8u64 {
+            let d = s.pick(&first(n), 0).unwrap();
+            assert_eq!(d.endpoint, order[0], "{rule} {n}");
+            held.push(d);
+        }
+        // 18 + 1 > 1.25 × 31 / 3 + 2 = 14.9: spilled.
+        let d = s.pick(&first(50), 0).unwrap();
+        assert_eq!(
+            (d.endpoint, d.reason),
+            (order[spill_to], Reason::Spill),
+            "{rule}"
+        );
+        held.push(d);
+        for d in held {
+            s.finish(d.ticket, &Outcome::Cancelled, 0, None, 1);
+        }
+    }
+}
+
+#[cfg(not(target_arch = "wasm32"))]
+mod props {
+    use super::*;
+    use proptest::prelude::*;
+
+    fn plain(session: u64, prefix: Option<u64>, follow_up: bool) -> Pick<'static> {
+        Pick {
+            prefix,
+            follow_up,
+            ..pick_turn_args(session)
+        }
+    }
+
+    proptest! {
+        #![proptest_config(ProptestConfig::with_cases(64))]
+
+        /// Whatever the counts and loads, the session bound decides only new sessions placed
+        /// by prefix: a session without a prefix (the `steady` workload), a later turn
+        /// without a pin and a pinned session are placed exactly as with the bound off; and a
+        /// new session it spills to the least-counted candidate is within the session bound
+        /// there, or that candidate is not busy.
+        #[test]
+        fn the_bound_moves_only_new_prefix_sessions_and_spills_within_it(
+            counts in proptest::collection::vec(0u32..40, 5),
+            held in proptest::collection::vec(0usize..5, 0..40),
+            rule in 0usize..2,
+        ) {
+            let rule = ["least_counted", "prefix_order"][rule];
+            let on = equal_cfg(json!({ "prefix_session_spill": rule }));
+            let off = equal_cfg(json!({ "prefix_session_half_life_ms": 0 }));
+            let (s_on, s_off) = (MemStore::new(), MemStore::new());
+            for (i, &n) in counts.iter().enumerate() {
+                preload(&s_on, &on, i, n);
+                preload(&s_off, &on, i, n);
+            }
+            let a = Scheduler::new(&on, &s_on);
+            let b = Scheduler::new(&off, &s_off);
+            // Load: requests held in flight on the endpoints `held` names (a Responses API
+            // holder: the endpoint is given, nothing is counted as a new session).
+            let mut kept = Vec::new();
+            for (k, &i) in held.iter().enumerate() {
+                let p = Pick {
+                    holder: Some(on.endpoints[i].id),
+                    ..plain(session(1_000 + k as u64), None, false)
+                };
+                kept.push((a.pick(&p, 0).unwrap(), b.pick(&p, 0).unwrap()));
+            }
+            // A pin on both, served before.
+            let pinned = session(77);
+            for s in [&a, &b] {
+                let d = s.pick(&plain(pinned, None, false), 0).unwrap();
+                s.finish(d.ticket, &Outcome::Success, 10, Some(pinned), 0);
+            }
+            for p in [plain(session(5), None, false), plain(session(6), Some(PREFIX), true),
+                      plain(pinned, Some(PREFIX), false)] {
+                let (x, y) = (a.pick(&p, 1).unwrap(), b.pick(&p, 1).unwrap());
+                prop_assert_eq!((x.endpoint, x.reason), (y.endpoint, y.reason));
+                a.finish(x.ticket, &Outcome::Cancelled, 0, None, 1);
+                b.finish(y.ticket, &Outcome::Cancelled, 0, None, 1);
+            }
+            // A new session by prefix, against the counts as it read them.
+            let before = sessions::read(&s_on).at(&on, 1);
+            let d = a.pick(&plain(session(9), Some(PREFIX), false), 1).unwrap();
+            let total: f64 = on.endpoints.iter().map(|e| before.of(e.id)).sum();
+            let there = before.of(on.endpoints[d.endpoint].id);
+            let limit = sessions::session_limit(total, 1.0, 5.0, on.prefix_session_epsilon);
+            let load = held.iter().filter(|&&i| i == d.endpoint).count();
+            prop_assert!(
+                d.reason != Reason::Spill || rule == "prefix_order" || there + 1.0 <= limit
+                    || load < 8,
+                "{} at {}: {} + 1 > {} with load {}", rule, d.endpoint, there, limit, load
+            );
+            a.finish(d.ticket, &Outcome::Cancelled, 0, None, 1);
+            for (x, y) in kept {
+                a.finish(x.ticket, &Outcome::Cancelled, 0, None, 2);
+                b.finish(y.ticket, &Outcome::Cancelled, 0, None, 2);
+            }
+        }
+    }
+}

@@ -52,6 +52,11 @@ pub enum Policy {
     FilterSessionBusy4,
     /// The filter with the session bound at any load (`"prefix_session_busy_load": 0`).
     FilterSessionBusy0,
+    /// The filter whose session bound spills in the prefix's rendezvous order
+    /// (`"prefix_session_spill": "prefix_order"`), not to the least-counted candidate.
+    FilterSpillNext,
+    /// The filter with the session bound at its share (`"prefix_session_epsilon": 0`).
+    FilterSessionBound0,
     /// The SGLang gateway's `cache_aware` policy behind the same Envoy (see `peer.rs`).
     SglangCacheAware,
     /// The filter without `metrics`: it sees only its own traffic (a hosted-API fleet).
@@ -90,6 +95,8 @@ impl Policy {
         Policy::FilterSessionBoundTight,
         Policy::FilterSessionBusy4,
         Policy::FilterSessionBusy0,
+        Policy::FilterSpillNext,
+        Policy::FilterSessionBound0,
         Policy::SglangCacheAware,
         Policy::FilterNoMetrics,
         Policy::FilterRulesOff,
@@ -110,6 +117,8 @@ impl Policy {
             Policy::FilterSessionBoundTight => "computeflux_sessionbound10",
             Policy::FilterSessionBusy4 => "computeflux_sessionbusy4",
             Policy::FilterSessionBusy0 => "computeflux_sessionbusy0",
+            Policy::FilterSpillNext => "computeflux_spillnext",
+            Policy::FilterSessionBound0 => "computeflux_sessionbound0",
             Policy::SglangCacheAware => "sglang_cache_aware",
             Policy::FilterNoMetrics => "computeflux_nometrics",
             Policy::FilterRulesOff => "computeflux_rulesoff",
@@ -152,6 +161,8 @@ impl Policy {
             | Policy::FilterSessionBoundTight
             | Policy::FilterSessionBusy4
             | Policy::FilterSessionBusy0
+            | Policy::FilterSpillNext
+            | Policy::FilterSessionBound0
             | Policy::FilterNoMetrics
             | Policy::FilterRulesOff
             | Policy::FilterNoRelief
@@ -174,6 +185,8 @@ impl Policy {
             Policy::FilterSessionBoundTight => json!({"prefix_session_epsilon": 0.1}),
             Policy::FilterSessionBusy4 => json!({"prefix_session_busy_load": 4}),
             Policy::FilterSessionBusy0 => json!({"prefix_session_busy_load": 0}),
+            Policy::FilterSpillNext => json!({"prefix_session_spill": "prefix_order"}),
+            Policy::FilterSessionBound0 => json!({"prefix_session_epsilon": 0.0}),
             _ => Value::Null,
         }
     }
@@ -192,6 +205,8 @@ impl Policy {
                 | Policy::FilterSessionBoundTight
                 | Policy::FilterSessionBusy4
                 | Policy::FilterSessionBusy0
+                | Policy::FilterSpillNext
+                | Policy::FilterSessionBound0
         )
     }
 }
