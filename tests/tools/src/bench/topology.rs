@@ -84,7 +84,7 @@ impl Policy {
     ];
 
     /// Every policy `--policies` accepts, in the report's order (the default set first).
-    pub const KNOWN: [Policy; 16] = [
+    pub const KNOWN: [Policy; 18] = [
         Policy::RoundRobin,
         Policy::LeastRequest,
         Policy::RingHash,
