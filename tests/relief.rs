@@ -39,6 +39,7 @@ use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
 use serde_json::{json, Value};
+use support::envoy::{decisions, endpoint_stat, Stats};
 use support::http::{request, try_post_chat};
 use support::placement::{header_session, rendezvous_order};
 use support::session::{H_AFFINITY, H_ENDPOINT, H_SESSION};
@@ -150,24 +151,6 @@ impl Drop for Elsewhere {
             let _ = c.join();
         }
     }
-}
-
-type Stats = BTreeMap<String, i64>;
-
-/// The per-endpoint stat `base` of `endpoint` (-1 when absent).
-fn of(s: &Stats, base: &str, endpoint: &str) -> i64 {
-    s.get(&format!("wasmcustom.{base}.endpoint.{endpoint}"))
-        .copied()
-        .unwrap_or(-1)
-}
-
-/// `computeflux_decisions_total` of `reason` (0 when absent).
-fn decisions(s: &Stats, reason: &str) -> i64 {
-    s.get(&format!(
-        "wasmcustom.computeflux_decisions_total.reason.{reason}"
-    ))
-    .copied()
-    .unwrap_or(0)
 }
 
 /// Waits (≤ [`WAIT`]) until `f` holds on the stats; panics with the engines' stats otherwise.
@@ -347,7 +330,7 @@ fn run(relieve: bool) -> Run {
     // `b` carries requests from elsewhere; the filter sees them once scraped.
     let elsewhere = Elsewhere::start(mock("b").port, ELSEWHERE_CLIENTS);
     wait_for(&envoy, "b's load from elsewhere scraped", |s| {
-        of(s, "computeflux_engine_running", "b") >= ELSEWHERE_CLIENTS as i64 - 1
+        endpoint_stat(s, "computeflux_engine_running", "b") >= ELSEWHERE_CLIENTS as i64 - 1
     });
     let mut before = homed("before", "m1", "b", NEW_SESSIONS);
     let before_spread = place(port, &mut before);
@@ -361,7 +344,7 @@ fn run(relieve: bool) -> Run {
         .cloned()
         .collect();
     let deadline = Instant::now() + WAIT;
-    while of(&envoy.computeflux_stats(), "computeflux_degraded", "a") != 1 {
+    while endpoint_stat(&envoy.computeflux_stats(), "computeflux_degraded", "a") != 1 {
         assert!(
             Instant::now() < deadline,
             "a not degraded in {WAIT:?}: {:?}",
@@ -372,7 +355,7 @@ fn run(relieve: bool) -> Run {
         });
     }
     wait_for(&envoy, "b's load from elsewhere still scraped", |s| {
-        of(s, "computeflux_engine_running", "b") >= ELSEWHERE_CLIENTS as i64 - 1
+        endpoint_stat(s, "computeflux_engine_running", "b") >= ELSEWHERE_CLIENTS as i64 - 1
     });
     let saturated_before = decisions(&envoy.computeflux_stats(), "saturated");
     let mut m1 = homed("m1-after", "m1", "b", NEW_SESSIONS);
@@ -386,13 +369,13 @@ fn run(relieve: bool) -> Run {
     all_failed.extend(failed(&m2));
     eprintln!(
         "relieve_last_server {relieve}: slowness ‰ a {} b {} c {} d {}; running b {} c {} d {}",
-        of(&s, "computeflux_slowness_permille", "a"),
-        of(&s, "computeflux_slowness_permille", "b"),
-        of(&s, "computeflux_slowness_permille", "c"),
-        of(&s, "computeflux_slowness_permille", "d"),
-        of(&s, "computeflux_engine_running", "b"),
-        of(&s, "computeflux_engine_running", "c"),
-        of(&s, "computeflux_engine_running", "d"),
+        endpoint_stat(&s, "computeflux_slowness_permille", "a"),
+        endpoint_stat(&s, "computeflux_slowness_permille", "b"),
+        endpoint_stat(&s, "computeflux_slowness_permille", "c"),
+        endpoint_stat(&s, "computeflux_slowness_permille", "d"),
+        endpoint_stat(&s, "computeflux_engine_running", "b"),
+        endpoint_stat(&s, "computeflux_engine_running", "c"),
+        endpoint_stat(&s, "computeflux_engine_running", "d"),
     );
     Run {
         before: before_spread,

@@ -43,6 +43,7 @@ use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
 use serde_json::{json, Value};
+use support::envoy::{decisions, endpoint_stat, Stats};
 use support::http::{request, try_post_chat};
 use support::placement::{header_session, rendezvous_order};
 use support::session::{H_AFFINITY, H_ENDPOINT, H_SESSION};
@@ -190,27 +191,9 @@ impl Drop for Backlog {
 
 // --- the filter's stats -------------------------------------------------------------------------
 
-type Stats = BTreeMap<String, i64>;
-
 /// Every `wasmcustom.computeflux_*` counter and gauge of `envoy`'s `/stats`, by name.
 fn stats(envoy: &Envoy) -> Stats {
     envoy.computeflux_stats()
-}
-
-/// The per-endpoint stat `base` of `endpoint` (-1 when absent).
-fn of(s: &Stats, base: &str, endpoint: &str) -> i64 {
-    s.get(&format!("wasmcustom.{base}.endpoint.{endpoint}"))
-        .copied()
-        .unwrap_or(-1)
-}
-
-/// `computeflux_decisions_total` of `reason` (0 when absent).
-fn decisions(s: &Stats, reason: &str) -> i64 {
-    s.get(&format!(
-        "wasmcustom.computeflux_decisions_total.reason.{reason}"
-    ))
-    .copied()
-    .unwrap_or(0)
 }
 
 /// Waits (≤ [`WAIT`]) until `f` holds on every envoy's stats; panics with them otherwise.
@@ -472,7 +455,7 @@ fn a_full_engine_keeps_its_pins_while_a_slow_one_loses_them() {
     let backlog = Backlog::start(mock(&mocks, "a").port, CLIENTS + 6, 40, 0);
     mock(&mocks, "b").set_fault(json!({"mode": "slow", "factor": 5}));
     wait_all(std::slice::from_ref(&envoy), "a's queue scraped", |s| {
-        of(s, "computeflux_engine_waiting", "a") >= SATURATED_WAITING
+        endpoint_stat(s, "computeflux_engine_waiting", "a") >= SATURATED_WAITING
     });
     let before = chats[0].replies.len();
     for _ in 0..TURNS_AFTER {
@@ -538,10 +521,10 @@ fn a_full_engine_keeps_its_pins_while_a_slow_one_loses_them() {
         format!("sessions pinned to c and d stayed: {cd_stayed}/12"),
     );
     checks.expect(
-        of(&after, "computeflux_engine_waiting", "a") >= 1,
+        endpoint_stat(&after, "computeflux_engine_waiting", "a") >= 1,
         format!(
             "a still queued at the end of the phase (scraped waiting {})",
-            of(&after, "computeflux_engine_waiting", "a")
+            endpoint_stat(&after, "computeflux_engine_waiting", "a")
         ),
     );
 
@@ -580,7 +563,7 @@ fn a_full_engine_keeps_its_pins_while_a_slow_one_loses_them() {
 
     // The filter's own account.
     let s = stats(&envoy);
-    let g = |base: &str, e: &str| of(&s, base, e);
+    let g = |base: &str, e: &str| endpoint_stat(&s, base, e);
     eprintln!(
         "slowness ‰ a {} b {} c {} d {}; decisions {:?}",
         g("computeflux_slowness_permille", "a"),
@@ -674,8 +657,8 @@ fn a_herd_of_new_sessions_fills_a_small_engines_slots_only() {
         std::slice::from_ref(&envoy),
         "both engines queueing",
         |st| {
-            of(st, "computeflux_engine_waiting", "s") >= 1
-                && of(st, "computeflux_engine_waiting", "l") >= 1
+            endpoint_stat(st, "computeflux_engine_waiting", "s") >= 1
+                && endpoint_stat(st, "computeflux_engine_waiting", "l") >= 1
         },
     );
     for n in 0..3 {
@@ -690,8 +673,8 @@ fn a_herd_of_new_sessions_fills_a_small_engines_slots_only() {
     drop(learn);
     wait_all(std::slice::from_ref(&envoy), "both engines idle", |st| {
         ["s", "l"].iter().all(|e| {
-            of(st, "computeflux_engine_waiting", e) == 0
-                && of(st, "computeflux_engine_running", e) == 0
+            endpoint_stat(st, "computeflux_engine_waiting", e) == 0
+                && endpoint_stat(st, "computeflux_engine_running", e) == 0
         })
     });
 
@@ -796,7 +779,7 @@ fn a_later_turn_on_another_replica_goes_home_even_when_full() {
     wait_all(
         replicas.envoys(),
         "a's queue scraped by both replicas",
-        |s| of(s, "computeflux_engine_waiting", "a") >= SATURATED_WAITING,
+        |s| endpoint_stat(s, "computeflux_engine_waiting", "a") >= SATURATED_WAITING,
     );
     let before = stats(replicas.envoy(1));
     // Second turns (user, assistant, user) through replica 1, and first turns of new sessions
@@ -903,7 +886,7 @@ fn replicas_place_new_sessions_alike_while_engine_load_changes() {
             }
         });
         for (r, e) in replicas.envoys().iter().enumerate() {
-            let v = of(&stats(e), "computeflux_engine_running", "c");
+            let v = endpoint_stat(&stats(e), "computeflux_engine_running", "c");
             seen_running
                 .lock()
                 .unwrap()
@@ -947,7 +930,7 @@ fn replicas_place_new_sessions_alike_while_engine_load_changes() {
     // Phase 2: a saturated (16 slots, 24 clients from elsewhere).
     let mut fill_a = Backlog::start(mock(&mocks, "a").port, 24, 250, 0);
     wait_all(replicas.envoys(), "a saturated on every replica", |s| {
-        of(s, "computeflux_engine_waiting", "a") >= SATURATED_WAITING
+        endpoint_stat(s, "computeflux_engine_waiting", "a") >= SATURATED_WAITING
     });
     let mut p2 = homed("p2", &weights, &[("a", 8), ("b", 4), ("c", 4), ("d", 4)]);
     place(&mut checks, "phase 2 (a saturated)", &mut p2, &["a"]);
@@ -967,8 +950,8 @@ fn replicas_place_new_sessions_alike_while_engine_load_changes() {
         replicas.envoys(),
         "a drained and b saturated on every replica",
         |s| {
-            of(s, "computeflux_engine_waiting", "a") == 0
-                && of(s, "computeflux_engine_waiting", "b") >= SATURATED_WAITING
+            endpoint_stat(s, "computeflux_engine_waiting", "a") == 0
+                && endpoint_stat(s, "computeflux_engine_waiting", "b") >= SATURATED_WAITING
         },
     );
     let mut p3 = homed("p3", &weights, &[("a", 4), ("b", 8), ("c", 4), ("d", 4)]);

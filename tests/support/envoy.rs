@@ -538,6 +538,25 @@ pub fn wait_ready(
 
 /// Every `wasmcustom.computeflux_*` counter and gauge of the `/stats` of the Envoy whose admin
 /// interface is on `admin_port`, by name.
+/// The filter's stats of one Envoy by name (`computeflux_stats`).
+pub type Stats = std::collections::BTreeMap<String, i64>;
+
+/// The per-endpoint stat `base` of `endpoint` in `s` (-1 when absent).
+pub fn endpoint_stat(s: &Stats, base: &str, endpoint: &str) -> i64 {
+    s.get(&format!("wasmcustom.{base}.endpoint.{endpoint}"))
+        .copied()
+        .unwrap_or(-1)
+}
+
+/// `computeflux_decisions_total` of `reason` in `s` (0 when absent).
+pub fn decisions(s: &Stats, reason: &str) -> i64 {
+    s.get(&format!(
+        "wasmcustom.computeflux_decisions_total.reason.{reason}"
+    ))
+    .copied()
+    .unwrap_or(0)
+}
+
 pub fn computeflux_stats(admin_port: u16) -> std::collections::BTreeMap<String, i64> {
     let body = http::get(admin_port, "/stats?format=json&filter=computeflux_").body;
     let v: serde_json::Value = serde_json::from_str(&body).unwrap();
