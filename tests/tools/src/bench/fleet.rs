@@ -18,10 +18,10 @@
 //! of the shared machine's load cancel, and the report gives their medians and min…max.
 
 use std::path::{Path, PathBuf};
-use std::process::Command;
 
 use serde_json::{json, Value};
 
+use super::overhead;
 use super::support::MockUpstream;
 use super::topology::{self, EnvoyProc, Policy, Setup};
 
@@ -45,18 +45,13 @@ struct Run {
     errors: u64,
 }
 
+/// Draws each request's session id; the `done` that prints the summary is the overhead
+/// benchmark's ([`overhead::LUA_DONE`]).
 const LUA: &str = r#"
 math.randomseed(7)
 request = function()
   wrk.headers["x-session-id"] = "fleet-" .. math.random(SESSIONS)
   return wrk.format()
-end
-done = function(summary, latency, requests)
-  io.write(string.format(
-    'WRKJSON {"requests":%d,"duration_us":%d,"errors":%d}\n',
-    summary.requests, summary.duration,
-    summary.errors.connect + summary.errors.read + summary.errors.write
-      + summary.errors.status + summary.errors.timeout))
 end
 "#;
 
@@ -66,48 +61,23 @@ fn script(dir: &Path, sessions: u32) -> Result<PathBuf, String> {
     let path = dir.join("post-fleet.lua");
     let text = format!(
         "wrk.method = \"POST\"\nwrk.headers[\"content-type\"] = \"application/json\"\n\
-         wrk.body = [==[{body}]==]\n{}",
-        LUA.replace("SESSIONS", &sessions.to_string())
+         wrk.body = [==[{body}]==]\n{}{}",
+        LUA.replace("SESSIONS", &sessions.to_string()),
+        overhead::LUA_DONE
     );
     std::fs::write(&path, text).map_err(|e| format!("{}: {e}", path.display()))?;
     Ok(path)
 }
 
-fn clock_ticks_per_s() -> f64 {
-    Command::new("getconf")
-        .arg("CLK_TCK")
-        .output()
-        .ok()
-        .and_then(|o| String::from_utf8_lossy(&o.stdout).trim().parse().ok())
-        .unwrap_or(100.0)
-}
-
+/// One wrk run (one thread) against `e`, with Envoy's CPU per request over it.
 fn wrk(e: &EnvoyProc, script: &Path, conns: u32, secs: u64, tck: f64) -> Result<Run, String> {
     let before = e.cpu_ticks();
-    let out = Command::new("wrk")
-        .args(["-t", "1", "-c", &conns.to_string()])
-        .args(["-d", &format!("{secs}s"), "--timeout", "5s", "-s"])
-        .arg(script)
-        .arg(format!("http://127.0.0.1:{}/v1/chat/completions", e.port))
-        .output()
-        .map_err(|e| format!("running wrk: {e} (is wrk installed? scripts/bench installs it)"))?;
-    let after = e.cpu_ticks();
-    let stdout = String::from_utf8_lossy(&out.stdout);
-    let line = stdout
-        .lines()
-        .find_map(|l| l.strip_prefix("WRKJSON "))
-        .ok_or_else(|| format!("wrk printed no summary: {stdout}"))?;
-    let v: Value = serde_json::from_str(line).map_err(|e| format!("wrk summary {line}: {e}"))?;
-    let n = |k: &str| v.get(k).and_then(Value::as_f64).unwrap_or(f64::NAN);
-    let requests = n("requests").max(1.0);
-    let cpu = match (before, after) {
-        (Some(a), Some(b)) => b.saturating_sub(a) as f64 / tck * 1e6 / requests,
-        _ => f64::NAN,
-    };
+    let w = overhead::wrk(e.port, script, 1, conns, secs)?;
     Ok(Run {
-        rps: requests / (n("duration_us") / 1e6),
-        cpu_us_per_request: cpu,
-        errors: n("errors") as u64,
+        rps: w.rps,
+        cpu_us_per_request: overhead::cpu_per_request(e, before, w.requests, tck)
+            .unwrap_or(f64::NAN),
+        errors: w.errors,
     })
 }
 
@@ -167,7 +137,7 @@ pub fn run(opts: &FleetOpts, wasm: &Path) -> Result<Value, String> {
         ],
     );
     topology::record_pid(upstream.pid());
-    let tck = clock_ticks_per_s();
+    let tck = overhead::clock_ticks_per_s();
     let names: Vec<String> = (0..opts.endpoints.iter().copied().max().unwrap_or(0))
         .map(|i| format!("f{i}"))
         .collect();

@@ -113,7 +113,7 @@ const QUOTA_ARGS: [&str; 6] = [
     "3600000",
 ];
 
-const LUA_DONE: &str = r#"
+pub(super) const LUA_DONE: &str = r#"
 done = function(summary, latency, requests)
   io.write(string.format(
     'WRKJSON {"requests":%d,"duration_us":%d,"p50_us":%d,"p90_us":%d,"p99_us":%d,"err_connect":%d,"err_read":%d,"err_write":%d,"err_status":%d,"err_timeout":%d}\n',
@@ -149,7 +149,13 @@ fn lua_script(dir: &Path, name: &str, body: &str) -> Result<PathBuf, String> {
     Ok(path)
 }
 
-fn wrk(port: u16, script: &Path, threads: u32, conns: u32, secs: u64) -> Result<WrkRun, String> {
+pub(super) fn wrk(
+    port: u16,
+    script: &Path,
+    threads: u32,
+    conns: u32,
+    secs: u64,
+) -> Result<WrkRun, String> {
     let out = Command::new("wrk")
         .args(["-t", &threads.to_string(), "-c", &conns.to_string()])
         .args(["-d", &format!("{secs}s"), "--timeout", "5s", "-s"])
@@ -186,7 +192,7 @@ fn wrk(port: u16, script: &Path, threads: u32, conns: u32, secs: u64) -> Result<
     })
 }
 
-fn clock_ticks_per_s() -> f64 {
+pub(super) fn clock_ticks_per_s() -> f64 {
     Command::new("getconf")
         .arg("CLK_TCK")
         .output()
@@ -210,7 +216,12 @@ fn median(v: &[f64]) -> f64 {
 }
 
 /// CPU µs per request of `e` over a run that started at `before` ticks.
-fn cpu_per_request(e: &EnvoyProc, before: Option<u64>, requests: u64, tck: f64) -> Option<f64> {
+pub(super) fn cpu_per_request(
+    e: &EnvoyProc,
+    before: Option<u64>,
+    requests: u64,
+    tck: f64,
+) -> Option<f64> {
     let (a, b) = (before?, e.cpu_ticks()?);
     Some(b.saturating_sub(a) as f64 / tck * 1e6 / requests.max(1) as f64)
 }
