@@ -351,7 +351,7 @@ fn equal_cfg(extra: serde_json::Value) -> Config {
 /// Counts `n` new sessions placed on endpoint `i` at time 0.
 fn preload(store: &MemStore, c: &Config, i: usize, n: u32) {
     for _ in 0..n {
-        assert!(sessions::record(store, c, c.endpoints[i].id, 0));
+        assert!(sessions::record(store, c, c.endpoints[i].id, None, 0));
     }
 }
 

@@ -57,6 +57,11 @@ pub enum Policy {
     FilterSpillNext,
     /// The filter with the session bound at its share (`"prefix_session_epsilon": 0`).
     FilterSessionBound0,
+    /// The filter without the popular-prefix bound (`"prefix_popular_share": 0`): only a busy
+    /// home is bounded by its sessions, the rule before.
+    FilterPopularOff,
+    /// The filter with a lower popular-prefix threshold (`"prefix_popular_share": 0.25`).
+    FilterPopular25,
     /// The SGLang gateway's `cache_aware` policy behind the same Envoy (see `peer.rs`).
     SglangCacheAware,
     /// The filter without `metrics`: it sees only its own traffic (a hosted-API fleet).
@@ -84,7 +89,7 @@ impl Policy {
     ];
 
     /// Every policy `--policies` accepts, in the report's order (the default set first).
-    pub const KNOWN: [Policy; 18] = [
+    pub const KNOWN: [Policy; 20] = [
         Policy::RoundRobin,
         Policy::LeastRequest,
         Policy::RingHash,
@@ -97,6 +102,8 @@ impl Policy {
         Policy::FilterSessionBusy0,
         Policy::FilterSpillNext,
         Policy::FilterSessionBound0,
+        Policy::FilterPopularOff,
+        Policy::FilterPopular25,
         Policy::SglangCacheAware,
         Policy::FilterNoMetrics,
         Policy::FilterRulesOff,
@@ -119,6 +126,8 @@ impl Policy {
             Policy::FilterSessionBusy0 => "computeflux_sessionbusy0",
             Policy::FilterSpillNext => "computeflux_spillnext",
             Policy::FilterSessionBound0 => "computeflux_sessionbound0",
+            Policy::FilterPopularOff => "computeflux_popularoff",
+            Policy::FilterPopular25 => "computeflux_popular25",
             Policy::SglangCacheAware => "sglang_cache_aware",
             Policy::FilterNoMetrics => "computeflux_nometrics",
             Policy::FilterRulesOff => "computeflux_rulesoff",
@@ -163,6 +172,8 @@ impl Policy {
             | Policy::FilterSessionBusy0
             | Policy::FilterSpillNext
             | Policy::FilterSessionBound0
+            | Policy::FilterPopularOff
+            | Policy::FilterPopular25
             | Policy::FilterNoMetrics
             | Policy::FilterRulesOff
             | Policy::FilterNoRelief
@@ -187,6 +198,8 @@ impl Policy {
             Policy::FilterSessionBusy0 => json!({"prefix_session_busy_load": 0}),
             Policy::FilterSpillNext => json!({"prefix_session_spill": "prefix_order"}),
             Policy::FilterSessionBound0 => json!({"prefix_session_epsilon": 0.0}),
+            Policy::FilterPopularOff => json!({"prefix_popular_share": 0.0}),
+            Policy::FilterPopular25 => json!({"prefix_popular_share": 0.25}),
             _ => Value::Null,
         }
     }
@@ -207,6 +220,8 @@ impl Policy {
                 | Policy::FilterSessionBusy0
                 | Policy::FilterSpillNext
                 | Policy::FilterSessionBound0
+                | Policy::FilterPopularOff
+                | Policy::FilterPopular25
         )
     }
 }
