@@ -51,7 +51,8 @@
 //! Agrawal and El Abbadi, 2005, fading like the endpoints' counts): a prefix whose sessions
 //! alone are at least `prefix_popular_share` of a candidate's share (its count's lower bound
 //! at least `prefix_popular_share × S × w / Σw`, and at least [`SESSION_SLACK`]) is bounded
-//! there whether or not the candidate is busy. Spreading a popular prompt costs little (it
+//! there as soon as the candidate runs anything (a load of 1 instead of
+//! `prefix_session_busy_load`; an idle one gains nothing from a spill). Spreading a popular prompt costs little (it
 //! stays hot in every cache it reaches); spreading a rare one costs a prefill per session,
 //! and rare prefixes keep the busy test.
 //!

@@ -790,7 +790,8 @@ impl<'a> Scheduler<'a> {
     /// (S + 1) ×` its weight share + the slack, S summed over the `eligible` candidates into
     /// `total` the first time (an idle walk of a prefix that is not popular never sums it).
     /// False without counts (pins, follow-ups, session keys, the bound off) and while `i` is
-    /// not busy, unless the session's prefix is popular at `i` (`prefix_popular_share`).
+    /// not busy, unless the session's prefix is popular at `i` (`prefix_popular_share`) and
+    /// `i` runs anything at all.
     pub(super) fn over_session_bound(
         &self,
         board: &Board,
@@ -807,9 +808,12 @@ impl<'a> Scheduler<'a> {
             board.slots(i),
             self.cfg.prefix_session_busy_load,
         );
-        // Only a prefix counted at least the slack can be popular.
-        let may_be_popular =
-            self.cfg.prefix_popular_share > 0.0 && counts.prefix() >= sessions::SESSION_SLACK;
+        // Only a prefix counted at least the slack can be popular, and a popular prefix's
+        // candidate is busy from a load of one (one with nothing running gains nothing from
+        // a spill).
+        let may_be_popular = self.cfg.prefix_popular_share > 0.0
+            && counts.prefix() >= sessions::SESSION_SLACK
+            && sessions::busy(board.load_of(i), board.slots(i), 1);
         let Some(id) = self
             .cfg
             .endpoints
