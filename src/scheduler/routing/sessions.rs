@@ -461,6 +461,63 @@ mod tests {
         assert_eq!(read(&store), Placed::default());
     }
 
+    /// The prefix counts (Space-Saving): at most [`PREFIX_ENTRIES`] keys; a heavy key among
+    /// a stream of one-off keys is held with a lower bound that never overcounts it and a
+    /// count that never undercounts it; one-off keys read at most what they were counted;
+    /// the counts fade with the endpoints'; the value round-trips and a bad entry reads as
+    /// nothing.
+    #[test]
+    fn prefix_counts_keep_the_heavy_keys_within_their_bound() {
+        let mut p = Placed::default();
+        let ids = || vec![1];
+        let heavy = 0x5eed_u64;
+        for n in 0..400u64 {
+            let key = if n % 4 == 0 { heavy } else { 1_000 + n };
+            p.add(1, Some(key), 0, 1_000, (1, ids));
+        }
+        assert_eq!(p.prefixes.len(), PREFIX_ENTRIES);
+        let (_, count, err) = p
+            .prefixes
+            .iter()
+            .copied()
+            .find(|(k, _, _)| *k == heavy)
+            .expect("the heavy key is held");
+        assert!(count >= 100.0 && count - err <= 100.0, "{count} {err}");
+        assert!(p.prefix_floor(heavy) >= 50.0, "{}", p.prefix_floor(heavy));
+        assert!(p
+            .prefixes
+            .iter()
+            .all(|(k, n, e)| *k == heavy || n - e <= 1.0));
+        assert_eq!(p.prefix_floor(7), 0.0);
+        // Faded by one half-life with the next session (not of a prefix).
+        let floor = p.prefix_floor(heavy);
+        p.add(1, None, 1_000, 1_000, (1, ids));
+        assert!((p.prefix_floor(heavy) - floor / 2.0).abs() < 1e-9);
+        let c = cfg();
+        let counts = p.clone().at(&c, 1_000).for_prefix(Some(heavy));
+        assert!((counts.prefix() - floor / 2.0).abs() < 1e-9);
+        assert_eq!(p.clone().at(&c, 1_000).prefix(), 0.0);
+        let bytes = p.encode();
+        assert_eq!(
+            bytes.len(),
+            17 + ENTRY_BYTES + PREFIX_ENTRIES * PREFIX_ENTRY_BYTES
+        );
+        assert_eq!(Placed::decode(&bytes), Some(p.clone()));
+        // An error above its count, keys out of order: nothing.
+        let first = 17 + ENTRY_BYTES;
+        let mut bad = bytes.clone();
+        bad[first + 16..first + 24].copy_from_slice(&1e9f64.to_le_bytes());
+        assert_eq!(Placed::decode(&bad), None);
+        let mut unsorted = bytes.clone();
+        unsorted[first..first + 8].copy_from_slice(&u64::MAX.to_le_bytes());
+        assert_eq!(Placed::decode(&unsorted), None);
+        // Popular: at least the share and the slack.
+        assert!(popular(10.0, 22.0, 1.0, 5.0, 0.5));
+        assert!(!popular(2.0, 23.0, 1.0, 5.0, 0.5), "2 < 2.3");
+        assert!(!popular(1.5, 0.0, 1.0, 5.0, 0.5), "below the slack");
+        assert!(!popular(100.0, 100.0, 1.0, 5.0, 0.0), "off");
+    }
+
     /// Worked: four endpoints of weight 1, 60 sessions counted over them, ε 0.25: a candidate
     /// may hold 1.25 × 61 / 4 + 2 = 21.06 after one more, so one holding 21 spills and one
     /// holding 20 takes it. A process that counted nothing yet lets a busy home take two.
