@@ -62,6 +62,10 @@ pub enum Policy {
     FilterPopularOff,
     /// The filter with a lower popular-prefix threshold (`"prefix_popular_share": 0.25`).
     FilterPopular25,
+    /// The filter with a lower popular-prefix threshold whose session bound spills in the
+    /// prefix's rendezvous order (`"prefix_popular_share": 0.25`, `"prefix_session_spill":
+    /// "prefix_order"`): a popular prefix reaches as few endpoints as the bound allows.
+    FilterPopular25Next,
     /// The SGLang gateway's `cache_aware` policy behind the same Envoy (see `peer.rs`).
     SglangCacheAware,
     /// The filter without `metrics`: it sees only its own traffic (a hosted-API fleet).
@@ -89,7 +93,7 @@ impl Policy {
     ];
 
     /// Every policy `--policies` accepts, in the report's order (the default set first).
-    pub const KNOWN: [Policy; 20] = [
+    pub const KNOWN: [Policy; 21] = [
         Policy::RoundRobin,
         Policy::LeastRequest,
         Policy::RingHash,
@@ -104,6 +108,7 @@ impl Policy {
         Policy::FilterSessionBound0,
         Policy::FilterPopularOff,
         Policy::FilterPopular25,
+        Policy::FilterPopular25Next,
         Policy::SglangCacheAware,
         Policy::FilterNoMetrics,
         Policy::FilterRulesOff,
@@ -128,6 +133,7 @@ impl Policy {
             Policy::FilterSessionBound0 => "computeflux_sessionbound0",
             Policy::FilterPopularOff => "computeflux_popularoff",
             Policy::FilterPopular25 => "computeflux_popular25",
+            Policy::FilterPopular25Next => "computeflux_popular25next",
             Policy::SglangCacheAware => "sglang_cache_aware",
             Policy::FilterNoMetrics => "computeflux_nometrics",
             Policy::FilterRulesOff => "computeflux_rulesoff",
@@ -174,6 +180,7 @@ impl Policy {
             | Policy::FilterSessionBound0
             | Policy::FilterPopularOff
             | Policy::FilterPopular25
+            | Policy::FilterPopular25Next
             | Policy::FilterNoMetrics
             | Policy::FilterRulesOff
             | Policy::FilterNoRelief
@@ -200,6 +207,9 @@ impl Policy {
             Policy::FilterSessionBound0 => json!({"prefix_session_epsilon": 0.0}),
             Policy::FilterPopularOff => json!({"prefix_popular_share": 0.0}),
             Policy::FilterPopular25 => json!({"prefix_popular_share": 0.25}),
+            Policy::FilterPopular25Next => {
+                json!({"prefix_popular_share": 0.25, "prefix_session_spill": "prefix_order"})
+            }
             _ => Value::Null,
         }
     }
@@ -222,6 +232,7 @@ impl Policy {
                 | Policy::FilterSessionBound0
                 | Policy::FilterPopularOff
                 | Policy::FilterPopular25
+                | Policy::FilterPopular25Next
         )
     }
 }
