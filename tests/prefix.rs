@@ -243,9 +243,11 @@ fn sessions_of_one_application_share_an_endpoint_on_every_replica_and_after_a_re
 #[test]
 fn a_popular_application_spreads_in_its_prefix_order() {
     // Bound: (1 + 1) × (L + 1) / 4 + 2 with four equal endpoints: the home takes four held
-    // sessions, the fifth spills.
+    // sessions, the fifth spills. The in-flight bound alone: the application is all the
+    // traffic, so `prefix_popular_share` would bound it by its sessions from the third (see
+    // `a_popular_application_is_bounded_by_its_sessions_before_its_home_is_busy`).
     let fleet = fleet(
-        json!({"bounded_load_epsilon": 1.0, "bounded_load_slack": 2}),
+        json!({"bounded_load_epsilon": 1.0, "bounded_load_slack": 2, "prefix_popular_share": 0}),
         2,
     );
     let mut checks = Checks::new();
@@ -481,8 +483,14 @@ fn a_busy_prefix_home_over_its_share_spills_new_sessions_to_the_least_counted_en
         .iter()
         .map(|n| json!({"name": n, "cluster": n, "metrics": scrape}))
         .collect();
+    // The busy rule alone: X is popular (half the sessions placed), and with the engines'
+    // placements since the scrape counted as load, `prefix_popular_share` would bound it
+    // from its third session on the idle fleet.
     let replicas = Replicas::start(
-        EnvoyConfig::new(json!({"endpoints": endpoints}), &clusters),
+        EnvoyConfig::new(
+            json!({"endpoints": endpoints, "prefix_popular_share": 0}),
+            &clusters,
+        ),
         2,
     );
     let mut checks = Checks::new();
@@ -585,5 +593,77 @@ fn a_busy_prefix_home_over_its_share_spills_new_sessions_to_the_least_counted_en
     );
     drop(replicas);
     drop(mocks);
+    checks.finish();
+}
+
+/// (g) A popular application is bounded by its sessions before its home is busy
+/// (`prefix_popular_share`, decisions.md, "A popular prefix bounded before its home is busy"),
+/// through one Envoy in front of four mocks (no scrape: the load is the Envoy's in-flight
+/// count). On the idle fleet X's 6 new sessions and one of R (an application with the same
+/// home `h`) all go to `h`, one at a time. Then one pinned turn of X is held in flight at `h`
+/// (load 1, far from the busy load 8): X's next new session is popular (6 of the 7 counted,
+/// at least half of `h`'s share) and over `h`'s bound (7 + 1 > 1.25 × 8 / 4 + 2), so it spills
+/// to the least-counted candidate (all at 0: the second of X's order) and is pinned there;
+/// R's next (1 counted: not popular) still goes to `h`. With `prefix_popular_share: 0` X's
+/// session goes to `h` too: the test fails.
+#[test]
+fn a_popular_application_is_bounded_by_its_sessions_before_its_home_is_busy() {
+    let fleet = fleet(json!({}), 1);
+    let mut checks = Checks::new();
+    let x = 0;
+    let order = prefix_order(x);
+    let h = order[0];
+    let r = (1..200)
+        .find(|&r| prefix_order(r)[0] == h)
+        .expect("an application homed where X is");
+    println!("X's prefix order {order:?}; R = application {r}");
+    let port = fleet.replicas.port(0);
+    for (app, n) in [(x, 6), (r, 1)] {
+        for j in 0..n {
+            let id = format!("app{app}-s{j}");
+            let served = send(port, &id, &body(app, &id, 0));
+            checks.expect(
+                served.status == 200 && served.endpoint == h && served.affinity == "prefix",
+                format!("{id} on the idle fleet: {served:?}, expected {h}"),
+            );
+        }
+    }
+    let h_mock = fleet.mocks.iter().find(|m| m.name == h).unwrap();
+    h_mock.set_fault(json!({"mode": "delay_ms", "ms": 2000}));
+    std::thread::scope(|scope| {
+        let held = scope.spawn(|| send(port, "app0-s0", &body(x, "app0-s0", 1)));
+        std::thread::sleep(Duration::from_millis(300));
+        let id = "app0-new";
+        let served = send(port, id, &body(x, id, 0));
+        checks.expect(
+            served.status == 200 && served.endpoint == order[1] && served.affinity == "prefix",
+            format!(
+                "{id} with one request at {h}: {served:?}, expected {}",
+                order[1]
+            ),
+        );
+        let next = send(port, id, &body(x, id, 1));
+        checks.expect(
+            next.status == 200 && next.endpoint == served.endpoint && next.affinity == "hit",
+            format!("{id} turn 2, pinned where it spilled: {next:?}"),
+        );
+        let id = format!("app{r}-new");
+        let served = send(port, &id, &body(r, &id, 0));
+        checks.expect(
+            served.status == 200 && served.endpoint == h && served.affinity == "prefix",
+            format!("{id} (rare) with one request at {h}: {served:?}, expected {h}"),
+        );
+        let held = held.join().unwrap();
+        checks.expect(
+            held.status == 200 && held.endpoint == h && held.affinity == "hit",
+            format!("app0-s0 turn 2 (pinned to {h}): {held:?}"),
+        );
+    });
+    h_mock.clear_fault();
+    checks.expect(
+        fleet.replicas.wasm_crashes().is_empty(),
+        format!("wasm crashes: {:?}", fleet.replicas.wasm_crashes()),
+    );
+    drop(fleet);
     checks.finish();
 }

@@ -785,11 +785,13 @@ impl<'a> Scheduler<'a> {
         least.map(|(j, _)| j)
     }
 
-    /// Whether a new session placed by prefix passes over busy `i` for the sessions already
+    /// Whether a new session placed by prefix passes over `i` for the sessions already
     /// placed there (see `sessions`): its count + 1 over `(1 + prefix_session_epsilon) ×
     /// (S + 1) ×` its weight share + the slack, S summed over the `eligible` candidates into
-    /// `total` the first time (an idle walk never sums it). False without counts (pins,
-    /// follow-ups, session keys, the bound off) and while `i` is not busy.
+    /// `total` the first time (an idle walk of a prefix that is not popular never sums it).
+    /// False without counts (pins, follow-ups, session keys, the bound off) and while `i` is
+    /// not busy, unless the session's prefix is popular at `i` (`prefix_popular_share`) and
+    /// `i` runs anything at all.
     pub(super) fn over_session_bound(
         &self,
         board: &Board,
@@ -806,7 +808,19 @@ impl<'a> Scheduler<'a> {
             board.slots(i),
             self.cfg.prefix_session_busy_load,
         );
-        let Some(id) = self.cfg.endpoints.get(i).map(|e| e.id).filter(|_| busy) else {
+        // Only a prefix counted at least the slack can be popular, and a popular prefix's
+        // candidate is busy from a load of one (one with nothing running gains nothing from
+        // a spill).
+        let may_be_popular = self.cfg.prefix_popular_share > 0.0
+            && counts.prefix() >= sessions::SESSION_SLACK
+            && sessions::busy(board.load_of(i), board.slots(i), 1);
+        let Some(id) = self
+            .cfg
+            .endpoints
+            .get(i)
+            .map(|e| e.id)
+            .filter(|_| busy || may_be_popular)
+        else {
             return false;
         };
         let total = *total.get_or_insert_with(|| {
@@ -817,6 +831,17 @@ impl<'a> Scheduler<'a> {
                 .map(|&(_, id, _)| counts.of(id))
                 .sum::<f64>()
         });
+        if !busy
+            && !sessions::popular(
+                counts.prefix(),
+                total,
+                board.weight(i),
+                total_weight,
+                self.cfg.prefix_popular_share,
+            )
+        {
+            return false;
+        }
         let limit = sessions::session_limit(
             total,
             board.weight(i),

@@ -223,8 +223,10 @@ fn pick_turn(s: &Scheduler<'_>, session: u64, follow_up: bool, now: u64) -> Deci
 #[test]
 fn a_busy_prefix_home_spills_by_the_sessions_placed_there() {
     for bound in [true, false] {
+        // The busy rule alone (one prefix is all the traffic: popular from its second
+        // session, see `a_popular_prefix_is_bounded_before_its_home_is_busy`).
         let c = cfg(match bound {
-            true => json!({}),
+            true => json!({"prefix_popular_share": 0}),
             false => json!({"prefix_session_half_life_ms": 0}),
         });
         let store = MemStore::new();
@@ -258,7 +260,8 @@ fn a_busy_prefix_home_spills_by_the_sessions_placed_there() {
 /// later turns that reach a replica without their pin.
 #[test]
 fn the_session_bound_spares_idle_homes_pins_and_later_turns() {
-    let c = cfg(json!({}));
+    // The busy rule alone (the one prefix would be popular).
+    let c = cfg(json!({"prefix_popular_share": 0}));
     let store = MemStore::new();
     let s = Scheduler::new(&c, &store);
     let order = placement::order(PREFIX, &weights(&c));
@@ -351,7 +354,7 @@ fn equal_cfg(extra: serde_json::Value) -> Config {
 /// Counts `n` new sessions placed on endpoint `i` at time 0.
 fn preload(store: &MemStore, c: &Config, i: usize, n: u32) {
     for _ in 0..n {
-        assert!(sessions::record(store, c, c.endpoints[i].id, 0));
+        assert!(sessions::record(store, c, c.endpoints[i].id, None, 0));
     }
 }
 
@@ -364,7 +367,8 @@ fn preload(store: &MemStore, c: &Config, i: usize, n: u32) {
 #[test]
 fn a_busy_home_over_its_share_spills_to_the_target_its_rule_names() {
     for (rule, want) in [("least_counted", [3, 3]), ("prefix_order", [1, 1])] {
-        let c = equal_cfg(json!({ "prefix_session_spill": rule }));
+        // The busy rule alone (the prefix's own 8 sessions would make it popular).
+        let c = equal_cfg(json!({ "prefix_session_spill": rule, "prefix_popular_share": 0 }));
         let store = MemStore::new();
         let s = Scheduler::new(&c, &store);
         let order = placement::order(PREFIX, &weights(&c));
@@ -413,8 +417,13 @@ fn the_least_counted_target_counts_every_model_s_sessions() {
         {"name":"e2","cluster":"c2","models":["m"]}
     ]);
     for (rule, spill_to) in [("least_counted", 2), ("prefix_order", 1)] {
-        let c = Config::from_value(&json!({"endpoints": endpoints, "prefix_session_spill": rule}))
-            .unwrap();
+        // The busy rule alone (the one prefix would be popular).
+        let c = Config::from_value(&json!({
+            "endpoints": endpoints,
+            "prefix_session_spill": rule,
+            "prefix_popular_share": 0
+        }))
+        .unwrap();
         // A prefix whose order ends with e2.
         let prefix = (1..)
             .map(|k: u64| PREFIX ^ (k << 20))
@@ -450,6 +459,99 @@ fn the_least_counted_target_counts_every_model_s_sessions() {
     }
 }
 
+/// Counts `n` new sessions of prefix `key` placed on endpoint `i` at time 0.
+fn preload_prefix(store: &MemStore, c: &Config, i: usize, key: u64, n: u32) {
+    for _ in 0..n {
+        assert!(sessions::record(store, c, c.endpoints[i].id, Some(key), 0));
+    }
+}
+
+/// Holds one request in flight on endpoint `i` (a Responses API holder: the endpoint is given,
+/// nothing is counted as a new session).
+fn hold(s: &Scheduler<'_>, c: &Config, i: usize, n: u64) -> Decision {
+    let p = Pick {
+        holder: Some(c.endpoints[i].id),
+        prefix: None,
+        ..pick_turn_args(session(5_000 + n))
+    };
+    s.pick(&p, 0).unwrap()
+}
+
+/// `prefix_popular_share` (default 0.5): a prefix whose own sessions are at least half a
+/// candidate's share is bounded there from a load of one, not of `prefix_session_busy_load`.
+/// Worked: five endpoints of weight 1; the prefix's home holds 10 of its sessions and 2 of a
+/// rare prefix, the others in the prefix's order 4, 3, 1, 2 (other prefixes, once each):
+/// S = 22. Idle, the home takes the next (11 of the prefix, 13 at home, S = 23). With one
+/// request running at home (far from busy: 8), the rare prefix goes home (2 < 0.5 × 23 / 5 =
+/// 2.3: not popular; 14 at home, S = 24), and the next new session of the popular one (11 ≥
+/// 2.4) is over the home's limit (14 + 1 > 1.25 × 25 / 5 + 2 = 8.25) and spills to the
+/// least-counted candidate, the fourth of the order. With the rule off (`0`) it goes home.
+#[test]
+fn a_popular_prefix_is_bounded_before_its_home_is_busy() {
+    for share in [0.5, 0.0] {
+        let c = equal_cfg(json!({ "prefix_popular_share": share }));
+        let counting = equal_cfg(json!({}));
+        let store = MemStore::new();
+        let s = Scheduler::new(&c, &store);
+        let order = placement::order(PREFIX, &weights(&c));
+        // A rare prefix homed where PREFIX is.
+        let rare = (1..)
+            .map(|k: u64| PREFIX ^ (k << 24))
+            .find(|&p| placement::order(p, &weights(&c))[0] == order[0])
+            .unwrap();
+        preload_prefix(&store, &counting, order[0], PREFIX, 10);
+        preload_prefix(&store, &counting, order[0], rare, 2);
+        for (k, n) in [(1, 4u32), (2, 3), (3, 1), (4, 2)] {
+            for m in 0..n {
+                preload_prefix(&store, &counting, order[k], 0xabc0 + u64::from(m), 1);
+            }
+        }
+        let counts = sessions::read(&store).at(&c, 0).for_prefix(Some(PREFIX));
+        assert_eq!(counts.prefix(), 10.0);
+        assert_eq!(
+            sessions::read(&store)
+                .at(&c, 0)
+                .for_prefix(Some(rare))
+                .prefix(),
+            2.0
+        );
+        // Idle: home, whatever the counts.
+        let d = pick_turn(&s, session(1), false, 0);
+        assert_eq!((d.endpoint, d.reason), (order[0], Reason::Home), "{share}");
+        s.finish(d.ticket, &Outcome::Cancelled, 0, None, 0);
+        let held = hold(&s, &c, order[0], 0);
+        // The rare prefix, with one running at home: home (not popular).
+        let d = s
+            .pick(
+                &Pick {
+                    prefix: Some(rare),
+                    ..pick_turn_args(session(2))
+                },
+                0,
+            )
+            .unwrap();
+        assert_eq!((d.endpoint, d.reason), (order[0], Reason::Home), "{share}");
+        s.finish(d.ticket, &Outcome::Cancelled, 0, None, 0);
+        // The popular one: over the home's limit, to the least counted.
+        let d = pick_turn(&s, session(3), false, 0);
+        if share > 0.0 {
+            assert_eq!(
+                (d.endpoint, d.reason, d.affinity),
+                (order[3], Reason::Spill, AffinityResult::Prefix)
+            );
+            assert!(d.ticket.pin_on_success, "a prefix spill pins");
+        } else {
+            assert_eq!((d.endpoint, d.reason), (order[0], Reason::Home));
+        }
+        s.finish(d.ticket, &Outcome::Cancelled, 0, None, 0);
+        // A later turn of the popular prefix without a pin here goes home as a pin would.
+        let d = pick_turn(&s, session(1), true, 0);
+        assert_eq!((d.endpoint, d.reason), (order[0], Reason::Home), "{share}");
+        s.finish(d.ticket, &Outcome::Cancelled, 0, None, 0);
+        s.finish(held.ticket, &Outcome::Cancelled, 0, None, 0);
+    }
+}
+
 #[cfg(not(target_arch = "wasm32"))]
 mod props {
     use super::*;
@@ -468,14 +570,15 @@ mod props {
 
         /// Whatever the counts and loads, the session bound decides only new sessions placed
         /// by prefix: a session without a prefix (the `steady` workload), a later turn
-        /// without a pin and a pinned session are placed exactly as with the bound off; and a
-        /// new session it spills to the least-counted candidate is within the session bound
-        /// there, or that candidate is not busy.
+        /// without a pin and a pinned session are placed exactly as with the bound off, also
+        /// when the prefix is popular; and a new session it spills to the least-counted
+        /// candidate is within the session bound there, or that candidate is not busy.
         #[test]
         fn the_bound_moves_only_new_prefix_sessions_and_spills_within_it(
             counts in proptest::collection::vec(0u32..40, 5),
             held in proptest::collection::vec(0usize..5, 0..40),
             rule in 0usize..2,
+            popular in (0u32..30, 0usize..5),
         ) {
             let rule = ["least_counted", "prefix_order"][rule];
             let on = equal_cfg(json!({ "prefix_session_spill": rule }));
@@ -485,6 +588,9 @@ mod props {
                 preload(&s_on, &on, i, n);
                 preload(&s_off, &on, i, n);
             }
+            // The prefix's own sessions (popular or not, see `prefix_popular_share`).
+            preload_prefix(&s_on, &on, popular.1, PREFIX, popular.0);
+            preload_prefix(&s_off, &on, popular.1, PREFIX, popular.0);
             let a = Scheduler::new(&on, &s_on);
             let b = Scheduler::new(&off, &s_off);
             // Load: requests held in flight on the endpoints `held` names (a Responses API

@@ -57,6 +57,15 @@ pub enum Policy {
     FilterSpillNext,
     /// The filter with the session bound at its share (`"prefix_session_epsilon": 0`).
     FilterSessionBound0,
+    /// The filter without the popular-prefix bound (`"prefix_popular_share": 0`): only a busy
+    /// home is bounded by its sessions, the rule before.
+    FilterPopularOff,
+    /// The filter with a lower popular-prefix threshold (`"prefix_popular_share": 0.25`).
+    FilterPopular25,
+    /// The filter with a lower popular-prefix threshold whose session bound spills in the
+    /// prefix's rendezvous order (`"prefix_popular_share": 0.25`, `"prefix_session_spill":
+    /// "prefix_order"`): a popular prefix reaches as few endpoints as the bound allows.
+    FilterPopular25Next,
     /// The SGLang gateway's `cache_aware` policy behind the same Envoy (see `peer.rs`).
     SglangCacheAware,
     /// The filter without `metrics`: it sees only its own traffic (a hosted-API fleet).
@@ -84,7 +93,7 @@ impl Policy {
     ];
 
     /// Every policy `--policies` accepts, in the report's order (the default set first).
-    pub const KNOWN: [Policy; 18] = [
+    pub const KNOWN: [Policy; 21] = [
         Policy::RoundRobin,
         Policy::LeastRequest,
         Policy::RingHash,
@@ -97,6 +106,9 @@ impl Policy {
         Policy::FilterSessionBusy0,
         Policy::FilterSpillNext,
         Policy::FilterSessionBound0,
+        Policy::FilterPopularOff,
+        Policy::FilterPopular25,
+        Policy::FilterPopular25Next,
         Policy::SglangCacheAware,
         Policy::FilterNoMetrics,
         Policy::FilterRulesOff,
@@ -119,6 +131,9 @@ impl Policy {
             Policy::FilterSessionBusy0 => "computeflux_sessionbusy0",
             Policy::FilterSpillNext => "computeflux_spillnext",
             Policy::FilterSessionBound0 => "computeflux_sessionbound0",
+            Policy::FilterPopularOff => "computeflux_popularoff",
+            Policy::FilterPopular25 => "computeflux_popular25",
+            Policy::FilterPopular25Next => "computeflux_popular25next",
             Policy::SglangCacheAware => "sglang_cache_aware",
             Policy::FilterNoMetrics => "computeflux_nometrics",
             Policy::FilterRulesOff => "computeflux_rulesoff",
@@ -163,6 +178,9 @@ impl Policy {
             | Policy::FilterSessionBusy0
             | Policy::FilterSpillNext
             | Policy::FilterSessionBound0
+            | Policy::FilterPopularOff
+            | Policy::FilterPopular25
+            | Policy::FilterPopular25Next
             | Policy::FilterNoMetrics
             | Policy::FilterRulesOff
             | Policy::FilterNoRelief
@@ -187,6 +205,11 @@ impl Policy {
             Policy::FilterSessionBusy0 => json!({"prefix_session_busy_load": 0}),
             Policy::FilterSpillNext => json!({"prefix_session_spill": "prefix_order"}),
             Policy::FilterSessionBound0 => json!({"prefix_session_epsilon": 0.0}),
+            Policy::FilterPopularOff => json!({"prefix_popular_share": 0.0}),
+            Policy::FilterPopular25 => json!({"prefix_popular_share": 0.25}),
+            Policy::FilterPopular25Next => {
+                json!({"prefix_popular_share": 0.25, "prefix_session_spill": "prefix_order"})
+            }
             _ => Value::Null,
         }
     }
@@ -207,6 +230,9 @@ impl Policy {
                 | Policy::FilterSessionBusy0
                 | Policy::FilterSpillNext
                 | Policy::FilterSessionBound0
+                | Policy::FilterPopularOff
+                | Policy::FilterPopular25
+                | Policy::FilterPopular25Next
         )
     }
 }
