@@ -62,6 +62,7 @@
 //! a far-future reset is capped. So a hostile upstream can at most make its own endpoint look
 //! short for `retry_after_max_ms`, which a 429 could do anyway.
 
+use crate::scheduler::routing::placement::quantize;
 use crate::scheduler::state::codec::{Reader, Writer};
 use crate::scheduler::time::{parse_go_duration_ms, parse_rfc3339_ms};
 use crate::scheduler::wire::headers::HeaderSource;
@@ -281,6 +282,53 @@ const ANTHROPIC_TOKENS: [Names; 3] = [
         "anthropic-ratelimit-output-tokens-limit",
     ),
 ];
+
+/// The least a stated limit weighs a key down to, against the largest limit among the
+/// candidates ([`weigh_by_limits`]): a key whose limit is a tiny share of another's still gets
+/// a few new sessions, and an upstream that claims a huge limit takes at most
+/// `1 / (1 + others × floor)` of the new sessions from the others.
+pub const LIMIT_WEIGHT_FLOOR: f64 = 0.125;
+
+/// Session placement weights scaled by the keys' stated limits (`quota_limit_weighting`):
+/// each candidate's weight × the ratio of its stated limit to the largest stated among the
+/// candidates (per family, tokens and requests; the smaller of the two ratios), rounded up to
+/// a power of two and at least [`LIMIT_WEIGHT_FLOOR`]. A candidate without a stated limit (a
+/// self-hosted engine, a key not yet heard from) keeps its weight.
+///
+/// Why: before a key has spent anything in a window, pacing has nothing to go by, and the
+/// sessions placed then spend most of their tokens in the windows after (a session's next
+/// window costs about twice its first). Placed evenly, a key with a sixth of its peers' limit
+/// took a quarter of a long first window's new sessions and ran dry in the next, and its
+/// pinned sessions moved (issue 22's quota bench: up to 29 moved follow-ups a run, 2.1–2.9
+/// points of cached tokens, depending on where the first window fell). A stated limit is
+/// the same on every replica (unlike a count of what each one placed), so the weights, and
+/// the sessions' homes, stay the same everywhere; the power-of-two rounding keeps them so
+/// while a provider's limits move a little.
+pub fn weigh_by_limits(
+    weights: &mut [(usize, u32, f64)],
+    limits: impl Fn(usize) -> (Option<u64>, Option<u64>),
+) {
+    let stated: Vec<(Option<u64>, Option<u64>)> = weights
+        .iter()
+        .map(|&(i, _, _)| {
+            let (r, t) = limits(i);
+            (r.filter(|l| *l > 0), t.filter(|l| *l > 0))
+        })
+        .collect();
+    let largest =
+        |f: fn(&(Option<u64>, Option<u64>)) -> Option<u64>| stated.iter().filter_map(f).max();
+    let (max_requests, max_tokens) = (largest(|s| s.0), largest(|s| s.1));
+    let ratio = |l: Option<u64>, max: Option<u64>| match (l, max) {
+        (Some(l), Some(m)) if m > 0 => l as f64 / m as f64,
+        _ => 1.0,
+    };
+    for (w, s) in weights.iter_mut().zip(&stated) {
+        let share = ratio(s.0, max_requests).min(ratio(s.1, max_tokens));
+        if share < 1.0 {
+            w.2 *= quantize(share, 1.0).max(LIMIT_WEIGHT_FLOOR);
+        }
+    }
+}
 
 /// The tokens a request of `prompt_bytes` (see [`crate::scheduler::routing::select::Pick`])
 /// is taken to cost.

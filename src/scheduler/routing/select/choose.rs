@@ -438,6 +438,18 @@ impl<'a> Scheduler<'a> {
         } else {
             Vec::new()
         };
+        // New sessions in proportion to the keys' stated limits (see `weigh_by_limits`).
+        let mut weights = weights;
+        if cfg.quota_aware && cfg.quota_limit_weighting && pick.session.is_some() {
+            quota::weigh_by_limits(&mut weights, |i| {
+                state(i).map_or((None, None), |st| {
+                    (
+                        st.quota.requests.and_then(|r| r.limit),
+                        st.quota.tokens.and_then(|r| r.limit),
+                    )
+                })
+            });
+        }
         let captive = if cfg.relieve_last_server {
             last_servers(cfg, table, &verdicts, &statics, pick.model)
         } else {
