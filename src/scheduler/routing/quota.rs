@@ -48,6 +48,10 @@
 //!   the reset would leave less than the floors ([`Remaining::projected_use`]), or when their
 //!   use over the last window's length already exceeds the limit less the reserve
 //!   ([`Remaining::span_use`]): sessions placed now spend in the next window.
+//! - With `quota_limit_weighting`, new sessions go to keys in proportion to their stated
+//!   limits ([`weigh_by_limits`]): pacing judges a key by what its sessions have spent, which
+//!   says nothing until they have spent it, and a session spends most in the windows after
+//!   the one it was placed in. The stated limit is known from a key's first answer on.
 //! - A 429 whose statement explains it (no request left, or fewer tokens than the request's
 //!   estimate, with a reset) sets the count like an answer's instead of opening the breaker
 //!   ([`Quota::refused`]): with several replicas each one's count misses the others' use, and
@@ -289,10 +293,13 @@ const ANTHROPIC_TOKENS: [Names; 3] = [
 /// `1 / (1 + others × floor)` of the new sessions from the others.
 pub const LIMIT_WEIGHT_FLOOR: f64 = 0.125;
 
+/// The levels of [`weigh_by_limits`]: `2^(-k × step)`, 1, 0.71, 0.5, 0.35, 0.25, 0.18, 0.125.
+pub const LIMIT_WEIGHT_STEP: f64 = 0.5;
+
 /// Session placement weights scaled by the keys' stated limits (`quota_limit_weighting`):
 /// each candidate's weight × the ratio of its stated limit to the largest stated among the
 /// candidates (per family, tokens and requests; the smaller of the two ratios), rounded up to
-/// a power of two and at least [`LIMIT_WEIGHT_FLOOR`]. A candidate without a stated limit (a
+/// a level `2^(-k/2)` ([`LIMIT_WEIGHT_STEP`]) and at least [`LIMIT_WEIGHT_FLOOR`]. A candidate without a stated limit (a
 /// self-hosted engine, a key not yet heard from) keeps its weight.
 ///
 /// Why: before a key has spent anything in a window, pacing has nothing to go by, and the
@@ -302,8 +309,9 @@ pub const LIMIT_WEIGHT_FLOOR: f64 = 0.125;
 /// pinned sessions moved (issue 22's quota bench: up to 29 moved follow-ups a run, 2.1–2.9
 /// points of cached tokens, depending on where the first window fell). A stated limit is
 /// the same on every replica (unlike a count of what each one placed), so the weights, and
-/// the sessions' homes, stay the same everywhere; the power-of-two rounding keeps them so
-/// while a provider's limits move a little.
+/// the sessions' homes, stay the same everywhere; the rounding keeps them so while a
+/// provider's limits move a little. (Rounded up to powers of two, a key with 15 % of its
+/// peers' limit weighed 25 %: two thirds more sessions than its share.)
 pub fn weigh_by_limits(
     weights: &mut [(usize, u32, f64)],
     limits: impl Fn(usize) -> (Option<u64>, Option<u64>),
@@ -325,7 +333,7 @@ pub fn weigh_by_limits(
     for (w, s) in weights.iter_mut().zip(&stated) {
         let share = ratio(s.0, max_requests).min(ratio(s.1, max_tokens));
         if share < 1.0 {
-            w.2 *= quantize(share, 1.0).max(LIMIT_WEIGHT_FLOOR);
+            w.2 *= quantize(share, LIMIT_WEIGHT_STEP).max(LIMIT_WEIGHT_FLOOR);
         }
     }
 }

@@ -756,10 +756,10 @@ fn reconciling_keeps_settled_overshoot_and_needs_a_mark_of_this_window() {
 }
 
 /// Placement weights by stated limits, with worked numbers: the ratio to the largest stated
-/// limit among the candidates, per family (the smaller ratio), rounded up to a power of two,
-/// at least the floor; no limit stated, the weight stands.
+/// limit among the candidates, per family (the smaller ratio), rounded up to a level
+/// `2^(-k/2)`, at least the floor; no limit stated, the weight stands.
 #[test]
-fn weights_follow_the_stated_limits_in_powers_of_two_down_to_the_floor() {
+fn weights_follow_the_stated_limits_in_levels_down_to_the_floor() {
     let mut w = vec![
         (0, 10, 1.0),
         (1, 11, 1.0),
@@ -767,18 +767,25 @@ fn weights_follow_the_stated_limits_in_powers_of_two_down_to_the_floor() {
         (3, 13, 1.0),
         (4, 14, 1.0),
     ];
-    // a: 400 000 tokens; b: 60 000 (0.15, rounded up to 0.25); c: nothing stated; d: 1 000
-    // (0.0025, the floor); e: tokens at the largest, but 10 of 100 requests (0.1 → 0.125).
+    // a: 400 000 tokens; b: 60 000 (0.15, rounded up to 2^-2.5 = 0.177); c: nothing stated;
+    // d: 1 000 (0.0025, the floor); e: tokens at the largest, but 10 of 100 requests (0.1 →
+    // 2^-3 = 0.125); a key with 80 % of the largest limit weighs 1 (0.8 > 2^-0.5).
     let limits = |i: usize| match i {
         0 => (Some(100), Some(400_000)),
         1 => (None, Some(60_000)),
         3 => (None, Some(1_000)),
         4 => (Some(10), Some(400_000)),
+        5 => (None, Some(320_000)),
         _ => (None, None),
     };
+    w.push((5, 15, 1.0));
     weigh_by_limits(&mut w, limits);
-    let got: Vec<f64> = w.iter().map(|x| x.2).collect();
-    assert_eq!(got, vec![1.0, 0.25, 2.0, LIMIT_WEIGHT_FLOOR, 0.125]);
+    let got: Vec<String> = w.iter().map(|x| format!("{:.4}", x.2)).collect();
+    assert_eq!(
+        got,
+        vec!["1.0000", "0.1768", "2.0000", "0.1250", "0.1250", "1.0000"]
+    );
+    assert_eq!(w[3].2, LIMIT_WEIGHT_FLOOR);
     // Nothing stated anywhere, or equal limits: nothing changes.
     let mut same = vec![(0, 10, 1.0), (1, 11, 3.0)];
     weigh_by_limits(&mut same, |_| (None, Some(5_000)));
