@@ -316,22 +316,30 @@ pub fn weigh_by_limits(
     weights: &mut [(usize, u32, f64)],
     limits: impl Fn(usize) -> (Option<u64>, Option<u64>),
 ) {
-    let stated: Vec<(Option<u64>, Option<u64>)> = weights
-        .iter()
-        .map(|&(i, _, _)| {
-            let (r, t) = limits(i);
-            (r.filter(|l| *l > 0), t.filter(|l| *l > 0))
-        })
-        .collect();
-    let largest =
-        |f: fn(&(Option<u64>, Option<u64>)) -> Option<u64>| stated.iter().filter_map(f).max();
-    let (max_requests, max_tokens) = (largest(|s| s.0), largest(|s| s.1));
-    let ratio = |l: Option<u64>, max: Option<u64>| match (l, max) {
-        (Some(l), Some(m)) if m > 0 => l as f64 / m as f64,
-        _ => 1.0,
+    let stated = |i: usize| {
+        let (r, t) = limits(i);
+        (r.unwrap_or(0), t.unwrap_or(0))
     };
-    for (w, s) in weights.iter_mut().zip(&stated) {
-        let share = ratio(s.0, max_requests).min(ratio(s.1, max_tokens));
+    // The largest stated limits (0: none stated); two passes, no allocation per decision.
+    let (mut max_requests, mut max_tokens) = (0u64, 0u64);
+    for &(i, _, _) in weights.iter() {
+        let (r, t) = stated(i);
+        max_requests = max_requests.max(r);
+        max_tokens = max_tokens.max(t);
+    }
+    if max_requests == 0 && max_tokens == 0 {
+        return;
+    }
+    let ratio = |l: u64, max: u64| {
+        if l == 0 || max == 0 {
+            1.0
+        } else {
+            l as f64 / max as f64
+        }
+    };
+    for w in weights.iter_mut() {
+        let (r, t) = stated(w.0);
+        let share = ratio(r, max_requests).min(ratio(t, max_tokens));
         if share < 1.0 {
             w.2 *= quantize(share, LIMIT_WEIGHT_STEP).max(LIMIT_WEIGHT_FLOOR);
         }
