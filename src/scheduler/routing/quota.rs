@@ -312,18 +312,13 @@ pub const LIMIT_WEIGHT_STEP: f64 = 0.5;
 /// the sessions' homes, stay the same everywhere; the rounding keeps them so while a
 /// provider's limits move a little. (Rounded up to powers of two, a key with 15 % of its
 /// peers' limit weighed 25 %: two thirds more sessions than its share.)
-pub fn weigh_by_limits(
-    weights: &mut [(usize, u32, f64)],
-    limits: impl Fn(usize) -> (Option<u64>, Option<u64>),
-) {
-    let stated = |i: usize| {
-        let (r, t) = limits(i);
-        (r.unwrap_or(0), t.unwrap_or(0))
-    };
-    // The largest stated limits (0: none stated); two passes, no allocation per decision.
+pub fn weigh_by_limits(weights: &mut [(usize, u32, f64)], limits: impl Fn(usize) -> (u64, u64)) {
+    // The largest stated limits (0: none stated): a pass that reads two numbers per
+    // candidate (this runs on every session decision, over every candidate), and nothing
+    // more when no candidate states a limit.
     let (mut max_requests, mut max_tokens) = (0u64, 0u64);
     for &(i, _, _) in weights.iter() {
-        let (r, t) = stated(i);
+        let (r, t) = limits(i);
         max_requests = max_requests.max(r);
         max_tokens = max_tokens.max(t);
     }
@@ -338,7 +333,7 @@ pub fn weigh_by_limits(
         }
     };
     for w in weights.iter_mut() {
-        let (r, t) = stated(w.0);
+        let (r, t) = limits(w.0);
         let share = ratio(r, max_requests).min(ratio(t, max_tokens));
         if share < 1.0 {
             w.2 *= quantize(share, LIMIT_WEIGHT_STEP).max(LIMIT_WEIGHT_FLOOR);
@@ -457,6 +452,14 @@ impl Quota {
         };
         below(self.requests, rule.min_requests.max(1))
             || below(self.tokens, rule.min_tokens.max(estimate))
+    }
+
+    /// The stated limits `(requests, tokens)`, 0 where none is stated (see
+    /// [`weigh_by_limits`]); read by reference, on every session decision.
+    #[inline]
+    pub fn limits(&self) -> (u64, u64) {
+        let limit = |r: &Option<Remaining>| r.as_ref().and_then(|r| r.limit).unwrap_or(0);
+        (limit(&self.requests), limit(&self.tokens))
     }
 
     /// Staying would be a 429 for sure: left even by a pinned session.

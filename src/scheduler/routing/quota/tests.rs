@@ -771,12 +771,12 @@ fn weights_follow_the_stated_limits_in_levels_down_to_the_floor() {
     // d: 1 000 (0.0025, the floor); e: tokens at the largest, but 10 of 100 requests (0.1 →
     // 2^-3 = 0.125); a key with 80 % of the largest limit weighs 1 (0.8 > 2^-0.5).
     let limits = |i: usize| match i {
-        0 => (Some(100), Some(400_000)),
-        1 => (None, Some(60_000)),
-        3 => (None, Some(1_000)),
-        4 => (Some(10), Some(400_000)),
-        5 => (None, Some(320_000)),
-        _ => (None, None),
+        0 => (100, 400_000),
+        1 => (0, 60_000),
+        3 => (0, 1_000),
+        4 => (10, 400_000),
+        5 => (0, 320_000),
+        _ => (0, 0),
     };
     w.push((5, 15, 1.0));
     weigh_by_limits(&mut w, limits);
@@ -788,12 +788,12 @@ fn weights_follow_the_stated_limits_in_levels_down_to_the_floor() {
     assert_eq!(w[3].2, LIMIT_WEIGHT_FLOOR);
     // Nothing stated anywhere, or equal limits: nothing changes.
     let mut same = vec![(0, 10, 1.0), (1, 11, 3.0)];
-    weigh_by_limits(&mut same, |_| (None, Some(5_000)));
+    weigh_by_limits(&mut same, |_| (0, 5_000));
     assert_eq!(same, vec![(0, 10, 1.0), (1, 11, 3.0)]);
-    weigh_by_limits(&mut same, |_| (None, None));
+    weigh_by_limits(&mut same, |_| (0, 0));
     assert_eq!(same, vec![(0, 10, 1.0), (1, 11, 3.0)]);
     // A stated limit of 0 is not a limit to compare with.
     let mut zero = vec![(0, 10, 1.0), (1, 11, 1.0)];
-    weigh_by_limits(&mut zero, |i| (None, Some(if i == 0 { 0 } else { 50 })));
+    weigh_by_limits(&mut zero, |i| (0, if i == 0 { 0 } else { 50 }));
     assert_eq!(zero, vec![(0, 10, 1.0), (1, 11, 1.0)]);
 }

@@ -442,12 +442,7 @@ impl<'a> Scheduler<'a> {
         let mut weights = weights;
         if cfg.quota_aware && cfg.quota_limit_weighting && pick.session.is_some() {
             quota::weigh_by_limits(&mut weights, |i| {
-                state(i).map_or((None, None), |st| {
-                    (
-                        st.quota.requests.and_then(|r| r.limit),
-                        st.quota.tokens.and_then(|r| r.limit),
-                    )
-                })
+                state(i).map_or((0, 0), |st| st.quota.limits())
             });
         }
         let captive = if cfg.relieve_last_server {
