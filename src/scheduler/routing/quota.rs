@@ -296,8 +296,8 @@ pub const LIMIT_WEIGHT_FLOOR: f64 = 0.125;
 /// The levels of [`weigh_by_limits`]: `2^(-k × step)`, 1, 0.71, 0.5, 0.35, 0.25, 0.18, 0.125.
 pub const LIMIT_WEIGHT_STEP: f64 = 0.5;
 
-/// Session placement weights scaled by the keys' stated limits (`quota_limit_weighting`):
-/// each candidate's weight × the ratio of its stated limit to the largest stated among the
+/// Session placement weights scaled by the keys' stated limits (`quota_limit_weighting`;
+/// `None`: no candidate's weight changes): each candidate's weight × the ratio of its stated limit to the largest stated among the
 /// candidates (per family, tokens and requests; the smaller of the two ratios), rounded up to
 /// a level `2^(-k/2)` ([`LIMIT_WEIGHT_STEP`]) and at least [`LIMIT_WEIGHT_FLOOR`]. A candidate without a stated limit (a
 /// self-hosted engine, a key not yet heard from) keeps its weight.
@@ -308,22 +308,30 @@ pub const LIMIT_WEIGHT_STEP: f64 = 0.5;
 /// took a quarter of a long first window's new sessions and ran dry in the next, and its
 /// pinned sessions moved (issue 22's quota bench: up to 29 moved follow-ups a run, 2.1–2.9
 /// points of cached tokens, depending on where the first window fell). A stated limit is
-/// the same on every replica (unlike a count of what each one placed), so the weights, and
-/// the sessions' homes, stay the same everywhere; the rounding keeps them so while a
-/// provider's limits move a little. (Rounded up to powers of two, a key with 15 % of its
+/// the same on every replica (unlike a count of what each one placed) once each has heard from
+/// the key, and the rounding keeps the weights so while a provider's limits move a little.
+/// Until then replicas disagree: so these weights order only a new placement's walk, not the
+/// session's *home*, which every replica computes from the plain weights, and a session
+/// placed away from that home carries its place in the pin cookie like any other exception
+/// (a later turn without a pin goes home by the plain weights). Ordering homes by them, a
+/// replica that had heard from the keys sent a later turn to another key than the one a
+/// replica that had not placed it on, and the session went back and forth (one bench run,
+/// three replicas: 6 follow-ups moved between keys that both had quota). (Rounded up to powers of two, a key with 15 % of its
 /// peers' limit weighed 25 %: two thirds more sessions than its share.)
-pub fn weigh_by_limits(weights: &mut [(usize, u32, f64)], limits: impl Fn(usize) -> (u64, u64)) {
+pub fn weigh_by_limits(
+    weights: &[(usize, u32, f64)],
+    limits: impl Fn(usize) -> (u64, u64),
+) -> Option<Vec<(usize, u32, f64)>> {
     // The largest stated limits (0: none stated): a pass that reads two numbers per
-    // candidate (this runs on every session decision, over every candidate), and nothing
-    // more when no candidate states a limit.
+    // candidate, and nothing more when no candidate states a limit.
     let (mut max_requests, mut max_tokens) = (0u64, 0u64);
-    for &(i, _, _) in weights.iter() {
+    for &(i, _, _) in weights {
         let (r, t) = limits(i);
         max_requests = max_requests.max(r);
         max_tokens = max_tokens.max(t);
     }
     if max_requests == 0 && max_tokens == 0 {
-        return;
+        return None;
     }
     let ratio = |l: u64, max: u64| {
         if l == 0 || max == 0 {
@@ -332,13 +340,19 @@ pub fn weigh_by_limits(weights: &mut [(usize, u32, f64)], limits: impl Fn(usize)
             l as f64 / max as f64
         }
     };
-    for w in weights.iter_mut() {
-        let (r, t) = limits(w.0);
+    let mut scaled = None;
+    for (at, &(i, _, _)) in weights.iter().enumerate() {
+        let (r, t) = limits(i);
         let share = ratio(r, max_requests).min(ratio(t, max_tokens));
         if share < 1.0 {
-            w.2 *= quantize(share, LIMIT_WEIGHT_STEP).max(LIMIT_WEIGHT_FLOOR);
+            let level = quantize(share, LIMIT_WEIGHT_STEP).max(LIMIT_WEIGHT_FLOOR);
+            let w = scaled.get_or_insert_with(|| weights.to_vec());
+            if let Some(x) = w.get_mut(at) {
+                x.2 *= level;
+            }
         }
     }
+    scaled
 }
 
 /// The tokens a request of `prompt_bytes` (see [`crate::scheduler::routing::select::Pick`])

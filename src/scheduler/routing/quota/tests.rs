@@ -779,7 +779,7 @@ fn weights_follow_the_stated_limits_in_levels_down_to_the_floor() {
         _ => (0, 0),
     };
     w.push((5, 15, 1.0));
-    weigh_by_limits(&mut w, limits);
+    let w = weigh_by_limits(&w, limits).unwrap();
     let got: Vec<String> = w.iter().map(|x| format!("{:.4}", x.2)).collect();
     assert_eq!(
         got,
@@ -787,13 +787,13 @@ fn weights_follow_the_stated_limits_in_levels_down_to_the_floor() {
     );
     assert_eq!(w[3].2, LIMIT_WEIGHT_FLOOR);
     // Nothing stated anywhere, or equal limits: nothing changes.
-    let mut same = vec![(0, 10, 1.0), (1, 11, 3.0)];
-    weigh_by_limits(&mut same, |_| (0, 5_000));
-    assert_eq!(same, vec![(0, 10, 1.0), (1, 11, 3.0)]);
-    weigh_by_limits(&mut same, |_| (0, 0));
-    assert_eq!(same, vec![(0, 10, 1.0), (1, 11, 3.0)]);
+    let same = vec![(0, 10, 1.0), (1, 11, 3.0)];
+    assert_eq!(weigh_by_limits(&same, |_| (0, 5_000)), None);
+    assert_eq!(weigh_by_limits(&same, |_| (0, 0)), None);
     // A stated limit of 0 is not a limit to compare with.
-    let mut zero = vec![(0, 10, 1.0), (1, 11, 1.0)];
-    weigh_by_limits(&mut zero, |i| (0, if i == 0 { 0 } else { 50 }));
-    assert_eq!(zero, vec![(0, 10, 1.0), (1, 11, 1.0)]);
+    let zero = vec![(0, 10, 1.0), (1, 11, 1.0)];
+    assert_eq!(
+        weigh_by_limits(&zero, |i| (0, if i == 0 { 0 } else { 50 })),
+        None
+    );
 }

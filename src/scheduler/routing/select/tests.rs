@@ -2514,9 +2514,7 @@ fn pinned_sessions_move_off_the_last_server_of_another_model_once() {
 #[test]
 fn new_sessions_follow_the_keys_stated_limits() {
     use crate::scheduler::routing::quota::Stated;
-    let eps = json!([
-        {"name":"a","cluster":"ca"},{"name":"b","cluster":"cb"},{"name":"c","cluster":"cc"}
-    ]);
+    let eps = three_keys();
     let share_of_c = |extra: serde_json::Value| {
         let mut v = json!({ "endpoints": eps.clone() });
         if let (Some(o), Some(e)) = (v.as_object_mut(), extra.as_object()) {
@@ -2530,18 +2528,7 @@ fn new_sessions_follow_the_keys_stated_limits() {
         let pinned = s.pick(&body_pick(Some(k), &ex, 40), 0).unwrap();
         assert_eq!(pinned.endpoint, 2);
         s.finish(pinned.ticket, &Outcome::Success, 10, Some(k), 1);
-        for (i, limit) in [(0, 400_000), (1, 400_000), (2, 50_000)] {
-            let hint = QuotaHint {
-                requests: None,
-                tokens: Some(Stated {
-                    left: limit,
-                    reset_in_ms: Some(60_000),
-                    limit: Some(limit),
-                }),
-                at_ms: None,
-            };
-            answered(&s, i, &hint, 1);
-        }
+        state_limits(&s, 1);
         let on_c = (10_000..10_600u64)
             .filter(|&k| {
                 let d = s.pick(&body_pick(Some(k), &ex, 4), 2).unwrap();
@@ -2562,4 +2549,73 @@ fn new_sessions_follow_the_keys_stated_limits() {
     assert!((160..240).contains(&off), "{off}");
     // Without quota-aware routing the limits are not read either.
     assert_eq!(share_of_c(json!({"quota_aware": false})), off);
+}
+
+fn three_keys() -> serde_json::Value {
+    json!([
+        {"name":"a","cluster":"ca"},{"name":"b","cluster":"cb"},{"name":"c","cluster":"cc"}
+    ])
+}
+
+/// Answers of keys a, b and c stating token limits of 400 000, 400 000 and 50 000 (full).
+fn state_limits(s: &Scheduler<'_>, now_ms: u64) {
+    use crate::scheduler::routing::quota::Stated;
+    for (i, limit) in [(0, 400_000), (1, 400_000), (2, 50_000)] {
+        let hint = QuotaHint {
+            requests: None,
+            tokens: Some(Stated {
+                left: limit,
+                reset_in_ms: Some(60_000),
+                limit: Some(limit),
+            }),
+            at_ms: None,
+        };
+        answered(s, i, &hint, now_ms);
+    }
+}
+
+/// The limit weights order a new placement's walk, not the session's home: every replica
+/// computes the home from the plain weights, heard from the keys or not. A session placed
+/// away from it is labelled so (its answer sets the pin cookie), and a later turn without a
+/// pin goes home. Ordering homes by the limit weights, a replica that had heard from the keys
+/// sent a later turn elsewhere than the replica that had not placed it (bench, three
+/// replicas: sessions went back and forth between keys that both had quota).
+#[test]
+fn limit_weights_order_new_placements_not_homes() {
+    let c = cfg(json!({ "endpoints": three_keys() }));
+    let ex = Exclusions::default();
+    // Sessions whose home is c, on a replica that has heard nothing.
+    let plain_store = MemStore::new();
+    let plain = Scheduler::new(&c, &plain_store);
+    let homed_at_c: Vec<u64> = (20_000..20_300u64)
+        .filter(|&k| {
+            let d = plain.pick(&body_pick(Some(k), &ex, 4), 0).unwrap();
+            plain.finish(d.ticket, &Outcome::Cancelled, 0, None, 0);
+            d.endpoint == 2
+        })
+        .collect();
+    assert!(homed_at_c.len() > 60, "{}", homed_at_c.len());
+    let store = MemStore::new();
+    let s = Scheduler::new(&c, &store);
+    state_limits(&s, 1);
+    let mut away = 0;
+    for &k in &homed_at_c {
+        let d = s.pick(&body_pick(Some(k), &ex, 4), 2).unwrap();
+        assert_eq!(d.home, Some(2));
+        away += usize::from(d.endpoint != 2);
+        s.finish(d.ticket, &Outcome::Cancelled, 0, None, 2);
+    }
+    // About 7 in 8 placed elsewhere (c weighs 1/8).
+    assert!(
+        away * 4 > homed_at_c.len() * 3,
+        "{away} of {}",
+        homed_at_c.len()
+    );
+    for &k in &homed_at_c {
+        let mut p = body_pick(Some(k), &ex, 4);
+        p.follow_up = true;
+        let d = s.pick(&p, 3).unwrap();
+        assert_eq!((d.endpoint, d.home), (2, Some(2)), "session {k}");
+        s.finish(d.ticket, &Outcome::Cancelled, 0, None, 3);
+    }
 }
