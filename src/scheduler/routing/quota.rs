@@ -322,15 +322,24 @@ pub fn weigh_by_limits(
     weights: &[(usize, u32, f64)],
     limits: impl Fn(usize) -> (u64, u64),
 ) -> Option<Vec<(usize, u32, f64)>> {
-    // The largest stated limits (0: none stated): a pass that reads two numbers per
-    // candidate, and nothing more when no candidate states a limit.
+    // The largest and smallest stated limits (0: none stated): a pass that reads two numbers
+    // per candidate, and nothing more when no candidate states a smaller limit than another
+    // (none stated, or all alike: a fleet of keys of one tier).
     let (mut max_requests, mut max_tokens) = (0u64, 0u64);
+    let (mut min_requests, mut min_tokens) = (u64::MAX, u64::MAX);
     for &(i, _, _) in weights {
         let (r, t) = limits(i);
         max_requests = max_requests.max(r);
         max_tokens = max_tokens.max(t);
+        if r > 0 {
+            min_requests = min_requests.min(r);
+        }
+        if t > 0 {
+            min_tokens = min_tokens.min(t);
+        }
     }
-    if max_requests == 0 && max_tokens == 0 {
+    let below = |min: u64, max: u64| max > 0 && min < max;
+    if !below(min_requests, max_requests) && !below(min_tokens, max_tokens) {
         return None;
     }
     let ratio = |l: u64, max: u64| {
