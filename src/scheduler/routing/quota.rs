@@ -293,6 +293,12 @@ const ANTHROPIC_TOKENS: [Names; 3] = [
 /// `1 / (1 + others × floor)` of the new sessions from the others.
 pub const LIMIT_WEIGHT_FLOOR: f64 = 0.125;
 
+/// [`weigh_by_limits`] reads every candidate's limits (about 80 instructions each under wasm,
+/// on every new placement): above this many candidates it is skipped. A model served by more
+/// endpoints than this is a fleet of engines, not of API keys (`computeflux-cost`: 11 % more
+/// per new session at 512 endpoints, 2–3 % at 64).
+pub const LIMIT_WEIGHT_MAX_CANDIDATES: usize = 64;
+
 /// The levels of [`weigh_by_limits`]: `2^(-k × step)`, 1, 0.71, 0.5, 0.35, 0.25, 0.18, 0.125.
 pub const LIMIT_WEIGHT_STEP: f64 = 0.5;
 
@@ -322,6 +328,9 @@ pub fn weigh_by_limits(
     weights: &[(usize, u32, f64)],
     limits: impl Fn(usize) -> (u64, u64),
 ) -> Option<Vec<(usize, u32, f64)>> {
+    if weights.len() > LIMIT_WEIGHT_MAX_CANDIDATES {
+        return None;
+    }
     // The largest and smallest stated limits (0: none stated): a pass that reads two numbers
     // per candidate, and nothing more when no candidate states a smaller limit than another
     // (none stated, or all alike: a fleet of keys of one tier).

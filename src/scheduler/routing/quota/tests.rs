@@ -791,6 +791,12 @@ fn weights_follow_the_stated_limits_in_levels_down_to_the_floor() {
     assert_eq!(weigh_by_limits(&same, |_| (0, 5_000)), None);
     assert_eq!(weigh_by_limits(&same, |_| (0, 0)), None);
     // A stated limit of 0 is not a limit to compare with.
+    // Over `LIMIT_WEIGHT_MAX_CANDIDATES` candidates: skipped (its cost).
+    let many: Vec<(usize, u32, f64)> = (0..=LIMIT_WEIGHT_MAX_CANDIDATES)
+        .map(|i| (i, i as u32, 1.0))
+        .collect();
+    assert_eq!(weigh_by_limits(&many, |i| (0, 1_000 + i as u64)), None);
+    assert!(weigh_by_limits(&many[1..], |i| (0, 1_000 + i as u64)).is_some());
     let zero = vec![(0, 10, 1.0), (1, 11, 1.0)];
     assert_eq!(
         weigh_by_limits(&zero, |i| (0, if i == 0 { 0 } else { 50 })),
