@@ -2513,7 +2513,6 @@ fn pinned_sessions_move_off_the_last_server_of_another_model_once() {
 /// the next window, and their pinned sessions moved. Pinned sessions stay where they are.
 #[test]
 fn new_sessions_follow_the_keys_stated_limits() {
-    use crate::scheduler::routing::quota::Stated;
     let eps = three_keys();
     let share_of_c = |extra: serde_json::Value| {
         let mut v = json!({ "endpoints": eps.clone() });
