@@ -416,6 +416,66 @@ fn a_fresher_statement_raises_the_count_that_an_unsettled_estimate_lowered() {
     checks.finish();
 }
 
+/// `quota_limit_weighting`: once the keys have stated their token limits, new sessions go to
+/// them in proportion. `k3` states an eighth of the others' limit: it gets about 1/17 of the
+/// new sessions with the rule, a third without (same sessions, same keys, same test). Issue
+/// 22's quota bench: placed evenly before their use said anything, the small keys took a
+/// quarter of a long first window's sessions, ran dry in the next window, and their pinned
+/// sessions moved.
+#[test]
+fn new_sessions_go_to_keys_in_proportion_to_their_stated_limits() {
+    let mocks = mocks();
+    let mut checks = Checks::new();
+    let mut on_small = Vec::new();
+    for weighting in [false, true] {
+        for (m, tokens) in mocks.iter().zip([800_000, 800_000, 100_000]) {
+            m.set_quota(
+                json!({"tokens": tokens, "window_ms": WINDOW_MS, "headers_family": "openai"}),
+            );
+            m.reset_stats();
+        }
+        let e = envoy(&mocks, json!({"quota_limit_weighting": weighting}));
+        // Warm-up sessions until every key has answered once (and so stated its limit).
+        let mut warm = Session::many(&format!("warm-{weighting}"), 30, MODEL);
+        for s in &mut warm {
+            if mocks.iter().all(|m| m.request_count() > 0) {
+                break;
+            }
+            s.send(0, e.port);
+        }
+        checks.expect(
+            mocks.iter().all(|m| m.request_count() > 0),
+            format!("quota_limit_weighting={weighting}: every key answered a warm-up session"),
+        );
+        let (errors, sessions) = run(&e, &format!("placed-{weighting}"), 60, 1);
+        let small = sessions
+            .iter()
+            .filter(|s| s.last_endpoint() == Some("k3"))
+            .count();
+        println!("quota_limit_weighting={weighting}: {small} of 60 new sessions on k3, client errors {errors}");
+        checks.expect(
+            errors == 0,
+            format!("quota_limit_weighting={weighting}: no client errors (got {errors})"),
+        );
+        on_small.push(small);
+    }
+    checks.expect(
+        on_small[0] >= 12,
+        format!(
+            "without the rule k3 gets about a third of 60 (got {})",
+            on_small[0]
+        ),
+    );
+    checks.expect(
+        on_small[1] <= 9,
+        format!(
+            "with the rule k3 gets about 1/17 of 60 (got {})",
+            on_small[1]
+        ),
+    );
+    checks.finish();
+}
+
 /// What a mock key has left, from a request sent to it directly (1 token: the request's own).
 fn mocks_left(mock: &MockUpstream) -> u64 {
     let r = post_chat(

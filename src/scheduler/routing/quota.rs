@@ -48,6 +48,10 @@
 //!   the reset would leave less than the floors ([`Remaining::projected_use`]), or when their
 //!   use over the last window's length already exceeds the limit less the reserve
 //!   ([`Remaining::span_use`]): sessions placed now spend in the next window.
+//! - With `quota_limit_weighting`, new sessions go to keys in proportion to their stated
+//!   limits ([`weigh_by_limits`]): pacing judges a key by what its sessions have spent, which
+//!   says nothing until they have spent it, and a session spends most in the windows after
+//!   the one it was placed in. The stated limit is known from a key's first answer on.
 //! - A 429 whose statement explains it (no request left, or fewer tokens than the request's
 //!   estimate, with a reset) sets the count like an answer's instead of opening the breaker
 //!   ([`Quota::refused`]): with several replicas each one's count misses the others' use, and
@@ -62,6 +66,7 @@
 //! a far-future reset is capped. So a hostile upstream can at most make its own endpoint look
 //! short for `retry_after_max_ms`, which a 429 could do anyway.
 
+use crate::scheduler::routing::placement::quantize;
 use crate::scheduler::state::codec::{Reader, Writer};
 use crate::scheduler::time::{parse_go_duration_ms, parse_rfc3339_ms};
 use crate::scheduler::wire::headers::HeaderSource;
@@ -282,6 +287,92 @@ const ANTHROPIC_TOKENS: [Names; 3] = [
     ),
 ];
 
+/// The least a stated limit weighs a key down to, against the largest limit among the
+/// candidates ([`weigh_by_limits`]): a key whose limit is a tiny share of another's still gets
+/// a few new sessions, and an upstream that claims a huge limit takes at most
+/// `1 / (1 + others × floor)` of the new sessions from the others.
+pub const LIMIT_WEIGHT_FLOOR: f64 = 0.125;
+
+/// [`weigh_by_limits`] reads every candidate's limits (about 80 instructions each under wasm,
+/// on every new placement): above this many candidates it is skipped. A model served by more
+/// endpoints than this is a fleet of engines, not of API keys (`computeflux-cost`: 11 % more
+/// per new session at 512 endpoints, 2–3 % at 64).
+pub const LIMIT_WEIGHT_MAX_CANDIDATES: usize = 64;
+
+/// The levels of [`weigh_by_limits`]: `2^(-k × step)`, 1, 0.71, 0.5, 0.35, 0.25, 0.18, 0.125.
+pub const LIMIT_WEIGHT_STEP: f64 = 0.5;
+
+/// Session placement weights scaled by the keys' stated limits (`quota_limit_weighting`;
+/// `None`: no candidate's weight changes): each candidate's weight × the ratio of its stated limit to the largest stated among the
+/// candidates (per family, tokens and requests; the smaller of the two ratios), rounded up to
+/// a level `2^(-k/2)` ([`LIMIT_WEIGHT_STEP`]) and at least [`LIMIT_WEIGHT_FLOOR`]. A candidate without a stated limit (a
+/// self-hosted engine, a key not yet heard from) keeps its weight.
+///
+/// Why: before a key has spent anything in a window, pacing has nothing to go by, and the
+/// sessions placed then spend most of their tokens in the windows after (a session's next
+/// window costs about twice its first). Placed evenly, a key with a sixth of its peers' limit
+/// took a quarter of a long first window's new sessions and ran dry in the next, and its
+/// pinned sessions moved (issue 22's quota bench: up to 29 moved follow-ups a run, 2.1–2.9
+/// points of cached tokens, depending on where the first window fell). A stated limit is
+/// the same on every replica (unlike a count of what each one placed) once each has heard from
+/// the key, and the rounding keeps the weights so while a provider's limits move a little.
+/// Until then replicas disagree: so these weights order only a new placement's walk, not the
+/// session's *home*, which every replica computes from the plain weights, and a session
+/// placed away from that home carries its place in the pin cookie like any other exception
+/// (a later turn without a pin goes home by the plain weights). Ordering homes by them, a
+/// replica that had heard from the keys sent a later turn to another key than the one a
+/// replica that had not placed it on, and the session went back and forth (one bench run,
+/// three replicas: 6 follow-ups moved between keys that both had quota). (Rounded up to powers of two, a key with 15 % of its
+/// peers' limit weighed 25 %: two thirds more sessions than its share.)
+pub fn weigh_by_limits(
+    weights: &[(usize, u32, f64)],
+    limits: impl Fn(usize) -> (u64, u64),
+) -> Option<Vec<(usize, u32, f64)>> {
+    if weights.len() > LIMIT_WEIGHT_MAX_CANDIDATES {
+        return None;
+    }
+    // The largest and smallest stated limits (0: none stated): a pass that reads two numbers
+    // per candidate, and nothing more when no candidate states a smaller limit than another
+    // (none stated, or all alike: a fleet of keys of one tier).
+    let (mut max_requests, mut max_tokens) = (0u64, 0u64);
+    let (mut min_requests, mut min_tokens) = (u64::MAX, u64::MAX);
+    for &(i, _, _) in weights {
+        let (r, t) = limits(i);
+        max_requests = max_requests.max(r);
+        max_tokens = max_tokens.max(t);
+        if r > 0 {
+            min_requests = min_requests.min(r);
+        }
+        if t > 0 {
+            min_tokens = min_tokens.min(t);
+        }
+    }
+    let below = |min: u64, max: u64| max > 0 && min < max;
+    if !below(min_requests, max_requests) && !below(min_tokens, max_tokens) {
+        return None;
+    }
+    let ratio = |l: u64, max: u64| {
+        if l == 0 || max == 0 {
+            1.0
+        } else {
+            l as f64 / max as f64
+        }
+    };
+    let mut scaled = None;
+    for (at, &(i, _, _)) in weights.iter().enumerate() {
+        let (r, t) = limits(i);
+        let share = ratio(r, max_requests).min(ratio(t, max_tokens));
+        if share < 1.0 {
+            let level = quantize(share, LIMIT_WEIGHT_STEP).max(LIMIT_WEIGHT_FLOOR);
+            let w = scaled.get_or_insert_with(|| weights.to_vec());
+            if let Some(x) = w.get_mut(at) {
+                x.2 *= level;
+            }
+        }
+    }
+    scaled
+}
+
 /// The tokens a request of `prompt_bytes` (see [`crate::scheduler::routing::select::Pick`])
 /// is taken to cost.
 pub fn estimate_tokens(prompt_bytes: usize, bytes_per_token: u64) -> u64 {
@@ -393,6 +484,14 @@ impl Quota {
         };
         below(self.requests, rule.min_requests.max(1))
             || below(self.tokens, rule.min_tokens.max(estimate))
+    }
+
+    /// The stated limits `(requests, tokens)`, 0 where none is stated (see
+    /// [`weigh_by_limits`]); read by reference, on every session decision.
+    #[inline]
+    pub fn limits(&self) -> (u64, u64) {
+        let limit = |r: &Option<Remaining>| r.as_ref().and_then(|r| r.limit).unwrap_or(0);
+        (limit(&self.requests), limit(&self.tokens))
     }
 
     /// Staying would be a 429 for sure: left even by a pinned session.

@@ -37,7 +37,7 @@ use crate::scheduler::routing::capacity::{self, Engines, Room};
 use crate::scheduler::routing::ewma;
 use crate::scheduler::routing::overdue;
 use crate::scheduler::routing::placement;
-use crate::scheduler::routing::quota::{estimate_tokens, QuotaHint, QuotaMark, QuotaRule};
+use crate::scheduler::routing::quota::{self, estimate_tokens, QuotaHint, QuotaMark, QuotaRule};
 use crate::scheduler::routing::saturation::{
     expected_wait_ms, keep_pin, MoveReason, PinCase, Saturation,
 };

@@ -754,3 +754,52 @@ fn reconciling_keeps_settled_overshoot_and_needs_a_mark_of_this_window() {
     q.observe(&stated(9_000, 10), &first, &RULE, 150);
     assert_eq!(q.tokens_left(150), Some(5_000));
 }
+
+/// Placement weights by stated limits, with worked numbers: the ratio to the largest stated
+/// limit among the candidates, per family (the smaller ratio), rounded up to a level
+/// `2^(-k/2)`, at least the floor; no limit stated, the weight stands.
+#[test]
+fn weights_follow_the_stated_limits_in_levels_down_to_the_floor() {
+    let mut w = vec![
+        (0, 10, 1.0),
+        (1, 11, 1.0),
+        (2, 12, 2.0),
+        (3, 13, 1.0),
+        (4, 14, 1.0),
+    ];
+    // a: 400 000 tokens; b: 60 000 (0.15, rounded up to 2^-2.5 = 0.177); c: nothing stated;
+    // d: 1 000 (0.0025, the floor); e: tokens at the largest, but 10 of 100 requests (0.1 →
+    // 2^-3 = 0.125); a key with 80 % of the largest limit weighs 1 (0.8 > 2^-0.5).
+    let limits = |i: usize| match i {
+        0 => (100, 400_000),
+        1 => (0, 60_000),
+        3 => (0, 1_000),
+        4 => (10, 400_000),
+        5 => (0, 320_000),
+        _ => (0, 0),
+    };
+    w.push((5, 15, 1.0));
+    let w = weigh_by_limits(&w, limits).unwrap();
+    let got: Vec<String> = w.iter().map(|x| format!("{:.4}", x.2)).collect();
+    assert_eq!(
+        got,
+        vec!["1.0000", "0.1768", "2.0000", "0.1250", "0.1250", "1.0000"]
+    );
+    assert_eq!(w[3].2, LIMIT_WEIGHT_FLOOR);
+    // Nothing stated anywhere, or equal limits: nothing changes.
+    let same = vec![(0, 10, 1.0), (1, 11, 3.0)];
+    assert_eq!(weigh_by_limits(&same, |_| (0, 5_000)), None);
+    assert_eq!(weigh_by_limits(&same, |_| (0, 0)), None);
+    // A stated limit of 0 is not a limit to compare with.
+    // Over `LIMIT_WEIGHT_MAX_CANDIDATES` candidates: skipped (its cost).
+    let many: Vec<(usize, u32, f64)> = (0..=LIMIT_WEIGHT_MAX_CANDIDATES)
+        .map(|i| (i, i as u32, 1.0))
+        .collect();
+    assert_eq!(weigh_by_limits(&many, |i| (0, 1_000 + i as u64)), None);
+    assert!(weigh_by_limits(&many[1..], |i| (0, 1_000 + i as u64)).is_some());
+    let zero = vec![(0, 10, 1.0), (1, 11, 1.0)];
+    assert_eq!(
+        weigh_by_limits(&zero, |i| (0, if i == 0 { 0 } else { 50 })),
+        None
+    );
+}

@@ -64,18 +64,28 @@ impl<'a> Scheduler<'a> {
         // A later turn without a pin here goes home as a pin would (see `walk`): relieved as a
         // pin would be when its home is the last server of another model (`relief_move`).
         let as_pin = pick.follow_up && pick.attempt <= 1 && pin == PinVerdict::None;
+        // A new placement (or a pinned session placed again) walks the order weighted by the
+        // keys' stated limits; a later turn without a pin goes home by the plain weights (see
+        // `quota::weigh_by_limits`).
+        let by_limits = (self.cfg.quota_aware
+            && self.cfg.quota_limit_weighting
+            && pick.session.is_some()
+            && !(pick.follow_up && pin == PinVerdict::None))
+            .then(|| {
+                quota::weigh_by_limits(&board.weights, |i| {
+                    table
+                        .entries
+                        .get(i)
+                        .map_or((0, 0), |(_, st)| st.quota.limits())
+                })
+            })
+            .flatten()
+            .map(|w| placement::Keyed::new(key, &w));
+        let keyed = by_limits.as_ref().unwrap_or(&keyed);
         let relieved_home = home.filter(|&h| as_pin && self.relief_move(&board, pick, h, now_ms));
         let mut pin = relieved_home.map_or(pin, PinVerdict::Relieve);
         let skipped_before = quota_skipped.clone();
-        let mut walked = self.walk(
-            &board,
-            table,
-            &keyed,
-            &pin,
-            pick,
-            now_ms,
-            &mut quota_skipped,
-        );
+        let mut walked = self.walk(&board, table, keyed, &pin, pick, now_ms, &mut quota_skipped);
         // A relief move goes only where the queue is far shorter; else the pin stays (a later
         // turn without one goes home as before).
         if let PinVerdict::Relieve(p) = pin {
@@ -88,18 +98,10 @@ impl<'a> Scheduler<'a> {
                 }
                 pin = PinVerdict::None;
                 quota_skipped = skipped_before;
-                walked = self.walk(
-                    &board,
-                    table,
-                    &keyed,
-                    &pin,
-                    pick,
-                    now_ms,
-                    &mut quota_skipped,
-                );
+                walked = self.walk(&board, table, keyed, &pin, pick, now_ms, &mut quota_skipped);
             }
         }
-        let (endpoint, reason) = match walked.or_else(|| fallback(&board, &keyed, &pin)) {
+        let (endpoint, reason) = match walked.or_else(|| fallback(&board, keyed, &pin)) {
             Some(c) => c,
             None => return Err(NoEndpoint::Exhausted),
         };

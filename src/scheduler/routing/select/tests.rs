@@ -2505,3 +2505,116 @@ fn pinned_sessions_move_off_the_last_server_of_another_model_once() {
         }
     }
 }
+
+/// `quota_limit_weighting`: once the keys have stated their limits, new sessions go to them in
+/// proportion (a key with an eighth of its peers' limit gets about 1/17 of the new sessions,
+/// not a third). Issue 22's quota bench: placed evenly in a long first window, before their
+/// use said anything, the small keys took a quarter of the new sessions each and ran dry in
+/// the next window, and their pinned sessions moved. Pinned sessions stay where they are.
+#[test]
+fn new_sessions_follow_the_keys_stated_limits() {
+    let eps = three_keys();
+    let share_of_c = |extra: serde_json::Value| {
+        let mut v = json!({ "endpoints": eps.clone() });
+        if let (Some(o), Some(e)) = (v.as_object_mut(), extra.as_object()) {
+            o.extend(e.clone());
+        }
+        let c = cfg(v);
+        let store = MemStore::new();
+        let s = Scheduler::new(&c, &store);
+        let ex = Exclusions::default();
+        let k = session_homed_at(&s, 2);
+        let pinned = s.pick(&body_pick(Some(k), &ex, 40), 0).unwrap();
+        assert_eq!(pinned.endpoint, 2);
+        s.finish(pinned.ticket, &Outcome::Success, 10, Some(k), 1);
+        state_limits(&s, 1);
+        let on_c = (10_000..10_600u64)
+            .filter(|&k| {
+                let d = s.pick(&body_pick(Some(k), &ex, 4), 2).unwrap();
+                let at = d.endpoint;
+                s.finish(d.ticket, &Outcome::Cancelled, 0, None, 2);
+                at == 2
+            })
+            .count();
+        // The session pinned to c before stays there.
+        let stay = s.pick(&body_pick(Some(k), &ex, 40), 3).unwrap();
+        assert_eq!((stay.endpoint, stay.affinity), (2, AffinityResult::Hit));
+        on_c
+    };
+    let on = share_of_c(json!({}));
+    let off = share_of_c(json!({"quota_limit_weighting": false}));
+    // 1/17 of 600 is 35; a third is 200.
+    assert!((15..60).contains(&on), "{on}");
+    assert!((160..240).contains(&off), "{off}");
+    // Without quota-aware routing the limits are not read either.
+    assert_eq!(share_of_c(json!({"quota_aware": false})), off);
+}
+
+fn three_keys() -> serde_json::Value {
+    json!([
+        {"name":"a","cluster":"ca"},{"name":"b","cluster":"cb"},{"name":"c","cluster":"cc"}
+    ])
+}
+
+/// Answers of keys a, b and c stating token limits of 400 000, 400 000 and 50 000 (full).
+fn state_limits(s: &Scheduler<'_>, now_ms: u64) {
+    use crate::scheduler::routing::quota::Stated;
+    for (i, limit) in [(0, 400_000), (1, 400_000), (2, 50_000)] {
+        let hint = QuotaHint {
+            requests: None,
+            tokens: Some(Stated {
+                left: limit,
+                reset_in_ms: Some(60_000),
+                limit: Some(limit),
+            }),
+            at_ms: None,
+        };
+        answered(s, i, &hint, now_ms);
+    }
+}
+
+/// The limit weights order a new placement's walk, not the session's home: every replica
+/// computes the home from the plain weights, heard from the keys or not. A session placed
+/// away from it is labelled so (its answer sets the pin cookie), and a later turn without a
+/// pin goes home. Ordering homes by the limit weights, a replica that had heard from the keys
+/// sent a later turn elsewhere than the replica that had not placed it (bench, three
+/// replicas: sessions went back and forth between keys that both had quota).
+#[test]
+fn limit_weights_order_new_placements_not_homes() {
+    let c = cfg(json!({ "endpoints": three_keys() }));
+    let ex = Exclusions::default();
+    // Sessions whose home is c, on a replica that has heard nothing.
+    let plain_store = MemStore::new();
+    let plain = Scheduler::new(&c, &plain_store);
+    let homed_at_c: Vec<u64> = (20_000..20_300u64)
+        .filter(|&k| {
+            let d = plain.pick(&body_pick(Some(k), &ex, 4), 0).unwrap();
+            plain.finish(d.ticket, &Outcome::Cancelled, 0, None, 0);
+            d.endpoint == 2
+        })
+        .collect();
+    assert!(homed_at_c.len() > 60, "{}", homed_at_c.len());
+    let store = MemStore::new();
+    let s = Scheduler::new(&c, &store);
+    state_limits(&s, 1);
+    let mut away = 0;
+    for &k in &homed_at_c {
+        let d = s.pick(&body_pick(Some(k), &ex, 4), 2).unwrap();
+        assert_eq!(d.home, Some(2));
+        away += usize::from(d.endpoint != 2);
+        s.finish(d.ticket, &Outcome::Cancelled, 0, None, 2);
+    }
+    // About 7 in 8 placed elsewhere (c weighs 1/8).
+    assert!(
+        away * 4 > homed_at_c.len() * 3,
+        "{away} of {}",
+        homed_at_c.len()
+    );
+    for &k in &homed_at_c {
+        let mut p = body_pick(Some(k), &ex, 4);
+        p.follow_up = true;
+        let d = s.pick(&p, 3).unwrap();
+        assert_eq!((d.endpoint, d.home), (2, Some(2)), "session {k}");
+        s.finish(d.ticket, &Outcome::Cancelled, 0, None, 3);
+    }
+}

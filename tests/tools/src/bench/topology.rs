@@ -80,6 +80,9 @@ pub enum Policy {
     FilterEps25,
     /// The filter with a tighter bounded load (`"bounded_load_epsilon": 0.15`).
     FilterEps15,
+    /// The filter without placement in proportion to the keys' stated limits
+    /// (`"quota_limit_weighting": false`): the rule on against off in one run.
+    FilterNoLimitWeight,
 }
 
 impl Policy {
@@ -93,7 +96,7 @@ impl Policy {
     ];
 
     /// Every policy `--policies` accepts, in the report's order (the default set first).
-    pub const KNOWN: [Policy; 21] = [
+    pub const KNOWN: [Policy; 22] = [
         Policy::RoundRobin,
         Policy::LeastRequest,
         Policy::RingHash,
@@ -115,6 +118,7 @@ impl Policy {
         Policy::FilterNoRelief,
         Policy::FilterEps25,
         Policy::FilterEps15,
+        Policy::FilterNoLimitWeight,
     ];
 
     pub fn name(&self) -> &'static str {
@@ -140,6 +144,7 @@ impl Policy {
             Policy::FilterNoRelief => "computeflux_norelief",
             Policy::FilterEps25 => "computeflux_eps25",
             Policy::FilterEps15 => "computeflux_eps15",
+            Policy::FilterNoLimitWeight => "computeflux_nolimitweight",
         }
     }
 
@@ -185,7 +190,8 @@ impl Policy {
             | Policy::FilterRulesOff
             | Policy::FilterNoRelief
             | Policy::FilterEps25
-            | Policy::FilterEps15 => None,
+            | Policy::FilterEps15
+            | Policy::FilterNoLimitWeight => None,
         }
     }
 
@@ -199,6 +205,7 @@ impl Policy {
             Policy::FilterNoRelief => json!({"relieve_last_server": false}),
             Policy::FilterEps25 => json!({"bounded_load_epsilon": 0.25}),
             Policy::FilterEps15 => json!({"bounded_load_epsilon": 0.15}),
+            Policy::FilterNoLimitWeight => json!({"quota_limit_weighting": false}),
             Policy::FilterNoSessionBound => json!({"prefix_session_half_life_ms": 0}),
             Policy::FilterSessionBoundTight => json!({"prefix_session_epsilon": 0.1}),
             Policy::FilterSessionBusy4 => json!({"prefix_session_busy_load": 4}),
@@ -224,6 +231,7 @@ impl Policy {
                 | Policy::FilterNoRelief
                 | Policy::FilterEps25
                 | Policy::FilterEps15
+                | Policy::FilterNoLimitWeight
                 | Policy::FilterNoSessionBound
                 | Policy::FilterSessionBoundTight
                 | Policy::FilterSessionBusy4
