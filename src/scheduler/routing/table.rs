@@ -35,7 +35,9 @@ use crate::scheduler::routing::quota::Quota;
 use crate::scheduler::routing::saturation::Saturation;
 use crate::scheduler::routing::slowness::Slowness;
 use crate::scheduler::state::codec::{Reader, Writer};
+use crate::scheduler::state::hash::rendezvous_seed;
 use crate::scheduler::state::store::{update_if, Store};
+use std::rc::Rc;
 
 /// Statistics of one endpoint.
 #[derive(Debug, Clone, Copy, PartialEq)]
@@ -774,7 +776,7 @@ pub struct TableCache {
 pub struct ServesMemo {
     /// The models (`None`: a request without one), oldest first, each with whether each
     /// endpoint serves it, by endpoint index, and its static candidates ([`Statics`]).
-    kept: Vec<(Option<String>, Vec<bool>, Statics)>,
+    kept: Vec<(Option<String>, Vec<bool>, Rc<Statics>)>,
 }
 
 /// The endpoints that could serve a model at all (enabled and serving it), in index order,
@@ -785,6 +787,8 @@ pub struct ServesMemo {
 #[derive(Debug, Default, Clone, PartialEq)]
 pub struct Statics {
     pub indexes: Vec<usize>,
+    /// Their rendezvous seeds (`hash::rendezvous_seed` of their ids), aligned with `indexes`.
+    pub seeds: Vec<u64>,
     pub disabled: u32,
     pub not_serving: u32,
 }
@@ -794,6 +798,7 @@ impl Statics {
     pub fn of(cfg: &Config, serves: &[bool]) -> Statics {
         let mut s = Statics {
             indexes: Vec::with_capacity(cfg.endpoints.len()),
+            seeds: Vec::with_capacity(cfg.endpoints.len()),
             disabled: 0,
             not_serving: 0,
         };
@@ -802,6 +807,7 @@ impl Statics {
                 s.disabled += 1;
             } else if *serves {
                 s.indexes.push(i);
+                s.seeds.push(rendezvous_seed(ep.id));
             } else {
                 s.not_serving += 1;
             }
@@ -820,8 +826,9 @@ impl ServesMemo {
         self.kept.get(at).map_or(&[], |(_, v, _)| v.as_slice())
     }
 
-    /// The static candidates for `model` ([`Statics`]).
-    pub fn statics(&mut self, cfg: &Config, model: Option<&str>) -> Option<&Statics> {
+    /// The static candidates for `model` ([`Statics`]), shared (a decision holds them
+    /// without a copy).
+    pub fn statics(&mut self, cfg: &Config, model: Option<&str>) -> Option<&Rc<Statics>> {
         let at = self.position(cfg, model);
         self.kept.get(at).map(|(_, _, s)| s)
     }
@@ -841,7 +848,7 @@ impl ServesMemo {
                     .iter()
                     .map(|e| model.is_none_or(|m| e.serves(m)))
                     .collect();
-                let statics = Statics::of(cfg, &v);
+                let statics = Rc::new(Statics::of(cfg, &v));
                 if self.kept.len() >= Self::MODELS {
                     self.kept.remove(0);
                 }
@@ -1348,7 +1355,7 @@ mod tests {
             let want = [m == "m1", m == "m1" || m == "m2", true];
             assert_eq!(memo.serves(&cfg, Some(&m)), &want, "{m}");
             let statics = Statics::of(&cfg, &want);
-            assert_eq!(memo.statics(&cfg, Some(&m)), Some(&statics), "{m}");
+            assert_eq!(memo.statics(&cfg, Some(&m)), Some(&Rc::new(statics)), "{m}");
         }
         assert!(memo.kept.len() <= ServesMemo::MODELS);
     }

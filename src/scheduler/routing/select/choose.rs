@@ -38,7 +38,7 @@ impl<'a> Scheduler<'a> {
         let key = prefix_key.unwrap_or(pick.session.unwrap_or(pick.nonce));
         let by_prefix = prefix_key.is_some() && pinned.is_none();
         // The session's home: the first non-degraded endpoint of its rendezvous order.
-        let keyed = placement::Keyed::new(key, &board.weights);
+        let keyed = placement::Keyed::seeded(key, &board.weights, board.seeds());
         let home = if board.any_degraded {
             keyed.first(|i| !board.degraded(i))
         } else {
@@ -141,7 +141,8 @@ impl<'a> Scheduler<'a> {
         let n = cfg.endpoints.len();
         let state = |i: usize| table.entries.get(i).map(|(_, st)| st);
         // The enabled endpoints serving the model, from the worker's memo (see `Statics`).
-        let statics: Vec<usize> = self.statics(pick.model).indexes;
+        let shared = self.statics(pick.model);
+        let statics: Vec<usize> = shared.indexes.clone();
         let references = self.peer_references(table);
         let pace_references = signals::pace_medians(cfg, loads);
         // Requests without a session keep the full score (nothing to keep together); the
@@ -444,6 +445,7 @@ impl<'a> Scheduler<'a> {
             Vec::new()
         };
         Ok(Board {
+            shared,
             sessions: engines.sessions.clone(),
             pinned: None,
             any_degraded,
@@ -932,6 +934,8 @@ pub(super) const QUEUE_GAP: f64 = 4.0;
 
 /// What one decision knows of every endpoint (indexes into `Config::endpoints`).
 pub(super) struct Board<'t> {
+    /// The static candidates as the worker's memo keeps them (their rendezvous seeds).
+    shared: Rc<Statics>,
     /// The new sessions this process placed per endpoint (see `sessions`): `Some` only for
     /// a new session placed by prefix with the session bound on.
     sessions: Option<sessions::Counts>,
@@ -1020,6 +1024,15 @@ pub(super) struct QuotaView<'t> {
 }
 
 impl<'t> Board<'t> {
+    /// The rendezvous seeds of the candidates `weights` lists, aligned with it, when it lists
+    /// every static candidate (else empty: the keys are computed from the ids).
+    pub(super) fn seeds(&self) -> &[u64] {
+        if self.weights.len() == self.shared.seeds.len() {
+            &self.shared.seeds
+        } else {
+            &[]
+        }
+    }
     /// Short of quota for this request: skipped for placements (`quota_aware`).
     pub(super) fn short(&self, i: usize) -> bool {
         let q = &self.quotas;
