@@ -452,19 +452,18 @@ impl<'a> Scheduler<'a> {
 
     /// Every endpoint's peers' median slowness in `table` ([`signals::peer_medians`]), from
     /// the worker's memo when there is one (recomputed only when some slowness changed).
-    fn peer_references(&self, table: &Table) -> Vec<Option<f64>> {
+    fn peer_references(&self, table: &Table) -> Rc<Vec<Option<f64>>> {
         let min_samples = DegradeRule::from_config(self.cfg).min_samples;
         match self.cache.and_then(|c| c.try_borrow_mut().ok()) {
             Some(mut cache) => {
                 // Through the lent table's list of re-decoded entries: only theirs compared.
                 let (memo, changed) = cache.lent_changes(table.entries.len());
-                let medians = memo
-                    .medians_since(table, self.cfg, min_samples, changed)
-                    .to_vec();
+                memo.medians_since(table, self.cfg, min_samples, changed);
+                let medians = memo.shared();
                 cache.forget_changes(table.entries.len());
                 medians
             }
-            None => signals::peer_medians(table, self.cfg, min_samples),
+            None => Rc::new(signals::peer_medians(table, self.cfg, min_samples)),
         }
     }
 

@@ -761,6 +761,9 @@ pub struct TableCache {
     /// (as `changed`, for [`BoardMemo`]; `board_changed_known` false: unknown).
     board_changed: Vec<usize>,
     board_changed_known: bool,
+    /// Entries of `table` decoded (`stamps` set) whose stored verdict is degraded: whether
+    /// any endpoint is, without visiting every entry.
+    degraded: usize,
 }
 
 /// Which configured endpoints list a model (or serve every model), for the last few models
@@ -916,6 +919,7 @@ impl TableCache {
             board: &mut self.board,
             changed,
             medians_computed: self.peers.computed,
+            stored_degraded: self.degraded,
         })
     }
 
@@ -935,12 +939,14 @@ impl TableCache {
             self.table = table;
         } else {
             self.stamps.clear();
+            self.degraded = 0;
         }
         self.lent = false;
     }
 
     fn reset(&mut self, bytes: Option<&[u8]>, cfg: &Config) -> (Table, bool) {
         self.stamps.clear();
+        self.degraded = 0;
         self.table = Table::default();
         self.lent = false;
         self.decoded = self.decoded.saturating_add(cfg.endpoints.len() as u64);
@@ -954,9 +960,10 @@ impl TableCache {
         }
         let budget = RetryBudget::decode(&mut Reader::new(bytes.get(1..STAMP_AT)?))?;
         let n = cfg.endpoints.len();
-        if self.lent || self.table.entries.len() != self.stamps.len() {
+        if self.lent || self.table.entries.len() != self.stamps.len() || self.stamps.len() != n {
             self.stamps.clear();
             self.table.entries.clear();
+            self.degraded = 0;
         }
         self.lent = false;
         self.stamps.resize(n, None);
@@ -980,8 +987,11 @@ impl TableCache {
                 continue;
             }
             // Undecodable: nothing of this load may be trusted (the caller starts over).
+            let was_degraded = slot.is_some() && entry.1.degraded;
             *slot = None;
             *entry = Table::entry_at(bytes, i)?;
+            self.degraded = self.degraded.saturating_sub(usize::from(was_degraded))
+                + usize::from(entry.1.degraded);
             self.decoded = self.decoded.saturating_add(1);
             *slot = Some((stamp, id));
             // Noted for the medians memo (past the table's size: unknown).
@@ -1019,7 +1029,9 @@ pub struct MedianMemo {
     /// the samples to count, else nothing), as last used. A cold endpoint's answers, and
     /// every other field of a warm one's slowness, leave the medians as they were.
     pub(crate) inputs: Vec<(u32, bool, Option<u64>)>,
-    pub(crate) medians: Vec<Option<f64>>,
+    /// Shared with the decisions that read them (a decision holds them without a copy: a
+    /// copy cost a byte's worth of instructions per byte under wasm).
+    pub(crate) medians: Rc<Vec<Option<f64>>>,
     /// Times the medians were recomputed, for tests and diagnostics.
     pub computed: u64,
     /// The inputs are those of the table cache's table as of its last list of changes
@@ -1038,6 +1050,8 @@ pub struct LentBoard<'a> {
     /// The medians memo's recomputations so far ([`MedianMemo::computed`]): unchanged, the
     /// peers' medians are those of the memo's last decision.
     pub medians_computed: u64,
+    /// Entries of the lent table whose stored verdict is degraded.
+    pub stored_degraded: usize,
 }
 
 /// One worker's last session decision's board: the static candidates' verdicts, flips and
@@ -1059,14 +1073,16 @@ pub struct BoardMemo {
     /// The medians memo's recomputations when the board was last brought up to date, and the
     /// medians it read then (by index).
     pub(crate) medians_computed: u64,
-    pub(crate) references: Vec<Option<f64>>,
+    pub(crate) references: Rc<Vec<Option<f64>>>,
     /// The static candidates (index order) and their `(index, id, weight)`, aligned.
     pub(crate) statics: Vec<usize>,
-    pub(crate) weights: Vec<(usize, u32, f64)>,
+    /// The board's parts are shared with the decision that reads them (lent without a copy,
+    /// changed in place once it is done: `Rc::make_mut` copies only while one is held).
+    pub(crate) weights: Rc<Vec<(usize, u32, f64)>>,
     /// By index: the verdict.
-    pub(crate) verdicts: Vec<crate::scheduler::routing::signals::Verdict>,
+    pub(crate) verdicts: Rc<Vec<crate::scheduler::routing::signals::Verdict>>,
     /// The positions whose verdict differs from the stored one, index order.
-    pub(crate) flips: Vec<usize>,
+    pub(crate) flips: Rc<Vec<usize>>,
     /// Positions whose values depend on the clock: recomputed by every decision.
     pub(crate) live: Vec<usize>,
     /// Static candidates treated as degraded.
@@ -1076,7 +1092,7 @@ pub struct BoardMemo {
     /// By index: the breaker admission of the statics as a first attempt saw it (empty: none
     /// kept), and the statics whose breaker was not closed (asked again by every decision: a
     /// closed breaker admits whatever the time).
-    pub(crate) admission: Vec<Option<crate::scheduler::health::breaker::Admission>>,
+    pub(crate) admission: Rc<Vec<Option<crate::scheduler::health::breaker::Admission>>>,
     pub(crate) open: Vec<usize>,
     /// Decisions that reused the memo, for tests and diagnostics.
     pub hits: u64,
@@ -1212,6 +1228,17 @@ mod tests {
         assert!(next_stamp(Some(&b3)) > next_stamp(Some(&b2)));
         // Older bytes again (a reader may see any version): still what a full decode says.
         assert_eq!(cache.load(Some(&b1), &cfg), Table::load(Some(&b1), &cfg));
+        assert_eq!(cache.degraded, 0);
+        // A degraded flag stored, then cleared: the cache counts what its table holds.
+        let mut st = t.entries[2].1;
+        st.degraded = true;
+        let b4 = Table::patch_entry(&b3, 2, t.entries[2].0, &st).unwrap();
+        assert_eq!(cache.load(Some(&b4), &cfg), Table::load(Some(&b4), &cfg));
+        assert_eq!(cache.degraded, 1);
+        st.degraded = false;
+        let b5 = Table::patch_entry(&b4, 2, t.entries[2].0, &st).unwrap();
+        assert_eq!(cache.load(Some(&b5), &cfg), Table::load(Some(&b5), &cfg));
+        assert_eq!(cache.degraded, 0);
         // A layout change or undecodable bytes: the plain load, cache dropped.
         let other = Config::from_value(&json!({"endpoints":[{"name":"b","cluster":"b"}]})).unwrap();
         assert!(!Table::has_layout(&b3, &other));

@@ -142,7 +142,7 @@ impl<'a> Scheduler<'a> {
         let state = |i: usize| table.entries.get(i).map(|(_, st)| st);
         // The enabled endpoints serving the model, from the worker's memo (see `Statics`).
         let shared = self.statics(pick.model);
-        let statics: Vec<usize> = shared.indexes.clone();
+        let statics: &[usize] = &shared.indexes;
         let references = self.peer_references(table);
         let pace_references = signals::pace_medians(cfg, loads);
         // Requests without a session keep the full score (nothing to keep together); the
@@ -164,14 +164,15 @@ impl<'a> Scheduler<'a> {
         let lent = cache
             .as_deref_mut()
             .and_then(|c| c.lent_board(table.entries.len()));
-        let (mut memo, mut board_memo, changed, medians_computed) = match lent {
+        let (mut memo, mut board_memo, changed, medians_computed, stored_degraded) = match lent {
             Some(l) => (
                 Some((l.stamps, l.quiet)),
                 Some(l.board),
                 l.changed,
                 l.medians_computed,
+                Some(l.stored_degraded),
             ),
-            None => (None, None, None, 0),
+            None => (None, None, None, 0, None),
         };
         // One static candidate's verdict (into `v`, which holds the default verdict), flip and
         // `(index, id, weight)` (`None`: not in the table), and whether they hold until its
@@ -269,7 +270,7 @@ impl<'a> Scheduler<'a> {
                 let mut live = Vec::new();
                 // `one`'s body, inline (a call per endpoint cost about 90 instructions more):
                 // keep the two the same (`memo_tests` compare the decisions of both).
-                for &i in &statics {
+                for &i in statics {
                     let load = if any_scraped {
                         loads.get(i).copied().flatten()
                     } else {
@@ -339,11 +340,13 @@ impl<'a> Scheduler<'a> {
                     };
                     weights.push((i, ep.id, w));
                 }
+                let (verdicts, weights, flips) =
+                    (Rc::new(verdicts), Rc::new(weights), Rc::new(flips));
                 if let Some(bm) = board_memo.as_deref_mut() {
                     if memo_fits && weights.len() == statics.len() {
                         bm.keep(
                             pick.model,
-                            &statics,
+                            statics,
                             (&verdicts, &weights, &flips),
                             live,
                             degraded,
@@ -373,7 +376,7 @@ impl<'a> Scheduler<'a> {
                     bm.keep_admission(None);
                 }
                 let mut open = Vec::new();
-                let a = admit(table, candidates, n, now_ms, bcfg, &mut open)?;
+                let a = Rc::new(admit(table, candidates, n, now_ms, bcfg, &mut open)?);
                 if let (Some(bm), true) = (board_memo, first) {
                     bm.keep_admission(Some((&a, open)));
                 }
@@ -413,7 +416,8 @@ impl<'a> Scheduler<'a> {
                 })
                 .collect()
         } else {
-            vec![None; n]
+            // Nothing scraped: no room anywhere (read as `None`, as a list of them would be).
+            Vec::new()
         };
         let by_slots = !statics.is_empty()
             && statics.iter().all(|&i| {
@@ -439,8 +443,20 @@ impl<'a> Scheduler<'a> {
         } else {
             Vec::new()
         };
-        let captive = if cfg.relieve_last_server {
-            last_servers(cfg, table, &verdicts, &statics, pick.model)
+        // Nobody degraded, by this decision (`any_degraded`: the statics' verdicts) or as
+        // stored (counted by the worker's cache when there is one): no last server.
+        let stored_degraded = match stored_degraded {
+            Some(count) => count > 0,
+            None => table.entries.iter().any(|(_, st)| st.degraded),
+        };
+        // Every scheduler test checks the cache's count against the table.
+        #[cfg(test)]
+        assert_eq!(
+            stored_degraded,
+            table.entries.iter().any(|(_, st)| st.degraded)
+        );
+        let captive = if cfg.relieve_last_server && (any_degraded || stored_degraded) {
+            last_servers(cfg, table, &verdicts, statics, pick.model)
         } else {
             Vec::new()
         };
@@ -454,7 +470,6 @@ impl<'a> Scheduler<'a> {
             max_age_ms: cfg.in_flight_max_age_ms,
             plain: !any_scraped,
             reference: references,
-            statics,
             weights,
             verdicts,
             flips,
@@ -575,7 +590,7 @@ impl<'a> Scheduler<'a> {
         let Some(session) = pick.session else {
             return false;
         };
-        let target = board.statics.iter().any(|&j| {
+        let target = board.statics().iter().any(|&j| {
             j != p
                 && board.admitted(j)
                 && !board.degraded(j)
@@ -934,7 +949,8 @@ pub(super) const QUEUE_GAP: f64 = 4.0;
 
 /// What one decision knows of every endpoint (indexes into `Config::endpoints`).
 pub(super) struct Board<'t> {
-    /// The static candidates as the worker's memo keeps them (their rendezvous seeds).
+    /// Endpoints that could serve the request at all (enabled, serving its model; see
+    /// [`Board::statics`]), as the worker's memo keeps them, with their rendezvous seeds.
     shared: Rc<Statics>,
     /// The new sessions this process placed per endpoint (see `sessions`): `Some` only for
     /// a new session placed by prefix with the session bound on.
@@ -951,16 +967,14 @@ pub(super) struct Board<'t> {
     /// Nothing is scraped: the walk's totals may be [`PlainTotals`].
     plain: bool,
     /// Each endpoint's peers' median slowness (`signals::peer_medians`), by index.
-    reference: Vec<Option<f64>>,
-    /// Endpoints that could serve the request at all (enabled, serving its model).
-    statics: Vec<usize>,
+    reference: Rc<Vec<Option<f64>>>,
     /// `(index, endpoint id, placement weight)` of the statics: the rendezvous candidates.
-    weights: Vec<(usize, u32, f64)>,
-    verdicts: Vec<Verdict>,
+    weights: Rc<Vec<(usize, u32, f64)>>,
+    verdicts: Rc<Vec<Verdict>>,
     /// The statics whose verdict (sticky degraded flag or saturation) differs from the one
     /// stored in their entry, in index order: the only ones besides the chosen endpoint whose
     /// verdict the pick's write stores (see [`Board::stored_verdicts`]).
-    flips: Vec<usize>,
+    flips: Rc<Vec<usize>>,
     /// Every endpoint's remembered quota against this request (`quota_aware`): see
     /// [`Board::short`] and [`Board::certain_429`].
     quotas: QuotaView<'t>,
@@ -974,7 +988,7 @@ pub(super) struct Board<'t> {
     /// (`capacity::slot_limit`) rather than by weight.
     by_slots: bool,
     /// Breaker admission of this attempt's candidates (`None`: not a candidate).
-    admission: Vec<Option<Admission>>,
+    admission: Admissions,
     /// The candidates left as the last healthy server of another model than the request's
     /// (see [`last_servers`]), by index; empty when none is (no endpoint degraded, or
     /// `relieve_last_server` off).
@@ -1024,6 +1038,11 @@ pub(super) struct QuotaView<'t> {
 }
 
 impl<'t> Board<'t> {
+    /// Endpoints that could serve the request at all (enabled, serving its model), in index
+    /// order.
+    pub(super) fn statics(&self) -> &[usize] {
+        &self.shared.indexes
+    }
     /// The rendezvous seeds of the candidates `weights` lists, aligned with it, when it lists
     /// every static candidate (else empty: the keys are computed from the ids).
     pub(super) fn seeds(&self) -> &[u64] {
@@ -1120,7 +1139,7 @@ impl<'t> Board<'t> {
     /// [`Board::full`]): only then is a full endpoint passed over (all full: placed as
     /// without metrics).
     pub(super) fn room_elsewhere(&self, i: usize) -> bool {
-        self.statics.iter().any(|&j| {
+        self.statics().iter().any(|&j| {
             j != i && self.admitted(j) && !self.degraded(j) && !self.short(j) && !self.full(j)
         })
     }
@@ -1146,7 +1165,7 @@ impl<'t> Board<'t> {
     /// by itself, and a gap of 4× leaves the jitter between replicas' scrapes alone. New
     /// sessions only: no pin moves for it.
     pub(super) fn far_shorter_queue_elsewhere(&self, i: usize) -> bool {
-        self.statics.iter().any(|&j| {
+        self.statics().iter().any(|&j| {
             j != i
                 && self.admitted(j)
                 && !self.degraded(j)
@@ -1165,7 +1184,7 @@ impl<'t> Board<'t> {
     /// half of the sessions whose `reserved` coin came up, any such candidate at all.
     pub(super) fn relief_passes_over(&self, i: usize, reserved: bool) -> bool {
         let mine = self.load_of(i);
-        self.statics.iter().any(|&j| {
+        self.statics().iter().any(|&j| {
             j != i
                 && self.admitted(j)
                 && !self.degraded(j)
@@ -1188,7 +1207,7 @@ impl<'t> Board<'t> {
     /// batch at `service_ms` per request; 0 when one of them has no queue or no known load (a
     /// move is judged against the best place it could go, as `saturation::keep_pin` needs).
     pub(super) fn shortest_wait_elsewhere(&self, i: usize, service_ms: f64) -> f64 {
-        self.statics
+        self.statics()
             .iter()
             .filter(|&&j| {
                 j != i && self.admitted(j) && !self.degraded(j) && !self.short(j) && !self.full(j)
@@ -1210,7 +1229,7 @@ impl<'t> Board<'t> {
     /// are neither copied nor compared again (that cost about 120 instructions per endpoint).
     pub(super) fn stored_verdicts(&self, chosen: usize) -> Vec<(usize, bool, Saturation)> {
         let chosen_static =
-            self.statics.binary_search(&chosen).is_ok() && !self.flips.contains(&chosen);
+            self.statics().binary_search(&chosen).is_ok() && !self.flips.contains(&chosen);
         self.flips
             .iter()
             .copied()
@@ -1311,7 +1330,7 @@ pub(super) fn eligible_totals(
     let mut first_weight: Option<u64> = None;
     let mut uniform = true;
     let mut total_weight = 0.0f64;
-    for &(i, _, w) in &board.weights {
+    for &(i, _, w) in board.weights.iter() {
         if !eligible(i) {
             continue;
         }
@@ -1323,8 +1342,8 @@ pub(super) fn eligible_totals(
     if uniform {
         return (total_load, total_weight, total_slots);
     }
-    let mut weight_at = vec![0.0; board.statics.last().map_or(0, |&i| i + 1)];
-    for &(i, _, w) in &board.weights {
+    let mut weight_at = vec![0.0; board.statics().last().map_or(0, |&i| i + 1)];
+    for &(i, _, w) in board.weights.iter() {
         if let Some(slot) = weight_at.get_mut(i) {
             *slot = w;
         }
@@ -1514,11 +1533,23 @@ pub(super) struct One {
     quiet: bool,
 }
 
-/// A board's verdicts (by index), weights and flips, borrowed.
-type BoardRefs<'b> = (&'b [Verdict], &'b [(usize, u32, f64)], &'b [usize]);
+/// Breaker admission by endpoint index, shared between the board memo and a decision.
+type Admissions = Rc<Vec<Option<Admission>>>;
+
+/// A board's verdicts (by index), weights and flips, shared.
+type BoardRefs<'b> = (
+    &'b Rc<Vec<Verdict>>,
+    &'b Rc<Vec<(usize, u32, f64)>>,
+    &'b Rc<Vec<usize>>,
+);
 
 /// A board's verdicts (by index), weights, flips and whether any static candidate is degraded.
-type BoardParts = (Vec<Verdict>, Vec<(usize, u32, f64)>, Vec<usize>, bool);
+type BoardParts = (
+    Rc<Vec<Verdict>>,
+    Rc<Vec<(usize, u32, f64)>>,
+    Rc<Vec<usize>>,
+    bool,
+);
 
 // `BoardMemo` is defined in `table` (the per-worker `TableCache` holds one), as `QuietMemo`.
 impl BoardMemo {
@@ -1533,7 +1564,7 @@ impl BoardMemo {
         model: Option<&str>,
         n: usize,
         changed: &[usize],
-        references: &[Option<f64>],
+        references: &Rc<Vec<Option<f64>>>,
         medians_computed: u64,
         one: &mut impl FnMut(usize, &mut Verdict) -> Option<One>,
     ) -> Option<BoardParts> {
@@ -1567,9 +1598,14 @@ impl BoardMemo {
         dirty.sort_unstable();
         dirty.dedup();
         let mut live = Vec::new();
+        // In place: the last decision's board is dropped (else these copy it).
+        let (verdicts, weights, flips) = (
+            Rc::make_mut(&mut self.verdicts),
+            Rc::make_mut(&mut self.weights),
+            Rc::make_mut(&mut self.flips),
+        );
         for &i in &dirty {
-            let (Ok(s), Some(v)) = (self.statics.binary_search(&i), self.verdicts.get_mut(i))
-            else {
+            let (Ok(s), Some(v)) = (self.statics.binary_search(&i), verdicts.get_mut(i)) else {
                 return None;
             };
             if v.degraded {
@@ -1580,16 +1616,16 @@ impl BoardMemo {
             if v.degraded {
                 self.degraded += 1;
             }
-            let (Some(w), Some(slot_w)) = (o.weight, self.weights.get_mut(s)) else {
+            let (Some(w), Some(slot_w)) = (o.weight, weights.get_mut(s)) else {
                 return None;
             };
             *slot_w = w;
             // The flipped positions stay in index order.
-            match (self.flips.binary_search(&i), o.flip) {
+            match (flips.binary_search(&i), o.flip) {
                 (Ok(at), false) => {
-                    self.flips.remove(at);
+                    flips.remove(at);
                 }
-                (Err(at), true) => self.flips.insert(at, i),
+                (Err(at), true) => flips.insert(at, i),
                 _ => {}
             }
             if !o.quiet {
@@ -1599,15 +1635,15 @@ impl BoardMemo {
         self.live = live;
         self.dirty = dirty;
         if new_medians {
-            self.references = references.to_vec();
+            self.references = Rc::clone(references);
             self.medians_computed = medians_computed;
         }
         self.valid = true;
         self.hits = self.hits.saturating_add(1);
         Some((
-            self.verdicts.clone(),
-            self.weights.clone(),
-            self.flips.clone(),
+            Rc::clone(&self.verdicts),
+            Rc::clone(&self.weights),
+            Rc::clone(&self.flips),
             self.degraded > 0,
         ))
     }
@@ -1623,7 +1659,7 @@ impl BoardMemo {
         (verdicts, weights, flips): BoardRefs<'_>,
         live: Vec<usize>,
         degraded: usize,
-        references: &[Option<f64>],
+        references: &Rc<Vec<Option<f64>>>,
         medians_computed: u64,
     ) {
         self.valid = true;
@@ -1631,21 +1667,17 @@ impl BoardMemo {
             self.model = model.map(str::to_string);
         }
         self.medians_computed = medians_computed;
-        self.references.clear();
-        self.references.extend_from_slice(references);
+        self.references = Rc::clone(references);
         self.statics.clear();
         self.statics.extend_from_slice(statics);
-        self.weights.clear();
-        self.weights.extend_from_slice(weights);
-        self.verdicts.clear();
-        self.verdicts.extend_from_slice(verdicts);
-        self.flips.clear();
-        self.flips.extend_from_slice(flips);
+        self.weights = Rc::clone(weights);
+        self.verdicts = Rc::clone(verdicts);
+        self.flips = Rc::clone(flips);
         self.live = live;
         self.degraded = degraded;
         self.dirty.clear();
         // Kept only by `keep_admission`, for this board.
-        self.admission.clear();
+        self.admission = Rc::default();
         self.open.clear();
     }
 
@@ -1658,7 +1690,7 @@ impl BoardMemo {
         table: &Table,
         now_ms: u64,
         bcfg: &BreakerConfig,
-    ) -> Option<Vec<Option<Admission>>> {
+    ) -> Option<Admissions> {
         if !self.valid || self.admission.len() != self.verdicts.len() {
             return None;
         }
@@ -1666,10 +1698,10 @@ impl BoardMemo {
         ask.sort_unstable();
         ask.dedup();
         let mut open = Vec::new();
+        let admission = Rc::make_mut(&mut self.admission);
         for i in ask {
-            let (Some((_, st)), Some(slot)) = (table.entries.get(i), self.admission.get_mut(i))
-            else {
-                self.admission.clear();
+            let (Some((_, st)), Some(slot)) = (table.entries.get(i), admission.get_mut(i)) else {
+                self.admission = Rc::default();
                 return None;
             };
             *slot = Some(st.breaker.peek(now_ms, bcfg));
@@ -1685,18 +1717,18 @@ impl BoardMemo {
                 .open
                 .iter()
                 .any(|&i| self.admission.get(i).is_some_and(admits));
-        any.then(|| self.admission.clone())
+        any.then(|| Rc::clone(&self.admission))
     }
 
     /// Keeps the admission of the statics computed by `admit`, with the statics whose
     /// breaker is not closed (`None`: of other candidates, or not computed: nothing kept).
-    pub(super) fn keep_admission(&mut self, kept: Option<(&Vec<Option<Admission>>, Vec<usize>)>) {
-        self.admission.clear();
+    pub(super) fn keep_admission(&mut self, kept: Option<(&Admissions, Vec<usize>)>) {
+        self.admission = Rc::default();
         self.open.clear();
         let Some((a, open)) = kept.filter(|_| self.valid) else {
             return;
         };
-        self.admission.extend_from_slice(a);
+        self.admission = Rc::clone(a);
         self.open = open;
     }
 }
