@@ -11,6 +11,11 @@
 //! of the write that last changed it (the header counts writes). A worker keeps the entries
 //! it decoded ([`TableCache`]); reading the table again, it decodes only the entries whose
 //! stamp moved — the one or two endpoints the requests in between used — instead of all.
+//! Finding them without comparing every stamp: the header also holds a *write log*, the
+//! position each of the last [`LOG_LEN`] single-entry writes changed, from the last write
+//! that changed more than one entry (a full rewrite or a layout change starts it again). A
+//! worker that saw the table at most that many writes ago decodes the logged entries alone;
+//! one further behind compares every stamp, as before.
 //!
 //! Reloads and upgrades (issue 22, item 7). After a configuration update, requests of the old
 //! configuration keep writing the table while the new one serves: the requests in flight at an
@@ -185,11 +190,11 @@ pub struct Table {
 
 /// The byte format's version. A new one needs a new [`TABLE_KEY`] (a test checks that they
 /// agree).
-pub const TABLE_VERSION: u8 = 12;
+pub const TABLE_VERSION: u8 = 13;
 /// The table's shared-data key, one per [`TABLE_VERSION`]: modules of two versions running
 /// side by side during an upgrade each keep their own table instead of resetting each other's
 /// on every write (Envoy never frees a key: one table's worth of bytes per version ever run).
-pub const TABLE_KEY: &str = "computeflux/endpoints/12";
+pub const TABLE_KEY: &str = "computeflux/endpoints/13";
 /// Id, write stamp, then the state.
 const ENTRY_BYTES: usize = 4
     + 8
@@ -223,8 +228,16 @@ const BUDGET_BYTES: usize = 8 + 8 + 8;
 const STAMP_AT: usize = 1 + BUDGET_BYTES;
 /// Where the header's layout generation is: after the write counter.
 const GENERATION_AT: usize = STAMP_AT + 8;
-/// Version byte, budget, write counter, layout generation, entry count.
-const HEADER_BYTES: usize = GENERATION_AT + 8 + 4;
+/// The write log (see [`TableCache`]): the first write stamp it covers, after the layout
+/// generation, then the position of the entry each write changed, by stamp modulo
+/// [`LOG_LEN`].
+const LOG_FROM_AT: usize = GENERATION_AT + 8;
+const LOG_AT: usize = LOG_FROM_AT + 8;
+/// Writes the log covers at most: a worker that saw the table this many writes ago or less
+/// reads the changed entries alone.
+pub const LOG_LEN: usize = 64;
+/// Version byte, budget, write counter, layout generation, write log, entry count.
+const HEADER_BYTES: usize = LOG_AT + 4 * LOG_LEN + 4;
 
 /// The little-endian u64 at `at`, if `bytes` reaches that far.
 fn u64_at(bytes: &[u8], at: usize) -> Option<u64> {
@@ -245,6 +258,64 @@ fn next_stamp(stored: Option<&[u8]>) -> u64 {
         .and_then(|b| u64_at(b, STAMP_AT))
         .unwrap_or(0)
         .wrapping_add(1)
+}
+
+/// Records in `stored`'s header a write with `stamp` that changed entry `position` alone: the
+/// write counter, and the position in the write log, which covers this write and those before
+/// it back to the last that changed more than one entry (at most [`LOG_LEN`]).
+fn log_one(stored: &mut [u8], stamp: u64, position: usize) {
+    // The writes logged so far: `from ..= stamp - 1` (`from` past it when none is).
+    let from = u64_at(stored, LOG_FROM_AT).unwrap_or(stamp);
+    let from = from
+        .min(stamp)
+        .max(stamp.saturating_sub(LOG_LEN as u64 - 1));
+    let slot = LOG_AT + (stamp % LOG_LEN as u64) as usize * 4;
+    let parts: [(usize, &[u8]); 3] = [
+        (STAMP_AT, &stamp.to_le_bytes()),
+        (LOG_FROM_AT, &from.to_le_bytes()),
+        (slot, &(position as u32).to_le_bytes()),
+    ];
+    for (at, bytes) in parts {
+        if let Some(dst) = stored.get_mut(at..at + bytes.len()) {
+            dst.copy_from_slice(bytes);
+        }
+    }
+}
+
+/// The header of a write with `stamp` that changed every entry (or the layout): the log
+/// covers nothing before the next write.
+fn write_header(w: &mut Writer, budget: &RetryBudget, stamp: u64, generation: u64, entries: usize) {
+    w.u8(TABLE_VERSION);
+    budget.encode(w);
+    w.u64(stamp);
+    w.u64(generation);
+    w.u64(stamp.wrapping_add(1));
+    for _ in 0..LOG_LEN {
+        w.u32(0);
+    }
+    w.u32(entries as u32);
+}
+
+/// The positions of the entries the writes after the one with stamp `seen` changed, in
+/// write order (repeats included), when the write log of `bytes` (a table of `entries`
+/// entries) covers every one of them; `None` otherwise (the caller compares every entry).
+fn logged_since(
+    bytes: &[u8],
+    seen: u64,
+    entries: usize,
+) -> Option<impl Iterator<Item = usize> + '_> {
+    let now = u64_at(bytes, STAMP_AT)?;
+    let from = u64_at(bytes, LOG_FROM_AT)?;
+    let newer = now.checked_sub(seen)?;
+    if newer > LOG_LEN as u64 || from > seen.wrapping_add(1) {
+        return None;
+    }
+    let positions = (1..=newer).map(move |k| {
+        let slot = LOG_AT + (seen.wrapping_add(k) % LOG_LEN as u64) as usize * 4;
+        u32_at(bytes, slot).map_or(usize::MAX, |p| p as usize)
+    });
+    // Every logged position must be an entry (a garbled log reads as no log).
+    positions.clone().all(|p| p < entries).then_some(positions)
 }
 
 /// The write stamp of entry `i` (stored right after its id).
@@ -487,9 +558,7 @@ impl Table {
         if let Some(dst) = stored.get_mut(1..1 + BUDGET_BYTES) {
             dst.copy_from_slice(&b.buf);
         }
-        if let Some(dst) = stored.get_mut(STAMP_AT..STAMP_AT + 8) {
-            dst.copy_from_slice(&stamp.to_le_bytes());
-        }
+        log_one(stored, stamp, changed);
         if let Some(dst) = stored.get_mut(at..at + ENTRY_BYTES) {
             dst.copy_from_slice(&entry.buf);
         }
@@ -511,11 +580,13 @@ impl Table {
         }
         let stamp = next_stamp(stored);
         let mut w = Writer::with_capacity(HEADER_BYTES + self.entries.len() * ENTRY_BYTES);
-        w.u8(TABLE_VERSION);
-        self.budget.encode(&mut w);
-        w.u64(stamp);
-        w.u64(self.generation);
-        w.u32(self.entries.len() as u32);
+        write_header(
+            &mut w,
+            &self.budget,
+            stamp,
+            self.generation,
+            self.entries.len(),
+        );
         for (id, s) in &self.entries {
             encode_entry(&mut w, *id, stamp, s);
         }
@@ -561,6 +632,9 @@ impl Table {
         }
         out.get_mut(STAMP_AT..STAMP_AT + 8)?
             .copy_from_slice(&stamp.to_le_bytes());
+        // Several entries may have changed: the log starts again after this write.
+        out.get_mut(LOG_FROM_AT..LOG_FROM_AT + 8)?
+            .copy_from_slice(&stamp.wrapping_add(1).to_le_bytes());
         Some(out)
     }
 
@@ -603,9 +677,20 @@ impl Table {
         let mut out = stored.to_vec();
         out.get_mut(at..at.checked_add(ENTRY_BYTES)?)?
             .copy_from_slice(&entry.buf);
-        out.get_mut(STAMP_AT..STAMP_AT + 8)?
-            .copy_from_slice(&stamp.to_le_bytes());
+        out.get(STAMP_AT..LOG_AT)?;
+        log_one(&mut out, stamp, i);
         Some(out)
+    }
+
+    /// Whether `bytes` is a complete table of this version with `entries` entries (version
+    /// byte, entry count and size agree), read from the header alone.
+    pub fn is_complete(bytes: &[u8], entries: usize) -> bool {
+        let size = entries
+            .checked_mul(ENTRY_BYTES)
+            .and_then(|e| e.checked_add(HEADER_BYTES));
+        bytes.first() == Some(&TABLE_VERSION)
+            && u32_at(bytes, HEADER_BYTES - 4) == Some(entries as u32)
+            && size == Some(bytes.len())
     }
 
     /// Endpoint `id`'s entry when it is entry `i` of a complete table of this version
@@ -653,9 +738,7 @@ impl Table {
             (Some(dst), true) => dst.copy_from_slice(&entry.buf),
             _ => return false,
         }
-        if let Some(dst) = stored.get_mut(STAMP_AT..STAMP_AT + 8) {
-            dst.copy_from_slice(&stamp.to_le_bytes());
-        }
+        log_one(stored, stamp, i);
         true
     }
 
@@ -677,6 +760,11 @@ impl Table {
         let budget = RetryBudget::decode(&mut r)?;
         let _writes = r.u64()?;
         let generation = r.u64()?;
+        // The write log (read by `TableCache` only).
+        let _log_from = r.u64()?;
+        for _ in 0..LOG_LEN {
+            r.u32()?;
+        }
         let n = r.u32()? as usize;
         if r.remaining() != n.checked_mul(ENTRY_BYTES)? {
             return None;
@@ -731,6 +819,12 @@ pub fn claim_layout(store: &dyn Store, cfg: &Config) -> u64 {
 /// returns equals [`Table::load`] of the same bytes (every write that changes an entry's bytes
 /// gives it a new stamp, from a counter that grows with each CAS-ordered write).
 ///
+/// Which stamps moved is read from the header's write log when it covers every write since
+/// the cache last loaded the table (its write counter is kept): only the logged positions are
+/// looked at, so a load costs the same at any fleet size. The log is part of the CAS-written
+/// value, so it names exactly the writes that came between; a log that names a position past
+/// the table reads as no log.
+///
 /// A reader that only reads (the pick) borrows the cached table itself ([`TableCache::lend`]
 /// and [`TableCache::give_back`]) instead of a copy: copying every entry cost more than
 /// decoding the changed ones (about 870 instructions per endpoint under wasm).
@@ -764,6 +858,9 @@ pub struct TableCache {
     /// Entries of `table` decoded (`stamps` set) whose stored verdict is degraded: whether
     /// any endpoint is, without visiting every entry.
     degraded: usize,
+    /// The write counter of the bytes `table` was last brought up to (`None`: unknown), from
+    /// which the header's write log tells which entries changed since.
+    seen: Option<u64>,
 }
 
 /// Which configured endpoints list a model (or serve every model), for the last few models
@@ -940,6 +1037,7 @@ impl TableCache {
         } else {
             self.stamps.clear();
             self.degraded = 0;
+            self.seen = None;
         }
         self.lent = false;
     }
@@ -947,65 +1045,125 @@ impl TableCache {
     fn reset(&mut self, bytes: Option<&[u8]>, cfg: &Config) -> (Table, bool) {
         self.stamps.clear();
         self.degraded = 0;
+        self.seen = None;
         self.table = Table::default();
         self.lent = false;
         self.decoded = self.decoded.saturating_add(cfg.endpoints.len() as u64);
         Table::load(bytes, cfg)
     }
 
-    /// Brings `table` up to `bytes` when they have the configuration's layout.
+    /// Brings `table` up to `bytes` when they have the configuration's layout: the entries
+    /// the write log says changed since the table this cache holds, when it covers every write
+    /// since; else every entry whose stamp moved.
     fn refresh(&mut self, bytes: &[u8], cfg: &Config) -> Option<()> {
-        if !Table::has_layout(bytes, cfg) {
-            return None;
-        }
-        let budget = RetryBudget::decode(&mut Reader::new(bytes.get(1..STAMP_AT)?))?;
         let n = cfg.endpoints.len();
-        if self.lent || self.table.entries.len() != self.stamps.len() || self.stamps.len() != n {
-            self.stamps.clear();
-            self.table.entries.clear();
-            self.degraded = 0;
+        let budget = RetryBudget::decode(&mut Reader::new(bytes.get(1..STAMP_AT)?))?;
+        let counter = u64_at(bytes, STAMP_AT)?;
+        let whole = self.lent || self.table.entries.len() != n || self.stamps.len() != n;
+        let seen = self.seen.take().filter(|_| !whole);
+        let logged = seen
+            .filter(|_| Table::is_complete(bytes, n))
+            .and_then(|seen| logged_since(bytes, seen, n));
+        let mut notes = Notes {
+            n,
+            decoded: &mut self.decoded,
+            degraded: &mut self.degraded,
+            changed: (&mut self.changed, &mut self.changed_known),
+            board_changed: (&mut self.board_changed, &mut self.board_changed_known),
+        };
+        match logged {
+            Some(positions) => {
+                for i in positions {
+                    let at = HEADER_BYTES.checked_add(i.checked_mul(ENTRY_BYTES)?)?;
+                    let chunk = bytes.get(at..at.checked_add(ENTRY_BYTES)?)?;
+                    let id = u32_at(chunk, 0)?;
+                    let stamp = u64_at(chunk, 4)?;
+                    // The log vouches for the layout: an entry of another id means it lied.
+                    if cfg.endpoints.get(i).map(|e| e.id) != Some(id) {
+                        return None;
+                    }
+                    let (Some(slot), Some(entry)) =
+                        (self.stamps.get_mut(i), self.table.entries.get_mut(i))
+                    else {
+                        return None;
+                    };
+                    if *slot != Some((stamp, id)) {
+                        notes.take(bytes, i, (stamp, id), slot, entry)?;
+                    }
+                }
+            }
+            None => {
+                if !Table::has_layout(bytes, cfg) {
+                    return None;
+                }
+                if whole {
+                    self.stamps.clear();
+                    self.table.entries.clear();
+                    *notes.degraded = 0;
+                }
+                self.stamps.resize(n, None);
+                self.table.entries.resize(n, (0, EndpointState::default()));
+                let chunks = bytes.get(HEADER_BYTES..)?.chunks_exact(ENTRY_BYTES);
+                for (i, ((slot, entry), chunk)) in self
+                    .stamps
+                    .iter_mut()
+                    .zip(self.table.entries.iter_mut())
+                    .zip(chunks)
+                    .enumerate()
+                {
+                    // Id, then stamp: the first 12 bytes of the entry.
+                    let id = u32_at(chunk, 0)?;
+                    let stamp = u64_at(chunk, 4)?;
+                    if *slot != Some((stamp, id)) {
+                        notes.take(bytes, i, (stamp, id), slot, entry)?;
+                    }
+                }
+            }
         }
         self.lent = false;
-        self.stamps.resize(n, None);
-        self.table.entries.resize(n, (0, EndpointState::default()));
         self.table.budget = budget;
         self.table.generation = cfg.layout_generation;
-        let chunks = bytes.get(HEADER_BYTES..)?.chunks_exact(ENTRY_BYTES);
-        let (changed, known) = (&mut self.changed, &mut self.changed_known);
-        let (board_changed, board_known) = (&mut self.board_changed, &mut self.board_changed_known);
-        for (i, ((slot, entry), chunk)) in self
-            .stamps
-            .iter_mut()
-            .zip(self.table.entries.iter_mut())
-            .zip(chunks)
-            .enumerate()
-        {
-            // Id, then stamp: the first 12 bytes of the entry.
-            let id = u32_at(chunk, 0)?;
-            let stamp = u64_at(chunk, 4)?;
-            if *slot == Some((stamp, id)) {
-                continue;
-            }
-            // Undecodable: nothing of this load may be trusted (the caller starts over).
-            let was_degraded = slot.is_some() && entry.1.degraded;
-            *slot = None;
-            *entry = Table::entry_at(bytes, i)?;
-            self.degraded = self.degraded.saturating_sub(usize::from(was_degraded))
-                + usize::from(entry.1.degraded);
-            self.decoded = self.decoded.saturating_add(1);
-            *slot = Some((stamp, id));
-            // Noted for the medians memo (past the table's size: unknown).
-            if *known && changed.len() < n {
-                changed.push(i);
+        self.seen = Some(counter);
+        Some(())
+    }
+}
+
+/// What [`TableCache::refresh`] notes of the entries it decodes again.
+struct Notes<'c> {
+    n: usize,
+    decoded: &'c mut u64,
+    degraded: &'c mut usize,
+    /// The positions decoded, for the medians memo and for the board memo (each reads its own
+    /// list: a board's decisions are not every decision the medians memo serves); `false`:
+    /// more than the table holds, unknown.
+    changed: (&'c mut Vec<usize>, &'c mut bool),
+    board_changed: (&'c mut Vec<usize>, &'c mut bool),
+}
+
+impl Notes<'_> {
+    /// Entry `i` of `bytes`, whose `(stamp, id)` differ from its `slot`'s, decoded into
+    /// `entry`. `None` when it does not decode: nothing of this load may be trusted then (the
+    /// caller starts over).
+    fn take(
+        &mut self,
+        bytes: &[u8],
+        i: usize,
+        key: (u64, u32),
+        slot: &mut Option<(u64, u32)>,
+        entry: &mut (u32, EndpointState),
+    ) -> Option<()> {
+        let was_degraded = slot.is_some() && entry.1.degraded;
+        *slot = None;
+        *entry = Table::entry_at(bytes, i)?;
+        *self.degraded =
+            self.degraded.saturating_sub(usize::from(was_degraded)) + usize::from(entry.1.degraded);
+        *self.decoded = self.decoded.saturating_add(1);
+        *slot = Some(key);
+        for (list, known) in [&mut self.changed, &mut self.board_changed] {
+            if **known && list.len() < self.n {
+                list.push(i);
             } else {
-                *known = false;
-            }
-            // And for the board memo, which reads its own list (its decisions are not every
-            // decision the medians memo serves).
-            if *board_known && board_changed.len() < n {
-                board_changed.push(i);
-            } else {
-                *board_known = false;
+                **known = false;
             }
         }
         Some(())
@@ -1251,6 +1409,126 @@ mod tests {
             Table::load(Some(&b3[1..]), &cfg)
         );
         assert_eq!(cache.load(None, &cfg), Table::load(None, &cfg));
+    }
+
+    /// Through the write log, a cache decodes only the entries the writes since its last load
+    /// changed, and its table still equals a full decode of the same bytes: over every kind of
+    /// write (a pick's patch with the budget, a finish's patch alone, copying or in place, a
+    /// full rewrite, an older generation's merge), past the log's length, over older bytes
+    /// again, and over a log that names a position past the table (read as no log).
+    #[test]
+    fn the_write_log_names_every_changed_entry() {
+        use crate::scheduler::state::hash::fmix64;
+        let names: Vec<String> = (0..40).map(|i| format!("e{i}")).collect();
+        let refs: Vec<&str> = names.iter().map(String::as_str).collect();
+        let cfg = two(&refs);
+        let mut older = cfg.clone();
+        older.layout_generation = 0;
+        let mut cfg = cfg;
+        cfg.layout_generation = 1;
+        let mut bytes = Table::aligned(None, &cfg).encode();
+        let mut cache = TableCache::default();
+        let mut history = vec![bytes.clone()];
+        let mut writes_since_load = 0usize;
+        for step in 0..2_000u64 {
+            let r = fmix64(step);
+            let (t, _) = Table::load(Some(&bytes), &cfg);
+            let i = (r % 40) as usize;
+            let mut st = t.entries[i].1;
+            st.total = step;
+            st.degraded = r & 64 != 0;
+            match (r >> 8) % 16 {
+                0 => {
+                    let mut whole = t.clone();
+                    whole.entries[(i + 1) % 40].1.total = step;
+                    bytes = whole.encode_over(Some(&bytes));
+                    writes_since_load = usize::MAX / 2;
+                }
+                1 => {
+                    let mut theirs = Table::load(Some(&bytes), &older).0;
+                    theirs.generation = 0;
+                    theirs.entries[i].1 = st;
+                    bytes = theirs.encode_over(Some(&bytes));
+                    writes_since_load = usize::MAX / 2;
+                }
+                2..=5 => {
+                    bytes = Table::patch_entry(&bytes, i, t.entries[i].0, &st).unwrap();
+                    writes_since_load += 1;
+                }
+                6..=9 => {
+                    assert!(Table::patch_entry_in_place(
+                        &mut bytes,
+                        i,
+                        t.entries[i].0,
+                        &st
+                    ));
+                    writes_since_load += 1;
+                }
+                10..=13 => {
+                    let mut budget = t.budget;
+                    budget.on_request(step);
+                    assert!(Table::patch_in_place(
+                        &mut bytes,
+                        &budget,
+                        i,
+                        t.entries[i].0,
+                        &st,
+                        40
+                    ));
+                    writes_since_load += 1;
+                }
+                14 => {
+                    // Older bytes again: whatever is read must equal a full decode.
+                    let old = &history[(r >> 16) as usize % history.len()];
+                    assert_eq!(cache.load(Some(old), &cfg), Table::load(Some(old), &cfg));
+                    writes_since_load = usize::MAX / 2;
+                    continue;
+                }
+                _ => {
+                    let decoded = cache.decoded;
+                    assert_eq!(
+                        cache.load(Some(&bytes), &cfg),
+                        Table::load(Some(&bytes), &cfg),
+                        "step {step}"
+                    );
+                    if writes_since_load <= LOG_LEN {
+                        assert!(
+                            cache.decoded - decoded <= writes_since_load as u64,
+                            "step {step}: {} decoded for {writes_since_load} writes",
+                            cache.decoded - decoded
+                        );
+                    }
+                    let degraded = Table::load(Some(&bytes), &cfg)
+                        .0
+                        .entries
+                        .iter()
+                        .filter(|(_, st)| st.degraded)
+                        .count();
+                    assert_eq!(cache.degraded, degraded, "step {step}");
+                    writes_since_load = 0;
+                    continue;
+                }
+            }
+            history.push(bytes.clone());
+        }
+        // A log naming a position past the table: read as no log (every stamp compared).
+        let (t, _) = Table::load(Some(&bytes), &cfg);
+        let _ = cache.load(Some(&bytes), &cfg);
+        let mut st = t.entries[3].1;
+        st.total = 1;
+        assert!(Table::patch_entry_in_place(
+            &mut bytes,
+            3,
+            t.entries[3].0,
+            &st
+        ));
+        let stamp = u64_at(&bytes, STAMP_AT).unwrap();
+        let slot = LOG_AT + (stamp % LOG_LEN as u64) as usize * 4;
+        bytes[slot..slot + 4].copy_from_slice(&99u32.to_le_bytes());
+        assert_eq!(
+            cache.load(Some(&bytes), &cfg),
+            Table::load(Some(&bytes), &cfg)
+        );
     }
 
     /// A lent table is the loaded table itself; given back unchanged, the next load decodes
