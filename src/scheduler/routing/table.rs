@@ -960,6 +960,30 @@ impl ServesMemo {
 }
 
 impl TableCache {
+    /// An empty cache for `cfg` whose model memo already holds the models `cfg` names (the
+    /// first [`ServesMemo::MODELS`] of them, in configuration order) and requests without one.
+    pub fn for_config(cfg: &Config) -> TableCache {
+        let mut cache = TableCache::default();
+        let mut models: Vec<Option<&str>> = vec![None];
+        let named = cfg
+            .endpoints
+            .iter()
+            .filter_map(|e| e.models.as_ref())
+            .flatten();
+        for m in named {
+            if models.len() >= ServesMemo::MODELS {
+                break;
+            }
+            if !models.contains(&Some(m.as_str())) {
+                models.push(Some(m.as_str()));
+            }
+        }
+        for m in models {
+            cache.serves.statics(cfg, m);
+        }
+        cache
+    }
+
     /// [`Table::load`] of `bytes`, decoding only the entries whose stamp changed since this
     /// cache last saw them.
     pub fn load(&mut self, bytes: Option<&[u8]>, cfg: &Config) -> (Table, bool) {
@@ -1663,6 +1687,12 @@ mod tests {
             assert_eq!(memo.statics(&cfg, Some(&m)), Some(&Rc::new(statics)), "{m}");
         }
         assert!(memo.kept.len() <= ServesMemo::MODELS);
+        // A cache for a configuration holds its models (and none) before any request.
+        let warm = TableCache::for_config(&cfg);
+        assert_eq!(warm.serves.kept.len(), 3);
+        let mut serves = warm.serves.clone();
+        assert_eq!(serves.serves(&cfg, Some("m2")), &[false, true, true]);
+        assert_eq!(serves.kept.len(), 3, "found, not computed again");
     }
 
     #[test]
