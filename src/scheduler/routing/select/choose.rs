@@ -709,8 +709,9 @@ impl<'a> Scheduler<'a> {
                 passed.spilled.get_or_insert(i);
                 continue;
             }
-            // The session bound reads the totals only for counted new sessions.
-            if board.sessions.is_some() && {
+            // The session bound reads the totals only for counted new sessions, and only
+            // once a candidate is busy (it passes no idle one over).
+            if board.sessions.is_some() && self.session_busy(board, i) && {
                 let total_weight = totals_of().1;
                 self.over_session_bound(board, i, total_weight, &mut total_sessions, &eligible)
             } {
@@ -802,6 +803,16 @@ impl<'a> Scheduler<'a> {
         least.map(|(j, _)| j)
     }
 
+    /// Whether `i` is busy enough for the session bound to look at it (see
+    /// [`Scheduler::over_session_bound`]).
+    fn session_busy(&self, board: &Board, i: usize) -> bool {
+        sessions::busy(
+            board.load_of(i),
+            board.slots(i),
+            self.cfg.prefix_session_busy_load,
+        )
+    }
+
     /// Whether a new session placed by prefix passes over busy `i` for the sessions already
     /// placed there (see `sessions`): its count + 1 over `(1 + prefix_session_epsilon) ×
     /// (S + 1) ×` its weight share + the slack, S summed over the `eligible` candidates into
@@ -818,11 +829,7 @@ impl<'a> Scheduler<'a> {
         let Some(counts) = board.sessions.as_ref() else {
             return false;
         };
-        let busy = sessions::busy(
-            board.load_of(i),
-            board.slots(i),
-            self.cfg.prefix_session_busy_load,
-        );
+        let busy = self.session_busy(board, i);
         let Some(id) = self.cfg.endpoints.get(i).map(|e| e.id).filter(|_| busy) else {
             return false;
         };
