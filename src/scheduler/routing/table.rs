@@ -1029,11 +1029,18 @@ impl TableCache {
         if !(self.lent && self.stamps.len() == entries) {
             return None;
         }
-        let changed = self
+        let mut changed = self
             .board_changed_known
             .then(|| std::mem::take(&mut self.board_changed));
         self.board_changed.clear();
         self.board_changed_known = true;
+        // And those carried by decisions the memo did not serve (see `BoardMemo::carry`).
+        let carried = std::mem::take(&mut self.board.carried);
+        match changed.as_mut() {
+            Some(list) if !self.board.carried_unknown => list.extend(carried),
+            _ => changed = None,
+        }
+        self.board.carried_unknown = false;
         Some(LentBoard {
             stamps: self.stamps.as_slice(),
             quiet: &mut self.quiet,
@@ -1278,6 +1285,10 @@ pub struct BoardMemo {
     pub(crate) open: Vec<usize>,
     /// Decisions that reused the memo, for tests and diagnostics.
     pub hits: u64,
+    /// Positions decoded again that decisions the memo did not serve took from the table
+    /// cache's list, for the next one it serves; `carried_unknown`: some were not known.
+    pub(crate) carried: Vec<usize>,
+    pub(crate) carried_unknown: bool,
 }
 
 /// What [`TableCache::lent_stamps`] lends: the `(stamp, id)` of each entry of the lent table,

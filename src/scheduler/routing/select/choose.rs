@@ -246,6 +246,12 @@ impl<'a> Scheduler<'a> {
         // A session decision without scraped loads over the same model as the memo's board:
         // only the positions that changed since are computed (see `BoardMemo`).
         let memo_fits = pick.session.is_some() && !any_scraped;
+        // A decision the memo does not serve leaves it as it is: the entries changed since
+        // are carried to the next one it serves (this one may end early, `admit` below).
+        let mut changed = changed;
+        if let Some(bm) = board_memo.as_deref_mut().filter(|_| !memo_fits) {
+            bm.carry(changed.take(), n);
+        }
         let reused = match (memo_fits, board_memo.as_deref_mut(), changed.as_deref()) {
             (true, Some(bm), Some(changed)) => bm.update(
                 pick.model,
@@ -342,8 +348,10 @@ impl<'a> Scheduler<'a> {
                 }
                 let (verdicts, weights, flips) =
                     (Rc::new(verdicts), Rc::new(weights), Rc::new(flips));
-                if let Some(bm) = board_memo.as_deref_mut() {
-                    if memo_fits && weights.len() == statics.len() {
+                // A decision the memo does not serve (no session, scraped loads) leaves it as
+                // it is: the entries changed since are handed back for the next one it does.
+                if let Some(bm) = board_memo.as_deref_mut().filter(|_| memo_fits) {
+                    if weights.len() == statics.len() {
                         bm.keep(
                             pick.model,
                             statics,
@@ -363,21 +371,27 @@ impl<'a> Scheduler<'a> {
         // Breaker admission of this attempt's candidates: a first attempt's candidates are the
         // statics, whose admission the board memo keeps when it was reused (a closed breaker
         // admits whatever the time; the others are asked again).
+        // A later attempt's candidates lack the ones it excludes: the memo's admission is
+        // brought up to date all the same (the positions its board recomputed are asked
+        // again), and this attempt's own is asked of its candidates.
         let first = candidates.len() == statics.len();
         let kept = match (reused_board, board_memo.as_deref_mut()) {
-            (true, Some(bm)) if first => bm.admission(table, now_ms, bcfg),
+            (true, Some(bm)) => bm.admission(table, now_ms, bcfg).filter(|_| first),
             _ => None,
         };
+        // This decision's admission is the statics' that the memo keeps (a session's first
+        // attempt over the memo's board).
+        let keeps = memo_fits && first;
         let admission = match kept {
             Some(a) => a,
             None => {
                 // Nothing kept past this point unless kept below (`admit` may answer `Err`).
-                if let Some(bm) = board_memo.as_deref_mut() {
+                if let Some(bm) = board_memo.as_deref_mut().filter(|_| keeps) {
                     bm.keep_admission(None);
                 }
                 let mut open = Vec::new();
                 let a = Rc::new(admit(table, candidates, n, now_ms, bcfg, &mut open)?);
-                if let (Some(bm), true) = (board_memo, first) {
+                if let (Some(bm), true) = (board_memo, keeps) {
                     bm.keep_admission(Some((&a, open)));
                 }
                 a
@@ -1729,6 +1743,21 @@ impl BoardMemo {
 
     /// Keeps the admission of the statics computed by `admit`, with the statics whose
     /// breaker is not closed (`None`: of other candidates, or not computed: nothing kept).
+    /// Keeps `changed` (positions decoded since the memo was last brought up to date, taken
+    /// by a decision it does not serve; `None`: unknown) for the next decision it serves
+    /// (`TableCache::lent_board` adds them to its list). Past `n` positions: unknown.
+    pub(super) fn carry(&mut self, changed: Option<Vec<usize>>, n: usize) {
+        match changed {
+            Some(list) if !self.carried_unknown && self.carried.len() + list.len() <= n => {
+                self.carried.extend(list);
+            }
+            _ => {
+                self.carried.clear();
+                self.carried_unknown = true;
+            }
+        }
+    }
+
     pub(super) fn keep_admission(&mut self, kept: Option<(&Admissions, Vec<usize>)>) {
         self.admission = Rc::default();
         self.open.clear();
