@@ -1289,6 +1289,9 @@ pub struct BoardMemo {
     /// cache's list, for the next one it serves; `carried_unknown`: some were not known.
     pub(crate) carried: Vec<usize>,
     pub(crate) carried_unknown: bool,
+    /// The homes of the last few rendezvous keys placed over this board, `(key, home)`:
+    /// cleared when a weight or a degraded flag changes.
+    pub(crate) homes: Vec<(u64, Option<usize>)>,
 }
 
 /// What [`TableCache::lent_stamps`] lends: the `(stamp, id)` of each entry of the lent table,

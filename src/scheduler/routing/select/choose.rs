@@ -39,13 +39,42 @@ impl<'a> Scheduler<'a> {
         let by_prefix = prefix_key.is_some() && pinned.is_none();
         // The session's home: the first non-degraded endpoint of its rendezvous order.
         let keyed = placement::Keyed::seeded(key, &board.weights, board.seeds());
-        let home = if board.any_degraded {
-            keyed.first(|i| !board.degraded(i))
-        } else {
-            // Every candidate is not degraded: the home is the first of the order, which the
-            // walk starts from (one search for both).
-            keyed.first_of_all()
-        };
+        // A function of the key, the weights and the degraded flags alone: kept by the board
+        // memo for the keys it placed while they stay the same (an affinity hit then weighs
+        // no other endpoint).
+        let memo = board
+            .from_memo
+            .then(|| self.cache.and_then(|c| c.try_borrow_mut().ok()))
+            .flatten();
+        let kept_home = memo.as_ref().and_then(|c| c.board.home_of(key));
+        drop(memo);
+        let home = kept_home.unwrap_or_else(|| {
+            let home = if board.any_degraded {
+                keyed.first(|i| !board.degraded(i))
+            } else {
+                // Every candidate is not degraded: the home is the first of the order, which
+                // the walk starts from (one search for both).
+                keyed.first_of_all()
+            };
+            if let Some(mut c) = board
+                .from_memo
+                .then(|| self.cache.and_then(|c| c.try_borrow_mut().ok()))
+                .flatten()
+            {
+                c.board.keep_home(key, home);
+            }
+            home
+        });
+        // Every scheduler test checks a kept home against the search.
+        #[cfg(test)]
+        if kept_home.is_some() {
+            let searched = if board.any_degraded {
+                keyed.first(|i| !board.degraded(i))
+            } else {
+                keyed.first_of_all()
+            };
+            assert_eq!(Some(searched), kept_home, "kept home of {key}");
+        }
         if let Some(id) = pick.holder {
             return holder_choice(&board, self.cfg.endpoint_index(id), home);
         }
@@ -265,6 +294,7 @@ impl<'a> Scheduler<'a> {
         };
         let mut full_memo = memo;
         let reused_board = reused.is_some();
+        let mut from_memo = reused_board;
         let (verdicts, weights, flips, any_degraded) = match reused {
             Some(board) => board,
             None => {
@@ -352,6 +382,7 @@ impl<'a> Scheduler<'a> {
                 // it is: the entries changed since are handed back for the next one it does.
                 if let Some(bm) = board_memo.as_deref_mut().filter(|_| memo_fits) {
                     if weights.len() == statics.len() {
+                        from_memo = true;
                         bm.keep(
                             pick.model,
                             statics,
@@ -475,6 +506,7 @@ impl<'a> Scheduler<'a> {
             Vec::new()
         };
         Ok(Board {
+            from_memo,
             shared,
             sessions: engines.sessions.clone(),
             pinned: None,
@@ -970,6 +1002,8 @@ pub(super) const QUEUE_GAP: f64 = 4.0;
 
 /// What one decision knows of every endpoint (indexes into `Config::endpoints`).
 pub(super) struct Board<'t> {
+    /// The verdicts and weights are the worker's board memo's, current (see `BoardMemo`).
+    from_memo: bool,
     /// Endpoints that could serve the request at all (enabled, serving its model; see
     /// [`Board::statics`]), as the worker's memo keeps them, with their rendezvous seeds.
     shared: Rc<Statics>,
@@ -1629,6 +1663,7 @@ impl BoardMemo {
             let (Ok(s), Some(v)) = (self.statics.binary_search(&i), verdicts.get_mut(i)) else {
                 return None;
             };
+            let was_degraded = v.degraded;
             if v.degraded {
                 self.degraded = self.degraded.saturating_sub(1);
             }
@@ -1640,6 +1675,11 @@ impl BoardMemo {
             let (Some(w), Some(slot_w)) = (o.weight, weights.get_mut(s)) else {
                 return None;
             };
+            // The kept homes hold while no weight and no degraded flag changes.
+            if was_degraded != v.degraded || slot_w.1 != w.1 || slot_w.2.to_bits() != w.2.to_bits()
+            {
+                self.homes.clear();
+            }
             *slot_w = w;
             // The flipped positions stay in index order.
             match (flips.binary_search(&i), o.flip) {
@@ -1697,6 +1737,7 @@ impl BoardMemo {
         self.live = live;
         self.degraded = degraded;
         self.dirty.clear();
+        self.homes.clear();
         // Kept only by `keep_admission`, for this board.
         self.admission = Rc::default();
         self.open.clear();
@@ -1743,6 +1784,27 @@ impl BoardMemo {
 
     /// Keeps the admission of the statics computed by `admit`, with the statics whose
     /// breaker is not closed (`None`: of other candidates, or not computed: nothing kept).
+    /// The home of rendezvous key `key` over the memo's board, if kept (`Some(None)`: no
+    /// candidate).
+    pub(super) fn home_of(&self, key: u64) -> Option<Option<usize>> {
+        self.homes.iter().find(|(k, _)| *k == key).map(|&(_, h)| h)
+    }
+
+    /// Keeps the home of `key` over the memo's board (the oldest of [`BoardMemo::HOMES`]
+    /// makes room).
+    pub(super) fn keep_home(&mut self, key: u64, home: Option<usize>) {
+        if self.home_of(key).is_some() {
+            return;
+        }
+        if self.homes.len() >= Self::HOMES {
+            self.homes.remove(0);
+        }
+        self.homes.push((key, home));
+    }
+
+    /// Homes kept at most.
+    pub(super) const HOMES: usize = 64;
+
     /// Keeps `changed` (positions decoded since the memo was last brought up to date, taken
     /// by a decision it does not serve; `None`: unknown) for the next decision it serves
     /// (`TableCache::lent_board` adds them to its list). Past `n` positions: unknown.
