@@ -166,10 +166,16 @@ pub struct Keyed<'c> {
     /// once computed: the home of a fleet without degraded endpoints and the first step of
     /// the walk are the same search, done once.
     top: std::cell::Cell<Option<Top>>,
+    /// The greatest hashes the first pass kept and the weight they share, when it decided by
+    /// them alone: the second of the order is usually among them (a failover's next place).
+    kept: std::cell::Cell<Option<Kept>>,
 }
 
 /// The first candidate of an order, if any: its position in `bounds` and `(key, id, index)`.
 type Top = Option<(usize, (f64, u32, usize))>;
+
+/// The first pass's greatest `(hash, position)`s, greatest first, and the weight they share.
+type Kept = ([(u64, usize); TOP_KEPT], f64);
 
 /// One candidate: `(bound of its key, endpoint id, index, weight)`.
 type Bounded = (f64, u32, usize, f64);
@@ -240,6 +246,7 @@ impl<'c> Keyed<'c> {
             },
             bounds: std::cell::OnceCell::new(),
             top: std::cell::Cell::new(None),
+            kept: std::cell::Cell::new(None),
         }
     }
 
@@ -335,9 +342,38 @@ impl<'c> Keyed<'c> {
         let (best_at, best_key) = best?;
         // Every candidate was kept, or none left out can reach the best: decided.
         if self.candidates.len() <= TOP_KEPT || best_key.0 > bound_of(last, w0) {
+            self.kept.set(Some((kept, w0)));
             return Some((best_at, best_key));
         }
         best_of(self.session_key, self.bounds())
+    }
+
+    /// The second of the order (position and index) after the first at `first_at`, from the
+    /// hashes the first pass kept, when they decide it as they decided the first; `None`
+    /// otherwise (the caller searches every candidate).
+    fn second(&self, first_at: usize) -> Option<(usize, usize)> {
+        let (kept, w0) = self.kept.get()?;
+        let mut best: Option<(usize, (f64, u32, usize))> = None;
+        for &(h, at) in &kept {
+            let Some(&(i, id, _)) = self.candidates.get(at) else {
+                break;
+            };
+            if at == first_at {
+                continue;
+            }
+            if best.is_some_and(|(_, b)| bound_of(h, w0) < b.0) {
+                break;
+            }
+            let k = (key_of(h, w0), id, i);
+            if best.is_none_or(|(_, b)| rank(&k, &b).is_gt()) {
+                best = Some((at, k));
+            }
+        }
+        let (at, key) = best?;
+        // The candidates left out have hashes at most the last kept one's (all kept: none).
+        let decided = self.candidates.len() <= TOP_KEPT
+            || kept.last().is_some_and(|k| key.0 > bound_of(k.0, w0));
+        decided.then_some((at, key.2))
     }
 
     /// [`Keyed::first_pass`] for unequal weights: every candidate's bound, keeping the
@@ -416,6 +452,7 @@ impl<'c> Keyed<'c> {
             keyed: self,
             started: false,
             unbuilt: None,
+            second: None,
             session_key: self.session_key,
             rest: Vec::new(),
             scans: LazyOrder::SCANS,
@@ -504,6 +541,9 @@ pub struct LazyOrder<'k, 'c> {
     /// The position of the first candidate while `rest` is still to be built from the others
     /// (when a second is asked for: most walks stop at their first candidate).
     unbuilt: Option<usize>,
+    /// The position of the second, when it came from the first pass's kept hashes
+    /// ([`Keyed::second`]): `rest` is built without it too.
+    second: Option<usize>,
     session_key: u64,
     /// Candidates not yet taken (until the heap is built), each with its exact key once
     /// computed.
@@ -539,13 +579,24 @@ impl Iterator for LazyOrder<'_, '_> {
             self.unbuilt = Some(at);
             return Some(i);
         }
-        if let Some(at) = self.unbuilt.take() {
+        if let Some(at) = self.unbuilt {
+            // The second from the first pass's kept hashes when they decide it (a failover's
+            // walk usually stops there): still nothing listed.
+            if self.second.is_none() {
+                if let Some((second_at, i)) = self.keyed.second(at) {
+                    self.second = Some(second_at);
+                    self.scans = self.scans.saturating_sub(1);
+                    return Some(i);
+                }
+            }
+            self.unbuilt = None;
+            let second = self.second;
             self.rest = self
                 .keyed
                 .bounds()
                 .iter()
                 .enumerate()
-                .filter(|(j, _)| *j != at)
+                .filter(|(j, _)| *j != at && Some(*j) != second)
                 .map(|(_, &c)| (c, None))
                 .collect();
         }
