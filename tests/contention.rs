@@ -196,3 +196,163 @@ fn in_flight_counts_are_exact_with_both_workers_busy() {
         "a CAS retry loop gave up"
     );
 }
+
+/// Sends a chat request on an open connection and leaves the answer unread.
+fn send_on(s: &mut TcpStream, body: &str) {
+    let head = format!(
+        "POST /v1/chat/completions HTTP/1.1\r\nhost: 127.0.0.1\r\ncontent-type: application/json\r\n\
+         content-length: {}\r\n\r\n",
+        body.len()
+    );
+    s.write_all(head.as_bytes()).expect("write head");
+    s.write_all(body.as_bytes()).expect("write body");
+}
+
+/// Opens connections until one of Envoy's two workers holds at least `most` and the other at
+/// least `least`, found by the worker whose accepted-connection count grew; the larger pool
+/// first.
+fn connections_by_worker(envoy: &Envoy, most: usize, least: usize) -> Vec<Vec<TcpStream>> {
+    let mut by: BTreeMap<String, Vec<TcpStream>> = BTreeMap::new();
+    let mut before = worker_connections(envoy);
+    let enough = |by: &BTreeMap<String, Vec<TcpStream>>| {
+        let mut lens: Vec<usize> = by.values().map(Vec::len).collect();
+        lens.sort_unstable();
+        lens.len() == 2 && lens[1] >= most && lens[0] >= least
+    };
+    for _ in 0..(4 * most + 64) {
+        if enough(&by) {
+            break;
+        }
+        let s = TcpStream::connect(("127.0.0.1", envoy.port)).expect("connect to Envoy");
+        let mut grown = None;
+        assert!(
+            eventually(Duration::from_secs(5), || {
+                let now = worker_connections(envoy);
+                grown = now
+                    .iter()
+                    .find(|(w, n)| before.get(*w).copied().unwrap_or(0) < **n)
+                    .map(|(w, _)| w.clone());
+                before = now;
+                grown.is_some()
+            }),
+            "a connection accepted by no worker"
+        );
+        by.entry(grown.unwrap()).or_default().push(s);
+    }
+    assert!(
+        enough(&by),
+        "connections by worker: {:?}",
+        by.iter().map(|(w, v)| (w, v.len())).collect::<Vec<_>>()
+    );
+    let mut pools: Vec<Vec<TcpStream>> = by.into_values().collect();
+    pools.sort_by_key(|p| std::cmp::Reverse(p.len()));
+    pools
+}
+
+/// The table's write log under both workers (issue 21): a worker that read the table a few
+/// writes ago decodes only the entries the log names; one further behind than the log reaches
+/// compares every stamp. Either way its next write must start from the other worker's
+/// updates. Worker B reads the table after worker A held a few requests (through the log),
+/// then after A held more than the log's length (past it), each time holding a request of its
+/// own: if B's view missed one of A's writes, its write would put back an older in-flight
+/// count and the gauges would count fewer requests than are held.
+#[test]
+fn in_flight_counts_are_exact_through_the_write_log() {
+    const N: usize = 24;
+    const ROUNDS: usize = 6;
+    const PER_ROUND: usize = 10;
+    /// More single-entry writes than the log holds (`table::LOG_LEN`).
+    const PAST_LOG: usize = 70;
+    const B_PAST: usize = 4;
+    let mocks: Vec<MockUpstream> = (0..N)
+        .map(|i| {
+            MockUpstream::start(
+                &format!("w{i}"),
+                &["m"],
+                &["--prefill-us-per-token", "0", "--decode-ms", "0"],
+            )
+        })
+        .collect();
+    let names: Vec<String> = (0..N).map(|i| format!("w{i}")).collect();
+    let endpoints: Vec<Value> = names
+        .iter()
+        .map(|n| json!({"name": n, "cluster": n, "models": ["m"]}))
+        .collect();
+    let clusters: Vec<(&str, u16)> = names
+        .iter()
+        .zip(&mocks)
+        .map(|(n, m)| (n.as_str(), m.port))
+        .collect();
+    let envoy = Envoy::start(EnvoyConfig::new(json!({"endpoints": endpoints}), &clusters));
+    let port = envoy.port;
+    // Both workers read and write the table first (fresh connections land on either).
+    for k in 0..16 {
+        let r = post_chat(port, &[], &body(&format!("log-warm-{k}")));
+        assert_eq!(r.status, 200, "{}", r.body);
+    }
+    let mut pools =
+        connections_by_worker(&envoy, ROUNDS * PER_ROUND + PAST_LOG, ROUNDS + 1 + B_PAST);
+    let (mut a, mut b) = (pools.remove(0), pools.remove(0));
+    for m in &mocks {
+        m.set_fault(json!({"mode": "hang"}));
+    }
+    let mut held: Vec<TcpStream> = Vec::new();
+    let hold = |pool: &mut Vec<TcpStream>, tag: String, held: &mut Vec<TcpStream>| {
+        let mut s = pool.pop().expect("a connection left");
+        send_on(&mut s, &body(&tag));
+        held.push(s);
+    };
+    let counted = |want: usize| {
+        eventually(Duration::from_secs(10), || {
+            prom_sum(&envoy, "computeflux_in_flight") == want as f64
+        })
+    };
+    // B holds one (its view is current), then reads through the log after each of A's rounds.
+    hold(&mut b, "log-b-0".into(), &mut held);
+    assert!(counted(held.len()), "B's first hold");
+    for round in 0..ROUNDS {
+        for k in 0..PER_ROUND {
+            hold(&mut a, format!("log-a-{round}-{k}"), &mut held);
+        }
+        assert!(counted(held.len()), "A's round {round}");
+        hold(&mut b, format!("log-b-{}", round + 1), &mut held);
+        assert!(
+            counted(held.len()),
+            "through the log, round {round}: in-flight {} for {} held",
+            prom_sum(&envoy, "computeflux_in_flight"),
+            held.len()
+        );
+    }
+    // Past the log: A writes more than it holds before B reads again.
+    for k in 0..PAST_LOG {
+        hold(&mut a, format!("log-a-past-{k}"), &mut held);
+    }
+    assert!(counted(held.len()), "A past the log");
+    for k in 0..B_PAST {
+        hold(&mut b, format!("log-b-past-{k}"), &mut held);
+    }
+    assert!(
+        counted(held.len()),
+        "past the log: in-flight {} for {} held",
+        prom_sum(&envoy, "computeflux_in_flight"),
+        held.len()
+    );
+    drop(held);
+    assert!(
+        eventually(Duration::from_secs(10), || prom_sum(
+            &envoy,
+            "computeflux_in_flight"
+        ) == 0.0),
+        "in-flight leaked after the held requests ended: {}",
+        prom_sum(&envoy, "computeflux_in_flight")
+    );
+    for m in &mocks {
+        m.clear_fault();
+    }
+    let log = envoy.log_contents();
+    assert!(!log.contains("panic"), "wasm panic in the Envoy log");
+    assert!(
+        !log.contains("CAS retries exhausted"),
+        "a CAS retry loop gave up"
+    );
+}

@@ -7,11 +7,12 @@ use super::plugin::{refresh_gauges, Plugin};
 use super::scrape::Scraper;
 use super::shared::SharedData;
 use crate::scheduler::config::Config;
-use crate::scheduler::routing::table::claim_layout;
+use crate::scheduler::routing::table::{claim_layout, TableCache};
 use crate::scheduler::state::hash::hash_parts;
 use crate::scheduler::state::store::Store;
 use proxy_wasm::traits::{Context, HttpContext, RootContext};
 use proxy_wasm::types::{BufferType, ContextType, LogLevel};
+use std::cell::RefCell;
 use std::rc::Rc;
 use std::time::Duration;
 
@@ -100,10 +101,13 @@ impl RootContext for Root {
             .scraper
             .as_ref()
             .map_or(TICK, |s| Duration::from_millis(s.tick_ms()).min(TICK));
+        // The models the configuration names are known now: their static candidates are
+        // computed here, not by the first request of each (a pass over the fleet).
+        let table_cache = TableCache::for_config(&cfg);
         self.plugin = Some(Rc::new(Plugin {
             cfg,
             metrics,
-            table_cache: Default::default(),
+            table_cache: RefCell::new(table_cache),
         }));
         if !host::tick_every(tick) {
             host::log(

@@ -54,7 +54,9 @@ use crate::scheduler::config::Config;
 use crate::scheduler::routing::payoff::PayoffRule;
 use crate::scheduler::routing::score::success;
 use crate::scheduler::routing::table::EndpointState;
-use crate::scheduler::state::hash::rendezvous;
+#[cfg(doc)]
+use crate::scheduler::state::hash::rendezvous_seed;
+use crate::scheduler::state::hash::{rendezvous, rendezvous_seeded};
 
 /// `u ∈ (0, 1)` from the 52 high bits of a 64-bit hash: never 0 nor 1 (every value is exactly
 /// representable), so `ln u` is finite and negative.
@@ -65,10 +67,7 @@ fn unit(h: u64) -> f64 {
 /// The weighted rendezvous key of (session, endpoint): larger wins. A weight of zero (or less)
 /// never wins against a positive one.
 pub fn hrw_key(session_key: u64, endpoint_id: u32, weight: f64) -> f64 {
-    if weight.is_nan() || weight <= 0.0 {
-        return 0.0;
-    }
-    weight / -unit(rendezvous(session_key, endpoint_id)).ln()
+    key_of(rendezvous(session_key, endpoint_id), weight)
 }
 
 /// `h ∈ (0, 1]` rounded up to the nearest level `2^(-k·step)` at or above it, so that
@@ -149,30 +148,65 @@ pub fn first(
 /// reaches the best exact key found: the others cannot be greater. The result is exactly the
 /// ranking of the exact keys; for the top of a large fleet the bound is within a fraction of
 /// a percent of the key, so about one candidate besides the winner is computed exactly.
-pub struct Keyed {
+///
+/// The first of the order (the home, and the walk's first step) is what nearly every decision
+/// needs, so it is found in one pass that keeps only the [`TOP_KEPT`] greatest bounds (no list
+/// of bounds is built: at 512 candidates that list cost about 100 instructions each under
+/// wasm); the bounds of all are listed only when something asks for more of the order. With
+/// the candidates' [`rendezvous_seed`]s ([`Keyed::seeded`]) a candidate's hash is one mix.
+pub struct Keyed<'c> {
     session_key: u64,
-    bounds: Vec<Bounded>,
+    candidates: &'c [(usize, u32, f64)],
+    /// The candidates' [`rendezvous_seed`]s, aligned with `candidates` (empty: computed from
+    /// the ids).
+    seeds: &'c [u64],
+    /// Every candidate's `(bound, id, index, weight)`, aligned with `candidates`, once asked.
+    bounds: std::cell::OnceCell<Vec<Bounded>>,
     /// The first candidate of the whole order (its position in `bounds` and its exact key),
     /// once computed: the home of a fleet without degraded endpoints and the first step of
     /// the walk are the same search, done once.
     top: std::cell::Cell<Option<Top>>,
+    /// The greatest hashes the first pass kept and the weight they share, when it decided by
+    /// them alone: the second of the order is usually among them (a failover's next place).
+    kept: std::cell::Cell<Option<Kept>>,
 }
 
 /// The first candidate of an order, if any: its position in `bounds` and `(key, id, index)`.
 type Top = Option<(usize, (f64, u32, usize))>;
 
+/// The first pass's greatest `(hash, position)`s, greatest first, and the weight they share.
+type Kept = ([(u64, usize); TOP_KEPT], f64);
+
 /// One candidate: `(bound of its key, endpoint id, index, weight)`.
 type Bounded = (f64, u32, usize, f64);
+
+/// How many of the greatest bounds [`Keyed`]'s first pass keeps: enough that the winner's
+/// exact key is nearly always above every other bound (then no second pass is needed).
+pub const TOP_KEPT: usize = 4;
+
+/// [`hrw_key`] from the candidate's rendezvous hash `h`.
+fn key_of(h: u64, weight: f64) -> f64 {
+    if weight.is_nan() || weight <= 0.0 {
+        return 0.0;
+    }
+    weight / -unit(h).ln()
+}
 
 /// An upper bound of [`hrw_key`]`(session_key, endpoint_id, weight)` as computed, without the
 /// logarithm: `−ln u ≥ 1 − u` on (0, 1), so `w / −ln u ≤ w / (1 − u)`; the factor `1 + 1e-9`
 /// covers the rounding of both computations (a few units in the last place, ~1e-15). Equal to
 /// the key (0) where the key is 0.
+#[cfg(test)]
 fn key_bound(session_key: u64, endpoint_id: u32, weight: f64) -> f64 {
+    bound_of(rendezvous(session_key, endpoint_id), weight)
+}
+
+/// [`key_bound`] from the candidate's rendezvous hash `h`.
+fn bound_of(h: u64, weight: f64) -> f64 {
     if weight.is_nan() || weight <= 0.0 {
         return 0.0;
     }
-    weight / (1.0 - unit(rendezvous(session_key, endpoint_id))) * (1.0 + 1e-9)
+    weight / (1.0 - unit(h)) * (1.0 + 1e-9)
 }
 
 /// `(key, id, index)` ranked as [`Keyed::order`] ranks them: the greater comes first (larger
@@ -181,15 +215,38 @@ fn rank(a: &(f64, u32, usize), b: &(f64, u32, usize)) -> std::cmp::Ordering {
     a.0.total_cmp(&b.0).then(b.1.cmp(&a.1)).then(b.2.cmp(&a.2))
 }
 
-impl Keyed {
-    pub fn new(session_key: u64, candidates: &[(usize, u32, f64)]) -> Keyed {
+impl<'c> Keyed<'c> {
+    pub fn new(session_key: u64, candidates: &'c [(usize, u32, f64)]) -> Keyed<'c> {
+        Keyed::seeded(session_key, candidates, &[])
+    }
+
+    /// [`Keyed::new`] with each candidate's [`rendezvous_seed`] (aligned with `candidates`;
+    /// any other length is ignored): the same keys, one mix each instead of two.
+    pub fn seeded(
+        session_key: u64,
+        candidates: &'c [(usize, u32, f64)],
+        seeds: &'c [u64],
+    ) -> Keyed<'c> {
+        #[cfg(test)]
+        assert!(
+            seeds.len() != candidates.len()
+                || seeds
+                    .iter()
+                    .zip(candidates)
+                    .all(|(&s, c)| s == crate::scheduler::state::hash::rendezvous_seed(c.1)),
+            "seeds must be the candidates' own"
+        );
         Keyed {
             session_key,
-            bounds: candidates
-                .iter()
-                .map(|&(i, id, w)| (key_bound(session_key, id, w), id, i, w))
-                .collect(),
+            candidates,
+            seeds: if seeds.len() == candidates.len() {
+                seeds
+            } else {
+                &[]
+            },
+            bounds: std::cell::OnceCell::new(),
             top: std::cell::Cell::new(None),
+            kept: std::cell::Cell::new(None),
         }
     }
 
@@ -198,15 +255,173 @@ impl Keyed {
         self.session_key
     }
 
+    /// The rendezvous hash of the candidate at `at` with endpoint `id`.
+    fn hash(&self, at: usize, id: u32) -> u64 {
+        match self.seeds.get(at) {
+            Some(&seed) => rendezvous_seeded(self.session_key, seed),
+            None => rendezvous(self.session_key, id),
+        }
+    }
+
+    /// Every candidate's bound, listed once.
+    fn bounds(&self) -> &[Bounded] {
+        self.bounds.get_or_init(|| {
+            self.candidates
+                .iter()
+                .enumerate()
+                .map(|(at, &(i, id, w))| (bound_of(self.hash(at, id), w), id, i, w))
+                .collect()
+        })
+    }
+
     /// The first candidate of [`Keyed::order`] (position in `bounds`, exact key), computed
     /// once per decision.
     fn top(&self) -> Top {
         if let Some(top) = self.top.get() {
             return top;
         }
-        let top = best_of(self.session_key, &self.bounds);
+        let top = self.first_pass();
         self.top.set(Some(top));
         top
+    }
+
+    /// The first of the order, exactly [`best_of`]'s answer (the greatest exact key by
+    /// [`rank`]; no candidate whose bound is below it can beat it), in one pass over the
+    /// candidates that keeps only the [`TOP_KEPT`] greatest hashes: with every weight the same
+    /// positive number the bound grows with the hash, so the candidates left out have bounds
+    /// at most the last kept one's. The kept candidates' exact keys decide unless the best is
+    /// not above that bound (then every candidate whose bound reaches it is computed, as
+    /// [`best_of`] does); unequal weights take [`Keyed::first_by_bounds`].
+    fn first_pass(&self) -> Top {
+        let &(_, _, w0) = self.candidates.first()?;
+        // `(hash, position)`, greatest first; unfilled slots hold hash 0 and no position.
+        let mut kept = [(0u64, usize::MAX); TOP_KEPT];
+        let mut last = 0u64;
+        let mut uniform = true;
+        let mut each = |at: usize, h: u64, w: f64| {
+            uniform &= w.to_bits() == w0.to_bits();
+            if h >= last {
+                // A hash equal to every kept one has no place (`p` past the end).
+                let p = kept.iter().position(|k| k.0 < h).unwrap_or(TOP_KEPT);
+                if let Some(tail) = kept.get_mut(p..).filter(|t| !t.is_empty()) {
+                    tail.rotate_right(1);
+                    if let Some(slot) = tail.first_mut() {
+                        *slot = (h, at);
+                    }
+                }
+                last = kept.last().map_or(0, |k| k.0);
+            }
+        };
+        if self.seeds.len() == self.candidates.len() {
+            for (at, (&(_, _, w), &seed)) in self.candidates.iter().zip(self.seeds).enumerate() {
+                each(at, rendezvous_seeded(self.session_key, seed), w);
+            }
+        } else {
+            for (at, &(_, id, w)) in self.candidates.iter().enumerate() {
+                each(at, rendezvous(self.session_key, id), w);
+            }
+        }
+        if !uniform || w0.is_nan() || w0 <= 0.0 || w0.is_infinite() {
+            return self.first_by_bounds();
+        }
+        // The kept in decreasing hash (so bound) order: once a bound is below the best
+        // exact key, so are the rest.
+        let mut best: Option<(usize, (f64, u32, usize))> = None;
+        for &(h, at) in &kept {
+            let Some(&(i, id, _)) = self.candidates.get(at) else {
+                break;
+            };
+            if best.is_some_and(|(_, b)| bound_of(h, w0) < b.0) {
+                break;
+            }
+            let k = (key_of(h, w0), id, i);
+            if best.is_none_or(|(_, b)| rank(&k, &b).is_gt()) {
+                best = Some((at, k));
+            }
+        }
+        let (best_at, best_key) = best?;
+        // Every candidate was kept, or none left out can reach the best: decided.
+        if self.candidates.len() <= TOP_KEPT || best_key.0 > bound_of(last, w0) {
+            self.kept.set(Some((kept, w0)));
+            return Some((best_at, best_key));
+        }
+        best_of(self.session_key, self.bounds())
+    }
+
+    /// The second of the order (position and index) after the first at `first_at`, from the
+    /// hashes the first pass kept, when they decide it as they decided the first; `None`
+    /// otherwise (the caller searches every candidate).
+    fn second(&self, first_at: usize) -> Option<(usize, usize)> {
+        let (kept, w0) = self.kept.get()?;
+        let mut best: Option<(usize, (f64, u32, usize))> = None;
+        for &(h, at) in &kept {
+            let Some(&(i, id, _)) = self.candidates.get(at) else {
+                break;
+            };
+            if at == first_at {
+                continue;
+            }
+            if best.is_some_and(|(_, b)| bound_of(h, w0) < b.0) {
+                break;
+            }
+            let k = (key_of(h, w0), id, i);
+            if best.is_none_or(|(_, b)| rank(&k, &b).is_gt()) {
+                best = Some((at, k));
+            }
+        }
+        let (at, key) = best?;
+        // The candidates left out have hashes at most the last kept one's (all kept: none).
+        let decided = self.candidates.len() <= TOP_KEPT
+            || kept.last().is_some_and(|k| key.0 > bound_of(k.0, w0));
+        decided.then_some((at, key.2))
+    }
+
+    /// [`Keyed::first_pass`] for unequal weights: every candidate's bound, keeping the
+    /// [`TOP_KEPT`] greatest `(bound, position, hash)`; their exact keys decide unless the
+    /// best is not above every bound left out.
+    fn first_by_bounds(&self) -> Top {
+        let mut kept = [(f64::NEG_INFINITY, usize::MAX, 0u64); TOP_KEPT];
+        let mut last = f64::NEG_INFINITY;
+        let mut each = |at: usize, h: u64, w: f64| {
+            let b = bound_of(h, w);
+            if b > last {
+                let p = kept.iter().position(|k| k.0 < b).unwrap_or(TOP_KEPT);
+                if let Some(tail) = kept.get_mut(p..).filter(|t| !t.is_empty()) {
+                    tail.rotate_right(1);
+                    if let Some(slot) = tail.first_mut() {
+                        *slot = (b, at, h);
+                    }
+                }
+                last = kept.last().map_or(f64::NEG_INFINITY, |k| k.0);
+            }
+        };
+        if self.seeds.len() == self.candidates.len() {
+            for (at, (&(_, _, w), &seed)) in self.candidates.iter().zip(self.seeds).enumerate() {
+                each(at, rendezvous_seeded(self.session_key, seed), w);
+            }
+        } else {
+            for (at, &(_, id, w)) in self.candidates.iter().enumerate() {
+                each(at, rendezvous(self.session_key, id), w);
+            }
+        }
+        let mut best: Option<(usize, (f64, u32, usize))> = None;
+        for &(b, at, h) in &kept {
+            let Some(&(i, id, w)) = self.candidates.get(at) else {
+                break;
+            };
+            if best.is_some_and(|(_, best)| b < best.0) {
+                break;
+            }
+            let k = (key_of(h, w), id, i);
+            if best.is_none_or(|(_, b)| rank(&k, &b).is_gt()) {
+                best = Some((at, k));
+            }
+        }
+        let (best_at, best_key) = best?;
+        if self.candidates.len() <= TOP_KEPT || best_key.0 > last {
+            return Some((best_at, best_key));
+        }
+        best_of(self.session_key, self.bounds())
     }
 
     /// [`Keyed::first`] accepting every candidate: the first of the order, shared with the
@@ -222,7 +437,8 @@ impl Keyed {
 
     /// See [`order`].
     pub fn order(&self) -> Vec<usize> {
-        let mut keyed: Vec<(f64, u32, usize)> = self.bounds.iter().map(|c| self.exact(c)).collect();
+        let mut keyed: Vec<(f64, u32, usize)> =
+            self.bounds().iter().map(|c| self.exact(c)).collect();
         keyed.sort_unstable_by(|a, b| rank(b, a));
         keyed.into_iter().map(|(_, _, i)| i).collect()
     }
@@ -231,11 +447,12 @@ impl Keyed {
     /// for the greatest each, the rest (if a walk goes that far) from a heap built once. A
     /// walk usually stops at its first or second candidate, so a decision no longer sorts the
     /// whole fleet.
-    pub fn lazy(&self) -> LazyOrder<'_> {
+    pub fn lazy(&self) -> LazyOrder<'_, 'c> {
         LazyOrder {
             keyed: self,
             started: false,
             unbuilt: None,
+            second: None,
             session_key: self.session_key,
             rest: Vec::new(),
             scans: LazyOrder::SCANS,
@@ -247,16 +464,16 @@ impl Keyed {
     pub fn first(&self, keep: impl Fn(usize) -> bool) -> Option<usize> {
         // The greatest bound among the kept, then every kept candidate whose bound reaches
         // the best exact key so far (the largest key; among equal keys the smallest id).
-        let top =
-            self.bounds
-                .iter()
-                .filter(|c| keep(c.2))
-                .fold(None, |top: Option<&Bounded>, c| match top {
-                    Some(t) if t.0 >= c.0 => Some(t),
-                    _ => Some(c),
-                })?;
+        let bounds = self.bounds();
+        let top = bounds
+            .iter()
+            .filter(|c| keep(c.2))
+            .fold(None, |top: Option<&Bounded>, c| match top {
+                Some(t) if t.0 >= c.0 => Some(t),
+                _ => Some(c),
+            })?;
         let mut best = self.exact(top);
-        for c in &self.bounds {
+        for c in bounds {
             if c.0 >= best.0 && c.2 != best.2 && keep(c.2) {
                 let k = self.exact(c);
                 if rank(&k, &best).is_gt() {
@@ -317,13 +534,16 @@ fn best_of(session_key: u64, cands: &[Bounded]) -> Top {
 }
 
 /// The rendezvous order of one decision, one candidate at a time ([`Keyed::lazy`]).
-pub struct LazyOrder<'k> {
-    keyed: &'k Keyed,
+pub struct LazyOrder<'k, 'c> {
+    keyed: &'k Keyed<'c>,
     /// The first candidate was given ([`Keyed::top`], shared with the home).
     started: bool,
     /// The position of the first candidate while `rest` is still to be built from the others
     /// (when a second is asked for: most walks stop at their first candidate).
     unbuilt: Option<usize>,
+    /// The position of the second, when it came from the first pass's kept hashes
+    /// ([`Keyed::second`]): `rest` is built without it too.
+    second: Option<usize>,
     session_key: u64,
     /// Candidates not yet taken (until the heap is built), each with its exact key once
     /// computed.
@@ -333,7 +553,7 @@ pub struct LazyOrder<'k> {
     heap: Option<std::collections::BinaryHeap<Ranked>>,
 }
 
-impl LazyOrder<'_> {
+impl LazyOrder<'_, '_> {
     /// A scan costs one comparison per candidate left, a heap about two to build and a
     /// logarithm per pop: past a few candidates the heap is cheaper.
     const SCANS: u32 = 2;
@@ -347,7 +567,7 @@ impl LazyOrder<'_> {
     }
 }
 
-impl Iterator for LazyOrder<'_> {
+impl Iterator for LazyOrder<'_, '_> {
     type Item = usize;
     fn next(&mut self) -> Option<usize> {
         if !self.started {
@@ -359,13 +579,24 @@ impl Iterator for LazyOrder<'_> {
             self.unbuilt = Some(at);
             return Some(i);
         }
-        if let Some(at) = self.unbuilt.take() {
+        if let Some(at) = self.unbuilt {
+            // The second from the first pass's kept hashes when they decide it (a failover's
+            // walk usually stops there): still nothing listed.
+            if self.second.is_none() {
+                if let Some((second_at, i)) = self.keyed.second(at) {
+                    self.second = Some(second_at);
+                    self.scans = self.scans.saturating_sub(1);
+                    return Some(i);
+                }
+            }
+            self.unbuilt = None;
+            let second = self.second;
             self.rest = self
                 .keyed
-                .bounds
+                .bounds()
                 .iter()
                 .enumerate()
-                .filter(|(j, _)| *j != at)
+                .filter(|(j, _)| *j != at && Some(*j) != second)
                 .map(|(_, &c)| (c, None))
                 .collect();
         }
@@ -470,6 +701,47 @@ mod tests {
                     "fleet {fleet} session {s}"
                 );
                 assert_eq!(keyed.first(|_| true), order.first().copied());
+            }
+        }
+    }
+
+    /// The one-pass first of the order (kept greatest hashes, or bounds for unequal weights)
+    /// equals the first of the exact ranking on fleets up to 600 candidates, with and without
+    /// seeds; runs of duplicate ids (equal hashes and keys, ranked by index) make the kept
+    /// candidates tie with those left out, which must fall back to the full search.
+    #[test]
+    fn first_pass_is_the_first_of_the_order_on_large_fleets() {
+        use crate::scheduler::state::hash::{fmix64, rendezvous_seed};
+        for fleet in 0..60u64 {
+            let n = 1 + (fmix64(fleet ^ 0xfeed) % 600) as usize;
+            let dup = fleet % 3 == 1;
+            let cands: Vec<(usize, u32, f64)> = (0..n)
+                .map(|i| {
+                    let r = fmix64(fleet * 7919 + i as u64);
+                    let w = match fleet % 5 {
+                        0 | 1 => 1.0,
+                        2 => 0.25,
+                        3 => [0.5, 1.0, 2.0][(r % 3) as usize],
+                        _ => (r % 1000) as f64 / 7.0 + 1e-3,
+                    };
+                    let id = if dup { (r % 3) as u32 } else { r as u32 };
+                    (i, id, w)
+                })
+                .collect();
+            let seeds: Vec<u64> = cands.iter().map(|c| rendezvous_seed(c.1)).collect();
+            for s in 0..30u64 {
+                let key = fmix64(s ^ (fleet << 40));
+                let plain = Keyed::new(key, &cands);
+                let want = plain.order().first().copied();
+                assert_eq!(plain.first_of_all(), want, "fleet {fleet} session {s}");
+                let seeded = Keyed::seeded(key, &cands, &seeds);
+                assert_eq!(seeded.first_of_all(), want, "fleet {fleet} session {s}");
+                assert_eq!(seeded.top(), best_of(key, seeded.bounds()));
+                assert_eq!(seeded.lazy().take(3).collect::<Vec<_>>(), {
+                    let mut o = plain.order();
+                    o.truncate(3);
+                    o
+                });
             }
         }
     }

@@ -51,6 +51,7 @@ use crate::scheduler::routing::table::{
 use crate::scheduler::state::store::{update_if, update_owned, Store};
 use crate::scheduler::wire::usage::Usage;
 use std::cell::RefCell;
+use std::rc::Rc;
 
 /// The weight of a dead-key (401/403) outcome in the success-rate EWMA, at least.
 pub const DEAD_KEY_ALPHA: f64 = 0.5;
@@ -451,19 +452,18 @@ impl<'a> Scheduler<'a> {
 
     /// Every endpoint's peers' median slowness in `table` ([`signals::peer_medians`]), from
     /// the worker's memo when there is one (recomputed only when some slowness changed).
-    fn peer_references(&self, table: &Table) -> Vec<Option<f64>> {
+    fn peer_references(&self, table: &Table) -> Rc<Vec<Option<f64>>> {
         let min_samples = DegradeRule::from_config(self.cfg).min_samples;
         match self.cache.and_then(|c| c.try_borrow_mut().ok()) {
             Some(mut cache) => {
                 // Through the lent table's list of re-decoded entries: only theirs compared.
                 let (memo, changed) = cache.lent_changes(table.entries.len());
-                let medians = memo
-                    .medians_since(table, self.cfg, min_samples, changed)
-                    .to_vec();
+                memo.medians_since(table, self.cfg, min_samples, changed);
+                let medians = memo.shared();
                 cache.forget_changes(table.entries.len());
                 medians
             }
-            None => signals::peer_medians(table, self.cfg, min_samples),
+            None => Rc::new(signals::peer_medians(table, self.cfg, min_samples)),
         }
     }
 
@@ -514,14 +514,14 @@ impl<'a> Scheduler<'a> {
 
     /// The endpoints that could serve `model` at all ([`Statics`]), from the worker's memo
     /// when there is one.
-    pub(crate) fn statics(&self, model: Option<&str>) -> Statics {
+    pub(crate) fn statics(&self, model: Option<&str>) -> Rc<Statics> {
         match self.cache.and_then(|c| c.try_borrow_mut().ok()) {
             Some(mut cache) => cache
                 .serves
                 .statics(self.cfg, model)
                 .cloned()
                 .unwrap_or_default(),
-            None => Statics::of(self.cfg, &self.serving(model)),
+            None => Rc::new(Statics::of(self.cfg, &self.serving(model))),
         }
     }
 
@@ -537,7 +537,7 @@ impl<'a> Scheduler<'a> {
             ..Dropped::default()
         };
         let serves_model = !statics.indexes.is_empty();
-        let mut out = statics.indexes;
+        let mut out = statics.indexes.clone();
         let ex = pick.exclusions;
         // A first attempt excludes nothing.
         if !(ex.dead.is_empty() && ex.used.is_empty() && ex.tried.is_empty()) {

@@ -28,6 +28,7 @@ use crate::scheduler::routing::table::{EndpointState, Table};
 use crate::scheduler::routing::table::{MedianMemo, Quiet, QuietHit, QuietMemo};
 use crate::scheduler::state::store::{update, Store};
 use crate::scheduler::wire::usage::Usage;
+use std::rc::Rc;
 
 /// Shared-data key prefix of the work models.
 pub const WORK_PREFIX: &str = "computeflux/work/";
@@ -193,6 +194,11 @@ impl MedianMemo {
         self.medians_since(table, cfg, min_samples, None)
     }
 
+    /// The medians last computed, shared (see [`MedianMemo::medians_since`]).
+    pub fn shared(&self) -> Rc<Vec<Option<f64>>> {
+        Rc::clone(&self.medians)
+    }
+
     /// [`MedianMemo::medians`], comparing only the inputs of the entries in `changed` when
     /// given: the entries of `table` that may differ from the table the memo last saw through
     /// this call (the table cache's re-decoded entries; see `TableCache::lent_changes`). Every
@@ -242,10 +248,10 @@ impl MedianMemo {
                 .collect();
             // Entries missing from the table count as absent (as `peer_medians` reads them):
             // such a table is never taken as the same as a complete one (length check above).
-            self.medians = peer_medians(table, cfg, min_samples);
+            self.medians = Rc::new(peer_medians(table, cfg, min_samples));
             self.computed = self.computed.saturating_add(1);
         }
-        &self.medians
+        self.medians.as_slice()
     }
 }
 

@@ -11,6 +11,11 @@
 //! of the write that last changed it (the header counts writes). A worker keeps the entries
 //! it decoded ([`TableCache`]); reading the table again, it decodes only the entries whose
 //! stamp moved — the one or two endpoints the requests in between used — instead of all.
+//! Finding them without comparing every stamp: the header also holds a *write log*, the
+//! position each of the last [`LOG_LEN`] single-entry writes changed, from the last write
+//! that changed more than one entry (a full rewrite or a layout change starts it again). A
+//! worker that saw the table at most that many writes ago decodes the logged entries alone;
+//! one further behind compares every stamp, as before.
 //!
 //! Reloads and upgrades (issue 22, item 7). After a configuration update, requests of the old
 //! configuration keep writing the table while the new one serves: the requests in flight at an
@@ -35,7 +40,9 @@ use crate::scheduler::routing::quota::Quota;
 use crate::scheduler::routing::saturation::Saturation;
 use crate::scheduler::routing::slowness::Slowness;
 use crate::scheduler::state::codec::{Reader, Writer};
+use crate::scheduler::state::hash::rendezvous_seed;
 use crate::scheduler::state::store::{update_if, Store};
+use std::rc::Rc;
 
 /// Statistics of one endpoint.
 #[derive(Debug, Clone, Copy, PartialEq)]
@@ -183,11 +190,11 @@ pub struct Table {
 
 /// The byte format's version. A new one needs a new [`TABLE_KEY`] (a test checks that they
 /// agree).
-pub const TABLE_VERSION: u8 = 12;
+pub const TABLE_VERSION: u8 = 13;
 /// The table's shared-data key, one per [`TABLE_VERSION`]: modules of two versions running
 /// side by side during an upgrade each keep their own table instead of resetting each other's
 /// on every write (Envoy never frees a key: one table's worth of bytes per version ever run).
-pub const TABLE_KEY: &str = "computeflux/endpoints/12";
+pub const TABLE_KEY: &str = "computeflux/endpoints/13";
 /// Id, write stamp, then the state.
 const ENTRY_BYTES: usize = 4
     + 8
@@ -221,8 +228,16 @@ const BUDGET_BYTES: usize = 8 + 8 + 8;
 const STAMP_AT: usize = 1 + BUDGET_BYTES;
 /// Where the header's layout generation is: after the write counter.
 const GENERATION_AT: usize = STAMP_AT + 8;
-/// Version byte, budget, write counter, layout generation, entry count.
-const HEADER_BYTES: usize = GENERATION_AT + 8 + 4;
+/// The write log (see [`TableCache`]): the first write stamp it covers, after the layout
+/// generation, then the position of the entry each write changed, by stamp modulo
+/// [`LOG_LEN`].
+const LOG_FROM_AT: usize = GENERATION_AT + 8;
+const LOG_AT: usize = LOG_FROM_AT + 8;
+/// Writes the log covers at most: a worker that saw the table this many writes ago or less
+/// reads the changed entries alone.
+pub const LOG_LEN: usize = 64;
+/// Version byte, budget, write counter, layout generation, write log, entry count.
+const HEADER_BYTES: usize = LOG_AT + 4 * LOG_LEN + 4;
 
 /// The little-endian u64 at `at`, if `bytes` reaches that far.
 fn u64_at(bytes: &[u8], at: usize) -> Option<u64> {
@@ -243,6 +258,64 @@ fn next_stamp(stored: Option<&[u8]>) -> u64 {
         .and_then(|b| u64_at(b, STAMP_AT))
         .unwrap_or(0)
         .wrapping_add(1)
+}
+
+/// Records in `stored`'s header a write with `stamp` that changed entry `position` alone: the
+/// write counter, and the position in the write log, which covers this write and those before
+/// it back to the last that changed more than one entry (at most [`LOG_LEN`]).
+fn log_one(stored: &mut [u8], stamp: u64, position: usize) {
+    // The writes logged so far: `from ..= stamp - 1` (`from` past it when none is).
+    let from = u64_at(stored, LOG_FROM_AT).unwrap_or(stamp);
+    let from = from
+        .min(stamp)
+        .max(stamp.saturating_sub(LOG_LEN as u64 - 1));
+    let slot = LOG_AT + (stamp % LOG_LEN as u64) as usize * 4;
+    let parts: [(usize, &[u8]); 3] = [
+        (STAMP_AT, &stamp.to_le_bytes()),
+        (LOG_FROM_AT, &from.to_le_bytes()),
+        (slot, &(position as u32).to_le_bytes()),
+    ];
+    for (at, bytes) in parts {
+        if let Some(dst) = stored.get_mut(at..at + bytes.len()) {
+            dst.copy_from_slice(bytes);
+        }
+    }
+}
+
+/// The header of a write with `stamp` that changed every entry (or the layout): the log
+/// covers nothing before the next write.
+fn write_header(w: &mut Writer, budget: &RetryBudget, stamp: u64, generation: u64, entries: usize) {
+    w.u8(TABLE_VERSION);
+    budget.encode(w);
+    w.u64(stamp);
+    w.u64(generation);
+    w.u64(stamp.wrapping_add(1));
+    for _ in 0..LOG_LEN {
+        w.u32(0);
+    }
+    w.u32(entries as u32);
+}
+
+/// The positions of the entries the writes after the one with stamp `seen` changed, in
+/// write order (repeats included), when the write log of `bytes` (a table of `entries`
+/// entries) covers every one of them; `None` otherwise (the caller compares every entry).
+fn logged_since(
+    bytes: &[u8],
+    seen: u64,
+    entries: usize,
+) -> Option<impl Iterator<Item = usize> + '_> {
+    let now = u64_at(bytes, STAMP_AT)?;
+    let from = u64_at(bytes, LOG_FROM_AT)?;
+    let newer = now.checked_sub(seen)?;
+    if newer > LOG_LEN as u64 || from > seen.wrapping_add(1) {
+        return None;
+    }
+    let positions = (1..=newer).map(move |k| {
+        let slot = LOG_AT + (seen.wrapping_add(k) % LOG_LEN as u64) as usize * 4;
+        u32_at(bytes, slot).map_or(usize::MAX, |p| p as usize)
+    });
+    // Every logged position must be an entry (a garbled log reads as no log).
+    positions.clone().all(|p| p < entries).then_some(positions)
 }
 
 /// The write stamp of entry `i` (stored right after its id).
@@ -485,9 +558,7 @@ impl Table {
         if let Some(dst) = stored.get_mut(1..1 + BUDGET_BYTES) {
             dst.copy_from_slice(&b.buf);
         }
-        if let Some(dst) = stored.get_mut(STAMP_AT..STAMP_AT + 8) {
-            dst.copy_from_slice(&stamp.to_le_bytes());
-        }
+        log_one(stored, stamp, changed);
         if let Some(dst) = stored.get_mut(at..at + ENTRY_BYTES) {
             dst.copy_from_slice(&entry.buf);
         }
@@ -509,11 +580,13 @@ impl Table {
         }
         let stamp = next_stamp(stored);
         let mut w = Writer::with_capacity(HEADER_BYTES + self.entries.len() * ENTRY_BYTES);
-        w.u8(TABLE_VERSION);
-        self.budget.encode(&mut w);
-        w.u64(stamp);
-        w.u64(self.generation);
-        w.u32(self.entries.len() as u32);
+        write_header(
+            &mut w,
+            &self.budget,
+            stamp,
+            self.generation,
+            self.entries.len(),
+        );
         for (id, s) in &self.entries {
             encode_entry(&mut w, *id, stamp, s);
         }
@@ -559,6 +632,9 @@ impl Table {
         }
         out.get_mut(STAMP_AT..STAMP_AT + 8)?
             .copy_from_slice(&stamp.to_le_bytes());
+        // Several entries may have changed: the log starts again after this write.
+        out.get_mut(LOG_FROM_AT..LOG_FROM_AT + 8)?
+            .copy_from_slice(&stamp.wrapping_add(1).to_le_bytes());
         Some(out)
     }
 
@@ -601,9 +677,20 @@ impl Table {
         let mut out = stored.to_vec();
         out.get_mut(at..at.checked_add(ENTRY_BYTES)?)?
             .copy_from_slice(&entry.buf);
-        out.get_mut(STAMP_AT..STAMP_AT + 8)?
-            .copy_from_slice(&stamp.to_le_bytes());
+        out.get(STAMP_AT..LOG_AT)?;
+        log_one(&mut out, stamp, i);
         Some(out)
+    }
+
+    /// Whether `bytes` is a complete table of this version with `entries` entries (version
+    /// byte, entry count and size agree), read from the header alone.
+    pub fn is_complete(bytes: &[u8], entries: usize) -> bool {
+        let size = entries
+            .checked_mul(ENTRY_BYTES)
+            .and_then(|e| e.checked_add(HEADER_BYTES));
+        bytes.first() == Some(&TABLE_VERSION)
+            && u32_at(bytes, HEADER_BYTES - 4) == Some(entries as u32)
+            && size == Some(bytes.len())
     }
 
     /// Endpoint `id`'s entry when it is entry `i` of a complete table of this version
@@ -651,9 +738,7 @@ impl Table {
             (Some(dst), true) => dst.copy_from_slice(&entry.buf),
             _ => return false,
         }
-        if let Some(dst) = stored.get_mut(STAMP_AT..STAMP_AT + 8) {
-            dst.copy_from_slice(&stamp.to_le_bytes());
-        }
+        log_one(stored, stamp, i);
         true
     }
 
@@ -675,6 +760,11 @@ impl Table {
         let budget = RetryBudget::decode(&mut r)?;
         let _writes = r.u64()?;
         let generation = r.u64()?;
+        // The write log (read by `TableCache` only).
+        let _log_from = r.u64()?;
+        for _ in 0..LOG_LEN {
+            r.u32()?;
+        }
         let n = r.u32()? as usize;
         if r.remaining() != n.checked_mul(ENTRY_BYTES)? {
             return None;
@@ -729,6 +819,12 @@ pub fn claim_layout(store: &dyn Store, cfg: &Config) -> u64 {
 /// returns equals [`Table::load`] of the same bytes (every write that changes an entry's bytes
 /// gives it a new stamp, from a counter that grows with each CAS-ordered write).
 ///
+/// Which stamps moved is read from the header's write log when it covers every write since
+/// the cache last loaded the table (its write counter is kept): only the logged positions are
+/// looked at, so a load costs the same at any fleet size. The log is part of the CAS-written
+/// value, so it names exactly the writes that came between; a log that names a position past
+/// the table reads as no log.
+///
 /// A reader that only reads (the pick) borrows the cached table itself ([`TableCache::lend`]
 /// and [`TableCache::give_back`]) instead of a copy: copying every entry cost more than
 /// decoding the changed ones (about 870 instructions per endpoint under wasm).
@@ -759,6 +855,12 @@ pub struct TableCache {
     /// (as `changed`, for [`BoardMemo`]; `board_changed_known` false: unknown).
     board_changed: Vec<usize>,
     board_changed_known: bool,
+    /// Entries of `table` decoded (`stamps` set) whose stored verdict is degraded: whether
+    /// any endpoint is, without visiting every entry.
+    degraded: usize,
+    /// The write counter of the bytes `table` was last brought up to (`None`: unknown), from
+    /// which the header's write log tells which entries changed since.
+    seen: Option<u64>,
 }
 
 /// Which configured endpoints list a model (or serve every model), for the last few models
@@ -774,7 +876,7 @@ pub struct TableCache {
 pub struct ServesMemo {
     /// The models (`None`: a request without one), oldest first, each with whether each
     /// endpoint serves it, by endpoint index, and its static candidates ([`Statics`]).
-    kept: Vec<(Option<String>, Vec<bool>, Statics)>,
+    kept: Vec<(Option<String>, Vec<bool>, Rc<Statics>)>,
 }
 
 /// The endpoints that could serve a model at all (enabled and serving it), in index order,
@@ -785,6 +887,8 @@ pub struct ServesMemo {
 #[derive(Debug, Default, Clone, PartialEq)]
 pub struct Statics {
     pub indexes: Vec<usize>,
+    /// Their rendezvous seeds (`hash::rendezvous_seed` of their ids), aligned with `indexes`.
+    pub seeds: Vec<u64>,
     pub disabled: u32,
     pub not_serving: u32,
 }
@@ -794,6 +898,7 @@ impl Statics {
     pub fn of(cfg: &Config, serves: &[bool]) -> Statics {
         let mut s = Statics {
             indexes: Vec::with_capacity(cfg.endpoints.len()),
+            seeds: Vec::with_capacity(cfg.endpoints.len()),
             disabled: 0,
             not_serving: 0,
         };
@@ -802,6 +907,7 @@ impl Statics {
                 s.disabled += 1;
             } else if *serves {
                 s.indexes.push(i);
+                s.seeds.push(rendezvous_seed(ep.id));
             } else {
                 s.not_serving += 1;
             }
@@ -820,8 +926,9 @@ impl ServesMemo {
         self.kept.get(at).map_or(&[], |(_, v, _)| v.as_slice())
     }
 
-    /// The static candidates for `model` ([`Statics`]).
-    pub fn statics(&mut self, cfg: &Config, model: Option<&str>) -> Option<&Statics> {
+    /// The static candidates for `model` ([`Statics`]), shared (a decision holds them
+    /// without a copy).
+    pub fn statics(&mut self, cfg: &Config, model: Option<&str>) -> Option<&Rc<Statics>> {
         let at = self.position(cfg, model);
         self.kept.get(at).map(|(_, _, s)| s)
     }
@@ -841,7 +948,7 @@ impl ServesMemo {
                     .iter()
                     .map(|e| model.is_none_or(|m| e.serves(m)))
                     .collect();
-                let statics = Statics::of(cfg, &v);
+                let statics = Rc::new(Statics::of(cfg, &v));
                 if self.kept.len() >= Self::MODELS {
                     self.kept.remove(0);
                 }
@@ -853,6 +960,30 @@ impl ServesMemo {
 }
 
 impl TableCache {
+    /// An empty cache for `cfg` whose model memo already holds the models `cfg` names (the
+    /// first [`ServesMemo::MODELS`] of them, in configuration order) and requests without one.
+    pub fn for_config(cfg: &Config) -> TableCache {
+        let mut cache = TableCache::default();
+        let mut models: Vec<Option<&str>> = vec![None];
+        let named = cfg
+            .endpoints
+            .iter()
+            .filter_map(|e| e.models.as_ref())
+            .flatten();
+        for m in named {
+            if models.len() >= ServesMemo::MODELS {
+                break;
+            }
+            if !models.contains(&Some(m.as_str())) {
+                models.push(Some(m.as_str()));
+            }
+        }
+        for m in models {
+            cache.serves.statics(cfg, m);
+        }
+        cache
+    }
+
     /// [`Table::load`] of `bytes`, decoding only the entries whose stamp changed since this
     /// cache last saw them.
     pub fn load(&mut self, bytes: Option<&[u8]>, cfg: &Config) -> (Table, bool) {
@@ -898,17 +1029,25 @@ impl TableCache {
         if !(self.lent && self.stamps.len() == entries) {
             return None;
         }
-        let changed = self
+        let mut changed = self
             .board_changed_known
             .then(|| std::mem::take(&mut self.board_changed));
         self.board_changed.clear();
         self.board_changed_known = true;
+        // And those carried by decisions the memo did not serve (see `BoardMemo::carry`).
+        let carried = std::mem::take(&mut self.board.carried);
+        match changed.as_mut() {
+            Some(list) if !self.board.carried_unknown => list.extend(carried),
+            _ => changed = None,
+        }
+        self.board.carried_unknown = false;
         Some(LentBoard {
             stamps: self.stamps.as_slice(),
             quiet: &mut self.quiet,
             board: &mut self.board,
             changed,
             medians_computed: self.peers.computed,
+            stored_degraded: self.degraded,
         })
     }
 
@@ -928,67 +1067,134 @@ impl TableCache {
             self.table = table;
         } else {
             self.stamps.clear();
+            self.degraded = 0;
+            self.seen = None;
         }
         self.lent = false;
     }
 
     fn reset(&mut self, bytes: Option<&[u8]>, cfg: &Config) -> (Table, bool) {
         self.stamps.clear();
+        self.degraded = 0;
+        self.seen = None;
         self.table = Table::default();
         self.lent = false;
         self.decoded = self.decoded.saturating_add(cfg.endpoints.len() as u64);
         Table::load(bytes, cfg)
     }
 
-    /// Brings `table` up to `bytes` when they have the configuration's layout.
+    /// Brings `table` up to `bytes` when they have the configuration's layout: the entries
+    /// the write log says changed since the table this cache holds, when it covers every write
+    /// since; else every entry whose stamp moved.
     fn refresh(&mut self, bytes: &[u8], cfg: &Config) -> Option<()> {
-        if !Table::has_layout(bytes, cfg) {
-            return None;
-        }
-        let budget = RetryBudget::decode(&mut Reader::new(bytes.get(1..STAMP_AT)?))?;
         let n = cfg.endpoints.len();
-        if self.lent || self.table.entries.len() != self.stamps.len() {
-            self.stamps.clear();
-            self.table.entries.clear();
+        let budget = RetryBudget::decode(&mut Reader::new(bytes.get(1..STAMP_AT)?))?;
+        let counter = u64_at(bytes, STAMP_AT)?;
+        let whole = self.lent || self.table.entries.len() != n || self.stamps.len() != n;
+        let seen = self.seen.take().filter(|_| !whole);
+        let logged = seen
+            .filter(|_| Table::is_complete(bytes, n))
+            .and_then(|seen| logged_since(bytes, seen, n));
+        let mut notes = Notes {
+            n,
+            decoded: &mut self.decoded,
+            degraded: &mut self.degraded,
+            changed: (&mut self.changed, &mut self.changed_known),
+            board_changed: (&mut self.board_changed, &mut self.board_changed_known),
+        };
+        match logged {
+            Some(positions) => {
+                for i in positions {
+                    let at = HEADER_BYTES.checked_add(i.checked_mul(ENTRY_BYTES)?)?;
+                    let chunk = bytes.get(at..at.checked_add(ENTRY_BYTES)?)?;
+                    let id = u32_at(chunk, 0)?;
+                    let stamp = u64_at(chunk, 4)?;
+                    // The log vouches for the layout: an entry of another id means it lied.
+                    if cfg.endpoints.get(i).map(|e| e.id) != Some(id) {
+                        return None;
+                    }
+                    let (Some(slot), Some(entry)) =
+                        (self.stamps.get_mut(i), self.table.entries.get_mut(i))
+                    else {
+                        return None;
+                    };
+                    if *slot != Some((stamp, id)) {
+                        notes.take(bytes, i, (stamp, id), slot, entry)?;
+                    }
+                }
+            }
+            None => {
+                if !Table::has_layout(bytes, cfg) {
+                    return None;
+                }
+                if whole {
+                    self.stamps.clear();
+                    self.table.entries.clear();
+                    *notes.degraded = 0;
+                }
+                self.stamps.resize(n, None);
+                self.table.entries.resize(n, (0, EndpointState::default()));
+                let chunks = bytes.get(HEADER_BYTES..)?.chunks_exact(ENTRY_BYTES);
+                for (i, ((slot, entry), chunk)) in self
+                    .stamps
+                    .iter_mut()
+                    .zip(self.table.entries.iter_mut())
+                    .zip(chunks)
+                    .enumerate()
+                {
+                    // Id, then stamp: the first 12 bytes of the entry.
+                    let id = u32_at(chunk, 0)?;
+                    let stamp = u64_at(chunk, 4)?;
+                    if *slot != Some((stamp, id)) {
+                        notes.take(bytes, i, (stamp, id), slot, entry)?;
+                    }
+                }
+            }
         }
         self.lent = false;
-        self.stamps.resize(n, None);
-        self.table.entries.resize(n, (0, EndpointState::default()));
         self.table.budget = budget;
         self.table.generation = cfg.layout_generation;
-        let chunks = bytes.get(HEADER_BYTES..)?.chunks_exact(ENTRY_BYTES);
-        let (changed, known) = (&mut self.changed, &mut self.changed_known);
-        let (board_changed, board_known) = (&mut self.board_changed, &mut self.board_changed_known);
-        for (i, ((slot, entry), chunk)) in self
-            .stamps
-            .iter_mut()
-            .zip(self.table.entries.iter_mut())
-            .zip(chunks)
-            .enumerate()
-        {
-            // Id, then stamp: the first 12 bytes of the entry.
-            let id = u32_at(chunk, 0)?;
-            let stamp = u64_at(chunk, 4)?;
-            if *slot == Some((stamp, id)) {
-                continue;
-            }
-            // Undecodable: nothing of this load may be trusted (the caller starts over).
-            *slot = None;
-            *entry = Table::entry_at(bytes, i)?;
-            self.decoded = self.decoded.saturating_add(1);
-            *slot = Some((stamp, id));
-            // Noted for the medians memo (past the table's size: unknown).
-            if *known && changed.len() < n {
-                changed.push(i);
+        self.seen = Some(counter);
+        Some(())
+    }
+}
+
+/// What [`TableCache::refresh`] notes of the entries it decodes again.
+struct Notes<'c> {
+    n: usize,
+    decoded: &'c mut u64,
+    degraded: &'c mut usize,
+    /// The positions decoded, for the medians memo and for the board memo (each reads its own
+    /// list: a board's decisions are not every decision the medians memo serves); `false`:
+    /// more than the table holds, unknown.
+    changed: (&'c mut Vec<usize>, &'c mut bool),
+    board_changed: (&'c mut Vec<usize>, &'c mut bool),
+}
+
+impl Notes<'_> {
+    /// Entry `i` of `bytes`, whose `(stamp, id)` differ from its `slot`'s, decoded into
+    /// `entry`. `None` when it does not decode: nothing of this load may be trusted then (the
+    /// caller starts over).
+    fn take(
+        &mut self,
+        bytes: &[u8],
+        i: usize,
+        key: (u64, u32),
+        slot: &mut Option<(u64, u32)>,
+        entry: &mut (u32, EndpointState),
+    ) -> Option<()> {
+        let was_degraded = slot.is_some() && entry.1.degraded;
+        *slot = None;
+        *entry = Table::entry_at(bytes, i)?;
+        *self.degraded =
+            self.degraded.saturating_sub(usize::from(was_degraded)) + usize::from(entry.1.degraded);
+        *self.decoded = self.decoded.saturating_add(1);
+        *slot = Some(key);
+        for (list, known) in [&mut self.changed, &mut self.board_changed] {
+            if **known && list.len() < self.n {
+                list.push(i);
             } else {
-                *known = false;
-            }
-            // And for the board memo, which reads its own list (its decisions are not every
-            // decision the medians memo serves).
-            if *board_known && board_changed.len() < n {
-                board_changed.push(i);
-            } else {
-                *board_known = false;
+                **known = false;
             }
         }
         Some(())
@@ -1012,7 +1218,9 @@ pub struct MedianMemo {
     /// the samples to count, else nothing), as last used. A cold endpoint's answers, and
     /// every other field of a warm one's slowness, leave the medians as they were.
     pub(crate) inputs: Vec<(u32, bool, Option<u64>)>,
-    pub(crate) medians: Vec<Option<f64>>,
+    /// Shared with the decisions that read them (a decision holds them without a copy: a
+    /// copy cost a byte's worth of instructions per byte under wasm).
+    pub(crate) medians: Rc<Vec<Option<f64>>>,
     /// Times the medians were recomputed, for tests and diagnostics.
     pub computed: u64,
     /// The inputs are those of the table cache's table as of its last list of changes
@@ -1031,6 +1239,8 @@ pub struct LentBoard<'a> {
     /// The medians memo's recomputations so far ([`MedianMemo::computed`]): unchanged, the
     /// peers' medians are those of the memo's last decision.
     pub medians_computed: u64,
+    /// Entries of the lent table whose stored verdict is degraded.
+    pub stored_degraded: usize,
 }
 
 /// One worker's last session decision's board: the static candidates' verdicts, flips and
@@ -1052,14 +1262,16 @@ pub struct BoardMemo {
     /// The medians memo's recomputations when the board was last brought up to date, and the
     /// medians it read then (by index).
     pub(crate) medians_computed: u64,
-    pub(crate) references: Vec<Option<f64>>,
+    pub(crate) references: Rc<Vec<Option<f64>>>,
     /// The static candidates (index order) and their `(index, id, weight)`, aligned.
     pub(crate) statics: Vec<usize>,
-    pub(crate) weights: Vec<(usize, u32, f64)>,
+    /// The board's parts are shared with the decision that reads them (lent without a copy,
+    /// changed in place once it is done: `Rc::make_mut` copies only while one is held).
+    pub(crate) weights: Rc<Vec<(usize, u32, f64)>>,
     /// By index: the verdict.
-    pub(crate) verdicts: Vec<crate::scheduler::routing::signals::Verdict>,
+    pub(crate) verdicts: Rc<Vec<crate::scheduler::routing::signals::Verdict>>,
     /// The positions whose verdict differs from the stored one, index order.
-    pub(crate) flips: Vec<usize>,
+    pub(crate) flips: Rc<Vec<usize>>,
     /// Positions whose values depend on the clock: recomputed by every decision.
     pub(crate) live: Vec<usize>,
     /// Static candidates treated as degraded.
@@ -1069,10 +1281,17 @@ pub struct BoardMemo {
     /// By index: the breaker admission of the statics as a first attempt saw it (empty: none
     /// kept), and the statics whose breaker was not closed (asked again by every decision: a
     /// closed breaker admits whatever the time).
-    pub(crate) admission: Vec<Option<crate::scheduler::health::breaker::Admission>>,
+    pub(crate) admission: Rc<Vec<Option<crate::scheduler::health::breaker::Admission>>>,
     pub(crate) open: Vec<usize>,
     /// Decisions that reused the memo, for tests and diagnostics.
     pub hits: u64,
+    /// Positions decoded again that decisions the memo did not serve took from the table
+    /// cache's list, for the next one it serves; `carried_unknown`: some were not known.
+    pub(crate) carried: Vec<usize>,
+    pub(crate) carried_unknown: bool,
+    /// The homes of the last few rendezvous keys placed over this board, `(key, home)`:
+    /// cleared when a weight or a degraded flag changes.
+    pub(crate) homes: Vec<(u64, Option<usize>)>,
 }
 
 /// What [`TableCache::lent_stamps`] lends: the `(stamp, id)` of each entry of the lent table,
@@ -1205,6 +1424,17 @@ mod tests {
         assert!(next_stamp(Some(&b3)) > next_stamp(Some(&b2)));
         // Older bytes again (a reader may see any version): still what a full decode says.
         assert_eq!(cache.load(Some(&b1), &cfg), Table::load(Some(&b1), &cfg));
+        assert_eq!(cache.degraded, 0);
+        // A degraded flag stored, then cleared: the cache counts what its table holds.
+        let mut st = t.entries[2].1;
+        st.degraded = true;
+        let b4 = Table::patch_entry(&b3, 2, t.entries[2].0, &st).unwrap();
+        assert_eq!(cache.load(Some(&b4), &cfg), Table::load(Some(&b4), &cfg));
+        assert_eq!(cache.degraded, 1);
+        st.degraded = false;
+        let b5 = Table::patch_entry(&b4, 2, t.entries[2].0, &st).unwrap();
+        assert_eq!(cache.load(Some(&b5), &cfg), Table::load(Some(&b5), &cfg));
+        assert_eq!(cache.degraded, 0);
         // A layout change or undecodable bytes: the plain load, cache dropped.
         let other = Config::from_value(&json!({"endpoints":[{"name":"b","cluster":"b"}]})).unwrap();
         assert!(!Table::has_layout(&b3, &other));
@@ -1217,6 +1447,126 @@ mod tests {
             Table::load(Some(&b3[1..]), &cfg)
         );
         assert_eq!(cache.load(None, &cfg), Table::load(None, &cfg));
+    }
+
+    /// Through the write log, a cache decodes only the entries the writes since its last load
+    /// changed, and its table still equals a full decode of the same bytes: over every kind of
+    /// write (a pick's patch with the budget, a finish's patch alone, copying or in place, a
+    /// full rewrite, an older generation's merge), past the log's length, over older bytes
+    /// again, and over a log that names a position past the table (read as no log).
+    #[test]
+    fn the_write_log_names_every_changed_entry() {
+        use crate::scheduler::state::hash::fmix64;
+        let names: Vec<String> = (0..40).map(|i| format!("e{i}")).collect();
+        let refs: Vec<&str> = names.iter().map(String::as_str).collect();
+        let cfg = two(&refs);
+        let mut older = cfg.clone();
+        older.layout_generation = 0;
+        let mut cfg = cfg;
+        cfg.layout_generation = 1;
+        let mut bytes = Table::aligned(None, &cfg).encode();
+        let mut cache = TableCache::default();
+        let mut history = vec![bytes.clone()];
+        let mut writes_since_load = 0usize;
+        for step in 0..2_000u64 {
+            let r = fmix64(step);
+            let (t, _) = Table::load(Some(&bytes), &cfg);
+            let i = (r % 40) as usize;
+            let mut st = t.entries[i].1;
+            st.total = step;
+            st.degraded = r & 64 != 0;
+            match (r >> 8) % 16 {
+                0 => {
+                    let mut whole = t.clone();
+                    whole.entries[(i + 1) % 40].1.total = step;
+                    bytes = whole.encode_over(Some(&bytes));
+                    writes_since_load = usize::MAX / 2;
+                }
+                1 => {
+                    let mut theirs = Table::load(Some(&bytes), &older).0;
+                    theirs.generation = 0;
+                    theirs.entries[i].1 = st;
+                    bytes = theirs.encode_over(Some(&bytes));
+                    writes_since_load = usize::MAX / 2;
+                }
+                2..=5 => {
+                    bytes = Table::patch_entry(&bytes, i, t.entries[i].0, &st).unwrap();
+                    writes_since_load += 1;
+                }
+                6..=9 => {
+                    assert!(Table::patch_entry_in_place(
+                        &mut bytes,
+                        i,
+                        t.entries[i].0,
+                        &st
+                    ));
+                    writes_since_load += 1;
+                }
+                10..=13 => {
+                    let mut budget = t.budget;
+                    budget.on_request(step);
+                    assert!(Table::patch_in_place(
+                        &mut bytes,
+                        &budget,
+                        i,
+                        t.entries[i].0,
+                        &st,
+                        40
+                    ));
+                    writes_since_load += 1;
+                }
+                14 => {
+                    // Older bytes again: whatever is read must equal a full decode.
+                    let old = &history[(r >> 16) as usize % history.len()];
+                    assert_eq!(cache.load(Some(old), &cfg), Table::load(Some(old), &cfg));
+                    writes_since_load = usize::MAX / 2;
+                    continue;
+                }
+                _ => {
+                    let decoded = cache.decoded;
+                    assert_eq!(
+                        cache.load(Some(&bytes), &cfg),
+                        Table::load(Some(&bytes), &cfg),
+                        "step {step}"
+                    );
+                    if writes_since_load <= LOG_LEN {
+                        assert!(
+                            cache.decoded - decoded <= writes_since_load as u64,
+                            "step {step}: {} decoded for {writes_since_load} writes",
+                            cache.decoded - decoded
+                        );
+                    }
+                    let degraded = Table::load(Some(&bytes), &cfg)
+                        .0
+                        .entries
+                        .iter()
+                        .filter(|(_, st)| st.degraded)
+                        .count();
+                    assert_eq!(cache.degraded, degraded, "step {step}");
+                    writes_since_load = 0;
+                    continue;
+                }
+            }
+            history.push(bytes.clone());
+        }
+        // A log naming a position past the table: read as no log (every stamp compared).
+        let (t, _) = Table::load(Some(&bytes), &cfg);
+        let _ = cache.load(Some(&bytes), &cfg);
+        let mut st = t.entries[3].1;
+        st.total = 1;
+        assert!(Table::patch_entry_in_place(
+            &mut bytes,
+            3,
+            t.entries[3].0,
+            &st
+        ));
+        let stamp = u64_at(&bytes, STAMP_AT).unwrap();
+        let slot = LOG_AT + (stamp % LOG_LEN as u64) as usize * 4;
+        bytes[slot..slot + 4].copy_from_slice(&99u32.to_le_bytes());
+        assert_eq!(
+            cache.load(Some(&bytes), &cfg),
+            Table::load(Some(&bytes), &cfg)
+        );
     }
 
     /// A lent table is the loaded table itself; given back unchanged, the next load decodes
@@ -1348,9 +1698,15 @@ mod tests {
             let want = [m == "m1", m == "m1" || m == "m2", true];
             assert_eq!(memo.serves(&cfg, Some(&m)), &want, "{m}");
             let statics = Statics::of(&cfg, &want);
-            assert_eq!(memo.statics(&cfg, Some(&m)), Some(&statics), "{m}");
+            assert_eq!(memo.statics(&cfg, Some(&m)), Some(&Rc::new(statics)), "{m}");
         }
         assert!(memo.kept.len() <= ServesMemo::MODELS);
+        // A cache for a configuration holds its models (and none) before any request.
+        let warm = TableCache::for_config(&cfg);
+        assert_eq!(warm.serves.kept.len(), 3);
+        let mut serves = warm.serves.clone();
+        assert_eq!(serves.serves(&cfg, Some("m2")), &[false, true, true]);
+        assert_eq!(serves.kept.len(), 3, "found, not computed again");
     }
 
     #[test]

@@ -41,8 +41,18 @@ pub fn endpoint_id(name: &str) -> u32 {
 /// It runs once per tied candidate on every selection, so it is a pure-integer mixer
 /// (MurmurHash3's 64-bit finalizer, twice) rather than a byte hash: identical on every target.
 pub fn rendezvous(session_key: u64, endpoint_id: u32) -> u64 {
-    let endpoint = fmix64(u64::from(endpoint_id) ^ RENDEZVOUS_SEED);
-    fmix64(session_key.wrapping_add(endpoint))
+    rendezvous_seeded(session_key, rendezvous_seed(endpoint_id))
+}
+
+/// The half of [`rendezvous`] that depends on the endpoint alone: computed once per endpoint
+/// (a function of its id) and kept, a key costs one mix per candidate instead of two.
+pub fn rendezvous_seed(endpoint_id: u32) -> u64 {
+    fmix64(u64::from(endpoint_id) ^ RENDEZVOUS_SEED)
+}
+
+/// [`rendezvous`] from the endpoint's [`rendezvous_seed`]: the same value.
+pub fn rendezvous_seeded(session_key: u64, seed: u64) -> u64 {
+    fmix64(session_key.wrapping_add(seed))
 }
 
 /// MurmurHash3's 64-bit finalizer: a bijective avalanche mix.
@@ -75,6 +85,7 @@ mod tests {
             rendezvous(42, 7),
         );
         assert_eq!(pinned, EXPECTED_PINNED);
+        assert_eq!(rendezvous_seeded(42, rendezvous_seed(7)), rendezvous(42, 7));
     }
 
     const EXPECTED_PINNED: (u32, u64, u64) = (

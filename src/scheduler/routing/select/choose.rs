@@ -38,14 +38,43 @@ impl<'a> Scheduler<'a> {
         let key = prefix_key.unwrap_or(pick.session.unwrap_or(pick.nonce));
         let by_prefix = prefix_key.is_some() && pinned.is_none();
         // The session's home: the first non-degraded endpoint of its rendezvous order.
-        let keyed = placement::Keyed::new(key, &board.weights);
-        let home = if board.any_degraded {
-            keyed.first(|i| !board.degraded(i))
-        } else {
-            // Every candidate is not degraded: the home is the first of the order, which the
-            // walk starts from (one search for both).
-            keyed.first_of_all()
-        };
+        let keyed = placement::Keyed::seeded(key, &board.weights, board.seeds());
+        // A function of the key, the weights and the degraded flags alone: kept by the board
+        // memo for the keys it placed while they stay the same (an affinity hit then weighs
+        // no other endpoint).
+        let memo = board
+            .from_memo
+            .then(|| self.cache.and_then(|c| c.try_borrow_mut().ok()))
+            .flatten();
+        let kept_home = memo.as_ref().and_then(|c| c.board.home_of(key));
+        drop(memo);
+        let home = kept_home.unwrap_or_else(|| {
+            let home = if board.any_degraded {
+                keyed.first(|i| !board.degraded(i))
+            } else {
+                // Every candidate is not degraded: the home is the first of the order, which
+                // the walk starts from (one search for both).
+                keyed.first_of_all()
+            };
+            if let Some(mut c) = board
+                .from_memo
+                .then(|| self.cache.and_then(|c| c.try_borrow_mut().ok()))
+                .flatten()
+            {
+                c.board.keep_home(key, home);
+            }
+            home
+        });
+        // Every scheduler test checks a kept home against the search.
+        #[cfg(test)]
+        if kept_home.is_some() {
+            let searched = if board.any_degraded {
+                keyed.first(|i| !board.degraded(i))
+            } else {
+                keyed.first_of_all()
+            };
+            assert_eq!(Some(searched), kept_home, "kept home of {key}");
+        }
         if let Some(id) = pick.holder {
             return holder_choice(&board, self.cfg.endpoint_index(id), home);
         }
@@ -67,7 +96,7 @@ impl<'a> Scheduler<'a> {
         // A new placement (or a pinned session placed again) walks the order weighted by the
         // keys' stated limits; a later turn without a pin goes home by the plain weights (see
         // `quota::weigh_by_limits`).
-        let by_limits = (self.cfg.quota_aware
+        let limit_weights = (self.cfg.quota_aware
             && self.cfg.quota_limit_weighting
             && pick.session.is_some()
             && !(pick.follow_up && pin == PinVerdict::None))
@@ -79,8 +108,11 @@ impl<'a> Scheduler<'a> {
                         .map_or((0, 0), |(_, st)| st.quota.limits())
                 })
             })
-            .flatten()
-            .map(|w| placement::Keyed::new(key, &w));
+            .flatten();
+        // The same candidates in the same positions, so the board's seeds still align.
+        let by_limits = limit_weights
+            .as_deref()
+            .map(|w| placement::Keyed::seeded(key, w, board.seeds()));
         let keyed = by_limits.as_ref().unwrap_or(&keyed);
         let relieved_home = home.filter(|&h| as_pin && self.relief_move(&board, pick, h, now_ms));
         let mut pin = relieved_home.map_or(pin, PinVerdict::Relieve);
@@ -143,7 +175,8 @@ impl<'a> Scheduler<'a> {
         let n = cfg.endpoints.len();
         let state = |i: usize| table.entries.get(i).map(|(_, st)| st);
         // The enabled endpoints serving the model, from the worker's memo (see `Statics`).
-        let statics: Vec<usize> = self.statics(pick.model).indexes;
+        let shared = self.statics(pick.model);
+        let statics: &[usize] = &shared.indexes;
         let references = self.peer_references(table);
         let pace_references = signals::pace_medians(cfg, loads);
         // Requests without a session keep the full score (nothing to keep together); the
@@ -165,14 +198,15 @@ impl<'a> Scheduler<'a> {
         let lent = cache
             .as_deref_mut()
             .and_then(|c| c.lent_board(table.entries.len()));
-        let (mut memo, mut board_memo, changed, medians_computed) = match lent {
+        let (mut memo, mut board_memo, changed, medians_computed, stored_degraded) = match lent {
             Some(l) => (
                 Some((l.stamps, l.quiet)),
                 Some(l.board),
                 l.changed,
                 l.medians_computed,
+                Some(l.stored_degraded),
             ),
-            None => (None, None, None, 0),
+            None => (None, None, None, 0, None),
         };
         // One static candidate's verdict (into `v`, which holds the default verdict), flip and
         // `(index, id, weight)` (`None`: not in the table), and whether they hold until its
@@ -246,6 +280,12 @@ impl<'a> Scheduler<'a> {
         // A session decision without scraped loads over the same model as the memo's board:
         // only the positions that changed since are computed (see `BoardMemo`).
         let memo_fits = pick.session.is_some() && !any_scraped;
+        // A decision the memo does not serve leaves it as it is: the entries changed since
+        // are carried to the next one it serves (this one may end early, `admit` below).
+        let mut changed = changed;
+        if let Some(bm) = board_memo.as_deref_mut().filter(|_| !memo_fits) {
+            bm.carry(changed.take(), n);
+        }
         let reused = match (memo_fits, board_memo.as_deref_mut(), changed.as_deref()) {
             (true, Some(bm), Some(changed)) => bm.update(
                 pick.model,
@@ -259,6 +299,7 @@ impl<'a> Scheduler<'a> {
         };
         let mut full_memo = memo;
         let reused_board = reused.is_some();
+        let mut from_memo = reused_board;
         let (verdicts, weights, flips, any_degraded) = match reused {
             Some(board) => board,
             None => {
@@ -270,7 +311,7 @@ impl<'a> Scheduler<'a> {
                 let mut live = Vec::new();
                 // `one`'s body, inline (a call per endpoint cost about 90 instructions more):
                 // keep the two the same (`memo_tests` compare the decisions of both).
-                for &i in &statics {
+                for &i in statics {
                     let load = if any_scraped {
                         loads.get(i).copied().flatten()
                     } else {
@@ -340,11 +381,16 @@ impl<'a> Scheduler<'a> {
                     };
                     weights.push((i, ep.id, w));
                 }
-                if let Some(bm) = board_memo.as_deref_mut() {
-                    if memo_fits && weights.len() == statics.len() {
+                let (verdicts, weights, flips) =
+                    (Rc::new(verdicts), Rc::new(weights), Rc::new(flips));
+                // A decision the memo does not serve (no session, scraped loads) leaves it as
+                // it is: the entries changed since are handed back for the next one it does.
+                if let Some(bm) = board_memo.as_deref_mut().filter(|_| memo_fits) {
+                    if weights.len() == statics.len() {
+                        from_memo = true;
                         bm.keep(
                             pick.model,
-                            &statics,
+                            statics,
                             (&verdicts, &weights, &flips),
                             live,
                             degraded,
@@ -361,21 +407,27 @@ impl<'a> Scheduler<'a> {
         // Breaker admission of this attempt's candidates: a first attempt's candidates are the
         // statics, whose admission the board memo keeps when it was reused (a closed breaker
         // admits whatever the time; the others are asked again).
+        // A later attempt's candidates lack the ones it excludes: the memo's admission is
+        // brought up to date all the same (the positions its board recomputed are asked
+        // again), and this attempt's own is asked of its candidates.
         let first = candidates.len() == statics.len();
         let kept = match (reused_board, board_memo.as_deref_mut()) {
-            (true, Some(bm)) if first => bm.admission(table, now_ms, bcfg),
+            (true, Some(bm)) => bm.admission(table, now_ms, bcfg).filter(|_| first),
             _ => None,
         };
+        // This decision's admission is the statics' that the memo keeps (a session's first
+        // attempt over the memo's board).
+        let keeps = memo_fits && first;
         let admission = match kept {
             Some(a) => a,
             None => {
                 // Nothing kept past this point unless kept below (`admit` may answer `Err`).
-                if let Some(bm) = board_memo.as_deref_mut() {
+                if let Some(bm) = board_memo.as_deref_mut().filter(|_| keeps) {
                     bm.keep_admission(None);
                 }
                 let mut open = Vec::new();
-                let a = admit(table, candidates, n, now_ms, bcfg, &mut open)?;
-                if let (Some(bm), true) = (board_memo, first) {
+                let a = Rc::new(admit(table, candidates, n, now_ms, bcfg, &mut open)?);
+                if let (Some(bm), true) = (board_memo, keeps) {
                     bm.keep_admission(Some((&a, open)));
                 }
                 a
@@ -414,7 +466,8 @@ impl<'a> Scheduler<'a> {
                 })
                 .collect()
         } else {
-            vec![None; n]
+            // Nothing scraped: no room anywhere (read as `None`, as a list of them would be).
+            Vec::new()
         };
         let by_slots = !statics.is_empty()
             && statics.iter().all(|&i| {
@@ -440,12 +493,26 @@ impl<'a> Scheduler<'a> {
         } else {
             Vec::new()
         };
-        let captive = if cfg.relieve_last_server {
-            last_servers(cfg, table, &verdicts, &statics, pick.model)
+        // Nobody degraded, by this decision (`any_degraded`: the statics' verdicts) or as
+        // stored (counted by the worker's cache when there is one): no last server.
+        let stored_degraded = match stored_degraded {
+            Some(count) => count > 0,
+            None => table.entries.iter().any(|(_, st)| st.degraded),
+        };
+        // Every scheduler test checks the cache's count against the table.
+        #[cfg(test)]
+        assert_eq!(
+            stored_degraded,
+            table.entries.iter().any(|(_, st)| st.degraded)
+        );
+        let captive = if cfg.relieve_last_server && (any_degraded || stored_degraded) {
+            last_servers(cfg, table, &verdicts, statics, pick.model)
         } else {
             Vec::new()
         };
         Ok(Board {
+            from_memo,
+            shared,
             sessions: engines.sessions.clone(),
             pinned: None,
             any_degraded,
@@ -454,7 +521,6 @@ impl<'a> Scheduler<'a> {
             max_age_ms: cfg.in_flight_max_age_ms,
             plain: !any_scraped,
             reference: references,
-            statics,
             weights,
             verdicts,
             flips,
@@ -575,7 +641,7 @@ impl<'a> Scheduler<'a> {
         let Some(session) = pick.session else {
             return false;
         };
-        let target = board.statics.iter().any(|&j| {
+        let target = board.statics().iter().any(|&j| {
             j != p
                 && board.admitted(j)
                 && !board.degraded(j)
@@ -694,8 +760,10 @@ impl<'a> Scheduler<'a> {
                 passed.spilled.get_or_insert(i);
                 continue;
             }
-            // The session bound reads the totals only for counted new sessions.
-            if board.sessions.is_some() && {
+            // The session bound reads the totals only for counted new sessions, and only
+            // once a candidate is busy or may be a popular prefix's (it passes no idle one
+            // over).
+            if self.session_busy(board, i) && {
                 let total_weight = totals_of().1;
                 self.over_session_bound(board, i, total_weight, &mut total_sessions, &eligible)
             } {
@@ -787,6 +855,30 @@ impl<'a> Scheduler<'a> {
         least.map(|(j, _)| j)
     }
 
+    /// Whether the session bound looks at `i` at all, as `(busy, may_be_popular)`: `i` is busy
+    /// (`prefix_session_busy_load`), or the session's prefix is counted at least the slack and
+    /// `i` runs anything (a popular prefix's candidate is busy from a load of one; one with
+    /// nothing running gains nothing from a spill). See [`Scheduler::over_session_bound`].
+    fn session_gate(&self, board: &Board, counts: &sessions::Counts, i: usize) -> (bool, bool) {
+        let busy = sessions::busy(
+            board.load_of(i),
+            board.slots(i),
+            self.cfg.prefix_session_busy_load,
+        );
+        let may_be_popular = self.cfg.prefix_popular_share > 0.0
+            && counts.prefix() >= sessions::SESSION_SLACK
+            && sessions::busy(board.load_of(i), board.slots(i), 1);
+        (busy, may_be_popular)
+    }
+
+    /// Whether the session bound can pass over `i` (the walk sums no totals otherwise).
+    fn session_busy(&self, board: &Board, i: usize) -> bool {
+        board.sessions.as_ref().is_some_and(|counts| {
+            let (busy, may_be_popular) = self.session_gate(board, counts, i);
+            busy || may_be_popular
+        })
+    }
+
     /// Whether a new session placed by prefix passes over `i` for the sessions already
     /// placed there (see `sessions`): its count + 1 over `(1 + prefix_session_epsilon) ×
     /// (S + 1) ×` its weight share + the slack, S summed over the `eligible` candidates into
@@ -805,17 +897,7 @@ impl<'a> Scheduler<'a> {
         let Some(counts) = board.sessions.as_ref() else {
             return false;
         };
-        let busy = sessions::busy(
-            board.load_of(i),
-            board.slots(i),
-            self.cfg.prefix_session_busy_load,
-        );
-        // Only a prefix counted at least the slack can be popular, and a popular prefix's
-        // candidate is busy from a load of one (one with nothing running gains nothing from
-        // a spill).
-        let may_be_popular = self.cfg.prefix_popular_share > 0.0
-            && counts.prefix() >= sessions::SESSION_SLACK
-            && sessions::busy(board.load_of(i), board.slots(i), 1);
+        let (busy, may_be_popular) = self.session_gate(board, counts, i);
         let Some(id) = self
             .cfg
             .endpoints
@@ -959,6 +1041,11 @@ pub(super) const QUEUE_GAP: f64 = 4.0;
 
 /// What one decision knows of every endpoint (indexes into `Config::endpoints`).
 pub(super) struct Board<'t> {
+    /// The verdicts and weights are the worker's board memo's, current (see `BoardMemo`).
+    from_memo: bool,
+    /// Endpoints that could serve the request at all (enabled, serving its model; see
+    /// [`Board::statics`]), as the worker's memo keeps them, with their rendezvous seeds.
+    shared: Rc<Statics>,
     /// The new sessions this process placed per endpoint (see `sessions`): `Some` only for
     /// a new session placed by prefix with the session bound on.
     sessions: Option<sessions::Counts>,
@@ -974,16 +1061,14 @@ pub(super) struct Board<'t> {
     /// Nothing is scraped: the walk's totals may be [`PlainTotals`].
     plain: bool,
     /// Each endpoint's peers' median slowness (`signals::peer_medians`), by index.
-    reference: Vec<Option<f64>>,
-    /// Endpoints that could serve the request at all (enabled, serving its model).
-    statics: Vec<usize>,
+    reference: Rc<Vec<Option<f64>>>,
     /// `(index, endpoint id, placement weight)` of the statics: the rendezvous candidates.
-    weights: Vec<(usize, u32, f64)>,
-    verdicts: Vec<Verdict>,
+    weights: Rc<Vec<(usize, u32, f64)>>,
+    verdicts: Rc<Vec<Verdict>>,
     /// The statics whose verdict (sticky degraded flag or saturation) differs from the one
     /// stored in their entry, in index order: the only ones besides the chosen endpoint whose
     /// verdict the pick's write stores (see [`Board::stored_verdicts`]).
-    flips: Vec<usize>,
+    flips: Rc<Vec<usize>>,
     /// Every endpoint's remembered quota against this request (`quota_aware`): see
     /// [`Board::short`] and [`Board::certain_429`].
     quotas: QuotaView<'t>,
@@ -997,7 +1082,7 @@ pub(super) struct Board<'t> {
     /// (`capacity::slot_limit`) rather than by weight.
     by_slots: bool,
     /// Breaker admission of this attempt's candidates (`None`: not a candidate).
-    admission: Vec<Option<Admission>>,
+    admission: Admissions,
     /// The candidates left as the last healthy server of another model than the request's
     /// (see [`last_servers`]), by index; empty when none is (no endpoint degraded, or
     /// `relieve_last_server` off).
@@ -1047,6 +1132,20 @@ pub(super) struct QuotaView<'t> {
 }
 
 impl<'t> Board<'t> {
+    /// Endpoints that could serve the request at all (enabled, serving its model), in index
+    /// order.
+    pub(super) fn statics(&self) -> &[usize] {
+        &self.shared.indexes
+    }
+    /// The rendezvous seeds of the candidates `weights` lists, aligned with it, when it lists
+    /// every static candidate (else empty: the keys are computed from the ids).
+    pub(super) fn seeds(&self) -> &[u64] {
+        if self.weights.len() == self.shared.seeds.len() {
+            &self.shared.seeds
+        } else {
+            &[]
+        }
+    }
     /// Short of quota for this request: skipped for placements (`quota_aware`).
     pub(super) fn short(&self, i: usize) -> bool {
         let q = &self.quotas;
@@ -1134,7 +1233,7 @@ impl<'t> Board<'t> {
     /// [`Board::full`]): only then is a full endpoint passed over (all full: placed as
     /// without metrics).
     pub(super) fn room_elsewhere(&self, i: usize) -> bool {
-        self.statics.iter().any(|&j| {
+        self.statics().iter().any(|&j| {
             j != i && self.admitted(j) && !self.degraded(j) && !self.short(j) && !self.full(j)
         })
     }
@@ -1160,7 +1259,7 @@ impl<'t> Board<'t> {
     /// by itself, and a gap of 4× leaves the jitter between replicas' scrapes alone. New
     /// sessions only: no pin moves for it.
     pub(super) fn far_shorter_queue_elsewhere(&self, i: usize) -> bool {
-        self.statics.iter().any(|&j| {
+        self.statics().iter().any(|&j| {
             j != i
                 && self.admitted(j)
                 && !self.degraded(j)
@@ -1179,7 +1278,7 @@ impl<'t> Board<'t> {
     /// half of the sessions whose `reserved` coin came up, any such candidate at all.
     pub(super) fn relief_passes_over(&self, i: usize, reserved: bool) -> bool {
         let mine = self.load_of(i);
-        self.statics.iter().any(|&j| {
+        self.statics().iter().any(|&j| {
             j != i
                 && self.admitted(j)
                 && !self.degraded(j)
@@ -1202,7 +1301,7 @@ impl<'t> Board<'t> {
     /// batch at `service_ms` per request; 0 when one of them has no queue or no known load (a
     /// move is judged against the best place it could go, as `saturation::keep_pin` needs).
     pub(super) fn shortest_wait_elsewhere(&self, i: usize, service_ms: f64) -> f64 {
-        self.statics
+        self.statics()
             .iter()
             .filter(|&&j| {
                 j != i && self.admitted(j) && !self.degraded(j) && !self.short(j) && !self.full(j)
@@ -1224,7 +1323,7 @@ impl<'t> Board<'t> {
     /// are neither copied nor compared again (that cost about 120 instructions per endpoint).
     pub(super) fn stored_verdicts(&self, chosen: usize) -> Vec<(usize, bool, Saturation)> {
         let chosen_static =
-            self.statics.binary_search(&chosen).is_ok() && !self.flips.contains(&chosen);
+            self.statics().binary_search(&chosen).is_ok() && !self.flips.contains(&chosen);
         self.flips
             .iter()
             .copied()
@@ -1325,7 +1424,7 @@ pub(super) fn eligible_totals(
     let mut first_weight: Option<u64> = None;
     let mut uniform = true;
     let mut total_weight = 0.0f64;
-    for &(i, _, w) in &board.weights {
+    for &(i, _, w) in board.weights.iter() {
         if !eligible(i) {
             continue;
         }
@@ -1337,8 +1436,8 @@ pub(super) fn eligible_totals(
     if uniform {
         return (total_load, total_weight, total_slots);
     }
-    let mut weight_at = vec![0.0; board.statics.last().map_or(0, |&i| i + 1)];
-    for &(i, _, w) in &board.weights {
+    let mut weight_at = vec![0.0; board.statics().last().map_or(0, |&i| i + 1)];
+    for &(i, _, w) in board.weights.iter() {
         if let Some(slot) = weight_at.get_mut(i) {
             *slot = w;
         }
@@ -1528,11 +1627,23 @@ pub(super) struct One {
     quiet: bool,
 }
 
-/// A board's verdicts (by index), weights and flips, borrowed.
-type BoardRefs<'b> = (&'b [Verdict], &'b [(usize, u32, f64)], &'b [usize]);
+/// Breaker admission by endpoint index, shared between the board memo and a decision.
+type Admissions = Rc<Vec<Option<Admission>>>;
+
+/// A board's verdicts (by index), weights and flips, shared.
+type BoardRefs<'b> = (
+    &'b Rc<Vec<Verdict>>,
+    &'b Rc<Vec<(usize, u32, f64)>>,
+    &'b Rc<Vec<usize>>,
+);
 
 /// A board's verdicts (by index), weights, flips and whether any static candidate is degraded.
-type BoardParts = (Vec<Verdict>, Vec<(usize, u32, f64)>, Vec<usize>, bool);
+type BoardParts = (
+    Rc<Vec<Verdict>>,
+    Rc<Vec<(usize, u32, f64)>>,
+    Rc<Vec<usize>>,
+    bool,
+);
 
 // `BoardMemo` is defined in `table` (the per-worker `TableCache` holds one), as `QuietMemo`.
 impl BoardMemo {
@@ -1547,7 +1658,7 @@ impl BoardMemo {
         model: Option<&str>,
         n: usize,
         changed: &[usize],
-        references: &[Option<f64>],
+        references: &Rc<Vec<Option<f64>>>,
         medians_computed: u64,
         one: &mut impl FnMut(usize, &mut Verdict) -> Option<One>,
     ) -> Option<BoardParts> {
@@ -1581,11 +1692,17 @@ impl BoardMemo {
         dirty.sort_unstable();
         dirty.dedup();
         let mut live = Vec::new();
+        // In place: the last decision's board is dropped (else these copy it).
+        let (verdicts, weights, flips) = (
+            Rc::make_mut(&mut self.verdicts),
+            Rc::make_mut(&mut self.weights),
+            Rc::make_mut(&mut self.flips),
+        );
         for &i in &dirty {
-            let (Ok(s), Some(v)) = (self.statics.binary_search(&i), self.verdicts.get_mut(i))
-            else {
+            let (Ok(s), Some(v)) = (self.statics.binary_search(&i), verdicts.get_mut(i)) else {
                 return None;
             };
+            let was_degraded = v.degraded;
             if v.degraded {
                 self.degraded = self.degraded.saturating_sub(1);
             }
@@ -1594,16 +1711,21 @@ impl BoardMemo {
             if v.degraded {
                 self.degraded += 1;
             }
-            let (Some(w), Some(slot_w)) = (o.weight, self.weights.get_mut(s)) else {
+            let (Some(w), Some(slot_w)) = (o.weight, weights.get_mut(s)) else {
                 return None;
             };
+            // The kept homes hold while no weight and no degraded flag changes.
+            if was_degraded != v.degraded || slot_w.1 != w.1 || slot_w.2.to_bits() != w.2.to_bits()
+            {
+                self.homes.clear();
+            }
             *slot_w = w;
             // The flipped positions stay in index order.
-            match (self.flips.binary_search(&i), o.flip) {
+            match (flips.binary_search(&i), o.flip) {
                 (Ok(at), false) => {
-                    self.flips.remove(at);
+                    flips.remove(at);
                 }
-                (Err(at), true) => self.flips.insert(at, i),
+                (Err(at), true) => flips.insert(at, i),
                 _ => {}
             }
             if !o.quiet {
@@ -1613,15 +1735,15 @@ impl BoardMemo {
         self.live = live;
         self.dirty = dirty;
         if new_medians {
-            self.references = references.to_vec();
+            self.references = Rc::clone(references);
             self.medians_computed = medians_computed;
         }
         self.valid = true;
         self.hits = self.hits.saturating_add(1);
         Some((
-            self.verdicts.clone(),
-            self.weights.clone(),
-            self.flips.clone(),
+            Rc::clone(&self.verdicts),
+            Rc::clone(&self.weights),
+            Rc::clone(&self.flips),
             self.degraded > 0,
         ))
     }
@@ -1637,7 +1759,7 @@ impl BoardMemo {
         (verdicts, weights, flips): BoardRefs<'_>,
         live: Vec<usize>,
         degraded: usize,
-        references: &[Option<f64>],
+        references: &Rc<Vec<Option<f64>>>,
         medians_computed: u64,
     ) {
         self.valid = true;
@@ -1645,21 +1767,18 @@ impl BoardMemo {
             self.model = model.map(str::to_string);
         }
         self.medians_computed = medians_computed;
-        self.references.clear();
-        self.references.extend_from_slice(references);
+        self.references = Rc::clone(references);
         self.statics.clear();
         self.statics.extend_from_slice(statics);
-        self.weights.clear();
-        self.weights.extend_from_slice(weights);
-        self.verdicts.clear();
-        self.verdicts.extend_from_slice(verdicts);
-        self.flips.clear();
-        self.flips.extend_from_slice(flips);
+        self.weights = Rc::clone(weights);
+        self.verdicts = Rc::clone(verdicts);
+        self.flips = Rc::clone(flips);
         self.live = live;
         self.degraded = degraded;
         self.dirty.clear();
+        self.homes.clear();
         // Kept only by `keep_admission`, for this board.
-        self.admission.clear();
+        self.admission = Rc::default();
         self.open.clear();
     }
 
@@ -1672,7 +1791,7 @@ impl BoardMemo {
         table: &Table,
         now_ms: u64,
         bcfg: &BreakerConfig,
-    ) -> Option<Vec<Option<Admission>>> {
+    ) -> Option<Admissions> {
         if !self.valid || self.admission.len() != self.verdicts.len() {
             return None;
         }
@@ -1680,10 +1799,10 @@ impl BoardMemo {
         ask.sort_unstable();
         ask.dedup();
         let mut open = Vec::new();
+        let admission = Rc::make_mut(&mut self.admission);
         for i in ask {
-            let (Some((_, st)), Some(slot)) = (table.entries.get(i), self.admission.get_mut(i))
-            else {
-                self.admission.clear();
+            let (Some((_, st)), Some(slot)) = (table.entries.get(i), admission.get_mut(i)) else {
+                self.admission = Rc::default();
                 return None;
             };
             *slot = Some(st.breaker.peek(now_ms, bcfg));
@@ -1699,18 +1818,54 @@ impl BoardMemo {
                 .open
                 .iter()
                 .any(|&i| self.admission.get(i).is_some_and(admits));
-        any.then(|| self.admission.clone())
+        any.then(|| Rc::clone(&self.admission))
     }
 
     /// Keeps the admission of the statics computed by `admit`, with the statics whose
     /// breaker is not closed (`None`: of other candidates, or not computed: nothing kept).
-    pub(super) fn keep_admission(&mut self, kept: Option<(&Vec<Option<Admission>>, Vec<usize>)>) {
-        self.admission.clear();
+    /// The home of rendezvous key `key` over the memo's board, if kept (`Some(None)`: no
+    /// candidate).
+    pub(super) fn home_of(&self, key: u64) -> Option<Option<usize>> {
+        self.homes.iter().find(|(k, _)| *k == key).map(|&(_, h)| h)
+    }
+
+    /// Keeps the home of `key` over the memo's board (the oldest of [`BoardMemo::HOMES`]
+    /// makes room).
+    pub(super) fn keep_home(&mut self, key: u64, home: Option<usize>) {
+        if self.home_of(key).is_some() {
+            return;
+        }
+        if self.homes.len() >= Self::HOMES {
+            self.homes.remove(0);
+        }
+        self.homes.push((key, home));
+    }
+
+    /// Homes kept at most.
+    pub(super) const HOMES: usize = 64;
+
+    /// Keeps `changed` (positions decoded since the memo was last brought up to date, taken
+    /// by a decision it does not serve; `None`: unknown) for the next decision it serves
+    /// (`TableCache::lent_board` adds them to its list). Past `n` positions: unknown.
+    pub(super) fn carry(&mut self, changed: Option<Vec<usize>>, n: usize) {
+        match changed {
+            Some(list) if !self.carried_unknown && self.carried.len() + list.len() <= n => {
+                self.carried.extend(list);
+            }
+            _ => {
+                self.carried.clear();
+                self.carried_unknown = true;
+            }
+        }
+    }
+
+    pub(super) fn keep_admission(&mut self, kept: Option<(&Admissions, Vec<usize>)>) {
+        self.admission = Rc::default();
         self.open.clear();
         let Some((a, open)) = kept.filter(|_| self.valid) else {
             return;
         };
-        self.admission.extend_from_slice(a);
+        self.admission = Rc::clone(a);
         self.open = open;
     }
 }
