@@ -66,8 +66,8 @@
 //! a far-future reset is capped. So a hostile upstream can at most make its own endpoint look
 //! short for `retry_after_max_ms`, which a 429 could do anyway.
 
-use crate::scheduler::routing::placement::quantize;
 use crate::scheduler::state::codec::{Reader, Writer};
+use crate::scheduler::state::levels::quantize;
 use crate::scheduler::time::{parse_go_duration_ms, parse_rfc3339_ms};
 use crate::scheduler::wire::headers::HeaderSource;
 
