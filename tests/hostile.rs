@@ -526,11 +526,23 @@ fn non_chat_requests_are_routed_without_a_session() {
         "GET /v1/models reached an upstream"
     );
 
+    // Requests without a session spread on a per-request key (`Pick::nonce`), weighted: `a`
+    // (weight 100) nearly always, `c` (weight 1) about once in a hundred; never disabled `b`.
+    let routed = |r: &http::Response| {
+        let e = r.header("x-computeflux-endpoint");
+        assert!(matches!(e, Some("a" | "c")), "routed to {e:?}: {}", r.body);
+        e.unwrap_or_default().to_string()
+    };
+
     // Another path: the endpoint's own answer (the mock's 404) passes through unchanged.
     let r = http::get(port, "/v1/not-a-thing");
     assert_eq!(r.status, 404, "{}", r.body);
-    assert_eq!(r.header("x-computeflux-endpoint"), Some("a"));
-    assert!(r.body.contains("mock a: no route"), "{}", r.body);
+    let e = routed(&r);
+    assert!(
+        r.body.contains(&format!("mock {e}: no route")),
+        "{}",
+        r.body
+    );
     // DELETE and HEAD are routed the same way.
     let r = http::request(
         port,
@@ -542,10 +554,10 @@ fn non_chat_requests_are_routed_without_a_session() {
     )
     .expect("DELETE");
     assert_eq!(r.status, 404, "{}", r.body);
-    assert_eq!(r.header("x-computeflux-endpoint"), Some("a"));
+    routed(&r);
     let r =
         http::request(port, "HEAD", "/v1/models", &[], None, http::DEFAULT_TIMEOUT).expect("HEAD");
-    assert_eq!(r.header("x-computeflux-endpoint"), Some("a"));
+    routed(&r);
 
     // A POST to another path is read as a chat-completion body: a model is required.
     let r = f.no_upstream("POST /v1/embeddings without model", || {
@@ -553,7 +565,7 @@ fn non_chat_requests_are_routed_without_a_session() {
     });
     assert_openai_error(&r, 400, "missing_model");
     let r = http::post_json(port, "/v1/embeddings", r#"{"model":"m","input":"x"}"#);
-    assert_eq!(r.header("x-computeflux-endpoint"), Some("a"), "{}", r.body);
+    routed(&r);
 
     assert_eq!(f.envoy.stat("cluster.b.upstream_rq_total"), Some(0));
     f.assert_healthy();
