@@ -83,31 +83,23 @@ fn body(tag: &str) -> String {
 /// A chat request on its own connection (so it may land on either worker), left unread.
 fn raw_request(port: u16, body: &str) -> TcpStream {
     let mut s = TcpStream::connect(("127.0.0.1", port)).expect("connect to Envoy");
-    let head = format!(
-        "POST /v1/chat/completions HTTP/1.1\r\nhost: 127.0.0.1\r\ncontent-type: application/json\r\n\
-         content-length: {}\r\n\r\n",
-        body.len()
-    );
-    s.write_all(head.as_bytes()).expect("write head");
-    s.write_all(body.as_bytes()).expect("write body");
+    send_on(&mut s, body);
     s
 }
 
-#[test]
-fn in_flight_counts_are_exact_with_both_workers_busy() {
-    const THREADS: usize = 8;
-    const PER_THREAD: usize = 50;
-    const HELD: usize = 24;
-    let mocks: Vec<MockUpstream> = (0..ENDPOINTS)
+/// `n` instant mocks named `<prefix><i>`, all serving `m`, each its own endpoint and cluster,
+/// and an Envoy with the filter in front of them.
+fn fleet(prefix: &str, n: usize) -> (Vec<MockUpstream>, Envoy) {
+    let mocks: Vec<MockUpstream> = (0..n)
         .map(|i| {
             MockUpstream::start(
-                &format!("e{i}"),
+                &format!("{prefix}{i}"),
                 &["m"],
                 &["--prefill-us-per-token", "0", "--decode-ms", "0"],
             )
         })
         .collect();
-    let names: Vec<String> = (0..ENDPOINTS).map(|i| format!("e{i}")).collect();
+    let names: Vec<String> = (0..n).map(|i| format!("{prefix}{i}")).collect();
     let endpoints: Vec<Value> = names
         .iter()
         .map(|n| json!({"name": n, "cluster": n, "models": ["m"]}))
@@ -118,6 +110,15 @@ fn in_flight_counts_are_exact_with_both_workers_busy() {
         .map(|(n, m)| (n.as_str(), m.port))
         .collect();
     let envoy = Envoy::start(EnvoyConfig::new(json!({"endpoints": endpoints}), &clusters));
+    (mocks, envoy)
+}
+
+#[test]
+fn in_flight_counts_are_exact_with_both_workers_busy() {
+    const THREADS: usize = 8;
+    const PER_THREAD: usize = 50;
+    const HELD: usize = 24;
+    let (mocks, envoy) = fleet("e", ENDPOINTS);
     let port = envoy.port;
 
     // Phase 1: both workers picking and finishing at once, every request on a new connection.
@@ -264,26 +265,7 @@ fn in_flight_counts_are_exact_through_the_write_log() {
     /// More single-entry writes than the log holds (`table::LOG_LEN`).
     const PAST_LOG: usize = 70;
     const B_PAST: usize = 4;
-    let mocks: Vec<MockUpstream> = (0..N)
-        .map(|i| {
-            MockUpstream::start(
-                &format!("w{i}"),
-                &["m"],
-                &["--prefill-us-per-token", "0", "--decode-ms", "0"],
-            )
-        })
-        .collect();
-    let names: Vec<String> = (0..N).map(|i| format!("w{i}")).collect();
-    let endpoints: Vec<Value> = names
-        .iter()
-        .map(|n| json!({"name": n, "cluster": n, "models": ["m"]}))
-        .collect();
-    let clusters: Vec<(&str, u16)> = names
-        .iter()
-        .zip(&mocks)
-        .map(|(n, m)| (n.as_str(), m.port))
-        .collect();
-    let envoy = Envoy::start(EnvoyConfig::new(json!({"endpoints": endpoints}), &clusters));
+    let (mocks, envoy) = fleet("w", N);
     let port = envoy.port;
     // Both workers read and write the table first (fresh connections land on either).
     for k in 0..16 {

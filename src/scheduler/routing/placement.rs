@@ -295,22 +295,7 @@ impl<'c> Keyed<'c> {
         if !uniform || w0.is_nan() || w0 <= 0.0 || w0.is_infinite() {
             return self.first_by_bounds();
         }
-        // The kept in decreasing hash (so bound) order: once a bound is below the best
-        // exact key, so are the rest.
-        let mut best: Option<(usize, (f64, u32, usize))> = None;
-        for &(h, at) in &kept {
-            let Some(&(i, id, _)) = self.candidates.get(at) else {
-                break;
-            };
-            if best.is_some_and(|(_, b)| bound_of(h, w0) < b.0) {
-                break;
-            }
-            let k = (key_of(h, w0), id, i);
-            if best.is_none_or(|(_, b)| rank(&k, &b).is_gt()) {
-                best = Some((at, k));
-            }
-        }
-        let (best_at, best_key) = best?;
+        let (best_at, best_key) = self.best_kept(&kept, w0, None)?;
         // Every candidate was kept, or none left out can reach the best: decided.
         if self.candidates.len() <= TOP_KEPT || best_key.0 > bound_of(last, w0) {
             self.kept.set(Some((kept, w0)));
@@ -319,17 +304,22 @@ impl<'c> Keyed<'c> {
         best_of(self.session_key, self.bounds())
     }
 
-    /// The second of the order (position and index) after the first at `first_at`, from the
-    /// hashes the first pass kept, when they decide it as they decided the first; `None`
-    /// otherwise (the caller searches every candidate).
-    fn second(&self, first_at: usize) -> Option<(usize, usize)> {
-        let (kept, w0) = self.kept.get()?;
+    /// The greatest exact key among the `kept` hashes (greatest first, all of weight `w0`),
+    /// leaving out position `skip`, with its position: once a kept hash's bound is below the
+    /// best key so far, so are the rest's.
+    #[inline]
+    fn best_kept(
+        &self,
+        kept: &[(u64, usize); TOP_KEPT],
+        w0: f64,
+        skip: Option<usize>,
+    ) -> Option<(usize, (f64, u32, usize))> {
         let mut best: Option<(usize, (f64, u32, usize))> = None;
-        for &(h, at) in &kept {
+        for &(h, at) in kept {
             let Some(&(i, id, _)) = self.candidates.get(at) else {
                 break;
             };
-            if at == first_at {
+            if skip == Some(at) {
                 continue;
             }
             if best.is_some_and(|(_, b)| bound_of(h, w0) < b.0) {
@@ -340,7 +330,15 @@ impl<'c> Keyed<'c> {
                 best = Some((at, k));
             }
         }
-        let (at, key) = best?;
+        best
+    }
+
+    /// The second of the order (position and index) after the first at `first_at`, from the
+    /// hashes the first pass kept, when they decide it as they decided the first; `None`
+    /// otherwise (the caller searches every candidate).
+    fn second(&self, first_at: usize) -> Option<(usize, usize)> {
+        let (kept, w0) = self.kept.get()?;
+        let (at, key) = self.best_kept(&kept, w0, Some(first_at))?;
         // The candidates left out have hashes at most the last kept one's (all kept: none).
         let decided = self.candidates.len() <= TOP_KEPT
             || kept.last().is_some_and(|k| key.0 > bound_of(k.0, w0));
