@@ -1153,6 +1153,17 @@ impl<'t> Board<'t> {
             .and_then(|t| t.entries.get(i))
             .is_some_and(|(_, st)| st.quota.short(q.estimate, &q.rule, q.now_ms))
     }
+    /// What `i`'s key has left for new sessions after its forecast use (`Quota::headroom`;
+    /// `None`: no stated token limit, or `quota_session_growth` off).
+    pub(super) fn headroom(&self, i: usize) -> Option<i128> {
+        let q = &self.quotas;
+        if !q.rule.growth || !q.rule.pacing {
+            return None;
+        }
+        q.table
+            .and_then(|t| t.entries.get(i))
+            .and_then(|(_, st)| st.quota.headroom(&q.rule, q.now_ms))
+    }
     /// Staying there is a certain 429 (`quota_aware`): even a pin leaves it.
     pub(super) fn certain_429(&self, i: usize) -> bool {
         let q = &self.quotas;
@@ -1474,10 +1485,32 @@ pub(super) fn fallback(
     pin: &PinVerdict,
 ) -> Option<(usize, Reason)> {
     let left = pin.left();
-    keyed
-        .order()
-        .into_iter()
-        .find(|&i| board.admitted(i) && Some(i) != left)
+    let order = keyed.order();
+    let first = order
+        .iter()
+        .copied()
+        .find(|&i| board.admitted(i) && Some(i) != left);
+    // Every candidate short of quota (the first of the order is): the key with the most
+    // tokens left after its forecast use, not the first of the order, which may be a key
+    // with a sixth of the others' limit that then runs dry in the next window (ties and
+    // keys without a stated limit: the order).
+    let roomiest = first.filter(|&f| board.short(f)).and_then(|_| {
+        let mut best: Option<(usize, i128)> = None;
+        for &i in &order {
+            if !board.admitted(i) || Some(i) == left || board.degraded(i) || board.certain_429(i)
+            {
+                continue;
+            }
+            if let Some(h) = board.headroom(i) {
+                if best.is_none_or(|(_, b)| h > b) {
+                    best = Some((i, h));
+                }
+            }
+        }
+        best.map(|(i, _)| i)
+    });
+    roomiest
+        .or(first)
         .map(|i| (i, Reason::Backup))
         .or_else(|| left.map(|i| (i, Reason::AffinityHit)))
 }
