@@ -824,7 +824,8 @@ fn new_sessions_placed_late_in_a_window_count_for_the_next() {
     };
     // Window [8 000, 12 000) of a key of 80 000 tokens with 4 s windows: the window before
     // used 20 000, this one 15 000 by 11 500 (the answer stating it was sent then).
-    let placed_until_short = |growth: bool| {
+    // `own`: what this replica picked of the window's 15 000 (the rest: other replicas').
+    let placed_until_short = |growth: bool, own: u64| {
         let r = rule(growth);
         let mut q = Quota::default();
         let stated = |left: u64, sent: u64, reset_in: u64| QuotaHint {
@@ -838,6 +839,7 @@ fn new_sessions_placed_late_in_a_window_count_for_the_next() {
         };
         q.observe(&stated(80_000, 4_000, 4_000), &NO_MARK, &r, 4_000);
         q.observe(&stated(60_000, 7_900, 100), &NO_MARK, &r, 7_900);
+        q.consume(own, 8_100);
         q.observe(&stated(65_000, 11_500, 500), &NO_MARK, &r, 11_500);
         assert_eq!(q.tokens.map(|t| t.prev_used), Some(20_000));
         let mut n = 0u64;
@@ -849,13 +851,18 @@ fn new_sessions_placed_late_in_a_window_count_for_the_next() {
         }
         n
     };
-    let (on, off) = (placed_until_short(true), placed_until_short(false));
+    let (on, off) = (placed_until_short(true, 15_000), placed_until_short(false, 15_000));
     // Next window: the sessions pinned before spend about what they did in this one (15 000),
     // each new one about 2 800 (4.3 × its first turn). The key's 80 000 hold 23 new ones.
     let next_window = |n: u64| 15_000 + n * 2_800;
     assert!(next_window(on) <= 80_000 - 80_000 / 4, "with growth: {on} placed");
     assert!(on >= 5, "the key still takes new sessions: {on}");
     assert!(next_window(off) > 80_000, "without it the key runs dry: {off} placed");
+    // One of three replicas (it picked a third of the key's use): each of its placements
+    // stands for more than one (the key's use over its picks, 3 at first), so it closes the
+    // key sooner than a lone Envoy (counting only its own, it placed as many: 9 each).
+    let third = placed_until_short(true, 5_000);
+    assert!(third >= 3 && third <= on * 2 / 3, "{third} of {on}");
     // The growth is per window: forgotten at the reset (the sessions' use counts then).
     let mut q = Quota::default();
     let r = rule(true);
