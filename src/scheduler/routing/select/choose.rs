@@ -1013,6 +1013,17 @@ impl<'a> Scheduler<'a> {
             // and the home past its share). Its next turn would find the home as full, and
             // sending it there would re-prefill the turn the spill place has cached.
             (Reason::Spill, _) if board.by_slots => true,
+            // Spilled while its home was kept off for its quota (`quota_session_growth`): its
+            // next turn would go home as a pin would (only a certain 429 passes a home over),
+            // a move onto a key it was kept off, that re-prefills the turn cached here
+            // (issue 22's quota bench, `quota7-3` ×3: two sessions spilled from their short
+            // homes, then moved home between keys that both had quota).
+            (Reason::Spill, _)
+                if self.cfg.quota_session_growth
+                    && home.is_some_and(|h| quota_skipped.contains(&h)) =>
+            {
+                true
+            }
             // A probe, or a burst that spilled: the session's place stays its home.
             (Reason::DegradedProbe | Reason::Spill, _) => false,
             (_, AfterFailover::Stay) => true,
