@@ -68,6 +68,7 @@ fn remaining(
         stated_ms: reset_at_ms.wrapping_sub(span_ms),
         prev_used: left.wrapping_mul(3),
         picked: span_ms.wrapping_mul(5),
+        placed: left.wrapping_mul(7),
     }
 }
 

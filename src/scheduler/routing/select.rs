@@ -504,6 +504,7 @@ impl<'a> Scheduler<'a> {
             default_reset_ms: self.cfg.rate_limit_ms,
             max_reset_ms: self.cfg.retry_after_max_ms,
             pacing: self.cfg.quota_pacing,
+            growth: self.cfg.quota_session_growth,
         }
     }
 
@@ -834,7 +835,13 @@ impl<'a> Scheduler<'a> {
         };
         let (quota_tokens, quota_mark) = if self.cfg.quota_aware {
             let estimate = pick.quota_estimate(self.cfg.quota_bytes_per_token);
-            (estimate, st.quota.consume(estimate, now_ms))
+            let mark = st.quota.consume(estimate, now_ms);
+            // A new session's first turn: what it will spend next window counts in pacing.
+            if pick.session.is_some() && !pick.follow_up && choice.reason != Reason::AffinityHit
+            {
+                st.quota.place(estimate, now_ms);
+            }
+            (estimate, mark)
         } else {
             (0, QuotaMark::default())
         };

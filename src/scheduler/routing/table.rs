@@ -190,11 +190,11 @@ pub struct Table {
 
 /// The byte format's version. A new one needs a new [`TABLE_KEY`] (a test checks that they
 /// agree).
-pub const TABLE_VERSION: u8 = 13;
+pub const TABLE_VERSION: u8 = 14;
 /// The table's shared-data key, one per [`TABLE_VERSION`]: modules of two versions running
 /// side by side during an upgrade each keep their own table instead of resetting each other's
 /// on every write (Envoy never frees a key: one table's worth of bytes per version ever run).
-pub const TABLE_KEY: &str = "computeflux/endpoints/13";
+pub const TABLE_KEY: &str = "computeflux/endpoints/14";
 /// Id, write stamp, then the state.
 const ENTRY_BYTES: usize = 4
     + 8

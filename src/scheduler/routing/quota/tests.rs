@@ -22,6 +22,7 @@ const RULE: QuotaRule = QuotaRule {
     default_reset_ms: 60_000,
     max_reset_ms: 300_000,
     pacing: false,
+    growth: false,
 };
 
 /// Pacing: a key that used 60 % of its limit in the first 40 % of its window is on course
@@ -43,6 +44,7 @@ fn pacing_keeps_new_sessions_off_a_key_on_course_to_run_out() {
             stated_ms: 0,
             prev_used: 0,
             picked: 0,
+            placed: 0,
         };
         Quota {
             requests: None,
@@ -342,6 +344,7 @@ fn round_trip() {
             stated_ms: 5,
             prev_used: 6,
             picked: 7,
+            placed: 8,
         }),
     };
     let mut w = Writer::with_capacity(Quota::BYTES);
@@ -366,6 +369,7 @@ fn settle_replaces_the_estimate_by_the_reported_usage() {
             stated_ms: 0,
             prev_used: 0,
             picked: 0,
+            placed: 0,
         }),
     };
     let mut q = at(40_000);
@@ -802,4 +806,84 @@ fn weights_follow_the_stated_limits_in_levels_down_to_the_floor() {
         weigh_by_limits(&zero, |i| (0, if i == 0 { 0 } else { 50 })),
         None
     );
+}
+
+/// Issue 22's quota bench, one Envoy (`quota6-2`): late in a window a small key (`d`, a fifth
+/// of the others' limit) took 22 new sessions as a backup while its own use was light, ran dry
+/// in the next window (each of those sessions spent about four times its first turn there),
+/// and 23 follow-ups moved. With the new sessions' growth counted
+/// ([`Remaining::growth`]), pacing closes the key while the next window still holds them; off,
+/// it takes 30 and runs dry.
+#[test]
+fn new_sessions_placed_late_in_a_window_count_for_the_next() {
+    let rule = |growth: bool| QuotaRule {
+        pacing: true,
+        reserve_percent: 50,
+        growth,
+        ..RULE
+    };
+    // Window [8 000, 12 000) of a key of 80 000 tokens with 4 s windows: the window before
+    // used 20 000, this one 15 000 by 11 500 (the answer stating it was sent then).
+    // `own`: what this replica picked of the window's 15 000 (the rest: other replicas').
+    let placed_until_short = |growth: bool, own: u64| {
+        let r = rule(growth);
+        let mut q = Quota::default();
+        let stated = |left: u64, sent: u64, reset_in: u64| QuotaHint {
+            requests: None,
+            tokens: Some(Stated {
+                left,
+                reset_in_ms: Some(reset_in),
+                limit: Some(80_000),
+            }),
+            at_ms: Some(sent),
+        };
+        q.observe(&stated(80_000, 4_000, 4_000), &NO_MARK, &r, 4_000);
+        q.observe(&stated(60_000, 7_900, 100), &NO_MARK, &r, 7_900);
+        q.consume(own, 8_100);
+        q.observe(&stated(65_000, 11_500, 500), &NO_MARK, &r, 11_500);
+        assert_eq!(q.tokens.map(|t| t.prev_used), Some(20_000));
+        let mut n = 0u64;
+        // New sessions whose first turns are estimated at 650 tokens each, 5 ms apart.
+        while n < 60 && !q.short(650, &r, 11_500 + n * 5) {
+            q.consume(650, 11_500 + n * 5);
+            q.place(650, 11_500 + n * 5);
+            n += 1;
+        }
+        n
+    };
+    let (on, off) = (placed_until_short(true, 15_000), placed_until_short(false, 15_000));
+    // Next window: the sessions pinned before spend about what they did in this one (15 000),
+    // each new one about 2 800 (4.3 × its first turn). The key's 80 000 hold 23 new ones.
+    let next_window = |n: u64| 15_000 + n * 2_800;
+    assert!(next_window(on) <= 80_000 - 80_000 / 4, "with growth: {on} placed");
+    assert!(on >= 5, "the key still takes new sessions: {on}");
+    assert!(next_window(off) > 80_000, "without it the key runs dry: {off} placed");
+    // One of three replicas (it picked a third of the key's use): each of its placements
+    // stands for more than one (the key's use over its picks, 3 at first), so it closes the
+    // key sooner than a lone Envoy (counting only its own, it placed as many: 9 each).
+    let third = placed_until_short(true, 5_000);
+    assert!(third >= 3 && third <= on * 2 / 3, "{third} of {on}");
+    // The growth is per window: forgotten at the reset (the sessions' use counts then).
+    let mut q = Quota::default();
+    let r = rule(true);
+    q.observe(
+        &QuotaHint {
+            requests: None,
+            tokens: Some(Stated {
+                left: 80_000,
+                reset_in_ms: Some(500),
+                limit: Some(80_000),
+            }),
+            at_ms: Some(11_500),
+        },
+        &NO_MARK,
+        &r,
+        11_500,
+    );
+    q.place(650, 11_600);
+    assert_eq!(q.tokens.map(Remaining::growth), Some(1_950));
+    assert_eq!(q.tokens.and_then(|t| t.current(12_100)).map(Remaining::growth), Some(0));
+    // Headroom: the limit less the forecast (no reserve), negative when over.
+    assert_eq!(q.headroom(&r, 11_600), Some(80_000 - 1_950));
+    assert_eq!(Quota::default().headroom(&r, 11_600), None);
 }

@@ -1013,6 +1013,17 @@ impl<'a> Scheduler<'a> {
             // and the home past its share). Its next turn would find the home as full, and
             // sending it there would re-prefill the turn the spill place has cached.
             (Reason::Spill, _) if board.by_slots => true,
+            // Spilled while its home was kept off for its quota (`quota_session_growth`): its
+            // next turn would go home as a pin would (only a certain 429 passes a home over),
+            // a move onto a key it was kept off, that re-prefills the turn cached here
+            // (issue 22's quota bench, `quota7-3` ×3: two sessions spilled from their short
+            // homes, then moved home between keys that both had quota).
+            (Reason::Spill, _)
+                if self.cfg.quota_session_growth
+                    && home.is_some_and(|h| quota_skipped.contains(&h)) =>
+            {
+                true
+            }
             // A probe, or a burst that spilled: the session's place stays its home.
             (Reason::DegradedProbe | Reason::Spill, _) => false,
             (_, AfterFailover::Stay) => true,
@@ -1152,6 +1163,17 @@ impl<'t> Board<'t> {
         q.table
             .and_then(|t| t.entries.get(i))
             .is_some_and(|(_, st)| st.quota.short(q.estimate, &q.rule, q.now_ms))
+    }
+    /// What `i`'s key has left for new sessions after its forecast use (`Quota::headroom`;
+    /// `None`: no stated token limit, or `quota_session_growth` off).
+    pub(super) fn headroom(&self, i: usize) -> Option<i128> {
+        let q = &self.quotas;
+        if !q.rule.growth || !q.rule.pacing {
+            return None;
+        }
+        q.table
+            .and_then(|t| t.entries.get(i))
+            .and_then(|(_, st)| st.quota.headroom(&q.rule, q.now_ms))
     }
     /// Staying there is a certain 429 (`quota_aware`): even a pin leaves it.
     pub(super) fn certain_429(&self, i: usize) -> bool {
@@ -1474,10 +1496,32 @@ pub(super) fn fallback(
     pin: &PinVerdict,
 ) -> Option<(usize, Reason)> {
     let left = pin.left();
-    keyed
-        .order()
-        .into_iter()
-        .find(|&i| board.admitted(i) && Some(i) != left)
+    let order = keyed.order();
+    let first = order
+        .iter()
+        .copied()
+        .find(|&i| board.admitted(i) && Some(i) != left);
+    // Every candidate short of quota (the first of the order is): the key with the most
+    // tokens left after its forecast use, not the first of the order, which may be a key
+    // with a sixth of the others' limit that then runs dry in the next window (ties and
+    // keys without a stated limit: the order).
+    let roomiest = first.filter(|&f| board.short(f)).and_then(|_| {
+        let mut best: Option<(usize, i128)> = None;
+        for &i in &order {
+            if !board.admitted(i) || Some(i) == left || board.degraded(i) || board.certain_429(i)
+            {
+                continue;
+            }
+            if let Some(h) = board.headroom(i) {
+                if best.is_none_or(|(_, b)| h > b) {
+                    best = Some((i, h));
+                }
+            }
+        }
+        best.map(|(i, _)| i)
+    });
+    roomiest
+        .or(first)
         .map(|i| (i, Reason::Backup))
         .or_else(|| left.map(|i| (i, Reason::AffinityHit)))
 }

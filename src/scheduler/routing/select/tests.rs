@@ -2550,6 +2550,116 @@ fn new_sessions_follow_the_keys_stated_limits() {
     assert_eq!(share_of_c(json!({"quota_aware": false})), off);
 }
 
+/// `quota_session_growth`: when every candidate is short of quota, a new session goes to the
+/// key with the most tokens left after its forecast use, not to the first of its order. In
+/// issue 22's quota bench the big keys were short by the reserve (half their limit kept for
+/// their pinned sessions, with about 180 000 tokens still free) while a small key had a few
+/// thousand: the first of the order put sessions on the small key, which then ran dry in the
+/// next window. Pinned sessions stay where they are.
+#[test]
+fn when_every_key_is_short_a_new_session_goes_to_the_roomiest() {
+    use crate::scheduler::routing::quota::Stated;
+    let on_c = |growth: bool| {
+        let c = cfg(json!({
+            "endpoints": three_keys(),
+            "quota_reserve_percent": 50,
+            "quota_session_growth": growth,
+        }));
+        let store = MemStore::new();
+        let s = Scheduler::new(&c, &store);
+        let ex = Exclusions::default();
+        let k = session_homed_at(&s, 2);
+        let pinned = s.pick(&body_pick(Some(k), &ex, 40), 0).unwrap();
+        s.finish(pinned.ticket, &Outcome::Success, 10, Some(k), 1);
+        // a and b used 220 000 of 400 000 (over their pace for the reserve: short, with
+        // 180 000 free), c 28 000 of 50 000 (short, 22 000 free).
+        for (i, limit, used) in [(0, 400_000, 220_000), (1, 400_000, 220_000), (2, 50_000, 28_000)] {
+            let hint = QuotaHint {
+                requests: None,
+                tokens: Some(Stated {
+                    left: limit - used,
+                    reset_in_ms: Some(6_000),
+                    limit: Some(limit),
+                }),
+                at_ms: None,
+            };
+            answered(&s, i, &hint, 2);
+        }
+        let placed = (10_000..10_300u64)
+            .filter(|&k| {
+                let d = s.pick(&body_pick(Some(k), &ex, 4), 3).unwrap();
+                let at = d.endpoint;
+                s.finish(d.ticket, &Outcome::Cancelled, 0, None, 3);
+                at == 2
+            })
+            .count();
+        // The session pinned to c stays there (c has its turn's tokens).
+        let stay = s.pick(&body_pick(Some(k), &ex, 40), 4).unwrap();
+        assert_eq!((stay.endpoint, stay.affinity), (2, AffinityResult::Hit));
+        placed
+    };
+    let (on, off) = (on_c(true), on_c(false));
+    assert_eq!(on, 0);
+    // Off: the first of each session's order, about 1 in 17 (c weighs 1/8 of a and b).
+    assert!(off >= 8, "{off}");
+}
+
+/// `quota_session_growth`: a new session that spilled (over its bounded load) from a home
+/// kept off for its quota is pinned where it was served: its next turn without a pin would go
+/// home as a pin would (a home is passed over only for a certain 429), re-prefilling on a key
+/// that still had quota (issue 22's quota bench, `quota7-3` ×3: 2 such moves).
+#[test]
+fn a_spill_from_a_home_short_of_quota_pins() {
+    use crate::scheduler::routing::quota::Stated;
+    let pinned_spill = |growth: bool| {
+        let c = cfg(json!({
+            "endpoints": [{"name":"x","cluster":"cx"},{"name":"y","cluster":"cy"}],
+            "quota_reserve_percent": 50,
+            "quota_session_growth": growth,
+            "bounded_load_epsilon": 0.25,
+            "bounded_load_slack": 1,
+        }));
+        let store = MemStore::new();
+        let s = Scheduler::new(&c, &store);
+        let ex = Exclusions::default();
+        // x used 60 000 of 100 000 (over the reserve: short for new sessions, not for a pin).
+        let hint = QuotaHint {
+            requests: None,
+            tokens: Some(Stated {
+                left: 40_000,
+                reset_in_ms: Some(60_000),
+                limit: Some(100_000),
+            }),
+            at_ms: None,
+        };
+        answered(&s, 0, &hint, 1);
+        // y busy: new sessions kept in flight there until it is over its bounded load.
+        let mut held = Vec::new();
+        let mut spilled = None;
+        for n in 0..40u64 {
+            let d = s.pick(&body_pick(Some(key(n)), &ex, 4), 2).unwrap();
+            assert_eq!(d.endpoint, 1, "{d:?}");
+            if d.reason == Reason::Spill && d.home == Some(0) && spilled.is_none() {
+                spilled = Some((key(n), d.ticket.pin_on_success));
+            }
+            held.push((key(n), d));
+        }
+        let (k, pins) = spilled.expect("a session homed at x spilled to y");
+        for (n, d) in held {
+            s.finish(d.ticket, &Outcome::Success, 10, Some(n), 3);
+        }
+        // Its next turn: where the pin says, else home.
+        let mut next = body_pick(Some(k), &ex, 40);
+        next.follow_up = true;
+        let d = s.pick(&next, 4).unwrap();
+        s.finish(d.ticket, &Outcome::Cancelled, 0, None, 4);
+        (pins, d.endpoint)
+    };
+    assert_eq!(pinned_spill(true), (true, 1));
+    // Off: not pinned, the next turn moves home to x, which had quota for it.
+    assert_eq!(pinned_spill(false), (false, 0));
+}
+
 fn three_keys() -> serde_json::Value {
     json!([
         {"name":"a","cluster":"ca"},{"name":"b","cluster":"cb"},{"name":"c","cluster":"cc"}

@@ -36,14 +36,17 @@ pub struct Page {
     pub gauges: BTreeMap<String, f64>,
 }
 
-/// The per-endpoint gauges a timeline records: what the filter judged and what it scraped.
-pub const TIMELINE_GAUGES: [&str; 6] = [
+/// The per-endpoint gauges a timeline records: what the filter judged and what it scraped
+/// (and one counter, the quota skips).
+pub const TIMELINE_GAUGES: [&str; 7] = [
     "computeflux_degraded",
     "computeflux_saturated",
     "computeflux_engine_waiting",
     "computeflux_engine_running",
     "computeflux_engine_decode_us_per_token",
     "computeflux_in_flight",
+    // A counter: picks that passed the endpoint over for its quota (when, in the timeline).
+    "computeflux_quota_skips_total",
 ];
 
 /// `BENCH_TIMELINE_MS=N` (diagnostics): sample every N ms instead of once a second and keep

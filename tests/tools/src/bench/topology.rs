@@ -83,6 +83,9 @@ pub enum Policy {
     /// The filter without placement in proportion to the keys' stated limits
     /// (`"quota_limit_weighting": false`): the rule on against off in one run.
     FilterNoLimitWeight,
+    /// The filter without the new sessions' growth in quota pacing and the roomiest key when
+    /// all are short (`"quota_session_growth": false`): the rule on against off in one run.
+    FilterGrowthOff,
 }
 
 impl Policy {
@@ -96,7 +99,7 @@ impl Policy {
     ];
 
     /// Every policy `--policies` accepts, in the report's order (the default set first).
-    pub const KNOWN: [Policy; 22] = [
+    pub const KNOWN: [Policy; 23] = [
         Policy::RoundRobin,
         Policy::LeastRequest,
         Policy::RingHash,
@@ -119,6 +122,7 @@ impl Policy {
         Policy::FilterEps25,
         Policy::FilterEps15,
         Policy::FilterNoLimitWeight,
+        Policy::FilterGrowthOff,
     ];
 
     pub fn name(&self) -> &'static str {
@@ -145,6 +149,7 @@ impl Policy {
             Policy::FilterEps25 => "computeflux_eps25",
             Policy::FilterEps15 => "computeflux_eps15",
             Policy::FilterNoLimitWeight => "computeflux_nolimitweight",
+            Policy::FilterGrowthOff => "computeflux_growthoff",
         }
     }
 
@@ -191,7 +196,8 @@ impl Policy {
             | Policy::FilterNoRelief
             | Policy::FilterEps25
             | Policy::FilterEps15
-            | Policy::FilterNoLimitWeight => None,
+            | Policy::FilterNoLimitWeight
+            | Policy::FilterGrowthOff => None,
         }
     }
 
@@ -206,6 +212,7 @@ impl Policy {
             Policy::FilterEps25 => json!({"bounded_load_epsilon": 0.25}),
             Policy::FilterEps15 => json!({"bounded_load_epsilon": 0.15}),
             Policy::FilterNoLimitWeight => json!({"quota_limit_weighting": false}),
+            Policy::FilterGrowthOff => json!({"quota_session_growth": false}),
             Policy::FilterNoSessionBound => json!({"prefix_session_half_life_ms": 0}),
             Policy::FilterSessionBoundTight => json!({"prefix_session_epsilon": 0.1}),
             Policy::FilterSessionBusy4 => json!({"prefix_session_busy_load": 4}),
@@ -232,6 +239,7 @@ impl Policy {
                 | Policy::FilterEps25
                 | Policy::FilterEps15
                 | Policy::FilterNoLimitWeight
+                | Policy::FilterGrowthOff
                 | Policy::FilterNoSessionBound
                 | Policy::FilterSessionBoundTight
                 | Policy::FilterSessionBusy4
