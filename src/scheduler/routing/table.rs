@@ -889,6 +889,9 @@ pub struct Statics {
     pub indexes: Vec<usize>,
     /// Their rendezvous seeds (`hash::rendezvous_seed` of their ids), aligned with `indexes`.
     pub seeds: Vec<u64>,
+    /// Their configured weights summed in that order (`cumulative[k]`: positions `0..=k`),
+    /// from which a request without a session draws its order (`placement::Draws`).
+    pub cumulative: Vec<f64>,
     pub disabled: u32,
     pub not_serving: u32,
 }
@@ -899,6 +902,7 @@ impl Statics {
         let mut s = Statics {
             indexes: Vec::with_capacity(cfg.endpoints.len()),
             seeds: Vec::with_capacity(cfg.endpoints.len()),
+            cumulative: Vec::with_capacity(cfg.endpoints.len()),
             disabled: 0,
             not_serving: 0,
         };
@@ -908,6 +912,8 @@ impl Statics {
             } else if *serves {
                 s.indexes.push(i);
                 s.seeds.push(rendezvous_seed(ep.id));
+                let sum = s.cumulative.last().copied().unwrap_or(0.0);
+                s.cumulative.push(sum + ep.weight.max(0.0));
             } else {
                 s.not_serving += 1;
             }
