@@ -291,6 +291,19 @@ impl<'c> Keyed<'c> {
         }
     }
 
+    /// The first pass's result once computed (for the board memo to keep: see
+    /// [`Keyed::restore_pass`]).
+    pub fn pass(&self) -> Option<crate::scheduler::routing::table::FirstPass> {
+        self.top.get().map(|top| (top, self.kept.get()))
+    }
+
+    /// Takes the first pass computed by another `Keyed` of the same key, candidates, weights
+    /// and seeds ([`Keyed::pass`]) instead of computing it again.
+    pub fn restore_pass(&self, (top, kept): crate::scheduler::routing::table::FirstPass) {
+        self.top.set(Some(top));
+        self.kept.set(kept);
+    }
+
     /// The key the candidates are ranked for (a session's, a prefix's or a request's).
     pub fn session_key(&self) -> u64 {
         self.session_key

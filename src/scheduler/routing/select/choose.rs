@@ -24,6 +24,9 @@ impl<'a> Scheduler<'a> {
         now_ms: u64,
     ) -> Result<Choice, NoEndpoint> {
         let bcfg = self.breaker_config();
+        if let Some(choice) = self.drawn_choice(table, candidates, pick, engines, now_ms, &bcfg) {
+            return Ok(choice);
+        }
         let mut board = self.board(table, candidates, pick, engines, now_ms, &bcfg)?;
         let pinned_index = pinned.and_then(|id| self.cfg.endpoint_index(id));
         board.pinned = pinned_index;
@@ -52,7 +55,16 @@ impl<'a> Scheduler<'a> {
         } else {
             memo.as_ref().and_then(|c| c.board.home_of(key))
         };
+        // Its first pass too, when it was the whole search: a failover's next attempt takes
+        // the second of the order from the kept hashes (see `Keyed::second`).
+        let kept_pass = match (&memo, board.drawn || board.any_degraded) {
+            (Some(c), false) => c.board.pass_of(key),
+            _ => None,
+        };
         drop(memo);
+        if let Some(pass) = kept_pass {
+            keyed.restore_pass(pass);
+        }
         let home = kept_home.unwrap_or_else(|| {
             let home = if board.any_degraded {
                 keyed.first(|i| !board.degraded(i))
@@ -67,18 +79,27 @@ impl<'a> Scheduler<'a> {
                 .flatten()
             {
                 c.board.keep_home(key, home);
+                if !board.any_degraded {
+                    if let Some(pass) = keyed.pass() {
+                        c.board.keep_pass(key, pass);
+                    }
+                }
             }
             home
         });
         // Every scheduler test checks a kept home against the search.
         #[cfg(test)]
         if kept_home.is_some() && !board.drawn {
+            let keyed = placement::Keyed::seeded(key, &board.weights, board.seeds());
             let searched = if board.any_degraded {
                 keyed.first(|i| !board.degraded(i))
             } else {
                 keyed.first_of_all()
             };
             assert_eq!(Some(searched), kept_home, "kept home of {key}");
+            if let (Some(pass), false) = (kept_pass, board.any_degraded) {
+                assert_eq!(keyed.pass(), Some(pass), "kept first pass of {key}");
+            }
         }
         if let Some(id) = pick.holder {
             return holder_choice(&board, self.cfg.endpoint_index(id), home);
@@ -162,6 +183,133 @@ impl<'a> Scheduler<'a> {
         ))
     }
 
+    /// A drawn decision (a request without a session over more than `DRAWN_FROM`
+    /// candidates) without a board, when its first drawn candidates settle it: each drawn
+    /// candidate is judged alone (breaker, request exclusions, quota, verdict, in-flight
+    /// against the bounded load's slack), so the decision costs what it draws, not the fleet.
+    /// `None` (the caller builds the board and walks) when anything needs the others:
+    /// scraped loads, a follow-up or holder, a drawn candidate degraded, saturated, probing
+    /// or past the slack, a degraded endpoint stored anywhere (the relief of a last server),
+    /// or nothing taken within the draws. It takes the candidate the board's walk over the
+    /// same draws would; the verdicts it stores are the chosen endpoint's alone (the others'
+    /// flips are stored by the next decision that judges them).
+    fn drawn_choice(
+        &self,
+        table: &Table,
+        candidates: &[usize],
+        pick: &Pick<'_>,
+        engines: &Engines,
+        now_ms: u64,
+        bcfg: &BreakerConfig,
+    ) -> Option<Choice> {
+        let cfg = self.cfg;
+        if pick.session.is_some() || pick.holder.is_some() || pick.follow_up {
+            return None;
+        }
+        let shared = self.statics(pick.model);
+        let statics: &[usize] = &shared.indexes;
+        if statics.len() <= placement::DRAWN_FROM || engines.loads.iter().any(Option::is_some) {
+            return None;
+        }
+        let stored_degraded = match self.cache.and_then(|c| c.try_borrow().ok()) {
+            Some(c) => c.lent_degraded(table.entries.len()),
+            None => None,
+        }
+        .unwrap_or_else(|| table.entries.iter().filter(|(_, st)| st.degraded).count());
+        if stored_degraded > 0 && cfg.relieve_last_server {
+            return None;
+        }
+        let references = self.peer_references(table);
+        let best = std::cell::OnceCell::new();
+        let accept = |at: usize| -> f64 {
+            let Some(&i) = statics.get(at) else {
+                return 0.0;
+            };
+            let (Some(ep), Some((_, st))) = (cfg.endpoints.get(i), table.entries.get(i)) else {
+                return 0.0;
+            };
+            if ep.weight.is_nan() || ep.weight <= 0.0 {
+                return 0.0;
+            }
+            let best_latency = if st.total >= cfg.cold_start_samples {
+                *best.get_or_init(|| {
+                    fastest_warm(
+                        statics
+                            .iter()
+                            .filter_map(|&j| table.entries.get(j).map(|(_, st)| st)),
+                        cfg.cold_start_samples,
+                    )
+                })
+            } else {
+                None
+            };
+            (score(ep.weight, st, best_latency, cfg, now_ms).score / ep.weight).clamp(0.0, 1.0)
+        };
+        let quotas = QuotaView {
+            table: cfg.quota_aware.then_some(table),
+            estimate: pick.quota_estimate(cfg.quota_bytes_per_token),
+            rule: self.quota_rule(),
+            now_ms,
+        };
+        let mut quota_skipped = Vec::new();
+        let mut unavailable = false;
+        for at in placement::Draws::new(pick.nonce, &shared.cumulative, accept) {
+            let i = *statics.get(at)?;
+            let (_, st) = table.entries.get(i)?;
+            let admission = candidates
+                .binary_search(&i)
+                .ok()
+                .map(|_| st.breaker.peek(now_ms, bcfg));
+            match admission {
+                Some(Admission::Normal) => {}
+                Some(Admission::Probe { .. }) => return None,
+                Some(Admission::Rejected { .. }) | None => {
+                    unavailable = true;
+                    continue;
+                }
+            }
+            let reference = references.get(i).copied().flatten();
+            let v = signals::judge_with(table, cfg, i, reference, None, None, now_ms);
+            if v.degraded || v.saturated() {
+                return None;
+            }
+            if quotas.short_at(i) {
+                if !quota_skipped.contains(&i) {
+                    quota_skipped.push(i);
+                }
+                unavailable = true;
+                continue;
+            }
+            let load = st.load(now_ms, cfg.in_flight_max_age_ms);
+            if f64::from(load) + 1.0 > cfg.bounded_load_slack as f64 {
+                return None;
+            }
+            let reason = if pick.attempt > 1 || unavailable {
+                Reason::Backup
+            } else {
+                Reason::Home
+            };
+            let pin_on_success = match cfg.after_failover {
+                AfterFailover::Stay => true,
+                AfterFailover::ReturnHome => false,
+            };
+            quota_skipped.retain(|&j| j != i);
+            return Some(Choice {
+                endpoint: i,
+                reason,
+                affinity: AffinityResult::None,
+                pin_on_success,
+                broke_pin_of: None,
+                moved: None,
+                home: None,
+                verdicts: vec![(i, v.sticky, v.saturation)],
+                quota_skipped,
+                by_prefix: false,
+            });
+        }
+        None
+    }
+
     /// Step 1: what every endpoint may do in this decision. Weights and verdicts come from
     /// every endpoint that could serve the request at all, before request exclusions and
     /// breakers, so that a failover walks the first attempt's order; breaker admission is of
@@ -208,7 +356,7 @@ impl<'a> Scheduler<'a> {
         let mut cache = self.cache.and_then(|c| c.try_borrow_mut().ok());
         let lent = cache
             .as_deref_mut()
-            .and_then(|c| c.lent_board(table.entries.len()));
+            .and_then(|c| c.lent_board(table.entries.len(), drawn));
         let (mut memo, mut board_memo, changed, medians_computed, stored_degraded) = match lent {
             Some(l) => (
                 Some((l.stamps, l.quiet)),
@@ -1218,6 +1366,15 @@ pub(super) struct QuotaView<'t> {
     now_ms: u64,
 }
 
+impl QuotaView<'_> {
+    /// Short of quota for this request: skipped for placements (`quota_aware`).
+    fn short_at(&self, i: usize) -> bool {
+        self.table
+            .and_then(|t| t.entries.get(i))
+            .is_some_and(|(_, st)| st.quota.short(self.estimate, &self.rule, self.now_ms))
+    }
+}
+
 impl<'t> Board<'t> {
     /// Endpoints that could serve the request at all (enabled, serving its model), in index
     /// order.
@@ -1235,10 +1392,7 @@ impl<'t> Board<'t> {
     }
     /// Short of quota for this request: skipped for placements (`quota_aware`).
     pub(super) fn short(&self, i: usize) -> bool {
-        let q = &self.quotas;
-        q.table
-            .and_then(|t| t.entries.get(i))
-            .is_some_and(|(_, st)| st.quota.short(q.estimate, &q.rule, q.now_ms))
+        self.quotas.short_at(i)
     }
     /// Staying there is a certain 429 (`quota_aware`): even a pin leaves it.
     pub(super) fn certain_429(&self, i: usize) -> bool {
@@ -1825,6 +1979,7 @@ impl BoardMemo {
             if was_degraded != v.degraded || slot_w.1 != w.1 || slot_w.2.to_bits() != w.2.to_bits()
             {
                 self.homes.clear();
+                self.passes.clear();
             }
             *slot_w = w;
             // The flipped positions stay in index order.
@@ -1884,6 +2039,7 @@ impl BoardMemo {
         self.degraded = degraded;
         self.dirty.clear();
         self.homes.clear();
+        self.passes.clear();
         // Kept only by `keep_admission`, for this board.
         self.admission = Rc::default();
         self.open.clear();
@@ -1946,6 +2102,26 @@ impl BoardMemo {
             self.homes.remove(0);
         }
         self.homes.push((key, home));
+    }
+
+    /// The first pass of `key`'s order over the memo's board, if kept.
+    pub(super) fn pass_of(&self, key: u64) -> Option<crate::scheduler::routing::table::FirstPass> {
+        self.passes.iter().find(|(k, _)| *k == key).map(|&(_, p)| p)
+    }
+
+    /// Keeps the first pass of `key`'s order (the oldest of [`BoardMemo::HOMES`] makes room).
+    pub(super) fn keep_pass(
+        &mut self,
+        key: u64,
+        pass: crate::scheduler::routing::table::FirstPass,
+    ) {
+        if self.pass_of(key).is_some() {
+            return;
+        }
+        if self.passes.len() >= Self::HOMES {
+            self.passes.remove(0);
+        }
+        self.passes.push((key, pass));
     }
 
     /// Homes kept at most.
