@@ -256,6 +256,13 @@ impl<'a> Scheduler<'a> {
         for at in placement::Draws::new(pick.nonce, &shared.cumulative, accept) {
             let i = *statics.get(at)?;
             let (_, st) = table.entries.get(i)?;
+            // In the walk's order of checks: degraded (a probe may be due), unavailable
+            // (breaker, exclusions, quota), saturated, load.
+            let reference = references.get(i).copied().flatten();
+            let v = signals::judge_with(table, cfg, i, reference, None, None, now_ms);
+            if v.degraded {
+                return None;
+            }
             let admission = candidates
                 .binary_search(&i)
                 .ok()
@@ -268,11 +275,6 @@ impl<'a> Scheduler<'a> {
                     continue;
                 }
             }
-            let reference = references.get(i).copied().flatten();
-            let v = signals::judge_with(table, cfg, i, reference, None, None, now_ms);
-            if v.degraded || v.saturated() {
-                return None;
-            }
             if quotas.short_at(i) {
                 if !quota_skipped.contains(&i) {
                     quota_skipped.push(i);
@@ -281,7 +283,7 @@ impl<'a> Scheduler<'a> {
                 continue;
             }
             let load = st.load(now_ms, cfg.in_flight_max_age_ms);
-            if f64::from(load) + 1.0 > cfg.bounded_load_slack as f64 {
+            if v.saturated() || f64::from(load) + 1.0 > cfg.bounded_load_slack as f64 {
                 return None;
             }
             let reason = if pick.attempt > 1 || unavailable {
