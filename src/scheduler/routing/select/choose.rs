@@ -975,10 +975,7 @@ impl<'a> Scheduler<'a> {
         table: &'k Table,
         keyed: &'k placement::Keyed,
         now_ms: u64,
-    ) -> Box<dyn Iterator<Item = usize> + 'k> {
-        if !board.drawn {
-            return Box::new(keyed.lazy());
-        }
+    ) -> impl Iterator<Item = usize> + 'k {
         let cfg = self.cfg;
         let statics = board.statics();
         let best = std::cell::OnceCell::new();
@@ -1007,10 +1004,15 @@ impl<'a> Scheduler<'a> {
             };
             (score(ep.weight, st, best_latency, cfg, now_ms).score / ep.weight).clamp(0.0, 1.0)
         };
-        let mut draws =
-            placement::Draws::new(keyed.session_key(), &board.shared.cumulative, accept);
+        // Not drawn: no draws (no weights to draw from), the rendezvous order at once.
+        let cumulative: &[f64] = if board.drawn {
+            &board.shared.cumulative
+        } else {
+            &[]
+        };
+        let mut draws = placement::Draws::new(keyed.session_key(), cumulative, accept);
         let mut rest = None;
-        Box::new(std::iter::from_fn(move || {
+        std::iter::from_fn(move || {
             if rest.is_none() {
                 if let Some(at) = draws.next() {
                     return statics.get(at).copied();
@@ -1020,7 +1022,7 @@ impl<'a> Scheduler<'a> {
             let taken = &draws.taken;
             rest.as_mut()?
                 .find(|i| !taken.iter().any(|&at| statics.get(at) == Some(i)))
-        }))
+        })
     }
 
     /// Whether `i`'s load + 1 is within its bounded-load limit (by slots where every
