@@ -48,7 +48,16 @@
 //! [`super::sessions`]).
 //!
 //! Requests without a session have no cache to keep: they are placed on a per-request key with
-//! the full score (`score`, in-flight and latency included) as weight.
+//! the full score (`score`, in-flight and latency included) as weight. Over a fleet of more
+//! than [`DRAWN_FROM`] candidates, the order is *drawn* ([`Draws`]) rather than ranked: a
+//! candidate is drawn in proportion to its configured weight by a binary search of the
+//! cumulative weights (a function of the configuration alone, prepared once), and taken with
+//! probability `score / weight` (in `(0, 1]`), else drawn again. The first candidate taken is
+//! endpoint `i` with probability `score_i / Σ score`, as the weighted rendezvous order's first
+//! is, and the later ones follow in the same law among the rest, so exclusions (skipped by the
+//! walk) condition the distribution exactly as before; only the scores of the candidates drawn
+//! are computed. Past [`DRAWS`] draws (every score tiny against its weight) the walk goes on
+//! in the rendezvous order of the placement weights.
 
 use crate::scheduler::config::Config;
 use crate::scheduler::routing::payoff::PayoffRule;
@@ -62,6 +71,67 @@ use crate::scheduler::state::hash::{rendezvous, rendezvous_seeded};
 /// representable), so `ln u` is finite and negative.
 fn unit(h: u64) -> f64 {
     ((h >> 12) as f64 + 0.5) * (1.0 / (1u64 << 52) as f64)
+}
+
+/// Candidates above which a request without a session draws its order ([`Draws`]) instead of
+/// ranking every candidate by score.
+pub const DRAWN_FROM: usize = 16;
+
+/// Draws a request's order takes at most before its walk goes on in rendezvous order.
+pub const DRAWS: u32 = 64;
+
+/// The order of a request without a session, drawn (see the module doc): positions into the
+/// candidates whose `cumulative` configured weights it is given (`cumulative[k]` = the sum of
+/// the weights of positions `0..=k`), each taken with probability `accept(position)` (the
+/// candidate's score ÷ its configured weight, in `[0, 1]`); none twice.
+pub struct Draws<'a, F> {
+    key: u64,
+    cumulative: &'a [f64],
+    accept: F,
+    drawn: u32,
+    /// The positions given so far.
+    pub taken: Vec<usize>,
+}
+
+impl<'a, F: FnMut(usize) -> f64> Draws<'a, F> {
+    pub fn new(key: u64, cumulative: &'a [f64], accept: F) -> Self {
+        Draws {
+            key,
+            cumulative,
+            accept,
+            drawn: 0,
+            taken: Vec::new(),
+        }
+    }
+}
+
+impl<F: FnMut(usize) -> f64> Iterator for Draws<'_, F> {
+    type Item = usize;
+
+    fn next(&mut self) -> Option<usize> {
+        let total = self.cumulative.last().copied().unwrap_or(0.0);
+        if total.is_nan() || total <= 0.0 || total.is_infinite() {
+            return None;
+        }
+        while self.drawn < DRAWS {
+            let j = self.drawn;
+            self.drawn += 1;
+            // Two independent uniforms per draw: where, and whether taken.
+            let x = unit(rendezvous(self.key, 2 * j)) * total;
+            let at = self
+                .cumulative
+                .partition_point(|&c| c <= x)
+                .min(self.cumulative.len().saturating_sub(1));
+            if self.taken.contains(&at) {
+                continue;
+            }
+            if unit(rendezvous(self.key, 2 * j + 1)) < (self.accept)(at) {
+                self.taken.push(at);
+                return Some(at);
+            }
+        }
+        None
+    }
 }
 
 /// The weighted rendezvous key of (session, endpoint): larger wins. A weight of zero (or less)
@@ -219,6 +289,19 @@ impl<'c> Keyed<'c> {
             top: std::cell::Cell::new(None),
             kept: std::cell::Cell::new(None),
         }
+    }
+
+    /// The first pass's result once computed (for the board memo to keep: see
+    /// [`Keyed::restore_pass`]).
+    pub fn pass(&self) -> Option<crate::scheduler::routing::table::FirstPass> {
+        self.top.get().map(|top| (top, self.kept.get()))
+    }
+
+    /// Takes the first pass computed by another `Keyed` of the same key, candidates, weights
+    /// and seeds ([`Keyed::pass`]) instead of computing it again.
+    pub fn restore_pass(&self, (top, kept): crate::scheduler::routing::table::FirstPass) {
+        self.top.set(Some(top));
+        self.kept.set(kept);
     }
 
     /// The key the candidates are ranked for (a session's, a prefix's or a request's).
@@ -628,6 +711,42 @@ pub fn load_limit(total_load: u64, weight: f64, total_weight: f64, cfg: &Config)
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// The first position a [`Draws`] gives is `p` with probability `w_p × accept_p / Σ`, and
+    /// none is given twice nor one never accepted.
+    #[test]
+    fn draws_follow_weight_times_acceptance() {
+        let weights = [1.0, 2.0, 3.0, 4.0, 0.0];
+        let accept = [1.0, 0.5, 1.0, 0.0, 1.0];
+        let cumulative: Vec<f64> = weights
+            .iter()
+            .scan(0.0, |sum, w| {
+                *sum += w;
+                Some(*sum)
+            })
+            .collect();
+        let n = 40_000u64;
+        let mut first = [0u64; 5];
+        for k in 0..n {
+            let key = crate::scheduler::state::hash::session_key(b"d", &k.to_le_bytes());
+            let given: Vec<usize> = Draws::new(key, &cumulative, |at| accept[at]).collect();
+            let mut unique = given.clone();
+            unique.sort_unstable();
+            unique.dedup();
+            assert_eq!(unique.len(), given.len(), "{given:?}");
+            assert!(!given.contains(&3) && !given.contains(&4), "{given:?}");
+            first[given[0]] += 1;
+        }
+        // ∝ 1 × 1, 2 × 0.5, 3 × 1: 1 / 5, 1 / 5, 3 / 5.
+        for (at, p) in [(0, 0.2), (1, 0.2), (2, 0.6)] {
+            let expected = n as f64 * p;
+            let sd = (expected * (1.0 - p)).sqrt();
+            assert!(
+                (first[at] as f64 - expected).abs() < 5.0 * sd,
+                "position {at}: {first:?}"
+            );
+        }
+    }
     #[cfg(target_arch = "wasm32")]
     use wasm_bindgen_test::wasm_bindgen_test as test;
 

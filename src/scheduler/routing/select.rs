@@ -931,6 +931,8 @@ pub const TYPICAL_COMPLETION_TOKENS: u64 = 128;
 
 use finish::store_verdict;
 
+#[cfg(test)]
+mod drawn_tests;
 #[cfg(all(test, not(target_arch = "wasm32")))]
 mod memo_tests;
 #[cfg(test)]

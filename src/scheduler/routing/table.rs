@@ -851,6 +851,10 @@ pub struct TableCache {
     changed_known: bool,
     /// The last session decision's verdicts and weights (see [`BoardMemo`]).
     pub board: BoardMemo,
+    /// The same for the last drawn decision (a request without a session over many
+    /// candidates, `placement::Draws`): often of another model than the sessions' (an
+    /// upload's), so kept apart, so that neither evicts the other's board.
+    pub drawn_board: BoardMemo,
     /// Positions of the entries decoded since the board memo was last brought up to date
     /// (as `changed`, for [`BoardMemo`]; `board_changed_known` false: unknown).
     board_changed: Vec<usize>,
@@ -889,6 +893,9 @@ pub struct Statics {
     pub indexes: Vec<usize>,
     /// Their rendezvous seeds (`hash::rendezvous_seed` of their ids), aligned with `indexes`.
     pub seeds: Vec<u64>,
+    /// Their configured weights summed in that order (`cumulative[k]`: positions `0..=k`),
+    /// from which a request without a session draws its order (`placement::Draws`).
+    pub cumulative: Vec<f64>,
     pub disabled: u32,
     pub not_serving: u32,
 }
@@ -899,6 +906,7 @@ impl Statics {
         let mut s = Statics {
             indexes: Vec::with_capacity(cfg.endpoints.len()),
             seeds: Vec::with_capacity(cfg.endpoints.len()),
+            cumulative: Vec::with_capacity(cfg.endpoints.len()),
             disabled: 0,
             not_serving: 0,
         };
@@ -908,6 +916,8 @@ impl Statics {
             } else if *serves {
                 s.indexes.push(i);
                 s.seeds.push(rendezvous_seed(ep.id));
+                let sum = s.cumulative.last().copied().unwrap_or(0.0);
+                s.cumulative.push(sum + ep.weight.max(0.0));
             } else {
                 s.not_serving += 1;
             }
@@ -1013,6 +1023,12 @@ impl TableCache {
             .then_some((self.stamps.as_slice(), &mut self.quiet))
     }
 
+    /// While a table with `entries` entries is lent: how many of its entries store a degraded
+    /// flag (`None`: no table lent).
+    pub fn lent_degraded(&self, entries: usize) -> Option<usize> {
+        (self.lent && self.stamps.len() == entries).then_some(self.degraded)
+    }
+
     /// While a table is lent: the peers' median memo and the positions of the entries decoded
     /// since the last call (`None`: unknown, compare everything), which this call forgets.
     /// Without a lent table: the memo and `None` (the caller's table may be other bytes).
@@ -1025,7 +1041,9 @@ impl TableCache {
     /// keeps in this cache ([`LentBoard`]). The list of entries changed since the board memo
     /// was last brought up to date is handed over and starts again empty: the caller brings
     /// the memo up to date or invalidates it. `None` when no table is lent.
-    pub fn lent_board(&mut self, entries: usize) -> Option<LentBoard<'_>> {
+    /// `drawn`: the decision's board is [`TableCache::drawn_board`] (the other memo keeps the
+    /// changed entries for its next decision).
+    pub fn lent_board(&mut self, entries: usize, drawn: bool) -> Option<LentBoard<'_>> {
         if !(self.lent && self.stamps.len() == entries) {
             return None;
         }
@@ -1034,17 +1052,32 @@ impl TableCache {
             .then(|| std::mem::take(&mut self.board_changed));
         self.board_changed.clear();
         self.board_changed_known = true;
+        let (served, other) = if drawn {
+            (&mut self.drawn_board, &mut self.board)
+        } else {
+            (&mut self.board, &mut self.drawn_board)
+        };
+        // The other memo keeps them for its next decision (past `entries`: unknown).
+        match changed.as_ref() {
+            Some(list) if !other.carried_unknown && other.carried.len() + list.len() <= entries => {
+                other.carried.extend_from_slice(list);
+            }
+            _ => {
+                other.carried.clear();
+                other.carried_unknown = true;
+            }
+        }
         // And those carried by decisions the memo did not serve (see `BoardMemo::carry`).
-        let carried = std::mem::take(&mut self.board.carried);
+        let carried = std::mem::take(&mut served.carried);
         match changed.as_mut() {
-            Some(list) if !self.board.carried_unknown => list.extend(carried),
+            Some(list) if !served.carried_unknown => list.extend(carried),
             _ => changed = None,
         }
-        self.board.carried_unknown = false;
+        served.carried_unknown = false;
         Some(LentBoard {
             stamps: self.stamps.as_slice(),
             quiet: &mut self.quiet,
-            board: &mut self.board,
+            board: served,
             changed,
             medians_computed: self.peers.computed,
             stored_degraded: self.degraded,
@@ -1292,7 +1325,19 @@ pub struct BoardMemo {
     /// The homes of the last few rendezvous keys placed over this board, `(key, home)`:
     /// cleared when a weight or a degraded flag changes.
     pub(crate) homes: Vec<(u64, Option<usize>)>,
+    /// The first passes of the same keys' orders where they were the whole search (no
+    /// degraded candidate), kept and forgotten with the homes: a failover's next attempt
+    /// takes the second of its order from the kept hashes without hashing every candidate.
+    pub(crate) passes: Vec<(u64, FirstPass)>,
 }
+
+/// A rendezvous order's first pass as `placement::Keyed` keeps it: the first
+/// `(position, (key, id, index))`, if any, and the greatest `(hash, position)`s with the weight
+/// they share when they decided it.
+pub type FirstPass = (
+    Option<(usize, (f64, u32, usize))>,
+    Option<([(u64, usize); 4], f64)>,
+);
 
 /// What [`TableCache::lent_stamps`] lends: the `(stamp, id)` of each entry of the lent table,
 /// by position, and the quiet memo keyed by them.

@@ -24,6 +24,9 @@ impl<'a> Scheduler<'a> {
         now_ms: u64,
     ) -> Result<Choice, NoEndpoint> {
         let bcfg = self.breaker_config();
+        if let Some(choice) = self.drawn_choice(table, candidates, pick, engines, now_ms, &bcfg) {
+            return Ok(choice);
+        }
         let mut board = self.board(table, candidates, pick, engines, now_ms, &bcfg)?;
         let pinned_index = pinned.and_then(|id| self.cfg.endpoint_index(id));
         board.pinned = pinned_index;
@@ -46,8 +49,22 @@ impl<'a> Scheduler<'a> {
             .from_memo
             .then(|| self.cache.and_then(|c| c.try_borrow_mut().ok()))
             .flatten();
-        let kept_home = memo.as_ref().and_then(|c| c.board.home_of(key));
+        // A drawn order has no home (its first is drawn by the walk).
+        let kept_home = if board.drawn {
+            Some(None)
+        } else {
+            memo.as_ref().and_then(|c| c.board.home_of(key))
+        };
+        // Its first pass too, when it was the whole search: a failover's next attempt takes
+        // the second of the order from the kept hashes (see `Keyed::second`).
+        let kept_pass = match (&memo, board.drawn || board.any_degraded) {
+            (Some(c), false) => c.board.pass_of(key),
+            _ => None,
+        };
         drop(memo);
+        if let Some(pass) = kept_pass {
+            keyed.restore_pass(pass);
+        }
         let home = kept_home.unwrap_or_else(|| {
             let home = if board.any_degraded {
                 keyed.first(|i| !board.degraded(i))
@@ -62,18 +79,27 @@ impl<'a> Scheduler<'a> {
                 .flatten()
             {
                 c.board.keep_home(key, home);
+                if !board.any_degraded {
+                    if let Some(pass) = keyed.pass() {
+                        c.board.keep_pass(key, pass);
+                    }
+                }
             }
             home
         });
         // Every scheduler test checks a kept home against the search.
         #[cfg(test)]
-        if kept_home.is_some() {
+        if kept_home.is_some() && !board.drawn {
+            let keyed = placement::Keyed::seeded(key, &board.weights, board.seeds());
             let searched = if board.any_degraded {
                 keyed.first(|i| !board.degraded(i))
             } else {
                 keyed.first_of_all()
             };
             assert_eq!(Some(searched), kept_home, "kept home of {key}");
+            if let (Some(pass), false) = (kept_pass, board.any_degraded) {
+                assert_eq!(keyed.pass(), Some(pass), "kept first pass of {key}");
+            }
         }
         if let Some(id) = pick.holder {
             return holder_choice(&board, self.cfg.endpoint_index(id), home);
@@ -157,6 +183,135 @@ impl<'a> Scheduler<'a> {
         ))
     }
 
+    /// A drawn decision (a request without a session over more than `DRAWN_FROM`
+    /// candidates) without a board, when its first drawn candidates settle it: each drawn
+    /// candidate is judged alone (breaker, request exclusions, quota, verdict, in-flight
+    /// against the bounded load's slack), so the decision costs what it draws, not the fleet.
+    /// `None` (the caller builds the board and walks) when anything needs the others:
+    /// scraped loads, a follow-up or holder, a drawn candidate degraded, saturated, probing
+    /// or past the slack, a degraded endpoint stored anywhere (the relief of a last server),
+    /// or nothing taken within the draws. It takes the candidate the board's walk over the
+    /// same draws would; the verdicts it stores are the chosen endpoint's alone (the others'
+    /// flips are stored by the next decision that judges them).
+    fn drawn_choice(
+        &self,
+        table: &Table,
+        candidates: &[usize],
+        pick: &Pick<'_>,
+        engines: &Engines,
+        now_ms: u64,
+        bcfg: &BreakerConfig,
+    ) -> Option<Choice> {
+        let cfg = self.cfg;
+        if pick.session.is_some() || pick.holder.is_some() || pick.follow_up {
+            return None;
+        }
+        let shared = self.statics(pick.model);
+        let statics: &[usize] = &shared.indexes;
+        if statics.len() <= placement::DRAWN_FROM || engines.loads.iter().any(Option::is_some) {
+            return None;
+        }
+        let stored_degraded = match self.cache.and_then(|c| c.try_borrow().ok()) {
+            Some(c) => c.lent_degraded(table.entries.len()),
+            None => None,
+        }
+        .unwrap_or_else(|| table.entries.iter().filter(|(_, st)| st.degraded).count());
+        if stored_degraded > 0 && cfg.relieve_last_server {
+            return None;
+        }
+        let references = self.peer_references(table);
+        let best = std::cell::OnceCell::new();
+        let accept = |at: usize| -> f64 {
+            let Some(&i) = statics.get(at) else {
+                return 0.0;
+            };
+            let (Some(ep), Some((_, st))) = (cfg.endpoints.get(i), table.entries.get(i)) else {
+                return 0.0;
+            };
+            if ep.weight.is_nan() || ep.weight <= 0.0 {
+                return 0.0;
+            }
+            let best_latency = if st.total >= cfg.cold_start_samples {
+                *best.get_or_init(|| {
+                    fastest_warm(
+                        statics
+                            .iter()
+                            .filter_map(|&j| table.entries.get(j).map(|(_, st)| st)),
+                        cfg.cold_start_samples,
+                    )
+                })
+            } else {
+                None
+            };
+            (score(ep.weight, st, best_latency, cfg, now_ms).score / ep.weight).clamp(0.0, 1.0)
+        };
+        let quotas = QuotaView {
+            table: cfg.quota_aware.then_some(table),
+            estimate: pick.quota_estimate(cfg.quota_bytes_per_token),
+            rule: self.quota_rule(),
+            now_ms,
+        };
+        let mut quota_skipped = Vec::new();
+        let mut unavailable = false;
+        for at in placement::Draws::new(pick.nonce, &shared.cumulative, accept) {
+            let i = *statics.get(at)?;
+            let (_, st) = table.entries.get(i)?;
+            // In the walk's order of checks: degraded (a probe may be due), unavailable
+            // (breaker, exclusions, quota), saturated, load.
+            let reference = references.get(i).copied().flatten();
+            let v = signals::judge_with(table, cfg, i, reference, None, None, now_ms);
+            if v.degraded {
+                return None;
+            }
+            let admission = candidates
+                .binary_search(&i)
+                .ok()
+                .map(|_| st.breaker.peek(now_ms, bcfg));
+            match admission {
+                Some(Admission::Normal) => {}
+                Some(Admission::Probe { .. }) => return None,
+                Some(Admission::Rejected { .. }) | None => {
+                    unavailable = true;
+                    continue;
+                }
+            }
+            if quotas.short_at(i) {
+                if !quota_skipped.contains(&i) {
+                    quota_skipped.push(i);
+                }
+                unavailable = true;
+                continue;
+            }
+            let load = st.load(now_ms, cfg.in_flight_max_age_ms);
+            if v.saturated() || f64::from(load) + 1.0 > cfg.bounded_load_slack as f64 {
+                return None;
+            }
+            let reason = if pick.attempt > 1 || unavailable {
+                Reason::Backup
+            } else {
+                Reason::Home
+            };
+            let pin_on_success = match cfg.after_failover {
+                AfterFailover::Stay => true,
+                AfterFailover::ReturnHome => false,
+            };
+            quota_skipped.retain(|&j| j != i);
+            return Some(Choice {
+                endpoint: i,
+                reason,
+                affinity: AffinityResult::None,
+                pin_on_success,
+                broke_pin_of: None,
+                moved: None,
+                home: None,
+                verdicts: vec![(i, v.sticky, v.saturation)],
+                quota_skipped,
+                by_prefix: false,
+            });
+        }
+        None
+    }
+
     /// Step 1: what every endpoint may do in this decision. Weights and verdicts come from
     /// every endpoint that could serve the request at all, before request exclusions and
     /// breakers, so that a failover walks the first attempt's order; breaker admission is of
@@ -181,12 +336,18 @@ impl<'a> Scheduler<'a> {
         let pace_references = signals::pace_medians(cfg, loads);
         // Requests without a session keep the full score (nothing to keep together); the
         // fastest warm latency is its yardstick, not needed by a session's placement weight.
-        let best_latency = match pick.session {
-            Some(_) => None,
-            None => fastest_warm(
+        // Over many candidates their order is drawn (`placement::Draws`): the board holds
+        // placement weights, as a session's does, and only the candidates drawn are scored
+        // (`Scheduler::order`).
+        let drawn = pick.session.is_none() && statics.len() > placement::DRAWN_FROM;
+        let by_score = pick.session.is_none() && !drawn;
+        let best_latency = if by_score {
+            fastest_warm(
                 statics.iter().filter_map(|&i| state(i)),
                 cfg.cold_start_samples,
-            ),
+            )
+        } else {
+            None
         };
         // Nothing scraped (hosted keys, no metrics): no load, no room, in-flight counts;
         // nothing to look up per endpoint.
@@ -197,7 +358,7 @@ impl<'a> Scheduler<'a> {
         let mut cache = self.cache.and_then(|c| c.try_borrow_mut().ok());
         let lent = cache
             .as_deref_mut()
-            .and_then(|c| c.lent_board(table.entries.len()));
+            .and_then(|c| c.lent_board(table.entries.len(), drawn));
         let (mut memo, mut board_memo, changed, medians_computed, stored_degraded) = match lent {
             Some(l) => (
                 Some((l.stamps, l.quiet)),
@@ -229,14 +390,12 @@ impl<'a> Scheduler<'a> {
                     v.sticky = true;
                     v.degraded = true;
                 }
-                let w = match pick.session {
-                    Some(_) => Some(weight),
-                    None => match (cfg.endpoints.get(i), state(i)) {
-                        (Some(ep), Some(st)) => {
-                            Some(score(ep.weight, st, best_latency, cfg, now_ms).score)
-                        }
-                        _ => None,
-                    },
+                let w = match (by_score, cfg.endpoints.get(i), state(i)) {
+                    (false, _, _) => Some(weight),
+                    (true, Some(ep), Some(st)) => {
+                        Some(score(ep.weight, st, best_latency, cfg, now_ms).score)
+                    }
+                    _ => None,
                 };
                 return Some(One {
                     flip,
@@ -262,13 +421,13 @@ impl<'a> Scheduler<'a> {
             let quiet = keep.is_some();
             // A request without a session weighs by score: the placement weight only to
             // keep it.
-            let weight = (pick.session.is_some() || keep.is_some())
-                .then(|| placement::weigh(ep.weight, st, cfg, now_ms));
+            let weight =
+                (!by_score || keep.is_some()).then(|| placement::weigh(ep.weight, st, cfg, now_ms));
             if let (Some((quiet, key)), Some(w)) = (keep, weight) {
                 quiet.keep(n, i, key, reference, v, flip, w);
             }
-            let w = match (pick.session, weight) {
-                (Some(_), Some(w)) => w,
+            let w = match weight {
+                Some(w) if !by_score => w,
                 _ => score(ep.weight, st, best_latency, cfg, now_ms).score,
             };
             Some(One {
@@ -277,9 +436,9 @@ impl<'a> Scheduler<'a> {
                 quiet,
             })
         };
-        // A session decision without scraped loads over the same model as the memo's board:
-        // only the positions that changed since are computed (see `BoardMemo`).
-        let memo_fits = pick.session.is_some() && !any_scraped;
+        // A session decision (or a drawn one) without scraped loads over the same model as the
+        // memo's board: only the positions that changed since are computed (see `BoardMemo`).
+        let memo_fits = !by_score && !any_scraped;
         // A decision the memo does not serve leaves it as it is: the entries changed since
         // are carried to the next one it serves (this one may end early, `admit` below).
         let mut changed = changed;
@@ -333,14 +492,12 @@ impl<'a> Scheduler<'a> {
                         if flip {
                             flips.push(i);
                         }
-                        let w = match pick.session {
-                            Some(_) => weight,
-                            None => match (cfg.endpoints.get(i), state(i)) {
-                                (Some(ep), Some(st)) => {
-                                    score(ep.weight, st, best_latency, cfg, now_ms).score
-                                }
-                                _ => continue,
-                            },
+                        let w = match (by_score, cfg.endpoints.get(i), state(i)) {
+                            (false, _, _) => weight,
+                            (true, Some(ep), Some(st)) => {
+                                score(ep.weight, st, best_latency, cfg, now_ms).score
+                            }
+                            _ => continue,
                         };
                         weights.push((i, id, w));
                         continue;
@@ -370,13 +527,13 @@ impl<'a> Scheduler<'a> {
                     if keep.is_none() {
                         live.push(i);
                     }
-                    let weight = (pick.session.is_some() || keep.is_some())
+                    let weight = (!by_score || keep.is_some())
                         .then(|| placement::weigh(ep.weight, st, cfg, now_ms));
                     if let (Some((quiet, key)), Some(w)) = (keep, weight) {
                         quiet.keep(n, i, key, reference, v, flip, w);
                     }
-                    let w = match (pick.session, weight) {
-                        (Some(_), Some(w)) => w,
+                    let w = match weight {
+                        Some(w) if !by_score => w,
                         _ => score(ep.weight, st, best_latency, cfg, now_ms).score,
                     };
                     weights.push((i, ep.id, w));
@@ -411,10 +568,24 @@ impl<'a> Scheduler<'a> {
         // brought up to date all the same (the positions its board recomputed are asked
         // again), and this attempt's own is asked of its candidates.
         let first = candidates.len() == statics.len();
+        // A later attempt's candidates are the statics but the few it excludes (see
+        // `Scheduler::candidates`): the memo's admission serves it with those masked
+        // ([`Board::admitted`]), so a failover asks no breaker the memo keeps (asking every
+        // candidate's cost about 60 instructions each).
+        let excluded = if first {
+            Vec::new()
+        } else {
+            excluded_statics(statics, pick.exclusions)
+        };
+        // Candidates are a subset of the statics without `excluded`: as many means the same.
+        let masked = excluded.len() + candidates.len() == statics.len();
         let kept = match (reused_board, board_memo.as_deref_mut()) {
-            (true, Some(bm)) => bm.admission(table, now_ms, bcfg).filter(|_| first),
+            (true, Some(bm)) => bm
+                .admission(table, now_ms, bcfg)
+                .filter(|_| first || (masked && bm.admits_besides(&excluded))),
             _ => None,
         };
+        let excluded = if kept.is_some() { excluded } else { Vec::new() };
         // This decision's admission is the statics' that the memo keeps (a session's first
         // attempt over the memo's board).
         let keeps = memo_fits && first;
@@ -512,6 +683,7 @@ impl<'a> Scheduler<'a> {
         };
         Ok(Board {
             from_memo,
+            drawn,
             shared,
             sessions: engines.sessions.clone(),
             pinned: None,
@@ -529,6 +701,7 @@ impl<'a> Scheduler<'a> {
             room,
             by_slots,
             admission,
+            excluded,
             captive,
         })
     }
@@ -703,7 +876,7 @@ impl<'a> Scheduler<'a> {
         // new sessions off a key (a replica that did not serve the last turn would otherwise
         // move it from a key with quota to another with quota).
         let as_pin = pick.follow_up && pick.attempt <= 1 && matches!(pin, PinVerdict::None);
-        for i in keyed.lazy() {
+        for i in self.order(board, table, keyed, now_ms) {
             if Some(i) == left {
                 passed.unavailable = true;
                 continue;
@@ -790,6 +963,66 @@ impl<'a> Scheduler<'a> {
             return Some((i, passed.reason(pin, pick.attempt)));
         }
         passed.spilled.map(|i| (i, Reason::Spill))
+    }
+
+    /// The walk's order: the rendezvous order of `keyed`, or a drawn one for a request without
+    /// a session over many candidates ([`placement::Draws`]: each drawn candidate taken with
+    /// probability score ÷ configured weight; past the draws, on in `keyed`'s order without
+    /// those already given).
+    fn order<'k>(
+        &'k self,
+        board: &'k Board,
+        table: &'k Table,
+        keyed: &'k placement::Keyed,
+        now_ms: u64,
+    ) -> impl Iterator<Item = usize> + 'k {
+        let cfg = self.cfg;
+        let statics = board.statics();
+        let best = std::cell::OnceCell::new();
+        let accept = move |at: usize| -> f64 {
+            let Some(&i) = statics.get(at) else {
+                return 0.0;
+            };
+            let (Some(ep), Some((_, st))) = (cfg.endpoints.get(i), table.entries.get(i)) else {
+                return 0.0;
+            };
+            if ep.weight.is_nan() || ep.weight <= 0.0 {
+                return 0.0;
+            }
+            // The fastest warm latency is the yardstick of a warm candidate's score only.
+            let best_latency = if st.total >= cfg.cold_start_samples {
+                *best.get_or_init(|| {
+                    fastest_warm(
+                        statics
+                            .iter()
+                            .filter_map(|&j| table.entries.get(j).map(|(_, st)| st)),
+                        cfg.cold_start_samples,
+                    )
+                })
+            } else {
+                None
+            };
+            (score(ep.weight, st, best_latency, cfg, now_ms).score / ep.weight).clamp(0.0, 1.0)
+        };
+        // Not drawn: no draws (no weights to draw from), the rendezvous order at once.
+        let cumulative: &[f64] = if board.drawn {
+            &board.shared.cumulative
+        } else {
+            &[]
+        };
+        let mut draws = placement::Draws::new(keyed.session_key(), cumulative, accept);
+        let mut rest = None;
+        std::iter::from_fn(move || {
+            if rest.is_none() {
+                if let Some(at) = draws.next() {
+                    return statics.get(at).copied();
+                }
+                rest = Some(keyed.lazy());
+            }
+            let taken = &draws.taken;
+            rest.as_mut()?
+                .find(|i| !taken.iter().any(|&at| statics.get(at) == Some(i)))
+        })
     }
 
     /// Whether `i`'s load + 1 is within its bounded-load limit (by slots where every
@@ -1054,6 +1287,9 @@ pub(super) const QUEUE_GAP: f64 = 4.0;
 pub(super) struct Board<'t> {
     /// The verdicts and weights are the worker's board memo's, current (see `BoardMemo`).
     from_memo: bool,
+    /// A request without a session over more than `placement::DRAWN_FROM` candidates: its
+    /// order is drawn ([`Scheduler::order`]); `weights` are placement weights all the same.
+    drawn: bool,
     /// Endpoints that could serve the request at all (enabled, serving its model; see
     /// [`Board::statics`]), as the worker's memo keeps them, with their rendezvous seeds.
     shared: Rc<Statics>,
@@ -1092,8 +1328,11 @@ pub(super) struct Board<'t> {
     /// Every static candidate's slots are known: bounded load by slots
     /// (`capacity::slot_limit`) rather than by weight.
     by_slots: bool,
-    /// Breaker admission of this attempt's candidates (`None`: not a candidate).
+    /// Breaker admission of this attempt's candidates (`None`: not a candidate), or of the
+    /// statics as the memo keeps it, with `excluded` (the statics this attempt excludes, index
+    /// order; empty otherwise) masked.
     admission: Admissions,
+    excluded: Vec<usize>,
     /// The candidates left as the last healthy server of another model than the request's
     /// (see [`last_servers`]), by index; empty when none is (no endpoint degraded, or
     /// `relieve_last_server` off).
@@ -1142,6 +1381,15 @@ pub(super) struct QuotaView<'t> {
     now_ms: u64,
 }
 
+impl QuotaView<'_> {
+    /// Short of quota for this request: skipped for placements (`quota_aware`).
+    fn short_at(&self, i: usize) -> bool {
+        self.table
+            .and_then(|t| t.entries.get(i))
+            .is_some_and(|(_, st)| st.quota.short(self.estimate, &self.rule, self.now_ms))
+    }
+}
+
 impl<'t> Board<'t> {
     /// Endpoints that could serve the request at all (enabled, serving its model), in index
     /// order.
@@ -1159,10 +1407,7 @@ impl<'t> Board<'t> {
     }
     /// Short of quota for this request: skipped for placements (`quota_aware`).
     pub(super) fn short(&self, i: usize) -> bool {
-        let q = &self.quotas;
-        q.table
-            .and_then(|t| t.entries.get(i))
-            .is_some_and(|(_, st)| st.quota.short(q.estimate, &q.rule, q.now_ms))
+        self.quotas.short_at(i)
     }
     /// What `i`'s key has left for new sessions after its forecast use (`Quota::headroom`;
     /// `None`: no stated token limit, or `quota_session_growth` off).
@@ -1239,17 +1484,21 @@ impl<'t> Board<'t> {
             .and_then(|r| r.slots)
             .unwrap_or(0)
     }
+    /// This attempt's breaker admission of `i` (`None`: not a candidate).
+    pub(super) fn admission_of(&self, i: usize) -> Option<Admission> {
+        if !self.excluded.is_empty() && self.excluded.binary_search(&i).is_ok() {
+            return None;
+        }
+        self.admission.get(i).copied().flatten()
+    }
     pub(super) fn admitted(&self, i: usize) -> bool {
         matches!(
-            self.admission.get(i).copied().flatten(),
+            self.admission_of(i),
             Some(Admission::Normal | Admission::Probe { .. })
         )
     }
     pub(super) fn probing(&self, i: usize) -> bool {
-        matches!(
-            self.admission.get(i).copied().flatten(),
-            Some(Admission::Probe { .. })
-        )
+        matches!(self.admission_of(i), Some(Admission::Probe { .. }))
     }
     /// Whether some candidate other than `i` could take a new session and is not full (see
     /// [`Board::full`]): only then is a full endpoint passed over (all full: placed as
@@ -1355,6 +1604,22 @@ impl<'t> Board<'t> {
     }
 }
 
+/// The statics (index order) a later attempt's exclusions name: the candidates are the
+/// statics without them (`Scheduler::candidates`), found without visiting every static.
+fn excluded_statics(statics: &[usize], ex: &Exclusions) -> Vec<usize> {
+    let mut excluded: Vec<usize> = ex
+        .dead
+        .iter()
+        .chain(&ex.used)
+        .chain(&ex.tried)
+        .copied()
+        .filter(|i| statics.binary_search(i).is_ok())
+        .collect();
+    excluded.sort_unstable();
+    excluded.dedup();
+    excluded
+}
+
 /// Breaker admission of `candidates`; `Err(CoolingDown)` when none admits. The candidates
 /// whose breaker is not closed are added to `open` (the others admit whatever the time).
 pub(super) fn admit(
@@ -1412,7 +1677,7 @@ pub(super) fn holder_choice(
     let Some(h) = holder else {
         return Err(NoEndpoint::Exhausted);
     };
-    match board.admission.get(h).copied().flatten() {
+    match board.admission_of(h) {
         Some(Admission::Normal | Admission::Probe { .. }) => Ok(Choice {
             reason: if board.probing(h) {
                 Reason::HalfOpenProbe
@@ -1762,6 +2027,7 @@ impl BoardMemo {
             if was_degraded != v.degraded || slot_w.1 != w.1 || slot_w.2.to_bits() != w.2.to_bits()
             {
                 self.homes.clear();
+                self.passes.clear();
             }
             *slot_w = w;
             // The flipped positions stay in index order.
@@ -1821,6 +2087,7 @@ impl BoardMemo {
         self.degraded = degraded;
         self.dirty.clear();
         self.homes.clear();
+        self.passes.clear();
         // Kept only by `keep_admission`, for this board.
         self.admission = Rc::default();
         self.open.clear();
@@ -1885,6 +2152,26 @@ impl BoardMemo {
         self.homes.push((key, home));
     }
 
+    /// The first pass of `key`'s order over the memo's board, if kept.
+    pub(super) fn pass_of(&self, key: u64) -> Option<crate::scheduler::routing::table::FirstPass> {
+        self.passes.iter().find(|(k, _)| *k == key).map(|&(_, p)| p)
+    }
+
+    /// Keeps the first pass of `key`'s order (the oldest of [`BoardMemo::HOMES`] makes room).
+    pub(super) fn keep_pass(
+        &mut self,
+        key: u64,
+        pass: crate::scheduler::routing::table::FirstPass,
+    ) {
+        if self.pass_of(key).is_some() {
+            return;
+        }
+        if self.passes.len() >= Self::HOMES {
+            self.passes.remove(0);
+        }
+        self.passes.push((key, pass));
+    }
+
     /// Homes kept at most.
     pub(super) const HOMES: usize = 64;
 
@@ -1901,6 +2188,23 @@ impl BoardMemo {
                 self.carried_unknown = true;
             }
         }
+    }
+
+    /// Whether a static outside `excluded` (index order) admits by the admission kept and
+    /// just brought up to date ([`BoardMemo::admission`]): one whose breaker is closed, when
+    /// fewer are open or excluded than there are statics, else one of the open ones.
+    pub(super) fn admits_besides(&self, excluded: &[usize]) -> bool {
+        let out = |i: &usize| excluded.binary_search(i).is_ok();
+        let open_kept = self.open.iter().filter(|i| !out(i)).count();
+        if open_kept + excluded.len() < self.statics.len() {
+            return true;
+        }
+        self.open.iter().filter(|i| !out(i)).any(|&i| {
+            matches!(
+                self.admission.get(i).copied().flatten(),
+                Some(Admission::Normal | Admission::Probe { .. })
+            )
+        })
     }
 
     pub(super) fn keep_admission(&mut self, kept: Option<(&Admissions, Vec<usize>)>) {

@@ -160,6 +160,11 @@ proptest! {
         let Ok(board) = s.board(&t, &candidates, &pick, &engines, NOW, &bcfg) else {
             return Ok(());
         };
+        // A drawn order (no session, many candidates) is no ranking to compare with the sort
+        // (`drawn_tests` hold it to its law).
+        if board.drawn {
+            return Ok(());
+        }
         let keyed = placement::Keyed::new(key, &board.weights);
         let lazy: Vec<usize> = keyed.lazy().collect();
         prop_assert_eq!(&lazy, &keyed.order());
@@ -182,5 +187,60 @@ fn lazy_order_ranks_ties_as_the_sort() {
     for s in 0..500u64 {
         let keyed = placement::Keyed::new(fmix64(s), &cands);
         assert_eq!(keyed.lazy().collect::<Vec<_>>(), keyed.order(), "{s}");
+    }
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig::with_cases(300))]
+    /// A drawn decision settled without a board (`drawn_choice`) takes the endpoint and
+    /// reason the board's walk over the same draws takes, on fleets with open breakers,
+    /// degraded and loaded endpoints and request exclusions.
+    #[test]
+    fn a_drawn_choice_without_a_board_equals_the_walk(
+        seed in any::<u64>(),
+        n in 17usize..48,
+        equal in any::<bool>(),
+        nonce in any::<u64>(),
+        attempt in 1u32..3,
+        excluded in proptest::collection::vec(0usize..48, 0..4),
+    ) {
+        let (c, t) = fleet(seed, n, equal);
+        let store = MemStore::new();
+        let s = Scheduler::new(&c, &store);
+        let ex = Exclusions {
+            tried: excluded.into_iter().filter(|&i| i < n).collect(),
+            ..Exclusions::default()
+        };
+        let pick = Pick {
+            model: None,
+            session: None,
+            attempt,
+            exclusions: &ex,
+            nonce,
+            body_bytes: 1_000,
+            pin_hint: None,
+            holder: None,
+            prefix: None,
+            follow_up: false,
+            max_output_tokens: 0,
+        };
+        let Ok((candidates, _)) = s.candidates(&pick) else {
+            return Ok(());
+        };
+        let bcfg = s.breaker_config();
+        let engines = crate::scheduler::routing::capacity::Engines::read(&store, &c, NOW);
+        let Some(quick) = s.drawn_choice(&t, &candidates, &pick, &engines, NOW, &bcfg) else {
+            return Ok(());
+        };
+        let board = s.board(&t, &candidates, &pick, &engines, NOW, &bcfg);
+        prop_assert!(board.is_ok());
+        let Ok(board) = board else { return Ok(()) };
+        prop_assert!(board.drawn);
+        let keyed = placement::Keyed::seeded(nonce, &board.weights, board.seeds());
+        let mut q = Vec::new();
+        let walked = s.walk(&board, &t, &keyed, &PinVerdict::None, &pick, NOW, &mut q);
+        prop_assert_eq!(walked, Some((quick.endpoint, quick.reason)));
+        q.retain(|&i| i != quick.endpoint);
+        prop_assert_eq!(q, quick.quota_skipped);
     }
 }
