@@ -667,3 +667,86 @@ fn a_popular_application_is_bounded_by_its_sessions_before_its_home_is_busy() {
     drop(fleet);
     checks.finish();
 }
+
+/// `pin_spilled_new_sessions` (issue 22's quota bench): a new session whose home is over its
+/// bounded load spills, and is pinned where it was served, since its first turn is cached there
+/// and nothing at its home; switched off, its next turn goes home and prefills the transcript
+/// again. Placement by session key (`prefix_placement: false`), one Envoy: the home holds three
+/// slow requests, so `(1 + 0.25) × (3 + 1) / 4 + 1 = 2.25` < 4 and a new session homed there
+/// spills.
+#[test]
+fn a_new_session_that_spilled_is_pinned_where_it_was_served() {
+    let mut checks = Checks::new();
+    for pin in [true, false] {
+        let fleet = fleet(
+            json!({
+                "prefix_placement": false,
+                "bounded_load_epsilon": 0.25,
+                "bounded_load_slack": 1,
+                "pin_spilled_new_sessions": pin,
+            }),
+            1,
+        );
+        let port = fleet.replicas.port(0);
+        let id = format!("spill-{pin}");
+        let home = session_home(&id);
+        let holders: Vec<String> = (0..400)
+            .map(|j| format!("hold-{pin}-{j}"))
+            .filter(|s| session_home(s) == home)
+            .take(3)
+            .collect();
+        // The holders' first turns, one at a time (nothing in flight: each goes home), pin
+        // them; their second turns are then held at the home as pinned hits.
+        for h in &holders {
+            let served = send(port, h, &body(0, h, 0));
+            checks.expect(
+                served.status == 200 && served.endpoint == home,
+                format!("{h} on the idle fleet: {served:?}, expected {home}"),
+            );
+        }
+        let home_mock = fleet.mocks.iter().find(|m| m.name == home).unwrap();
+        home_mock.set_fault(json!({"mode": "delay_ms", "ms": 2000}));
+        let first = std::thread::scope(|scope| {
+            let held: Vec<_> = holders
+                .iter()
+                .map(|h| scope.spawn(move || send(port, h, &body(0, h, 1))))
+                .collect();
+            std::thread::sleep(Duration::from_millis(500));
+            let first = send(port, &id, &body(0, &id, 0));
+            for h in held {
+                let h = h.join().unwrap();
+                checks.expect(
+                    h.status == 200 && h.endpoint == home,
+                    format!("a held request at {home}: {h:?}"),
+                );
+            }
+            first
+        });
+        home_mock.clear_fault();
+        checks.expect(
+            first.status == 200 && first.endpoint != home && first.affinity == "spill",
+            format!("{id}, home {home} over its bound: {first:?} (expected a spill)"),
+        );
+        let next = send(port, &id, &body(0, &id, 1));
+        if pin {
+            checks.expect(
+                next.status == 200 && next.endpoint == first.endpoint && next.affinity == "hit",
+                format!(
+                    "{id} turn 2, pinned where it spilled ({}): {next:?}",
+                    first.endpoint
+                ),
+            );
+        } else {
+            checks.expect(
+                next.status == 200 && next.endpoint == home && next.affinity == "home",
+                format!("{id} turn 2 with the rule off, home {home}: {next:?}"),
+            );
+        }
+        checks.expect(
+            fleet.replicas.wasm_crashes().is_empty(),
+            format!("wasm crashes: {:?}", fleet.replicas.wasm_crashes()),
+        );
+        drop(fleet);
+    }
+    checks.finish();
+}

@@ -837,8 +837,7 @@ impl<'a> Scheduler<'a> {
             let estimate = pick.quota_estimate(self.cfg.quota_bytes_per_token);
             let mark = st.quota.consume(estimate, now_ms);
             // A new session's first turn: what it will spend next window counts in pacing.
-            if pick.session.is_some() && !pick.follow_up && choice.reason != Reason::AffinityHit
-            {
+            if pick.session.is_some() && !pick.follow_up && choice.reason != Reason::AffinityHit {
                 st.quota.place(estimate, now_ms);
             }
             (estimate, mark)

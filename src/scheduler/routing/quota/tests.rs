@@ -851,13 +851,22 @@ fn new_sessions_placed_late_in_a_window_count_for_the_next() {
         }
         n
     };
-    let (on, off) = (placed_until_short(true, 15_000), placed_until_short(false, 15_000));
+    let (on, off) = (
+        placed_until_short(true, 15_000),
+        placed_until_short(false, 15_000),
+    );
     // Next window: the sessions pinned before spend about what they did in this one (15 000),
     // each new one about 2 800 (4.3 × its first turn). The key's 80 000 hold 23 new ones.
     let next_window = |n: u64| 15_000 + n * 2_800;
-    assert!(next_window(on) <= 80_000 - 80_000 / 4, "with growth: {on} placed");
+    assert!(
+        next_window(on) <= 80_000 - 80_000 / 4,
+        "with growth: {on} placed"
+    );
     assert!(on >= 5, "the key still takes new sessions: {on}");
-    assert!(next_window(off) > 80_000, "without it the key runs dry: {off} placed");
+    assert!(
+        next_window(off) > 80_000,
+        "without it the key runs dry: {off} placed"
+    );
     // One of three replicas (it picked a third of the key's use): each of its placements
     // stands for more than one (the key's use over its picks, 3 at first), so it closes the
     // key sooner than a lone Envoy (counting only its own, it placed as many: 9 each).
@@ -882,7 +891,12 @@ fn new_sessions_placed_late_in_a_window_count_for_the_next() {
     );
     q.place(650, 11_600);
     assert_eq!(q.tokens.map(Remaining::growth), Some(1_950));
-    assert_eq!(q.tokens.and_then(|t| t.current(12_100)).map(Remaining::growth), Some(0));
+    assert_eq!(
+        q.tokens
+            .and_then(|t| t.current(12_100))
+            .map(Remaining::growth),
+        Some(0)
+    );
     // Headroom: the limit less the forecast (no reserve), negative when over.
     assert_eq!(q.headroom(&r, 11_600), Some(80_000 - 1_950));
     assert_eq!(Quota::default().headroom(&r, 11_600), None);

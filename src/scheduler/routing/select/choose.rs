@@ -1257,7 +1257,12 @@ impl<'a> Scheduler<'a> {
             {
                 true
             }
-            // A probe, or a burst that spilled: the session's place stays its home.
+            // A new session's first turn that spilled (`pin_spilled_new_sessions`): its turn
+            // is cached where it was served and nothing at its home, which it would otherwise
+            // go back to on its next turn (on another replica, without a pin cookie: issue
+            // 22's `confirm9-quota` ×3, three such moves between keys that both had quota).
+            (Reason::Spill, _) if self.cfg.pin_spilled_new_sessions && !pick.follow_up => true,
+            // A probe, or a later turn's burst that spilled: the session's place stays its home.
             (Reason::DegradedProbe | Reason::Spill, _) => false,
             (_, AfterFailover::Stay) => true,
             (_, AfterFailover::ReturnHome) => Some(endpoint) == home,
@@ -1773,8 +1778,7 @@ pub(super) fn fallback(
     let roomiest = first.filter(|&f| board.short(f)).and_then(|_| {
         let mut best: Option<(usize, i128)> = None;
         for &i in &order {
-            if !board.admitted(i) || Some(i) == left || board.degraded(i) || board.certain_429(i)
-            {
+            if !board.admitted(i) || Some(i) == left || board.degraded(i) || board.certain_429(i) {
                 continue;
             }
             if let Some(h) = board.headroom(i) {

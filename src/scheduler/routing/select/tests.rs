@@ -2573,7 +2573,11 @@ fn when_every_key_is_short_a_new_session_goes_to_the_roomiest() {
         s.finish(pinned.ticket, &Outcome::Success, 10, Some(k), 1);
         // a and b used 220 000 of 400 000 (over their pace for the reserve: short, with
         // 180 000 free), c 28 000 of 50 000 (short, 22 000 free).
-        for (i, limit, used) in [(0, 400_000, 220_000), (1, 400_000, 220_000), (2, 50_000, 28_000)] {
+        for (i, limit, used) in [
+            (0, 400_000, 220_000),
+            (1, 400_000, 220_000),
+            (2, 50_000, 28_000),
+        ] {
             let hint = QuotaHint {
                 requests: None,
                 tokens: Some(Stated {
@@ -2616,6 +2620,8 @@ fn a_spill_from_a_home_short_of_quota_pins() {
             "endpoints": [{"name":"x","cluster":"cx"},{"name":"y","cluster":"cy"}],
             "quota_reserve_percent": 50,
             "quota_session_growth": growth,
+            // The general rule for first turns would pin it too (its own test below).
+            "pin_spilled_new_sessions": false,
             "bounded_load_epsilon": 0.25,
             "bounded_load_slack": 1,
         }));

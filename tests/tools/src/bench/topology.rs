@@ -86,6 +86,9 @@ pub enum Policy {
     /// The filter without the new sessions' growth in quota pacing and the roomiest key when
     /// all are short (`"quota_session_growth": false`): the rule on against off in one run.
     FilterGrowthOff,
+    /// The filter without pinning a new session's spill where it was served
+    /// (`"pin_spilled_new_sessions": false`): the rule on against off in one run.
+    FilterSpillPinOff,
 }
 
 impl Policy {
@@ -99,7 +102,7 @@ impl Policy {
     ];
 
     /// Every policy `--policies` accepts, in the report's order (the default set first).
-    pub const KNOWN: [Policy; 23] = [
+    pub const KNOWN: [Policy; 24] = [
         Policy::RoundRobin,
         Policy::LeastRequest,
         Policy::RingHash,
@@ -123,6 +126,7 @@ impl Policy {
         Policy::FilterEps15,
         Policy::FilterNoLimitWeight,
         Policy::FilterGrowthOff,
+        Policy::FilterSpillPinOff,
     ];
 
     pub fn name(&self) -> &'static str {
@@ -150,6 +154,7 @@ impl Policy {
             Policy::FilterEps15 => "computeflux_eps15",
             Policy::FilterNoLimitWeight => "computeflux_nolimitweight",
             Policy::FilterGrowthOff => "computeflux_growthoff",
+            Policy::FilterSpillPinOff => "computeflux_spillpinoff",
         }
     }
 
@@ -197,7 +202,8 @@ impl Policy {
             | Policy::FilterEps25
             | Policy::FilterEps15
             | Policy::FilterNoLimitWeight
-            | Policy::FilterGrowthOff => None,
+            | Policy::FilterGrowthOff
+            | Policy::FilterSpillPinOff => None,
         }
     }
 
@@ -213,6 +219,7 @@ impl Policy {
             Policy::FilterEps15 => json!({"bounded_load_epsilon": 0.15}),
             Policy::FilterNoLimitWeight => json!({"quota_limit_weighting": false}),
             Policy::FilterGrowthOff => json!({"quota_session_growth": false}),
+            Policy::FilterSpillPinOff => json!({"pin_spilled_new_sessions": false}),
             Policy::FilterNoSessionBound => json!({"prefix_session_half_life_ms": 0}),
             Policy::FilterSessionBoundTight => json!({"prefix_session_epsilon": 0.1}),
             Policy::FilterSessionBusy4 => json!({"prefix_session_busy_load": 4}),
@@ -240,6 +247,7 @@ impl Policy {
                 | Policy::FilterEps15
                 | Policy::FilterNoLimitWeight
                 | Policy::FilterGrowthOff
+                | Policy::FilterSpillPinOff
                 | Policy::FilterNoSessionBound
                 | Policy::FilterSessionBoundTight
                 | Policy::FilterSessionBusy4
