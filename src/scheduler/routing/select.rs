@@ -738,7 +738,9 @@ impl<'a> Scheduler<'a> {
                 let id = d.ticket.endpoint_id;
                 // The counts the decision read are written back with this one (one read).
                 match engines.sessions.take() {
-                    Some(read) => sessions::record_read(self.store, self.cfg, read, id, prefix, now_ms),
+                    Some(read) => {
+                        sessions::record_read(self.store, self.cfg, read, id, prefix, now_ms)
+                    }
                     None => sessions::record(self.store, self.cfg, id, prefix, now_ms),
                 };
             }

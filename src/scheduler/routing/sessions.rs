@@ -16,7 +16,11 @@
 //! half-life of `prefix_session_half_life_ms` (a session's later turns keep coming for about
 //! as long as it lives; the count is of recent placements, not of live pins, which no process
 //! can enumerate cheaply). One shared-data value under [`SESSIONS_KEY`], so every worker of the
-//! process adds to it; entries of endpoints no longer configured are dropped on write.
+//! process adds to it; entries of endpoints no longer configured are dropped on write. The
+//! fading is forward decay (a session counted at `t` weighs `2^((t - at_ms) / half-life)`
+//! against the value's reference time; see [`Placed`]), so that counting a session changes
+//! only its own entries, in place in the stored bytes ([`add_in_place`]): read, counted and
+//! written once per new session without decoding a table of up to 32 prefix keys.
 //!
 //! **The bound** ([`session_limit`]): a new session placed by prefix passes over a candidate
 //! whose count would exceed `(1 + prefix_session_epsilon) × (S + 1) × w / Σw` (S: the count
@@ -434,7 +438,13 @@ pub fn record(store: &dyn Store, cfg: &Config, id: u32, prefix: Option<u64>, now
 /// `prefix_popular_share` reads them) counted at `now_ms`: [`Placed::add`], on the bytes in
 /// place where it can be ([`add_in_place`]; the same floating-point operations in the same
 /// order, so the same value), else decoded and encoded.
-fn counted(cfg: &Config, bytes: Option<Vec<u8>>, id: u32, prefix: Option<u64>, now_ms: u64) -> Vec<u8> {
+fn counted(
+    cfg: &Config,
+    bytes: Option<Vec<u8>>,
+    id: u32,
+    prefix: Option<u64>,
+    now_ms: u64,
+) -> Vec<u8> {
     let prefix = prefix.filter(|_| cfg.prefix_popular_share > 0.0);
     let h = cfg.prefix_session_half_life_ms;
     let fleet = cfg.endpoints.len();
@@ -552,7 +562,11 @@ fn check(bytes: &[u8]) -> Option<Layout> {
     let mut last = None;
     for j in 0..l.k {
         let at = l.prefix(j);
-        let (key, n, err) = (u64_at(bytes, at)?, f64_at(bytes, at + 8)?, f64_at(bytes, at + 16)?);
+        let (key, n, err) = (
+            u64_at(bytes, at)?,
+            f64_at(bytes, at + 8)?,
+            f64_at(bytes, at + 16)?,
+        );
         if last.is_some_and(|p| p >= key) || !valid_prefix(n, err) {
             return None;
         }
@@ -619,7 +633,8 @@ fn add_in_place(
     let Some(w) = weight(now_ms.saturating_sub(at_ms), half_life_ms) else {
         return InPlace::Prune;
     };
-    let count_at = |bytes: &[u8], at: usize| f64_at(bytes, at).filter(|n| n.is_finite() && *n >= 0.0);
+    let count_at =
+        |bytes: &[u8], at: usize| f64_at(bytes, at).filter(|n| n.is_finite() && *n >= 0.0);
     if let Some(key) = prefix {
         let entry = |key: u64, n: f64, err: f64| {
             let mut e = [0u8; PREFIX_ENTRY_BYTES];
@@ -643,7 +658,10 @@ fn add_in_place(
                 }
                 bytes.splice(at..at, entry(key, w, 0.0));
                 let count = l.prefix_count();
-                if let Some(b) = bytes.get_mut(count..).and_then(|b| b.first_chunk_mut::<4>()) {
+                if let Some(b) = bytes
+                    .get_mut(count..)
+                    .and_then(|b| b.first_chunk_mut::<4>())
+                {
                     *b = u32::try_from(l.k + 1).unwrap_or(u32::MAX).to_le_bytes();
                 }
             }
@@ -948,7 +966,10 @@ mod tests {
             [&[1u8][..], &good[1..]].concat(),
         ] {
             let mut b = bad.clone();
-            assert_eq!(add_in_place(&mut b, 3, None, now, 60_000, 6), InPlace::Invalid);
+            assert_eq!(
+                add_in_place(&mut b, 3, None, now, 60_000, 6),
+                InPlace::Invalid
+            );
             assert_eq!(check(&bad), None);
         }
         let mut negative = good.clone();
@@ -958,14 +979,26 @@ mod tests {
         // A count is checked where it is read (endpoint 1's here), and reads as 0 for a
         // decision.
         let mut other = negative.clone();
-        assert_eq!(add_in_place(&mut negative, 1, None, now, 60_000, 6), InPlace::Invalid);
-        assert_eq!(add_in_place(&mut other, 3, None, now, 60_000, 6), InPlace::Done);
+        assert_eq!(
+            add_in_place(&mut negative, 1, None, now, 60_000, 6),
+            InPlace::Invalid
+        );
+        assert_eq!(
+            add_in_place(&mut other, 3, None, now, 60_000, 6),
+            InPlace::Done
+        );
         let c = cfg();
         assert_eq!(Placed::default().at(&c, now).of(1), 0.0);
         let read = Counts::of_bytes(Some(other), None, &c, now);
         assert_eq!(read.of(1), 0.0);
         assert!(read.of(3) > 0.0);
-        assert_eq!(check(&good), Some(Layout { n: slow.entries.len(), k: PREFIX_ENTRIES }));
+        assert_eq!(
+            check(&good),
+            Some(Layout {
+                n: slow.entries.len(),
+                k: PREFIX_ENTRIES
+            })
+        );
     }
 
     /// Worked: four endpoints of weight 1, 60 sessions counted over them, ε 0.25: a candidate
