@@ -614,11 +614,8 @@ impl<'a> Scheduler<'a> {
         let new_session = pick.session.is_some() && pinned.is_none() && !pick.follow_up;
         let counting = self.cfg.prefix_placement && self.cfg.prefix_session_half_life_ms > 0;
         if counting && new_session && pick.prefix.is_some() {
-            engines.sessions = Some(
-                sessions::read(self.store)
-                    .at(self.cfg, now_ms)
-                    .for_prefix(pick.prefix),
-            );
+            engines.sessions =
+                Some(sessions::read_counts(self.store, self.cfg, now_ms).for_prefix(pick.prefix));
         }
         let result = update_owned(self.store, TABLE_KEY, |bytes| {
             let (write, decision) = self.with_table(bytes.as_deref(), |table, same_layout| {
@@ -739,7 +736,14 @@ impl<'a> Scheduler<'a> {
             );
             if counting && new_session && pick.attempt <= 1 && placed_new {
                 let prefix = pick.prefix.filter(|_| d.by_prefix);
-                sessions::record(self.store, self.cfg, d.ticket.endpoint_id, prefix, now_ms);
+                let id = d.ticket.endpoint_id;
+                // The counts the decision read are written back with this one (one read).
+                match engines.sessions.take() {
+                    Some(read) => {
+                        sessions::record_read(self.store, self.cfg, read, id, prefix, now_ms)
+                    }
+                    None => sessions::record(self.store, self.cfg, id, prefix, now_ms),
+                };
             }
         }
         // A session moved away from a saturated endpoint is marked, so that it is not moved

@@ -16,7 +16,11 @@
 //! half-life of `prefix_session_half_life_ms` (a session's later turns keep coming for about
 //! as long as it lives; the count is of recent placements, not of live pins, which no process
 //! can enumerate cheaply). One shared-data value under [`SESSIONS_KEY`], so every worker of the
-//! process adds to it; entries of endpoints no longer configured are dropped on write.
+//! process adds to it; entries of endpoints no longer configured are dropped on write. The
+//! fading is forward decay (a session counted at `t` weighs `2^((t - at_ms) / half-life)`
+//! against the value's reference time; see [`Placed`]), so that counting a session changes
+//! only its own entries, in place in the stored bytes ([`add_in_place`]): read, counted and
+//! written once per new session without decoding a table of up to 32 prefix keys.
 //!
 //! **The bound** ([`session_limit`]): a new session placed by prefix passes over a candidate
 //! whose count would exceed `(1 + prefix_session_epsilon) × (S + 1) × w / Σw` (S: the count
@@ -66,12 +70,12 @@
 
 use crate::scheduler::config::Config;
 use crate::scheduler::state::codec::{Reader, Writer};
-use crate::scheduler::state::store::{update_if, Store};
+use crate::scheduler::state::store::{update_owned, Store};
 
 /// The shared-data key of [`Placed`].
 pub const SESSIONS_KEY: &str = "computeflux/sessions";
 
-const VERSION: u8 = 2;
+const VERSION: u8 = 3;
 /// Per entry: id (u32), count (f64).
 const ENTRY_BYTES: usize = 4 + 8;
 /// Per prefix entry: key (u64), count (f64), error (f64).
@@ -82,14 +86,17 @@ pub const PREFIX_ENTRIES: usize = 32;
 
 /// The new sessions this Envoy process placed per endpoint id, as of `at_ms`.
 ///
-/// Codec (little-endian): version `2` (u8), `at_ms` (u64), entry count (u32), then per entry
+/// Codec (little-endian): version `3` (u8), `at_ms` (u64, the reference time), entry count (u32), then per entry
 /// in strictly increasing id order: id (u32), count (f64, finite, ≥ 0); then the prefix entry
 /// count (u32, at most [`PREFIX_ENTRIES`]) and per prefix entry in strictly increasing key
 /// order: key (u64), count (f64, finite, ≥ 0), error (f64, finite, between 0 and the count).
 /// Anything else decodes as `None` (read as nothing placed).
 #[derive(Debug, Clone, PartialEq, Default)]
 pub struct Placed {
-    /// When the counts were last faded to.
+    /// The reference time of the counts: each session is counted with weight
+    /// `2^((t - at_ms) / half-life)` at its time `t` (forward decay), so that a count as of
+    /// `now` is the stored one × `2^(-(now - at_ms) / half-life)` and a write changes only
+    /// the entries it counts.
     at_ms: u64,
     /// Sorted by id, ids distinct.
     entries: Vec<(u32, f64)>,
@@ -105,6 +112,22 @@ fn fade(elapsed_ms: u64, half_life_ms: u64) -> f64 {
         return 1.0;
     }
     (-(elapsed_ms as f64) / half_life_ms as f64).exp2()
+}
+
+/// Half-lives after the reference time past which the stored counts are rescaled to a new
+/// reference (a session counted then weighs 2^32: far from the f64 range and its precision
+/// for counts of a few thousand sessions).
+const REBASE_HALF_LIVES: f64 = 32.0;
+
+/// The weight of a session counted `elapsed_ms` after the reference time (forward decay:
+/// `2^(elapsed / half-life)`, so that the stored counts never need fading on a write), or
+/// `None` past [`REBASE_HALF_LIVES`] (and for the reference 0 of an empty value).
+fn weight(elapsed_ms: u64, half_life_ms: u64) -> Option<f64> {
+    if half_life_ms == 0 || elapsed_ms == 0 {
+        return Some(1.0);
+    }
+    let half_lives = elapsed_ms as f64 / half_life_ms as f64;
+    (half_lives <= REBASE_HALF_LIVES).then(|| half_lives.exp2())
 }
 
 impl Placed {
@@ -129,39 +152,44 @@ impl Placed {
     }
 
     pub fn decode(bytes: &[u8]) -> Option<Placed> {
+        // Fixed-width entries read from exact chunks (one bounds check per entry, not per
+        // field): decoded on every new session, so its instructions count (tests/cost).
         let mut r = Reader::new(bytes);
         if r.u8()? != VERSION {
             return None;
         }
         let at_ms = r.u64()?;
         let n = usize::try_from(r.u32()?).ok()?;
-        if r.remaining() < n.checked_mul(ENTRY_BYTES)? {
-            return None;
-        }
+        let rest = r.rest();
+        let (body, rest) = rest.split_at_checked(n.checked_mul(ENTRY_BYTES)?)?;
         let mut entries: Vec<(u32, f64)> = Vec::with_capacity(n);
-        for _ in 0..n {
-            let id = r.u32()?;
-            if entries.last().is_some_and(|(last, _)| *last >= id) {
-                return None;
-            }
-            let count = r.f64()?;
-            if !count.is_finite() || count < 0.0 {
+        for e in body.chunks_exact(ENTRY_BYTES) {
+            let (id, count) = e.split_first_chunk::<4>()?;
+            let id = u32::from_le_bytes(*id);
+            let count = f64::from_le_bytes(*count.first_chunk::<8>()?);
+            if entries.last().is_some_and(|(last, _)| *last >= id)
+                || !count.is_finite()
+                || count < 0.0
+            {
                 return None;
             }
             entries.push((id, count));
         }
-        let k = usize::try_from(r.u32()?).ok()?;
-        if k > PREFIX_ENTRIES || r.remaining() != k.checked_mul(PREFIX_ENTRY_BYTES)? {
+        let (k, rest) = rest.split_first_chunk::<4>()?;
+        let k = usize::try_from(u32::from_le_bytes(*k)).ok()?;
+        if k > PREFIX_ENTRIES || rest.len() != k.checked_mul(PREFIX_ENTRY_BYTES)? {
             return None;
         }
         let mut prefixes: Vec<(u64, f64, f64)> = Vec::with_capacity(k);
-        for _ in 0..k {
-            let key = r.u64()?;
-            if prefixes.last().is_some_and(|(last, _, _)| *last >= key) {
-                return None;
-            }
-            let (count, err) = (r.f64()?, r.f64()?);
-            if !count.is_finite()
+        for e in rest.chunks_exact(PREFIX_ENTRY_BYTES) {
+            let e = e.first_chunk::<PREFIX_ENTRY_BYTES>()?;
+            let (key, counts) = e.split_first_chunk::<8>()?;
+            let (count, err) = counts.split_first_chunk::<8>()?;
+            let key = u64::from_le_bytes(*key);
+            let count = f64::from_le_bytes(*count);
+            let err = f64::from_le_bytes(*err.first_chunk::<8>()?);
+            if prefixes.last().is_some_and(|(last, _, _)| *last >= key)
+                || !count.is_finite()
                 || count < 0.0
                 || !err.is_finite()
                 || !(0.0..=count).contains(&err)
@@ -178,6 +206,7 @@ impl Placed {
     }
 
     /// Endpoint `id`'s count as stored (not faded).
+    #[cfg(test)]
     fn get(&self, id: u32) -> f64 {
         self.entries
             .binary_search_by_key(&id, |(k, _)| *k)
@@ -187,6 +216,7 @@ impl Placed {
     }
 
     /// The lower bound of prefix `key`'s count as stored (not faded): 0 for a key not held.
+    #[cfg(test)]
     fn prefix_floor(&self, key: u64) -> f64 {
         self.prefixes
             .binary_search_by_key(&key, |(k, _, _)| *k)
@@ -197,30 +227,22 @@ impl Placed {
 
     /// The counts as of `now_ms`, for one decision.
     pub fn at(self, cfg: &Config, now_ms: u64) -> Counts {
-        let fade = fade(
-            now_ms.saturating_sub(self.at_ms),
-            cfg.prefix_session_half_life_ms,
-        );
-        Counts {
-            placed: self,
-            fade,
-            prefix: 0.0,
-        }
+        Counts::of_bytes(Some(self.encode()), None, cfg, now_ms)
     }
 
-    /// Counts one new session of prefix `key` (the counts already faded to now): Space-Saving
-    /// — a held key adds 1; a new key takes a free entry at 1, or, all [`PREFIX_ENTRIES`]
-    /// held, replaces the entry of the least count `m` at `m + 1` with error `m` (so a key's
+    /// Counts one new session of prefix `key` with weight `w`: Space-Saving — a held key
+    /// adds `w`; a new key takes a free entry at `w`, or, all [`PREFIX_ENTRIES`] held,
+    /// replaces the entry of the least count `m` at `m + w` with error `m` (so a key's
     /// count never undercounts it, and its count less its error never overcounts it).
-    fn add_prefix(&mut self, key: u64) {
+    fn add_prefix(&mut self, key: u64, w: f64) {
         match self.prefixes.binary_search_by_key(&key, |(k, _, _)| *k) {
             Ok(at) => {
                 if let Some((_, n, _)) = self.prefixes.get_mut(at) {
-                    *n += 1.0;
+                    *n += w;
                 }
             }
             Err(at) if self.prefixes.len() < PREFIX_ENTRIES => {
-                self.prefixes.insert(at, (key, 1.0, 0.0));
+                self.prefixes.insert(at, (key, w, 0.0));
             }
             Err(_) => {
                 let least = self
@@ -235,14 +257,15 @@ impl Placed {
                         .prefixes
                         .binary_search_by_key(&key, |(k, _, _)| *k)
                         .unwrap_or_else(|at| at);
-                    self.prefixes.insert(at, (key, m + 1.0, m));
+                    self.prefixes.insert(at, (key, m + w, m));
                 }
             }
         }
     }
 
-    /// Counts one session placed on endpoint `id` at `now_ms`: every count is faded to
-    /// `now_ms` first (a clock that went back fades nothing). Entries of endpoints no longer
+    /// Counts one session placed on endpoint `id` at `now_ms` with its weight (see
+    /// [`Placed::at_ms`]; a clock behind the reference counts 1); past
+    /// [`REBASE_HALF_LIVES`] every count is faded to `now_ms`, the new reference, first. Entries of endpoints no longer
     /// configured are dropped once there are more entries than the `configured` ids (a reload
     /// that removed some; the ids are asked for only then), so the value never holds more
     /// than one entry over the fleet.
@@ -255,27 +278,33 @@ impl Placed {
         half_life_ms: u64,
         configured: (usize, impl FnOnce() -> Vec<u32>),
     ) {
-        let f = fade(now_ms.saturating_sub(self.at_ms), half_life_ms);
-        self.at_ms = self.at_ms.max(now_ms);
-        for (_, n) in &mut self.entries {
-            *n *= f;
-        }
-        if f < 1.0 {
-            for (_, n, err) in &mut self.prefixes {
-                *n *= f;
-                *err *= f;
+        let elapsed = now_ms.saturating_sub(self.at_ms);
+        let w = match weight(elapsed, half_life_ms) {
+            Some(w) => w,
+            None => {
+                // Rescaled to `now_ms` as the new reference (the counts faded to it).
+                let f = fade(elapsed, half_life_ms);
+                self.at_ms = now_ms;
+                for (_, n) in &mut self.entries {
+                    *n *= f;
+                }
+                for (_, n, err) in &mut self.prefixes {
+                    *n *= f;
+                    *err *= f;
+                }
+                1.0
             }
-        }
+        };
         if let Some(key) = prefix {
-            self.add_prefix(key);
+            self.add_prefix(key, w);
         }
         match self.entries.binary_search_by_key(&id, |(k, _)| *k) {
             Ok(at) => {
                 if let Some((_, n)) = self.entries.get_mut(at) {
-                    *n += 1.0;
+                    *n += w;
                 }
             }
-            Err(at) => self.entries.insert(at, (id, 1.0)),
+            Err(at) => self.entries.insert(at, (id, w)),
         }
         let (count, ids) = configured;
         if self.entries.len() > count {
@@ -287,25 +316,69 @@ impl Placed {
     }
 }
 
-/// The counts one decision reads: stored ones and their fade to the decision's time.
+/// The counts one decision reads: the stored value's bytes (never decoded: a full table is
+/// 1.5 KB, and decoding and encoding it on every new session cost more instructions than
+/// the rest of placement by prefix; see [`add_in_place`]) and their fade to the decision's
+/// time.
 #[derive(Debug, Clone, PartialEq)]
 pub struct Counts {
-    placed: Placed,
+    /// A value of the right version and shape ([`shape`]; empty: nothing placed). Its
+    /// entries are checked as they are read: a count that would not decode reads as 0.
+    bytes: Vec<u8>,
+    /// Its endpoint and prefix entry counts.
+    layout: Layout,
     fade: f64,
     /// The decision's prefix key's count (its lower bound), faded; 0 until [`Counts::for_prefix`].
     prefix: f64,
+    /// The CAS token the counts were read with ([`read_counts`]), so that [`record_read`]
+    /// writes the session counted on them without reading the value again.
+    cas: Option<u32>,
 }
 
 impl Counts {
+    /// Counts of `bytes` (as stored; undecodable: nothing placed) as of `now_ms`.
+    fn of_bytes(bytes: Option<Vec<u8>>, cas: Option<u32>, cfg: &Config, now_ms: u64) -> Counts {
+        let checked = bytes.and_then(|b| shape(&b).map(|l| (b, l)));
+        let (bytes, layout, at_ms) = match checked {
+            Some((b, l)) => {
+                let at = u64_at(&b, 1).unwrap_or(0);
+                (b, l, at)
+            }
+            None => (Vec::new(), Layout::EMPTY, 0),
+        };
+        Counts {
+            bytes,
+            layout,
+            fade: fade(
+                now_ms.saturating_sub(at_ms),
+                cfg.prefix_session_half_life_ms,
+            ),
+            prefix: 0.0,
+            cas,
+        }
+    }
+
     /// Endpoint `id`'s count, faded (0 for an endpoint without one).
     pub fn of(&self, id: u32) -> f64 {
-        self.placed.get(id) * self.fade
+        self.layout
+            .find_entry(&self.bytes, id)
+            .ok()
+            .and_then(|i| f64_at(&self.bytes, self.layout.entry(i) + 4))
+            .filter(|n| n.is_finite() && *n >= 0.0)
+            .map_or(0.0, |n| n * self.fade)
     }
 
     /// The counts for a decision about a session of prefix `key`: [`Counts::prefix`] reads
     /// its count.
     pub fn for_prefix(mut self, key: Option<u64>) -> Counts {
-        self.prefix = key.map_or(0.0, |k| self.placed.prefix_floor(k) * self.fade);
+        let floor = key
+            .and_then(|k| self.layout.find_prefix(&self.bytes, k).ok())
+            .and_then(|j| {
+                let at = self.layout.prefix(j);
+                let (n, err) = (f64_at(&self.bytes, at + 8)?, f64_at(&self.bytes, at + 16)?);
+                valid_prefix(n, err).then_some((n - err).max(0.0))
+            });
+        self.prefix = floor.map_or(0.0, |f| f * self.fade);
         self
     }
 
@@ -325,25 +398,323 @@ pub fn read(store: &dyn Store) -> Placed {
         .unwrap_or_default()
 }
 
+/// The stored counts as of `now_ms` with the CAS token they were read with (see
+/// [`record_read`]).
+pub fn read_counts(store: &dyn Store, cfg: &Config, now_ms: u64) -> Counts {
+    let (bytes, cas) = store.get(SESSIONS_KEY);
+    Counts::of_bytes(bytes, cas, cfg, now_ms)
+}
+
+/// [`record`] on the `counts` a decision read ([`read_counts`]): written with their CAS token,
+/// so that the value is read once per new session; if another worker wrote in between,
+/// [`record`] (read, count, write again).
+pub fn record_read(
+    store: &dyn Store,
+    cfg: &Config,
+    counts: Counts,
+    id: u32,
+    prefix: Option<u64>,
+    now_ms: u64,
+) -> bool {
+    let bytes = (!counts.bytes.is_empty()).then_some(counts.bytes);
+    let value = counted(cfg, bytes, id, prefix, now_ms);
+    match store.set(SESSIONS_KEY, &value, counts.cas) {
+        Ok(()) => true,
+        Err(_) => record(store, cfg, id, prefix, now_ms),
+    }
+}
+
 /// Counts one new session placed on endpoint `id`, and its `prefix` key where
 /// `prefix_popular_share` reads them. A lost CAS race loses one count (bounded retries); false
 /// then.
 pub fn record(store: &dyn Store, cfg: &Config, id: u32, prefix: Option<u64>, now_ms: u64) -> bool {
-    let ids = || cfg.endpoints.iter().map(|e| e.id).collect();
-    let prefix = prefix.filter(|_| cfg.prefix_popular_share > 0.0);
-    update_if(store, SESSIONS_KEY, |bytes| {
-        let mut placed = bytes.and_then(Placed::decode).unwrap_or_default();
-        let configured = (cfg.endpoints.len(), ids);
-        placed.add(
-            id,
-            prefix,
-            now_ms,
-            cfg.prefix_session_half_life_ms,
-            configured,
-        );
-        (Some(placed.encode()), true)
+    update_owned(store, SESSIONS_KEY, |bytes| {
+        (Some(counted(cfg, bytes, id, prefix, now_ms)), true)
     })
     .unwrap_or(false)
+}
+
+/// The stored value `bytes` with one new session on `id` (and `prefix`, where
+/// `prefix_popular_share` reads them) counted at `now_ms`: [`Placed::add`], on the bytes in
+/// place where it can be ([`add_in_place`]; the same floating-point operations in the same
+/// order, so the same value), else decoded and encoded.
+fn counted(
+    cfg: &Config,
+    bytes: Option<Vec<u8>>,
+    id: u32,
+    prefix: Option<u64>,
+    now_ms: u64,
+) -> Vec<u8> {
+    let prefix = prefix.filter(|_| cfg.prefix_popular_share > 0.0);
+    let h = cfg.prefix_session_half_life_ms;
+    let fleet = cfg.endpoints.len();
+    let mut placed = match bytes {
+        Some(mut b) => match add_in_place(&mut b, id, prefix, now_ms, h, fleet) {
+            InPlace::Done => return b,
+            InPlace::Prune => Placed::decode(&b).unwrap_or_default(),
+            InPlace::Invalid => Placed::default(),
+        },
+        None => Placed::default(),
+    };
+    let ids = || cfg.endpoints.iter().map(|e| e.id).collect();
+    placed.add(id, prefix, now_ms, h, (fleet, ids));
+    placed.encode()
+}
+
+/// Where the entries of an encoded [`Placed`] are (checked by [`check`]).
+#[derive(Debug, Clone, Copy, PartialEq)]
+struct Layout {
+    /// Endpoint entries.
+    n: usize,
+    /// Prefix entries.
+    k: usize,
+}
+
+/// Bytes before the first endpoint entry: version, `at_ms`, entry count.
+const HEADER_BYTES: usize = 1 + 8 + 4;
+
+impl Layout {
+    const EMPTY: Layout = Layout { n: 0, k: 0 };
+
+    /// Offset of endpoint entry `i`.
+    fn entry(&self, i: usize) -> usize {
+        HEADER_BYTES + i * ENTRY_BYTES
+    }
+
+    /// Offset of the prefix entry count.
+    fn prefix_count(&self) -> usize {
+        self.entry(self.n)
+    }
+
+    /// Offset of prefix entry `j`.
+    fn prefix(&self, j: usize) -> usize {
+        self.prefix_count() + 4 + j * PREFIX_ENTRY_BYTES
+    }
+
+    /// Binary search of endpoint `id` (entries sorted by id): its index, or where it would go.
+    fn find_entry(&self, bytes: &[u8], id: u32) -> Result<usize, usize> {
+        let (mut lo, mut hi) = (0, self.n);
+        while lo < hi {
+            let mid = lo + (hi - lo) / 2;
+            match u32_at(bytes, self.entry(mid)).map(|k| k.cmp(&id)) {
+                Some(std::cmp::Ordering::Less) => lo = mid + 1,
+                Some(std::cmp::Ordering::Greater) => hi = mid,
+                Some(std::cmp::Ordering::Equal) => return Ok(mid),
+                None => return Err(lo),
+            }
+        }
+        Err(lo)
+    }
+
+    /// Binary search of prefix `key` (entries sorted by key).
+    fn find_prefix(&self, bytes: &[u8], key: u64) -> Result<usize, usize> {
+        let (mut lo, mut hi) = (0, self.k);
+        while lo < hi {
+            let mid = lo + (hi - lo) / 2;
+            match u64_at(bytes, self.prefix(mid)).map(|k| k.cmp(&key)) {
+                Some(std::cmp::Ordering::Less) => lo = mid + 1,
+                Some(std::cmp::Ordering::Greater) => hi = mid,
+                Some(std::cmp::Ordering::Equal) => return Ok(mid),
+                None => return Err(lo),
+            }
+        }
+        Err(lo)
+    }
+}
+
+fn u32_at(bytes: &[u8], at: usize) -> Option<u32> {
+    bytes
+        .get(at..)?
+        .first_chunk::<4>()
+        .map(|b| u32::from_le_bytes(*b))
+}
+
+fn u64_at(bytes: &[u8], at: usize) -> Option<u64> {
+    bytes
+        .get(at..)?
+        .first_chunk::<8>()
+        .map(|b| u64::from_le_bytes(*b))
+}
+
+fn f64_at(bytes: &[u8], at: usize) -> Option<f64> {
+    u64_at(bytes, at).map(f64::from_bits)
+}
+
+fn put_f64(bytes: &mut [u8], at: usize, v: f64) {
+    if let Some(b) = bytes.get_mut(at..).and_then(|b| b.first_chunk_mut::<8>()) {
+        *b = v.to_bits().to_le_bytes();
+    }
+}
+
+/// The layout of `bytes` if [`Placed::decode`] would accept them: the same checks, without
+/// decoding (a pass over the entries, no allocation).
+#[cfg(test)]
+fn check(bytes: &[u8]) -> Option<Layout> {
+    let l = shape(bytes)?;
+    let mut last = None;
+    for i in 0..l.n {
+        let (id, n) = (u32_at(bytes, l.entry(i))?, f64_at(bytes, l.entry(i) + 4)?);
+        if last.is_some_and(|p| p >= id) || !n.is_finite() || n < 0.0 {
+            return None;
+        }
+        last = Some(id);
+    }
+    let mut last = None;
+    for j in 0..l.k {
+        let at = l.prefix(j);
+        let (key, n, err) = (
+            u64_at(bytes, at)?,
+            f64_at(bytes, at + 8)?,
+            f64_at(bytes, at + 16)?,
+        );
+        if last.is_some_and(|p| p >= key) || !valid_prefix(n, err) {
+            return None;
+        }
+        last = Some(key);
+    }
+    Some(l)
+}
+
+/// A prefix entry's count and error as [`Placed::decode`] accepts them.
+fn valid_prefix(n: f64, err: f64) -> bool {
+    n.is_finite() && n >= 0.0 && err.is_finite() && (0.0..=n).contains(&err)
+}
+
+/// The version and the lengths: the entry counts if they add up to the value's length.
+fn shape(bytes: &[u8]) -> Option<Layout> {
+    if *bytes.first()? != VERSION {
+        return None;
+    }
+    let n = usize::try_from(u32_at(bytes, 9)?).ok()?;
+    let k_at = n.checked_mul(ENTRY_BYTES)?.checked_add(HEADER_BYTES)?;
+    let k = usize::try_from(u32_at(bytes, k_at)?).ok()?;
+    let len = k_at
+        .checked_add(4)?
+        .checked_add(k.checked_mul(PREFIX_ENTRY_BYTES)?)?;
+    (k <= PREFIX_ENTRIES && bytes.len() == len).then_some(Layout { n, k })
+}
+
+/// What [`add_in_place`] did.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum InPlace {
+    /// Counted: the bytes are the new value.
+    Done,
+    /// The entries (with a new one for the endpoint) would outnumber the fleet (entries of
+    /// removed endpoints to drop), or the counts are due to be rescaled
+    /// ([`REBASE_HALF_LIVES`]): the bytes are unchanged, for [`Placed::add`].
+    Prune,
+    /// The bytes would not decode (they may be half changed): count on nothing placed.
+    Invalid,
+}
+
+/// [`Placed::add`] on an encoded value, in place: the counted entries found by binary
+/// search and raised by the session's weight, an entry inserted where it is new, the least
+/// prefix entry replaced where the table is full — the same floating-point operations as
+/// decoding, adding and encoding, so the same bytes (tested), without a pass over every
+/// entry. Only the entries it reads are checked as [`Placed::decode`] checks them (and the
+/// value's shape); a value written by this code is valid, and one of another version does not
+/// get past the version byte.
+fn add_in_place(
+    bytes: &mut Vec<u8>,
+    id: u32,
+    prefix: Option<u64>,
+    now_ms: u64,
+    half_life_ms: u64,
+    fleet: usize,
+) -> InPlace {
+    let Some(l) = shape(bytes) else {
+        return InPlace::Invalid;
+    };
+    let entry_at = l.find_entry(bytes, id);
+    if l.n + usize::from(entry_at.is_err()) > fleet {
+        return InPlace::Prune;
+    }
+    let at_ms = u64_at(bytes, 1).unwrap_or(0);
+    let Some(w) = weight(now_ms.saturating_sub(at_ms), half_life_ms) else {
+        return InPlace::Prune;
+    };
+    let count_at =
+        |bytes: &[u8], at: usize| f64_at(bytes, at).filter(|n| n.is_finite() && *n >= 0.0);
+    if let Some(key) = prefix {
+        let entry = |key: u64, n: f64, err: f64| {
+            let mut e = [0u8; PREFIX_ENTRY_BYTES];
+            e[..8].copy_from_slice(&key.to_le_bytes());
+            e[8..16].copy_from_slice(&n.to_bits().to_le_bytes());
+            e[16..].copy_from_slice(&err.to_bits().to_le_bytes());
+            e
+        };
+        match l.find_prefix(bytes, key) {
+            Ok(j) => {
+                let at = l.prefix(j) + 8;
+                let Some(n) = count_at(bytes, at) else {
+                    return InPlace::Invalid;
+                };
+                put_f64(bytes, at, n + w);
+            }
+            Err(t) if l.k < PREFIX_ENTRIES => {
+                let at = l.prefix(t);
+                if at > bytes.len() {
+                    return InPlace::Invalid;
+                }
+                bytes.splice(at..at, entry(key, w, 0.0));
+                let count = l.prefix_count();
+                if let Some(b) = bytes
+                    .get_mut(count..)
+                    .and_then(|b| b.first_chunk_mut::<4>())
+                {
+                    *b = u32::try_from(l.k + 1).unwrap_or(u32::MAX).to_le_bytes();
+                }
+            }
+            Err(t) => {
+                // The least count (the first of equals, as `min_by` finds it) gives its place:
+                // the new entry is written there and moved to its order (`t` keys below it,
+                // the least among them when `i < t`).
+                let mut least: Option<(usize, f64)> = None;
+                for j in 0..l.k {
+                    let Some(n) = count_at(bytes, l.prefix(j) + 8) else {
+                        return InPlace::Invalid;
+                    };
+                    if least.is_none_or(|(_, m)| n.total_cmp(&m).is_lt()) {
+                        least = Some((j, n));
+                    }
+                }
+                if let Some((i, m)) = least {
+                    let e = entry(key, m + w, m);
+                    let (from, to) = (l.prefix(i), l.prefix(i + 1));
+                    if let Some(slot) = bytes.get_mut(from..to) {
+                        slot.copy_from_slice(&e);
+                    }
+                    if i < t {
+                        if let Some(r) = bytes.get_mut(from..l.prefix(t)) {
+                            r.rotate_left(PREFIX_ENTRY_BYTES);
+                        }
+                    } else if let Some(r) = bytes.get_mut(l.prefix(t)..to) {
+                        r.rotate_right(PREFIX_ENTRY_BYTES);
+                    }
+                }
+            }
+        }
+    }
+    match entry_at {
+        Ok(i) => {
+            let at = l.entry(i) + 4;
+            let Some(n) = count_at(bytes, at) else {
+                return InPlace::Invalid;
+            };
+            put_f64(bytes, at, n + w);
+        }
+        Err(i) => {
+            let mut e = [0u8; ENTRY_BYTES];
+            e[..4].copy_from_slice(&id.to_le_bytes());
+            e[4..].copy_from_slice(&w.to_bits().to_le_bytes());
+            let at = l.entry(i);
+            bytes.splice(at..at, e);
+            if let Some(b) = bytes.get_mut(9..).and_then(|b| b.first_chunk_mut::<4>()) {
+                *b = u32::try_from(l.n + 1).unwrap_or(u32::MAX).to_le_bytes();
+            }
+        }
+    }
+    InPlace::Done
 }
 
 /// The sessions a busy candidate may hold beyond its share, so that a process that has
@@ -427,9 +798,14 @@ mod tests {
             "{n:?}"
         );
         assert_eq!(n.of(a ^ b ^ 1), 0.0);
-        // A clock behind the record fades nothing.
+        // A clock behind the reference time (0 here: nothing rescaled) reads the counts as of
+        // that time: each session weighs 2^(t / h) (forward decay).
         let n = read(&store).at(&c, 0);
-        assert_eq!((n.of(a), n.of(b)), (1.0, 1.0));
+        let w = (1_000.0 / h as f64).exp2();
+        assert!(
+            (n.of(a) - 2.0 * w).abs() < 1e-9 && (n.of(b) - 2.0 * w).abs() < 1e-9,
+            "{n:?}"
+        );
         let p = read(&store);
         assert_eq!(Placed::decode(&p.encode()), Some(p.clone()));
         assert_eq!(p.encode().len(), 17 + 2 * ENTRY_BYTES);
@@ -489,11 +865,14 @@ mod tests {
             .iter()
             .all(|(k, n, e)| *k == heavy || n - e <= 1.0));
         assert_eq!(p.prefix_floor(7), 0.0);
-        // Faded by one half-life with the next session (not of a prefix).
+        // A write changes only what it counts; read one half-life later, the count has faded
+        // by half.
         let floor = p.prefix_floor(heavy);
         p.add(1, None, 1_000, 1_000, (1, ids));
-        assert!((p.prefix_floor(heavy) - floor / 2.0).abs() < 1e-9);
-        let c = cfg();
+        assert_eq!(p.prefix_floor(heavy), floor);
+        let c = Config::from_value(&json!({"endpoints":[{"name":"a","cluster":"a"}],
+            "prefix_session_half_life_ms": 1_000}))
+        .unwrap();
         let counts = p.clone().at(&c, 1_000).for_prefix(Some(heavy));
         assert!((counts.prefix() - floor / 2.0).abs() < 1e-9);
         assert_eq!(p.clone().at(&c, 1_000).prefix(), 0.0);
@@ -516,6 +895,110 @@ mod tests {
         assert!(!popular(2.0, 23.0, 1.0, 5.0, 0.5), "2 < 2.3");
         assert!(!popular(1.5, 0.0, 1.0, 5.0, 0.5), "below the slack");
         assert!(!popular(100.0, 100.0, 1.0, 5.0, 0.0), "off");
+    }
+
+    /// The value counted in place is byte for byte the one decoding, adding and encoding
+    /// gives: over a stream that fills the prefix table and replaces its least entries at
+    /// every position, weighs sessions by their time, rescales past 32 half-lives, brings new
+    /// endpoints, and (a fleet of 5 whose entries already number 6) must drop a removed
+    /// endpoint's entry.
+    #[test]
+    fn counting_in_place_gives_the_decoded_value() {
+        let mut slow = Placed::default();
+        let mut fast: Option<Vec<u8>> = None;
+        let mut rng = 0x2545_f491_4f6c_dd1d_u64;
+        let mut next = || {
+            rng ^= rng << 13;
+            rng ^= rng >> 7;
+            rng ^= rng << 17;
+            rng
+        };
+        let mut now = 1_000u64;
+        for step in 0..3_000u64 {
+            let r = next();
+            let id = [3u32, 9, 5, 1, 7, 11][(r % 6) as usize];
+            let prefix = match r >> 8 & 7 {
+                0 => None,
+                1 | 2 => Some(0x77),
+                _ => Some((next() % 60) << 40 | 5),
+            };
+            now += [0, 0, 1, 250, 4_000][(r >> 16) as usize % 5];
+            if step == 2_000 {
+                // Past 32 half-lives of the reference: rescaled (by decoding).
+                now += 3_000_000;
+            }
+            let fleet = if step < 1_500 { 6 } else { 5 };
+            let ids = || {
+                if fleet == 6 {
+                    vec![1, 3, 5, 7, 9, 11]
+                } else {
+                    vec![1, 3, 5, 7, 9]
+                }
+            };
+            slow.add(id, prefix, now, 60_000, (fleet, ids));
+            let mut bytes = fast.take().unwrap_or_else(|| Placed::default().encode());
+            let mut placed = match add_in_place(&mut bytes, id, prefix, now, 60_000, fleet) {
+                InPlace::Done => None,
+                InPlace::Prune => Some(Placed::decode(&bytes).unwrap()),
+                InPlace::Invalid => panic!("step {step}: valid bytes read as invalid"),
+            };
+            if let Some(p) = placed.as_mut() {
+                p.add(id, prefix, now, 60_000, (fleet, ids));
+                bytes = p.encode();
+            }
+            assert_eq!(bytes, slow.encode(), "step {step}");
+            fast = Some(bytes);
+        }
+        assert_eq!(slow.prefixes.len(), PREFIX_ENTRIES);
+        // The counts read from the bytes are the decoded ones.
+        let c = cfg();
+        let counts = slow.clone().at(&c, now + 500).for_prefix(Some(0x77));
+        let f = fade(now + 500 - slow.at_ms, c.prefix_session_half_life_ms);
+        assert!(f < 1.0);
+        assert_eq!(counts.prefix(), slow.prefix_floor(0x77) * f);
+        for id in [1, 3, 5, 7, 9, 11, 4] {
+            assert_eq!(counts.of(id), slow.get(id) * f);
+        }
+        // Bytes that do not decode do not count in place either.
+        let good = slow.encode();
+        for bad in [
+            good[..good.len() - 1].to_vec(),
+            [&[1u8][..], &good[1..]].concat(),
+        ] {
+            let mut b = bad.clone();
+            assert_eq!(
+                add_in_place(&mut b, 3, None, now, 60_000, 6),
+                InPlace::Invalid
+            );
+            assert_eq!(check(&bad), None);
+        }
+        let mut negative = good.clone();
+        negative[17..25].copy_from_slice(&(-1.0f64).to_le_bytes());
+        assert_eq!(Placed::decode(&negative), None);
+        assert_eq!(check(&negative), None);
+        // A count is checked where it is read (endpoint 1's here), and reads as 0 for a
+        // decision.
+        let mut other = negative.clone();
+        assert_eq!(
+            add_in_place(&mut negative, 1, None, now, 60_000, 6),
+            InPlace::Invalid
+        );
+        assert_eq!(
+            add_in_place(&mut other, 3, None, now, 60_000, 6),
+            InPlace::Done
+        );
+        let c = cfg();
+        assert_eq!(Placed::default().at(&c, now).of(1), 0.0);
+        let read = Counts::of_bytes(Some(other), None, &c, now);
+        assert_eq!(read.of(1), 0.0);
+        assert!(read.of(3) > 0.0);
+        assert_eq!(
+            check(&good),
+            Some(Layout {
+                n: slow.entries.len(),
+                k: PREFIX_ENTRIES
+            })
+        );
     }
 
     /// Worked: four endpoints of weight 1, 60 sessions counted over them, ε 0.25: a candidate

@@ -59,6 +59,10 @@ impl<'a> Reader<'a> {
             .map(f64::from_le_bytes)
             .filter(|v| v.is_finite())
     }
+    /// The bytes not read yet (for fixed-width entries read in exact chunks).
+    pub fn rest(&self) -> &'a [u8] {
+        self.rest
+    }
     pub fn remaining(&self) -> usize {
         self.rest.len()
     }

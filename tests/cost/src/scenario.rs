@@ -194,13 +194,27 @@ fn messages_body(turns: usize, filler_bytes: usize, stream: bool) -> String {
     )
 }
 
+/// Applications with long instructions whose new sessions the warm-up sends (more than the
+/// 32 prefix keys `computeflux/sessions` holds), so that a measured new session of an
+/// application reads, updates and writes a full count table, as in steady traffic.
+pub const WARM_PREFIX_APPS: usize = 40;
+
 /// [`messages_body`] whose system message is `bytes` long as sent (an application's
 /// instructions: a prefix key when at least `prefix_min_bytes`).
 fn prefix_body(turns: usize, bytes: usize) -> String {
+    app_body("", turns, bytes)
+}
+
+/// [`prefix_body`] of the application named `app` (its instructions start with its name).
+fn app_body(app: &str, turns: usize, bytes: usize) -> String {
     let bare = r#"{"role":"system","content":""}"#.len();
-    let text: String = "You are the support assistant of Example Corp. Follow the policy. "
+    let text: String = app
         .chars()
-        .cycle()
+        .chain(
+            "You are the support assistant of Example Corp. Follow the policy. "
+                .chars()
+                .cycle(),
+        )
         .take(bytes.saturating_sub(bare))
         .collect();
     with_system(
@@ -399,6 +413,19 @@ pub fn run_suite_sampling(
     for i in 0..16 {
         let session = format!("warm-{i}");
         let req = chat_request(Some(&session), messages_body(1, 0, false));
+        exchange(&mut vm, next(), &req, &[json_answer(0)])?;
+        vm.host().advance_ms(100);
+    }
+    // New sessions of applications with long instructions: a full table of prefix counts
+    // (when `prefix_placement` is on), the measured application's (`new_session_prefix`)
+    // held in it with the last two sessions, the others with one.
+    for i in 0..WARM_PREFIX_APPS + 2 {
+        let session = format!("warm-app-{i}");
+        let app = match i {
+            n if n < WARM_PREFIX_APPS => format!("Application {n}. "),
+            _ => String::new(),
+        };
+        let req = chat_request(Some(&session), app_body(&app, 1, PREFIX_SYSTEM_BYTES));
         exchange(&mut vm, next(), &req, &[json_answer(0)])?;
         vm.host().advance_ms(100);
     }

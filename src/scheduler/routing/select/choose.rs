@@ -321,7 +321,7 @@ impl<'a> Scheduler<'a> {
         table: &'t Table,
         candidates: &[usize],
         pick: &Pick<'_>,
-        engines: &Engines,
+        engines: &'t Engines,
         now_ms: u64,
         bcfg: &BreakerConfig,
     ) -> Result<Board<'t>, NoEndpoint> {
@@ -685,7 +685,7 @@ impl<'a> Scheduler<'a> {
             from_memo,
             drawn,
             shared,
-            sessions: engines.sessions.clone(),
+            sessions: engines.sessions.as_ref(),
             pinned: None,
             any_degraded,
             table,
@@ -1073,7 +1073,7 @@ impl<'a> Scheduler<'a> {
         if self.cfg.prefix_session_spill == SessionSpill::PrefixOrder {
             return None;
         }
-        let counts = board.sessions.as_ref()?;
+        let counts = board.sessions?;
         let mut least: Option<(usize, f64)> = None;
         for j in keyed.lazy() {
             let w = board.weight(j);
@@ -1106,7 +1106,7 @@ impl<'a> Scheduler<'a> {
 
     /// Whether the session bound can pass over `i` (the walk sums no totals otherwise).
     fn session_busy(&self, board: &Board, i: usize) -> bool {
-        board.sessions.as_ref().is_some_and(|counts| {
+        board.sessions.is_some_and(|counts| {
             let (busy, may_be_popular) = self.session_gate(board, counts, i);
             busy || may_be_popular
         })
@@ -1127,7 +1127,7 @@ impl<'a> Scheduler<'a> {
         total: &mut Option<f64>,
         eligible: &impl Fn(usize) -> bool,
     ) -> bool {
-        let Some(counts) = board.sessions.as_ref() else {
+        let Some(counts) = board.sessions else {
             return false;
         };
         let (busy, may_be_popular) = self.session_gate(board, counts, i);
@@ -1299,8 +1299,9 @@ pub(super) struct Board<'t> {
     /// [`Board::statics`]), as the worker's memo keeps them, with their rendezvous seeds.
     shared: Rc<Statics>,
     /// The new sessions this process placed per endpoint (see `sessions`): `Some` only for
-    /// a new session placed by prefix with the session bound on.
-    sessions: Option<sessions::Counts>,
+    /// a new session placed by prefix with the session bound on (borrowed: the decision's
+    /// copy would cost as many instructions as the value's bytes).
+    sessions: Option<&'t sessions::Counts>,
     /// The request's pinned endpoint, if any (even one that cannot serve it now).
     pinned: Option<usize>,
     /// Some static candidate is degraded (else the home is the first of the order).
