@@ -220,31 +220,7 @@ impl<'a> Scheduler<'a> {
             return None;
         }
         let references = self.peer_references(table);
-        let best = std::cell::OnceCell::new();
-        let accept = |at: usize| -> f64 {
-            let Some(&i) = statics.get(at) else {
-                return 0.0;
-            };
-            let (Some(ep), Some((_, st))) = (cfg.endpoints.get(i), table.entries.get(i)) else {
-                return 0.0;
-            };
-            if ep.weight.is_nan() || ep.weight <= 0.0 {
-                return 0.0;
-            }
-            let best_latency = if st.total >= cfg.cold_start_samples {
-                *best.get_or_init(|| {
-                    fastest_warm(
-                        statics
-                            .iter()
-                            .filter_map(|&j| table.entries.get(j).map(|(_, st)| st)),
-                        cfg.cold_start_samples,
-                    )
-                })
-            } else {
-                None
-            };
-            (score(ep.weight, st, best_latency, cfg, now_ms).score / ep.weight).clamp(0.0, 1.0)
-        };
+        let accept = acceptance(cfg, statics, table, now_ms);
         let quotas = QuotaView {
             table: cfg.quota_aware.then_some(table),
             estimate: pick.quota_estimate(cfg.quota_bytes_per_token),
@@ -978,32 +954,7 @@ impl<'a> Scheduler<'a> {
     ) -> impl Iterator<Item = usize> + 'k {
         let cfg = self.cfg;
         let statics = board.statics();
-        let best = std::cell::OnceCell::new();
-        let accept = move |at: usize| -> f64 {
-            let Some(&i) = statics.get(at) else {
-                return 0.0;
-            };
-            let (Some(ep), Some((_, st))) = (cfg.endpoints.get(i), table.entries.get(i)) else {
-                return 0.0;
-            };
-            if ep.weight.is_nan() || ep.weight <= 0.0 {
-                return 0.0;
-            }
-            // The fastest warm latency is the yardstick of a warm candidate's score only.
-            let best_latency = if st.total >= cfg.cold_start_samples {
-                *best.get_or_init(|| {
-                    fastest_warm(
-                        statics
-                            .iter()
-                            .filter_map(|&j| table.entries.get(j).map(|(_, st)| st)),
-                        cfg.cold_start_samples,
-                    )
-                })
-            } else {
-                None
-            };
-            (score(ep.weight, st, best_latency, cfg, now_ms).score / ep.weight).clamp(0.0, 1.0)
-        };
+        let accept = acceptance(cfg, statics, table, now_ms);
         // Not drawn: no draws (no weights to draw from), the rendezvous order at once.
         let cumulative: &[f64] = if board.drawn {
             &board.shared.cumulative
@@ -1607,6 +1558,43 @@ impl<'t> Board<'t> {
             .chain(chosen_static.then_some(chosen))
             .filter_map(|i| self.verdicts.get(i).map(|v| (i, v.sticky, v.saturation)))
             .collect()
+    }
+}
+
+/// A drawn candidate's acceptance ([`placement::Draws`]): its full score ÷ its configured
+/// weight, in [0, 1] (0 for a position outside `statics`, a missing entry or no weight), so
+/// that the first taken is candidate *i* with probability scoreᵢ ÷ Σ score.
+fn acceptance<'a>(
+    cfg: &'a Config,
+    statics: &'a [usize],
+    table: &'a Table,
+    now_ms: u64,
+) -> impl FnMut(usize) -> f64 + 'a {
+    let best = std::cell::OnceCell::new();
+    move |at: usize| -> f64 {
+        let Some(&i) = statics.get(at) else {
+            return 0.0;
+        };
+        let (Some(ep), Some((_, st))) = (cfg.endpoints.get(i), table.entries.get(i)) else {
+            return 0.0;
+        };
+        if ep.weight.is_nan() || ep.weight <= 0.0 {
+            return 0.0;
+        }
+        // The fastest warm latency is the yardstick of a warm candidate's score only.
+        let best_latency = if st.total >= cfg.cold_start_samples {
+            *best.get_or_init(|| {
+                fastest_warm(
+                    statics
+                        .iter()
+                        .filter_map(|&j| table.entries.get(j).map(|(_, st)| st)),
+                    cfg.cold_start_samples,
+                )
+            })
+        } else {
+            None
+        };
+        (score(ep.weight, st, best_latency, cfg, now_ms).score / ep.weight).clamp(0.0, 1.0)
     }
 }
 
