@@ -24,7 +24,9 @@ use computeflux::scheduler::routing::select::TABLE_KEY;
 use computeflux::scheduler::routing::table::Table;
 use computeflux::scheduler::state::hash::session_key;
 use computeflux::scheduler::wire::usage::{Framing, UsageScan};
-use computeflux::scheduler::{Config, Exclusions, MemStore, Outcome, Pick, Scheduler, Store};
+use computeflux::scheduler::{
+    Config, Exclusions, MemStore, Outcome, Pick, Prefix, Scheduler, Store,
+};
 use criterion::{BenchmarkId, Criterion, Throughput};
 use serde_json::json;
 
@@ -143,7 +145,7 @@ fn cases() -> Vec<Case> {
                         body_bytes: 0,
                         pin_hint: None,
                         holder: None,
-                        prefix: None,
+                        prefix: Prefix::NONE,
                         follow_up: false,
                         max_output_tokens: 0,
                     };
@@ -171,7 +173,7 @@ fn cases() -> Vec<Case> {
                         body_bytes: 0,
                         pin_hint: None,
                         holder: None,
-                        prefix: None,
+                        prefix: Prefix::NONE,
                         follow_up: false,
                         max_output_tokens: 0,
                     };
@@ -209,7 +211,7 @@ fn cases() -> Vec<Case> {
                     body_bytes: 0,
                     pin_hint: None,
                     holder: None,
-                    prefix: None,
+                    prefix: Prefix::NONE,
                     follow_up: false,
                     max_output_tokens: 0,
                 };
@@ -237,7 +239,7 @@ fn cases() -> Vec<Case> {
                     body_bytes: 0,
                     pin_hint: None,
                     holder: None,
-                    prefix: None,
+                    prefix: Prefix::NONE,
                     follow_up: false,
                     max_output_tokens: 0,
                 };

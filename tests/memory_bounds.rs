@@ -20,7 +20,9 @@
 use computeflux::scheduler::routing::select::TABLE_KEY;
 use computeflux::scheduler::routing::sessions::SESSIONS_KEY;
 use computeflux::scheduler::state::hash::session_key;
-use computeflux::scheduler::{Config, Exclusions, MemStore, Outcome, Pick, Scheduler, Store};
+use computeflux::scheduler::{
+    Config, Exclusions, MemStore, Outcome, Pick, Prefix, Scheduler, Store,
+};
 use serde_json::json;
 
 fn config(names: &[String], max_sessions: u64) -> Config {
@@ -45,7 +47,7 @@ fn request(cfg: &Config, store: &MemStore, session: u64, now_ms: u64) {
         body_bytes: 0,
         pin_hint: None,
         holder: None,
-        prefix: None,
+        prefix: Prefix::NONE,
         follow_up: false,
         max_output_tokens: 0,
     };

@@ -15,7 +15,7 @@
 )]
 
 use computeflux::scheduler::health::outcome::Outcome;
-use computeflux::scheduler::routing::select::{Exclusions, Pick, Reason};
+use computeflux::scheduler::routing::select::{Exclusions, Pick, Prefix, Reason};
 use computeflux::scheduler::state::hash::session_key;
 use computeflux::scheduler::{Config, MemStore, Scheduler};
 use proptest::prelude::*;
@@ -53,7 +53,7 @@ fn homes(cfg: &Config, sessions: &[u64]) -> Vec<String> {
                 body_bytes: 0,
                 pin_hint: None,
                 holder: None,
-                prefix: None,
+                prefix: Prefix::NONE,
                 follow_up: false,
                 max_output_tokens: 0,
             };
@@ -156,7 +156,7 @@ proptest! {
         let total_w: f64 = weights.iter().map(|w| f64::from(*w)).sum();
         let mut open = Vec::new();
         for (n, k) in sessions(seed, 300).into_iter().enumerate() {
-            let pick = Pick { model: Some("m"), session: Some(k), attempt: 1, exclusions: &ex, nonce: 0, body_bytes: 0 , pin_hint: None, holder: None, prefix: None, follow_up: false, max_output_tokens: 0 };
+            let pick = Pick { model: Some("m"), session: Some(k), attempt: 1, exclusions: &ex, nonce: 0, body_bytes: 0 , pin_hint: None, holder: None, prefix: Prefix::NONE, follow_up: false, max_output_tokens: 0 };
             let before = s.table();
             let load_before: u64 = before.entries.iter().map(|(_, st)| u64::from(st.in_flight)).sum();
             let d = s.pick(&pick, 0).unwrap();
@@ -187,14 +187,14 @@ proptest! {
         let ss = sessions(seed, 400);
         // The warm replica serves every session once (pins + latency statistics within 2x).
         for &k in &ss {
-            let pick = Pick { model: Some("m"), session: Some(k), attempt: 1, exclusions: &ex, nonce: 0, body_bytes: 0 , pin_hint: None, holder: None, prefix: None, follow_up: false, max_output_tokens: 0 };
+            let pick = Pick { model: Some("m"), session: Some(k), attempt: 1, exclusions: &ex, nonce: 0, body_bytes: 0 , pin_hint: None, holder: None, prefix: Prefix::NONE, follow_up: false, max_output_tokens: 0 };
             let d = warm.pick(&pick, 0).unwrap();
             prop_assert_eq!(d.reason, Reason::Home);
             warm.finish(d.ticket, &Outcome::Success, latencies[d.endpoint % latencies.len()], Some(k), 1);
         }
         let fresh = homes(&cfg, &ss);
         for (k, home) in ss.iter().zip(&fresh) {
-            let pick = Pick { model: Some("m"), session: Some(*k), attempt: 1, exclusions: &ex, nonce: 0, body_bytes: 0 , pin_hint: None, holder: None, prefix: None, follow_up: false, max_output_tokens: 0 };
+            let pick = Pick { model: Some("m"), session: Some(*k), attempt: 1, exclusions: &ex, nonce: 0, body_bytes: 0 , pin_hint: None, holder: None, prefix: Prefix::NONE, follow_up: false, max_output_tokens: 0 };
             let d = warm.pick(&pick, 2).unwrap();
             warm.finish(d.ticket, &Outcome::Cancelled, 0, None, 2);
             prop_assert_eq!(&cfg.endpoints[d.endpoint].name, home);

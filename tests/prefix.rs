@@ -69,8 +69,12 @@ fn candidates() -> Vec<(usize, u32, f64)> {
 
 /// The endpoints in the rendezvous order of `app`'s prefix key, as every replica computes it.
 fn prefix_order(app: usize) -> Vec<&'static str> {
-    let req = parse_chat(body(app, "any", 0).as_bytes()).unwrap();
-    let instructions = req.instructions.expect("instructions segment");
+    let b = body(app, "any", 0);
+    let req = parse_chat(b.as_bytes()).unwrap();
+    let instructions = req
+        .instructions
+        .and_then(|i| i.hash(b.as_bytes(), &req.model))
+        .expect("instructions segment");
     assert!(instructions.bytes >= 1024, "{}", instructions.bytes);
     let key = prefix_key(None, &instructions, 1024).unwrap();
     placement::order(key, &candidates())
@@ -376,8 +380,10 @@ fn preamble_body(app: usize, session: &str) -> String {
 /// The rendezvous order of the key of `app`'s whole instructions (preamble and its own
 /// prompt), as every replica computes it.
 fn preamble_order(app: usize) -> Vec<&'static str> {
-    let req = parse_chat(preamble_body(app, "any").as_bytes()).unwrap();
-    let key = prefix_key(None, &req.instructions.unwrap(), 1024).unwrap();
+    let b = preamble_body(app, "any");
+    let req = parse_chat(b.as_bytes()).unwrap();
+    let hashed = req.instructions.unwrap().hash(b.as_bytes(), &req.model);
+    let key = prefix_key(None, &hashed.unwrap(), 1024).unwrap();
     placement::order(key, &candidates())
         .into_iter()
         .map(|i| ENDPOINTS[i])

@@ -19,7 +19,7 @@ use computeflux::scheduler::health::outcome::FailureKind;
 use computeflux::scheduler::routing::select::TABLE_KEY;
 use computeflux::scheduler::routing::table::{claim_layout, Table};
 use computeflux::scheduler::{
-    Config, Decision, Exclusions, MemStore, Outcome, Pick, Scheduler, Store,
+    Config, Decision, Exclusions, MemStore, Outcome, Pick, Prefix, Scheduler, Store,
 };
 use serde_json::json;
 
@@ -58,7 +58,7 @@ fn pick(s: &Scheduler<'_>, model: &str, nonce: u64, now_ms: u64) -> Decision {
             body_bytes: 0,
             pin_hint: None,
             holder: None,
-            prefix: None,
+            prefix: Prefix::NONE,
             follow_up: false,
             max_output_tokens: 0,
         },
@@ -130,7 +130,7 @@ fn old_configuration_draining_never_resets_the_new_layout() {
                 body_bytes: 0,
                 pin_hint: None,
                 holder: None,
-                prefix: None,
+                prefix: Prefix::NONE,
                 follow_up: false,
                 max_output_tokens: 0,
             },

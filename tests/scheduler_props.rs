@@ -42,7 +42,7 @@ use computeflux::scheduler::state::store::CAS_RETRIES;
 use computeflux::scheduler::wire::request;
 use computeflux::scheduler::{
     CasMismatch, Config, Decision, EndpointState, Exclusions, MemStore, NoEndpoint, Outcome, Pick,
-    RetryBudget, Scheduler, Store,
+    Prefix, RetryBudget, Scheduler, Store,
 };
 use proptest::collection::vec;
 use proptest::prelude::*;
@@ -287,7 +287,7 @@ impl Store for RacingStore<'_> {
                 body_bytes: 0,
                 pin_hint: None,
                 holder: None,
-                prefix: None,
+                prefix: Prefix::NONE,
                 follow_up: false,
                 max_output_tokens: 0,
             };
@@ -519,7 +519,7 @@ impl<'a> Sim<'a> {
             body_bytes: 0,
             pin_hint: None,
             holder: None,
-            prefix: None,
+            prefix: Prefix::NONE,
             follow_up: false,
             max_output_tokens: 0,
         };
@@ -1085,9 +1085,11 @@ proptest! {
     }
 
     #[test]
-    fn affinity_buckets_round_trip(entries in vec((any::<u64>(), any::<u32>(), any::<u64>()), 0..40)) {
-        let entries: Vec<Entry> =
-            entries.into_iter().map(|(session, endpoint_id, last_used_ms)| Entry { session, endpoint_id, last_used_ms }).collect();
+    fn affinity_buckets_round_trip(entries in vec((any::<u64>(), any::<u32>(), any::<u64>(), any::<u64>()), 0..40)) {
+        let entries: Vec<Entry> = entries
+            .into_iter()
+            .map(|(session, endpoint_id, last_used_ms, placement_key)| Entry { session, endpoint_id, last_used_ms, placement_key })
+            .collect();
         let bytes = affinity::encode(&entries);
         prop_assert_eq!(bytes.len(), 1 + entries.len() * affinity::ENTRY_BYTES);
         prop_assert_eq!(affinity::decode(&bytes), Some(entries));
@@ -1115,7 +1117,7 @@ proptest! {
         store.set(TABLE_KEY, &bytes, None).unwrap();
         let s = Scheduler::new(&cfg, &store);
         let ex = Exclusions::default();
-        let _ = s.pick(&Pick { model: Some("m"), session: Some(1), attempt: 1, exclusions: &ex, nonce: 0, body_bytes: 0 , pin_hint: None, holder: None, prefix: None, follow_up: false, max_output_tokens: 0 }, 0);
+        let _ = s.pick(&Pick { model: Some("m"), session: Some(1), attempt: 1, exclusions: &ex, nonce: 0, body_bytes: 0 , pin_hint: None, holder: None, prefix: Prefix::NONE, follow_up: false, max_output_tokens: 0 }, 0);
     }
 }
 
@@ -1292,7 +1294,7 @@ fn cas_exhaustion_never_sends_an_unrecorded_probe() {
         body_bytes: 0,
         pin_hint: None,
         holder: None,
-        prefix: None,
+        prefix: Prefix::NONE,
         follow_up: false,
         max_output_tokens: 0,
     };
@@ -1393,7 +1395,7 @@ proptest! {
         let estimate = computeflux::scheduler::routing::quota::estimate_tokens(body_bytes, cfg.quota_bytes_per_token);
         let short: Vec<bool> = table.entries.iter().map(|(_, st)| st.quota.short(estimate, &rule, now)).collect();
         let ex = Exclusions::default();
-        let d = s.pick(&Pick { model: Some("m"), session, attempt: 1, exclusions: &ex, nonce, body_bytes, pin_hint: None, holder: None, prefix: None , follow_up: false, max_output_tokens: 0 }, now).unwrap();
+        let d = s.pick(&Pick { model: Some("m"), session, attempt: 1, exclusions: &ex, nonce, body_bytes, pin_hint: None, holder: None, prefix: Prefix::NONE , follow_up: false, max_output_tokens: 0 }, now).unwrap();
         if short.iter().any(|s| !s) {
             prop_assert!(!short[d.endpoint], "placed on short {} of {:?}", d.endpoint, short);
         }
@@ -1425,7 +1427,7 @@ proptest! {
         for (store, h) in [(&plain, Default::default()), (&junk, hint)] {
             let s = Scheduler::new(&cfg, store);
             for t in 0..4 {
-                let d = s.pick(&Pick { model: Some("m"), session: Some(session), attempt: 1, exclusions: &ex, nonce: 0, body_bytes: 40 , pin_hint: None, holder: None, prefix: None, follow_up: false, max_output_tokens: 0 }, t).unwrap();
+                let d = s.pick(&Pick { model: Some("m"), session: Some(session), attempt: 1, exclusions: &ex, nonce: 0, body_bytes: 40 , pin_hint: None, holder: None, prefix: Prefix::NONE, follow_up: false, max_output_tokens: 0 }, t).unwrap();
                 s.finish_observed(d.ticket, &Outcome::Success, Some(5), Some(session), &h, t);
             }
         }

@@ -33,7 +33,7 @@ pub use health::budget::RetryBudget;
 pub use health::outcome::{classify, Outcome};
 pub use routing::affinity::Affinity;
 pub use routing::select::{
-    AffinityResult, Decision, Exclusions, NoEndpoint, Pick, Reason, Scheduler,
+    AffinityResult, Decision, Exclusions, NoEndpoint, Pick, Prefix, Reason, Scheduler,
 };
 pub use routing::table::EndpointState;
 pub use state::store::{CasMismatch, MemStore, Store};

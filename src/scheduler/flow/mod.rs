@@ -61,7 +61,7 @@ use crate::scheduler::routing::pin_cookie::Ignored;
 use crate::scheduler::routing::quota::QuotaHint;
 use crate::scheduler::routing::responses::{self, IdScan};
 use crate::scheduler::routing::select::{
-    AffinityResult, Decision, Exclusions, Finished, NoEndpoint, Pick, Scheduler, Ticket,
+    AffinityResult, Decision, Exclusions, Finished, NoEndpoint, Pick, Prefix, Scheduler, Ticket,
 };
 use crate::scheduler::routing::signals::{self, Served};
 use crate::scheduler::routing::slowness;
@@ -74,6 +74,7 @@ use crate::scheduler::wire::reply::Reply;
 use crate::scheduler::wire::request::{derive_session, parse_chat_with, RequestError};
 use crate::scheduler::wire::usage::{Framing, Usage, UsageScan};
 use std::borrow::Cow;
+use std::cell::Cell;
 
 mod answer;
 mod pins;
@@ -296,8 +297,12 @@ pub struct Flow {
     prompt_bytes: u64,
     model: Option<String>,
     session: Option<u64>,
-    /// The placement key of the request's instructions, when long enough ([`Pick::prefix`]).
-    prefix: Option<u64>,
+    /// The request's instructions segment, with placement by prefix on, and the shortest that
+    /// makes a key (`prefix_min_bytes`): hashed into the placement key only when a placement
+    /// asks for it ([`Flow::prefix_key`], [`Pick::prefix`]).
+    instructions: Option<(prefix::Segment, u64)>,
+    /// That key, once computed (`None` inside: the instructions make no key).
+    prefix_memo: Cell<Option<Option<u64>>>,
     /// The body carries earlier turns ([`Pick::follow_up`]).
     follow_up: bool,
     /// The request's output limit, if it states one ([`Pick::max_output_tokens`]).
@@ -365,7 +370,8 @@ impl Flow {
             prompt_bytes: 0,
             model: None,
             session: None,
-            prefix: None,
+            instructions: None,
+            prefix_memo: Cell::new(None),
             exclusions: Exclusions::default(),
             attempts: 0,
             current: None,
@@ -851,7 +857,7 @@ impl Flow {
             // The instructions are hashed only for placement by prefix.
             _ => parse_chat_with(&body, s.cfg.prefix_placement),
         };
-        let req = match parsed {
+        let mut req = match parsed {
             Ok(r) => r,
             Err(e) => return self.refuse(obs, &e),
         };
@@ -860,9 +866,7 @@ impl Flow {
             Err(e) => return self.refuse(obs, &e),
         }
         if s.cfg.prefix_placement {
-            self.prefix = req.instructions.as_ref().and_then(|i| {
-                prefix::prefix_key(self.tenant.as_deref(), i, s.cfg.prefix_min_bytes)
-            });
+            self.instructions = req.instructions.take().map(|i| (i, s.cfg.prefix_min_bytes));
         }
         self.read_pin_cookie(s.cfg, obs, now_ms);
         self.follow_up = req.follow_up;
@@ -881,6 +885,21 @@ impl Flow {
             }
         }
         self.first_attempt(s, obs, now_ms)
+    }
+
+    /// The placement key of the request's instructions, when they are long enough: hashed on
+    /// the first call (a placement that needs it), remembered for the next attempts.
+    fn prefix_key(&self) -> Option<u64> {
+        if let Some(known) = self.prefix_memo.get() {
+            return known;
+        }
+        let key = self.instructions.as_ref().and_then(|(segment, min_bytes)| {
+            let model = self.model.as_deref()?;
+            let hashed = segment.hash(&self.body, model)?;
+            prefix::prefix_key(self.tenant.as_deref(), &hashed, *min_bytes)
+        });
+        self.prefix_memo.set(Some(key));
+        key
     }
 
     /// `bytes` more of the relayed answer passed (every chunk's size, whether or not its
@@ -997,6 +1016,7 @@ impl Flow {
         if self.current.is_some() {
             self.finish_current(s, obs, &Outcome::Cancelled, None, now_ms);
         }
+        let lazy_prefix = || self.prefix_key();
         let pick = Pick {
             model: self.model.as_deref(),
             session: self.session,
@@ -1006,7 +1026,10 @@ impl Flow {
             body_bytes: usize::try_from(self.prompt_bytes).unwrap_or(usize::MAX),
             pin_hint: self.pin_hint,
             holder: self.holder.as_ref().map(|h| h.endpoint_id),
-            prefix: self.prefix,
+            prefix: match &self.instructions {
+                Some(_) => Prefix::Lazy(&lazy_prefix),
+                None => Prefix::NONE,
+            },
             follow_up: self.follow_up,
             max_output_tokens: self.max_output_tokens,
         };

@@ -106,6 +106,8 @@ impl Flow {
     /// replaces Envoy's buffered body with [`Flow::rewritten_body`]).
     fn drop_previous_response_id(&mut self) {
         if let Some(body) = responses::without_previous_response_id(&self.body) {
+            // The instructions' places are in the body as sent: their key first.
+            self.prefix_key();
             self.body = body;
             self.body_rewritten = true;
         }

@@ -647,7 +647,7 @@ fn a_reload_under_an_attempt_is_not_a_lost_update() {
             body_bytes: 0,
             pin_hint: None,
             holder: None,
-            prefix: None,
+            prefix: Prefix::NONE,
             follow_up: false,
             max_output_tokens: 0,
         },
@@ -1268,7 +1268,7 @@ fn a_whole_input_follow_up_forwards_the_body_decided_on_from_its_first_attempt()
         body_bytes: 0,
         pin_hint: None,
         holder: Some(a),
-        prefix: None,
+        prefix: Prefix::NONE,
         follow_up: false,
         max_output_tokens: 0,
     };

@@ -273,7 +273,7 @@ mod tests {
             body_bytes: 0,
             pin_hint: None,
             holder: None,
-            prefix: None,
+            prefix: crate::scheduler::routing::select::Prefix::NONE,
             follow_up: false,
             max_output_tokens: 0,
         };

@@ -94,6 +94,37 @@ fn push_unique(v: &mut Vec<usize>, i: usize) {
     }
 }
 
+/// A request's prefix key ([`Pick::prefix`]): known, or computed on first use (hashing the
+/// instructions costs about 2.5 wasm instructions a byte; an affinity hit whose pin recorded
+/// the key it was placed by never needs it, see `affinity`). A lazy one must remember its
+/// value: it may be asked more than once.
+#[derive(Clone, Copy)]
+pub enum Prefix<'a> {
+    Known(Option<u64>),
+    Lazy(&'a dyn Fn() -> Option<u64>),
+}
+
+impl Prefix<'_> {
+    /// No prefix key.
+    pub const NONE: Prefix<'static> = Prefix::Known(None);
+
+    pub fn get(&self) -> Option<u64> {
+        match self {
+            Prefix::Known(k) => *k,
+            Prefix::Lazy(f) => f(),
+        }
+    }
+}
+
+impl std::fmt::Debug for Prefix<'_> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Prefix::Known(k) => write!(f, "Known({k:?})"),
+            Prefix::Lazy(_) => f.write_str("Lazy"),
+        }
+    }
+}
+
 /// What is asked of the scheduler for one attempt.
 #[derive(Debug, Clone, Copy)]
 pub struct Pick<'a> {
@@ -124,8 +155,9 @@ pub struct Pick<'a> {
     /// part of the pick, not a hint beside it (issue 22).
     pub holder: Option<u32>,
     /// The placement key of the request's instructions (`wire::prefix::prefix_key`), when they
-    /// are long enough: a session without a pin is placed by it (`prefix_placement`).
-    pub prefix: Option<u64>,
+    /// are long enough: a session without a pin is placed by it (`prefix_placement`). Asked
+    /// for only when needed: a pin that recorded its placement key answers instead.
+    pub prefix: Prefix<'a>,
     /// A later turn of a conversation (the body carries earlier turns: at least three
     /// messages or input items). Without a pin at this replica, its home is taken as a pin
     /// would be — full or over its bounded load, not passed — since its cache is there and
@@ -295,6 +327,8 @@ pub struct Ticket {
     /// Where that pick stood in the endpoint's quota windows: the answer's statement is
     /// reconciled with the picks made after it (`Quota::observe`).
     pub quota_mark: QuotaMark,
+    /// The prefix key the session's home is by (0: none), recorded with its pin on success.
+    pub placement_key: u64,
 }
 
 #[derive(Debug, PartialEq, Eq)]
@@ -585,9 +619,26 @@ impl<'a> Scheduler<'a> {
     /// Chooses the endpoint for one attempt and starts it (in-flight +1, probe slot taken).
     pub fn pick(&self, pick: &Pick<'_>, now_ms: u64) -> Result<Decision, NoEndpoint> {
         let (candidates, _) = self.candidates(pick)?;
-        let local = pick
-            .session
-            .and_then(|s| self.affinity().lookup(s, now_ms).map(|id| (s, id)));
+        let local = pick.session.and_then(|s| {
+            self.affinity()
+                .lookup_keyed(s, now_ms)
+                .map(|(id, k)| (s, id, k))
+        });
+        // The prefix key the pin recorded (the one its session was placed by) is its home's key
+        // on this turn too: the instructions need not be hashed again (see `affinity`). Only
+        // for a request that has instructions at all, as the key would come from them.
+        let rekeyed;
+        let pick = match local.map(|p| p.2) {
+            Some(k) if k != 0 && !matches!(pick.prefix, Prefix::Known(None)) => {
+                rekeyed = Pick {
+                    prefix: Prefix::Known(Some(k)),
+                    ..*pick
+                };
+                &rekeyed
+            }
+            _ => pick,
+        };
+        let local = local.map(|(s, id, _)| (s, id));
         let valid = |id: u32| {
             self.cfg
                 .endpoints
@@ -613,9 +664,12 @@ impl<'a> Scheduler<'a> {
         // session bound of a busy prefix home (see `sessions`).
         let new_session = pick.session.is_some() && pinned.is_none() && !pick.follow_up;
         let counting = self.cfg.prefix_placement && self.cfg.prefix_session_half_life_ms > 0;
-        if counting && new_session && pick.prefix.is_some() {
-            engines.sessions =
-                Some(sessions::read_counts(self.store, self.cfg, now_ms).for_prefix(pick.prefix));
+        if counting && new_session {
+            if let Some(prefix) = pick.prefix.get() {
+                engines.sessions = Some(
+                    sessions::read_counts(self.store, self.cfg, now_ms).for_prefix(Some(prefix)),
+                );
+            }
         }
         let result = update_owned(self.store, TABLE_KEY, |bytes| {
             let (write, decision) = self.with_table(bytes.as_deref(), |table, same_layout| {
@@ -696,6 +750,7 @@ impl<'a> Scheduler<'a> {
                     served: None,
                     quota_tokens: 0,
                     quota_mark: QuotaMark::default(),
+                    placement_key: 0,
                 };
                 Ok(Decision {
                     endpoint: c.endpoint,
@@ -735,7 +790,7 @@ impl<'a> Scheduler<'a> {
                     | AffinityResult::Backup
             );
             if counting && new_session && pick.attempt <= 1 && placed_new {
-                let prefix = pick.prefix.filter(|_| d.by_prefix);
+                let prefix = if d.by_prefix { pick.prefix.get() } else { None };
                 let id = d.ticket.endpoint_id;
                 // The counts the decision read are written back with this one (one read).
                 match engines.sessions.take() {
@@ -744,6 +799,13 @@ impl<'a> Scheduler<'a> {
                     }
                     None => sessions::record(self.store, self.cfg, id, prefix, now_ms),
                 };
+            }
+        }
+        // Its pin records the key its home is by (asked by `choose` already: remembered).
+        let mut decision = decision;
+        if let (Ok(d), true) = (&mut decision, self.cfg.prefix_placement) {
+            if pick.session.is_some() {
+                d.ticket.placement_key = pick.prefix.get().unwrap_or(0);
             }
         }
         // A session moved away from a saturated endpoint is marked, so that it is not moved
@@ -865,6 +927,7 @@ impl<'a> Scheduler<'a> {
             served: None,
             quota_tokens,
             quota_mark,
+            placement_key: 0,
         };
         let patch = bytes.is_some_and(|stored| {
             same_layout && !others_changed && Table::patchable(stored, i, table.entries.len())

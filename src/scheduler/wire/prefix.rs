@@ -63,51 +63,166 @@ pub struct Instructions {
     pub bytes: usize,
 }
 
-/// Streams the parts of the instructions segment into one hash, in the order they are added.
-/// One made by [`InstructionsHasher::off`] hashes nothing and finishes with no segment (a
-/// configuration without `prefix_placement` pays nothing for it).
-pub struct InstructionsHasher {
-    hasher: Option<Xxh64>,
-    bytes: usize,
+/// Parts whose place in the body a [`Segment`] keeps; a segment with more (a request with many
+/// leading system messages) is hashed as it is parsed from the first part past them on.
+pub const MAX_SPANS: usize = 8;
+
+/// Where one part of the instructions segment is in the request body.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+struct Span {
+    part: u8,
+    at: u32,
+    len: u32,
 }
 
-impl InstructionsHasher {
-    pub fn new(model: &str) -> Self {
-        let mut hasher = Xxh64::new(INSTRUCTIONS_SEED);
-        hasher.update(&(model.len() as u64).to_le_bytes());
-        hasher.update(model.as_bytes());
+/// The instructions segment of a parsed request, kept as where its parts are in the body and
+/// hashed only when a placement asks for its key ([`Segment::hash`]): a later turn whose pin
+/// recorded its placement key (see `affinity`) never reads them again, and hashing costs about
+/// 2.5 wasm instructions a byte. Bounded: past [`MAX_SPANS`] parts the stream is hashed while
+/// parsing (the same digest either way: one xxh64 stream over the same bytes in the same order).
+#[derive(Clone)]
+pub struct Segment {
+    model_len: usize,
+    spans: [Span; MAX_SPANS],
+    n: usize,
+    /// The stream so far, once the parts outgrew `spans` (they were fed to it in order).
+    eager: Option<Xxh64>,
+    /// Length of the parts (without the model).
+    pub bytes: usize,
+}
+
+impl std::fmt::Debug for Segment {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Segment")
+            .field("spans", &&self.spans[..self.n])
+            .field("eager", &self.eager.as_ref().map(Xxh64::digest))
+            .field("bytes", &self.bytes)
+            .finish()
+    }
+}
+
+impl PartialEq for Segment {
+    fn eq(&self, other: &Self) -> bool {
+        self.model_len == other.model_len
+            && self.spans[..self.n] == other.spans[..other.n]
+            && self.eager.as_ref().map(Xxh64::digest) == other.eager.as_ref().map(Xxh64::digest)
+            && self.bytes == other.bytes
+    }
+}
+
+impl Eq for Segment {}
+
+fn stream_start(model: &str) -> Xxh64 {
+    let mut hasher = Xxh64::new(INSTRUCTIONS_SEED);
+    hasher.update(&(model.len() as u64).to_le_bytes());
+    hasher.update(model.as_bytes());
+    hasher
+}
+
+fn stream_part(hasher: &mut Xxh64, part: u8, raw: &[u8]) {
+    hasher.update(&[part]);
+    hasher.update(&(raw.len() as u64).to_le_bytes());
+    hasher.update(raw);
+}
+
+impl Segment {
+    /// The segment's hash, from `body` (the bytes it was parsed from) and `model` (the
+    /// request's model): `None` when a part is not where the segment says (another body).
+    pub fn hash(&self, body: &[u8], model: &str) -> Option<Instructions> {
+        if model.len() != self.model_len {
+            return None;
+        }
+        let mut hasher = self.eager.clone().unwrap_or_else(|| stream_start(model));
+        for s in &self.spans[..self.n] {
+            let at = s.at as usize;
+            let raw = body.get(at..at.checked_add(s.len as usize)?)?;
+            stream_part(&mut hasher, s.part, raw);
+        }
+        Some(Instructions {
+            hash: hasher.digest(),
+            bytes: self.bytes,
+        })
+    }
+}
+
+/// Collects the parts of the instructions segment, in the order they are added, as places in
+/// `body` (see [`Segment`]). One made by [`InstructionsHasher::off`] keeps nothing and finishes
+/// with no segment (a configuration without `prefix_placement` pays nothing for it).
+pub struct InstructionsHasher<'b> {
+    body: &'b [u8],
+    model: &'b str,
+    on: bool,
+    seg: Segment,
+}
+
+impl<'b> InstructionsHasher<'b> {
+    /// Parts are slices of `body`; the stream starts with `model`.
+    pub fn new(body: &'b [u8], model: &'b str) -> Self {
         InstructionsHasher {
-            hasher: Some(hasher),
-            bytes: 0,
+            body,
+            model,
+            on: true,
+            seg: Segment {
+                model_len: model.len(),
+                spans: [Span::default(); MAX_SPANS],
+                n: 0,
+                eager: None,
+                bytes: 0,
+            },
         }
     }
 
     /// A hasher that ignores every part.
     pub fn off() -> Self {
         InstructionsHasher {
-            hasher: None,
-            bytes: 0,
+            on: false,
+            ..Self::new(&[], "")
         }
     }
 
-    /// Adds one part (its raw JSON text).
+    /// Adds one part (its raw JSON text, a slice of the body).
     pub fn add(&mut self, part: Part, raw: &str) {
-        let Some(hasher) = self.hasher.as_mut() else {
+        if !self.on {
             return;
+        }
+        let seg = &mut self.seg;
+        seg.bytes = seg.bytes.saturating_add(raw.len());
+        // Its place in the body: the parser's slices borrow from it.
+        let at = (raw.as_ptr() as usize).wrapping_sub(self.body.as_ptr() as usize);
+        let inside = at
+            .checked_add(raw.len())
+            .is_some_and(|end| end <= self.body.len())
+            && u32::try_from(at.saturating_add(raw.len())).is_ok();
+        if inside && seg.eager.is_none() && seg.n < MAX_SPANS {
+            seg.spans[seg.n] = Span {
+                part: part as u8,
+                at: at as u32,
+                len: raw.len() as u32,
+            };
+            seg.n += 1;
+            return;
+        }
+        // Past the spans (or, never expected, not a slice of the body): hash from here on.
+        let hasher = match seg.eager.as_mut() {
+            Some(h) => h,
+            None => {
+                let mut h = stream_start(self.model);
+                for s in &seg.spans[..seg.n] {
+                    let at = s.at as usize;
+                    // Checked when the span was kept.
+                    let raw = self.body.get(at..at + s.len as usize).unwrap_or_default();
+                    stream_part(&mut h, s.part, raw);
+                }
+                seg.n = 0;
+                seg.eager.insert(h)
+            }
         };
-        hasher.update(&[part as u8]);
-        hasher.update(&(raw.len() as u64).to_le_bytes());
-        hasher.update(raw.as_bytes());
-        self.bytes = self.bytes.saturating_add(raw.len());
+        stream_part(hasher, part as u8, raw.as_bytes());
     }
 
     /// The segment, if any part was added (never for [`InstructionsHasher::off`]).
-    pub fn finish(&self) -> Option<Instructions> {
-        let hasher = self.hasher.as_ref().filter(|_| self.bytes > 0)?;
-        Some(Instructions {
-            hash: hasher.digest(),
-            bytes: self.bytes,
-        })
+    pub fn finish(self) -> Option<Segment> {
+        (self.on && self.seg.bytes > 0).then_some(self.seg)
     }
 }
 
@@ -134,12 +249,56 @@ mod tests {
     #[cfg(target_arch = "wasm32")]
     use wasm_bindgen_test::wasm_bindgen_test as test;
 
+    /// The parts laid out in one body (as a parser would find them), collected and hashed.
     fn segment(model: &str, parts: &[(Part, &str)]) -> Option<Instructions> {
-        let mut h = InstructionsHasher::new(model);
+        let body: String = parts.iter().map(|(_, raw)| *raw).collect();
+        let mut h = InstructionsHasher::new(body.as_bytes(), model);
+        let mut at = 0;
         for (p, raw) in parts {
-            h.add(*p, raw);
+            h.add(*p, &body[at..at + raw.len()]);
+            at += raw.len();
         }
-        h.finish()
+        h.finish()?.hash(body.as_bytes(), model)
+    }
+
+    /// The same digest whether the parts are kept as places and hashed later, or hashed while
+    /// parsing past [`MAX_SPANS`] parts, or given as slices of another buffer.
+    #[test]
+    fn kept_or_streamed_the_hash_is_the_same() {
+        let raws: Vec<String> = (0..3 * MAX_SPANS)
+            .map(|i| format!("{{\"role\":\"system\",\"content\":\"rule {i}\"}}"))
+            .collect();
+        for n in [1, MAX_SPANS - 1, MAX_SPANS, MAX_SPANS + 1, 3 * MAX_SPANS] {
+            let parts: Vec<(Part, &str)> = raws[..n]
+                .iter()
+                .map(|r| (Part::Message, r.as_str()))
+                .collect();
+            let mut flat = stream_start("m");
+            for (p, raw) in &parts {
+                stream_part(&mut flat, *p as u8, raw.as_bytes());
+            }
+            let got = segment("m", &parts).unwrap();
+            assert_eq!(got.hash, flat.digest(), "{n} parts");
+            assert_eq!(got.bytes, parts.iter().map(|(_, r)| r.len()).sum::<usize>());
+            // Parts that are not slices of the body are hashed as they come.
+            let mut h = InstructionsHasher::new(b"{}", "m");
+            for (p, raw) in &parts {
+                h.add(*p, raw);
+            }
+            let seg = h.finish().unwrap();
+            assert_eq!(
+                seg.hash(b"{}", "m").unwrap().hash,
+                flat.digest(),
+                "{n} foreign parts"
+            );
+        }
+        // Another body (shorter than the places) or another model: no hash, no panic.
+        let body = raws[0].clone();
+        let mut h = InstructionsHasher::new(body.as_bytes(), "m");
+        h.add(Part::System, &body);
+        let seg = h.finish().unwrap();
+        assert!(seg.hash(b"{}", "m").is_none());
+        assert!(seg.hash(body.as_bytes(), "mm").is_none());
     }
 
     /// Pinned: every replica, native or wasm32, must compute the same key.
@@ -181,7 +340,7 @@ mod tests {
         assert_eq!(segment("m", &[]), None);
         let mut off = InstructionsHasher::off();
         off.add(Part::System, "\"ab\"");
-        assert_eq!(off.finish(), None);
+        assert!(off.finish().is_none());
     }
 
     #[test]

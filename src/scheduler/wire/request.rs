@@ -29,7 +29,7 @@
 use crate::scheduler::state::hash::{hash_parts, session_key};
 use crate::scheduler::wire::api::Api;
 use crate::scheduler::wire::multipart::{read_model, MultipartError};
-use crate::scheduler::wire::prefix::{Instructions, InstructionsHasher, Part};
+use crate::scheduler::wire::prefix::{InstructionsHasher, Part, Segment};
 pub use crate::scheduler::wire::reply::openai_error;
 use crate::scheduler::wire::reply::{RejectReason, Reply};
 use crate::scheduler::wire::text;
@@ -48,8 +48,9 @@ pub struct ChatRequest {
     /// Conversation fingerprint, when the body has a user message.
     pub fingerprint: Option<u64>,
     /// The instructions segment (system prompt, tools, leading system messages; see
-    /// [`crate::scheduler::wire::prefix`]), when the body has one.
-    pub instructions: Option<Instructions>,
+    /// [`crate::scheduler::wire::prefix`]), when the body has one: where its parts are in the
+    /// body, hashed when a placement needs its key ([`Segment::hash`]).
+    pub instructions: Option<Segment>,
     pub stream: bool,
     /// The body carries earlier turns: at least [`FOLLOW_UP_ITEMS`] messages (or Responses
     /// `input` items). Counted, not parsed: a first turn with few-shot examples counts too,
@@ -267,7 +268,7 @@ pub fn parse_chat_with(body: &[u8], instructions: bool) -> Result<ChatRequest, R
     // The instructions segment, in its canonical order (see `prefix`); the leading messages
     // are added by the same pass that finds the fingerprint's messages.
     let mut lead = if instructions {
-        InstructionsHasher::new(&model)
+        InstructionsHasher::new(body, &model)
     } else {
         InstructionsHasher::off()
     };
@@ -385,7 +386,7 @@ fn fingerprint(
     model: &str,
     system: Option<&str>,
     messages: &[&RawValue],
-    lead: &mut InstructionsHasher,
+    lead: &mut InstructionsHasher<'_>,
 ) -> Option<u64> {
     let mut system: Option<&str> = system;
     let mut user: Option<&str> = None;
@@ -779,7 +780,8 @@ mod tests {
     }
 
     fn instructions(body: &str) -> Option<crate::scheduler::wire::prefix::Instructions> {
-        parse_chat(body.as_bytes()).unwrap().instructions
+        let r = parse_chat(body.as_bytes()).unwrap();
+        r.instructions?.hash(body.as_bytes(), &r.model)
     }
 
     fn chat(system: &str, rest: &str) -> String {
@@ -954,17 +956,19 @@ mod tests {
                 sa in "[a-z0-9]{1,12}",
                 sb in "[a-z0-9]{1,12}",
             ) {
-                let ra = parse_chat(body(&system, &a).as_bytes()).unwrap();
-                let rb = parse_chat(body(&system, &b).as_bytes()).unwrap();
-                prop_assert_eq!(ra.instructions, rb.instructions);
+                let (ba, bb) = (body(&system, &a), body(&system, &b));
+                let ra = parse_chat(ba.as_bytes()).unwrap();
+                let rb = parse_chat(bb.as_bytes()).unwrap();
+                let ia = ra.instructions.as_ref().and_then(|i| i.hash(ba.as_bytes(), "m"));
+                let ib = rb.instructions.as_ref().and_then(|i| i.hash(bb.as_bytes(), "m"));
+                prop_assert_eq!(ia, ib);
                 // Whatever the session: the key does not involve it.
                 let (ka, _) = derive_session(None, Some(sa.as_bytes()), &ra).unwrap();
                 let (kb, _) = derive_session(None, Some(sb.as_bytes()), &rb).unwrap();
                 prop_assert_eq!(ka == kb, sa == sb);
-                let i = ra.instructions.unwrap();
                 prop_assert_eq!(
-                    crate::scheduler::wire::prefix::prefix_key(None, &i, 64),
-                    crate::scheduler::wire::prefix::prefix_key(None, &rb.instructions.unwrap(), 64)
+                    crate::scheduler::wire::prefix::prefix_key(None, &ia.unwrap(), 64),
+                    crate::scheduler::wire::prefix::prefix_key(None, &ib.unwrap(), 64)
                 );
             }
 
@@ -976,8 +980,8 @@ mod tests {
             ) {
                 prop_assume!(x != y);
                 let u = vec![user];
-                let ix = parse_chat(body(&x, &u).as_bytes()).unwrap().instructions.unwrap();
-                let iy = parse_chat(body(&y, &u).as_bytes()).unwrap().instructions.unwrap();
+                let ix = instructions(&body(&x, &u)).unwrap();
+                let iy = instructions(&body(&y, &u)).unwrap();
                 prop_assert_ne!(ix.hash, iy.hash);
             }
         }

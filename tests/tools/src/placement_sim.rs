@@ -14,7 +14,7 @@
 //! Run: `cargo run --release -p computeflux-tools --bin placement_sim` (a few seconds).
 
 use computeflux::scheduler::health::outcome::Outcome;
-use computeflux::scheduler::routing::select::{Exclusions, Pick};
+use computeflux::scheduler::routing::select::{Exclusions, Pick, Prefix};
 use computeflux::scheduler::state::hash::session_key;
 use computeflux::scheduler::{Config, MemStore, Scheduler};
 use serde_json::json;
@@ -68,7 +68,7 @@ fn warm(cfg: &Config, latencies: &[f64], samples: u32, rng: &mut Rng) -> MemStor
                 body_bytes: 0,
                 pin_hint: None,
                 holder: None,
-                prefix: None,
+                prefix: Prefix::NONE,
                 follow_up: false,
                 max_output_tokens: 0,
             };
@@ -94,7 +94,7 @@ fn home(cfg: &Config, store: &MemStore, session: u64) -> Option<usize> {
         body_bytes: 0,
         pin_hint: None,
         holder: None,
-        prefix: None,
+        prefix: Prefix::NONE,
         follow_up: false,
         max_output_tokens: 0,
     };

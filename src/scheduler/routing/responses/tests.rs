@@ -1,6 +1,6 @@
 use super::*;
 use crate::scheduler::health::outcome::Outcome;
-use crate::scheduler::routing::select::{AffinityResult, Pick, Reason};
+use crate::scheduler::routing::select::{AffinityResult, Pick, Prefix, Reason};
 use crate::scheduler::state::store::MemStore;
 use serde_json::json;
 #[cfg(target_arch = "wasm32")]
@@ -60,7 +60,7 @@ fn remembered_holder_is_picked_as_an_affinity_hit() {
                 body_bytes: 0,
                 pin_hint: None,
                 holder: None,
-                prefix: None,
+                prefix: Prefix::NONE,
                 follow_up: false,
                 max_output_tokens: 0,
             },
@@ -115,7 +115,7 @@ fn holder_unavailable_reasons() {
                 body_bytes: 0,
                 pin_hint: None,
                 holder: None,
-                prefix: None,
+                prefix: Prefix::NONE,
                 follow_up: false,
                 max_output_tokens: 0,
             },

@@ -35,9 +35,9 @@ impl<'a> Scheduler<'a> {
         // (see `placement`, "Placement by prefix"). The key is its home on every turn, also
         // once pinned, so that a pin cookie, `return_home` and a broken pin's next place all
         // mean the application's endpoint, as they would on a replica without the pin.
-        let prefix_key = pick
-            .prefix
-            .filter(|_| self.cfg.prefix_placement && pick.session.is_some());
+        let prefix_key = (self.cfg.prefix_placement && pick.session.is_some())
+            .then(|| pick.prefix.get())
+            .flatten();
         let key = prefix_key.unwrap_or(pick.session.unwrap_or(pick.nonce));
         let by_prefix = prefix_key.is_some() && pinned.is_none();
         // The session's home: the first non-degraded endpoint of its rendezvous order.

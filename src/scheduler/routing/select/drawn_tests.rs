@@ -37,7 +37,7 @@ fn sessionless<'a>(ex: &'a Exclusions, nonce: u64) -> Pick<'a> {
         body_bytes: 0,
         pin_hint: None,
         holder: None,
-        prefix: None,
+        prefix: Prefix::NONE,
         follow_up: false,
         max_output_tokens: 0,
     }

@@ -270,7 +270,7 @@ impl<'a> Scheduler<'a> {
         let aff = self.affinity();
         match outcome {
             Outcome::Success if ticket.pin_on_success => {
-                aff.remember(s, ticket.endpoint_id, now_ms)
+                aff.remember_keyed(s, ticket.endpoint_id, ticket.placement_key, now_ms)
             }
             Outcome::DeadKey => aff.forget(s, ticket.endpoint_id),
             _ => true,

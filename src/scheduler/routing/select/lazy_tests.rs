@@ -150,7 +150,7 @@ proptest! {
             body_bytes: 1_000,
             pin_hint: None,
             holder: None,
-            prefix: None,
+            prefix: Prefix::NONE,
             follow_up: false,
             max_output_tokens: 0,
         };
@@ -220,7 +220,7 @@ proptest! {
             body_bytes: 1_000,
             pin_hint: None,
             holder: None,
-            prefix: None,
+            prefix: Prefix::NONE,
             follow_up: false,
             max_output_tokens: 0,
         };

@@ -162,7 +162,7 @@ fn same_decisions(
                     body_bytes: 1_000,
                     pin_hint: None,
                     holder: None,
-                    prefix: None,
+                    prefix: Prefix::NONE,
                     follow_up: (x >> 12).is_multiple_of(7),
                     max_output_tokens: 0,
                 };
@@ -217,7 +217,7 @@ fn four_picks(cfg: &Config, cache: &RefCell<TableCache>, model: impl Fn(u64) -> 
             body_bytes: 1_000,
             pin_hint: None,
             holder: None,
-            prefix: None,
+            prefix: Prefix::NONE,
             follow_up: false,
             max_output_tokens: 0,
         };
@@ -317,7 +317,7 @@ proptest! {
             body_bytes: 0,
             pin_hint: None,
             holder: None,
-            prefix: None,
+            prefix: Prefix::NONE,
             follow_up: false,
             max_output_tokens: 0,
         };
@@ -370,7 +370,7 @@ fn board_memo_judges_again_what_a_moved_median_changes() {
         body_bytes: 1_000,
         pin_hint: None,
         holder: None,
-        prefix: None,
+        prefix: Prefix::NONE,
         follow_up: false,
         max_output_tokens: 0,
     };

@@ -44,7 +44,7 @@ fn pick(
             body_bytes: 0,
             pin_hint: None,
             holder: None,
-            prefix,
+            prefix: Prefix::Known(prefix),
             follow_up: false,
             max_output_tokens: 0,
         },
@@ -116,6 +116,94 @@ fn a_pinned_session_stays_and_a_served_one_is_pinned() {
     let d = pick(&s, session(n + 1), None, 1, &ex, 6);
     assert_eq!((d.endpoint, d.affinity), (home, AffinityResult::Hit));
     s.finish(d.ticket, &Outcome::Cancelled, 0, None, 7);
+}
+
+/// A later turn's home is by the prefix key its pin recorded when it was served: the
+/// request's instructions are not hashed again (a lazy key is never asked), and the decision is
+/// the one the hashed key gives. A pin without a recorded key (an older bucket, or a session
+/// served without instructions) asks for it as before.
+#[test]
+fn a_pinned_turn_takes_its_home_key_from_the_pin_and_hashes_nothing() {
+    use std::cell::Cell;
+    let c = cfg(json!({}));
+    let store = MemStore::new();
+    let s = Scheduler::new(&c, &store);
+    let ex = Exclusions::default();
+    let w = weights(&c);
+    let home = placement::order(PREFIX, &w)[0];
+    let asked = Cell::new(0u32);
+    let hashing = || {
+        asked.set(asked.get() + 1);
+        Some(PREFIX)
+    };
+    let lazy = |session: u64| Pick {
+        model: Some("m"),
+        session: Some(session),
+        attempt: 1,
+        exclusions: &ex,
+        nonce: 0,
+        body_bytes: 0,
+        pin_hint: None,
+        holder: None,
+        prefix: Prefix::Lazy(&hashing),
+        follow_up: false,
+        max_output_tokens: 0,
+    };
+    // A new session: its key is asked for and it is placed by it.
+    let n = session(1);
+    let d = s.pick(&lazy(n), 0).unwrap();
+    assert!(asked.get() >= 1);
+    assert_eq!((d.endpoint, d.affinity), (home, AffinityResult::Prefix));
+    assert_eq!(d.ticket.placement_key, PREFIX);
+    s.finish(d.ticket, &Outcome::Success, 10, Some(n), 1);
+    assert_eq!(
+        s.affinity().lookup_keyed(n, 2),
+        Some((c.endpoints[home].id, PREFIX))
+    );
+    // Its next turns: never asked, the same decision as with the key given.
+    for t in 0..3u64 {
+        asked.set(0);
+        let d = s.pick(&lazy(n), 10 + t).unwrap();
+        assert_eq!(asked.get(), 0, "turn {t}");
+        assert_eq!(
+            (d.endpoint, d.affinity, d.home),
+            (home, AffinityResult::Hit, Some(home))
+        );
+        assert_eq!(d.ticket.placement_key, PREFIX);
+        s.finish(d.ticket, &Outcome::Success, 10, Some(n), 11 + t);
+    }
+    // Served away from its prefix's home (a failover): the home is still the prefix's.
+    let away = (0..w.len()).find(|&i| i != home).unwrap();
+    assert!(s
+        .affinity()
+        .remember_keyed(n, c.endpoints[away].id, PREFIX, 20));
+    asked.set(0);
+    let d = s.pick(&lazy(n), 21).unwrap();
+    let given = pick(&s, n, Some(PREFIX), 1, &ex, 21);
+    assert_eq!(asked.get(), 0);
+    assert_eq!(
+        (d.endpoint, d.affinity, d.home),
+        (away, AffinityResult::Hit, Some(home))
+    );
+    assert_eq!((given.endpoint, given.home), (d.endpoint, d.home));
+    s.finish(d.ticket, &Outcome::Cancelled, 0, None, 22);
+    s.finish(given.ticket, &Outcome::Cancelled, 0, None, 22);
+    // A request without instructions is homed by its session key, whatever the pin recorded.
+    let d = pick(&s, n, None, 1, &ex, 23);
+    assert_eq!(d.home, Some(placement::order(n, &w)[0]));
+    s.finish(d.ticket, &Outcome::Cancelled, 0, None, 23);
+    // A pin that recorded no key: asked, as before.
+    let m = session(2);
+    assert!(s.affinity().remember(m, c.endpoints[away].id, 30));
+    asked.set(0);
+    let d = s.pick(&lazy(m), 31).unwrap();
+    assert!(asked.get() >= 1);
+    assert_eq!((d.endpoint, d.home), (away, Some(home)));
+    s.finish(d.ticket, &Outcome::Success, 10, Some(m), 32);
+    assert_eq!(
+        s.affinity().lookup_keyed(m, 33),
+        Some((c.endpoints[away].id, PREFIX))
+    );
 }
 
 #[test]
@@ -207,7 +295,7 @@ fn pick_turn(s: &Scheduler<'_>, session: u64, follow_up: bool, now: u64) -> Deci
             body_bytes: 0,
             pin_hint: None,
             holder: None,
-            prefix: Some(PREFIX),
+            prefix: Prefix::Known(Some(PREFIX)),
             follow_up,
             max_output_tokens: 0,
         },
@@ -304,7 +392,7 @@ fn the_session_bound_spares_idle_homes_pins_and_later_turns() {
     let key_only = s2
         .pick(
             &Pick {
-                prefix: None,
+                prefix: Prefix::NONE,
                 ..pick_turn_args(session(300))
             },
             3,
@@ -333,7 +421,7 @@ fn pick_turn_args(session: u64) -> Pick<'static> {
         body_bytes: 0,
         pin_hint: None,
         holder: None,
-        prefix: Some(PREFIX),
+        prefix: Prefix::Known(Some(PREFIX)),
         follow_up: false,
         max_output_tokens: 0,
     }
@@ -436,7 +524,7 @@ fn the_least_counted_target_counts_every_model_s_sessions() {
         preload(&store, &c, order[0], 10);
         preload(&store, &c, order[1], 12);
         let first = |n: u64| Pick {
-            prefix: Some(prefix),
+            prefix: Prefix::Known(Some(prefix)),
             ..pick_turn_args(session(n))
         };
         let mut held = Vec::new();
@@ -471,7 +559,7 @@ fn preload_prefix(store: &MemStore, c: &Config, i: usize, key: u64, n: u32) {
 fn hold(s: &Scheduler<'_>, c: &Config, i: usize, n: u64) -> Decision {
     let p = Pick {
         holder: Some(c.endpoints[i].id),
-        prefix: None,
+        prefix: Prefix::NONE,
         ..pick_turn_args(session(5_000 + n))
     };
     s.pick(&p, 0).unwrap()
@@ -524,7 +612,7 @@ fn a_popular_prefix_is_bounded_before_its_home_is_busy() {
         let d = s
             .pick(
                 &Pick {
-                    prefix: Some(rare),
+                    prefix: Prefix::Known(Some(rare)),
                     ..pick_turn_args(session(2))
                 },
                 0,
@@ -559,7 +647,7 @@ mod props {
 
     fn plain(session: u64, prefix: Option<u64>, follow_up: bool) -> Pick<'static> {
         Pick {
-            prefix,
+            prefix: Prefix::Known(prefix),
             follow_up,
             ..pick_turn_args(session)
         }
