@@ -109,11 +109,9 @@ impl<'a> Affinity<'a> {
     /// unknown).
     pub fn lookup_keyed(&self, session: u64, now_ms: u64) -> Option<(u32, u64)> {
         let (bytes, _) = self.store.get(&self.key(self.bucket_of(session)));
-        let entries = decode(bytes.as_deref()?)?;
-        entries
-            .iter()
-            .find(|e| e.session == session && now_ms.saturating_sub(e.last_used_ms) < self.ttl_ms)
-            .map(|e| (e.endpoint_id, e.placement_key))
+        let e = find(bytes.as_deref()?, session)?;
+        (now_ms.saturating_sub(e.last_used_ms) < self.ttl_ms)
+            .then_some((e.endpoint_id, e.placement_key))
     }
 
     /// Pins `session` to `endpoint_id` (a success: refresh, or re-pin after failover).
@@ -206,6 +204,31 @@ pub fn encode(entries: &[Entry]) -> Vec<u8> {
         w.u64(e.placement_key);
     }
     w.buf
+}
+
+/// The entry of `session` in a bucket, read where it is stored (no other entry is decoded;
+/// the same answer as [`decode`] and a search).
+fn find(bytes: &[u8], session: u64) -> Option<Entry> {
+    let (version, rest) = bytes.split_first()?;
+    let size = match *version {
+        BUCKET_VERSION => ENTRY_BYTES,
+        BUCKET_VERSION_1 => ENTRY_BYTES_1,
+        _ => return None,
+    };
+    if !rest.len().is_multiple_of(size) {
+        return None;
+    }
+    let want = session.to_le_bytes();
+    let chunk = rest
+        .chunks_exact(size)
+        .find(|c| c.get(..8) == Some(&want[..]))?;
+    let mut r = Reader::new(chunk);
+    Some(Entry {
+        session: r.u64()?,
+        endpoint_id: r.u32()?,
+        last_used_ms: r.u64()?,
+        placement_key: if size == ENTRY_BYTES { r.u64()? } else { 0 },
+    })
 }
 
 /// A bucket of this version, or of version 1 (entries without a placement key: read as 0).
@@ -318,5 +341,26 @@ mod tests {
         // A version-1 bucket of the wrong length reads as empty.
         s.set(&a.key(b), &w.buf[..30], None).unwrap();
         assert_eq!(a.lookup(5, 400), None);
+    }
+
+    /// Reading one entry where it is stored answers as decoding the bucket and searching it.
+    #[test]
+    fn finding_in_place_equals_decoding() {
+        let entries: Vec<Entry> = (0..50u64)
+            .map(|i| Entry {
+                session: i.wrapping_mul(0x9e37_79b9_7f4a_7c15),
+                endpoint_id: i as u32 % 7,
+                last_used_ms: i * 1000,
+                placement_key: i % 3,
+            })
+            .collect();
+        let bytes = encode(&entries);
+        for probe in entries.iter().map(|e| e.session).chain([1, 2, u64::MAX]) {
+            let searched = decode(&bytes).unwrap().into_iter().find(|e| e.session == probe);
+            assert_eq!(find(&bytes, probe), searched);
+        }
+        assert_eq!(find(&bytes[..bytes.len() - 1], entries[0].session), None);
+        assert_eq!(find(&[], 1), None);
+        assert_eq!(find(&[9, 0, 0], 1), None);
     }
 }
