@@ -300,7 +300,7 @@ pub struct Flow {
     /// The request's instructions segment, with placement by prefix on, and the shortest that
     /// makes a key (`prefix_min_bytes`): hashed into the placement key only when a placement
     /// asks for it ([`Flow::prefix_key`], [`Pick::prefix`]).
-    instructions: Option<(prefix::Segment, u64)>,
+    instructions: Option<(Box<prefix::Segment>, u64)>,
     /// That key, once computed (`None` inside: the instructions make no key).
     prefix_memo: Cell<Option<Option<u64>>>,
     /// The body carries earlier turns ([`Pick::follow_up`]).

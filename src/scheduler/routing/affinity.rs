@@ -356,7 +356,10 @@ mod tests {
             .collect();
         let bytes = encode(&entries);
         for probe in entries.iter().map(|e| e.session).chain([1, 2, u64::MAX]) {
-            let searched = decode(&bytes).unwrap().into_iter().find(|e| e.session == probe);
+            let searched = decode(&bytes)
+                .unwrap()
+                .into_iter()
+                .find(|e| e.session == probe);
             assert_eq!(find(&bytes, probe), searched);
         }
         assert_eq!(find(&bytes[..bytes.len() - 1], entries[0].session), None);

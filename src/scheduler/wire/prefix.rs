@@ -86,7 +86,7 @@ pub struct Segment {
     spans: [Span; MAX_SPANS],
     n: usize,
     /// The stream so far, once the parts outgrew `spans` (they were fed to it in order).
-    eager: Option<Xxh64>,
+    eager: Option<Box<Xxh64>>,
     /// Length of the parts (without the model).
     pub bytes: usize,
 }
@@ -95,7 +95,7 @@ impl std::fmt::Debug for Segment {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("Segment")
             .field("spans", &&self.spans[..self.n])
-            .field("eager", &self.eager.as_ref().map(Xxh64::digest))
+            .field("eager", &self.eager.as_ref().map(|h| h.digest()))
             .field("bytes", &self.bytes)
             .finish()
     }
@@ -105,7 +105,7 @@ impl PartialEq for Segment {
     fn eq(&self, other: &Self) -> bool {
         self.model_len == other.model_len
             && self.spans[..self.n] == other.spans[..other.n]
-            && self.eager.as_ref().map(Xxh64::digest) == other.eager.as_ref().map(Xxh64::digest)
+            && self.eager.as_ref().map(|h| h.digest()) == other.eager.as_ref().map(|h| h.digest())
             && self.bytes == other.bytes
     }
 }
@@ -132,7 +132,10 @@ impl Segment {
         if model.len() != self.model_len {
             return None;
         }
-        let mut hasher = self.eager.clone().unwrap_or_else(|| stream_start(model));
+        let mut hasher = match &self.eager {
+            Some(h) => Xxh64::clone(h),
+            None => stream_start(model),
+        };
         for s in &self.spans[..self.n] {
             let at = s.at as usize;
             let raw = body.get(at..at.checked_add(s.len as usize)?)?;
@@ -214,15 +217,16 @@ impl<'b> InstructionsHasher<'b> {
                     stream_part(&mut h, s.part, raw);
                 }
                 seg.n = 0;
-                seg.eager.insert(h)
+                seg.eager.insert(Box::new(h))
             }
         };
         stream_part(hasher, part as u8, raw.as_bytes());
     }
 
-    /// The segment, if any part was added (never for [`InstructionsHasher::off`]).
-    pub fn finish(self) -> Option<Segment> {
-        (self.on && self.seg.bytes > 0).then_some(self.seg)
+    /// The segment, if any part was added (never for [`InstructionsHasher::off`]); boxed, as
+    /// it travels with the parsed request and most requests never hash it.
+    pub fn finish(self) -> Option<Box<Segment>> {
+        (self.on && self.seg.bytes > 0).then(|| Box::new(self.seg))
     }
 }
 

@@ -50,7 +50,7 @@ pub struct ChatRequest {
     /// The instructions segment (system prompt, tools, leading system messages; see
     /// [`crate::scheduler::wire::prefix`]), when the body has one: where its parts are in the
     /// body, hashed when a placement needs its key ([`Segment::hash`]).
-    pub instructions: Option<Segment>,
+    pub instructions: Option<Box<Segment>>,
     pub stream: bool,
     /// The body carries earlier turns: at least [`FOLLOW_UP_ITEMS`] messages (or Responses
     /// `input` items). Counted, not parsed: a first turn with few-shot examples counts too,
