@@ -127,7 +127,7 @@ fn session_flood_keeps_keys_and_bytes_at_the_bound() {
         }
     }
     assert_eq!(aff.stored_entries() as u64, bound, "full at the end");
-    // Keys + values: 20 bytes per entry, a version byte and a key per bucket, the table, and
+    // Keys + values: 28 bytes per entry, a version byte and a key per bucket, the table, and
     // the count of sessions placed (a few bytes per endpoint).
     let table = store.get(TABLE_KEY).0.unwrap().len();
     let sessions = store.get(SESSIONS_KEY).0.unwrap().len();
@@ -136,7 +136,11 @@ fn session_flood_keeps_keys_and_bytes_at_the_bound() {
         .sum::<usize>()
         + TABLE_KEY.len()
         + SESSIONS_KEY.len();
-    let expected = bound as usize * 20 + buckets + key_bytes + table + sessions;
+    let expected = bound as usize * computeflux::scheduler::routing::affinity::ENTRY_BYTES
+        + buckets
+        + key_bytes
+        + table
+        + sessions;
     assert_eq!(store.bytes(), expected);
     assert_eq!(peak_bytes, expected, "never above the full table");
 }
