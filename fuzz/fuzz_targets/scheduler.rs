@@ -246,7 +246,7 @@ fuzz_target!(|setup: Setup| {
                     body_bytes: 0,
                     pin_hint: None,
                     holder: None,
-                    prefix: None,
+                    prefix: computeflux::scheduler::Prefix::NONE,
                     follow_up: false,
                     max_output_tokens: u64::from(*attempt) * 100,
                 };
