@@ -94,7 +94,7 @@ pub struct Segment {
 impl std::fmt::Debug for Segment {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("Segment")
-            .field("spans", &&self.spans[..self.n])
+            .field("spans", &self.kept())
             .field("eager", &self.eager.as_ref().map(|h| h.digest()))
             .field("bytes", &self.bytes)
             .finish()
@@ -104,7 +104,7 @@ impl std::fmt::Debug for Segment {
 impl PartialEq for Segment {
     fn eq(&self, other: &Self) -> bool {
         self.model_len == other.model_len
-            && self.spans[..self.n] == other.spans[..other.n]
+            && self.kept() == other.kept()
             && self.eager.as_ref().map(|h| h.digest()) == other.eager.as_ref().map(|h| h.digest())
             && self.bytes == other.bytes
     }
@@ -126,6 +126,11 @@ fn stream_part(hasher: &mut Xxh64, part: u8, raw: &[u8]) {
 }
 
 impl Segment {
+    /// The parts kept as places (none once the stream is hashed while parsing).
+    fn kept(&self) -> &[Span] {
+        self.spans.get(..self.n).unwrap_or_default()
+    }
+
     /// The segment's hash, from `body` (the bytes it was parsed from) and `model` (the
     /// request's model): `None` when a part is not where the segment says (another body).
     pub fn hash(&self, body: &[u8], model: &str) -> Option<Instructions> {
@@ -136,7 +141,7 @@ impl Segment {
             Some(h) => Xxh64::clone(h),
             None => stream_start(model),
         };
-        for s in &self.spans[..self.n] {
+        for s in self.kept() {
             let at = s.at as usize;
             let raw = body.get(at..at.checked_add(s.len as usize)?)?;
             stream_part(&mut hasher, s.part, raw);
@@ -196,8 +201,12 @@ impl<'b> InstructionsHasher<'b> {
             .checked_add(raw.len())
             .is_some_and(|end| end <= self.body.len())
             && u32::try_from(at.saturating_add(raw.len())).is_ok();
-        if inside && seg.eager.is_none() && seg.n < MAX_SPANS {
-            seg.spans[seg.n] = Span {
+        if let Some(slot) = seg
+            .spans
+            .get_mut(seg.n)
+            .filter(|_| inside && seg.eager.is_none())
+        {
+            *slot = Span {
                 part: part as u8,
                 at: at as u32,
                 len: raw.len() as u32,
@@ -210,7 +219,7 @@ impl<'b> InstructionsHasher<'b> {
             Some(h) => h,
             None => {
                 let mut h = stream_start(self.model);
-                for s in &seg.spans[..seg.n] {
+                for s in seg.kept() {
                     let at = s.at as usize;
                     // Checked when the span was kept.
                     let raw = self.body.get(at..at + s.len as usize).unwrap_or_default();
