@@ -242,13 +242,7 @@ fuzz_target!(|input: Input<'_>| {
     }
     flow.on_log(&s, &mut (), now);
     assert!(!flow.in_flight());
-    let table = Table::aligned(
-        store
-            .get(computeflux::scheduler::routing::select::TABLE_KEY)
-            .0
-            .as_deref(),
-        &cfg,
-    );
+    let table = Table::read(&store, &cfg);
     for (i, (_, st)) in table.entries.iter().enumerate() {
         assert_eq!(
             st.in_flight, 0,
