@@ -20,7 +20,10 @@ use crate::scheduler::state::store::{update_owned, Store, CAS_RETRIES};
 
 /// Entries per group key. A request reads the header plus each group that changed since its
 /// worker last read it, and writes the group of its endpoint: smaller groups copy fewer bytes
-/// per changed group, larger ones keep the header (one version per group) smaller.
+/// per changed group, larger ones keep the header (one version per group) smaller. Measured
+/// (`tests/cost`, new session at 512 endpoints): 16 copies 16.4 KB in and 15.1 KB out for
+/// 213 130 instructions; 8 copies 11.0 KB and 9.5 KB for 220 596 (the header of 64 versions
+/// is read, decoded and written by every table write).
 pub const GROUP_LEN: usize = 16;
 
 /// Version byte, budget, layout generation, entry count (then one version per group).
