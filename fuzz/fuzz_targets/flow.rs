@@ -16,7 +16,7 @@ use computeflux::scheduler::flow::{Flow, Step};
 use computeflux::scheduler::routing::table::Table;
 use computeflux::scheduler::wire::headers::Pairs;
 use computeflux::scheduler::wire::reply::MAX_MESSAGE_BYTES;
-use computeflux::scheduler::{Config, MemStore, Scheduler, Store};
+use computeflux::scheduler::{Config, MemStore, Scheduler};
 use libfuzzer_sys::fuzz_target;
 use serde_json::{json, Value};
 
