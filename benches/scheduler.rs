@@ -53,9 +53,7 @@ fn warm_store(cfg: &Config) -> MemStore {
         st.last_sample_ms = NOW_MS - 1_000;
         st.in_flight_changed_ms = NOW_MS - 1_000;
     }
-    store
-        .set(TABLE_KEY, &table.encode(), None)
-        .expect("store set");
+    table.write_to(&store);
     store
 }
 
@@ -99,7 +97,7 @@ fn cases() -> Vec<Case> {
         let cfg: &'static Config = Box::leak(Box::new(config(n, 100_000)));
         let store: &'static MemStore = Box::leak(Box::new(warm_store(cfg)));
         let ex: &'static Exclusions = Box::leak(Box::new(Exclusions::default()));
-        let bytes = store.get(TABLE_KEY).0.expect("table stored");
+        let bytes = Table::read(store, cfg).encode();
 
         out.push(Case {
             group: "baseline_store_get_set",

@@ -250,19 +250,20 @@ fn connections_by_worker(envoy: &Envoy, most: usize, least: usize) -> Vec<Vec<Tc
     pools
 }
 
-/// The table's write log under both workers (issue 21): a worker that read the table a few
-/// writes ago decodes only the entries the log names; one further behind than the log reaches
-/// compares every stamp. Either way its next write must start from the other worker's
-/// updates. Worker B reads the table after worker A held a few requests (through the log),
-/// then after A held more than the log's length (past it), each time holding a request of its
-/// own: if B's view missed one of A's writes, its write would put back an older in-flight
-/// count and the gauges would count fewer requests than are held.
+/// The split table under both workers (issue 21): a worker reads the header, then only the
+/// groups (16 entries each; 24 endpoints are two groups) whose version another write moved
+/// since it last read them, and decodes only their entries whose stamp moved. Either way its
+/// next write must start from the other worker's updates. Worker B reads the table after
+/// worker A held a few requests, then after A held many more (70 writes: more than the write
+/// log of `TABLE_VERSION` 14 held), each time holding a request of its own: if B's view missed
+/// one of A's writes, its write would put back an older in-flight count and the gauges would
+/// count fewer requests than are held.
 #[test]
-fn in_flight_counts_are_exact_through_the_write_log() {
+fn in_flight_counts_are_exact_through_group_versions() {
     const N: usize = 24;
     const ROUNDS: usize = 6;
     const PER_ROUND: usize = 10;
-    /// More single-entry writes than the log holds (`table::LOG_LEN`).
+    /// More single-entry writes than the former write log held (64).
     const PAST_LOG: usize = 70;
     const B_PAST: usize = 4;
     let (mocks, envoy) = fleet("w", N);

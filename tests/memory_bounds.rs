@@ -19,6 +19,7 @@
 
 use computeflux::scheduler::routing::select::TABLE_KEY;
 use computeflux::scheduler::routing::sessions::SESSIONS_KEY;
+use computeflux::scheduler::routing::table::groups::{self, group_key};
 use computeflux::scheduler::state::hash::session_key;
 use computeflux::scheduler::{
     Config, Exclusions, MemStore, Outcome, Pick, Prefix, Scheduler, Store,
@@ -76,27 +77,28 @@ fn endpoint_churn_through_reloads_adds_no_keys() {
             now += 20;
         }
         let buckets = Scheduler::new(&cfg, &store).affinity().buckets() as usize;
-        // The table, the count of sessions placed (one key) and at most every affinity bucket:
-        // nothing per endpoint.
+        // The table (its header and one group: 4 endpoints), the count of sessions placed (one
+        // key) and at most every affinity bucket: nothing per endpoint.
         assert!(
-            store.keys() <= 2 + buckets,
+            store.keys() <= 3 + buckets,
             "reload {reload}: {} keys",
             store.keys()
         );
         // The table value holds exactly the configured endpoints.
         let table = Scheduler::new(&cfg, &store).table();
         assert_eq!(table.entries.len(), 4);
-        let stored = store.get(TABLE_KEY).0.unwrap();
-        assert_eq!(stored.len(), table.encode().len());
+        let (stored, complete) = groups::read_stored(&store).unwrap();
+        assert!(complete);
+        assert_eq!(stored.entries.len(), 4);
         if reload == 0 {
             keys_after_first = store.keys();
         }
     }
     let buckets = 1_000u64.div_ceil(64) as usize;
-    // The table, the count of sessions placed, and the affinity buckets.
+    // The table (header and one group), the count of sessions placed, the affinity buckets.
     assert_eq!(
         store.keys(),
-        2 + buckets,
+        3 + buckets,
         "first reload had {keys_after_first}"
     );
     // Affinity entries pointing at removed endpoints are bounded by the affinity bound too.
@@ -121,7 +123,7 @@ fn session_flood_keeps_keys_and_bytes_at_the_bound() {
             1_000_000 + i,
         );
         if i % 1_000 == 999 {
-            assert!(store.keys() <= 2 + buckets);
+            assert!(store.keys() <= 3 + buckets);
             assert!(aff.stored_entries() as u64 <= bound);
             peak_bytes = peak_bytes.max(store.bytes());
         }
@@ -129,12 +131,13 @@ fn session_flood_keeps_keys_and_bytes_at_the_bound() {
     assert_eq!(aff.stored_entries() as u64, bound, "full at the end");
     // Keys + values: 28 bytes per entry, a version byte and a key per bucket, the table, and
     // the count of sessions placed (a few bytes per endpoint).
-    let table = store.get(TABLE_KEY).0.unwrap().len();
+    let table = store.get(TABLE_KEY).0.unwrap().len() + store.get(&group_key(0)).0.unwrap().len();
     let sessions = store.get(SESSIONS_KEY).0.unwrap().len();
     let key_bytes: usize = (0..buckets)
         .map(|b| format!("computeflux/affinity/{b}").len())
         .sum::<usize>()
         + TABLE_KEY.len()
+        + group_key(0).len()
         + SESSIONS_KEY.len();
     let expected = bound as usize * computeflux::scheduler::routing::affinity::ENTRY_BYTES
         + buckets
@@ -166,7 +169,7 @@ fn changing_the_bound_reuses_bucket_keys_up_to_the_largest_count() {
             );
         }
         now += bound * 2;
-        assert!(store.keys() <= 2 + largest, "{} keys", store.keys());
+        assert!(store.keys() <= 3 + largest, "{} keys", store.keys());
     }
     assert_eq!(largest, 20_000usize.div_ceil(64));
 }

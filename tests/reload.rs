@@ -113,8 +113,7 @@ fn old_configuration_draining_never_resets_the_new_layout() {
         // An old request that starts (an LDS drain keeps old connections busy) and ends.
         let o = pick(&so, "m1", 200 + k as u64, now);
         so.finish(o.ticket, &Outcome::Success, 40, None, now + 1);
-        let bytes = store.get(TABLE_KEY).0.unwrap();
-        layout_lost += usize::from(!Table::has_layout(&bytes, &new));
+        layout_lost += usize::from(!Table::has_layout(&store, &new));
         let d_state = *state(&sn.table(), &new, "d");
         if d_state.breaker.state_at(now + 2) != BreakerState::Open {
             resets += 1;
@@ -168,10 +167,10 @@ fn claims_order_configurations_and_agree_within_one() {
     let g_new = claim_layout(&store, &new);
     assert!(g_new > g_old);
     assert_eq!(claim_layout(&store, &new), g_new);
-    assert!(Table::has_layout(&store.get(TABLE_KEY).0.unwrap(), &new));
+    assert!(Table::has_layout(&store, &new));
     let g_back = claim_layout(&store, &old);
     assert!(g_back > g_new);
-    assert!(Table::has_layout(&store.get(TABLE_KEY).0.unwrap(), &old));
+    assert!(Table::has_layout(&store, &old));
 }
 
 /// A module of another table version never reads or writes this one's bytes: each version has

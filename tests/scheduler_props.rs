@@ -37,6 +37,7 @@ use computeflux::scheduler::routing::saturation::Saturation;
 use computeflux::scheduler::routing::select::{Ticket, TABLE_KEY};
 use computeflux::scheduler::routing::signals;
 use computeflux::scheduler::routing::slowness::{self, DegradeRule, Sample, Slowness, WorkModel};
+use computeflux::scheduler::routing::table::group_key;
 use computeflux::scheduler::routing::table::Table;
 use computeflux::scheduler::state::store::CAS_RETRIES;
 use computeflux::scheduler::wire::request;
@@ -250,9 +251,12 @@ struct RacingStore<'a> {
     cfg: &'a Config,
     now_ms: Cell<u64>,
     armed: RefCell<Vec<(usize, Option<&'static str>)>>,
-    /// The endpoint table as last read through this store: the snapshot a pick decided on,
-    /// even when it had to re-read after losing a race.
-    last_table_read: RefCell<Option<Option<Vec<u8>>>>,
+    /// The endpoint table as it was at the last read of its header before the pick's first
+    /// successful table write: the snapshot a pick decided on, even when it had to re-read
+    /// after losing a race (the table is its header and its groups: see `table::groups`).
+    last_table_read: RefCell<Option<Table>>,
+    /// A write to the table (header or group) succeeded since the last reset.
+    table_written: Cell<bool>,
     /// Writes of the endpoint table that lost their CAS race (counted from a reset).
     table_conflicts: Cell<u32>,
     /// Attempts started by intruding picks: (worker, attempt), for the simulation to adopt.
@@ -262,14 +266,15 @@ struct RacingStore<'a> {
 impl Store for RacingStore<'_> {
     fn get(&self, key: &str) -> (Option<Vec<u8>>, Option<u32>) {
         let got = self.inner.get(key);
-        if key == TABLE_KEY {
-            *self.last_table_read.borrow_mut() = Some(got.0.clone());
+        if key == TABLE_KEY && !self.table_written.get() {
+            *self.last_table_read.borrow_mut() = Some(Table::read(&self.inner, self.cfg));
         }
         got
     }
 
     fn set(&self, key: &str, value: &[u8], cas: Option<u32>) -> Result<(), CasMismatch> {
-        let intruder = if key == TABLE_KEY {
+        let table_key = key.starts_with(TABLE_KEY);
+        let intruder = if table_key {
             self.armed.borrow_mut().pop()
         } else {
             None
@@ -298,8 +303,11 @@ impl Store for RacingStore<'_> {
             }
         }
         let result = self.inner.set(key, value, cas);
-        if key == TABLE_KEY && result.is_err() {
+        if table_key && result.is_err() {
             self.table_conflicts.set(self.table_conflicts.get() + 1);
+        }
+        if table_key && result.is_ok() {
+            self.table_written.set(true);
         }
         result
     }
@@ -395,13 +403,14 @@ impl<'a> Sim<'a> {
             now_ms: Cell::new(1_000),
             armed: RefCell::new(Vec::new()),
             last_table_read: RefCell::new(None),
+            table_written: Cell::new(false),
             table_conflicts: Cell::new(0),
             intruded: RefCell::new(Vec::new()),
         };
         // As the filter does at configure time: CAS does not protect a key's creation (a write
         // to a missing key always succeeds), so the table exists before the first request.
         let table = Scheduler::new(cfg, &store.inner).table();
-        store.inner.set(TABLE_KEY, &table.encode(), None).unwrap();
+        table.write_to(&store.inner);
         Sim {
             cfg,
             store,
@@ -524,13 +533,14 @@ impl<'a> Sim<'a> {
             max_output_tokens: 0,
         };
         *self.store.last_table_read.borrow_mut() = None;
+        self.store.table_written.set(false);
         self.store.table_conflicts.set(0);
         let result = self.scheduler().pick(&pick, now);
         // An intruding pick may have changed the table under this one, which then re-read it:
         // the decision is judged against the snapshot it was last made on.
         let last_read = self.store.last_table_read.borrow_mut().take();
         let decided_on = match last_read {
-            Some(bytes) => Table::aligned(bytes.as_deref(), self.cfg),
+            Some(table) => table,
             None => self.scheduler().table(),
         };
         if self.checks.exclusions {
@@ -1121,6 +1131,8 @@ proptest! {
         // And the scheduler works on top of such bytes.
         let store = MemStore::new();
         store.set(TABLE_KEY, &bytes, None).unwrap();
+        // And in a group key (with a header that decodes, or not).
+        store.set(&group_key(0), &bytes, None).unwrap();
         let s = Scheduler::new(&cfg, &store);
         let ex = Exclusions::default();
         let _ = s.pick(&Pick { model: Some("m"), session: Some(1), attempt: 1, exclusions: &ex, nonce: 0, body_bytes: 0 , pin_hint: None, holder: None, prefix: Prefix::NONE, follow_up: false, max_output_tokens: 0 }, 0);
@@ -1395,7 +1407,7 @@ proptest! {
             let remember = |left| Remaining::new(left, 5_000);
             st.quota = Quota { requests: requests.map(remember), tokens: tokens.map(remember) };
         }
-        store.set(TABLE_KEY, &table.encode(), None).unwrap();
+        table.write_to(&store);
         let s = Scheduler::new(&cfg, &store);
         let rule = s.quota_rule();
         let estimate = computeflux::scheduler::routing::quota::estimate_tokens(body_bytes, cfg.quota_bytes_per_token);
@@ -1438,6 +1450,7 @@ proptest! {
             }
         }
         prop_assert_eq!(plain.get(TABLE_KEY).0, junk.get(TABLE_KEY).0);
+        prop_assert_eq!(plain.get(&group_key(0)).0, junk.get(&group_key(0)).0);
     }
 }
 

@@ -15,7 +15,7 @@ use computeflux::scheduler::routing::saturation::Saturation;
 use computeflux::scheduler::routing::select::TABLE_KEY;
 use computeflux::scheduler::routing::sessions::SESSIONS_KEY;
 use computeflux::scheduler::routing::slowness::Slowness;
-use computeflux::scheduler::routing::table::{Table, TableCache};
+use computeflux::scheduler::routing::table::{group_key, groups, Table, TableCache};
 use computeflux::scheduler::{
     Config, EndpointState, Exclusions, MemStore, Outcome, Pick, RetryBudget, Scheduler, Store,
 };
@@ -244,25 +244,25 @@ fuzz_target!(|input: Input<'_>| match input {
                 .expect("MemStore set");
         }
         store.set(TABLE_KEY, table, None).expect("MemStore set");
-        // A worker's cache reads the garbage as a full decode does, and a one-entry write
-        // over it (named by the header's write log when it is a table) as well.
+        // A worker's cache reads the garbage as a full load does, with garbage in the header,
+        // in a group, or in both; and a one-entry write over it (its group and the header's
+        // record of it) as well.
         let mut cache = TableCache::default();
-        assert_eq!(
-            cache.load(Some(table), &cfg),
-            Table::load(Some(table), &cfg)
-        );
-        let mut patched = table.to_vec();
-        let (loaded, _) = Table::load(Some(table), &cfg);
-        if let Some((id, st)) = loaded.entries.first() {
-            let mut st = *st;
+        assert_eq!(cache.load(&store, &cfg), Table::load_from(&store, &cfg));
+        Table::aligned(None, &cfg).write_to(&store);
+        assert_eq!(cache.load(&store, &cfg), Table::load_from(&store, &cfg));
+        store.set(&group_key(0), table, None).expect("MemStore set");
+        assert_eq!(cache.load(&store, &cfg), Table::load_from(&store, &cfg));
+        let id = cfg.endpoints[0].id;
+        let bump = |st: &mut EndpointState| {
             st.total = st.total.wrapping_add(1);
-            if Table::patch_entry_in_place(&mut patched, 0, *id, &st) {
-                assert_eq!(
-                    cache.load(Some(&patched), &cfg),
-                    Table::load(Some(&patched), &cfg)
-                );
-            }
+            true
+        };
+        if groups::update_entry(&store, Some(0), id, bump, |_| {}).is_some() {
+            assert_eq!(cache.load(&store, &cfg), Table::load_from(&store, &cfg));
         }
+        store.set(TABLE_KEY, table, None).expect("MemStore set");
+        assert_eq!(cache.load(&store, &cfg), Table::load_from(&store, &cfg));
         let now = u64::from(now_ms);
         let _ = aff.lookup(session, now);
         let ex = Exclusions::default();

@@ -16,7 +16,7 @@ use computeflux::scheduler::flow::{Flow, Step};
 use computeflux::scheduler::routing::table::Table;
 use computeflux::scheduler::wire::headers::Pairs;
 use computeflux::scheduler::wire::reply::MAX_MESSAGE_BYTES;
-use computeflux::scheduler::{Config, MemStore, Scheduler, Store};
+use computeflux::scheduler::{Config, MemStore, Scheduler};
 use libfuzzer_sys::fuzz_target;
 use serde_json::{json, Value};
 
@@ -242,13 +242,7 @@ fuzz_target!(|input: Input<'_>| {
     }
     flow.on_log(&s, &mut (), now);
     assert!(!flow.in_flight());
-    let table = Table::aligned(
-        store
-            .get(computeflux::scheduler::routing::select::TABLE_KEY)
-            .0
-            .as_deref(),
-        &cfg,
-    );
+    let table = Table::read(&store, &cfg);
     for (i, (_, st)) in table.entries.iter().enumerate() {
         assert_eq!(
             st.in_flight, 0,

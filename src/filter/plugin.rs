@@ -9,9 +9,8 @@ use super::shared::SharedData;
 use crate::scheduler::config::Config;
 use crate::scheduler::health::breaker::BreakerState;
 use crate::scheduler::routing::saturation::Saturation;
-use crate::scheduler::routing::select::{Scheduler, TABLE_KEY};
-use crate::scheduler::routing::table::{EndpointState, Table, TableCache};
-use crate::scheduler::state::store::Store;
+use crate::scheduler::routing::select::Scheduler;
+use crate::scheduler::routing::table::{groups, EndpointState, TableCache};
 use std::cell::RefCell;
 
 /// What every HTTP context of this VM shares: the validated configuration, metric ids, and
@@ -36,11 +35,11 @@ pub fn refresh_gauges(p: &Plugin, now_ms: u64) {
 /// others' gauges follow at the next tick). Falls back to [`refresh_gauges`] when the
 /// endpoint's entry is not where the configuration puts it.
 pub fn refresh_endpoint_gauges(p: &Plugin, i: usize, now_ms: u64) {
-    let bytes = SharedData.get(TABLE_KEY).0;
-    let entry = bytes
-        .as_deref()
-        .zip(p.cfg.endpoints.get(i))
-        .and_then(|(b, ep)| Table::entry_of(b, i, ep.id));
+    let entry = p
+        .cfg
+        .endpoints
+        .get(i)
+        .and_then(|ep| groups::read_entry(&SharedData, i, ep.id));
     match entry {
         Some(st) => set_gauges(p, i, &st, now_ms),
         None => refresh_gauges(p, now_ms),

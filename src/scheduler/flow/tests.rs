@@ -4,7 +4,6 @@
 
 use super::*;
 use crate::scheduler::config::Config;
-use crate::scheduler::routing::select::TABLE_KEY;
 use crate::scheduler::routing::table::Table;
 use crate::scheduler::state::store::{MemStore, Store};
 use crate::scheduler::wire::reply::RejectReason;
@@ -95,7 +94,7 @@ fn post_headers(extra: &[(&str, &str)]) -> Pairs {
 const BODY: &[u8] = br#"{"model":"m","messages":[{"role":"user","content":"hi"}]}"#;
 
 fn in_flight(store: &MemStore, cfg: &Config) -> Vec<u32> {
-    Table::aligned(store.get(TABLE_KEY).0.as_deref(), cfg)
+    Table::read(&store, cfg)
         .entries
         .iter()
         .map(|(_, st)| st.in_flight)
@@ -162,8 +161,9 @@ fn a_streamed_answer_is_in_flight_until_it_ends_with_latency_to_its_headers() {
     assert_eq!(in_flight(&store, &c), vec![1, 0, 0]);
     f.on_response_end(&s, &mut log, 6_040);
     assert_eq!(in_flight(&store, &c), vec![0, 0, 0]);
-    // One table write for the finish, one affinity write for the pin: as at the headers.
-    assert_eq!(store.writes.get(), writes + 2);
+    // One table write for the finish (its group, and its version in the header), one
+    // affinity write for the pin: as at the headers.
+    assert_eq!(store.writes.get(), writes + 3);
     let t = Timing {
         to_headers_ms: Some(40),
         total_ms: 5_040,
@@ -172,12 +172,7 @@ fn a_streamed_answer_is_in_flight_until_it_ends_with_latency_to_its_headers() {
         log.0,
         vec![Event::Picked(0, 1), Event::Finished(0, "success", t, false)]
     );
-    assert_eq!(
-        Table::aligned(store.get(TABLE_KEY).0.as_deref(), &c).entries[0]
-            .1
-            .latency_ms,
-        Some(40.0)
-    );
+    assert_eq!(Table::read(&store, &c).entries[0].1.latency_ms, Some(40.0));
     f.on_log(&s, &mut log, 7_000);
     assert_eq!(log.0.len(), 2, "finished exactly once");
 }
@@ -203,11 +198,7 @@ fn a_streamed_answer_is_timed_to_its_first_byte() {
     assert!(!f.awaits_first_byte());
     f.on_first_byte(&s, 1_900); // later chunks change nothing
     f.on_response_end(&s, &mut log, 3_000);
-    let latency = |store: &MemStore| {
-        Table::aligned(store.get(TABLE_KEY).0.as_deref(), &c).entries[0]
-            .1
-            .latency_ms
-    };
+    let latency = |store: &MemStore| Table::read(&store, &c).entries[0].1.latency_ms;
     assert_eq!(latency(&store), Some(450.0));
 
     // A JSON answer: timed to its headers, whatever its body does.
@@ -361,7 +352,7 @@ fn failover_chain_relays_the_last_answer_with_its_headers() {
         vec![&Event::FailedOver(0), &Event::FailedOver(1)]
     );
     // b is rate limited for its hint.
-    let table = Table::aligned(store.get(TABLE_KEY).0.as_deref(), &c);
+    let table = Table::read(&store, &c);
     assert_eq!(table.entries[1].1.breaker.open_until_ms, 20 + 7_000);
     f.on_log(&s, &mut log, 50);
     assert_eq!(
@@ -676,7 +667,7 @@ fn a_reload_under_an_attempt_is_not_a_lost_update() {
     );
     let s_moved = Scheduler::new(&moved, &store);
     g.on_response_headers(&s_moved, &mut log, &pairs(&[(":status", "200")]), true, 5);
-    let t = Table::aligned(store.get(TABLE_KEY).0.as_deref(), &moved);
+    let t = Table::read(&store, &moved);
     assert_eq!((t.entries[1].1.in_flight, t.entries[1].1.total), (0, 1));
 }
 
@@ -780,9 +771,7 @@ fn usage_accounting_off_reads_nothing() {
 }
 
 fn quota_of(store: &MemStore, cfg: &Config, i: usize) -> crate::scheduler::routing::quota::Quota {
-    Table::aligned(store.get(TABLE_KEY).0.as_deref(), cfg).entries[i]
-        .1
-        .quota
+    Table::read(&store, cfg).entries[i].1.quota
 }
 
 #[test]
@@ -810,8 +799,9 @@ fn a_success_answers_quota_is_remembered_in_the_finish_write_and_moves_the_next_
     f.on_response_headers(&s, &mut log, &answer, false, 10);
     let writes = store.writes.get();
     f.on_response_end(&s, &mut log, 20);
-    // One table write (the finish), one affinity write: the quota costs none of its own.
-    assert_eq!(store.writes.get(), writes + 2);
+    // One table write (the finish: its group and the header), one affinity write: the quota
+    // costs none of its own.
+    assert_eq!(store.writes.get(), writes + 3);
     assert_eq!(quota_of(&store, &c, 0).requests_left(20), Some(0));
     // The next session whose home is `a` goes to `b`, without a 429 from `a`.
     let mut g = Flow::default();
@@ -893,7 +883,7 @@ fn a_429_whose_quota_headers_explain_it_fails_over_and_leaves_the_key_open() {
         f.on_response_headers(&s, &mut log, &refused, false, 5),
         Step::Dispatch(1)
     );
-    let table = Table::aligned(store.get(TABLE_KEY).0.as_deref(), &c);
+    let table = Table::read(&store, &c);
     assert_eq!(table.entries[0].1.quota.tokens_left(10), Some(10));
     assert_eq!(
         table.entries[0].1.breaker.state,
@@ -915,7 +905,7 @@ fn a_429_whose_quota_headers_explain_it_fails_over_and_leaves_the_key_open() {
         ("x-ratelimit-reset-tokens", "2s"),
     ]);
     g.on_response_headers(&s, &mut log, &unexplained, false, 25);
-    let table = Table::aligned(store.get(TABLE_KEY).0.as_deref(), &c);
+    let table = Table::read(&store, &c);
     assert_eq!(
         table.entries[0].1.breaker.state,
         crate::scheduler::health::breaker::BreakerState::Open
@@ -943,11 +933,7 @@ fn only_an_affinity_hits_own_answer_feeds_the_payoff() {
     let c = cfg(json!({"payoff_min_prompt_tokens": 1}));
     let store = MemStore::new();
     let s = Scheduler::new(&c, &store);
-    let payoff = |i: usize| {
-        Table::aligned(store.get(TABLE_KEY).0.as_deref(), &c).entries[i]
-            .1
-            .payoff
-    };
+    let payoff = |i: usize| Table::read(&store, &c).entries[i].1.payoff;
     let json_ok = pairs(&[(":status", "200"), ("content-type", "application/json")]);
     let body = br#"{"choices":[],"usage":{"prompt_tokens":40,"completion_tokens":4,"prompt_tokens_details":{"cached_tokens":32}}}"#;
     // Turn 1 at home (not a sample), turn 2 an affinity hit (a sample: 32 of 40 cached).
@@ -1207,7 +1193,7 @@ fn finished_answers_are_judged_against_their_work() {
     f.count_answer_bytes(SSE_USAGE.len());
     // The stream goes on for 10 s: its sample is its first byte, 57 ms.
     f.on_response_end(&s, &mut log, 11_000);
-    let table = Table::aligned(store.get(TABLE_KEY).0.as_deref(), &c);
+    let table = Table::read(&store, &c);
     let sl = table.entries[0].1.slowness;
     assert_eq!(sl.samples, 1);
     // 40 prompt tokens, 32 cached: 8 uncached, expected 50 + 1.6 ms (as fitted).
@@ -1238,9 +1224,7 @@ fn finished_answers_are_judged_against_their_work() {
     f.on_response_headers(&s2, &mut log, &pairs(&[(":status", "200")]), false, 20_040);
     f.count_answer_bytes(400);
     f.on_response_end(&s2, &mut log, 21_000);
-    let sl = Table::aligned(store.get(TABLE_KEY).0.as_deref(), &c).entries[0]
-        .1
-        .slowness;
+    let sl = Table::read(&store, &c).entries[0].1.slowness;
     assert_eq!((sl.samples, sl.last_sample_ms), (2, 21_000));
     assert_eq!(read_model(&store, &key).samples, 65);
 }
@@ -1355,7 +1339,7 @@ fn a_streamed_failover_answer_is_no_latency_sample() {
             "{content_type}: {:?}",
             log.0
         );
-        let table = Table::aligned(store.get(TABLE_KEY).0.as_deref(), &c);
+        let table = Table::read(&store, &c);
         assert_eq!(
             table.entries[1].1.latency_ms,
             sample.map(|ms| ms as f64),
@@ -1395,7 +1379,7 @@ fn a_call_refused_for_the_requests_own_headers_is_not_charged_to_the_endpoint() 
         .collect();
     assert_eq!(outcomes, vec![(0, "endpoint_failure"), (1, "client_error")]);
     assert_eq!(in_flight(&store, &c), vec![0, 0, 0]);
-    let table = Table::aligned(store.get(TABLE_KEY).0.as_deref(), &c);
+    let table = Table::read(&store, &c);
     assert_eq!(table.entries[1].1.success_rate, 1.0, "b is not charged");
     assert_eq!(table.entries[1].1.breaker.consecutive_failures, 0);
 }
@@ -1431,15 +1415,11 @@ fn a_slow_running_stream_is_judged_by_its_pace() {
     for (_, st) in table.entries.iter_mut().skip(1) {
         st.slowness.samples = 40;
     }
-    store.set(TABLE_KEY, &table.encode(), None).unwrap();
+    table.write_to(&store);
     let s = Scheduler::new(&c, &store);
     let sse = pairs(&[(":status", "200"), ("content-type", "text/event-stream")]);
     let mut log = Log::default();
-    let slowness = |store: &MemStore| {
-        Table::aligned(store.get(TABLE_KEY).0.as_deref(), &c).entries[0]
-            .1
-            .slowness
-    };
+    let slowness = |store: &MemStore| Table::read(&store, &c).entries[0].1.slowness;
     // Two streams at the group's pace: judged at their ends only.
     for k in 0..2u64 {
         let t0 = 1_000 + k * 10_000;

@@ -45,10 +45,11 @@ use crate::scheduler::routing::score::score;
 use crate::scheduler::routing::sessions;
 use crate::scheduler::routing::signals::{self, Served, Verdict};
 use crate::scheduler::routing::slowness::{self, DegradeRule, Sample, WorkModel};
+use crate::scheduler::routing::table::groups::{self, GroupWrite, Header, Patch};
 use crate::scheduler::routing::table::{
-    fastest_warm, BoardMemo, EndpointState, Statics, Table, TableCache,
+    fastest_warm, BoardMemo, EndpointState, Statics, Table, TableCache, GROUP_LEN,
 };
-use crate::scheduler::state::store::{update_if, update_owned, Store};
+use crate::scheduler::state::store::{Store, CAS_RETRIES};
 use crate::scheduler::wire::usage::Usage;
 use std::cell::RefCell;
 use std::rc::Rc;
@@ -443,24 +444,25 @@ impl<'a> Scheduler<'a> {
         }
     }
 
-    /// [`Table::load`] of `bytes`, through the cache if there is one (and it is not in use).
-    fn load_table(&self, bytes: Option<&[u8]>) -> (Table, bool) {
+    /// [`Table::load_from`] of the store, through the cache if there is one (and it is not in
+    /// use).
+    fn load_table(&self) -> (Table, bool) {
         match self.cache.and_then(|c| c.try_borrow_mut().ok()) {
-            Some(mut cache) => cache.load(bytes, self.cfg),
-            None => Table::load(bytes, self.cfg),
+            Some(mut cache) => cache.load(self.store, self.cfg),
+            None => Table::load_from(self.store, self.cfg),
         }
     }
 
-    /// `f` over [`Table::load`] of `bytes`: the worker's cached table itself, lent without a
-    /// copy and taken back afterwards (the cache is free again while `f` runs), when there
-    /// is a cache; else a table loaded for the occasion.
-    fn with_table<R>(&self, bytes: Option<&[u8]>, f: impl FnOnce(&Table, bool) -> R) -> R {
+    /// `f` over [`Table::load_from`] of the store: the worker's cached table itself, lent
+    /// without a copy and taken back afterwards (the cache is free again while `f` runs), when
+    /// there is a cache; else a table loaded for the occasion.
+    fn with_table<R>(&self, f: impl FnOnce(&Table, bool) -> R) -> R {
         let lent = self
             .cache
             .and_then(|c| c.try_borrow_mut().ok())
-            .map(|mut cache| cache.lend(bytes, self.cfg));
+            .map(|mut cache| cache.lend(self.store, self.cfg));
         let Some((table, same_layout)) = lent else {
-            let (table, same_layout) = Table::load(bytes, self.cfg);
+            let (table, same_layout) = Table::load_from(self.store, self.cfg);
             return f(&table, same_layout);
         };
         let out = f(&table, same_layout);
@@ -544,7 +546,7 @@ impl<'a> Scheduler<'a> {
 
     /// The endpoint table as stored now, aligned to the configuration.
     pub fn table(&self) -> Table {
-        self.load_table(self.store.get(TABLE_KEY).0.as_deref()).0
+        self.load_table().0
     }
 
     /// The endpoints that could serve `model` at all ([`Statics`]), from the worker's memo
@@ -671,49 +673,7 @@ impl<'a> Scheduler<'a> {
                 );
             }
         }
-        let result = update_owned(self.store, TABLE_KEY, |bytes| {
-            let (write, decision) = self.with_table(bytes.as_deref(), |table, same_layout| {
-                self.start(
-                    table,
-                    same_layout,
-                    bytes.as_deref(),
-                    &candidates,
-                    pick,
-                    pinned,
-                    &engines,
-                    now_ms,
-                )
-            });
-            match write {
-                Write::Nothing => (None, decision),
-                Write::Whole(new) => (Some(new), decision),
-                Write::Patch {
-                    budget,
-                    endpoint,
-                    id,
-                    state,
-                    entries,
-                } => {
-                    let stored = bytes.and_then(|mut stored| {
-                        Table::patch_in_place(&mut stored, &budget, endpoint, id, &state, entries)
-                            .then_some(stored)
-                    });
-                    match stored {
-                        Some(stored) => (Some(stored), decision),
-                        // Checked by `start`: not reached. Nothing stored for the attempt.
-                        None => (
-                            None,
-                            decision.map(|mut d| {
-                                d.ticket.counted = false;
-                                d.ticket.probe_epoch = None;
-                                d.ticket.watch_token = 0;
-                                d
-                            }),
-                        ),
-                    }
-                }
-            }
-        });
+        let result = self.start_and_store(&candidates, pick, pinned, &engines, now_ms);
         let decision = match result {
             Ok(r) => r,
             // CAS kept losing on a half-open probe: its slot was never stored, so sending it
@@ -828,7 +788,6 @@ impl<'a> Scheduler<'a> {
         &self,
         table: &Table,
         same_layout: bool,
-        bytes: Option<&[u8]>,
         candidates: &[usize],
         pick: &Pick<'_>,
         pinned: Option<u32>,
@@ -837,8 +796,8 @@ impl<'a> Scheduler<'a> {
     ) -> (Write, Result<Decision, NoEndpoint>) {
         let bcfg = self.breaker_config();
         let mut budget = table.budget;
-        if pick.attempt > 1
-            && !pick.exclusions.retry_free
+        let retry = pick.attempt > 1 && !pick.exclusions.retry_free;
+        if retry
             && !budget.try_retry(
                 now_ms,
                 self.cfg.retry_budget_percent,
@@ -854,7 +813,9 @@ impl<'a> Scheduler<'a> {
         let i = choice.endpoint;
         // Verdicts that flipped are stored for their hysteresis (rare: a full write).
         let mut own = table.entries.get(i).map(|(_, st)| *st);
+        let before = own;
         let mut flipped: Vec<(usize, EndpointState)> = Vec::new();
+        let mut verdicts: Vec<(usize, u32, bool, Saturation)> = Vec::new();
         for &(j, degraded, saturation) in &choice.verdicts {
             if j == i {
                 if let Some(st) = own.as_mut() {
@@ -870,11 +831,12 @@ impl<'a> Scheduler<'a> {
                 let mut st = *st;
                 if store_verdict(&mut st, degraded, saturation, now_ms) {
                     flipped.push((j, st));
+                    let id = table.entries.get(j).map_or(0, |(id, _)| *id);
+                    verdicts.push((j, id, degraded, saturation));
                 }
             }
         }
-        let others_changed = !flipped.is_empty();
-        let Some(mut st) = own else {
+        let (Some(mut st), Some(before)) = (own, before) else {
             return (Write::Nothing, Err(NoEndpoint::Exhausted));
         };
         let probe_epoch = match st.breaker.admit(now_ms, &bcfg) {
@@ -929,29 +891,34 @@ impl<'a> Scheduler<'a> {
             quota_mark,
             placement_key: 0,
         };
-        let patch = bytes.is_some_and(|stored| {
-            same_layout && !others_changed && Table::patchable(stored, i, table.entries.len())
-        });
-        let write = if patch {
-            Write::Patch {
-                budget,
+        let write = if same_layout {
+            Write::Groups {
                 endpoint: i,
                 id,
+                before,
                 state: st,
-                entries: table.entries.len(),
+                verdicts,
+                retry,
+                first: pick.attempt <= 1,
             }
         } else {
             let mut whole = table.clone();
-            whole.budget = budget;
+            let mut changed = vec![i];
             for (j, s) in flipped {
                 if let Some((_, e)) = whole.entries.get_mut(j) {
                     *e = s;
+                    changed.push(j);
                 }
             }
             if let Some((_, e)) = whole.entries.get_mut(i) {
                 *e = st;
             }
-            Write::Whole(whole.encode_over(bytes))
+            Write::Layout {
+                table: whole,
+                changed,
+                retry,
+                first: pick.attempt <= 1,
+            }
         };
         (
             write,
@@ -975,16 +942,180 @@ impl<'a> Scheduler<'a> {
 #[allow(clippy::large_enum_variant)]
 enum Write {
     Nothing,
-    /// The budget and one entry rewritten in the stored bytes themselves.
-    Patch {
-        budget: crate::scheduler::health::budget::RetryBudget,
+    /// The stored table has the configuration's layout: the chosen entry (if it is still
+    /// `before`, as the decision read it) and the flipped verdicts, each in its group, then
+    /// the groups' versions and the budget in the header.
+    Groups {
         endpoint: usize,
         id: u32,
+        before: EndpointState,
         state: EndpointState,
-        entries: usize,
+        /// Other entries whose stored verdict flipped: position, id, verdict.
+        verdicts: Vec<(usize, u32, bool, Saturation)>,
+        /// The budget's changes, applied to the stored budget: a retry taken, a request.
+        retry: bool,
+        first: bool,
     },
-    /// The whole table.
-    Whole(Vec<u8>),
+    /// Another layout (or none) is stored: the whole table laid out (see [`groups::lay_out`]).
+    Layout {
+        table: Table,
+        changed: Vec<usize>,
+        retry: bool,
+        first: bool,
+    },
+}
+
+/// How storing a pick's write went.
+enum Stored {
+    Done,
+    /// The chosen entry changed since the decision read it: decide again.
+    Again,
+    GaveUp,
+}
+
+impl Scheduler<'_> {
+    /// Decides and stores the decision's write, deciding again (over the entries that moved)
+    /// when the chosen entry changed in between; `Err` with the last decision when every
+    /// attempt lost.
+    #[allow(clippy::type_complexity, clippy::result_large_err)]
+    fn start_and_store(
+        &self,
+        candidates: &[usize],
+        pick: &Pick<'_>,
+        pinned: Option<u32>,
+        engines: &Engines,
+        now_ms: u64,
+    ) -> Result<Result<Decision, NoEndpoint>, Result<Decision, NoEndpoint>> {
+        let mut last = None;
+        for _ in 0..CAS_RETRIES {
+            let (write, decision) = self.with_table(|table, same_layout| {
+                self.start(
+                    table,
+                    same_layout,
+                    candidates,
+                    pick,
+                    pinned,
+                    engines,
+                    now_ms,
+                )
+            });
+            match self.store_write(write, now_ms) {
+                Stored::Done => return Ok(decision),
+                Stored::Again => last = Some(decision),
+                Stored::GaveUp => return Err(decision),
+            }
+        }
+        Err(last.unwrap_or(Err(NoEndpoint::Exhausted)))
+    }
+
+    /// Stores a pick's [`Write`].
+    fn store_write(&self, write: Write, now_ms: u64) -> Stored {
+        let cfg = self.cfg;
+        let budget = |retry: bool, first: bool| {
+            move |b: &mut crate::scheduler::health::budget::RetryBudget| {
+                if retry {
+                    b.try_retry(
+                        now_ms,
+                        cfg.retry_budget_percent,
+                        cfg.retry_budget_min_retries,
+                    );
+                }
+                if first {
+                    b.on_request(now_ms);
+                }
+            }
+        };
+        match write {
+            Write::Nothing => Stored::Done,
+            Write::Layout {
+                table,
+                changed,
+                retry,
+                first,
+            } => {
+                if groups::lay_out(self.store, &table, &changed, budget(retry, first)) {
+                    Stored::Done
+                } else {
+                    Stored::Again
+                }
+            }
+            Write::Groups {
+                endpoint,
+                id,
+                before,
+                state,
+                verdicts,
+                retry,
+                first,
+            } => {
+                let (head, cas) = Header::read(self.store);
+                let floor = |g: usize| head.as_ref().map_or(0, |h| h.version(g));
+                let g = endpoint / GROUP_LEN;
+                // The chosen entry first, with the verdicts of its own group.
+                let mut wanted = vec![(endpoint % GROUP_LEN, id)];
+                let mut acts = vec![None];
+                for &(j, jid, degraded, saturation) in &verdicts {
+                    if j / GROUP_LEN == g {
+                        wanted.push((j % GROUP_LEN, jid));
+                        acts.push(Some((degraded, saturation)));
+                    }
+                }
+                let w = groups::patch_group(self.store, g, floor(g), &wanted, |k, st| {
+                    match acts.get(k).copied().flatten() {
+                        None if *st == before => {
+                            *st = state;
+                            Patch::Changed
+                        }
+                        None => Patch::Stale,
+                        Some((d, s)) if store_verdict(st, d, s, now_ms) => Patch::Changed,
+                        Some(_) => Patch::Same,
+                    }
+                });
+                let mut written = vec![];
+                match w {
+                    GroupWrite::Written(v) => written.push((g, v)),
+                    GroupWrite::Unchanged => {}
+                    GroupWrite::GaveUp => return Stored::GaveUp,
+                    GroupWrite::Stale | GroupWrite::Missing => {
+                        if let Some(mut cache) = self.cache.and_then(|c| c.try_borrow_mut().ok()) {
+                            cache.forget_group(g);
+                        }
+                        return Stored::Again;
+                    }
+                }
+                // The other groups' flipped verdicts (hysteresis only: a write lost here is
+                // judged again by the next decision).
+                let mut rest: Vec<&(usize, u32, bool, Saturation)> =
+                    verdicts.iter().filter(|v| v.0 / GROUP_LEN != g).collect();
+                rest.sort_by_key(|v| v.0);
+                for chunk in rest.chunk_by(|a, b| a.0 / GROUP_LEN == b.0 / GROUP_LEN) {
+                    let Some(first_of) = chunk.first() else {
+                        continue;
+                    };
+                    let h = first_of.0 / GROUP_LEN;
+                    let wanted: Vec<(usize, u32)> =
+                        chunk.iter().map(|v| (v.0 % GROUP_LEN, v.1)).collect();
+                    let w =
+                        groups::patch_group(self.store, h, floor(h), &wanted, |k, st| match chunk
+                            .get(k)
+                        {
+                            Some(v) if store_verdict(st, v.2, v.3, now_ms) => Patch::Changed,
+                            _ => Patch::Same,
+                        });
+                    if let GroupWrite::Written(v) = w {
+                        written.push((h, v));
+                    }
+                }
+                groups::note_versions(
+                    self.store,
+                    Some((head, cas)),
+                    &written,
+                    budget(retry, first),
+                );
+                Stored::Done
+            }
+        }
+    }
 }
 
 mod choose;

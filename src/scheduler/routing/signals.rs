@@ -21,7 +21,7 @@
 //!   one place that reads them (the scraper may later combine them into one key).
 
 use crate::scheduler::config::{Config, EndpointConfig};
-use crate::scheduler::routing::saturation::{self, EngineLoad, Saturation, SaturationRule};
+use crate::scheduler::routing::saturation::{self, EngineLoad, SaturationRule};
 use crate::scheduler::routing::scrape::{self, LoadState};
 use crate::scheduler::routing::slowness::{self, DegradeRule, Sample, Slowness, WorkModel};
 use crate::scheduler::routing::table::{EndpointState, Table};
@@ -480,24 +480,9 @@ pub fn placement_load(
     scraped.unwrap_or_else(|| st.load(now_ms, max_age_ms))
 }
 
-/// One endpoint's verdicts for a decision.
-#[derive(Debug, Clone, Copy, PartialEq, Default)]
-pub struct Verdict {
-    /// Degraded by its slowness (with hysteresis): stored, and what makes probes due.
-    pub sticky: bool,
-    /// Treated as degraded now: `sticky`, or overdue affinity hits in flight (see `overdue`).
-    pub degraded: bool,
-    /// Its saturation, judged now on the scraped load (stored for the hysteresis).
-    pub saturation: Saturation,
-    /// The scraped load, if fresh.
-    pub load: Option<EngineLoad>,
-}
-
-impl Verdict {
-    pub fn saturated(&self) -> bool {
-        self.saturation == Saturation::Saturated
-    }
-}
+/// One endpoint's verdicts for a decision (kept in the table cache's memos, so defined beside
+/// them).
+pub use crate::scheduler::routing::table::Verdict;
 
 /// The verdict of endpoint `i` (see the module doc).
 pub fn judge(

@@ -1,21 +1,23 @@
-//! Cross-request state of every endpoint, kept together in one shared-data value.
+//! Cross-request state of every endpoint: the "endpoint table", stored split in keys.
 //!
-//! One value (the "endpoint table") holds the statistics and breaker of every configured
-//! endpoint plus the retry budget, so a selection costs one shared-data read and one CAS write
-//! whatever the number of endpoints. Entries are keyed by endpoint id (a hash of the name):
-//! a configuration reload that adds, removes or reorders endpoints keeps the others' history.
+//! The table holds the statistics and breaker of every configured endpoint plus the retry
+//! budget. Entries are keyed by endpoint id (a hash of the name): a configuration reload that
+//! adds, removes or reorders endpoints keeps the others' history.
 //!
-//! What a request pays need not grow with the fleet (issue 21): entries have a fixed size, so
-//! a write that changes one endpoint rewrites that entry alone in a copy of the stored bytes
-//! ([`Table::patch_entry`], [`Table::encode_patched`]), and every entry carries the *stamp*
-//! of the write that last changed it (the header counts writes). A worker keeps the entries
-//! it decoded ([`TableCache`]); reading the table again, it decodes only the entries whose
-//! stamp moved — the one or two endpoints the requests in between used — instead of all.
-//! Finding them without comparing every stamp: the header also holds a *write log*, the
-//! position each of the last [`LOG_LEN`] single-entry writes changed, from the last write
-//! that changed more than one entry (a full rewrite or a layout change starts it again). A
-//! worker that saw the table at most that many writes ago decodes the logged entries alone;
-//! one further behind compares every stamp, as before.
+//! What a request pays must not grow with the fleet (issue 21). Envoy copies a whole
+//! shared-data value on every read and write (into its map and across the wasm boundary), so
+//! the table is not one value: a small header key ([`TABLE_KEY`]: the budget, the layout
+//! generation, the entry count and one version per group) and the entries in groups of
+//! [`GROUP_LEN`] (by position in the layout) under keys of their own ([`group_key`]), each
+//! written under its own CAS (see [`groups`]). Entries have a fixed size, and each carries the
+//! *stamp* of the write that last changed it (its group's version at that write). A write that
+//! changes one endpoint rewrites that entry in its group alone, with the group's next version,
+//! then records that version in the header (as a maximum, under the header's CAS: versions
+//! only move up, so a lost race there never hides an entry update). A worker keeps the entries
+//! it decoded and the version of each group it read ([`TableCache`]); reading the table again,
+//! it reads the header, then only the groups whose recorded version passed the one it read, and
+//! of those decodes only the entries whose stamp moved. At 512 endpoints a new session copies
+//! the header and the few groups that changed since its worker's last request, not 380 KB.
 //!
 //! Reloads and upgrades (issue 22, item 7). After a configuration update, requests of the old
 //! configuration keep writing the table while the new one serves: the requests in flight at an
@@ -23,12 +25,13 @@
 //! update. Two layouts would take turns, each write dropping the entries the other
 //! configuration alone has. So the header records the *generation* of the layout that wrote
 //! it: each configuration claims one when it is configured ([`claim_layout`]: the stored
-//! generation if the layout is already its own, else one more, written with its layout under
-//! CAS, so both sides agree on the order). A writer of an older generation never rewrites the
-//! layout: it patches the entries it can find by endpoint id and leaves the rest (see
-//! [`Table::encode_over`]). A new table version (another byte format) gets its own shared-data
-//! key ([`TABLE_KEY`]): a module of another version, also one that predates this rule, neither
-//! reads nor writes it, so an upgrade starts the new table once and resets nothing in turn.
+//! generation if the layout is already its own, else one more, written with its layout, the
+//! header last under the CAS of the header read, so both sides agree on the order). A writer of
+//! an older generation never rewrites the layout: it patches the entries it can find by
+//! endpoint id and leaves the rest (see [`groups::lay_out`]). A new table version (another
+//! byte format) gets its own shared-data keys ([`TABLE_KEY`] and its groups): a module of
+//! another version, also one that predates this rule, neither reads nor writes them, so an
+//! upgrade starts the new table once and resets nothing in turn.
 
 use crate::scheduler::config::Config;
 use crate::scheduler::health::breaker::{Breaker, BreakerState, OpenCause};
@@ -37,11 +40,14 @@ use crate::scheduler::routing::in_flight::InFlightAges;
 use crate::scheduler::routing::overdue::Watch;
 use crate::scheduler::routing::payoff::Payoff;
 use crate::scheduler::routing::quota::Quota;
-use crate::scheduler::routing::saturation::Saturation;
+use crate::scheduler::routing::saturation::{EngineLoad, Saturation};
 use crate::scheduler::routing::slowness::Slowness;
 use crate::scheduler::state::codec::{Reader, Writer};
 use crate::scheduler::state::hash::rendezvous_seed;
-use crate::scheduler::state::store::{update_if, Store};
+use crate::scheduler::state::store::{Store, CAS_RETRIES};
+
+pub mod groups;
+pub use groups::{group_key, GROUP_LEN};
 use std::rc::Rc;
 
 /// Statistics of one endpoint.
@@ -116,6 +122,25 @@ impl Default for EndpointState {
     }
 }
 
+/// One endpoint's verdicts for a decision.
+#[derive(Debug, Clone, Copy, PartialEq, Default)]
+pub struct Verdict {
+    /// Degraded by its slowness (with hysteresis): stored, and what makes probes due.
+    pub sticky: bool,
+    /// Treated as degraded now: `sticky`, or overdue affinity hits in flight (see `overdue`).
+    pub degraded: bool,
+    /// Its saturation, judged now on the scraped load (stored for the hysteresis).
+    pub saturation: Saturation,
+    /// The scraped load, if fresh.
+    pub load: Option<EngineLoad>,
+}
+
+impl Verdict {
+    pub fn saturated(&self) -> bool {
+        self.saturation == Saturation::Saturated
+    }
+}
+
 /// An in-flight count that has not moved for this long is presumed leaked (a VM crashed between
 /// start and finish, so the decrement never ran) and is ignored by the load factor.
 pub const IN_FLIGHT_STALE_MS: u64 = 600_000;
@@ -184,17 +209,18 @@ pub struct Table {
     pub entries: Vec<(u32, EndpointState)>,
     /// The layout generation of the writer (its configuration's `layout_generation`; the
     /// stored one for [`Table::decode`]): written with a full rewrite, and what decides
-    /// whether this writer may lay the table out anew (see [`Table::encode_over`]).
+    /// whether this writer may lay the table out anew (see [`groups::lay_out`]).
     pub generation: u64,
 }
 
 /// The byte format's version. A new one needs a new [`TABLE_KEY`] (a test checks that they
 /// agree).
-pub const TABLE_VERSION: u8 = 14;
-/// The table's shared-data key, one per [`TABLE_VERSION`]: modules of two versions running
-/// side by side during an upgrade each keep their own table instead of resetting each other's
-/// on every write (Envoy never frees a key: one table's worth of bytes per version ever run).
-pub const TABLE_KEY: &str = "computeflux/endpoints/14";
+pub const TABLE_VERSION: u8 = 15;
+/// The table's header key, one per [`TABLE_VERSION`] (its groups' keys are under it, see
+/// [`group_key`]): modules of two versions running side by side during an upgrade each keep
+/// their own table instead of resetting each other's on every write (Envoy never frees a key:
+/// one table's worth of bytes per version ever run).
+pub const TABLE_KEY: &str = "computeflux/endpoints/15";
 /// Id, write stamp, then the state.
 const ENTRY_BYTES: usize = 4
     + 8
@@ -224,20 +250,9 @@ const ENTRY_BYTES: usize = 4
     + Slowness::BYTES
     + 1;
 const BUDGET_BYTES: usize = 8 + 8 + 8;
-/// Where the header's write counter is: after the version byte and the budget.
-const STAMP_AT: usize = 1 + BUDGET_BYTES;
-/// Where the header's layout generation is: after the write counter.
-const GENERATION_AT: usize = STAMP_AT + 8;
-/// The write log (see [`TableCache`]): the first write stamp it covers, after the layout
-/// generation, then the position of the entry each write changed, by stamp modulo
-/// [`LOG_LEN`].
-const LOG_FROM_AT: usize = GENERATION_AT + 8;
-const LOG_AT: usize = LOG_FROM_AT + 8;
-/// Writes the log covers at most: a worker that saw the table this many writes ago or less
-/// reads the changed entries alone.
-pub const LOG_LEN: usize = 64;
-/// Version byte, budget, write counter, layout generation, write log, entry count.
-const HEADER_BYTES: usize = LOG_AT + 4 * LOG_LEN + 4;
+/// A table snapshot ([`Table::encode`]): version byte, budget, layout generation, entry count,
+/// then the entries. Not what is stored (see [`groups`]): for tests, tools and the fuzzer.
+const SNAPSHOT_HEAD: usize = 1 + BUDGET_BYTES + 8 + 4;
 
 /// The little-endian u64 at `at`, if `bytes` reaches that far.
 fn u64_at(bytes: &[u8], at: usize) -> Option<u64> {
@@ -249,81 +264,6 @@ fn u32_at(bytes: &[u8], at: usize) -> Option<u32> {
     let b = bytes.get(at..at.checked_add(4)?)?;
     <[u8; 4]>::try_from(b).ok().map(u32::from_le_bytes)
 }
-
-/// The stamp of the next write over `stored`: one more than its write counter (1 over bytes
-/// that are not a table of this version).
-fn next_stamp(stored: Option<&[u8]>) -> u64 {
-    stored
-        .filter(|b| b.first() == Some(&TABLE_VERSION))
-        .and_then(|b| u64_at(b, STAMP_AT))
-        .unwrap_or(0)
-        .wrapping_add(1)
-}
-
-/// Records in `stored`'s header a write with `stamp` that changed entry `position` alone: the
-/// write counter, and the position in the write log, which covers this write and those before
-/// it back to the last that changed more than one entry (at most [`LOG_LEN`]).
-fn log_one(stored: &mut [u8], stamp: u64, position: usize) {
-    // The writes logged so far: `from ..= stamp - 1` (`from` past it when none is).
-    let from = u64_at(stored, LOG_FROM_AT).unwrap_or(stamp);
-    let from = from
-        .min(stamp)
-        .max(stamp.saturating_sub(LOG_LEN as u64 - 1));
-    let slot = LOG_AT + (stamp % LOG_LEN as u64) as usize * 4;
-    let parts: [(usize, &[u8]); 3] = [
-        (STAMP_AT, &stamp.to_le_bytes()),
-        (LOG_FROM_AT, &from.to_le_bytes()),
-        (slot, &(position as u32).to_le_bytes()),
-    ];
-    for (at, bytes) in parts {
-        if let Some(dst) = stored.get_mut(at..at + bytes.len()) {
-            dst.copy_from_slice(bytes);
-        }
-    }
-}
-
-/// The header of a write with `stamp` that changed every entry (or the layout): the log
-/// covers nothing before the next write.
-fn write_header(w: &mut Writer, budget: &RetryBudget, stamp: u64, generation: u64, entries: usize) {
-    w.u8(TABLE_VERSION);
-    budget.encode(w);
-    w.u64(stamp);
-    w.u64(generation);
-    w.u64(stamp.wrapping_add(1));
-    for _ in 0..LOG_LEN {
-        w.u32(0);
-    }
-    w.u32(entries as u32);
-}
-
-/// The positions of the entries the writes after the one with stamp `seen` changed, in
-/// write order (repeats included), when the write log of `bytes` (a table of `entries`
-/// entries) covers every one of them; `None` otherwise (the caller compares every entry).
-fn logged_since(
-    bytes: &[u8],
-    seen: u64,
-    entries: usize,
-) -> Option<impl Iterator<Item = usize> + '_> {
-    let now = u64_at(bytes, STAMP_AT)?;
-    let from = u64_at(bytes, LOG_FROM_AT)?;
-    let newer = now.checked_sub(seen)?;
-    if newer > LOG_LEN as u64 || from > seen.wrapping_add(1) {
-        return None;
-    }
-    let positions = (1..=newer).map(move |k| {
-        let slot = LOG_AT + (seen.wrapping_add(k) % LOG_LEN as u64) as usize * 4;
-        u32_at(bytes, slot).map_or(usize::MAX, |p| p as usize)
-    });
-    // Every logged position must be an entry (a garbled log reads as no log).
-    positions.clone().all(|p| p < entries).then_some(positions)
-}
-
-/// The write stamp of entry `i` (stored right after its id).
-#[cfg(test)]
-fn stamp_of(bytes: &[u8], i: usize) -> Option<u64> {
-    u64_at(bytes, HEADER_BYTES + i.checked_mul(ENTRY_BYTES)? + 4)
-}
-
 /// One entry from exactly [`ENTRY_BYTES`] bytes (a fixed-size slice, so the field reads
 /// compile to plain loads).
 fn decode_entry(chunk: &[u8]) -> Option<(u32, EndpointState)> {
@@ -430,19 +370,45 @@ fn encode_entry(w: &mut Writer, id: u32, stamp: u64, s: &EndpointState) {
 }
 
 impl Table {
-    /// The table aligned to `cfg.endpoints`: entry `i` belongs to endpoint `i`. Endpoints new to
-    /// the stored table start fresh; stored entries of endpoints no longer configured are kept
-    /// out (they fall away at the next write).
+    /// The table aligned to `cfg.endpoints` from a snapshot ([`Table::encode`]): entry `i`
+    /// belongs to endpoint `i`. Endpoints new to the stored table start fresh; stored entries
+    /// of endpoints no longer configured are kept out.
     pub fn aligned(bytes: Option<&[u8]>, cfg: &Config) -> Table {
         Table::load(bytes, cfg).0
     }
 
-    /// Like [`Table::aligned`], plus whether the stored bytes already had exactly the
-    /// configuration's layout (the common case), so that [`Table::encode_patched`] may rewrite
-    /// only what changed instead of the whole table.
+    /// Like [`Table::aligned`], plus whether the snapshot had exactly the configuration's
+    /// layout.
     pub fn load(bytes: Option<&[u8]>, cfg: &Config) -> (Table, bool) {
-        let stored = bytes.and_then(Table::decode).unwrap_or_default();
-        let same_layout = bytes.is_some()
+        let stored = bytes.and_then(Table::decode);
+        Table::align(stored, true, cfg)
+    }
+
+    /// The stored table ([`groups`]: the header and every group) aligned to `cfg`, plus
+    /// whether it already had exactly the configuration's layout (every group read whole).
+    pub fn load_from(store: &dyn Store, cfg: &Config) -> (Table, bool) {
+        match groups::read_stored(store) {
+            Some((t, complete)) => Table::align(Some(t), complete, cfg),
+            None => Table::align(None, false, cfg),
+        }
+    }
+
+    /// [`Table::load_from`] without the layout flag.
+    pub fn read(store: &dyn Store, cfg: &Config) -> Table {
+        Table::load_from(store, cfg).0
+    }
+
+    /// Stores this table as it is, whatever is stored (tests and tools).
+    pub fn write_to(&self, store: &dyn Store) {
+        groups::write_table(store, self);
+    }
+
+    /// `stored` aligned to `cfg`; `complete`: `stored` holds every entry it was written with.
+    fn align(stored: Option<Table>, complete: bool, cfg: &Config) -> (Table, bool) {
+        let present = stored.is_some();
+        let stored = stored.unwrap_or_default();
+        let same_layout = present
+            && complete
             && stored.entries.len() == cfg.endpoints.len()
             && stored
                 .entries
@@ -481,265 +447,10 @@ impl Table {
         )
     }
 
-    /// The encoding of this table when it was loaded from `stored` with the same layout and only
-    /// the budget and entry `changed` were modified: a copy of `stored` with those two rewritten.
-    /// The entry and the write counter get the next stamp; the other entries keep theirs.
-    pub fn encode_patched(&self, stored: &[u8], changed: usize) -> Vec<u8> {
-        self.entries
-            .get(changed)
-            .and_then(|(id, st)| {
-                Table::patch_budget_and_entry(
-                    stored,
-                    &self.budget,
-                    changed,
-                    *id,
-                    st,
-                    self.entries.len(),
-                )
-            })
-            .unwrap_or_else(|| self.encode_over(Some(stored)))
-    }
-
-    /// [`Table::encode_patched`] from its parts, for a table of `entries` entries loaded from
-    /// `stored` with its layout whose budget is now `budget` and entry `changed` is now
-    /// `(id, st)`, the others unchanged. `None` when `stored` does not have that layout (then
-    /// the whole table is encoded instead).
-    pub fn patch_budget_and_entry(
-        stored: &[u8],
-        budget: &RetryBudget,
-        changed: usize,
-        id: u32,
-        st: &EndpointState,
-        entries: usize,
-    ) -> Option<Vec<u8>> {
-        if stored.len() != HEADER_BYTES.checked_add(entries.checked_mul(ENTRY_BYTES)?)? {
-            return None;
-        }
-        let mut out = stored.to_vec();
-        Table::patch_in_place(&mut out, budget, changed, id, st, entries).then_some(out)
-    }
-
-    /// Whether [`Table::patch_in_place`] can rewrite entry `changed` of `stored` as a table of
-    /// `entries` entries (its size is exactly that, and the entry is within it).
-    pub fn patchable(stored: &[u8], changed: usize, entries: usize) -> bool {
-        let size = entries
-            .checked_mul(ENTRY_BYTES)
-            .and_then(|e| e.checked_add(HEADER_BYTES));
-        size == Some(stored.len()) && changed < entries
-    }
-
-    /// [`Table::patch_budget_and_entry`] without the copy: `stored` itself is rewritten (false,
-    /// and nothing written, when it does not have that layout or `changed` is out of range).
-    pub fn patch_in_place(
-        stored: &mut [u8],
-        budget: &RetryBudget,
-        changed: usize,
-        id: u32,
-        st: &EndpointState,
-        entries: usize,
-    ) -> bool {
-        let at = changed
-            .checked_mul(ENTRY_BYTES)
-            .and_then(|e| e.checked_add(HEADER_BYTES));
-        let size = entries
-            .checked_mul(ENTRY_BYTES)
-            .and_then(|e| e.checked_add(HEADER_BYTES));
-        if !Table::patchable(stored, changed, entries) {
-            return false;
-        }
-        let (Some(at), Some(_)) = (at, size) else {
-            return false;
-        };
-        let stamp = next_stamp(Some(stored));
-        let mut b = Writer::with_capacity(BUDGET_BYTES);
-        budget.encode(&mut b);
-        let mut entry = Writer::with_capacity(ENTRY_BYTES);
-        encode_entry(&mut entry, id, stamp, st);
-        if let Some(dst) = stored.get_mut(1..1 + BUDGET_BYTES) {
-            dst.copy_from_slice(&b.buf);
-        }
-        log_one(stored, stamp, changed);
-        if let Some(dst) = stored.get_mut(at..at + ENTRY_BYTES) {
-            dst.copy_from_slice(&entry.buf);
-        }
-        true
-    }
-
-    /// The whole table as a first write (write counter and every stamp 1).
-    pub fn encode(&self) -> Vec<u8> {
-        self.encode_over(None)
-    }
-
-    /// The whole table as the write that replaces `stored`: every entry gets the next stamp
-    /// (a full rewrite is rare: a layout change or verdicts of several endpoints flipping).
-    /// Over a table of a newer layout generation (this writer is a request of an older
-    /// configuration, still draining) the layout is kept instead: see [`Table::merge_into`].
-    pub fn encode_over(&self, stored: Option<&[u8]>) -> Vec<u8> {
-        if let Some(merged) = stored.and_then(|s| self.merge_into(s)) {
-            return merged;
-        }
-        let stamp = next_stamp(stored);
-        let mut w = Writer::with_capacity(HEADER_BYTES + self.entries.len() * ENTRY_BYTES);
-        write_header(
-            &mut w,
-            &self.budget,
-            stamp,
-            self.generation,
-            self.entries.len(),
-        );
-        for (id, s) in &self.entries {
-            encode_entry(&mut w, *id, stamp, s);
-        }
-        w.buf
-    }
-
-    /// When `stored` is a valid table laid out by a newer generation than this writer's: a
-    /// copy of it with the budget and each of this table's entries that it holds (found by
-    /// endpoint id) and that this writer changed rewritten under the next stamp. Its layout,
-    /// its generation and the entries of endpoints this writer does not know stay as they are;
-    /// an entry this writer has and the stored table lacks (an endpoint the newer
-    /// configuration removed) is not written. `None` otherwise (a plain full rewrite).
-    fn merge_into(&self, stored: &[u8]) -> Option<Vec<u8>> {
-        let stored_generation = u64_at(stored, GENERATION_AT)?;
-        if stored_generation <= self.generation {
-            return None;
-        }
-        // Only over bytes that decode whole: a corrupt table is rewritten, not patched.
-        let ids: Vec<u32> = Table::decode(stored)?
-            .entries
-            .iter()
-            .map(|(id, _)| *id)
-            .collect();
-        let stamp = next_stamp(Some(stored));
-        let mut out = stored.to_vec();
-        let mut budget = Writer::with_capacity(BUDGET_BYTES);
-        self.budget.encode(&mut budget);
-        out.get_mut(1..1 + BUDGET_BYTES)?
-            .copy_from_slice(&budget.buf);
-        for (id, st) in &self.entries {
-            let Some(i) = ids.iter().position(|stored_id| stored_id == id) else {
-                continue;
-            };
-            let at = HEADER_BYTES.checked_add(i.checked_mul(ENTRY_BYTES)?)?;
-            let slot = out.get_mut(at..at.checked_add(ENTRY_BYTES)?)?;
-            let mut entry = Writer::with_capacity(ENTRY_BYTES);
-            encode_entry(&mut entry, *id, stamp, st);
-            // Unchanged but for the stamp: kept with its old stamp (workers' caches stay valid).
-            let unchanged = slot.get(12..) == entry.buf.get(12..);
-            if !unchanged {
-                slot.copy_from_slice(&entry.buf);
-            }
-        }
-        out.get_mut(STAMP_AT..STAMP_AT + 8)?
-            .copy_from_slice(&stamp.to_le_bytes());
-        // Several entries may have changed: the log starts again after this write.
-        out.get_mut(LOG_FROM_AT..LOG_FROM_AT + 8)?
-            .copy_from_slice(&stamp.wrapping_add(1).to_le_bytes());
-        Some(out)
-    }
-
-    /// Whether `bytes` is a table of this version with exactly `cfg`'s layout (one entry per
-    /// configured endpoint, in configuration order): then entry `i` sits at a fixed offset and
-    /// [`Table::entry_at`] / [`Table::patch_entry`] read and rewrite it alone. Reads the ids
-    /// only (4 bytes per endpoint), not the entries.
-    pub fn has_layout(bytes: &[u8], cfg: &Config) -> bool {
-        let n = cfg.endpoints.len();
-        bytes.first() == Some(&TABLE_VERSION)
-            && u32_at(bytes, HEADER_BYTES - 4) == Some(n as u32)
-            && Some(bytes.len()) == n.checked_mul(ENTRY_BYTES).map(|e| e + HEADER_BYTES)
-            && bytes.get(HEADER_BYTES..).is_some_and(|entries| {
-                // Entry by entry (the size is checked above, so there is one per endpoint):
-                // no offset arithmetic per endpoint, which cost several times the compare.
-                entries
-                    .chunks_exact(ENTRY_BYTES)
-                    .zip(&cfg.endpoints)
-                    .all(|(entry, ep)| {
-                        entry.first_chunk::<4>().map(|b| u32::from_le_bytes(*b)) == Some(ep.id)
-                    })
-            })
-    }
-
-    /// Entry `i` of a table with its configuration's layout ([`Table::has_layout`]), decoded
-    /// alone; `None` if it does not decode (then the caller falls back to [`Table::load`]).
-    pub fn entry_at(bytes: &[u8], i: usize) -> Option<(u32, EndpointState)> {
-        let at = HEADER_BYTES.checked_add(i.checked_mul(ENTRY_BYTES)?)?;
-        decode_entry(bytes.get(at..at.checked_add(ENTRY_BYTES)?)?)
-    }
-
-    /// A copy of `stored` (with its configuration's layout) with entry `i` rewritten under
-    /// the next stamp: a change to one endpoint costs its own entry's encoding, whatever the
-    /// fleet's size. `None` when `i` is out of range.
-    pub fn patch_entry(stored: &[u8], i: usize, id: u32, st: &EndpointState) -> Option<Vec<u8>> {
-        let at = HEADER_BYTES.checked_add(i.checked_mul(ENTRY_BYTES)?)?;
-        let stamp = next_stamp(Some(stored));
-        let mut entry = Writer::with_capacity(ENTRY_BYTES);
-        encode_entry(&mut entry, id, stamp, st);
-        let mut out = stored.to_vec();
-        out.get_mut(at..at.checked_add(ENTRY_BYTES)?)?
-            .copy_from_slice(&entry.buf);
-        out.get(STAMP_AT..LOG_AT)?;
-        log_one(&mut out, stamp, i);
-        Some(out)
-    }
-
-    /// Whether `bytes` is a complete table of this version with `entries` entries (version
-    /// byte, entry count and size agree), read from the header alone.
-    pub fn is_complete(bytes: &[u8], entries: usize) -> bool {
-        let size = entries
-            .checked_mul(ENTRY_BYTES)
-            .and_then(|e| e.checked_add(HEADER_BYTES));
-        bytes.first() == Some(&TABLE_VERSION)
-            && u32_at(bytes, HEADER_BYTES - 4) == Some(entries as u32)
-            && size == Some(bytes.len())
-    }
-
-    /// Endpoint `id`'s entry when it is entry `i` of a complete table of this version
-    /// (version byte, entry count and size agree), decoded alone. Reads the header and that
-    /// entry only: unlike [`Table::has_layout`], it does not compare every endpoint's id, so
-    /// it costs the same at any fleet size. Enough for a write that changes one endpoint
-    /// ([`Table::patch_entry_in_place`]): the entry is found by its id, whichever
-    /// configuration laid the table out, and the layout and its generation stay as they are.
-    pub fn entry_of(bytes: &[u8], i: usize, id: u32) -> Option<EndpointState> {
-        let n = u32_at(bytes, HEADER_BYTES - 4)? as usize;
-        let size = n.checked_mul(ENTRY_BYTES)?.checked_add(HEADER_BYTES)?;
-        if bytes.first() != Some(&TABLE_VERSION) || bytes.len() != size || i >= n {
-            return None;
-        }
-        match Table::entry_at(bytes, i)? {
-            (stored_id, st) if stored_id == id => Some(st),
-            _ => None,
-        }
-    }
-
-    /// [`Table::patch_entry`] without the copy: `stored` itself gets entry `i` rewritten under
-    /// the next stamp (a copy of the whole table cost about half an instruction per byte under
-    /// wasm, 170 000 at 512 endpoints). False, and nothing written, when `stored` is not a
-    /// complete table of this version or `i` is out of range.
-    pub fn patch_entry_in_place(stored: &mut [u8], i: usize, id: u32, st: &EndpointState) -> bool {
-        let Some(n) = u32_at(stored, HEADER_BYTES - 4) else {
-            return false;
-        };
-        if stored.first() != Some(&TABLE_VERSION) || !Table::patchable(stored, i, n as usize) {
-            return false;
-        }
-        let Some(at) = i
-            .checked_mul(ENTRY_BYTES)
-            .and_then(|e| e.checked_add(HEADER_BYTES))
-        else {
-            return false;
-        };
-        let stamp = next_stamp(Some(stored));
-        let mut entry = Writer::with_capacity(ENTRY_BYTES);
-        encode_entry(&mut entry, id, stamp, st);
-        match (
-            stored.get_mut(at..at + ENTRY_BYTES),
-            entry.buf.len() == ENTRY_BYTES,
-        ) {
-            (Some(dst), true) => dst.copy_from_slice(&entry.buf),
-            _ => return false,
-        }
-        log_one(stored, stamp, i);
-        true
+    /// Whether the stored table has exactly `cfg`'s layout (one entry per configured endpoint,
+    /// in configuration order, every group readable). Reads every group.
+    pub fn has_layout(store: &dyn Store, cfg: &Config) -> bool {
+        Table::load_from(store, cfg).1
     }
 
     /// Where endpoint `id` is: at `hint` (its index when a ticket was issued), or wherever a
@@ -751,20 +462,28 @@ impl Table {
         }
     }
 
-    /// `None` for anything that is not a complete table of this version.
+    /// The table as one snapshot value (every stamp 1): what tests, tools and the fuzzer hand
+    /// around. The store holds it split ([`groups`]).
+    pub fn encode(&self) -> Vec<u8> {
+        let mut w = Writer::with_capacity(SNAPSHOT_HEAD + self.entries.len() * ENTRY_BYTES);
+        w.u8(TABLE_VERSION);
+        self.budget.encode(&mut w);
+        w.u64(self.generation);
+        w.u32(self.entries.len() as u32);
+        for (id, s) in &self.entries {
+            encode_entry(&mut w, *id, 1, s);
+        }
+        w.buf
+    }
+
+    /// `None` for anything that is not a complete snapshot of this version.
     pub fn decode(bytes: &[u8]) -> Option<Table> {
         let mut r = Reader::new(bytes);
         if r.u8()? != TABLE_VERSION {
             return None;
         }
         let budget = RetryBudget::decode(&mut r)?;
-        let _writes = r.u64()?;
         let generation = r.u64()?;
-        // The write log (read by `TableCache` only).
-        let _log_from = r.u64()?;
-        for _ in 0..LOG_LEN {
-            r.u32()?;
-        }
         let n = r.u32()? as usize;
         if r.remaining() != n.checked_mul(ENTRY_BYTES)? {
             return None;
@@ -784,30 +503,26 @@ impl Table {
 
 /// Claims `cfg`'s layout generation, at configure time (every worker's root context calls it;
 /// they agree): the stored table's generation if it already has `cfg`'s layout; else one more,
-/// and the table is laid out for `cfg` (entries kept by endpoint id) under CAS in the same
-/// step, so two configurations never claim one generation. A missing or undecodable table is
-/// created at generation 1 (creating the key here also covers that CAS does not protect key
-/// creation). If every CAS attempt loses, the generation computed last is returned unwritten:
+/// and the table is laid out for `cfg` (entries kept by endpoint id), its header written under
+/// the CAS of the header read first, so two configurations never claim one generation (the
+/// loser claims again, over the winner's layout). A missing or undecodable table is created at
+/// generation 1. If every attempt loses, the generation computed last is returned unwritten:
 /// the configuration's first write lays the table out.
 pub fn claim_layout(store: &dyn Store, cfg: &Config) -> u64 {
-    let claimed = update_if(store, TABLE_KEY, |bytes| {
-        let stored = bytes.filter(|b| Table::decode(b).is_some());
-        match stored {
-            Some(b) if Table::has_layout(b, cfg) => (None, u64_at(b, GENERATION_AT).unwrap_or(0)),
-            _ => {
-                let generation = stored
-                    .and_then(|b| u64_at(b, GENERATION_AT))
-                    .unwrap_or(0)
-                    .saturating_add(1);
-                let mut table = Table::load(stored, cfg).0;
-                table.generation = generation;
-                (Some(table.encode_over(stored)), generation)
-            }
+    let mut generation = 1;
+    for _ in 0..CAS_RETRIES {
+        let head = groups::Header::read(store).0;
+        let (mut table, same) = Table::load_from(store, cfg);
+        if let (Some(h), true) = (head.as_ref(), same) {
+            return h.generation;
         }
-    });
-    match claimed {
-        Ok(g) | Err(g) => g,
+        generation = head.map_or(0, |h| h.generation).saturating_add(1);
+        table.generation = generation;
+        if groups::lay_out(store, &table, &[], |_| {}) {
+            return generation;
+        }
     }
+    generation
 }
 
 /// One worker's memory of the entries it decoded, each with the stamp it had.
@@ -816,14 +531,18 @@ pub fn claim_layout(store: &dyn Store, cfg: &Config) -> u64 {
 /// requests of one worker only the entries of the endpoints used in between changed. Their
 /// stamps moved; every other entry is taken from here instead of decoded again. The cache is
 /// per VM (one per Envoy worker thread), never shared, and only ever a shortcut: the table it
-/// returns equals [`Table::load`] of the same bytes (every write that changes an entry's bytes
-/// gives it a new stamp, from a counter that grows with each CAS-ordered write).
+/// returns equals [`Table::load_from`] of the same store (every write that changes an entry's
+/// bytes gives it a new stamp: its group's next version, which grows with each CAS-ordered
+/// write of the group).
 ///
-/// Which stamps moved is read from the header's write log when it covers every write since
-/// the cache last loaded the table (its write counter is kept): only the logged positions are
-/// looked at, so a load costs the same at any fleet size. The log is part of the CAS-written
-/// value, so it names exactly the writes that came between; a log that names a position past
-/// the table reads as no log.
+/// Which groups moved is read from the header: each group's recorded version is compared with
+/// the version of that group the cache last read, and only groups past it are read (one key
+/// each, [`GROUP_LEN`] entries), so a load costs the header plus the groups written since,
+/// whatever the fleet's size. A writer records its group's version after writing the group, so
+/// a reader may read a group newer than the header says (it keeps the group's own version, and
+/// does not read it again until the header passes that); a group the header has not caught up
+/// with yet is read at a later load. A pick whose chosen entry turns out to have changed in
+/// between reads that group again ([`TableCache::forget_group`]) and decides again.
 ///
 /// A reader that only reads (the pick) borrows the cached table itself ([`TableCache::lend`]
 /// and [`TableCache::give_back`]) instead of a copy: copying every entry cost more than
@@ -862,9 +581,9 @@ pub struct TableCache {
     /// Entries of `table` decoded (`stamps` set) whose stored verdict is degraded: whether
     /// any endpoint is, without visiting every entry.
     degraded: usize,
-    /// The write counter of the bytes `table` was last brought up to (`None`: unknown), from
-    /// which the header's write log tells which entries changed since.
-    seen: Option<u64>,
+    /// By group: the version of the group `table` was last brought up to (`None`: unknown),
+    /// compared with the header's record to tell which groups changed since.
+    groups_seen: Vec<Option<u64>>,
 }
 
 /// Which configured endpoints list a model (or serve every model), for the last few models
@@ -994,24 +713,32 @@ impl TableCache {
         cache
     }
 
-    /// [`Table::load`] of `bytes`, decoding only the entries whose stamp changed since this
-    /// cache last saw them.
-    pub fn load(&mut self, bytes: Option<&[u8]>, cfg: &Config) -> (Table, bool) {
-        match bytes.and_then(|b| self.refresh(b, cfg)) {
+    /// [`Table::load_from`] of the store, reading only the groups whose version moved since
+    /// this cache last read them, and decoding only their entries whose stamp changed.
+    pub fn load(&mut self, store: &dyn Store, cfg: &Config) -> (Table, bool) {
+        match self.refresh(store, cfg) {
             Some(()) => (self.table.clone(), true),
-            None => self.reset(bytes, cfg),
+            None => self.reset(store, cfg),
         }
     }
 
     /// [`TableCache::load`] without the copy: the cached table itself, to be handed back
     /// unchanged with [`TableCache::give_back`] (until then the cache holds nothing).
-    pub fn lend(&mut self, bytes: Option<&[u8]>, cfg: &Config) -> (Table, bool) {
-        match bytes.and_then(|b| self.refresh(b, cfg)) {
+    pub fn lend(&mut self, store: &dyn Store, cfg: &Config) -> (Table, bool) {
+        match self.refresh(store, cfg) {
             Some(()) => {
                 self.lent = true;
                 (std::mem::take(&mut self.table), true)
             }
-            None => self.reset(bytes, cfg),
+            None => self.reset(store, cfg),
+        }
+    }
+
+    /// Group `g` is read again at the next load, whatever the header says (a write found it
+    /// changed by a writer that has not recorded its version in the header yet).
+    pub fn forget_group(&mut self, g: usize) {
+        if let Some(seen) = self.groups_seen.get_mut(g) {
+            *seen = None;
         }
     }
 
@@ -1101,33 +828,45 @@ impl TableCache {
         } else {
             self.stamps.clear();
             self.degraded = 0;
-            self.seen = None;
+            self.groups_seen.clear();
         }
         self.lent = false;
     }
 
-    fn reset(&mut self, bytes: Option<&[u8]>, cfg: &Config) -> (Table, bool) {
+    fn reset(&mut self, store: &dyn Store, cfg: &Config) -> (Table, bool) {
         self.stamps.clear();
         self.degraded = 0;
-        self.seen = None;
+        self.groups_seen.clear();
         self.table = Table::default();
         self.lent = false;
         self.decoded = self.decoded.saturating_add(cfg.endpoints.len() as u64);
-        Table::load(bytes, cfg)
+        Table::load_from(store, cfg)
     }
 
-    /// Brings `table` up to `bytes` when they have the configuration's layout: the entries
-    /// the write log says changed since the table this cache holds, when it covers every write
-    /// since; else every entry whose stamp moved.
-    fn refresh(&mut self, bytes: &[u8], cfg: &Config) -> Option<()> {
+    /// Brings `table` up to the store when it has the configuration's layout: the header,
+    /// then each group whose recorded version is past the one this cache read (or unknown),
+    /// and of those the entries whose stamp moved. `None` when the stored layout is not the
+    /// configuration's or a key does not decode (the caller starts over with a full load).
+    fn refresh(&mut self, store: &dyn Store, cfg: &Config) -> Option<()> {
         let n = cfg.endpoints.len();
-        let budget = RetryBudget::decode(&mut Reader::new(bytes.get(1..STAMP_AT)?))?;
-        let counter = u64_at(bytes, STAMP_AT)?;
-        let whole = self.lent || self.table.entries.len() != n || self.stamps.len() != n;
-        let seen = self.seen.take().filter(|_| !whole);
-        let logged = seen
-            .filter(|_| Table::is_complete(bytes, n))
-            .and_then(|seen| logged_since(bytes, seen, n));
+        let head = groups::Header::read(store).0?;
+        if head.entries != n {
+            return None;
+        }
+        let count = groups::groups(n);
+        let whole = self.lent
+            || self.table.entries.len() != n
+            || self.stamps.len() != n
+            || self.groups_seen.len() != count;
+        if whole {
+            self.stamps.clear();
+            self.table.entries.clear();
+            self.degraded = 0;
+            self.stamps.resize(n, None);
+            self.table.entries.resize(n, (0, EndpointState::default()));
+            self.groups_seen.clear();
+            self.groups_seen.resize(count, None);
+        }
         let mut notes = Notes {
             n,
             decoded: &mut self.decoded,
@@ -1135,59 +874,39 @@ impl TableCache {
             changed: (&mut self.changed, &mut self.changed_known),
             board_changed: (&mut self.board_changed, &mut self.board_changed_known),
         };
-        match logged {
-            Some(positions) => {
-                for i in positions {
-                    let at = HEADER_BYTES.checked_add(i.checked_mul(ENTRY_BYTES)?)?;
-                    let chunk = bytes.get(at..at.checked_add(ENTRY_BYTES)?)?;
-                    let id = u32_at(chunk, 0)?;
-                    let stamp = u64_at(chunk, 4)?;
-                    // The log vouches for the layout: an entry of another id means it lied.
-                    if cfg.endpoints.get(i).map(|e| e.id) != Some(id) {
-                        return None;
-                    }
-                    let (Some(slot), Some(entry)) =
-                        (self.stamps.get_mut(i), self.table.entries.get_mut(i))
-                    else {
-                        return None;
-                    };
-                    if *slot != Some((stamp, id)) {
-                        notes.take(bytes, i, (stamp, id), slot, entry)?;
-                    }
-                }
+        for (g, seen) in self.groups_seen.iter_mut().enumerate() {
+            if seen.is_some_and(|s| s >= head.version(g)) {
+                continue;
             }
-            None => {
-                if !Table::has_layout(bytes, cfg) {
+            *seen = None;
+            let bytes = store.get(&groups::group_key(g)).0?;
+            let (version, chunks) = groups::parse_group(&bytes)?;
+            let from = g * GROUP_LEN;
+            if chunks.len() != n.saturating_sub(from).min(GROUP_LEN) * ENTRY_BYTES {
+                return None;
+            }
+            for (k, chunk) in chunks.chunks_exact(ENTRY_BYTES).enumerate() {
+                let i = from + k;
+                // Id, then stamp: the first 12 bytes of the entry.
+                let id = u32_at(chunk, 0)?;
+                let stamp = u64_at(chunk, 4)?;
+                if cfg.endpoints.get(i).map(|e| e.id) != Some(id) {
                     return None;
                 }
-                if whole {
-                    self.stamps.clear();
-                    self.table.entries.clear();
-                    *notes.degraded = 0;
-                }
-                self.stamps.resize(n, None);
-                self.table.entries.resize(n, (0, EndpointState::default()));
-                let chunks = bytes.get(HEADER_BYTES..)?.chunks_exact(ENTRY_BYTES);
-                for (i, ((slot, entry), chunk)) in self
-                    .stamps
-                    .iter_mut()
-                    .zip(self.table.entries.iter_mut())
-                    .zip(chunks)
-                    .enumerate()
-                {
-                    // Id, then stamp: the first 12 bytes of the entry.
-                    let id = u32_at(chunk, 0)?;
-                    let stamp = u64_at(chunk, 4)?;
-                    if *slot != Some((stamp, id)) {
-                        notes.take(bytes, i, (stamp, id), slot, entry)?;
-                    }
+                let (Some(slot), Some(entry)) =
+                    (self.stamps.get_mut(i), self.table.entries.get_mut(i))
+                else {
+                    return None;
+                };
+                if *slot != Some((stamp, id)) {
+                    notes.take(chunk, i, (stamp, id), slot, entry)?;
                 }
             }
+            *seen = Some(version);
         }
         self.lent = false;
-        self.table.budget = budget;
+        self.table.budget = head.budget;
         self.table.generation = cfg.layout_generation;
-        self.seen = Some(counter);
         Some(())
     }
 }
@@ -1210,7 +929,7 @@ impl Notes<'_> {
     /// caller starts over).
     fn take(
         &mut self,
-        bytes: &[u8],
+        chunk: &[u8],
         i: usize,
         key: (u64, u32),
         slot: &mut Option<(u64, u32)>,
@@ -1218,7 +937,7 @@ impl Notes<'_> {
     ) -> Option<()> {
         let was_degraded = slot.is_some() && entry.1.degraded;
         *slot = None;
-        *entry = Table::entry_at(bytes, i)?;
+        *entry = decode_entry(chunk)?;
         *self.degraded =
             self.degraded.saturating_sub(usize::from(was_degraded)) + usize::from(entry.1.degraded);
         *self.decoded = self.decoded.saturating_add(1);
@@ -1302,7 +1021,7 @@ pub struct BoardMemo {
     /// changed in place once it is done: `Rc::make_mut` copies only while one is held).
     pub(crate) weights: Rc<Vec<(usize, u32, f64)>>,
     /// By index: the verdict.
-    pub(crate) verdicts: Rc<Vec<crate::scheduler::routing::signals::Verdict>>,
+    pub(crate) verdicts: Rc<Vec<Verdict>>,
     /// The positions whose verdict differs from the stored one, index order.
     pub(crate) flips: Rc<Vec<usize>>,
     /// Positions whose values depend on the clock: recomputed by every decision.
@@ -1434,294 +1153,258 @@ mod tests {
         assert_eq!(t2.entries[1].1, EndpointState::default());
     }
 
-    #[test]
-    fn cache_equals_a_full_decode_and_decodes_only_changed_entries() {
-        let cfg = Config::from_value(&json!({"endpoints":[{"name":"a","cluster":"a"},{"name":"b","cluster":"b"},{"name":"c","cluster":"c"}]})).unwrap();
-        let b0 = Table::aligned(None, &cfg).encode();
-        let mut cache = TableCache::default();
-        assert_eq!(cache.load(Some(&b0), &cfg), Table::load(Some(&b0), &cfg));
-        assert_eq!(cache.decoded, 3);
-        // Unchanged bytes: nothing decoded.
-        assert_eq!(cache.load(Some(&b0), &cfg), Table::load(Some(&b0), &cfg));
-        assert_eq!(cache.decoded, 3);
-        // One entry patched (as a pick writes): that entry only.
-        let (mut t, same) = Table::load(Some(&b0), &cfg);
-        assert!(same);
-        t.entries[1].1.in_flight = 5;
-        t.budget.on_request(1_000);
-        let b1 = t.encode_patched(&b0, 1);
-        assert_eq!(cache.load(Some(&b1), &cfg), Table::load(Some(&b1), &cfg));
-        assert_eq!(cache.load(Some(&b1), &cfg).0.entries[1].1.in_flight, 5);
-        assert_eq!(cache.decoded, 4);
-        // One entry rewritten alone (as a finish writes): that entry only.
-        let mut st = t.entries[2].1;
-        st.total = 9;
-        let b2 = Table::patch_entry(&b1, 2, t.entries[2].0, &st).unwrap();
-        assert!(Table::has_layout(&b2, &cfg));
-        assert_eq!(Table::entry_at(&b2, 2), Some((t.entries[2].0, st)));
-        assert_eq!(cache.load(Some(&b2), &cfg), Table::load(Some(&b2), &cfg));
-        assert_eq!(cache.decoded, 5);
-        // A full rewrite over it: every entry, the write counter still growing.
-        t.entries[0].1.total = 1;
-        let b3 = t.encode_over(Some(&b2));
-        assert_eq!(cache.load(Some(&b3), &cfg), Table::load(Some(&b3), &cfg));
-        assert_eq!(cache.decoded, 8);
-        assert!(next_stamp(Some(&b3)) > next_stamp(Some(&b2)));
-        // Older bytes again (a reader may see any version): still what a full decode says.
-        assert_eq!(cache.load(Some(&b1), &cfg), Table::load(Some(&b1), &cfg));
-        assert_eq!(cache.degraded, 0);
-        // A degraded flag stored, then cleared: the cache counts what its table holds.
-        let mut st = t.entries[2].1;
-        st.degraded = true;
-        let b4 = Table::patch_entry(&b3, 2, t.entries[2].0, &st).unwrap();
-        assert_eq!(cache.load(Some(&b4), &cfg), Table::load(Some(&b4), &cfg));
-        assert_eq!(cache.degraded, 1);
-        st.degraded = false;
-        let b5 = Table::patch_entry(&b4, 2, t.entries[2].0, &st).unwrap();
-        assert_eq!(cache.load(Some(&b5), &cfg), Table::load(Some(&b5), &cfg));
-        assert_eq!(cache.degraded, 0);
-        // A layout change or undecodable bytes: the plain load, cache dropped.
-        let other = Config::from_value(&json!({"endpoints":[{"name":"b","cluster":"b"}]})).unwrap();
-        assert!(!Table::has_layout(&b3, &other));
-        assert_eq!(
-            cache.load(Some(&b3), &other),
-            Table::load(Some(&b3), &other)
-        );
-        assert_eq!(
-            cache.load(Some(&b3[1..]), &cfg),
-            Table::load(Some(&b3[1..]), &cfg)
-        );
-        assert_eq!(cache.load(None, &cfg), Table::load(None, &cfg));
+    use crate::scheduler::state::hash::fmix64;
+    use crate::scheduler::state::store::{CasMismatch, MemStore};
+    use std::cell::RefCell;
+
+    type Race = Box<dyn FnOnce(&MemStore)>;
+
+    /// A store whose next write to a key first lets "another worker" run (`race`): a write
+    /// that comes between this worker's read and its CAS write. Counts reads per key kind.
+    #[derive(Default)]
+    struct Racing {
+        inner: MemStore,
+        race: RefCell<Option<Race>>,
+        group_reads: std::cell::Cell<u64>,
     }
 
-    /// Through the write log, a cache decodes only the entries the writes since its last load
-    /// changed, and its table still equals a full decode of the same bytes: over every kind of
-    /// write (a pick's patch with the budget, a finish's patch alone, copying or in place, a
-    /// full rewrite, an older generation's merge), past the log's length, over older bytes
-    /// again, and over a log that names a position past the table (read as no log).
-    #[test]
-    fn the_write_log_names_every_changed_entry() {
-        use crate::scheduler::state::hash::fmix64;
-        let names: Vec<String> = (0..40).map(|i| format!("e{i}")).collect();
-        let refs: Vec<&str> = names.iter().map(String::as_str).collect();
-        let cfg = two(&refs);
-        let mut older = cfg.clone();
-        older.layout_generation = 0;
-        let mut cfg = cfg;
-        cfg.layout_generation = 1;
-        let mut bytes = Table::aligned(None, &cfg).encode();
-        let mut cache = TableCache::default();
-        let mut history = vec![bytes.clone()];
-        let mut writes_since_load = 0usize;
-        for step in 0..2_000u64 {
-            let r = fmix64(step);
-            let (t, _) = Table::load(Some(&bytes), &cfg);
-            let i = (r % 40) as usize;
-            let mut st = t.entries[i].1;
-            st.total = step;
-            st.degraded = r & 64 != 0;
-            match (r >> 8) % 16 {
-                0 => {
-                    let mut whole = t.clone();
-                    whole.entries[(i + 1) % 40].1.total = step;
-                    bytes = whole.encode_over(Some(&bytes));
-                    writes_since_load = usize::MAX / 2;
-                }
-                1 => {
-                    let mut theirs = Table::load(Some(&bytes), &older).0;
-                    theirs.generation = 0;
-                    theirs.entries[i].1 = st;
-                    bytes = theirs.encode_over(Some(&bytes));
-                    writes_since_load = usize::MAX / 2;
-                }
-                2..=5 => {
-                    bytes = Table::patch_entry(&bytes, i, t.entries[i].0, &st).unwrap();
-                    writes_since_load += 1;
-                }
-                6..=9 => {
-                    assert!(Table::patch_entry_in_place(
-                        &mut bytes,
-                        i,
-                        t.entries[i].0,
-                        &st
-                    ));
-                    writes_since_load += 1;
-                }
-                10..=13 => {
-                    let mut budget = t.budget;
-                    budget.on_request(step);
-                    assert!(Table::patch_in_place(
-                        &mut bytes,
-                        &budget,
-                        i,
-                        t.entries[i].0,
-                        &st,
-                        40
-                    ));
-                    writes_since_load += 1;
-                }
-                14 => {
-                    // Older bytes again: whatever is read must equal a full decode.
-                    let old = &history[(r >> 16) as usize % history.len()];
-                    assert_eq!(cache.load(Some(old), &cfg), Table::load(Some(old), &cfg));
-                    writes_since_load = usize::MAX / 2;
-                    continue;
-                }
-                _ => {
-                    let decoded = cache.decoded;
-                    assert_eq!(
-                        cache.load(Some(&bytes), &cfg),
-                        Table::load(Some(&bytes), &cfg),
-                        "step {step}"
-                    );
-                    if writes_since_load <= LOG_LEN {
-                        assert!(
-                            cache.decoded - decoded <= writes_since_load as u64,
-                            "step {step}: {} decoded for {writes_since_load} writes",
-                            cache.decoded - decoded
-                        );
-                    }
-                    let degraded = Table::load(Some(&bytes), &cfg)
-                        .0
-                        .entries
-                        .iter()
-                        .filter(|(_, st)| st.degraded)
-                        .count();
-                    assert_eq!(cache.degraded, degraded, "step {step}");
-                    writes_since_load = 0;
-                    continue;
-                }
+    impl Store for Racing {
+        fn get(&self, key: &str) -> (Option<Vec<u8>>, Option<u32>) {
+            if key != TABLE_KEY {
+                self.group_reads.set(self.group_reads.get() + 1);
             }
-            history.push(bytes.clone());
+            self.inner.get(key)
         }
-        // A log naming a position past the table: read as no log (every stamp compared).
-        let (t, _) = Table::load(Some(&bytes), &cfg);
-        let _ = cache.load(Some(&bytes), &cfg);
-        let mut st = t.entries[3].1;
-        st.total = 1;
-        assert!(Table::patch_entry_in_place(
-            &mut bytes,
-            3,
-            t.entries[3].0,
-            &st
-        ));
-        let stamp = u64_at(&bytes, STAMP_AT).unwrap();
-        let slot = LOG_AT + (stamp % LOG_LEN as u64) as usize * 4;
-        bytes[slot..slot + 4].copy_from_slice(&99u32.to_le_bytes());
+        fn set(&self, key: &str, value: &[u8], cas: Option<u32>) -> Result<(), CasMismatch> {
+            let race = self.race.borrow_mut().take();
+            if let Some(race) = race {
+                race(&self.inner);
+            }
+            self.inner.set(key, value, cas)
+        }
+    }
+
+    fn names(n: usize) -> Config {
+        let names: Vec<String> = (0..n).map(|i| format!("e{i}")).collect();
+        let refs: Vec<&str> = names.iter().map(String::as_str).collect();
+        two(&refs)
+    }
+
+    fn bump(store: &dyn Store, cfg: &Config, i: usize) -> Option<Result<bool, ()>> {
+        groups::update_entry(
+            store,
+            Some(i),
+            cfg.endpoints[i].id,
+            |st| {
+                st.total += 1;
+                true
+            },
+            |b| b.on_request(1),
+        )
+    }
+
+    #[test]
+    fn cache_equals_a_full_load_and_reads_only_changed_groups() {
+        let cfg = names(40);
+        let store = Racing::default();
+        Table::aligned(None, &cfg).write_to(&store);
+        let mut cache = TableCache::default();
+        assert_eq!(cache.load(&store, &cfg), Table::load_from(&store, &cfg));
+        assert!(Table::load_from(&store, &cfg).1);
+        assert_eq!(cache.decoded, 40);
+        // Unchanged: the header read, no group, nothing decoded.
+        let reads = store.group_reads.get();
+        assert_eq!(cache.load(&store, &cfg), Table::load_from(&store, &cfg));
+        assert_eq!(cache.decoded, 40);
+        let reads_full = store.group_reads.get() - reads;
+        let reads = store.group_reads.get();
+        let _ = cache.load(&store, &cfg);
+        assert_eq!(store.group_reads.get(), reads, "no group read");
         assert_eq!(
-            cache.load(Some(&bytes), &cfg),
-            Table::load(Some(&bytes), &cfg)
+            reads_full,
+            groups::groups(40) as u64,
+            "the full load reads every group"
         );
+        // One entry changed: its group read, that entry decoded.
+        assert_eq!(bump(&store, &cfg, 17), Some(Ok(true)));
+        let reads = store.group_reads.get();
+        let (t, same) = cache.load(&store, &cfg);
+        assert!(same);
+        assert_eq!(store.group_reads.get() - reads, 1);
+        assert_eq!(cache.decoded, 41);
+        assert_eq!(t.entries[17].1.total, 1);
+        assert_eq!(t.budget.requests, Table::read(&store, &cfg).budget.requests);
+        assert!(t.budget.requests > 0.0, "the budget is in the header");
+        assert_eq!((t, same), Table::load_from(&store, &cfg));
+        // A degraded flag stored, then cleared: the cache counts what its table holds.
+        for degraded in [true, false] {
+            let id = cfg.endpoints[3].id;
+            let w = groups::update_entry(
+                &store,
+                Some(3),
+                id,
+                |st| {
+                    st.degraded = degraded;
+                    true
+                },
+                |_| {},
+            );
+            assert_eq!(w, Some(Ok(true)));
+            assert_eq!(cache.load(&store, &cfg), Table::load_from(&store, &cfg));
+            assert_eq!(cache.degraded, usize::from(degraded));
+        }
+        // Another layout, or garbage in any key: the plain load, never a panic.
+        let other = names(3);
+        assert!(!Table::load_from(&store, &other).1);
+        assert_eq!(cache.load(&store, &other), Table::load_from(&store, &other));
+        store.inner.set(&group_key(1), b"junk", None).unwrap();
+        let (t, same) = cache.load(&store, &cfg);
+        assert!(!same);
+        assert_eq!((t.clone(), same), Table::load_from(&store, &cfg));
+        assert_eq!(
+            t.entries[17].1.total, 0,
+            "a garbage group reads as fresh entries"
+        );
+        assert_eq!(t.entries[3].1.total, 0);
+        assert_eq!(
+            bump(&store, &cfg, 17),
+            None,
+            "not stored anywhere: the caller lays out"
+        );
+        store.inner.set(TABLE_KEY, b"junk", None).unwrap();
+        assert_eq!(cache.load(&store, &cfg), Table::load_from(&store, &cfg));
+        assert_eq!(Table::load_from(&store, &cfg).0, Table::aligned(None, &cfg));
+        assert_eq!(bump(&store, &cfg, 2), None);
+    }
+
+    /// Two workers, each with its own cache, write entries of the same and of different
+    /// groups, with another worker's write landing between a read and its CAS write (on the
+    /// same group, another group, or the header alone): no increment is lost, and each
+    /// cache's table equals a full load after every step.
+    #[test]
+    fn two_workers_lose_no_update_and_caches_equal_full_loads() {
+        let cfg = names(40);
+        let store = Racing::default();
+        Table::aligned(None, &cfg).write_to(&store);
+        let mut caches = [TableCache::default(), TableCache::default()];
+        let mut want = [0u64; 40];
+        let mut requests = 0u32;
+        for step in 0..3_000u64 {
+            let r = fmix64(step);
+            let i = (r % 40) as usize;
+            let w = ((r >> 8) % 2) as usize;
+            // The intruder: the same group, another group, or a header write alone.
+            let j = match (r >> 16) % 4 {
+                0 => {
+                    (i / GROUP_LEN) * GROUP_LEN
+                        + (((r >> 24) as usize) % GROUP_LEN).min(39 - (i / GROUP_LEN) * GROUP_LEN)
+                }
+                1 => (i + GROUP_LEN) % 40,
+                2 => usize::MAX,
+                _ => usize::MAX - 1,
+            };
+            if j < 40 {
+                let cfg2 = cfg.clone();
+                *store.race.borrow_mut() = Some(Box::new(move |inner: &MemStore| {
+                    assert_eq!(bump(inner, &cfg2, j), Some(Ok(true)));
+                }));
+                want[j] += 1;
+                requests += 1;
+            } else if j == usize::MAX {
+                *store.race.borrow_mut() = Some(Box::new(|inner: &MemStore| {
+                    assert!(groups::note_versions(inner, None, &[], |b| b.on_request(1)));
+                }));
+                requests += 1;
+            }
+            assert_eq!(bump(&store, &cfg, i), Some(Ok(true)), "step {step}");
+            want[i] += 1;
+            requests += 1;
+            // A reader in between may read the groups before the header records them.
+            let _ = caches[1 - w].load(&store, &cfg);
+            for cache in caches.iter_mut() {
+                let (t, same) = cache.load(&store, &cfg);
+                assert!(same);
+                assert_eq!((t, same), Table::load_from(&store, &cfg), "step {step}");
+            }
+        }
+        let t = Table::read(&store, &cfg);
+        let totals: Vec<u64> = t.entries.iter().map(|(_, st)| st.total).collect();
+        assert_eq!(totals, want.to_vec());
+        // The budget saw every request, and the caches decoded far fewer entries than full
+        // loads would have.
+        assert!((t.budget.requests - f64::from(requests)).abs() < 1e-6 * f64::from(requests));
+        assert!(caches[0].decoded < 3_000 * 40 / 4, "{}", caches[0].decoded);
     }
 
     /// A lent table is the loaded table itself; given back unchanged, the next load decodes
     /// only what moved; not given back (or given back another), the cache starts over.
     #[test]
     fn lent_tables_equal_loads_and_come_back() {
-        let cfg = Config::from_value(&json!({"endpoints":[{"name":"a","cluster":"a"},{"name":"b","cluster":"b"},{"name":"c","cluster":"c"}]})).unwrap();
-        let b0 = Table::aligned(None, &cfg).encode();
+        let cfg = names(3);
+        let store = MemStore::new();
+        Table::aligned(None, &cfg).write_to(&store);
         let mut cache = TableCache::default();
-        let lent = cache.lend(Some(&b0), &cfg);
-        assert_eq!(lent, Table::load(Some(&b0), &cfg));
+        let lent = cache.lend(&store, &cfg);
+        assert_eq!(lent, Table::load_from(&store, &cfg));
         assert_eq!(cache.decoded, 3);
         cache.give_back(lent.0);
-        let st = EndpointState {
-            total: 7,
-            ..EndpointState::default()
-        };
-        let b1 = Table::patch_entry(&b0, 1, Table::aligned(None, &cfg).entries[1].0, &st).unwrap();
-        let lent = cache.lend(Some(&b1), &cfg);
-        assert_eq!(lent, Table::load(Some(&b1), &cfg));
+        assert_eq!(bump(&store, &cfg, 1), Some(Ok(true)));
+        let lent = cache.lend(&store, &cfg);
+        assert_eq!(lent, Table::load_from(&store, &cfg));
         assert_eq!(cache.decoded, 4, "only the patched entry");
         // Never given back: the next load decodes everything and is still right.
-        assert_eq!(cache.load(Some(&b1), &cfg), Table::load(Some(&b1), &cfg));
+        assert_eq!(cache.load(&store, &cfg), Table::load_from(&store, &cfg));
         assert_eq!(cache.decoded, 7);
         // Given back something else: dropped.
-        let lent = cache.lend(Some(&b1), &cfg);
+        let lent = cache.lend(&store, &cfg);
         cache.give_back(Table::default());
         drop(lent);
-        assert_eq!(cache.load(Some(&b1), &cfg), Table::load(Some(&b1), &cfg));
+        assert_eq!(cache.load(&store, &cfg), Table::load_from(&store, &cfg));
         assert_eq!(cache.decoded, 10);
-        // The parts patch equals the table's patch.
-        let (mut t, _) = Table::load(Some(&b1), &cfg);
-        t.entries[2].1.in_flight = 3;
-        t.budget.on_request(5);
-        let id = t.entries[2].0;
-        assert_eq!(
-            Table::patch_budget_and_entry(&b1, &t.budget, 2, id, &t.entries[2].1, 3),
-            Some(t.encode_patched(&b1, 2))
-        );
-        assert_eq!(
-            Table::patch_budget_and_entry(&b1, &t.budget, 2, id, &t.entries[2].1, 4),
-            None
-        );
-        // In place: the same bytes, without the copy; out of range or another size: untouched.
-        let mut own = b1.clone();
-        assert!(Table::patch_in_place(
-            &mut own,
-            &t.budget,
-            2,
-            id,
-            &t.entries[2].1,
-            3
-        ));
-        assert_eq!(own, t.encode_patched(&b1, 2));
-        let mut own = b1.clone();
-        assert!(!Table::patch_in_place(
-            &mut own,
-            &t.budget,
-            3,
-            id,
-            &t.entries[2].1,
-            3
-        ));
-        assert!(!Table::patch_in_place(
-            &mut own,
-            &t.budget,
-            2,
-            id,
-            &t.entries[2].1,
-            2
-        ));
-        assert_eq!(own, b1);
+        // A group forgotten is read again, and only its changed entries decoded (none).
+        cache.forget_group(0);
+        assert_eq!(cache.load(&store, &cfg), Table::load_from(&store, &cfg));
+        assert_eq!(cache.decoded, 10);
     }
 
-    /// One endpoint's entry read and rewritten in place equals the copying patch, found by id
-    /// at its index whatever the layout around it; anything else reads as absent and writes
-    /// nothing.
     #[test]
-    fn entry_of_and_in_place_patch_equal_the_copying_ones() {
+    fn one_entry_reads_and_writes_alone_found_by_id() {
         let cfg = two(&["a", "b", "c"]);
+        let store = MemStore::new();
         let mut t = Table::aligned(None, &cfg);
         t.entries[1].1.total = 5;
-        let stored = t.encode();
+        t.write_to(&store);
         let (id_b, id_c) = (t.entries[1].0, t.entries[2].0);
-        assert_eq!(Table::entry_of(&stored, 1, id_b), Some(t.entries[1].1));
-        assert_eq!(Table::entry_of(&stored, 1, id_c), None, "another id there");
-        assert_eq!(Table::entry_of(&stored, 3, id_b), None, "out of range");
-        assert_eq!(Table::entry_of(&stored[1..], 1, id_b), None);
-        assert_eq!(Table::entry_of(&stored[..stored.len() - 1], 1, id_b), None);
-        let mut st = t.entries[1].1;
-        st.in_flight = 4;
-        let mut own = stored.clone();
-        assert!(Table::patch_entry_in_place(&mut own, 1, id_b, &st));
-        assert_eq!(Some(own.clone()), Table::patch_entry(&stored, 1, id_b, &st));
-        assert_eq!(Table::entry_of(&own, 1, id_b), Some(st));
+        assert_eq!(groups::read_entry(&store, 1, id_b), Some(t.entries[1].1));
+        assert_eq!(
+            groups::read_entry(&store, 1, id_c),
+            None,
+            "another id there"
+        );
+        assert_eq!(groups::read_entry(&store, 3, id_b), None, "out of range");
         // Found by id in another configuration's layout: b at index 0, c kept.
         let other = two(&["b", "c"]);
-        let theirs = Table::aligned(Some(&stored), &other).encode();
-        assert_eq!(Table::entry_of(&theirs, 0, id_b), Some(t.entries[1].1));
-        let mut own = theirs.clone();
-        assert!(Table::patch_entry_in_place(&mut own, 0, id_b, &st));
-        assert!(Table::has_layout(&own, &other));
-        assert_eq!(Table::decode(&own).unwrap().entries[0].1, st);
-        // Out of range or not a table: untouched.
-        let mut own = stored.clone();
-        assert!(!Table::patch_entry_in_place(&mut own, 3, id_b, &st));
-        assert_eq!(own, stored);
-        let mut junk = b"junk".to_vec();
-        assert!(!Table::patch_entry_in_place(&mut junk, 0, id_b, &st));
-        assert_eq!(junk, b"junk");
+        Table::read(&store, &other).write_to(&store);
+        assert_eq!(groups::read_entry(&store, 0, id_b), Some(t.entries[1].1));
+        let w = groups::update_entry(
+            &store,
+            Some(1),
+            id_b,
+            |st| {
+                st.in_flight = 4;
+                true
+            },
+            |_| {},
+        );
+        assert_eq!(w, Some(Ok(true)), "hint wrong: found by id");
+        assert!(Table::has_layout(&store, &other));
+        assert_eq!(Table::read(&store, &other).entries[0].1.in_flight, 4);
+        assert_eq!(Table::read(&store, &other).entries[1].0, id_c);
+        // No change: nothing written.
+        let writes = store.writes.get();
+        let w = groups::update_entry(&store, Some(0), id_b, |_| false, |_| {});
+        assert_eq!(w, Some(Ok(false)));
+        assert_eq!(store.writes.get(), writes);
     }
 
     #[test]
@@ -1754,31 +1437,6 @@ mod tests {
         assert_eq!(serves.kept.len(), 3, "found, not computed again");
     }
 
-    #[test]
-    fn patched_encoding_equals_full_encoding() {
-        let cfg = Config::from_value(&json!({"endpoints":[{"name":"a","cluster":"a"},{"name":"b","cluster":"b"},{"name":"c","cluster":"c"}]})).unwrap();
-        let mut t = Table::aligned(None, &cfg);
-        t.entries[0].1.total = 3;
-        let stored = t.encode();
-        let (mut loaded, same) = Table::load(Some(&stored), &cfg);
-        assert!(same);
-        loaded.entries[2].1.in_flight = 9;
-        loaded.entries[2].1.breaker.epoch = 4;
-        loaded.budget.on_request(1_000);
-        // The same table; only the stamps differ (the patched entry and the write counter
-        // move, the others keep theirs).
-        let patched = loaded.encode_patched(&stored, 2);
-        assert_eq!(Table::decode(&patched), Some(loaded.clone()));
-        assert_eq!(patched.len(), loaded.encode().len());
-        assert_eq!(stamp_of(&patched, 0), stamp_of(&stored, 0));
-        assert_eq!(stamp_of(&patched, 2), Some(next_stamp(Some(&stored))));
-        assert_eq!(next_stamp(Some(&patched)), next_stamp(Some(&stored)) + 1);
-        // A layout change is never patched.
-        let other = Config::from_value(&json!({"endpoints":[{"name":"b","cluster":"b"}]})).unwrap();
-        assert!(!Table::load(Some(&stored), &other).1);
-        assert!(!Table::load(None, &cfg).1);
-    }
-
     fn two(names: &[&str]) -> Config {
         let eps: Vec<_> = names
             .iter()
@@ -1790,30 +1448,35 @@ mod tests {
     #[test]
     fn key_follows_the_version() {
         assert_eq!(TABLE_KEY, format!("computeflux/endpoints/{TABLE_VERSION}"));
+        assert_eq!(
+            group_key(3),
+            format!("computeflux/endpoints/{TABLE_VERSION}/g3")
+        );
     }
 
     /// An older generation's write keeps the newer layout and generation, changes only its own
     /// changed entries (by id) and the budget; a newer or equal generation lays it out anew.
     #[test]
     fn older_generation_patches_by_id_and_never_relays_out() {
+        let store = MemStore::new();
         let mut new = two(&["b", "a", "d"]);
         new.layout_generation = 2;
         let mut old = two(&["a", "b", "c"]);
         old.layout_generation = 1;
         let mut t = Table::aligned(None, &new);
+        t.generation = 2;
         t.entries[2].1.breaker.state = BreakerState::Open;
         t.entries[0].1.total = 7;
-        let stored = t.encode();
+        t.write_to(&store);
         // The old writer sees its layout: a and b from the table, c fresh.
-        let (mut mine, same) = Table::load(Some(&stored), &old);
+        let (mut mine, same) = Table::load_from(&store, &old);
         assert!(!same);
         assert_eq!(mine.entries[1].1.total, 7);
         mine.entries[0].1.total = 3;
         mine.entries[2].1.total = 9;
-        mine.budget.on_request(5);
-        let out = mine.encode_over(Some(&stored));
-        assert!(Table::has_layout(&out, &new));
-        let back = Table::decode(&out).unwrap();
+        assert!(groups::lay_out(&store, &mine, &[0, 2], |b| b.on_request(5)));
+        assert!(Table::has_layout(&store, &new));
+        let back = groups::read_stored(&store).unwrap().0;
         assert_eq!(back.generation, 2);
         assert_eq!(back.entries[1].1.total, 3, "a patched by id");
         assert_eq!(back.entries[0].1.total, 7, "b kept");
@@ -1822,40 +1485,31 @@ mod tests {
             BreakerState::Open,
             "d kept"
         );
-        assert_eq!(back.budget, mine.budget);
-        // Only a's entry got the new stamp; the write counter moved.
-        assert_eq!(stamp_of(&out, 0), stamp_of(&stored, 0));
-        assert_eq!(stamp_of(&out, 2), stamp_of(&stored, 2));
-        assert_eq!(stamp_of(&out, 1), Some(next_stamp(Some(&stored))));
-        assert_eq!(next_stamp(Some(&out)), next_stamp(Some(&stored)) + 1);
+        assert!(back.budget.requests > 0.0);
         // The newer configuration itself (or a later one) writes its own layout.
         let mut newer = two(&["a", "c"]);
         newer.layout_generation = 3;
-        let relaid = Table::load(Some(&out), &newer).0.encode_over(Some(&out));
-        assert!(Table::has_layout(&relaid, &newer));
-        assert_eq!(Table::decode(&relaid).unwrap().generation, 3);
+        let relaid = Table::load_from(&store, &newer).0;
+        assert!(groups::lay_out(&store, &relaid, &[], |_| {}));
+        assert!(Table::has_layout(&store, &newer));
+        assert_eq!(groups::read_stored(&store).unwrap().0.generation, 3);
+        assert_eq!(
+            Table::read(&store, &newer).entries[0].1.total,
+            3,
+            "a kept by id"
+        );
         // Equal generations (never claimed: tests and tools) keep the old rule, last writer's
         // layout.
         let (a, b) = (two(&["a"]), two(&["b"]));
-        let ta = Table::aligned(None, &a).encode();
-        assert!(Table::has_layout(
-            &Table::load(Some(&ta), &b).0.encode_over(Some(&ta)),
-            &b
-        ));
-        // Over corrupt bytes of a newer generation: a full rewrite, not a patch.
-        let mut bad = out.clone();
-        // The first entry's latency (after id, stamp, presence byte) as NaN: undecodable.
-        bad[HEADER_BYTES + 13..HEADER_BYTES + 21].copy_from_slice(&f64::NAN.to_le_bytes());
-        assert_eq!(Table::decode(&bad), None);
-        assert!(Table::has_layout(
-            &Table::load(Some(&bad), &old).0.encode_over(Some(&bad)),
-            &old
-        ));
+        let s2 = MemStore::new();
+        Table::aligned(None, &a).write_to(&s2);
+        assert!(groups::lay_out(&s2, &Table::read(&s2, &b), &[], |_| {}));
+        assert!(Table::has_layout(&s2, &b));
     }
 
     #[test]
     fn claim_is_idempotent_per_layout_and_orders_layouts() {
-        let store = crate::scheduler::state::store::MemStore::new();
+        let store = MemStore::new();
         let (a, b) = (two(&["a", "b"]), two(&["b", "c"]));
         assert_eq!(claim_layout(&store, &a), 1);
         assert_eq!(claim_layout(&store, &a), 1);
@@ -1868,11 +1522,11 @@ mod tests {
         );
         assert_eq!(claim_layout(&store, &b), 2);
         // b's claim laid the table out for b, keeping b's entry.
-        let bytes = store.get(TABLE_KEY).0.unwrap();
-        assert!(Table::has_layout(&bytes, &b));
+        assert!(Table::has_layout(&store, &b));
         assert_eq!(claim_layout(&store, &a), 3);
-        // Undecodable bytes: a fresh table at generation 1.
+        // An undecodable header: a fresh table at generation 1.
         store.set(TABLE_KEY, b"junk", None).unwrap();
         assert_eq!(claim_layout(&store, &b), 1);
+        assert!(Table::has_layout(&store, &b));
     }
 }

@@ -17,6 +17,16 @@ pub trait Store {
     fn set(&self, key: &str, value: &[u8], cas: Option<u32>) -> Result<(), CasMismatch>;
 }
 
+/// A reference to a store is a store (so `&store` serves where `store` is itself a reference).
+impl<S: Store + ?Sized> Store for &S {
+    fn get(&self, key: &str) -> (Option<Vec<u8>>, Option<u32>) {
+        (**self).get(key)
+    }
+    fn set(&self, key: &str, value: &[u8], cas: Option<u32>) -> Result<(), CasMismatch> {
+        (**self).set(key, value, cas)
+    }
+}
+
 /// How many times a read-modify-write is retried on CAS conflicts before giving up. Measured
 /// conflict rates in Envoy are a few percent, so this bound is practically never reached.
 pub const CAS_RETRIES: usize = 8;

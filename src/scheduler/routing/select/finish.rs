@@ -49,32 +49,51 @@ impl<'a> Scheduler<'a> {
         }
         let min_samples = DegradeRule::from_config(cfg).min_samples;
         let (id, hint) = (ticket.endpoint_id, ticket.endpoint);
-        let result = update_if(self.store, TABLE_KEY, |bytes| {
-            let (mut table, same_layout) = self.load_table(bytes);
-            let Some(at) = table.locate(hint, id) else {
-                return (None, false);
-            };
-            let Some(peers) = signals::peer_median(&table, cfg, at, min_samples) else {
-                return (None, false);
-            };
-            if ratio < cfg.pin_break_ratio * peers {
-                return (None, false);
-            }
-            let folded = table
-                .entries
-                .get_mut(at)
-                .and_then(|(_, st)| st.slowness.observe_pace(ratio, now_ms))
-                .is_some();
-            if !folded {
-                return (None, false);
-            }
-            let bytes = match bytes {
-                Some(stored) if same_layout => table.encode_patched(stored, at),
-                _ => table.encode_over(bytes),
-            };
-            (Some(bytes), true)
+        // The peers' median from the table as read; the fold itself on the entry as stored.
+        let table = self.load_table().0;
+        let Some(at) = table.locate(hint, id) else {
+            return false;
+        };
+        let Some(peers) = signals::peer_median(&table, cfg, at, min_samples) else {
+            return false;
+        };
+        if ratio < cfg.pin_break_ratio * peers {
+            return false;
+        }
+        let mut folded = false;
+        let stored = self.change_entry(Some(at), id, |st| {
+            folded = st.slowness.observe_pace(ratio, now_ms).is_some();
+            folded
         });
-        result == Ok(true)
+        stored == Some(true) && folded
+    }
+
+    /// Applies `change` to endpoint `id`'s entry (at position `at` of the layout when it is
+    /// there) in one write of its group ([`groups::update_entry`]); `change` returns whether
+    /// it changed anything. An entry stored nowhere (no table yet, or an endpoint new to the
+    /// stored layout) is written by laying the table out. `Some(changed)`, `None` when the
+    /// CAS retries gave up.
+    fn change_entry(
+        &self,
+        at: Option<usize>,
+        id: u32,
+        mut change: impl FnMut(&mut EndpointState) -> bool,
+    ) -> Option<bool> {
+        match groups::update_entry(self.store, at, id, &mut change, |_| {}) {
+            Some(Ok(changed)) => Some(changed),
+            Some(Err(())) => None,
+            None => {
+                let (mut table, _) = self.load_table();
+                let Some(i) = table.locate(at.unwrap_or(usize::MAX), id) else {
+                    return Some(false);
+                };
+                let changed = table.entries.get_mut(i).is_some_and(|(_, st)| change(st));
+                if !changed {
+                    return Some(false);
+                }
+                groups::lay_out(self.store, &table, &[i], |_| {}).then_some(true)
+            }
+        }
     }
 
     /// Applies `change` to the ticket's endpoint entry in one table write (only that entry is
@@ -92,35 +111,7 @@ impl<'a> Scheduler<'a> {
             Some(ep) if ep.id == id => Some(hint),
             _ => cfg.endpoint_index(id),
         };
-        let result = update_owned(self.store, TABLE_KEY, |mut bytes| {
-            // The common case: only this endpoint's entry is decoded and rewritten, in the
-            // bytes read (no copy of the table, no look at the other entries).
-            if let (Some(at), Some(stored)) = (at, bytes.as_mut()) {
-                if let Some(mut st) = Table::entry_of(stored, at, id) {
-                    if !change(&mut st) {
-                        return (None, false);
-                    }
-                    if Table::patch_entry_in_place(stored, at, id, &st) {
-                        return (bytes, true);
-                    }
-                }
-            }
-            let bytes = bytes.as_deref();
-            let (mut table, same_layout) = self.load_table(bytes);
-            let at = table.locate(hint, id);
-            let Some((at, (_, st))) = at.and_then(|i| Some((i, table.entries.get_mut(i)?))) else {
-                return (None, false);
-            };
-            if !change(st) {
-                return (None, false);
-            }
-            let bytes = match bytes {
-                Some(stored) if same_layout => table.encode_patched(stored, at),
-                _ => table.encode_over(bytes),
-            };
-            (Some(bytes), true)
-        });
-        result.ok()
+        self.change_entry(at, id, &mut change)
     }
 
     /// Records an attempt's outcome: in-flight −1, statistics, breaker, affinity.
@@ -199,36 +190,25 @@ impl<'a> Scheduler<'a> {
             Some(ep) if ep.id == id => Some(ticket.endpoint),
             _ => cfg.endpoint_index(id),
         };
-        let result = update_owned(self.store, TABLE_KEY, |mut bytes| {
-            // The common case: the endpoint's entry is where the configuration puts it and no
-            // peer median is needed, so only that entry is decoded and rewritten, in the bytes
-            // read (the cost does not grow with the fleet: no copy of the table, no look at
-            // the other entries).
-            if let (Some(at), Some(stored), false) = (at, bytes.as_mut(), ticket.degraded_probe) {
-                if let Some(mut st) = Table::entry_of(stored, at, id) {
-                    let out = record(&mut st, None);
-                    if Table::patch_entry_in_place(stored, at, id, &st) {
-                        return (bytes, Some(out));
-                    }
-                }
-            }
-            let bytes = bytes.as_deref();
-            let (mut table, same_layout) = self.load_table(bytes);
-            // The ticket's endpoint, also if a reload moved it; gone: nothing to record.
-            let at = table.locate(ticket.endpoint, ticket.endpoint_id);
-            let reference = at
-                .filter(|_| ticket.degraded_probe)
-                .and_then(|i| signals::peer_median(&table, cfg, i, min_samples));
-            let Some((at, (_, st))) = at.and_then(|i| Some((i, table.entries.get_mut(i)?))) else {
-                return (None, None);
-            };
-            let out = record(st, reference);
-            let bytes = match bytes {
-                Some(stored) if same_layout => table.encode_patched(stored, at),
-                _ => table.encode_over(bytes),
-            };
-            (Some(bytes), Some(out))
+        // A degraded endpoint's probe needs the peers' median (the table read); every other
+        // finish reads and rewrites its endpoint's group alone.
+        let reference = if ticket.degraded_probe {
+            let table = self.load_table().0;
+            table
+                .locate(ticket.endpoint, id)
+                .and_then(|i| signals::peer_median(&table, cfg, i, min_samples))
+        } else {
+            None
+        };
+        let mut out = None;
+        let stored = self.change_entry(at, id, |st| {
+            out = Some(record(st, reference));
+            true
         });
+        let result = match stored {
+            Some(_) => Ok(out),
+            None => Err(out),
+        };
         let (mut report, degraded) = match result {
             Ok(r) => r,
             Err(r) => r.map(|(mut f, d)| {

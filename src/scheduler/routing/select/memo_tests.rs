@@ -72,7 +72,7 @@ fn seeded(store: &MemStore, cfg: &Config, seed: u64) {
             st.watch.insert(7 + i as u32, START - 10_000);
         }
     }
-    let _ = store.set(TABLE_KEY, &t.encode(), None);
+    t.write_to(&store);
 }
 
 fn outcome(x: u64) -> Outcome {
@@ -355,7 +355,7 @@ fn board_memo_judges_again_what_a_moved_median_changes() {
         st.slowness.last_sample_ms = START;
     }
     for store in [&plain, &cached, &before] {
-        let _ = store.set(TABLE_KEY, &t.encode(), None);
+        t.write_to(&store);
     }
     let cache = RefCell::new(TableCache::default());
     let a = Scheduler::new(&cfg, &plain);
@@ -381,10 +381,18 @@ fn board_memo_judges_again_what_a_moved_median_changes() {
     }
     // Peer e11 back to 1×: only its entry is written (the others keep their stamps).
     for store in [&plain, &cached] {
-        let bytes = store.get(TABLE_KEY).0.unwrap();
-        let mut t = Table::load(Some(&bytes), &cfg).0;
-        t.entries[11].1.slowness.log_mean = 0.0;
-        let _ = store.set(TABLE_KEY, &t.encode_patched(&bytes, 11), None);
+        let id = cfg.endpoints[11].id;
+        let w = crate::scheduler::routing::table::groups::update_entry(
+            store,
+            Some(11),
+            id,
+            |st| {
+                st.slowness.log_mean = 0.0;
+                true
+            },
+            |_| {},
+        );
+        assert_eq!(w, Some(Ok(true)));
     }
     let hits = cache.borrow().board.hits;
     // Where the same sessions would go without the change (e0 and the 4× peers admitted).
