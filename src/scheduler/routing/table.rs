@@ -1368,6 +1368,13 @@ mod tests {
     }
 
     #[test]
+    fn group_keys_are_the_formatted_ones() {
+        for g in [0, 1, 9, 10, 31, 99, 100, 4095, usize::MAX] {
+            assert_eq!(group_key(g), format!("{TABLE_KEY}/g{g}"));
+        }
+    }
+
+    #[test]
     fn a_header_patched_in_place_is_the_header_encoded() {
         let h = groups::Header {
             budget: RetryBudget {
