@@ -1372,6 +1372,10 @@ mod tests {
         for g in [0, 1, 9, 10, 31, 99, 100, 4095, usize::MAX] {
             assert_eq!(group_key(g), format!("{TABLE_KEY}/g{g}"));
         }
+        let at = |n: u64| crate::scheduler::state::store::numbered_key(&["a/", "b"], n);
+        for n in [0, 7, 10, 12345, u64::MAX] {
+            assert_eq!(at(n), format!("a/b{n}"));
+        }
     }
 
     #[test]

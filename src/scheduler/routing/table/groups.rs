@@ -16,7 +16,7 @@ use super::{decode_entry, encode_entry, u32_at, u64_at, EndpointState, Table, EN
 use super::{BUDGET_BYTES, TABLE_KEY, TABLE_VERSION};
 use crate::scheduler::health::budget::RetryBudget;
 use crate::scheduler::state::codec::{Reader, Writer};
-use crate::scheduler::state::store::{update_owned, Store, CAS_RETRIES};
+use crate::scheduler::state::store::{numbered_key, update_owned, Store, CAS_RETRIES};
 
 /// Entries per group key. A request reads the header plus each group that changed since its
 /// worker last read it, and writes the group of its endpoint: smaller groups copy fewer bytes
@@ -31,29 +31,9 @@ const HEAD_BYTES: usize = 1 + BUDGET_BYTES + 8 + 4;
 /// Version byte, the group's version, its entry count (then its entries).
 const GROUP_HEAD_BYTES: usize = 1 + 8 + 4;
 
-/// The shared-data key of group `g`: `{TABLE_KEY}/g{g}`, written out by hand (a request
-/// names a few groups, and `format!`'s machinery cost about 1 000 instructions per key under
-/// wasm).
+/// The shared-data key of group `g`: `{TABLE_KEY}/g{g}`.
 pub fn group_key(g: usize) -> String {
-    let mut digits = [0u8; 20];
-    let mut at = digits.len();
-    let mut rest = g;
-    loop {
-        at -= 1;
-        if let Some(d) = digits.get_mut(at) {
-            *d = b'0' + (rest % 10) as u8;
-        }
-        rest /= 10;
-        if rest == 0 || at == 0 {
-            break;
-        }
-    }
-    let digits = digits.get(at..).unwrap_or(&[]);
-    let mut key = String::with_capacity(TABLE_KEY.len() + 2 + digits.len());
-    key.push_str(TABLE_KEY);
-    key.push_str("/g");
-    key.extend(digits.iter().map(|&d| char::from(d)));
-    key
+    numbered_key(&[TABLE_KEY, "/g"], g as u64)
 }
 
 /// Groups of a table of `entries` entries.
