@@ -18,7 +18,7 @@
 //! version by their next write: an upgrade keeps every pin.
 
 use crate::scheduler::state::codec::{Reader, Writer};
-use crate::scheduler::state::store::{update, Store};
+use crate::scheduler::state::store::{numbered_key, update, Store};
 
 /// Entries per bucket aimed for: small values keep each CAS write cheap.
 const TARGET_PER_BUCKET: u64 = 64;
@@ -97,7 +97,7 @@ impl<'a> Affinity<'a> {
     }
 
     fn key(&self, b: u64) -> String {
-        format!("{}{b}", self.prefix)
+        numbered_key(&[self.prefix], b)
     }
 
     /// The pinned endpoint id of a live (not idle past the TTL) entry.

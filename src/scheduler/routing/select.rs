@@ -45,7 +45,7 @@ use crate::scheduler::routing::score::score;
 use crate::scheduler::routing::sessions;
 use crate::scheduler::routing::signals::{self, Served, Verdict};
 use crate::scheduler::routing::slowness::{self, DegradeRule, Sample, WorkModel};
-use crate::scheduler::routing::table::groups::{self, GroupWrite, Header, Patch};
+use crate::scheduler::routing::table::groups::{self, GroupWrite, Head, Patch};
 use crate::scheduler::routing::table::{
     fastest_warm, BoardMemo, EndpointState, Statics, Table, TableCache, GROUP_LEN,
 };
@@ -1048,7 +1048,7 @@ impl Scheduler<'_> {
                 retry,
                 first,
             } => {
-                let (head, cas) = Header::read(self.store);
+                let (head, cas) = Head::read(self.store);
                 let floor = |g: usize| head.as_ref().map_or(0, |h| h.version(g));
                 let g = endpoint / GROUP_LEN;
                 // The chosen entry first, with the verdicts of its own group.

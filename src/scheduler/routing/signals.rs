@@ -347,7 +347,9 @@ pub fn work_key(cfg: &Config, model: Option<&str>) -> String {
                 .is_some_and(|ms| ms.iter().any(|x| x == m))
         })
     });
-    format!("{WORK_PREFIX}{}", listed.unwrap_or("*"))
+    // Joined, not `format!`ted: the same string without the formatting machinery (a request
+    // names its work key several times).
+    [WORK_PREFIX, listed.unwrap_or("*")].concat()
 }
 
 /// The work model as stored (absent or undecodable: the prior).

@@ -511,7 +511,7 @@ impl Table {
 pub fn claim_layout(store: &dyn Store, cfg: &Config) -> u64 {
     let mut generation = 1;
     for _ in 0..CAS_RETRIES {
-        let head = groups::Header::read(store).0;
+        let head = groups::Head::read(store).0;
         let (mut table, same) = Table::load_from(store, cfg);
         if let (Some(h), true) = (head.as_ref(), same) {
             return h.generation;
@@ -849,7 +849,7 @@ impl TableCache {
     /// configuration's or a key does not decode (the caller starts over with a full load).
     fn refresh(&mut self, store: &dyn Store, cfg: &Config) -> Option<()> {
         let n = cfg.endpoints.len();
-        let head = groups::Header::read(store).0?;
+        let head = groups::Head::read(store).0?;
         if head.entries != n {
             return None;
         }
@@ -1365,6 +1365,48 @@ mod tests {
         cache.forget_group(0);
         assert_eq!(cache.load(&store, &cfg), Table::load_from(&store, &cfg));
         assert_eq!(cache.decoded, 10);
+    }
+
+    #[test]
+    fn group_keys_are_the_formatted_ones() {
+        for g in [0, 1, 9, 10, 31, 99, 100, 4095, usize::MAX] {
+            assert_eq!(group_key(g), format!("{TABLE_KEY}/g{g}"));
+        }
+        let at = |n: u64| crate::scheduler::state::store::numbered_key(&["a/", "b"], n);
+        for n in [0, 7, 10, 12345, u64::MAX] {
+            assert_eq!(at(n), format!("a/b{n}"));
+        }
+    }
+
+    #[test]
+    fn a_header_patched_in_place_is_the_header_encoded() {
+        let h = groups::Header {
+            budget: RetryBudget {
+                requests: 3.0,
+                retries: 1.0,
+                updated_ms: 7,
+            },
+            generation: 4,
+            entries: 40,
+            versions: vec![5, 9, 2],
+        };
+        let mut head = groups::Head::decode(h.encode()).expect("a header");
+        assert_eq!((head.version(1), head.version(3)), (9, 0));
+        assert_eq!(head.versions().collect::<Vec<_>>(), h.versions);
+        head.record(1, 12);
+        head.record(2, 1);
+        head.record(3, 99);
+        head.budget.on_request(10);
+        let mut want = h.clone();
+        want.versions[1] = 12;
+        want.budget.on_request(10);
+        assert_eq!(head.into_bytes(), want.encode());
+        let mut long = h.encode();
+        long.push(0);
+        assert_eq!(groups::Head::decode(long), None);
+        let mut short = h.encode();
+        short.pop();
+        assert_eq!(groups::Head::decode(short), None);
     }
 
     #[test]
