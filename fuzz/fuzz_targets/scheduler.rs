@@ -18,6 +18,7 @@ use computeflux::scheduler::health::breaker::BreakerState;
 use computeflux::scheduler::health::outcome::FailureKind;
 use computeflux::scheduler::routing::select::Ticket;
 use computeflux::scheduler::routing::sessions::SESSIONS_KEY;
+use computeflux::scheduler::routing::table::groups;
 use computeflux::scheduler::state::hash::session_key;
 use computeflux::scheduler::state::store::CAS_RETRIES;
 use computeflux::scheduler::{Config, Exclusions, MemStore, Outcome, Pick, Scheduler, Store};
@@ -210,9 +211,14 @@ fuzz_target!(|setup: Setup| {
             }
         }
         assert!(aff.stored_entries() as u64 <= cfg.affinity_max_sessions);
-        // The table, the affinity buckets and the count of sessions placed (one key).
-        assert!(store.keys() as u64 <= aff.buckets() + 2);
-        assert!(store.keys() as u64 <= aff.buckets() + 1 || store.get(SESSIONS_KEY).0.is_some());
+        // The table (its header and groups), the affinity buckets and the count of sessions
+        // placed (one key).
+        let table_keys = 1 + groups::groups(cfg.endpoints.len()) as u64;
+        assert!(store.keys() as u64 <= aff.buckets() + table_keys + 1);
+        assert!(
+            store.keys() as u64 <= aff.buckets() + table_keys
+                || store.get(SESSIONS_KEY).0.is_some()
+        );
     };
 
     for ev in setup.events.iter().take(400) {
