@@ -36,6 +36,21 @@ pub fn group_key(g: usize) -> String {
     numbered_key(&[TABLE_KEY, "/g"], g as u64)
 }
 
+/// The version a write of a group takes: one more than both its stored version and the
+/// header's record of it (versions only move up, also over a group reset by garbage).
+fn next_version(stored: u64, recorded: u64) -> u64 {
+    stored.max(recorded).wrapping_add(1)
+}
+
+/// The entries of `table` that group `g` holds.
+fn group_part(table: &Table, g: usize) -> &[(u32, EndpointState)] {
+    let from = g.saturating_mul(GROUP_LEN);
+    table
+        .entries
+        .get(from..from.saturating_add(group_size(table.entries.len(), g)))
+        .unwrap_or(&[])
+}
+
 /// Groups of a table of `entries` entries.
 pub fn groups(entries: usize) -> usize {
     entries.div_ceil(GROUP_LEN)
@@ -272,7 +287,7 @@ pub fn patch_group(
         let Some((version, _)) = parse_group(&bytes) else {
             return (None, GroupWrite::Missing);
         };
-        let next = version.max(floor).wrapping_add(1);
+        let next = next_version(version, floor);
         let mut changed = false;
         for (k, &(slot, id)) in wanted.iter().enumerate() {
             let Some(at) = slot
@@ -446,13 +461,9 @@ pub fn lay_out(
         let key = group_key(g);
         let (bytes, cas) = store.get(&key);
         let own = bytes.as_deref().and_then(parse_group).map_or(0, |(v, _)| v);
-        let floor = head.as_ref().map_or(0, |h| h.version(g));
-        let version = own.max(floor).wrapping_add(1);
+        let version = next_version(own, head.as_ref().map_or(0, |h| h.version(g)));
         let from = g * GROUP_LEN;
-        let part = table
-            .entries
-            .get(from..from + group_size(n, g))
-            .unwrap_or(&[]);
+        let part = group_part(table, g);
         let entries: Vec<(u32, EndpointState)> = part
             .iter()
             .enumerate()
@@ -516,14 +527,8 @@ pub fn write_table(store: &dyn Store, table: &Table) {
             .as_deref()
             .and_then(parse_group)
             .map_or(0, |(v, _)| v);
-        let version = own
-            .max(head.as_ref().map_or(0, |h| h.version(g)))
-            .wrapping_add(1);
-        let from = g * GROUP_LEN;
-        let part = table
-            .entries
-            .get(from..from + group_size(n, g))
-            .unwrap_or(&[]);
+        let version = next_version(own, head.as_ref().map_or(0, |h| h.version(g)));
+        let part = group_part(table, g);
         let bytes = encode_group(version, part.iter().map(|(id, st)| (*id, version, st)));
         let _ = store.set(&key, &bytes, None);
         versions.push(version);
