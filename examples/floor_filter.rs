@@ -22,6 +22,12 @@
 //! hand (this module depends on `proxy-wasm` alone); a configuration without a cluster is
 //! refused at start.
 //!
+//! With `"clusters": N` (N ≥ 1) it spreads requests over the N clusters `<cluster>0` …
+//! `<cluster>N-1` by an FNV-1a hash of the `x-session-id` request header (absent: cluster 0), as
+//! the overhead-against-fleet-size benchmark needs: Envoy's own cost of routing among N clusters
+//! (a connection pool and stats per cluster) is then measured without the filter's logic. The
+//! one header read and the hash are a few hundred instructions.
+//!
 //! It never panics: the SDK's `hostcalls` helpers panic on an unexpected host status, so the
 //! few host calls go straight to the proxy-wasm ABI and a failed one is ignored (the request then
 //! goes on without the header, and Envoy answers it as it would any unroutable request).
@@ -57,6 +63,13 @@ mod floor {
             data: *mut *mut u8,
             size: *mut usize,
         ) -> u32;
+        fn proxy_get_header_map_value(
+            map: u32,
+            key: *const u8,
+            key_size: usize,
+            value: *mut *mut u8,
+            value_size: *mut usize,
+        ) -> u32;
         fn proxy_replace_header_map_value(
             map: u32,
             key: *const u8,
@@ -90,6 +103,39 @@ mod floor {
         }
     }
 
+    /// A request header's value; empty when absent or on any error.
+    fn request_header(name: &str) -> Vec<u8> {
+        let mut data: *mut u8 = std::ptr::null_mut();
+        let mut size = 0usize;
+        // SAFETY: `name` is live for the call; the host writes a pointer and a size.
+        let status = unsafe {
+            proxy_get_header_map_value(
+                MAP_HTTP_REQUEST_HEADERS,
+                name.as_ptr(),
+                name.len(),
+                &mut data,
+                &mut size,
+            )
+        };
+        if data.is_null() {
+            return Vec::new();
+        }
+        // SAFETY: as in `buffer`: the host allocated `size` bytes with the module's allocator.
+        let bytes = unsafe { Vec::from_raw_parts(data, size, size) };
+        if status == OK {
+            bytes
+        } else {
+            Vec::new()
+        }
+    }
+
+    /// FNV-1a, 64 bits.
+    fn fnv1a(bytes: &[u8]) -> u64 {
+        bytes.iter().fold(0xcbf2_9ce4_8422_2325, |h, b| {
+            (h ^ u64::from(*b)).wrapping_mul(0x0000_0100_0000_01b3)
+        })
+    }
+
     fn set_request_header(name: &str, value: &str) -> bool {
         // SAFETY: both strings are live for the call.
         unsafe {
@@ -114,9 +160,23 @@ mod floor {
         (!v.is_empty() && !v.contains('\\')).then(|| v.to_string())
     }
 
+    /// The unsigned integer value of `"key"` in a flat JSON object.
+    fn number_field(json: &str, key: &str) -> Option<u64> {
+        let quoted = format!("\"{key}\"");
+        let after_key = json.split_once(quoted.as_str())?.1;
+        let after_colon = after_key.trim_start().strip_prefix(':')?.trim_start();
+        let digits: &str = after_colon
+            .split(|c: char| !c.is_ascii_digit())
+            .next()
+            .unwrap_or("");
+        digits.parse().ok()
+    }
+
     struct Route {
         header: String,
         cluster: String,
+        /// Spread over `<cluster>0 … <cluster>{clusters-1}` by session (0: the one cluster).
+        clusters: u64,
     }
 
     #[derive(Default)]
@@ -135,7 +195,12 @@ mod floor {
                     let header = string_field(&text, "header")
                         .unwrap_or_else(|| DEFAULT_HEADER.to_string())
                         .to_ascii_lowercase();
-                    self.route = Some(Rc::new(Route { header, cluster }));
+                    let clusters = number_field(&text, "clusters").unwrap_or(0);
+                    self.route = Some(Rc::new(Route {
+                        header,
+                        cluster,
+                        clusters,
+                    }));
                     true
                 }
                 None => {
@@ -163,7 +228,12 @@ mod floor {
     impl Request {
         fn route(&self) {
             if let Some(r) = &self.route {
-                let _ = set_request_header(&r.header, &r.cluster);
+                if r.clusters == 0 {
+                    let _ = set_request_header(&r.header, &r.cluster);
+                } else {
+                    let k = fnv1a(&request_header("x-session-id")) % r.clusters;
+                    let _ = set_request_header(&r.header, &format!("{}{k}", r.cluster));
+                }
             }
         }
     }

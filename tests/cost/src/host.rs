@@ -551,7 +551,11 @@ pub fn link(linker: &mut Linker<Host>, module: &Module) -> Result<()> {
             count(&mut c, "proxy_get_shared_data");
             let key = read(&mut c, kptr, klen)?;
             if c.data().echo {
-                eprintln!("[host   key {}]", String::from_utf8_lossy(&key));
+                eprintln!(
+                    "[host   get {} {}]",
+                    String::from_utf8_lossy(&key),
+                    c.data().shared.get(&key).map_or(0, |v| v.0.len())
+                );
             }
             match c.data().shared.get(&key).cloned() {
                 Some((value, cas)) => {
@@ -575,10 +579,14 @@ pub fn link(linker: &mut Linker<Host>, module: &Module) -> Result<()> {
          -> Result<i32> {
             count(&mut c, "proxy_set_shared_data");
             let key = read(&mut c, kptr, klen)?;
-            if c.data().echo {
-                eprintln!("[host   key {}]", String::from_utf8_lossy(&key));
-            }
             let value = read(&mut c, vptr, vlen)?;
+            if c.data().echo {
+                eprintln!(
+                    "[host   set {} {}]",
+                    String::from_utf8_lossy(&key),
+                    value.len()
+                );
+            }
             let host = c.data_mut();
             let cas = cas as u32;
             // Envoy: a non-zero cas must match the key's current one (an absent key matches any).

@@ -514,7 +514,7 @@ fn run(a: Args) -> Result<(), String> {
             "bench: overhead against fleet size {:?}",
             fleet_opts.endpoints
         );
-        Some(fleet::run(&fleet_opts, &wasm)?)
+        Some(fleet::run(&fleet_opts, &wasm, &floor)?)
     } else {
         None
     };

@@ -10,7 +10,11 @@
 //! How: one plain Envoy (no wasm, a static route to the upstream) and one Envoy per fleet size N,
 //! each with the filter (defaults, no metrics scraping: the cost harness scrapes nothing either,
 //! and a scrape per endpoint would charge background work to the requests) choosing among N
-//! endpoint clusters that all point at the same fast upstream. Every Envoy runs with
+//! endpoint clusters that all point at the same fast upstream; and one Envoy per N with the floor
+//! module (`examples/floor_filter.rs` with `"clusters": N`) spreading the requests over the same
+//! N clusters by session: Envoy's own cost of routing among N clusters (a connection pool and
+//! stats per cluster), which no filter can avoid, so that the filter's own share (filter/N −
+//! floor/N) can be compared across fleet sizes too. Every Envoy runs with
 //! `--concurrency 1`. wrk sends a small chat body with 8 connections, each request's session id
 //! drawn from 2 000 ids (so the filter sees new sessions and affinity hits, as in issue 21's
 //! measurement). Each round runs every Envoy once, the order rotated by one per round;
@@ -121,7 +125,7 @@ fn load_average() -> String {
 }
 
 /// Runs the comparison; the result is the `overhead_fleet` JSON object (see [`markdown`]).
-pub fn run(opts: &FleetOpts, wasm: &Path) -> Result<Value, String> {
+pub fn run(opts: &FleetOpts, wasm: &Path, floor: &Path) -> Result<Value, String> {
     std::fs::create_dir_all(&opts.work_dir).map_err(|e| e.to_string())?;
     let load_before = load_average();
     let upstream = MockUpstream::start(
@@ -153,6 +157,27 @@ pub fn run(opts: &FleetOpts, wasm: &Path) -> Result<Value, String> {
         "no_wasm".into(),
         EnvoyProc::start(&plain_boot, 1, "fleet-plain")?,
     )];
+    // The floor module spreading requests over the same N clusters by session: Envoy's own
+    // cost of routing among N clusters, without the filter's logic.
+    for &n in &opts.endpoints {
+        let floor_cfg = super::support::EnvoyConfig {
+            concurrency: 1,
+            log_level: "warn".into(),
+            plugin_config: json!({"cluster": "ep_f", "clusters": n}),
+            clusters: names
+                .iter()
+                .take(n)
+                .map(|name| (format!("ep_{name}"), upstream.port))
+                .collect(),
+            ..Default::default()
+        };
+        let boot = super::support::render_bootstrap(&floor_cfg, floor, 0, 0);
+        envoys.push((
+            format!("floor/{n}"),
+            EnvoyProc::start(&boot, 1, &format!("fleet-floor-{n}"))?,
+        ));
+    }
+    let floors = envoys.len();
     for &n in &opts.endpoints {
         let hosts: Vec<(&str, &[&str], u16)> = names
             .iter()
@@ -202,9 +227,17 @@ pub fn run(opts: &FleetOpts, wasm: &Path) -> Result<Value, String> {
         }
     }
     let plain = runs.first().cloned().unwrap_or_default();
-    let smallest = runs.get(1).cloned().unwrap_or_default();
+    // Rows: 0 no wasm, 1..=sizes the floor per size, then the filter per size.
+    let floor_of = |k: usize| runs.get(1 + k).cloned().unwrap_or_default();
+    let filter_of = |k: usize| runs.get(floors + k).cloned().unwrap_or_default();
     let per_round = |a: &[Run], b: &[Run], f: &dyn Fn(&Run, &Run) -> f64| -> Vec<f64> {
         a.iter().zip(b).map(|(x, y)| f(x, y)).collect()
+    };
+    // The filter's own share of Envoy's CPU per request at size k: filter/N − floor/N.
+    let own = |k: usize| -> Vec<f64> {
+        per_round(&filter_of(k), &floor_of(k), &|a, b| {
+            a.cpu_us_per_request - b.cpu_us_per_request
+        })
     };
     let rows: Vec<Value> = envoys
         .iter()
@@ -213,44 +246,71 @@ pub fn run(opts: &FleetOpts, wasm: &Path) -> Result<Value, String> {
         .map(|(i, ((name, _), r))| {
             let cpu: Vec<f64> = r.iter().map(|x| x.cpu_us_per_request).collect();
             let rps: Vec<f64> = r.iter().map(|x| x.rps).collect();
+            // (kind, index of the size) of this row; the plain Envoy has none.
+            let (kind, k) = match i {
+                0 => ("no_wasm", None),
+                i if i < floors => ("floor", Some(i - 1)),
+                i => ("filter", Some(i - floors)),
+            };
             let mut row = json!({
                 "envoy": name,
-                "endpoints": if i == 0 { Value::Null } else { json!(opts.endpoints.get(i - 1)) },
+                "kind": kind,
+                "endpoints": k.and_then(|k| opts.endpoints.get(k)),
                 "envoy_cpu_us_per_request": stat_json(&cpu, 10.0),
                 "requests_per_s": stat_json(&rps, 1.0),
                 "errors": r.iter().map(|x| x.errors).sum::<u64>(),
             });
-            if i > 0 {
-                if let Some(o) = row.as_object_mut() {
-                    o.insert(
-                        "cpu_minus_no_wasm_us".into(),
-                        stat_json(
-                            &per_round(r, &plain, &|a, b| {
-                                a.cpu_us_per_request - b.cpu_us_per_request
-                            }),
-                            10.0,
-                        ),
-                    );
-                    o.insert(
-                        "rps_over_no_wasm".into(),
-                        stat_json(&per_round(r, &plain, &|a, b| a.rps / b.rps), 1000.0),
-                    );
-                    o.insert(
-                        "cpu_over_smallest_fleet".into(),
-                        stat_json(
-                            &per_round(r, &smallest, &|a, b| {
-                                a.cpu_us_per_request / b.cpu_us_per_request
-                            }),
-                            1000.0,
-                        ),
-                    );
-                }
+            let (Some(k), Some(o)) = (k, row.as_object_mut()) else {
+                return row;
+            };
+            let smallest = if kind == "floor" {
+                floor_of(0)
+            } else {
+                filter_of(0)
+            };
+            o.insert(
+                "cpu_minus_no_wasm_us".into(),
+                stat_json(
+                    &per_round(r, &plain, &|a, b| {
+                        a.cpu_us_per_request - b.cpu_us_per_request
+                    }),
+                    10.0,
+                ),
+            );
+            o.insert(
+                "rps_over_no_wasm".into(),
+                stat_json(&per_round(r, &plain, &|a, b| a.rps / b.rps), 1000.0),
+            );
+            o.insert(
+                "cpu_over_smallest_fleet".into(),
+                stat_json(
+                    &per_round(r, &smallest, &|a, b| {
+                        a.cpu_us_per_request / b.cpu_us_per_request
+                    }),
+                    1000.0,
+                ),
+            );
+            if kind == "filter" {
+                let own_k = own(k);
+                let own_0 = own(0);
+                o.insert("cpu_minus_floor_us".into(), stat_json(&own_k, 10.0));
+                o.insert(
+                    "own_over_smallest_fleet".into(),
+                    stat_json(
+                        &own_k
+                            .iter()
+                            .zip(&own_0)
+                            .map(|(a, b)| a / b)
+                            .collect::<Vec<_>>(),
+                        1000.0,
+                    ),
+                );
             }
             row
         })
         .collect();
     Ok(json!({
-        "method": "one plain Envoy and one filter Envoy per fleet size (no metrics scraping), every endpoint a cluster in front of the same fast upstream; --concurrency 1; wrk -t1 with the given connections, a small chat body, session ids drawn uniformly from `sessions`; rounds run every Envoy once in an order rotated by one per round; ratios are per round, then the median",
+        "method": "one plain Envoy, one floor-module Envoy per fleet size (spreading requests over the same N clusters by session) and one filter Envoy per fleet size (no metrics scraping), every endpoint a cluster in front of the same fast upstream; --concurrency 1; wrk -t1 with the given connections, a small chat body, session ids drawn uniformly from `sessions`; rounds run every Envoy once in an order rotated by one per round; ratios are per round, then the median",
         "endpoints": opts.endpoints,
         "seconds": opts.seconds,
         "reps": opts.reps,
@@ -288,7 +348,7 @@ pub fn markdown(v: &Value, machine: &str) -> String {
         v.get("load_average_before").and_then(Value::as_str).unwrap_or("?"),
         v.get("load_average_after").and_then(Value::as_str).unwrap_or("?"),
     ));
-    s.push_str("| Envoy | CPU µs / request | − no wasm (µs) | req/s | filter ÷ no wasm req/s | CPU ÷ smallest fleet | errors |\n|---|---:|---:|---:|---:|---:|---:|\n");
+    s.push_str("| Envoy | CPU µs / request | − no wasm (µs) | req/s | ÷ no wasm req/s | CPU ÷ smallest fleet (same module) | filter − floor at N (µs) | (filter − floor) ÷ at smallest | errors |\n|---|---:|---:|---:|---:|---:|---:|---:|---:|\n");
     for r in v
         .get("rows")
         .and_then(Value::as_array)
@@ -298,13 +358,22 @@ pub fn markdown(v: &Value, machine: &str) -> String {
         let name = r.get("envoy").and_then(Value::as_str).unwrap_or("?");
         let filter = r.get("endpoints").is_some_and(|e| !e.is_null());
         let opt = |p: &str| if filter { range(r, p) } else { "–".into() };
+        let filter_only = |p: &str| {
+            if r.get("kind").and_then(Value::as_str) == Some("filter") {
+                range(r, p)
+            } else {
+                "–".into()
+            }
+        };
         s.push_str(&format!(
-            "| {name} | {} | {} | {} | {} | {} | {} |\n",
+            "| {name} | {} | {} | {} | {} | {} | {} | {} | {} |\n",
             range(r, "/envoy_cpu_us_per_request"),
             opt("/cpu_minus_no_wasm_us"),
             range(r, "/requests_per_s"),
             opt("/rps_over_no_wasm"),
             opt("/cpu_over_smallest_fleet"),
+            filter_only("/cpu_minus_floor_us"),
+            filter_only("/own_over_smallest_fleet"),
             r.get("errors").and_then(Value::as_u64).unwrap_or(0),
         ));
     }
