@@ -6,7 +6,8 @@
 //! What must hold: every request (small and multi-chunk bodies, a request without a body, one
 //! carrying a client-sent routing header naming the other cluster) reaches the configured
 //! cluster and none the other; nothing in Envoy's log shows a panic; a configuration without a
-//! cluster stops Envoy from starting, with the module's own message.
+//! cluster stops Envoy from starting, with the module's own message. With `"clusters": N`, a
+//! session's requests all reach one of the N clusters and sessions reach more than one.
 
 // Test code: failing loudly with context is the point.
 #![allow(
@@ -98,6 +99,49 @@ fn the_floor_routes_every_request_to_its_cluster_and_refuses_no_cluster() {
     checks.expect(
         e.wasm_crashes().is_empty(),
         format!("no panic in Envoy's log: {:?}", e.wasm_crashes()),
+    );
+
+    // Spread over N clusters by session (the fleet benchmark's floor): both clusters take
+    // sessions, and a session's requests all reach the same one.
+    let c = steady_mock("c", 0);
+    let d = steady_mock("d", 0);
+    let spread = Envoy::start(EnvoyConfig::new(
+        json!({"cluster": "s", "clusters": 2}),
+        &[("s0", c.port), ("s1", d.port)],
+    ));
+    let mut split = Vec::new();
+    for k in 0..16 {
+        let sid = format!("floor-{k}");
+        let ends: Vec<String> = (0..2)
+            .map(|_| {
+                let r = post_chat(spread.port, &[("x-session-id", sid.as_str())], &chat(100));
+                let end = r.headers.get("x-mock-endpoint").cloned();
+                end.filter(|_| r.status == 200)
+                    .unwrap_or_else(|| "?".into())
+            })
+            .collect();
+        split.push(ends);
+    }
+    checks.expect(
+        split.iter().all(|e| e[0] != "?" && e[0] == e[1]),
+        format!("each session's two requests answered by one cluster's mock: {split:?}"),
+    );
+    checks.expect(
+        c.request_count() > 0
+            && d.request_count() > 0
+            && c.request_count() + d.request_count() == 32,
+        format!(
+            "sessions spread over both clusters (c {}, d {})",
+            c.request_count(),
+            d.request_count()
+        ),
+    );
+    checks.expect(
+        spread.wasm_crashes().is_empty(),
+        format!(
+            "no panic in the spreading Envoy's log: {:?}",
+            spread.wasm_crashes()
+        ),
     );
 
     let refused = Envoy::try_start(EnvoyConfig::new(json!({"header": "x"}), &clusters));
