@@ -23,7 +23,7 @@
 //! refused at start.
 //!
 //! With `"clusters": N` (N ≥ 1) it spreads requests over the N clusters `<cluster>0` …
-//! `<cluster>N-1` by an FNV-1a hash of the `x-session-id` request header (absent: cluster 0), as
+//! `<cluster>N-1` by an FNV-1a hash of the `x-session-id` request header (absent: of ""), as
 //! the overhead-against-fleet-size benchmark needs: Envoy's own cost of routing among N clusters
 //! (a connection pool and stats per cluster) is then measured without the filter's logic. The
 //! one header read and the hash are a few hundred instructions.
