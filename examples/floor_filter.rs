@@ -84,12 +84,9 @@ mod floor {
         let _ = unsafe { proxy_log(LOG_ERROR, msg.as_ptr(), msg.len()) };
     }
 
-    /// `max` bytes of a host buffer from `start`; empty on any error.
-    fn buffer(kind: u32, start: usize, max: usize) -> Vec<u8> {
-        let mut data: *mut u8 = std::ptr::null_mut();
-        let mut size = 0usize;
-        // SAFETY: the host writes a pointer and a size into the out-parameters.
-        let status = unsafe { proxy_get_buffer_bytes(kind, start, max, &mut data, &mut size) };
+    /// The bytes a host call handed over through its `data` / `size` out-parameters, owned now
+    /// (freed here on an error status); empty when it handed nothing or failed.
+    fn handed_over(status: u32, data: *mut u8, size: usize) -> Vec<u8> {
         if data.is_null() {
             return Vec::new();
         }
@@ -101,6 +98,15 @@ mod floor {
         } else {
             Vec::new()
         }
+    }
+
+    /// `max` bytes of a host buffer from `start`; empty on any error.
+    fn buffer(kind: u32, start: usize, max: usize) -> Vec<u8> {
+        let mut data: *mut u8 = std::ptr::null_mut();
+        let mut size = 0usize;
+        // SAFETY: the host writes a pointer and a size into the out-parameters.
+        let status = unsafe { proxy_get_buffer_bytes(kind, start, max, &mut data, &mut size) };
+        handed_over(status, data, size)
     }
 
     /// A request header's value; empty when absent or on any error.
@@ -117,16 +123,7 @@ mod floor {
                 &mut size,
             )
         };
-        if data.is_null() {
-            return Vec::new();
-        }
-        // SAFETY: as in `buffer`: the host allocated `size` bytes with the module's allocator.
-        let bytes = unsafe { Vec::from_raw_parts(data, size, size) };
-        if status == OK {
-            bytes
-        } else {
-            Vec::new()
-        }
+        handed_over(status, data, size)
     }
 
     /// FNV-1a, 64 bits.
