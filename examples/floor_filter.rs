@@ -15,12 +15,20 @@
 //! - `on_http_request_body`: before end of stream `Pause` (Envoy buffers); at end of stream copy
 //!   the whole body into the module (as a filter reading `model` must), set the routing header to
 //!   the configured cluster (replacing any client-sent value) and `Continue`.
-//! - No response callbacks, no shared data, no metrics, no timers, no parsing of the body.
+//! - No response callbacks, no shared data, no metrics, no timers, no parsing of the body
+//!   (unless `"read_model"`, below).
 //!
 //! Configuration (the plugin's `configuration` string): `{"cluster": "<name>"}`, optionally
 //! `"header": "<routing header>"` (default `x-computeflux-cluster`, the real filter's). Read by
 //! hand (this module depends on `proxy-wasm` alone); a configuration without a cluster is
 //! refused at start.
+//!
+//! With `"read_model": true` it also parses the body for its `model` (serde_json, the whole body
+//! validated, every other field skipped unread) before routing: the least a filter that routes
+//! on the model does, so that the exact cost harness (`tests/cost`) can say what reading the
+//! routing field alone costs beside the floor's copy. The model is not used (the route stays the
+//! configured cluster, so the harness's scenarios run unchanged); a body that is not a JSON object
+//! with a string `model` is routed the same (a real filter answers 400 there).
 //!
 //! With `"clusters": N` (N ≥ 1) it spreads requests over the N clusters `<cluster>0` …
 //! `<cluster>N-1` by an FNV-1a hash of the `x-session-id` request header (absent: of ""), as
@@ -157,6 +165,26 @@ mod floor {
         (!v.is_empty() && !v.contains('\\')).then(|| v.to_string())
     }
 
+    /// Whether `"key": true` is in a flat JSON object.
+    fn true_field(json: &str, key: &str) -> bool {
+        let quoted = format!("\"{key}\"");
+        json.split_once(quoted.as_str())
+            .and_then(|(_, after)| after.trim_start().strip_prefix(':'))
+            .is_some_and(|v| v.trim_start().starts_with("true"))
+    }
+
+    /// The routing field of a request body, borrowed where it has no escapes.
+    #[derive(serde::Deserialize)]
+    struct Routing<'a> {
+        #[serde(borrow)]
+        model: Option<std::borrow::Cow<'a, str>>,
+    }
+
+    /// The body's `model`, if it is a JSON object with a string one.
+    fn model(body: &[u8]) -> Option<std::borrow::Cow<'_, str>> {
+        serde_json::from_slice::<Routing<'_>>(body).ok()?.model
+    }
+
     /// The unsigned integer value of `"key"` in a flat JSON object.
     fn number_field(json: &str, key: &str) -> Option<u64> {
         let quoted = format!("\"{key}\"");
@@ -174,6 +202,8 @@ mod floor {
         cluster: String,
         /// Spread over `<cluster>0 … <cluster>{clusters-1}` by session (0: the one cluster).
         clusters: u64,
+        /// Parse the body for its `model` before routing.
+        read_model: bool,
     }
 
     #[derive(Default)]
@@ -197,6 +227,7 @@ mod floor {
                         header,
                         cluster,
                         clusters,
+                        read_model: true_field(&text, "read_model"),
                     }));
                     true
                 }
@@ -252,6 +283,9 @@ mod floor {
             }
             // What a body-routing filter must do before it can decide: have the whole body.
             let body = buffer(BUFFER_HTTP_REQUEST_BODY, 0, body_size);
+            if self.route.as_ref().is_some_and(|r| r.read_model) {
+                std::hint::black_box(model(&body));
+            }
             std::hint::black_box(&body);
             self.route();
             Action::Continue

@@ -103,7 +103,8 @@ fn cargo_build(args: &[&str]) -> Result<()> {
 /// Every suite the budgets and the table cover: the filter at each endpoint count (and, at 4
 /// and 512 endpoints, with usage accounting and quota awareness off, to isolate what reading
 /// usage and quota headers costs; at every count with `prefix_placement` off, to isolate what
-/// placement by prefix costs), and the floor once (it knows no endpoints).
+/// placement by prefix costs), and the floor once (it knows no endpoints), as it is and
+/// parsing the body for its `model` (what reading the routing field alone costs).
 pub fn setups() -> Vec<(Module, Setup, &'static str)> {
     let mut v = Vec::new();
     for n in ENDPOINT_COUNTS {
@@ -138,6 +139,7 @@ pub fn setups() -> Vec<(Module, Setup, &'static str)> {
         ));
     }
     v.push((Module::Floor, Setup::new(1), ""));
+    v.push((Module::FloorModel, Setup::new(1), ""));
     v
 }
 
@@ -145,6 +147,7 @@ pub fn setups() -> Vec<(Module, Setup, &'static str)> {
 pub fn suite_key(module: Module, setup: Setup, variant: &str) -> String {
     match (module, variant) {
         (Module::Floor, _) => "floor".to_string(),
+        (Module::FloorModel, _) => "floor/read_model".to_string(),
         (Module::Filter, "") => format!("filter/{}", setup.endpoints),
         (Module::Filter, v) => format!("filter/{}/{v}", setup.endpoints),
     }
@@ -177,7 +180,7 @@ pub fn run_all(modules: &Modules) -> Result<Vec<(String, Suite)>> {
     for (module, setup, variant) in setups() {
         let loaded = match module {
             Module::Filter => &modules.filter,
-            Module::Floor => &modules.floor,
+            Module::Floor | Module::FloorModel => &modules.floor,
         };
         let key = suite_key(module, setup, variant);
         let suite = match scenario::run_suite(loaded, module, setup) {
@@ -225,7 +228,7 @@ pub fn markdown(suites: &[(String, Suite)]) -> String {
         md,
         "### Instructions per request (wasmtime fuel; exact, deterministic)\n"
     );
-    let mut cols: Vec<&str> = vec!["floor"];
+    let mut cols: Vec<&str> = vec!["floor", "floor/read_model"];
     let filter_keys: Vec<String> = ENDPOINT_COUNTS
         .iter()
         .map(|n| format!("filter/{n}"))
@@ -235,12 +238,15 @@ pub fn markdown(suites: &[(String, Suite)]) -> String {
     for c in &cols {
         let _ = write!(md, " {c} |");
     }
-    let _ = writeln!(md, " own logic at 4 (filter − floor) | 512 ÷ 4 |");
+    let _ = writeln!(
+        md,
+        " own logic at 4 (filter − floor) | beyond reading `model` (filter − floor/read_model) | 512 ÷ 4 |"
+    );
     let _ = write!(md, "|---|");
     for _ in &cols {
         let _ = write!(md, "---:|");
     }
-    let _ = writeln!(md, "---:|---:|");
+    let _ = writeln!(md, "---:|---:|---:|");
     let mut rows: Vec<&str> = SCENARIOS.to_vec();
     rows.extend(["startup", "tick"]);
     for row in rows {
@@ -261,19 +267,20 @@ pub fn markdown(suites: &[(String, Suite)]) -> String {
             );
         }
         let f4 = count("filter/4");
-        let own = match (f4, count("floor")) {
+        let beyond = |floor: &str| match (f4, count(floor)) {
             (Some(f), Some(fl)) => format!(
                 "{} ({:.1}× floor)",
                 thousands(f.saturating_sub(fl)),
-                (f.saturating_sub(fl)) as f64 / fl.max(1) as f64
+                (f.saturating_sub(fl)) as f64 / count("floor").unwrap_or(fl).max(1) as f64
             ),
             _ => "–".into(),
         };
+        let (own, beyond_model) = (beyond("floor"), beyond("floor/read_model"));
         let ratio = match (f4, count("filter/512")) {
             (Some(a), Some(b)) => format!("{:.2}", b as f64 / a.max(1) as f64),
             _ => "–".into(),
         };
-        let _ = writeln!(md, " {own} | {ratio} |");
+        let _ = writeln!(md, " {own} | {beyond_model} | {ratio} |");
     }
 
     // What usage accounting and quota awareness cost: the same suite with the switch off.

@@ -46,6 +46,8 @@ pub const PREFIX_SYSTEM_BYTES: usize = 3_000;
 pub enum Module {
     Filter,
     Floor,
+    /// The floor module parsing the body for its `model` (`"read_model": true`).
+    FloorModel,
 }
 
 impl Module {
@@ -53,6 +55,7 @@ impl Module {
         match self {
             Module::Filter => "filter",
             Module::Floor => "floor",
+            Module::FloorModel => "floor_model",
         }
     }
 }
@@ -118,6 +121,11 @@ pub fn filter_config(s: Setup) -> String {
 
 pub fn floor_config() -> String {
     r#"{"cluster": "gpu_0"}"#.to_string()
+}
+
+/// The floor reading the body's `model` before it routes.
+pub fn floor_model_config() -> String {
+    r#"{"cluster": "gpu_0", "read_model": true}"#.to_string()
 }
 
 /// One measured piece of work.
@@ -387,6 +395,7 @@ pub fn run_suite_sampling(
     let config = match module {
         Module::Filter => filter_config(setup),
         Module::Floor => floor_config(),
+        Module::FloorModel => floor_model_config(),
     };
     let mut vm = Vm::new(loaded)?;
     vm.host().echo = std::env::var_os("COMPUTEFLUX_COST_ECHO").is_some();
