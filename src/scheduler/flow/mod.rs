@@ -69,7 +69,6 @@ use crate::scheduler::wire::api::{self, Api, BodyFormat, Handling};
 use crate::scheduler::wire::headers::{rate_limit_hints, HeaderSource, Pairs};
 use crate::scheduler::wire::models::{self, Merged, Retrieved};
 use crate::scheduler::wire::prefix;
-use crate::scheduler::wire::prompt_size;
 use crate::scheduler::wire::reply::Reply;
 use crate::scheduler::wire::request::{derive_session, parse_chat_with, RequestError};
 use crate::scheduler::wire::usage::{Framing, Usage, UsageScan};
@@ -872,11 +871,8 @@ impl Flow {
         self.follow_up = req.follow_up;
         self.max_output_tokens = req.max_output_tokens.unwrap_or(0);
         self.model = Some(req.model);
-        self.prompt_bytes = match self.api.map(|a| a.body()) {
-            // An upload form: its file is one media item.
-            Some(BodyFormat::Multipart) => prompt_size::MEDIA_BYTES,
-            _ => prompt_size::prompt_bytes(&body),
-        };
+        // An upload form's file is one media item; a JSON body was measured by its parse.
+        self.prompt_bytes = req.prompt_bytes;
         self.body = body;
         self.body_unread = false;
         if self.api == Some(Api::Responses) {

@@ -30,6 +30,7 @@ use crate::scheduler::state::hash::{hash_parts, session_key};
 use crate::scheduler::wire::api::Api;
 use crate::scheduler::wire::multipart::{read_model, MultipartError};
 use crate::scheduler::wire::prefix::{InstructionsHasher, Part, Segment};
+use crate::scheduler::wire::prompt_size;
 pub use crate::scheduler::wire::reply::openai_error;
 use crate::scheduler::wire::reply::{RejectReason, Reply};
 use crate::scheduler::wire::text;
@@ -60,6 +61,9 @@ pub struct ChatRequest {
     /// `max_output_tokens`), if it says: hosted APIs charge it to the key's token quota when
     /// they admit the request, so quota-aware routing counts it too.
     pub max_output_tokens: Option<u64>,
+    /// The prompt's size for the quota estimate: the body's bytes with each inline media item
+    /// counted as [`prompt_size::MEDIA_BYTES`] (an upload form is one media item).
+    pub prompt_bytes: u64,
 }
 
 /// Above this a stated output limit is not believed (no model writes 10^7 tokens).
@@ -236,7 +240,9 @@ pub fn parse_chat_with(body: &[u8], instructions: bool) -> Result<ChatRequest, R
         }
         Some(_) => {}
     }
-    if nesting_depth(body) > MAX_DEPTH {
+    // One pass for the nesting depth and the prompt size (`prompt_size::scan`).
+    let scanned = prompt_size::scan(body);
+    if scanned.depth > MAX_DEPTH {
         return Err(RequestError::InvalidJson(format!(
             "nesting deeper than {MAX_DEPTH} levels"
         )));
@@ -320,63 +326,13 @@ pub fn parse_chat_with(body: &[u8], instructions: bool) -> Result<ChatRequest, R
         stream,
         follow_up: items_seen >= FOLLOW_UP_ITEMS,
         max_output_tokens,
+        prompt_bytes: scanned.prompt_bytes,
     })
 }
 
 /// Deepest JSON nesting accepted. serde_json ignores unknown fields iteratively without a
 /// depth bound; an upstream parser may not be so forgiving, so the filter refuses such bodies.
 pub const MAX_DEPTH: usize = 128;
-
-/// Maximum depth of `[`/`{` nesting outside strings (a linear byte scan, no allocation).
-///
-/// Inside a string (most of a large body: the messages' text) it steps eight bytes at a time
-/// while none of them is a quote or a backslash, the only bytes that matter there; a byte at
-/// a time costs about five times as many instructions per byte under wasm.
-fn nesting_depth(body: &[u8]) -> usize {
-    let (mut depth, mut max, mut in_str, mut escaped) = (0usize, 0usize, false, false);
-    let mut at = 0usize;
-    while let Some(&b) = body.get(at) {
-        if in_str && !escaped {
-            let word = at
-                .checked_add(8)
-                .and_then(|end| body.get(at..end))
-                .and_then(|w| w.first_chunk::<8>())
-                .map(|w| u64::from_le_bytes(*w));
-            if word.is_some_and(|w| !has_byte(w, b'"') && !has_byte(w, b'\\')) {
-                at += 8;
-                continue;
-            }
-        }
-        at += 1;
-        if in_str {
-            match (escaped, b) {
-                (true, _) => escaped = false,
-                (false, b'\\') => escaped = true,
-                (false, b'"') => in_str = false,
-                _ => {}
-            }
-            continue;
-        }
-        match b {
-            b'"' => in_str = true,
-            b'[' | b'{' => {
-                depth += 1;
-                max = max.max(depth);
-            }
-            b']' | b'}' => depth = depth.saturating_sub(1),
-            _ => {}
-        }
-    }
-    max
-}
-
-/// Whether one of the eight bytes of `word` is `byte` (the exact zero-byte test of
-/// `word ^ byte…`: nonzero exactly when some byte is zero).
-fn has_byte(word: u64, byte: u8) -> bool {
-    const ONES: u64 = 0x0101_0101_0101_0101;
-    let v = word ^ (ONES * u64::from(byte));
-    v.wrapping_sub(ONES) & !v & (ONES << 7) != 0
-}
 
 /// Hash of (model, system prompt, first user message), when there is a user message. `system`
 /// is a top-level system prompt; without one, the first system / developer message is used.
@@ -497,6 +453,7 @@ pub fn form_request(model: String) -> ChatRequest {
         stream: false,
         follow_up: false,
         max_output_tokens: None,
+        prompt_bytes: prompt_size::MEDIA_BYTES,
     }
 }
 
@@ -507,7 +464,7 @@ mod tests {
     /// The word-at-a-time scan against the plain byte loop, on bodies full of strings,
     /// escapes and brackets at every alignment.
     #[test]
-    fn nesting_depth_equals_the_byte_loop() {
+    fn the_scans_depth_equals_the_byte_loop() {
         fn bytewise(body: &[u8]) -> usize {
             let (mut depth, mut max, mut in_str, mut escaped) = (0usize, 0usize, false, false);
             for &b in body {
@@ -547,7 +504,7 @@ mod tests {
                         }
                     })
                     .collect();
-                assert_eq!(nesting_depth(&body), bytewise(&body), "{body:?}");
+                assert_eq!(prompt_size::scan(&body).depth, bytewise(&body), "{body:?}");
             }
         }
         let long = format!(
@@ -555,8 +512,11 @@ mod tests {
             "x".repeat(1000),
             "y".repeat(77)
         );
-        assert_eq!(nesting_depth(long.as_bytes()), 4);
-        assert_eq!(nesting_depth(long.as_bytes()), bytewise(long.as_bytes()));
+        assert_eq!(prompt_size::scan(long.as_bytes()).depth, 4);
+        assert_eq!(
+            prompt_size::scan(long.as_bytes()).depth,
+            bytewise(long.as_bytes())
+        );
     }
 
     #[test]
