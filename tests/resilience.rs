@@ -750,7 +750,9 @@ fn dead_keys_are_skipped_per_request_and_lower_the_score() {
 /// after it (see the module docs).
 #[test]
 fn failover_kinds_bounds_final_response_disconnects_and_streaming() {
-    const TIMEOUT_MS: u64 = 2000;
+    // Long enough that the in-flight gauge (refreshed on the one-second tick) shows a hanging
+    // attempt before it times out, on a loaded machine too: with 2 s a delayed tick missed it.
+    const TIMEOUT_MS: u64 = 3000;
     // a streams slowly when asked (`slow`): 16 tokens over 20 ms × factor.
     let a = MockUpstream::start(
         "a",
@@ -879,7 +881,8 @@ fn failover_kinds_bounds_final_response_disconnects_and_streaming() {
     a.set_fault(json!({"mode": "hang"}));
     let s = raw_request(envoy.port, &fresh_body("m", Value::Null));
     assert!(
-        eventually(Duration::from_millis(1700), || in_flight("a") == 1.0),
+        eventually(Duration::from_millis(TIMEOUT_MS - 300), || in_flight("a")
+            == 1.0),
         "the hanging attempt never showed in the in-flight gauge"
     );
     drop(s);
@@ -894,7 +897,8 @@ fn failover_kinds_bounds_final_response_disconnects_and_streaming() {
     b.set_fault(json!({"mode": "hang"}));
     let s = raw_request(envoy.port, &fresh_body("m", Value::Null));
     assert!(
-        eventually(Duration::from_millis(1700), || in_flight("b") == 1.0),
+        eventually(Duration::from_millis(TIMEOUT_MS - 300), || in_flight("b")
+            == 1.0),
         "the hanging failover call never showed in the in-flight gauge"
     );
     drop(s);
