@@ -21,7 +21,7 @@
 //! taken over with `Vec::from_raw_parts(ptr, len, len)`, as the SDK does.
 
 use crate::scheduler::state::store::CasMismatch;
-use crate::scheduler::wire::headers::{decode_pairs, encode_pairs, Pairs};
+use crate::scheduler::wire::headers::{decode_pairs, encode_pairs, HeaderList, Pairs};
 use proxy_wasm::hostcalls;
 use proxy_wasm::types::{BufferType, LogLevel, MapType, MetricType};
 use std::ptr::{null, null_mut};
@@ -251,6 +251,22 @@ pub fn header_pairs(map: MapType) -> Pairs {
         decode_pairs(&bytes).unwrap_or_default()
     } else {
         Vec::new()
+    }
+}
+
+/// Every header of `map`, read in place ([`HeaderList`]; empty if the map is unavailable or
+/// its encoding is malformed).
+pub fn header_list(map: MapType) -> HeaderList {
+    let mut data = null_mut();
+    let mut size = 0usize;
+    // SAFETY: the host writes into the out-parameters.
+    let status = unsafe { proxy_get_header_map_pairs(map as u32, &mut data, &mut size) };
+    // SAFETY: as in `buffer`.
+    let bytes = unsafe { take(data, size) };
+    if status == OK {
+        HeaderList::decode(bytes).unwrap_or_default()
+    } else {
+        HeaderList::default()
     }
 }
 

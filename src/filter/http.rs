@@ -180,7 +180,7 @@ impl HttpContext for Http {
         let now = host::now_ms();
         // Clients never pick clusters: gone from the live map before any route matching.
         host::remove_header(MapType::HttpRequestHeaders, &self.plugin.cfg.routing_header);
-        let headers = host::header_pairs(MapType::HttpRequestHeaders);
+        let headers = host::header_list(MapType::HttpRequestHeaders);
         let step = self.with_flow(now, |f, s, r| {
             f.on_request_headers(s, r, headers, end_of_stream, now)
         });
@@ -212,7 +212,7 @@ impl HttpContext for Http {
         // One host call for the whole map: a success answer is read for its status, its
         // content type (twice) and up to a dozen quota headers, each a host call if looked up
         // one by one.
-        let headers = host::header_pairs(MapType::HttpResponseHeaders);
+        let headers = host::header_list(MapType::HttpResponseHeaders);
         let step = self.with_flow(now, |f, s, r| {
             f.on_response_headers(s, r, &headers, end_of_stream, now)
         });

@@ -42,11 +42,11 @@ impl Flow {
     pub fn call<'a>(&'a self, cfg: &'a Config, i: usize) -> Option<Call<'a>> {
         let ep = cfg.endpoints.get(i)?;
         let mut headers: Pairs = Vec::with_capacity(self.headers.len() + ep.headers.len() + 1);
-        for (name, value) in &self.headers {
-            let overridden = ep.headers.iter().any(|(n, _)| n == name);
+        for (name, value) in self.headers.iter() {
+            let overridden = ep.headers.iter().any(|(n, _)| *n == name);
             let framing = name == "content-length" || name == "transfer-encoding";
             if !overridden && !framing {
-                headers.push((name.clone(), value.clone()));
+                headers.push((name.into_owned(), value.to_vec()));
             }
         }
         for (name, value) in &ep.headers {

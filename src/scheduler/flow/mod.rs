@@ -66,7 +66,7 @@ use crate::scheduler::routing::select::{
 use crate::scheduler::routing::signals::{self, Served};
 use crate::scheduler::routing::slowness;
 use crate::scheduler::wire::api::{self, Api, BodyFormat, Handling};
-use crate::scheduler::wire::headers::{rate_limit_hints, HeaderSource, Pairs};
+use crate::scheduler::wire::headers::{rate_limit_hints, HeaderList, HeaderSource, Pairs};
 use crate::scheduler::wire::models::{self, Merged, Retrieved};
 use crate::scheduler::wire::prefix;
 use crate::scheduler::wire::reply::Reply;
@@ -286,7 +286,7 @@ enum Fallback {
 pub struct Flow {
     phase: Phase,
     /// The request headers (routing header removed), sent again on failover.
-    headers: Pairs,
+    headers: HeaderList,
     trailers: Pairs,
     session_header: Option<Vec<u8>>,
     tenant: Option<Vec<u8>>,
@@ -361,7 +361,7 @@ impl Flow {
             follow_up: false,
             max_output_tokens: 0,
             phase: Phase::Start,
-            headers: Vec::new(),
+            headers: HeaderList::default(),
             trailers: Vec::new(),
             session_header: None,
             tenant: None,
@@ -468,7 +468,7 @@ impl Flow {
         &mut self,
         s: &Scheduler<'_>,
         obs: &mut dyn Observer,
-        mut headers: Pairs,
+        headers: impl Into<HeaderList>,
         end_of_stream: bool,
         now_ms: u64,
     ) -> Step {
@@ -476,8 +476,9 @@ impl Flow {
             return Step::Continue;
         }
         let cfg = s.cfg;
+        let mut headers = headers.into();
         // Clients never pick clusters.
-        headers.retain(|(n, _)| !n.eq_ignore_ascii_case(&cfg.routing_header));
+        headers.remove(&cfg.routing_header);
         let method = headers.header_str(":method").unwrap_or_default();
         let path = headers.header_str(":path").unwrap_or_default();
         self.content_type = headers.header_str("content-type");

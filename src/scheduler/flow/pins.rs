@@ -26,7 +26,7 @@ impl Flow {
                 .headers
                 .iter()
                 .filter(|(n, _)| n.eq_ignore_ascii_case("cookie"))
-                .map(|(_, v)| v.as_slice());
+                .map(|(_, v)| v);
             self.pin_hint = match pin_cookie::find(&cfg.pin_cookie_secret, cookies, session, now_ms)
             {
                 Found::Endpoint(id) => Some(id),
