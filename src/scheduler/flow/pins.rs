@@ -22,11 +22,7 @@ impl Flow {
             return;
         }
         if let Some(session) = self.session {
-            let cookies = self
-                .headers
-                .iter()
-                .filter(|(n, _)| n.eq_ignore_ascii_case("cookie"))
-                .map(|(_, v)| v);
+            let cookies = self.headers.values("cookie");
             self.pin_hint = match pin_cookie::find(&cfg.pin_cookie_secret, cookies, session, now_ms)
             {
                 Found::Endpoint(id) => Some(id),
@@ -119,10 +115,7 @@ impl Flow {
     /// request stays chunked). The host replaces the buffered body before it performs
     /// [`Step::Route`].
     pub fn rewritten_body(&self) -> Option<(&[u8], bool)> {
-        let declared = self
-            .headers
-            .iter()
-            .any(|(n, _)| n.eq_ignore_ascii_case("content-length"));
+        let declared = self.headers.values("content-length").next().is_some();
         self.body_rewritten
             .then_some((self.body.as_slice(), declared))
     }

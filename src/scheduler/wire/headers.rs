@@ -84,6 +84,20 @@ impl HeaderList {
         self.spans.len()
     }
 
+    /// The values of every header named `name` (any case), in order.
+    pub fn values<'s, 'n>(&'s self, name: &'n str) -> impl Iterator<Item = &'s [u8]> + use<'s, 'n> {
+        self.spans.iter().filter_map(move |&[n, nl, v, vl]| {
+            let at = |start: u32, len: u32| {
+                self.bytes
+                    .get(start as usize..(start as usize).checked_add(len as usize)?)
+            };
+            at(n, nl)?
+                .eq_ignore_ascii_case(name.as_bytes())
+                .then(|| at(v, vl))
+                .flatten()
+        })
+    }
+
     /// Drops every header named `name` (any case).
     pub fn remove(&mut self, name: &str) {
         let bytes = &self.bytes;
@@ -111,16 +125,7 @@ impl From<Pairs> for HeaderList {
 
 impl HeaderSource for HeaderList {
     fn header(&self, name: &str) -> Option<Cow<'_, [u8]>> {
-        self.spans.iter().find_map(|&[n, nl, v, vl]| {
-            let at = |start: u32, len: u32| {
-                self.bytes
-                    .get(start as usize..(start as usize).checked_add(len as usize)?)
-            };
-            at(n, nl)?
-                .eq_ignore_ascii_case(name.as_bytes())
-                .then(|| at(v, vl).map(Cow::Borrowed))
-                .flatten()
-        })
+        self.values(name).next().map(Cow::Borrowed)
     }
 }
 
