@@ -49,10 +49,10 @@ impl HeaderSource for Pairs {
 }
 
 /// A header list as the host serialized it, read in place: the bytes and, per header, where
-/// its name and value lie. What a response's headers are read as — its status, content type
-/// and quota headers looked up by name — without a `String` and a `Vec` per header
-/// ([`decode_pairs`]: two allocations and their frees per header, about a tenth of a plain
-/// request's instructions in tests/cost).
+/// its name and value lie. What the request headers (kept for failover) and a response's
+/// headers (its status, content type and quota headers, looked up by name) are read as,
+/// without a `String` and a `Vec` per header ([`decode_pairs`]: two allocations and their
+/// frees per header, about a tenth of a plain request's instructions in tests/cost).
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct HeaderList {
     bytes: Vec<u8>,
@@ -71,12 +71,10 @@ impl HeaderList {
     /// The headers in order: name (lossily UTF-8, Envoy only allows tokens) and value bytes.
     pub fn iter(&self) -> impl Iterator<Item = (Cow<'_, str>, &[u8])> {
         self.spans.iter().map(|&[n, nl, v, vl]| {
-            let at = |start: u32, len: u32| {
-                self.bytes
-                    .get(start as usize..(start as usize).saturating_add(len as usize))
-                    .unwrap_or_default()
-            };
-            (String::from_utf8_lossy(at(n, nl)), at(v, vl))
+            (
+                String::from_utf8_lossy(span(&self.bytes, n, nl)),
+                span(&self.bytes, v, vl),
+            )
         })
     }
 
@@ -84,7 +82,9 @@ impl HeaderList {
         self.spans.len()
     }
 
-    /// The values of every header named `name` (any case), in order.
+    /// The values of every header named `name` (any case), in order. (Its spans are sliced in
+    /// place rather than through [`span`]: the lookups of every request run here, and this form
+    /// measured 1 600 instructions a request fewer in tests/cost.)
     pub fn values<'s, 'n>(&'s self, name: &'n str) -> impl Iterator<Item = &'s [u8]> + use<'s, 'n> {
         self.spans.iter().filter_map(move |&[n, nl, v, vl]| {
             let at = |start: u32, len: u32| {
@@ -101,11 +101,8 @@ impl HeaderList {
     /// Drops every header named `name` (any case).
     pub fn remove(&mut self, name: &str) {
         let bytes = &self.bytes;
-        self.spans.retain(|&[n, nl, _, _]| {
-            bytes
-                .get(n as usize..(n as usize).saturating_add(nl as usize))
-                .is_none_or(|k| !k.eq_ignore_ascii_case(name.as_bytes()))
-        });
+        self.spans
+            .retain(|&[n, nl, _, _]| !span(bytes, n, nl).eq_ignore_ascii_case(name.as_bytes()));
     }
 
     pub fn is_empty(&self) -> bool {
@@ -127,6 +124,14 @@ impl HeaderSource for HeaderList {
     fn header(&self, name: &str) -> Option<Cow<'_, [u8]>> {
         self.values(name).next().map(Cow::Borrowed)
     }
+}
+
+/// The `len` bytes of `bytes` from `start` (empty if out of range, which [`spans`] rules out).
+fn span(bytes: &[u8], start: u32, len: u32) -> &[u8] {
+    let start = start as usize;
+    bytes
+        .get(start..start.saturating_add(len as usize))
+        .unwrap_or_default()
 }
 
 /// Where each header's name and value lie in a serialized header list; `None` if it is
@@ -207,18 +212,13 @@ pub fn encode_pairs(pairs: &[(&str, &[u8])]) -> Vec<u8> {
 /// end, trailing bytes). Names that are not UTF-8 are read lossily (Envoy only allows
 /// tokens). An empty input is an empty list.
 pub fn decode_pairs(bytes: &[u8]) -> Option<Pairs> {
-    let at = |start: u32, len: u32| {
-        bytes
-            .get(start as usize..(start as usize).saturating_add(len as usize))
-            .unwrap_or_default()
-    };
     Some(
         spans(bytes)?
             .into_iter()
             .map(|[n, nl, v, vl]| {
                 (
-                    String::from_utf8_lossy(at(n, nl)).into_owned(),
-                    at(v, vl).to_vec(),
+                    String::from_utf8_lossy(span(bytes, n, nl)).into_owned(),
+                    span(bytes, v, vl).to_vec(),
                 )
             })
             .collect(),

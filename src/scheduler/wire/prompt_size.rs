@@ -39,8 +39,8 @@ pub struct BodyScan {
 }
 
 /// One pass over `body`: its nesting depth and its prompt size (see the module's doc). A
-/// string is stepped over eight bytes at a time while they hold no quote or backslash; an
-/// unterminated one runs to the end (media to the end, if it is media).
+/// string is stepped over in words of eight bytes, two a step, while they hold no quote or
+/// backslash; an unterminated one runs to the end (media to the end, if it is media).
 pub fn scan(body: &[u8]) -> BodyScan {
     let (mut depth, mut max) = (0usize, 0usize);
     let (mut media, mut media_bytes) = (0u64, 0u64);
