@@ -92,14 +92,30 @@ impl UsageScan {
     pub fn feed(&mut self, chunk: &[u8]) {
         if chunk.len() >= TAIL_BYTES {
             self.tail.clear();
+            self.make_room(TAIL_BYTES);
             self.tail
                 .extend_from_slice(chunk.get(chunk.len() - TAIL_BYTES..).unwrap_or(chunk));
             return;
         }
+        self.make_room(chunk.len());
         self.tail.extend_from_slice(chunk);
         if self.tail.len() > 2 * TAIL_BYTES {
             // Amortized: one move per TAIL_BYTES bytes fed.
             self.tail.drain(..self.tail.len() - TAIL_BYTES);
+        }
+    }
+
+    /// Room for `more` bytes. The first chunk takes what it needs (most answers are one);
+    /// from the second (the answer streams) the window's whole bound at once — before the
+    /// drain in [`UsageScan::feed`] it holds less than `3 × TAIL_BYTES` — so the buffer is
+    /// never moved again as it fills: each growth by doubling copied what it held (about
+    /// 1 500 instructions over a streamed answer's first kilobytes, and up to 5 000 where the
+    /// allocator could not grow it in place).
+    fn make_room(&mut self, more: usize) {
+        let free = self.tail.capacity() - self.tail.len();
+        if free < more && self.tail.capacity() > 0 {
+            let bound = (3 * TAIL_BYTES).saturating_sub(self.tail.len());
+            self.tail.reserve_exact(bound.max(more));
         }
     }
 
@@ -247,6 +263,35 @@ data: [DONE]\n\n";
     const ANTHROPIC_SSE: &[u8] = b"event: message_start\ndata: {\"type\":\"message_start\",\"message\":{\"usage\":{\"input_tokens\":1,\"output_tokens\":1}}}\n\n\
 event: message_delta\ndata: {\"type\":\"message_delta\",\"usage\":{\"input_tokens\":10,\"cache_creation_input_tokens\":5,\"cache_read_input_tokens\":2000,\"output_tokens\":42}}\n\n\
 event: message_stop\ndata: {\"type\":\"message_stop\"}\n\n";
+
+    #[test]
+    fn a_stream_buffer_is_sized_once_from_its_second_chunk() {
+        // One chunk (most answers): what it needs, not the window's bound.
+        let mut one = UsageScan::new(Framing::Json);
+        one.feed(OPENAI_JSON);
+        assert!(one.tail.capacity() < TAIL_BYTES);
+        // A stream of small events: from the second, the buffer never grows (or moves) again,
+        // through drains and a chunk larger than the window; the result is the same.
+        let mut s = UsageScan::new(Framing::EventStream);
+        let event = b"data: {\"choices\":[{\"delta\":{\"content\":\"token \"}}]}\n\n";
+        s.feed(event);
+        s.feed(event);
+        let capacity = s.tail.capacity();
+        assert!(
+            capacity >= 3 * TAIL_BYTES - 1,
+            "sized for the window: {capacity}"
+        );
+        for i in 0..2_000 {
+            s.feed(event);
+            if i == 1_000 {
+                s.feed(&[b' '; 3 * TAIL_BYTES]);
+            }
+            assert_eq!(s.tail.capacity(), capacity, "grew at event {i}");
+        }
+        s.feed(OPENAI_SSE);
+        assert_eq!(s.tail.capacity(), capacity);
+        assert_eq!(s.finish(), usage(50, 32, 3));
+    }
 
     #[test]
     fn openai_json_answer() {
