@@ -241,33 +241,28 @@ pub fn replace_buffer(kind: BufferType, size: usize, data: &[u8]) -> bool {
 
 /// Every header of `map` (empty if the map is unavailable or its encoding is malformed).
 pub fn header_pairs(map: MapType) -> Pairs {
-    let mut data = null_mut();
-    let mut size = 0usize;
-    // SAFETY: the host writes into the out-parameters.
-    let status = unsafe { proxy_get_header_map_pairs(map as u32, &mut data, &mut size) };
-    // SAFETY: as in `buffer`.
-    let bytes = unsafe { take(data, size) };
-    if status == OK {
-        decode_pairs(&bytes).unwrap_or_default()
-    } else {
-        Vec::new()
-    }
+    header_map_bytes(map)
+        .and_then(|bytes| decode_pairs(&bytes))
+        .unwrap_or_default()
 }
 
 /// Every header of `map`, read in place ([`HeaderList`]; empty if the map is unavailable or
 /// its encoding is malformed).
 pub fn header_list(map: MapType) -> HeaderList {
+    header_map_bytes(map)
+        .and_then(HeaderList::decode)
+        .unwrap_or_default()
+}
+
+/// The host's serialized header map `map` (`None` if it is unavailable).
+fn header_map_bytes(map: MapType) -> Option<Vec<u8>> {
     let mut data = null_mut();
     let mut size = 0usize;
     // SAFETY: the host writes into the out-parameters.
     let status = unsafe { proxy_get_header_map_pairs(map as u32, &mut data, &mut size) };
     // SAFETY: as in `buffer`.
     let bytes = unsafe { take(data, size) };
-    if status == OK {
-        HeaderList::decode(bytes).unwrap_or_default()
-    } else {
-        HeaderList::default()
-    }
+    (status == OK).then_some(bytes)
 }
 
 /// Sets (replaces) header `name`. False if the host refused (e.g. the headers were sent).
