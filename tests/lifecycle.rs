@@ -2,7 +2,7 @@
 //! The request lifecycle through a real Envoy (`--concurrency 2`): requests that end with
 //! trailers, answers that stream, failover answers too large to relay.
 //!
-//! Defined behaviour checked here (also in docs/decisions.md and docs/hardening.md):
+//! Defined behaviour checked here (also in docs/routing.md and docs/hardening.md):
 //! - A POST whose body is followed by trailers (HTTP/2 always delivers them; HTTP/1.1 chunked
 //!   trailers when the listener sets `http_protocol_options.enable_trailers`, else Envoy drops
 //!   them) is routed like any other: the body callback never sees the end of the stream, the

@@ -395,8 +395,7 @@ fn preamble_order(app: usize) -> Vec<&'static str> {
 /// home, from every replica, and its later sessions find its whole prompt cached there; a
 /// replica that has just served the preamble elsewhere does not send the other application
 /// there. (A learned index and a placement on the preamble's key that would have grouped them
-/// were measured no better and dropped: decisions.md, "A learned prefix index, tried and
-/// dropped".)
+/// were measured no better and dropped: docs/adr/0006-learned-prefix-index-dropped.md.)
 #[test]
 fn applications_that_share_a_preamble_are_placed_by_their_whole_instructions() {
     let mut checks = Checks::new();
@@ -437,7 +436,7 @@ fn applications_that_share_a_preamble_are_placed_by_their_whole_instructions() {
 /// (`prefix_session_busy_load` 8).
 const ENGINE_SLOTS: &str = "16";
 
-/// (f) The session bound of a busy prefix home (`prefix_session_*`, decisions.md, "Bounding a
+/// (f) The session bound of a busy prefix home (`prefix_session_*`, docs/routing.md, "Bounding a
 /// busy prefix home by the sessions placed there"), through two Envoy replicas in front of four
 /// engine-like mocks whose `/metrics` the filter scrapes. Application X's home `h` took 6 new
 /// sessions and Y's home (X's second endpoint) 6; then clients that bypass Envoy keep 10 of
@@ -603,7 +602,7 @@ fn a_busy_prefix_home_over_its_share_spills_new_sessions_to_the_least_counted_en
 }
 
 /// (g) A popular application is bounded by its sessions before its home is busy
-/// (`prefix_popular_share`, decisions.md, "A popular prefix bounded before its home is busy"),
+/// (`prefix_popular_share`, docs/routing.md, "A popular prefix bounded before its home is busy"),
 /// through one Envoy in front of four mocks (no scrape: the load is the Envoy's in-flight
 /// count). On the idle fleet X's 6 new sessions and one of R (an application with the same
 /// home `h`) all go to `h`, one at a time. Then one pinned turn of X is held in flight at `h`

@@ -111,7 +111,7 @@ pub fn metrics_keys() -> Vec<KeyDoc> {
     };
     vec![
         row("metrics", "object", "(absent: not scraped)".into(), "keys below".into(),
-            "Scrape this endpoint's inference engine's own Prometheus `/metrics` (vLLM, SGLang, llama.cpp `--metrics`, TGI) for its queue, running batch, KV-cache usage and decode pace (the decode-time counters that judge it slow against its peers, see [decisions](decisions.md#judging-endpoints)). One worker per Envoy process scrapes (a lease in shared data) and every worker reads the result; see [metrics](metrics.md) for the scraped gauges. Leave it out for hosted API keys."),
+            "Scrape this endpoint's inference engine's own Prometheus `/metrics` (vLLM, SGLang, llama.cpp `--metrics`, TGI) for its queue, running batch, KV-cache usage and decode pace (the decode-time counters that judge it slow against its peers, see [decisions](routing.md#judging-endpoints)). One worker per Envoy process scrapes (a lease in shared data) and every worker reads the result; see [metrics](metrics.md) for the scraped gauges. Leave it out for hosted API keys."),
         row("metrics.path", "string", DEFAULT_PATH.into(), "starts with `/`, 1..=1024 printable bytes".into(),
             "Path of the engine's metrics page."),
         row("metrics.format", "string", "auto".into(), format!("one of {}", FORMATS.join(", ")),

@@ -95,7 +95,7 @@ fn odd_keys_are_quoted_in_field_paths() {
 }
 
 /// Keys that were tried and dropped (`prefix_index`, `prefix_index_entries`, `prefix_home`;
-/// see decisions.md, "A learned prefix index, tried and dropped") are unknown keys like any
+/// see docs/adr/0006-learned-prefix-index-dropped.md) are unknown keys like any
 /// other: a configuration that still sets one is refused, naming it, rather than run without
 /// the behaviour it asked for.
 #[test]

@@ -9,7 +9,7 @@
 //! sessions each against 28 for the fourth endpoint while their scraped load still looked
 //! fine; by the time it did not, the sessions were there and came back, and the p99 was
 //! 1.4–1.5× that of placement by session key. Tighter in-flight bounds did not fix it (see
-//! `docs/decisions.md`, "Bounding a busy prefix home by the sessions placed there").
+//! `docs/routing.md`, "Bounding a busy prefix home by the sessions placed there").
 //!
 //! **The count** ([`Placed`]): per configured endpoint id, the new sessions (first turns
 //! without a pin: by prefix or by session key) this Envoy process placed there, fading with a
@@ -42,7 +42,7 @@
 //! spills fill the endpoints the second leaves. On the bench's `mixed_prefix` the popular
 //! applications' homes were `a`, `b` and `d`; `c` was no one's, and spills in prefix order
 //! reached it last (39 sessions at the end against 51–55). (`prefix_order`, the rule before, is
-//! kept for comparison; see `docs/decisions.md`.)
+//! kept for comparison; see `docs/adr/0003-session-bound-for-busy-prefix-homes.md`.)
 //!
 //! **A popular prefix is bounded before its home is busy** (`prefix_popular_share`): the
 //! busy test keeps an idle fleet's applications together, but it also lets the homes of the

@@ -34,8 +34,8 @@
 //! **One key, the whole segment's.** A chain of keys at the parts' boundaries (so that
 //! applications sharing a leading policy message or tool definitions share a key), read by a
 //! learned per-Envoy index or by a placement on the shallowest key, was built and measured
-//! (issue 20, item 3) and placed no better than this key's rendezvous order: it was dropped
-//! (see decisions.md, "A learned prefix index, tried and dropped").
+//! and placed no better than this key's rendezvous order: it was dropped
+//! (see docs/adr/0006-learned-prefix-index-dropped.md).
 
 use crate::scheduler::state::hash::hash_parts;
 use xxhash_rust::xxh64::Xxh64;

@@ -299,7 +299,7 @@ pub fn plugin_config(endpoints: &[(&str, &[&str])], open_ms: u64, metrics: bool)
         })
         .collect();
     // The workload's clients keep each conversation's cookies (one client per conversation),
-    // the deployment `pin_cookie` is documented for (docs/decisions.md#after-a-failover).
+    // the deployment `pin_cookie` is documented for (docs/routing.md#after-a-failover).
     json!({
         "endpoints": eps,
         "session_header": super::workload::SESSION_HEADER,
