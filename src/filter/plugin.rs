@@ -31,7 +31,7 @@ pub fn refresh_gauges(p: &Plugin, now_ms: u64) {
 }
 
 /// The gauges of endpoint `i` alone (its breaker changed): its own entry read from the shared
-/// table, not the whole table (a request's cost must not grow with the fleet, issue 21; the
+/// table, not the whole table (a request's cost must not grow with the fleet; the
 /// others' gauges follow at the next tick). Falls back to [`refresh_gauges`] when the
 /// endpoint's entry is not where the configuration puts it.
 pub fn refresh_endpoint_gauges(p: &Plugin, i: usize, now_ms: u64) {

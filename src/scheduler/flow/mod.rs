@@ -156,7 +156,7 @@ pub struct Timing {
     /// the answer's first byte — its headers, or a relayed stream's first body byte; for a
     /// failover call's plain answer, its whole answer (its headers come with it). `None` when
     /// the first byte could not be seen: a failover call's streamed answer arrives whole, and
-    /// its duration is the generation's, not its latency (issue 22).
+    /// its duration is the generation's, not its latency.
     pub to_headers_ms: Option<u64>,
     /// From the pick to the end of the attempt.
     pub total_ms: u64,
@@ -342,7 +342,7 @@ pub struct Flow {
     /// The `set-cookie` value for a successful answer of the current attempt (`pin_cookie`).
     pin_cookie: Option<String>,
     /// A request routed with a body the filter never read (pass-through): a failover call
-    /// could not send it, so it never fails over (issue 22: an upload replayed empty).
+    /// could not send it, so it never fails over (an upload was once replayed empty).
     body_unread: bool,
 }
 
@@ -764,8 +764,8 @@ impl Flow {
         // A call's answer arrives whole. A plain one is timed to its end (its headers came
         // with its body: that is its latency), its tokens estimated (its usage is read after
         // the attempt is finished). A stream's first byte cannot be seen: its duration is the
-        // generation's, so it is no latency sample and not judged for slowness (issue 22: a
-        // 20 s stream became a 20 s sample, and the backup was degraded for it).
+        // generation's, so it is no latency sample and not judged for slowness (a
+        // 20 s stream once became a 20 s sample, and the backup was degraded for it).
         let streamed = headers
             .as_ref()
             .and_then(|h| h.header_str("content-type"))
@@ -809,7 +809,7 @@ impl Flow {
     /// call whose cluster it does not know — a connect failure of that endpoint; the next one
     /// is tried — and one whose request lacks `:method`, `:path` or `:authority` (e.g. an
     /// HTTP/1.0 request without `Host`), whatever the cluster: the request's own fault, not
-    /// charged to the endpoint (issue 22), and not tried elsewhere (every call would be
+    /// charged to the endpoint, and not tried elsewhere (every call would be
     /// refused alike).
     pub fn dispatch_failed(
         &mut self,
@@ -1156,7 +1156,7 @@ impl Flow {
         // `GET /v1/models` merged with an upstream's list: only a successful list is merged;
         // any other last answer (a 5xx, a 404, a call Envoy refused) gives way to the
         // configured models. The request itself was never routed (it has no cluster): letting
-        // it go on would send it nowhere (issue 22).
+        // it go on would send it nowhere.
         if self.merge_models {
             let listed = matches!(
                 &fallback,

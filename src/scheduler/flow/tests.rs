@@ -529,7 +529,7 @@ fn bad_requests_get_openai_errors_and_never_take_a_ticket() {
         Step::Reply(r) => (r.status, r.reason.label(), r.body()),
         other => panic!("{other:?}"),
     };
-    // Issue 14's body: serde_json quotes the "é"s and used to be cut inside one.
+    // A body that once killed the VM: serde_json quotes the "é"s and used to be cut inside one.
     let body = format!(
         r#"{{"model":"llama-3-8b","messages":"a{}"}}"#,
         "é".repeat(200)
@@ -829,7 +829,7 @@ fn a_success_answers_quota_is_remembered_in_the_finish_write_and_moves_the_next_
     );
 }
 
-/// Issue 22: a plain answer's headers come after its whole generation, but the upstream
+/// A plain answer's headers come after its whole generation, but the upstream
 /// stated its reset when it admitted the request: "1s" on an answer relayed 3 s after it was
 /// sent has passed. Counted from the headers, the key stayed spent two seconds past its reset.
 #[test]
@@ -855,7 +855,7 @@ fn a_quota_reset_counts_from_when_the_request_was_sent() {
     assert_eq!(route(&mut g, &s, &mut log, headers, 3_020), Step::Route(0));
 }
 
-/// Issue 22's quota bench, three replicas: a 429 whose headers state fewer tokens left than
+/// The quota bench, three replicas: a 429 whose headers state fewer tokens left than
 /// the request needs is the request against what the key has left. It fails over, the key's
 /// count takes the stated value, and the breaker stays closed: the next request that fits
 /// still goes there (before, the key was cooled until its reset, then probed by three).
@@ -979,7 +979,7 @@ fn only_an_affinity_hits_own_answer_feeds_the_payoff() {
     assert_eq!((payoff(0).samples, payoff(1).samples), (1, 0));
 }
 
-// Issue 22: what a request brings on itself is not held against the endpoint, a body the
+// What a request brings on itself is not held against the endpoint, a body the
 // filter never read is never replayed, and only a canonical path is classified.
 
 const TPM_429: &[u8] = br#"{"error":{"message":"Request too large for gpt-4o in organization org-x on tokens per min (TPM): Limit 30000, Requested 52000.","type":"tokens","code":"rate_limit_exceeded"}}"#;
@@ -1154,7 +1154,7 @@ fn ambiguous_paths_are_refused_before_any_pick() {
     }
 }
 
-/// Issue 23: a finished answer becomes a sample that compares like with like. A stream is
+/// A finished answer becomes a sample that compares like with like. A stream is
 /// timed to its first byte (against its uncached prompt), a plain answer to its end (against
 /// prompt and completion); with `usage` the sample teaches the work model, without it the
 /// tokens are estimated from the body and the relayed bytes and it only judges.
@@ -1229,7 +1229,7 @@ fn finished_answers_are_judged_against_their_work() {
     assert_eq!(read_model(&store, &key).samples, 65);
 }
 
-/// Issue 22, item 2: a follow-up whose holder is cooling down. A plain one gets the retryable
+/// A Responses follow-up whose holder is cooling down. A plain one gets the retryable
 /// 503 without a pick; one that replays its whole input is routed elsewhere, and the body the
 /// first attempt forwards is the one without `previous_response_id` (before, only failover
 /// copies had it removed: the first attempt forwarded Envoy's buffered body unchanged).
@@ -1300,7 +1300,7 @@ fn a_whole_input_follow_up_forwards_the_body_decided_on_from_its_first_attempt()
     assert_eq!(g.rewritten_body(), None);
 }
 
-/// Issue 22, item 3: a failover call's streamed answer arrives whole, after its generation:
+/// A failover call's streamed answer arrives whole, after its generation:
 /// its duration is no latency sample (nor a slowness sample); a plain answer's is (its headers
 /// come with its body). Before: a 20 s stream was a 20 s sample of the backup.
 #[test]
@@ -1348,7 +1348,7 @@ fn a_streamed_failover_answer_is_no_latency_sample() {
     }
 }
 
-/// Issue 22, item 9: Envoy refuses a failover call whose request lacks `:authority` (or
+/// Envoy refuses a failover call whose request lacks `:authority` (or
 /// `:path`, `:method`), whichever the cluster: the request's own fault. It is not charged to
 /// the endpoint as a connect failure, and no further call is tried (each would be refused
 /// alike): the held answer is relayed. An unknown cluster (headers complete) still is one.
@@ -1384,7 +1384,7 @@ fn a_call_refused_for_the_requests_own_headers_is_not_charged_to_the_endpoint() 
     assert_eq!(table.entries[1].1.breaker.consecutive_failures, 0);
 }
 
-/// A running stream's pace (issue 23): once its relayed bytes stand for enough tokens, a
+/// A running stream's pace: once its relayed bytes stand for enough tokens, a
 /// decode phase 5× slower than the group's is folded into the endpoint's slowness while the
 /// stream runs, and its end is not judged again; a healthy pace is left to the stream's end.
 #[test]

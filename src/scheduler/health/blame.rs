@@ -1,8 +1,8 @@
 //! Whose fault a failing answer is: the endpoint's (cool it, fail over) or the request's own
 //! (relay it, leave the endpoint alone).
 //!
-//! Why: a failing answer that a request brings on itself says nothing about the endpoint. Before
-//! issue 22, one client's oversized prompt answered with a 429 cooled the key for
+//! Why: a failing answer that a request brings on itself says nothing about the endpoint. Once,
+//! one client's oversized prompt answered with a 429 cooled the key for
 //! `rate_limit_ms`, moving every other client's pinned sessions off it, and failing over only
 //! sent the same hopeless request to the next key. Answers that are the request's own fault are
 //! [`Outcome::ClientError`]: relayed to the client as they are, no breaker change, no

@@ -102,7 +102,7 @@ pub fn classify(status: u16, headers: &[(String, String)], now_ms: u64) -> Outco
 /// 312 ms) yields to a millisecond hint of the same wait (`retry-after-ms`,
 /// `x-ratelimit-reset-*` within the second below it). Cooled for the rounded second, a key
 /// stayed unused for most of a second after its window had reset, and the sessions pinned
-/// there moved (issue 22's quota bench). Hints that disagree by more keep the longest.
+/// there moved (the quota bench). Hints that disagree by more keep the longest.
 pub fn retry_hint_ms(headers: &[(String, String)], now_ms: u64) -> Option<u64> {
     let mut coarse: Option<u64> = None;
     let mut precise: Option<u64> = None;

@@ -5,7 +5,7 @@
 //! endpoint looks busier for good: bounded-load placement spills its sessions, the score of
 //! requests without a session shuns it. The older rule ignored a count that had not moved for
 //! 10 minutes (`table::IN_FLIGHT_STALE_MS`), which a busy endpoint — the one whose count
-//! matters — never satisfies (issue 22, item 8). A count must expire by the age of the
+//! matters — never satisfies. A count must expire by the age of the
 //! attempts it counts, not by the endpoint's quiet.
 //!
 //! How: attempts are counted in [`SLOTS`] slots by the epoch of their start, an epoch being

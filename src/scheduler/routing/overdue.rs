@@ -3,7 +3,7 @@
 //!
 //! Why: the latency estimate learns of a slowdown only from answers, and the first answer of an
 //! endpoint that has become 5× slower arrives 5× later. Every pinned turn sent there in the
-//! meantime pays the slowdown; a measured run (issue 11) lost most of its p99 in that window.
+//! meantime pays the slowdown; a measured slow-endpoint run lost most of its p99 in that window.
 //! An attempt that is still waiting long after it should have been answered says the same thing
 //! earlier.
 //!
@@ -18,7 +18,7 @@
 //!
 //! The rule ([`Watch::overdue`]): a hit is overdue once its age exceeds `ratio × best` and
 //! `best + min_gap_ms`, and also the endpoint's own usual spread (`own + 4 × dev`, the TCP
-//! retransmission-timeout rule). Since issue 23 the caller (`signals`) passes these on the work
+//! retransmission-timeout rule). The caller (`signals`) passes these on the work
 //! model's terms: `best` = the endpoint's typical expected time × its peers' median slowness,
 //! `own` = that time × its own slowness, `dev` from its slowness deviation. An endpoint with
 //! `pin_break_overdue` overdue hits counts as degraded while they last; once the slow answers
@@ -28,7 +28,7 @@
 //! **Off by default** (`pin_break_overdue: 0`): what a watched hit should take is not known at
 //! the pick. A streamed hit's first byte depends on the uncached part of its prompt, which the
 //! filter can only estimate; a plain hit's end depends on how many tokens it will generate,
-//! which nobody knows (16–512 on the issue's bench: 30× apart). The endpoint's *typical*
+//! which nobody knows (16–512 on the bench: 30× apart). The endpoint's *typical*
 //! expected time is the only yardstick, and a long plain generation on a healthy endpoint
 //! exceeds three times it — a false pin break on every such turn. Answers, judged against
 //! their own work, detect a 5× slower endpoint within 3–4 answers (`slowness`).

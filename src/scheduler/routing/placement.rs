@@ -14,7 +14,7 @@
 //! about `w_new / Σw` of them from the others; and failover walks the same order, so replicas
 //! that discover the same fault independently converge on the same backup.
 //!
-//! **What replicas agree on** (issue 23). Placement weight = configured `weight` × the success
+//! **What replicas agree on.** Placement weight = configured `weight` × the success
 //! level × the payoff factor (a boolean of smoothed state with hysteresis, see
 //! [`super::payoff`]) — nothing else. The success level is the faded success rate rounded up to
 //! a level `2^(-k·q)` (`q = placement_quantum`): every endpoint succeeding more than half the
@@ -37,7 +37,7 @@
 //! replica's in-flight count. Since the shares add up to `L + 1 > L`, some candidate is always
 //! within its bound when `slack ≥ 1`.
 //!
-//! **Placement by prefix** (issue 20, `prefix_placement`). A session with no pin whose
+//! **Placement by prefix** (`prefix_placement`). A session with no pin whose
 //! instructions (system prompt, tools; see [`crate::scheduler::wire::prefix`]) are long enough
 //! is placed by the same walk on its *prefix key* instead of its session key: an application's
 //! new sessions share one home, where its instructions are already cached, on every replica,

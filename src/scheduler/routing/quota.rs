@@ -32,14 +32,14 @@
 //!   prompt fit but whose limit did not was a 429, and the key cooled for every session on it),
 //!   where its prompt bytes are its body's bytes with each inline image or audio clip
 //!   counted at a fixed size (`wire::prompt_size`): a base64 upload of megabytes is a few hundred tokens at
-//!   the provider, and counting its bytes took the key's count to zero (issue 22). When the
+//!   the provider, and counting its bytes took the key's count to zero. When the
 //!   answer reports `usage`, its prompt and completion tokens replace the estimate in the
 //!   count ([`Quota::settle`]), unless a statement already counts them: one of a request
 //!   sent later was merged (the upstream charged this one before it) or the window began
 //!   after it was sent. Answers end out of the order they were admitted (a short stream
 //!   overtakes a long plain answer), and settling those again took a long answer's tokens
 //!   off twice: one Envoy's count drifted thousands of tokens below the key's within a window
-//!   and moved pinned turns off keys that still had quota (issue 22's quota bench).
+//!   and moved pinned turns off keys that still had quota (the quota bench).
 //! - An endpoint is *short* when its remaining requests are below `max(quota_min_requests, 1)`
 //!   or its remaining tokens below `max(quota_min_tokens, estimate)`. A short endpoint is
 //!   skipped for new placements like an unavailable one (the next in rendezvous order takes
@@ -158,7 +158,7 @@ impl Remaining {
     /// and the key's use (from the statements, everyone's) over its own picks says how many
     /// replicas' worth of traffic the key takes (about 3 behind three replicas, under 1 alone:
     /// estimates overshoot). Counting its own placements only, each of three replicas let a
-    /// small key take a third more than it held (issue 22's quota bench, `quota7-1` ×3: `d`
+    /// small key take a third more than it held (the quota bench, `quota7-1` ×3: `d`
     /// took 22 new sessions late in a window and ran dry in the next, 17 follow-ups moved).
     pub fn growth(self) -> u64 {
         let own = self.placed.saturating_mul(NEXT_WINDOW_GROWTH);
@@ -191,7 +191,7 @@ impl Remaining {
     /// Sessions placed now spend most of their tokens in the windows after this one, at this
     /// rate (more, as their prompts grow): with only this window's use, a window's start
     /// looked empty, and new sessions were placed on a key that the sessions pinned there
-    /// then ran dry in the next window (issue 22's quota bench: 16 to 30 follow-ups moved
+    /// then ran dry in the next window (the quota bench: 16 to 30 follow-ups moved
     /// per run, each a re-prefill). `0` when the limit or the window is unknown.
     pub fn span_use(self, now_ms: u64) -> u64 {
         self.rates(now_ms).map_or(0, |(rate_use, _, _)| {
@@ -351,7 +351,7 @@ pub const LIMIT_WEIGHT_STEP: f64 = 0.5;
 /// sessions placed then spend most of their tokens in the windows after (a session's next
 /// window costs about twice its first). Placed evenly, a key with a sixth of its peers' limit
 /// took a quarter of a long first window's new sessions and ran dry in the next, and its
-/// pinned sessions moved (issue 22's quota bench: up to 29 moved follow-ups a run, 2.1–2.9
+/// pinned sessions moved (the quota bench: up to 29 moved follow-ups a run, 2.1–2.9
 /// points of cached tokens, depending on where the first window fell). A stated limit is
 /// the same on every replica (unlike a count of what each one placed) once each has heard from
 /// the key, and the rounding keeps the weights so while a provider's limits move a little.
@@ -622,7 +622,7 @@ impl Quota {
     /// until the reset, and only those that do not fit. Cooled whole for a 429 that said
     /// 1 808 tokens were left, a key turned away a pinned turn of 1 431 tokens on that replica
     /// until its window ended, then admitted only the breaker's few probes for the length of
-    /// their generations: issue 22's quota bench, three replicas, moved pinned turns off keys
+    /// their generations: the quota bench, three replicas, moved pinned turns off keys
     /// with quota. A 429 whose statement does not explain it (or that has none) is left to
     /// the breaker.
     pub fn refused(
@@ -660,7 +660,7 @@ impl Quota {
     /// Only lowered, the count kept the estimates' overshoot (JSON punctuation and roles are
     /// not tokens) of the requests sent before the statement's and still in flight, and of
     /// requests that never settle (no `usage`), and a key with 2 827 tokens left looked
-    /// short for a pinned turn of 2 387 (issue 22's quota bench, one Envoy); merged by the
+    /// short for a pinned turn of 2 387 (the quota bench, one Envoy); merged by the
     /// lower of the two, a statement below the count forgot the picks since, and the count
     /// stood above what the key had left. As long as estimates do not undershoot, the
     /// reconciled count is never above what the upstream has left for this replica.

@@ -16,7 +16,7 @@
 //!   `"store": false` are not remembered: nothing was kept for them.
 //! - **Follow.** A request with `previous_response_id` ([`parse_follow_up`]) uses that key as
 //!   its session, and a live entry binds the pick to the holder (`Pick::holder`): it is taken
-//!   whatever its degraded or saturated verdict, its quota or a pin cookie (issue 22: each
+//!   whatever its degraded or saturated verdict, its quota or a pin cookie (each
 //!   of those used to send the follow-up elsewhere, to a certain 404), or the pick fails. The
 //!   success refreshes the entry. No entry (never seen, expired, or produced behind another
 //!   Envoy): routed as usual; the upstream answers 404 if it does not hold the state, as

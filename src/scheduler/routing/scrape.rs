@@ -32,7 +32,7 @@
 //!   engine restart: the window restarts from the new counters and the old pace is dropped (it
 //!   measured another process). The pace is usable only while the record's load is
 //!   [`LoadState::Known`] (fresh): every Envoy replica scraping the same engine derives nearly
-//!   the same pace, where each replica's own answers see a third of the traffic (issue 23).
+//!   the same pace, where each replica's own answers see a third of the traffic.
 
 use crate::scheduler::state::codec::{Reader, Writer};
 use crate::scheduler::state::store::{update, update_if, Store};

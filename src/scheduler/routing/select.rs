@@ -153,7 +153,7 @@ pub struct Pick<'a> {
     /// previous response): no other endpoint can serve it. The pick takes it whatever its
     /// verdicts (degraded, saturated, short of quota) and whatever a pin cookie says, or fails
     /// when it cannot take this attempt (breaker, request exclusions): the holder check is
-    /// part of the pick, not a hint beside it (issue 22).
+    /// part of the pick, not a hint beside it.
     pub holder: Option<u32>,
     /// The placement key of the request's instructions (`wire::prefix::prefix_key`), when they
     /// are long enough: a session without a pin is placed by it (`prefix_placement`). Asked

@@ -11,7 +11,7 @@
 //! - **Peers** ([`peers`]): the endpoints that share a configured model with an endpoint
 //!   (an endpoint without a model list serves every model, so it shares with all). Static, from
 //!   the configuration, not "the request's model": an endpoint's verdict is the same for every
-//!   request (issue 22).
+//!   request.
 //! - **Work model** ([`work_key`]): one [`WorkModel`] per requested model that some endpoint
 //!   lists (its own shared-data key), and one for every other model: bounded by the
 //!   configuration. Keyed by the requested model because the per-token costs are the served

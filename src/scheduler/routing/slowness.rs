@@ -5,7 +5,7 @@
 //! its whole generation; a streamed one's is its first token; both grow with the uncached part
 //! of the prompt, and a plain one with its completion. On a healthy endpoint consecutive raw
 //! samples differ by 10–25×, so any rule comparing raw estimates ("3× the fastest") fires in
-//! steady state and breaks sessions away from the endpoint that holds their cache (issue 23).
+//! steady state and breaks sessions away from the endpoint that holds their cache.
 //! Judging each sample against the work it asked for removes most of that spread.
 //!
 //! **The work model** ([`WorkModel`], one per model group, fitted from every endpoint's
@@ -36,7 +36,7 @@
 //! deviation — fed only by what a queue cannot touch. A stream's first byte and a plain
 //! answer's end both wait for a slot and for the engine's serialized prefills: on the
 //! engine-like bench they read a loaded healthy endpoint as 2–4× "slower" than its peers
-//! (first byte ÷ expected p10/p90 up to 1.1/13; issue 23), and the degraded rule broke pins in
+//! (first byte ÷ expected p10/p90 up to 1.1/13), and the degraded rule broke pins in
 //! steady traffic. A stream's **decode phase** (first byte to last, against the group's fitted
 //! decode time per token, [`WorkModel::stream_decode_ms_per_token`]) happens once the engine
 //! runs the request: p10/p90 0.86–1.22 on every endpoint of the same runs. So a stream with
@@ -67,7 +67,7 @@
 //! faster one is left to its end. Only a pace that alone says "degraded" is folded early: a
 //! lower bar (2× the group's rate was tried) also folded the streams of a healthy peer that
 //! took the slowed endpoint's sessions (its batches stretch decode), which raised the peers'
-//! median and delayed the verdict (`results/bench/pace/README.md`).
+//! median and delayed the verdict (docs/adr/0009-judging-endpoints-by-their-work.md).
 //!
 //! **Degraded** ([`degraded`]): a warm endpoint (at least `min_samples` answers judged — folded,
 //! or queue-prone and skipped because its streams judge it; cold endpoints never are) whose slowness reaches `ratio` × the median slowness of its warm peers serving

@@ -4,7 +4,7 @@
 //! budget. Entries are keyed by endpoint id (a hash of the name): a configuration reload that
 //! adds, removes or reorders endpoints keeps the others' history.
 //!
-//! What a request pays must not grow with the fleet (issue 21). Envoy copies a whole
+//! What a request pays must not grow with the fleet. Envoy copies a whole
 //! shared-data value on every read and write (into its map and across the wasm boundary), so
 //! the table is not one value: a small header key ([`TABLE_KEY`]: the budget, the layout
 //! generation, the entry count and one version per group) and the entries in groups of
@@ -19,7 +19,7 @@
 //! of those decodes only the entries whose stamp moved. At 512 endpoints a new session copies
 //! the header and the few groups that changed since its worker's last request, not 380 KB.
 //!
-//! Reloads and upgrades (issue 22, item 7). After a configuration update, requests of the old
+//! Reloads and upgrades. After a configuration update, requests of the old
 //! configuration keep writing the table while the new one serves: the requests in flight at an
 //! ECDS update, every request of the old connections for up to Envoy's drain time at a listener
 //! update. Two layouts would take turns, each write dropping the entries the other

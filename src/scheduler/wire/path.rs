@@ -8,7 +8,7 @@
 //! repeated slashes and resolve dot segments), so `POST /v1/%63hat/completions`,
 //! `//v1/chat/completions` or `/v1/files/../chat/completions` are chat completions for the
 //! upstream while an exact string match calls them unknown paths and routes them without a
-//! model, to endpoints that do not serve it (issue 22).
+//! model, to endpoints that do not serve it.
 //!
 //! How, in order, on the path without its query:
 //! 1. **Refused as ambiguous** ([`PathError`]): a malformed escape (`%`, `%4`, `%zz`), an

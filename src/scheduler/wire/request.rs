@@ -623,7 +623,7 @@ mod tests {
         assert_eq!((e.status(), e.code()), (413, "request_too_large"));
     }
 
-    /// Issue 14: serde_json's message quotes the client's text; cutting it at byte 160 inside
+    /// serde_json's message quotes the client's text; cutting it at byte 160 inside
     /// a two-byte character panicked (and killed the wasm VM).
     #[test]
     fn invalid_json_error_cut_inside_a_multibyte_character_does_not_panic() {

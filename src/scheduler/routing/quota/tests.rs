@@ -353,7 +353,7 @@ fn round_trip() {
     assert_eq!(Quota::decode(&mut Reader::new(&w.buf)), Some(q));
 }
 
-/// Issue 22: the answer's `usage` replaces the pick's estimate in the remembered count: a
+/// The answer's `usage` replaces the pick's estimate in the remembered count: a
 /// request that used more takes the rest, one that used less gives it back, never past the
 /// stated limit, and an unknown or forgotten count stays unknown.
 #[test]
@@ -428,7 +428,7 @@ impl Upstream {
     }
 }
 
-/// Issue 22 (one Envoy's quota bench moved 66 follow-ups between keys that both had quota):
+/// One Envoy's quota bench once moved 66 follow-ups between keys that both had quota):
 /// the remembered count must follow the key's real use, not drift below it. Requests are sent
 /// every 40 ms, each answered after 0.1–3.6 s (plain answers' headers come at their end), so
 /// answers end out of the order the key admitted them, and some after the window they were
@@ -547,7 +547,7 @@ fn resets_count_from_when_the_request_was_sent() {
     assert_eq!(q.tokens_left(6_100), Some(9_000));
 }
 
-/// Issue 22's quota bench, three replicas: a 429 that said 1 808 tokens were left cooled the
+/// The quota bench, three replicas: a 429 that said 1 808 tokens were left cooled the
 /// key whole on the replica that got it, and a pinned turn of 1 431 tokens moved. The 429's
 /// statement explains it (fewer tokens than the request's estimate): it is remembered, and
 /// only requests that do not fit are kept off; one that does not explain it (enough left by
@@ -598,7 +598,7 @@ fn a_429_that_its_statement_explains_sets_the_count_instead_of_the_breaker() {
 /// Pacing across a reset: a key whose pinned sessions used 80 % of its limit in the last
 /// window will use as much in this one, although this one has barely begun. Before, the new
 /// window looked empty (nothing to extrapolate from in its first tenth), and new sessions were
-/// placed on a key that its pinned sessions then ran dry (issue 22's quota bench, three
+/// placed on a key that its pinned sessions then ran dry (the quota bench, three
 /// replicas: 30 pinned turns moved off keys with nothing left).
 #[test]
 fn pacing_carries_the_last_windows_use_into_the_next() {
@@ -674,7 +674,7 @@ fn reconcile_setup() -> (Quota, impl Fn(u64, u64) -> QuotaHint) {
     (q, stated)
 }
 
-/// Issue 22 (quota bench, one Envoy: a key with 2 827 tokens left looked short for a pinned
+/// The quota bench, one Envoy (a key with 2 827 tokens left looked short for a pinned
 /// turn of 2 387 and the turn moved): a fresher statement about the same window raises the
 /// count to what the key states less the picks made after the stated request. Here a pick of
 /// 3 000 whose attempt failed (nothing charged, no `usage` to settle it) stays in the count;
@@ -808,7 +808,7 @@ fn weights_follow_the_stated_limits_in_levels_down_to_the_floor() {
     );
 }
 
-/// Issue 22's quota bench, one Envoy (`quota6-2`): late in a window a small key (`d`, a fifth
+/// The quota bench, one Envoy (`quota6-2`): late in a window a small key (`d`, a fifth
 /// of the others' limit) took 22 new sessions as a backup while its own use was light, ran dry
 /// in the next window (each of those sessions spent about four times its first turn there),
 /// and 23 follow-ups moved. With the new sessions' growth counted

@@ -1200,7 +1200,7 @@ impl<'a> Scheduler<'a> {
             // Spilled while its home was kept off for its quota (`quota_session_growth`): its
             // next turn would go home as a pin would (only a certain 429 passes a home over),
             // a move onto a key it was kept off, that re-prefills the turn cached here
-            // (issue 22's quota bench, `quota7-3` ×3: two sessions spilled from their short
+            // (the quota bench, `quota7-3` ×3: two sessions spilled from their short
             // homes, then moved home between keys that both had quota).
             (Reason::Spill, _)
                 if self.cfg.quota_session_growth

@@ -1398,7 +1398,7 @@ fn a_later_turn_without_a_pin_here_keeps_to_its_home_until_a_429_is_certain() {
     assert_eq!(moved.quota_skipped, vec![0]);
 }
 
-/// Issue 22's quota bench, three replicas: a replica's count missed what the others spent, a
+/// The quota bench, three replicas: a replica's count missed what the others spent, a
 /// 2 000-token turn got a 429 that said 1 500 tokens were left, and the key was cooled whole
 /// on that replica: a pinned turn of 1 000 tokens moved although it fitted, and after the
 /// reset the breaker's three probes held the key for the length of their generations while
@@ -1605,7 +1605,7 @@ fn quota_skips_name_the_endpoints_passed_over_for_quota() {
     );
 }
 
-// --- Issue 23: degraded (slow for the work) vs saturated (full by the engine's own load) ------
+// --- Degraded (slow for the work) vs saturated (full by the engine's own load) --------------
 
 /// Writes endpoint `name`'s scraped record: `waiting` queued, `running` in the batch.
 fn scraped(store: &dyn Store, name: &str, waiting: u32, running: u32, now: u64) {
@@ -1938,7 +1938,7 @@ fn a_pin_stays_when_the_other_endpoints_queue_as_long() {
     });
 }
 
-/// The mixed fleet's herd (results/bench/signals/diagnosis.md): a large engine turns full and
+/// The mixed fleet's herd (docs/adr/0010-saturated-is-not-slow.md): a large engine turns full and
 /// its pinned sessions move in one burst, between two scrapes. They go only where a slot is
 /// free counting the moves already sent since the scrape: 2 to the small engine b (4 slots,
 /// 2 running), 6 to c (16 slots, 10 running); the rest stay until the next scrape.
@@ -2215,7 +2215,7 @@ fn replicas_with_different_own_signals_compute_the_same_homes() {
     }
 }
 
-// --- Issue 22, item 2: a Responses follow-up's holder is part of the pick -------------------
+// --- A Responses follow-up's holder is part of the pick -------------------------------------
 
 fn holder_pick<'a>(
     ex: &'a Exclusions,
@@ -2297,7 +2297,7 @@ fn a_holder_is_picked_whatever_its_verdicts_quota_or_pin_cookie() {
     );
 }
 
-// --- Issue 22, item 8: in-flight counts expire per attempt age ------------------------------
+// --- In-flight counts expire per attempt age ------------------------------------------------
 
 /// An attempt whose ticket is never handed back (a VM crash between pick and finish) on an
 /// endpoint that serves a request every second for 20 minutes: its count expires within 1.5 ×
@@ -2509,7 +2509,7 @@ fn pinned_sessions_move_off_the_last_server_of_another_model_once() {
 
 /// `quota_limit_weighting`: once the keys have stated their limits, new sessions go to them in
 /// proportion (a key with an eighth of its peers' limit gets about 1/17 of the new sessions,
-/// not a third). Issue 22's quota bench: placed evenly in a long first window, before their
+/// not a third). The quota bench: placed evenly in a long first window, before their
 /// use said anything, the small keys took a quarter of the new sessions each and ran dry in
 /// the next window, and their pinned sessions moved. Pinned sessions stay where they are.
 #[test]
@@ -2553,7 +2553,7 @@ fn new_sessions_follow_the_keys_stated_limits() {
 
 /// `quota_session_growth`: when every candidate is short of quota, a new session goes to the
 /// key with the most tokens left after its forecast use, not to the first of its order. In
-/// issue 22's quota bench the big keys were short by the reserve (half their limit kept for
+/// the quota bench the big keys were short by the reserve (half their limit kept for
 /// their pinned sessions, with about 180 000 tokens still free) while a small key had a few
 /// thousand: the first of the order put sessions on the small key, which then ran dry in the
 /// next window. Pinned sessions stay where they are.
@@ -2612,7 +2612,7 @@ fn when_every_key_is_short_a_new_session_goes_to_the_roomiest() {
 /// `quota_session_growth`: a new session that spilled (over its bounded load) from a home
 /// kept off for its quota is pinned where it was served: its next turn without a pin would go
 /// home as a pin would (a home is passed over only for a certain 429), re-prefilling on a key
-/// that still had quota (issue 22's quota bench, `quota7-3` ×3: 2 such moves).
+/// that still had quota (the quota bench, `quota7-3` ×3: 2 such moves).
 #[test]
 fn a_spill_from_a_home_short_of_quota_pins() {
     use crate::scheduler::routing::quota::Stated;

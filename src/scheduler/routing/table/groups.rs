@@ -1,5 +1,5 @@
 //! The endpoint table as it is stored: a small header key and the entries in groups of
-//! [`GROUP_LEN`] under keys of their own (issue 21: a request copies across the host boundary
+//! [`GROUP_LEN`] under keys of their own (a request copies across the host boundary
 //! the header and the groups it reads or writes, not the whole fleet).
 //!
 //! Header ([`TABLE_KEY`]): version byte, retry budget, layout generation, entry count, then
