@@ -2,7 +2,7 @@
 //! A pool of API keys of one provider behind ONE Envoy cluster, through a real Envoy: the
 //! endpoints share their `cluster` and differ only by their `headers` (the key). This is how a
 //! pool of hundreds of keys is configured without hundreds of clusters (Envoy's own cost per
-//! request grows with the clusters it routes among, see the README's overhead section).
+//! request grows with the clusters it routes among, see docs/performance.md).
 //!
 //! What must hold: every request reaches the provider with exactly the key of the endpoint the
 //! filter chose (never a client's own `authorization`, never another key's); sessions spread over

@@ -313,7 +313,7 @@ pub fn link(linker: &mut Linker<Host>, module: &Module) -> Result<()> {
             let msg = String::from_utf8_lossy(&msg).into_owned();
             if c.data().echo {
                 // The fuel used so far: log lines placed around a piece of code give its
-                // exact cost (COMPUTEFLUX_COST_ECHO=1, see the README's overhead section).
+                // exact cost (COMPUTEFLUX_COST_ECHO=1, see docs/performance.md).
                 let used = crate::vm::FUEL.saturating_sub(c.get_fuel().unwrap_or(0));
                 eprintln!("[wasm log {level} fuel {used}] {msg}");
             }

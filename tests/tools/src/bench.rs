@@ -49,7 +49,7 @@
 //! `results.json` (`overhead_fleet`), `fleet.md` and the end of `results.md`.
 //!
 //! `--render` rewrites `results.md`, `chart.svg`, `summary-table.md` (and, for a full run, the
-//! README block) from a run's `results.json` without measuring anything.
+//! docs/performance.md block) from a run's `results.json` without measuring anything.
 //!
 //! Needs `.venv/bin/envoy` (or `ENVOY_BIN`), the release wasm module and mock (built by the
 //! harness if missing) and `wrk` on the PATH for the overhead part; `scripts/bench` sees to all.
@@ -653,8 +653,8 @@ fn write_outputs(
     Ok(())
 }
 
-/// `--render results.json`: the markdown, the chart and (for a full run) the README block again
-/// from a run's data, after a change to the report's layout.
+/// `--render results.json`: the markdown, the chart and (for a full run) the docs/performance.md
+/// block again from a run's data, after a change to the report's layout.
 fn render(path: &std::path::Path, out: &std::path::Path) -> Result<(), String> {
     let text = std::fs::read_to_string(path).map_err(|e| format!("{}: {e}", path.display()))?;
     let v: serde_json::Value =
@@ -732,16 +732,18 @@ fn render(path: &std::path::Path, out: &std::path::Path) -> Result<(), String> {
 const README_BEGIN: &str =
     "<!-- bench:begin (written by scripts/bench; edits inside are replaced) -->";
 const README_END: &str = "<!-- bench:end -->";
+/// The page whose bench block a full run rewrites (its links are relative to `docs/`).
+const PERFORMANCE_PAGE: &str = "docs/performance.md";
 
-/// Replaces the block between the bench markers in README.md (a full run's figures). Without
-/// the markers README.md is left alone: the section is added by hand once.
+/// Replaces the block between the bench markers in docs/performance.md (a full run's figures).
+/// Without the markers the page is left alone: the section is added by hand once.
 fn update_readme(block: &str) {
-    let path = support::repo_root().join("README.md");
+    let path = support::repo_root().join(PERFORMANCE_PAGE);
     let Ok(text) = std::fs::read_to_string(&path) else {
         return;
     };
     let (Some(b), Some(e)) = (text.find(README_BEGIN), text.find(README_END)) else {
-        eprintln!("bench: README.md has no bench markers; not updated");
+        eprintln!("bench: {PERFORMANCE_PAGE} has no bench markers; not updated");
         return;
     };
     if e < b {
@@ -751,8 +753,8 @@ fn update_readme(block: &str) {
     let tail = rest.get(e - b - README_BEGIN.len()..).unwrap_or("");
     let new = format!("{head}\n{block}{tail}");
     match std::fs::write(&path, new) {
-        Ok(()) => eprintln!("bench: updated the Benchmarks block of README.md"),
-        Err(e) => eprintln!("bench: README.md: {e}"),
+        Ok(()) => eprintln!("bench: updated the bench block of {PERFORMANCE_PAGE}"),
+        Err(e) => eprintln!("bench: {PERFORMANCE_PAGE}: {e}"),
     }
 }
 

@@ -282,7 +282,7 @@ impl Report<'_> {
         })
     }
 
-    /// The compact (topology, policy) × scenario table (also used in the README).
+    /// The compact (topology, policy) × scenario table (also used in docs/performance.md).
     pub fn summary_table(&self) -> String {
         let scen = self.scenarios();
         let mut s = String::new();
@@ -532,20 +532,21 @@ impl Report<'_> {
         s
     }
 
-    /// The body of README.md's "## Benchmarks" section (between the bench markers).
+    /// The generated block of docs/performance.md (between the bench markers; links relative to
+    /// `docs/`).
     pub fn readme_block(&self) -> String {
         let m = &self.meta;
         let mut s = String::new();
         let _ = writeln!(
             s,
             "Latest run: {} ({} mode, commit `{}`), command `{}`, on {}. Full report: \
-             [results/bench/results.md](results/bench/results.md); data: \
-             [results/bench/results.json](results/bench/results.json).\n",
+             [results/bench/results.md](../results/bench/results.md); data: \
+             [results/bench/results.json](../results/bench/results.json).\n",
             m.date, m.mode, m.commit, m.command, m.machine
         );
         let _ = writeln!(
             s,
-            "![per-policy p50/p99 latency and cached-token ratio per scenario](results/bench/chart.svg)\n"
+            "![per-policy p50/p99 latency and cached-token ratio per scenario](../results/bench/chart.svg)\n"
         );
         let _ = writeln!(
             s,

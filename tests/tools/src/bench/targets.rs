@@ -426,7 +426,7 @@ fn issue10(rep: &Report<'_>, out: &mut Vec<Check>) {
 /// for context only. (`--sessions 850` at the default 20 sessions/s also reaches 12 s, but at
 /// ≈ 120 requests/s: beyond the four engines' capacity, its steady run's median latency climbs
 /// 6× over the run, and the slow run measures an overloaded fleet losing a fifth of its
-/// capacity — reported in `docs/decisions.md`, not judged.)
+/// capacity — reported in `docs/performance.md`, not judged.)
 pub const ISSUE11_ONSET_MS: u64 = 12_000;
 
 /// The command that runs the issues' slow scenario (the full `scripts/bench` runs it into `slow/`).
@@ -504,8 +504,8 @@ pub fn section(rep: &Report<'_>) -> String {
     s
 }
 
-/// The README's short form: how many of issue 10's and 11's targets were met, and the missed
-/// ones.
+/// The performance page's short form: how many of the replica and slow-endpoint targets
+/// (issues 10 and 11) were met, and the missed ones.
 pub fn brief(rep: &Report<'_>) -> String {
     let all = checks(rep);
     let mut s = String::new();
@@ -518,9 +518,14 @@ pub fn brief(rep: &Report<'_>) -> String {
             continue;
         }
         let met = judged.iter().filter(|c| c.met == Some(true)).count();
+        let name = if issue == 10 {
+            "Replica"
+        } else {
+            "Slow-endpoint"
+        };
         let _ = writeln!(
             s,
-            "Issue {issue} targets: {met} of {} met{}",
+            "{name} targets: {met} of {} met{}",
             judged.len(),
             if met == judged.len() {
                 "."
