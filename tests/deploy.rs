@@ -124,6 +124,29 @@ fn every_envoy_config_in_the_repo_passes_validate() {
     validate("render_bootstrap", serde_json::from_str(&text).unwrap());
 }
 
+/// The Envoy configuration README.md shows a newcomer (its first `yaml` block) is complete: it
+/// passes `envoy --mode validate` with the built module, and the plugin accepts the JSON in it.
+#[test]
+fn the_readme_envoy_snippet_passes_validate() {
+    let readme = std::fs::read_to_string(root().join("README.md")).unwrap();
+    let start = readme
+        .find("```yaml\n")
+        .expect("README.md shows no ```yaml block")
+        + "```yaml\n".len();
+    let len = readme[start..]
+        .find("```")
+        .expect("README.md's yaml block is not closed");
+    let docs = deploy_support::yaml_docs_str(&readme[start..start + len]).unwrap();
+    assert_eq!(docs.len(), 1, "README.md's yaml block: one document");
+    let bootstrap = docs.into_iter().next().unwrap();
+    assert_eq!(
+        wasm_filters(&bootstrap).len(),
+        1,
+        "README.md's snippet loads the filter"
+    );
+    validate("README.md", bootstrap);
+}
+
 #[test]
 fn a_rejected_plugin_configuration_fails_validation() {
     // The check above is only worth something if validate runs the plugin's on_configure.
