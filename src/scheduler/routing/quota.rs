@@ -284,10 +284,6 @@ pub struct QuotaRule {
     pub default_reset_ms: u64,
     /// Cap on any reset hint.
     pub max_reset_ms: u64,
-    /// Quota pacing (see [`Remaining::projected_use`]).
-    pub pacing: bool,
-    /// Pacing counts the new sessions' growth ([`Remaining::growth`], `quota_session_growth`).
-    pub growth: bool,
 }
 
 /// (remaining, reset, limit) header names of one count.
@@ -412,6 +408,11 @@ pub fn weigh_by_limits(
     scaled
 }
 
+/// Request body bytes per estimated token: a request is taken to cost
+/// `ceil(body bytes / BYTES_PER_TOKEN)` tokens of an endpoint's quota. Not a key: the measured
+/// default.
+pub const BYTES_PER_TOKEN: u64 = 4;
+
 /// The tokens a request of `prompt_bytes` (see [`crate::scheduler::routing::select::Pick`])
 /// is taken to cost.
 pub fn estimate_tokens(prompt_bytes: usize, bytes_per_token: u64) -> u64 {
@@ -501,8 +502,8 @@ impl Quota {
         live(self.tokens, now_ms)
     }
 
-    /// Below a floor or below this request's estimate: skipped for new placements. With
-    /// pacing, also when what is left will not cover the reserve and the pinned sessions' use
+    /// Below a floor or below this request's estimate: skipped for new placements. Paced:
+    /// also when what is left will not cover the reserve and the pinned sessions' use
     /// until the reset ([`Remaining::projected_use`]), or when their use per window already
     /// takes more than the limit less the reserve ([`Remaining::span_use`]: the reserve is
     /// for their growth, in this window and the next).
@@ -512,10 +513,8 @@ impl Quota {
                 let reserve = r
                     .limit
                     .map_or(0, |l| l.saturating_mul(rule.reserve_percent) / 100);
-                if !rule.pacing {
-                    return r.left < floor.max(reserve);
-                }
-                let growth = if rule.growth { r.growth() } else { 0 };
+                // The new sessions' growth counts (see [`Remaining::growth`]).
+                let growth = r.growth();
                 let busy = r.limit.is_some_and(|l| {
                     r.span_use(now_ms).saturating_add(growth) > l.saturating_sub(reserve)
                 });
@@ -581,14 +580,13 @@ impl Quota {
     /// token limit and window. When every candidate is short, a new session goes to the one
     /// with the most (see `select`): the first of its order may be a key with a sixth of
     /// the others' limit, which then runs dry in the next window.
-    pub fn headroom(&self, rule: &QuotaRule, now_ms: u64) -> Option<i128> {
+    pub fn headroom(&self, now_ms: u64) -> Option<i128> {
         let r = self.tokens.and_then(|r| r.current(now_ms))?;
         let limit = r.limit?;
         if r.span_ms == 0 {
             return None;
         }
-        let growth = if rule.growth { r.growth() } else { 0 };
-        Some(i128::from(limit) - i128::from(r.span_use(now_ms)) - i128::from(growth))
+        Some(i128::from(limit) - i128::from(r.span_use(now_ms)) - i128::from(r.growth()))
     }
 
     /// An answer reported `used` tokens (prompt and completion) for a request sent at

@@ -52,6 +52,10 @@ pub fn score(
 /// The smoothed part of the score, `success_rate / latency_factor` in `(0, 1]`; `None` while
 /// the endpoint is cold. Unlike the score it ignores in-flight counts, which each Envoy sees
 /// only for itself: placement across replicas weighs endpoints by this (see `placement`).
+/// Time constant with which an idle endpoint's latency and failure penalties fade back toward
+/// neutral, so an endpoint that was slow once is tried again. Not a key: the measured default.
+pub const STATS_DECAY_MS: u64 = 60_000;
+
 pub fn health(
     st: &EndpointState,
     best_latency_ms: Option<f64>,
@@ -59,7 +63,7 @@ pub fn health(
     now_ms: u64,
 ) -> Option<f64> {
     let success = success(st, cfg, now_ms)?;
-    let f = fade(now_ms.saturating_sub(st.last_sample_ms), cfg.stats_decay_ms);
+    let f = fade(now_ms.saturating_sub(st.last_sample_ms), STATS_DECAY_MS);
     let latency = match latency_ratio(st, best_latency_ms) {
         Some(raw) => 1.0 + (raw - 1.0).max(0.0) * f,
         None => 1.0,
@@ -72,7 +76,7 @@ pub fn success(st: &EndpointState, cfg: &Config, now_ms: u64) -> Option<f64> {
     if st.total < cfg.cold_start_samples {
         return None;
     }
-    let f = fade(now_ms.saturating_sub(st.last_sample_ms), cfg.stats_decay_ms);
+    let f = fade(now_ms.saturating_sub(st.last_sample_ms), STATS_DECAY_MS);
     Some((1.0 - (1.0 - st.success_rate) * f).max(SUCCESS_FLOOR))
 }
 

@@ -92,10 +92,9 @@ fn fleet(seed: u64, n: usize, equal_weights: bool) -> (Config, Table) {
         .collect();
     let c = Config::from_value(&json!({
         "endpoints": eps,
-        "bounded_load_epsilon": 0.25,
-        "bounded_load_slack": 1 + r(999) % 3,
+        "tuning": {"bounded_load_epsilon": 0.25, "bounded_load_slack": 1 + r(999) % 3},
     }))
-    .unwrap_or_default();
+    .unwrap();
     let mut t = Table::load(None, &c).0;
     for (i, (_, st)) in t.entries.iter_mut().enumerate() {
         let x = r(1_000 + i as u64);

@@ -34,17 +34,14 @@ fn config(seed: u64, n: usize) -> Config {
     Config::from_value(&json!({
         "endpoints": eps,
         "cold_start_samples": 1 + r(1) % 3,
-        "stats_decay_ms": 1_000,
         "failure_threshold": 2,
         "open_ms": 3_000,
-        "pin_break_overdue": r(2) % 2,
-        "pin_break_min_ms": 1,
     }))
-    .unwrap_or_default()
+    .unwrap()
 }
 
 /// A stored table drawn from `seed`: some endpoints warm and slow, some failing, some open,
-/// some with attempts in flight or watched.
+/// some with attempts in flight.
 fn seeded(store: &MemStore, cfg: &Config, seed: u64) {
     let mut t = Table::load(None, cfg).0;
     for (i, (_, st)) in t.entries.iter_mut().enumerate() {
@@ -69,7 +66,6 @@ fn seeded(store: &MemStore, cfg: &Config, seed: u64) {
         }
         if (x >> 28).is_multiple_of(4) {
             st.start_attempt(START - 1_000, cfg.in_flight_max_age_ms);
-            st.watch.insert(7 + i as u32, START - 10_000);
         }
     }
     t.write_to(&store);
