@@ -135,7 +135,11 @@ fn documented_defaults_are_the_real_defaults() {
         .iter()
         .filter(|(key, _)| *key != "endpoints" && *key != "tuning")
         .map(|(key, row)| (key.clone(), row))
-        .chain(tuning.iter().map(|(key, row)| (format!("tuning.{key}"), row)));
+        .chain(
+            tuning
+                .iter()
+                .map(|(key, row)| (format!("tuning.{key}"), row)),
+        );
     for (key, row) in rows {
         let actual = values
             .get(key.as_str())

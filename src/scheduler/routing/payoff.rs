@@ -23,8 +23,8 @@
 //! about that size, so their answers would read as "no cache" on an endpoint that has one.
 //!
 //! **Closed loop** (`payoff_floor`, 0.1 by default; `0` turns it off): an endpoint is *unrewarding* when
-//! it has at least `payoff_min_samples` samples and its payoff is below the floor. Its weight in
-//! *session* placement is multiplied by `payoff_weight` ([`PayoffRule::factor`]), so that new
+//! it has at least [`PAYOFF_MIN_SAMPLES`] samples and its payoff is below the floor. Its weight in
+//! *session* placement is multiplied by [`PAYOFF_WEIGHT`] ([`PayoffRule::factor`]), so that new
 //! sessions (and sessions a replica places without a pin) go mostly to endpoints that cache.
 //! Requests without a session are placed as before (they have nothing to cache), and pins
 //! are kept (moving a session costs it a prefill; staying costs nothing extra). The reduced

@@ -17,7 +17,7 @@
 //! **What replicas agree on** (issue 23). Placement weight = configured `weight` × the success
 //! level × the payoff factor (a boolean of smoothed state with hysteresis, see
 //! [`super::payoff`]) — nothing else. The success level is the faded success rate rounded up to
-//! a level `2^(-k·q)` (`q = placement_quantum`): every endpoint succeeding more than half the
+//! a level `2^(-k·q)` (`q =` [`PLACEMENT_QUANTUM`]): every endpoint succeeding more than half the
 //! time weighs exactly its weight, and only an endpoint that fails most requests (a dead API
 //! key, which answers 401 to every replica alike) weighs less. No latency factor and no
 //! in-flight count: each replica measures those from its own share of the traffic, and raw

@@ -27,7 +27,7 @@
 //!   window as long as the last stated reset: the picks after the reset are counted before any
 //!   answer from the new window arrives (else every pick in that gap would pass unchecked), and
 //!   that first answer only lowers the assumed count.
-//! - A request's size is estimated as `ceil(prompt bytes / quota_bytes_per_token)` tokens plus
+//! - A request's size is estimated as `ceil(prompt bytes / BYTES_PER_TOKEN)` tokens plus
 //!   the output limit it states (hosted APIs charge `max_tokens` at admission: a turn whose
 //!   prompt fit but whose limit did not was a 429, and the key cooled for every session on it),
 //!   where its prompt bytes are its body's bytes with each inline image or audio clip
@@ -40,15 +40,16 @@
 //!   overtakes a long plain answer), and settling those again took a long answer's tokens
 //!   off twice: one Envoy's count drifted thousands of tokens below the key's within a window
 //!   and moved pinned turns off keys that still had quota (issue 22's quota bench).
-//! - An endpoint is *short* when its remaining requests are below `max(quota_min_requests, 1)`
-//!   or its remaining tokens below `max(quota_min_tokens, estimate)`. A short endpoint is
+//! - An endpoint is *short* when its remaining requests are below
+//!   `max(tuning.quota_min_requests, 1)` or its remaining tokens below
+//!   `max(tuning.quota_min_tokens, estimate)`. A short endpoint is
 //!   skipped for new placements like an unavailable one (the next in rendezvous order takes
-//!   the session, the same on every replica), unless every candidate is short. With pacing
-//!   (`quota_pacing`) and a stated limit it is short too when the pinned sessions' use until
+//!   the session, the same on every replica), unless every candidate is short. Paced: with a
+//!   stated limit it is short too when the pinned sessions' use until
 //!   the reset would leave less than the floors ([`Remaining::projected_use`]), or when their
 //!   use over the last window's length already exceeds the limit less the reserve
 //!   ([`Remaining::span_use`]): sessions placed now spend in the next window.
-//! - With `quota_limit_weighting`, new sessions go to keys in proportion to their stated
+//! - New sessions go to keys in proportion to their stated
 //!   limits ([`weigh_by_limits`]): pacing judges a key by what its sessions have spent, which
 //!   says nothing until they have spent it, and a session spends most in the windows after
 //!   the one it was placed in. The stated limit is known from a key's first answer on.
@@ -337,8 +338,8 @@ pub const LIMIT_WEIGHT_MAX_CANDIDATES: usize = 64;
 /// The levels of [`weigh_by_limits`]: `2^(-k × step)`, 1, 0.71, 0.5, 0.35, 0.25, 0.18, 0.125.
 pub const LIMIT_WEIGHT_STEP: f64 = 0.5;
 
-/// Session placement weights scaled by the keys' stated limits (`quota_limit_weighting`;
-/// `None`: no candidate's weight changes): each candidate's weight × the ratio of its stated limit to the largest stated among the
+/// Session placement weights scaled by the keys' stated limits (`None`: no candidate's weight
+/// changes): each candidate's weight × the ratio of its stated limit to the largest stated among the
 /// candidates (per family, tokens and requests; the smaller of the two ratios), rounded up to
 /// a level `2^(-k/2)` ([`LIMIT_WEIGHT_STEP`]) and at least [`LIMIT_WEIGHT_FLOOR`]. A candidate without a stated limit (a
 /// self-hosted engine, a key not yet heard from) keeps its weight.

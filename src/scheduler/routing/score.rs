@@ -3,13 +3,13 @@
 //! ```text
 //! cold (total < cold_start_samples):  score = weight
 //! warm:  score = weight × success_rate × load_factor / latency_factor
-//!   success_rate   = 1 - (1 - sr)·fade          sr: EWMA of 1/0 outcomes (success_rate_alpha)
+//!   success_rate   = 1 - (1 - sr)·fade          sr: EWMA of 1/0 outcomes (SUCCESS_RATE_ALPHA)
 //!   load_factor    = 1 / (1 + in_flight)        every request already queued there costs
 //!                                               one more service time (peak-EWMA style)
 //!   latency_factor = 1 + (ewma/best - 1)·fade   relative to the fastest warm candidate,
 //!                                               so the fastest has factor 1 and a 5× slower
 //!                                               one scores 1/5 of it
-//!   fade           = 1 / (1 + idle/stats_decay_ms)   idle = time since the last sample
+//!   fade           = 1 / (1 + idle/STATS_DECAY_MS)   idle = time since the last sample
 //! ```
 //! The success rate is floored at 1 % so that weights still order endpoints that all fail.
 //! Scores are all in `(0, weight]`, so cold and warm endpoints compare on one scale.

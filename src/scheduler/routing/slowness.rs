@@ -733,9 +733,9 @@ impl Slowness {
 pub struct DegradeRule {
     /// Enter at this multiple of the peers' median slowness (`pin_break_ratio`).
     pub ratio: f64,
-    /// Leave below this multiple (`degraded_exit_ratio`, below `ratio`).
+    /// Leave below this multiple (`config::DEGRADED_EXIT_RATIO`, below `ratio`).
     pub exit_ratio: f64,
-    /// Also needed: the gap costs this many ms per request (`pin_break_min_ms`; half to stay).
+    /// Also needed: the gap costs this many ms per request ([`PIN_BREAK_MIN_MS`]; half to stay).
     pub min_extra_ms: f64,
     /// Samples an endpoint (and each peer counted) needs to be judged (`cold_start_samples`).
     pub min_samples: u32,

@@ -809,7 +809,7 @@ impl<'a> Scheduler<'a> {
                 continue;
             }
             // The last server of another model keeps half of its placements for that model, and
-            // takes the others only as the lightest (see `relieve_last_server`).
+            // takes the others only as the lightest (see [`last_servers`]).
             if board.captive(i) && self.relief_passes_over(board, keyed, i) {
                 passed.saturated = true;
                 continue;
@@ -833,8 +833,7 @@ impl<'a> Scheduler<'a> {
                 continue;
             }
             // The session bound reads the totals only for counted new sessions, and only
-            // once a candidate is busy or may be a popular prefix's (it passes no idle one
-            // over).
+            // once a candidate is busy (it passes no idle one over).
             if self.session_busy(board, i) && {
                 let total_weight = totals_of().1;
                 self.over_session_bound(board, i, total_weight, &mut total_sessions, &eligible)
@@ -843,7 +842,7 @@ impl<'a> Scheduler<'a> {
                 let totals = totals_of();
                 let total_weight = totals.1;
                 // Passed over for the sessions placed there: the spill goes where the counts
-                // say there is room (`prefix_session_spill`), else on in the prefix's order.
+                // say there is room (the least counted), else on in the prefix's order.
                 let fits = |j: usize| {
                     self.takes_new(board, keyed, j, left, totals)
                         && !self.over_session_bound(
@@ -1176,8 +1175,7 @@ pub(super) struct Board<'t> {
     admission: Admissions,
     excluded: Vec<usize>,
     /// The candidates left as the last healthy server of another model than the request's
-    /// (see [`last_servers`]), by index; empty when none is (no endpoint degraded, or
-    /// `relieve_last_server` off).
+    /// (see [`last_servers`]), by index; empty when none is (no endpoint degraded).
     captive: Vec<bool>,
 }
 
@@ -1651,7 +1649,7 @@ pub(super) fn fallback(
 /// name another model that some other enabled endpoint serves too, all of which are degraded
 /// (this decision's verdict for a candidate, the stored sticky flag for the others). It takes
 /// every session of that model from its degraded peers, so the request's model, which other
-/// candidates serve, is steered off it (`relieve_last_server`). An endpoint without a `models`
+/// candidates serve, is steered off it. An endpoint without a `models`
 /// list serves every model and is never counted as the last server of one. Costs nothing
 /// while no endpoint is degraded (one pass over the verdicts and the table).
 pub(super) fn last_servers(

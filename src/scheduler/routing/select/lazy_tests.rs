@@ -73,6 +73,7 @@ impl<'a> Scheduler<'a> {
 
 /// A fleet of `n` endpoints and a table, drawn from `seed`: mixed weights (sometimes all
 /// equal), in-flight loads near the bounded-load limit, open breakers, slow endpoints.
+#[allow(clippy::unwrap_used)]
 fn fleet(seed: u64, n: usize, equal_weights: bool) -> (Config, Table) {
     let r = |k: u64| fmix64(seed ^ fmix64(k));
     let eps: Vec<_> = (0..n)

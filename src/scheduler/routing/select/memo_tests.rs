@@ -12,8 +12,9 @@ use serde_json::json;
 const START: u64 = 5_000_000;
 
 /// `n` endpoints (some serving a second model, one sometimes disabled), with the knobs that
-/// make verdicts and weights depend on the clock set low: few samples to warm, a short decay,
-/// the overdue watch on or off.
+/// make verdicts and weights depend on the clock set low: few samples to warm, a short open
+/// time.
+#[allow(clippy::unwrap_used)]
 fn config(seed: u64, n: usize) -> Config {
     let r = |k: u64| fmix64(seed ^ fmix64(k));
     let eps: Vec<_> = (0..n)
