@@ -162,10 +162,26 @@ fn cases() -> Vec<Case> {
             top("ewma_alpha", json!(1.5)),
             &["ewma_alpha must be in (0, 1], got 1.5"],
         ),
+        // Removed keys name what replaced them.
         case(
-            "success_rate_alpha negative",
-            top("success_rate_alpha", json!(-0.1)),
-            &["success_rate_alpha must be in (0, 1], got -0.1"],
+            "success_rate_alpha removed",
+            top("success_rate_alpha", json!(0.2)),
+            &["success_rate_alpha was removed: it is built in (0.1, `routing::select::SUCCESS_RATE_ALPHA`)"],
+        ),
+        case(
+            "quota_pacing removed",
+            top("quota_pacing", json!(false)),
+            &["quota_pacing was removed: quota pacing is always on"],
+        ),
+        case(
+            "pin_break_ratio moved into tuning",
+            top("pin_break_ratio", json!(4.0)),
+            &["pin_break_ratio was moved: set it as `tuning.pin_break_ratio` (unstable)"],
+        ),
+        case(
+            "tuning key out of bounds",
+            top("tuning", json!({"quota_reserve_percent": 101})),
+            &["tuning.quota_reserve_percent must be in 0..=100, got 101"],
         ),
         case(
             "half_open_probes zero",
@@ -476,7 +492,7 @@ fn good_configuration_is_logged_once_with_effective_values() {
             "affinity_ttl_ms=300000",
             "affinity_max_sessions=5000",
             "ewma_alpha=0.5",
-            "success_rate_alpha=0.1",
+            "tuning.retry_budget_min_retries=10",
             "half_open_probes=3",
             "failure_threshold=5",
             "max_attempts=3",

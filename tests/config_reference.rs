@@ -1,5 +1,5 @@
 #![cfg(not(target_arch = "wasm32"))]
-//! docs/configuration.md is the configuration reference users read; its two tables are generated
+//! docs/configuration.md is the configuration reference users read; its tables are generated
 //! from the keys' declarations in `src/scheduler/config/mod.rs` (`CONFIG_DOC_WRITE=1 cargo test --test
 //! config_reference` rewrites them). This test fails if a key is missing or stale, or if its type,
 //! default, bounds or effect differ; it also
@@ -15,7 +15,7 @@
 
 use std::collections::BTreeMap;
 
-use computeflux::scheduler::config::{endpoint_keys, top_level_keys, Config, KeyDoc};
+use computeflux::scheduler::config::{endpoint_keys, top_level_keys, tuning_keys, Config, KeyDoc};
 
 fn doc() -> String {
     std::fs::read_to_string(concat!(
@@ -96,6 +96,23 @@ fn top_level_keys_match_the_code() {
 }
 
 #[test]
+fn tuning_keys_match_the_code() {
+    compare(
+        "Tuning keys (unstable)",
+        &table(&doc(), "Tuning keys (unstable)"),
+        &tuning_keys(),
+    );
+}
+
+/// The public configuration stays small: a key is a promise to users (the tuning object is
+/// one row, and unstable).
+#[test]
+fn the_top_level_table_stays_small() {
+    let rows = table(&doc(), "Top-level keys");
+    assert!(rows.len() <= 30, "{} top-level keys", rows.len());
+}
+
+#[test]
 fn endpoint_keys_match_the_code() {
     compare(
         "Endpoint keys",
@@ -112,11 +129,18 @@ fn documented_defaults_are_the_real_defaults() {
         .split_whitespace()
         .filter_map(|kv| kv.split_once('='))
         .collect();
-    let rows = table(&doc(), "Top-level keys");
-    for (key, row) in &rows {
-        if key == "endpoints" {
-            continue;
-        }
+    let top = table(&doc(), "Top-level keys");
+    let tuning = table(&doc(), "Tuning keys (unstable)");
+    let rows = top
+        .iter()
+        .filter(|(key, _)| *key != "endpoints" && *key != "tuning")
+        .map(|(key, row)| (key.clone(), row))
+        .chain(
+            tuning
+                .iter()
+                .map(|(key, row)| (format!("tuning.{key}"), row)),
+        );
+    for (key, row) in rows {
         let actual = values
             .get(key.as_str())
             .unwrap_or_else(|| panic!("{key} not in Config::default().summary(): {summary}"));
@@ -170,7 +194,7 @@ fn render(keys: &[KeyDoc]) -> String {
     out
 }
 
-/// With `CONFIG_DOC_WRITE=1`, rewrites both tables of docs/configuration.md from the code.
+/// With `CONFIG_DOC_WRITE=1`, rewrites the tables of docs/configuration.md from the code.
 #[test]
 fn write_tables_when_asked() {
     if std::env::var_os("CONFIG_DOC_WRITE").is_none() {
@@ -180,6 +204,7 @@ fn write_tables_when_asked() {
     let mut text = doc();
     for (heading, keys) in [
         ("Top-level keys", top_level_keys()),
+        ("Tuning keys (unstable)", tuning_keys()),
         ("Endpoint keys", endpoint_keys()),
     ] {
         let start = text.find(&format!("\n## {heading}\n")).unwrap();

@@ -327,7 +327,7 @@ fn slow_endpoint_loses_new_sessions_after_warm_up() {
     slow.set_fault(json!({"mode": "delay_ms", "ms": 150}));
     let plugin = json!({"endpoints": [
         {"name": "quick", "cluster": "cq"}, {"name": "slow", "cluster": "cs"}
-    ], "cold_start_samples": 5, "degraded_probe_interval_ms": 600000});
+    ], "cold_start_samples": 5, "tuning": {"degraded_probe_interval_ms": 600000}});
     let envoy = Envoy::start(EnvoyConfig::new(
         plugin,
         &[("cq", quick.port), ("cs", slow.port)],

@@ -331,7 +331,7 @@ fn failover_answers_are_relayed_up_to_the_limit_and_refused_beyond() {
     a.set_fault(json!({"mode": "status", "status": 503}));
     let plugin = json!({
         "endpoints": [{"name": "a", "cluster": "a", "weight": 100}, {"name": "b", "cluster": "b", "weight": 1}],
-        "max_attempts": 2, "failure_threshold": 1000, "retry_budget_min_retries": 1000,
+        "max_attempts": 2, "failure_threshold": 1000, "tuning": {"retry_budget_min_retries": 1000},
     });
     let envoy = Envoy::start(EnvoyConfig::new(plugin, &[("a", a.port), ("b", b.port)]));
     let warm = failovers(&envoy, &b, 0, 4);

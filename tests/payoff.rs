@@ -6,7 +6,7 @@
 //! what the affinity hits' answers (their `x-mock-*` token headers, replayed through
 //! `payoff::Payoff`) make it: above zero where the pinned turns found their prefix, zero where
 //! they did not. With the closed loop on (`payoff_floor`), once `nocache` has its samples a new
-//! session goes where weighted rendezvous puts it with `nocache` weighing `payoff_weight`
+//! session goes where weighted rendezvous puts it with `nocache` weighing `PAYOFF_WEIGHT`
 //! (computed here in advance per session): sessions whose home was `nocache` now start on
 //! `cache`, those still homed there stay, and pinned sessions keep their pin. With it off, the
 //! same sessions start on `nocache`.
@@ -31,8 +31,9 @@ use support::placement::{header_session, rendezvous_order};
 use support::{chat_body, post_chat, Envoy, EnvoyConfig, MockUpstream, Response};
 
 const MODEL: &str = "m1";
-const MIN_SAMPLES: u64 = 3;
-const WEIGHT: f64 = 0.125;
+/// `routing::payoff::PAYOFF_MIN_SAMPLES` and `PAYOFF_WEIGHT`.
+const MIN_SAMPLES: u64 = computeflux::scheduler::routing::payoff::PAYOFF_MIN_SAMPLES;
+const WEIGHT: f64 = computeflux::scheduler::routing::payoff::PAYOFF_WEIGHT;
 const EVEN: [(&str, f64); 2] = [("cache", 1.0), ("nocache", 1.0)];
 const REDUCED: [(&str, f64); 2] = [("cache", 1.0), ("nocache", WEIGHT)];
 
@@ -53,10 +54,7 @@ fn setup(floor: f64) -> Setup {
     ];
     let plugin = json!({
         "endpoints": [{"name": "cache", "cluster": "cache"}, {"name": "nocache", "cluster": "nocache"}],
-        "payoff_floor": floor,
-        "payoff_min_samples": MIN_SAMPLES,
-        "payoff_weight": WEIGHT,
-        "payoff_min_prompt_tokens": 1,
+        "tuning": {"payoff_floor": floor, "payoff_min_prompt_tokens": 1},
         // Placement by static weight (and the payoff factor) alone, whatever the latencies.
         "cold_start_samples": 1_000_000,
     });
@@ -249,7 +247,7 @@ fn with_the_loop_on_new_sessions_leave_an_endpoint_that_caches_nothing() {
     assert_eq!(
         moved,
         vec!["cache"; 6],
-        "weighed payoff_weight: placed elsewhere"
+        "weighed PAYOFF_WEIGHT: placed elsewhere"
     );
     assert_eq!(kept, vec!["nocache"; 2], "a lower weight, not an exclusion");
     // Pins are kept: the pinned session's next turn stays where it was.

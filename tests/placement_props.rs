@@ -149,7 +149,7 @@ proptest! {
         seed in any::<u64>(),
         finish_every in 2usize..10,
     ) {
-        let cfg = fleet(&weights, json!({"bounded_load_epsilon": epsilon, "bounded_load_slack": slack}));
+        let cfg = fleet(&weights, json!({"tuning": {"bounded_load_epsilon": epsilon, "bounded_load_slack": slack}}));
         let store = MemStore::new();
         let s = Scheduler::new(&cfg, &store);
         let ex = Exclusions::default();

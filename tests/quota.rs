@@ -163,7 +163,7 @@ fn a_pinned_session_stays_until_a_429_is_certain() {
     let mut checks = Checks::new();
     // 3 requests per key; the floor (10) puts every key below it after its first answer.
     quota(&mocks, json!({"requests": 3, "window_ms": WINDOW_MS}));
-    let e = envoy(&mocks, json!({"quota_min_requests": 10}));
+    let e = envoy(&mocks, json!({"tuning": {"quota_min_requests": 10}}));
     let mut s = Session::new("pinned", MODEL);
     for _ in 0..5 {
         s.send(0, e.port);
@@ -416,9 +416,9 @@ fn a_fresher_statement_raises_the_count_that_an_unsettled_estimate_lowered() {
     checks.finish();
 }
 
-/// `quota_limit_weighting`: once the keys have stated their token limits, new sessions go to
-/// them in proportion. `k3` states an eighth of the others' limit: it gets about 1/17 of the
-/// new sessions with the rule, a third without (same sessions, same keys, same test). Issue
+/// Once the keys have stated their token limits, new sessions go to them in proportion. `k3`
+/// states an eighth of the others' limit: it gets about 1/17 of the new sessions, a third with
+/// `quota_aware: false`, where no limit is read (same sessions, same keys, same test). Issue
 /// 22's quota bench: placed evenly before their use said anything, the small keys took a
 /// quarter of a long first window's sessions, ran dry in the next window, and their pinned
 /// sessions moved.
@@ -434,7 +434,7 @@ fn new_sessions_go_to_keys_in_proportion_to_their_stated_limits() {
             );
             m.reset_stats();
         }
-        let e = envoy(&mocks, json!({"quota_limit_weighting": weighting}));
+        let e = envoy(&mocks, json!({"quota_aware": weighting}));
         // Warm-up sessions until every key has answered once (and so stated its limit).
         let mut warm = Session::many(&format!("warm-{weighting}"), 30, MODEL);
         for s in &mut warm {
@@ -445,31 +445,33 @@ fn new_sessions_go_to_keys_in_proportion_to_their_stated_limits() {
         }
         checks.expect(
             mocks.iter().all(|m| m.request_count() > 0),
-            format!("quota_limit_weighting={weighting}: every key answered a warm-up session"),
+            format!("limits read={weighting}: every key answered a warm-up session"),
         );
         let (errors, sessions) = run(&e, &format!("placed-{weighting}"), 60, 1);
         let small = sessions
             .iter()
             .filter(|s| s.last_endpoint() == Some("k3"))
             .count();
-        println!("quota_limit_weighting={weighting}: {small} of 60 new sessions on k3, client errors {errors}");
+        println!(
+            "limits read={weighting}: {small} of 60 new sessions on k3, client errors {errors}"
+        );
         checks.expect(
             errors == 0,
-            format!("quota_limit_weighting={weighting}: no client errors (got {errors})"),
+            format!("limits read={weighting}: no client errors (got {errors})"),
         );
         on_small.push(small);
     }
     checks.expect(
         on_small[0] >= 12,
         format!(
-            "without the rule k3 gets about a third of 60 (got {})",
+            "not reading the limits, k3 gets about a third of 60 (got {})",
             on_small[0]
         ),
     );
     checks.expect(
         on_small[1] <= 9,
         format!(
-            "with the rule k3 gets about 1/17 of 60 (got {})",
+            "reading them, k3 gets about 1/17 of 60 (got {})",
             on_small[1]
         ),
     );

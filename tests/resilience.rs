@@ -329,7 +329,7 @@ fn breaker_lifecycle_with_bounded_probes_across_workers() {
             // Scores stay equal to the weights: a (2) is always preferred while admitted.
             "cold_start_samples": 1_000_000,
             "max_attempts": 2,
-            "retry_budget_min_retries": 1000,
+            "tuning": {"retry_budget_min_retries": 1000},
         }),
         &[("a", a.port), ("b", b.port)],
     );
@@ -551,7 +551,7 @@ fn rate_limit_opens_at_once_for_the_hint_and_recovers_by_single_probes() {
             "half_open_probes": 1,
             "cold_start_samples": 1_000_000,
             "max_attempts": 2,
-            "retry_budget_min_retries": 1000,
+            "tuning": {"retry_budget_min_retries": 1000},
         }),
         &[("a", a.port), ("b", b.port)],
     ));
@@ -663,7 +663,7 @@ fn dead_keys_are_skipped_per_request_and_lower_the_score() {
             // Two consecutive endpoint failures would open a breaker; two dead keys must not.
             "failure_threshold": 2,
             "max_attempts": 3,
-            "retry_budget_min_retries": 1000,
+            "tuning": {"retry_budget_min_retries": 1000},
         }),
         &[("a", a.port), ("b", b.port)],
     ));
@@ -770,7 +770,7 @@ fn failover_kinds_bounds_final_response_disconnects_and_streaming() {
             "failure_threshold": 1000,
             "max_attempts": 3,
             "failover_timeout_ms": TIMEOUT_MS,
-            "retry_budget_min_retries": 1000,
+            "tuning": {"retry_budget_min_retries": 1000},
         }),
         &[("a", a.port), ("b", b.port), ("c", c.port), ("d", d.port)],
     );
@@ -992,7 +992,7 @@ fn retry_budget_passes_failures_through_when_spent() {
             // The breaker never opens here: every request's first attempt goes to a.
             "failure_threshold": 1000,
             "retry_budget_percent": PERCENT,
-            "retry_budget_min_retries": MIN,
+            "tuning": {"retry_budget_min_retries": MIN},
         }),
         &[("a", a.port), ("b", b.port)],
     ));
@@ -1067,7 +1067,7 @@ fn no_endpoint_left_answers_at_once_with_earliest_retry_after() {
             "rate_limit_ms": 30_000,
             "half_open_probes": 1,
             "max_attempts": 3,
-            "retry_budget_min_retries": 1000,
+            "tuning": {"retry_budget_min_retries": 1000},
         }),
         &[("a", a.port), ("b", b.port), ("c", c.port), ("d", d.port)],
     ));

@@ -15,7 +15,7 @@
 //!
 //! What must hold (each test prints its figures):
 //! 1. A full engine gets no new sessions while others have room, its pinned sessions stay
-//!    (`saturated_pin_moves` is off by default) and it is never degraded nor its pins broken,
+//!    (a saturated engine's pins never move) and it is never degraded nor its pins broken,
 //!    although its answers wait in its queue; an engine whose streams decode 5× slower is
 //!    degraded and its pins break (`pin_break`).
 //! 2. With every engine's slots known from scraping, a 4-slot engine takes at most its slots of
@@ -417,8 +417,8 @@ fn a_full_engine_keeps_its_pins_while_a_slow_one_loses_them() {
     let envoy = Envoy::start(config(
         &mocks,
         &weights,
-        json!({"degraded_probe_interval_ms": PROBE_INTERVAL_MS,
-               "degraded_probe_max_interval_ms": 4 * PROBE_INTERVAL_MS}),
+        json!({"tuning": {"degraded_probe_interval_ms": PROBE_INTERVAL_MS,
+               "degraded_probe_max_interval_ms": 4 * PROBE_INTERVAL_MS}}),
     ));
     let port = envoy.port;
     let mut checks = Checks::new();

@@ -30,7 +30,6 @@ use computeflux::scheduler::health::outcome::FailureKind;
 use computeflux::scheduler::routing::affinity::{self, Affinity, Entry};
 use computeflux::scheduler::routing::ewma;
 use computeflux::scheduler::routing::in_flight::InFlightAges;
-use computeflux::scheduler::routing::overdue::{self, Watch};
 use computeflux::scheduler::routing::payoff::Payoff;
 use computeflux::scheduler::routing::quota::{Quota, Remaining};
 use computeflux::scheduler::routing::saturation::Saturation;
@@ -100,7 +99,6 @@ struct Knobs {
     retry_after_max_ms: u64,
     affinity_ttl_ms: u64,
     affinity_max_sessions: u64,
-    stats_decay_ms: u64,
     retry_budget_percent: f64,
     retry_budget_min_retries: f64,
     failover_timeout_ms: u64,
@@ -119,14 +117,13 @@ fn knobs(failover_timeout_ms: BoxedStrategy<u64>) -> impl Strategy<Value = Knobs
         (
             1u64..5_000,
             1u64..200,
-            1u64..10_000,
             0.0f64..100.0,
             0.0f64..5.0,
             failover_timeout_ms,
         ),
     )
         .prop_map(
-            |((cs, ft, hop, open, rl, ram), (ttl, maxs, decay, pct, minr, fo))| Knobs {
+            |((cs, ft, hop, open, rl, ram), (ttl, maxs, pct, minr, fo))| Knobs {
                 cold_start_samples: cs,
                 failure_threshold: ft,
                 half_open_probes: hop,
@@ -135,7 +132,6 @@ fn knobs(failover_timeout_ms: BoxedStrategy<u64>) -> impl Strategy<Value = Knobs
                 retry_after_max_ms: ram,
                 affinity_ttl_ms: ttl,
                 affinity_max_sessions: maxs,
-                stats_decay_ms: decay,
                 retry_budget_percent: pct,
                 retry_budget_min_retries: minr,
                 failover_timeout_ms: fo,
@@ -166,9 +162,8 @@ fn build_config(endpoints: &[EndpointSpec], k: &Knobs) -> Config {
         "retry_after_max_ms": k.retry_after_max_ms,
         "affinity_ttl_ms": k.affinity_ttl_ms,
         "affinity_max_sessions": k.affinity_max_sessions,
-        "stats_decay_ms": k.stats_decay_ms,
         "retry_budget_percent": k.retry_budget_percent,
-        "retry_budget_min_retries": k.retry_budget_min_retries,
+        "tuning": {"retry_budget_min_retries": k.retry_budget_min_retries},
         "failover_timeout_ms": k.failover_timeout_ms,
     });
     match Config::from_value(&raw) {
@@ -794,7 +789,6 @@ fn the_simulation_exercises_picks_and_probes() {
         retry_after_max_ms: 10,
         affinity_ttl_ms: 1_000,
         affinity_max_sessions: 10,
-        stats_decay_ms: 1_000,
         retry_budget_percent: 20.0,
         retry_budget_min_retries: 1.0,
         failover_timeout_ms: 3_600_000,
@@ -978,8 +972,6 @@ fn endpoint_state() -> impl Strategy<Value = EndpointState> {
                 quota,
                 (prompt, cached, samples),
             )| {
-                let mut watch = Watch::default();
-                watch.insert((total as u32) | 1, changed);
                 let mut in_flight_ages = InFlightAges::default();
                 in_flight_ages.add(changed, 600_000);
                 in_flight_ages.add(last, 1_000);
@@ -988,7 +980,6 @@ fn endpoint_state() -> impl Strategy<Value = EndpointState> {
                     // Derived from the drawn values: every field takes varied values.
                     latency_dev_ms: latency_ms.unwrap_or(0.0).abs() / 3.0,
                     degraded_probes: (degraded_probe_ms % 7) as u8,
-                    watch,
                     success_rate,
                     last_sample_ms: last,
                     total,
@@ -1410,7 +1401,7 @@ proptest! {
         table.write_to(&store);
         let s = Scheduler::new(&cfg, &store);
         let rule = s.quota_rule();
-        let estimate = computeflux::scheduler::routing::quota::estimate_tokens(body_bytes, cfg.quota_bytes_per_token);
+        let estimate = computeflux::scheduler::routing::quota::estimate_tokens(body_bytes, computeflux::scheduler::routing::quota::BYTES_PER_TOKEN);
         let short: Vec<bool> = table.entries.iter().map(|(_, st)| st.quota.short(estimate, &rule, now)).collect();
         let ex = Exclusions::default();
         let d = s.pick(&Pick { model: Some("m"), session, attempt: 1, exclusions: &ex, nonce, body_bytes, pin_hint: None, holder: None, prefix: Prefix::NONE , follow_up: false, max_output_tokens: 0 }, now).unwrap();
@@ -1454,7 +1445,7 @@ proptest! {
     }
 }
 
-// --- Pin breaking (issues 11, 23): the degraded rule and the overdue evidence ------------------
+// --- Pin breaking (issues 11, 23): the degraded rule ------------------------------------------
 
 /// A work model warm at the prior's costs (50 ms + 0.2 ms per uncached token).
 fn warm_model() -> WorkModel {
@@ -1562,7 +1553,7 @@ proptest! {
         }
     }
 
-    /// Cold endpoints never count as degraded, whatever their slowness and watched hits.
+    /// Cold endpoints never count as degraded, whatever their slowness and attempts in flight.
     #[test]
     fn cold_endpoints_are_never_degraded(
         own in 0.01f64..1_000.0,
@@ -1572,7 +1563,6 @@ proptest! {
     ) {
         let cfg = Config::from_value(&serde_json::json!({
             "endpoints": [{"name":"a","cluster":"a"},{"name":"b","cluster":"b"}],
-            "pin_break_overdue": 1
         })).unwrap(); // cold_start_samples 20
         let now = 1_000_000;
         let mut table = Table::aligned(None, &cfg);
@@ -1589,40 +1579,10 @@ proptest! {
         let st = &mut table.entries[0].1;
         st.slowness = slow(own, samples);
         st.degraded = was;
-        for (t, age) in ages.iter().enumerate() {
-            st.watch.insert(t as u32 + 1, now - age);
+        for age in &ages {
+            st.start_attempt(now - age, cfg.in_flight_max_age_ms);
         }
         let v = signals::judge(&table, &cfg, 0, None, now);
         prop_assert!(!v.degraded && !v.sticky);
-    }
-
-    /// The overdue evidence: watched hits younger than every one of its three bounds (ratio ×
-    /// fastest, fastest + min gap, own + 4 deviations) never count; once overdue, older stays
-    /// overdue (until the leak bound); more needed hits than watched never fire.
-    #[test]
-    fn overdue_needs_an_age_past_every_bound(
-        own in 1.0f64..10_000.0,
-        dev in 0.0f64..2_000.0,
-        best in 1.0f64..10_000.0,
-        ages in vec(0u64..100_000, 0..=overdue::SLOTS),
-        later in 0u64..100_000,
-        needed in 1usize..=overdue::SLOTS + 1,
-    ) {
-        let rule = overdue::Rule { ratio: 3.0, min_gap_ms: 50.0, needed };
-        let now = 1_000_000;
-        let mut w = Watch::default();
-        for (t, age) in ages.iter().enumerate() {
-            prop_assert!(w.insert(t as u32 + 1, now - age));
-        }
-        let threshold = (3.0 * best.max(10.0)).max(best + 50.0).max(own + 4.0 * dev);
-        let old_enough = ages.iter().filter(|&&a| a as f64 >= threshold).count();
-        let fires = w.overdue(own, dev, best, &rule, now);
-        prop_assert_eq!(fires, old_enough >= needed);
-        if needed > ages.len() {
-            prop_assert!(!fires);
-        }
-        if fires && ages.iter().all(|a| a + later < overdue::LEAK_MS) {
-            prop_assert!(w.overdue(own, dev, best, &rule, now + later));
-        }
     }
 }

@@ -16,7 +16,7 @@
 
 use computeflux::scheduler::routing::ewma;
 use computeflux::scheduler::routing::saturation::{
-    judge, keep_pin, EngineLoad, MoveMark, MoveReason, PinCase, Saturation, SaturationRule,
+    judge, EngineLoad, MoveMark, MoveReason, Saturation, SaturationRule,
 };
 use computeflux::scheduler::routing::slowness::{
     degraded, peer_median, DegradeRule, Sample, Slowness, WorkModel, MODEL_WARM_SAMPLES,
@@ -33,9 +33,9 @@ fn raw_degraded(was: bool, latency: Option<(f64, f64)>, cfg: &Config) -> bool {
     let floor = 10.0;
     let ratio = own.max(floor) / best.max(floor);
     let gap = own - best;
-    let min_gap = cfg.pin_break_min_ms as f64;
+    let min_gap = computeflux::scheduler::routing::slowness::PIN_BREAK_MIN_MS as f64;
     if was {
-        ratio >= cfg.degraded_exit_ratio && gap >= min_gap / 2.0
+        ratio >= computeflux::scheduler::config::DEGRADED_EXIT_RATIO && gap >= min_gap / 2.0
     } else {
         ratio >= cfg.pin_break_ratio && gap >= min_gap
     }
@@ -618,26 +618,6 @@ proptest! {
         // Above both entry thresholds' reach, it is saturated whatever it was.
         if !unknown && waiting.is_some_and(|w| w >= 5) {
             prop_assert_eq!(s, Saturation::Saturated);
-        }
-    }
-
-    /// More waiting never turns a move into a stay; more cached tokens never a stay into a move.
-    #[test]
-    fn keep_pin_is_monotone(
-        waiting in 0u32..100,
-        slots in 1u32..64,
-        service_ms in 1.0..5_000.0f64,
-        cached in 0u64..50_000,
-        prefill in 0.0..2.0f64,
-        elsewhere in 0.0..2_000.0f64,
-    ) {
-        let c = PinCase { waiting: Some(waiting), slots: Some(slots), service_ms, cached_tokens: cached, prefill_ms_per_token: prefill, elsewhere_wait_ms: elsewhere };
-        if !keep_pin(&c) {
-            let more = PinCase { waiting: Some(waiting + 1), ..c };
-            prop_assert!(!keep_pin(&more));
-        } else {
-            let more = PinCase { cached_tokens: cached + 1000, ..c };
-            prop_assert!(keep_pin(&more));
         }
     }
 

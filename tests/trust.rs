@@ -53,7 +53,7 @@ fn start() -> Fleet {
             {"name": "c", "cluster": "c", "models": ["m1", "m2"]},
         ],
         "max_attempts": 3,
-        "retry_budget_min_retries": 1000,
+        "tuning": {"retry_budget_min_retries": 1000},
         // Long enough that a cooled endpoint stays cooled for the whole test.
         "rate_limit_ms": 60_000,
         "max_body_bytes": 1024 * 1024,

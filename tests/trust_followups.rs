@@ -43,7 +43,7 @@ fn fleet(names: &[&str], args: &[&str], extra: Value) -> (Vec<MockUpstream>, Env
     let mut plugin = json!({
         "endpoints": endpoints,
         "max_attempts": 3,
-        "retry_budget_min_retries": 1000,
+        "tuning": {"retry_budget_min_retries": 1000},
         "rate_limit_ms": 60_000,
     });
     if let (Some(p), Value::Object(more)) = (plugin.as_object_mut(), extra) {
@@ -202,7 +202,7 @@ fn a_streamed_failover_answer_is_not_a_whole_duration_latency_sample() {
     let (mocks, envoy) = fleet(
         &["a", "b"],
         &["--prefill-us-per-token", "0", "--decode-ms", "1500"],
-        json!({"pin_break_ratio": 1000.0}),
+        json!({"tuning": {"pin_break_ratio": 1000.0}}),
     );
     let weights = [("a", 1.0), ("b", 1.0)];
     let session = (0..1000)

@@ -59,7 +59,7 @@ fn fleet(extra: Value) -> Fleet {
             {"name": "c", "cluster": "c", "models": ["m1"]},
         ],
         "max_attempts": 3,
-        "retry_budget_min_retries": 1000,
+        "tuning": {"retry_budget_min_retries": 1000},
         "rate_limit_ms": 60_000,
     });
     if let (Some(p), Value::Object(more)) = (plugin.as_object_mut(), extra) {
@@ -266,7 +266,7 @@ fn one_jar_over_50_failed_over_sessions_holds_a_bounded_set_of_pin_cookies() {
 /// Y's next turn, and Y moved as if staying were a certain 429.
 #[test]
 fn a_large_base64_image_does_not_drain_the_keys_quota() {
-    let f = fleet(json!({"quota_aware": true, "quota_pacing": false}));
+    let f = fleet(json!({"quota_aware": true}));
     let a = f.mock("a");
     a.set_quota(json!({"tokens": 60_000, "requests": 10_000, "window_ms": 120_000, "headers_family": "openai"}));
     let port = f.envoy.port;
@@ -380,7 +380,7 @@ fn a_uniformly_slower_large_model_fleet_is_not_degraded_a_slow_one_among_it_is()
     let plugin = json!({
         "endpoints": endpoints,
         "cold_start_samples": 5,
-        "degraded_probe_interval_ms": 1000,
+        "tuning": {"degraded_probe_interval_ms": 1000},
     });
     let clusters: Vec<(&str, u16)> = small
         .iter()

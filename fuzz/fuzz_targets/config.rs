@@ -31,7 +31,6 @@ fn check_valid(c: &Config) {
         assert_eq!(c.endpoint_index(e.id), Some(i));
     }
     assert!(c.ewma_alpha > 0.0 && c.ewma_alpha <= 1.0);
-    assert!(c.success_rate_alpha > 0.0 && c.success_rate_alpha <= 1.0);
     assert!((1..=1000).contains(&c.half_open_probes));
     assert!((1..=1000).contains(&c.failure_threshold));
     assert!((1..=16).contains(&c.max_attempts));

@@ -131,7 +131,7 @@ fuzz_target!(|input: Input<'_>| {
         "endpoints": endpoints,
         "max_attempts": u32::from(input.max_attempts % 4) + 1,
         "max_body_bytes": 65536,
-        "retry_budget_min_retries": 1000,
+        "tuning": {"retry_budget_min_retries": 1000},
     })) else {
         return;
     };

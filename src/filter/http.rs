@@ -238,7 +238,7 @@ impl HttpContext for Http {
         self.flow.count_answer_bytes(body_size);
         if body_size > 0 && self.flow.awaits_first_byte() {
             let now = host::now_ms();
-            self.with_flow(now, |f, s, _| f.on_first_byte(s, now));
+            self.with_flow(now, |f, _, _| f.on_first_byte(now));
         }
         // A running stream's pace, at doubling sizes (see `slowness`).
         if self.flow.pace_due() {

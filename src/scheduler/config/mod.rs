@@ -54,51 +54,6 @@ impl EndpointConfig {
     }
 }
 
-/// What a session pinned by a failover does once its home endpoint is available again.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum AfterFailover {
-    /// Stay on the endpoint that served the failover (its newest prefix is cached there): the
-    /// failover's success re-pins the session.
-    Stay,
-    /// Go back to the rendezvous home as soon as it admits traffic: a failover's success does
-    /// not move the pin.
-    ReturnHome,
-}
-
-impl AfterFailover {
-    pub const ALL: &'static [AfterFailover] = &[AfterFailover::Stay, AfterFailover::ReturnHome];
-
-    pub fn label(&self) -> &'static str {
-        match self {
-            AfterFailover::Stay => "stay",
-            AfterFailover::ReturnHome => "return_home",
-        }
-    }
-}
-
-/// Where a new session goes that the session bound passes over at a busy prefix home (see
-/// `routing::sessions`).
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum SessionSpill {
-    /// The candidate that took the fewest new sessions for its weight (this process's counts;
-    /// ties in the prefix's rendezvous order).
-    LeastCounted,
-    /// The next candidate of the prefix's rendezvous order that takes the session.
-    PrefixOrder,
-}
-
-impl SessionSpill {
-    pub const ALL: &'static [SessionSpill] =
-        &[SessionSpill::LeastCounted, SessionSpill::PrefixOrder];
-
-    pub fn label(&self) -> &'static str {
-        match self {
-            SessionSpill::LeastCounted => "least_counted",
-            SessionSpill::PrefixOrder => "prefix_order",
-        }
-    }
-}
-
 /// Who answers `GET /v1/models`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum ListModels {
@@ -285,14 +240,19 @@ macro_rules! choice_scalar {
     )*};
 }
 
-choice_scalar!(AfterFailover, ListModels, SessionSpill);
+choice_scalar!(ListModels);
 
-/// Declares every top-level scalar key once: `field: type = default, spec, "effect";`.
+/// Declares every scalar key once: `field: type = default, spec, "effect";`, the public
+/// top-level keys under `keys`, the unstable ones of the `tuning` object under `tuning`. Both
+/// become flat fields of [`Config`].
 macro_rules! config_keys {
-    ($( $(#[$meta:meta])* $field:ident : $ty:ty = $default:expr, $spec:expr, $effect:literal; )*) => {
-        /// The validated configuration. Each field is the JSON key of the same name; its
-        /// default, bounds and effect are declared with it and documented in
-        /// `docs/configuration.md`.
+    (
+        keys { $( $(#[$meta:meta])* $field:ident : $ty:ty = $default:expr, $spec:expr, $effect:literal; )* }
+        tuning { $( $(#[$tmeta:meta])* $tfield:ident : $tty:ty = $tdefault:expr, $tspec:expr, $teffect:literal; )* }
+    ) => {
+        /// The validated configuration. Each field is the JSON key of the same name (a
+        /// `tuning` field: the key of the same name in the `tuning` object); its default,
+        /// bounds and effect are declared with it and documented in `docs/configuration.md`.
         #[derive(Debug, Clone, PartialEq)]
         pub struct Config {
             pub endpoints: Vec<EndpointConfig>,
@@ -302,15 +262,21 @@ macro_rules! config_keys {
             /// rewrites a table laid out by a newer generation to its own layout.
             pub layout_generation: u64,
             $( $(#[$meta])* pub $field: $ty, )*
+            $( $(#[$tmeta])* pub $tfield: $tty, )*
         }
 
         impl Default for Config {
             fn default() -> Self {
-                Config { endpoints: Vec::new(), layout_generation: 0, $( $field: $default, )* }
+                Config {
+                    endpoints: Vec::new(),
+                    layout_generation: 0,
+                    $( $field: $default, )*
+                    $( $tfield: $tdefault, )*
+                }
             }
         }
 
-        /// The top-level keys, `endpoints` first, in declaration order.
+        /// The top-level keys, `endpoints` first, in declaration order, `tuning` last.
         pub fn top_level_keys() -> Vec<KeyDoc> {
             let d = Config::default();
             vec![
@@ -328,6 +294,27 @@ macro_rules! config_keys {
                     bounds: $spec.bounds(),
                     effect: $effect,
                 }, )*
+                KeyDoc {
+                    key: "tuning",
+                    kind: "object".into(),
+                    default: "{}".into(),
+                    bounds: "keys below".into(),
+                    effect: TUNING_EFFECT,
+                },
+            ]
+        }
+
+        /// The keys of the unstable `tuning` object, in declaration order.
+        pub fn tuning_keys() -> Vec<KeyDoc> {
+            let d = Config::default();
+            vec![
+                $( KeyDoc {
+                    key: stringify!($tfield),
+                    kind: $tspec.kind().into(),
+                    default: Scalar::show(&d.$tfield),
+                    bounds: $tspec.bounds(),
+                    effect: $teffect,
+                }, )*
             ]
         }
 
@@ -336,9 +323,20 @@ macro_rules! config_keys {
                 $( Scalar::read(&mut c.$field, v, obj, stringify!($field), $spec); )*
             }
 
-            /// `key=value` for every scalar key, in declaration order.
+            /// Reads the `tuning` object's keys; errors name them `tuning.<key>`.
+            fn read_tuning(v: &mut Validator, obj: &Map<String, Value>, c: &mut Config) {
+                v.scope = "tuning.";
+                $( Scalar::read(&mut c.$tfield, v, obj, stringify!($tfield), $tspec); )*
+                v.scope = "";
+            }
+
+            /// `key=value` for every scalar key, in declaration order (`tuning.key=value` for
+            /// the tuning keys).
             fn scalar_summary(&self) -> Vec<String> {
-                vec![ $( format!("{}={}", stringify!($field), Scalar::show(&self.$field)), )* ]
+                vec![
+                    $( format!("{}={}", stringify!($field), Scalar::show(&self.$field)), )*
+                    $( format!("tuning.{}={}", stringify!($tfield), Scalar::show(&self.$tfield)), )*
+                ]
             }
         }
     };
@@ -351,126 +349,123 @@ const MS: Spec = Spec::Int {
 };
 
 const ENDPOINTS_EFFECT: &str = "The routing targets, see [Endpoint keys](#endpoint-keys). Order does not matter; names must be unique.";
+const TUNING_EFFECT: &str = "**Unstable.** Model parameters a deployment may need to adjust, see [Tuning keys](#tuning-keys-unstable). Their names, bounds and defaults may change in any release; leave them out unless a measurement says otherwise.";
 
 config_keys! {
-    routing_header: String = "x-computeflux-cluster".into(), Spec::HeaderName,
-        "Request header the filter writes the chosen endpoint's `cluster` into; the Envoy route must forward on it (`cluster_header`, or header-match routes in Istio). A value sent by the client is always removed first. Must differ from `session_header`.";
-    session_header: String = "x-session-id".into(), Spec::HeaderName,
-        "Request header carrying the client's session id. Without it the body's `user`, else a fingerprint of the model, first system and first user message, is the session. Every session is scoped by the caller's `authorization` / `x-api-key`.";
-    affinity_ttl_ms: u64 = 300_000, MS,
-        "How long a session stays pinned to the endpoint that last served it successfully, counted from its last use. Set it near the endpoints' KV-cache lifetime.";
-    affinity_max_sessions: u64 = 100_000, Spec::Int { min: 1, max: 10_000_000 },
-        "Upper bound on remembered sessions (shared memory of about 28 bytes each, never freed by Envoy). Past it, the least recently used session of a bucket is forgotten.";
-    ewma_alpha: f64 = 0.3, Spec::UnitInterval,
-        "Weight of each new sample in the raw latency estimate (time to the answer's headers; for a streamed answer, to its first body byte). Reported as a metric and used in the score of requests without a session; pin breaking and placement judge endpoints by their slowness for the work instead (see [decisions](routing.md#judging-endpoints)).";
-    success_rate_alpha: f64 = 0.1, Spec::UnitInterval,
-        "Weight of each new outcome (1 success, 0 failure) in the endpoint's success-rate estimate, which multiplies its score.";
-    stats_decay_ms: u64 = 60_000, MS,
-        "Time constant with which an idle endpoint's latency and failure penalties fade back toward neutral, so an endpoint that was slow once is tried again.";
-    cold_start_samples: u64 = 20, Spec::Int { min: 0, max: 1_000_000 },
-        "Until an endpoint has this many samples its score is its `weight` alone (no latency or success signal yet). `0` scores on live signals from the first sample.";
-    half_open_probes: u32 = 3, Spec::Int { min: 1, max: 1000 },
-        "Requests a recovering (half-open) endpoint receives; all must succeed to close its breaker, the first failure re-opens it.";
-    failure_threshold: u32 = 5, Spec::Int { min: 1, max: 1000 },
-        "Consecutive endpoint failures (500/502/503/504, connect failure, reset, timeout) that open the breaker.";
-    open_ms: u64 = 30_000, MS,
-        "How long an endpoint's breaker stays open after `failure_threshold` failures before it is probed.";
-    rate_limit_ms: u64 = 60_000, MS,
-        "How long an endpoint is left alone after a 429 that carried no reset hint (`Retry-After`, `retry-after-ms`, `x-ratelimit-reset-*`). A 429 opens the breaker at once.";
-    retry_after_max_ms: u64 = 300_000, MS,
-        "Cap on a 429's reset hint, so a bogus `Retry-After` cannot take an endpoint out for days.";
-    max_attempts: u32 = 3, Spec::Int { min: 1, max: 16 },
-        "Endpoints tried for one client request, the first included. `1` turns in-request failover off.";
-    max_body_bytes: u64 = 8 * 1024 * 1024, Spec::Int { min: 1, max: MAX_BODY_BYTES_LIMIT },
-        "Largest request body the filter buffers to read `model`; larger requests get a 413. Keep Envoy's `per_connection_buffer_limit_bytes` and HTTP/2 stream window at or above it.";
-    expose_headers: bool = true, Spec::Bool,
-        "Adds `x-computeflux-endpoint`, `x-computeflux-attempts` and `x-computeflux-affinity` to responses (see [decisions](routing.md)). Turn off to hide endpoint names from clients.";
-    usage_accounting: bool = true, Spec::Bool,
-        "Counts the prompt, cached-prompt and completion tokens of every successful answer from its `usage` (JSON answers, and the final event of streams), per endpoint and affinity result (see [metrics](metrics.md)). The answer is never held back: the filter keeps its last 4 KiB as it passes. Turn off to skip reading answers.";
-    retry_budget_percent: f64 = 20.0, Spec::Number { min: 0.0, max: 100.0 },
-        "Failovers after an endpoint failure (5xx, connect failure, reset, timeout) allowed as a share of recent requests (10 s decaying window), so an outage does not multiply load on the surviving endpoints. Failovers after 401/403/429 are not charged.";
-    retry_budget_min_retries: f64 = 10.0, Spec::Number { min: 0.0, max: 1_000_000.0 },
-        "Failovers always allowed on top of the percentage (so low traffic can still fail over).";
-    failover_timeout_ms: u64 = 120_000, Spec::Int { min: 1, max: 3_600_000 },
-        "Timeout of each failover call the filter makes itself (the first attempt uses the Envoy route's timeout).";
-    in_flight_max_age_ms: u64 = 600_000, Spec::Int { min: 1_000, max: MAX_MS },
-        "An attempt that has not reported back this long after its start is presumed leaked (a worker's VM crashed between its start and its end, so its in-flight count would never go down) and stops counting toward its endpoint's load, between 1 and 1.5 times this after its start, however busy the endpoint. Keep it above the longest answer you serve (the route timeout, e.g. 300 s in `envoy/envoy.yaml`): a longer one stops counting early.";
-    list_models: ListModels = ListModels::Local, Spec::Choice(&["local", "upstream_merged"]),
-        "Who answers `GET /v1/models`: `local`, the filter from its configuration (the union of the enabled endpoints' `models`, no upstream call); `upstream_merged`, one endpoint's own list (fetched with a call, failing over like a request) followed by the configured models it did not list, for fleets whose endpoints know more than the configuration says.";
-    placement_quantum: f64 = 1.0, Spec::Number { min: 0.0, max: 4.0 },
-        "Step, in halvings, of the success-rate levels that weigh an endpoint in rendezvous placement: with `1`, an endpoint that succeeds more than half the time weighs exactly its `weight`, one at 25–50 % half of it, and so on (a dead API key weighs next to nothing). Latency never weighs placement: degraded, saturated, open and short endpoints are skipped instead, so every Envoy replica computes the same home (see [decisions](routing.md#judging-endpoints)). `0` uses the raw success rate.";
-    bounded_load_epsilon: f64 = 1.0, Spec::Number { min: 0.0, max: 100.0 },
-        "Bounded-load placement: an endpoint whose load (its engine's scraped running + waiting requests where known, else the in-flight attempts this Envoy counts) would exceed `(1 + epsilon) ×` its weighted share of all in-flight attempts plus `bounded_load_slack` is skipped for new placements, in rendezvous order (consistent hashing with bounded loads).";
-    bounded_load_slack: u64 = 8, Spec::Int { min: 1, max: 1_000_000 },
-        "The constant added to the bounded-load limit, so that light traffic and short bursts never spill: a spill costs the session a full prefill elsewhere, one more request in an inference engine's batch costs little.";
-    pin_spilled_new_sessions: bool = true, Spec::Bool,
-        "A new session (its first turn) that spilled past its home over the bounded load is pinned where it was served (with `pin_cookie`, the cookie tells every replica): its whole first turn is cached there and nothing at its home, so its next turn going home would prefill the transcript again. Off, only a spill by prefix, by slots or from a home kept off for its quota is pinned, and the next turn of any other spilled session goes home (the quota bench, `confirm9-quota` ×3: 3 sessions spilled on their first turn by one replica, their next turns went home on another, between keys that both had quota). A later turn that spills is still not pinned: its home holds its conversation.";
-    after_failover: AfterFailover = AfterFailover::Stay, Spec::Choice(&["stay", "return_home"]),
-        "Where a session goes once the endpoint it failed over from is available again: `stay` keeps it on the endpoint that served the failover (where its newest prefix is cached), `return_home` sends it back to its rendezvous home (see [decisions](routing.md#after-a-failover)).";
-    prefix_placement: bool = true, Spec::Bool,
-        "Places a new session (no pin, no pin cookie) whose instructions — `system` / `developer` messages before the first other message, top-level `system` or `instructions`, `tools` and `functions` — are at least `prefix_min_bytes` long by rendezvous on a key of those instructions (with the model, scoped by the caller's credential) instead of its session key: every Envoy replica sends one application's new sessions to the same endpoint, where its instructions are already cached, and a popular one spills in the prefix's rendezvous order under bounded load. Once served the session is pinned as before; pinned sessions and requests without a session are placed as before (see [decisions](routing.md#placement-by-prefix)). Off: every new session is placed by its session key.";
-    prefix_min_bytes: u64 = 1024, Spec::Int { min: 64, max: 1_048_576 },
-        "Shortest instructions segment, in bytes of the request's JSON, that places a new session by prefix (`prefix_placement`). Shorter instructions cost little to prefill anywhere, and grouping every short-prompt session on one endpoint would only add load there.";
-    prefix_session_epsilon: f64 = 0.25, Spec::Number { min: 0.0, max: 100.0 },
-        "Bound on the sessions a busy prefix home takes: a new session placed by prefix (`prefix_placement`) passes over an endpoint of the prefix's rendezvous order (to the endpoint `prefix_session_spill` names) whose count of new sessions this Envoy placed there recently (`prefix_session_half_life_ms`) would exceed `(1 + epsilon) ×` its weighted share of those placed on the candidates, while that endpoint is busy (`prefix_session_busy_load`). A session's later turns come back where it was placed, so a home that took more than its share keeps its load long after the load it showed at the placement; an idle fleet is never spread (see [decisions](routing.md#bounding-a-busy-prefix-home-by-the-sessions-placed-there)). Pinned sessions never move for it.";
-    prefix_session_busy_load: u64 = 8, Spec::Int { min: 0, max: 1_000_000 },
-        "The load (its engine's scraped running + waiting where known, else the in-flight attempts this Envoy counts) from which an endpoint is busy enough for `prefix_session_epsilon` to pass over it; with known slots, at most half of them. Below it a prefix home takes every new session of its prefixes, however many it was given, but for popular ones (`prefix_popular_share`). `0`: always busy.";
-    prefix_session_spill: SessionSpill = SessionSpill::LeastCounted, Spec::Choice(&["least_counted", "prefix_order"]),
-        "Where a new session goes that `prefix_session_epsilon` passes over at a busy endpoint: `least_counted`, the candidate (admitted, healthy, within its bounded load) that took the fewest new sessions for its weight, ties in the prefix's rendezvous order; `prefix_order`, the next candidate of the prefix's order. An endpoint serving several models carries every model's sessions in its count, so a model's sessions fill the endpoints the others leave (see [decisions](routing.md#bounding-a-busy-prefix-home-by-the-sessions-placed-there)).";
-    prefix_popular_share: f64 = 0.25, Spec::Number { min: 0.0, max: 100.0 },
-        "A popular prefix is bounded by `prefix_session_epsilon` before its home is busy: one whose new sessions counted recently (at least; a summary of the 32 heaviest prefix keys, fading like the endpoints' counts) are at least this fraction of the candidate's weighted share of all new sessions counted, and at least 2, is bounded at a candidate with any load (one running or waiting request; `prefix_session_busy_load` for the others). Its home then takes no more than its share before the spill goes to the least-counted candidate, so the most popular applications' homes are not filled before any load shows (the rendezvous draw can put two of them on one endpoint); rarer prefixes keep every session at home until it is busy, their prompts cached in one place (see [decisions](routing.md#a-popular-prefix-bounded-before-its-home-is-busy)). `0`: off (only busy endpoints are bounded). Pinned sessions, later turns and sessions without a prefix key never move for it.";
-    prefix_session_half_life_ms: u64 = 60_000, Spec::Int { min: 0, max: MAX_MS },
-        "Half-life of the per-endpoint count of new sessions that `prefix_session_epsilon` bounds (about how long a session keeps sending turns). `0` turns the session bound off: a prefix home then spills by its load alone.";
-    pin_cookie: bool = false, Spec::Bool,
-        "Carries a session's place in a cookie when it is not its rendezvous home (after a failover or a pin break): the answer sets `cf_pin_<slot>` (one of 8 names: the session's key, the endpoint's id and an expiry, signed with `pin_cookie_secret`; `Max-Age` = `affinity_ttl_ms`, `HttpOnly`, `Path=/`), and any Envoy replica, also one that never saw the session or just restarted, follows it like a pin. For clients that keep cookies (browsers, the OpenAI Python SDK's client); only sessions away from home get one (see [decisions](routing.md#after-a-failover)).";
-    pin_cookie_secret: PinCookieKey = PinCookieKey::default(), Spec::Secret,
-        "The key of the pin cookie's MAC (HMAC-SHA256): only cookies the filter signed, for the request's own session and not expired, are followed; others are ignored and counted in `computeflux_pin_cookies_ignored_total`. Give every replica the same value (a random string of at least 32 characters). Absent: the key is derived from the whole configuration, which is secret from clients while endpoints inject credentials (`headers`); when they inject none, a client that knows the configuration could derive it, so set this key. Any configuration change changes a derived key, and cookies issued before are ignored once (see [hardening](hardening.md#signed-pin-cookies)). Never logged.";
-    pin_break_ratio: f64 = 3.0, Spec::Number { min: 1.5, max: 1000.0 },
-        "A warm endpoint whose slowness (observed ÷ expected time for the work of each answer, smoothed) reaches this multiple of the median slowness of its peers serving the same models is degraded: its pinned sessions are placed again elsewhere (`pin_break`) and it gets no new sessions but probes (see [decisions](routing.md#judging-endpoints)). `1000` in effect turns pin breaking off.";
-    pin_break_min_ms: u64 = 50, Spec::Int { min: 0, max: MAX_MS },
-        "Also needed to degrade an endpoint: its slowness gap over its peers costs at least this much per request (its typical expected time × the gap; leaving the degraded state needs it below half of it). A ratio of small numbers is noise, and a few milliseconds a turn never repay the re-prefill a moved session pays once.";
-    degraded_exit_ratio: f64 = 1.5, Spec::Number { min: 1.0, max: 1000.0 },
-        "A degraded endpoint is whole again once its slowness falls below this multiple of its peers' median (hysteresis: must be below `pin_break_ratio`); a probe whose answer is below it for its work resets the probe backoff.";
-    degraded_probe_interval_ms: u64 = 5_000, MS,
-        "A degraded endpoint gets one new placement as a probe per this interval (per Envoy), so that its latency estimate can show its recovery. The interval doubles after each probe that is still slow (up to `degraded_probe_max_interval_ms`) and starts again from this value after a fast one.";
-    degraded_probe_max_interval_ms: u64 = 60_000, MS,
-        "The longest probe interval of an endpoint that stays degraded (never below `degraded_probe_interval_ms`): a probe is a real client's request, and one that stays slow costs that client the slowdown, so an endpoint that keeps failing its probes is probed ever less often.";
-    saturated_pin_moves: bool = false, Spec::Bool,
-        "Off by default. A session pinned to a *saturated* engine (scraped `metrics`: a queue of at least 5, or 90 % KV-cache usage) moves when the expected wait there exceeds re-prefilling its prompt at an endpoint with a free slot plus the wait there (`saturation::keep_pin`). Off because it measured worse: on the bench's mixed fleet near saturation (one Envoy, same run) moves cost 3.8 points of cached tokens and 5 % of follow-ups for no better p99 (65.9 % · 94.2 % · 2974 ms with them, 69.7 % · 99.2 % · 2791 ms without; [ADR 0010](adr/0010-saturated-is-not-slow.md)). New sessions avoid saturated engines either way (see [decisions](routing.md#judging-endpoints)).";
-    relieve_last_server: bool = true, Spec::Bool,
-        "When a degraded endpoint leaves one endpoint as the last healthy server of a model (the bench's `slow` run: `a` and `b` serve `m2`, `a` is slow), that endpoint takes all of the model's sessions: sessions of the *other* models it serves, which have other places to go, are steered off it. A new session passes over it while another candidate has a lower load (running + waiting); a pinned session (or a later turn whose home it is) moves once per TTL when its queue is at least a batch deep and another candidate's is at most a quarter of it in batches (scraped `metrics` only). Never acts while no endpoint is degraded (see [decisions](routing.md#judging-endpoints)).";
-    pin_break_overdue: u64 = 0, Spec::Int { min: 0, max: 4 },
-        "Off by default. Affinity hits still waiting for their answer past the degraded threshold for the endpoint's typical work (its smoothed expected time × `pin_break_ratio` × its peers' median slowness, `pin_break_min_ms` above that, and above its own slowness spread) that make a warm endpoint count as degraded while they wait, before its slow answers arrive. Off by default because the filter cannot know at the pick how long a plain answer will generate: a long generation on a healthy endpoint looks overdue (see [decisions](routing.md#judging-endpoints)). `0`: only answers count.";
-    quota_aware: bool = true, Spec::Bool,
-        "Quota-aware routing: reads the remaining-quota headers of successful answers — OpenAI / Azure OpenAI `x-ratelimit-remaining-requests`, `x-ratelimit-remaining-tokens`, `x-ratelimit-reset-requests`, `x-ratelimit-reset-tokens` (durations such as `6m0s`), Anthropic `anthropic-ratelimit-{requests,tokens,input-tokens,output-tokens}-{remaining,reset}` (reset as RFC 3339) — and skips an endpoint whose remaining requests or tokens are below the floors below or below the request's estimated tokens, until the reset (capped by `retry_after_max_ms`; `rate_limit_ms` without a reset). New sessions go to the next endpoint in rendezvous order; a pinned session moves only when staying is a certain 429 (no request left, or fewer tokens than its estimate). Values that are not plain decimal counts up to 10^12 are ignored.";
-    quota_pacing: bool = true, Spec::Bool,
-        "Quota pacing: an endpoint that, at the rate its stated tokens or requests were used since its window began or over the last window's length (the previous window's use carried in), would run out before the reset (that rate × time to reset above what remains, on top of the floors), or whose use over the last window's length exceeds its limit less `quota_reserve_percent`, gets no new sessions, so the sessions already pinned there keep their quota instead of moving when it runs out. Needs the answers' limit and reset headers; off, only the floors below apply.";
-    quota_limit_weighting: bool = true, Spec::Bool,
-        "New sessions are placed in proportion to the keys' stated limits (`x-ratelimit-limit-*`, `anthropic-ratelimit-*-limit`): an endpoint's placement weight is multiplied by its stated limit over the largest stated by the request's candidates (tokens and requests, the smaller ratio), rounded up to a level 2^(-k/2) (1, 0.71, 0.5, …) and at least 1/8. Endpoints that state no limit keep their weight; pinned sessions stay where they are, and a session's home (where a later turn without a pin goes, on any replica) is still computed from the plain weights: a placement away from it sets the pin cookie. Skipped for models served by more than 64 endpoints (a fleet of engines, not keys; it costs a pass over every candidate). Pacing has nothing to go by before a key has spent anything in a window, and sessions placed then spend most in the windows after: placed evenly, a key with a sixth of its peers' limit ran dry in the next window and its pinned sessions moved (see [decisions](routing.md#quota)). A stated limit is the same on every replica, so homes stay the same everywhere. Needs `quota_aware`.";
-    quota_session_growth: bool = true, Spec::Bool,
-        "Pacing counts what the new sessions placed on a key in its current window will spend in the next: a conversation resends its transcript, so a session placed now spends about four times its first turn's estimate in the next window (the bench's sessions: about 650 tokens at the first turn, 1 400 in their first window, 2 800 in the next). A key whose use over the last window's length plus three times the first turns placed on it in this window exceeds (behind several replicas each counts its own placements times the key's use over its own picks, at most 4: the others' share) its limit less `quota_reserve_percent` gets no new sessions; when every candidate is short, a new session goes to the one with the most tokens left after that forecast, not the first of its order; and a new session that spilled (over its bounded load) from a home kept off for its quota is pinned where it was served, so that its next turn does not move home. Pinned sessions are never moved by it. Needs `quota_pacing` and the answers' limit headers (see [decisions](routing.md#quota)).";
-    quota_min_requests: u64 = 1, Spec::Int { min: 1, max: 1_000_000 },
-        "An endpoint with fewer remaining requests than this (as its last answer said, minus the picks since) gets no new sessions until its reset.";
-    quota_min_tokens: u64 = 0, Spec::Int { min: 0, max: 1_000_000_000 },
-        "An endpoint with fewer remaining tokens than this, or than the request's estimate, gets no new sessions until its reset. `0`: the estimate alone.";
-    quota_reserve_percent: u64 = 0, Spec::Int { min: 0, max: 100 },
-        "Share of an endpoint's stated quota limit (`x-ratelimit-limit-*`, `anthropic-ratelimit-*-limit`) kept for its pinned sessions: with fewer requests or tokens left than this percentage of the limit it gets no new sessions, so that the sessions whose prompts it has cached need not move when the quota runs out. `0`: no reserve.";
-    quota_bytes_per_token: u64 = 4, Spec::Int { min: 1, max: 1_000 },
-        "Request body bytes per estimated token: a request is taken to cost `ceil(body bytes / quota_bytes_per_token)` tokens of an endpoint's quota.";
-    payoff_floor: f64 = 0.1, Spec::Number { min: 0.0, max: 1.0 },
-        "Closed loop of the affinity payoff (the smoothed cached share of an endpoint's pinned turns' prompts, `computeflux_affinity_payoff_permille`; needs `usage_accounting`): an endpoint whose payoff is below this after `payoff_min_samples` pinned answers (prefix caching off, or a cache that forgets sessions before their pins expire) weighs `payoff_weight` × its weight when sessions are placed, so conversations go to endpoints that cache. Pins are kept; requests without a session are placed as before. `0` turns it off.";
-    payoff_min_samples: u64 = 5, Spec::Int { min: 1, max: 1_000_000 },
-        "Pinned answers with `usage` an endpoint needs before `payoff_floor` judges it.";
-    payoff_min_prompt_tokens: u64 = 1024, Spec::Int { min: 1, max: 1_000_000 },
-        "Pinned answers with fewer prompt tokens are not payoff samples: hosted APIs cache nothing below about 1024 tokens (OpenAI from 1024, Anthropic from 1024 or 2048), so a short prompt says nothing of the endpoint's cache. Self-hosted engines cache from one block (vLLM: 16 tokens).";
-    payoff_weight: f64 = 0.125, Spec::UnitInterval,
-        "Multiplier of the session placement weight of an endpoint below `payoff_floor`. Above zero, so that a few sessions still go there and show when its cache works again.";
+    keys {
+        routing_header: String = "x-computeflux-cluster".into(), Spec::HeaderName,
+            "Request header the filter writes the chosen endpoint's `cluster` into; the Envoy route must forward on it (`cluster_header`, or header-match routes in Istio). A value sent by the client is always removed first. Must differ from `session_header`.";
+        session_header: String = "x-session-id".into(), Spec::HeaderName,
+            "Request header carrying the client's session id. Without it the body's `user`, else a fingerprint of the model, first system and first user message, is the session. Every session is scoped by the caller's `authorization` / `x-api-key`.";
+        affinity_ttl_ms: u64 = 300_000, MS,
+            "How long a session stays pinned to the endpoint that last served it successfully, counted from its last use. Set it near the endpoints' KV-cache lifetime.";
+        affinity_max_sessions: u64 = 100_000, Spec::Int { min: 1, max: 10_000_000 },
+            "Upper bound on remembered sessions (shared memory of about 28 bytes each, never freed by Envoy). Past it, the least recently used session of a bucket is forgotten.";
+        ewma_alpha: f64 = 0.3, Spec::UnitInterval,
+            "Weight of each new sample in the raw latency estimate (time to the answer's headers; for a streamed answer, to its first body byte). Reported as a metric and used in the score of requests without a session; pin breaking and placement judge endpoints by their slowness for the work instead (see [routing](routing.md#judging-endpoints)).";
+        cold_start_samples: u64 = 20, Spec::Int { min: 0, max: 1_000_000 },
+            "Until an endpoint has this many samples its score is its `weight` alone (no latency or success signal yet). `0` scores on live signals from the first sample.";
+        half_open_probes: u32 = 3, Spec::Int { min: 1, max: 1000 },
+            "Requests a recovering (half-open) endpoint receives; all must succeed to close its breaker, the first failure re-opens it.";
+        failure_threshold: u32 = 5, Spec::Int { min: 1, max: 1000 },
+            "Consecutive endpoint failures (500/502/503/504, connect failure, reset, timeout) that open the breaker.";
+        open_ms: u64 = 30_000, MS,
+            "How long an endpoint's breaker stays open after `failure_threshold` failures before it is probed.";
+        rate_limit_ms: u64 = 60_000, MS,
+            "How long an endpoint is left alone after a 429 that carried no reset hint (`Retry-After`, `retry-after-ms`, `x-ratelimit-reset-*`). A 429 opens the breaker at once.";
+        retry_after_max_ms: u64 = 300_000, MS,
+            "Cap on a 429's reset hint, so a bogus `Retry-After` cannot take an endpoint out for days.";
+        max_attempts: u32 = 3, Spec::Int { min: 1, max: 16 },
+            "Endpoints tried for one client request, the first included. `1` turns in-request failover off.";
+        max_body_bytes: u64 = 8 * 1024 * 1024, Spec::Int { min: 1, max: MAX_BODY_BYTES_LIMIT },
+            "Largest request body the filter buffers to read `model`; larger requests get a 413. Keep Envoy's `per_connection_buffer_limit_bytes` and HTTP/2 stream window at or above it.";
+        expose_headers: bool = true, Spec::Bool,
+            "Adds `x-computeflux-endpoint`, `x-computeflux-attempts` and `x-computeflux-affinity` to responses (see [routing](routing.md)). Turn off to hide endpoint names from clients.";
+        usage_accounting: bool = true, Spec::Bool,
+            "Counts the prompt, cached-prompt and completion tokens of every successful answer from its `usage` (JSON answers, and the final event of streams), per endpoint and affinity result (see [metrics](metrics.md)). The answer is never held back: the filter keeps its last 4 KiB as it passes. Turn off to skip reading answers.";
+        retry_budget_percent: f64 = 20.0, Spec::Number { min: 0.0, max: 100.0 },
+            "Failovers after an endpoint failure (5xx, connect failure, reset, timeout) allowed as a share of recent requests (10 s decaying window), so an outage does not multiply load on the surviving endpoints. Failovers after 401/403/429 are not charged.";
+        failover_timeout_ms: u64 = 120_000, Spec::Int { min: 1, max: 3_600_000 },
+            "Timeout of each failover call the filter makes itself (the first attempt uses the Envoy route's timeout).";
+        list_models: ListModels = ListModels::Local, Spec::Choice(&["local", "upstream_merged"]),
+            "Who answers `GET /v1/models`: `local`, the filter from its configuration (the union of the enabled endpoints' `models`, no upstream call); `upstream_merged`, one endpoint's own list (fetched with a call, failing over like a request) followed by the configured models it did not list, for fleets whose endpoints know more than the configuration says.";
+        prefix_placement: bool = true, Spec::Bool,
+            "Places a new session (no pin, no pin cookie) whose instructions — `system` / `developer` messages before the first other message, top-level `system` or `instructions`, `tools` and `functions` — are at least `tuning.prefix_min_bytes` long by rendezvous on a key of those instructions (with the model, scoped by the caller's credential) instead of its session key: every Envoy replica sends one application's new sessions to the same endpoint, where its instructions are already cached, and a popular one spills in the prefix's rendezvous order under bounded load. Once served the session is pinned as before; pinned sessions and requests without a session are placed as before (see [routing](routing.md#placement-by-prefix)). Off: every new session is placed by its session key.";
+        pin_cookie: bool = false, Spec::Bool,
+            "Carries a session's place in a cookie when it is not its rendezvous home (after a failover or a pin break): the answer sets `cf_pin_<slot>` (one of 8 names: the session's key, the endpoint's id and an expiry, signed with `pin_cookie_secret`; `Max-Age` = `affinity_ttl_ms`, `HttpOnly`, `Path=/`), and any Envoy replica, also one that never saw the session or just restarted, follows it like a pin. For clients that keep cookies (browsers, the OpenAI Python SDK's client); only sessions away from home get one (see [routing](routing.md#after-a-failover)).";
+        pin_cookie_secret: PinCookieKey = PinCookieKey::default(), Spec::Secret,
+            "The key of the pin cookie's MAC (HMAC-SHA256): only cookies the filter signed, for the request's own session and not expired, are followed; others are ignored and counted in `computeflux_pin_cookies_ignored_total`. Give every replica the same value (a random string of at least 32 characters). Absent: the key is derived from the whole configuration, which is secret from clients while endpoints inject credentials (`headers`); when they inject none, a client that knows the configuration could derive it, so set this key. Any configuration change changes a derived key, and cookies issued before are ignored once (see [hardening](hardening.md#signed-pin-cookies)). Never logged.";
+        quota_aware: bool = true, Spec::Bool,
+            "Quota-aware routing: reads the remaining-quota headers of successful answers — OpenAI / Azure OpenAI `x-ratelimit-remaining-requests`, `x-ratelimit-remaining-tokens`, `x-ratelimit-reset-requests`, `x-ratelimit-reset-tokens` (durations such as `6m0s`), Anthropic `anthropic-ratelimit-{requests,tokens,input-tokens,output-tokens}-{remaining,reset}` (reset as RFC 3339) — and skips an endpoint whose remaining requests or tokens are below the floors (`tuning.quota_min_requests`, `tuning.quota_min_tokens`, `tuning.quota_reserve_percent`) or below the request's estimated tokens (4 body bytes a token), until the reset (capped by `retry_after_max_ms`; `rate_limit_ms` without a reset). New sessions go to the next endpoint in rendezvous order; a pinned session moves only when staying is a certain 429 (no request left, or fewer tokens than its estimate). Pacing: an endpoint whose stated tokens or requests, used at the rate of its window so far or of the last window's length, plus what the new sessions placed on it in this window will spend in the next, would run out before the reset gets no new sessions, so the sessions already pinned there keep their quota. New sessions are placed in proportion to the keys' stated limits (`x-ratelimit-limit-*`, `anthropic-ratelimit-*-limit`; a session's home is still computed from the plain weights). Values that are not plain decimal counts up to 10^12 are ignored (see [routing](routing.md#quota)).";
+    }
+    tuning {
+        retry_budget_min_retries: f64 = 10.0, Spec::Number { min: 0.0, max: 1_000_000.0 },
+            "Failovers always allowed on top of the percentage (so low traffic can still fail over).";
+        in_flight_max_age_ms: u64 = 600_000, Spec::Int { min: 1_000, max: MAX_MS },
+            "An attempt that has not reported back this long after its start is presumed leaked (a worker's VM crashed between its start and its end, so its in-flight count would never go down) and stops counting toward its endpoint's load, between 1 and 1.5 times this after its start, however busy the endpoint. Keep it above the longest answer you serve (the route timeout, e.g. 300 s in `envoy/envoy.yaml`): a longer one stops counting early.";
+        bounded_load_epsilon: f64 = 1.0, Spec::Number { min: 0.0, max: 100.0 },
+            "Bounded-load placement: an endpoint whose load (its engine's scraped running + waiting requests where known, else the in-flight attempts this Envoy counts) would exceed `(1 + epsilon) ×` its weighted share of all in-flight attempts plus `tuning.bounded_load_slack` is skipped for new placements, in rendezvous order (consistent hashing with bounded loads).";
+        bounded_load_slack: u64 = 8, Spec::Int { min: 1, max: 1_000_000 },
+            "The constant added to the bounded-load limit, so that light traffic and short bursts never spill: a spill costs the session a full prefill elsewhere, one more request in an inference engine's batch costs little.";
+        prefix_min_bytes: u64 = 1024, Spec::Int { min: 64, max: 1_048_576 },
+            "Shortest instructions segment, in bytes of the request's JSON, that places a new session by prefix (`prefix_placement`). Shorter instructions cost little to prefill anywhere, and grouping every short-prompt session on one endpoint would only add load there.";
+        pin_break_ratio: f64 = 3.0, Spec::Number { min: 1.5, max: 1000.0 },
+            "A warm endpoint whose slowness (observed ÷ expected time for the work of each answer, smoothed) reaches this multiple of the median slowness of its peers serving the same models is degraded: its pinned sessions are placed again elsewhere (`pin_break`) and it gets no new sessions but probes (see [routing](routing.md#judging-endpoints)). Must be above 1.5, the multiple below which a degraded endpoint is whole again. `1000` in effect turns pin breaking off.";
+        degraded_probe_interval_ms: u64 = 5_000, MS,
+            "A degraded endpoint gets one new placement as a probe per this interval (per Envoy), so that its latency estimate can show its recovery. The interval doubles after each probe that is still slow (up to `tuning.degraded_probe_max_interval_ms`) and starts again from this value after a fast one.";
+        degraded_probe_max_interval_ms: u64 = 60_000, MS,
+            "The longest probe interval of an endpoint that stays degraded (never below `tuning.degraded_probe_interval_ms`): a probe is a real client's request, and one that stays slow costs that client the slowdown, so an endpoint that keeps failing its probes is probed ever less often.";
+        quota_min_requests: u64 = 1, Spec::Int { min: 1, max: 1_000_000 },
+            "An endpoint with fewer remaining requests than this (as its last answer said, minus the picks since) gets no new sessions until its reset.";
+        quota_min_tokens: u64 = 0, Spec::Int { min: 0, max: 1_000_000_000 },
+            "An endpoint with fewer remaining tokens than this, or than the request's estimate, gets no new sessions until its reset. `0`: the estimate alone.";
+        quota_reserve_percent: u64 = 0, Spec::Int { min: 0, max: 100 },
+            "Share of an endpoint's stated quota limit (`x-ratelimit-limit-*`, `anthropic-ratelimit-*-limit`) kept for its pinned sessions: with fewer requests or tokens left than this percentage of the limit it gets no new sessions, so that the sessions whose prompts it has cached need not move when the quota runs out. `0`: no reserve.";
+        payoff_floor: f64 = 0.1, Spec::Number { min: 0.0, max: 1.0 },
+            "Closed loop of the affinity payoff (the smoothed cached share of an endpoint's pinned turns' prompts, `computeflux_affinity_payoff_permille`; needs `usage_accounting`): an endpoint whose payoff is below this after 5 pinned answers (prefix caching off, or a cache that forgets sessions before their pins expire) weighs 1/8 of its weight when sessions are placed, so conversations go to endpoints that cache. Pins are kept; requests without a session are placed as before. `0` turns it off.";
+        payoff_min_prompt_tokens: u64 = 1024, Spec::Int { min: 1, max: 1_000_000 },
+            "Pinned answers with fewer prompt tokens are not payoff samples: hosted APIs cache nothing below about 1024 tokens (OpenAI from 1024, Anthropic from 1024 or 2048), so a short prompt says nothing of the endpoint's cache. Self-hosted engines cache from one block (vLLM: 16 tokens).";
+    }
 }
+
+/// A degraded endpoint is whole again once its slowness falls below this multiple of its
+/// peers' median (hysteresis: `tuning.pin_break_ratio` must be above it); a probe whose answer
+/// is below it for its work resets the probe backoff. Not a key: the measured default.
+pub const DEGRADED_EXIT_RATIO: f64 = 1.5;
 
 /// Upper bound on endpoints: keeps per-request exclusion sets and selection cost bounded.
 pub const MAX_ENDPOINTS: usize = 1024;
 /// Envoy's largest sensible stream buffer; `max_body_bytes` must not exceed it.
 pub const MAX_BODY_BYTES_LIMIT: u64 = 16 * 1024 * 1024;
+
+/// Top-level keys that are no longer keys, each with what replaced it. A configuration that
+/// sets one is refused with an error naming the key and its replacement (keys moved into
+/// `tuning` are found from [`tuning_keys`] and need no entry).
+pub const REMOVED_KEYS: &[(&str, &str)] = &[
+    // Rules whose comparison was decided by the bench: the winner is always on.
+    ("pin_spilled_new_sessions", "a new session that spilled past its home is always pinned where it was served"),
+    ("after_failover", "a session always stays on the endpoint that served its failover (`stay`; `return_home` measured fewer cached tokens and a worse p99)"),
+    ("prefix_session_spill", "a session passed over at a busy prefix home always goes to the least-counted candidate (`least_counted`)"),
+    ("prefix_popular_share", "the popular-prefix bound is gone: computed from each replica's own counts it moved follow-ups between replicas"),
+    ("saturated_pin_moves", "pinned sessions never move off a saturated engine (moves measured fewer cached tokens and no better p99); new sessions still avoid it"),
+    ("relieve_last_server", "the last healthy server of a model is always relieved of other models' sessions while an endpoint is degraded"),
+    ("pin_break_overdue", "only answers make an endpoint degraded (the overdue watch fired on long healthy generations)"),
+    ("quota_pacing", "quota pacing is always on"),
+    ("quota_limit_weighting", "new sessions are always placed in proportion to the keys' stated quota limits"),
+    ("quota_session_growth", "quota pacing always counts the growth of the new sessions placed in a window"),
+    // Model internals: the measured default is built in.
+    ("success_rate_alpha", "it is built in (0.1, `routing::select::SUCCESS_RATE_ALPHA`)"),
+    ("stats_decay_ms", "it is built in (60000, `routing::score::STATS_DECAY_MS`)"),
+    ("placement_quantum", "it is built in (1, `routing::placement::PLACEMENT_QUANTUM`)"),
+    ("prefix_session_epsilon", "it is built in (0.25, `routing::sessions::SESSION_EPSILON`)"),
+    ("prefix_session_busy_load", "it is built in (8, `routing::sessions::SESSION_BUSY_LOAD`)"),
+    ("prefix_session_half_life_ms", "it is built in (60000, `routing::sessions::SESSION_HALF_LIFE_MS`)"),
+    ("pin_break_min_ms", "it is built in (50, `routing::slowness::PIN_BREAK_MIN_MS`)"),
+    ("degraded_exit_ratio", "it is built in (1.5, `config::DEGRADED_EXIT_RATIO`)"),
+    ("quota_bytes_per_token", "it is built in (4, `routing::quota::BYTES_PER_TOKEN`)"),
+    ("payoff_min_samples", "it is built in (5, `routing::payoff::PAYOFF_MIN_SAMPLES`)"),
+    ("payoff_weight", "it is built in (0.125, `routing::payoff::PAYOFF_WEIGHT`)"),
+];
 
 /// The endpoint keys (validated by hand in `Validator::endpoint`).
 pub fn endpoint_keys() -> Vec<KeyDoc> {
@@ -519,25 +514,39 @@ impl Config {
                 problem: format!("must be a JSON object, got {}", type_name(value)),
             }]);
         };
-        v.unknown_keys("", obj, &top_level_keys());
+        // A removed key gets an error naming its replacement instead of "not a known key".
+        let tuning = tuning_keys();
+        let removed: Vec<&String> = obj.keys().filter(|k| v.removed_key(k, &tuning)).collect();
+        v.unknown_keys_except("", obj, &top_level_keys(), &removed);
         let mut c = Config::default();
         Config::read_scalars(&mut v, obj, &mut c);
+        match obj.get("tuning") {
+            None => {}
+            Some(Value::Object(t)) => {
+                v.unknown_keys("tuning.", t, &tuning);
+                Config::read_tuning(&mut v, t, &mut c);
+            }
+            Some(other) => v.push(
+                "tuning",
+                &format!("must be an object, got {}", type_name(other)),
+            ),
+        }
         // Only pin cookies use the key: derive it only for them (a configuration digest at
         // every configure, otherwise).
         if c.pin_cookie && !c.pin_cookie_secret.configured() {
             c.pin_cookie_secret = PinCookieKey::derived(value);
         }
-        if c.routing_header == c.session_header {
-            v.push("session_header", "must differ from routing_header");
-        }
-        if c.degraded_exit_ratio >= c.pin_break_ratio {
+        if c.pin_break_ratio <= DEGRADED_EXIT_RATIO {
             v.push(
-                "degraded_exit_ratio",
+                "tuning.pin_break_ratio",
                 &format!(
-                    "must be below pin_break_ratio ({}), got {}",
-                    c.pin_break_ratio, c.degraded_exit_ratio
+                    "must be above the degraded exit ratio ({DEGRADED_EXIT_RATIO}), got {}",
+                    c.pin_break_ratio
                 ),
             );
+        }
+        if c.routing_header == c.session_header {
+            v.push("session_header", "must differ from routing_header");
         }
         match obj.get("endpoints") {
             None => v.push("endpoints", "is required"),

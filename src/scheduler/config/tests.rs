@@ -139,20 +139,25 @@ fn rejects_non_json_and_non_object() {
 fn every_key_reads_its_documented_default() {
     let mut obj = serde_json::Map::new();
     obj.insert("endpoints".into(), json!([{"name": "a", "cluster": "ca"}]));
+    let value = |k: &KeyDoc| match k.kind.as_str() {
+        "integer" => json!(k.default.parse::<u64>().unwrap()),
+        "number" => json!(k.default.parse::<f64>().unwrap()),
+        "boolean" => json!(k.default.parse::<bool>().unwrap()),
+        _ => json!(k.default),
+    };
     // `pin_cookie_secret`'s default is its absence (a key derived from the configuration).
     for k in top_level_keys()
         .into_iter()
         .skip(1)
-        .filter(|k| k.key != "pin_cookie_secret")
+        .filter(|k| k.key != "pin_cookie_secret" && k.key != "tuning")
     {
-        let v = match k.kind.as_str() {
-            "integer" => json!(k.default.parse::<u64>().unwrap()),
-            "number" => json!(k.default.parse::<f64>().unwrap()),
-            "boolean" => json!(k.default.parse::<bool>().unwrap()),
-            _ => json!(k.default),
-        };
-        obj.insert(k.key.to_string(), v);
+        obj.insert(k.key.to_string(), value(&k));
     }
+    let tuning: serde_json::Map<String, Value> = tuning_keys()
+        .iter()
+        .map(|k| (k.key.to_string(), value(k)))
+        .collect();
+    obj.insert("tuning".into(), Value::Object(tuning));
     let read = Config::from_value(&Value::Object(obj)).unwrap();
     let expected = Config {
         endpoints: read.endpoints.clone(),
@@ -164,18 +169,94 @@ fn every_key_reads_its_documented_default() {
     // And each one is actually read: a value off its default changes the configuration.
     let c = Config::from_value(&json!({
         "endpoints": [{"name": "a", "cluster": "ca"}],
-        "after_failover": "return_home", "half_open_probes": 7, "placement_quantum": 0.5
+        "list_models": "upstream_merged", "half_open_probes": 7,
+        "tuning": {"bounded_load_epsilon": 0.5, "pin_break_ratio": 4.0}
     }))
     .unwrap();
-    assert_eq!(c.after_failover, AfterFailover::ReturnHome);
-    assert_eq!((c.half_open_probes, c.placement_quantum), (7, 0.5));
+    assert_eq!(c.list_models, ListModels::UpstreamMerged);
+    assert_eq!((c.half_open_probes, c.bounded_load_epsilon), (7, 0.5));
+    assert_eq!(c.pin_break_ratio, 4.0);
     assert!(errors(json!({"endpoints": [{"name": "a", "cluster": "ca"}],
-            "after_failover": "home"}))
-    .contains(&"after_failover must be one of stay, return_home, got \"home\"".to_string()));
-    assert!(errors(json!({"endpoints": [{"name": "a", "cluster": "ca"}],
-            "pin_break_ratio": 2.0, "degraded_exit_ratio": 2.0}))
-    .iter()
-    .any(|e| e.starts_with("degraded_exit_ratio must be below pin_break_ratio")));
+            "list_models": "remote"}))
+    .contains(&"list_models must be one of local, upstream_merged, got \"remote\"".to_string()));
+    assert_eq!(
+        errors(json!({"endpoints": [{"name": "a", "cluster": "ca"}],
+            "tuning": {"pin_break_ratio": 1.5}})),
+        vec!["tuning.pin_break_ratio must be above the degraded exit ratio (1.5), got 1.5"]
+    );
+}
+
+/// The `tuning` object: its keys are read from it, its errors name `tuning.<key>`, an unknown
+/// key in it is refused, and it must be an object.
+#[test]
+fn tuning_keys_are_read_from_the_tuning_object() {
+    let eps = json!([{"name": "a", "cluster": "ca"}]);
+    let c = Config::from_value(&json!({"endpoints": eps,
+        "tuning": {"quota_reserve_percent": 50, "in_flight_max_age_ms": 900_000}}))
+    .unwrap();
+    assert_eq!(
+        (c.quota_reserve_percent, c.in_flight_max_age_ms),
+        (50, 900_000)
+    );
+    assert!(c.summary().contains("tuning.quota_reserve_percent=50"));
+    assert_eq!(
+        errors(json!({"endpoints": eps, "tuning": {"quota_reserve_percent": 101}})),
+        vec!["tuning.quota_reserve_percent must be in 0..=100, got 101"]
+    );
+    let unknown = errors(json!({"endpoints": eps, "tuning": {"ewma_alpha": 0.5}}));
+    assert_eq!(unknown.len(), 1, "{unknown:?}");
+    assert!(
+        unknown[0]
+            .starts_with("tuning.ewma_alpha is not a known key (known: retry_budget_min_retries,"),
+        "{unknown:?}"
+    );
+    assert_eq!(
+        errors(json!({"endpoints": eps, "tuning": [1]})),
+        vec!["tuning must be an object, got an array"]
+    );
+}
+
+/// A key that was removed is refused with an error naming it and what replaced it, not as an
+/// unknown key; a key moved into `tuning` names its new place. Every other key is still read.
+#[test]
+fn a_removed_key_names_its_replacement() {
+    let eps = json!([{"name": "a", "cluster": "ca"}]);
+    let errs = errors(json!({"endpoints": eps,
+        "quota_pacing": false, "success_rate_alpha": 0.5, "pin_break_ratio": 4.0,
+        "bogus": 1}));
+    assert!(
+        errs.contains(&"quota_pacing was removed: quota pacing is always on".to_string()),
+        "{errs:?}"
+    );
+    assert!(
+        errs.contains(
+            &"success_rate_alpha was removed: it is built in (0.1, `routing::select::SUCCESS_RATE_ALPHA`)"
+                .to_string()
+        ),
+        "{errs:?}"
+    );
+    assert!(
+        errs.contains(
+            &"pin_break_ratio was moved: set it as `tuning.pin_break_ratio` (unstable)".to_string()
+        ),
+        "{errs:?}"
+    );
+    assert!(
+        errs.iter()
+            .any(|e| e.starts_with("bogus is not a known key")),
+        "{errs:?}"
+    );
+    assert_eq!(errs.len(), 4, "{errs:?}");
+    // Every removed key is refused, none is a current key or a tuning key.
+    let current: Vec<&str> = top_level_keys().iter().map(|k| k.key).collect();
+    let tuning: Vec<&str> = tuning_keys().iter().map(|k| k.key).collect();
+    for (key, replacement) in REMOVED_KEYS {
+        assert!(!current.contains(key) && !tuning.contains(key), "{key}");
+        assert_eq!(
+            errors(json!({"endpoints": eps, *key: true})),
+            vec![format!("{key} was removed: {replacement}")]
+        );
+    }
 }
 
 #[test]

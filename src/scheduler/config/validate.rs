@@ -40,14 +40,33 @@ const RESERVED_HEADERS: &[&str] = &[
 #[derive(Default)]
 pub(super) struct Validator {
     pub(super) errors: Vec<ConfigError>,
+    /// Prepended to every field an error names: `tuning.` while the `tuning` object is read.
+    pub(super) scope: &'static str,
 }
 
 impl Validator {
     pub(super) fn push(&mut self, field: &str, problem: &str) {
         self.errors.push(ConfigError {
-            field: field.to_string(),
+            field: format!("{}{field}", self.scope),
             problem: problem.to_string(),
         });
+    }
+
+    /// Whether the top-level `key` is one that was removed ([`REMOVED_KEYS`]) or moved into
+    /// `tuning`; if so, reports it with what replaced it.
+    pub(super) fn removed_key(&mut self, key: &str, tuning: &[KeyDoc]) -> bool {
+        if let Some((_, replacement)) = REMOVED_KEYS.iter().find(|(k, _)| *k == key) {
+            self.push(key, &format!("was removed: {replacement}"));
+            true
+        } else if tuning.iter().any(|k| k.key == key) {
+            self.push(
+                key,
+                &format!("was moved: set it as `tuning.{key}` (unstable)"),
+            );
+            true
+        } else {
+            false
+        }
     }
 
     pub(super) fn unknown_keys(
@@ -56,8 +75,19 @@ impl Validator {
         obj: &Map<String, Value>,
         known: &[KeyDoc],
     ) {
+        self.unknown_keys_except(prefix, obj, known, &[]);
+    }
+
+    /// [`Validator::unknown_keys`], silent about the keys in `reported`.
+    pub(super) fn unknown_keys_except(
+        &mut self,
+        prefix: &str,
+        obj: &Map<String, Value>,
+        known: &[KeyDoc],
+        reported: &[&String],
+    ) {
         for key in obj.keys() {
-            if !known.iter().any(|k| k.key == key) {
+            if !known.iter().any(|k| k.key == key) && !reported.contains(&key) {
                 let names: Vec<&str> = known.iter().map(|k| k.key).collect();
                 self.push(
                     &format!("{prefix}{}", path_key(key)),

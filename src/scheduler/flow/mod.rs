@@ -914,8 +914,7 @@ impl Flow {
 
     /// The first body byte of a streamed answer passed: its time is the attempt's latency
     /// sample (time to first token), instead of the time to its headers.
-    /// A watched affinity hit stops being watched (see `overdue`).
-    pub fn on_first_byte(&mut self, s: &Scheduler<'_>, now_ms: u64) {
+    pub fn on_first_byte(&mut self, now_ms: u64) {
         if let Some(a) = self.current.as_mut().filter(|a| a.awaits_first_byte) {
             a.awaits_first_byte = false;
             if let Some((_, latency)) = a.verdict.as_mut() {
@@ -927,7 +926,6 @@ impl Flow {
                 next_check_bytes: slowness::PACE_FIRST_CHECK_BYTES,
                 judged: false,
             };
-            s.release_watch(&mut a.ticket);
         }
     }
 

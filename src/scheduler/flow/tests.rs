@@ -67,7 +67,7 @@ fn cfg(extra: serde_json::Value) -> Config {
         {"name": "b", "cluster": "cb", "weight": 1000},
         {"name": "c", "cluster": "cc", "weight": 1},
     ], "cold_start_samples": 1000000, "failure_threshold": 1000,
-       "retry_budget_min_retries": 1000});
+       "tuning": {"retry_budget_min_retries": 1000}});
     if let (Some(o), serde_json::Value::Object(more)) = (v.as_object_mut(), extra) {
         o.extend(more);
     }
@@ -194,9 +194,9 @@ fn a_streamed_answer_is_timed_to_its_first_byte() {
     ]);
     f.on_response_headers(&s, &mut log, &sse, false, 1_002);
     assert!(f.awaits_first_byte());
-    f.on_first_byte(&s, 1_450);
+    f.on_first_byte(1_450);
     assert!(!f.awaits_first_byte());
-    f.on_first_byte(&s, 1_900); // later chunks change nothing
+    f.on_first_byte(1_900); // later chunks change nothing
     f.on_response_end(&s, &mut log, 3_000);
     let latency = |store: &MemStore| Table::read(&store, &c).entries[0].1.latency_ms;
     assert_eq!(latency(&store), Some(450.0));
@@ -209,7 +209,7 @@ fn a_streamed_answer_is_timed_to_its_first_byte() {
     let json_answer = pairs(&[(":status", "200"), ("content-type", "application/json")]);
     f.on_response_headers(&s, &mut log, &json_answer, false, 1_300);
     assert!(!f.awaits_first_byte());
-    f.on_first_byte(&s, 1_400);
+    f.on_first_byte(1_400);
     f.on_response_end(&s, &mut log, 1_400);
     assert_eq!(latency(&store), Some(300.0));
 }
@@ -930,7 +930,7 @@ fn quota_headers_are_not_read_off_failures_nor_with_the_feature_off() {
 
 #[test]
 fn only_an_affinity_hits_own_answer_feeds_the_payoff() {
-    let c = cfg(json!({"payoff_min_prompt_tokens": 1}));
+    let c = cfg(json!({"tuning": {"payoff_min_prompt_tokens": 1}}));
     let store = MemStore::new();
     let s = Scheduler::new(&c, &store);
     let payoff = |i: usize| Table::read(&store, &c).entries[i].1.payoff;
@@ -1187,7 +1187,7 @@ fn finished_answers_are_judged_against_their_work() {
     route(&mut f, &s, &mut log, post_headers(&[]), 1_000);
     f.on_response_headers(&s, &mut log, &sse, false, 1_002);
     f.count_answer_bytes(10);
-    f.on_first_byte(&s, 1_057);
+    f.on_first_byte(1_057);
     f.on_response_data(SSE_USAGE);
     f.on_response_data(b"data: [DONE]\n\n");
     f.count_answer_bytes(SSE_USAGE.len());
@@ -1427,7 +1427,7 @@ fn a_slow_running_stream_is_judged_by_its_pace() {
         route(&mut f, &s, &mut log, post_headers(&[]), t0);
         f.on_response_headers(&s, &mut log, &sse, false, t0 + 2);
         f.count_answer_bytes(170);
-        f.on_first_byte(&s, t0 + 60);
+        f.on_first_byte(t0 + 60);
         for i in 1..=100u64 {
             f.count_answer_bytes(170);
             if f.pace_due() {
@@ -1449,7 +1449,7 @@ fn a_slow_running_stream_is_judged_by_its_pace() {
     route(&mut f, &s, &mut log, post_headers(&[]), t0);
     f.on_response_headers(&s, &mut log, &sse, false, t0 + 2);
     f.count_answer_bytes(170);
-    f.on_first_byte(&s, t0 + 60);
+    f.on_first_byte(t0 + 60);
     let mut judged_at = None;
     for i in 1..=100u64 {
         f.count_answer_bytes(170);

@@ -7,7 +7,7 @@
 //! Idle endpoints: an endpoint that lost traffic because it looked slow or failing stops
 //! producing samples, so its estimate would stay poisoned forever. We therefore let the
 //! *penalty* an estimate implies fade with idle time: `fade(idle) = 1 / (1 + idle/decay)`
-//! (hyperbolic, cheap on wasm, 0.5 after one `stats_decay_ms`). The scorer multiplies the
+//! (hyperbolic, cheap on wasm, 0.5 after one `score::STATS_DECAY_MS`). The scorer multiplies the
 //! excess latency factor and the missing success rate by it, so a long-idle endpoint drifts back
 //! to neutral and gets a fresh look; one bad sample then pushes it away again.
 

@@ -1,7 +1,7 @@
 //! The decision: which endpoint serves an attempt, and what its outcome changes.
 //!
 //! - `table`: the per-endpoint record every worker shares (one `Store` key);
-//! - the signals kept in it or beside it: `ewma` latency, `quota`, `payoff`, the `overdue` watch,
+//! - the signals kept in it or beside it: `ewma` latency, `quota`, `payoff`,
 //!   session `affinity`, the `pin_cookie`, `responses` (Responses API follow-ups);
 //! - `score` and `placement` (weighted rendezvous), and `select`: exclusions → pin → placement →
 //!   pick, then the finishing write.
@@ -12,7 +12,6 @@ pub mod affinity;
 pub mod capacity;
 pub mod ewma;
 pub mod in_flight;
-pub mod overdue;
 pub mod payoff;
 pub mod pin_cookie;
 pub mod placement;

@@ -23,8 +23,8 @@
 //! about that size, so their answers would read as "no cache" on an endpoint that has one.
 //!
 //! **Closed loop** (`payoff_floor`, 0.1 by default; `0` turns it off): an endpoint is *unrewarding* when
-//! it has at least `payoff_min_samples` samples and its payoff is below the floor. Its weight in
-//! *session* placement is multiplied by `payoff_weight` ([`PayoffRule::factor`]), so that new
+//! it has at least [`PAYOFF_MIN_SAMPLES`] samples and its payoff is below the floor. Its weight in
+//! *session* placement is multiplied by [`PAYOFF_WEIGHT`] ([`PayoffRule::factor`]), so that new
 //! sessions (and sessions a replica places without a pin) go mostly to endpoints that cache.
 //! Requests without a session are placed as before (they have nothing to cache), and pins
 //! are kept (moving a session costs it a prefill; staying costs nothing extra). The reduced
@@ -62,14 +62,23 @@ pub struct PayoffRule {
     pub weight: f64,
 }
 
+/// Pinned answers with `usage` an endpoint needs before `tuning.payoff_floor` judges it. Not
+/// a key: the measured default.
+pub const PAYOFF_MIN_SAMPLES: u64 = 5;
+
+/// Multiplier of the session placement weight of an endpoint below `tuning.payoff_floor`.
+/// Above zero, so that a few sessions still go there and show when its cache works again. Not
+/// a key: the measured default.
+pub const PAYOFF_WEIGHT: f64 = 0.125;
+
 impl PayoffRule {
-    /// The rule the configuration asks for (`payoff_floor`, `payoff_min_samples`,
-    /// `payoff_weight`).
+    /// The rule the configuration asks for (`tuning.payoff_floor`, with
+    /// [`PAYOFF_MIN_SAMPLES`] and [`PAYOFF_WEIGHT`]).
     pub fn from_config(cfg: &Config) -> PayoffRule {
         PayoffRule {
             floor: cfg.payoff_floor,
-            min_samples: cfg.payoff_min_samples,
-            weight: cfg.payoff_weight,
+            min_samples: PAYOFF_MIN_SAMPLES,
+            weight: PAYOFF_WEIGHT,
         }
     }
 
@@ -258,7 +267,6 @@ mod tests {
         use crate::scheduler::state::store::MemStore;
         let cfg = Config::from_value(&serde_json::json!({
             "endpoints": [{"name": "a", "cluster": "a"}, {"name": "b", "cluster": "b"}],
-            "payoff_min_samples": 3,
         }))
         .unwrap();
         let store = MemStore::new();
@@ -301,7 +309,7 @@ mod tests {
             .unwrap();
         let d = s.pick(&pick(k), 0).unwrap();
         s.finish(d.ticket, &Outcome::Success, 10, Some(k), 0);
-        for i in 0..3 {
+        for i in 0..PAYOFF_MIN_SAMPLES {
             assert_eq!(homes(), before, "{i} samples: not yet judged");
             let mut d = s.pick(&pick(k), 1).unwrap();
             assert_eq!(d.reason, Reason::AffinityHit);
@@ -309,7 +317,10 @@ mod tests {
             s.finish(d.ticket, &Outcome::Success, 10, Some(k), 1);
         }
         let p = s.table().entries[1].1.payoff;
-        assert_eq!((p.samples, p.permille()), (3, 0));
+        assert_eq!(
+            (u64::from(p.samples), p.permille()),
+            (PAYOFF_MIN_SAMPLES, 0)
+        );
         let after = homes();
         let on_b = |h: &[usize]| h.iter().filter(|&&e| e == 1).count();
         // Weighted rendezvous: a lower weight only moves sessions away from `b`, to about
@@ -326,7 +337,10 @@ mod tests {
         let mut d = s.pick(&pick(k), 3).unwrap();
         d.ticket.pinned_usage = Some(usage(2_000, 2_000));
         s.finish(d.ticket, &Outcome::ClientError, 10, Some(k), 3);
-        assert_eq!(s.table().entries[1].1.payoff.samples, 3);
+        assert_eq!(
+            u64::from(s.table().entries[1].1.payoff.samples),
+            PAYOFF_MIN_SAMPLES
+        );
     }
 
     #[cfg(not(target_arch = "wasm32"))]

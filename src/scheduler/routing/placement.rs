@@ -17,7 +17,7 @@
 //! **What replicas agree on.** Placement weight = configured `weight` × the success
 //! level × the payoff factor (a boolean of smoothed state with hysteresis, see
 //! [`super::payoff`]) — nothing else. The success level is the faded success rate rounded up to
-//! a level `2^(-k·q)` (`q = placement_quantum`): every endpoint succeeding more than half the
+//! a level `2^(-k·q)` (`q =` [`PLACEMENT_QUANTUM`]): every endpoint succeeding more than half the
 //! time weighs exactly its weight, and only an endpoint that fails most requests (a dead API
 //! key, which answers 401 to every replica alike) weighs less. No latency factor and no
 //! in-flight count: each replica measures those from its own share of the traffic, and raw
@@ -142,6 +142,13 @@ pub fn hrw_key(session_key: u64, endpoint_id: u32, weight: f64) -> f64 {
 
 pub use crate::scheduler::state::levels::quantize;
 
+/// Step, in halvings, of the success-rate levels that weigh an endpoint in rendezvous
+/// placement: an endpoint that succeeds more than half the time weighs exactly its `weight`,
+/// one at 25–50 % half of it, and so on (a dead API key weighs next to nothing). Latency never
+/// weighs placement: degraded, saturated, open and short endpoints are skipped instead, so
+/// every Envoy replica computes the same home. Not a key: the measured default.
+pub const PLACEMENT_QUANTUM: f64 = 1.0;
+
 /// The placement weight of an endpoint: configured `weight` × its success level × its payoff
 /// factor. Only what every replica sees alike (see the module doc).
 pub fn weigh(weight: f64, st: &EndpointState, cfg: &Config, now_ms: u64) -> f64 {
@@ -151,7 +158,7 @@ pub fn weigh(weight: f64, st: &EndpointState, cfg: &Config, now_ms: u64) -> f64 
     // An endpoint whose pinned turns find nothing cached gains nothing from sessions (a
     // boolean of smoothed state: see `payoff`).
     let payoff = PayoffRule::from_config(cfg).factor(&st.payoff);
-    weight * quantize(success, cfg.placement_quantum) * payoff
+    weight * quantize(success, PLACEMENT_QUANTUM) * payoff
 }
 
 /// How long after its last probe a degraded endpoint that has had `probes` probes since it

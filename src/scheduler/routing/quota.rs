@@ -27,7 +27,7 @@
 //!   window as long as the last stated reset: the picks after the reset are counted before any
 //!   answer from the new window arrives (else every pick in that gap would pass unchecked), and
 //!   that first answer only lowers the assumed count.
-//! - A request's size is estimated as `ceil(prompt bytes / quota_bytes_per_token)` tokens plus
+//! - A request's size is estimated as `ceil(prompt bytes / BYTES_PER_TOKEN)` tokens plus
 //!   the output limit it states (hosted APIs charge `max_tokens` at admission: a turn whose
 //!   prompt fit but whose limit did not was a 429, and the key cooled for every session on it),
 //!   where its prompt bytes are its body's bytes with each inline image or audio clip
@@ -39,16 +39,17 @@
 //!   after it was sent. Answers end out of the order they were admitted (a short stream
 //!   overtakes a long plain answer), and settling those again took a long answer's tokens
 //!   off twice: one Envoy's count drifted thousands of tokens below the key's within a window
-//!   and moved pinned turns off keys that still had quota (the quota bench).
-//! - An endpoint is *short* when its remaining requests are below `max(quota_min_requests, 1)`
-//!   or its remaining tokens below `max(quota_min_tokens, estimate)`. A short endpoint is
+//!   and moved pinned turns off keys that still had quota (quota bench).
+//! - An endpoint is *short* when its remaining requests are below
+//!   `max(tuning.quota_min_requests, 1)` or its remaining tokens below
+//!   `max(tuning.quota_min_tokens, estimate)`. A short endpoint is
 //!   skipped for new placements like an unavailable one (the next in rendezvous order takes
-//!   the session, the same on every replica), unless every candidate is short. With pacing
-//!   (`quota_pacing`) and a stated limit it is short too when the pinned sessions' use until
+//!   the session, the same on every replica), unless every candidate is short. Paced: with a
+//!   stated limit it is short too when the pinned sessions' use until
 //!   the reset would leave less than the floors ([`Remaining::projected_use`]), or when their
 //!   use over the last window's length already exceeds the limit less the reserve
 //!   ([`Remaining::span_use`]): sessions placed now spend in the next window.
-//! - With `quota_limit_weighting`, new sessions go to keys in proportion to their stated
+//! - New sessions go to keys in proportion to their stated
 //!   limits ([`weigh_by_limits`]): pacing judges a key by what its sessions have spent, which
 //!   says nothing until they have spent it, and a session spends most in the windows after
 //!   the one it was placed in. The stated limit is known from a key's first answer on.
@@ -158,7 +159,7 @@ impl Remaining {
     /// and the key's use (from the statements, everyone's) over its own picks says how many
     /// replicas' worth of traffic the key takes (about 3 behind three replicas, under 1 alone:
     /// estimates overshoot). Counting its own placements only, each of three replicas let a
-    /// small key take a third more than it held (the quota bench, `quota7-1` ×3: `d`
+    /// small key take a third more than it held (quota bench, `quota7-1` ×3: `d`
     /// took 22 new sessions late in a window and ran dry in the next, 17 follow-ups moved).
     pub fn growth(self) -> u64 {
         let own = self.placed.saturating_mul(NEXT_WINDOW_GROWTH);
@@ -191,7 +192,7 @@ impl Remaining {
     /// Sessions placed now spend most of their tokens in the windows after this one, at this
     /// rate (more, as their prompts grow): with only this window's use, a window's start
     /// looked empty, and new sessions were placed on a key that the sessions pinned there
-    /// then ran dry in the next window (the quota bench: 16 to 30 follow-ups moved
+    /// then ran dry in the next window (quota bench: 16 to 30 follow-ups moved
     /// per run, each a re-prefill). `0` when the limit or the window is unknown.
     pub fn span_use(self, now_ms: u64) -> u64 {
         self.rates(now_ms).map_or(0, |(rate_use, _, _)| {
@@ -284,10 +285,6 @@ pub struct QuotaRule {
     pub default_reset_ms: u64,
     /// Cap on any reset hint.
     pub max_reset_ms: u64,
-    /// Quota pacing (see [`Remaining::projected_use`]).
-    pub pacing: bool,
-    /// Pacing counts the new sessions' growth ([`Remaining::growth`], `quota_session_growth`).
-    pub growth: bool,
 }
 
 /// (remaining, reset, limit) header names of one count.
@@ -341,8 +338,8 @@ pub const LIMIT_WEIGHT_MAX_CANDIDATES: usize = 64;
 /// The levels of [`weigh_by_limits`]: `2^(-k × step)`, 1, 0.71, 0.5, 0.35, 0.25, 0.18, 0.125.
 pub const LIMIT_WEIGHT_STEP: f64 = 0.5;
 
-/// Session placement weights scaled by the keys' stated limits (`quota_limit_weighting`;
-/// `None`: no candidate's weight changes): each candidate's weight × the ratio of its stated limit to the largest stated among the
+/// Session placement weights scaled by the keys' stated limits (`None`: no candidate's weight
+/// changes): each candidate's weight × the ratio of its stated limit to the largest stated among the
 /// candidates (per family, tokens and requests; the smaller of the two ratios), rounded up to
 /// a level `2^(-k/2)` ([`LIMIT_WEIGHT_STEP`]) and at least [`LIMIT_WEIGHT_FLOOR`]. A candidate without a stated limit (a
 /// self-hosted engine, a key not yet heard from) keeps its weight.
@@ -351,7 +348,7 @@ pub const LIMIT_WEIGHT_STEP: f64 = 0.5;
 /// sessions placed then spend most of their tokens in the windows after (a session's next
 /// window costs about twice its first). Placed evenly, a key with a sixth of its peers' limit
 /// took a quarter of a long first window's new sessions and ran dry in the next, and its
-/// pinned sessions moved (the quota bench: up to 29 moved follow-ups a run, 2.1–2.9
+/// pinned sessions moved (quota bench: up to 29 moved follow-ups a run, 2.1–2.9
 /// points of cached tokens, depending on where the first window fell). A stated limit is
 /// the same on every replica (unlike a count of what each one placed) once each has heard from
 /// the key, and the rounding keeps the weights so while a provider's limits move a little.
@@ -411,6 +408,11 @@ pub fn weigh_by_limits(
     }
     scaled
 }
+
+/// Request body bytes per estimated token: a request is taken to cost
+/// `ceil(body bytes / BYTES_PER_TOKEN)` tokens of an endpoint's quota. Not a key: the measured
+/// default.
+pub const BYTES_PER_TOKEN: u64 = 4;
 
 /// The tokens a request of `prompt_bytes` (see [`crate::scheduler::routing::select::Pick`])
 /// is taken to cost.
@@ -501,8 +503,8 @@ impl Quota {
         live(self.tokens, now_ms)
     }
 
-    /// Below a floor or below this request's estimate: skipped for new placements. With
-    /// pacing, also when what is left will not cover the reserve and the pinned sessions' use
+    /// Below a floor or below this request's estimate: skipped for new placements. Paced:
+    /// also when what is left will not cover the reserve and the pinned sessions' use
     /// until the reset ([`Remaining::projected_use`]), or when their use per window already
     /// takes more than the limit less the reserve ([`Remaining::span_use`]: the reserve is
     /// for their growth, in this window and the next).
@@ -512,10 +514,8 @@ impl Quota {
                 let reserve = r
                     .limit
                     .map_or(0, |l| l.saturating_mul(rule.reserve_percent) / 100);
-                if !rule.pacing {
-                    return r.left < floor.max(reserve);
-                }
-                let growth = if rule.growth { r.growth() } else { 0 };
+                // The new sessions' growth counts (see [`Remaining::growth`]).
+                let growth = r.growth();
                 let busy = r.limit.is_some_and(|l| {
                     r.span_use(now_ms).saturating_add(growth) > l.saturating_sub(reserve)
                 });
@@ -581,14 +581,13 @@ impl Quota {
     /// token limit and window. When every candidate is short, a new session goes to the one
     /// with the most (see `select`): the first of its order may be a key with a sixth of
     /// the others' limit, which then runs dry in the next window.
-    pub fn headroom(&self, rule: &QuotaRule, now_ms: u64) -> Option<i128> {
+    pub fn headroom(&self, now_ms: u64) -> Option<i128> {
         let r = self.tokens.and_then(|r| r.current(now_ms))?;
         let limit = r.limit?;
         if r.span_ms == 0 {
             return None;
         }
-        let growth = if rule.growth { r.growth() } else { 0 };
-        Some(i128::from(limit) - i128::from(r.span_use(now_ms)) - i128::from(growth))
+        Some(i128::from(limit) - i128::from(r.span_use(now_ms)) - i128::from(r.growth()))
     }
 
     /// An answer reported `used` tokens (prompt and completion) for a request sent at
@@ -622,7 +621,7 @@ impl Quota {
     /// until the reset, and only those that do not fit. Cooled whole for a 429 that said
     /// 1 808 tokens were left, a key turned away a pinned turn of 1 431 tokens on that replica
     /// until its window ended, then admitted only the breaker's few probes for the length of
-    /// their generations: the quota bench, three replicas, moved pinned turns off keys
+    /// their generations: quota bench, three replicas, moved pinned turns off keys
     /// with quota. A 429 whose statement does not explain it (or that has none) is left to
     /// the breaker.
     pub fn refused(
@@ -660,7 +659,7 @@ impl Quota {
     /// Only lowered, the count kept the estimates' overshoot (JSON punctuation and roles are
     /// not tokens) of the requests sent before the statement's and still in flight, and of
     /// requests that never settle (no `usage`), and a key with 2 827 tokens left looked
-    /// short for a pinned turn of 2 387 (the quota bench, one Envoy); merged by the
+    /// short for a pinned turn of 2 387 (quota bench, one Envoy); merged by the
     /// lower of the two, a statement below the count forgot the picks since, and the count
     /// stood above what the key had left. As long as estimates do not undershoot, the
     /// reconciled count is never above what the upstream has left for this replica.

@@ -157,60 +157,6 @@ pub fn judge(
     }
 }
 
-/// What deciding a saturated endpoint's pin needs to know.
-#[derive(Debug, Clone, Copy, PartialEq)]
-pub struct PinCase {
-    /// Requests waiting at the pinned endpoint (scraped).
-    pub waiting: Option<u32>,
-    /// Requests it runs at once: its running count while saturated (at least 1).
-    pub slots: Option<u32>,
-    /// Mean service time of one request there, ms (`WorkModel::service_ms` of a typical
-    /// request × the endpoint's slowness).
-    pub service_ms: f64,
-    /// Prompt tokens of the session the pinned endpoint has cached (the previous turn's prompt
-    /// and answer): what another endpoint would compute again.
-    pub cached_tokens: u64,
-    /// Prefill cost, ms per token (`WorkModel::prefill_ms_per_token`, × the slowness of the
-    /// endpoint it would move to, if known).
-    pub prefill_ms_per_token: f64,
-    /// Expected wait where it would move, ms (0 for an endpoint with room).
-    pub elsewhere_wait_ms: f64,
-}
-
-/// Expected queueing delay of a newcomer: `waiting × service_ms / slots`.
-pub fn expected_wait_ms(waiting: u32, slots: u32, service_ms: f64) -> f64 {
-    f64::from(waiting) * service_ms.max(0.0) / f64::from(slots.max(1))
-}
-
-/// Whether a session pinned to a saturated endpoint stays: true unless the expected wait there
-/// exceeds the other endpoint's wait plus the re-prefill of the cached prefix. Missing or
-/// non-finite inputs keep the pin.
-pub fn keep_pin(case: &PinCase) -> bool {
-    let (Some(waiting), Some(slots)) = (case.waiting, case.slots) else {
-        return true;
-    };
-    let finite = [
-        case.service_ms,
-        case.prefill_ms_per_token,
-        case.elsewhere_wait_ms,
-    ]
-    .iter()
-    .all(|v| v.is_finite());
-    if !finite {
-        return true;
-    }
-    let wait_here = expected_wait_ms(waiting, slots, case.service_ms);
-    // A queue shallower than one batch (waiting < slots) drains within one service time, and
-    // every follow-up arriving before the next scrape reads the same queue: moving them all
-    // would re-prefill each elsewhere to skip a wait that the first few moves already end
-    // (measured in the bench's steady run: moved turns waited as long as those that stayed).
-    if wait_here < case.service_ms.max(0.0) {
-        return true;
-    }
-    let reprefill = case.cached_tokens as f64 * case.prefill_ms_per_token.max(0.0);
-    wait_here <= case.elsewhere_wait_ms.max(0.0) + reprefill
-}
-
 /// Why a session was moved away from its endpoint.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum MoveReason {
@@ -317,63 +263,6 @@ mod tests {
         assert_eq!(judge(Room, Some(&full), &r, 6_001), Unknown);
         // A scrape stamped in the future (clock skew between workers) is not stale.
         assert_eq!(judge(Room, Some(&full), &r, 0), Saturated);
-    }
-
-    fn case(waiting: u32, cached_tokens: u64) -> PinCase {
-        PinCase {
-            waiting: Some(waiting),
-            slots: Some(4),
-            service_ms: 800.0,
-            cached_tokens,
-            prefill_ms_per_token: 0.25,
-            elsewhere_wait_ms: 0.0,
-        }
-    }
-
-    /// Worked: 4 slots, 800 ms per request. 6 waiting → 6 × 800 / 4 = 1200 ms. A session
-    /// with 4000 cached tokens at 0.25 ms/token re-prefills in 1000 ms: moving is cheaper. With
-    /// 5000 cached tokens (1250 ms) it stays; 5 waiting (1000 ms) keeps the 4000-token one.
-    #[test]
-    fn keep_pin_worked_numbers() {
-        assert_eq!(expected_wait_ms(6, 4, 800.0), 1200.0);
-        assert!(!keep_pin(&case(6, 4000)));
-        assert!(keep_pin(&case(6, 5000)));
-        assert!(keep_pin(&case(5, 4000)));
-        // The other endpoint's own 300 ms wait counts against moving.
-        assert!(keep_pin(&PinCase {
-            elsewhere_wait_ms: 300.0,
-            ..case(6, 4000)
-        }));
-        // A session with nothing cached moves once the queue is a batch deep (one whole
-        // service time of wait), not before: a shallower queue drains by itself.
-        assert!(!keep_pin(&case(4, 0)));
-        assert!(keep_pin(&case(3, 0)));
-        assert!(keep_pin(&case(0, 0)));
-        // Zero slots reported counts as one.
-        assert!(!keep_pin(&PinCase {
-            slots: Some(0),
-            ..case(2, 4000)
-        }));
-    }
-
-    #[test]
-    fn keep_pin_without_evidence_keeps() {
-        assert!(keep_pin(&PinCase {
-            waiting: None,
-            ..case(100, 0)
-        }));
-        assert!(keep_pin(&PinCase {
-            slots: None,
-            ..case(100, 0)
-        }));
-        assert!(keep_pin(&PinCase {
-            service_ms: f64::NAN,
-            ..case(100, 0)
-        }));
-        assert!(keep_pin(&PinCase {
-            prefill_ms_per_token: f64::INFINITY,
-            ..case(100, 0)
-        }));
     }
 
     #[test]

@@ -3,13 +3,13 @@
 //! ```text
 //! cold (total < cold_start_samples):  score = weight
 //! warm:  score = weight × success_rate × load_factor / latency_factor
-//!   success_rate   = 1 - (1 - sr)·fade          sr: EWMA of 1/0 outcomes (success_rate_alpha)
+//!   success_rate   = 1 - (1 - sr)·fade          sr: EWMA of 1/0 outcomes (SUCCESS_RATE_ALPHA)
 //!   load_factor    = 1 / (1 + in_flight)        every request already queued there costs
 //!                                               one more service time (peak-EWMA style)
 //!   latency_factor = 1 + (ewma/best - 1)·fade   relative to the fastest warm candidate,
 //!                                               so the fastest has factor 1 and a 5× slower
 //!                                               one scores 1/5 of it
-//!   fade           = 1 / (1 + idle/stats_decay_ms)   idle = time since the last sample
+//!   fade           = 1 / (1 + idle/STATS_DECAY_MS)   idle = time since the last sample
 //! ```
 //! The success rate is floored at 1 % so that weights still order endpoints that all fail.
 //! Scores are all in `(0, weight]`, so cold and warm endpoints compare on one scale.
@@ -52,6 +52,10 @@ pub fn score(
 /// The smoothed part of the score, `success_rate / latency_factor` in `(0, 1]`; `None` while
 /// the endpoint is cold. Unlike the score it ignores in-flight counts, which each Envoy sees
 /// only for itself: placement across replicas weighs endpoints by this (see `placement`).
+/// Time constant with which an idle endpoint's latency and failure penalties fade back toward
+/// neutral, so an endpoint that was slow once is tried again. Not a key: the measured default.
+pub const STATS_DECAY_MS: u64 = 60_000;
+
 pub fn health(
     st: &EndpointState,
     best_latency_ms: Option<f64>,
@@ -59,7 +63,7 @@ pub fn health(
     now_ms: u64,
 ) -> Option<f64> {
     let success = success(st, cfg, now_ms)?;
-    let f = fade(now_ms.saturating_sub(st.last_sample_ms), cfg.stats_decay_ms);
+    let f = fade(now_ms.saturating_sub(st.last_sample_ms), STATS_DECAY_MS);
     let latency = match latency_ratio(st, best_latency_ms) {
         Some(raw) => 1.0 + (raw - 1.0).max(0.0) * f,
         None => 1.0,
@@ -72,7 +76,7 @@ pub fn success(st: &EndpointState, cfg: &Config, now_ms: u64) -> Option<f64> {
     if st.total < cfg.cold_start_samples {
         return None;
     }
-    let f = fade(now_ms.saturating_sub(st.last_sample_ms), cfg.stats_decay_ms);
+    let f = fade(now_ms.saturating_sub(st.last_sample_ms), STATS_DECAY_MS);
     Some((1.0 - (1.0 - st.success_rate) * f).max(SUCCESS_FLOOR))
 }
 

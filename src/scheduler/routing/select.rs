@@ -29,18 +29,14 @@
 //! quota, probe backoff, breaker; then the work model and the affinity).
 
 use crate::scheduler::config::Config;
-use crate::scheduler::config::{AfterFailover, SessionSpill};
 use crate::scheduler::health::breaker::{Admission, BreakerConfig, BreakerState};
 use crate::scheduler::health::outcome::Outcome;
 use crate::scheduler::routing::affinity::{Affinity, MOVES_PREFIX};
 use crate::scheduler::routing::capacity::{self, Engines, Room};
 use crate::scheduler::routing::ewma;
-use crate::scheduler::routing::overdue;
 use crate::scheduler::routing::placement;
 use crate::scheduler::routing::quota::{self, estimate_tokens, QuotaHint, QuotaMark, QuotaRule};
-use crate::scheduler::routing::saturation::{
-    expected_wait_ms, keep_pin, MoveReason, PinCase, Saturation,
-};
+use crate::scheduler::routing::saturation::{MoveReason, Saturation};
 use crate::scheduler::routing::score::score;
 use crate::scheduler::routing::sessions;
 use crate::scheduler::routing::signals::{self, Served, Verdict};
@@ -56,6 +52,10 @@ use std::rc::Rc;
 
 /// The weight of a dead-key (401/403) outcome in the success-rate EWMA, at least.
 pub const DEAD_KEY_ALPHA: f64 = 0.5;
+
+/// Weight of each new outcome (1 success, 0 failure) in an endpoint's success-rate estimate,
+/// which multiplies its score and sets its placement level. Not a key: the measured default.
+pub const SUCCESS_RATE_ALPHA: f64 = 0.1;
 
 /// Shared-data key of the endpoint table.
 pub use crate::scheduler::routing::table::TABLE_KEY;
@@ -307,12 +307,9 @@ pub struct Ticket {
     /// Whether the in-flight increment was stored (false when CAS retries ran out).
     pub counted: bool,
     pub started_ms: u64,
-    /// The affinity hit's slot in its endpoint's overdue watch (0: not watched; see `overdue`).
-    pub watch_token: u32,
     /// A degraded endpoint's probe placement (a fast answer resets the probe backoff).
     pub degraded_probe: bool,
-    /// Whether a success should pin the session here (not for a degraded endpoint's probe, nor,
-    /// with `after_failover: return_home`, away from the session's home).
+    /// Whether a success should pin the session here (not for a degraded endpoint's probe).
     pub pin_on_success: bool,
     /// Set by the holder before finishing: the usage of the answer of an affinity hit (the
     /// session's pinned endpoint answered its first attempt), folded into the endpoint's
@@ -539,8 +536,6 @@ impl<'a> Scheduler<'a> {
             reserve_percent: self.cfg.quota_reserve_percent,
             default_reset_ms: self.cfg.rate_limit_ms,
             max_reset_ms: self.cfg.retry_after_max_ms,
-            pacing: self.cfg.quota_pacing,
-            growth: self.cfg.quota_session_growth,
         }
     }
 
@@ -665,13 +660,8 @@ impl<'a> Scheduler<'a> {
         // A new session placed by prefix reads the sessions placed per endpoint, for the
         // session bound of a busy prefix home (see `sessions`).
         let new_session = pick.session.is_some() && pinned.is_none() && !pick.follow_up;
-        let counting = self.cfg.prefix_placement && self.cfg.prefix_session_half_life_ms > 0;
-        if counting && new_session {
-            if let Some(prefix) = pick.prefix.get() {
-                engines.sessions = Some(
-                    sessions::read_counts(self.store, self.cfg, now_ms).for_prefix(Some(prefix)),
-                );
-            }
+        if self.cfg.prefix_placement && new_session && pick.prefix.get().is_some() {
+            engines.sessions = Some(sessions::read_counts(self.store, now_ms));
         }
         let result = self.start_and_store(&candidates, pick, pinned, &engines, now_ms);
         let decision = match result {
@@ -703,7 +693,6 @@ impl<'a> Scheduler<'a> {
                     probe_epoch: None,
                     counted: false,
                     started_ms: now_ms,
-                    watch_token: 0,
                     degraded_probe: false,
                     pin_on_success: c.pin_on_success,
                     pinned_usage: None,
@@ -728,7 +717,6 @@ impl<'a> Scheduler<'a> {
             Err(r) => r.map(|mut d| {
                 d.ticket.counted = false;
                 d.ticket.probe_epoch = None;
-                d.ticket.watch_token = 0;
                 // Its pick's place among the stored picks is unknown: its answer's statement
                 // only lowers the count.
                 d.ticket.quota_mark = QuotaMark::default();
@@ -749,15 +737,12 @@ impl<'a> Scheduler<'a> {
                     | AffinityResult::Spill
                     | AffinityResult::Backup
             );
-            if counting && new_session && pick.attempt <= 1 && placed_new {
-                let prefix = if d.by_prefix { pick.prefix.get() } else { None };
+            if self.cfg.prefix_placement && new_session && pick.attempt <= 1 && placed_new {
                 let id = d.ticket.endpoint_id;
                 // The counts the decision read are written back with this one (one read).
                 match engines.sessions.take() {
-                    Some(read) => {
-                        sessions::record_read(self.store, self.cfg, read, id, prefix, now_ms)
-                    }
-                    None => sessions::record(self.store, self.cfg, id, prefix, now_ms),
+                    Some(read) => sessions::record_read(self.store, self.cfg, read, id, now_ms),
+                    None => sessions::record(self.store, self.cfg, id, now_ms),
                 };
             }
         }
@@ -848,21 +833,8 @@ impl<'a> Scheduler<'a> {
             st.degraded_probes = st.degraded_probes.saturating_add(1);
         }
         st.start_attempt(now_ms, self.cfg.in_flight_max_age_ms);
-        // An affinity hit is watched: still waiting long after it should have been
-        // answered, it is early evidence of a slowdown (see `overdue`).
-        let watch_token = if choice.reason == Reason::AffinityHit && self.cfg.pin_break_overdue > 0
-        {
-            let t = overdue::token(pick.nonce, pick.attempt);
-            if st.watch.insert(t, now_ms) {
-                t
-            } else {
-                0
-            }
-        } else {
-            0
-        };
         let (quota_tokens, quota_mark) = if self.cfg.quota_aware {
-            let estimate = pick.quota_estimate(self.cfg.quota_bytes_per_token);
+            let estimate = pick.quota_estimate(crate::scheduler::routing::quota::BYTES_PER_TOKEN);
             let mark = st.quota.consume(estimate, now_ms);
             // A new session's first turn: what it will spend next window counts in pacing.
             if pick.session.is_some() && !pick.follow_up && choice.reason != Reason::AffinityHit {
@@ -882,7 +854,6 @@ impl<'a> Scheduler<'a> {
             probe_epoch,
             counted: true,
             started_ms: now_ms,
-            watch_token,
             degraded_probe: choice.reason == Reason::DegradedProbe,
             pin_on_success: choice.pin_on_success,
             pinned_usage: None,

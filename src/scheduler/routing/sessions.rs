@@ -13,27 +13,27 @@
 //!
 //! **The count** ([`Placed`]): per configured endpoint id, the new sessions (first turns
 //! without a pin: by prefix or by session key) this Envoy process placed there, fading with a
-//! half-life of `prefix_session_half_life_ms` (a session's later turns keep coming for about
+//! half-life of [`SESSION_HALF_LIFE_MS`] (a session's later turns keep coming for about
 //! as long as it lives; the count is of recent placements, not of live pins, which no process
 //! can enumerate cheaply). One shared-data value under [`SESSIONS_KEY`], so every worker of the
 //! process adds to it; entries of endpoints no longer configured are dropped on write. The
 //! fading is forward decay (a session counted at `t` weighs `2^((t - at_ms) / half-life)`
 //! against the value's reference time; see [`Placed`]), so that counting a session changes
-//! only its own entries, in place in the stored bytes ([`add_in_place`]): read, counted and
-//! written once per new session without decoding a table of up to 32 prefix keys.
+//! only its own entry, in place in the stored bytes ([`add_in_place`]): read, counted and
+//! written once per new session without decoding the value.
 //!
 //! **The bound** ([`session_limit`]): a new session placed by prefix passes over a candidate
-//! whose count would exceed `(1 + prefix_session_epsilon) × (S + 1) × w / Σw` (S: the count
+//! whose count would exceed `(1 + SESSION_EPSILON) × (S + 1) × w / Σw` (S: the count
 //! over the walk's candidates, w its placement weight) plus [`SESSION_SLACK`] (2) — the
 //! bounded-load formula over sessions instead of requests, so some candidate is always
 //! within it — **while that
-//! candidate is busy** ([`busy`]: its load at least `prefix_session_busy_load`, 8 by default,
-//! or half its known slots if that is less). An idle fleet gains nothing from spreading an application's
+//! candidate is busy** ([`busy`]: its load at least [`SESSION_BUSY_LOAD`], 8, or half its
+//! known slots if that is less). An idle fleet gains nothing from spreading an application's
 //! sessions and would lose the cache that keeping them together buys (the bench's
 //! `shared_prefix` runs its endpoints far below their slots with one holding 37 % of the
 //! sessions): only a busy home spills by count.
 //!
-//! **Where the spill goes** (`prefix_session_spill`, default `least_counted`): to the candidate
+//! **Where the spill goes**: to the candidate
 //! that would take the session (admitted, healthy, not saturated, within its bounded load)
 //! with the fewest sessions counted per unit of placement weight, ties in the prefix's
 //! rendezvous order — not to the next endpoint of the prefix's order, which is as often
@@ -41,24 +41,9 @@
 //! endpoint that also serves a second model looks as full as it is, and the first model's
 //! spills fill the endpoints the second leaves. On the bench's `mixed_prefix` the popular
 //! applications' homes were `a`, `b` and `d`; `c` was no one's, and spills in prefix order
-//! reached it last (39 sessions at the end against 51–55). (`prefix_order`, the rule before, is
-//! kept for comparison; see `docs/adr/0003-session-bound-for-busy-prefix-homes.md`.)
-//!
-//! **A popular prefix is bounded before its home is busy** (`prefix_popular_share`): the
-//! busy test keeps an idle fleet's applications together, but it also lets the homes of the
-//! most popular applications take far more than their share of new sessions before any load
-//! shows it. On the bench's `shared_prefix` the draw put the two most popular applications
-//! (a third of the sessions) on one endpoint with 15 others: it ran 47 % of the requests and
-//! its cache churned the rarer prompts out; on `mixed_prefix` the imbalance is made in the
-//! first three seconds, before any home is busy. So the value also counts the new sessions
-//! per prefix key ([`PREFIX_ENTRIES`] heaviest, by the Space-Saving algorithm of Metwally,
-//! Agrawal and El Abbadi, 2005, fading like the endpoints' counts): a prefix whose sessions
-//! alone are at least `prefix_popular_share` of a candidate's share (its count's lower bound
-//! at least `prefix_popular_share × S × w / Σw`, and at least [`SESSION_SLACK`]) is bounded
-//! there as soon as the candidate runs anything (a load of 1 instead of
-//! `prefix_session_busy_load`; an idle one gains nothing from a spill). Spreading a popular prompt costs little (it
-//! stays hot in every cache it reaches); spreading a rare one costs a prefill per session,
-//! and rare prefixes keep the busy test.
+//! reached it last (39 sessions at the end against 51–55; the next of the prefix's order, the
+//! rule before, measured no better anywhere and a worse p99 with three replicas: see
+//! `docs/adr/0003-session-bound-for-busy-prefix-homes.md`).
 //!
 //! **Replicas**: each counts its own placements, so each sees about a third of the sessions
 //! with three replicas; the bound compares shares, which agree between replicas up to that
@@ -72,24 +57,38 @@ use crate::scheduler::config::Config;
 use crate::scheduler::state::codec::{Reader, Writer};
 use crate::scheduler::state::store::{update_owned, Store};
 
-/// The shared-data key of [`Placed`].
-pub const SESSIONS_KEY: &str = "computeflux/sessions";
+/// Half-life of the per-endpoint count of new sessions that the session bound reads (about
+/// how long a session keeps sending turns). Not a key: the measured default.
+pub const SESSION_HALF_LIFE_MS: u64 = 60_000;
 
-const VERSION: u8 = 3;
+/// The session bound's epsilon: a new session placed by prefix passes over a busy candidate
+/// whose count of recent new sessions would exceed `(1 + epsilon) ×` its weighted share of
+/// those placed on the candidates (plus [`SESSION_SLACK`]). A session's later turns come back
+/// where it was placed, so a home that took more than its share keeps its load long after the
+/// load it showed at the placement. Not a key: the measured default (ε 0 spilled more for no
+/// clearer gain; `docs/adr/0003-session-bound-for-busy-prefix-homes.md`).
+pub const SESSION_EPSILON: f64 = 0.25;
+
+/// The load (its engine's scraped running + waiting where known, else the in-flight attempts
+/// this Envoy counts) from which an endpoint is busy enough for the session bound to pass over
+/// it; with known slots, at most half of them. Below it a prefix home takes every new session
+/// of its prefixes, however many it was given: an idle fleet is never spread. Not a key: the
+/// measured default (busy 4 and 0 cost `shared_prefix` cached tokens).
+pub const SESSION_BUSY_LOAD: u64 = 8;
+
+/// The shared-data key of [`Placed`], one per [`VERSION`]: modules of two versions running
+/// side by side during an upgrade each keep their own counts instead of resetting each
+/// other's.
+pub const SESSIONS_KEY: &str = "computeflux/sessions/4";
+
+const VERSION: u8 = 4;
 /// Per entry: id (u32), count (f64).
 const ENTRY_BYTES: usize = 4 + 8;
-/// Per prefix entry: key (u64), count (f64), error (f64).
-const PREFIX_ENTRY_BYTES: usize = 8 + 8 + 8;
-/// The prefix keys counted (the heaviest, see [`Placed::add`]): a prefix with more than
-/// 1/32 of the sessions counted is always among them.
-pub const PREFIX_ENTRIES: usize = 32;
 
 /// The new sessions this Envoy process placed per endpoint id, as of `at_ms`.
 ///
-/// Codec (little-endian): version `3` (u8), `at_ms` (u64, the reference time), entry count (u32), then per entry
-/// in strictly increasing id order: id (u32), count (f64, finite, ≥ 0); then the prefix entry
-/// count (u32, at most [`PREFIX_ENTRIES`]) and per prefix entry in strictly increasing key
-/// order: key (u64), count (f64, finite, ≥ 0), error (f64, finite, between 0 and the count).
+/// Codec (little-endian): version `4` (u8), `at_ms` (u64, the reference time), entry count
+/// (u32), then per entry in strictly increasing id order: id (u32), count (f64, finite, ≥ 0).
 /// Anything else decodes as `None` (read as nothing placed).
 #[derive(Debug, Clone, PartialEq, Default)]
 pub struct Placed {
@@ -100,9 +99,6 @@ pub struct Placed {
     at_ms: u64,
     /// Sorted by id, ids distinct.
     entries: Vec<(u32, f64)>,
-    /// New sessions per prefix key, `(key, count, error)`, sorted by key, keys distinct: the
-    /// Space-Saving summary (a key's true count lies between `count - error` and `count`).
-    prefixes: Vec<(u64, f64, f64)>,
 }
 
 /// The factor by which a count fades over `elapsed_ms` with `half_life_ms` (1 for a half-life
@@ -132,21 +128,13 @@ fn weight(elapsed_ms: u64, half_life_ms: u64) -> Option<f64> {
 
 impl Placed {
     pub fn encode(&self) -> Vec<u8> {
-        let mut w = Writer::with_capacity(
-            17 + self.entries.len() * ENTRY_BYTES + self.prefixes.len() * PREFIX_ENTRY_BYTES,
-        );
+        let mut w = Writer::with_capacity(HEADER_BYTES + self.entries.len() * ENTRY_BYTES);
         w.u8(VERSION);
         w.u64(self.at_ms);
         w.u32(u32::try_from(self.entries.len()).unwrap_or(u32::MAX));
         for (id, n) in &self.entries {
             w.u32(*id);
             w.f64(*n);
-        }
-        w.u32(u32::try_from(self.prefixes.len()).unwrap_or(u32::MAX));
-        for (key, n, err) in &self.prefixes {
-            w.u64(*key);
-            w.f64(*n);
-            w.f64(*err);
         }
         w.buf
     }
@@ -175,34 +163,10 @@ impl Placed {
             }
             entries.push((id, count));
         }
-        let (k, rest) = rest.split_first_chunk::<4>()?;
-        let k = usize::try_from(u32::from_le_bytes(*k)).ok()?;
-        if k > PREFIX_ENTRIES || rest.len() != k.checked_mul(PREFIX_ENTRY_BYTES)? {
+        if !rest.is_empty() {
             return None;
         }
-        let mut prefixes: Vec<(u64, f64, f64)> = Vec::with_capacity(k);
-        for e in rest.chunks_exact(PREFIX_ENTRY_BYTES) {
-            let e = e.first_chunk::<PREFIX_ENTRY_BYTES>()?;
-            let (key, counts) = e.split_first_chunk::<8>()?;
-            let (count, err) = counts.split_first_chunk::<8>()?;
-            let key = u64::from_le_bytes(*key);
-            let count = f64::from_le_bytes(*count);
-            let err = f64::from_le_bytes(*err.first_chunk::<8>()?);
-            if prefixes.last().is_some_and(|(last, _, _)| *last >= key)
-                || !count.is_finite()
-                || count < 0.0
-                || !err.is_finite()
-                || !(0.0..=count).contains(&err)
-            {
-                return None;
-            }
-            prefixes.push((key, count, err));
-        }
-        Some(Placed {
-            at_ms,
-            entries,
-            prefixes,
-        })
+        Some(Placed { at_ms, entries })
     }
 
     /// Endpoint `id`'s count as stored (not faded).
@@ -215,52 +179,9 @@ impl Placed {
             .map_or(0.0, |(_, n)| *n)
     }
 
-    /// The lower bound of prefix `key`'s count as stored (not faded): 0 for a key not held.
-    #[cfg(test)]
-    fn prefix_floor(&self, key: u64) -> f64 {
-        self.prefixes
-            .binary_search_by_key(&key, |(k, _, _)| *k)
-            .ok()
-            .and_then(|i| self.prefixes.get(i))
-            .map_or(0.0, |(_, n, err)| (n - err).max(0.0))
-    }
-
     /// The counts as of `now_ms`, for one decision.
-    pub fn at(self, cfg: &Config, now_ms: u64) -> Counts {
-        Counts::of_bytes(Some(self.encode()), None, cfg, now_ms)
-    }
-
-    /// Counts one new session of prefix `key` with weight `w`: Space-Saving — a held key
-    /// adds `w`; a new key takes a free entry at `w`, or, all [`PREFIX_ENTRIES`] held,
-    /// replaces the entry of the least count `m` at `m + w` with error `m` (so a key's
-    /// count never undercounts it, and its count less its error never overcounts it).
-    fn add_prefix(&mut self, key: u64, w: f64) {
-        match self.prefixes.binary_search_by_key(&key, |(k, _, _)| *k) {
-            Ok(at) => {
-                if let Some((_, n, _)) = self.prefixes.get_mut(at) {
-                    *n += w;
-                }
-            }
-            Err(at) if self.prefixes.len() < PREFIX_ENTRIES => {
-                self.prefixes.insert(at, (key, w, 0.0));
-            }
-            Err(_) => {
-                let least = self
-                    .prefixes
-                    .iter()
-                    .enumerate()
-                    .min_by(|(_, x), (_, y)| x.1.total_cmp(&y.1))
-                    .map(|(i, &(_, n, _))| (i, n));
-                if let Some((i, m)) = least {
-                    self.prefixes.remove(i);
-                    let at = self
-                        .prefixes
-                        .binary_search_by_key(&key, |(k, _, _)| *k)
-                        .unwrap_or_else(|at| at);
-                    self.prefixes.insert(at, (key, m + w, m));
-                }
-            }
-        }
+    pub fn at(self, now_ms: u64) -> Counts {
+        Counts::of_bytes(Some(self.encode()), None, now_ms)
     }
 
     /// Counts one session placed on endpoint `id` at `now_ms` with its weight (see
@@ -269,11 +190,9 @@ impl Placed {
     /// configured are dropped once there are more entries than the `configured` ids (a reload
     /// that removed some; the ids are asked for only then), so the value never holds more
     /// than one entry over the fleet.
-    /// With `prefix`, the session's prefix key is counted too (see [`Placed::add_prefix`]).
     pub fn add(
         &mut self,
         id: u32,
-        prefix: Option<u64>,
         now_ms: u64,
         half_life_ms: u64,
         configured: (usize, impl FnOnce() -> Vec<u32>),
@@ -288,16 +207,9 @@ impl Placed {
                 for (_, n) in &mut self.entries {
                     *n *= f;
                 }
-                for (_, n, err) in &mut self.prefixes {
-                    *n *= f;
-                    *err *= f;
-                }
                 1.0
             }
         };
-        if let Some(key) = prefix {
-            self.add_prefix(key, w);
-        }
         match self.entries.binary_search_by_key(&id, |(k, _)| *k) {
             Ok(at) => {
                 if let Some((_, n)) = self.entries.get_mut(at) {
@@ -325,11 +237,9 @@ pub struct Counts {
     /// A value of the right version and shape ([`shape`]; empty: nothing placed). Its
     /// entries are checked as they are read: a count that would not decode reads as 0.
     bytes: Vec<u8>,
-    /// Its endpoint and prefix entry counts.
+    /// Its endpoint entry count.
     layout: Layout,
     fade: f64,
-    /// The decision's prefix key's count (its lower bound), faded; 0 until [`Counts::for_prefix`].
-    prefix: f64,
     /// The CAS token the counts were read with ([`read_counts`]), so that [`record_read`]
     /// writes the session counted on them without reading the value again.
     cas: Option<u32>,
@@ -337,7 +247,7 @@ pub struct Counts {
 
 impl Counts {
     /// Counts of `bytes` (as stored; undecodable: nothing placed) as of `now_ms`.
-    fn of_bytes(bytes: Option<Vec<u8>>, cas: Option<u32>, cfg: &Config, now_ms: u64) -> Counts {
+    fn of_bytes(bytes: Option<Vec<u8>>, cas: Option<u32>, now_ms: u64) -> Counts {
         let checked = bytes.and_then(|b| shape(&b).map(|l| (b, l)));
         let (bytes, layout, at_ms) = match checked {
             Some((b, l)) => {
@@ -349,11 +259,7 @@ impl Counts {
         Counts {
             bytes,
             layout,
-            fade: fade(
-                now_ms.saturating_sub(at_ms),
-                cfg.prefix_session_half_life_ms,
-            ),
-            prefix: 0.0,
+            fade: fade(now_ms.saturating_sub(at_ms), SESSION_HALF_LIFE_MS),
             cas,
         }
     }
@@ -366,25 +272,6 @@ impl Counts {
             .and_then(|i| f64_at(&self.bytes, self.layout.entry(i) + 4))
             .filter(|n| n.is_finite() && *n >= 0.0)
             .map_or(0.0, |n| n * self.fade)
-    }
-
-    /// The counts for a decision about a session of prefix `key`: [`Counts::prefix`] reads
-    /// its count.
-    pub fn for_prefix(mut self, key: Option<u64>) -> Counts {
-        let floor = key
-            .and_then(|k| self.layout.find_prefix(&self.bytes, k).ok())
-            .and_then(|j| {
-                let at = self.layout.prefix(j);
-                let (n, err) = (f64_at(&self.bytes, at + 8)?, f64_at(&self.bytes, at + 16)?);
-                valid_prefix(n, err).then_some((n - err).max(0.0))
-            });
-        self.prefix = floor.map_or(0.0, |f| f * self.fade);
-        self
-    }
-
-    /// The new sessions of the decision's prefix counted (at least; faded).
-    pub fn prefix(&self) -> f64 {
-        self.prefix
     }
 }
 
@@ -400,56 +287,40 @@ pub fn read(store: &dyn Store) -> Placed {
 
 /// The stored counts as of `now_ms` with the CAS token they were read with (see
 /// [`record_read`]).
-pub fn read_counts(store: &dyn Store, cfg: &Config, now_ms: u64) -> Counts {
+pub fn read_counts(store: &dyn Store, now_ms: u64) -> Counts {
     let (bytes, cas) = store.get(SESSIONS_KEY);
-    Counts::of_bytes(bytes, cas, cfg, now_ms)
+    Counts::of_bytes(bytes, cas, now_ms)
 }
 
 /// [`record`] on the `counts` a decision read ([`read_counts`]): written with their CAS token,
 /// so that the value is read once per new session; if another worker wrote in between,
 /// [`record`] (read, count, write again).
-pub fn record_read(
-    store: &dyn Store,
-    cfg: &Config,
-    counts: Counts,
-    id: u32,
-    prefix: Option<u64>,
-    now_ms: u64,
-) -> bool {
+pub fn record_read(store: &dyn Store, cfg: &Config, counts: Counts, id: u32, now_ms: u64) -> bool {
     let bytes = (!counts.bytes.is_empty()).then_some(counts.bytes);
-    let value = counted(cfg, bytes, id, prefix, now_ms);
+    let value = counted(cfg, bytes, id, now_ms);
     match store.set(SESSIONS_KEY, &value, counts.cas) {
         Ok(()) => true,
-        Err(_) => record(store, cfg, id, prefix, now_ms),
+        Err(_) => record(store, cfg, id, now_ms),
     }
 }
 
-/// Counts one new session placed on endpoint `id`, and its `prefix` key where
-/// `prefix_popular_share` reads them. A lost CAS race loses one count (bounded retries); false
-/// then.
-pub fn record(store: &dyn Store, cfg: &Config, id: u32, prefix: Option<u64>, now_ms: u64) -> bool {
+/// Counts one new session placed on endpoint `id`. A lost CAS race loses one count (bounded
+/// retries); false then.
+pub fn record(store: &dyn Store, cfg: &Config, id: u32, now_ms: u64) -> bool {
     update_owned(store, SESSIONS_KEY, |bytes| {
-        (Some(counted(cfg, bytes, id, prefix, now_ms)), true)
+        (Some(counted(cfg, bytes, id, now_ms)), true)
     })
     .unwrap_or(false)
 }
 
-/// The stored value `bytes` with one new session on `id` (and `prefix`, where
-/// `prefix_popular_share` reads them) counted at `now_ms`: [`Placed::add`], on the bytes in
-/// place where it can be ([`add_in_place`]; the same floating-point operations in the same
-/// order, so the same value), else decoded and encoded.
-fn counted(
-    cfg: &Config,
-    bytes: Option<Vec<u8>>,
-    id: u32,
-    prefix: Option<u64>,
-    now_ms: u64,
-) -> Vec<u8> {
-    let prefix = prefix.filter(|_| cfg.prefix_popular_share > 0.0);
-    let h = cfg.prefix_session_half_life_ms;
+/// The stored value `bytes` with one new session on `id` counted at `now_ms`: [`Placed::add`],
+/// on the bytes in place where it can be ([`add_in_place`]; the same floating-point operations
+/// in the same order, so the same value), else decoded and encoded.
+fn counted(cfg: &Config, bytes: Option<Vec<u8>>, id: u32, now_ms: u64) -> Vec<u8> {
+    let h = SESSION_HALF_LIFE_MS;
     let fleet = cfg.endpoints.len();
     let mut placed = match bytes {
-        Some(mut b) => match add_in_place(&mut b, id, prefix, now_ms, h, fleet) {
+        Some(mut b) => match add_in_place(&mut b, id, now_ms, h, fleet) {
             InPlace::Done => return b,
             InPlace::Prune => Placed::decode(&b).unwrap_or_default(),
             InPlace::Invalid => Placed::default(),
@@ -457,7 +328,7 @@ fn counted(
         None => Placed::default(),
     };
     let ids = || cfg.endpoints.iter().map(|e| e.id).collect();
-    placed.add(id, prefix, now_ms, h, (fleet, ids));
+    placed.add(id, now_ms, h, (fleet, ids));
     placed.encode()
 }
 
@@ -466,29 +337,17 @@ fn counted(
 struct Layout {
     /// Endpoint entries.
     n: usize,
-    /// Prefix entries.
-    k: usize,
 }
 
 /// Bytes before the first endpoint entry: version, `at_ms`, entry count.
 const HEADER_BYTES: usize = 1 + 8 + 4;
 
 impl Layout {
-    const EMPTY: Layout = Layout { n: 0, k: 0 };
+    const EMPTY: Layout = Layout { n: 0 };
 
     /// Offset of endpoint entry `i`.
     fn entry(&self, i: usize) -> usize {
         HEADER_BYTES + i * ENTRY_BYTES
-    }
-
-    /// Offset of the prefix entry count.
-    fn prefix_count(&self) -> usize {
-        self.entry(self.n)
-    }
-
-    /// Offset of prefix entry `j`.
-    fn prefix(&self, j: usize) -> usize {
-        self.prefix_count() + 4 + j * PREFIX_ENTRY_BYTES
     }
 
     /// Binary search of endpoint `id` (entries sorted by id): its index, or where it would go.
@@ -497,21 +356,6 @@ impl Layout {
         while lo < hi {
             let mid = lo + (hi - lo) / 2;
             match u32_at(bytes, self.entry(mid)).map(|k| k.cmp(&id)) {
-                Some(std::cmp::Ordering::Less) => lo = mid + 1,
-                Some(std::cmp::Ordering::Greater) => hi = mid,
-                Some(std::cmp::Ordering::Equal) => return Ok(mid),
-                None => return Err(lo),
-            }
-        }
-        Err(lo)
-    }
-
-    /// Binary search of prefix `key` (entries sorted by key).
-    fn find_prefix(&self, bytes: &[u8], key: u64) -> Result<usize, usize> {
-        let (mut lo, mut hi) = (0, self.k);
-        while lo < hi {
-            let mid = lo + (hi - lo) / 2;
-            match u64_at(bytes, self.prefix(mid)).map(|k| k.cmp(&key)) {
                 Some(std::cmp::Ordering::Less) => lo = mid + 1,
                 Some(std::cmp::Ordering::Greater) => hi = mid,
                 Some(std::cmp::Ordering::Equal) => return Ok(mid),
@@ -559,25 +403,7 @@ fn check(bytes: &[u8]) -> Option<Layout> {
         }
         last = Some(id);
     }
-    let mut last = None;
-    for j in 0..l.k {
-        let at = l.prefix(j);
-        let (key, n, err) = (
-            u64_at(bytes, at)?,
-            f64_at(bytes, at + 8)?,
-            f64_at(bytes, at + 16)?,
-        );
-        if last.is_some_and(|p| p >= key) || !valid_prefix(n, err) {
-            return None;
-        }
-        last = Some(key);
-    }
     Some(l)
-}
-
-/// A prefix entry's count and error as [`Placed::decode`] accepts them.
-fn valid_prefix(n: f64, err: f64) -> bool {
-    n.is_finite() && n >= 0.0 && err.is_finite() && (0.0..=n).contains(&err)
 }
 
 /// The version and the lengths: the entry counts if they add up to the value's length.
@@ -586,12 +412,8 @@ fn shape(bytes: &[u8]) -> Option<Layout> {
         return None;
     }
     let n = usize::try_from(u32_at(bytes, 9)?).ok()?;
-    let k_at = n.checked_mul(ENTRY_BYTES)?.checked_add(HEADER_BYTES)?;
-    let k = usize::try_from(u32_at(bytes, k_at)?).ok()?;
-    let len = k_at
-        .checked_add(4)?
-        .checked_add(k.checked_mul(PREFIX_ENTRY_BYTES)?)?;
-    (k <= PREFIX_ENTRIES && bytes.len() == len).then_some(Layout { n, k })
+    let len = n.checked_mul(ENTRY_BYTES)?.checked_add(HEADER_BYTES)?;
+    (bytes.len() == len).then_some(Layout { n })
 }
 
 /// What [`add_in_place`] did.
@@ -608,8 +430,8 @@ enum InPlace {
 }
 
 /// [`Placed::add`] on an encoded value, in place: the counted entries found by binary
-/// search and raised by the session's weight, an entry inserted where it is new, the least
-/// prefix entry replaced where the table is full — the same floating-point operations as
+/// search and raised by the session's weight, an entry inserted where it is new — the same
+/// floating-point operations as
 /// decoding, adding and encoding, so the same bytes (tested), without a pass over every
 /// entry. Only the entries it reads are checked as [`Placed::decode`] checks them (and the
 /// value's shape); a value written by this code is valid, and one of another version does not
@@ -617,7 +439,6 @@ enum InPlace {
 fn add_in_place(
     bytes: &mut Vec<u8>,
     id: u32,
-    prefix: Option<u64>,
     now_ms: u64,
     half_life_ms: u64,
     fleet: usize,
@@ -635,66 +456,6 @@ fn add_in_place(
     };
     let count_at =
         |bytes: &[u8], at: usize| f64_at(bytes, at).filter(|n| n.is_finite() && *n >= 0.0);
-    if let Some(key) = prefix {
-        let entry = |key: u64, n: f64, err: f64| {
-            let mut e = [0u8; PREFIX_ENTRY_BYTES];
-            e[..8].copy_from_slice(&key.to_le_bytes());
-            e[8..16].copy_from_slice(&n.to_bits().to_le_bytes());
-            e[16..].copy_from_slice(&err.to_bits().to_le_bytes());
-            e
-        };
-        match l.find_prefix(bytes, key) {
-            Ok(j) => {
-                let at = l.prefix(j) + 8;
-                let Some(n) = count_at(bytes, at) else {
-                    return InPlace::Invalid;
-                };
-                put_f64(bytes, at, n + w);
-            }
-            Err(t) if l.k < PREFIX_ENTRIES => {
-                let at = l.prefix(t);
-                if at > bytes.len() {
-                    return InPlace::Invalid;
-                }
-                bytes.splice(at..at, entry(key, w, 0.0));
-                let count = l.prefix_count();
-                if let Some(b) = bytes
-                    .get_mut(count..)
-                    .and_then(|b| b.first_chunk_mut::<4>())
-                {
-                    *b = u32::try_from(l.k + 1).unwrap_or(u32::MAX).to_le_bytes();
-                }
-            }
-            Err(t) => {
-                // The least count (the first of equals, as `min_by` finds it) gives its place:
-                // the new entry is written there and moved to its order (`t` keys below it,
-                // the least among them when `i < t`).
-                let mut least: Option<(usize, f64)> = None;
-                for j in 0..l.k {
-                    let Some(n) = count_at(bytes, l.prefix(j) + 8) else {
-                        return InPlace::Invalid;
-                    };
-                    if least.is_none_or(|(_, m)| n.total_cmp(&m).is_lt()) {
-                        least = Some((j, n));
-                    }
-                }
-                if let Some((i, m)) = least {
-                    let e = entry(key, m + w, m);
-                    let (from, to) = (l.prefix(i), l.prefix(i + 1));
-                    if let Some(slot) = bytes.get_mut(from..to) {
-                        slot.copy_from_slice(&e);
-                    }
-                    if i < t {
-                        if let Some(r) = bytes.get_mut(from..l.prefix(t)) {
-                            r.rotate_left(PREFIX_ENTRY_BYTES);
-                        }
-                    } else if let Some(r) = bytes.get_mut(l.prefix(t)..to) {
-                        r.rotate_right(PREFIX_ENTRY_BYTES);
-                    }
-                }
-            }
-        }
-    }
     match entry_at {
         Ok(i) => {
             let at = l.entry(i) + 4;
@@ -734,26 +495,9 @@ pub fn session_limit(total_sessions: f64, weight: f64, total_weight: f64, epsilo
     (1.0 + epsilon.max(0.0)) * (total_sessions.max(0.0) + 1.0) * share + SESSION_SLACK
 }
 
-/// Whether the prefix with `prefix_count` new sessions counted is popular at a candidate whose
-/// share of the `total_sessions` (S) is `weight / total_weight`: at least `popular_share`
-/// (`prefix_popular_share`; 0: never) of that share, and at least [`SESSION_SLACK`].
-pub fn popular(
-    prefix_count: f64,
-    total_sessions: f64,
-    weight: f64,
-    total_weight: f64,
-    popular_share: f64,
-) -> bool {
-    if popular_share <= 0.0 || total_weight <= 0.0 {
-        return false;
-    }
-    let share = popular_share * total_sessions.max(0.0) * weight / total_weight;
-    prefix_count >= share.max(SESSION_SLACK)
-}
-
 /// Whether an endpoint with `load` (running + waiting, or in flight: the load the bounded
 /// load reads) and `slots` (0: unknown) is busy enough for the session bound to apply: at
-/// least `busy_load` (`prefix_session_busy_load`), or half its slots if that is less.
+/// least `busy_load` ([`SESSION_BUSY_LOAD`]), or half its slots if that is less.
 pub fn busy(load: u32, slots: u32, busy_load: u64) -> bool {
     let threshold = match slots {
         0 => busy_load,
@@ -782,17 +526,17 @@ mod tests {
         let c = cfg();
         let (a, b) = (c.endpoints[0].id, c.endpoints[1].id);
         let store = MemStore::new();
-        let h = c.prefix_session_half_life_ms;
-        assert!(record(&store, &c, a, None, 1_000));
-        assert!(record(&store, &c, a, None, 1_000));
-        assert!(record(&store, &c, b, None, 1_000 + h));
+        let h = SESSION_HALF_LIFE_MS;
+        assert!(record(&store, &c, a, 1_000));
+        assert!(record(&store, &c, a, 1_000));
+        assert!(record(&store, &c, b, 1_000 + h));
         // a's two faded by one half-life, b's one fresh.
-        let n = read(&store).at(&c, 1_000 + h);
+        let n = read(&store).at(1_000 + h);
         assert!(
             (n.of(a) - 1.0).abs() < 1e-9 && (n.of(b) - 1.0).abs() < 1e-9,
             "{n:?}"
         );
-        let n = read(&store).at(&c, 1_000 + 2 * h);
+        let n = read(&store).at(1_000 + 2 * h);
         assert!(
             (n.of(a) - 0.5).abs() < 1e-9 && (n.of(b) - 0.5).abs() < 1e-9,
             "{n:?}"
@@ -800,25 +544,25 @@ mod tests {
         assert_eq!(n.of(a ^ b ^ 1), 0.0);
         // A clock behind the reference time (0 here: nothing rescaled) reads the counts as of
         // that time: each session weighs 2^(t / h) (forward decay).
-        let n = read(&store).at(&c, 0);
-        let w = (1_000.0 / h as f64).exp2();
+        let n = read(&store).at(0);
+        let w = (1_000.0_f64 / h as f64).exp2();
         assert!(
             (n.of(a) - 2.0 * w).abs() < 1e-9 && (n.of(b) - 2.0 * w).abs() < 1e-9,
             "{n:?}"
         );
         let p = read(&store);
         assert_eq!(Placed::decode(&p.encode()), Some(p.clone()));
-        assert_eq!(p.encode().len(), 17 + 2 * ENTRY_BYTES);
+        assert_eq!(p.encode().len(), HEADER_BYTES + 2 * ENTRY_BYTES);
     }
 
     #[test]
     fn entries_stay_bounded_by_the_configuration_and_bad_bytes_read_as_nothing() {
         let mut p = Placed::default();
-        p.add(9, None, 0, 1_000, (2, || vec![9, 3]));
-        p.add(3, None, 0, 1_000, (2, || vec![9, 3]));
+        p.add(9, 0, 1_000, (2, || vec![9, 3]));
+        p.add(3, 0, 1_000, (2, || vec![9, 3]));
         // Endpoint 3 removed, 5 added: 3 is dropped once the entries outnumber the fleet.
-        p.add(5, None, 0, 1_000, (2, || vec![9, 5]));
-        p.add(9, None, 0, 1_000, (2, || vec![9, 5]));
+        p.add(5, 0, 1_000, (2, || vec![9, 5]));
+        p.add(9, 0, 1_000, (2, || vec![9, 5]));
         assert_eq!(p.entries, vec![(5, 1.0), (9, 2.0)]);
         let bytes = p.encode();
         assert_eq!(Placed::decode(&bytes[..bytes.len() - 1]), None);
@@ -826,80 +570,22 @@ mod tests {
         v1[0] = 1;
         assert_eq!(Placed::decode(&v1), None);
         let mut negative = bytes.clone();
-        let at = negative.len() - 4 - 8;
+        let at = negative.len() - 8;
         negative[at..at + 8].copy_from_slice(&(-1.0f64).to_le_bytes());
         assert_eq!(Placed::decode(&negative), None);
         let mut unsorted = bytes.clone();
         unsorted[13..17].copy_from_slice(&9u32.to_le_bytes());
         assert_eq!(Placed::decode(&unsorted), None);
+        let mut longer = bytes.clone();
+        longer.push(0);
+        assert_eq!(Placed::decode(&longer), None);
         let store = MemStore::new();
         store.set(SESSIONS_KEY, &[1, 2, 3], None).ok();
         assert_eq!(read(&store), Placed::default());
     }
 
-    /// The prefix counts (Space-Saving): at most [`PREFIX_ENTRIES`] keys; a heavy key among
-    /// a stream of one-off keys is held with a lower bound that never overcounts it and a
-    /// count that never undercounts it; one-off keys read at most what they were counted;
-    /// the counts fade with the endpoints'; the value round-trips and a bad entry reads as
-    /// nothing.
-    #[test]
-    fn prefix_counts_keep_the_heavy_keys_within_their_bound() {
-        let mut p = Placed::default();
-        let ids = || vec![1];
-        let heavy = 0x5eed_u64;
-        for n in 0..400u64 {
-            let key = if n % 4 == 0 { heavy } else { 1_000 + n };
-            p.add(1, Some(key), 0, 1_000, (1, ids));
-        }
-        assert_eq!(p.prefixes.len(), PREFIX_ENTRIES);
-        let (_, count, err) = p
-            .prefixes
-            .iter()
-            .copied()
-            .find(|(k, _, _)| *k == heavy)
-            .expect("the heavy key is held");
-        assert!(count >= 100.0 && count - err <= 100.0, "{count} {err}");
-        assert!(p.prefix_floor(heavy) >= 50.0, "{}", p.prefix_floor(heavy));
-        assert!(p
-            .prefixes
-            .iter()
-            .all(|(k, n, e)| *k == heavy || n - e <= 1.0));
-        assert_eq!(p.prefix_floor(7), 0.0);
-        // A write changes only what it counts; read one half-life later, the count has faded
-        // by half.
-        let floor = p.prefix_floor(heavy);
-        p.add(1, None, 1_000, 1_000, (1, ids));
-        assert_eq!(p.prefix_floor(heavy), floor);
-        let c = Config::from_value(&json!({"endpoints":[{"name":"a","cluster":"a"}],
-            "prefix_session_half_life_ms": 1_000}))
-        .unwrap();
-        let counts = p.clone().at(&c, 1_000).for_prefix(Some(heavy));
-        assert!((counts.prefix() - floor / 2.0).abs() < 1e-9);
-        assert_eq!(p.clone().at(&c, 1_000).prefix(), 0.0);
-        let bytes = p.encode();
-        assert_eq!(
-            bytes.len(),
-            17 + ENTRY_BYTES + PREFIX_ENTRIES * PREFIX_ENTRY_BYTES
-        );
-        assert_eq!(Placed::decode(&bytes), Some(p.clone()));
-        // An error above its count, keys out of order: nothing.
-        let first = 17 + ENTRY_BYTES;
-        let mut bad = bytes.clone();
-        bad[first + 16..first + 24].copy_from_slice(&1e9f64.to_le_bytes());
-        assert_eq!(Placed::decode(&bad), None);
-        let mut unsorted = bytes.clone();
-        unsorted[first..first + 8].copy_from_slice(&u64::MAX.to_le_bytes());
-        assert_eq!(Placed::decode(&unsorted), None);
-        // Popular: at least the share and the slack.
-        assert!(popular(10.0, 22.0, 1.0, 5.0, 0.5));
-        assert!(!popular(2.0, 23.0, 1.0, 5.0, 0.5), "2 < 2.3");
-        assert!(!popular(1.5, 0.0, 1.0, 5.0, 0.5), "below the slack");
-        assert!(!popular(100.0, 100.0, 1.0, 5.0, 0.0), "off");
-    }
-
     /// The value counted in place is byte for byte the one decoding, adding and encoding
-    /// gives: over a stream that fills the prefix table and replaces its least entries at
-    /// every position, weighs sessions by their time, rescales past 32 half-lives, brings new
+    /// gives: over a stream that weighs sessions by their time, rescales past 32 half-lives, brings new
     /// endpoints, and (a fleet of 5 whose entries already number 6) must drop a removed
     /// endpoint's entry.
     #[test]
@@ -917,11 +603,6 @@ mod tests {
         for step in 0..3_000u64 {
             let r = next();
             let id = [3u32, 9, 5, 1, 7, 11][(r % 6) as usize];
-            let prefix = match r >> 8 & 7 {
-                0 => None,
-                1 | 2 => Some(0x77),
-                _ => Some((next() % 60) << 40 | 5),
-            };
             now += [0, 0, 1, 250, 4_000][(r >> 16) as usize % 5];
             if step == 2_000 {
                 // Past 32 half-lives of the reference: rescaled (by decoding).
@@ -935,27 +616,24 @@ mod tests {
                     vec![1, 3, 5, 7, 9]
                 }
             };
-            slow.add(id, prefix, now, 60_000, (fleet, ids));
+            slow.add(id, now, 60_000, (fleet, ids));
             let mut bytes = fast.take().unwrap_or_else(|| Placed::default().encode());
-            let mut placed = match add_in_place(&mut bytes, id, prefix, now, 60_000, fleet) {
+            let mut placed = match add_in_place(&mut bytes, id, now, 60_000, fleet) {
                 InPlace::Done => None,
                 InPlace::Prune => Some(Placed::decode(&bytes).unwrap()),
                 InPlace::Invalid => panic!("step {step}: valid bytes read as invalid"),
             };
             if let Some(p) = placed.as_mut() {
-                p.add(id, prefix, now, 60_000, (fleet, ids));
+                p.add(id, now, 60_000, (fleet, ids));
                 bytes = p.encode();
             }
             assert_eq!(bytes, slow.encode(), "step {step}");
             fast = Some(bytes);
         }
-        assert_eq!(slow.prefixes.len(), PREFIX_ENTRIES);
         // The counts read from the bytes are the decoded ones.
-        let c = cfg();
-        let counts = slow.clone().at(&c, now + 500).for_prefix(Some(0x77));
-        let f = fade(now + 500 - slow.at_ms, c.prefix_session_half_life_ms);
+        let counts = slow.clone().at(now + 500);
+        let f = fade(now + 500 - slow.at_ms, SESSION_HALF_LIFE_MS);
         assert!(f < 1.0);
-        assert_eq!(counts.prefix(), slow.prefix_floor(0x77) * f);
         for id in [1, 3, 5, 7, 9, 11, 4] {
             assert_eq!(counts.of(id), slow.get(id) * f);
         }
@@ -966,37 +644,29 @@ mod tests {
             [&[1u8][..], &good[1..]].concat(),
         ] {
             let mut b = bad.clone();
-            assert_eq!(
-                add_in_place(&mut b, 3, None, now, 60_000, 6),
-                InPlace::Invalid
-            );
+            assert_eq!(add_in_place(&mut b, 3, now, 60_000, 6), InPlace::Invalid);
             assert_eq!(check(&bad), None);
         }
         let mut negative = good.clone();
-        negative[17..25].copy_from_slice(&(-1.0f64).to_le_bytes());
+        negative[HEADER_BYTES + 4..HEADER_BYTES + 12].copy_from_slice(&(-1.0f64).to_le_bytes());
         assert_eq!(Placed::decode(&negative), None);
         assert_eq!(check(&negative), None);
         // A count is checked where it is read (endpoint 1's here), and reads as 0 for a
         // decision.
         let mut other = negative.clone();
         assert_eq!(
-            add_in_place(&mut negative, 1, None, now, 60_000, 6),
+            add_in_place(&mut negative, 1, now, 60_000, 6),
             InPlace::Invalid
         );
-        assert_eq!(
-            add_in_place(&mut other, 3, None, now, 60_000, 6),
-            InPlace::Done
-        );
-        let c = cfg();
-        assert_eq!(Placed::default().at(&c, now).of(1), 0.0);
-        let read = Counts::of_bytes(Some(other), None, &c, now);
+        assert_eq!(add_in_place(&mut other, 3, now, 60_000, 6), InPlace::Done);
+        assert_eq!(Placed::default().at(now).of(1), 0.0);
+        let read = Counts::of_bytes(Some(other), None, now);
         assert_eq!(read.of(1), 0.0);
         assert!(read.of(3) > 0.0);
         assert_eq!(
             check(&good),
             Some(Layout {
-                n: slow.entries.len(),
-                k: PREFIX_ENTRIES
+                n: slow.entries.len()
             })
         );
     }

@@ -316,9 +316,7 @@ impl QuietMemo {
 /// off: never overdue); the success level fades toward 1 with idle time unless the endpoint
 /// is cold (no level) or its rate is 1 (nothing to fade).
 pub fn quiet(st: &EndpointState, load: Option<&EngineLoad>, cfg: &Config) -> bool {
-    load.is_none()
-        && (cfg.pin_break_overdue == 0 || st.watch.slots.iter().all(|s| s.token == 0))
-        && (st.total < cfg.cold_start_samples || st.success_rate == 1.0)
+    load.is_none() && (st.total < cfg.cold_start_samples || st.success_rate == 1.0)
 }
 
 /// The median of `sorted` without its element at `skip` (if any), as [`slowness::peer_median`]
@@ -527,7 +525,6 @@ pub fn judge_with(
         }
         _ => slowness::degraded(&own, reference, &rule),
     };
-    let overdue = !sticky && overdue(st, reference, &rule, cfg, now_ms);
     let saturation = saturation::judge(
         st.saturation,
         load.as_ref(),
@@ -539,39 +536,10 @@ pub fn judge_with(
     );
     Verdict {
         sticky,
-        degraded: sticky || overdue,
+        degraded: sticky,
         saturation,
         load,
     }
-}
-
-/// The overdue watch (`pin_break_overdue`, off by default), on the work model's terms: a
-/// watched affinity hit is overdue once its age passes what the endpoint's typical work
-/// (its smoothed expected time) would take at `pin_break_ratio` × its peers' slowness, and its
-/// own spread (slowness × e^(4 · deviation)). See `overdue` for why it is off by default.
-fn overdue(
-    st: &EndpointState,
-    reference: Option<f64>,
-    rule: &DegradeRule,
-    cfg: &Config,
-    now_ms: u64,
-) -> bool {
-    let (Some(own), Some(peers)) = (st.slowness.value(), reference) else {
-        return false;
-    };
-    if st.slowness.samples < rule.min_samples {
-        return false;
-    }
-    let expected = st.slowness.expected_ms;
-    let own_ms = own * expected;
-    let dev_ms = own_ms * (st.slowness.log_dev.exp() - 1.0);
-    st.watch.overdue(
-        own_ms,
-        dev_ms,
-        peers * expected,
-        &crate::scheduler::routing::overdue::Rule::from_config(cfg),
-        now_ms,
-    )
 }
 
 #[cfg(test)]

@@ -733,21 +733,27 @@ impl Slowness {
 pub struct DegradeRule {
     /// Enter at this multiple of the peers' median slowness (`pin_break_ratio`).
     pub ratio: f64,
-    /// Leave below this multiple (`degraded_exit_ratio`, below `ratio`).
+    /// Leave below this multiple (`config::DEGRADED_EXIT_RATIO`, below `ratio`).
     pub exit_ratio: f64,
-    /// Also needed: the gap costs this many ms per request (`pin_break_min_ms`; half to stay).
+    /// Also needed: the gap costs this many ms per request ([`PIN_BREAK_MIN_MS`]; half to stay).
     pub min_extra_ms: f64,
     /// Samples an endpoint (and each peer counted) needs to be judged (`cold_start_samples`).
     pub min_samples: u32,
 }
+
+/// Also needed to degrade an endpoint: its slowness gap over its peers costs at least this
+/// much per request (its typical expected time × the gap; leaving the degraded state needs it
+/// below half of it). A ratio of small numbers is noise, and a few milliseconds a turn never
+/// repay the re-prefill a moved session pays once. Not a key: the measured default.
+pub const PIN_BREAK_MIN_MS: u64 = 50;
 
 impl DegradeRule {
     /// The rule the configuration asks for, from the existing keys.
     pub fn from_config(cfg: &Config) -> DegradeRule {
         DegradeRule {
             ratio: cfg.pin_break_ratio,
-            exit_ratio: cfg.degraded_exit_ratio,
-            min_extra_ms: cfg.pin_break_min_ms as f64,
+            exit_ratio: crate::scheduler::config::DEGRADED_EXIT_RATIO,
+            min_extra_ms: PIN_BREAK_MIN_MS as f64,
             min_samples: u32::try_from(cfg.cold_start_samples).unwrap_or(u32::MAX),
         }
     }

@@ -37,7 +37,6 @@ use crate::scheduler::config::Config;
 use crate::scheduler::health::breaker::{Breaker, BreakerState, OpenCause};
 use crate::scheduler::health::budget::RetryBudget;
 use crate::scheduler::routing::in_flight::InFlightAges;
-use crate::scheduler::routing::overdue::Watch;
 use crate::scheduler::routing::payoff::Payoff;
 use crate::scheduler::routing::quota::Quota;
 use crate::scheduler::routing::saturation::{EngineLoad, Saturation};
@@ -84,8 +83,6 @@ pub struct EndpointState {
     /// Probe placements sent since it was degraded (or since a probe came back fast): the
     /// probe interval doubles with each, up to `degraded_probe_max_interval_ms`.
     pub degraded_probes: u8,
-    /// Affinity hits in flight there, watched for being overdue (see `overdue`).
-    pub watch: Watch,
     /// What its last successful answer said was left of its quota (see `quota`).
     pub quota: Quota,
     /// The affinity payoff: cached share of its pinned turns' prompts (see `payoff`).
@@ -113,7 +110,6 @@ impl Default for EndpointState {
             degraded: false,
             degraded_probe_ms: 0,
             degraded_probes: 0,
-            watch: Watch::default(),
             quota: Quota::default(),
             payoff: Payoff::default(),
             slowness: Slowness::default(),
@@ -215,12 +211,12 @@ pub struct Table {
 
 /// The byte format's version. A new one needs a new [`TABLE_KEY`] (a test checks that they
 /// agree).
-pub const TABLE_VERSION: u8 = 15;
+pub const TABLE_VERSION: u8 = 16;
 /// The table's header key, one per [`TABLE_VERSION`] (its groups' keys are under it, see
 /// [`group_key`]): modules of two versions running side by side during an upgrade each keep
 /// their own table instead of resetting each other's on every write (Envoy never frees a key:
 /// one table's worth of bytes per version ever run).
-pub const TABLE_KEY: &str = "computeflux/endpoints/15";
+pub const TABLE_KEY: &str = "computeflux/endpoints/16";
 /// Id, write stamp, then the state.
 const ENTRY_BYTES: usize = 4
     + 8
@@ -244,7 +240,6 @@ const ENTRY_BYTES: usize = 4
     + 1
     + 8
     + 1
-    + Watch::BYTES
     + Quota::BYTES
     + Payoff::BYTES
     + Slowness::BYTES
@@ -313,7 +308,6 @@ fn decode_entry(chunk: &[u8]) -> Option<(u32, EndpointState)> {
         },
         degraded_probe_ms: r.u64()?,
         degraded_probes: r.u8()?,
-        watch: Watch::decode(&mut r)?,
         quota: Quota::decode(&mut r)?,
         payoff: Payoff::decode(&mut r)?,
         slowness: Slowness::decode_from(&mut r)?,
@@ -358,7 +352,6 @@ fn encode_entry(w: &mut Writer, id: u32, stamp: u64, s: &EndpointState) {
     w.u8(u8::from(s.degraded));
     w.u64(s.degraded_probe_ms);
     w.u8(s.degraded_probes);
-    s.watch.encode(w);
     s.quota.encode(w);
     s.payoff.encode(w);
     s.slowness.encode_into(w);
@@ -1069,7 +1062,7 @@ pub type LentStamps<'a> = (&'a [Option<(u64, u32)>], &'a mut QuietMemo);
 /// and request under wasm, while most endpoints of a large fleet are quiet between two
 /// requests of a worker. An endpoint is quiet (`signals::quiet`) when neither value can change
 /// with the clock: no fresh scraped load (its saturation is `Unknown`, its slowness judges
-/// it), no watched attempt that could become overdue, and a success level that does not fade
+/// it), and a success level that does not fade
 /// (cold, or never failing). Its verdict and weight are then functions of its entry, its
 /// peers' median and the configuration alone, and are kept here by the entry's write stamp
 /// (see [`TableCache`], which holds this memo: one per configuration) and the median's bits.
@@ -1084,7 +1077,7 @@ pub struct QuietMemo {
 }
 
 /// What [`QuietMemo`] keeps of one endpoint. A quiet endpoint's verdict is its sticky flag
-/// alone: not overdue (so `degraded` equals it), saturation `Unknown`, no load.
+/// alone (`degraded` equals it), saturation `Unknown`, no load.
 #[derive(Debug, Clone, Copy, PartialEq, Default)]
 pub(crate) struct Quiet {
     /// Holds a value (false: nothing kept).

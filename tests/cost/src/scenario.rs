@@ -38,7 +38,7 @@ pub const SCENARIOS: [&str; 8] = [
 ];
 
 /// The system prompt of the `*_prefix` scenarios, in bytes: an application's instructions,
-/// long enough to make a prefix key (`prefix_min_bytes`, 1024 by default), as issue 20's
+/// long enough to make a prefix key (`tuning.prefix_min_bytes`, 1024 by default), as issue 20's
 /// benchmark sends (3 000 tokens there; 3 000 bytes here).
 pub const PREFIX_SYSTEM_BYTES: usize = 3_000;
 
@@ -208,7 +208,7 @@ fn messages_body(turns: usize, filler_bytes: usize, stream: bool) -> String {
 pub const WARM_PREFIX_APPS: usize = 40;
 
 /// [`messages_body`] whose system message is `bytes` long as sent (an application's
-/// instructions: a prefix key when at least `prefix_min_bytes`).
+/// instructions: a prefix key when at least `tuning.prefix_min_bytes`).
 fn prefix_body(turns: usize, bytes: usize) -> String {
     app_body("", turns, bytes)
 }

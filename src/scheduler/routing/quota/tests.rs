@@ -21,8 +21,6 @@ const RULE: QuotaRule = QuotaRule {
     reserve_percent: 0,
     default_reset_ms: 60_000,
     max_reset_ms: 300_000,
-    pacing: false,
-    growth: false,
 };
 
 /// Pacing: a key that used 60 % of its limit in the first 40 % of its window is on course
@@ -30,10 +28,7 @@ const RULE: QuotaRule = QuotaRule {
 /// same use over 90 % of the window projects little more, so it is not.
 #[test]
 fn pacing_keeps_new_sessions_off_a_key_on_course_to_run_out() {
-    let paced = QuotaRule {
-        pacing: true,
-        ..RULE
-    };
+    let paced = RULE;
     let at = |left: u64, elapsed: u64| {
         let r = Remaining {
             left,
@@ -55,10 +50,8 @@ fn pacing_keeps_new_sessions_off_a_key_on_course_to_run_out() {
     let q = at(400, 4_000);
     assert_eq!(q.tokens.map(|r| r.projected_use(1_000)), Some(900));
     assert!(q.short(10, &paced, 1_000));
-    assert!(
-        !q.short(10, &RULE, 1_000),
-        "without pacing only the floors apply"
-    );
+    // Without pacing only the floors would apply: 400 left covers them.
+    assert!(q.tokens.is_some_and(|r| r.left >= 10));
     let late = at(400, 9_000);
     assert_eq!(late.tokens.map(|r| r.projected_use(1_000)), Some(66));
     assert!(!late.short(10, &paced, 1_000));
@@ -320,15 +313,38 @@ fn with_a_limit_a_reset_count_is_assumed_full_and_counted_down_until_an_answer()
         0,
     );
     assert_eq!(odd.requests.map(|s| s.limit), Some(None));
-    // A 30 % reserve of the limit of 10: new placements stop below 3 left.
+}
+
+/// A 30 % reserve of a key's stated limit keeps new placements off it before it runs out, on
+/// top of what pacing projects (late in the window: little), while a pinned turn still goes
+/// (no certain 429).
+#[test]
+fn a_reserve_keeps_new_sessions_off_before_the_key_runs_out() {
     let reserve = QuotaRule {
         reserve_percent: 30,
         ..RULE
     };
-    assert!(!q.short(1, &reserve, 3_700));
-    q.consume(1, 3_700);
-    q.consume(1, 3_700);
-    assert!(q.short(1, &reserve, 3_700) && !q.certain_429(1, 3_700));
+    // 9 s into a 10 s window of 1 000 tokens: 1 s to the reset at 1 000.
+    let at = |left: u64| Quota {
+        requests: None,
+        tokens: Some(Remaining {
+            left,
+            reset_at_ms: 2_000,
+            limit: Some(1_000),
+            span_ms: 10_000,
+            assumed: false,
+            stated_ms: 0,
+            prev_used: 0,
+            picked: 0,
+            placed: 0,
+        }),
+    };
+    // 400 left, 66 projected: above the reserve of 300.
+    assert!(!at(400).short(1, &reserve, 1_000));
+    // 350 left, 72 projected: below it; without the reserve, not short.
+    assert!(at(350).short(1, &reserve, 1_000));
+    assert!(!at(350).short(1, &RULE, 1_000));
+    assert!(!at(350).certain_429(1, 1_000));
 }
 
 #[test]
@@ -603,7 +619,6 @@ fn a_429_that_its_statement_explains_sets_the_count_instead_of_the_breaker() {
 #[test]
 fn pacing_carries_the_last_windows_use_into_the_next() {
     let paced = QuotaRule {
-        pacing: true,
         reserve_percent: 50,
         ..RULE
     };
@@ -816,17 +831,17 @@ fn weights_follow_the_stated_limits_in_levels_down_to_the_floor() {
 /// it takes 30 and runs dry.
 #[test]
 fn new_sessions_placed_late_in_a_window_count_for_the_next() {
-    let rule = |growth: bool| QuotaRule {
-        pacing: true,
+    let rule = QuotaRule {
         reserve_percent: 50,
-        growth,
         ..RULE
     };
     // Window [8 000, 12 000) of a key of 80 000 tokens with 4 s windows: the window before
     // used 20 000, this one 15 000 by 11 500 (the answer stating it was sent then).
     // `own`: what this replica picked of the window's 15 000 (the rest: other replicas').
+    // `growth` false: the placements are not told to the key (`Quota::place`), as if their
+    // growth did not count.
     let placed_until_short = |growth: bool, own: u64| {
-        let r = rule(growth);
+        let r = rule;
         let mut q = Quota::default();
         let stated = |left: u64, sent: u64, reset_in: u64| QuotaHint {
             requests: None,
@@ -846,7 +861,9 @@ fn new_sessions_placed_late_in_a_window_count_for_the_next() {
         // New sessions whose first turns are estimated at 650 tokens each, 5 ms apart.
         while n < 60 && !q.short(650, &r, 11_500 + n * 5) {
             q.consume(650, 11_500 + n * 5);
-            q.place(650, 11_500 + n * 5);
+            if growth {
+                q.place(650, 11_500 + n * 5);
+            }
             n += 1;
         }
         n
@@ -874,7 +891,7 @@ fn new_sessions_placed_late_in_a_window_count_for_the_next() {
     assert!(third >= 3 && third <= on * 2 / 3, "{third} of {on}");
     // The growth is per window: forgotten at the reset (the sessions' use counts then).
     let mut q = Quota::default();
-    let r = rule(true);
+    let r = rule;
     q.observe(
         &QuotaHint {
             requests: None,
@@ -898,6 +915,6 @@ fn new_sessions_placed_late_in_a_window_count_for_the_next() {
         Some(0)
     );
     // Headroom: the limit less the forecast (no reserve), negative when over.
-    assert_eq!(q.headroom(&r, 11_600), Some(80_000 - 1_950));
-    assert_eq!(Quota::default().headroom(&r, 11_600), None);
+    assert_eq!(q.headroom(11_600), Some(80_000 - 1_950));
+    assert_eq!(Quota::default().headroom(11_600), None);
 }

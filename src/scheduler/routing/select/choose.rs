@@ -105,14 +105,7 @@ impl<'a> Scheduler<'a> {
             return holder_choice(&board, self.cfg.endpoint_index(id), home);
         }
         let mut quota_skipped = Vec::new();
-        let pin = self.pin_verdict(
-            &board,
-            table,
-            pick,
-            pinned_index,
-            now_ms,
-            &mut quota_skipped,
-        );
+        let pin = self.pin_verdict(&board, pick, pinned_index, now_ms, &mut quota_skipped);
         if let PinVerdict::Keep(p) = pin {
             return Ok(kept_pin(p, home, &board, quota_skipped));
         }
@@ -123,7 +116,6 @@ impl<'a> Scheduler<'a> {
         // keys' stated limits; a later turn without a pin goes home by the plain weights (see
         // `quota::weigh_by_limits`).
         let limit_weights = (self.cfg.quota_aware
-            && self.cfg.quota_limit_weighting
             && pick.session.is_some()
             && !(pick.follow_up && pin == PinVerdict::None))
             .then(|| {
@@ -163,14 +155,6 @@ impl<'a> Scheduler<'a> {
             Some(c) => c,
             None => return Err(NoEndpoint::Exhausted),
         };
-        // A move goes only where the session runs at once: an endpoint over its bounded load
-        // or without room (see `capacity`) would make it wait as long as it did, after paying
-        // a prefill. The pin stays then.
-        if let PinVerdict::Move(p) = pin {
-            if reason == Reason::Spill || board.full(endpoint) {
-                return Ok(kept_pin(p, home, &board, quota_skipped));
-            }
-        }
         Ok(self.settle(
             &board,
             pick,
@@ -216,14 +200,14 @@ impl<'a> Scheduler<'a> {
             None => None,
         }
         .unwrap_or_else(|| table.entries.iter().filter(|(_, st)| st.degraded).count());
-        if stored_degraded > 0 && cfg.relieve_last_server {
+        if stored_degraded > 0 {
             return None;
         }
         let references = self.peer_references(table);
         let accept = acceptance(cfg, statics, table, now_ms);
         let quotas = QuotaView {
             table: cfg.quota_aware.then_some(table),
-            estimate: pick.quota_estimate(cfg.quota_bytes_per_token),
+            estimate: pick.quota_estimate(crate::scheduler::routing::quota::BYTES_PER_TOKEN),
             rule: self.quota_rule(),
             now_ms,
         };
@@ -267,16 +251,14 @@ impl<'a> Scheduler<'a> {
             } else {
                 Reason::Home
             };
-            let pin_on_success = match cfg.after_failover {
-                AfterFailover::Stay => true,
-                AfterFailover::ReturnHome => false,
-            };
             quota_skipped.retain(|&j| j != i);
             return Some(Choice {
                 endpoint: i,
                 reason,
                 affinity: AffinityResult::None,
-                pin_on_success,
+                // A failover's success re-pins the session where it was served (its newest
+                // prefix is cached there; `docs/routing.md`, "After a failover").
+                pin_on_success: true,
                 broke_pin_of: None,
                 moved: None,
                 home: None,
@@ -583,7 +565,7 @@ impl<'a> Scheduler<'a> {
         drop(cache);
 
         // Quota: short endpoints are skipped for placements, a certain 429 even by a pin.
-        let estimate = pick.quota_estimate(cfg.quota_bytes_per_token);
+        let estimate = pick.quota_estimate(crate::scheduler::routing::quota::BYTES_PER_TOKEN);
         let rule = self.quota_rule();
         // Judged on demand, of the endpoints a decision looks at (a pin, the walk's first few):
         // judging all cost about 110 instructions per endpoint and request.
@@ -652,7 +634,7 @@ impl<'a> Scheduler<'a> {
             stored_degraded,
             table.entries.iter().any(|(_, st)| st.degraded)
         );
-        let captive = if cfg.relieve_last_server && (any_degraded || stored_degraded) {
+        let captive = if any_degraded || stored_degraded {
             last_servers(cfg, table, &verdicts, statics, pick.model)
         } else {
             Vec::new()
@@ -668,7 +650,6 @@ impl<'a> Scheduler<'a> {
             now_ms,
             max_age_ms: cfg.in_flight_max_age_ms,
             plain: !any_scraped,
-            reference: references,
             weights,
             verdicts,
             flips,
@@ -683,13 +664,13 @@ impl<'a> Scheduler<'a> {
     }
 
     /// Step 2: what becomes of a live pin. Kept, unless staying is a certain 429 (placed
-    /// again, the pin untouched), its endpoint is degraded (the pin is broken), or it is
-    /// saturated with a wait longer than re-prefilling elsewhere and the session was not moved
-    /// for that reason within its TTL (moved).
+    /// again, the pin untouched), its endpoint is degraded (the pin is broken), or it is the
+    /// last server of another model with a far longer queue than another candidate's
+    /// (relieved). A pin on a saturated engine stays: moves off it measured fewer cached
+    /// tokens for no better p99 (`docs/routing.md`, "Judging endpoints").
     pub(super) fn pin_verdict(
         &self,
         board: &Board,
-        table: &Table,
         pick: &Pick<'_>,
         pinned: Option<usize>,
         now_ms: u64,
@@ -708,65 +689,7 @@ impl<'a> Scheduler<'a> {
         if self.relief_move(board, pick, p, now_ms) {
             return PinVerdict::Relieve(p);
         }
-        if board.saturated(p)
-            && board.room_elsewhere(p)
-            && self.saturated_pin_moves(board, table, pick, p, now_ms)
-        {
-            return PinVerdict::Move(p);
-        }
         PinVerdict::Keep(p)
-    }
-
-    /// Whether a session pinned to saturated `p` moves: the expected wait there exceeds
-    /// re-prefilling its prompt elsewhere (`saturation::keep_pin`), and it was not moved for
-    /// saturation within its TTL; never unless `saturated_pin_moves` (off by default).
-    pub(super) fn saturated_pin_moves(
-        &self,
-        board: &Board,
-        table: &Table,
-        pick: &Pick<'_>,
-        p: usize,
-        now_ms: u64,
-    ) -> bool {
-        if !self.cfg.saturated_pin_moves {
-            return false;
-        }
-        let Some(load) = board.verdicts.get(p).and_then(|v| v.load) else {
-            return false;
-        };
-        let model = signals::read_model(self.store, &signals::work_key(self.cfg, pick.model));
-        if !model.warm() {
-            return false;
-        }
-        // A full engine serves each request as well as its peers once it runs it: its service
-        // time is the work model's at its peers' median slowness, not at its own, which its
-        // answers measured while it queued (the queue is counted once, by `waiting`).
-        let speed = board
-            .reference
-            .get(p)
-            .copied()
-            .flatten()
-            .or_else(|| table.entries.get(p).and_then(|(_, st)| st.slowness.value()))
-            .unwrap_or(1.0);
-        let service_ms =
-            model.service_ms(TYPICAL_UNCACHED_TOKENS, TYPICAL_COMPLETION_TOKENS) * speed;
-        let case = PinCase {
-            waiting: load.waiting,
-            slots: load.running.map(|r| r.max(1)),
-            service_ms,
-            cached_tokens: estimate_tokens(pick.body_bytes, self.cfg.quota_bytes_per_token),
-            prefill_ms_per_token: model.prefill_ms_per_token(),
-            elsewhere_wait_ms: board.shortest_wait_elsewhere(p, service_ms),
-        };
-        if keep_pin(&case) {
-            return false;
-        }
-        // The moves table holds marks younger than the affinity TTL only.
-        let marked = pick
-            .session
-            .and_then(|s| self.moves().lookup(s, now_ms))
-            .and_then(move_reason);
-        marked != Some(MoveReason::Saturated)
     }
 
     /// Whether a session of the request's model on captive `p` (the last healthy server of
@@ -886,7 +809,7 @@ impl<'a> Scheduler<'a> {
                 continue;
             }
             // The last server of another model keeps half of its placements for that model, and
-            // takes the others only as the lightest (see `relieve_last_server`).
+            // takes the others only as the lightest (see [`last_servers`]).
             if board.captive(i) && self.relief_passes_over(board, keyed, i) {
                 passed.saturated = true;
                 continue;
@@ -910,8 +833,7 @@ impl<'a> Scheduler<'a> {
                 continue;
             }
             // The session bound reads the totals only for counted new sessions, and only
-            // once a candidate is busy or may be a popular prefix's (it passes no idle one
-            // over).
+            // once a candidate is busy (it passes no idle one over).
             if self.session_busy(board, i) && {
                 let total_weight = totals_of().1;
                 self.over_session_bound(board, i, total_weight, &mut total_sessions, &eligible)
@@ -920,7 +842,7 @@ impl<'a> Scheduler<'a> {
                 let totals = totals_of();
                 let total_weight = totals.1;
                 // Passed over for the sessions placed there: the spill goes where the counts
-                // say there is room (`prefix_session_spill`), else on in the prefix's order.
+                // say there is room (the least counted), else on in the prefix's order.
                 let fits = |j: usize| {
                     self.takes_new(board, keyed, j, left, totals)
                         && !self.over_session_bound(
@@ -1008,12 +930,11 @@ impl<'a> Scheduler<'a> {
             && self.within_load(board, i, totals)
     }
 
-    /// Where a new session goes that the session bound passed over
-    /// (`prefix_session_spill`): `None` for `prefix_order` (the walk goes on), or when no
-    /// candidate `fits` (takes a new session within its bounds); for `least_counted`, the
-    /// `eligible` candidate that fits with the fewest sessions counted per unit of weight,
-    /// ties in the prefix's order. The counts are of every model's sessions, so an endpoint
-    /// that also serves another model's sessions looks as full as it is.
+    /// Where a new session goes that the session bound passed over: `None` when no candidate
+    /// `fits` (takes a new session within its bounds), else the `eligible` candidate that fits
+    /// with the fewest sessions counted per unit of weight, ties in the prefix's order. The
+    /// counts are of every model's sessions, so an endpoint that also serves another model's
+    /// sessions looks as full as it is.
     fn session_spill_target(
         &self,
         board: &Board,
@@ -1021,9 +942,6 @@ impl<'a> Scheduler<'a> {
         eligible: &impl Fn(usize) -> bool,
         fits: impl Fn(usize) -> bool,
     ) -> Option<usize> {
-        if self.cfg.prefix_session_spill == SessionSpill::PrefixOrder {
-            return None;
-        }
         let counts = board.sessions?;
         let mut least: Option<(usize, f64)> = None;
         for j in keyed.lazy() {
@@ -1039,37 +957,22 @@ impl<'a> Scheduler<'a> {
         least.map(|(j, _)| j)
     }
 
-    /// Whether the session bound looks at `i` at all, as `(busy, may_be_popular)`: `i` is busy
-    /// (`prefix_session_busy_load`), or the session's prefix is counted at least the slack and
-    /// `i` runs anything (a popular prefix's candidate is busy from a load of one; one with
-    /// nothing running gains nothing from a spill). See [`Scheduler::over_session_bound`].
-    fn session_gate(&self, board: &Board, counts: &sessions::Counts, i: usize) -> (bool, bool) {
-        let busy = sessions::busy(
-            board.load_of(i),
-            board.slots(i),
-            self.cfg.prefix_session_busy_load,
-        );
-        let may_be_popular = self.cfg.prefix_popular_share > 0.0
-            && counts.prefix() >= sessions::SESSION_SLACK
-            && sessions::busy(board.load_of(i), board.slots(i), 1);
-        (busy, may_be_popular)
-    }
-
-    /// Whether the session bound can pass over `i` (the walk sums no totals otherwise).
+    /// Whether the session bound can pass over `i` (the walk sums no totals otherwise): `i`
+    /// is busy ([`sessions::SESSION_BUSY_LOAD`]).
     fn session_busy(&self, board: &Board, i: usize) -> bool {
-        board.sessions.is_some_and(|counts| {
-            let (busy, may_be_popular) = self.session_gate(board, counts, i);
-            busy || may_be_popular
-        })
+        board.sessions.is_some()
+            && sessions::busy(
+                board.load_of(i),
+                board.slots(i),
+                sessions::SESSION_BUSY_LOAD,
+            )
     }
 
     /// Whether a new session placed by prefix passes over `i` for the sessions already
-    /// placed there (see `sessions`): its count + 1 over `(1 + prefix_session_epsilon) ×
-    /// (S + 1) ×` its weight share + the slack, S summed over the `eligible` candidates into
-    /// `total` the first time (an idle walk of a prefix that is not popular never sums it).
-    /// False without counts (pins, follow-ups, session keys, the bound off) and while `i` is
-    /// not busy, unless the session's prefix is popular at `i` (`prefix_popular_share`) and
-    /// `i` runs anything at all.
+    /// placed there (see `sessions`): its count + 1 over `(1 + SESSION_EPSILON) × (S + 1) ×`
+    /// its weight share + the slack, S summed over the `eligible` candidates into `total` the
+    /// first time (an idle walk never sums it). False without counts (pins, follow-ups,
+    /// session keys) and while `i` is not busy.
     pub(super) fn over_session_bound(
         &self,
         board: &Board,
@@ -1081,13 +984,12 @@ impl<'a> Scheduler<'a> {
         let Some(counts) = board.sessions else {
             return false;
         };
-        let (busy, may_be_popular) = self.session_gate(board, counts, i);
         let Some(id) = self
             .cfg
             .endpoints
             .get(i)
             .map(|e| e.id)
-            .filter(|_| busy || may_be_popular)
+            .filter(|_| self.session_busy(board, i))
         else {
             return false;
         };
@@ -1099,22 +1001,11 @@ impl<'a> Scheduler<'a> {
                 .map(|&(_, id, _)| counts.of(id))
                 .sum::<f64>()
         });
-        if !busy
-            && !sessions::popular(
-                counts.prefix(),
-                total,
-                board.weight(i),
-                total_weight,
-                self.cfg.prefix_popular_share,
-            )
-        {
-            return false;
-        }
         let limit = sessions::session_limit(
             total,
             board.weight(i),
             total_weight,
-            self.cfg.prefix_session_epsilon,
+            sessions::SESSION_EPSILON,
         );
         counts.of(id) + 1.0 > limit
     }
@@ -1171,7 +1062,7 @@ impl<'a> Scheduler<'a> {
             _ => None,
         };
         let moved = match pin {
-            PinVerdict::Move(p) | PinVerdict::Relieve(p) if !kept => Some(*p),
+            PinVerdict::Relieve(p) if !kept => Some(*p),
             _ => None,
         };
         let affinity = match (pick.session, pinned, reason) {
@@ -1188,35 +1079,30 @@ impl<'a> Scheduler<'a> {
         if board.probing(endpoint) && reason != Reason::AffinityHit {
             reason = Reason::HalfOpenProbe;
         }
-        let pin_on_success = match (reason, self.cfg.after_failover) {
-            (Reason::AffinityHit, _) => true,
+        let pin_on_success = match reason {
+            Reason::AffinityHit => true,
             // A new session placed by prefix that spilled: a popular application spreading.
             // Its own turns, and now its instructions, are cached where it was served.
-            (Reason::Spill, _) if by_prefix => true,
+            Reason::Spill if by_prefix => true,
             // Spilled by slots (every candidate's capacity known: the fleet is past its slots
             // and the home past its share). Its next turn would find the home as full, and
             // sending it there would re-prefill the turn the spill place has cached.
-            (Reason::Spill, _) if board.by_slots => true,
-            // Spilled while its home was kept off for its quota (`quota_session_growth`): its
-            // next turn would go home as a pin would (only a certain 429 passes a home over),
-            // a move onto a key it was kept off, that re-prefills the turn cached here
-            // (the quota bench, `quota7-3` ×3: two sessions spilled from their short
-            // homes, then moved home between keys that both had quota).
-            (Reason::Spill, _)
-                if self.cfg.quota_session_growth
-                    && home.is_some_and(|h| quota_skipped.contains(&h)) =>
-            {
-                true
-            }
-            // A new session's first turn that spilled (`pin_spilled_new_sessions`): its turn
-            // is cached where it was served and nothing at its home, which it would otherwise
-            // go back to on its next turn (on another replica, without a pin cookie: issue
-            // 22's `confirm9-quota` ×3, three such moves between keys that both had quota).
-            (Reason::Spill, _) if self.cfg.pin_spilled_new_sessions && !pick.follow_up => true,
+            Reason::Spill if board.by_slots => true,
+            // Spilled while its home was kept off for its quota: its next turn would go home
+            // as a pin would (only a certain 429 passes a home over), a move onto a key it was
+            // kept off, that re-prefills the turn cached here (the quota bench, `quota7-3` ×3:
+            // two sessions spilled from their short homes, then moved home between keys that
+            // both had quota).
+            Reason::Spill if home.is_some_and(|h| quota_skipped.contains(&h)) => true,
+            // A new session's first turn that spilled: its turn is cached where it was served
+            // and nothing at its home, which it would otherwise go back to on its next turn (on
+            // another replica, without a pin cookie: the quota bench's `confirm9-quota` ×3,
+            // three such moves between keys that both had quota).
+            Reason::Spill if !pick.follow_up => true,
             // A probe, or a later turn's burst that spilled: the session's place stays its home.
-            (Reason::DegradedProbe | Reason::Spill, _) => false,
-            (_, AfterFailover::Stay) => true,
-            (_, AfterFailover::ReturnHome) => Some(endpoint) == home,
+            Reason::DegradedProbe | Reason::Spill => false,
+            // A failover or a move: the session stays where it was served.
+            _ => true,
         };
         // Nothing else could take it: a short endpoint chosen after all was not skipped.
         quota_skipped.retain(|&i| i != endpoint);
@@ -1264,8 +1150,6 @@ pub(super) struct Board<'t> {
     max_age_ms: u64,
     /// Nothing is scraped: the walk's totals may be [`PlainTotals`].
     plain: bool,
-    /// Each endpoint's peers' median slowness (`signals::peer_medians`), by index.
-    reference: Rc<Vec<Option<f64>>>,
     /// `(index, endpoint id, placement weight)` of the statics: the rendezvous candidates.
     weights: Rc<Vec<(usize, u32, f64)>>,
     verdicts: Rc<Vec<Verdict>>,
@@ -1291,8 +1175,7 @@ pub(super) struct Board<'t> {
     admission: Admissions,
     excluded: Vec<usize>,
     /// The candidates left as the last healthy server of another model than the request's
-    /// (see [`last_servers`]), by index; empty when none is (no endpoint degraded, or
-    /// `relieve_last_server` off).
+    /// (see [`last_servers`]), by index; empty when none is (no endpoint degraded).
     captive: Vec<bool>,
 }
 
@@ -1367,15 +1250,12 @@ impl<'t> Board<'t> {
         self.quotas.short_at(i)
     }
     /// What `i`'s key has left for new sessions after its forecast use (`Quota::headroom`;
-    /// `None`: no stated token limit, or `quota_session_growth` off).
+    /// `None`: no stated token limit).
     pub(super) fn headroom(&self, i: usize) -> Option<i128> {
         let q = &self.quotas;
-        if !q.rule.growth || !q.rule.pacing {
-            return None;
-        }
         q.table
             .and_then(|t| t.entries.get(i))
-            .and_then(|(_, st)| st.quota.headroom(&q.rule, q.now_ms))
+            .and_then(|(_, st)| st.quota.headroom(q.now_ms))
     }
     /// Staying there is a certain 429 (`quota_aware`): even a pin leaves it.
     pub(super) fn certain_429(&self, i: usize) -> bool {
@@ -1523,26 +1403,6 @@ impl<'t> Board<'t> {
             return false;
         };
         self.queue_batches(j).is_some_and(|q| q * QUEUE_GAP <= mine)
-    }
-    /// The shortest expected queueing delay at a candidate other than `i` that could take the
-    /// session (admitted, not degraded, short or saturated), from its scraped queue and running
-    /// batch at `service_ms` per request; 0 when one of them has no queue or no known load (a
-    /// move is judged against the best place it could go, as `saturation::keep_pin` needs).
-    pub(super) fn shortest_wait_elsewhere(&self, i: usize, service_ms: f64) -> f64 {
-        self.statics()
-            .iter()
-            .filter(|&&j| {
-                j != i && self.admitted(j) && !self.degraded(j) && !self.short(j) && !self.full(j)
-            })
-            .map(|&j| {
-                let load = self.verdicts.get(j).and_then(|v| v.load);
-                match load.and_then(|l| Some((l.waiting?, l.running?))) {
-                    Some((w, r)) => expected_wait_ms(w, r.max(1), service_ms),
-                    None => 0.0,
-                }
-            })
-            .fold(f64::INFINITY, f64::min)
-            .clamp(0.0, f64::MAX)
     }
     /// The verdicts to store for their hysteresis: `(index, degraded, saturation)`.
     /// The verdicts the pick's write stores for their hysteresis: the chosen endpoint's (its
@@ -1789,7 +1649,7 @@ pub(super) fn fallback(
 /// name another model that some other enabled endpoint serves too, all of which are degraded
 /// (this decision's verdict for a candidate, the stored sticky flag for the others). It takes
 /// every session of that model from its degraded peers, so the request's model, which other
-/// candidates serve, is steered off it (`relieve_last_server`). An endpoint without a `models`
+/// candidates serve, is steered off it. An endpoint without a `models`
 /// list serves every model and is never counted as the last server of one. Costs nothing
 /// while no endpoint is degraded (one pass over the verdicts and the table).
 pub(super) fn last_servers(
@@ -1863,8 +1723,6 @@ pub(super) enum PinVerdict {
     Keep(usize),
     /// Degraded: the pin is broken.
     Break(usize),
-    /// Saturated with a long wait: the session moves.
-    Move(usize),
     /// The last healthy server of another model, with a far longer queue than another
     /// candidate's: the session moves ([`Scheduler::relief_move`]).
     Relieve(usize),
@@ -1874,7 +1732,7 @@ impl PinVerdict {
     /// The pinned endpoint the session leaves, if any.
     pub(super) fn left(&self) -> Option<usize> {
         match self {
-            PinVerdict::Break(p) | PinVerdict::Move(p) | PinVerdict::Relieve(p) => Some(*p),
+            PinVerdict::Break(p) | PinVerdict::Relieve(p) => Some(*p),
             _ => None,
         }
     }
@@ -1895,7 +1753,7 @@ impl Passed {
     pub(super) fn reason(&self, pin: &PinVerdict, attempt: u32) -> Reason {
         match pin {
             PinVerdict::Break(_) => Reason::PinBreak,
-            PinVerdict::Move(_) | PinVerdict::Relieve(_) => Reason::Saturated,
+            PinVerdict::Relieve(_) => Reason::Saturated,
             _ if attempt > 1 || self.unavailable => Reason::Backup,
             _ if self.degraded => Reason::Degraded,
             _ if self.saturated => Reason::Saturated,

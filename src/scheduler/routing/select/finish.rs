@@ -5,23 +5,6 @@
 use super::*;
 
 impl<'a> Scheduler<'a> {
-    /// The first byte of a streamed answer, whose latency sample it is: the attempt stops being
-    /// watched for being overdue (its stream may go on for long). One more table write, for
-    /// watched attempts only; if it keeps losing the CAS race the finish releases the slot.
-    pub fn release_watch(&self, ticket: &mut Ticket) {
-        if ticket.watch_token == 0 {
-            return;
-        }
-        let (token, started) = (ticket.watch_token, ticket.started_ms);
-        // Released, or not watched any more: either way not released again.
-        if self
-            .update_entry(ticket, |st| st.watch.release(token, started))
-            .is_some()
-        {
-            ticket.watch_token = 0;
-        }
-    }
-
     /// A stream still running on the ticket's endpoint, `decode_ms` since its first byte with
     /// `decode_bytes` relayed after its first chunk: if its pace against the work model of
     /// `work_key` ([`WorkModel::pace_ratio`]) has reached `pin_break_ratio` × the median
@@ -96,24 +79,6 @@ impl<'a> Scheduler<'a> {
         }
     }
 
-    /// Applies `change` to the ticket's endpoint entry in one table write (only that entry is
-    /// decoded and rewritten in the common case); `change` returns false when it changed
-    /// nothing (no write). Returns whether a change was stored, `None` when the CAS retries
-    /// gave up.
-    fn update_entry(
-        &self,
-        ticket: &Ticket,
-        mut change: impl FnMut(&mut EndpointState) -> bool,
-    ) -> Option<bool> {
-        let (id, hint) = (ticket.endpoint_id, ticket.endpoint);
-        let cfg = self.cfg;
-        let at = match cfg.endpoints.get(hint) {
-            Some(ep) if ep.id == id => Some(hint),
-            _ => cfg.endpoint_index(id),
-        };
-        self.change_entry(at, id, &mut change)
-    }
-
     /// Records an attempt's outcome: in-flight −1, statistics, breaker, affinity.
     /// `latency_ms` is the time to response headers.
     pub fn finish(
@@ -166,14 +131,14 @@ impl<'a> Scheduler<'a> {
         // slowness, needed by a degraded endpoint's probe only.
         let record = |st: &mut EndpointState, reference: Option<f64>| {
             release(st, &ticket, now_ms, cfg);
-            record_success(st, outcome, cfg, now_ms);
+            record_success(st, outcome, now_ms);
             record_latency(st, outcome, latency_ms, cfg);
             let ratio = judged
                 .as_ref()
                 .and_then(|(sample, model)| record_slowness(st, sample, model, now_ms));
             record_payoff(st, outcome, &ticket, cfg);
             let by_quota = record_quota(st, outcome, &ticket, quota, &rule, cfg, now_ms);
-            record_probe(st, &ticket, ratio, reference, cfg);
+            record_probe(st, &ticket, ratio, reference);
             let changed = record_breaker(st, outcome, &ticket, now_ms, &bcfg, by_quota);
             let report = Finished {
                 breaker_changed: changed,
@@ -258,16 +223,15 @@ impl<'a> Scheduler<'a> {
     }
 }
 
-/// In-flight −1 (if the pick counted it) and the overdue watch released.
+/// In-flight −1 (if the pick counted it).
 pub(super) fn release(st: &mut EndpointState, ticket: &Ticket, now_ms: u64, cfg: &Config) {
     if ticket.counted {
         st.end_attempt(ticket.started_ms, now_ms, cfg.in_flight_max_age_ms);
     }
-    st.watch.release(ticket.watch_token, ticket.started_ms);
 }
 
 /// The success-rate EWMA and the verdict count (cold start).
-pub(super) fn record_success(st: &mut EndpointState, outcome: &Outcome, cfg: &Config, now_ms: u64) {
+pub(super) fn record_success(st: &mut EndpointState, outcome: &Outcome, now_ms: u64) {
     let verdict = match outcome {
         Outcome::Success => Some(1.0),
         Outcome::DeadKey | Outcome::RateLimited { .. } | Outcome::EndpointFailure(_) => Some(0.0),
@@ -280,13 +244,16 @@ pub(super) fn record_success(st: &mut EndpointState, outcome: &Outcome, cfg: &Co
         return;
     };
     // Fold in the fading of the idle penalty first, then the new sample.
-    let idle_fade = ewma::fade(now_ms.saturating_sub(st.last_sample_ms), cfg.stats_decay_ms);
+    let idle_fade = ewma::fade(
+        now_ms.saturating_sub(st.last_sample_ms),
+        crate::scheduler::routing::score::STATS_DECAY_MS,
+    );
     let faded = 1.0 - (1.0 - st.success_rate) * idle_fade;
     // A 401/403 is deterministic (the key is dead), not a flaky sample: it weighs at least
     // DEAD_KEY_ALPHA, so a dead key stops winning first attempts after a couple of requests.
     let alpha = match outcome {
-        Outcome::DeadKey => cfg.success_rate_alpha.max(DEAD_KEY_ALPHA),
-        _ => cfg.success_rate_alpha,
+        Outcome::DeadKey => SUCCESS_RATE_ALPHA.max(DEAD_KEY_ALPHA),
+        _ => SUCCESS_RATE_ALPHA,
     };
     st.success_rate = ewma::update(Some(faded), v, alpha).clamp(0.0, 1.0);
     st.last_sample_ms = now_ms;
@@ -373,16 +340,15 @@ pub(super) fn record_quota(
 }
 
 /// Probe backoff: a degraded endpoint's probe whose answer was fast for its work (its ratio
-/// below `degraded_exit_ratio` × the peers' median slowness) resets the probe interval.
+/// below [`DEGRADED_EXIT_RATIO`](crate::scheduler::config::DEGRADED_EXIT_RATIO) × the peers' median slowness) resets the probe interval.
 pub(super) fn record_probe(
     st: &mut EndpointState,
     ticket: &Ticket,
     ratio: Option<f64>,
     reference: Option<f64>,
-    cfg: &Config,
 ) {
     let fast = match (ratio, reference) {
-        (Some(r), Some(peers)) => r < cfg.degraded_exit_ratio * peers,
+        (Some(r), Some(peers)) => r < crate::scheduler::config::DEGRADED_EXIT_RATIO * peers,
         _ => false,
     };
     if ticket.degraded_probe && fast {

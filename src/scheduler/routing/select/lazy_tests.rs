@@ -73,6 +73,7 @@ impl<'a> Scheduler<'a> {
 
 /// A fleet of `n` endpoints and a table, drawn from `seed`: mixed weights (sometimes all
 /// equal), in-flight loads near the bounded-load limit, open breakers, slow endpoints.
+#[allow(clippy::unwrap_used)]
 fn fleet(seed: u64, n: usize, equal_weights: bool) -> (Config, Table) {
     let r = |k: u64| fmix64(seed ^ fmix64(k));
     let eps: Vec<_> = (0..n)
@@ -92,10 +93,9 @@ fn fleet(seed: u64, n: usize, equal_weights: bool) -> (Config, Table) {
         .collect();
     let c = Config::from_value(&json!({
         "endpoints": eps,
-        "bounded_load_epsilon": 0.25,
-        "bounded_load_slack": 1 + r(999) % 3,
+        "tuning": {"bounded_load_epsilon": 0.25, "bounded_load_slack": 1 + r(999) % 3},
     }))
-    .unwrap_or_default();
+    .unwrap();
     let mut t = Table::load(None, &c).0;
     for (i, (_, st)) in t.entries.iter_mut().enumerate() {
         let x = r(1_000 + i as u64);

@@ -12,8 +12,9 @@ use serde_json::json;
 const START: u64 = 5_000_000;
 
 /// `n` endpoints (some serving a second model, one sometimes disabled), with the knobs that
-/// make verdicts and weights depend on the clock set low: few samples to warm, a short decay,
-/// the overdue watch on or off.
+/// make verdicts and weights depend on the clock set low: few samples to warm, a short open
+/// time.
+#[allow(clippy::unwrap_used)]
 fn config(seed: u64, n: usize) -> Config {
     let r = |k: u64| fmix64(seed ^ fmix64(k));
     let eps: Vec<_> = (0..n)
@@ -34,17 +35,14 @@ fn config(seed: u64, n: usize) -> Config {
     Config::from_value(&json!({
         "endpoints": eps,
         "cold_start_samples": 1 + r(1) % 3,
-        "stats_decay_ms": 1_000,
         "failure_threshold": 2,
         "open_ms": 3_000,
-        "pin_break_overdue": r(2) % 2,
-        "pin_break_min_ms": 1,
     }))
-    .unwrap_or_default()
+    .unwrap()
 }
 
 /// A stored table drawn from `seed`: some endpoints warm and slow, some failing, some open,
-/// some with attempts in flight or watched.
+/// some with attempts in flight.
 fn seeded(store: &MemStore, cfg: &Config, seed: u64) {
     let mut t = Table::load(None, cfg).0;
     for (i, (_, st)) in t.entries.iter_mut().enumerate() {
@@ -69,7 +67,6 @@ fn seeded(store: &MemStore, cfg: &Config, seed: u64) {
         }
         if (x >> 28).is_multiple_of(4) {
             st.start_attempt(START - 1_000, cfg.in_flight_max_age_ms);
-            st.watch.insert(7 + i as u32, START - 10_000);
         }
     }
     t.write_to(&store);

@@ -225,7 +225,7 @@ fn switched_off_every_session_is_placed_by_its_own_key() {
 
 #[test]
 fn a_popular_prefix_spills_in_its_rendezvous_order_and_pins_there() {
-    let c = cfg(json!({"bounded_load_epsilon": 0.25, "bounded_load_slack": 2}));
+    let c = cfg(json!({"tuning": {"bounded_load_epsilon": 0.25, "bounded_load_slack": 2}}));
     let store = MemStore::new();
     let s = Scheduler::new(&c, &store);
     let ex = Exclusions::default();
@@ -304,19 +304,15 @@ fn pick_turn(s: &Scheduler<'_>, session: u64, follow_up: bool, now: u64) -> Deci
     .unwrap()
 }
 
-/// The session bound (`sessions`): once the prefix's home is busy (8 in flight, the default
-/// `prefix_session_busy_load`, no slots known) and holds more than 1.25 × its share of the new
-/// sessions placed, the next new session of the prefix spills to the prefix's second endpoint
-/// — where the in-flight bound alone (ε 1, slack 8) would still take it home until its 12th.
+/// The session bound (`sessions`): once the prefix's home is busy (8 in flight,
+/// `sessions::SESSION_BUSY_LOAD`, no slots known) and holds more than 1.25 × its share of the
+/// new sessions placed, the next new session of the prefix spills to the prefix's second
+/// endpoint — where the in-flight bound alone (ε 1, slack 8) would still take it home until
+/// its 12th.
 #[test]
 fn a_busy_prefix_home_spills_by_the_sessions_placed_there() {
-    for bound in [true, false] {
-        // The busy rule alone (one prefix is all the traffic: popular from its second
-        // session, see `a_popular_prefix_is_bounded_before_its_home_is_busy`).
-        let c = cfg(match bound {
-            true => json!({"prefix_popular_share": 0}),
-            false => json!({"prefix_session_half_life_ms": 0}),
-        });
+    {
+        let c = cfg(json!({}));
         let store = MemStore::new();
         let s = Scheduler::new(&c, &store);
         let order = placement::order(PREFIX, &weights(&c));
@@ -327,15 +323,11 @@ fn a_busy_prefix_home_spills_by_the_sessions_placed_there() {
             held.push(d);
         }
         let d = pick_turn(&s, session(8), false, 0);
-        if bound {
-            assert_eq!(
-                (d.endpoint, d.reason, d.affinity),
-                (order[1], Reason::Spill, AffinityResult::Prefix)
-            );
-            assert!(d.ticket.pin_on_success, "a prefix spill pins");
-        } else {
-            assert_eq!((d.endpoint, d.reason), (order[0], Reason::Home));
-        }
+        assert_eq!(
+            (d.endpoint, d.reason, d.affinity),
+            (order[1], Reason::Spill, AffinityResult::Prefix)
+        );
+        assert!(d.ticket.pin_on_success, "a prefix spill pins");
         held.push(d);
         for d in held {
             s.finish(d.ticket, &Outcome::Cancelled, 0, None, 1);
@@ -348,8 +340,7 @@ fn a_busy_prefix_home_spills_by_the_sessions_placed_there() {
 /// later turns that reach a replica without their pin.
 #[test]
 fn the_session_bound_spares_idle_homes_pins_and_later_turns() {
-    // The busy rule alone (the one prefix would be popular).
-    let c = cfg(json!({"prefix_popular_share": 0}));
+    let c = cfg(json!({}));
     let store = MemStore::new();
     let s = Scheduler::new(&c, &store);
     let order = placement::order(PREFIX, &weights(&c));
@@ -359,7 +350,7 @@ fn the_session_bound_spares_idle_homes_pins_and_later_turns() {
         assert_eq!((d.endpoint, d.reason), (order[0], Reason::Home), "{n}");
         s.finish(d.ticket, &Outcome::Success, 10, Some(session(n)), 0);
     }
-    let counts = sessions::read(&store).at(&c, 0);
+    let counts = sessions::read(&store).at(0);
     assert_eq!(counts.of(c.endpoints[order[0]].id), 40.0);
     // Busy: 8 new sessions held in flight at home (spilling after the first few: the home
     // holds all 40 counted sessions, far over its share, once it is busy).
@@ -388,7 +379,7 @@ fn the_session_bound_spares_idle_homes_pins_and_later_turns() {
     }
     // A later turn is not counted as a new session; a session-key placement is.
     let total = |n: &sessions::Counts| c.endpoints.iter().map(|e| n.of(e.id)).sum::<f64>();
-    let before = sessions::read(&other).at(&c, 3);
+    let before = sessions::read(&other).at(3);
     let key_only = s2
         .pick(
             &Pick {
@@ -398,7 +389,7 @@ fn the_session_bound_spares_idle_homes_pins_and_later_turns() {
             3,
         )
         .unwrap();
-    let after = sessions::read(&other).at(&c, 3);
+    let after = sessions::read(&other).at(3);
     let e = c.endpoints[key_only.endpoint].id;
     assert!(
         (after.of(e) - before.of(e) - 1.0).abs() < 1e-9,
@@ -442,21 +433,20 @@ fn equal_cfg(extra: serde_json::Value) -> Config {
 /// Counts `n` new sessions placed on endpoint `i` at time 0.
 fn preload(store: &MemStore, c: &Config, i: usize, n: u32) {
     for _ in 0..n {
-        assert!(sessions::record(store, c, c.endpoints[i].id, None, 0));
+        assert!(sessions::record(store, c, c.endpoints[i].id, 0));
     }
 }
 
-/// Where the session bound sends a new session of a busy home over its share
-/// (`prefix_session_spill`). Worked: counts home 30, then in the prefix's order 15, 10, 0, 10;
-/// 8 new sessions held in flight at home make it busy (and count 38 there), so S = 73 and the
-/// 9th is over the home's limit (39 > 1.25 × 74 / 5 + 2 = 20.5). `least_counted` sends it to
-/// the fourth endpoint (0), `prefix_order` to the second (15: not busy, so not bounded). The
-/// next spill of `least_counted` goes to the fourth again (1 is still the least).
+/// Where the session bound sends a new session of a busy home over its share: the least
+/// counted candidate. Worked: counts home 30, then in the prefix's order 15, 10, 0, 10; 8 new
+/// sessions held in flight at home make it busy (and count 38 there), so S = 73 and the 9th is
+/// over the home's limit (39 > 1.25 × 74 / 5 + 2 = 20.5). It goes to the fourth endpoint (0),
+/// not the second (15: the next of the prefix's order, the rule before). The next spill goes
+/// to the fourth again (1 is still the least).
 #[test]
-fn a_busy_home_over_its_share_spills_to_the_target_its_rule_names() {
-    for (rule, want) in [("least_counted", [3, 3]), ("prefix_order", [1, 1])] {
-        // The busy rule alone (the prefix's own 8 sessions would make it popular).
-        let c = equal_cfg(json!({ "prefix_session_spill": rule, "prefix_popular_share": 0 }));
+fn a_busy_home_over_its_share_spills_to_the_least_counted() {
+    for (rule, want) in [("least_counted", [3, 3])] {
+        let c = equal_cfg(json!({}));
         let store = MemStore::new();
         let s = Scheduler::new(&c, &store);
         let order = placement::order(PREFIX, &weights(&c));
@@ -496,7 +486,7 @@ fn a_busy_home_over_its_share_spills_to_the_target_its_rule_names() {
 /// An endpoint that also serves another model carries that model's sessions in its count: a
 /// busy home of model `m` over its share spills `m`'s new session to the endpoint that serves
 /// `m` only (`e2`, last in the prefix's order), not to the second of the order, which holds
-/// the other model's sessions (where `prefix_order` sends it).
+/// the other model's sessions.
 #[test]
 fn the_least_counted_target_counts_every_model_s_sessions() {
     let endpoints = json!([
@@ -504,14 +494,8 @@ fn the_least_counted_target_counts_every_model_s_sessions() {
         {"name":"e1","cluster":"c1","models":["m","m2"]},
         {"name":"e2","cluster":"c2","models":["m"]}
     ]);
-    for (rule, spill_to) in [("least_counted", 2), ("prefix_order", 1)] {
-        // The busy rule alone (the one prefix would be popular).
-        let c = Config::from_value(&json!({
-            "endpoints": endpoints,
-            "prefix_session_spill": rule,
-            "prefix_popular_share": 0
-        }))
-        .unwrap();
+    for (rule, spill_to) in [("least_counted", 2)] {
+        let c = Config::from_value(&json!({ "endpoints": endpoints })).unwrap();
         // A prefix whose order ends with e2.
         let prefix = (1..)
             .map(|k: u64| PREFIX ^ (k << 20))
@@ -547,99 +531,6 @@ fn the_least_counted_target_counts_every_model_s_sessions() {
     }
 }
 
-/// Counts `n` new sessions of prefix `key` placed on endpoint `i` at time 0.
-fn preload_prefix(store: &MemStore, c: &Config, i: usize, key: u64, n: u32) {
-    for _ in 0..n {
-        assert!(sessions::record(store, c, c.endpoints[i].id, Some(key), 0));
-    }
-}
-
-/// Holds one request in flight on endpoint `i` (a Responses API holder: the endpoint is given,
-/// nothing is counted as a new session).
-fn hold(s: &Scheduler<'_>, c: &Config, i: usize, n: u64) -> Decision {
-    let p = Pick {
-        holder: Some(c.endpoints[i].id),
-        prefix: Prefix::NONE,
-        ..pick_turn_args(session(5_000 + n))
-    };
-    s.pick(&p, 0).unwrap()
-}
-
-/// `prefix_popular_share` (default 0.5): a prefix whose own sessions are at least half a
-/// candidate's share is bounded there from a load of one, not of `prefix_session_busy_load`.
-/// Worked: five endpoints of weight 1; the prefix's home holds 10 of its sessions and 2 of a
-/// rare prefix, the others in the prefix's order 4, 3, 1, 2 (other prefixes, once each):
-/// S = 22. Idle, the home takes the next (11 of the prefix, 13 at home, S = 23). With one
-/// request running at home (far from busy: 8), the rare prefix goes home (2 < 0.5 × 23 / 5 =
-/// 2.3: not popular; 14 at home, S = 24), and the next new session of the popular one (11 ≥
-/// 2.4) is over the home's limit (14 + 1 > 1.25 × 25 / 5 + 2 = 8.25) and spills to the
-/// least-counted candidate, the fourth of the order. With the rule off (`0`) it goes home.
-#[test]
-fn a_popular_prefix_is_bounded_before_its_home_is_busy() {
-    for share in [0.5, 0.0] {
-        let c = equal_cfg(json!({ "prefix_popular_share": share }));
-        let counting = equal_cfg(json!({}));
-        let store = MemStore::new();
-        let s = Scheduler::new(&c, &store);
-        let order = placement::order(PREFIX, &weights(&c));
-        // A rare prefix homed where PREFIX is.
-        let rare = (1..)
-            .map(|k: u64| PREFIX ^ (k << 24))
-            .find(|&p| placement::order(p, &weights(&c))[0] == order[0])
-            .unwrap();
-        preload_prefix(&store, &counting, order[0], PREFIX, 10);
-        preload_prefix(&store, &counting, order[0], rare, 2);
-        for (k, n) in [(1, 4u32), (2, 3), (3, 1), (4, 2)] {
-            for m in 0..n {
-                preload_prefix(&store, &counting, order[k], 0xabc0 + u64::from(m), 1);
-            }
-        }
-        let counts = sessions::read(&store).at(&c, 0).for_prefix(Some(PREFIX));
-        assert_eq!(counts.prefix(), 10.0);
-        assert_eq!(
-            sessions::read(&store)
-                .at(&c, 0)
-                .for_prefix(Some(rare))
-                .prefix(),
-            2.0
-        );
-        // Idle: home, whatever the counts.
-        let d = pick_turn(&s, session(1), false, 0);
-        assert_eq!((d.endpoint, d.reason), (order[0], Reason::Home), "{share}");
-        s.finish(d.ticket, &Outcome::Cancelled, 0, None, 0);
-        let held = hold(&s, &c, order[0], 0);
-        // The rare prefix, with one running at home: home (not popular).
-        let d = s
-            .pick(
-                &Pick {
-                    prefix: Prefix::Known(Some(rare)),
-                    ..pick_turn_args(session(2))
-                },
-                0,
-            )
-            .unwrap();
-        assert_eq!((d.endpoint, d.reason), (order[0], Reason::Home), "{share}");
-        s.finish(d.ticket, &Outcome::Cancelled, 0, None, 0);
-        // The popular one: over the home's limit, to the least counted.
-        let d = pick_turn(&s, session(3), false, 0);
-        if share > 0.0 {
-            assert_eq!(
-                (d.endpoint, d.reason, d.affinity),
-                (order[3], Reason::Spill, AffinityResult::Prefix)
-            );
-            assert!(d.ticket.pin_on_success, "a prefix spill pins");
-        } else {
-            assert_eq!((d.endpoint, d.reason), (order[0], Reason::Home));
-        }
-        s.finish(d.ticket, &Outcome::Cancelled, 0, None, 0);
-        // A later turn of the popular prefix without a pin here goes home as a pin would.
-        let d = pick_turn(&s, session(1), true, 0);
-        assert_eq!((d.endpoint, d.reason), (order[0], Reason::Home), "{share}");
-        s.finish(d.ticket, &Outcome::Cancelled, 0, None, 0);
-        s.finish(held.ticket, &Outcome::Cancelled, 0, None, 0);
-    }
-}
-
 #[cfg(not(target_arch = "wasm32"))]
 mod props {
     use super::*;
@@ -658,27 +549,21 @@ mod props {
 
         /// Whatever the counts and loads, the session bound decides only new sessions placed
         /// by prefix: a session without a prefix (the `steady` workload), a later turn
-        /// without a pin and a pinned session are placed exactly as with the bound off, also
-        /// when the prefix is popular; and a new session it spills to the least-counted
-        /// candidate is within the session bound there, or that candidate is not busy.
+        /// without a pin and a pinned session are placed exactly as with no sessions counted
+        /// (where the bound never passes over a candidate: the slack of 2 is above any
+        /// count); and a new session it spills to the least-counted candidate is within the
+        /// session bound there, or that candidate is not busy.
         #[test]
         fn the_bound_moves_only_new_prefix_sessions_and_spills_within_it(
             counts in proptest::collection::vec(0u32..40, 5),
             held in proptest::collection::vec(0usize..5, 0..40),
-            rule in 0usize..2,
-            popular in (0u32..30, 0usize..5),
         ) {
-            let rule = ["least_counted", "prefix_order"][rule];
-            let on = equal_cfg(json!({ "prefix_session_spill": rule }));
-            let off = equal_cfg(json!({ "prefix_session_half_life_ms": 0 }));
+            let on = equal_cfg(json!({}));
+            let off = on.clone();
             let (s_on, s_off) = (MemStore::new(), MemStore::new());
             for (i, &n) in counts.iter().enumerate() {
                 preload(&s_on, &on, i, n);
-                preload(&s_off, &on, i, n);
             }
-            // The prefix's own sessions (popular or not, see `prefix_popular_share`).
-            preload_prefix(&s_on, &on, popular.1, PREFIX, popular.0);
-            preload_prefix(&s_off, &on, popular.1, PREFIX, popular.0);
             let a = Scheduler::new(&on, &s_on);
             let b = Scheduler::new(&off, &s_off);
             // Load: requests held in flight on the endpoints `held` names (a Responses API
@@ -705,16 +590,15 @@ mod props {
                 b.finish(y.ticket, &Outcome::Cancelled, 0, None, 1);
             }
             // A new session by prefix, against the counts as it read them.
-            let before = sessions::read(&s_on).at(&on, 1);
+            let before = sessions::read(&s_on).at(1);
             let d = a.pick(&plain(session(9), Some(PREFIX), false), 1).unwrap();
             let total: f64 = on.endpoints.iter().map(|e| before.of(e.id)).sum();
             let there = before.of(on.endpoints[d.endpoint].id);
-            let limit = sessions::session_limit(total, 1.0, 5.0, on.prefix_session_epsilon);
+            let limit = sessions::session_limit(total, 1.0, 5.0, sessions::SESSION_EPSILON);
             let load = held.iter().filter(|&&i| i == d.endpoint).count();
             prop_assert!(
-                d.reason != Reason::Spill || rule == "prefix_order" || there + 1.0 <= limit
-                    || load < 8,
-                "{} at {}: {} + 1 > {} with load {}", rule, d.endpoint, there, limit, load
+                d.reason != Reason::Spill || there + 1.0 <= limit || load < 8,
+                "at {}: {} + 1 > {} with load {}", d.endpoint, there, limit, load
             );
             a.finish(d.ticket, &Outcome::Cancelled, 0, None, 1);
             for (x, y) in kept {

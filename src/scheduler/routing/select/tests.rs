@@ -428,7 +428,7 @@ fn all_cooling_down_reports_earliest_recovery_and_rate_limit() {
 fn retry_budget_limits_failovers() {
     let c = cfg(
         json!({"endpoints":[{"name":"a","cluster":"ca"},{"name":"b","cluster":"cb"}],
-        "retry_budget_percent":10,"retry_budget_min_retries":2}),
+        "retry_budget_percent":10,"tuning":{"retry_budget_min_retries":2}}),
     );
     let store = MemStore::new();
     let s = Scheduler::new(&c, &store);
@@ -463,7 +463,7 @@ fn retry_budget_limits_failovers() {
 fn failovers_after_401_or_429_spend_no_retry_budget() {
     let c = cfg(
         json!({"endpoints":[{"name":"a","cluster":"ca"},{"name":"b","cluster":"cb"}],
-        "retry_budget_percent":0,"retry_budget_min_retries":0}),
+        "retry_budget_percent":0,"tuning":{"retry_budget_min_retries":0}}),
     );
     let store = MemStore::new();
     let s = Scheduler::new(&c, &store);
@@ -590,7 +590,6 @@ fn warm(s: &Scheduler<'_>, latencies: &[u64], samples: u64, now: u64) {
                 probe_epoch: None,
                 counted: false,
                 started_ms: now,
-                watch_token: 0,
                 degraded_probe: false,
                 pin_on_success: false,
                 pinned_usage: None,
@@ -707,7 +706,7 @@ fn failover_walks_the_rendezvous_order_on_every_replica() {
 fn bounded_load_spills_in_rendezvous_order() {
     let c = cfg(json!({"endpoints":[
         {"name":"a","cluster":"ca"},{"name":"b","cluster":"cb"},{"name":"c","cluster":"cc"},{"name":"d","cluster":"cd"}
-    ],"bounded_load_epsilon":0.25,"bounded_load_slack":1}));
+    ],"tuning":{"bounded_load_epsilon":0.25,"bounded_load_slack":1}}));
     let store = MemStore::new();
     let s = Scheduler::new(&c, &store);
     let ex = Exclusions::default();
@@ -737,12 +736,12 @@ fn bounded_load_spills_in_rendezvous_order() {
     assert_eq!(d.reason, Reason::Home);
 }
 
-/// A session pinned to `home`'s backup by a failover, under each `after_failover` policy:
-/// returns the endpoint of the next turn once the home admits traffic again.
-fn after_failover_next_turn(policy: &str) -> (usize, usize, usize) {
+/// A session pinned to `home`'s backup by a failover: returns the endpoint of the next turn
+/// once the home admits traffic again.
+fn after_failover_next_turn() -> (usize, usize, usize) {
     let c = cfg(json!({"endpoints":[
         {"name":"a","cluster":"ca"},{"name":"b","cluster":"cb"},{"name":"c","cluster":"cc"}
-    ],"after_failover": policy}));
+    ]}));
     let store = MemStore::new();
     let s = Scheduler::new(&c, &store);
     let ex = Exclusions::default();
@@ -786,21 +785,20 @@ fn after_failover_next_turn(policy: &str) -> (usize, usize, usize) {
     (home.endpoint, backup.endpoint, after.endpoint)
 }
 
+/// After a failover the session stays on the backup that served it (its newest prefix is
+/// cached there), also once its home admits traffic again.
 #[test]
-fn after_failover_stay_keeps_the_backup_return_home_goes_home() {
-    let (home, backup, after) = after_failover_next_turn("stay");
+fn after_a_failover_the_session_stays_on_the_backup() {
+    let (home, backup, after) = after_failover_next_turn();
     assert_ne!(home, backup);
     assert_eq!(after, backup);
-    let (home, backup, after) = after_failover_next_turn("return_home");
-    assert_ne!(home, backup);
-    assert_eq!(after, home);
 }
 
 #[test]
 fn a_degraded_pin_breaks_with_hysteresis_and_gets_probes() {
     let c = cfg(json!({"endpoints":[
         {"name":"a","cluster":"ca"},{"name":"b","cluster":"cb"},{"name":"c","cluster":"cc"}
-    ],"cold_start_samples":5,"degraded_probe_interval_ms":1000}));
+    ],"cold_start_samples":5,"tuning":{"degraded_probe_interval_ms":1000}}));
     let store = MemStore::new();
     let s = Scheduler::new(&c, &store);
     let ex = Exclusions::default();
@@ -930,133 +928,27 @@ fn with_pins_on_first(
     f(&s, &ex, &on_a);
 }
 
+/// Only answers make an endpoint degraded: pinned turns held long without an answer (a long
+/// generation on a healthy endpoint looks the same) break no pin.
 #[test]
-fn an_overdue_affinity_hit_breaks_pins_before_any_slow_answer() {
-    with_pins_on_first(json!({"pin_break_overdue": 1}), an_overdue_hit);
-}
-
-fn an_overdue_hit(s: &Scheduler<'_>, ex: &Exclusions, on_a: &[u64]) {
-    // One pinned turn goes to a at t = 1000 and gets no answer yet.
-    let held = pick_at(s, Some(on_a[0]), ex, 1_000).unwrap();
-    assert_eq!(held.reason, Reason::AffinityHit);
-    assert_ne!(held.ticket.watch_token, 0);
-    // Threshold on the work model's terms: the endpoint's typical expected time × its peers'
-    // median slowness (`best`, about 100 ms: all three answer alike), then max(3 × best, best +
-    // 50, own + 4 deviations) = 3 × best. Younger: pins hold.
-    let table = s.table();
-    let st = table.entries[0].1.slowness;
-    let peers = crate::scheduler::routing::signals::peer_median(&table, s.cfg, 0, 5).unwrap();
-    let best = peers * st.expected_ms;
-    assert!((80.0..150.0).contains(&best), "{best}");
-    let at = 1_000 + (3.0 * best).ceil() as u64;
-    let d = pick_at(s, Some(on_a[1]), ex, at - 1).unwrap();
-    assert_eq!(d.reason, Reason::AffinityHit);
-    s.finish(d.ticket, &Outcome::Cancelled, 0, None, at - 1);
-    // Older: the next pinned turns are placed elsewhere, in their rendezvous order.
-    for &k in &on_a[2..10] {
-        let d = pick_at(s, Some(k), ex, at).unwrap();
-        assert_eq!(
-            (d.reason, d.broke_pin_of),
-            (Reason::PinBreak, Some(0)),
-            "session {k}"
-        );
-        assert_ne!(d.endpoint, 0);
-        s.finish(d.ticket, &Outcome::Cancelled, 0, None, at);
-    }
-    // New sessions avoid it too, and no probe is due: the overdue hit is the probe.
-    for n in 5_000..5_100u64 {
-        let d = pick_at(s, Some(key(n)), ex, at).unwrap();
-        assert_ne!(d.endpoint, 0);
-        s.finish(d.ticket, &Outcome::Cancelled, 0, None, at);
-    }
-    // Transient: nothing sticky was stored.
-    assert!(!s.table().entries[0].1.degraded);
-    // The answer arrives (fast after all: a false alarm): pins to a hold again.
-    s.finish(held.ticket, &Outcome::Success, 310, Some(on_a[0]), 1_310);
-    let d = pick_at(s, Some(on_a[10]), ex, 1_320).unwrap();
-    assert_eq!(d.reason, Reason::AffinityHit);
-    s.finish(d.ticket, &Outcome::Cancelled, 0, None, 1_320);
-}
-
-#[test]
-fn overdue_evidence_respects_spread_cold_start_and_the_switch() {
-    // An endpoint whose answers vary widely for the same work needs a far older hit.
-    with_pins_on_first(json!({"pin_break_overdue": 1}), |s, ex, on_a| {
-        for lat in [20, 400, 20, 400, 20, 400] {
-            warm(s, &[lat, 100, 100], 1, 2);
-        }
-        let st = s.table().entries[0].1.slowness;
-        let own = st.value().unwrap() * st.expected_ms;
-        let spread = own + 4.0 * own * (st.log_dev.exp() - 1.0);
-        // The estimate is the low envelope (queue-prone samples), the deviation its spread.
-        assert!(spread > 250.0, "estimate + 4 deviations: {spread} {st:?}");
-        let held = pick_at(s, Some(on_a[0]), ex, 1_000).unwrap();
-        let d = pick_at(s, Some(on_a[1]), ex, 1_000 + 250).unwrap();
-        assert_eq!(
-            d.reason,
-            Reason::AffinityHit,
-            "250 ms is within its usual spread"
-        );
-        s.finish(d.ticket, &Outcome::Cancelled, 0, None, 1_250);
-        let table = s.table();
-        let peers = crate::scheduler::routing::signals::peer_median(&table, s.cfg, 0, 5).unwrap();
-        let best = peers * st.expected_ms;
-        let threshold = spread.max(3.0 * best).max(best + 50.0);
-        let d = pick_at(s, Some(on_a[2]), ex, 1_000 + threshold.ceil() as u64 + 1).unwrap();
-        assert_eq!(d.reason, Reason::PinBreak);
-        s.finish(d.ticket, &Outcome::Cancelled, 0, None, 2_000);
-        s.finish(held.ticket, &Outcome::Cancelled, 0, None, 2_000);
-    });
-    // Cold endpoints never (fewer than 1000 samples): a hit held for minutes changes nothing.
-    with_pins_on_first(
-        json!({"cold_start_samples": 1000, "pin_break_overdue": 1}),
-        |s, ex, on_a| {
-            let held = pick_at(s, Some(on_a[0]), ex, 1_000).unwrap();
-            let d = pick_at(s, Some(on_a[1]), ex, 100_000).unwrap();
-            assert_eq!(d.reason, Reason::AffinityHit);
-            s.finish(d.ticket, &Outcome::Cancelled, 0, None, 100_000);
-            s.finish(held.ticket, &Outcome::Cancelled, 0, None, 100_000);
-        },
-    );
-    // `pin_break_overdue: 0` turns it off; 2 needs two overdue hits.
-    for (needed, holds) in [(0u64, 5usize), (2, 1)] {
-        with_pins_on_first(json!({ "pin_break_overdue": needed }), |s, ex, on_a| {
-            let held: Vec<Decision> = (0..holds)
-                .map(|j| pick_at(s, Some(on_a[j]), ex, 1_000).unwrap())
-                .collect();
-            let d = pick_at(s, Some(on_a[10]), ex, 5_000).unwrap();
-            assert_eq!(
-                d.reason,
-                Reason::AffinityHit,
-                "needed {needed}, held {holds}"
-            );
-            s.finish(d.ticket, &Outcome::Cancelled, 0, None, 5_000);
-            if needed == 2 {
-                let second = pick_at(s, Some(on_a[11]), ex, 1_001).unwrap();
-                let d = pick_at(s, Some(on_a[12]), ex, 5_000).unwrap();
-                assert_eq!(d.reason, Reason::PinBreak, "two overdue hits");
-                s.finish(d.ticket, &Outcome::Cancelled, 0, None, 5_000);
-                s.finish(second.ticket, &Outcome::Cancelled, 0, None, 5_000);
-            }
-            for h in held {
-                s.finish(h.ticket, &Outcome::Cancelled, 0, None, 5_000);
-            }
-        });
-    }
-}
-
-#[test]
-fn a_streamed_hit_stops_being_watched_at_its_first_byte() {
+fn pinned_turns_held_without_an_answer_break_no_pin() {
     with_pins_on_first(json!({}), |s, ex, on_a| {
-        let mut streaming = pick_at(s, Some(on_a[0]), ex, 1_000).unwrap();
-        s.release_watch(&mut streaming.ticket);
-        assert_eq!(streaming.ticket.watch_token, 0);
-        assert!(s.table().entries[0]
-            .1
-            .watch
-            .slots
-            .iter()
-            .all(|x| x.token == 0));
+        let held: Vec<Decision> = (0..5)
+            .map(|j| pick_at(s, Some(on_a[j]), ex, 1_000).unwrap())
+            .collect();
+        let d = pick_at(s, Some(on_a[10]), ex, 5_000).unwrap();
+        assert_eq!(d.reason, Reason::AffinityHit);
+        s.finish(d.ticket, &Outcome::Cancelled, 0, None, 5_000);
+        for h in held {
+            s.finish(h.ticket, &Outcome::Cancelled, 0, None, 5_000);
+        }
+    });
+}
+
+#[test]
+fn a_streamed_hit_running_for_a_minute_is_no_evidence() {
+    with_pins_on_first(json!({}), |s, ex, on_a| {
+        let streaming = pick_at(s, Some(on_a[0]), ex, 1_000).unwrap();
         // Its stream goes on for a minute: no evidence against a.
         let d = pick_at(s, Some(on_a[1]), ex, 61_000).unwrap();
         assert_eq!(d.reason, Reason::AffinityHit);
@@ -1077,7 +969,7 @@ fn a_streamed_hit_stops_being_watched_at_its_first_byte() {
 /// replicas: follow-up turns probed onto the 5× endpoint took 3.9–4.5 s, cached 0).
 #[test]
 fn a_follow_up_without_a_pin_here_is_never_a_probe() {
-    let c = three_warm(json!({"degraded_probe_interval_ms": 1000}));
+    let c = three_warm(json!({"tuning": {"degraded_probe_interval_ms": 1000}}));
     let store = MemStore::new();
     let s = Scheduler::new(&c, &store);
     let ex = Exclusions::default();
@@ -1109,7 +1001,7 @@ fn a_follow_up_without_a_pin_here_is_never_a_probe() {
 
 #[test]
 fn a_fast_probe_answer_resets_the_probe_backoff() {
-    let c = three_warm(json!({"degraded_probe_interval_ms": 1000}));
+    let c = three_warm(json!({"tuning": {"degraded_probe_interval_ms": 1000}}));
     let store = MemStore::new();
     let s = Scheduler::new(&c, &store);
     let ex = Exclusions::default();
@@ -1277,7 +1169,7 @@ fn a_key_short_of_quota_loses_new_sessions_to_the_next_in_order_until_its_reset(
 
 #[test]
 fn a_pinned_session_stays_until_a_429_is_certain() {
-    let c = cfg(json!({"quota_min_tokens": 5_000,
+    let c = cfg(json!({"tuning": {"quota_min_tokens": 5_000},
         "endpoints":[{"name":"a","cluster":"ca"},{"name":"b","cluster":"cb"}]}));
     let store = MemStore::new();
     let s = Scheduler::new(&c, &store);
@@ -1370,7 +1262,7 @@ fn a_later_turn_without_a_pin_here_keeps_to_its_home_until_a_429_is_certain() {
     // Another replica served this conversation's earlier turns: no pin here, but the body
     // carries them (`follow_up`). Like a pin it stays on a key short of the reserve, and moves
     // only when a 429 is certain; a first turn with the same key is placed elsewhere.
-    let c = cfg(json!({"quota_min_tokens": 5_000,
+    let c = cfg(json!({"tuning": {"quota_min_tokens": 5_000},
         "endpoints":[{"name":"a","cluster":"ca"},{"name":"b","cluster":"cb"}]}));
     let store = MemStore::new();
     let s = Scheduler::new(&c, &store);
@@ -1398,7 +1290,7 @@ fn a_later_turn_without_a_pin_here_keeps_to_its_home_until_a_429_is_certain() {
     assert_eq!(moved.quota_skipped, vec![0]);
 }
 
-/// The quota bench, three replicas: a replica's count missed what the others spent, a
+/// quota bench, three replicas: a replica's count missed what the others spent, a
 /// 2 000-token turn got a 429 that said 1 500 tokens were left, and the key was cooled whole
 /// on that replica: a pinned turn of 1 000 tokens moved although it fitted, and after the
 /// reset the breaker's three probes held the key for the length of their generations while
@@ -1566,7 +1458,7 @@ fn quota_skips_name_the_endpoints_passed_over_for_quota() {
     assert_eq!((d.endpoint, d.quota_skipped), (0, vec![]));
 
     // A pinned session leaves its key only for a certain 429, and that key is reported.
-    let c = two(json!({"quota_min_tokens": 5_000}));
+    let c = two(json!({"tuning": {"quota_min_tokens": 5_000}}));
     let store = MemStore::new();
     let s = Scheduler::new(&c, &store);
     let k = session_homed_at(&s, 0);
@@ -1605,7 +1497,7 @@ fn quota_skips_name_the_endpoints_passed_over_for_quota() {
     );
 }
 
-// --- Degraded (slow for the work) vs saturated (full by the engine's own load) --------------
+// --- Issue 23: degraded (slow for the work) vs saturated (full by the engine's own load) ------
 
 /// Writes endpoint `name`'s scraped record: `waiting` queued, `running` in the batch.
 fn scraped(store: &dyn Store, name: &str, waiting: u32, running: u32, now: u64) {
@@ -1783,10 +1675,10 @@ fn a_follow_up_without_a_pin_here_goes_home_even_when_full() {
     }
 }
 
-/// `saturated_pin_moves` is off by default: however long the queue, a pinned session stays;
-/// new sessions still avoid the saturated engine.
+/// However long a saturated engine's queue, a pinned session stays (moves measured fewer
+/// cached tokens for no better p99); new sessions still avoid the saturated engine.
 #[test]
-fn a_saturated_pin_stays_by_default() {
+fn a_saturated_pin_stays() {
     with_pins_on_first(json!({}), |s, _, on_a| {
         scraped(s.store, "a", 500, 1, 1_000);
         for &k in &on_a[..5] {
@@ -1799,179 +1691,6 @@ fn a_saturated_pin_stays_by_default() {
             assert_ne!(d.endpoint, 0, "a new session went to the saturated engine");
             s.finish(d.ticket, &Outcome::Cancelled, 0, None, 1_100);
         }
-    });
-}
-
-#[test]
-fn a_long_wait_moves_a_pin_once_per_ttl() {
-    with_pins_on_first(
-        json!({"affinity_ttl_ms": 60_000, "saturated_pin_moves": true}),
-        |s, _, on_a| {
-            // 500 waiting, 1 running: the wait there dwarfs re-prefilling a short prompt.
-            scraped(s.store, "a", 500, 1, 1_000);
-            let k = on_a[0];
-            let d = pick_body(s, k, 400, 1_100);
-            assert_ne!(d.endpoint, 0);
-            assert_eq!(
-                (d.reason, d.affinity, d.moved_pin_of),
-                (Reason::Saturated, AffinityResult::Saturated, Some(0))
-            );
-            let moved_to = d.endpoint;
-            s.finish(d.ticket, &Outcome::Success, 100, Some(k), 1_200);
-            // The session is now pinned where it moved.
-            let d = pick_body(s, k, 400, 1_300);
-            assert_eq!((d.endpoint, d.reason), (moved_to, Reason::AffinityHit));
-            s.finish(d.ticket, &Outcome::Cancelled, 0, None, 1_300);
-            // Its new endpoint is saturated too, a has room again... and is full again: within
-            // the TTL the session is not moved a second time for saturation.
-            scraped(
-                s.store,
-                s.cfg.endpoints[moved_to].name.as_str(),
-                500,
-                1,
-                2_000,
-            );
-            scraped(s.store, "a", 0, 1, 2_000);
-            let d = pick_body(s, k, 400, 2_100);
-            assert_eq!((d.endpoint, d.reason), (moved_to, Reason::AffinityHit));
-            s.finish(d.ticket, &Outcome::Cancelled, 0, None, 2_100);
-            // After the TTL (the mark has lapsed), it may move again.
-            let later = 1_100 + 60_000;
-            scraped(
-                s.store,
-                s.cfg.endpoints[moved_to].name.as_str(),
-                500,
-                1,
-                later,
-            );
-            scraped(s.store, "a", 0, 1, later);
-            // Keep the pin alive (its TTL counts from its last use).
-            let d = pick_body(s, k, 400, later);
-            assert_eq!(d.reason, Reason::Saturated, "{d:?}");
-            assert_ne!(d.endpoint, moved_to);
-            s.finish(d.ticket, &Outcome::Cancelled, 0, None, later);
-        },
-    );
-}
-
-#[test]
-fn a_full_endpoints_own_slowness_does_not_count_its_queue_twice() {
-    with_pins_on_first(json!({"saturated_pin_moves": true}), |s, _, on_a| {
-        // a answered while it queued: slowness ≈ 1.3 (250 ms where the work model, which
-        // learns from these answers too, expects ≈ 190 ms), its peers ≈ 0.53; 2.4× is not
-        // degraded.
-        warm(s, &[250], 20, 500);
-        let table = s.table();
-        let own = table.entries[0].1.slowness.value().unwrap();
-        let peers = crate::scheduler::routing::signals::peer_median(&table, s.cfg, 0, 5).unwrap();
-        assert!(own > 2.0 * peers && own < 3.0 * peers, "{own} {peers}");
-        // 8 waiting, 8 running: at the peers' speed (the model's typical service ≈ 1475 ms ×
-        // 0.53) the wait is 8 / 8 × ≈ 790 ms, below re-prefilling 5000 tokens (20 000 bytes / 4
-        // × ≈ 0.195 ms ≈ 975 ms): the pin stays. At a's own slowness it would be ≈ 1920 ms,
-        // and it would move.
-        scraped(s.store, "a", 8, 8, 1_000);
-        for &k in &on_a[..5] {
-            let d = pick_body(s, k, 20_000, 1_100);
-            assert_eq!((d.endpoint, d.reason), (0, Reason::AffinityHit), "{d:?}");
-            s.finish(d.ticket, &Outcome::Cancelled, 0, None, 1_100);
-        }
-        assert_eq!(s.table().entries[0].1.saturation, Saturation::Saturated);
-        // Twice the queue: ≈ 1580 ms, above the re-prefill: it moves.
-        scraped(s.store, "a", 16, 8, 2_000);
-        let d = pick_body(s, on_a[5], 20_000, 2_100);
-        assert_eq!(
-            (d.reason, d.moved_pin_of),
-            (Reason::Saturated, Some(0)),
-            "{d:?}"
-        );
-        s.finish(d.ticket, &Outcome::Cancelled, 0, None, 2_100);
-    });
-}
-
-#[test]
-fn a_queue_shallower_than_one_batch_moves_no_pin() {
-    with_pins_on_first(json!({"saturated_pin_moves": true}), |s, _, on_a| {
-        // 6 waiting on 16 running: saturated (no new sessions), but the wait (6 / 16 of one
-        // service) is below one service time: even a session with nothing to re-prefill stays.
-        scraped(s.store, "a", 6, 16, 1_000);
-        for &k in &on_a[..5] {
-            let d = pick_body(s, k, 4, 1_100);
-            assert_eq!((d.endpoint, d.reason), (0, Reason::AffinityHit), "{d:?}");
-            s.finish(d.ticket, &Outcome::Cancelled, 0, None, 1_100);
-        }
-        assert_eq!(s.table().entries[0].1.saturation, Saturation::Saturated);
-        // A batch deep (16 on 16): it moves.
-        scraped(s.store, "a", 16, 16, 2_000);
-        let d = pick_body(s, on_a[5], 4, 2_100);
-        assert_eq!(
-            (d.reason, d.moved_pin_of),
-            (Reason::Saturated, Some(0)),
-            "{d:?}"
-        );
-        s.finish(d.ticket, &Outcome::Cancelled, 0, None, 2_100);
-    });
-}
-
-#[test]
-fn a_pin_stays_when_the_other_endpoints_queue_as_long() {
-    with_pins_on_first(json!({"saturated_pin_moves": true}), |s, _, on_a| {
-        // a: 8 waiting on 4 running (a small engine), ≈ 8 × 612 / 4 ≈ 1224 ms; a short prompt
-        // (400 bytes: 20 ms to re-prefill).
-        scraped(s.store, "a", 8, 4, 1_000);
-        // b and c have room (4 waiting: below the saturation threshold of 5) but the same
-        // wait per slot: moving saves nothing.
-        scraped(s.store, "b", 4, 2, 1_000);
-        scraped(s.store, "c", 4, 2, 1_000);
-        let d = pick_body(s, on_a[0], 400, 1_100);
-        assert_eq!((d.endpoint, d.reason), (0, Reason::AffinityHit), "{d:?}");
-        s.finish(d.ticket, &Outcome::Cancelled, 0, None, 1_100);
-        // c's queue empties and a slot of its batch (2, the running count it showed with a
-        // queue) is free: the wait there is gone, and the session moves.
-        scraped(s.store, "c", 0, 1, 2_000);
-        let d = pick_body(s, on_a[1], 400, 2_100);
-        assert_eq!(
-            (d.reason, d.moved_pin_of),
-            (Reason::Saturated, Some(0)),
-            "{d:?}"
-        );
-        s.finish(d.ticket, &Outcome::Cancelled, 0, None, 2_100);
-    });
-}
-
-/// The mixed fleet's herd (docs/adr/0010-saturated-is-not-slow.md): a large engine turns full and
-/// its pinned sessions move in one burst, between two scrapes. They go only where a slot is
-/// free counting the moves already sent since the scrape: 2 to the small engine b (4 slots,
-/// 2 running), 6 to c (16 slots, 10 running); the rest stay until the next scrape.
-#[test]
-fn a_burst_of_moves_fills_free_slots_only() {
-    with_pins_on_first(json!({"saturated_pin_moves": true}), |s, _, on_a| {
-        assert!(on_a.len() >= 20);
-        // Slots seen: b and c queued once (their running counts then are their slots).
-        scraped(s.store, "b", 2, 4, 1_000);
-        scraped(s.store, "c", 3, 16, 1_000);
-        let d = pick_body(s, key(90_000), 400, 1_000);
-        s.finish(d.ticket, &Outcome::Cancelled, 0, None, 1_000);
-        // a is a batch and more deep; b and c have room by their last scrape.
-        scraped(s.store, "a", 40, 16, 2_000);
-        scraped(s.store, "b", 0, 2, 2_000);
-        scraped(s.store, "c", 0, 10, 2_000);
-        let mut to = [0usize; 3];
-        for &k in &on_a[..20] {
-            let d = pick_body(s, k, 400, 2_100);
-            match d.reason {
-                Reason::Saturated => assert_eq!(d.moved_pin_of, Some(0), "{d:?}"),
-                Reason::AffinityHit => assert_eq!(d.endpoint, 0, "{d:?}"),
-                other => panic!("{other:?}"),
-            }
-            to[d.endpoint] += 1;
-            s.finish(d.ticket, &Outcome::Cancelled, 0, None, 2_100);
-        }
-        assert_eq!(to, [12, 2, 6]);
-        // The next scrape shows free slots again: the next sessions move.
-        scraped(s.store, "b", 0, 1, 3_000);
-        let d = pick_body(s, on_a[20], 400, 3_100);
-        assert_eq!((d.reason, d.endpoint), (Reason::Saturated, 1), "{d:?}");
-        s.finish(d.ticket, &Outcome::Cancelled, 0, None, 3_100);
     });
 }
 
@@ -2215,7 +1934,7 @@ fn replicas_with_different_own_signals_compute_the_same_homes() {
     }
 }
 
-// --- A Responses follow-up's holder is part of the pick -------------------------------------
+// --- Issue 22, item 2: a Responses follow-up's holder is part of the pick -------------------
 
 fn holder_pick<'a>(
     ex: &'a Exclusions,
@@ -2297,7 +2016,7 @@ fn a_holder_is_picked_whatever_its_verdicts_quota_or_pin_cookie() {
     );
 }
 
-// --- In-flight counts expire per attempt age ------------------------------------------------
+// --- Issue 22, item 8: in-flight counts expire per attempt age ------------------------------
 
 /// An attempt whose ticket is never handed back (a VM crash between pick and finish) on an
 /// endpoint that serves a request every second for 20 minutes: its count expires within 1.5 ×
@@ -2365,12 +2084,11 @@ fn new_m_sessions(s: &Scheduler<'_>, ex: &Exclusions, from: u64, now: u64) -> [u
 
 /// `a` degraded (5× slower for the work) leaves `b` the last server of `m2`: new `m` sessions
 /// pass over `b` while `c` or `d` is lighter, and half of them (the reservation coin) when it is
-/// not; never while no endpoint is degraded or with `relieve_last_server` off; `m2` sessions
-/// still go to `b`.
+/// not; never while no endpoint is degraded; `m2` sessions still go to `b`.
 #[test]
 fn new_sessions_pass_over_the_last_server_of_another_model() {
-    for relief in [true, false] {
-        let c = two_models(json!({ "relieve_last_server": relief }));
+    {
+        let c = two_models(json!({}));
         let store = MemStore::new();
         let s = Scheduler::new(&c, &store);
         let ex = Exclusions::default();
@@ -2381,17 +2099,13 @@ fn new_sessions_pass_over_the_last_server_of_another_model() {
         }
         // Healthy fleet: b takes its rendezvous share whatever the switch.
         let healthy = new_m_sessions(&s, &ex, 0, 1_100);
-        assert!(healthy[1] > 40, "{relief}: {healthy:?}");
+        assert!(healthy[1] > 40, "{healthy:?}");
         // a turns 5× slower: degraded.
         warm(&s, &[500, 100, 100, 100], 20, 1_200);
         let slow = new_m_sessions(&s, &ex, 1_000, 1_300);
         assert!(s.table().entries[0].1.degraded);
         assert_eq!(slow[0], 0, "{slow:?}");
-        if relief {
-            assert_eq!(slow[1], 0, "{slow:?}");
-        } else {
-            assert!(slow[1] > 40, "{slow:?}");
-        }
+        assert_eq!(slow[1], 0, "{slow:?}");
         // m2 sessions have nowhere else to go.
         for n in 0..50u64 {
             let d = s
@@ -2401,28 +2115,24 @@ fn new_sessions_pass_over_the_last_server_of_another_model() {
             s.finish(d.ticket, &Outcome::Cancelled, 0, None, 1_300);
         }
         // b no busier than the others: it takes new m sessions again, but for the half kept
-        // for m2 (the reservation coin) with the switch on.
+        // for m2 (the reservation coin).
         for (name, waiting, running) in [("b", 0, 6), ("c", 0, 6), ("d", 0, 6)] {
             scraped(&store, name, waiting, running, 1_400);
         }
         let even = new_m_sessions(&s, &ex, 2_000, 1_500);
-        if relief {
-            assert!((25..=75).contains(&even[1]), "{even:?}");
-        } else {
-            assert!(even[1] > 80, "{even:?}");
-        }
+        assert!((25..=75).contains(&even[1]), "{even:?}");
     }
 }
 
 /// With `a` degraded and `b` the last server of `m2` a batch deep in queue while `c` and `d`
 /// have a quarter of that: `m` sessions pinned to `b` move (reason `saturated`, once: the next
 /// turn is an affinity hit where they went), later turns without a pin here whose home is `b`
-/// too; `m2` sessions stay; nothing moves without a degraded endpoint, with the switch off, or
-/// when the queues are alike.
+/// too; `m2` sessions stay; nothing moves without a degraded endpoint, or when the queues are
+/// alike.
 #[test]
 fn pinned_sessions_move_off_the_last_server_of_another_model_once() {
-    for relief in [true, false] {
-        let c = two_models(json!({ "relieve_last_server": relief }));
+    {
+        let c = two_models(json!({}));
         let store = MemStore::new();
         let s = Scheduler::new(&c, &store);
         let ex = Exclusions::default();
@@ -2454,7 +2164,7 @@ fn pinned_sessions_move_off_the_last_server_of_another_model_once() {
         warm(&s, &[500, 100, 100, 100], 20, 1_200);
         for &(model, k) in &on_b {
             let d = s.pick(&model_pick(model, k, &ex, true), 1_300).unwrap();
-            if relief && model == "m" {
+            if model == "m" {
                 assert!(d.endpoint == 2 || d.endpoint == 3, "{d:?}");
                 assert_eq!(
                     (d.reason, d.moved_pin_of),
@@ -2472,8 +2182,7 @@ fn pinned_sessions_move_off_the_last_server_of_another_model_once() {
             }
         }
         assert!(s.table().entries[0].1.degraded);
-        // Later turns without a pin here whose home is b (a skipped, degraded): they move too
-        // (with the switch on).
+        // Later turns without a pin here whose home is b (a skipped, degraded): they move too.
         let all: Vec<(usize, u32, f64)> = (0..4).map(|i| (i, c.endpoints[i].id, 1.0)).collect();
         let homed: Vec<u64> = (20_000..21_000u64)
             .map(key)
@@ -2483,16 +2192,12 @@ fn pinned_sessions_move_off_the_last_server_of_another_model_once() {
         assert_eq!(homed.len(), 20);
         for &k in &homed[..10] {
             let d = s.pick(&model_pick("m", k, &ex, true), 1_500).unwrap();
-            if relief {
-                assert!(d.endpoint == 2 || d.endpoint == 3, "{d:?}");
-                assert_eq!(
-                    (d.reason, d.moved_pin_of),
-                    (Reason::Saturated, Some(1)),
-                    "{d:?}"
-                );
-            } else {
-                assert_eq!((d.endpoint, d.moved_pin_of), (1, None), "{d:?}");
-            }
+            assert!(d.endpoint == 2 || d.endpoint == 3, "{d:?}");
+            assert_eq!(
+                (d.reason, d.moved_pin_of),
+                (Reason::Saturated, Some(1)),
+                "{d:?}"
+            );
             s.finish(d.ticket, &Outcome::Cancelled, 0, None, 1_500);
         }
         // Queues alike (c and d as deep as b): they go home.
@@ -2507,9 +2212,9 @@ fn pinned_sessions_move_off_the_last_server_of_another_model_once() {
     }
 }
 
-/// `quota_limit_weighting`: once the keys have stated their limits, new sessions go to them in
+/// Once the keys have stated their limits, new sessions go to them in
 /// proportion (a key with an eighth of its peers' limit gets about 1/17 of the new sessions,
-/// not a third). The quota bench: placed evenly in a long first window, before their
+/// not a third). quota bench: placed evenly in a long first window, before their
 /// use said anything, the small keys took a quarter of the new sessions each and ran dry in
 /// the next window, and their pinned sessions moved. Pinned sessions stay where they are.
 #[test]
@@ -2543,28 +2248,27 @@ fn new_sessions_follow_the_keys_stated_limits() {
         on_c
     };
     let on = share_of_c(json!({}));
-    let off = share_of_c(json!({"quota_limit_weighting": false}));
+    // Without quota-aware routing the limits are not read: placed by the plain weights.
+    let off = share_of_c(json!({"quota_aware": false}));
     // 1/17 of 600 is 35; a third is 200.
     assert!((15..60).contains(&on), "{on}");
     assert!((160..240).contains(&off), "{off}");
-    // Without quota-aware routing the limits are not read either.
-    assert_eq!(share_of_c(json!({"quota_aware": false})), off);
 }
 
-/// `quota_session_growth`: when every candidate is short of quota, a new session goes to the
-/// key with the most tokens left after its forecast use, not to the first of its order. In
-/// the quota bench the big keys were short by the reserve (half their limit kept for
+/// When every candidate is short of quota, a new session goes to the key with the most tokens
+/// left after its forecast use, not to the first of its order (about 1 in 17 would go to `c`,
+/// which weighs 1/8 of `a` and `b`). In
+/// quota bench the big keys were short by the reserve (half their limit kept for
 /// their pinned sessions, with about 180 000 tokens still free) while a small key had a few
 /// thousand: the first of the order put sessions on the small key, which then ran dry in the
 /// next window. Pinned sessions stay where they are.
 #[test]
 fn when_every_key_is_short_a_new_session_goes_to_the_roomiest() {
     use crate::scheduler::routing::quota::Stated;
-    let on_c = |growth: bool| {
+    let on_c = || {
         let c = cfg(json!({
             "endpoints": three_keys(),
-            "quota_reserve_percent": 50,
-            "quota_session_growth": growth,
+            "tuning": {"quota_reserve_percent": 50},
         }));
         let store = MemStore::new();
         let s = Scheduler::new(&c, &store);
@@ -2603,28 +2307,24 @@ fn when_every_key_is_short_a_new_session_goes_to_the_roomiest() {
         assert_eq!((stay.endpoint, stay.affinity), (2, AffinityResult::Hit));
         placed
     };
-    let (on, off) = (on_c(true), on_c(false));
-    assert_eq!(on, 0);
-    // Off: the first of each session's order, about 1 in 17 (c weighs 1/8 of a and b).
-    assert!(off >= 8, "{off}");
+    assert_eq!(on_c(), 0);
 }
 
-/// `quota_session_growth`: a new session that spilled (over its bounded load) from a home
-/// kept off for its quota is pinned where it was served: its next turn without a pin would go
+/// A new session that spilled (over its bounded load) from a home kept off for its quota is
+/// pinned where it was served: its next turn without a pin would go
 /// home as a pin would (a home is passed over only for a certain 429), re-prefilling on a key
-/// that still had quota (the quota bench, `quota7-3` ×3: 2 such moves).
+/// that still had quota (quota bench, `quota7-3` ×3: 2 such moves).
 #[test]
 fn a_spill_from_a_home_short_of_quota_pins() {
     use crate::scheduler::routing::quota::Stated;
-    let pinned_spill = |growth: bool| {
+    let pinned_spill = || {
         let c = cfg(json!({
             "endpoints": [{"name":"x","cluster":"cx"},{"name":"y","cluster":"cy"}],
-            "quota_reserve_percent": 50,
-            "quota_session_growth": growth,
-            // The general rule for first turns would pin it too (its own test below).
-            "pin_spilled_new_sessions": false,
-            "bounded_load_epsilon": 0.25,
-            "bounded_load_slack": 1,
+            "tuning": {
+                "quota_reserve_percent": 50,
+                "bounded_load_epsilon": 0.25,
+                "bounded_load_slack": 1,
+            },
         }));
         let store = MemStore::new();
         let s = Scheduler::new(&c, &store);
@@ -2662,9 +2362,8 @@ fn a_spill_from_a_home_short_of_quota_pins() {
         s.finish(d.ticket, &Outcome::Cancelled, 0, None, 4);
         (pins, d.endpoint)
     };
-    assert_eq!(pinned_spill(true), (true, 1));
-    // Off: not pinned, the next turn moves home to x, which had quota for it.
-    assert_eq!(pinned_spill(false), (false, 0));
+    // Pinned: the next turn stays on y instead of moving home to x, which had quota for it.
+    assert_eq!(pinned_spill(), (true, 1));
 }
 
 fn three_keys() -> serde_json::Value {

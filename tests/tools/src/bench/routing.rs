@@ -117,7 +117,7 @@ impl Scenario {
     /// Filter configuration keys of this scenario.
     pub fn plugin_extra(&self) -> serde_json::Value {
         match self {
-            Scenario::Quota => json!({"quota_reserve_percent": QUOTA_RESERVE_PERCENT}),
+            Scenario::Quota => json!({"tuning": {"quota_reserve_percent": QUOTA_RESERVE_PERCENT}}),
             Scenario::QuotaOff => json!({"quota_aware": false}),
             _ => serde_json::Value::Null,
         }
@@ -269,7 +269,7 @@ impl Scenario {
                 if *self == Scenario::QuotaOff {
                     "`quota_aware: false` (the filter learns only from 429s)"
                 } else {
-                    "`quota_aware: true` (default) with `quota_reserve_percent: 50`"
+                    "`quota_aware: true` (default) with `tuning.quota_reserve_percent: 50`"
                 }
             ),
             (Scenario::RateLimited, Some((a, Some(b)))) => {
@@ -342,7 +342,7 @@ pub const MIXED_PREFIX_SYSTEM_TOKENS: usize = 1_500;
 /// in that window (endpoints in [`ENDPOINTS`] order; `c` and `d` serve `m1` only, so `m2`'s
 /// keys `a` and `b` are never the ones that run out).
 pub const QUOTA_SHARES: [f64; 5] = [4.0, 4.0, 0.6, 0.8, 4.0];
-/// `quota_reserve_percent` of the quota scenario: new sessions leave a key with less than this
+/// `tuning.quota_reserve_percent` of the quota scenario: new sessions leave a key with less than this
 /// share of its budget left, so that its pinned sessions (and their cached prompts) can stay.
 pub const QUOTA_RESERVE_PERCENT: u64 = 50;
 /// The budgets' window: short, so that keys run out and come back many times in a run (a
@@ -476,7 +476,7 @@ fn merged(parts: &[serde_json::Value]) -> serde_json::Value {
     let mut out = serde_json::Map::new();
     for p in parts {
         if let Some(o) = p.as_object() {
-            out.extend(o.clone());
+            topology::merge_keys(&mut out, o);
         }
     }
     if out.is_empty() {
@@ -776,5 +776,13 @@ mod tests {
             json!({"prefix_placement": false})
         );
         assert_eq!(Policy::Filter.plugin_extra(), serde_json::Value::Null);
+        // The tuning keys of a scenario and a variant add up.
+        assert_eq!(
+            merged(&[
+                Scenario::Quota.plugin_extra(),
+                Policy::FilterEps25.plugin_extra()
+            ]),
+            json!({"tuning": {"quota_reserve_percent": QUOTA_RESERVE_PERCENT, "bounded_load_epsilon": 0.25}})
+        );
     }
 }

@@ -43,52 +43,17 @@ pub enum Policy {
     /// The filter with `"prefix_placement": false` (issue 20: the feature on against off in one
     /// run).
     FilterNoPrefix,
-    /// The filter with placement by prefix but without the session bound of a busy prefix
-    /// home (`"prefix_session_half_life_ms": 0`): a prefix home spills by its load alone.
-    FilterNoSessionBound,
-    /// The filter with a tighter session bound (`"prefix_session_epsilon": 0.1`).
-    FilterSessionBoundTight,
-    /// The filter with the session bound from a lower load (`"prefix_session_busy_load": 4`).
-    FilterSessionBusy4,
-    /// The filter with the session bound at any load (`"prefix_session_busy_load": 0`).
-    FilterSessionBusy0,
-    /// The filter whose session bound spills in the prefix's rendezvous order
-    /// (`"prefix_session_spill": "prefix_order"`), not to the least-counted candidate.
-    FilterSpillNext,
-    /// The filter with the session bound at its share (`"prefix_session_epsilon": 0`).
-    FilterSessionBound0,
-    /// The filter without the popular-prefix bound (`"prefix_popular_share": 0`): only a busy
-    /// home is bounded by its sessions, the rule before.
-    FilterPopularOff,
-    /// The filter with a lower popular-prefix threshold (`"prefix_popular_share": 0.25`).
-    FilterPopular25,
-    /// The filter with a lower popular-prefix threshold whose session bound spills in the
-    /// prefix's rendezvous order (`"prefix_popular_share": 0.25`, `"prefix_session_spill":
-    /// "prefix_order"`): a popular prefix reaches as few endpoints as the bound allows.
-    FilterPopular25Next,
     /// The SGLang gateway's `cache_aware` policy behind the same Envoy (see `peer.rs`).
     SglangCacheAware,
     /// The filter without `metrics`: it sees only its own traffic (a hosted-API fleet).
     FilterNoMetrics,
-    /// The filter with every latency rule off (degraded and pin breaking, the overdue watch):
+    /// The filter with every latency rule off (degraded and pin breaking):
     /// what "moves no session in steady traffic" is measured against.
     FilterRulesOff,
-    /// The filter with `"relieve_last_server": false` (the last healthy server of a model is
-    /// not relieved of the other models' sessions): the rule on against off in one run.
-    FilterNoRelief,
-    /// The filter with a tighter bounded load (`"bounded_load_epsilon": 0.25`).
+    /// The filter with a tighter bounded load (`"tuning": {"bounded_load_epsilon": 0.25}`).
     FilterEps25,
-    /// The filter with a tighter bounded load (`"bounded_load_epsilon": 0.15`).
+    /// The filter with a tighter bounded load (`"tuning": {"bounded_load_epsilon": 0.15}`).
     FilterEps15,
-    /// The filter without placement in proportion to the keys' stated limits
-    /// (`"quota_limit_weighting": false`): the rule on against off in one run.
-    FilterNoLimitWeight,
-    /// The filter without the new sessions' growth in quota pacing and the roomiest key when
-    /// all are short (`"quota_session_growth": false`): the rule on against off in one run.
-    FilterGrowthOff,
-    /// The filter without pinning a new session's spill where it was served
-    /// (`"pin_spilled_new_sessions": false`): the rule on against off in one run.
-    FilterSpillPinOff,
 }
 
 impl Policy {
@@ -102,31 +67,18 @@ impl Policy {
     ];
 
     /// Every policy `--policies` accepts, in the report's order (the default set first).
-    pub const KNOWN: [Policy; 24] = [
+    pub const KNOWN: [Policy; 11] = [
         Policy::RoundRobin,
         Policy::LeastRequest,
         Policy::RingHash,
         Policy::Maglev,
         Policy::Filter,
         Policy::FilterNoPrefix,
-        Policy::FilterNoSessionBound,
-        Policy::FilterSessionBoundTight,
-        Policy::FilterSessionBusy4,
-        Policy::FilterSessionBusy0,
-        Policy::FilterSpillNext,
-        Policy::FilterSessionBound0,
-        Policy::FilterPopularOff,
-        Policy::FilterPopular25,
-        Policy::FilterPopular25Next,
         Policy::SglangCacheAware,
         Policy::FilterNoMetrics,
         Policy::FilterRulesOff,
-        Policy::FilterNoRelief,
         Policy::FilterEps25,
         Policy::FilterEps15,
-        Policy::FilterNoLimitWeight,
-        Policy::FilterGrowthOff,
-        Policy::FilterSpillPinOff,
     ];
 
     pub fn name(&self) -> &'static str {
@@ -137,24 +89,11 @@ impl Policy {
             Policy::Maglev => "maglev",
             Policy::Filter => "computeflux",
             Policy::FilterNoPrefix => "computeflux_noprefix",
-            Policy::FilterNoSessionBound => "computeflux_nosessionbound",
-            Policy::FilterSessionBoundTight => "computeflux_sessionbound10",
-            Policy::FilterSessionBusy4 => "computeflux_sessionbusy4",
-            Policy::FilterSessionBusy0 => "computeflux_sessionbusy0",
-            Policy::FilterSpillNext => "computeflux_spillnext",
-            Policy::FilterSessionBound0 => "computeflux_sessionbound0",
-            Policy::FilterPopularOff => "computeflux_popularoff",
-            Policy::FilterPopular25 => "computeflux_popular25",
-            Policy::FilterPopular25Next => "computeflux_popular25next",
             Policy::SglangCacheAware => "sglang_cache_aware",
             Policy::FilterNoMetrics => "computeflux_nometrics",
             Policy::FilterRulesOff => "computeflux_rulesoff",
-            Policy::FilterNoRelief => "computeflux_norelief",
             Policy::FilterEps25 => "computeflux_eps25",
             Policy::FilterEps15 => "computeflux_eps15",
-            Policy::FilterNoLimitWeight => "computeflux_nolimitweight",
-            Policy::FilterGrowthOff => "computeflux_growthoff",
-            Policy::FilterSpillPinOff => "computeflux_spillpinoff",
         }
     }
 
@@ -187,50 +126,21 @@ impl Policy {
             Policy::SglangCacheAware => Some("ROUND_ROBIN"),
             Policy::Filter
             | Policy::FilterNoPrefix
-            | Policy::FilterNoSessionBound
-            | Policy::FilterSessionBoundTight
-            | Policy::FilterSessionBusy4
-            | Policy::FilterSessionBusy0
-            | Policy::FilterSpillNext
-            | Policy::FilterSessionBound0
-            | Policy::FilterPopularOff
-            | Policy::FilterPopular25
-            | Policy::FilterPopular25Next
             | Policy::FilterNoMetrics
             | Policy::FilterRulesOff
-            | Policy::FilterNoRelief
             | Policy::FilterEps25
-            | Policy::FilterEps15
-            | Policy::FilterNoLimitWeight
-            | Policy::FilterGrowthOff
-            | Policy::FilterSpillPinOff => None,
+            | Policy::FilterEps15 => None,
         }
     }
 
     /// The variant's filter configuration keys on top of [`plugin_config`]'s.
     pub fn plugin_extra(&self) -> Value {
         match self {
-            // Degraded and pin breaking need a slowness of 1000× the peers' median; the overdue
-            // watch is off (its default, made explicit).
-            Policy::FilterRulesOff => json!({"pin_break_ratio": 1000.0, "pin_break_overdue": 0}),
+            // Degraded and pin breaking need a slowness of 1000× the peers' median.
+            Policy::FilterRulesOff => json!({"tuning": {"pin_break_ratio": 1000.0}}),
             Policy::FilterNoPrefix => json!({"prefix_placement": false}),
-            Policy::FilterNoRelief => json!({"relieve_last_server": false}),
-            Policy::FilterEps25 => json!({"bounded_load_epsilon": 0.25}),
-            Policy::FilterEps15 => json!({"bounded_load_epsilon": 0.15}),
-            Policy::FilterNoLimitWeight => json!({"quota_limit_weighting": false}),
-            Policy::FilterGrowthOff => json!({"quota_session_growth": false}),
-            Policy::FilterSpillPinOff => json!({"pin_spilled_new_sessions": false}),
-            Policy::FilterNoSessionBound => json!({"prefix_session_half_life_ms": 0}),
-            Policy::FilterSessionBoundTight => json!({"prefix_session_epsilon": 0.1}),
-            Policy::FilterSessionBusy4 => json!({"prefix_session_busy_load": 4}),
-            Policy::FilterSessionBusy0 => json!({"prefix_session_busy_load": 0}),
-            Policy::FilterSpillNext => json!({"prefix_session_spill": "prefix_order"}),
-            Policy::FilterSessionBound0 => json!({"prefix_session_epsilon": 0.0}),
-            Policy::FilterPopularOff => json!({"prefix_popular_share": 0.0}),
-            Policy::FilterPopular25 => json!({"prefix_popular_share": 0.25}),
-            Policy::FilterPopular25Next => {
-                json!({"prefix_popular_share": 0.25, "prefix_session_spill": "prefix_order"})
-            }
+            Policy::FilterEps25 => json!({"tuning": {"bounded_load_epsilon": 0.25}}),
+            Policy::FilterEps15 => json!({"tuning": {"bounded_load_epsilon": 0.15}}),
             _ => Value::Null,
         }
     }
@@ -242,21 +152,8 @@ impl Policy {
             Policy::Filter
                 | Policy::FilterRulesOff
                 | Policy::FilterNoPrefix
-                | Policy::FilterNoRelief
                 | Policy::FilterEps25
                 | Policy::FilterEps15
-                | Policy::FilterNoLimitWeight
-                | Policy::FilterGrowthOff
-                | Policy::FilterSpillPinOff
-                | Policy::FilterNoSessionBound
-                | Policy::FilterSessionBoundTight
-                | Policy::FilterSessionBusy4
-                | Policy::FilterSessionBusy0
-                | Policy::FilterSpillNext
-                | Policy::FilterSessionBound0
-                | Policy::FilterPopularOff
-                | Policy::FilterPopular25
-                | Policy::FilterPopular25Next
         )
     }
 }
@@ -308,6 +205,25 @@ pub fn plugin_config(endpoints: &[(&str, &[&str])], open_ms: u64, metrics: bool)
     })
 }
 
+/// Puts the filter configuration keys of `extra` into `into`, later over earlier; the keys of
+/// an object both hold (`tuning`) are merged the same way, so that a scenario's tuning keys and
+/// a variant's add up.
+pub fn merge_keys(
+    into: &mut serde_json::Map<String, Value>,
+    extra: &serde_json::Map<String, Value>,
+) {
+    for (k, v) in extra {
+        match (into.get_mut(k), v) {
+            (Some(Value::Object(old)), Value::Object(new)) => {
+                old.extend(new.iter().map(|(a, b)| (a.clone(), b.clone())));
+            }
+            _ => {
+                into.insert(k.clone(), v.clone());
+            }
+        }
+    }
+}
+
 /// Envoy's route retry policy for its own balancers: what an operator would configure so that a
 /// refused connection, a reset or a 429/503 from one host is retried on another host.
 pub fn envoy_retry_policy() -> Value {
@@ -353,7 +269,7 @@ pub fn bootstrap(setup: &Setup<'_>, wasm: &Path) -> Result<String, String> {
                 if let (Some(p), Some(extra)) =
                     (cfg.plugin_config.as_object_mut(), extra.as_object())
                 {
-                    p.extend(extra.clone());
+                    merge_keys(p, extra);
                 }
             }
             cfg.clusters = setup
@@ -859,12 +775,11 @@ mod tests {
             metrics_interval_ms().map(|ms| json!(ms))
         );
         assert_eq!(on["open_ms"], 5000, "the run's keys apply on top");
-        assert!(on.get("pin_break_ratio").is_none());
+        assert!(on.get("tuning").is_none());
         let off = config(Policy::FilterNoMetrics);
         assert!(off["endpoints"][0].get("metrics").is_none());
         let rules = config(Policy::FilterRulesOff);
-        assert_eq!(rules["pin_break_ratio"], 1000.0);
-        assert_eq!(rules["pin_break_overdue"], 0);
+        assert_eq!(rules["tuning"]["pin_break_ratio"], 1000.0);
         assert!(rules["endpoints"][0].get("metrics").is_some());
         assert_eq!(
             Policy::parse("computeflux_nometrics"),
