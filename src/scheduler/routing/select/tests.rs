@@ -1497,7 +1497,7 @@ fn quota_skips_name_the_endpoints_passed_over_for_quota() {
     );
 }
 
-// --- Issue 23: degraded (slow for the work) vs saturated (full by the engine's own load) ------
+// --- degraded (slow for the work) vs saturated (full by the engine's own load) ------
 
 /// Writes endpoint `name`'s scraped record: `waiting` queued, `running` in the batch.
 fn scraped(store: &dyn Store, name: &str, waiting: u32, running: u32, now: u64) {
@@ -1934,7 +1934,7 @@ fn replicas_with_different_own_signals_compute_the_same_homes() {
     }
 }
 
-// --- Issue 22, item 2: a Responses follow-up's holder is part of the pick -------------------
+// --- a Responses follow-up's holder is part of the pick -------------------
 
 fn holder_pick<'a>(
     ex: &'a Exclusions,
@@ -2016,7 +2016,7 @@ fn a_holder_is_picked_whatever_its_verdicts_quota_or_pin_cookie() {
     );
 }
 
-// --- Issue 22, item 8: in-flight counts expire per attempt age ------------------------------
+// --- in-flight counts expire per attempt age ------------------------------
 
 /// An attempt whose ticket is never handed back (a VM crash between pick and finish) on an
 /// endpoint that serves a request every second for 20 minutes: its count expires within 1.5 ×
