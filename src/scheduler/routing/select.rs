@@ -863,10 +863,10 @@ impl<'a> Scheduler<'a> {
         };
         let (quota_tokens, quota_mark) = if self.cfg.quota_aware {
             let estimate = pick.quota_estimate(self.cfg.quota_bytes_per_token);
-            let mark = st.quota.consume(estimate, now_ms);
+            let mut mark = st.quota.consume(estimate, now_ms);
             // A new session's first turn: what it will spend next window counts in pacing.
             if pick.session.is_some() && !pick.follow_up && choice.reason != Reason::AffinityHit {
-                st.quota.place(estimate, now_ms);
+                st.quota.place(estimate, &mut mark, now_ms);
             }
             (estimate, mark)
         } else {
