@@ -60,6 +60,13 @@
 //!   left, or fewer tokens left than the estimate. A mere floor is not worth a re-prefill.
 //! - Each pick takes one request and the estimate from the remembered counts, so concurrent
 //!   requests do not all pass on the same stale count before the next answer refreshes it.
+//!   The estimate is capped by the key's stated limit ([`Remaining::charge`]: no window holds
+//!   more), and given back whole when the attempt ends without a served answer (a provider's
+//!   400, a 401/403, a 5xx, a reset, a client gone, a 429 its statement does not explain;
+//!   [`Quota::give_back`]): the upstream charged nothing. A new session's placement counts its
+//!   estimate until its answer's `usage` replaces it. Kept, a refused request of
+//!   `max_tokens: 10000000` left a key at 0 for its window and moved every session pinned
+//!   there (issue 41).
 //!
 //! A header value that is not a plain decimal count (garbage, negative, fractional) or is
 //! implausibly large (over [`MAX_REMAINING`]) is ignored, as is a reset that does not parse;
