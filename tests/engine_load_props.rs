@@ -413,7 +413,7 @@ proptest! {
             }
             store.inject_conflicts.set(conflicts);
             let me = 100 + worker as u64;
-            if scrape::try_take(&store, scrape::LEASE_KEY, me, now, LEASE_MS) {
+            if scrape::try_take(&store, scrape::LEASE_KEY, me, 1, now, LEASE_MS) {
                 for (other, until) in believes.iter().enumerate() {
                     prop_assert!(other == worker || *until <= now,
                         "worker {worker} took the lease at {now} while {other} holds it to {until}");

@@ -173,3 +173,56 @@ fn changing_the_bound_reuses_bucket_keys_up_to_the_largest_count() {
     }
     assert_eq!(largest, 20_000usize.div_ceil(64));
 }
+
+/// Issue 41, item 5: reload churn with `metrics` configured. Each of 2 000 reloads replaces one
+/// of 4 scraped engines by a never-seen name, and every scraped endpoint's scrape result is
+/// stored as the scraper stores it (`scrape::fold`, the filter's only write of a result): the
+/// keys stay three for scraping (lease, holder counter, loads) plus the table and the pins,
+/// and the loads value holds the configured engines only. Before, each name ever scraped left
+/// a record key (`computeflux/scrape/endpoint/<name>`): 2 004 keys here.
+#[test]
+fn endpoint_churn_with_metrics_through_reloads_adds_no_keys() {
+    use computeflux::scheduler::routing::scrape::{self, LEASE_KEY};
+    use computeflux::scheduler::routing::scrape_plan::{holder_id, scraped_ids};
+    use computeflux::scheduler::wire::engine_load::{Engine, EngineLoad};
+    let store = MemStore::new();
+    let mut now = 1_000_000;
+    let mut names: Vec<String> = (0..4).map(|i| format!("gpu-{i}")).collect();
+    let me = holder_id(&store, 1);
+    let mut first = 0;
+    for reload in 0..2_000u64 {
+        names[(reload % 4) as usize] = format!("gpu-{}", reload + 4);
+        let endpoints: Vec<_> = names
+            .iter()
+            .map(|n| json!({"name": n, "cluster": n, "metrics": {"interval_ms": 1000}}))
+            .collect();
+        let cfg = Config::from_value(&json!({"endpoints": endpoints, "affinity_max_sessions": 64}))
+            .unwrap();
+        assert!(scrape::try_take(&store, LEASE_KEY, me, 1, now, 3_000));
+        let keep = scraped_ids(&cfg);
+        for e in &cfg.endpoints {
+            let load = EngineLoad {
+                engine: Engine::Vllm,
+                waiting: Some(1),
+                running: Some(2),
+                kv_usage_permille: Some(300),
+                prompt_tokens_total: None,
+                prompt_tokens_cached_total: None,
+                decode: None,
+            };
+            let _ = scrape::fold(&store, e.id, now, Ok(load), &keep);
+        }
+        request(&cfg, &store, session_key(b"m", &reload.to_le_bytes()), now);
+        now += 50;
+        // Scraping: lease, holders, loads; the table (header and one group), the sessions
+        // placed, one affinity bucket, the request path's own (fleet-wide) keys: the same set
+        // at every reload.
+        if reload == 0 {
+            first = store.keys();
+            assert!(first <= 10, "{first} keys");
+        }
+        assert_eq!(store.keys(), first, "reload {reload}");
+        let loads = scrape::read_loads(&store);
+        assert_eq!(loads.entries.len(), 4, "reload {reload}");
+    }
+}

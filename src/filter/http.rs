@@ -22,7 +22,7 @@ use super::observe::Recorder;
 use super::plugin::Plugin;
 use super::shared::SharedData;
 use crate::scheduler::flow::{Flow, Step};
-use crate::scheduler::health::blame::JUDGE_BYTES;
+use crate::scheduler::health::blame::{self, JUDGE_BYTES};
 use crate::scheduler::routing::select::Scheduler;
 use crate::scheduler::wire::headers::HeaderSource;
 use crate::scheduler::wire::usage::TAIL_BYTES;
@@ -73,6 +73,9 @@ impl Http {
                 if let Some(ep) = cfg.endpoints.get(i) {
                     let req = MapType::HttpRequestHeaders;
                     host::set_header(req, &cfg.routing_header, ep.cluster.as_bytes());
+                    for name in blame::withheld_headers(ep) {
+                        host::remove_header(req, name);
+                    }
                     for (name, value) in &ep.headers {
                         host::set_header(req, name, value.as_bytes());
                     }

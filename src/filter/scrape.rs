@@ -17,8 +17,8 @@
 //! own 503/504 (connect failure, timeout) and a body over
 //! [`crate::scheduler::routing::scrape_plan::BODY_LIMIT_BYTES`] are failures without reading the body;
 //! otherwise at most that many bytes are read and parsed. The result is folded into the
-//! endpoint's record ([`scrape::record`]) and the record published in the combined value
-//! ([`scrape::publish`]).
+//! endpoint's record inside the combined value ([`scrape::fold`]: one key for every endpoint,
+//! whatever names come and go).
 
 use super::host;
 use super::metrics::Metrics;
@@ -135,7 +135,14 @@ impl Scraper {
         let loads = scrape::read_loads(&store);
         self.refresh_gauges(cfg, &loads, now_ms);
         let lease_ms = scrape_plan::lease_ms(self.tick_ms);
-        let held = scrape::try_take(&store, scrape::LEASE_KEY, self.me, now_ms, lease_ms);
+        let held = scrape::try_take(
+            &store,
+            scrape::LEASE_KEY,
+            self.me,
+            cfg.layout_generation,
+            now_ms,
+            lease_ms,
+        );
         if !held {
             if self.holding {
                 log::debug!("computeflux: scrape lease lost (holder {})", self.me);
@@ -220,20 +227,16 @@ impl Scraper {
             return;
         };
         let store = SharedData;
-        let rec: Scraped =
-            match scrape::record(&store, &scrape::record_key(&e.name), now_ms, result) {
-                Ok(r) => r,
-                Err(r) => {
-                    log::warn!(
-                        "computeflux: scrape record of {} lost its CAS race; publishing it anyway",
-                        e.name
-                    );
-                    r
-                }
-            };
-        if scrape::publish(&store, e.id, rec, &self.ids).is_err() {
-            log::warn!("computeflux: scraped loads not published (CAS retries exhausted)");
-        }
+        let rec: Scraped = match scrape::fold(&store, e.id, now_ms, result, &self.ids) {
+            Ok(r) => r,
+            Err(r) => {
+                log::warn!(
+                    "computeflux: scrape of {} not published (CAS retries exhausted)",
+                    e.name
+                );
+                r
+            }
+        };
         let m = self.metrics.get(i).and_then(Option::as_ref);
         match result {
             Ok(load) => {

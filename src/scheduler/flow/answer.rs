@@ -8,6 +8,7 @@ use super::{
 };
 use super::{Observer, Step};
 use crate::scheduler::config::{Config, EndpointConfig};
+use crate::scheduler::health::blame;
 use crate::scheduler::routing::select::NoEndpoint;
 use crate::scheduler::wire::headers::{HeaderSource, Pairs};
 use crate::scheduler::wire::reply::{RejectReason, Reply};
@@ -45,7 +46,7 @@ impl Flow {
         for (name, value) in self.headers.iter() {
             let overridden = ep.headers.iter().any(|(n, _)| *n == name);
             let framing = name == "content-length" || name == "transfer-encoding";
-            if !overridden && !framing {
+            if !overridden && !framing && !blame::withheld(ep, &name) {
                 headers.push((name.into_owned(), value.to_vec()));
             }
         }

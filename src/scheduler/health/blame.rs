@@ -14,7 +14,7 @@
 //! | 429 without those headers, body says `Request too large` (OpenAI TPM: `"message":"Request too large for gpt-4o … Limit 30000, Requested 52000"`, `"code":"rate_limit_exceeded"`), or `request_too_large`, or `requested … limit` / `… limit … requested` | the first [`JUDGE_BYTES`] of the body, case-insensitive | `ClientError` (no key could serve it) |
 //! | 429 without those headers, any other body (or none) | — | `RateLimited` |
 //! | 413 (Anthropic `{"type":"error","error":{"type":"request_too_large"}}`, any proxy's limit) | the status | `ClientError` |
-//! | 401 / 403, endpoint injects credentials (`authorization`, `x-api-key` or `api-key` in its `headers`) | the endpoint's configuration | `DeadKey` (the endpoint's key) |
+//! | 401 / 403, endpoint injects credentials (`authorization`, `x-api-key` or `api-key` in its `headers`) | the endpoint's configuration | `DeadKey` (the endpoint's key; the client's credential-scoping headers, [`SCOPING_HEADERS`], are withheld from such an endpoint, so a client cannot draw this 401) |
 //! | 401 / 403, endpoint injects none | the endpoint's configuration | `ClientError` (the client's own key) |
 //! | 400, 404, 422, other 4xx | the status | `ClientError` |
 //!
@@ -36,6 +36,35 @@ pub fn injects_credentials(ep: &EndpointConfig) -> bool {
     ep.headers
         .iter()
         .any(|(n, _)| CREDENTIAL_HEADERS.iter().any(|c| n.eq_ignore_ascii_case(c)))
+}
+
+/// Request headers that scope a credential (lower case): which of the key's organizations or
+/// projects a request is billed to and authorized against (OpenAI's `OpenAI-Organization` and
+/// `OpenAI-Project`, Google Cloud's `x-goog-user-project`). When the endpoint injects its
+/// own credential, the client's are withheld ([`withheld`]): the key is the operator's, so
+/// the client may not choose whose quota and bill it draws on, and a mismatched one is a 401
+/// that would be blamed on the key ([`by_endpoint`]) and mark a shared key dead for every
+/// client. An operator who needs one sets it in the endpoint's `headers`.
+pub const SCOPING_HEADERS: [&str; 3] = [
+    "openai-organization",
+    "openai-project",
+    "x-goog-user-project",
+];
+
+/// Whether a client's request header `name` is withheld from endpoint `ep`: a credential-
+/// scoping header ([`SCOPING_HEADERS`]) when the endpoint injects its own credential.
+pub fn withheld(ep: &EndpointConfig, name: &str) -> bool {
+    SCOPING_HEADERS.iter().any(|h| name.eq_ignore_ascii_case(h)) && injects_credentials(ep)
+}
+
+/// The client's request headers withheld from endpoint `ep` (see [`withheld`]): none when it
+/// injects no credential (the client's own key, with its own scoping, goes through).
+pub fn withheld_headers(ep: &EndpointConfig) -> &'static [&'static str] {
+    if injects_credentials(ep) {
+        &SCOPING_HEADERS
+    } else {
+        &[]
+    }
 }
 
 /// `outcome` of an answer from `ep`, with the blame of a 401/403 moved to the request when the

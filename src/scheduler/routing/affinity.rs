@@ -16,14 +16,24 @@
 //! spares about 2.5 wasm instructions per byte of system prompt and tools). Buckets of the
 //! previous version (no key) are read as entries with an unknown key and rewritten in this
 //! version by their next write: an upgrade keeps every pin.
+//!
+//! A bucket of a *later* version (a newer module beside this one during an upgrade, same
+//! `vm_id`) is left as it is: not read (no pin found there) and never written, so this
+//! module cannot take it for empty and overwrite the newer module's pins. Only a bucket that
+//! is not any version's (garbage, a version this code knows with a broken length) is read as
+//! empty and rewritten. Before this rule, an old module still draining read a newer bucket as
+//! empty and overwrote it, up to 64 pins a write.
 
 use crate::scheduler::state::codec::{Reader, Writer};
-use crate::scheduler::state::store::{numbered_key, update, Store};
+use crate::scheduler::state::store::{numbered_key, update_if, Store};
 
 /// Entries per bucket aimed for: small values keep each CAS write cheap.
 const TARGET_PER_BUCKET: u64 = 64;
 const MAX_BUCKETS: u64 = 4096;
 const BUCKET_VERSION: u8 = 2;
+/// Version bytes up to this are versions (later ones are left alone, [`is_later`]); above
+/// it, garbage.
+const MAX_BUCKET_VERSION: u8 = 63;
 /// Buckets written before entries recorded a placement key.
 const BUCKET_VERSION_1: u8 = 1;
 const ENTRY_BYTES_1: usize = 20;
@@ -131,7 +141,10 @@ impl<'a> Affinity<'a> {
         let b = self.bucket_of(session);
         let cap = self.capacity(b);
         let ttl = self.ttl_ms;
-        update(self.store, &self.key(b), |bytes| {
+        update_if(self.store, &self.key(b), |bytes| {
+            if bytes.is_some_and(is_later) {
+                return (None, ());
+            }
             let mut entries = bytes.and_then(decode).unwrap_or_default();
             entries.retain(|e| e.session != session && now_ms.saturating_sub(e.last_used_ms) < ttl);
             while entries.len() >= cap.max(1) {
@@ -155,7 +168,7 @@ impl<'a> Affinity<'a> {
                     placement_key,
                 });
             }
-            (encode(&entries), ())
+            (Some(encode(&entries)), ())
         })
         .is_ok()
     }
@@ -171,10 +184,13 @@ impl<'a> Affinity<'a> {
         if !pinned {
             return true;
         }
-        update(self.store, &self.key(b), |bytes| {
+        update_if(self.store, &self.key(b), |bytes| {
+            if bytes.is_some_and(is_later) {
+                return (None, ());
+            }
             let mut entries = bytes.and_then(decode).unwrap_or_default();
             entries.retain(|e| !(e.session == session && e.endpoint_id == endpoint_id));
-            (encode(&entries), ())
+            (Some(encode(&entries)), ())
         })
         .is_ok()
     }
@@ -192,6 +208,15 @@ impl<'a> Affinity<'a> {
             })
             .sum()
     }
+}
+
+/// A bucket written by a later version of this code (its version byte above ours): left
+/// untouched (see the module doc). Version bytes are small; a byte above
+/// [`MAX_BUCKET_VERSION`] is garbage, not a version.
+pub fn is_later(bytes: &[u8]) -> bool {
+    bytes
+        .first()
+        .is_some_and(|v| (BUCKET_VERSION + 1..=MAX_BUCKET_VERSION).contains(v))
 }
 
 pub fn encode(entries: &[Entry]) -> Vec<u8> {
@@ -301,7 +326,7 @@ mod tests {
     fn undecodable_bucket_reads_as_empty() {
         let s = MemStore::new();
         let a = Affinity::new(&s, 1000, 10);
-        s.set(&a.key(a.bucket_of(5)), b"\x09garbage", None).unwrap();
+        s.set(&a.key(a.bucket_of(5)), b"\xf9garbage", None).unwrap();
         assert_eq!(a.lookup(5, 0), None);
         assert!(a.remember(5, 3, 0));
         assert_eq!(a.lookup(5, 1), Some(3));
@@ -341,6 +366,41 @@ mod tests {
         // A version-1 bucket of the wrong length reads as empty.
         s.set(&a.key(b), &w.buf[..30], None).unwrap();
         assert_eq!(a.lookup(5, 400), None);
+    }
+
+    /// Issue 41, item 3: a bucket of a later version (written by a newer module during an
+    /// upgrade) is never overwritten by this one, whatever it does with the sessions in it,
+    /// nor read as pins; a version this code knows with a broken length still is.
+    #[test]
+    fn a_later_bucket_version_is_never_overwritten() {
+        let s = MemStore::new();
+        let a = Affinity::new(&s, 300_000, 64);
+        assert_eq!(a.buckets(), 1);
+        for version in [BUCKET_VERSION + 1, 7, MAX_BUCKET_VERSION] {
+            // A later format: 40-byte entries, say, holding sessions 5 and 9.
+            let mut later = vec![version];
+            for session in [5u64, 9] {
+                later.extend(session.to_le_bytes());
+                later.extend([0u8; 32]);
+            }
+            s.set(&a.key(0), &later, None).unwrap();
+            let writes = s.writes.get();
+            assert_eq!(a.lookup(5, 10), None);
+            assert!(a.remember_keyed(5, 3, 42, 10));
+            assert!(a.remember(11, 3, 10));
+            assert!(a.forget(9, 0));
+            assert_eq!(
+                s.get(&a.key(0)).0.as_deref(),
+                Some(&later[..]),
+                "v{version}"
+            );
+            assert_eq!(s.writes.get(), writes, "v{version}: written");
+            assert_eq!(a.stored_entries(), 0);
+        }
+        // This version's own bucket of a broken length is rewritten.
+        s.set(&a.key(0), &[BUCKET_VERSION, 1, 2, 3], None).unwrap();
+        assert!(a.remember(5, 3, 20));
+        assert_eq!(a.lookup(5, 21), Some(3));
     }
 
     /// Reading one entry where it is stored answers as decoding the bucket and searching it.

@@ -61,6 +61,13 @@
 //!   left, or fewer tokens left than the estimate. A mere floor is not worth a re-prefill.
 //! - Each pick takes one request and the estimate from the remembered counts, so concurrent
 //!   requests do not all pass on the same stale count before the next answer refreshes it.
+//!   The estimate is capped by the key's stated limit ([`Remaining::charge`]: no window holds
+//!   more), and given back whole when the attempt ends without a served answer (a provider's
+//!   400, a 401/403, a 5xx, a reset, a client gone, a 429 its statement does not explain;
+//!   [`Quota::give_back`]): the upstream charged nothing. A new session's placement counts its
+//!   estimate until its answer's `usage` replaces it. Kept, a refused request of
+//!   `max_tokens: 10000000` left a key at 0 for its window and moved every session pinned
+//!   there.
 //!
 //! A header value that is not a plain decimal count (garbage, negative, fractional) or is
 //! implausibly large (over [`MAX_REMAINING`]) is ignored, as is a reset that does not parse;
@@ -128,11 +135,19 @@ pub struct Mark {
     pub picked: u64,
 }
 
-/// One pick's [`Mark`] in each family (`None`: the count was unknown at the pick).
+/// One pick's [`Mark`] in each family (`None`: the count was unknown at the pick), and what
+/// it took off the token count and added to its placements: given back whole when the
+/// attempt ends without a served answer ([`Quota::give_back`]), replaced by the answer's
+/// `usage` when it reports one ([`Quota::settle`]).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub struct QuotaMark {
     pub requests: Option<Mark>,
     pub tokens: Option<Mark>,
+    /// Tokens the pick took off the count (its estimate, capped by the key's limit and by
+    /// what was left).
+    pub taken: u64,
+    /// Tokens the pick added to [`Remaining::placed`] (a new session's first turn; else 0).
+    pub placed: u64,
 }
 
 impl Remaining {
@@ -217,6 +232,25 @@ impl Remaining {
         };
         let last_span = used + u128::from(self.prev_used) * to_reset / span;
         Some((in_window.max(last_span), span, to_reset))
+    }
+
+    /// What a request estimated at `estimate` tokens can take from this count: at most the
+    /// stated limit (a window never holds more). A request whose output limit (`max_tokens`,
+    /// accepted up to 10 000 000) exceeds what the key's window holds is refused by the
+    /// provider; counted whole, its estimate made the key look empty to every pinned session.
+    pub fn charge(self, estimate: u64) -> u64 {
+        self.limit.map_or(estimate, |l| estimate.min(l))
+    }
+
+    /// Whether the request sent at `sent_ms`, picked at `mark`, is still held in this count:
+    /// no statement about a request sent after it has been merged (the upstream's count
+    /// would hold it, or not, as it really was), and its window is this one.
+    fn holds(self, sent_ms: u64, mark: Option<Mark>) -> bool {
+        let window_start_ms = self.reset_at_ms.saturating_sub(self.span_ms);
+        let this_window = mark.is_none_or(|m| {
+            m.reset_at_ms.abs_diff(self.reset_at_ms) < SAME_WINDOW_MS.min(self.span_ms / 2).max(1)
+        });
+        self.stated_ms <= sent_ms && !(self.span_ms > 0 && sent_ms < window_start_ms) && this_window
     }
 
     /// The count as it stands at `now_ms`: itself before its reset; after it, back at its
@@ -522,6 +556,7 @@ impl Quota {
                 busy || r.left < floor.max(reserve).saturating_add(r.projected_use(now_ms))
             })
         };
+        let estimate = self.tokens.map_or(estimate, |r| r.charge(estimate));
         below(self.requests, rule.min_requests.max(1))
             || below(self.tokens, rule.min_tokens.max(estimate))
     }
@@ -536,18 +571,24 @@ impl Quota {
 
     /// Staying would be a 429 for sure: left even by a pinned session.
     pub fn certain_429(&self, estimate: u64, now_ms: u64) -> bool {
+        let estimate = self.tokens.map_or(estimate, |r| r.charge(estimate));
         self.requests_left(now_ms) == Some(0)
             || self.tokens_left(now_ms).is_some_and(|n| n < estimate)
     }
 
     /// A pick: one request and the estimate are spoken for until the next answer says more.
     /// Returns where the pick stands in each count's window (see [`Quota::observe`]).
+    /// The tokens taken are the estimate capped by the key's limit ([`Remaining::charge`])
+    /// and by what is left; the mark holds them ([`QuotaMark::taken`]).
     pub fn consume(&mut self, estimate: u64, now_ms: u64) -> QuotaMark {
         let take = |r: Option<Remaining>, n: u64| {
-            r.and_then(|r| r.current(now_ms)).map(|r| Remaining {
-                left: r.left.saturating_sub(n),
-                picked: r.picked.saturating_add(n),
-                ..r
+            r.and_then(|r| r.current(now_ms)).map(|r| {
+                let n = r.charge(n).min(r.left);
+                Remaining {
+                    left: r.left - n,
+                    picked: r.picked.saturating_add(n),
+                    ..r
+                }
             })
         };
         let mark = |r: Option<Remaining>| {
@@ -556,24 +597,60 @@ impl Quota {
                 picked: r.picked,
             })
         };
+        let before = self
+            .tokens
+            .and_then(|r| r.current(now_ms))
+            .map_or(0, |r| r.left);
         let (requests, tokens) = (take(self.requests, 1), take(self.tokens, estimate));
         self.requests = requests.or(self.requests);
         self.tokens = tokens.or(self.tokens);
         QuotaMark {
             requests: mark(requests),
             tokens: mark(tokens),
+            taken: tokens.map_or(0, |r| before - r.left.min(before)),
+            placed: 0,
         }
     }
 
-    /// A new session's first turn was placed here (after [`Quota::consume`]): its estimate
-    /// counts in [`Remaining::placed`] until the window resets.
-    pub fn place(&mut self, estimate: u64, now_ms: u64) {
+    /// A new session's first turn was placed here (after [`Quota::consume`], whose `mark` it
+    /// completes): its estimate (capped like the pick's, [`Remaining::charge`]) counts in
+    /// [`Remaining::placed`] until the answer's `usage` replaces it ([`Quota::settle`]) or
+    /// the attempt ends unserved ([`Quota::give_back`]), or the window resets. Counted whole
+    /// until then, one new session's large valid `max_tokens` closed a small key to new
+    /// sessions for the rest of its window.
+    pub fn place(&mut self, estimate: u64, mark: &mut QuotaMark, now_ms: u64) {
         if let Some(r) = self.tokens.and_then(|r| r.current(now_ms)) {
+            let n = r.charge(estimate);
             self.tokens = Some(Remaining {
-                placed: r.placed.saturating_add(estimate),
+                placed: r.placed.saturating_add(n),
                 ..r
             });
+            mark.placed = n;
         }
+    }
+
+    /// An attempt picked at `mark` and sent at `sent_ms` ended without a served answer (a
+    /// provider's 4xx such as a 400 for a `max_tokens` too large, a 5xx, a reset, a client
+    /// gone before the answer, a 429 its statement does not explain): the upstream charged
+    /// nothing for it, so what its pick took off the token count, and added to the
+    /// placements, is given back (never past the stated limit). Not when the count no longer
+    /// holds it (see [`Quota::settle`]). Kept, a refused request of 10 000 000 `max_tokens`
+    /// left a key at 0 until its window ended: every session pinned there counted as a certain
+    /// 429 and moved, and nothing repaired it, since no request reached the key any more.
+    pub fn give_back(&mut self, mark: &QuotaMark, sent_ms: u64, now_ms: u64) {
+        let Some(r) = self.tokens.and_then(|r| r.current(now_ms)) else {
+            return;
+        };
+        if (mark.taken == 0 && mark.placed == 0) || !r.holds(sent_ms, mark.tokens) {
+            return;
+        }
+        let left = r.left.saturating_add(mark.taken);
+        self.tokens = Some(Remaining {
+            left: r.limit.map_or(left, |l| left.min(l)),
+            picked: r.picked.saturating_sub(mark.taken),
+            placed: r.placed.saturating_sub(mark.placed),
+            ..r
+        });
     }
 
     /// What a key has left for new sessions after the forecast of its sessions' use
@@ -590,6 +667,15 @@ impl Quota {
         Some(i128::from(limit) - i128::from(r.span_use(now_ms)) - i128::from(r.growth()))
     }
 
+    /// [`Quota::settle_pick`] for a pick that took `estimated` tokens and placed nothing.
+    pub fn settle(&mut self, estimated: u64, used: u64, sent_ms: u64, now_ms: u64) {
+        let mark = QuotaMark {
+            taken: estimated,
+            ..QuotaMark::default()
+        };
+        self.settle_pick(&mark, used, sent_ms, now_ms);
+    }
+
     /// An answer reported `used` tokens (prompt and completion) for a request sent at
     /// `sent_ms` whose pick took `estimated` off the count: the difference is taken off too,
     /// or given back (never past the stated limit), so that the count follows what the key
@@ -597,7 +683,11 @@ impl Quota {
     /// statement merged since was about a request sent later (upstreams charge at admission,
     /// in arrival order: answers that end out of order would count a long answer twice), or the
     /// count's window began after the request was sent (it was charged to the window before).
-    pub fn settle(&mut self, estimated: u64, used: u64, sent_ms: u64, now_ms: u64) {
+    ///
+    /// `mark`: the pick's ([`QuotaMark::taken`] is what it took, [`QuotaMark::placed`] what it
+    /// added to the placements, which the measured use replaces too: a new session's weight
+    /// in [`Remaining::growth`] is what its first turn spent, not its `max_tokens`).
+    pub fn settle_pick(&mut self, mark: &QuotaMark, used: u64, sent_ms: u64, now_ms: u64) {
         let Some(r) = self.tokens.and_then(|r| r.current(now_ms)) else {
             return;
         };
@@ -605,13 +695,19 @@ impl Quota {
         if r.stated_ms > sent_ms || (r.span_ms > 0 && sent_ms < window_start_ms) {
             return;
         }
+        let estimated = mark.taken;
         let left = if used >= estimated {
             r.left.saturating_sub(used - estimated)
         } else {
             r.left.saturating_add(estimated - used)
         };
         let left = r.limit.map_or(left, |l| left.min(l));
-        self.tokens = Some(Remaining { left, ..r });
+        let placed = if mark.placed > 0 {
+            r.placed.saturating_sub(mark.placed).saturating_add(used)
+        } else {
+            r.placed
+        };
+        self.tokens = Some(Remaining { left, placed, ..r });
     }
 
     /// A 429's statement (upstreams that state the counts on answers state them on their 429s

@@ -58,7 +58,9 @@ pub const LEASE_KEY: &str = "computeflux/scrape/lease";
 /// The prefix of the per-endpoint records; see [`record_key`].
 pub const RECORD_PREFIX: &str = "computeflux/scrape/endpoint/";
 
-/// The shared-data key of one endpoint's record. One key per configured endpoint: bounded.
+/// The shared-data key of one endpoint's record, as modules before wrote it (one key
+/// per endpoint name ever scraped: unbounded under churn). The scraper writes [`fold`] now;
+/// kept for the record's unit tests.
 pub fn record_key(endpoint: &str) -> String {
     format!("{RECORD_PREFIX}{endpoint}")
 }
@@ -66,11 +68,28 @@ pub fn record_key(endpoint: &str) -> String {
 const LEASE_VERSION: u8 = 1;
 const LEASE_BYTES: usize = 1 + 8 + 8;
 
-/// The scrape lease: which VM scrapes, until when.
+/// Bits of the lease's holder word that hold the holder id; the bits above hold the
+/// configuration generation (see [`Lease`]).
+pub const HOLDER_BITS: u32 = 48;
+const HOLDER_MASK: u64 = (1 << HOLDER_BITS) - 1;
+/// The largest generation a lease records (later ones count as this).
+pub const MAX_LEASE_GENERATION: u64 = (1 << (64 - HOLDER_BITS)) - 1;
+
+/// The scrape lease: which VM scrapes, for which configuration, until when.
+///
+/// Codec: version `1`, the holder word (u64: the configuration generation in its top 16 bits,
+/// the holder id in the low [`HOLDER_BITS`]), the expiry (u64). The generation shares the
+/// holder word so that a module of the previous landing (which reads the word as a holder id)
+/// still takes a newer module's live lease for another holder's and leaves it alone; its own
+/// leases read here as generation 0.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Lease {
-    /// The holder's id: a nonce drawn once per VM.
+    /// The holder's id: a nonce drawn once per VM (at most [`HOLDER_BITS`] bits).
     pub holder: u64,
+    /// The holder's configuration generation (`Config::layout_generation`, at most
+    /// [`MAX_LEASE_GENERATION`]): a newer configuration takes a live lease over from an older
+    /// one still draining.
+    pub generation: u64,
     /// The lease is free from this instant on.
     pub expires_ms: u64,
 }
@@ -79,7 +98,10 @@ impl Lease {
     pub fn encode(&self) -> Vec<u8> {
         let mut w = Writer::with_capacity(LEASE_BYTES);
         w.u8(LEASE_VERSION);
-        w.u64(self.holder);
+        w.u64(
+            (self.generation.min(MAX_LEASE_GENERATION) << HOLDER_BITS)
+                | (self.holder & HOLDER_MASK),
+        );
         w.u64(self.expires_ms);
         w.buf
     }
@@ -90,8 +112,10 @@ impl Lease {
         if r.u8()? != LEASE_VERSION {
             return None;
         }
+        let word = r.u64()?;
         let lease = Lease {
-            holder: r.u64()?,
+            holder: word & HOLDER_MASK,
+            generation: word >> HOLDER_BITS,
             expires_ms: r.u64()?,
         };
         r.is_empty().then_some(lease)
@@ -113,19 +137,33 @@ pub fn current_lease(store: &dyn Store, key: &str, now_ms: u64) -> Option<Lease>
         .filter(|l| l.live_at(now_ms))
 }
 
-/// Takes (or renews) the lease for `me` until `now_ms + lease_ms`. True: `me` holds it now and
-/// should scrape. False: another holder's lease is in force, or every CAS attempt lost a race
-/// (someone else is taking it; scrape next tick if it is still free then).
-pub fn try_take(store: &dyn Store, key: &str, me: u64, now_ms: u64, lease_ms: u64) -> bool {
+/// Takes (or renews) the lease for `me`, of configuration `generation`, until `now_ms +
+/// lease_ms`. True: `me` holds it now and should scrape. False: another holder's lease of the
+/// same or a newer generation is in force, or every CAS attempt lost a race (someone else is
+/// taking it; scrape next tick if it is still free then). A live lease of an *older*
+/// generation is taken over: the configuration that replaced it scrapes its own endpoints,
+/// while the old one's requests drain (before, the old one kept the lease as long as its
+/// root context lived, and the endpoints the new one added went unscraped).
+pub fn try_take(
+    store: &dyn Store,
+    key: &str,
+    me: u64,
+    generation: u64,
+    now_ms: u64,
+    lease_ms: u64,
+) -> bool {
+    let me = me & HOLDER_MASK;
+    let generation = generation.min(MAX_LEASE_GENERATION);
     let taken = update_if(store, key, |bytes| {
         let held_by_other = bytes
             .and_then(Lease::decode)
-            .is_some_and(|l| l.holder != me && l.live_at(now_ms));
+            .is_some_and(|l| l.holder != me && l.live_at(now_ms) && l.generation >= generation);
         if held_by_other {
             return (None, false);
         }
         let lease = Lease {
             holder: me,
+            generation,
             expires_ms: now_ms.saturating_add(lease_ms),
         };
         (Some(lease.encode()), true)
@@ -136,17 +174,11 @@ pub fn try_take(store: &dyn Store, key: &str, me: u64, now_ms: u64, lease_ms: u6
 /// Gives the lease up if `me` holds it (a VM shutting down), so the next worker need not wait
 /// for it to lapse. True when it was released.
 pub fn release(store: &dyn Store, key: &str, me: u64) -> bool {
+    let me = me & HOLDER_MASK;
     let released = update_if(store, key, |bytes| match bytes.and_then(Lease::decode) {
-        Some(l) if l.holder == me && l.expires_ms > 0 => (
-            Some(
-                Lease {
-                    holder: me,
-                    expires_ms: 0,
-                }
-                .encode(),
-            ),
-            true,
-        ),
+        Some(l) if l.holder == me && l.expires_ms > 0 => {
+            (Some(Lease { expires_ms: 0, ..l }.encode()), true)
+        }
         _ => (None, false),
     });
     released.unwrap_or(false)
@@ -539,6 +571,36 @@ pub fn record(
     })
 }
 
+/// Folds one scrape's result into endpoint `id`'s record *inside* the published loads
+/// ([`LOADS_KEY`]) and publishes it, in one read-modify-write with bounded CAS retries; `keep`
+/// are the scraped ids (the entries of others are dropped). Returns the record written;
+/// `Err` with the record it would have written when every attempt lost a race.
+///
+/// Why not a key per endpoint ([`record_key`]): Envoy never frees a shared-data key, and
+/// endpoint names come and go with reloads (pods of a Service, renamed keys): one record key
+/// per name ever scraped grew without bound. The combined value already holds
+/// every record; the scraper writes it alone, so the keys of scraping stay three (lease,
+/// holder counter, loads) whatever the churn, and a scrape costs one write instead of two.
+#[allow(clippy::result_large_err)]
+pub fn fold(
+    store: &dyn Store,
+    id: u32,
+    now_ms: u64,
+    result: Result<EngineLoad, ScrapeError>,
+    keep: &[u32],
+) -> Result<Scraped, Scraped> {
+    update(store, LOADS_KEY, |bytes| {
+        let mut loads = bytes.and_then(Loads::decode).unwrap_or_default();
+        let mut s = loads.get(id).copied().unwrap_or_default();
+        match result {
+            Ok(load) => s.succeeded(load, now_ms),
+            Err(e) => s.failed(e, now_ms),
+        }
+        loads.upsert(id, s, keep);
+        (loads.encode(), s)
+    })
+}
+
 /// Queue lengths in power-of-two buckets: 0 → 0, 1 → 1, 2–3 → 2, 4–7 → 3, …, up to 32.
 pub fn queue_bucket(n: u32) -> u8 {
     // 32 - leading_zeros is at most 32: fits a u8.
@@ -727,23 +789,24 @@ mod tests {
     #[test]
     fn lease_one_holder_renewal_and_handover() {
         let s = MemStore::new();
-        assert!(try_take(&s, LEASE_KEY, A, 1_000, LEASE_MS));
+        assert!(try_take(&s, LEASE_KEY, A, 1, 1_000, LEASE_MS));
         // B cannot take a live lease, any number of times.
-        assert!(!try_take(&s, LEASE_KEY, B, 1_001, LEASE_MS));
-        assert!(!try_take(&s, LEASE_KEY, B, 3_999, LEASE_MS));
+        assert!(!try_take(&s, LEASE_KEY, B, 1, 1_001, LEASE_MS));
+        assert!(!try_take(&s, LEASE_KEY, B, 1, 3_999, LEASE_MS));
         // A renews: its lease now runs to 2_500 + 3_000.
-        assert!(try_take(&s, LEASE_KEY, A, 2_500, LEASE_MS));
+        assert!(try_take(&s, LEASE_KEY, A, 1, 2_500, LEASE_MS));
         assert_eq!(
             current_lease(&s, LEASE_KEY, 2_500),
             Some(Lease {
                 holder: A,
+                generation: 1,
                 expires_ms: 5_500
             })
         );
-        assert!(!try_take(&s, LEASE_KEY, B, 5_499, LEASE_MS));
+        assert!(!try_take(&s, LEASE_KEY, B, 1, 5_499, LEASE_MS));
         // A's VM is gone: at expiry B takes over, and A, back, cannot take it.
-        assert!(try_take(&s, LEASE_KEY, B, 5_500, LEASE_MS));
-        assert!(!try_take(&s, LEASE_KEY, A, 5_501, LEASE_MS));
+        assert!(try_take(&s, LEASE_KEY, B, 1, 5_500, LEASE_MS));
+        assert!(!try_take(&s, LEASE_KEY, A, 1, 5_501, LEASE_MS));
         assert_eq!(
             current_lease(&s, LEASE_KEY, 5_501).map(|l| l.holder),
             Some(B)
@@ -756,21 +819,21 @@ mod tests {
     #[test]
     fn lease_release_frees_it_at_once() {
         let s = MemStore::new();
-        assert!(try_take(&s, LEASE_KEY, A, 0, LEASE_MS));
+        assert!(try_take(&s, LEASE_KEY, A, 1, 0, LEASE_MS));
         assert!(!release(&s, LEASE_KEY, B));
         assert!(release(&s, LEASE_KEY, A));
         assert!(!release(&s, LEASE_KEY, A));
-        assert!(try_take(&s, LEASE_KEY, B, 1, LEASE_MS));
+        assert!(try_take(&s, LEASE_KEY, B, 1, 1, LEASE_MS));
     }
 
     #[test]
     fn lease_cas_conflicts_retry_then_give_up() {
         let s = MemStore::new();
         s.inject_conflicts.set(CAS_RETRIES as u32 - 1);
-        assert!(try_take(&s, LEASE_KEY, A, 0, LEASE_MS));
+        assert!(try_take(&s, LEASE_KEY, A, 1, 0, LEASE_MS));
         s.inject_conflicts.set(CAS_RETRIES as u32);
         // Every write lost: A does not believe it renewed, and the store still says A until 3_000.
-        assert!(!try_take(&s, LEASE_KEY, A, 1_000, LEASE_MS));
+        assert!(!try_take(&s, LEASE_KEY, A, 1, 1_000, LEASE_MS));
         assert_eq!(
             current_lease(&s, LEASE_KEY, 1_000).unwrap().expires_ms,
             3_000
@@ -789,7 +852,7 @@ mod tests {
         }
         fn set(&self, key: &str, value: &[u8], cas: Option<u32>) -> Result<(), CasMismatch> {
             if let Some((holder, now_ms)) = self.rival.take() {
-                assert!(try_take(&self.inner, key, holder, now_ms, LEASE_MS));
+                assert!(try_take(&self.inner, key, holder, 1, now_ms, LEASE_MS));
             }
             self.inner.set(key, value, cas)
         }
@@ -801,20 +864,79 @@ mod tests {
             inner: MemStore::new(),
             rival: Cell::new(None),
         };
-        assert!(try_take(&s.inner, LEASE_KEY, A, 0, LEASE_MS));
+        assert!(try_take(&s.inner, LEASE_KEY, A, 1, 0, LEASE_MS));
         // At 3_000 A's lease lapsed; B takes it just after A read it.
         s.rival.set(Some((B, 3_000)));
-        assert!(!try_take(&s, LEASE_KEY, A, 3_000, LEASE_MS));
+        assert!(!try_take(&s, LEASE_KEY, A, 1, 3_000, LEASE_MS));
         assert_eq!(current_lease(&s, LEASE_KEY, 3_000).unwrap().holder, B);
+    }
+
+    /// Issue 41, item 6: a configuration that replaced another takes the live lease over from
+    /// it (the old one's root context lives on while its requests drain), and the old one
+    /// cannot take it back while the new one renews it. Same generation: the holder keeps it.
+    #[test]
+    fn a_newer_configuration_takes_the_lease_from_one_draining() {
+        let s = MemStore::new();
+        assert!(try_take(&s, LEASE_KEY, A, 1, 0, LEASE_MS));
+        assert!(
+            !try_take(&s, LEASE_KEY, B, 1, 100, LEASE_MS),
+            "same generation"
+        );
+        assert!(
+            try_take(&s, LEASE_KEY, B, 2, 200, LEASE_MS),
+            "newer generation"
+        );
+        let l = current_lease(&s, LEASE_KEY, 200).unwrap();
+        assert_eq!((l.holder, l.generation), (B, 2));
+        for now in [300, 1_000, 3_100] {
+            assert!(
+                !try_take(&s, LEASE_KEY, A, 1, now, LEASE_MS),
+                "old took it back"
+            );
+            assert!(try_take(&s, LEASE_KEY, B, 2, now, LEASE_MS), "new lost it");
+        }
+        // The new one gone (its lease lapsed): the old one may scrape again.
+        assert!(try_take(&s, LEASE_KEY, A, 1, 3_100 + LEASE_MS, LEASE_MS));
+    }
+
+    /// The generation shares the holder word: a lease of the previous landing's format (the
+    /// word all holder id) reads as generation 0, and a new lease's word, read as the previous
+    /// landing reads it, is a holder id other than its own (so it leaves a live one alone).
+    #[test]
+    fn the_lease_stays_readable_by_the_previous_landing() {
+        let mut old = vec![LEASE_VERSION];
+        old.extend(5u64.to_le_bytes());
+        old.extend(9_000u64.to_le_bytes());
+        assert_eq!(
+            Lease::decode(&old),
+            Some(Lease {
+                holder: 5,
+                generation: 0,
+                expires_ms: 9_000
+            })
+        );
+        let new = Lease {
+            holder: 5,
+            generation: 2,
+            expires_ms: 9_000,
+        }
+        .encode();
+        assert_eq!(new.len(), old.len());
+        let word = u64::from_le_bytes(new[1..9].try_into().unwrap());
+        assert_ne!(word, 5, "the old reader would renew it as its own");
+        let s = MemStore::new();
+        s.set(LEASE_KEY, &old, None).unwrap();
+        assert!(try_take(&s, LEASE_KEY, A, 1, 1_000, LEASE_MS), "taken over");
     }
 
     #[test]
     fn undecodable_lease_is_free() {
         let s = MemStore::new();
         s.set(LEASE_KEY, b"\x02garbage", None).unwrap();
-        assert!(try_take(&s, LEASE_KEY, B, 0, LEASE_MS));
+        assert!(try_take(&s, LEASE_KEY, B, 1, 0, LEASE_MS));
         let l = Lease {
             holder: A,
+            generation: 3,
             expires_ms: 7,
         };
         assert_eq!(Lease::decode(&l.encode()), Some(l));

@@ -19,7 +19,7 @@
 use crate::scheduler::config::metrics::MetricsConfig;
 use crate::scheduler::config::Config;
 use crate::scheduler::routing::scrape::{Loads, ScrapeError};
-use crate::scheduler::state::store::{update, Store};
+use crate::scheduler::state::store::{Store, CAS_RETRIES};
 use crate::scheduler::wire::engine_load::{parse, EngineLoad};
 
 /// The largest metrics page read; a larger one is a [`ScrapeError::TooLarge`] and is not read.
@@ -61,20 +61,40 @@ pub fn scraped_ids(cfg: &Config) -> Vec<u32> {
         .collect()
 }
 
-/// A distinct lease holder id for this VM: a counter in shared data (each VM of the process
-/// takes the next value), mixed with `seed` (the clock) in case every CAS attempt lost.
+/// A distinct lease holder id for this VM (48 bits, [`crate::scheduler::routing::scrape::HOLDER_BITS`]): `(n << 32) | c`,
+/// where `n` (15 bits) is the next value of a counter in shared data and `c` the CAS token the
+/// write of `n` was conditioned on; from `seed` (the clock), with bit 47 set, in case every
+/// CAS attempt lost.
+///
+/// Why the token: CAS does not protect a key's *creation* (a write to a missing key succeeds
+/// whatever its CAS, and an unconditional write replaces whatever is there), so two workers
+/// starting at once both read "missing", both wrote 1 and both took holder id 1; each then
+/// renewed the other's lease as its own, and both scraped for good. Here an id is
+/// only ever taken by a conditional write on the existing key: the key is created first (its
+/// value then read again), and two conditional writes cannot both succeed against the same
+/// token, which a key's writes never give back (Envoy's tokens come from one counter that
+/// only grows). A late creation write that resets the counter changes the token: the ids
+/// taken after it still differ from those taken before.
 pub fn holder_id(store: &dyn Store, seed: u64) -> u64 {
-    let n = update(store, HOLDERS_KEY, |bytes| {
+    for _ in 0..CAS_RETRIES {
+        let (bytes, cas) = store.get(HOLDERS_KEY);
+        let Some(token) = cas else {
+            // Create it; the id comes from the next, conditional write.
+            let _ = store.set(HOLDERS_KEY, &0u64.to_le_bytes(), None);
+            continue;
+        };
         let n = bytes
-            .and_then(|b| b.try_into().ok())
+            .and_then(|b| <[u8; 8]>::try_from(b.as_slice()).ok())
             .map_or(0, u64::from_le_bytes)
             .wrapping_add(1);
-        (n.to_le_bytes().to_vec(), n)
-    });
-    match n {
-        Ok(n) => n,
-        Err(_) => crate::scheduler::state::hash::fmix64(seed) | (1 << 63),
+        if store
+            .set(HOLDERS_KEY, &n.to_le_bytes(), Some(token))
+            .is_ok()
+        {
+            return ((n & 0x7fff) << 32) | u64::from(token);
+        }
     }
+    (crate::scheduler::state::hash::fmix64(seed) & ((1 << 48) - 1)) | (1 << 47)
 }
 
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
@@ -234,9 +254,11 @@ pub fn judge_body(
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::scheduler::state::store::MemStore;
+    use crate::scheduler::routing::scrape;
+    use crate::scheduler::state::store::{CasMismatch, MemStore};
     use crate::scheduler::wire::engine_load::Engine;
     use serde_json::json;
+    use std::cell::Cell;
     #[cfg(target_arch = "wasm32")]
     use wasm_bindgen_test::wasm_bindgen_test as test;
 
@@ -325,10 +347,59 @@ mod tests {
     fn holder_ids_are_distinct() {
         let s = MemStore::new();
         let ids: Vec<u64> = (0..4).map(|i| holder_id(&s, i)).collect();
-        assert_eq!(ids, [1, 2, 3, 4]);
+        assert_eq!(ids, [1 << 32 | 1, 2 << 32 | 2, 3 << 32 | 3, 4 << 32 | 4]);
         s.inject_conflicts.set(100);
         let lost = holder_id(&s, 42);
-        assert!(lost >= 1 << 63);
+        assert!((1 << 47..1 << 48).contains(&lost));
+    }
+
+    /// A store where, when this worker first writes the missing holders key, another worker
+    /// does everything first: it too read the key missing, created it and took its id.
+    struct CreationRace {
+        inner: MemStore,
+        rival: Cell<bool>,
+        rival_id: Cell<u64>,
+    }
+
+    impl Store for CreationRace {
+        fn get(&self, key: &str) -> (Option<Vec<u8>>, Option<u32>) {
+            self.inner.get(key)
+        }
+        fn set(&self, key: &str, value: &[u8], cas: Option<u32>) -> Result<(), CasMismatch> {
+            if self.rival.replace(false) {
+                self.rival_id.set(holder_id(&self.inner, 7));
+            }
+            self.inner.set(key, value, cas)
+        }
+    }
+
+    /// Issue 41, item 4: two workers starting at once both read the holders key missing; the
+    /// second's write of the missing key lands after the first took its id. Their ids differ,
+    /// and only one of them holds the scrape lease. Before, both took id 1 and both scraped.
+    #[test]
+    fn two_workers_creating_the_holders_key_at_once_take_distinct_ids() {
+        let s = CreationRace {
+            inner: MemStore::new(),
+            rival: Cell::new(true),
+            rival_id: Cell::new(0),
+        };
+        let mine = holder_id(&s, 3);
+        let theirs = s.rival_id.get();
+        assert_ne!(theirs, 0, "the race was not injected");
+        assert!(
+            mine < 1 << 47 && theirs < 1 << 47,
+            "an id fell back to the seed"
+        );
+        assert_ne!(mine, theirs, "two workers took the same holder id");
+        let lease = scrape::LEASE_KEY;
+        let held = [mine, theirs]
+            .iter()
+            .filter(|&&me| scrape::try_take(&s.inner, lease, me, 1, 1_000, 3_000))
+            .count();
+        assert_eq!(held, 1);
+        // A third worker, later, takes yet another id.
+        let third = holder_id(&s.inner, 9);
+        assert!(third != mine && third != theirs);
     }
 
     #[test]
@@ -425,7 +496,7 @@ mod tests {
                 }
                 continue;
             }
-            if !scrape::try_take(&store, scrape::LEASE_KEY, vm.me, now, lease) {
+            if !scrape::try_take(&store, scrape::LEASE_KEY, vm.me, 1, now, lease) {
                 vm.holding = false;
                 continue;
             }

@@ -835,10 +835,10 @@ impl<'a> Scheduler<'a> {
         st.start_attempt(now_ms, self.cfg.in_flight_max_age_ms);
         let (quota_tokens, quota_mark) = if self.cfg.quota_aware {
             let estimate = pick.quota_estimate(crate::scheduler::routing::quota::BYTES_PER_TOKEN);
-            let mark = st.quota.consume(estimate, now_ms);
+            let mut mark = st.quota.consume(estimate, now_ms);
             // A new session's first turn: what it will spend next window counts in pacing.
             if pick.session.is_some() && !pick.follow_up && choice.reason != Reason::AffinityHit {
-                st.quota.place(estimate, now_ms);
+                st.quota.place(estimate, &mut mark, now_ms);
             }
             (estimate, mark)
         } else {

@@ -97,7 +97,8 @@
 //!   answer's first half, then TCP RST; its tokens are counted in the stats all the same),
 //!   `{"mode":"reset"}` (TCP RST,
 //!   no answer), `{"mode":"hang"}` (no answer ever), `{"mode":"refuse"}` (stop listening and drop
-//!   open connections; any other mode re-binds the same port). Optional `"count":N` limits a
+//!   open connections; any other mode re-binds the same port). Optional `"when_header":"name"`
+//!   faults only the requests carrying that header. Optional `"count":N` limits a
 //!   mode to the next N requests; `"for_ms":N` on `refuse` re-binds after N ms.
 //! - `POST /_mock/reset_stats` (counters and request log), `POST /_mock/flush_cache`.
 //! - `POST /_mock/quota` (body: `{"requests":N,"tokens":N,"window_ms":N,
@@ -711,7 +712,7 @@ fn decide(
             *st.stats.by_session.entry(u.clone()).or_insert(0) += 1;
         }
     }
-    let mode = st.fault.take();
+    let mode = st.fault.take(|h| entry.headers.contains_key(h));
     let finish = |st: &mut State, entry: &mut Record, status: Option<u16>, label: &str| {
         let key = status
             .map(|s| s.to_string())

@@ -13,6 +13,8 @@ fn h(pairs: &[(&str, &str)]) -> Pairs {
 const NO_MARK: QuotaMark = QuotaMark {
     requests: None,
     tokens: None,
+    taken: 0,
+    placed: 0,
 };
 
 const RULE: QuotaRule = QuotaRule {
@@ -862,7 +864,7 @@ fn new_sessions_placed_late_in_a_window_count_for_the_next() {
         while n < 60 && !q.short(650, &r, 11_500 + n * 5) {
             q.consume(650, 11_500 + n * 5);
             if growth {
-                q.place(650, 11_500 + n * 5);
+                q.place(650, &mut QuotaMark::default(), 11_500 + n * 5);
             }
             n += 1;
         }
@@ -906,7 +908,7 @@ fn new_sessions_placed_late_in_a_window_count_for_the_next() {
         &r,
         11_500,
     );
-    q.place(650, 11_600);
+    q.place(650, &mut QuotaMark::default(), 11_600);
     assert_eq!(q.tokens.map(Remaining::growth), Some(1_950));
     assert_eq!(
         q.tokens
@@ -917,4 +919,84 @@ fn new_sessions_placed_late_in_a_window_count_for_the_next() {
     // Headroom: the limit less the forecast (no reserve), negative when over.
     assert_eq!(q.headroom(11_600), Some(80_000 - 1_950));
     assert_eq!(Quota::default().headroom(11_600), None);
+}
+
+/// A key stating 50 000 of 50 000 tokens left, window 60 s from `at`.
+fn fresh_key(at: u64) -> Quota {
+    let mut q = Quota::default();
+    q.observe(
+        &QuotaHint {
+            requests: None,
+            tokens: Some(Stated {
+                left: 50_000,
+                reset_in_ms: Some(60_000),
+                limit: Some(50_000),
+            }),
+            at_ms: Some(at),
+        },
+        &NO_MARK,
+        &RULE,
+        at,
+    );
+    q
+}
+
+/// Issue 41, item 1: a request of 10 000 000 `max_tokens` is charged at most the key's limit,
+/// and a refusal (a provider's 400, a 5xx, a client gone) gives it all back, placements
+/// included: the key is as it was, and a pinned turn of 1 000 tokens is not a certain 429.
+#[test]
+fn an_unserved_attempt_gives_its_estimate_back() {
+    let mut q = fresh_key(1_000);
+    let before = q;
+    // Charged the limit, not ten million: the key's window cannot hold more.
+    assert!(!q.certain_429(10_000_000, 1_100));
+    let mut mark = q.consume(10_000_000, 1_100);
+    q.place(10_000_000, &mut mark, 1_100);
+    assert_eq!((mark.taken, mark.placed), (50_000, 50_000));
+    assert_eq!(q.tokens_left(1_100), Some(0));
+    assert!(q.certain_429(1_000, 1_150), "drained while in flight");
+    q.give_back(&mark, 1_100, 1_200);
+    assert_eq!(q.tokens_left(1_200), Some(50_000));
+    assert!(!q.certain_429(1_000, 1_200));
+    let t = q.tokens.unwrap();
+    assert_eq!((t.picked, t.placed), (0, 0));
+    assert_eq!(q.tokens.map(|t| t.left), before.tokens.map(|t| t.left));
+    // Given back once only in effect: never past the limit.
+    q.give_back(&mark, 1_100, 1_300);
+    assert_eq!(q.tokens_left(1_300), Some(50_000));
+    // Not when a statement about a later request was merged since (it counts what the key
+    // really had), nor into a later window.
+    let mut q = fresh_key(1_000);
+    let mark = q.consume(2_000, 1_100);
+    q.observe(
+        &QuotaHint {
+            requests: None,
+            tokens: Some(Stated {
+                left: 45_000,
+                reset_in_ms: Some(59_000),
+                limit: Some(50_000),
+            }),
+            at_ms: Some(1_500),
+        },
+        &NO_MARK,
+        &RULE,
+        1_600,
+    );
+    let left = q.tokens_left(1_700);
+    q.give_back(&mark, 1_100, 1_700);
+    assert_eq!(q.tokens_left(1_700), left);
+}
+
+/// Issue 41, item 1: a new session's placement counts what its first turn spent (the
+/// answer's `usage`), not its whole `max_tokens`: one large valid `max_tokens` no longer
+/// closes a small key to new sessions for its window.
+#[test]
+fn a_placement_counts_what_the_turn_spent() {
+    let mut q = fresh_key(1_000);
+    let mut mark = q.consume(40_000, 1_100);
+    q.place(40_000, &mut mark, 1_100);
+    assert_eq!(q.tokens.map(|t| t.placed), Some(40_000));
+    q.settle_pick(&mark, 700, 1_100, 2_000);
+    assert_eq!(q.tokens.map(|t| t.placed), Some(700));
+    assert_eq!(q.tokens_left(2_000), Some(49_300));
 }

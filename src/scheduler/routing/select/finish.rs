@@ -306,7 +306,8 @@ pub(super) fn record_payoff(
 }
 
 /// The quota a successful answer used and stated (`quota_aware`): the tokens its `usage`
-/// reports replace the pick's estimate, then its headers' statement applies. A 429's
+/// reports replace the pick's estimate, then its headers' statement applies. Any other
+/// attempt gives its estimate back ([`Quota::give_back`](crate::scheduler::routing::quota::Quota::give_back)). A 429's
 /// statement applies when it explains the refusal ([`Quota::refused`](crate::scheduler::routing::quota::Quota::refused)):
 /// returns `true` then, and the breaker is left alone ([`record_breaker`]).
 pub(super) fn record_quota(
@@ -326,16 +327,25 @@ pub(super) fn record_quota(
             if let Some(u) = ticket.served.as_ref().and_then(|s| s.usage.as_ref()) {
                 let used = u.prompt_tokens.saturating_add(u.completion_tokens);
                 st.quota
-                    .settle(ticket.quota_tokens, used, ticket.started_ms, now_ms);
+                    .settle_pick(&ticket.quota_mark, used, ticket.started_ms, now_ms);
             }
             st.quota.observe(quota, &ticket.quota_mark, rule, now_ms);
             false
         }
-        Outcome::RateLimited { .. } => {
-            st.quota
-                .refused(quota, ticket.quota_tokens, &ticket.quota_mark, rule, now_ms)
+        Outcome::RateLimited { .. }
+            if st
+                .quota
+                .refused(quota, ticket.quota_tokens, &ticket.quota_mark, rule, now_ms) =>
+        {
+            true
         }
-        _ => false,
+        // No served answer: the upstream charged nothing (a 429 its statement does not
+        // explain, a 401/403, a provider's 400, a 5xx, a reset, a client gone).
+        _ => {
+            st.quota
+                .give_back(&ticket.quota_mark, ticket.started_ms, now_ms);
+            false
+        }
     }
 }
 

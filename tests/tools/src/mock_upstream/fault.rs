@@ -50,6 +50,9 @@ pub struct Fault {
     pub mode: Mode,
     pub count: Option<u64>,
     pub for_ms: Option<u64>,
+    /// Only requests carrying this header (lower case) suffer the fault (as OpenAI refuses a
+    /// valid key sent with a mismatched `OpenAI-Organization` header); others are served.
+    pub when_header: Option<String>,
 }
 
 impl Fault {
@@ -58,6 +61,7 @@ impl Fault {
             mode: Mode::None,
             count: None,
             for_ms: None,
+            when_header: None,
         }
     }
 
@@ -126,10 +130,16 @@ impl Fault {
             "refuse" => Mode::Refuse,
             other => return Err(format!("unknown fault.mode {other:?}")),
         };
+        let when_header = match obj.get("when_header") {
+            None | Some(Value::Null) => None,
+            Some(Value::String(h)) => Some(h.to_ascii_lowercase()),
+            Some(_) => return Err("fault.when_header must be a string".into()),
+        };
         Ok(Fault {
             mode,
             count,
             for_ms,
+            when_header,
         })
     }
 
@@ -165,12 +175,19 @@ impl Fault {
             if let Some(ms) = self.for_ms {
                 obj.insert("for_ms".into(), json!(ms));
             }
+            if let Some(h) = &self.when_header {
+                obj.insert("when_header".into(), json!(h));
+            }
         }
         v
     }
 
-    /// The mode that applies to one request; consumes one unit of `count`.
-    pub fn take(&mut self) -> Mode {
+    /// The mode that applies to one request carrying `has_header`'s headers; consumes one
+    /// unit of `count` when it applies.
+    pub fn take(&mut self, has_header: impl Fn(&str) -> bool) -> Mode {
+        if self.when_header.as_deref().is_some_and(|h| !has_header(h)) {
+            return Mode::None;
+        }
         let mode = self.mode.clone();
         if let Some(c) = self.count.as_mut() {
             *c = c.saturating_sub(1);
@@ -210,9 +227,15 @@ mod tests {
     fn count_expires() {
         let mut f =
             Fault::parse(&json!({"mode":"status","status":429,"retry_after":2,"count":2})).unwrap();
-        assert!(matches!(f.take(), Mode::Status { status: 429, .. }));
-        assert!(matches!(f.take(), Mode::Status { status: 429, .. }));
-        assert_eq!(f.take(), Mode::None);
+        assert!(matches!(
+            f.take(|_| false),
+            Mode::Status { status: 429, .. }
+        ));
+        assert!(matches!(
+            f.take(|_| false),
+            Mode::Status { status: 429, .. }
+        ));
+        assert_eq!(f.take(|_| false), Mode::None);
     }
 
     #[test]
