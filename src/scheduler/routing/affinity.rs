@@ -368,7 +368,7 @@ mod tests {
         assert_eq!(a.lookup(5, 400), None);
     }
 
-    /// Issue 41, item 3: a bucket of a later version (written by a newer module during an
+    /// A bucket of a later version (written by a newer module during an
     /// upgrade) is never overwritten by this one, whatever it does with the sessions in it,
     /// nor read as pins; a version this code knows with a broken length still is.
     #[test]

@@ -871,7 +871,7 @@ mod tests {
         assert_eq!(current_lease(&s, LEASE_KEY, 3_000).unwrap().holder, B);
     }
 
-    /// Issue 41, item 6: a configuration that replaced another takes the live lease over from
+    /// A configuration that replaced another takes the live lease over from
     /// it (the old one's root context lives on while its requests drain), and the old one
     /// cannot take it back while the new one renews it. Same generation: the holder keeps it.
     #[test]

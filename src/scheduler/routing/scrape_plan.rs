@@ -373,7 +373,7 @@ mod tests {
         }
     }
 
-    /// Issue 41, item 4: two workers starting at once both read the holders key missing; the
+    /// Two workers starting at once both read the holders key missing; the
     /// second's write of the missing key lands after the first took its id. Their ids differ,
     /// and only one of them holds the scrape lease. Before, both took id 1 and both scraped.
     #[test]

@@ -941,7 +941,7 @@ fn fresh_key(at: u64) -> Quota {
     q
 }
 
-/// Issue 41, item 1: a request of 10 000 000 `max_tokens` is charged at most the key's limit,
+/// A request of 10 000 000 `max_tokens` is charged at most the key's limit,
 /// and a refusal (a provider's 400, a 5xx, a client gone) gives it all back, placements
 /// included: the key is as it was, and a pinned turn of 1 000 tokens is not a certain 429.
 #[test]
@@ -987,7 +987,7 @@ fn an_unserved_attempt_gives_its_estimate_back() {
     assert_eq!(q.tokens_left(1_700), left);
 }
 
-/// Issue 41, item 1: a new session's placement counts what its first turn spent (the
+/// A new session's placement counts what its first turn spent (the
 /// answer's `usage`), not its whole `max_tokens`: one large valid `max_tokens` no longer
 /// closes a small key to new sessions for its window.
 #[test]
