@@ -561,7 +561,10 @@ impl Config {
         if c.routing_header == c.session_header {
             v.push("session_header", "must differ from routing_header");
         }
-        for (key, other) in [("routing_header", &c.routing_header), ("session_header", &c.session_header)] {
+        for (key, other) in [
+            ("routing_header", &c.routing_header),
+            ("session_header", &c.session_header),
+        ] {
             if c.destination_header == *other {
                 v.push("destination_header", &format!("must differ from {key}"));
             }
@@ -590,8 +593,7 @@ impl Config {
                     );
                 }
                 for (i, ep) in list.iter().take(MAX_ENDPOINTS).enumerate() {
-                    if let Some(e) =
-                        v.endpoint(i, ep, &[&c.routing_header, &c.destination_header])
+                    if let Some(e) = v.endpoint(i, ep, &[&c.routing_header, &c.destination_header])
                     {
                         c.endpoints.push(e);
                     }

@@ -151,12 +151,7 @@ impl Membership {
 
     /// An answer to a request that named `listed` first (`None`: no host named), served by
     /// `served` (`None`: unknown). See the module doc for the rules.
-    pub fn observe(
-        &mut self,
-        listed: Option<&str>,
-        served: Option<&str>,
-        now_ms: u64,
-    ) -> Change {
+    pub fn observe(&mut self, listed: Option<&str>, served: Option<&str>, now_ms: u64) -> Change {
         let mut change = Change::default();
         let served = served.and_then(address);
         if let (Some(l), Some(s)) = (listed, served.as_deref()) {
@@ -178,7 +173,12 @@ impl Membership {
         self.departed.retain(|d| d.address != address);
         if self.departed.len() >= MAX_DEPARTED {
             // The oldest departure goes.
-            if let Some((i, _)) = self.departed.iter().enumerate().min_by_key(|(_, d)| d.at_ms) {
+            if let Some((i, _)) = self
+                .departed
+                .iter()
+                .enumerate()
+                .min_by_key(|(_, d)| d.at_ms)
+            {
                 self.departed.remove(i);
             }
         }
@@ -453,7 +453,10 @@ mod tests {
         assert_eq!(host_name("vllm", "127.0.0.1:8001"), "vllm-127_0_0_1-8001");
         assert_eq!(host_name("v", "[::1]:8000"), "v-___1_-8000");
         let long = host_name(&"p".repeat(40), "[2001:db8::1234:5678:9abc:def0]:65535");
-        assert!(long.len() <= 64 && long.starts_with(&"p".repeat(40)), "{long}");
+        assert!(
+            long.len() <= 64 && long.starts_with(&"p".repeat(40)),
+            "{long}"
+        );
         assert_eq!(address(" 10.0.0.1:80 "), Some("10.0.0.1:80".into()));
         assert_eq!(address("[::1]:80"), Some("[::1]:80".into()));
         assert_eq!(address("10.0.0.1"), None);
@@ -468,9 +471,14 @@ mod tests {
         assert_eq!(c.joined, Some(0));
         assert_eq!(m.observe(None, Some("10.0.0.1:80"), 11).joined, Some(1));
         // Confirmations change nothing.
-        assert!(!m.observe(Some("10.0.0.1:80"), Some("10.0.0.1:80"), 12).any());
+        assert!(!m
+            .observe(Some("10.0.0.1:80"), Some("10.0.0.1:80"), 12)
+            .any());
         assert_eq!(
-            m.hosts.iter().map(|h| h.address.as_str()).collect::<Vec<_>>(),
+            m.hosts
+                .iter()
+                .map(|h| h.address.as_str())
+                .collect::<Vec<_>>(),
             ["10.0.0.1:80", "10.0.0.2:80"]
         );
         // Named first, served by another: it left.
@@ -478,7 +486,9 @@ mod tests {
         assert!(c.departed && c.joined.is_none());
         assert!(!m.knows("10.0.0.2:80"));
         // An answer in flight when it left does not bring it back...
-        assert!(!m.observe(None, Some("10.0.0.2:80"), 20 + DEPARTED_QUIET_MS - 1).any());
+        assert!(!m
+            .observe(None, Some("10.0.0.2:80"), 20 + DEPARTED_QUIET_MS - 1)
+            .any());
         // ...a later one does, in the lowest free slot.
         let c = m.observe(None, Some("10.0.0.2:80"), 20 + DEPARTED_QUIET_MS);
         assert_eq!(c.joined, Some(0));
@@ -516,9 +526,11 @@ mod tests {
             })
         );
         let (_, cas) = store.get(&membership_key("vllm"));
-        assert!(!observe(&store, "vllm", Some("10.0.0.1:80"), Some("10.0.0.1:80"), 2)
-            .unwrap()
-            .any());
+        assert!(
+            !observe(&store, "vllm", Some("10.0.0.1:80"), Some("10.0.0.1:80"), 2)
+                .unwrap()
+                .any()
+        );
         assert_eq!(store.get(&membership_key("vllm")).1, cas);
         assert!(read(&store, "vllm").knows("10.0.0.1:80"));
     }
@@ -579,6 +591,9 @@ mod tests {
         // Skipped endpoints (already tried) are not listed; one host alone is the whole list.
         let d = destination(&eff, 2, 7, 16, |j| j != 4).unwrap();
         assert_eq!(d, "10.0.0.2:80,10.0.0.4:80");
-        assert_eq!(destination(&eff, 2, 7, 1, |_| false).unwrap(), "10.0.0.2:80");
+        assert_eq!(
+            destination(&eff, 2, 7, 1, |_| false).unwrap(),
+            "10.0.0.2:80"
+        );
     }
 }
