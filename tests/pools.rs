@@ -86,7 +86,7 @@ impl Hosts {
     fn start(n: usize) -> Hosts {
         Hosts {
             mocks: (0..n)
-                .map(|i| MockUpstream::start(&format!("h{i}"), &[], &[]))
+                .map(|i| MockUpstream::start(&format!("h{i}"), &[MODEL], &[]))
                 .collect(),
         }
     }
@@ -167,6 +167,37 @@ fn pool_hosts_follow_the_clusters_membership() {
     c.expect(
         found.is_some(),
         format!("the three hosts of the file were discovered (in {found:?})"),
+    );
+
+    // A client cannot pick the host: its destination header is removed.
+    let mut obeyed = 0;
+    let mut stamped = 0;
+    for i in 0..10 {
+        let id = format!("c{i}");
+        let home_host = ask(port, &id, 0).mock;
+        let other = (0..3).find(|&k| format!("h{k}") != home_host).unwrap();
+        let text = format!("{id} turn 1 {}", "x".repeat(200));
+        let body = chat_body(MODEL, &[text.as_str()], Value::Null);
+        let target = format!("127.0.0.1:{}", hosts.port(other));
+        let r = try_post_chat(
+            port,
+            &[
+                ("x-session-id", id.as_str()),
+                (support::pool::DESTINATION_HEADER, target.as_str()),
+            ],
+            &body,
+        )
+        .unwrap();
+        errors += usize::from(r.status != 200);
+        obeyed += usize::from(r.header("x-mock-endpoint") == Some(format!("h{other}").as_str()));
+        c.expect(
+            r.header(support::pool::STAMP_HEADER).is_none(),
+            "the upstream stamp never reaches the client",
+        );
+    }
+    c.expect(
+        obeyed == 0,
+        format!("{obeyed}/10 client-sent destination headers obeyed"),
     );
 
     // 2. Sessions placed on the hosts, each served where the filter says.
@@ -323,5 +354,47 @@ fn three_replicas_place_the_same_sessions_on_the_same_hosts() {
     c.expect(used.len() == 3, format!("over {} hosts", used.len()));
     c.expect(errors == 0, format!("{errors} client errors"));
     c.expect(replicas.wasm_crashes().is_empty(), "no wasm crash");
+    c.finish();
+}
+
+#[test]
+fn each_host_of_a_pool_is_scraped_new_ones_included() {
+    let hosts = Hosts::start(3);
+    let eds = EdsFile::new(CLUSTER);
+    eds.set(&hosts.ports(&[0, 1]));
+    let mut cfg = envoy_config(&eds);
+    cfg.plugin_config = json!({
+        "endpoints": [{"name": POOL, "cluster": CLUSTER, "pool": true, "models": [MODEL],
+                       "metrics": {"format": "vllm", "interval_ms": 250}}],
+    });
+    cfg.component_log_level = Some("wasm:debug".into());
+    let envoy = Envoy::start(cfg);
+    let mut c = Checks::new();
+    let scraped = |i: usize| format!("scraped {}:", host_name(hosts.port(i)));
+    for i in 0..2 {
+        c.expect(
+            envoy.wait_for_log(&scraped(i), Duration::from_secs(15)),
+            format!("host h{i} scraped as {}", host_name(hosts.port(i))),
+        );
+    }
+    eds.set(&hosts.ports(&[0, 1, 2]));
+    let t0 = Instant::now();
+    let found = envoy.wait_for_log(&scraped(2), Duration::from_secs(15));
+    c.expect(
+        found,
+        format!("the added host h2 scraped after {:?}", t0.elapsed()),
+    );
+    // Series are the pool's, never a host's.
+    let stats = get(envoy.admin_port, "/stats?filter=computeflux").body;
+    let per_host = stats.lines().filter(|l| l.contains("127_0_0_1")).count();
+    c.expect(
+        per_host == 0,
+        format!("{per_host} metric series named after a host"),
+    );
+    c.expect(
+        stats.contains("computeflux_scrapes_total.endpoint.vllm:"),
+        "scrapes counted under the pool's name",
+    );
+    c.expect(envoy.wasm_crashes().is_empty(), "no wasm crash");
     c.finish();
 }

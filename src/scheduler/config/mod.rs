@@ -383,7 +383,7 @@ config_keys! {
     routing_header: String = "x-computeflux-cluster".into(), Spec::HeaderName,
         "Request header the filter writes the chosen endpoint's `cluster` into; the Envoy route must forward on it (`cluster_header`, or header-match routes in Istio). A value sent by the client is always removed first. Must differ from `session_header`.";
     destination_header: String = "x-gateway-destination-endpoint".into(), Spec::HeaderName,
-        "Request header the filter writes the chosen host of a pool (an endpoint with `pool: true`) into, as `ip:port`, followed comma-separated by the hosts of that pool it would try next; the pool's Envoy cluster must use the `envoy.load_balancing_policies.override_host` load-balancing policy reading it (see [pools](configuration.md#pools)). The same header as the Gateway API Inference Extension's endpoint picker. A value sent by the client is always removed first. Must differ from `routing_header` and `session_header`.";
+        "Request header the filter writes the chosen host of a pool (an endpoint with `pool: true`) into, as `ip:port`, followed comma-separated by the hosts of that pool it would try next; the pool's Envoy cluster must use the `envoy.load_balancing_policies.override_host` load-balancing policy reading it (see [pools](#pools)). The same header as the Gateway API Inference Extension's endpoint picker. A value sent by the client is always removed first. Must differ from `routing_header` and `session_header`.";
     session_header: String = "x-session-id".into(), Spec::HeaderName,
         "Request header carrying the client's session id. Without it the body's `user`, else a fingerprint of the model, first system and first user message, is the session. Every session is scoped by the caller's `authorization` / `x-api-key`.";
     affinity_ttl_ms: u64 = 300_000, MS,
@@ -635,9 +635,10 @@ impl Config {
                     )
                 });
                 format!(
-                    "{}(cluster={} weight={} models={} disabled={} headers=[{}]{})",
+                    "{}(cluster={}{} weight={} models={} disabled={} headers=[{}]{})",
                     e.name,
                     e.cluster,
+                    if e.pool.is_some() { " pool=true" } else { "" },
                     e.weight,
                     models,
                     e.disabled,
