@@ -16,6 +16,7 @@ pub mod overdue;
 pub mod payoff;
 pub mod pin_cookie;
 pub mod placement;
+pub mod pools;
 pub mod quota;
 pub mod responses;
 pub mod saturation;
