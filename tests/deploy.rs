@@ -543,8 +543,8 @@ fn pool_yaml_gives_every_pool_an_override_host_eds_cluster_fed_by_its_file() {
     // watched file that exists and assigns that cluster, and the bootstrap sets the node that
     // file-based xDS needs.
     let v = yaml_doc(&root().join("envoy/pool.yaml"));
-    assert!(str_at(&v, "/node/id", "pool.yaml").len() > 0);
-    assert!(str_at(&v, "/node/cluster", "pool.yaml").len() > 0);
+    assert!(!str_at(&v, "/node/id", "pool.yaml").is_empty());
+    assert!(!str_at(&v, "/node/cluster", "pool.yaml").is_empty());
     let (_, filter) = wasm_filters(&v).remove(0);
     let plugin = plugin_config(&filter);
     let header = destination_header(&plugin);
@@ -580,7 +580,11 @@ fn pool_yaml_gives_every_pool_an_override_host_eds_cluster_fed_by_its_file() {
             Some(dir.as_path()),
             "{name}: the file is in the watched directory"
         );
-        let eds: Value = serde_json::from_str(&std::fs::read_to_string(&file).unwrap()).unwrap();
+        let eds: Value = if file.extension().is_some_and(|e| e == "json") {
+            serde_json::from_str(&std::fs::read_to_string(&file).unwrap()).unwrap()
+        } else {
+            yaml_doc(&file)
+        };
         assert_eq!(eds["resources"][0]["cluster_name"], name);
         assert!(
             eds["resources"][0]["endpoints"][0]["lb_endpoints"]
@@ -764,6 +768,16 @@ const GATEWAY_FIELDS: &[&str] = &[
     "/spec/targetRefs/name",
     "/spec/loadBalancer/type",
     "/spec/loadBalancer/endpointOverride/extractFrom/header",
+    "/spec/targetRef/group",
+    "/spec/targetRef/kind",
+    "/spec/targetRef/name",
+    "/spec/type",
+    "/spec/jsonPatches/type",
+    "/spec/jsonPatches/name",
+    "/spec/jsonPatches/operation/op",
+    "/spec/jsonPatches/operation/path",
+    // Free-form: an xDS value, checked against envoy/pool.yaml below.
+    "/spec/jsonPatches/operation/value/*",
 ];
 
 /// Every leaf of `v` as a pointer without array indices.
@@ -797,7 +811,12 @@ fn gateway_pool_overrides_the_endpoint_of_the_routes_own_cluster() {
     }
     let unknown: Vec<&String> = fields
         .iter()
-        .filter(|f| !GATEWAY_FIELDS.contains(&f.as_str()))
+        .filter(|f| {
+            !GATEWAY_FIELDS.iter().any(|g| match g.strip_suffix('*') {
+                Some(prefix) => f.starts_with(prefix),
+                None => f == g,
+            })
+        })
         .collect();
     assert!(
         unknown.is_empty(),
@@ -825,6 +844,29 @@ fn gateway_pool_overrides_the_endpoint_of_the_routes_own_cluster() {
     assert_eq!(
         sources[0]["header"].as_str().unwrap(),
         destination_header(&plugin_config(&filter))
+    );
+    // The stamp the filter learns the pods from, on the route's cluster, as in envoy/pool.yaml.
+    let patch = &kind("EnvoyPatchPolicy")["spec"]["jsonPatches"][0];
+    assert_eq!(
+        patch["type"],
+        "type.googleapis.com/envoy.config.cluster.v3.Cluster"
+    );
+    assert_eq!(
+        patch["name"],
+        format!(
+            "httproute/{}/{}/rule/0",
+            str_at(route, "/metadata/namespace", "route"),
+            str_at(route, "/metadata/name", "route")
+        )
+        .as_str()
+    );
+    assert_eq!(
+        patch["operation"]["path"],
+        "/typed_extension_protocol_options"
+    );
+    assert_eq!(
+        patch["operation"]["value"],
+        local["static_resources"]["clusters"][0]["typed_extension_protocol_options"]
     );
     let target = &btp["spec"]["targetRefs"][0];
     assert_eq!(target["kind"], "HTTPRoute");

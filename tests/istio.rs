@@ -504,12 +504,14 @@ fn pool_cluster_patch_reaches_the_services_cluster_and_passes_envoy_validate() {
         lb["typed_config"]["override_host_sources"][0]["header"], "x-gateway-destination-endpoint",
         "the header the filter writes by default"
     );
-    // The same policy as the plain-Envoy pool (envoy/pool.yaml).
+    // The same policy and upstream stamp as the plain-Envoy pool (envoy/pool.yaml).
     let local = yaml_doc(&root().join("envoy/pool.yaml"));
-    assert_eq!(
-        local["static_resources"]["clusters"][0]["load_balancing_policy"],
-        patch["patch"]["value"]["load_balancing_policy"]
-    );
+    for key in ["load_balancing_policy", "typed_extension_protocol_options"] {
+        assert_eq!(
+            local["static_resources"]["clusters"][0][key], patch["patch"]["value"][key],
+            "{key}"
+        );
+    }
 
     let dir = std::env::temp_dir().join(format!("computeflux-eds-{}", support::unique_u32()));
     std::fs::create_dir_all(&dir).unwrap();

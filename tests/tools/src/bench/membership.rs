@@ -217,12 +217,30 @@ pub fn pool_cluster(template: &Value, eds_dir: &Path, lb: Option<&str>) -> Resul
             },
         }}),
     );
+    // The upstream stamp (every answer names the host that served it: how the filter learns a
+    // pool's hosts, docs/configuration.md#pools), the same for every policy so that the
+    // clusters differ only in how a host is picked.
+    let shaped = support::pool::pool_cluster(
+        POOL_CLUSTER,
+        &eds_dir.join(EDS_FILE),
+        eds_dir,
+        "least_request",
+    );
+    if let Some(opts) = shaped.get("typed_extension_protocol_options") {
+        o.insert("typed_extension_protocol_options".into(), opts.clone());
+    }
     match lb {
         Some(lb) => {
             o.insert("lb_policy".into(), json!(lb));
         }
         None => {
-            o.insert("load_balancing_policy".into(), override_host_policy());
+            o.insert(
+                "load_balancing_policy".into(),
+                shaped
+                    .get("load_balancing_policy")
+                    .cloned()
+                    .unwrap_or_else(override_host_policy),
+            );
         }
     }
     Ok(c)
@@ -643,6 +661,11 @@ mod tests {
             DESTINATION_HEADER
         );
         assert!(c.get("lb_policy").is_none());
+        assert_eq!(
+            c.pointer("/typed_extension_protocol_options/envoy.extensions.upstreams.http.v3.HttpProtocolOptions/http_filters/0/name"),
+            Some(&json!("envoy.filters.http.header_mutation")),
+            "the upstream stamp the filter learns hosts from"
+        );
         let text = f.to_string();
         assert!(
             text.contains(r#"\"pool\":true"#),
@@ -659,6 +682,10 @@ mod tests {
             (Some("EDS"), Some("RING_HASH"))
         );
         assert!(c.get("load_balancing_policy").is_none());
+        assert!(
+            c.get("typed_extension_protocol_options").is_some(),
+            "the same cluster shape"
+        );
         let route = r
             .pointer("/static_resources/listeners/0/filter_chains/0/filters/0/typed_config/route_config/virtual_hosts/0/routes/0/route")
             .unwrap();
