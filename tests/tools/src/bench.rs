@@ -48,6 +48,12 @@
 //! per request, filter ÷ no wasm req/s, the CPU ratio to the smallest fleet), written into
 //! `results.json` (`overhead_fleet`), `fleet.md` and the end of `results.md`.
 //!
+//! `--membership scale_out,scale_in,rollout` (or `all`) runs only the issue 40 scenarios instead:
+//! the engines are the hosts of one EDS cluster fed from a watched file whose host list changes
+//! mid-run (`bench/membership.rs`; what counts: `bench/membership_summary.rs`), least_request,
+//! ring_hash and the filter with a pool unless `--policies` says otherwise, written to
+//! `OUT/latest.md` and `OUT/latest.json`.
+//!
 //! `--render` rewrites `results.md`, `chart.svg`, `summary-table.md` (and, for a full run, the
 //! README block) from a run's `results.json` without measuring anything.
 //!
