@@ -569,7 +569,7 @@ fn pool_yaml_gives_every_pool_an_override_host_eds_cluster_fed_by_its_file() {
         );
         assert_eq!(
             override_host_headers(at(c, "/load_balancing_policy", name), name),
-            [header.clone()],
+            std::slice::from_ref(&header),
             "{name} must read the header the filter writes"
         );
         let src = at(c, "/eds_cluster_config/eds_config/path_config_source", name);

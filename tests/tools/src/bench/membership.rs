@@ -29,7 +29,7 @@ use std::time::{Duration, Instant};
 use serde_json::{json, Value};
 
 use super::deployment::{DeployOpts, Deployment};
-use super::membership_summary::{self, HostLife, MembershipSummary};
+use super::membership_summary::{self, Events, HostLife, MembershipSummary};
 use super::support::{self, EnvoyConfig, MockUpstream};
 use super::topology::{self, Policy};
 use super::workload::{self, SessionPlan, WorkloadParams};
@@ -399,7 +399,7 @@ fn inject(
     eds_dir: &Path,
     mock_args: &[String],
     t0: Instant,
-) -> Result<(Vec<Slot>, Vec<(f64, String)>), String> {
+) -> Result<(Vec<Slot>, Events), String> {
     let mut events = Vec::new();
     let mut version = 1u64;
     for (at, action) in actions {

@@ -35,6 +35,9 @@ pub const FAIR_FRACTION: f64 = 0.8;
 /// Envoy to read the file.
 pub const PROPAGATION_MS: f64 = 500.0;
 
+/// The membership changes as they happened: `(ms from the run's origin, "add h4")`.
+pub type Events = Vec<(f64, String)>;
+
 /// One server's life in the cluster, in ms from the run's origin.
 #[derive(Clone, Debug, Default, PartialEq)]
 pub struct HostLife {
@@ -100,7 +103,7 @@ pub struct MembershipSummary {
     /// Chat requests every server received, per client request (retries and failovers in).
     pub upstream_per_request: f64,
     /// The membership changes as they happened: `(ms, "add h4")`.
-    pub events: Vec<(f64, String)>,
+    pub events: Events,
     pub wall_s: f64,
 }
 
