@@ -496,6 +496,9 @@ config_keys! {
         "Multiplier of the session placement weight of an endpoint below `payoff_floor`. Above zero, so that a few sessions still go there and show when its cache works again.";
 }
 
+/// Longest name of a pool entry: its hosts' names add `-` and their address (at most 64 bytes
+/// in all, see `routing::pools::host_name`).
+pub const MAX_POOL_NAME_BYTES: usize = 40;
 /// Upper bound on endpoints: keeps per-request exclusion sets and selection cost bounded.
 pub const MAX_ENDPOINTS: usize = 1024;
 /// Envoy's largest sensible stream buffer; `max_body_bytes` must not exceed it.

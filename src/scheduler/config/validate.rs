@@ -357,12 +357,12 @@ impl Validator {
         if let Some(v) = obj.get("pool") {
             match v.as_bool() {
                 Some(true) => {
-                    if name.len() > crate::scheduler::routing::pools::MAX_POOL_NAME_BYTES {
+                    if name.len() > MAX_POOL_NAME_BYTES {
                         self.push(
                             &format!("{at}.name"),
                             &format!(
                                 "of a pool must be at most {} bytes (its hosts' names add their address), got {}",
-                                crate::scheduler::routing::pools::MAX_POOL_NAME_BYTES,
+                                MAX_POOL_NAME_BYTES,
                                 name.len()
                             ),
                         );

@@ -21,6 +21,7 @@
 //! - **departure**: an answer to a request that named host H first, served by another host:
 //!   `override_host` passes over a host only when it is not (or no longer healthy) in the
 //!   cluster.
+//!
 //! A departed host that had no traffic stays listed until a request or a scrape names it:
 //! harmless, as Envoy never sends anything to a host outside the cluster and the list's next
 //! host (the next in rendezvous order, where every replica would place the session) serves.
@@ -45,8 +46,7 @@ use crate::scheduler::state::hash::{endpoint_id, hash_parts};
 use crate::scheduler::state::store::{update_if, Store};
 use std::net::SocketAddr;
 
-/// Longest pool name: its hosts' names add `-` and the address (at most 64 bytes in all).
-pub const MAX_POOL_NAME_BYTES: usize = 40;
+pub use crate::scheduler::config::MAX_POOL_NAME_BYTES;
 /// Hosts one pool holds at most.
 pub const MAX_POOL_HOSTS: usize = 1024;
 /// Departed hosts remembered per pool (the newest).
