@@ -101,7 +101,11 @@ fn every_envoy_config_in_the_repo_passes_validate() {
         .iter()
         .map(|p| p.strip_prefix(root()).unwrap().display().to_string())
         .collect();
-    for must in ["envoy/envoy.yaml", "envoy/envoy.compose.yaml"] {
+    for must in [
+        "envoy/envoy.yaml",
+        "envoy/envoy.compose.yaml",
+        "envoy/pool.yaml",
+    ] {
         assert!(
             rel.iter().any(|r| r == must),
             "{must} not found among {rel:?}"
@@ -526,4 +530,388 @@ fn compose_mock_command_lines_start_the_mock() {
         n += 1;
     }
     assert_eq!(n, 4, "four mock services");
+}
+
+/// The header the filter writes a pool's chosen host into: the configuration's
+/// `destination_header`, else its default.
+fn destination_header(plugin: &Value) -> String {
+    plugin
+        .get("destination_header")
+        .and_then(Value::as_str)
+        .unwrap_or("x-gateway-destination-endpoint")
+        .to_ascii_lowercase()
+}
+
+/// The `override_host` policy's header sources of a cluster's `load_balancing_policy`.
+fn override_host_headers(lbp: &Value, what: &str) -> Vec<String> {
+    let ext = at(lbp, "/policies/0/typed_extension_config", what);
+    assert_eq!(
+        str_at(ext, "/name", what),
+        "envoy.load_balancing_policies.override_host",
+        "{what}"
+    );
+    at(ext, "/typed_config/override_host_sources", what)
+        .as_array()
+        .unwrap()
+        .iter()
+        .filter_map(|s| s.get("header").and_then(Value::as_str))
+        .map(str::to_ascii_lowercase)
+        .collect()
+}
+
+#[test]
+fn pool_yaml_gives_every_pool_an_override_host_eds_cluster_fed_by_its_file() {
+    // envoy/pool.yaml (issue 40): each pool entry of the plugin configuration names a cluster
+    // that reads the filter's destination header with `override_host`, is fed by EDS from a
+    // watched file that exists and assigns that cluster, and the bootstrap sets the node that
+    // file-based xDS needs.
+    let v = yaml_doc(&root().join("envoy/pool.yaml"));
+    assert!(!str_at(&v, "/node/id", "pool.yaml").is_empty());
+    assert!(!str_at(&v, "/node/cluster", "pool.yaml").is_empty());
+    let (_, filter) = wasm_filters(&v).remove(0);
+    let plugin = plugin_config(&filter);
+    let header = destination_header(&plugin);
+    let pools: Vec<&Value> = plugin["endpoints"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .filter(|e| e["pool"] == true)
+        .collect();
+    assert!(!pools.is_empty(), "pool.yaml has no pool entry");
+    let clusters = v["static_resources"]["clusters"].as_array().unwrap();
+    for ep in pools {
+        let name = str_at(ep, "/cluster", "pool entry");
+        let c = clusters
+            .iter()
+            .find(|c| c["name"] == name)
+            .unwrap_or_else(|| panic!("cluster {name} missing"));
+        assert_eq!(c["type"], "EDS", "{name}");
+        assert!(
+            c.get("lb_policy").is_none(),
+            "{name}: the load_balancing_policy decides"
+        );
+        assert_eq!(
+            override_host_headers(at(c, "/load_balancing_policy", name), name),
+            std::slice::from_ref(&header),
+            "{name} must read the header the filter writes"
+        );
+        let src = at(c, "/eds_cluster_config/eds_config/path_config_source", name);
+        let file = root().join(str_at(src, "/path", name));
+        let dir = root().join(str_at(src, "/watched_directory/path", name));
+        assert_eq!(
+            file.parent(),
+            Some(dir.as_path()),
+            "{name}: the file is in the watched directory"
+        );
+        let eds: Value = if file.extension().is_some_and(|e| e == "json") {
+            serde_json::from_str(&std::fs::read_to_string(&file).unwrap()).unwrap()
+        } else {
+            yaml_doc(&file)
+        };
+        assert_eq!(eds["resources"][0]["cluster_name"], name);
+        assert!(
+            eds["resources"][0]["endpoints"][0]["lb_endpoints"]
+                .as_array()
+                .is_some_and(|l| !l.is_empty()),
+            "{name}: the file lists hosts"
+        );
+    }
+}
+
+/// A running Envoy started from a bootstrap value; stopped by PID when dropped.
+struct RawEnvoy {
+    child: std::process::Child,
+    port: u16,
+    dir: PathBuf,
+}
+
+impl RawEnvoy {
+    fn start(bootstrap: &Value) -> RawEnvoy {
+        let dir = std::env::temp_dir().join(format!("computeflux-pool-{}", support::unique_u32()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let path = dir.join("envoy.json");
+        std::fs::write(&path, bootstrap.to_string()).unwrap();
+        let admin = dir.join("admin.txt");
+        let child = Command::new(support::envoy_bin())
+            .arg("-c")
+            .arg(&path)
+            .args([
+                "--concurrency",
+                "1",
+                "--disable-hot-restart",
+                "--log-level",
+                "warn",
+            ])
+            .args(["--base-id", &support::unique_u32().to_string()])
+            .arg("--admin-address-path")
+            .arg(&admin)
+            .arg("--log-path")
+            .arg(dir.join("envoy.log"))
+            .stdout(std::process::Stdio::null())
+            .stderr(std::process::Stdio::null())
+            .spawn()
+            .unwrap();
+        let mut e = RawEnvoy {
+            child,
+            port: 0,
+            dir,
+        };
+        let (_, port) =
+            support::envoy::wait_ready(&mut e.child, &admin, std::time::Duration::from_secs(20))
+                .unwrap_or_else(|err| panic!("pool Envoy not ready: {err}"));
+        e.port = port;
+        e
+    }
+}
+
+impl Drop for RawEnvoy {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+        let _ = std::fs::remove_dir_all(&self.dir);
+    }
+}
+
+/// Writes the EDS file of `cluster` with these ports and renames it into `dir`.
+fn write_eds(dir: &Path, file: &str, cluster: &str, ports: &[u16]) {
+    let lb: Vec<Value> = ports
+        .iter()
+        .map(|p| json!({"endpoint": {"address": {"socket_address": {"address": "127.0.0.1", "port_value": p}}}}))
+        .collect();
+    let doc = json!({"version_info": support::unique_u32().to_string(), "resources": [{
+        "@type": "type.googleapis.com/envoy.config.endpoint.v3.ClusterLoadAssignment",
+        "cluster_name": cluster, "endpoints": [{"lb_endpoints": lb}]}]});
+    let tmp = dir.join(".eds.tmp");
+    std::fs::write(&tmp, doc.to_string()).unwrap();
+    std::fs::rename(&tmp, dir.join(file)).unwrap();
+}
+
+#[test]
+fn pool_yaml_cluster_sends_a_request_to_the_host_named_and_follows_its_file() {
+    // The pool cluster of envoy/pool.yaml, live (the filter's side of pools is tested in its
+    // own integration tests): its route sends straight to the cluster, the EDS file is a
+    // temporary copy listing two mocks. A header naming one host reaches it; a list falls
+    // through to a host that exists; a host added to the file is reached soon after.
+    let mut v = yaml_doc(&root().join("envoy/pool.yaml"));
+    let (ptr, filter) = wasm_filters(&v).remove(0);
+    let plugin = plugin_config(&filter);
+    let header = destination_header(&plugin);
+    let cluster = plugin["endpoints"][0]["cluster"]
+        .as_str()
+        .unwrap()
+        .to_string();
+    let hcm_ptr = ptr.rsplit_once("/http_filters").unwrap().0.to_string();
+    let hcm = v.pointer_mut(&hcm_ptr).unwrap();
+    hcm["http_filters"]
+        .as_array_mut()
+        .unwrap()
+        .retain(|f| f["name"] != "envoy.filters.http.wasm");
+    hcm["route_config"]["virtual_hosts"][0]["routes"][0]["route"] =
+        json!({"cluster": cluster, "timeout": "10s"});
+    v["admin"]["address"]["socket_address"]["port_value"] = json!(0);
+    v["static_resources"]["listeners"][0]["address"]["socket_address"]["port_value"] = json!(0);
+    let eds_dir =
+        std::env::temp_dir().join(format!("computeflux-pool-eds-{}", support::unique_u32()));
+    std::fs::create_dir_all(&eds_dir).unwrap();
+    let c = v["static_resources"]["clusters"]
+        .as_array_mut()
+        .unwrap()
+        .iter_mut()
+        .find(|c| c["name"] == cluster.as_str())
+        .unwrap();
+    let src = &mut c["eds_cluster_config"]["eds_config"]["path_config_source"];
+    src["path"] = json!(eds_dir.join("eds.json").display().to_string());
+    src["watched_directory"]["path"] = json!(eds_dir.display().to_string());
+    let mocks: Vec<support::MockUpstream> = ["p0", "p1", "p2"]
+        .iter()
+        .map(|n| support::MockUpstream::start(n, &[], &[]))
+        .collect();
+    write_eds(
+        &eds_dir,
+        "eds.json",
+        &cluster,
+        &[mocks[0].port, mocks[1].port],
+    );
+    let envoy = RawEnvoy::start(&v);
+    let body = support::chat_body("m", &["hi"], json!({}));
+    let served_by = |value: &str| -> Option<String> {
+        let r =
+            support::http::try_post_chat(envoy.port, &[(header.as_str(), value)], &body).ok()?;
+        r.header("x-mock-endpoint").map(str::to_string)
+    };
+    for _ in 0..5 {
+        assert_eq!(served_by(&mocks[1].addr()).as_deref(), Some("p1"));
+        assert_eq!(served_by(&mocks[0].addr()).as_deref(), Some("p0"));
+    }
+    // Not in the cluster yet: the list falls through to the next host that is.
+    let list = format!("{},{}", mocks[2].addr(), mocks[1].addr());
+    assert_eq!(served_by(&list).as_deref(), Some("p1"));
+    write_eds(
+        &eds_dir,
+        "eds.json",
+        &cluster,
+        &[mocks[0].port, mocks[1].port, mocks[2].port],
+    );
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
+    loop {
+        if served_by(&mocks[2].addr()).as_deref() == Some("p2") {
+            break;
+        }
+        assert!(
+            std::time::Instant::now() < deadline,
+            "a host added to the file was not reached within 10 s"
+        );
+        std::thread::sleep(std::time::Duration::from_millis(100));
+    }
+    drop(envoy);
+    let _ = std::fs::remove_dir_all(&eds_dir);
+}
+
+/// The fields of Envoy Gateway's API that `envoy/gateway/pool.yaml` may use (from
+/// envoyproxy/gateway `api/v1alpha1`: BackendTrafficPolicy, `LoadBalancer`,
+/// `EndpointOverride`; and the Gateway API's HTTPRoute v1), as `(pointer, allowed)`: every leaf
+/// of a document must sit under one of these pointers (array indices dropped).
+const GATEWAY_FIELDS: &[&str] = &[
+    "/apiVersion",
+    "/kind",
+    "/metadata/name",
+    "/metadata/namespace",
+    "/spec/parentRefs/name",
+    "/spec/parentRefs/namespace",
+    "/spec/hostnames",
+    "/spec/rules/matches/headers/name",
+    "/spec/rules/matches/headers/value",
+    "/spec/rules/filters/type",
+    "/spec/rules/filters/requestHeaderModifier/remove",
+    "/spec/rules/backendRefs/name",
+    "/spec/rules/backendRefs/port",
+    "/spec/rules/timeouts/request",
+    "/spec/targetRefs/group",
+    "/spec/targetRefs/kind",
+    "/spec/targetRefs/name",
+    "/spec/loadBalancer/type",
+    "/spec/loadBalancer/endpointOverride/extractFrom/header",
+    "/spec/targetRef/group",
+    "/spec/targetRef/kind",
+    "/spec/targetRef/name",
+    "/spec/type",
+    "/spec/jsonPatches/type",
+    "/spec/jsonPatches/name",
+    "/spec/jsonPatches/operation/op",
+    "/spec/jsonPatches/operation/path",
+    // Free-form: an xDS value, checked against envoy/pool.yaml below.
+    "/spec/jsonPatches/operation/value/*",
+];
+
+/// Every leaf of `v` as a pointer without array indices.
+fn leaves(v: &Value, at: String, out: &mut Vec<String>) {
+    match v {
+        Value::Object(m) => {
+            for (k, x) in m {
+                leaves(x, format!("{at}/{k}"), out);
+            }
+        }
+        Value::Array(a) if a.iter().any(|x| x.is_object()) => {
+            for x in a {
+                leaves(x, at.clone(), out);
+            }
+        }
+        _ => out.push(at),
+    }
+}
+
+#[test]
+fn gateway_pool_overrides_the_endpoint_of_the_routes_own_cluster() {
+    // envoy/gateway/pool.yaml: only fields of Envoy Gateway's and the Gateway API's schemas
+    // (a hand-written subset: no Envoy Gateway CRD validator runs here), a load-balancer type
+    // from its enum, the endpoint override reading the header the filter writes, attached to
+    // the route whose rule's cluster name (Envoy Gateway's `httproute/<ns>/<name>/rule/<i>`)
+    // the routing header matches.
+    let docs = deploy_support::yaml_docs(&root().join("envoy/gateway/pool.yaml"));
+    let mut fields = Vec::new();
+    for d in &docs {
+        leaves(d, String::new(), &mut fields);
+    }
+    let unknown: Vec<&String> = fields
+        .iter()
+        .filter(|f| {
+            !GATEWAY_FIELDS.iter().any(|g| match g.strip_suffix('*') {
+                Some(prefix) => f.starts_with(prefix),
+                None => f == g,
+            })
+        })
+        .collect();
+    assert!(
+        unknown.is_empty(),
+        "fields outside the known schema: {unknown:?}"
+    );
+    let kind = |k: &str| {
+        docs.iter()
+            .find(|d| d["kind"] == k)
+            .unwrap_or_else(|| panic!("no {k}"))
+    };
+    let route = kind("HTTPRoute");
+    let btp = kind("BackendTrafficPolicy");
+    assert_eq!(route["apiVersion"], "gateway.networking.k8s.io/v1");
+    assert_eq!(btp["apiVersion"], "gateway.envoyproxy.io/v1alpha1");
+    let lb = &btp["spec"]["loadBalancer"];
+    assert!(
+        ["ConsistentHash", "LeastRequest", "Random", "RoundRobin"]
+            .contains(&lb["type"].as_str().unwrap()),
+        "{lb}"
+    );
+    let sources = lb["endpointOverride"]["extractFrom"].as_array().unwrap();
+    assert!((1..=10).contains(&sources.len()));
+    let local = yaml_doc(&root().join("envoy/pool.yaml"));
+    let (_, filter) = wasm_filters(&local).remove(0);
+    assert_eq!(
+        sources[0]["header"].as_str().unwrap(),
+        destination_header(&plugin_config(&filter))
+    );
+    // The stamp the filter learns the pods from, on the route's cluster, as in envoy/pool.yaml.
+    let patch = &kind("EnvoyPatchPolicy")["spec"]["jsonPatches"][0];
+    assert_eq!(
+        patch["type"],
+        "type.googleapis.com/envoy.config.cluster.v3.Cluster"
+    );
+    assert_eq!(
+        patch["name"],
+        format!(
+            "httproute/{}/{}/rule/0",
+            str_at(route, "/metadata/namespace", "route"),
+            str_at(route, "/metadata/name", "route")
+        )
+        .as_str()
+    );
+    assert_eq!(
+        patch["operation"]["path"],
+        "/typed_extension_protocol_options"
+    );
+    assert_eq!(
+        patch["operation"]["value"],
+        local["static_resources"]["clusters"][0]["typed_extension_protocol_options"]
+    );
+    let target = &btp["spec"]["targetRefs"][0];
+    assert_eq!(target["kind"], "HTTPRoute");
+    assert_eq!(target["name"], route["metadata"]["name"]);
+    assert_eq!(btp["metadata"]["namespace"], route["metadata"]["namespace"]);
+    for (i, rule) in route["spec"]["rules"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .enumerate()
+    {
+        let own = format!(
+            "httproute/{}/{}/rule/{i}",
+            str_at(route, "/metadata/namespace", "route"),
+            str_at(route, "/metadata/name", "route")
+        );
+        let m = &rule["matches"][0]["headers"][0];
+        assert_eq!(m["name"], "x-computeflux-cluster");
+        assert_eq!(
+            m["value"],
+            own.as_str(),
+            "rule {i} matches its own cluster's name"
+        );
+    }
 }

@@ -7,7 +7,10 @@
 //! the three ways of loading the module carry the same URL, digest and plugin configuration,
 //! that configuration is accepted by `Config::from_value`, every endpoint's cluster is created
 //! by a ServiceEntry and reached by a VirtualService route on the routing header, and the
-//! EnvoyFilter's Wasm config passes `envoy --mode validate` with the built module.
+//! EnvoyFilter's Wasm config passes `envoy --mode validate` with the built module; and the pool
+//! form (`pool.yaml`, issue 40): its CLUSTER patch targets the Service a VirtualService route
+//! reaches, carries the same `override_host` policy as `envoy/pool.yaml`, and merged into a
+//! cluster shaped as Istio generates it passes `envoy --mode validate`.
 // Test helpers fail loudly: that is their job.
 #![allow(
     clippy::panic,
@@ -162,6 +165,8 @@ fn shapes() -> BTreeMap<(&'static str, &'static str), Value> {
                     "listener": {"portNumber": "int", "name": "string", "filterChain": {
                         "name": "string", "sni": "string",
                         "filter": {"name": "string", "subFilter": {"name": "string"}}}},
+                    "cluster": {"service": "string", "portNumber": "int", "subset": "string",
+                                "name": "string"},
                 },
                 "patch": {"operation": ["enum", "INVALID", "MERGE", "ADD", "REMOVE",
                                         "INSERT_BEFORE", "INSERT_AFTER", "INSERT_FIRST", "REPLACE"],
@@ -245,6 +250,8 @@ fn manifests_use_only_known_fields_and_values() {
         "EnvoyFilter/computeflux",
         "VirtualService/computeflux",
         "ConfigMap/computeflux-stats-tags",
+        "EnvoyFilter/computeflux-pool",
+        "VirtualService/computeflux-pool",
     ] {
         assert!(all.contains_key(must), "{must} missing");
     }
@@ -440,6 +447,120 @@ fn envoyfilter_wasm_config_passes_envoy_validate() {
     assert!(text.contains("configuration accepted"), "{text}");
 }
 
+/// Runs `envoy --mode validate` on `bootstrap`; `(passed, Envoy's output)`.
+fn envoy_validate(bootstrap: &Value) -> (bool, String) {
+    let dir = std::env::temp_dir().join(format!("computeflux-istio-{}", support::unique_u32()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let path = dir.join("envoy.json");
+    std::fs::write(&path, bootstrap.to_string()).unwrap();
+    let out = Command::new(support::envoy_bin())
+        .args(["--mode", "validate", "--disable-hot-restart", "-c"])
+        .arg(&path)
+        .output()
+        .unwrap();
+    let _ = std::fs::remove_dir_all(&dir);
+    let text =
+        String::from_utf8_lossy(&out.stdout).to_string() + &String::from_utf8_lossy(&out.stderr);
+    (out.status.success() && text.contains("OK"), text)
+}
+
+#[test]
+fn pool_cluster_patch_reaches_the_services_cluster_and_passes_envoy_validate() {
+    // pool.yaml: the EnvoyFilter's CLUSTER patch targets the Service's outbound cluster, the
+    // VirtualService routes that cluster's name in the routing header to the same Service, and
+    // the patch merged into a cluster shaped as Istio generates it passes `envoy --mode
+    // validate` (EDS from ADS replaced by a file: no control plane here).
+    let all = resources();
+    let patch = all["EnvoyFilter/computeflux-pool"]["spec"]["configPatches"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|p| p["applyTo"] == "CLUSTER")
+        .expect("CLUSTER patch")
+        .clone();
+    assert_eq!(patch["match"]["context"], "GATEWAY");
+    assert_eq!(patch["patch"]["operation"], "MERGE");
+    let service = patch["match"]["cluster"]["service"].as_str().unwrap();
+    let port = patch["match"]["cluster"]["portNumber"].as_u64().unwrap();
+    let cluster = format!("outbound|{port}||{service}");
+    let routes = all["VirtualService/computeflux-pool"]["spec"]["http"]
+        .as_array()
+        .unwrap()
+        .clone();
+    let route = routes
+        .iter()
+        .find(|r| r["match"][0]["headers"]["x-computeflux-cluster"]["exact"] == cluster.as_str())
+        .unwrap_or_else(|| panic!("no route on x-computeflux-cluster = {cluster}"));
+    assert_eq!(route["route"][0]["destination"]["host"], service);
+    assert_eq!(route["route"][0]["destination"]["port"]["number"], port);
+    assert_eq!(
+        route["retries"]["attempts"], 0,
+        "the filter fails over itself"
+    );
+    let lb =
+        &patch["patch"]["value"]["load_balancing_policy"]["policies"][0]["typed_extension_config"];
+    assert_eq!(lb["name"], "envoy.load_balancing_policies.override_host");
+    assert_eq!(
+        lb["typed_config"]["override_host_sources"][0]["header"], "x-gateway-destination-endpoint",
+        "the header the filter writes by default"
+    );
+    // The same policy and upstream stamp as the plain-Envoy pool (envoy/pool.yaml).
+    let local = yaml_doc(&root().join("envoy/pool.yaml"));
+    for key in ["load_balancing_policy", "typed_extension_protocol_options"] {
+        assert_eq!(
+            local["static_resources"]["clusters"][0][key], patch["patch"]["value"][key],
+            "{key}"
+        );
+    }
+
+    let dir = std::env::temp_dir().join(format!("computeflux-eds-{}", support::unique_u32()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let eds = dir.join("eds.json");
+    std::fs::write(
+        &eds,
+        json!({"version_info": "1", "resources": [{
+            "@type": "type.googleapis.com/envoy.config.endpoint.v3.ClusterLoadAssignment",
+            "cluster_name": cluster,
+            "endpoints": [{"lb_endpoints": [{"endpoint": {"address": {"socket_address":
+                {"address": "10.0.0.5", "port_value": port}}}}]}]}]})
+        .to_string(),
+    )
+    .unwrap();
+    // What Istio generates for an outbound Service cluster (istioctl proxy-config cluster -o
+    // json), the fields that bear on load balancing kept.
+    let istio_cluster = |extra: Value| -> Value {
+        let mut c = json!({
+            "name": cluster, "type": "EDS", "connect_timeout": "10s",
+            "lb_policy": "LEAST_REQUEST",
+            "eds_cluster_config": {"service_name": cluster, "eds_config": {
+                "resource_api_version": "V3",
+                "path_config_source": {"path": eds.display().to_string(),
+                                       "watched_directory": {"path": dir.display().to_string()}}}},
+            "circuit_breakers": {"thresholds": [{"max_connections": 4294967295u64,
+                                                 "max_requests": 4294967295u64}]},
+        });
+        for v in [extra, patch["patch"]["value"].clone()] {
+            for (k, x) in v.as_object().unwrap() {
+                c[k] = x.clone();
+            }
+        }
+        c
+    };
+    let bootstrap = |c: Value| {
+        json!({"node": {"id": "gw", "cluster": "gw"},
+               "static_resources": {"clusters": [c]}})
+    };
+    let (ok, text) = envoy_validate(&bootstrap(istio_cluster(json!({}))));
+    assert!(ok, "{text}");
+    // The caveat pool.yaml states: a locality-weighted DestinationRule cannot take the patch.
+    let (ok, text) = envoy_validate(&bootstrap(istio_cluster(
+        json!({"common_lb_config": {"locality_weighted_lb_config": {}}}),
+    )));
+    let _ = std::fs::remove_dir_all(&dir);
+    assert!(!ok, "{text}");
+    assert!(text.contains("load_balancing_policy"), "{text}");
+}
+
 #[test]
 fn gateway_stats_tags_match_envoy_yaml() {
     let cm = &resources()["ConfigMap/computeflux-stats-tags"];
@@ -487,6 +608,8 @@ fn manifests_pass_the_crd_schema_validators_from_npm() {
         "ok WasmPlugin/computeflux",
         "ok EnvoyFilter/computeflux",
         "ok VirtualService/computeflux",
+        "ok EnvoyFilter/computeflux-pool",
+        "ok VirtualService/computeflux-pool",
     ] {
         assert!(out.contains(must), "{must} missing:\n{out}");
     }

@@ -398,6 +398,14 @@ pub fn dispatch(
     .is_ok()
 }
 
+/// A property as text (`["upstream", "address"]`); `None` when absent or unreadable.
+pub fn property_text(path: &[&str]) -> Option<String> {
+    hostcalls::get_property(path.to_vec())
+        .ok()
+        .flatten()
+        .and_then(|b| String::from_utf8(b).ok())
+}
+
 /// Sends a call whose answer comes back to the calling context's `on_http_call_response`
 /// with the returned token (a root context's scrape). None if the host refused it.
 pub fn dispatch_call(cluster: &str, headers: &[(String, Vec<u8>)], timeout_ms: u64) -> Option<u32> {

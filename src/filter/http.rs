@@ -20,9 +20,11 @@
 use super::host;
 use super::observe::Recorder;
 use super::plugin::Plugin;
+use super::pools;
 use super::shared::SharedData;
 use crate::scheduler::flow::{Flow, Step};
 use crate::scheduler::health::blame::{self, JUDGE_BYTES};
+use crate::scheduler::routing::pools::STAMP_HEADER;
 use crate::scheduler::routing::select::Scheduler;
 use crate::scheduler::wire::headers::HeaderSource;
 use crate::scheduler::wire::usage::TAIL_BYTES;
@@ -75,6 +77,10 @@ impl Http {
                     host::set_header(req, &cfg.routing_header, ep.cluster.as_bytes());
                     for name in blame::withheld_headers(ep) {
                         host::remove_header(req, name);
+                    }
+                    // A pool's host: named for the cluster's override_host policy.
+                    if let Some(d) = self.flow.destination(cfg, i) {
+                        host::set_header(req, &cfg.destination_header, d.as_bytes());
                     }
                     for (name, value) in &ep.headers {
                         host::set_header(req, name, value.as_bytes());
@@ -164,8 +170,19 @@ impl Context for Http {
     ) {
         let now = host::now_ms();
         // num_headers == 0: the call failed (reset, timeout after headers).
-        let headers =
+        let mut headers =
             (num_headers > 0).then(|| host::header_pairs(MapType::HttpCallResponseHeaders));
+        // A pool host's answer names who served it (the stamp), never shown to the client.
+        if let Some(h) = headers.as_mut() {
+            if let Some(served) = pools::stamp(h) {
+                let cfg = &self.plugin.cfg;
+                let ep = self.flow.served_by().and_then(|i| cfg.endpoints.get(i));
+                if let Some(p) = ep.and_then(|e| e.pool.as_ref()) {
+                    pools::news(cfg, &p.pool, p.address.as_deref(), &served, now);
+                }
+                h.retain(|(n, _)| !n.eq_ignore_ascii_case(STAMP_HEADER));
+            }
+        }
         // A 429's first bytes tell a request too large for any key from a rate limit.
         let head = match headers.as_ref().and_then(|h| h.status()) {
             Some(429) => host::buffer(BufferType::HttpCallResponseBody, 0, JUDGE_BYTES),
@@ -181,8 +198,13 @@ impl Context for Http {
 impl HttpContext for Http {
     fn on_http_request_headers(&mut self, _num_headers: usize, end_of_stream: bool) -> Action {
         let now = host::now_ms();
-        // Clients never pick clusters: gone from the live map before any route matching.
+        // Clients never pick clusters, nor hosts: gone from the live map before any route
+        // matching.
         host::remove_header(MapType::HttpRequestHeaders, &self.plugin.cfg.routing_header);
+        host::remove_header(
+            MapType::HttpRequestHeaders,
+            &self.plugin.cfg.destination_header,
+        );
         let headers = host::header_list(MapType::HttpRequestHeaders);
         let step = self.with_flow(now, |f, s, r| {
             f.on_request_headers(s, r, headers, end_of_stream, now)
@@ -216,6 +238,14 @@ impl HttpContext for Http {
         // content type (twice) and up to a dozen quota headers, each a host call if looked up
         // one by one.
         let headers = host::header_list(MapType::HttpResponseHeaders);
+        // A pool host's answer: who served it is news when it is not the host named first
+        // (that one left) or not known yet.
+        if let Some(i) = self.flow.served_by() {
+            pools::learn_from_answer(&self.plugin.cfg, i, now);
+        }
+        if headers.header(STAMP_HEADER).is_some() {
+            host::remove_header(MapType::HttpResponseHeaders, STAMP_HEADER);
+        }
         let step = self.with_flow(now, |f, s, r| {
             f.on_response_headers(s, r, &headers, end_of_stream, now)
         });

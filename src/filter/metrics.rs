@@ -18,6 +18,7 @@ use crate::scheduler::wire::usage::Usage;
 use proxy_wasm::types::MetricType;
 
 /// The metric ids of one endpoint.
+#[derive(Clone)]
 pub struct EndpointMetrics {
     /// One counter per outcome, in [`Outcome::ALL`] order ([`Outcome::index`]).
     pub requests: Vec<Option<u32>>,
@@ -42,6 +43,7 @@ pub struct EndpointMetrics {
 }
 
 /// The token counters of one endpoint and affinity result.
+#[derive(Clone)]
 pub struct TokenMetrics {
     pub prompt: Option<u32>,
     pub cached: Option<u32>,
@@ -64,8 +66,14 @@ impl TokenMetrics {
     }
 }
 
+#[derive(Clone)]
 pub struct Metrics {
+    /// By metrics label (an endpoint's name, a pool's name for all its hosts), in the order
+    /// of `labels`.
     pub endpoints: Vec<EndpointMetrics>,
+    labels: Vec<String>,
+    /// By endpoint index of the configuration in effect: its entry in `endpoints`.
+    index: Vec<Option<usize>>,
     /// In [`AffinityResult::ALL`] order.
     affinity: Vec<Option<u32>>,
     /// In [`Reason::ALL`] order.
@@ -101,70 +109,75 @@ fn slot<T: PartialEq>(all: &[T], value: &T, ids: &[Option<u32>]) -> Option<u32> 
 
 impl Metrics {
     pub fn define(cfg: &Config) -> Metrics {
-        let endpoints = cfg
-            .endpoints
+        let mut labels: Vec<String> = Vec::new();
+        for e in &cfg.endpoints {
+            let l = e.metrics_label();
+            if !labels.iter().any(|x| x == l) {
+                labels.push(l.to_string());
+            }
+        }
+        let endpoints = labels
             .iter()
-            .map(|e| {
-                let n = &e.name;
-                EndpointMetrics {
-                    requests: labelled(
-                        &format!("computeflux_requests_total.endpoint.{n}"),
-                        "outcome",
-                        Outcome::ALL.iter().map(|o| o.label()),
-                    ),
-                    failovers: host::metric(
-                        MetricType::Counter,
-                        &format!("computeflux_failovers_total.endpoint.{n}"),
-                    ),
-                    pin_breaks: host::metric(
-                        MetricType::Counter,
-                        &format!("computeflux_pin_breaks_total.endpoint.{n}"),
-                    ),
-                    quota_skips: host::metric(
-                        MetricType::Counter,
-                        &format!("computeflux_quota_skips_total.endpoint.{n}"),
-                    ),
-                    breaker_state: host::metric(
-                        MetricType::Gauge,
-                        &format!("computeflux_breaker_state.endpoint.{n}"),
-                    ),
-                    ewma_latency_ms: host::metric(
-                        MetricType::Gauge,
-                        &format!("computeflux_ewma_latency_ms.endpoint.{n}"),
-                    ),
-                    in_flight: host::metric(
-                        MetricType::Gauge,
-                        &format!("computeflux_in_flight.endpoint.{n}"),
-                    ),
-                    latency_ms: host::metric(
-                        MetricType::Histogram,
-                        &format!("computeflux_upstream_latency_ms.endpoint.{n}"),
-                    ),
-                    affinity_payoff_permille: host::metric(
-                        MetricType::Gauge,
-                        &format!("computeflux_affinity_payoff_permille.endpoint.{n}"),
-                    ),
-                    slowness_permille: host::metric(
-                        MetricType::Gauge,
-                        &format!("computeflux_slowness_permille.endpoint.{n}"),
-                    ),
-                    degraded: host::metric(
-                        MetricType::Gauge,
-                        &format!("computeflux_degraded.endpoint.{n}"),
-                    ),
-                    saturated: host::metric(
-                        MetricType::Gauge,
-                        &format!("computeflux_saturated.endpoint.{n}"),
-                    ),
-                    tokens: AffinityResult::ALL
-                        .iter()
-                        .map(|a| TokenMetrics::define(n, a.label()))
-                        .collect(),
-                }
+            .map(|n| EndpointMetrics {
+                requests: labelled(
+                    &format!("computeflux_requests_total.endpoint.{n}"),
+                    "outcome",
+                    Outcome::ALL.iter().map(|o| o.label()),
+                ),
+                failovers: host::metric(
+                    MetricType::Counter,
+                    &format!("computeflux_failovers_total.endpoint.{n}"),
+                ),
+                pin_breaks: host::metric(
+                    MetricType::Counter,
+                    &format!("computeflux_pin_breaks_total.endpoint.{n}"),
+                ),
+                quota_skips: host::metric(
+                    MetricType::Counter,
+                    &format!("computeflux_quota_skips_total.endpoint.{n}"),
+                ),
+                breaker_state: host::metric(
+                    MetricType::Gauge,
+                    &format!("computeflux_breaker_state.endpoint.{n}"),
+                ),
+                ewma_latency_ms: host::metric(
+                    MetricType::Gauge,
+                    &format!("computeflux_ewma_latency_ms.endpoint.{n}"),
+                ),
+                in_flight: host::metric(
+                    MetricType::Gauge,
+                    &format!("computeflux_in_flight.endpoint.{n}"),
+                ),
+                latency_ms: host::metric(
+                    MetricType::Histogram,
+                    &format!("computeflux_upstream_latency_ms.endpoint.{n}"),
+                ),
+                affinity_payoff_permille: host::metric(
+                    MetricType::Gauge,
+                    &format!("computeflux_affinity_payoff_permille.endpoint.{n}"),
+                ),
+                slowness_permille: host::metric(
+                    MetricType::Gauge,
+                    &format!("computeflux_slowness_permille.endpoint.{n}"),
+                ),
+                degraded: host::metric(
+                    MetricType::Gauge,
+                    &format!("computeflux_degraded.endpoint.{n}"),
+                ),
+                saturated: host::metric(
+                    MetricType::Gauge,
+                    &format!("computeflux_saturated.endpoint.{n}"),
+                ),
+                tokens: AffinityResult::ALL
+                    .iter()
+                    .map(|a| TokenMetrics::define(n, a.label()))
+                    .collect(),
             })
             .collect();
-        Metrics {
+        let mut m = Metrics {
             endpoints,
+            labels,
+            index: Vec::new(),
             affinity: labelled(
                 "computeflux_affinity_total",
                 "result",
@@ -195,7 +208,24 @@ impl Metrics {
                 "computeflux_prefix_placements_total",
             ),
             prefix_hits: host::metric(MetricType::Counter, "computeflux_prefix_hits_total"),
-        }
+        };
+        m.index = m.index_of(cfg);
+        m
+    }
+
+    /// The same metric ids for another layout of the same configuration (a pool's membership
+    /// changed): nothing is defined again.
+    pub fn for_layout(&self, cfg: &Config) -> Metrics {
+        let mut m = self.clone();
+        m.index = m.index_of(cfg);
+        m
+    }
+
+    fn index_of(&self, cfg: &Config) -> Vec<Option<usize>> {
+        cfg.endpoints
+            .iter()
+            .map(|e| self.labels.iter().position(|l| l == e.metrics_label()))
+            .collect()
     }
 
     pub fn add(id: Option<u32>, value: u64) {
@@ -235,7 +265,8 @@ impl Metrics {
     }
 
     pub fn endpoint(&self, i: usize) -> Option<&EndpointMetrics> {
-        self.endpoints.get(i)
+        let k = self.index.get(i).copied().flatten()?;
+        self.endpoints.get(k)
     }
 }
 

@@ -9,6 +9,7 @@
 //!   ([`crate::scheduler::flow::Flow`]), whose steps it performs;
 //! - [`observe`]: what the lifecycle reports, as metrics and log lines;
 //! - [`scrape`]: the engines' own `/metrics`, scraped from the root context's timer;
+//! - [`pools`]: the hosts of a pool's cluster, learned from answers and discovery calls;
 //! - [`shared`]: the scheduler's `Store` over Envoy shared data;
 //! - [`host`]: every host call, none of which can panic (`tests/host_boundary.rs` keeps it
 //!   the only one).
@@ -18,6 +19,7 @@ mod http;
 mod metrics;
 mod observe;
 mod plugin;
+mod pools;
 mod root;
 mod scrape;
 mod shared;

@@ -47,6 +47,14 @@ pub fn refresh_endpoint_gauges(p: &Plugin, i: usize, now_ms: u64) {
 }
 
 fn set_gauges(p: &Plugin, i: usize, st: &EndpointState, now_ms: u64) {
+    // A pool's hosts share its series: counters add up, gauges would be the last host's.
+    if p.cfg
+        .endpoints
+        .get(i)
+        .is_some_and(|e| e.address().is_some())
+    {
+        return;
+    }
     let Some(m) = p.metrics.endpoint(i) else {
         return;
     };

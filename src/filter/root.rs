@@ -4,9 +4,11 @@ use super::host;
 use super::http::Http;
 use super::metrics::Metrics;
 use super::plugin::{refresh_gauges, Plugin};
+use super::pools::Pools;
 use super::scrape::Scraper;
 use super::shared::SharedData;
 use crate::scheduler::config::Config;
+use crate::scheduler::routing::pools;
 use crate::scheduler::routing::table::{claim_layout, TableCache};
 use crate::scheduler::state::hash::hash_parts;
 use crate::scheduler::state::store::Store;
@@ -19,6 +21,13 @@ use std::time::Duration;
 #[derive(Default)]
 pub struct Root {
     plugin: Option<Rc<Plugin>>,
+    /// The configuration as written (pool entries unexpanded); the plugin's is its expansion
+    /// by the pools' membership.
+    base: Option<Config>,
+    /// Present when some endpoint is a pool (see `pools.rs`).
+    pools: Option<Pools>,
+    /// The metric ids, defined once per configuration (labels are the configured names).
+    metrics: Option<Metrics>,
     /// Present when some endpoint's engine is scraped (see `scrape.rs`).
     scraper: Option<Scraper>,
     /// This VM's scrape lease holder id, drawn once.
@@ -27,6 +36,8 @@ pub struct Root {
 }
 
 const TICK: Duration = Duration::from_secs(1);
+/// With pools, the membership is followed (and discovery rounds run) at least this often.
+const POOL_TICK: Duration = Duration::from_millis(250);
 /// Shared-data key holding the hash of the last configuration logged, so that the effective
 /// configuration is logged once per change rather than once per VM.
 const LOGGED_KEY: &str = "computeflux/config-logged";
@@ -38,6 +49,9 @@ impl Context for Root {
         if let Some(s) = &mut self.scraper {
             s.release();
         }
+        if let Some(p) = &mut self.pools {
+            p.release();
+        }
         true
     }
 
@@ -48,8 +62,65 @@ impl Context for Root {
         body_size: usize,
         _num_trailers: usize,
     ) {
+        let now = host::now_ms();
+        if let Some(pools) = &mut self.pools {
+            if pools.on_response(token, num_headers, now) {
+                return;
+            }
+        }
         if let (Some(p), Some(s)) = (&self.plugin, &mut self.scraper) {
-            s.on_response(&p.cfg, token, num_headers, body_size, host::now_ms());
+            s.on_response(&p.cfg, token, num_headers, body_size, now);
+        }
+    }
+}
+
+impl Root {
+    /// Installs `cfg` (the configured one with its pools expanded) as a configuration reload
+    /// does: its place among the layouts of the endpoint table, its scraper, a new plugin for
+    /// the requests that start from now on (those in flight keep theirs).
+    fn install(&mut self, mut cfg: Config) {
+        let store = SharedData;
+        // This configuration's place among the layouts that write the endpoint table (requests
+        // of the previous configuration may still be draining); creates the table up front,
+        // as CAS does not protect key creation.
+        cfg.layout_generation = claim_layout(&store, &cfg);
+        let me = *self
+            .holder_id
+            .get_or_insert_with(|| Scraper::holder_id(host::now_ms()));
+        if let Some(s) = &mut self.scraper {
+            s.release();
+        }
+        self.scraper = Scraper::new(&cfg, me);
+        let metrics = match &self.metrics {
+            Some(m) => m.for_layout(&cfg),
+            None => Metrics::define(&cfg),
+        };
+        // The models the configuration names are known now: their static candidates are
+        // computed here, not by the first request of each (a pass over the fleet).
+        let table_cache = TableCache::for_config(&cfg);
+        self.plugin = Some(Rc::new(Plugin {
+            cfg,
+            metrics,
+            table_cache: RefCell::new(table_cache),
+        }));
+    }
+
+    /// Follows the pools' membership: a discovery round when due, and the expanded
+    /// configuration installed when a membership changed.
+    fn follow_pools(&mut self, now_ms: u64) {
+        let (Some(pools), Some(base), Some(p)) = (&mut self.pools, &self.base, &self.plugin) else {
+            return;
+        };
+        pools.on_tick(&p.cfg, now_ms);
+        if let Some(members) = pools.changed() {
+            let cfg = pools::expand(base, &members);
+            if cfg.endpoints != p.cfg.endpoints {
+                log::debug!(
+                    "computeflux: pool membership changed: {} endpoints",
+                    cfg.endpoints.len()
+                );
+                self.install(cfg);
+            }
         }
     }
 }
@@ -63,7 +134,7 @@ impl RootContext for Root {
 
     fn on_configure(&mut self, _size: usize) -> bool {
         let bytes = host::buffer(BufferType::PluginConfiguration, 0, usize::MAX);
-        let mut cfg = match Config::from_json(&bytes) {
+        let cfg = match Config::from_json(&bytes) {
             Ok(cfg) => cfg,
             Err(errors) => {
                 for e in &errors {
@@ -88,27 +159,24 @@ impl RootContext for Root {
                 &format!("computeflux: configuration accepted: {}", cfg.summary()),
             );
         }
-        // This configuration's place among the layouts that write the endpoint table (requests
-        // of the previous configuration may still be draining); creates the table up front,
-        // as CAS does not protect key creation.
-        cfg.layout_generation = claim_layout(&store, &cfg);
-        let metrics = Metrics::define(&cfg);
         let me = *self
             .holder_id
             .get_or_insert_with(|| Scraper::holder_id(host::now_ms()));
-        self.scraper = Scraper::new(&cfg, me);
-        let tick = self
+        self.metrics = Some(Metrics::define(&cfg));
+        self.pools = Pools::new(&cfg, me);
+        let effective = match self.pools.as_mut().and_then(Pools::changed) {
+            Some(members) => pools::expand(&cfg, &members),
+            None => cfg.clone(),
+        };
+        self.base = Some(cfg);
+        self.install(effective);
+        let mut tick = self
             .scraper
             .as_ref()
             .map_or(TICK, |s| Duration::from_millis(s.tick_ms()).min(TICK));
-        // The models the configuration names are known now: their static candidates are
-        // computed here, not by the first request of each (a pass over the fleet).
-        let table_cache = TableCache::for_config(&cfg);
-        self.plugin = Some(Rc::new(Plugin {
-            cfg,
-            metrics,
-            table_cache: RefCell::new(table_cache),
-        }));
+        if self.pools.is_some() {
+            tick = tick.min(POOL_TICK);
+        }
         if !host::tick_every(tick) {
             host::log(
                 LogLevel::Warn,
@@ -129,6 +197,7 @@ impl RootContext for Root {
         if let Some(s) = &mut self.scraper {
             s.on_tick(&p.cfg, now);
         }
+        self.follow_pools(now);
     }
 
     fn create_http_context(&self, context_id: u32) -> Option<Box<dyn HttpContext>> {

@@ -24,13 +24,15 @@ use super::host;
 use super::metrics::Metrics;
 use super::shared::SharedData;
 use crate::scheduler::config::Config;
+use crate::scheduler::routing::pools::address as pools_address;
 use crate::scheduler::routing::scrape::{self, ScrapeError, Scraped};
 use crate::scheduler::routing::scrape_plan::{self, Schedule};
 use crate::scheduler::wire::engine_load::EngineLoad;
 use crate::scheduler::wire::headers::HeaderSource;
 use proxy_wasm::types::{BufferType, MapType, MetricType};
 
-/// The metric ids of one scraped endpoint.
+/// The metric ids of one scraped endpoint (of all the hosts of a pool).
+#[derive(Clone)]
 struct EndpointScrapeMetrics {
     waiting: Option<u32>,
     running: Option<u32>,
@@ -77,6 +79,34 @@ impl EndpointScrapeMetrics {
     }
 }
 
+/// The scrape metrics of each endpoint, defined once per label (a pool's hosts share the
+/// pool's).
+fn define_by_label(cfg: &Config) -> Vec<Option<EndpointScrapeMetrics>> {
+    let mut defined: Vec<(&str, EndpointScrapeMetrics)> = Vec::new();
+    cfg.endpoints
+        .iter()
+        .map(|e| {
+            e.metrics.as_ref()?;
+            let label = e.metrics_label();
+            if let Some((_, m)) = defined.iter().find(|(l, _)| *l == label) {
+                return Some(m.clone());
+            }
+            let m = EndpointScrapeMetrics::define(label);
+            defined.push((label, m.clone()));
+            Some(m)
+        })
+        .collect()
+}
+
+/// The scrape record key of endpoint `e`: a pool host's by its pool's slot (bounded, reused
+/// by the next host), any other's by name.
+fn record_key(e: &crate::scheduler::config::EndpointConfig) -> String {
+    match &e.pool {
+        Some(p) if p.address.is_some() => super::pools::scrape_record_key(&p.pool, p.slot),
+        _ => scrape::record_key(&e.name),
+    }
+}
+
 /// One VM's scraper (present when some endpoint has `metrics`).
 pub struct Scraper {
     me: u64,
@@ -101,15 +131,7 @@ impl Scraper {
             holding: false,
             schedule: Schedule::new(cfg.endpoints.len()),
             ids,
-            metrics: cfg
-                .endpoints
-                .iter()
-                .map(|e| {
-                    e.metrics
-                        .as_ref()
-                        .map(|_| EndpointScrapeMetrics::define(&e.name))
-                })
-                .collect(),
+            metrics: define_by_label(cfg),
         })
     }
 
@@ -157,11 +179,18 @@ impl Scraper {
             self.holding = true;
         }
         for i in self.schedule.due(cfg, now_ms) {
-            let Some(m) = cfg.endpoints.get(i).and_then(|e| e.metrics.as_ref()) else {
+            let Some(e) = cfg.endpoints.get(i) else {
                 continue;
             };
-            let token =
-                host::dispatch_call(&m.cluster, &scrape_plan::request_headers(m), m.timeout_ms);
+            let Some(m) = &e.metrics else {
+                continue;
+            };
+            let mut headers = scrape_plan::request_headers(m);
+            // A pool's host alone: if it left, the fallback's answer says so by its stamp.
+            if let Some(a) = e.address() {
+                headers.push((cfg.destination_header.clone(), a.as_bytes().to_vec()));
+            }
+            let token = host::dispatch_call(&m.cluster, &headers, m.timeout_ms);
             self.schedule.sent(i, token, m, now_ms);
             if token.is_none() {
                 log::warn!(
@@ -195,6 +224,15 @@ impl Scraper {
         // return nothing, but there is nothing to read).
         let (status, envoy_reply) = if num_headers > 0 {
             let headers = host::header_pairs(MapType::HttpCallResponseHeaders);
+            if let (Some(p), Some(listed)) = (&e.pool, e.address()) {
+                if let Some(served) = super::pools::stamp(&headers) {
+                    super::pools::news(cfg, &p.pool, Some(listed), &served, now_ms);
+                    if pools_address(&served).as_deref() != Some(listed) {
+                        // Another host's load: not this one's.
+                        return true;
+                    }
+                }
+            }
             let status = headers.status();
             let envoy_reply = matches!(status, Some(503 | 504)) && {
                 let n = body_size.min(scrape_plan::LOCAL_REPLY_PROBE_BYTES);
@@ -274,6 +312,10 @@ impl Scraper {
             let (Some(m), Some(rec)) = (m, loads.get(e.id)) else {
                 continue;
             };
+            // A pool's hosts share its series: gauges would show the last host's.
+            if e.address().is_some() {
+                continue;
+            }
             if let Some(age) = rec.age_ms(now_ms) {
                 Metrics::set(m.age_ms, age);
             }

@@ -45,6 +45,8 @@ pub struct EnvoyConfig {
     pub component_log_level: Option<String>,
     /// `--base-id`; None: a process-unique one.
     pub base_id: Option<u32>,
+    /// Clusters added as they are (e.g. an EDS pool cluster, see `support::pool`).
+    pub raw_clusters: Vec<Value>,
 }
 
 impl Default for EnvoyConfig {
@@ -61,6 +63,7 @@ impl Default for EnvoyConfig {
             log_level: "info".into(),
             component_log_level: None,
             base_id: None,
+            raw_clusters: Vec::new(),
         }
     }
 }
@@ -195,7 +198,7 @@ pub fn render_bootstrap(
         "max_connections": 100000, "max_pending_requests": 100000,
         "max_requests": 100000, "max_retries": 1000,
     }]});
-    let clusters: Vec<Value> = cfg
+    let mut clusters: Vec<Value> = cfg
         .clusters
         .iter()
         .map(|(name, port)| {
@@ -214,6 +217,7 @@ pub fn render_bootstrap(
             })
         })
         .collect();
+    clusters.extend(cfg.raw_clusters.iter().cloned());
     let mut hcm = json!({
         "@type": "type.googleapis.com/envoy.extensions.filters.network.http_connection_manager.v3.HttpConnectionManager",
         "stat_prefix": "computeflux",

@@ -32,6 +32,7 @@ pub mod envoy;
 pub mod http;
 pub mod mock;
 pub mod placement;
+pub mod pool;
 pub mod python;
 pub mod raw;
 pub mod replicas;

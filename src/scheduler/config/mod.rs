@@ -43,9 +43,36 @@ pub struct EndpointConfig {
     pub id: u32,
     /// How its engine's own `/metrics` is scraped; `None`: not scraped (hosted APIs).
     pub metrics: Option<metrics::MetricsConfig>,
+    /// `Some` for an entry with `"pool": true` (every host of its cluster is an endpoint, see
+    /// `routing::pools`) and for each host it expands to; `None` for a plain endpoint.
+    pub pool: Option<PoolMember>,
+}
+
+/// What makes an endpoint part of a pool.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct PoolMember {
+    /// The pool entry's `name` (the metrics label of all its hosts).
+    pub pool: String,
+    /// The host's `ip:port`, written into `destination_header`; `None` for the pool entry
+    /// itself, which stands for the whole cluster (no host named: Envoy's fallback policy
+    /// picks) while no host of it is known.
+    pub address: Option<String>,
+    /// The host's place in its pool's slot tables (`routing::pools::Host::slot`).
+    pub slot: u16,
 }
 
 impl EndpointConfig {
+    /// The host's `ip:port` when this endpoint is one host of a pool.
+    pub fn address(&self) -> Option<&str> {
+        self.pool.as_ref().and_then(|p| p.address.as_deref())
+    }
+
+    /// The name its metrics are labelled with: its pool's for a pool's hosts (a pool of 1 000
+    /// hosts defines the series of one endpoint), else its own.
+    pub fn metrics_label(&self) -> &str {
+        self.pool.as_ref().map_or(&self.name, |p| &p.pool)
+    }
+
     pub fn serves(&self, model: &str) -> bool {
         match &self.models {
             None => true,
@@ -355,6 +382,8 @@ config_keys! {
     keys {
         routing_header: String = "x-computeflux-cluster".into(), Spec::HeaderName,
             "Request header the filter writes the chosen endpoint's `cluster` into; the Envoy route must forward on it (`cluster_header`, or header-match routes in Istio). A value sent by the client is always removed first. Must differ from `session_header`.";
+        destination_header: String = "x-gateway-destination-endpoint".into(), Spec::HeaderName,
+            "Request header the filter writes the chosen host of a pool (an endpoint with `pool: true`) into, as `ip:port`, followed comma-separated by the hosts of that pool it would try next; the pool's Envoy cluster must use the `envoy.load_balancing_policies.override_host` load-balancing policy reading it (see [pools](#pools)). The same header as the Gateway API Inference Extension's endpoint picker. A value sent by the client is always removed first. Must differ from `routing_header` and `session_header`.";
         session_header: String = "x-session-id".into(), Spec::HeaderName,
             "Request header carrying the client's session id. Without it the body's `user`, else a fingerprint of the model, first system and first user message, is the session. Every session is scoped by the caller's `authorization` / `x-api-key`.";
         affinity_ttl_ms: u64 = 300_000, MS,
@@ -487,6 +516,8 @@ pub fn endpoint_keys() -> Vec<KeyDoc> {
             "Models the endpoint serves; requests for other models never go there. A model no endpoint serves gets a 404 `model_not_found`."),
         row("disabled", "boolean", "false", "",
             "Takes the endpoint out of rotation without deleting it (its sessions move elsewhere)."),
+        row("pool", "boolean", "false", "",
+            "The entry is a pool: every host of its Envoy `cluster` is an endpoint, learned at run time as Envoy's membership changes (EDS, DNS, static), and its other keys apply to each host. Its cluster must use the `override_host` load-balancing policy (see [pools](#pools)). Its hosts are named `<name>-<address>` and counted in metrics under the pool's `name`."),
         row("headers", "object of string to string", "{}", "valid header names and values",
             "Request headers set on requests routed to this endpoint (e.g. a hosted provider's `authorization`). Values are never logged. Framing headers and the routing header are refused."),
     ];
@@ -536,6 +567,14 @@ impl Config {
         if c.pin_cookie && !c.pin_cookie_secret.configured() {
             c.pin_cookie_secret = PinCookieKey::derived(value);
         }
+        for (key, other) in [
+            ("routing_header", &c.routing_header),
+            ("session_header", &c.session_header),
+        ] {
+            if c.destination_header == *other {
+                v.push("destination_header", &format!("must differ from {key}"));
+            }
+        }
         if c.pin_break_ratio <= DEGRADED_EXIT_RATIO {
             v.push(
                 "tuning.pin_break_ratio",
@@ -563,7 +602,8 @@ impl Config {
                     );
                 }
                 for (i, ep) in list.iter().take(MAX_ENDPOINTS).enumerate() {
-                    if let Some(e) = v.endpoint(i, ep, &c.routing_header) {
+                    if let Some(e) = v.endpoint(i, ep, &[&c.routing_header, &c.destination_header])
+                    {
                         c.endpoints.push(e);
                     }
                 }
@@ -604,9 +644,10 @@ impl Config {
                     )
                 });
                 format!(
-                    "{}(cluster={} weight={} models={} disabled={} headers=[{}]{})",
+                    "{}(cluster={}{} weight={} models={} disabled={} headers=[{}]{})",
                     e.name,
                     e.cluster,
+                    if e.pool.is_some() { " pool=true" } else { "" },
                     e.weight,
                     models,
                     e.disabled,

@@ -302,3 +302,54 @@ fn pin_cookie_secret_is_bounded_never_shown_and_derived_when_absent() {
     assert_ne!(k1, other_key);
     assert_ne!(k1, set.pin_cookie_secret);
 }
+
+#[test]
+fn pools_are_validated_with_their_field_paths() {
+    let c = Config::from_value(&json!({"endpoints":[
+        {"name":"api","cluster":"api"},
+        {"name":"vllm","cluster":"vllm_pool","pool":true,"models":["m"]}
+    ]}))
+    .unwrap();
+    assert_eq!(c.destination_header, "x-gateway-destination-endpoint");
+    assert_eq!(c.endpoints[0].pool, None);
+    assert_eq!(
+        c.endpoints[1].pool,
+        Some(PoolMember {
+            pool: "vllm".into(),
+            address: None,
+            slot: 0
+        })
+    );
+    assert_eq!(c.endpoints[1].address(), None);
+    let long = "p".repeat(MAX_POOL_NAME_BYTES + 1);
+    let e = errors(json!({
+        "destination_header": "x-computeflux-cluster",
+        "endpoints":[
+            {"name":"a","cluster":"a","pool":"yes"},
+            {"name": long,"cluster":"b","pool":true},
+            {"name":"c","cluster":"c","pool":true,"metrics":{"cluster":"other"}}
+        ]
+    }));
+    let mut e2 = errors(json!({"endpoints":[
+        {"name":"a","cluster":"a"}, {"name":"b","cluster":"b"}, {"name":"c","cluster":"c"},
+        {"name":"d","cluster":"d","headers":{"x-gateway-destination-endpoint":"1.2.3.4:80"}}
+    ]}));
+    let mut e = e;
+    e.append(&mut e2);
+    let expect = [
+        "destination_header must differ from routing_header",
+        "endpoints[0].pool must be a boolean, got a string",
+        "endpoints[1].name of a pool must be at most 40 bytes",
+        "endpoints[2].metrics.cluster of a pool must be the pool's own cluster \"c\"",
+        "endpoints[3].headers.x-gateway-destination-endpoint may not be set by an endpoint",
+    ];
+    for x in expect {
+        assert!(e.iter().any(|m| m.starts_with(x)), "{x}\nin {e:#?}");
+    }
+    // With another destination header, the default name is an ordinary header again.
+    assert!(Config::from_value(&json!({
+        "destination_header": "x-pick",
+        "endpoints":[{"name":"d","cluster":"d","headers":{"x-gateway-destination-endpoint":"v"}}]
+    }))
+    .is_ok());
+}

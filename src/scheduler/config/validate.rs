@@ -231,7 +231,7 @@ impl Validator {
         &mut self,
         i: usize,
         value: &Value,
-        routing_header: &str,
+        routing_headers: &[&str],
     ) -> Option<EndpointConfig> {
         let at = format!("endpoints[{i}]");
         let Some(obj) = value.as_object() else {
@@ -356,7 +356,8 @@ impl Validator {
                     let lower = hn.to_ascii_lowercase();
                     if !is_header_name(hn) {
                         self.push(&path, "is not a valid HTTP header name");
-                    } else if RESERVED_HEADERS.contains(&lower.as_str()) || lower == routing_header
+                    } else if RESERVED_HEADERS.contains(&lower.as_str())
+                        || routing_headers.contains(&lower.as_str())
                     {
                         self.push(
                             &path,
@@ -382,6 +383,33 @@ impl Validator {
                 &format!("must be an object, got {}", type_name(v)),
             ),
         }
+        let mut pool = None;
+        if let Some(v) = obj.get("pool") {
+            match v.as_bool() {
+                Some(true) => {
+                    if name.len() > MAX_POOL_NAME_BYTES {
+                        self.push(
+                            &format!("{at}.name"),
+                            &format!(
+                                "of a pool must be at most {} bytes (its hosts' names add their address), got {}",
+                                MAX_POOL_NAME_BYTES,
+                                name.len()
+                            ),
+                        );
+                    }
+                    pool = Some(PoolMember {
+                        pool: name.clone(),
+                        address: None,
+                        slot: 0,
+                    });
+                }
+                Some(false) => {}
+                None => self.push(
+                    &format!("{at}.pool"),
+                    &format!("must be a boolean, got {}", type_name(v)),
+                ),
+            }
+        }
         let metrics = obj.get("metrics").and_then(|m| {
             crate::scheduler::config::metrics::parse(
                 &format!("{at}.metrics"),
@@ -390,6 +418,17 @@ impl Validator {
                 &mut self.errors,
             )
         });
+        if let (Some(_), Some(m)) = (&pool, &metrics) {
+            if m.cluster != cluster {
+                self.push(
+                    &format!("{at}.metrics.cluster"),
+                    &format!(
+                        "of a pool must be the pool's own cluster {cluster:?} (each host is scraped through it), got {:?}",
+                        m.cluster
+                    ),
+                );
+            }
+        }
         if self.errors.len() > before {
             return None;
         }
@@ -403,6 +442,7 @@ impl Validator {
             headers,
             id,
             metrics,
+            pool,
         })
     }
 

@@ -53,6 +53,9 @@ impl Flow {
         for (name, value) in &ep.headers {
             headers.push((name.clone(), value.clone().into_bytes()));
         }
+        if let Some(d) = self.destination(cfg, i) {
+            headers.push((cfg.destination_header.clone(), d.into_bytes()));
+        }
         if !self.body.is_empty() {
             headers.push((
                 "content-length".into(),

@@ -392,6 +392,17 @@ impl Flow {
         }
     }
 
+    /// The `destination_header` value for an attempt on endpoint `i` when it is a host of a
+    /// pool: the host, then the pool's other hosts not tried yet in this request, in
+    /// rendezvous order for the request's placement key, up to `max_attempts` in all
+    /// (`routing::pools::destination`).
+    pub fn destination(&self, cfg: &Config, i: usize) -> Option<String> {
+        let key = self.session.unwrap_or(self.nonce);
+        let max = usize::try_from(cfg.max_attempts).unwrap_or(1);
+        let tried = &self.exclusions.tried;
+        crate::scheduler::routing::pools::destination(cfg, i, key, max, |j| tried.contains(&j))
+    }
+
     pub fn phase(&self) -> Phase {
         self.phase
     }
@@ -477,8 +488,9 @@ impl Flow {
         }
         let cfg = s.cfg;
         let mut headers = headers.into();
-        // Clients never pick clusters.
+        // Clients never pick clusters, nor hosts.
         headers.remove(&cfg.routing_header);
+        headers.remove(&cfg.destination_header);
         let method = headers.header_str(":method").unwrap_or_default();
         let path = headers.header_str(":path").unwrap_or_default();
         self.content_type = headers.header_str("content-type");

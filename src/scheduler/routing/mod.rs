@@ -15,6 +15,7 @@ pub mod in_flight;
 pub mod payoff;
 pub mod pin_cookie;
 pub mod placement;
+pub mod pools;
 pub mod quota;
 pub mod responses;
 pub mod saturation;

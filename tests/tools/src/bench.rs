@@ -48,6 +48,12 @@
 //! per request, filter ÷ no wasm req/s, the CPU ratio to the smallest fleet), written into
 //! `results.json` (`overhead_fleet`), `fleet.md` and the end of `results.md`.
 //!
+//! `--membership scale_out,scale_in,rollout` (or `all`) runs only the issue 40 scenarios instead:
+//! the engines are the hosts of one EDS cluster fed from a watched file whose host list changes
+//! mid-run (`bench/membership.rs`; what counts: `bench/membership_summary.rs`), least_request,
+//! ring_hash and the filter with a pool unless `--policies` says otherwise, written to
+//! `OUT/latest.md` and `OUT/latest.json`.
+//!
 //! `--render` rewrites `results.md`, `chart.svg`, `summary-table.md` (and, for a full run, the
 //! docs/performance.md block) from a run's `results.json` without measuring anything.
 //!
@@ -60,6 +66,10 @@ mod deployment;
 mod filter_stats;
 #[path = "bench/fleet.rs"]
 mod fleet;
+#[path = "bench/membership.rs"]
+mod membership;
+#[path = "bench/membership_summary.rs"]
+mod membership_summary;
 #[path = "bench/overhead.rs"]
 mod overhead;
 #[path = "bench/peer.rs"]
@@ -129,6 +139,10 @@ struct Args {
     raw_dir: Option<PathBuf>,
     /// Run every policy in the replicated topology too, not only those that promise stickiness.
     replicate_all: bool,
+    /// Membership scenarios (`--membership`, issue 40): when given, only these run.
+    membership: Vec<membership::Change>,
+    /// `--policies` was given (else the membership runs compare their own default set).
+    policies_given: bool,
 }
 
 fn parse() -> Result<Args, String> {
@@ -184,6 +198,8 @@ fn parse() -> Result<Args, String> {
         render: None,
         raw_dir: None,
         replicate_all: false,
+        membership: Vec::new(),
+        policies_given: false,
     };
     let mut it = raw.into_iter();
     while let Some(flag) = it.next() {
@@ -222,6 +238,7 @@ fn parse() -> Result<Args, String> {
         match flag.as_str() {
             "--out" => a.out = PathBuf::from(v),
             "--policies" => {
+                a.policies_given = true;
                 a.policies = v
                     .split(',')
                     .map(|p| Policy::parse(p.trim()).ok_or_else(|| format!("unknown policy {p:?}")))
@@ -318,6 +335,18 @@ fn parse() -> Result<Args, String> {
             "--date" => a.date = v,
             "--commit" => a.commit = v,
             "--command" => a.command = v,
+            "--membership" => {
+                a.membership = v
+                    .split(',')
+                    .map(|c| match c.trim() {
+                        "all" => Ok(membership::Change::ALL.to_vec()),
+                        c => membership::Change::parse(c)
+                            .map(|c| vec![c])
+                            .ok_or_else(|| format!("unknown membership scenario {c:?}")),
+                    })
+                    .collect::<Result<Vec<_>, _>>()?
+                    .concat();
+            }
             "--render" => a.render = Some(PathBuf::from(v)),
             "--raw-dir" => a.raw_dir = Some(PathBuf::from(v)),
             other => return Err(format!("unknown flag {other}")),
@@ -381,31 +410,15 @@ fn machine() -> String {
 }
 
 fn run(a: Args) -> Result<(), String> {
+    if !a.membership.is_empty() {
+        return run_membership(&a);
+    }
     let started = Instant::now();
     std::fs::create_dir_all(&a.out).map_err(|e| format!("{}: {e}", a.out.display()))?;
     let tmp = support::repo_root().join("results/tmp/bench");
     std::fs::create_dir_all(&tmp).map_err(|e| format!("{}: {e}", tmp.display()))?;
     let wasm = support::wasm_path();
-    let mut mock_args: Vec<String> = vec![
-        "--prefill-us-per-token".into(),
-        a.prefill_us.to_string(),
-        "--decode-ms".into(),
-        a.decode_ms.to_string(),
-        "--max-concurrency".into(),
-        a.max_concurrency.to_string(),
-    ];
-    if a.engine_batched {
-        mock_args.extend([
-            "--engine".into(),
-            "batched".into(),
-            "--output-tokens".into(),
-            "max_tokens".into(),
-            "--decode-ms-per-token".into(),
-            a.decode_ms_per_token.to_string(),
-            "--batch-slowdown".into(),
-            a.batch_slowdown.to_string(),
-        ]);
-    }
+    let mock_args = mock_args(&a);
     let opts = RoutingOpts {
         mock_args: mock_args.clone(),
         prefill_us: a.prefill_us,
@@ -628,6 +641,147 @@ fn run(a: Args) -> Result<(), String> {
         update_readme(&rep.readme_block());
     }
     eprintln!("bench: done in {:.0} s", started.elapsed().as_secs_f64());
+    Ok(())
+}
+
+/// The mocks' flags of the routing runs (the engine model and its timings).
+fn mock_args(a: &Args) -> Vec<String> {
+    let mut mock_args: Vec<String> = vec![
+        "--prefill-us-per-token".into(),
+        a.prefill_us.to_string(),
+        "--decode-ms".into(),
+        a.decode_ms.to_string(),
+        "--max-concurrency".into(),
+        a.max_concurrency.to_string(),
+    ];
+    if a.engine_batched {
+        mock_args.extend([
+            "--engine".into(),
+            "batched".into(),
+            "--output-tokens".into(),
+            "max_tokens".into(),
+            "--decode-ms-per-token".into(),
+            a.decode_ms_per_token.to_string(),
+            "--batch-slowdown".into(),
+            a.batch_slowdown.to_string(),
+        ]);
+    }
+    mock_args
+}
+
+/// `--membership`: the pool scenarios of issue 40 (`bench/membership.rs`), written to
+/// `OUT/latest.md` and `OUT/latest.json`.
+fn run_membership(a: &Args) -> Result<(), String> {
+    let started = Instant::now();
+    std::fs::create_dir_all(&a.out).map_err(|e| format!("{}: {e}", a.out.display()))?;
+    let tmp = support::repo_root().join("results/tmp/bench");
+    std::fs::create_dir_all(&tmp).map_err(|e| format!("{}: {e}", tmp.display()))?;
+    let wasm = support::wasm_path();
+    let mut mock_args = mock_args(a);
+    // Every request a server received, for "after it left" (its log's default is 1 000).
+    mock_args.extend(["--history".into(), "20000".into()]);
+    let opts = membership::MembershipOpts {
+        mock_args: mock_args.clone(),
+        concurrency: 2,
+        replica_concurrency: a.replica_concurrency,
+        front_concurrency: a.front_concurrency,
+        drain_s: a.drain_s,
+        envoy_retries: a.envoy_retries,
+        open_ms: a.open_ms,
+        request_timeout: Duration::from_secs(30),
+        work_dir: tmp.clone(),
+        raw_dir: Some(a.raw_dir.clone().unwrap_or_else(|| tmp.clone())),
+    };
+    let w = membership::workload(&a.workload, a.quick);
+    let plans = workload::plan(&w);
+    let span_ms = workload::SessionPlan::last_arrival_ms(&plans);
+    let policies: Vec<Policy> = if a.policies_given {
+        a.policies.clone()
+    } else {
+        membership::POLICIES.to_vec()
+    };
+    let runs: Vec<(membership::Change, usize, Policy)> = a
+        .membership
+        .iter()
+        .flat_map(|&c| {
+            let policies = &policies;
+            a.replicas.iter().flat_map(move |&n| {
+                policies
+                    .iter()
+                    .filter(move |p| n == 1 || a.replicate_all || p.replicable())
+                    .filter(|p| **p != Policy::SglangCacheAware)
+                    .map(move |&p| (c, n, p))
+            })
+        })
+        .collect();
+    let mut rows = Vec::new();
+    for (i, &(c, n, p)) in runs.iter().enumerate() {
+        eprintln!(
+            "bench: membership {}/{}: {} × {}",
+            i + 1,
+            runs.len(),
+            summary::label(p.name(), n as u32),
+            c.name()
+        );
+        let s = membership::run(p, c, n, &plans, &opts, &wasm)?;
+        eprintln!(
+            "bench:   follow-ups on their host {}/{} ({} whose host left), cached {:.1} %, \
+             errors {}, after leaving {}/{}, p99 {:.0} ms, {:.1} s",
+            s.same_host,
+            s.follow_ups,
+            s.follow_ups_host_left,
+            s.cached_ratio() * 100.0,
+            s.errors,
+            s.after_leaving,
+            s.after_leaving_late,
+            s.p99_ms,
+            s.wall_s
+        );
+        rows.push(s);
+    }
+    let meta = [
+        ("command", format!("`{}`", a.command)),
+        ("commit", a.commit.clone()),
+        ("date", a.date.clone()),
+        ("machine", machine()),
+        ("Envoy", envoy_version()),
+        (
+            "workload",
+            format!(
+                "{} sessions of {} turns (one model, every host serves it), {} sessions/s, \
+                 think {} ms, arrivals over {:.1} s, seed {}; mocks: {}",
+                w.sessions,
+                w.turns,
+                w.rate_per_s,
+                w.think_ms,
+                span_ms as f64 / 1000.0,
+                w.seed,
+                mock_args.join(" ")
+            ),
+        ),
+        (
+            "topologies",
+            "one Envoy (--concurrency 2), and three replicas (--concurrency 1) behind a \
+             round-robin front Envoy, every Envoy watching the same EDS file"
+                .into(),
+        ),
+        ("wall", format!("{:.0} s", started.elapsed().as_secs_f64())),
+    ];
+    let md = membership::markdown(&rows, &a.membership, span_ms, &meta);
+    let json_text = serde_json::to_string_pretty(&json!({
+        "meta": meta.iter().map(|(k, v)| (k.to_string(), json!(v))).collect::<serde_json::Map<_, _>>(),
+        "plugin_config": membership::pool_plugin_config(Policy::Filter, a.open_ms),
+        "pool_cluster_lb": membership::override_host_policy(),
+        "scenarios": a.membership.iter().map(|c| json!({"name": c.name(), "description": c.describe(span_ms)})).collect::<Vec<_>>(),
+        "runs": rows.iter().map(membership_summary::MembershipSummary::to_json).collect::<Vec<_>>(),
+    }))
+    .map_err(|e| e.to_string())?
+        + "\n";
+    for (name, text) in [("latest.md", md), ("latest.json", json_text)] {
+        let p = a.out.join(name);
+        std::fs::write(&p, text).map_err(|e| format!("{}: {e}", p.display()))?;
+        eprintln!("bench: wrote {}", p.display());
+    }
     Ok(())
 }
 

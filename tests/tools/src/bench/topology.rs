@@ -116,7 +116,8 @@ impl Policy {
         ) || self.is_filter()
     }
 
-    fn lb_policy(&self) -> Option<&'static str> {
+    /// Envoy's `lb_policy` of the policy; None: one of the filter's variants.
+    pub fn lb_policy(&self) -> Option<&'static str> {
         match self {
             Policy::RoundRobin => Some("ROUND_ROBIN"),
             Policy::LeastRequest => Some("LEAST_REQUEST"),
