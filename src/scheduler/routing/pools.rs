@@ -44,6 +44,7 @@ use crate::scheduler::routing::placement;
 use crate::scheduler::state::codec::{Reader, Writer};
 use crate::scheduler::state::hash::{endpoint_id, hash_parts};
 use crate::scheduler::state::store::{update_if, Store};
+use std::collections::BTreeSet;
 use std::net::SocketAddr;
 
 pub use crate::scheduler::config::MAX_POOL_NAME_BYTES;
@@ -330,6 +331,8 @@ pub fn expand(base: &Config, memberships: &[(String, Membership)]) -> Config {
     let mut endpoints: Vec<EndpointConfig> = Vec::with_capacity(base.endpoints.len());
     let statics = base.endpoints.iter().filter(|e| e.pool.is_none()).count();
     let mut room = MAX_ENDPOINTS.saturating_sub(statics);
+    // Every configured name is taken (a pool entry's too, whether it is replaced or not).
+    let mut ids: BTreeSet<u32> = base.endpoints.iter().map(|e| e.id).collect();
     for e in &base.endpoints {
         let Some(p) = &e.pool else {
             endpoints.push(e.clone());
@@ -348,12 +351,9 @@ pub fn expand(base: &Config, memberships: &[(String, Membership)]) -> Config {
         for h in hosts.iter().take(room) {
             let name = host_name(&p.pool, &h.address);
             let id = endpoint_id(&name);
-            let taken = base
-                .endpoints
-                .iter()
-                .chain(endpoints.iter())
-                .any(|o| o.name == name || o.id == id);
-            if taken {
+            // Equal names have equal ids: one look-up per host (a pool of 1 000 hosts is laid
+            // out in a million comparisons otherwise).
+            if !ids.insert(id) {
                 continue;
             }
             let mut host = e.clone();
