@@ -462,6 +462,9 @@ config_keys! {
 /// is below it for its work resets the probe backoff. Not a key: the measured default.
 pub const DEGRADED_EXIT_RATIO: f64 = 1.5;
 
+/// Longest name of a pool entry: its hosts' names add `-` and their address (at most 64 bytes
+/// in all, see `routing::pools::host_name`).
+pub const MAX_POOL_NAME_BYTES: usize = 40;
 /// Upper bound on endpoints: keeps per-request exclusion sets and selection cost bounded.
 pub const MAX_ENDPOINTS: usize = 1024;
 /// Envoy's largest sensible stream buffer; `max_body_bytes` must not exceed it.
