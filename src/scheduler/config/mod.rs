@@ -19,6 +19,7 @@ use std::fmt;
 use validate::Validator;
 
 pub mod metrics;
+pub mod ranks;
 pub mod secret;
 mod validate;
 
@@ -43,6 +44,9 @@ pub struct EndpointConfig {
     pub id: u32,
     /// How its engine's own `/metrics` is scraped; `None`: not scraped (hosted APIs).
     pub metrics: Option<metrics::MetricsConfig>,
+    /// The data-parallel rank this endpoint stands for (`data_parallel_size` > 1, see
+    /// [`ranks`]); `None`: the whole engine.
+    pub data_parallel: Option<ranks::DataParallel>,
 }
 
 impl EndpointConfig {
@@ -356,7 +360,7 @@ config_keys! {
     routing_header: String = "x-computeflux-cluster".into(), Spec::HeaderName,
         "Request header the filter writes the chosen endpoint's `cluster` into; the Envoy route must forward on it (`cluster_header`, or header-match routes in Istio). A value sent by the client is always removed first. Must differ from `session_header`.";
     session_header: String = "x-session-id".into(), Spec::HeaderName,
-        "Request header carrying the client's session id. Without it the body's `user`, else a fingerprint of the model, first system and first user message, is the session. Every session is scoped by the caller's `authorization` / `x-api-key`.";
+        "Request header carrying the client's session id: the first source of the session key. Without it the body's `prompt_cache_key`, else an agent harness's session header (`x-claude-code-session-id`, `session_id`, `session-id`, `thread-id`, `x-opencode-session`), else the body's `user`, else a fingerprint of the model, first system and first user message, is the session (see [decisions](decisions.md#session-keys)). Any length is accepted (hashed). Every session is scoped by the caller's `authorization` / `x-api-key`.";
     affinity_ttl_ms: u64 = 300_000, MS,
         "How long a session stays pinned to the endpoint that last served it successfully, counted from its last use. Set it near the endpoints' KV-cache lifetime.";
     affinity_max_sessions: u64 = 100_000, Spec::Int { min: 1, max: 10_000_000 },
@@ -494,6 +498,8 @@ pub fn endpoint_keys() -> Vec<KeyDoc> {
             "Takes the endpoint out of rotation without deleting it (its sessions move elsewhere)."),
         row("headers", "object of string to string", "{}", "valid header names and values",
             "Request headers set on requests routed to this endpoint (e.g. a hosted provider's `authorization`). Values are never logged. Framing headers and the routing header are refused."),
+        row("data_parallel_size", "integer", "1", "1..=64",
+            "Data-parallel ranks the endpoint's engine runs (vLLM `--data-parallel-size`, SGLang `--dp-size`), each with its own prefix cache. Above 1 the endpoint becomes one endpoint per rank, named `<name>-r<k>` in metrics and headers, each placed, pinned and load-bounded on its own; the filter sends `x-data-parallel-rank: <k>` (a client's own value is always removed), so every turn of a session reaches the same rank. A scraped engine's queue and batch are split evenly over its ranks."),
     ];
     keys.extend(metrics::metrics_keys());
     keys
@@ -554,9 +560,18 @@ impl Config {
                     );
                 }
                 for (i, ep) in list.iter().take(MAX_ENDPOINTS).enumerate() {
-                    if let Some(e) = v.endpoint(i, ep, &c.routing_header) {
-                        c.endpoints.push(e);
+                    if let Some((e, ranks)) = v.endpoint(i, ep, &c.routing_header) {
+                        c.endpoints.extend(ranks::expand(e, ranks));
                     }
+                }
+                if c.endpoints.len() > MAX_ENDPOINTS {
+                    v.push(
+                        "endpoints",
+                        &format!(
+                            "with their data-parallel ranks must be at most {MAX_ENDPOINTS} endpoints, got {}",
+                            c.endpoints.len()
+                        ),
+                    );
                 }
                 v.unique_names(&c.endpoints);
             }

@@ -202,7 +202,7 @@ impl Validator {
         i: usize,
         value: &Value,
         routing_header: &str,
-    ) -> Option<EndpointConfig> {
+    ) -> Option<(EndpointConfig, u32)> {
         let at = format!("endpoints[{i}]");
         let Some(obj) = value.as_object() else {
             self.push(&at, &format!("must be an object, got {}", type_name(value)));
@@ -317,6 +317,30 @@ impl Validator {
                 ),
             }
         }
+        let mut ranks = 1u64;
+        let ranks_at = format!("{at}.data_parallel_size");
+        let max_ranks = u64::from(super::ranks::MAX_DATA_PARALLEL_SIZE);
+        self.int_at(
+            obj,
+            "data_parallel_size",
+            &ranks_at,
+            1,
+            max_ranks,
+            &mut ranks,
+        );
+        let ranks = u32::try_from(ranks).unwrap_or(1);
+        if ranks > 1 && !name.is_empty() {
+            let longest = super::ranks::rank_name(&name, ranks - 1);
+            if !is_endpoint_name(&longest) {
+                self.push(
+                    &format!("{at}.name"),
+                    &format!(
+                        "must leave room for its ranks' names (`<name>-r<k>`, at most 64 bytes) with data_parallel_size {ranks}, got {} bytes",
+                        name.len()
+                    ),
+                );
+            }
+        }
         let mut headers = Vec::new();
         match obj.get("headers") {
             None => {}
@@ -331,6 +355,11 @@ impl Validator {
                         self.push(
                             &path,
                             "may not be set by an endpoint (framing or routing header)",
+                        );
+                    } else if ranks > 1 && lower == super::ranks::RANK_HEADER {
+                        self.push(
+                            &path,
+                            "is set by the filter for each rank (data_parallel_size > 1)",
                         );
                     }
                     match hv.as_str() {
@@ -364,7 +393,7 @@ impl Validator {
             return None;
         }
         let id = crate::scheduler::state::hash::endpoint_id(&name);
-        Some(EndpointConfig {
+        let ep = EndpointConfig {
             name,
             cluster,
             weight,
@@ -373,7 +402,9 @@ impl Validator {
             headers,
             id,
             metrics,
-        })
+            data_parallel: None,
+        };
+        Some((ep, ranks))
     }
 
     pub(super) fn unique_names(&mut self, endpoints: &[EndpointConfig]) {

@@ -484,8 +484,9 @@ impl Flow {
         }
         let cfg = s.cfg;
         let mut headers = headers.into();
-        // Clients never pick clusters.
+        // Clients never pick clusters, nor data-parallel ranks (not even for failover calls).
         headers.remove(&cfg.routing_header);
+        headers.remove(crate::scheduler::config::ranks::RANK_HEADER);
         let method = headers.header_str(":method").unwrap_or_default();
         let path = headers.header_str(":path").unwrap_or_default();
         self.content_type = headers.header_str("content-type");

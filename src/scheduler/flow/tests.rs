@@ -1484,3 +1484,37 @@ fn a_slow_running_stream_is_judged_by_its_pace() {
     assert_eq!((after.log_mean, after.samples), (folded.log_mean, 4));
     assert_eq!(read_model(&store, &key).samples, 67);
 }
+
+/// Issue 42: a failover call to a data-parallel rank carries that rank's
+/// `x-data-parallel-rank`, once; a client's own value reaches no endpoint, ranked or not.
+#[test]
+fn failover_calls_carry_the_targets_rank_never_the_clients() {
+    let c = Config::from_value(&json!({"endpoints": [
+        {"name": "g", "cluster": "cg", "data_parallel_size": 2},
+        {"name": "p", "cluster": "cp"}
+    ]}))
+    .unwrap();
+    let store = MemStore::new();
+    let s = Scheduler::new(&c, &store);
+    let mut log = Log::default();
+    let mut f = Flow::default();
+    let client = post_headers(&[("x-data-parallel-rank", "7"), ("x-session-id", "s")]);
+    assert!(matches!(
+        route(&mut f, &s, &mut log, client, 0),
+        Step::Route(_)
+    ));
+    for (i, want) in [(0, Some("0")), (1, Some("1")), (2, None)] {
+        let call = f.call(&c, i).unwrap();
+        let ranks: Vec<&[u8]> = call
+            .headers
+            .iter()
+            .filter(|(n, _)| n.eq_ignore_ascii_case("x-data-parallel-rank"))
+            .map(|(_, v)| v.as_slice())
+            .collect();
+        assert_eq!(
+            ranks,
+            want.map(str::as_bytes).into_iter().collect::<Vec<_>>(),
+            "{i}"
+        );
+    }
+}
