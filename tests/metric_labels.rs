@@ -10,7 +10,7 @@
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
 
 use computeflux::scheduler::routing::scrape::ScrapeError;
-use computeflux::scheduler::{AffinityResult, Outcome, Reason, RejectReason};
+use computeflux::scheduler::{AffinityResult, Outcome, Reason, RejectReason, SessionSource};
 
 fn doc() -> String {
     std::fs::read_to_string(concat!(env!("CARGO_MANIFEST_DIR"), "/docs/metrics.md")).unwrap()
@@ -58,6 +58,12 @@ fn every_label_value_is_distinct_and_documented() {
         &line(&doc, "| `computeflux_decisions_total`"),
         "decision reason",
         &reasons,
+    );
+    let sources: Vec<&str> = SessionSource::ALL.iter().map(|s| s.label()).collect();
+    check(
+        &line(&doc, "| `computeflux_sessions_total`"),
+        "session source",
+        &sources,
     );
     let results: Vec<&str> = AffinityResult::ALL.iter().map(|a| a.label()).collect();
     check(

@@ -9,7 +9,7 @@
 
 use arbitrary::Arbitrary;
 use computeflux::scheduler::wire::request::{
-    derive_session, openai_error, parse_chat, MAX_MODEL_BYTES, MAX_SESSION_BYTES,
+    derive_session, openai_error, parse_chat, SessionHeaders, MAX_MODEL_BYTES,
 };
 use computeflux::scheduler::SessionSource;
 use libfuzzer_sys::fuzz_target;
@@ -66,7 +66,7 @@ fn check(body: &[u8], tenant: Option<&[u8]>, header: Option<&[u8]>) {
         Ok(req) => {
             assert!(!req.model.is_empty() && req.model.len() <= MAX_MODEL_BYTES);
             if let Some(u) = &req.user {
-                assert!(!u.is_empty() && u.len() <= MAX_SESSION_BYTES);
+                assert!(!u.is_empty());
             }
             // Deterministic.
             assert_eq!(parse_chat(body).ok(), Some(req.clone()));
@@ -77,25 +77,31 @@ fn check(body: &[u8], tenant: Option<&[u8]>, header: Option<&[u8]>) {
                     Some(req.model.as_str())
                 );
             }
-            match derive_session(tenant, header, &req) {
-                Ok((key, source)) => {
-                    assert_ne!(key, Some(0), "0 is reserved");
-                    let has_header = header.is_some_and(|h| !h.is_empty());
-                    match source {
-                        SessionSource::Header => assert!(has_header),
-                        SessionSource::User => assert!(!has_header && req.user.is_some()),
-                        SessionSource::Fingerprint => {
-                            assert!(!has_header && req.user.is_none() && req.fingerprint.is_some())
-                        }
-                        SessionSource::None => assert!(key.is_none() && !has_header),
-                    }
-                    assert_eq!(derive_session(tenant, header, &req), Ok((key, source)));
-                }
-                Err(e) => {
-                    assert!(header.is_some_and(|h| h.len() > MAX_SESSION_BYTES), "{e:?}");
-                    assert_eq!(e.status(), 400);
+            let headers = SessionHeaders {
+                configured: header,
+                harness: None,
+            };
+            let (key, source) = derive_session(tenant, headers, &req, body);
+            assert_ne!(key, Some(0), "0 is reserved");
+            let has_header = header.is_some_and(|h| !h.is_empty());
+            let has_pck = req
+                .prompt_cache_key
+                .clone()
+                .and_then(|r| body.get(r))
+                .is_some_and(|k| !k.is_empty());
+            match source {
+                SessionSource::Header => assert!(has_header),
+                SessionSource::PromptCacheKey => assert!(!has_header && has_pck),
+                SessionSource::User => assert!(!has_header && !has_pck && req.user.is_some()),
+                SessionSource::Fingerprint => assert!(
+                    !has_header && !has_pck && req.user.is_none() && req.fingerprint.is_some()
+                ),
+                SessionSource::None => assert!(key.is_none() && !has_header && !has_pck),
+                SessionSource::HarnessHeader | SessionSource::PreviousResponse => {
+                    panic!("not derivable here: {source:?}")
                 }
             }
+            assert_eq!(derive_session(tenant, headers, &req, body), (key, source));
         }
         Err(e) => {
             assert!(matches!(e.status(), 400 | 413));

@@ -22,6 +22,7 @@ use super::observe::Recorder;
 use super::plugin::Plugin;
 use super::pools;
 use super::shared::SharedData;
+use crate::scheduler::config::ranks;
 use crate::scheduler::flow::{Flow, Step};
 use crate::scheduler::health::blame::{self, JUDGE_BYTES};
 use crate::scheduler::routing::pools::STAMP_HEADER;
@@ -198,13 +199,14 @@ impl Context for Http {
 impl HttpContext for Http {
     fn on_http_request_headers(&mut self, _num_headers: usize, end_of_stream: bool) -> Action {
         let now = host::now_ms();
-        // Clients never pick clusters, nor hosts: gone from the live map before any route
-        // matching.
+        // Clients never pick clusters, hosts nor data-parallel ranks: gone from the live map
+        // before any route matching.
         host::remove_header(MapType::HttpRequestHeaders, &self.plugin.cfg.routing_header);
         host::remove_header(
             MapType::HttpRequestHeaders,
             &self.plugin.cfg.destination_header,
         );
+        host::remove_header(MapType::HttpRequestHeaders, ranks::RANK_HEADER);
         let headers = host::header_list(MapType::HttpRequestHeaders);
         let step = self.with_flow(now, |f, s, r| {
             f.on_request_headers(s, r, headers, end_of_stream, now)

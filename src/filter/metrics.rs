@@ -5,7 +5,8 @@
 //! `stats_config.stats_tags` rules in `envoy/envoy.yaml` turn them into Prometheus labels:
 //! `computeflux_requests_total{endpoint="gpu-1",outcome="success"}`. Label values are bounded:
 //! endpoint names come from the configuration, the others from the `ALL` list of the enum they
-//! label ([`Outcome::ALL`], [`Reason::ALL`], [`AffinityResult::ALL`], [`RejectReason::ALL`]),
+//! label ([`Outcome::ALL`], [`Reason::ALL`], [`AffinityResult::ALL`], [`RejectReason::ALL`],
+//! [`SessionSource::ALL`]),
 //! so a variant added there gets its series here without another edit.
 
 use super::host;
@@ -14,6 +15,7 @@ use crate::scheduler::health::outcome::Outcome;
 use crate::scheduler::routing::pin_cookie::Ignored;
 use crate::scheduler::routing::select::{AffinityResult, Reason};
 use crate::scheduler::wire::reply::RejectReason;
+use crate::scheduler::wire::session::SessionSource;
 use crate::scheduler::wire::usage::Usage;
 use proxy_wasm::types::MetricType;
 
@@ -82,6 +84,8 @@ pub struct Metrics {
     rejected: Vec<Option<u32>>,
     /// In [`Ignored::ALL`] order.
     pin_cookies_ignored: Vec<Option<u32>>,
+    /// In [`SessionSource::ALL`] order.
+    sessions: Vec<Option<u32>>,
     pub retry_budget_exhausted: Option<u32>,
     pub cas_exhausted: Option<u32>,
     /// New sessions placed by their instructions' prefix key (`prefix_placement`).
@@ -198,6 +202,11 @@ impl Metrics {
                 "reason",
                 Ignored::ALL.iter().map(|r| r.label()),
             ),
+            sessions: labelled(
+                "computeflux_sessions_total",
+                "source",
+                SessionSource::ALL.iter().map(|s| s.label()),
+            ),
             retry_budget_exhausted: host::metric(
                 MetricType::Counter,
                 "computeflux_retry_budget_exhausted_total",
@@ -258,6 +267,10 @@ impl Metrics {
 
     pub fn pin_cookie_ignored(&self, why: Ignored) {
         Metrics::inc(slot(Ignored::ALL, &why, &self.pin_cookies_ignored));
+    }
+
+    pub fn session(&self, s: SessionSource) {
+        Self::inc(slot(SessionSource::ALL, &s, &self.sessions));
     }
 
     pub fn rejected(&self, r: RejectReason) {

@@ -11,6 +11,7 @@ use crate::scheduler::health::outcome::Outcome;
 use crate::scheduler::routing::pin_cookie::Ignored;
 use crate::scheduler::routing::select::{AffinityResult, Decision, Finished};
 use crate::scheduler::wire::reply::Reply;
+use crate::scheduler::wire::session::SessionSource;
 use crate::scheduler::wire::usage::Usage;
 use log::{debug, warn};
 
@@ -90,6 +91,11 @@ impl Observer for Recorder<'_> {
         if let Some(em) = self.plugin.metrics.endpoint(from) {
             Metrics::inc(em.failovers);
         }
+    }
+
+    fn session(&mut self, source: SessionSource) {
+        self.plugin.metrics.session(source);
+        debug!("computeflux: session keyed by {}", source.label());
     }
 
     fn budget_exhausted(&mut self) {

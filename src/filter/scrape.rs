@@ -217,9 +217,9 @@ impl Scraper {
         let Some(e) = cfg.endpoints.get(i) else {
             return true;
         };
-        let Some(m) = &e.metrics else {
+        if e.metrics.is_none() {
             return true;
-        };
+        }
         // Never read the headers of a failed call (the SDK's getter would panic; ours would
         // return nothing, but there is nothing to read).
         let (status, envoy_reply) = if num_headers > 0 {
@@ -247,7 +247,7 @@ impl Scraper {
             scrape_plan::judge_head(num_headers, status, body_size, envoy_reply).and_then(|n| {
                 let n = n.min(scrape_plan::BODY_LIMIT_BYTES);
                 let body = host::buffer(BufferType::HttpCallResponseBody, 0, n);
-                scrape_plan::judge_body(&body, body_size, m, e.models.as_deref())
+                scrape_plan::judge_body(&body, body_size, e)
             });
         self.finish(cfg, i, now_ms, result);
         true

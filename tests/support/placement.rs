@@ -5,13 +5,15 @@
 
 use computeflux::scheduler::routing::placement::order;
 use computeflux::scheduler::state::hash::{endpoint_id, session_key};
-use computeflux::scheduler::wire::request::{derive_session, parse_chat};
+use computeflux::scheduler::wire::request::{derive_session, parse_chat, SessionHeaders};
 
 /// The affinity key of a chat body sent without credentials or session header (its `user`, else
 /// its fingerprint), as the filter derives it.
 pub fn body_session(body: &str) -> u64 {
     let req = parse_chat(body.as_bytes()).unwrap();
-    derive_session(None, None, &req).unwrap().0.unwrap()
+    derive_session(None, SessionHeaders::default(), &req, body.as_bytes())
+        .0
+        .unwrap()
 }
 
 /// The affinity key of a request without credentials carrying `x-session-id: id`.

@@ -19,6 +19,7 @@ use std::fmt;
 use validate::Validator;
 
 pub mod metrics;
+pub mod ranks;
 pub mod secret;
 mod validate;
 
@@ -46,6 +47,9 @@ pub struct EndpointConfig {
     /// `Some` for an entry with `"pool": true` (every host of its cluster is an endpoint, see
     /// `routing::pools`) and for each host it expands to; `None` for a plain endpoint.
     pub pool: Option<PoolMember>,
+    /// The data-parallel rank this endpoint stands for (`data_parallel_size` > 1, see
+    /// [`ranks`]); `None`: the whole engine.
+    pub data_parallel: Option<ranks::DataParallel>,
 }
 
 /// What makes an endpoint part of a pool.
@@ -385,7 +389,7 @@ config_keys! {
         destination_header: String = "x-gateway-destination-endpoint".into(), Spec::HeaderName,
             "Request header the filter writes the chosen host of a pool (an endpoint with `pool: true`) into, as `ip:port`, followed comma-separated by the hosts of that pool it would try next; the pool's Envoy cluster must use the `envoy.load_balancing_policies.override_host` load-balancing policy reading it (see [pools](#pools)). The same header as the Gateway API Inference Extension's endpoint picker. A value sent by the client is always removed first. Must differ from `routing_header` and `session_header`.";
         session_header: String = "x-session-id".into(), Spec::HeaderName,
-            "Request header carrying the client's session id. Without it the body's `user`, else a fingerprint of the model, first system and first user message, is the session. Every session is scoped by the caller's `authorization` / `x-api-key`.";
+            "Request header carrying the client's session id: the first source of the session key. Without it the body's `prompt_cache_key`, else an agent harness's session header (`x-claude-code-session-id`, `session_id`, `session-id`, `thread-id`, `x-opencode-session`), else the body's `user`, else a fingerprint of the model, first system and first user message, is the session (see [routing](routing.md#session-keys)). Any length is accepted (hashed). Every session is scoped by the caller's `authorization` / `x-api-key`.";
         affinity_ttl_ms: u64 = 300_000, MS,
             "How long a session stays pinned to the endpoint that last served it successfully, counted from its last use. Set it near the endpoints' KV-cache lifetime.";
         affinity_max_sessions: u64 = 100_000, Spec::Int { min: 1, max: 10_000_000 },
@@ -523,6 +527,8 @@ pub fn endpoint_keys() -> Vec<KeyDoc> {
             "The entry is a pool: every host of its Envoy `cluster` is an endpoint, learned at run time as Envoy's membership changes (EDS, DNS, static), and its other keys apply to each host. Its cluster must use the `override_host` load-balancing policy (see [pools](#pools)). Its hosts are named `<name>-<address>` and counted in metrics under the pool's `name`."),
         row("headers", "object of string to string", "{}", "valid header names and values",
             "Request headers set on requests routed to this endpoint (e.g. a hosted provider's `authorization`). Values are never logged. Framing headers and the routing header are refused."),
+        row("data_parallel_size", "integer", "1", "1..=64",
+            "Data-parallel ranks the endpoint's engine runs (vLLM `--data-parallel-size`, SGLang `--dp-size`), each with its own prefix cache. Above 1 the endpoint becomes one endpoint per rank, named `<name>-r<k>` in metrics and headers, each placed, pinned and load-bounded on its own; the filter sends `x-data-parallel-rank: <k>` (a client's own value is always removed), so every turn of a session reaches the same rank. A scraped engine's queue and batch are split evenly over its ranks."),
     ];
     keys.extend(metrics::metrics_keys());
     keys
@@ -605,10 +611,20 @@ impl Config {
                     );
                 }
                 for (i, ep) in list.iter().take(MAX_ENDPOINTS).enumerate() {
-                    if let Some(e) = v.endpoint(i, ep, &[&c.routing_header, &c.destination_header])
+                    if let Some((e, ranks)) =
+                        v.endpoint(i, ep, &[&c.routing_header, &c.destination_header])
                     {
-                        c.endpoints.push(e);
+                        c.endpoints.extend(ranks::expand(e, ranks));
                     }
+                }
+                if c.endpoints.len() > MAX_ENDPOINTS {
+                    v.push(
+                        "endpoints",
+                        &format!(
+                            "with their data-parallel ranks must be at most {MAX_ENDPOINTS} endpoints, got {}",
+                            c.endpoints.len()
+                        ),
+                    );
                 }
                 v.unique_names(&c.endpoints);
             }

@@ -232,7 +232,7 @@ impl Validator {
         i: usize,
         value: &Value,
         routing_headers: &[&str],
-    ) -> Option<EndpointConfig> {
+    ) -> Option<(EndpointConfig, u32)> {
         let at = format!("endpoints[{i}]");
         let Some(obj) = value.as_object() else {
             self.push(&at, &format!("must be an object, got {}", type_name(value)));
@@ -347,6 +347,30 @@ impl Validator {
                 ),
             }
         }
+        let mut ranks = 1u64;
+        let ranks_at = format!("{at}.data_parallel_size");
+        let max_ranks = u64::from(super::ranks::MAX_DATA_PARALLEL_SIZE);
+        self.int_at(
+            obj,
+            "data_parallel_size",
+            &ranks_at,
+            1,
+            max_ranks,
+            &mut ranks,
+        );
+        let ranks = u32::try_from(ranks).unwrap_or(1);
+        if ranks > 1 && !name.is_empty() {
+            let longest = super::ranks::rank_name(&name, ranks - 1);
+            if !is_endpoint_name(&longest) {
+                self.push(
+                    &format!("{at}.name"),
+                    &format!(
+                        "must leave room for its ranks' names (`<name>-r<k>`, at most 64 bytes) with data_parallel_size {ranks}, got {} bytes",
+                        name.len()
+                    ),
+                );
+            }
+        }
         let mut headers = Vec::new();
         match obj.get("headers") {
             None => {}
@@ -362,6 +386,11 @@ impl Validator {
                         self.push(
                             &path,
                             "may not be set by an endpoint (framing or routing header)",
+                        );
+                    } else if ranks > 1 && lower == super::ranks::RANK_HEADER {
+                        self.push(
+                            &path,
+                            "is set by the filter for each rank (data_parallel_size > 1)",
                         );
                     }
                     match hv.as_str() {
@@ -429,11 +458,17 @@ impl Validator {
                 );
             }
         }
+        if ranks > 1 && pool.is_some() {
+            self.push(
+                &ranks_at,
+                "is not supported on a pool yet (each host of a pool is one endpoint); run the pool's engines with one rank each or list them as endpoints",
+            );
+        }
         if self.errors.len() > before {
             return None;
         }
         let id = crate::scheduler::state::hash::endpoint_id(&name);
-        Some(EndpointConfig {
+        let ep = EndpointConfig {
             name,
             cluster,
             weight,
@@ -443,7 +478,9 @@ impl Validator {
             id,
             metrics,
             pool,
-        })
+            data_parallel: None,
+        };
+        Some((ep, ranks))
     }
 
     pub(super) fn unique_names(&mut self, endpoints: &[EndpointConfig]) {

@@ -70,7 +70,8 @@ use crate::scheduler::wire::headers::{rate_limit_hints, HeaderList, HeaderSource
 use crate::scheduler::wire::models::{self, Merged, Retrieved};
 use crate::scheduler::wire::prefix;
 use crate::scheduler::wire::reply::Reply;
-use crate::scheduler::wire::request::{derive_session, parse_chat_with, RequestError};
+use crate::scheduler::wire::request::{parse_chat_with, RequestError};
+use crate::scheduler::wire::session::{self, derive_session, SessionHeaders, SessionSource};
 use crate::scheduler::wire::usage::{Framing, Usage, UsageScan};
 use std::borrow::Cow;
 use std::cell::Cell;
@@ -172,6 +173,9 @@ pub trait Observer {
     fn failed_over(&mut self, _from: usize) {}
     /// A failover was wanted but the retry budget is spent.
     fn budget_exhausted(&mut self) {}
+    /// An inference request with a body is about to be routed; its session key came from
+    /// `source` (see `wire::session`).
+    fn session(&mut self, _source: SessionSource) {}
     /// The filter answered the request itself.
     fn replied(&mut self, _reply: &Reply) {}
     /// The answer `endpoint` gave reported `usage`; the request's affinity at its first pick
@@ -289,6 +293,8 @@ pub struct Flow {
     headers: HeaderList,
     trailers: Pairs,
     session_header: Option<Vec<u8>>,
+    /// The first agent harness session header present (`session::HARNESS_SESSION_HEADERS`).
+    harness_session: Option<Vec<u8>>,
     tenant: Option<Vec<u8>>,
     body: Vec<u8>,
     /// The body's bytes, inline media at a fixed size each (`wire::prompt_size`): what its
@@ -364,6 +370,7 @@ impl Flow {
             headers: HeaderList::default(),
             trailers: Vec::new(),
             session_header: None,
+            harness_session: None,
             tenant: None,
             body: Vec::new(),
             prompt_bytes: 0,
@@ -488,9 +495,11 @@ impl Flow {
         }
         let cfg = s.cfg;
         let mut headers = headers.into();
-        // Clients never pick clusters, nor hosts.
+        // Clients never pick clusters, hosts nor data-parallel ranks (not even for failover
+        // calls).
         headers.remove(&cfg.routing_header);
         headers.remove(&cfg.destination_header);
+        headers.remove(crate::scheduler::config::ranks::RANK_HEADER);
         let method = headers.header_str(":method").unwrap_or_default();
         let path = headers.header_str(":path").unwrap_or_default();
         self.content_type = headers.header_str("content-type");
@@ -498,6 +507,7 @@ impl Flow {
             .header_str("content-length")
             .and_then(|v| v.trim().parse::<u64>().ok());
         self.session_header = headers.header(&cfg.session_header).map(Cow::into_owned);
+        self.harness_session = session::harness_header(&headers).map(Cow::into_owned);
         self.tenant = headers
             .header("authorization")
             .or_else(|| headers.header("x-api-key"))
@@ -873,10 +883,12 @@ impl Flow {
             Ok(r) => r,
             Err(e) => return self.refuse(obs, &e),
         };
-        match derive_session(self.tenant.as_deref(), self.session_header.as_deref(), &req) {
-            Ok((session, _)) => self.session = session,
-            Err(e) => return self.refuse(obs, &e),
-        }
+        let headers = SessionHeaders {
+            configured: self.session_header.as_deref(),
+            harness: self.harness_session.as_deref(),
+        };
+        let (session, mut source) = derive_session(self.tenant.as_deref(), headers, &req, &body);
+        self.session = session;
         if s.cfg.prefix_placement {
             self.instructions = req.instructions.take().map(|i| (i, s.cfg.prefix_min_bytes));
         }
@@ -893,6 +905,10 @@ impl Flow {
                 return step;
             }
         }
+        if self.holder.is_some() {
+            source = SessionSource::PreviousResponse;
+        }
+        obs.session(source);
         self.first_attempt(s, obs, now_ms)
     }
 

@@ -556,18 +556,29 @@ fn bad_requests_get_openai_errors_and_never_take_a_ticket() {
         refused(f.on_request_body(&s, &mut log, 4097, false, &mut unreachable, 0)).1,
         "request_too_large"
     );
-    // A session header over the bound, a model nobody serves (a long multi-byte name).
+    // A long session header is no error (it is hashed: routed, on a store of its own); a
+    // model nobody serves (a long multi-byte name) is.
+    let own_store = MemStore::new();
+    let routed = Scheduler::new(&c, &own_store);
     let mut f = Flow::default();
     let long = "é".repeat(3000);
+    let mut quiet = Log::default();
     f.on_request_headers(
-        &s,
-        &mut log,
+        &routed,
+        &mut quiet,
         post_headers(&[("x-session-id", &long)]),
         false,
         0,
     );
-    let step = f.on_request_body(&s, &mut log, BODY.len(), true, &mut || BODY.to_vec(), 0);
-    assert_eq!(refused(step).1, "invalid_session_id");
+    let step = f.on_request_body(
+        &routed,
+        &mut quiet,
+        BODY.len(),
+        true,
+        &mut || BODY.to_vec(),
+        0,
+    );
+    assert!(matches!(step, Step::Route(_)), "{step:?}");
     let only_x = cfg(json!({"endpoints": [{"name": "x", "cluster": "cx", "models": ["x"]}]}));
     let sx = Scheduler::new(&only_x, &store);
     let model = "é".repeat(128);
@@ -1472,4 +1483,38 @@ fn a_slow_running_stream_is_judged_by_its_pace() {
     let after = slowness(&store);
     assert_eq!((after.log_mean, after.samples), (folded.log_mean, 4));
     assert_eq!(read_model(&store, &key).samples, 67);
+}
+
+/// A failover call to a data-parallel rank carries that rank's
+/// `x-data-parallel-rank`, once; a client's own value reaches no endpoint, ranked or not.
+#[test]
+fn failover_calls_carry_the_targets_rank_never_the_clients() {
+    let c = Config::from_value(&json!({"endpoints": [
+        {"name": "g", "cluster": "cg", "data_parallel_size": 2},
+        {"name": "p", "cluster": "cp"}
+    ]}))
+    .unwrap();
+    let store = MemStore::new();
+    let s = Scheduler::new(&c, &store);
+    let mut log = Log::default();
+    let mut f = Flow::default();
+    let client = post_headers(&[("x-data-parallel-rank", "7"), ("x-session-id", "s")]);
+    assert!(matches!(
+        route(&mut f, &s, &mut log, client, 0),
+        Step::Route(_)
+    ));
+    for (i, want) in [(0, Some("0")), (1, Some("1")), (2, None)] {
+        let call = f.call(&c, i).unwrap();
+        let ranks: Vec<&[u8]> = call
+            .headers
+            .iter()
+            .filter(|(n, _)| n.eq_ignore_ascii_case("x-data-parallel-rank"))
+            .map(|(_, v)| v.as_slice())
+            .collect();
+        assert_eq!(
+            ranks,
+            want.map(str::as_bytes).into_iter().collect::<Vec<_>>(),
+            "{i}"
+        );
+    }
 }

@@ -17,7 +17,7 @@
 //! - [`judge_head`] / [`judge_body`]: at most [`BODY_LIMIT_BYTES`] of an answer are ever read.
 
 use crate::scheduler::config::metrics::MetricsConfig;
-use crate::scheduler::config::Config;
+use crate::scheduler::config::{Config, EndpointConfig};
 use crate::scheduler::routing::scrape::{Loads, ScrapeError};
 use crate::scheduler::state::store::{Store, CAS_RETRIES};
 use crate::scheduler::wire::engine_load::{parse, EngineLoad};
@@ -238,17 +238,25 @@ pub fn judge_head(
     }
 }
 
-/// The load in a body read after [`judge_head`] (`full_len`: the body's announced size).
+/// The load in a body read after [`judge_head`] (`full_len`: the body's announced size), as
+/// endpoint `e` bears it: a data-parallel rank's even share of its engine's queue and batch.
 pub fn judge_body(
     body: &[u8],
     full_len: usize,
-    m: &MetricsConfig,
-    models: Option<&[String]>,
+    e: &EndpointConfig,
 ) -> Result<EngineLoad, ScrapeError> {
-    let models = models.unwrap_or(&[]);
-    parse(body, full_len, m.format, models, BODY_LIMIT_BYTES)
+    let Some(m) = e.metrics.as_ref() else {
+        return Err(ScrapeError::NoSeries);
+    };
+    let models = e.models.as_deref().unwrap_or(&[]);
+    let mut load = parse(body, full_len, m.format, models, BODY_LIMIT_BYTES)
         .load
-        .map_err(ScrapeError::from)
+        .map_err(ScrapeError::from)?;
+    if let Some(dp) = e.data_parallel {
+        load.waiting = load.waiting.map(|n| dp.share(n));
+        load.running = load.running.map(|n| dp.share(n));
+    }
+    Ok(load)
 }
 
 #[cfg(test)]
@@ -427,12 +435,18 @@ mod tests {
         let c = cfg(&[Some(1_000)]);
         let m = c.endpoints[0].metrics.clone().unwrap();
         let body = b"tgi_queue_size 3\ntgi_batch_current_size 4\n";
-        let l = judge_body(body, body.len(), &m, None).unwrap();
+        let l = judge_body(body, body.len(), &c.endpoints[0]).unwrap();
         assert_eq!(
             (l.engine, l.waiting, l.running),
             (Engine::Tgi, Some(3), Some(4))
         );
-        assert_eq!(judge_body(b"<html>", 6, &m, None), Err(NoSeries));
+        assert_eq!(judge_body(b"<html>", 6, &c.endpoints[0]), Err(NoSeries));
+        // A data-parallel rank bears its even share of the engine's queue and batch.
+        let dp = Config::from_value(&json!({"endpoints": [{"name": "g", "cluster": "cg",
+            "data_parallel_size": 2, "metrics": {"interval_ms": 1000}}]}))
+        .unwrap();
+        let l = judge_body(body, body.len(), &dp.endpoints[1]).unwrap();
+        assert_eq!((l.waiting, l.running), (Some(2), Some(2)));
         let h = request_headers(&m);
         assert_eq!(h[1], (":path".to_string(), b"/metrics".to_vec()));
         assert_eq!(h[2], (":authority".to_string(), b"c0".to_vec()));

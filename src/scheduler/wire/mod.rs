@@ -16,6 +16,7 @@ pub mod prefix;
 pub mod prompt_size;
 pub mod reply;
 pub mod request;
+pub mod session;
 pub mod text;
 pub mod usage;
 

@@ -8,25 +8,21 @@
 //! (message contents), so no prompt text is copied or logged. serde_json's recursion limit turns
 //! absurdly nested JSON into an error instead of a stack overflow.
 //!
-//! Session key, in order of preference:
-//! 1. the `session_header` value;
-//! 2. the body's `user` field, else `metadata.user_id` (Anthropic Messages' per-user key);
-//! 3. a conversation fingerprint: hash of the model, the system prompt and the first user
-//!    message — what every turn of one conversation resends unchanged, so clients that send no
-//!    session id still stick across turns. The history is `messages` (chat, Messages) or, for
-//!    the Responses API, `input` (an array of items, or a string: the user message); the system
-//!    prompt is the top-level `system` (Messages) or `instructions` (Responses), else the first
-//!    `system` / `developer` message.
-//!
-//! Every key is scoped by the caller's identity (its `authorization` / `x-api-key` value, hashed
-//! with the key) so one tenant can never read or steer another tenant's pins.
+//! The same pass reads every session key the body carries (`prompt_cache_key`, `user` or
+//! `metadata.user_id`, and a conversation fingerprint: hash of the model, the system prompt and
+//! the first user message — what every turn of one conversation resends unchanged, so clients
+//! that send no session id still stick across turns). Which of them, or of the session headers,
+//! keys the session is decided in [`crate::scheduler::wire::session`]. The history is
+//! `messages` (chat, Messages) or, for the Responses API, `input` (an array of items, or a
+//! string: the user message); the system prompt is the top-level `system` (Messages) or
+//! `instructions` (Responses), else the first `system` / `developer` message.
 //!
 //! The same pass over the messages hashes the request's instructions segment (top-level
 //! `system` / `instructions`, `tools`, `functions`, the leading system / developer messages):
 //! what an application's sessions share, for placement by prefix (see
 //! [`crate::scheduler::wire::prefix`]).
 
-use crate::scheduler::state::hash::{hash_parts, session_key};
+use crate::scheduler::state::hash::hash_parts;
 use crate::scheduler::wire::api::Api;
 use crate::scheduler::wire::multipart::{read_model, MultipartError};
 use crate::scheduler::wire::prefix::{InstructionsHasher, Part, Segment};
@@ -37,15 +33,17 @@ use crate::scheduler::wire::text;
 use serde::Deserialize;
 use serde_json::value::RawValue;
 
+pub use crate::scheduler::wire::session::{derive_session, SessionHeaders, SessionSource};
 pub use crate::scheduler::wire::MAX_MODEL_BYTES;
-/// Longest accepted session header value.
-pub const MAX_SESSION_BYTES: usize = 4096;
 const FINGERPRINT_SEED: u64 = 0x6669_6e67_6572_7072;
 
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct ChatRequest {
     pub model: String,
     pub user: Option<String>,
+    /// Where the `prompt_cache_key` string's bytes (between its quotes, as sent) are in the
+    /// body: read in place by [`derive_session`], never copied.
+    pub prompt_cache_key: Option<std::ops::Range<usize>>,
     /// Conversation fingerprint, when the body has a user message.
     pub fingerprint: Option<u64>,
     /// The instructions segment (system prompt, tools, leading system messages; see
@@ -85,7 +83,6 @@ pub enum RequestError {
     MissingModel,
     ModelNotString,
     ModelTooLong,
-    SessionTooLong,
     /// The body's content type contradicts its API (see `api::Handling::WrongContentType`).
     UnsupportedContentType(Api),
     /// A multipart form that cannot be read (see [`MultipartError`]).
@@ -112,7 +109,6 @@ impl RequestError {
             RequestError::NotAnObject => RejectReason::InvalidRequestBody,
             RequestError::MissingModel => RejectReason::MissingModel,
             RequestError::ModelNotString | RequestError::ModelTooLong => RejectReason::InvalidModel,
-            RequestError::SessionTooLong => RejectReason::InvalidSessionId,
             RequestError::UnsupportedContentType(_) => RejectReason::UnsupportedContentType,
             RequestError::Multipart(e) => e.reason(),
             RequestError::InvalidPath(_) => RejectReason::InvalidPath,
@@ -144,9 +140,6 @@ impl RequestError {
             RequestError::ModelTooLong => {
                 format!("The model parameter must be at most {MAX_MODEL_BYTES} bytes.")
             }
-            RequestError::SessionTooLong => {
-                format!("The session id header must be at most {MAX_SESSION_BYTES} bytes.")
-            }
             RequestError::UnsupportedContentType(api) => {
                 let expected = match api.body() {
                     crate::scheduler::wire::api::BodyFormat::Json => {
@@ -170,6 +163,9 @@ struct Body<'a> {
     model: Option<&'a RawValue>,
     #[serde(borrow, default)]
     user: Option<&'a RawValue>,
+    /// OpenAI's cache key (Chat Completions, Responses): a session key.
+    #[serde(borrow, default)]
+    prompt_cache_key: Option<&'a RawValue>,
     #[serde(borrow, default)]
     messages: Option<Vec<&'a RawValue>>,
     #[serde(borrow, default)]
@@ -262,13 +258,16 @@ pub fn parse_chat_with(body: &[u8], instructions: bool) -> Result<ChatRequest, R
     let session_string = |raw: &RawValue| {
         serde_json::from_str::<String>(raw.get())
             .ok()
-            .filter(|u| !u.is_empty() && u.len() <= MAX_SESSION_BYTES)
+            .filter(|u| !u.is_empty())
     };
     let metadata_user = || {
         let meta = serde_json::from_str::<Metadata<'_>>(parsed.metadata?.get()).ok()?;
         session_string(meta.user_id?)
     };
     let user = parsed.user.and_then(session_string).or_else(metadata_user);
+    let prompt_cache_key = parsed
+        .prompt_cache_key
+        .and_then(|raw| string_bytes(body, raw));
     let stream = parsed.stream.is_some_and(|raw| raw.get() == "true");
     let system = parsed.system.or(parsed.instructions).map(RawValue::get);
     // The instructions segment, in its canonical order (see `prefix`); the leading messages
@@ -321,6 +320,7 @@ pub fn parse_chat_with(body: &[u8], instructions: bool) -> Result<ChatRequest, R
     Ok(ChatRequest {
         model,
         user,
+        prompt_cache_key,
         fingerprint,
         instructions,
         stream,
@@ -328,6 +328,19 @@ pub fn parse_chat_with(body: &[u8], instructions: bool) -> Result<ChatRequest, R
         max_output_tokens,
         prompt_bytes: scanned.prompt_bytes,
     })
+}
+
+/// Where a non-empty JSON string's content (between its quotes, escapes as sent) lies in
+/// `body`, which `raw` was borrowed from.
+fn string_bytes(body: &[u8], raw: &RawValue) -> Option<std::ops::Range<usize>> {
+    let s = raw.get();
+    if s.len() < 3 || !s.starts_with('"') || !s.ends_with('"') {
+        return None;
+    }
+    let start = (s.as_ptr() as usize).checked_sub(body.as_ptr() as usize)? + 1;
+    let range = start..start + s.len() - 2;
+    // Borrowed from `body`, so always true; checked rather than assumed.
+    (body.get(range.clone())? == s.as_bytes().get(1..s.len() - 1)?).then_some(range)
 }
 
 /// Deepest JSON nesting accepted. serde_json ignores unknown fields iteratively without a
@@ -391,52 +404,8 @@ fn short(e: &serde_json::Error) -> String {
     text::truncate(&e.to_string(), MAX_JSON_ERROR_BYTES).to_string()
 }
 
-/// Where the session key came from (exposed for diagnostics and tests).
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum SessionSource {
-    Header,
-    User,
-    Fingerprint,
-    None,
-}
-
-/// The tenant-scoped affinity key of a request. `tenant` is the caller's credential value
-/// (hashed here, never stored), `header` the session header's raw bytes.
-pub fn derive_session(
-    tenant: Option<&[u8]>,
-    header: Option<&[u8]>,
-    req: &ChatRequest,
-) -> Result<(Option<u64>, SessionSource), RequestError> {
-    let tenant = tenant.unwrap_or(b"");
-    if let Some(h) = header.filter(|h| !h.is_empty()) {
-        if h.len() > MAX_SESSION_BYTES {
-            return Err(RequestError::SessionTooLong);
-        }
-        return Ok((
-            Some(session_key(tenant, &[b"h:", h].concat())),
-            SessionSource::Header,
-        ));
-    }
-    if let Some(u) = &req.user {
-        return Ok((
-            Some(session_key(tenant, &[b"u:", u.as_bytes()].concat())),
-            SessionSource::User,
-        ));
-    }
-    if let Some(fp) = req.fingerprint {
-        return Ok((
-            Some(session_key(
-                tenant,
-                &[&b"f:"[..], &fp.to_le_bytes()].concat(),
-            )),
-            SessionSource::Fingerprint,
-        ));
-    }
-    Ok((None, SessionSource::None))
-}
-
 /// The routing view of a whole form: its model, and never a session from the body (pass it to
-/// [`derive_session`], which then uses the session header or nothing).
+/// [`derive_session`], which then uses the session headers or nothing).
 pub fn parse_form(content_type: &str, body: &[u8]) -> Result<ChatRequest, RequestError> {
     read_model(content_type, body)
         .map(form_request)
@@ -448,6 +417,7 @@ pub fn form_request(model: String) -> ChatRequest {
     ChatRequest {
         model,
         user: None,
+        prompt_cache_key: None,
         fingerprint: None,
         instructions: None,
         stream: false,
@@ -642,38 +612,39 @@ mod tests {
 
     #[test]
     fn session_precedence_and_tenant_scoping() {
-        let r =
-            parse_chat(br#"{"model":"m","user":"u","messages":[{"role":"user","content":"q"}]}"#)
-                .unwrap();
-        let (h, src) = derive_session(None, Some(b"s1"), &r).unwrap();
+        let body = br#"{"model":"m","user":"u","messages":[{"role":"user","content":"q"}]}"#;
+        let r = parse_chat(body).unwrap();
+        let (h, src) = derive_session(None, SessionHeaders::configured(b"s1"), &r, body);
         assert_eq!(src, SessionSource::Header);
-        let (u, src) = derive_session(None, None, &r).unwrap();
+        let (u, src) = derive_session(None, SessionHeaders::default(), &r, body);
         assert_eq!(src, SessionSource::User);
         assert_ne!(h, u);
-        let no_user =
-            parse_chat(br#"{"model":"m","messages":[{"role":"user","content":"q"}]}"#).unwrap();
+        let no_user = br#"{"model":"m","messages":[{"role":"user","content":"q"}]}"#;
+        let r2 = parse_chat(no_user).unwrap();
         assert_eq!(
-            derive_session(None, None, &no_user).unwrap().1,
+            derive_session(None, SessionHeaders::default(), &r2, no_user).1,
             SessionSource::Fingerprint
         );
-        let bare = parse_chat(br#"{"model":"m"}"#).unwrap();
+        let bare = br#"{"model":"m"}"#;
         assert_eq!(
-            derive_session(None, None, &bare).unwrap(),
+            derive_session(
+                None,
+                SessionHeaders::default(),
+                &parse_chat(bare).unwrap(),
+                bare
+            ),
             (None, SessionSource::None)
         );
         // Same session id, different tenants: different keys.
-        let a = derive_session(Some(b"Bearer A"), Some(b"s1"), &r)
-            .unwrap()
-            .0;
-        let b = derive_session(Some(b"Bearer B"), Some(b"s1"), &r)
-            .unwrap()
-            .0;
+        let s1 = SessionHeaders::configured(b"s1");
+        let a = derive_session(Some(b"Bearer A"), s1, &r, body).0;
+        let b = derive_session(Some(b"Bearer B"), s1, &r, body).0;
         assert_ne!(a, b);
-        let huge = vec![b'x'; MAX_SESSION_BYTES + 1];
-        assert_eq!(
-            derive_session(None, Some(&huge), &r).unwrap_err(),
-            RequestError::SessionTooLong
-        );
+        // A long session header is hashed, not refused.
+        let huge = vec![b'x'; 10 * 1024];
+        let (k, src) = derive_session(None, SessionHeaders::configured(&huge), &r, body);
+        assert_eq!(src, SessionSource::Header);
+        assert!(k.is_some());
     }
 
     #[test]
@@ -683,11 +654,12 @@ mod tests {
             "messages":[{"role":"user","content":"hi"}]}"#;
         let r = parse_chat(turn1).unwrap();
         assert_eq!(r.user.as_deref(), Some("user_1_session_9"));
-        let (key, src) = derive_session(Some(b"k"), None, &r).unwrap();
+        let none = SessionHeaders::default();
+        let (key, src) = derive_session(Some(b"k"), none, &r, turn1);
         assert_eq!(src, SessionSource::User);
         // The header still wins.
         assert_eq!(
-            derive_session(Some(b"k"), Some(b"s"), &r).unwrap().1,
+            derive_session(Some(b"k"), SessionHeaders::configured(b"s"), &r, turn1).1,
             SessionSource::Header
         );
         // A body `user` wins over metadata.user_id (chat completions may carry both).
@@ -706,7 +678,7 @@ mod tests {
         assert_eq!(fp(bare1), fp(bare2));
         assert_ne!(fp(bare1), fp(other));
         let r2 = parse_chat(bare1).unwrap();
-        let (fkey, src) = derive_session(Some(b"k"), None, &r2).unwrap();
+        let (fkey, src) = derive_session(Some(b"k"), none, &r2, bare1);
         assert_eq!(src, SessionSource::Fingerprint);
         assert_ne!(key, fkey);
         // Malformed metadata is ignored, not an error.
@@ -923,8 +895,8 @@ mod tests {
                 let ib = rb.instructions.as_ref().and_then(|i| i.hash(bb.as_bytes(), "m"));
                 prop_assert_eq!(ia, ib);
                 // Whatever the session: the key does not involve it.
-                let (ka, _) = derive_session(None, Some(sa.as_bytes()), &ra).unwrap();
-                let (kb, _) = derive_session(None, Some(sb.as_bytes()), &rb).unwrap();
+                let (ka, _) = derive_session(None, SessionHeaders::configured(sa.as_bytes()), &ra, ba.as_bytes());
+                let (kb, _) = derive_session(None, SessionHeaders::configured(sb.as_bytes()), &rb, bb.as_bytes());
                 prop_assert_eq!(ka == kb, sa == sb);
                 prop_assert_eq!(
                     crate::scheduler::wire::prefix::prefix_key(None, &ia.unwrap(), 64),

@@ -166,13 +166,14 @@ fn malformed_bodies_have_clear_errors() {
 
 #[test]
 fn user_fields_are_not_sessions() {
-    use crate::scheduler::wire::request::{derive_session, SessionSource};
+    use crate::scheduler::wire::request::{derive_session, SessionHeaders, SessionSource};
     let body = form(&[("user", b"alice"), ("model", b"m")]);
     let req = parse_form(CT, &body).unwrap();
     assert_eq!((req.model.as_str(), req.user.as_deref()), ("m", None));
-    let (session, src) = derive_session(Some(b"key"), None, &req).unwrap();
+    let (session, src) = derive_session(Some(b"key"), SessionHeaders::default(), &req, &body);
     assert_eq!((session, src), (None, SessionSource::None));
-    let (session, src) = derive_session(Some(b"key"), Some(b"s1"), &req).unwrap();
+    let (session, src) =
+        derive_session(Some(b"key"), SessionHeaders::configured(b"s1"), &req, &body);
     assert!(session.is_some());
     assert_eq!(src, SessionSource::Header);
     assert_eq!(
