@@ -801,14 +801,20 @@ mod tests {
     fn zipf_prefix_is_issue_39s_workload() {
         let w = Scenario::ZipfPrefix.workload(&base());
         assert_eq!((w.system_prompts, w.system_tokens, w.turns), (8, 800, 6));
-        assert_eq!((w.system_zipf_s, w.second_model_share, w.stream_share), (1.1, 0.25, 0.5));
+        assert_eq!(
+            (w.system_zipf_s, w.second_model_share, w.stream_share),
+            (1.1, 0.25, 0.5)
+        );
         // 21 requests per second, six per session.
         assert!((w.rate_per_s * w.turns as f64 - 21.0).abs() < 1e-9);
         // The most popular prompt is about 40 % of the sessions.
         let cdf = crate::workload::zipf_cdf(w.system_prompts, w.system_zipf_s);
         assert!((0.35..0.45).contains(&cdf[0]), "{cdf:?}");
         assert_eq!(Scenario::parse("zipf_prefix"), Some(Scenario::ZipfPrefix));
-        assert!(!Scenario::ALL.contains(&Scenario::ZipfPrefix), "not in the default run");
+        assert!(
+            !Scenario::ALL.contains(&Scenario::ZipfPrefix),
+            "not in the default run"
+        );
         assert_eq!(Scenario::ZipfPrefix.window(60_000), None);
         assert_eq!(
             Scenario::ZipfPrefix.plugin_extra(),
