@@ -8,7 +8,6 @@ use arbitrary::Arbitrary;
 use computeflux::scheduler::health::breaker::{Breaker, BreakerState, OpenCause};
 use computeflux::scheduler::routing::affinity::{self, Entry, KEY_PREFIX};
 use computeflux::scheduler::routing::in_flight::InFlightAges;
-use computeflux::scheduler::routing::overdue::{Slot, Watch};
 use computeflux::scheduler::routing::payoff::Payoff;
 use computeflux::scheduler::routing::quota::{Quota, Remaining};
 use computeflux::scheduler::routing::saturation::Saturation;
@@ -43,7 +42,6 @@ struct StateSpec {
     degraded_probe_ms: u64,
     latency_dev: u32,
     degraded_probes: u8,
-    watched: [(u32, u64); 4],
     quota_requests: Option<(u64, u64, Option<u64>, u64, bool)>,
     quota_tokens: Option<(u64, u64, Option<u64>, u64, bool)>,
     /// Prompt and cached token averages (non-negative, as the codec requires) and samples.
@@ -131,11 +129,6 @@ fn state(s: &StateSpec) -> (u32, EndpointState) {
             degraded: s.degraded,
             degraded_probe_ms: s.degraded_probe_ms,
             degraded_probes: s.degraded_probes,
-            watch: Watch {
-                slots: s
-                    .watched
-                    .map(|(token, started_ms)| Slot { token, started_ms }),
-            },
             quota: Quota {
                 requests: s.quota_requests.map(remaining),
                 tokens: s.quota_tokens.map(remaining),
