@@ -113,13 +113,16 @@ fn slot<T: PartialEq>(all: &[T], value: &T, ids: &[Option<u32>]) -> Option<u32> 
 
 impl Metrics {
     pub fn define(cfg: &Config) -> Metrics {
-        let mut labels: Vec<String> = Vec::new();
-        for e in &cfg.endpoints {
-            let l = e.metrics_label();
-            if !labels.iter().any(|x| x == l) {
-                labels.push(l.to_string());
-            }
-        }
+        // Each label once (a pool's hosts share theirs), looked up by a map: a fleet of 512
+        // endpoints is not compared pairwise.
+        let mut seen = std::collections::BTreeSet::new();
+        let labels: Vec<String> = cfg
+            .endpoints
+            .iter()
+            .map(|e| e.metrics_label())
+            .filter(|l| seen.insert(*l))
+            .map(str::to_string)
+            .collect();
         let endpoints = labels
             .iter()
             .map(|n| EndpointMetrics {
@@ -231,9 +234,15 @@ impl Metrics {
     }
 
     fn index_of(&self, cfg: &Config) -> Vec<Option<usize>> {
+        let slots: std::collections::BTreeMap<&str, usize> = self
+            .labels
+            .iter()
+            .enumerate()
+            .map(|(k, l)| (l.as_str(), k))
+            .collect();
         cfg.endpoints
             .iter()
-            .map(|e| self.labels.iter().position(|l| l == e.metrics_label()))
+            .map(|e| slots.get(e.metrics_label()).copied())
             .collect()
     }
 

@@ -33,14 +33,8 @@ const MIN_CALLS_PER_ROUND: usize = 2;
 pub const UNSTAMPED_RECHECK_MS: u64 = 30_000;
 const CALL_TIMEOUT_MS: u64 = 2_000;
 
-/// The scrape record key of a pool host: by pool and slot, so that a departed host's record
-/// is the next host's (cleared when it joins) and never left behind.
-pub fn scrape_record_key(pool: &str, slot: u16) -> String {
-    scrape::record_key(&format!("{pool}.slot{slot}"))
-}
-
-/// Writes one piece of evidence about `pool` (see `pools::observe`); clears the scrape record
-/// of a joining host's slot.
+/// Writes one piece of evidence about `pool` (see `pools::observe`). A joining host needs no
+/// clearing: scraped loads live in the one loads value, by endpoint id.
 pub fn learn(pool: &str, listed: Option<&str>, served: Option<&str>, now_ms: u64) {
     let store = SharedData;
     let change = match pools::observe(&store, pool, listed, served, now_ms) {
@@ -52,8 +46,7 @@ pub fn learn(pool: &str, listed: Option<&str>, served: Option<&str>, now_ms: u64
             c
         }
     };
-    if let Some(slot) = change.joined {
-        let _ = store.set(&scrape_record_key(pool, slot), &[], None);
+    if change.joined.is_some() {
         log::info!(
             "computeflux: pool {pool}: host {} joined",
             served.unwrap_or_default()
@@ -189,7 +182,14 @@ impl Pools {
         }
         self.next_round_ms = now_ms.saturating_add(ROUND_MS);
         let store = SharedData;
-        self.holding = scrape::try_take(&store, LEASE_KEY, self.me, now_ms, 3 * ROUND_MS);
+        self.holding = scrape::try_take(
+            &store,
+            LEASE_KEY,
+            self.me,
+            cfg.layout_generation,
+            now_ms,
+            3 * ROUND_MS,
+        );
         if !self.holding {
             return;
         }

@@ -98,15 +98,6 @@ fn define_by_label(cfg: &Config) -> Vec<Option<EndpointScrapeMetrics>> {
         .collect()
 }
 
-/// The scrape record key of endpoint `e`: a pool host's by its pool's slot (bounded, reused
-/// by the next host), any other's by name.
-fn record_key(e: &crate::scheduler::config::EndpointConfig) -> String {
-    match &e.pool {
-        Some(p) if p.address.is_some() => super::pools::scrape_record_key(&p.pool, p.slot),
-        _ => scrape::record_key(&e.name),
-    }
-}
-
 /// One VM's scraper (present when some endpoint has `metrics`).
 pub struct Scraper {
     me: u64,
