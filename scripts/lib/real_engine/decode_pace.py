@@ -157,8 +157,8 @@ def window_ratios(rows, key, win_s=3.0, step_s=1.0, min_answers=3):
 
 
 # The filter's slowness rule (src/scheduler/routing/slowness.rs), replayed on the recorded
-# answers: its constants, and the default degraded rule (pin_break_ratio 3, degraded_exit_ratio
-# 1.5, pin_break_min_ms 50, cold_start_samples 20).
+# answers: its constants, and the default degraded rule (tuning.pin_break_ratio 3; built in: exit
+# ratio 1.5, a gap of at least 50 ms; cold_start_samples 20).
 ALPHA, QUEUE_ALPHA_UP, CLAMP, MIN_DECODE_TOKENS, FRESH_S = 0.3, 0.1, math.log(3.0), 16, 60.0
 RATIO, EXIT_RATIO, MIN_EXTRA_MS, MIN_SAMPLES, WARM_MODEL = 3.0, 1.5, 50.0, 20, 32
 
@@ -360,7 +360,7 @@ def moves_evidence_md(moves):
     L = [f"Which samples drove each move: for every `pin_break`, the lower quartile (what the low "
          f"envelope settles near) of the judged ratios (observed ÷ the run's work model) of each "
          f"engine's last {LAST_SAMPLES} answers before the move, under the variants above, and the "
-         f"left engine's over the other's (≥ 3 is `pin_break_ratio`); *d* = how many of the left "
+         f"left engine's over the other's (≥ 3 is `tuning.pin_break_ratio`); *d* = how many of the left "
          f"engine's were streams judged by their decode phase.\n"]
     L.append("| policy | session/turn | from → to | " + " | ".join(f"{v}: left / to = ratio" for v in shown) + " | d |")
     L.append("|---|---|---|" + "---|" * len(shown) + "---|")
@@ -513,7 +513,7 @@ def decode_pace_md(res):
              "endpoint's slowness with its peers' median; with two engines, the other one): over "
              "windows of 3 s (every 1 s, both engines with ≥ 3 answers ending in it), the slower "
              "engine's median per-token time ÷ the faster one's. Median / p90 / max, and the share "
-             "of windows at ≥ 2× and ≥ 3× (`pin_break_ratio`):\n")
+             "of windows at ≥ 2× and ≥ 3× (`tuning.pin_break_ratio`):\n")
     L.append("| policy | windows | " + " | ".join(keys) + " |")
     L.append("|---|---|" + "---|" * len(keys))
     for pol, rows in allrows.items():
