@@ -159,7 +159,7 @@ fn settle_gauges(envoy: &Envoy, want: &Expected) -> (Option<i64>, Option<i64>) {
 fn warm_up(port: u16, want: &mut Expected) -> String {
     // Sessions homed on `nocache` with even weights and on `cache` with its weight reduced:
     // before the rule has its samples they must still start on `nocache`.
-    let warm = sessions("warm-", "nocache", "cache", 2);
+    let warm = sessions("warm-", "nocache", "cache", 3);
     let mut pinned = None;
     for s in &warm {
         for turn in 1..=3 {
