@@ -1252,7 +1252,7 @@ proptest! {
         if let Ok(r) = request::parse_chat(&bytes) {
             prop_assert!(!r.model.is_empty() && r.model.len() <= request::MAX_MODEL_BYTES);
             // Whatever parses can be keyed without panicking.
-            let _ = request::derive_session(Some(b"t"), request::SessionHeaders::default(), &r, &bytes);
+            let _ = computeflux::scheduler::wire::session::derive_session(Some(b"t"), computeflux::scheduler::wire::session::SessionHeaders::default(), &r, &bytes);
         }
     }
 

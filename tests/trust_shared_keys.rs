@@ -58,10 +58,9 @@ fn keys() -> Keys {
              "headers": {"authorization": "Bearer sk-key-b"}},
         ],
         "max_attempts": 2,
-        "retry_budget_min_retries": 1000,
+        "tuning": {"retry_budget_min_retries": 1000},
         "rate_limit_ms": 60_000,
         "quota_aware": true,
-        "quota_pacing": false,
     });
     let clusters: Vec<(&str, u16)> = mocks.iter().map(|m| (m.name.as_str(), m.port)).collect();
     let envoy = Envoy::start(EnvoyConfig::new(plugin, &clusters));

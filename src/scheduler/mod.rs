@@ -38,5 +38,6 @@ pub use routing::select::{
 pub use routing::table::EndpointState;
 pub use state::store::{CasMismatch, MemStore, Store};
 pub use wire::reply::{RejectReason, Reply};
-pub use wire::request::{ChatRequest, RequestError, SessionSource};
+pub use wire::request::{ChatRequest, RequestError};
+pub use wire::session::SessionSource;
 pub use wire::usage::{Usage, UsageScan};

@@ -5,7 +5,8 @@
 
 use computeflux::scheduler::routing::placement::order;
 use computeflux::scheduler::state::hash::{endpoint_id, session_key};
-use computeflux::scheduler::wire::request::{derive_session, parse_chat, SessionHeaders};
+use computeflux::scheduler::wire::request::parse_chat;
+use computeflux::scheduler::wire::session::{derive_session, SessionHeaders};
 
 /// The affinity key of a chat body sent without credentials or session header (its `user`, else
 /// its fingerprint), as the filter derives it.

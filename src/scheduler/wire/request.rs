@@ -33,7 +33,6 @@ use crate::scheduler::wire::text;
 use serde::Deserialize;
 use serde_json::value::RawValue;
 
-pub use crate::scheduler::wire::session::{derive_session, SessionHeaders, SessionSource};
 pub use crate::scheduler::wire::MAX_MODEL_BYTES;
 const FINGERPRINT_SEED: u64 = 0x6669_6e67_6572_7072;
 
@@ -430,6 +429,7 @@ pub fn form_request(model: String) -> ChatRequest {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::scheduler::wire::session::{derive_session, SessionHeaders, SessionSource};
 
     /// The word-at-a-time scan against the plain byte loop, on bodies full of strings,
     /// escapes and brackets at every alignment.

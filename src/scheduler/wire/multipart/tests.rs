@@ -166,7 +166,7 @@ fn malformed_bodies_have_clear_errors() {
 
 #[test]
 fn user_fields_are_not_sessions() {
-    use crate::scheduler::wire::request::{derive_session, SessionHeaders, SessionSource};
+    use crate::scheduler::wire::session::{derive_session, SessionHeaders, SessionSource};
     let body = form(&[("user", b"alice"), ("model", b"m")]);
     let req = parse_form(CT, &body).unwrap();
     assert_eq!((req.model.as_str(), req.user.as_deref()), ("m", None));
