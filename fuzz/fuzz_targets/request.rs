@@ -8,9 +8,8 @@
 #![no_main]
 
 use arbitrary::Arbitrary;
-use computeflux::scheduler::wire::request::{
-    derive_session, openai_error, parse_chat, SessionHeaders, MAX_MODEL_BYTES,
-};
+use computeflux::scheduler::wire::request::{openai_error, parse_chat, MAX_MODEL_BYTES};
+use computeflux::scheduler::wire::session::{derive_session, SessionHeaders};
 use computeflux::scheduler::SessionSource;
 use libfuzzer_sys::fuzz_target;
 use serde_json::Value;
