@@ -281,7 +281,10 @@ fuzz_target!(|input: Input<'_>| match input {
             let id = d.ticket.endpoint_id;
             let f = sched.finish(d.ticket, &Outcome::Success, 5, Some(session | 1), now + 5);
             assert!(f.stored);
-            assert_eq!(aff.lookup(session | 1, now + 6), Some(id));
+            // Never another endpoint; none when the fuzzed store holds that session's bucket in
+            // a later version, which this reader leaves alone (an upgrade's newer module owns it).
+            let got = aff.lookup(session | 1, now + 6);
+            assert!(got.is_none() || got == Some(id), "{got:?} != {id}");
         }
         assert!(aff.stored_entries() <= 10);
         // The table (its header and groups), the affinity buckets, and the count of sessions
