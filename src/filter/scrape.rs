@@ -6,7 +6,7 @@
 //! thread's) runs a root context with its own timer; without the lease each engine would be
 //! asked `concurrency + 1` times per interval.
 //!
-//! Each tick ([`crate::scheduler::routing::scrape_plan::tick_ms`]):
+//! Each tick ([`crate::scheduler::routing::scrape::plan::tick_ms`]):
 //! 1. every VM mirrors the published loads ([`scrape::LOADS_KEY`], one shared-data read) into
 //!    the gauges, so that the age of a scrape grows in `/stats` even when no scrape succeeds;
 //! 2. the VM tries the lease ([`scrape::try_take`], lease = 3 ticks); the holder sends
@@ -15,7 +15,7 @@
 //!
 //! An answer ([`Scraper::on_response`]) is judged from its head first: a failed call, Envoy's
 //! own 503/504 (connect failure, timeout) and a body over
-//! [`crate::scheduler::routing::scrape_plan::BODY_LIMIT_BYTES`] are failures without reading the body;
+//! [`crate::scheduler::routing::scrape::plan::BODY_LIMIT_BYTES`] are failures without reading the body;
 //! otherwise at most that many bytes are read and parsed. The result is folded into the
 //! endpoint's record inside the combined value ([`scrape::fold`]: one key for every endpoint,
 //! whatever names come and go).
@@ -25,8 +25,8 @@ use super::metrics::Metrics;
 use super::shared::SharedData;
 use crate::scheduler::config::Config;
 use crate::scheduler::routing::pools::address as pools_address;
+use crate::scheduler::routing::scrape::plan::{self, Schedule};
 use crate::scheduler::routing::scrape::{self, ScrapeError, Scraped};
-use crate::scheduler::routing::scrape_plan::{self, Schedule};
 use crate::scheduler::wire::engine_load::EngineLoad;
 use crate::scheduler::wire::headers::HeaderSource;
 use proxy_wasm::types::{BufferType, MapType, MetricType};

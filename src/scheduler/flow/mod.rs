@@ -57,14 +57,14 @@
 use crate::scheduler::config::{Config, ListModels};
 use crate::scheduler::health::blame;
 use crate::scheduler::health::outcome::{classify, FailureKind, Outcome};
-use crate::scheduler::routing::pin_cookie::Ignored;
+use crate::scheduler::routing::judge::slowness;
+use crate::scheduler::routing::pins::pin_cookie::Ignored;
 use crate::scheduler::routing::quota::QuotaHint;
-use crate::scheduler::routing::responses::{self, IdScan};
+use crate::scheduler::routing::select::responses::{self, IdScan};
+use crate::scheduler::routing::select::signals::{self, Served};
 use crate::scheduler::routing::select::{
     AffinityResult, Decision, Exclusions, Finished, NoEndpoint, Pick, Prefix, Scheduler, Ticket,
 };
-use crate::scheduler::routing::signals::{self, Served};
-use crate::scheduler::routing::slowness;
 use crate::scheduler::wire::api::{self, Api, BodyFormat, Handling};
 use crate::scheduler::wire::headers::{rate_limit_hints, HeaderList, HeaderSource, Pairs};
 use crate::scheduler::wire::models::{self, Merged, Retrieved};

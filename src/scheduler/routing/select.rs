@@ -7,7 +7,7 @@
 //!
 //! [`Scheduler::choose`] reads top to bottom in four steps:
 //! 1. **board**: what every endpoint may do in this decision — its placement weight (what every
-//!    replica sees alike, see [`super::placement`]), its verdicts ([`super::signals`]: degraded
+//!    replica sees alike, see [`crate::scheduler::routing::placement`]), its verdicts ([`crate::scheduler::routing::select::signals`]: degraded
 //!    by its slowness for the work against its peers, saturated by its engine's scraped load),
 //!    quota, and the breaker's admission of this attempt's candidates;
 //! 2. **pin verdict**: a live pin wins, unless staying is a certain 429, its endpoint is
@@ -28,19 +28,19 @@
 //! function per concern (in-flight and watch, success rate, raw latency, slowness, payoff,
 //! quota, probe backoff, breaker; then the work model and the affinity).
 
+use self::capacity::{Engines, Room};
+use self::signals::{Served, Verdict};
 use crate::scheduler::config::Config;
 use crate::scheduler::health::breaker::{Admission, BreakerConfig, BreakerState};
 use crate::scheduler::health::outcome::Outcome;
-use crate::scheduler::routing::affinity::{Affinity, MOVES_PREFIX};
-use crate::scheduler::routing::capacity::{self, Engines, Room};
-use crate::scheduler::routing::ewma;
+use crate::scheduler::routing::judge::saturation::{MoveReason, Saturation};
+use crate::scheduler::routing::judge::slowness::{self, DegradeRule, Sample, WorkModel};
+use crate::scheduler::routing::pins::affinity::{Affinity, MOVES_PREFIX};
 use crate::scheduler::routing::placement;
+use crate::scheduler::routing::placement::score::score;
+use crate::scheduler::routing::placement::sessions;
 use crate::scheduler::routing::quota::{self, estimate_tokens, QuotaHint, QuotaMark, QuotaRule};
-use crate::scheduler::routing::saturation::{MoveReason, Saturation};
-use crate::scheduler::routing::score::score;
-use crate::scheduler::routing::sessions;
-use crate::scheduler::routing::signals::{self, Served, Verdict};
-use crate::scheduler::routing::slowness::{self, DegradeRule, Sample, WorkModel};
+use crate::scheduler::routing::table::ewma;
 use crate::scheduler::routing::table::groups::{self, GroupWrite, Head, Patch};
 use crate::scheduler::routing::table::{
     fastest_warm, BoardMemo, EndpointState, Statics, Table, TableCache, GROUP_LEN,
@@ -296,7 +296,7 @@ impl AffinityResult {
 /// Move-only (no `Clone`/`Copy`) and consumed by `finish`, so finishing an attempt twice does
 /// not compile; only the scheduler makes one (`non_exhaustive`). Dropping one unfinished leaks
 /// its in-flight count (until `in_flight_max_age_ms` after its start, see
-/// [`crate::scheduler::routing::in_flight`]) and its probe slot.
+/// [`crate::scheduler::routing::table::in_flight`]) and its probe slot.
 #[derive(Debug, PartialEq, Eq)]
 #[non_exhaustive]
 #[must_use = "an attempt in flight must be handed back to Scheduler::finish"]
@@ -1089,8 +1089,11 @@ impl Scheduler<'_> {
     }
 }
 
+pub mod capacity;
 mod choose;
 mod finish;
+pub mod responses;
+pub mod signals;
 /// A typical request, for the mean service time of a saturated engine's queue in
 /// [`saturation::keep_pin`]: 1000 uncached prompt tokens and 128 completion tokens (a
 /// judgement: the requests ahead in the queue are other sessions', of unknown size).

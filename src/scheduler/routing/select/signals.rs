@@ -21,9 +21,9 @@
 //!   one place that reads them (the scraper may later combine them into one key).
 
 use crate::scheduler::config::{Config, EndpointConfig};
-use crate::scheduler::routing::saturation::{self, EngineLoad, SaturationRule};
+use crate::scheduler::routing::judge::saturation::{self, EngineLoad, SaturationRule};
+use crate::scheduler::routing::judge::slowness::{self, DegradeRule, Sample, Slowness, WorkModel};
 use crate::scheduler::routing::scrape::{self, LoadState};
-use crate::scheduler::routing::slowness::{self, DegradeRule, Sample, Slowness, WorkModel};
 use crate::scheduler::routing::table::{EndpointState, Table};
 use crate::scheduler::routing::table::{MedianMemo, Quiet, QuietHit, QuietMemo};
 use crate::scheduler::state::store::{update, Store};

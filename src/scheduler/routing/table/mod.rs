@@ -33,14 +33,17 @@
 //! another version, also one that predates this rule, neither reads nor writes them, so an
 //! upgrade starts the new table once and resets nothing in turn.
 
+pub mod ewma;
+pub mod in_flight;
+
 use crate::scheduler::config::Config;
 use crate::scheduler::health::breaker::{Breaker, BreakerState, OpenCause};
 use crate::scheduler::health::budget::RetryBudget;
-use crate::scheduler::routing::in_flight::InFlightAges;
-use crate::scheduler::routing::payoff::Payoff;
+use crate::scheduler::routing::judge::payoff::Payoff;
+use crate::scheduler::routing::judge::saturation::{EngineLoad, Saturation};
+use crate::scheduler::routing::judge::slowness::Slowness;
 use crate::scheduler::routing::quota::Quota;
-use crate::scheduler::routing::saturation::{EngineLoad, Saturation};
-use crate::scheduler::routing::slowness::Slowness;
+use crate::scheduler::routing::table::in_flight::InFlightAges;
 use crate::scheduler::state::codec::{Reader, Writer};
 use crate::scheduler::state::hash::rendezvous_seed;
 use crate::scheduler::state::store::{Store, CAS_RETRIES};

@@ -379,7 +379,7 @@ impl WorkModel {
     }
 
     /// Expected service time of a request of this size run to its end (prefill and decode),
-    /// ms: what [`super::saturation::keep_pin`] uses as the mean service time.
+    /// ms: what [`crate::scheduler::routing::judge::saturation::keep_pin`] uses as the mean service time.
     pub fn service_ms(&self, uncached_tokens: u64, completion_tokens: u64) -> f64 {
         self.expected_ms(&Sample {
             streamed: false,
