@@ -261,4 +261,3 @@ impl Flow {
         self.phase = Phase::Done;
     }
 }
-

@@ -4,7 +4,12 @@
 use super::*;
 
 impl Flow {
-    pub(super) fn first_attempt(&mut self, s: &Scheduler<'_>, obs: &mut dyn Observer, now_ms: u64) -> Step {
+    pub(super) fn first_attempt(
+        &mut self,
+        s: &Scheduler<'_>,
+        obs: &mut dyn Observer,
+        now_ms: u64,
+    ) -> Step {
         match self.start_attempt(s, obs, now_ms) {
             Ok(i) => {
                 self.served_by = Some(i);
@@ -100,7 +105,12 @@ impl Flow {
 
     /// Finishes the current attempt with the verdict of its answer's headers, or as
     /// `Cancelled` if it had none.
-    pub(super) fn finish_by_verdict(&mut self, s: &Scheduler<'_>, obs: &mut dyn Observer, now_ms: u64) {
+    pub(super) fn finish_by_verdict(
+        &mut self,
+        s: &Scheduler<'_>,
+        obs: &mut dyn Observer,
+        now_ms: u64,
+    ) {
         let verdict = match &self.current {
             Some(a) => a.verdict,
             None => return,
@@ -166,7 +176,12 @@ impl Flow {
     }
 
     /// No (further) failover: the client gets the last answer.
-    pub(super) fn conclude(&mut self, s: &Scheduler<'_>, obs: &mut dyn Observer, fallback: Fallback) -> Step {
+    pub(super) fn conclude(
+        &mut self,
+        s: &Scheduler<'_>,
+        obs: &mut dyn Observer,
+        fallback: Fallback,
+    ) -> Step {
         self.phase = Phase::Done;
         // `GET /v1/models` merged with an upstream's list: only a successful list is merged;
         // any other last answer (a 5xx, a 404, a call Envoy refused) gives way to the
@@ -208,4 +223,3 @@ impl Flow {
         Step::Reply(reply)
     }
 }
-

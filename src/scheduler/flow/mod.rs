@@ -759,7 +759,6 @@ impl Flow {
         self.phase = Phase::Done;
         Step::Answer { status, body }
     }
-
 }
 
 /// The quota a successful answer or a 429 states (a 429's, when it explains the refusal,

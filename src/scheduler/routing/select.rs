@@ -28,8 +28,8 @@
 //! function per concern (in-flight and watch, success rate, raw latency, slowness, payoff,
 //! quota, probe backoff, breaker; then the work model and the affinity).
 
-pub use self::pick::*;
 use self::capacity::{Engines, Room};
+pub use self::pick::*;
 use self::signals::{Served, Verdict};
 use crate::scheduler::config::Config;
 use crate::scheduler::health::breaker::{Admission, BreakerConfig, BreakerState};

@@ -28,7 +28,10 @@ impl Exclusions {
     }
 }
 
-pub(super) fn serves_opt(ep: &crate::scheduler::config::EndpointConfig, model: Option<&str>) -> bool {
+pub(super) fn serves_opt(
+    ep: &crate::scheduler::config::EndpointConfig,
+    model: Option<&str>,
+) -> bool {
     model.is_none_or(|m| ep.serves(m))
 }
 

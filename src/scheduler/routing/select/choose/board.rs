@@ -75,7 +75,10 @@ pub(in crate::scheduler::routing::select) struct PlainTotals {
 impl PlainTotals {
     /// Over the rendezvous candidates `weights` (in index order): `counted(i)`, the load of
     /// candidate `i` if it is counted. `None` when the counted weights differ.
-    pub(super) fn of(weights: &[(usize, u32, f64)], counted: impl Fn(usize) -> Option<u32>) -> Option<Self> {
+    pub(super) fn of(
+        weights: &[(usize, u32, f64)],
+        counted: impl Fn(usize) -> Option<u32>,
+    ) -> Option<Self> {
         let mut t = PlainTotals {
             load: 0,
             weight: 0.0,
@@ -159,7 +162,10 @@ impl<'t> Board<'t> {
     /// The walk's `(load, weight, slots)` totals over the eligible candidates, without `left`
     /// (the pinned endpoint the session leaves), the cheap way when nothing is scraped and
     /// every counted weight is the same number (see [`PlainTotals`]); else `None`.
-    pub(in crate::scheduler::routing::select) fn plain_totals(&self, left: Option<usize>) -> Option<(u64, f64, u64)> {
+    pub(in crate::scheduler::routing::select) fn plain_totals(
+        &self,
+        left: Option<usize>,
+    ) -> Option<(u64, f64, u64)> {
         if !self.plain {
             return None;
         }
@@ -204,7 +210,10 @@ impl<'t> Board<'t> {
             .unwrap_or(0)
     }
     /// This attempt's breaker admission of `i` (`None`: not a candidate).
-    pub(in crate::scheduler::routing::select) fn admission_of(&self, i: usize) -> Option<Admission> {
+    pub(in crate::scheduler::routing::select) fn admission_of(
+        &self,
+        i: usize,
+    ) -> Option<Admission> {
         if !self.excluded.is_empty() && self.excluded.binary_search(&i).is_ok() {
             return None;
         }
@@ -248,7 +257,10 @@ impl<'t> Board<'t> {
     /// whole remaining tail above 1.5 × the steady p99. A queue shallower than a batch drains
     /// by itself, and a gap of 4× leaves the jitter between replicas' scrapes alone. New
     /// sessions only: no pin moves for it.
-    pub(in crate::scheduler::routing::select) fn far_shorter_queue_elsewhere(&self, i: usize) -> bool {
+    pub(in crate::scheduler::routing::select) fn far_shorter_queue_elsewhere(
+        &self,
+        i: usize,
+    ) -> bool {
         self.statics().iter().any(|&j| {
             j != i
                 && self.admitted(j)
@@ -266,7 +278,11 @@ impl<'t> Board<'t> {
     /// candidate other than `i` that could take it (admitted, not degraded, not short, not
     /// passed over, not captive itself) has a lower load ([`Board::load_of`]), or, for the
     /// half of the sessions whose `reserved` coin came up, any such candidate at all.
-    pub(in crate::scheduler::routing::select) fn relief_passes_over(&self, i: usize, reserved: bool) -> bool {
+    pub(in crate::scheduler::routing::select) fn relief_passes_over(
+        &self,
+        i: usize,
+        reserved: bool,
+    ) -> bool {
         let mine = self.load_of(i);
         self.statics().iter().any(|&j| {
             j != i
@@ -280,7 +296,11 @@ impl<'t> Board<'t> {
     }
     /// Whether `j`'s known queue is at most 1 / [`QUEUE_GAP`] of `i`'s in batches, with `i`'s
     /// at least a batch deep (the relief move's condition, [`Scheduler::relief_move`]).
-    pub(in crate::scheduler::routing::select) fn far_shorter_queue(&self, j: usize, i: usize) -> bool {
+    pub(in crate::scheduler::routing::select) fn far_shorter_queue(
+        &self,
+        j: usize,
+        i: usize,
+    ) -> bool {
         let Some(mine) = self.queue_batches(i).filter(|q| *q >= 1.0) else {
             return false;
         };
@@ -291,7 +311,10 @@ impl<'t> Board<'t> {
     /// entry is rewritten anyway) and those that differ from the stored ones ([`Board::flips`]),
     /// of the statics only. The other statics' verdicts equal what is stored, so their entries
     /// are neither copied nor compared again (that cost about 120 instructions per endpoint).
-    pub(in crate::scheduler::routing::select) fn stored_verdicts(&self, chosen: usize) -> Vec<(usize, bool, Saturation)> {
+    pub(in crate::scheduler::routing::select) fn stored_verdicts(
+        &self,
+        chosen: usize,
+    ) -> Vec<(usize, bool, Saturation)> {
         let chosen_static =
             self.statics().binary_search(&chosen).is_ok() && !self.flips.contains(&chosen);
         self.flips

@@ -220,7 +220,11 @@ impl BoardMemo {
 
     /// Keeps the home of `key` over the memo's board (the oldest of [`BoardMemo::HOMES`]
     /// makes room).
-    pub(in crate::scheduler::routing::select) fn keep_home(&mut self, key: u64, home: Option<usize>) {
+    pub(in crate::scheduler::routing::select) fn keep_home(
+        &mut self,
+        key: u64,
+        home: Option<usize>,
+    ) {
         if self.home_of(key).is_some() {
             return;
         }
@@ -231,7 +235,10 @@ impl BoardMemo {
     }
 
     /// The first pass of `key`'s order over the memo's board, if kept.
-    pub(in crate::scheduler::routing::select) fn pass_of(&self, key: u64) -> Option<crate::scheduler::routing::table::FirstPass> {
+    pub(in crate::scheduler::routing::select) fn pass_of(
+        &self,
+        key: u64,
+    ) -> Option<crate::scheduler::routing::table::FirstPass> {
         self.passes.iter().find(|(k, _)| *k == key).map(|&(_, p)| p)
     }
 
@@ -256,7 +263,11 @@ impl BoardMemo {
     /// Keeps `changed` (positions decoded since the memo was last brought up to date, taken
     /// by a decision it does not serve; `None`: unknown) for the next decision it serves
     /// (`TableCache::lent_board` adds them to its list). Past `n` positions: unknown.
-    pub(in crate::scheduler::routing::select) fn carry(&mut self, changed: Option<Vec<usize>>, n: usize) {
+    pub(in crate::scheduler::routing::select) fn carry(
+        &mut self,
+        changed: Option<Vec<usize>>,
+        n: usize,
+    ) {
         match changed {
             Some(list) if !self.carried_unknown && self.carried.len() + list.len() <= n => {
                 self.carried.extend(list);
@@ -285,7 +296,10 @@ impl BoardMemo {
         })
     }
 
-    pub(in crate::scheduler::routing::select) fn keep_admission(&mut self, kept: Option<(&Admissions, Vec<usize>)>) {
+    pub(in crate::scheduler::routing::select) fn keep_admission(
+        &mut self,
+        kept: Option<(&Admissions, Vec<usize>)>,
+    ) {
         self.admission = Rc::default();
         self.open.clear();
         let Some((a, open)) = kept.filter(|_| self.valid) else {

@@ -169,7 +169,12 @@ impl<'a> Scheduler<'a> {
 
     /// Whether `i`'s load + 1 is within its bounded-load limit (by slots where every
     /// candidate's are known), given the walk's `(load, weight, slots)` totals.
-    pub(super) fn within_load(&self, board: &Board, i: usize, (load, weight, slots): (u64, f64, u64)) -> bool {
+    pub(super) fn within_load(
+        &self,
+        board: &Board,
+        i: usize,
+        (load, weight, slots): (u64, f64, u64),
+    ) -> bool {
         let limit = if board.by_slots {
             capacity::slot_limit(load, board.slots(i), slots, self.cfg.bounded_load_epsilon)
         } else {
