@@ -112,13 +112,13 @@ pub struct Scraper {
 impl Scraper {
     /// `None` when no endpoint is scraped. `me` is this VM's lease holder id.
     pub fn new(cfg: &Config, me: u64) -> Option<Scraper> {
-        let ids = scrape_plan::scraped_ids(cfg);
+        let ids = plan::scraped_ids(cfg);
         if ids.is_empty() {
             return None;
         }
         Some(Scraper {
             me,
-            tick_ms: scrape_plan::tick_ms(cfg),
+            tick_ms: plan::tick_ms(cfg),
             holding: false,
             schedule: Schedule::new(cfg.endpoints.len()),
             ids,
@@ -132,7 +132,7 @@ impl Scraper {
 
     /// A lease holder id for this VM.
     pub fn holder_id(now_ms: u64) -> u64 {
-        scrape_plan::holder_id(&SharedData, now_ms)
+        plan::holder_id(&SharedData, now_ms)
     }
 
     /// Gives the lease up if this VM holds it (its root context is going away).
@@ -147,7 +147,7 @@ impl Scraper {
         let store = SharedData;
         let loads = scrape::read_loads(&store);
         self.refresh_gauges(cfg, &loads, now_ms);
-        let lease_ms = scrape_plan::lease_ms(self.tick_ms);
+        let lease_ms = plan::lease_ms(self.tick_ms);
         let held = scrape::try_take(
             &store,
             scrape::LEASE_KEY,
@@ -176,7 +176,7 @@ impl Scraper {
             let Some(m) = &e.metrics else {
                 continue;
             };
-            let mut headers = scrape_plan::request_headers(m);
+            let mut headers = plan::request_headers(m);
             // A pool's host alone: if it left, the fallback's answer says so by its stamp.
             if let Some(a) = e.address() {
                 headers.push((cfg.destination_header.clone(), a.as_bytes().to_vec()));
@@ -226,20 +226,19 @@ impl Scraper {
             }
             let status = headers.status();
             let envoy_reply = matches!(status, Some(503 | 504)) && {
-                let n = body_size.min(scrape_plan::LOCAL_REPLY_PROBE_BYTES);
+                let n = body_size.min(plan::LOCAL_REPLY_PROBE_BYTES);
                 let start = host::buffer(BufferType::HttpCallResponseBody, 0, n);
-                scrape_plan::is_envoy_reply(&start)
+                plan::is_envoy_reply(&start)
             };
             (status, envoy_reply)
         } else {
             (None, false)
         };
-        let result =
-            scrape_plan::judge_head(num_headers, status, body_size, envoy_reply).and_then(|n| {
-                let n = n.min(scrape_plan::BODY_LIMIT_BYTES);
-                let body = host::buffer(BufferType::HttpCallResponseBody, 0, n);
-                scrape_plan::judge_body(&body, body_size, e)
-            });
+        let result = plan::judge_head(num_headers, status, body_size, envoy_reply).and_then(|n| {
+            let n = n.min(plan::BODY_LIMIT_BYTES);
+            let body = host::buffer(BufferType::HttpCallResponseBody, 0, n);
+            plan::judge_body(&body, body_size, e)
+        });
         self.finish(cfg, i, now_ms, result);
         true
     }
