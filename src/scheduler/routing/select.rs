@@ -315,11 +315,11 @@ impl<'a> Scheduler<'a> {
         }
         let result = self.start_and_store(&candidates, pick, pinned, &engines, now_ms);
         let decision = match result {
-            Ok(r) => r,
+            Placed::Stored(r) => r,
             // CAS kept losing on a half-open probe: its slot was never stored, so sending it
             // could exceed `half_open_probes` (every worker losing races would send one).
             // Decide locally among the endpoints whose breaker is closed.
-            Err(Ok(d)) if d.ticket.probe_epoch.is_some() => {
+            Placed::Unstored(Ok(d)) if d.ticket.probe_epoch.is_some() => {
                 let table = self.table();
                 let closed: Vec<usize> = candidates
                     .iter()
@@ -364,7 +364,7 @@ impl<'a> Scheduler<'a> {
                 })
             }
             // CAS kept losing: go with the decision, but nothing was stored for it.
-            Err(r) => r.map(|mut d| {
+            Placed::Unstored(r) => r.map(|mut d| {
                 d.ticket.counted = false;
                 d.ticket.probe_epoch = None;
                 // Its pick's place among the stored picks is unknown: its answer's statement
@@ -586,6 +586,15 @@ enum Write {
     },
 }
 
+/// A decision and whether its write was stored ([`Scheduler::start_and_store`]).
+enum Placed {
+    /// Stored (or nothing to store).
+    Stored(Result<Decision, NoEndpoint>),
+    /// Every attempt to store it lost the compare-and-swap: the last decision, with nothing
+    /// stored for it.
+    Unstored(Result<Decision, NoEndpoint>),
+}
+
 /// How storing a pick's write went.
 enum Stored {
     Done,
@@ -596,9 +605,8 @@ enum Stored {
 
 impl Scheduler<'_> {
     /// Decides and stores the decision's write, deciding again (over the entries that moved)
-    /// when the chosen entry changed in between; `Err` with the last decision when every
-    /// attempt lost.
-    #[allow(clippy::type_complexity, clippy::result_large_err)]
+    /// when the chosen entry changed in between; [`Placed::Unstored`] with the last decision
+    /// when every attempt lost.
     fn start_and_store(
         &self,
         candidates: &[usize],
@@ -606,7 +614,7 @@ impl Scheduler<'_> {
         pinned: Option<u32>,
         engines: &Engines,
         now_ms: u64,
-    ) -> Result<Result<Decision, NoEndpoint>, Result<Decision, NoEndpoint>> {
+    ) -> Placed {
         let mut last = None;
         for _ in 0..CAS_RETRIES {
             let (write, decision) = self.with_table(|table, same_layout| {
@@ -621,12 +629,12 @@ impl Scheduler<'_> {
                 )
             });
             match self.store_write(write, now_ms) {
-                Stored::Done => return Ok(decision),
+                Stored::Done => return Placed::Stored(decision),
                 Stored::Again => last = Some(decision),
-                Stored::GaveUp => return Err(decision),
+                Stored::GaveUp => return Placed::Unstored(decision),
             }
         }
-        Err(last.unwrap_or(Err(NoEndpoint::Exhausted)))
+        Placed::Unstored(last.unwrap_or(Err(NoEndpoint::Exhausted)))
     }
 
     /// Stores a pick's [`Write`].

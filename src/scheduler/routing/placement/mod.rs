@@ -278,8 +278,7 @@ impl<'c> Keyed<'c> {
         candidates: &'c [(usize, u32, f64)],
         seeds: &'c [u64],
     ) -> Keyed<'c> {
-        #[cfg(test)]
-        assert!(
+        debug_assert!(
             seeds.len() != candidates.len()
                 || seeds
                     .iter()

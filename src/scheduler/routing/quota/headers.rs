@@ -3,40 +3,45 @@
 
 use super::*;
 
-/// (remaining, reset, limit) header names of one count.
-pub(super) type Names = (&'static str, &'static str, &'static str);
+/// The header names of one count: what remains, when it resets, the limit.
+#[derive(Clone, Copy)]
+pub(super) struct Names {
+    pub(super) remaining: &'static str,
+    pub(super) reset: &'static str,
+    pub(super) limit: &'static str,
+}
 
-pub(super) const OPENAI_REQUESTS: Names = (
-    "x-ratelimit-remaining-requests",
-    "x-ratelimit-reset-requests",
-    "x-ratelimit-limit-requests",
-);
-pub(super) const OPENAI_TOKENS: Names = (
-    "x-ratelimit-remaining-tokens",
-    "x-ratelimit-reset-tokens",
-    "x-ratelimit-limit-tokens",
-);
-pub(super) const ANTHROPIC_REQUESTS: Names = (
-    "anthropic-ratelimit-requests-remaining",
-    "anthropic-ratelimit-requests-reset",
-    "anthropic-ratelimit-requests-limit",
-);
+pub(super) const OPENAI_REQUESTS: Names = Names {
+    remaining: "x-ratelimit-remaining-requests",
+    reset: "x-ratelimit-reset-requests",
+    limit: "x-ratelimit-limit-requests",
+};
+pub(super) const OPENAI_TOKENS: Names = Names {
+    remaining: "x-ratelimit-remaining-tokens",
+    reset: "x-ratelimit-reset-tokens",
+    limit: "x-ratelimit-limit-tokens",
+};
+pub(super) const ANTHROPIC_REQUESTS: Names = Names {
+    remaining: "anthropic-ratelimit-requests-remaining",
+    reset: "anthropic-ratelimit-requests-reset",
+    limit: "anthropic-ratelimit-requests-limit",
+};
 pub(super) const ANTHROPIC_TOKENS: [Names; 3] = [
-    (
-        "anthropic-ratelimit-tokens-remaining",
-        "anthropic-ratelimit-tokens-reset",
-        "anthropic-ratelimit-tokens-limit",
-    ),
-    (
-        "anthropic-ratelimit-input-tokens-remaining",
-        "anthropic-ratelimit-input-tokens-reset",
-        "anthropic-ratelimit-input-tokens-limit",
-    ),
-    (
-        "anthropic-ratelimit-output-tokens-remaining",
-        "anthropic-ratelimit-output-tokens-reset",
-        "anthropic-ratelimit-output-tokens-limit",
-    ),
+    Names {
+        remaining: "anthropic-ratelimit-tokens-remaining",
+        reset: "anthropic-ratelimit-tokens-reset",
+        limit: "anthropic-ratelimit-tokens-limit",
+    },
+    Names {
+        remaining: "anthropic-ratelimit-input-tokens-remaining",
+        reset: "anthropic-ratelimit-input-tokens-reset",
+        limit: "anthropic-ratelimit-input-tokens-limit",
+    },
+    Names {
+        remaining: "anthropic-ratelimit-output-tokens-remaining",
+        reset: "anthropic-ratelimit-output-tokens-reset",
+        limit: "anthropic-ratelimit-output-tokens-limit",
+    },
 ];
 
 /// A remaining count: ASCII digits only, at most [`MAX_REMAINING`].
@@ -54,7 +59,11 @@ pub fn parse_count(v: &[u8]) -> Option<u64> {
 
 pub(super) fn stated<H: HeaderSource + ?Sized>(
     h: &H,
-    (remaining, reset, limit): Names,
+    Names {
+        remaining,
+        reset,
+        limit,
+    }: Names,
     parse_reset: &dyn Fn(&[u8]) -> Option<u64>,
 ) -> Option<Stated> {
     let left = parse_count(&h.header(remaining)?)?;

@@ -96,19 +96,9 @@ impl<'a> Scheduler<'a> {
             }
             home
         });
-        // Every scheduler test checks a kept home against the search.
-        #[cfg(test)]
-        if kept_home.is_some() && !board.drawn {
-            let keyed = placement::Keyed::seeded(key, &board.weights, board.seeds());
-            let searched = if board.any_degraded {
-                keyed.first(|i| !board.degraded(i))
-            } else {
-                keyed.first_of_all()
-            };
-            assert_eq!(Some(searched), kept_home, "kept home of {key}");
-            if let (Some(pass), false) = (kept_pass, board.any_degraded) {
-                assert_eq!(keyed.pass(), Some(pass), "kept first pass of {key}");
-            }
+        // Debug builds (every test) check a kept home against the search.
+        if cfg!(debug_assertions) && kept_home.is_some() && !board.drawn {
+            check_kept_home(&board, key, kept_home, kept_pass);
         }
         if let Some(id) = pick.holder {
             return holder_choice(&board, self.cfg.endpoint_index(id), home);
@@ -719,3 +709,23 @@ pub(super) fn move_reason(code: u32) -> Option<MoveReason> {
 #[cfg(all(test, not(target_arch = "wasm32")))]
 #[path = "lazy_tests.rs"]
 mod lazy_tests;
+
+/// A kept home (and first pass) equals what searching the rendezvous order gives (debug builds
+/// only: the board memo's proof, run by every scheduler test).
+fn check_kept_home(
+    board: &Board,
+    key: u64,
+    kept_home: Option<Option<usize>>,
+    kept_pass: Option<crate::scheduler::routing::table::FirstPass>,
+) {
+    let keyed = placement::Keyed::seeded(key, &board.weights, board.seeds());
+    let searched = if board.any_degraded {
+        keyed.first(|i| !board.degraded(i))
+    } else {
+        keyed.first_of_all()
+    };
+    debug_assert_eq!(Some(searched), kept_home, "kept home of {key}");
+    if let (Some(pass), false) = (kept_pass, board.any_degraded) {
+        debug_assert_eq!(keyed.pass(), Some(pass), "kept first pass of {key}");
+    }
+}

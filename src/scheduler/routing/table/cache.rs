@@ -582,7 +582,3 @@ pub(crate) struct Quiet {
     /// Its session placement weight (`placement::weigh`).
     pub(crate) weight: f64,
 }
-
-/// A [`QuietMemo`] hit: the endpoint's id, session weight, sticky flag and whether its
-/// verdict flipped.
-pub(crate) type QuietHit = (u32, f64, bool, bool);

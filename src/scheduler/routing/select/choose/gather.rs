@@ -2,6 +2,7 @@
 //! (weights, verdicts, breaker admission, quota, load), and the helpers it alone uses.
 
 use super::*;
+use crate::scheduler::routing::table::Quiet;
 
 impl<'a> Scheduler<'a> {
     /// Step 1: what every endpoint may do in this decision. Weights and verdicts come from
@@ -77,7 +78,14 @@ impl<'a> Scheduler<'a> {
                 (Some((stamps, quiet)), None) => quiet.get(i, stamps.get(i), reference),
                 _ => None,
             };
-            if let Some((id, weight, sticky, flip)) = hit {
+            if let Some(Quiet {
+                id,
+                weight,
+                sticky,
+                flip,
+                ..
+            }) = hit
+            {
                 if sticky {
                     v.sticky = true;
                     v.degraded = true;
@@ -173,7 +181,14 @@ impl<'a> Scheduler<'a> {
                         (Some((stamps, quiet)), None) => quiet.get(i, stamps.get(i), reference),
                         _ => None,
                     };
-                    if let Some((id, weight, sticky, flip)) = hit {
+                    if let Some(Quiet {
+                        id,
+                        weight,
+                        sticky,
+                        flip,
+                        ..
+                    }) = hit
+                    {
                         if sticky {
                             if let Some(v) = verdicts.get_mut(i) {
                                 v.sticky = true;
@@ -362,9 +377,8 @@ impl<'a> Scheduler<'a> {
             Some(count) => count > 0,
             None => table.entries.iter().any(|(_, st)| st.degraded),
         };
-        // Every scheduler test checks the cache's count against the table.
-        #[cfg(test)]
-        assert_eq!(
+        // Debug builds (every test) check the cache's count against the table.
+        debug_assert_eq!(
             stored_degraded,
             table.entries.iter().any(|(_, st)| st.degraded)
         );
