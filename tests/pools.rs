@@ -7,7 +7,8 @@
 //! What must hold: hosts discovered with nothing configured but the pool; a host added to the
 //! file gets new sessions within 5 s; follow-up turns stay on their host; a removed host's
 //! sessions move once and then stay; no request reaches a host after it left the cluster; no
-//! client error; three replicas fed the same file place the same sessions on the same hosts.
+//! client error; three replicas fed the same file place the same sessions on the same hosts,
+//! and a restarted replica sends their follow-ups there too.
 
 // Test code: failing loudly with context is the point.
 #![allow(
@@ -314,12 +315,42 @@ fn pool_hosts_follow_the_clusters_membership() {
     c.finish();
 }
 
+/// A session's second turn: the body carries the first one, so the filter reads it as a
+/// follow-up (a replica without its pin takes the session's home as a pin would be).
+fn ask_follow_up(port: u16, session: &str) -> Served {
+    let first = format!("{session} turn 0 {}", "x".repeat(200));
+    let second = format!("{session} turn 1 {}", "y".repeat(50));
+    let body = chat_body(MODEL, &[first.as_str(), second.as_str()], Value::Null);
+    match try_post_chat(port, &[("x-session-id", session)], &body) {
+        Ok(r) => Served {
+            status: r.status,
+            endpoint: r
+                .header("x-computeflux-endpoint")
+                .unwrap_or("-")
+                .to_string(),
+            mock: r.header("x-mock-endpoint").unwrap_or("-").to_string(),
+        },
+        Err(e) => Served {
+            status: 0,
+            endpoint: format!("error: {e}"),
+            mock: "-".into(),
+        },
+    }
+}
+
+/// Waits until `envoy`'s filter has learned every host of `ports` (its log says each joined).
+fn wait_learned(envoy: &Envoy, ports: &[u16], limit: Duration) -> bool {
+    ports
+        .iter()
+        .all(|p| envoy.wait_for_log(&format!("pool {POOL}: host 127.0.0.1:{p} joined"), limit))
+}
+
 #[test]
 fn three_replicas_place_the_same_sessions_on_the_same_hosts() {
     let hosts = Hosts::start(3);
     let eds = EdsFile::new(CLUSTER);
     eds.set(&hosts.ports(&[0, 1, 2]));
-    let replicas = Replicas::start(envoy_config(&eds), 3);
+    let mut replicas = Replicas::start(envoy_config(&eds), 3);
     let mut c = Checks::new();
     for r in 0..replicas.len() {
         let found = discover(
@@ -339,6 +370,7 @@ fn three_replicas_place_the_same_sessions_on_the_same_hosts() {
     let mut agree = 0;
     let mut errors = 0;
     let mut used = BTreeSet::new();
+    let mut home: BTreeMap<String, String> = BTreeMap::new();
     for i in 0..SESSIONS {
         let id = format!("x{i}");
         let served: Vec<Served> = (0..replicas.len())
@@ -347,12 +379,41 @@ fn three_replicas_place_the_same_sessions_on_the_same_hosts() {
         errors += served.iter().filter(|s| s.status != 200).count();
         used.insert(served[0].mock.clone());
         agree += usize::from(served.iter().all(|s| s.mock == served[0].mock));
+        home.insert(id, served[0].mock.clone());
     }
     c.expect(
         agree == SESSIONS,
         format!("{agree}/{SESSIONS} sessions placed on the same host by all three replicas"),
     );
     c.expect(used.len() == 3, format!("over {} hosts", used.len()));
+
+    // A restarted replica (a pod replaced: nothing of its shared data survives) learns the
+    // same hosts again and sends every session's next turn where the others placed it.
+    let (old_pid, new_pid) = replicas.restart(1);
+    c.expect(old_pid != new_pid, "replica 1 is a new process");
+    let t0 = Instant::now();
+    let learned = wait_learned(
+        replicas.envoy(1),
+        &hosts.ports(&[0, 1, 2]),
+        Duration::from_secs(15),
+    );
+    c.expect(
+        learned,
+        format!(
+            "the restarted replica learned the three hosts (after {:?})",
+            t0.elapsed()
+        ),
+    );
+    let mut kept = 0;
+    for (id, h) in &home {
+        let s = ask_follow_up(replicas.port(1), id);
+        errors += usize::from(s.status != 200);
+        kept += usize::from(&s.mock == h && s.endpoint == hosts.endpoint_of(&s.mock));
+    }
+    c.expect(
+        kept == SESSIONS,
+        format!("{kept}/{SESSIONS} follow-ups sent by the restarted replica to their host"),
+    );
     c.expect(errors == 0, format!("{errors} client errors"));
     c.expect(replicas.wasm_crashes().is_empty(), "no wasm crash");
     c.finish();

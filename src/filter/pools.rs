@@ -8,7 +8,11 @@
 //!   when one changed, the root context installs the expanded configuration as a reload.
 //! - [`Pools::on_tick`]: one VM per Envoy (a lease, as the scraper's) sends a few
 //!   discovery calls per pool and second with no host named: the cluster's fallback policy
-//!   serves them, and the stamp of each answer names a host, new ones included. Without the
+//!   serves them, and the stamp of each answer names a host, new ones included. While a
+//!   pool's membership is settling (this Envoy just started, or a host joined or left within
+//!   [`pools::SETTLE_MS`]) a round comes every tick with more calls
+//!   ([`pools::discovery_calls`]): replicas learn a change at different moments, and each
+//!   moment of disagreement is a session placed differently by two of them. Without the
 //!   stamp (no upstream `header_mutation` on the cluster) answers name nothing: discovery then
 //!   backs off to one call per [`UNSTAMPED_RECHECK_MS`] and hosts are learned from client
 //!   answers alone (those sent to the cluster with no host known, or failed over).
@@ -24,11 +28,8 @@ use proxy_wasm::types::MapType;
 
 /// Shared-data key of the discovery lease.
 const LEASE_KEY: &str = "computeflux/pools/lease";
-/// Discovery rounds are this far apart.
+/// Discovery rounds are this far apart (every tick while a pool settles).
 pub const ROUND_MS: u64 = 1_000;
-/// Discovery calls per pool and round: two more than the known hosts, at most this many.
-pub const MAX_CALLS_PER_ROUND: usize = 8;
-const MIN_CALLS_PER_ROUND: usize = 2;
 /// A pool whose answers carry no stamp is asked once this often.
 pub const UNSTAMPED_RECHECK_MS: u64 = 30_000;
 const CALL_TIMEOUT_MS: u64 = 2_000;
@@ -101,6 +102,8 @@ struct PoolCalls {
     seen: Option<Vec<u8>>,
     /// Answers without a stamp were seen: ask once per [`UNSTAMPED_RECHECK_MS`] only.
     unstamped_until_ms: u64,
+    /// Settling until then (`None`: from this Envoy's first round on).
+    settle_until_ms: Option<u64>,
     warned: bool,
 }
 
@@ -110,8 +113,8 @@ pub struct Pools {
     pools: Vec<PoolCalls>,
     next_round_ms: u64,
     holding: bool,
-    /// Discovery calls in flight: token and pool index.
-    calls: Vec<(u32, usize)>,
+    /// Discovery calls in flight: token, pool index, when sent.
+    calls: Vec<(u32, usize, u64)>,
 }
 
 impl Pools {
@@ -133,6 +136,7 @@ impl Pools {
                     authority,
                     seen: None,
                     unstamped_until_ms: 0,
+                    settle_until_ms: None,
                     warned: false,
                 }
             })
@@ -147,8 +151,8 @@ impl Pools {
     }
 
     /// Every pool's membership when one changed since the last call (the first call always
-    /// reports), else `None`.
-    pub fn changed(&mut self) -> Option<Vec<(String, Membership)>> {
+    /// reports), else `None`. A pool whose membership changed settles from `now_ms` on.
+    pub fn changed(&mut self, now_ms: u64) -> Option<Vec<(String, Membership)>> {
         let store = SharedData;
         let mut any = false;
         let mut out = Vec::with_capacity(self.pools.len());
@@ -156,6 +160,9 @@ impl Pools {
             let bytes = store.get(&pools::membership_key(&p.name)).0;
             if p.seen.is_none() || bytes != p.seen {
                 any = true;
+            }
+            if p.seen.is_some() && bytes != p.seen {
+                p.settle_until_ms = Some(now_ms.saturating_add(pools::SETTLE_MS));
             }
             let m = bytes
                 .as_deref()
@@ -175,9 +182,15 @@ impl Pools {
         self.holding = false;
     }
 
-    /// A discovery round, when due and this VM holds the lease.
+    /// A discovery round, when due and this VM holds the lease: every tick while a pool
+    /// settles, else once per [`ROUND_MS`].
     pub fn on_tick(&mut self, cfg: &Config, now_ms: u64) {
-        if now_ms < self.next_round_ms {
+        for p in &mut self.pools {
+            p.settle_until_ms
+                .get_or_insert(now_ms.saturating_add(pools::SETTLE_MS));
+        }
+        let is_settling = |p: &PoolCalls| p.settle_until_ms.is_some_and(|t| now_ms < t);
+        if now_ms < self.next_round_ms && !self.pools.iter().any(is_settling) {
             return;
         }
         self.next_round_ms = now_ms.saturating_add(ROUND_MS);
@@ -193,12 +206,14 @@ impl Pools {
         if !self.holding {
             return;
         }
-        // Calls lost (their answer never came) are forgotten after a round.
-        self.calls.clear();
+        // Calls lost (their answer never came) are forgotten after their timeout.
+        self.calls
+            .retain(|c| now_ms < c.2.saturating_add(CALL_TIMEOUT_MS));
         for (k, p) in self.pools.iter_mut().enumerate() {
             if now_ms < p.unstamped_until_ms {
                 continue;
             }
+            let settling = is_settling(p);
             let known = cfg
                 .endpoints
                 .iter()
@@ -206,7 +221,7 @@ impl Pools {
                     e.address().is_some() && e.pool.as_ref().is_some_and(|m| m.pool == p.name)
                 })
                 .count();
-            let n = (known + 2).clamp(MIN_CALLS_PER_ROUND, MAX_CALLS_PER_ROUND);
+            let n = pools::discovery_calls(known, settling);
             let headers = vec![
                 (":method".to_string(), b"GET".to_vec()),
                 (":path".to_string(), p.path.as_bytes().to_vec()),
@@ -215,7 +230,7 @@ impl Pools {
             ];
             for _ in 0..n {
                 match host::dispatch_call(&p.cluster, &headers, CALL_TIMEOUT_MS) {
-                    Some(token) => self.calls.push((token, k)),
+                    Some(token) => self.calls.push((token, k, now_ms)),
                     None => {
                         log::warn!(
                             "computeflux: discovery call to pool {} refused; is cluster {:?} defined in Envoy?",
@@ -230,10 +245,10 @@ impl Pools {
 
     /// A discovery call's answer. False when `token` is not one of this VM's discovery calls.
     pub fn on_response(&mut self, token: u32, num_headers: usize, now_ms: u64) -> bool {
-        let Some(at) = self.calls.iter().position(|(t, _)| *t == token) else {
+        let Some(at) = self.calls.iter().position(|(t, _, _)| *t == token) else {
             return false;
         };
-        let (_, k) = self.calls.swap_remove(at);
+        let (_, k, _) = self.calls.swap_remove(at);
         let Some(p) = self.pools.get_mut(k) else {
             return true;
         };

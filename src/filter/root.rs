@@ -112,7 +112,7 @@ impl Root {
             return;
         };
         pools.on_tick(&p.cfg, now_ms);
-        if let Some(members) = pools.changed() {
+        if let Some(members) = pools.changed(now_ms) {
             let cfg = pools::expand(base, &members);
             if cfg.endpoints != p.cfg.endpoints {
                 log::debug!(
@@ -164,7 +164,8 @@ impl RootContext for Root {
             .get_or_insert_with(|| Scraper::holder_id(host::now_ms()));
         self.metrics = Some(Metrics::define(&cfg));
         self.pools = Pools::new(&cfg, me);
-        let effective = match self.pools.as_mut().and_then(Pools::changed) {
+        let now = host::now_ms();
+        let effective = match self.pools.as_mut().and_then(|p| p.changed(now)) {
             Some(members) => pools::expand(&cfg, &members),
             None => cfg.clone(),
         };

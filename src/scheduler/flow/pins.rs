@@ -35,22 +35,34 @@ impl Flow {
         }
     }
 
-    /// A session served away from its home (or already carrying a cookie) is told where it
-    /// now is, so that every replica follows it (see `pin_cookie`). Not a Responses follow-up
-    /// sent to the holder of its previous response: the holder decides where it goes, and its
-    /// session key (the previous response's id) is never seen again.
+    /// A session served away from its home (or already carrying a cookie), or by a host of a
+    /// pool, is told where it now is, so that every replica follows it (see `pin_cookie`). A
+    /// pool's home can change under a session at any time (a host joins), and each replica
+    /// learns the change at its own moment: a replica that never saw the session would place
+    /// its next turn by the new membership, while the others keep it where it is. Not a
+    /// Responses follow-up sent to the holder of its previous response: the holder decides
+    /// where it goes, and its session key (the previous response's id) is never seen again.
     pub(super) fn pin_cookie_for(
         &self,
         s: &Scheduler<'_>,
         decision: &Decision,
         now_ms: u64,
     ) -> Option<String> {
+        let pooled = || {
+            s.cfg
+                .endpoints
+                .get(decision.endpoint)
+                .and_then(|e| e.pool.as_ref())
+                .is_some_and(|p| p.address.is_some())
+        };
         match self.session {
             Some(session)
                 if s.cfg.pin_cookie
                     && !self.holder_pinned
                     && decision.ticket.pin_on_success
-                    && (Some(decision.endpoint) != decision.home || self.pin_hint.is_some()) =>
+                    && (Some(decision.endpoint) != decision.home
+                        || self.pin_hint.is_some()
+                        || pooled()) =>
             {
                 Some(pin_cookie::set_cookie(
                     &s.cfg.pin_cookie_secret,

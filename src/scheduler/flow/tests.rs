@@ -1518,3 +1518,59 @@ fn failover_calls_carry_the_targets_rank_never_the_clients() {
         );
     }
 }
+
+/// `pin_cookie`: a session served at its home gets no cookie from a static endpoint, but does
+/// from a pool's host (whose home can change under it as replicas learn the pool's hosts).
+#[test]
+fn a_pool_hosts_answer_carries_the_pin_cookie_even_at_home() {
+    use crate::scheduler::routing::pools::{expand, Membership};
+    let cookie_of = |c: &Config| {
+        let store = MemStore::new();
+        let s = Scheduler::new(c, &store);
+        let mut log = Log::default();
+        let mut f = Flow::default();
+        let step = route(
+            &mut f,
+            &s,
+            &mut log,
+            post_headers(&[("x-session-id", "s1")]),
+            1_000,
+        );
+        assert!(matches!(step, Step::Route(_)), "{step:?}");
+        let step = f.on_response_headers(&s, &mut log, &pairs(&[(":status", "200")]), true, 1_040);
+        let Step::Relay(headers) = step else {
+            panic!("{step:?}")
+        };
+        let affinity = headers
+            .iter()
+            .find(|(k, _)| *k == HEADER_AFFINITY)
+            .map(|(_, v)| v.clone());
+        assert_eq!(affinity.as_deref(), Some("home"));
+        headers
+            .into_iter()
+            .find(|(k, _)| *k == "set-cookie")
+            .map(|(_, v)| v)
+    };
+    assert_eq!(cookie_of(&cfg(json!({"pin_cookie": true}))), None);
+    let base = Config::from_value(&json!({
+        "endpoints": [{"name": "vllm", "cluster": "pool", "pool": true}],
+        "pin_cookie": true,
+    }))
+    .unwrap();
+    let mut m = Membership::default();
+    for a in ["10.0.0.1:80", "10.0.0.2:80", "10.0.0.3:80"] {
+        m.observe(None, Some(a), 0);
+    }
+    let pooled = expand(&base, &[("vllm".into(), m)]);
+    let cookie = cookie_of(&pooled);
+    assert!(
+        cookie.as_deref().is_some_and(|c| c.starts_with("cf_pin_")),
+        "{cookie:?}"
+    );
+    // Without `pin_cookie`, none.
+    let off = Config {
+        pin_cookie: false,
+        ..pooled
+    };
+    assert_eq!(cookie_of(&off), None);
+}

@@ -35,9 +35,11 @@
 //!
 //! Bounds: at most [`MAX_POOL_HOSTS`] hosts per pool and `MAX_ENDPOINTS` endpoints in all
 //! (hosts past it are left out, in address order), [`MAX_DEPARTED`] departures remembered.
-//! Per-host shared state lives in bounded slot tables: the endpoint table by layout position,
-//! the scrape records by pool and [`Host::slot`] (reused by the next host to join), so nothing
-//! of a departed host is left behind.
+//! Per-host shared state is bounded and keyed so that nothing of a departed host is left
+//! behind: the endpoint table by layout position; the scraped engine loads in one value by
+//! endpoint id (`scrape::Loads`), from which the next scrape's write drops every id no longer
+//! in the configuration. [`Host::slot`] numbers a pool's hosts (the lowest free one when it
+//! joined, reused by the next host to join).
 
 use crate::scheduler::config::{Config, EndpointConfig, PoolMember, MAX_ENDPOINTS};
 use crate::scheduler::routing::placement;
@@ -59,6 +61,31 @@ pub const DEPARTED_QUIET_MS: u64 = 5_000;
 /// `header_mutation` filter to `%UPSTREAM_REMOTE_ADDRESS%`; removed before any answer reaches
 /// a client.
 pub const STAMP_HEADER: &str = "x-computeflux-upstream-host";
+/// A pool settles this long after this Envoy's start and after each change of its membership:
+/// discovery rounds come every tick with more calls ([`discovery_calls`]), so that replicas,
+/// which learn a change at different moments, disagree on the hosts as briefly as possible.
+pub const SETTLE_MS: u64 = 3_000;
+/// Discovery calls per pool and round at most (outside settling: [`MAX_STEADY_CALLS`]).
+pub const MAX_SETTLING_CALLS: usize = 32;
+/// Discovery calls per pool and round at most once the pool has settled.
+pub const MAX_STEADY_CALLS: usize = 8;
+
+/// Discovery calls of one round for a pool of `known` hosts: two more than the hosts known
+/// once settled (2..=[`MAX_STEADY_CALLS`]); while settling, twice the known hosts and four
+/// more (8..=[`MAX_SETTLING_CALLS`]). Sent together, the calls are spread by the cluster's
+/// fallback policy (least_request counts them in flight), so a round of at least as many calls
+/// as hosts reaches most of them.
+pub fn discovery_calls(known: usize, settling: bool) -> usize {
+    if settling {
+        known
+            .saturating_mul(2)
+            .saturating_add(4)
+            .clamp(8, MAX_SETTLING_CALLS)
+    } else {
+        known.saturating_add(2).clamp(2, MAX_STEADY_CALLS)
+    }
+}
+
 /// Longest address kept (`[` IPv6 `]:` port).
 const MAX_ADDRESS_BYTES: usize = 64;
 const VERSION: u8 = 1;
@@ -446,6 +473,19 @@ mod tests {
             m.observe(None, Some(a), 0);
         }
         m
+    }
+
+    #[test]
+    fn discovery_asks_more_while_a_pool_settles_and_stays_bounded() {
+        assert_eq!(discovery_calls(0, false), 2);
+        assert_eq!(discovery_calls(4, false), 6);
+        assert_eq!(discovery_calls(1000, false), MAX_STEADY_CALLS);
+        assert_eq!(discovery_calls(0, true), 8);
+        assert_eq!(discovery_calls(8, true), 20);
+        assert_eq!(discovery_calls(1000, true), MAX_SETTLING_CALLS);
+        for known in 0..100 {
+            assert!(discovery_calls(known, true) >= discovery_calls(known, false));
+        }
     }
 
     #[test]

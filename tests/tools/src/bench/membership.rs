@@ -18,6 +18,8 @@
 //!   step also waits for the previous one): a new server starts on a new port and joins the
 //!   file; [`REMOVE_AFTER_ADD_MS`] later the old one leaves it; [`STOP_AFTER_REMOVE_MS`] later
 //!   the old server stops (maxSurge 1, maxUnavailable 0).
+//! - `steady` (not part of `all`): 4 hosts, no change: what the filter's rules for a changing
+//!   fleet cost a fleet that does not change (no follow-up may move).
 //!
 //! The file is written whole and renamed into the watched directory (what Envoy's file-based
 //! xDS expects); every Envoy of the run (one, or three replicas behind the round-robin front of
@@ -54,6 +56,7 @@ pub enum Change {
     ScaleOut,
     ScaleIn,
     Rollout,
+    Steady,
 }
 
 /// One change to the fleet, not before `at_ms`; the changes run in order.
@@ -70,6 +73,7 @@ pub enum Action {
 }
 
 impl Change {
+    /// `--membership all` (`steady` is asked for by name).
     pub const ALL: [Change; 3] = [Change::ScaleOut, Change::ScaleIn, Change::Rollout];
 
     pub fn name(&self) -> &'static str {
@@ -77,17 +81,21 @@ impl Change {
             Change::ScaleOut => "scale_out",
             Change::ScaleIn => "scale_in",
             Change::Rollout => "rollout",
+            Change::Steady => "steady",
         }
     }
 
     pub fn parse(s: &str) -> Option<Change> {
-        Change::ALL.into_iter().find(|c| c.name() == s)
+        Change::ALL
+            .into_iter()
+            .chain([Change::Steady])
+            .find(|c| c.name() == s)
     }
 
     /// Hosts in the file at the start (slots `0..n`).
     pub fn initial_hosts(&self) -> usize {
         match self {
-            Change::ScaleOut | Change::Rollout => 4,
+            Change::ScaleOut | Change::Rollout | Change::Steady => 4,
             Change::ScaleIn => 8,
         }
     }
@@ -103,6 +111,7 @@ impl Change {
                     (at(0.35), Action::Add(new)),
                 ]
             }
+            Change::Steady => Vec::new(),
             Change::ScaleIn => {
                 let out = vec![6, 7];
                 vec![
@@ -139,6 +148,7 @@ impl Change {
         let s = |ms: u64| format!("{:.1} s", ms as f64 / 1000.0);
         let at = |f: f64| (span_ms as f64 * f).round() as u64;
         match self {
+            Change::Steady => "4 hosts, no change".to_string(),
             Change::ScaleOut => format!(
                 "4 hosts; at {} four new servers start and join the EDS file at once (4 → 8)",
                 s(at(0.35))
