@@ -57,6 +57,7 @@
 use crate::scheduler::config::{Config, ListModels};
 use crate::scheduler::health::blame;
 use crate::scheduler::health::outcome::{classify, FailureKind, Outcome};
+use crate::scheduler::routing::payoff;
 use crate::scheduler::routing::pin_cookie::Ignored;
 use crate::scheduler::routing::quota::QuotaHint;
 use crate::scheduler::routing::responses::{self, IdScan};
@@ -181,6 +182,9 @@ pub trait Observer {
     /// The answer `endpoint` gave reported `usage`; the request's affinity at its first pick
     /// was `affinity`.
     fn usage(&mut self, _endpoint: usize, _affinity: AffinityResult, _usage: &Usage) {}
+    /// An affinity hit's answer on `endpoint` was judged against its session's previous prompt
+    /// there: `cold` when it found less than half of it cached (`payoff::cold_turn`).
+    fn pinned_turn(&mut self, _endpoint: usize, _cold: bool) {}
     /// The request carried a pin cookie for its session that is not followed (`pin_cookie`).
     fn pin_cookie_ignored(&mut self, _why: Ignored) {}
 }
@@ -726,6 +730,12 @@ impl Flow {
         if self.affinity == Some(AffinityResult::Hit) && self.attempts == 1 {
             if let Some(a) = self.current.as_mut() {
                 a.ticket.pinned_usage = usage;
+                // Did the pin pay: did it find its previous prompt cached?
+                let min = s.cfg.payoff_min_prompt_tokens;
+                let previous = a.ticket.previous_prompt_tokens;
+                if let Some(cold) = usage.and_then(|u| payoff::cold_turn(previous, &u, min)) {
+                    obs.pinned_turn(a.ticket.endpoint, cold);
+                }
             }
         }
         // The answer, judged against the work it asked for (see `signals`).

@@ -327,6 +327,10 @@ pub struct Ticket {
     pub quota_mark: QuotaMark,
     /// The prefix key the session's home is by (0: none), recorded with its pin on success.
     pub placement_key: u64,
+    /// The prompt tokens of the session's last answer on this endpoint, as its pin recorded
+    /// them (0: unknown, or not the pinned endpoint): what this turn should find cached
+    /// (see `payoff::cold_turn`).
+    pub previous_prompt_tokens: u64,
 }
 
 #[derive(Debug, PartialEq, Eq)]
@@ -616,11 +620,10 @@ impl<'a> Scheduler<'a> {
     /// Chooses the endpoint for one attempt and starts it (in-flight +1, probe slot taken).
     pub fn pick(&self, pick: &Pick<'_>, now_ms: u64) -> Result<Decision, NoEndpoint> {
         let (candidates, _) = self.candidates(pick)?;
-        let local = pick.session.and_then(|s| {
-            self.affinity()
-                .lookup_keyed(s, now_ms)
-                .map(|(id, k)| (s, id, k))
-        });
+        let entry = pick
+            .session
+            .and_then(|s| self.affinity().lookup_entry(s, now_ms).map(|e| (s, e)));
+        let local = entry.map(|(s, e)| (s, e.endpoint_id, e.placement_key));
         // The prefix key the pin recorded (the one its session was placed by) is its home's key
         // on this turn too: the instructions need not be hashed again (see `affinity`). Only
         // for a request that has instructions at all, as the key would come from them.
@@ -700,6 +703,7 @@ impl<'a> Scheduler<'a> {
                     quota_tokens: 0,
                     quota_mark: QuotaMark::default(),
                     placement_key: 0,
+                    previous_prompt_tokens: 0,
                 };
                 Ok(Decision {
                     endpoint: c.endpoint,
@@ -751,6 +755,12 @@ impl<'a> Scheduler<'a> {
         if let (Ok(d), true) = (&mut decision, self.cfg.prefix_placement) {
             if pick.session.is_some() {
                 d.ticket.placement_key = pick.prefix.get().unwrap_or(0);
+            }
+        }
+        // A turn sent where its session's last answer was: what that answer's prompt was.
+        if let (Ok(d), Some((_, e))) = (&mut decision, entry) {
+            if e.endpoint_id == d.ticket.endpoint_id {
+                d.ticket.previous_prompt_tokens = u64::from(e.prompt_tokens);
             }
         }
         // A session moved away from a saturated endpoint is marked, so that it is not moved
@@ -861,6 +871,7 @@ impl<'a> Scheduler<'a> {
             quota_tokens,
             quota_mark,
             placement_key: 0,
+            previous_prompt_tokens: 0,
         };
         let write = if same_layout {
             Write::Groups {
