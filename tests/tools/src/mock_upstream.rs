@@ -607,6 +607,8 @@ struct Record {
     cached_tokens: Option<u64>,
     /// Bytes of the request body received.
     body_bytes: usize,
+    /// The data-parallel rank that served it (once chosen).
+    rank: Option<usize>,
 }
 
 impl Record {
@@ -624,6 +626,7 @@ impl Record {
             "prompt_tokens": self.prompt_tokens,
             "cached_tokens": self.cached_tokens,
             "body_bytes": self.body_bytes,
+            "rank": self.rank,
         })
     }
 }
@@ -760,6 +763,7 @@ fn decide(
         prompt_tokens: None,
         cached_tokens: None,
         body_bytes: body.as_ref().map_or(0, Bytes::len),
+        rank: None,
     };
 
     let mut guard = mock.lock();
@@ -952,6 +956,7 @@ fn decide(
         Ok(k) => k,
         Err(msg) => return error(st, entry, 400, msg),
     };
+    entry.rank = Some(rank);
     let cache = st.ranks.cache(rank);
     let hashes = cache.block_hashes(&model, prompt.as_bytes());
     let cached_tokens = (cache.cached_blocks(&hashes) * cache.block_tokens()) as u64;
