@@ -957,7 +957,9 @@ fn decide(
         Err(msg) => return error(st, entry, 400, msg),
     };
     entry.rank = Some(rank);
-    let cache = st.ranks.cache(rank);
+    let Some(cache) = st.ranks.cache(rank) else {
+        return error(st, entry, 500, format!("rank {rank} has no cache"));
+    };
     let hashes = cache.block_hashes(&model, prompt.as_bytes());
     let cached_tokens = (cache.cached_blocks(&hashes) * cache.block_tokens()) as u64;
     let max_tokens = req
@@ -1087,7 +1089,9 @@ async fn serve(mock: Arc<Mock>, conn: Arc<Conn>, guard: Busy, s: Serve) -> Respo
     if !wait.is_zero() {
         tokio::time::sleep(wait).await;
     }
-    mock.lock().ranks.cache(s.rank).touch(&s.hashes);
+    if let Some(c) = mock.lock().ranks.cache(s.rank) {
+        c.touch(&s.hashes);
+    }
 
     let decode = scaled(Duration::from_millis(a.decode_ms), factor);
     let id = format!("chatcmpl-{}-{}", a.name, s.seq);
@@ -1236,7 +1240,9 @@ async fn serve_batched(mock: Arc<Mock>, conn: Arc<Conn>, guard: Busy, s: Serve) 
         if !wait.is_zero() {
             tokio::time::sleep(wait).await;
         }
-        mock.lock().ranks.cache(s.rank).touch(&s.hashes);
+        if let Some(c) = mock.lock().ranks.cache(s.rank) {
+            c.touch(&s.hashes);
+        }
     }
     let a = &mock.args;
     let id = format!("chatcmpl-{}-{}", a.name, s.seq);

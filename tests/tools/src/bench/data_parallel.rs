@@ -118,7 +118,7 @@ fn plugin_extra(routing: Routing, ranks: usize, open_ms: u64) -> Value {
             dp.insert("data_parallel_size".into(), json!(ranks));
         }
     }
-    json!({"endpoints": cfg["endpoints"].clone()})
+    json!({"endpoints": cfg.get("endpoints").cloned().unwrap_or(Value::Null)})
 }
 
 /// Follow-ups and those on the previous turn's endpoint and rank, from the engines' request
@@ -126,15 +126,15 @@ fn plugin_extra(routing: Routing, ranks: usize, open_ms: u64) -> Value {
 pub fn follow_ups(logs: &[(&str, Vec<Value>)]) -> (u64, u64) {
     let mut by_session: BTreeMap<String, Vec<(u64, String, u64)>> = BTreeMap::new();
     for (endpoint, log) in logs {
-        for r in log.iter().filter(|r| r["status"] == json!(200)) {
+        for r in log.iter().filter(|r| r.get("status") == Some(&json!(200))) {
             let (Some(s), Some(p)) = (
                 r.pointer(&format!("/headers/{SESSION_HEADER}"))
                     .and_then(Value::as_str),
-                r["prompt_tokens"].as_u64(),
+                r.get("prompt_tokens").and_then(Value::as_u64),
             ) else {
                 continue;
             };
-            let rank = r["rank"].as_u64().unwrap_or(0);
+            let rank = r.get("rank").and_then(Value::as_u64).unwrap_or(0);
             by_session
                 .entry(s.to_string())
                 .or_default()
@@ -144,9 +144,11 @@ pub fn follow_ups(logs: &[(&str, Vec<Value>)]) -> (u64, u64) {
     let (mut all, mut same) = (0, 0);
     for turns in by_session.values_mut() {
         turns.sort();
-        for w in turns.windows(2) {
-            all += 1;
-            same += u64::from(w[0].1 == w[1].1 && w[0].2 == w[1].2);
+        for pair in turns.windows(2) {
+            if let [(_, e0, r0), (_, e1, r1)] = pair {
+                all += 1;
+                same += u64::from(e0 == e1 && r0 == r1);
+            }
         }
     }
     (all, same)
@@ -195,11 +197,13 @@ pub fn run(
     let mut lat: Vec<f64> = ok.iter().map(|r| r.latency_ms).collect();
     lat.sort_by(f64::total_cmp);
     let (follow, same) = follow_ups(&[("dp", dp.requests()), ("solo", solo.requests())]);
-    let dp_ranks = dp.stats()["ranks"]
-        .as_array()
+    let dp_ranks = dp
+        .stats()
+        .get("ranks")
+        .and_then(Value::as_array)
         .map(|a| {
             a.iter()
-                .map(|r| r["requests"].as_u64().unwrap_or(0))
+                .map(|r| r.get("requests").and_then(Value::as_u64).unwrap_or(0))
                 .collect()
         })
         .unwrap_or_default();
@@ -213,7 +217,11 @@ pub fn run(
         follow_ups: follow,
         same_rank: same,
         dp_ranks,
-        solo_requests: solo.stats()["requests"].as_u64().unwrap_or(0),
+        solo_requests: solo
+            .stats()
+            .get("requests")
+            .and_then(Value::as_u64)
+            .unwrap_or(0),
         p50_ms: quantile(&lat, 0.5),
         p99_ms: quantile(&lat, 0.99),
         wall_s: started.elapsed().as_secs_f64(),

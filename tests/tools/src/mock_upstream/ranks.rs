@@ -85,7 +85,9 @@ impl Ranks {
         if let Some(v) = header {
             return match v.trim().parse::<usize>() {
                 Ok(k) if k < self.size() => {
-                    self.stats[k].by_header += 1;
+                    if let Some(s) = self.stats.get_mut(k) {
+                        s.by_header += 1;
+                    }
                     Ok(k)
                 }
                 _ => Err(format!(
@@ -95,7 +97,7 @@ impl Ranks {
             };
         }
         let n = self.size();
-        let load = |k: usize| self.in_flight[k].load(Ordering::SeqCst);
+        let load = |k: usize| self.in_flight(k);
         let start = self.next % n;
         let k = (0..n)
             .map(|i| (start + i) % n)
@@ -122,9 +124,9 @@ impl Ranks {
             .map_or(0, |n| n.load(Ordering::SeqCst))
     }
 
-    pub fn cache(&mut self, rank: usize) -> &mut PrefixCache {
-        let k = rank.min(self.caches.len() - 1);
-        &mut self.caches[k]
+    /// The cache of `rank` (`None` past the last rank).
+    pub fn cache(&mut self, rank: usize) -> Option<&mut PrefixCache> {
+        self.caches.get_mut(rank)
     }
 
     /// Blocks held by every rank's cache.
@@ -155,7 +157,7 @@ impl Ranks {
                         "cached_tokens": s.cached_tokens,
                         "completion_tokens": s.completion_tokens,
                         "in_flight": self.in_flight(k),
-                        "cache_blocks": self.caches[k].len(),
+                        "cache_blocks": self.caches.get(k).map_or(0, PrefixCache::len),
                     })
                 })
                 .collect(),
@@ -225,10 +227,10 @@ mod tests {
     fn each_rank_has_its_own_cache() {
         let mut r = Ranks::new(2, 1_000, 16);
         let p = vec![b'a'; 64 * 4];
-        let h = r.cache(0).block_hashes("m", &p);
-        r.cache(0).touch(&h);
-        assert_eq!(r.cache(0).cached_blocks(&h), 4);
-        assert_eq!(r.cache(1).cached_blocks(&h), 0);
+        let h = r.cache(0).unwrap().block_hashes("m", &p);
+        r.cache(0).unwrap().touch(&h);
+        assert_eq!(r.cache(0).unwrap().cached_blocks(&h), 4);
+        assert_eq!(r.cache(1).unwrap().cached_blocks(&h), 0);
         assert_eq!(r.blocks(), 4);
         r.flush();
         assert_eq!(r.blocks(), 0);
