@@ -26,6 +26,12 @@ fn fast() -> [&'static str; 4] {
     ["--prefill-us-per-token", "0", "--decode-ms", "1"]
 }
 
+/// The engine behind the data-parallel endpoint: two ranks, as configured (the mock refuses a
+/// rank it does not have, as vLLM does).
+fn two_ranks() -> Vec<&'static str> {
+    [&fast()[..], &["--data-parallel-size", "2"]].concat()
+}
+
 /// The rank header of each request the mock received, by `x-session-id`, in order.
 fn ranks_by_session(mock: &MockUpstream) -> BTreeMap<String, Vec<Option<String>>> {
     let mut out: BTreeMap<String, Vec<Option<String>>> = BTreeMap::new();
@@ -41,7 +47,7 @@ fn ranks_by_session(mock: &MockUpstream) -> BTreeMap<String, Vec<Option<String>>
 
 #[test]
 fn each_rank_is_an_endpoint_and_a_session_keeps_its_rank() {
-    let gpu = MockUpstream::start("gpu", &[], &fast());
+    let gpu = MockUpstream::start("gpu", &[], &two_ranks());
     let solo = MockUpstream::start("solo", &[], &fast());
     let plugin = json!({"endpoints": [
         {"name": "gpu", "cluster": "cg", "data_parallel_size": 2},
@@ -111,7 +117,7 @@ fn each_rank_is_an_endpoint_and_a_session_keeps_its_rank() {
 
 #[test]
 fn a_failover_call_to_the_other_rank_carries_its_rank() {
-    let gpu = MockUpstream::start("gpu", &[], &fast());
+    let gpu = MockUpstream::start("gpu", &[], &two_ranks());
     let plugin = json!({"endpoints": [
         {"name": "gpu", "cluster": "cg", "data_parallel_size": 2}
     ]});

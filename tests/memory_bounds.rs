@@ -129,7 +129,7 @@ fn session_flood_keeps_keys_and_bytes_at_the_bound() {
         }
     }
     assert_eq!(aff.stored_entries() as u64, bound, "full at the end");
-    // Keys + values: 28 bytes per entry, a version byte and a key per bucket, the table, and
+    // Keys + values: 32 bytes per entry, a version byte and a key per bucket, the table, and
     // the count of sessions placed (a few bytes per endpoint).
     let table = store.get(TABLE_KEY).0.unwrap().len() + store.get(&group_key(0)).0.unwrap().len();
     let sessions = store.get(SESSIONS_KEY).0.unwrap().len();

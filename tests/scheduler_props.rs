@@ -1091,7 +1091,7 @@ proptest! {
     fn affinity_buckets_round_trip(entries in vec((any::<u64>(), any::<u32>(), any::<u64>(), any::<u64>()), 0..40)) {
         let entries: Vec<Entry> = entries
             .into_iter()
-            .map(|(session, endpoint_id, last_used_ms, placement_key)| Entry { session, endpoint_id, last_used_ms, placement_key })
+            .map(|(session, endpoint_id, last_used_ms, placement_key)| Entry { session, endpoint_id, last_used_ms, placement_key, prompt_tokens: endpoint_id ^ 7 })
             .collect();
         let bytes = affinity::encode(&entries);
         prop_assert_eq!(bytes.len(), 1 + entries.len() * affinity::ENTRY_BYTES);

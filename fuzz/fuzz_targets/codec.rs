@@ -186,6 +186,7 @@ fuzz_target!(|input: Input<'_>| match input {
                 endpoint_id,
                 last_used_ms,
                 placement_key: session.rotate_left(17),
+                prompt_tokens: endpoint_id.rotate_left(5),
             })
             .collect();
         let bytes = affinity::encode(&entries);

@@ -35,6 +35,10 @@ pub struct EndpointMetrics {
     pub latency_ms: Option<u32>,
     /// The affinity payoff of its pinned turns, in thousandths (`payoff`).
     pub affinity_payoff_permille: Option<u32>,
+    /// Pinned turns judged against their previous prompt, and those that found less than
+    /// half of it cached (`payoff::cold_turn`).
+    pub pinned_turns: Option<u32>,
+    pub cold_pinned_turns: Option<u32>,
     /// Its smoothed slowness (observed ÷ expected for the work), in thousandths (`slowness`).
     pub slowness_permille: Option<u32>,
     /// Whether it is degraded (1) and saturated (1), as last stored.
@@ -162,6 +166,14 @@ impl Metrics {
                 affinity_payoff_permille: host::metric(
                     MetricType::Gauge,
                     &format!("computeflux_affinity_payoff_permille.endpoint.{n}"),
+                ),
+                pinned_turns: host::metric(
+                    MetricType::Counter,
+                    &format!("computeflux_pinned_turns_total.endpoint.{n}"),
+                ),
+                cold_pinned_turns: host::metric(
+                    MetricType::Counter,
+                    &format!("computeflux_cold_pinned_turns_total.endpoint.{n}"),
                 ),
                 slowness_permille: host::metric(
                     MetricType::Gauge,

@@ -120,6 +120,24 @@ impl Observer for Recorder<'_> {
         );
     }
 
+    fn pinned_turn(&mut self, endpoint: usize, cold: bool) {
+        if let Some(em) = self.plugin.metrics.endpoint(endpoint) {
+            Metrics::inc(em.pinned_turns);
+            if cold {
+                Metrics::inc(em.cold_pinned_turns);
+            }
+        }
+        debug!(
+            "computeflux: pinned turn on endpoint {} found {} its previous prompt cached",
+            self.name(endpoint),
+            if cold {
+                "less than half of"
+            } else {
+                "at least half of"
+            }
+        );
+    }
+
     fn pin_cookie_ignored(&mut self, why: Ignored) {
         self.plugin.metrics.pin_cookie_ignored(why);
         debug!("computeflux: pin cookie ignored ({})", why.label());

@@ -393,7 +393,7 @@ config_keys! {
         affinity_ttl_ms: u64 = 300_000, MS,
             "How long a session stays pinned to the endpoint that last served it successfully, counted from its last use. Set it near the endpoints' KV-cache lifetime.";
         affinity_max_sessions: u64 = 100_000, Spec::Int { min: 1, max: 10_000_000 },
-            "Upper bound on remembered sessions (shared memory of about 28 bytes each, never freed by Envoy). Past it, the least recently used session of a bucket is forgotten.";
+            "Upper bound on remembered sessions (shared memory of about 32 bytes each, never freed by Envoy). Past it, the least recently used session of a bucket is forgotten.";
         ewma_alpha: f64 = 0.3, Spec::UnitInterval,
             "Weight of each new sample in the raw latency estimate (time to the answer's headers; for a streamed answer, to its first body byte). Reported as a metric and used in the score of requests without a session; pin breaking and placement judge endpoints by their slowness for the work instead (see [routing](routing.md#judging-endpoints)).";
         cold_start_samples: u64 = 20, Spec::Int { min: 0, max: 1_000_000 },

@@ -127,6 +127,12 @@ impl Flow {
         if self.affinity == Some(AffinityResult::Hit) && self.attempts == 1 {
             if let Some(a) = self.current.as_mut() {
                 a.ticket.pinned_usage = usage;
+                // Did the pin pay: did it find its previous prompt cached?
+                let min = s.cfg.payoff_min_prompt_tokens;
+                let previous = a.ticket.previous_prompt_tokens;
+                if let Some(cold) = usage.and_then(|u| payoff::cold_turn(previous, &u, min)) {
+                    obs.pinned_turn(a.ticket.endpoint, cold);
+                }
             }
         }
         // The answer, judged against the work it asked for (see `signals`).

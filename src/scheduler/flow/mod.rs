@@ -57,6 +57,7 @@
 use crate::scheduler::config::{Config, ListModels};
 use crate::scheduler::health::blame;
 use crate::scheduler::health::outcome::{classify, FailureKind, Outcome};
+use crate::scheduler::routing::judge::payoff;
 use crate::scheduler::routing::judge::slowness;
 use crate::scheduler::routing::pins::pin_cookie::Ignored;
 use crate::scheduler::routing::quota::QuotaHint;
@@ -71,7 +72,7 @@ use crate::scheduler::wire::models::{self, Merged, Retrieved};
 use crate::scheduler::wire::prefix;
 use crate::scheduler::wire::reply::Reply;
 use crate::scheduler::wire::request::{parse_chat_with, RequestError};
-use crate::scheduler::wire::session::{self, derive_session, SessionHeaders, SessionSource};
+use crate::scheduler::wire::session::{self, derive_session_with, SessionSource};
 use crate::scheduler::wire::usage::{Framing, Usage, UsageScan};
 use std::borrow::Cow;
 use std::cell::Cell;
@@ -183,6 +184,9 @@ pub trait Observer {
     /// The answer `endpoint` gave reported `usage`; the request's affinity at its first pick
     /// was `affinity`.
     fn usage(&mut self, _endpoint: usize, _affinity: AffinityResult, _usage: &Usage) {}
+    /// An affinity hit's answer on `endpoint` was judged against its session's previous prompt
+    /// there: `cold` when it found less than half of it cached (`payoff::cold_turn`).
+    fn pinned_turn(&mut self, _endpoint: usize, _cold: bool) {}
     /// The request carried a pin cookie for its session that is not followed (`pin_cookie`).
     fn pin_cookie_ignored(&mut self, _why: Ignored) {}
 }
@@ -295,8 +299,6 @@ pub struct Flow {
     headers: HeaderList,
     trailers: Pairs,
     session_header: Option<Vec<u8>>,
-    /// The first agent harness session header present (`session::HARNESS_SESSION_HEADERS`).
-    harness_session: Option<Vec<u8>>,
     tenant: Option<Vec<u8>>,
     body: Vec<u8>,
     /// The body's bytes, inline media at a fixed size each (`wire::prompt_size`): what its
@@ -372,7 +374,6 @@ impl Flow {
             headers: HeaderList::default(),
             trailers: Vec::new(),
             session_header: None,
-            harness_session: None,
             tenant: None,
             body: Vec::new(),
             prompt_bytes: 0,
@@ -509,7 +510,6 @@ impl Flow {
             .header_str("content-length")
             .and_then(|v| v.trim().parse::<u64>().ok());
         self.session_header = headers.header(&cfg.session_header).map(Cow::into_owned);
-        self.harness_session = session::harness_header(&headers).map(Cow::into_owned);
         self.tenant = headers
             .header("authorization")
             .or_else(|| headers.header("x-api-key"))
@@ -628,11 +628,15 @@ impl Flow {
             Ok(r) => r,
             Err(e) => return self.refuse(obs, &e),
         };
-        let headers = SessionHeaders {
-            configured: self.session_header.as_deref(),
-            harness: self.harness_session.as_deref(),
-        };
-        let (session, mut source) = derive_session(self.tenant.as_deref(), headers, &req, &body);
+        // The harness headers are looked up in the kept copy of the request headers, and only
+        // when the configured header and `prompt_cache_key` did not decide.
+        let (session, mut source) = derive_session_with(
+            self.tenant.as_deref(),
+            self.session_header.as_deref(),
+            || session::harness_header(&self.headers),
+            &req,
+            &body,
+        );
         self.session = session;
         if s.cfg.prefix_placement {
             self.instructions = req.instructions.take().map(|i| (i, s.cfg.prefix_min_bytes));

@@ -19,6 +19,7 @@ enum Event {
     BudgetExhausted,
     Replied(&'static str),
     Usage(usize, &'static str, Usage),
+    PinnedTurn(usize, bool),
 }
 
 #[derive(Default)]
@@ -46,6 +47,9 @@ impl Observer for Log {
     fn usage(&mut self, endpoint: usize, affinity: AffinityResult, usage: &Usage) {
         self.0
             .push(Event::Usage(endpoint, affinity.label(), *usage));
+    }
+    fn pinned_turn(&mut self, endpoint: usize, cold: bool) {
+        self.0.push(Event::PinnedTurn(endpoint, cold));
     }
 }
 
@@ -988,6 +992,61 @@ fn only_an_affinity_hits_own_answer_feeds_the_payoff() {
     f.on_log(&s, &mut log, 230);
     assert_eq!(log.usages().len(), 1, "counted as usage");
     assert_eq!((payoff(0).samples, payoff(1).samples), (1, 0));
+}
+
+/// Did the pin pay: each affinity hit's answer is judged against the prompt its session's
+/// previous answer on that endpoint reported; cold when less than half of it was cached.
+#[test]
+fn a_pinned_turn_is_judged_against_its_sessions_previous_prompt() {
+    let c = cfg(json!({"tuning": {"payoff_min_prompt_tokens": 100}}));
+    let store = MemStore::new();
+    let s = Scheduler::new(&c, &store);
+    let json_ok = pairs(&[(":status", "200"), ("content-type", "application/json")]);
+    let answer = |prompt: u64, cached: u64| {
+        format!(
+            r#"{{"choices":[],"usage":{{"prompt_tokens":{prompt},"completion_tokens":4,"prompt_tokens_details":{{"cached_tokens":{cached}}}}}}}"#
+        )
+    };
+    let turn = |session: &str, prompt: u64, cached: u64, usage: bool, now: u64| {
+        let mut log = Log::default();
+        let mut f = Flow::default();
+        let step = route(
+            &mut f,
+            &s,
+            &mut log,
+            post_headers(&[("x-session-id", session)]),
+            now,
+        );
+        assert_eq!(step, Step::Route(0));
+        f.on_response_headers(&s, &mut log, &json_ok, false, now + 5);
+        if usage {
+            f.on_response_data(answer(prompt, cached).as_bytes());
+        } else {
+            f.on_response_data(br#"{"choices":[]}"#);
+        }
+        f.on_response_end(&s, &mut log, now + 9);
+        f.on_log(&s, &mut log, now + 10);
+        log.0
+            .into_iter()
+            .filter_map(|e| match e {
+                Event::PinnedTurn(i, cold) => Some((i, cold)),
+                _ => None,
+            })
+            .collect::<Vec<_>>()
+    };
+    // The first turn has nothing to be judged against; the second found its 1 000 cached.
+    assert_eq!(turn("p", 1_000, 0, true, 0), vec![]);
+    assert_eq!(turn("p", 1_200, 992, true, 100), vec![(0, false)]);
+    // The third found 400 of the previous 1 200: cold (so is a miss of the whole prompt).
+    assert_eq!(turn("p", 1_400, 400, true, 200), vec![(0, true)]);
+    assert_eq!(turn("p", 1_600, 0, true, 300), vec![(0, true)]);
+    // An answer without usage teaches nothing, and leaves the next turn unjudged.
+    assert_eq!(turn("p", 0, 0, false, 400), vec![]);
+    assert_eq!(turn("p", 1_800, 0, true, 500), vec![]);
+    assert_eq!(turn("p", 2_000, 1_800, true, 600), vec![(0, false)]);
+    // A previous prompt below `payoff_min_prompt_tokens` is not judged.
+    assert_eq!(turn("q", 90, 0, true, 700), vec![]);
+    assert_eq!(turn("q", 120, 0, true, 800), vec![]);
 }
 
 // What a request brings on itself is not held against the endpoint, a body the

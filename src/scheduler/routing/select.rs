@@ -266,11 +266,10 @@ impl<'a> Scheduler<'a> {
     /// Chooses the endpoint for one attempt and starts it (in-flight +1, probe slot taken).
     pub fn pick(&self, pick: &Pick<'_>, now_ms: u64) -> Result<Decision, NoEndpoint> {
         let (candidates, _) = self.candidates(pick)?;
-        let local = pick.session.and_then(|s| {
-            self.affinity()
-                .lookup_keyed(s, now_ms)
-                .map(|(id, k)| (s, id, k))
-        });
+        let entry = pick
+            .session
+            .and_then(|s| self.affinity().lookup_entry(s, now_ms).map(|e| (s, e)));
+        let local = entry.map(|(s, e)| (s, e.endpoint_id, e.placement_key));
         // The prefix key the pin recorded (the one its session was placed by) is its home's key
         // on this turn too: the instructions need not be hashed again (see `affinity`). Only
         // for a request that has instructions at all, as the key would come from them.
@@ -350,6 +349,7 @@ impl<'a> Scheduler<'a> {
                     quota_tokens: 0,
                     quota_mark: QuotaMark::default(),
                     placement_key: 0,
+                    previous_prompt_tokens: 0,
                 };
                 Ok(Decision {
                     endpoint: c.endpoint,
@@ -401,6 +401,12 @@ impl<'a> Scheduler<'a> {
         if let (Ok(d), true) = (&mut decision, self.cfg.prefix_placement) {
             if pick.session.is_some() {
                 d.ticket.placement_key = pick.prefix.get().unwrap_or(0);
+            }
+        }
+        // A turn sent where its session's last answer was: what that answer's prompt was.
+        if let (Ok(d), Some((_, e))) = (&mut decision, entry) {
+            if e.endpoint_id == d.ticket.endpoint_id {
+                d.ticket.previous_prompt_tokens = u64::from(e.prompt_tokens);
             }
         }
         // A session moved away from a saturated endpoint is marked, so that it is not moved
@@ -511,6 +517,7 @@ impl<'a> Scheduler<'a> {
             quota_tokens,
             quota_mark,
             placement_key: 0,
+            previous_prompt_tokens: 0,
         };
         let write = if same_layout {
             Write::Groups {

@@ -125,9 +125,28 @@ pub fn derive_session(
     req: &ChatRequest,
     body: &[u8],
 ) -> (Option<u64>, SessionSource) {
+    derive_session_with(
+        tenant,
+        headers.configured,
+        || headers.harness.map(Cow::Borrowed),
+        req,
+        body,
+    )
+}
+
+/// [`derive_session`] with the harness header looked up only when the configured header and
+/// `prompt_cache_key` did not decide (`harness`, called at most once): most requests that
+/// carry a session id carry it there, and the five lookups cost them for nothing.
+pub fn derive_session_with<'h>(
+    tenant: Option<&[u8]>,
+    configured: Option<&[u8]>,
+    harness: impl FnOnce() -> Option<Cow<'h, [u8]>>,
+    req: &ChatRequest,
+    body: &[u8],
+) -> (Option<u64>, SessionSource) {
     let tenant = tenant.unwrap_or(b"");
     let explicit = |id: &[u8]| Some(session_key(tenant, &[b"h:", id].concat()));
-    if let Some(h) = headers.configured.filter(|h| !h.is_empty()) {
+    if let Some(h) = configured.filter(|h| !h.is_empty()) {
         return (explicit(h), SessionSource::Header);
     }
     let cache_key = req
@@ -138,8 +157,8 @@ pub fn derive_session(
     if let Some(k) = cache_key {
         return (explicit(k), SessionSource::PromptCacheKey);
     }
-    if let Some(h) = headers.harness.filter(|h| !h.is_empty()) {
-        return (explicit(h), SessionSource::HarnessHeader);
+    if let Some(h) = harness().filter(|h| !h.is_empty()) {
+        return (explicit(&h), SessionSource::HarnessHeader);
     }
     if let Some(u) = &req.user {
         return (
@@ -287,6 +306,27 @@ mod tests {
             harness_header(list(&[("x-session-id", "a")]).as_slice()),
             None
         );
+    }
+
+    /// The harness headers are looked up only when the configured header and
+    /// `prompt_cache_key` did not decide, and then once.
+    #[test]
+    fn harness_lookup_only_when_undecided() {
+        let lookups = std::cell::Cell::new(0u32);
+        let harness = || {
+            lookups.set(lookups.get() + 1);
+            Some(Cow::Borrowed(&b"claude-1"[..]))
+        };
+        let derive = |configured: Option<&[u8]>, body: &str| {
+            let r = parse_chat(body.as_bytes()).unwrap();
+            derive_session_with(Some(b"k"), configured, harness, &r, body.as_bytes()).1
+        };
+        assert_eq!(derive(Some(b"s1"), FULL), SessionSource::Header);
+        assert_eq!(derive(None, FULL), SessionSource::PromptCacheKey);
+        assert_eq!(lookups.get(), 0);
+        let no_pck = r#"{"model":"m","user":"u","messages":[{"role":"user","content":"q"}]}"#;
+        assert_eq!(derive(Some(b""), no_pck), SessionSource::HarnessHeader);
+        assert_eq!(lookups.get(), 1);
     }
 
     #[test]

@@ -18,6 +18,8 @@
 //!           completion = completion_tokens
 //! Anthropic prompt = input_tokens + cache_creation_input_tokens + cache_read_input_tokens
 //!           cached = cache_read_input_tokens   completion = output_tokens
+//! llama.cpp as OpenAI, and where `usage` states no cached tokens: cached = timings.cache_n
+//!           (its `timings` object, written after `usage`)
 //! ```
 //!
 //! Not counted: an answer without a usage object (or whose usage is not in the last
@@ -165,11 +167,32 @@ fn last_usage(window: &[u8]) -> Option<Usage> {
         }
         let mut values = serde_json::Deserializer::from_slice(rest).into_iter::<RawUsage>();
         return match values.next() {
-            Some(Ok(raw)) => raw.usage(),
+            Some(Ok(raw)) => raw.usage().map(|u| match raw.states_cached() {
+                true => u,
+                // llama.cpp: the prompt cache's hit is in `timings`, after `usage`.
+                false => Usage {
+                    cached_tokens: cache_n(rest).unwrap_or(0).min(u.prompt_tokens),
+                    ..u
+                },
+            }),
             _ => None,
         };
     }
     None
+}
+
+/// llama.cpp's `"timings": {"cache_n": N, …}` in `after` (the bytes from the `usage` object on).
+fn cache_n(after: &[u8]) -> Option<u64> {
+    #[derive(Deserialize)]
+    struct Timings {
+        cache_n: Option<u64>,
+    }
+    let at = find_last(after, b"\"timings\"")?;
+    let rest = after.get(at + 9..)?.trim_ascii_start().strip_prefix(b":")?;
+    let mut values =
+        serde_json::Deserializer::from_slice(rest.trim_ascii_start()).into_iter::<Timings>();
+    let n = values.next()?.ok()?.cache_n?;
+    Some(n.min(MAX_TOKENS))
 }
 
 fn find_last(hay: &[u8], needle: &[u8]) -> Option<usize> {
@@ -199,6 +222,15 @@ struct RawUsage {
 }
 
 impl RawUsage {
+    /// Whether the object itself states the cached tokens (OpenAI's details, Anthropic's
+    /// cache read).
+    fn states_cached(&self) -> bool {
+        self.prompt_tokens_details
+            .as_ref()
+            .is_some_and(|d| d.cached_tokens.is_some())
+            || self.cache_read_input_tokens.is_some()
+    }
+
     fn usage(&self) -> Option<Usage> {
         let cap = |v: Option<u64>| v.unwrap_or(0).min(MAX_TOKENS);
         let u = if self.prompt_tokens.is_some() || self.completion_tokens.is_some() {
@@ -263,6 +295,24 @@ data: [DONE]\n\n";
     const ANTHROPIC_SSE: &[u8] = b"event: message_start\ndata: {\"type\":\"message_start\",\"message\":{\"usage\":{\"input_tokens\":1,\"output_tokens\":1}}}\n\n\
 event: message_delta\ndata: {\"type\":\"message_delta\",\"usage\":{\"input_tokens\":10,\"cache_creation_input_tokens\":5,\"cache_read_input_tokens\":2000,\"output_tokens\":42}}\n\n\
 event: message_stop\ndata: {\"type\":\"message_stop\"}\n\n";
+
+    /// llama.cpp states its prompt-cache hit in `timings.cache_n`, after `usage`; a `usage`
+    /// that states cached tokens itself wins.
+    #[test]
+    fn llama_cpp_timings_cache_n() {
+        let plain = br#"{"choices":[],"usage":{"completion_tokens":5,"prompt_tokens":300,"total_tokens":305},"id":"x","timings":{"cache_n":256,"prompt_n":44}}"#;
+        assert_eq!(scan(Framing::Json, plain), usage(300, 256, 5));
+        let streamed = b"data: {\"choices\":[],\"usage\":{\"completion_tokens\":5,\"prompt_tokens\":300},\"timings\":{\"cache_n\":299}}\n\ndata: [DONE]\n\n";
+        assert_eq!(scan(Framing::EventStream, streamed), usage(300, 299, 5));
+        let stated = br#"{"usage":{"completion_tokens":5,"prompt_tokens":300,"prompt_tokens_details":{"cached_tokens":16}},"timings":{"cache_n":256}}"#;
+        assert_eq!(scan(Framing::Json, stated), usage(300, 16, 5));
+        let above =
+            br#"{"usage":{"completion_tokens":5,"prompt_tokens":300},"timings":{"cache_n":9999}}"#;
+        assert_eq!(scan(Framing::Json, above), usage(300, 300, 5));
+        let garbage =
+            br#"{"usage":{"completion_tokens":5,"prompt_tokens":300},"timings":{"cache_n":-1}}"#;
+        assert_eq!(scan(Framing::Json, garbage), usage(300, 0, 5));
+    }
 
     #[test]
     fn a_stream_buffer_is_sized_once_from_its_second_chunk() {

@@ -60,6 +60,8 @@
 //! Needs `.venv/bin/envoy` (or `ENVOY_BIN`), the release wasm module and mock (built by the
 //! harness if missing) and `wrk` on the PATH for the overhead part; `scripts/bench` sees to all.
 
+#[path = "bench/data_parallel.rs"]
+mod data_parallel;
 #[path = "bench/deployment.rs"]
 mod deployment;
 #[path = "bench/filter_stats.rs"]
@@ -143,6 +145,8 @@ struct Args {
     membership: Vec<membership::Change>,
     /// `--policies` was given (else the membership runs compare their own default set).
     policies_given: bool,
+    /// `--data-parallel R`: only the data-parallel scenario, `dp` with R ranks.
+    data_parallel: Option<usize>,
 }
 
 fn parse() -> Result<Args, String> {
@@ -200,6 +204,7 @@ fn parse() -> Result<Args, String> {
         replicate_all: false,
         membership: Vec::new(),
         policies_given: false,
+        data_parallel: None,
     };
     let mut it = raw.into_iter();
     while let Some(flag) = it.next() {
@@ -347,6 +352,14 @@ fn parse() -> Result<Args, String> {
                     .collect::<Result<Vec<_>, _>>()?
                     .concat();
             }
+            "--data-parallel" => {
+                a.data_parallel = Some(
+                    v.parse::<usize>()
+                        .ok()
+                        .filter(|r| (2..=4).contains(r))
+                        .ok_or_else(|| format!("--data-parallel {v}: ranks in 2..=4"))?,
+                )
+            }
             "--render" => a.render = Some(PathBuf::from(v)),
             "--raw-dir" => a.raw_dir = Some(PathBuf::from(v)),
             other => return Err(format!("unknown flag {other}")),
@@ -412,6 +425,9 @@ fn machine() -> String {
 fn run(a: Args) -> Result<(), String> {
     if !a.membership.is_empty() {
         return run_membership(&a);
+    }
+    if let Some(ranks) = a.data_parallel {
+        return run_data_parallel(&a, ranks);
     }
     let started = Instant::now();
     std::fs::create_dir_all(&a.out).map_err(|e| format!("{}: {e}", a.out.display()))?;
@@ -774,6 +790,105 @@ fn run_membership(a: &Args) -> Result<(), String> {
         "pool_cluster_lb": membership::override_host_policy(),
         "scenarios": a.membership.iter().map(|c| json!({"name": c.name(), "description": c.describe(span_ms)})).collect::<Vec<_>>(),
         "runs": rows.iter().map(membership_summary::MembershipSummary::to_json).collect::<Vec<_>>(),
+    }))
+    .map_err(|e| e.to_string())?
+        + "\n";
+    for (name, text) in [("latest.md", md), ("latest.json", json_text)] {
+        let p = a.out.join(name);
+        std::fs::write(&p, text).map_err(|e| format!("{}: {e}", p.display()))?;
+        eprintln!("bench: wrote {}", p.display());
+    }
+    Ok(())
+}
+
+/// `--data-parallel R`: one endpoint with R data-parallel ranks (`bench/data_parallel.rs`),
+/// the filter pinning ranks, the filter without ranks, ring_hash; one Envoy and three. Written
+/// to `OUT/latest.md` and `OUT/latest.json`.
+fn run_data_parallel(a: &Args, ranks: usize) -> Result<(), String> {
+    let started = Instant::now();
+    std::fs::create_dir_all(&a.out).map_err(|e| format!("{}: {e}", a.out.display()))?;
+    let load_at_start = std::fs::read_to_string("/proc/loadavg").unwrap_or_default();
+    let wasm = support::wasm_path();
+    let mut mock_args = mock_args(a);
+    mock_args.extend(["--history".into(), "20000".into()]);
+    let opts = data_parallel::DpOpts {
+        ranks,
+        mock_args: mock_args.clone(),
+        deploy: deployment::DeployOpts {
+            replicas: 1,
+            concurrency: 2,
+            replica_concurrency: a.replica_concurrency,
+            front_concurrency: a.front_concurrency,
+            drain_s: a.drain_s,
+        },
+        envoy_retries: a.envoy_retries,
+        open_ms: a.open_ms,
+        request_timeout: Duration::from_secs(30),
+    };
+    // One model that both endpoints serve; the rest as the command line says.
+    let mut w = a.workload.clone();
+    w.second_model_share = 0.0;
+    let plans = workload::plan(&w);
+    let span_ms = workload::SessionPlan::last_arrival_ms(&plans);
+    let mut rows = Vec::new();
+    for &n in &a.replicas {
+        for r in data_parallel::Routing::ALL {
+            eprintln!("bench: data-parallel {} × {n}", r.name());
+            let s = data_parallel::run(r, n, &plans, &opts, &wasm)?;
+            eprintln!(
+                "bench:   cached {:.1} %, follow-ups on endpoint+rank {}/{}, dp ranks {:?}, \
+                 errors {}, p50 {:.0} ms, p99 {:.0} ms, {:.1} s",
+                s.cached_ratio() * 100.0,
+                s.same_rank,
+                s.follow_ups,
+                s.dp_ranks,
+                s.errors,
+                s.p50_ms,
+                s.p99_ms,
+                s.wall_s
+            );
+            rows.push(s);
+        }
+    }
+    let load_at_end = std::fs::read_to_string("/proc/loadavg").unwrap_or_default();
+    let meta = [
+        ("command", format!("`{}`", a.command)),
+        ("commit", a.commit.clone()),
+        ("date", a.date.clone()),
+        ("machine", machine()),
+        ("load average (/proc/loadavg) at start", load_at_start.trim().to_string()),
+        ("load average at end", load_at_end.trim().to_string()),
+        ("Envoy", envoy_version()),
+        (
+            "fleet",
+            format!(
+                "`dp`: one engine with {ranks} data-parallel ranks (a prefix cache each), \
+                 `solo`: one engine with one; mocks: {}",
+                mock_args.join(" ")
+            ),
+        ),
+        (
+            "workload",
+            format!(
+                "{} sessions of {} turns, {} sessions/s, think {} ms, arrivals over {:.1} s, seed {}",
+                w.sessions,
+                w.turns,
+                w.rate_per_s,
+                w.think_ms,
+                span_ms as f64 / 1000.0,
+                w.seed
+            ),
+        ),
+        (
+            "topologies",
+            "one Envoy (--concurrency 2); three replicas behind a round-robin front Envoy".into(),
+        ),
+        ("wall", format!("{:.0} s", started.elapsed().as_secs_f64())),
+    ];
+    let md = data_parallel::markdown(&meta, &rows);
+    let json_text = serde_json::to_string_pretty(&json!({
+        "meta": meta.iter().map(|(k, v)| (k.to_string(), json!(v))).collect::<serde_json::Map<_, _>>(),
+        "runs": rows.iter().map(data_parallel::DpSummary::to_json).collect::<Vec<_>>(),
     }))
     .map_err(|e| e.to_string())?
         + "\n";

@@ -22,7 +22,11 @@
 //!   model is accepted.
 //! - `--prefill-us-per-token N` (200): prefill cost per *uncached* prompt token, in µs.
 //! - `--decode-ms N` (20): decode time of a whole answer (streamed answers spread it over chunks).
-//! - `--cache-tokens N` (200000): KV-cache capacity in tokens (LRU over blocks).
+//! - `--cache-tokens N` (200000): KV-cache capacity in tokens (LRU over blocks), per rank.
+//! - `--data-parallel-size N` (1): data-parallel ranks, each with its own prefix cache; the
+//!   request header `x-data-parallel-rank` picks one, else the least loaded (see
+//!   `mock_upstream/ranks.rs`). Answers carry `x-mock-rank`; `/_mock/stats` has `ranks`; the
+//!   vLLM `/metrics` repeats every series per rank (`engine="<k>"`).
 //! - `--block-tokens N` (16): tokens per cache block (vLLM's default block size).
 //! - `--completion-tokens N` (16): answer length; capped by the request's `max_tokens` /
 //!   `max_completion_tokens`.
@@ -122,6 +126,8 @@ mod fault;
 mod openai;
 #[path = "mock_upstream/quota.rs"]
 mod quota;
+#[path = "mock_upstream/ranks.rs"]
+mod ranks;
 
 use std::collections::{BTreeMap, VecDeque};
 use std::convert::Infallible;
@@ -146,7 +152,7 @@ use serde_json::{json, Value};
 use tokio::net::{TcpListener, TcpSocket, TcpStream};
 use tokio::sync::{mpsc, watch, Notify, OwnedSemaphorePermit, Semaphore};
 
-use cache::{token_count, PrefixCache};
+use cache::token_count;
 use fault::{Fault, Mode};
 
 type Body = BoxBody<Bytes, Infallible>;
@@ -173,6 +179,7 @@ struct Args {
     prefill_us_per_token: u64,
     decode_ms: u64,
     cache_tokens: u64,
+    data_parallel_size: usize,
     block_tokens: usize,
     completion_tokens: u64,
     max_concurrency: usize,
@@ -199,6 +206,7 @@ fn parse_args() -> Result<Args, String> {
         prefill_us_per_token: 200,
         decode_ms: 20,
         cache_tokens: 200_000,
+        data_parallel_size: 1,
         block_tokens: 16,
         completion_tokens: 16,
         max_concurrency: 0,
@@ -258,6 +266,14 @@ fn parse_args() -> Result<Args, String> {
             "--prefill-us-per-token" => a.prefill_us_per_token = num(&value)?,
             "--decode-ms" => a.decode_ms = num(&value)?,
             "--cache-tokens" => a.cache_tokens = num(&value)?,
+            "--data-parallel-size" => {
+                a.data_parallel_size = usize::try_from(num(&value)?)
+                    .ok()
+                    .filter(|n| (1..=ranks::MAX_RANKS).contains(n))
+                    .ok_or_else(|| {
+                        format!("--data-parallel-size {value}: 1..={}", ranks::MAX_RANKS)
+                    })?
+            }
             "--block-tokens" => a.block_tokens = num(&value)?.max(1) as usize,
             "--completion-tokens" => a.completion_tokens = num(&value)?.max(1),
             "--max-concurrency" => a.max_concurrency = num(&value)? as usize,
@@ -306,7 +322,8 @@ struct Stats {
 struct State {
     stats: Stats,
     log: VecDeque<Value>,
-    cache: PrefixCache,
+    /// The data-parallel ranks, each with its prefix cache (one rank by default).
+    ranks: ranks::Ranks,
     fault: Fault,
     fault_gen: u64,
     responses: apis::ResponseStore,
@@ -369,9 +386,10 @@ impl Mock {
             "quota_rejected": st.quota.rejected,
             "in_flight": self.in_flight.load(Ordering::SeqCst),
             "by_session": st.stats.by_session,
-            "cache_blocks": st.cache.len(),
-            "cache_capacity_blocks": st.cache.capacity_blocks(),
-            "block_tokens": st.cache.block_tokens(),
+            "cache_blocks": st.ranks.blocks(),
+            "cache_capacity_blocks": st.ranks.capacity_blocks(),
+            "block_tokens": self.args.block_tokens,
+            "ranks": st.ranks.to_json(),
             "fault": st.fault.to_json(),
             "listening": *self.bound.borrow(),
             "stored_responses": st.responses.len(),
@@ -399,8 +417,8 @@ impl Mock {
             waiting: n(&self.waiting),
             running: n(&self.running),
             kv_blocks_used: n(&self.kv_blocks_used),
-            kv_blocks_total: st.cache.capacity_blocks() as u64,
-            block_tokens: st.cache.block_tokens() as u64,
+            kv_blocks_total: st.ranks.capacity_blocks() as u64,
+            block_tokens: self.args.block_tokens as u64,
             prompt_tokens_total: st.stats.prompt_tokens,
             cached_tokens_total: st.stats.cached_tokens,
             generation_tokens_total: st.stats.completion_tokens,
@@ -409,6 +427,43 @@ impl Mock {
             decode_us_total: self.decode_us_total.load(Ordering::SeqCst),
             decode_tokens_total: self.decode_tokens_total.load(Ordering::SeqCst),
         }
+    }
+
+    /// `/metrics`: with several ranks in the vLLM dialect, every series per rank (its cache,
+    /// its token counters, its requests in flight as running; the engine's queue and held KV
+    /// blocks shared out evenly); otherwise the engine's one exposition.
+    fn metrics_text(&self) -> String {
+        let load = self.load();
+        let n = self.args.data_parallel_size;
+        if n <= 1 || self.args.metrics_format != engine::Format::Vllm {
+            return engine::render_metrics(self.args.metrics_format, &load);
+        }
+        let st = self.lock();
+        let share = |v: u64, k: usize| v / n as u64 + u64::from((k as u64) < v % n as u64);
+        let per_rank: Vec<String> = (0..n)
+            .map(|k| {
+                let r = st.ranks.stats.get(k).copied().unwrap_or_default();
+                let rank = engine::Load {
+                    waiting: share(load.waiting, k),
+                    running: st.ranks.in_flight(k).max(0) as u64,
+                    kv_blocks_used: share(load.kv_blocks_used, k),
+                    kv_blocks_total: st
+                        .ranks
+                        .caches
+                        .get(k)
+                        .map_or(0, |c| c.capacity_blocks() as u64),
+                    prompt_tokens_total: r.prompt_tokens,
+                    cached_tokens_total: r.cached_tokens,
+                    generation_tokens_total: r.completion_tokens,
+                    requests_total: r.requests,
+                    decode_us_total: share(load.decode_us_total, k),
+                    decode_tokens_total: share(load.decode_tokens_total, k),
+                    ..load.clone()
+                };
+                engine::render_metrics(engine::Format::Vllm, &rank)
+            })
+            .collect();
+        ranks::label_ranks(&per_rank)
     }
 
     /// Counts `tokens` output tokens decoded in `time` (the simulated decode, slowdowns
@@ -552,6 +607,8 @@ struct Record {
     cached_tokens: Option<u64>,
     /// Bytes of the request body received.
     body_bytes: usize,
+    /// The data-parallel rank that served it (once chosen).
+    rank: Option<usize>,
 }
 
 impl Record {
@@ -569,6 +626,7 @@ impl Record {
             "prompt_tokens": self.prompt_tokens,
             "cached_tokens": self.cached_tokens,
             "body_bytes": self.body_bytes,
+            "rank": self.rank,
         })
     }
 }
@@ -595,6 +653,8 @@ struct Serve {
     cached_tokens: u64,
     completion_tokens: u64,
     hashes: Vec<u64>,
+    /// The data-parallel rank serving it.
+    rank: usize,
     factor: f64,
     extra_delay_ms: u64,
     pad_bytes: u64,
@@ -639,8 +699,10 @@ async fn chat(mock: Arc<Mock>, conn: Arc<Conn>, req: Request<Incoming>) -> Respo
         Plan::Hang => std::future::pending().await,
         Plan::Serve(s) => {
             let blocks = (s.prompt_tokens + s.completion_tokens)
-                .div_ceil(mock.lock().cache.block_tokens().max(1) as u64);
+                .div_ceil(mock.args.block_tokens.max(1) as u64);
+            let rank = mock.lock().ranks.hold(s.rank);
             let busy = Busy {
+                _rank: rank,
                 _in_flight: guard,
                 _permit: permit,
                 _slot: slot,
@@ -701,6 +763,7 @@ fn decide(
         prompt_tokens: None,
         cached_tokens: None,
         body_bytes: body.as_ref().map_or(0, Bytes::len),
+        rank: None,
     };
 
     let mut guard = mock.lock();
@@ -886,8 +949,19 @@ fn decide(
         }
     };
     let prompt_tokens = token_count(prompt.len());
-    let hashes = st.cache.block_hashes(&model, prompt.as_bytes());
-    let cached_tokens = (st.cache.cached_blocks(&hashes) * st.cache.block_tokens()) as u64;
+    let rank = match st
+        .ranks
+        .choose(entry.headers.get(ranks::RANK_HEADER).map(String::as_str))
+    {
+        Ok(k) => k,
+        Err(msg) => return error(st, entry, 400, msg),
+    };
+    entry.rank = Some(rank);
+    let Some(cache) = st.ranks.cache(rank) else {
+        return error(st, entry, 500, format!("rank {rank} has no cache"));
+    };
+    let hashes = cache.block_hashes(&model, prompt.as_bytes());
+    let cached_tokens = (cache.cached_blocks(&hashes) * cache.block_tokens()) as u64;
     let max_tokens = req
         .get("max_completion_tokens")
         .or_else(|| req.get("max_tokens"))
@@ -924,6 +998,12 @@ fn decide(
     st.stats.prompt_tokens += prompt_tokens;
     st.stats.cached_tokens += cached_tokens;
     st.stats.completion_tokens += completion_tokens;
+    if let Some(r) = st.ranks.stats.get_mut(rank) {
+        r.requests += 1;
+        r.prompt_tokens += prompt_tokens;
+        r.cached_tokens += cached_tokens;
+        r.completion_tokens += completion_tokens;
+    }
     entry.prompt_tokens = Some(prompt_tokens);
     entry.cached_tokens = Some(cached_tokens);
     let response_id = format!("resp_{}_{seq}", mock.args.name);
@@ -949,6 +1029,7 @@ fn decide(
         cached_tokens,
         completion_tokens,
         hashes,
+        rank,
         factor,
         extra_delay_ms,
         pad_bytes,
@@ -964,6 +1045,7 @@ fn scaled(d: Duration, factor: f64) -> Duration {
 
 /// Holds a request's in-flight count, concurrency slot and KV blocks until dropped.
 struct Busy {
+    _rank: ranks::Held,
     _in_flight: InFlight,
     _permit: Option<OwnedSemaphorePermit>,
     _slot: Gauge,
@@ -1007,7 +1089,9 @@ async fn serve(mock: Arc<Mock>, conn: Arc<Conn>, guard: Busy, s: Serve) -> Respo
     if !wait.is_zero() {
         tokio::time::sleep(wait).await;
     }
-    mock.lock().cache.touch(&s.hashes);
+    if let Some(c) = mock.lock().ranks.cache(s.rank) {
+        c.touch(&s.hashes);
+    }
 
     let decode = scaled(Duration::from_millis(a.decode_ms), factor);
     let id = format!("chatcmpl-{}-{}", a.name, s.seq);
@@ -1106,6 +1190,7 @@ fn answer_headers(r: &mut Response<Body>, mock: &Mock, s: &Serve) {
     set_header(r, "x-mock-endpoint", &mock.args.name);
     set_header(r, "x-mock-prompt-tokens", &s.prompt_tokens.to_string());
     set_header(r, "x-mock-cached-tokens", &s.cached_tokens.to_string());
+    set_header(r, "x-mock-rank", &s.rank.to_string());
     set_header(r, "x-mock-request-seq", &s.seq.to_string());
     for (k, v) in &s.quota_headers {
         set_header(r, k, v);
@@ -1155,7 +1240,9 @@ async fn serve_batched(mock: Arc<Mock>, conn: Arc<Conn>, guard: Busy, s: Serve) 
         if !wait.is_zero() {
             tokio::time::sleep(wait).await;
         }
-        mock.lock().cache.touch(&s.hashes);
+        if let Some(c) = mock.lock().ranks.cache(s.rank) {
+            c.touch(&s.hashes);
+        }
     }
     let a = &mock.args;
     let id = format!("chatcmpl-{}-{}", a.name, s.seq);
@@ -1384,7 +1471,7 @@ async fn handle(
         }
         (Method::GET, "/_mock/stats") => json_response(200, &mock.stats_json()),
         (Method::GET, "/metrics") => {
-            let text = engine::render_metrics(mock.args.metrics_format, &mock.load());
+            let text = mock.metrics_text();
             let mut r = Response::new(full(text));
             set_header(
                 &mut r,
@@ -1441,7 +1528,7 @@ async fn handle(
             json_response(200, &json!({"ok": true}))
         }
         (Method::POST, "/_mock/flush_cache") => {
-            mock.lock().cache.flush();
+            mock.lock().ranks.flush();
             json_response(200, &json!({"ok": true}))
         }
         (_, p) => json_response(
@@ -1601,7 +1688,11 @@ async fn run(args: Args) -> Result<(), String> {
         state: Mutex::new(State {
             stats: Stats::default(),
             log: VecDeque::new(),
-            cache: PrefixCache::new(args.cache_tokens, args.block_tokens),
+            ranks: ranks::Ranks::new(
+                args.data_parallel_size,
+                args.cache_tokens,
+                args.block_tokens,
+            ),
             fault: Fault::none(),
             fault_gen: 0,
             responses: apis::ResponseStore::new(MAX_STORED_RESPONSES),

@@ -32,6 +32,16 @@
 //! and an endpoint whose cache comes back is weighed in full again. The decision is a boolean
 //! of smoothed state, so replicas (each measuring its own traffic) agree on it except while an
 //! endpoint's payoff sits near the floor.
+//!
+//! **Did the pin pay?** ([`cold_turn`]) The payoff is an average; a user debugging a cold cache
+//! also wants to count the pinned turns that missed. A pinned turn is judged against what its
+//! session's previous answer on the same endpoint said its prompt was (the affinity entry
+//! records it, see `affinity`): the turn is **cold** when it found less than half of that
+//! prompt cached, that is `2 · cached < min(previous prompt, this prompt)` (a prompt that
+//! shrank, compacted history, is held only to itself). Only judged when that prompt has at
+//! least `payoff_min_prompt_tokens` (hosted APIs cache nothing shorter). Counted per endpoint
+//! (`computeflux_pinned_turns_total`, `computeflux_cold_pinned_turns_total`): an engine whose
+//! cache evicts conversations before their next turn shows a high cold share.
 
 use crate::scheduler::config::Config;
 use crate::scheduler::state::codec::{Reader, Writer};
@@ -70,6 +80,17 @@ pub const PAYOFF_MIN_SAMPLES: u64 = 5;
 /// Above zero, so that a few sessions still go there and show when its cache works again. Not
 /// a key: the measured default.
 pub const PAYOFF_WEIGHT: f64 = 0.125;
+
+/// Whether a pinned turn whose session's previous answer there had `previous_prompt_tokens`
+/// found less than half of that prompt cached (see the module doc): `None` when it is not
+/// judged (previous prompt unknown, or below `min_prompt_tokens`, at least 1).
+pub fn cold_turn(previous_prompt_tokens: u64, u: &Usage, min_prompt_tokens: u64) -> Option<bool> {
+    let base = previous_prompt_tokens.min(u.prompt_tokens);
+    if base < min_prompt_tokens.max(1) {
+        return None;
+    }
+    Some(u.cached_tokens.min(u.prompt_tokens).saturating_mul(2) < base)
+}
 
 impl PayoffRule {
     /// The rule the configuration asks for (`tuning.payoff_floor`, with
@@ -209,6 +230,28 @@ mod tests {
         let mut q = Payoff::default();
         q.observe(&usage(10, 99), 1);
         assert_eq!(q.permille(), 1000);
+    }
+
+    #[test]
+    fn cold_turns_worked_examples() {
+        // The previous answer's prompt was 3 000 tokens; this turn's is 3 400.
+        assert_eq!(cold_turn(3_000, &usage(3_400, 2_992), 1024), Some(false));
+        assert_eq!(
+            cold_turn(3_000, &usage(3_400, 1_500), 1024),
+            Some(false),
+            "half"
+        );
+        assert_eq!(cold_turn(3_000, &usage(3_400, 1_499), 1024), Some(true));
+        assert_eq!(cold_turn(3_000, &usage(3_400, 0), 1024), Some(true));
+        // Unknown or short previous prompts are not judged.
+        assert_eq!(cold_turn(0, &usage(3_400, 0), 1024), None);
+        assert_eq!(cold_turn(1_000, &usage(3_400, 0), 1024), None);
+        assert_eq!(cold_turn(16, &usage(40, 0), 0), Some(true));
+        // A prompt that shrank (compacted) is held to itself.
+        assert_eq!(cold_turn(8_000, &usage(2_000, 1_200), 1024), Some(false));
+        assert_eq!(cold_turn(8_000, &usage(900, 0), 1024), None);
+        // Cached above the prompt counts as the prompt.
+        assert_eq!(cold_turn(3_000, &usage(1_100, 9_999), 1024), Some(false));
     }
 
     #[test]

@@ -7,7 +7,7 @@
 //! fixed set of hashed buckets (one shared-data value each, written with CAS), each holding at
 //! most its share of `affinity_max_sessions` entries. A write prunes expired entries and, when
 //! the bucket is still full, evicts the least recently used one: memory is bounded by
-//! `affinity_max_sessions × 28 bytes` whatever sessions arrive. Entries hold a 64-bit hash of
+//! `affinity_max_sessions × 32 bytes` whatever sessions arrive. Entries hold a 64-bit hash of
 //! the (tenant-scoped) session id, never the id itself.
 //!
 //! An entry also records the prefix key its session was placed by (0: none or unknown; see
@@ -23,6 +23,10 @@
 //! is not any version's (garbage, a version this code knows with a broken length) is read as
 //! empty and rewritten. Before this rule, an old module still draining read a newer bucket as
 //! empty and overwrote it, up to 64 pins a write.
+//!
+//! An entry also records the prompt tokens of its session's last answer (0: unknown), so that
+//! the next pinned turn can tell whether its endpoint still had that prompt cached (see
+//! `payoff::cold_turn`). Version-2 buckets (no prompt) read as prompts unknown.
 
 use crate::scheduler::state::codec::{Reader, Writer};
 use crate::scheduler::state::store::{numbered_key, update_if, Store};
@@ -30,14 +34,17 @@ use crate::scheduler::state::store::{numbered_key, update_if, Store};
 /// Entries per bucket aimed for: small values keep each CAS write cheap.
 const TARGET_PER_BUCKET: u64 = 64;
 const MAX_BUCKETS: u64 = 4096;
-const BUCKET_VERSION: u8 = 2;
+const BUCKET_VERSION: u8 = 3;
 /// Version bytes up to this are versions (later ones are left alone, [`is_later`]); above
 /// it, garbage.
 const MAX_BUCKET_VERSION: u8 = 63;
 /// Buckets written before entries recorded a placement key.
 const BUCKET_VERSION_1: u8 = 1;
 const ENTRY_BYTES_1: usize = 20;
-pub const ENTRY_BYTES: usize = 28;
+/// Buckets written before entries recorded their last prompt.
+const BUCKET_VERSION_2: u8 = 2;
+const ENTRY_BYTES_2: usize = 28;
+pub const ENTRY_BYTES: usize = 32;
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Entry {
@@ -46,6 +53,8 @@ pub struct Entry {
     pub last_used_ms: u64,
     /// The prefix key the session was last placed or served by (0: none or unknown).
     pub placement_key: u64,
+    /// Prompt tokens of the session's last answer there, as its `usage` said (0: unknown).
+    pub prompt_tokens: u32,
 }
 
 /// The bucketed affinity table over a [`Store`].
@@ -118,10 +127,15 @@ impl<'a> Affinity<'a> {
     /// The pinned endpoint id of a live entry and the placement key it recorded (0: none or
     /// unknown).
     pub fn lookup_keyed(&self, session: u64, now_ms: u64) -> Option<(u32, u64)> {
+        self.lookup_entry(session, now_ms)
+            .map(|e| (e.endpoint_id, e.placement_key))
+    }
+
+    /// The live entry of `session`.
+    pub fn lookup_entry(&self, session: u64, now_ms: u64) -> Option<Entry> {
         let (bytes, _) = self.store.get(&self.key(self.bucket_of(session)));
         let e = find(bytes.as_deref()?, session)?;
-        (now_ms.saturating_sub(e.last_used_ms) < self.ttl_ms)
-            .then_some((e.endpoint_id, e.placement_key))
+        (now_ms.saturating_sub(e.last_used_ms) < self.ttl_ms).then_some(e)
     }
 
     /// Pins `session` to `endpoint_id` (a success: refresh, or re-pin after failover).
@@ -136,6 +150,18 @@ impl<'a> Affinity<'a> {
         session: u64,
         endpoint_id: u32,
         placement_key: u64,
+        now_ms: u64,
+    ) -> bool {
+        self.remember_turn(session, endpoint_id, placement_key, 0, now_ms)
+    }
+
+    /// [`Affinity::remember_keyed`], recording the prompt tokens of the answer (0: unknown).
+    pub fn remember_turn(
+        &self,
+        session: u64,
+        endpoint_id: u32,
+        placement_key: u64,
+        prompt_tokens: u32,
         now_ms: u64,
     ) -> bool {
         let b = self.bucket_of(session);
@@ -166,6 +192,7 @@ impl<'a> Affinity<'a> {
                     endpoint_id,
                     last_used_ms: now_ms,
                     placement_key,
+                    prompt_tokens,
                 });
             }
             (Some(encode(&entries)), ())
@@ -227,6 +254,7 @@ pub fn encode(entries: &[Entry]) -> Vec<u8> {
         w.u32(e.endpoint_id);
         w.u64(e.last_used_ms);
         w.u64(e.placement_key);
+        w.u32(e.prompt_tokens);
     }
     w.buf
 }
@@ -235,11 +263,7 @@ pub fn encode(entries: &[Entry]) -> Vec<u8> {
 /// the same answer as [`decode`] and a search).
 fn find(bytes: &[u8], session: u64) -> Option<Entry> {
     let (version, rest) = bytes.split_first()?;
-    let size = match *version {
-        BUCKET_VERSION => ENTRY_BYTES,
-        BUCKET_VERSION_1 => ENTRY_BYTES_1,
-        _ => return None,
-    };
+    let size = entry_bytes(*version)?;
     if !rest.len().is_multiple_of(size) {
         return None;
     }
@@ -247,35 +271,41 @@ fn find(bytes: &[u8], session: u64) -> Option<Entry> {
     let chunk = rest
         .chunks_exact(size)
         .find(|c| c.get(..8) == Some(&want[..]))?;
-    let mut r = Reader::new(chunk);
+    read_entry(&mut Reader::new(chunk), size)
+}
+
+/// Bytes of one entry in a bucket of `version` (`None`: not a version this code reads).
+fn entry_bytes(version: u8) -> Option<usize> {
+    match version {
+        BUCKET_VERSION => Some(ENTRY_BYTES),
+        BUCKET_VERSION_2 => Some(ENTRY_BYTES_2),
+        BUCKET_VERSION_1 => Some(ENTRY_BYTES_1),
+        _ => None,
+    }
+}
+
+/// One entry of `size` bytes; the fields an older version lacks read as unknown (0).
+fn read_entry(r: &mut Reader<'_>, size: usize) -> Option<Entry> {
     Some(Entry {
         session: r.u64()?,
         endpoint_id: r.u32()?,
         last_used_ms: r.u64()?,
-        placement_key: if size == ENTRY_BYTES { r.u64()? } else { 0 },
+        placement_key: if size >= ENTRY_BYTES_2 { r.u64()? } else { 0 },
+        prompt_tokens: if size >= ENTRY_BYTES { r.u32()? } else { 0 },
     })
 }
 
-/// A bucket of this version, or of version 1 (entries without a placement key: read as 0).
+/// A bucket of this version, of version 2 (entries without a prompt: read as 0) or of
+/// version 1 (without a placement key either).
 pub fn decode(bytes: &[u8]) -> Option<Vec<Entry>> {
     let mut r = Reader::new(bytes);
-    let keyed = match r.u8()? {
-        BUCKET_VERSION => true,
-        BUCKET_VERSION_1 => false,
-        _ => return None,
-    };
-    let size = if keyed { ENTRY_BYTES } else { ENTRY_BYTES_1 };
+    let size = entry_bytes(r.u8()?)?;
     if !r.remaining().is_multiple_of(size) {
         return None;
     }
     let mut entries = Vec::with_capacity(r.remaining() / size);
     while !r.is_empty() {
-        entries.push(Entry {
-            session: r.u64()?,
-            endpoint_id: r.u32()?,
-            last_used_ms: r.u64()?,
-            placement_key: if keyed { r.u64()? } else { 0 },
-        });
+        entries.push(read_entry(&mut r, size)?);
     }
     Some(entries)
 }
@@ -368,6 +398,47 @@ mod tests {
         assert_eq!(a.lookup(5, 400), None);
     }
 
+    /// An entry records its session's last prompt; a version-2 bucket (28-byte entries, no
+    /// prompt) keeps its pins and keys, with the prompt unknown, until its next write.
+    #[test]
+    fn entries_record_their_last_prompt_and_version_2_buckets_keep_their_pins() {
+        let s = MemStore::new();
+        let a = Affinity::new(&s, 300_000, 10);
+        assert!(a.remember_turn(7, 1, 0xfeed, 4_000, 0));
+        let e = a.lookup_entry(7, 1).unwrap();
+        assert_eq!(
+            (e.endpoint_id, e.placement_key, e.prompt_tokens),
+            (1, 0xfeed, 4_000)
+        );
+        assert!(a.remember_keyed(7, 1, 0xfeed, 2)); // an answer without usage: unknown again
+        assert_eq!(a.lookup_entry(7, 3).unwrap().prompt_tokens, 0);
+        let mut w = Writer::with_capacity(1 + 2 * ENTRY_BYTES_2);
+        w.u8(BUCKET_VERSION_2);
+        for (session, id) in [(5u64, 3u32), (9, 4)] {
+            w.u64(session);
+            w.u32(id);
+            w.u64(100);
+            w.u64(0xabc);
+        }
+        let b = a.bucket_of(5);
+        s.set(&a.key(b), &w.buf, None).unwrap();
+        let e = a.lookup_entry(5, 200).unwrap();
+        assert_eq!(
+            (e.endpoint_id, e.placement_key, e.prompt_tokens),
+            (3, 0xabc, 0)
+        );
+        assert!(a.remember_turn(5, 3, 0xabc, 1_500, 300));
+        assert_eq!(s.get(&a.key(b)).0.unwrap()[0], BUCKET_VERSION);
+        assert_eq!(a.lookup_entry(5, 301).unwrap().prompt_tokens, 1_500);
+        if a.bucket_of(9) == b {
+            assert_eq!(
+                a.lookup_keyed(9, 301),
+                Some((4, 0xabc)),
+                "the other pin kept"
+            );
+        }
+    }
+
     /// A bucket of a later version (written by a newer module during an
     /// upgrade) is never overwritten by this one, whatever it does with the sessions in it,
     /// nor read as pins; a version this code knows with a broken length still is.
@@ -412,6 +483,7 @@ mod tests {
                 endpoint_id: i as u32 % 7,
                 last_used_ms: i * 1000,
                 placement_key: i % 3,
+                prompt_tokens: i as u32 * 100,
             })
             .collect();
         let bytes = encode(&entries);

@@ -215,7 +215,13 @@ impl<'a> Scheduler<'a> {
         let aff = self.affinity();
         match outcome {
             Outcome::Success if ticket.pin_on_success => {
-                aff.remember_keyed(s, ticket.endpoint_id, ticket.placement_key, now_ms)
+                // The answer's prompt, for the next turn's payoff check (0: no usage).
+                let prompt = ticket
+                    .served
+                    .as_ref()
+                    .and_then(|s| s.usage)
+                    .map_or(0, |u| u32::try_from(u.prompt_tokens).unwrap_or(u32::MAX));
+                aff.remember_turn(s, ticket.endpoint_id, ticket.placement_key, prompt, now_ms)
             }
             Outcome::DeadKey => aff.forget(s, ticket.endpoint_id),
             _ => true,

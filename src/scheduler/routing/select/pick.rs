@@ -273,6 +273,10 @@ pub struct Ticket {
     pub quota_mark: QuotaMark,
     /// The prefix key the session's home is by (0: none), recorded with its pin on success.
     pub placement_key: u64,
+    /// The prompt tokens of the session's last answer on this endpoint, as its pin recorded
+    /// them (0: unknown, or not the pinned endpoint): what this turn should find cached
+    /// (see `payoff::cold_turn`).
+    pub previous_prompt_tokens: u64,
 }
 
 #[derive(Debug, PartialEq, Eq)]

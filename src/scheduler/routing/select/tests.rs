@@ -597,6 +597,7 @@ fn warm(s: &Scheduler<'_>, latencies: &[u64], samples: u64, now: u64) {
                 quota_tokens: 0,
                 quota_mark: Default::default(),
                 placement_key: 0,
+                previous_prompt_tokens: 0,
             };
             finish_streamed(s, ticket, lat, None, now);
         }
