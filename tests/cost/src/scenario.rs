@@ -688,7 +688,7 @@ pub(crate) fn exchange(vm: &mut Vm, ctx: u32, req: &Request, answers: &[Answer])
         let served = vm
             .host()
             .header(host::MAP_REQUEST_HEADERS, crate::fleet::DESTINATION_HEADER)
-            .map(|v| first_host(v));
+            .map(first_host);
         match served {
             Some(a) => {
                 vm.host()
