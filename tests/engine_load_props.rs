@@ -334,7 +334,6 @@ proptest! {
         steps in vec((0u8..8, any::<u64>(), any::<u64>(), 0u64..5_000_000, 0u64..200), 1..60),
     ) {
         let store = MemStore::new();
-        let key = scrape::record_key("e");
         let (mut sec, mut count) = (0u64, 0u64);
         // The model: the window's base, and the pace expected.
         let mut base: Option<(u64, u64)> = None;
@@ -364,8 +363,8 @@ proptest! {
                 }
             };
             let rec = match load {
-                Some(l) => scrape::record(&store, &key, now, Ok(l)).unwrap(),
-                None => scrape::record(&store, &key, now, Err(ScrapeError::Timeout)).unwrap(),
+                Some(l) => scrape::fold(&store, 7, now, Ok(l), &[7]).unwrap(),
+                None => scrape::fold(&store, 7, now, Err(ScrapeError::Timeout), &[7]).unwrap(),
             };
             match load.map(|l| l.decode) {
                 None => {}

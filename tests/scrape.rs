@@ -713,3 +713,85 @@ fn an_engine_whose_published_pace_is_slow_loses_its_pins_and_new_sessions() {
     no_panic(&envoy);
     drop(pacing);
 }
+
+/// A fleet of 1 024 scraped endpoints at the default 250 ms interval, through one Envoy (one
+/// worker): how stale the oldest endpoint's figures get, and whether one worker keeps every
+/// engine's load fresh. A benchmark that prints figures (`cargo test --test scrape --
+/// --ignored --nocapture scrape_age`); it asserts only that every endpoint was scraped.
+///
+/// The 1 024 endpoints share one engine (one cluster, one port: the engine answers each
+/// scrape, counted); the age gauges are sampled every 250 ms for 10 s: the largest
+/// `computeflux_scrape_age_ms` of any endpoint (the gauge is refreshed on every tick and
+/// answer), the scrapes per second the engine saw against the 4 096 the plan sends, and the
+/// scrape errors.
+#[test]
+#[ignore = "benchmark: prints the scrape age at 1 024 endpoints"]
+fn scrape_age_at_1024_endpoints() {
+    const N: usize = 1024;
+    let e = Engine::start(VLLM);
+    let eps: Vec<Value> = (0..N)
+        .map(|i| {
+            json!({"name": format!("e{i}"), "cluster": "c-eng", "models": ["llama-8b"],
+                        "metrics": {"format": "vllm"}})
+        })
+        .collect();
+    let mut cfg = EnvoyConfig::new(json!({ "endpoints": eps }), &[("c-eng", e.port)]);
+    cfg.concurrency = 1;
+    cfg.log_level = "warn".into();
+    cfg.ready_timeout = Duration::from_secs(180);
+    let started = Instant::now();
+    let envoy = Envoy::start(cfg);
+    eprintln!("Envoy ready in {:.1} s", started.elapsed().as_secs_f64());
+    // The age gauges alone (the whole stats page of 1 024 endpoints takes seconds to serve).
+    let filtered = |filter: &str| -> std::collections::BTreeMap<String, i64> {
+        let body = envoy
+            .admin_get(&format!("/stats?format=json&filter={filter}"))
+            .body;
+        let v: Value = serde_json::from_str(&body).unwrap_or(Value::Null);
+        v["stats"]
+            .as_array()
+            .map(|a| {
+                a.iter()
+                    .filter_map(|s| Some((s["name"].as_str()?.to_string(), s["value"].as_i64()?)))
+                    .collect()
+            })
+            .unwrap_or_default()
+    };
+    let ages = || filtered("computeflux_scrape_age_ms");
+    // Every endpoint scraped once.
+    let deadline = Instant::now() + Duration::from_secs(120);
+    while ages().len() < N {
+        assert!(Instant::now() < deadline, "not every endpoint was scraped");
+        std::thread::sleep(Duration::from_millis(250));
+    }
+    let (h0, t0) = (e.hits(), Instant::now());
+    let errors0: i64 = filtered("computeflux_scrape_errors_total").values().sum();
+    let mut samples = Vec::new();
+    while t0.elapsed() < Duration::from_secs(10) {
+        let top = ages().values().copied().max().unwrap_or(-1);
+        samples.push(top);
+        std::thread::sleep(Duration::from_millis(250));
+    }
+    let secs = t0.elapsed().as_secs_f64();
+    let rate = (e.hits() - h0) as f64 / secs;
+    let errors = filtered("computeflux_scrape_errors_total");
+    let by_kind: std::collections::BTreeMap<&str, i64> =
+        errors.iter().fold(Default::default(), |mut m, (k, v)| {
+            *m.entry(k.rsplit('.').next().unwrap_or("")).or_insert(0) += v;
+            m
+        });
+    let errors_in_window = errors.values().sum::<i64>() - errors0;
+    let mut sorted = samples.clone();
+    sorted.sort_unstable();
+    let median = sorted.get(sorted.len() / 2).copied().unwrap_or(-1);
+    eprintln!(
+        "scrape age at {N} endpoints, 250 ms interval, one worker, over {secs:.1} s: the oldest \
+         endpoint's age, largest {} ms, median {median} ms ({} samples: {samples:?}); scrapes \
+         {rate:.0}/s (the plan sends {:.0}/s); scrape errors in the window {errors_in_window} \
+         (since start, by kind: {by_kind:?})",
+        sorted.last().copied().unwrap_or(-1),
+        samples.len(),
+        N as f64 * 4.0
+    );
+    no_panic(&envoy);
+}

@@ -47,6 +47,9 @@ pub struct EnvoyConfig {
     pub base_id: Option<u32>,
     /// Clusters added as they are (e.g. an EDS pool cluster, see `support::pool`).
     pub raw_clusters: Vec<Value>,
+    /// How long [`Envoy::start`] waits for readiness (a fleet of 1 024 scraped endpoints
+    /// defines tens of thousands of stats before Envoy is ready).
+    pub ready_timeout: Duration,
 }
 
 impl Default for EnvoyConfig {
@@ -64,6 +67,7 @@ impl Default for EnvoyConfig {
             component_log_level: None,
             base_id: None,
             raw_clusters: Vec::new(),
+            ready_timeout: Duration::from_secs(20),
         }
     }
 }
@@ -279,7 +283,7 @@ pub struct Envoy {
 }
 
 impl Envoy {
-    /// Starts Envoy and waits (≤ 20 s) until it is ready. Panics with the log if it is not.
+    /// Starts Envoy and waits (≤ `cfg.ready_timeout`, 20 s by default) until it is ready. Panics with the log if it is not.
     pub fn start(cfg: EnvoyConfig) -> Envoy {
         match Envoy::try_start(cfg) {
             Ok(e) => e,
@@ -291,6 +295,7 @@ impl Envoy {
     /// configuration to be rejected).
     pub fn try_start(cfg: EnvoyConfig) -> Result<Envoy, String> {
         let bin = envoy_bin();
+        let ready_timeout = cfg.ready_timeout;
         let wasm = if cfg.with_filter {
             wasm_path()
         } else {
@@ -341,7 +346,7 @@ impl Envoy {
             log_path,
             child,
         };
-        match envoy.wait_ready(&admin_path, Duration::from_secs(20)) {
+        match envoy.wait_ready(&admin_path, ready_timeout) {
             Ok(()) => Ok(envoy),
             Err(e) => {
                 let _ = envoy.child.kill();

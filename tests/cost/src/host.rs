@@ -154,6 +154,13 @@ impl Host {
         self.now_ns += ms * 1_000_000;
     }
 
+    /// Writes a shared-data value as the host's set does (the next CAS token).
+    pub fn put_shared(&mut self, key: &[u8], value: Vec<u8>) {
+        let cas = self.next_cas;
+        self.next_cas += 1;
+        self.shared.insert(key.to_vec(), (value, cas));
+    }
+
     pub fn set_map(&mut self, kind: usize, pairs: &[(&str, &str)]) {
         self.maps[kind] = pairs
             .iter()

@@ -21,6 +21,7 @@
 //! on a regression above its margin; `cargo run -p computeflux-cost -- --print` prints the
 //! table (see `src/main.rs`).
 
+pub mod fleet;
 pub mod host;
 pub mod scenario;
 pub mod vm;
@@ -143,6 +144,44 @@ pub fn setups() -> Vec<(Module, Setup, &'static str)> {
     v
 }
 
+/// Endpoint counts of the suites with every endpoint scraped (see [`fleet`]).
+pub const SCRAPE_COUNTS: [usize; 4] = [4, 64, 512, 1024];
+/// Host counts of the pool suites (see [`fleet`]).
+pub const POOL_HOSTS: [usize; 3] = [4, 64, 1000];
+/// The scrape interval of the scraping suites: long enough that every load stays fresh
+/// (`3 ×` the interval) through the scenarios after the one scrape round. The instructions of
+/// a request, a tick or an answer do not depend on it; how often they run does (see
+/// [`fleet_markdown`], which counts them at the default 250 ms).
+pub const SCRAPE_INTERVAL_MS: u64 = 2_000;
+/// The default scrape interval, for the per-second figures.
+pub const DEFAULT_SCRAPE_INTERVAL_MS: u64 = 250;
+
+/// The fleet suites: every endpoint scraped at [`SCRAPE_COUNTS`], a pool of [`POOL_HOSTS`].
+pub fn fleet_setups() -> Vec<(Module, Setup, &'static str)> {
+    let mut v = Vec::new();
+    for n in SCRAPE_COUNTS {
+        v.push((
+            Module::Filter,
+            Setup {
+                scrape_interval_ms: Some(SCRAPE_INTERVAL_MS),
+                ..Setup::new(n)
+            },
+            "scrape",
+        ));
+    }
+    for n in POOL_HOSTS {
+        v.push((
+            Module::Filter,
+            Setup {
+                pool: true,
+                ..Setup::new(n)
+            },
+            "pool",
+        ));
+    }
+    v
+}
+
 /// A suite's name in tables and budgets: `filter/4`, `filter/512/no_usage`, `floor`.
 pub fn suite_key(module: Module, setup: Setup, variant: &str) -> String {
     match (module, variant) {
@@ -160,6 +199,11 @@ pub struct Modules {
 }
 
 impl Modules {
+    /// The filter's compiled module.
+    pub fn filter(&self) -> &vm::Loaded {
+        &self.filter
+    }
+
     pub fn compile(filter_wasm: &[u8], floor_wasm: &[u8]) -> Result<Modules> {
         Ok(Modules {
             filter: vm::Loaded::new(filter_wasm)?,
@@ -176,8 +220,16 @@ impl Modules {
 
 /// Runs every suite, each in a fresh VM; `(key, suite)` in [`setups`] order.
 pub fn run_all(modules: &Modules) -> Result<Vec<(String, Suite)>> {
+    run_setups(modules, setups())
+}
+
+/// Runs the given suites, each in a fresh VM.
+pub fn run_setups(
+    modules: &Modules,
+    setups: Vec<(Module, Setup, &'static str)>,
+) -> Result<Vec<(String, Suite)>> {
     let mut out = Vec::new();
-    for (module, setup, variant) in setups() {
+    for (module, setup, variant) in setups {
         let loaded = match module {
             Module::Filter => &modules.filter,
             Module::Floor | Module::FloorModel => &modules.floor,
@@ -206,7 +258,7 @@ pub fn instruction_counts(suites: &[(String, Suite)]) -> BTreeMap<String, u64> {
     m
 }
 
-fn thousands(n: u64) -> String {
+pub(crate) fn thousands(n: u64) -> String {
     let s = n.to_string();
     let mut out = String::new();
     for (i, c) in s.chars().enumerate() {

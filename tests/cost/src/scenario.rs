@@ -63,10 +63,15 @@ impl Module {
 /// The filter's configuration switches the harness varies.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Setup {
+    /// Endpoints configured, or with `pool`, the hosts the pool's membership holds.
     pub endpoints: usize,
     pub usage_accounting: bool,
     pub quota_aware: bool,
     pub prefix_placement: bool,
+    /// Every endpoint scraped (`metrics`, vLLM format) at this interval; see [`crate::fleet`].
+    pub scrape_interval_ms: Option<u64>,
+    /// One `"pool": true` entry whose membership holds `endpoints` hosts (see [`crate::fleet`]).
+    pub pool: bool,
 }
 
 impl Setup {
@@ -76,27 +81,41 @@ impl Setup {
             usage_accounting: true,
             quota_aware: true,
             prefix_placement: true,
+            scrape_interval_ms: None,
+            pool: false,
         }
     }
 }
 
 /// The plugin configuration of `envoy/envoy.yaml`, with `n` endpoints.
 pub fn filter_config(s: Setup) -> String {
-    let endpoints: Vec<String> = (0..s.endpoints)
-        .map(|i| {
-            let mut models = vec!["\"llama-3-8b\""];
-            if i % 2 == 0 {
-                models.push("\"qwen-7b\"");
-            }
-            if i % 4 == 0 {
-                models.push("\"whisper-1\"");
-            }
-            format!(
-                r#"{{"name": "gpu-{i}", "cluster": "gpu_{i}", "models": [{}]}}"#,
-                models.join(", ")
-            )
-        })
-        .collect();
+    let metrics = match s.scrape_interval_ms {
+        Some(ms) => format!(r#", "metrics": {{"format": "vllm", "interval_ms": {ms}}}"#),
+        None => String::new(),
+    };
+    let endpoints: Vec<String> = if s.pool {
+        vec![format!(
+            r#"{{"name": "{}", "cluster": "{}", "pool": true, "models": ["llama-3-8b", "qwen-7b", "whisper-1"]{metrics}}}"#,
+            crate::fleet::POOL,
+            crate::fleet::POOL_CLUSTER
+        )]
+    } else {
+        (0..s.endpoints)
+            .map(|i| {
+                let mut models = vec!["\"llama-3-8b\""];
+                if i % 2 == 0 {
+                    models.push("\"qwen-7b\"");
+                }
+                if i % 4 == 0 {
+                    models.push("\"whisper-1\"");
+                }
+                format!(
+                    r#"{{"name": "gpu-{i}", "cluster": "gpu_{i}", "models": [{}]{metrics}}}"#,
+                    models.join(", ")
+                )
+            })
+            .collect()
+    };
     format!(
         r#"{{
   "endpoints": [
@@ -148,6 +167,8 @@ pub struct Suite {
     pub startup: Measured,
     pub tick: Measured,
     pub requests: Vec<Measured>,
+    /// Scraping and pool figures, shared data, metrics defined (printed, not budgeted).
+    pub fleet: crate::fleet::Figures,
 }
 
 impl Suite {
@@ -156,14 +177,14 @@ impl Suite {
     }
 }
 
-struct Request {
+pub(crate) struct Request {
     path: &'static str,
     headers: Vec<(String, String)>,
     body: Vec<u8>,
 }
 
 #[derive(Clone)]
-struct Answer {
+pub(crate) struct Answer {
     status: u16,
     headers: Vec<(String, String)>,
     chunks: Vec<Vec<u8>>,
@@ -176,7 +197,7 @@ fn owned(pairs: &[(&str, &str)]) -> Vec<(String, String)> {
         .collect()
 }
 
-fn chat_request(session: Option<&str>, body: String) -> Request {
+pub(crate) fn chat_request(session: Option<&str>, body: String) -> Request {
     let mut headers = owned(&[
         ("content-type", "application/json"),
         ("authorization", "Bearer sk-test-0123456789"),
@@ -193,7 +214,7 @@ fn chat_request(session: Option<&str>, body: String) -> Request {
     }
 }
 
-fn messages_body(turns: usize, filler_bytes: usize, stream: bool) -> String {
+pub(crate) fn messages_body(turns: usize, filler_bytes: usize, stream: bool) -> String {
     with_system(
         r#"{"role":"system","content":"You are a helpful assistant."}"#.to_string(),
         turns,
@@ -281,7 +302,7 @@ fn quota_headers() -> Vec<(String, String)> {
     ])
 }
 
-fn json_answer(cached_tokens: u64) -> Answer {
+pub(crate) fn json_answer(cached_tokens: u64) -> Answer {
     let body = format!(
         r#"{{"id":"chatcmpl-abc123","object":"chat.completion","created":1767225600,"model":"llama-3-8b","choices":[{{"index":0,"message":{{"role":"assistant","content":"The sky is blue because of Rayleigh scattering."}},"finish_reason":"stop"}}],"usage":{{"prompt_tokens":120,"completion_tokens":12,"total_tokens":132,"prompt_tokens_details":{{"cached_tokens":{cached_tokens}}}}}}}"#
     );
@@ -392,6 +413,16 @@ pub fn run_suite_sampling(
     setup: Setup,
     sampled: Option<&str>,
 ) -> Result<(Suite, std::collections::BTreeMap<Vec<String>, u64>)> {
+    run_suite_vm(loaded, module, setup, sampled).map(|(suite, samples, _)| (suite, samples))
+}
+
+/// [`run_suite_sampling`], handing back the VM to go on with (see `crate::fleet::departures`).
+pub fn run_suite_vm(
+    loaded: &Loaded,
+    module: Module,
+    setup: Setup,
+    sampled: Option<&str>,
+) -> Result<(Suite, std::collections::BTreeMap<Vec<String>, u64>, Vm)> {
     let config = match module {
         Module::Filter => filter_config(setup),
         Module::Floor => floor_config(),
@@ -400,6 +431,14 @@ pub fn run_suite_sampling(
     let mut vm = Vm::new(loaded)?;
     vm.host().echo = std::env::var_os("COMPUTEFLUX_COST_ECHO").is_some();
     vm.host().buffers[host::BUF_PLUGIN_CONFIGURATION] = config.into_bytes();
+    if setup.pool && module == Module::Filter {
+        // Every host known, as discovery leaves the membership (see `crate::fleet`).
+        let hosts: Vec<usize> = (0..setup.endpoints).collect();
+        vm.host().put_shared(
+            crate::fleet::membership_key(crate::fleet::POOL).as_bytes(),
+            crate::fleet::membership(&hosts, &[]),
+        );
+    }
 
     let startup = measure(&mut vm, "startup", |vm| {
         vm.context_create(ROOT, 0)?;
@@ -444,6 +483,30 @@ pub fn run_suite_sampling(
         Ok(String::new())
     })?;
     vm.host().sampling = false;
+    let mut fleet = crate::fleet::Figures::default();
+    if setup.scrape_interval_ms.is_some() {
+        // The tick above took the lease and sent a scrape to every endpoint: their answers,
+        // then a tick with nothing due.
+        let (answers, traffic) = crate::fleet::answer_scrapes(&mut vm, ROOT)?;
+        if answers.len() != setup.endpoints {
+            bail!(
+                "{} scrapes answered, {} endpoints",
+                answers.len(),
+                setup.endpoints
+            );
+        }
+        fleet.answers = answers;
+        fleet.answers_traffic = traffic;
+        vm.host().advance_ms(500);
+        let idle = measure(&mut vm, "tick_idle", |vm| {
+            vm.tick(ROOT)?;
+            Ok(String::new())
+        })?;
+        if !vm.host().calls.is_empty() {
+            bail!("the idle tick sent {} calls", vm.host().calls.len());
+        }
+        fleet.tick_idle = Some((idle.instructions, idle.traffic));
+    }
 
     let mut requests = Vec::new();
     for name in SCENARIOS {
@@ -499,6 +562,9 @@ pub fn run_suite_sampling(
         requests.push(m);
     }
     let samples = std::mem::take(&mut vm.host().samples);
+    fleet.shared = crate::fleet::Shared::of(vm.host());
+    fleet.metrics_defined = vm.host().metrics.len();
+    fleet.tick_period_ms = vm.host().tick_period_ms;
     Ok((
         Suite {
             module,
@@ -506,8 +572,10 @@ pub fn run_suite_sampling(
             startup,
             tick,
             requests,
+            fleet,
         },
         samples,
+        vm,
     ))
 }
 
@@ -553,7 +621,7 @@ fn answer_headers(a: &Answer) -> Vec<(String, String)> {
 
 /// One request's whole life. `answers[0]` is the routed upstream's answer; each later one
 /// answers a call the module dispatches (failover). Returns "STATUS CLUSTER".
-fn exchange(vm: &mut Vm, ctx: u32, req: &Request, answers: &[Answer]) -> Result<String> {
+pub(crate) fn exchange(vm: &mut Vm, ctx: u32, req: &Request, answers: &[Answer]) -> Result<String> {
     {
         let h = vm.host();
         h.maps = Default::default();
@@ -615,6 +683,22 @@ fn exchange(vm: &mut Vm, ctx: u32, req: &Request, answers: &[Answer]) -> Result<
             bail!("no upstream answer given");
         };
         vm.host().advance_ms(40);
+        // The host that served it, as Envoy says: the first one the request named (a pool's
+        // host), read by the glue only for pool endpoints.
+        let served = vm
+            .host()
+            .header(host::MAP_REQUEST_HEADERS, crate::fleet::DESTINATION_HEADER)
+            .map(first_host);
+        match served {
+            Some(a) => {
+                vm.host()
+                    .properties
+                    .insert(b"upstream\0address".to_vec(), a);
+            }
+            None => {
+                vm.host().properties.remove(&b"upstream\0address"[..]);
+            }
+        }
         set_pairs(
             vm.host(),
             host::MAP_RESPONSE_HEADERS,
@@ -640,11 +724,19 @@ fn exchange(vm: &mut Vm, ctx: u32, req: &Request, answers: &[Answer]) -> Result<
                 );
             };
             vm.host().advance_ms(40);
-            set_pairs(
-                vm.host(),
-                host::MAP_CALL_RESPONSE_HEADERS,
-                &answer_headers(a),
-            );
+            let mut headers = answer_headers(a);
+            // A pool cluster stamps the host that served a call.
+            if let Some((_, v)) = call
+                .headers
+                .iter()
+                .find(|(k, _)| k.eq_ignore_ascii_case(crate::fleet::DESTINATION_HEADER.as_bytes()))
+            {
+                headers.push((
+                    crate::fleet::STAMP_HEADER.to_string(),
+                    String::from_utf8_lossy(&first_host(v)).into_owned(),
+                ));
+            }
+            set_pairs(vm.host(), host::MAP_CALL_RESPONSE_HEADERS, &headers);
             let body: Vec<u8> = a.chunks.concat();
             vm.host().buffers[host::BUF_CALL_RESPONSE_BODY] = body.clone();
             let nh = vm.host().maps[host::MAP_CALL_RESPONSE_HEADERS].len();
@@ -666,6 +758,11 @@ fn exchange(vm: &mut Vm, ctx: u32, req: &Request, answers: &[Answer]) -> Result<
     vm.done(ctx)?;
     vm.delete(ctx)?;
     Ok(outcome.unwrap_or_default())
+}
+
+/// The first host of a destination header's list.
+fn first_host(v: &[u8]) -> Vec<u8> {
+    v.split(|b| *b == b',').next().unwrap_or_default().to_vec()
 }
 
 /// The module's local reply passes through its own response callbacks.

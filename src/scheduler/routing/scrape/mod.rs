@@ -1,12 +1,13 @@
 //! The bookkeeping around scraping engines' `/metrics`: who scrapes, what was scraped, and
-//! (Over 600 lines with its unit tests: lease, record, combined value and quantization are one shared-data protocol, tested together; the code itself is about 560 lines.)
+//! (Over 600 lines with its unit tests: lease, record, combined value and quantization are one shared-data protocol, tested together; the code itself is about 520 lines.)
 //! whether it can still be trusted.
 //!
 //! Why: an Envoy process runs one VM per worker thread, and every one of them has a root
 //! context with a timer. If each scraped, an engine would be asked `workers` times per
 //! interval, and each worker would hold a slightly different picture. Instead the workers share
-//! a **lease** in shared data: the worker holding it scrapes every endpoint and writes one
-//! **record** per endpoint; every worker reads the records. A lease that is not renewed (its VM
+//! a **lease** in shared data: the worker holding it scrapes every endpoint and folds each
+//! endpoint's **record** into one shared value ([`fold`], [`LOADS_KEY`]); every worker reads
+//! it. A lease that is not renewed (its VM
 //! was torn down, its timer stalled) lapses after `lease_ms`, and the next worker to ask takes
 //! it over.
 //!
@@ -56,16 +57,6 @@ pub struct Pace {
 
 /// The shared-data key of the scrape lease (one per Envoy process: the VM's shared data).
 pub const LEASE_KEY: &str = "computeflux/scrape/lease";
-
-/// The prefix of the per-endpoint records; see [`record_key`].
-pub const RECORD_PREFIX: &str = "computeflux/scrape/endpoint/";
-
-/// The shared-data key of one endpoint's record, as modules before wrote it (one key
-/// per endpoint name ever scraped: unbounded under churn). The scraper writes [`fold`] now;
-/// kept for the record's unit tests.
-pub fn record_key(endpoint: &str) -> String {
-    format!("{RECORD_PREFIX}{endpoint}")
-}
 
 const LEASE_VERSION: u8 = 1;
 const LEASE_BYTES: usize = 1 + 8 + 8;
@@ -541,44 +532,13 @@ impl Scraped {
     }
 }
 
-/// The endpoint's record as stored (absent or undecodable: the default, never scraped).
-pub fn read(store: &dyn Store, key: &str) -> Scraped {
-    store
-        .get(key)
-        .0
-        .as_deref()
-        .and_then(Scraped::decode)
-        .unwrap_or_default()
-}
-
-/// Folds one scrape's result into the endpoint's record (read-modify-write with bounded CAS
-/// retries). Returns the record written; `Err` with the record it would have written when every
-/// attempt lost a race (only the lease holder writes, so this means a lease handover raced).
-// Both variants are the same ~200-byte record, returned once per scrape: boxing one would cost
-// an allocation for nothing.
-#[allow(clippy::result_large_err)]
-pub fn record(
-    store: &dyn Store,
-    key: &str,
-    now_ms: u64,
-    result: Result<EngineLoad, ScrapeError>,
-) -> Result<Scraped, Scraped> {
-    update(store, key, |bytes| {
-        let mut s = bytes.and_then(Scraped::decode).unwrap_or_default();
-        match result {
-            Ok(load) => s.succeeded(load, now_ms),
-            Err(e) => s.failed(e, now_ms),
-        }
-        (s.encode(), s)
-    })
-}
-
 /// Folds one scrape's result into endpoint `id`'s record *inside* the published loads
 /// ([`LOADS_KEY`]) and publishes it, in one read-modify-write with bounded CAS retries; `keep`
 /// are the scraped ids (the entries of others are dropped). Returns the record written;
 /// `Err` with the record it would have written when every attempt lost a race.
 ///
-/// Why not a key per endpoint ([`record_key`]): Envoy never frees a shared-data key, and
+/// Why not a key per endpoint (`computeflux/scrape/endpoint/<name>`, as modules before wrote
+/// it): Envoy never frees a shared-data key, and
 /// endpoint names come and go with reloads (pods of a Service, renamed keys): one record key
 /// per name ever scraped grew without bound. The combined value already holds
 /// every record; the scraper writes it alone, so the keys of scraping stay three (lease,
@@ -748,22 +708,6 @@ pub fn read_loads(store: &dyn Store) -> Loads {
         .unwrap_or_default()
 }
 
-/// Publishes one endpoint's record into [`LOADS_KEY`] (read-modify-write with bounded CAS
-/// retries). `Err` when every attempt lost a race.
-pub fn publish(
-    store: &dyn Store,
-    id: u32,
-    rec: Scraped,
-    keep: &[u32],
-) -> Result<(), crate::scheduler::state::store::CasMismatch> {
-    update(store, LOADS_KEY, |bytes| {
-        let mut loads = bytes.and_then(Loads::decode).unwrap_or_default();
-        loads.upsert(id, rec, keep);
-        (loads.encode(), ())
-    })
-    .map_err(|()| crate::scheduler::state::store::CasMismatch)
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -771,6 +715,24 @@ mod tests {
     use std::cell::Cell;
     #[cfg(target_arch = "wasm32")]
     use wasm_bindgen_test::wasm_bindgen_test as test;
+
+    /// The endpoint the record tests fold into (the loads value holds only it).
+    const E: u32 = 7;
+
+    /// Folds one scrape of `E`, as the scraper does.
+    #[allow(clippy::result_large_err)]
+    fn record(
+        s: &dyn Store,
+        now_ms: u64,
+        result: Result<EngineLoad, ScrapeError>,
+    ) -> Result<Scraped, Scraped> {
+        fold(s, E, now_ms, result, &[E])
+    }
+
+    /// `E`'s record as published (absent: never scraped).
+    fn read(s: &dyn Store) -> Scraped {
+        read_loads(s).get(E).copied().unwrap_or_default()
+    }
 
     const A: u64 = 0xaaaa;
     const B: u64 = 0xbbbb;
@@ -951,17 +913,15 @@ mod tests {
     #[test]
     fn record_success_failure_and_freshness() {
         let s = MemStore::new();
-        let key = record_key("gpu-a");
-        assert_eq!(key, "computeflux/scrape/endpoint/gpu-a");
-        let none = read(&s, &key);
+        let none = read(&s);
         assert_eq!(
             none.state_at(0, 1_000),
             LoadState::Unknown(Unknown::NeverScraped)
         );
         assert_eq!(none.age_ms(50), None);
 
-        let r = record(&s, &key, 10_000, Ok(vllm(3, 8, 420))).unwrap();
-        assert_eq!(read(&s, &key), r);
+        let r = record(&s, 10_000, Ok(vllm(3, 8, 420))).unwrap();
+        assert_eq!(read(&s), r);
         assert_eq!(r.state_at(10_500, 1_000), LoadState::Known(vllm(3, 8, 420)));
         assert_eq!(r.state_at(11_000, 1_000), LoadState::Known(vllm(3, 8, 420)));
         assert_eq!(
@@ -971,24 +931,24 @@ mod tests {
         assert_eq!(r.age_ms(11_001), Some(1_001));
 
         // A failure makes it unknown at once; the last good load is kept for the record.
-        let f = record(&s, &key, 10_200, Err(ScrapeError::Timeout)).unwrap();
+        let f = record(&s, 10_200, Err(ScrapeError::Timeout)).unwrap();
         assert_eq!(
             f.state_at(10_200, 1_000),
             LoadState::Unknown(Unknown::Failed(ScrapeError::Timeout))
         );
-        let f = record(&s, &key, 10_400, Err(ScrapeError::Status)).unwrap();
+        let f = record(&s, 10_400, Err(ScrapeError::Status)).unwrap();
         assert_eq!(f.consecutive_failures, 2);
         assert_eq!(f.last, Some(vllm(3, 8, 420)));
         assert_eq!(f.scraped_at_ms, 10_000);
         assert_eq!(f.attempted_at_ms, 10_400);
         assert_eq!(f.age_ms(10_400), Some(400));
 
-        let ok = record(&s, &key, 10_600, Ok(vllm(0, 1, 50))).unwrap();
+        let ok = record(&s, 10_600, Ok(vllm(0, 1, 50))).unwrap();
         assert_eq!(ok.consecutive_failures, 0);
         assert_eq!(ok.last_error, Some(ScrapeError::Status));
         assert_eq!(ok.state_at(10_600, 1_000), LoadState::Known(vllm(0, 1, 50)));
         assert_eq!(
-            read(&s, &key).state_at(10_600, 1_000),
+            read(&s).state_at(10_600, 1_000),
             LoadState::Known(vllm(0, 1, 50))
         );
     }
@@ -996,11 +956,10 @@ mod tests {
     #[test]
     fn record_survives_conflicts_and_garbage() {
         let s = MemStore::new();
-        let key = record_key("e");
-        s.set(&key, b"\x01short", None).unwrap();
-        assert_eq!(read(&s, &key), Scraped::default());
+        s.set(LOADS_KEY, b"\x01short", None).unwrap();
+        assert_eq!(read(&s), Scraped::default());
         s.inject_conflicts.set(2);
-        let r = record(&s, &key, 5, Err(ScrapeError::Dispatch)).unwrap();
+        let r = record(&s, 5, Err(ScrapeError::Dispatch)).unwrap();
         assert_eq!(r.consecutive_failures, 1);
         // Failing before any success: unknown for the failure, not "never scraped".
         assert_eq!(
@@ -1009,9 +968,9 @@ mod tests {
         );
         assert_eq!(r.age_ms(5), None);
         s.inject_conflicts.set(CAS_RETRIES as u32);
-        let lost = record(&s, &key, 6, Err(ScrapeError::Dispatch));
+        let lost = record(&s, 6, Err(ScrapeError::Dispatch));
         assert_eq!(lost.map_err(|r| r.consecutive_failures), Err(2));
-        assert_eq!(read(&s, &key).consecutive_failures, 1);
+        assert_eq!(read(&s).consecutive_failures, 1);
     }
 
     fn with_decode(seconds_us: u64, count: u64) -> EngineLoad {
@@ -1028,9 +987,8 @@ mod tests {
     #[test]
     fn pace_windows_resets_and_freshness() {
         let s = MemStore::new();
-        let key = record_key("e");
         let at = |now: u64, sec_us: u64, n: u64| {
-            record(&s, &key, now, Ok(with_decode(sec_us, n))).map_err(|_| ())
+            record(&s, now, Ok(with_decode(sec_us, n))).map_err(|_| ())
         };
         let r = at(1_000, 5_000_000, 2_000).unwrap();
         assert_eq!(r.pace, None);
@@ -1062,7 +1020,7 @@ mod tests {
         assert_eq!(r.pace_at(5_000, 1_000), Some(10_000));
         // Stale or failed: no pace for the scheduler (the record keeps it).
         assert_eq!(r.pace_at(6_001, 1_000), None);
-        let f = record(&s, &key, 5_500, Err(ScrapeError::Timeout)).unwrap();
+        let f = record(&s, 5_500, Err(ScrapeError::Timeout)).unwrap();
         assert_eq!(f.pace_at(5_500, 1_000), None);
         assert!(f.pace.is_some());
         // The engine restarted: smaller counters, no pace, the window restarts there.
@@ -1081,7 +1039,7 @@ mod tests {
         let r = at(8_000, u64::MAX, 10_164).unwrap();
         assert_eq!(r.pace.map(|p| p.us_per_token), Some(u32::MAX));
         // The engine stopped publishing the counters: both forgotten.
-        let r = record(&s, &key, 9_000, Ok(vllm(0, 1, 0))).unwrap();
+        let r = record(&s, 9_000, Ok(vllm(0, 1, 0))).unwrap();
         assert_eq!((r.pace, r.decode_base), (None, None));
         assert_eq!(Scraped::decode(&r.encode()), Some(r));
     }
@@ -1223,14 +1181,16 @@ mod tests {
     fn loads_one_value_for_every_endpoint() {
         let s = MemStore::new();
         assert_eq!(read_loads(&s), Loads::default());
-        let a = vllm(5, 9, 410).into_record();
-        let mut a = a;
+        let mut a = vllm(5, 9, 410).into_record();
         a.scraped_at_ms = 1_000;
         a.attempted_at_ms = 1_000;
         let mut b = Scraped::default();
         b.failed(ScrapeError::TooLarge, 1_100);
-        publish(&s, 30, a, &[30, 7]).unwrap();
-        publish(&s, 7, b, &[30, 7]).unwrap();
+        assert_eq!(fold(&s, 30, 1_000, Ok(vllm(5, 9, 410)), &[30, 7]), Ok(a));
+        assert_eq!(
+            fold(&s, 7, 1_100, Err(ScrapeError::TooLarge), &[30, 7]),
+            Ok(b)
+        );
         let loads = read_loads(&s);
         assert_eq!(loads.entries, vec![(7, b), (30, a)]);
         assert_eq!(loads.encode().len(), 5 + 2 * (4 + RECORD_BYTES));
@@ -1256,8 +1216,10 @@ mod tests {
             LoadState::Unknown(Unknown::NeverScraped)
         );
         // An endpoint gone from the configuration is dropped at the next publish.
-        publish(&s, 7, b, &[7]).unwrap();
-        assert_eq!(read_loads(&s).entries, vec![(7, b)]);
+        let mut b2 = b;
+        b2.failed(ScrapeError::TooLarge, 1_200);
+        assert_eq!(fold(&s, 7, 1_200, Err(ScrapeError::TooLarge), &[7]), Ok(b2));
+        assert_eq!(read_loads(&s).entries, vec![(7, b2)]);
         // The codec takes exactly what it writes.
         let bytes = loads.encode();
         assert_eq!(Loads::decode(&bytes), Some(loads.clone()));

@@ -459,7 +459,7 @@ mod tests {
     /// last), and the engine is asked once per interval throughout.
     #[test]
     fn a_lapsed_lease_is_taken_over_without_double_scrapes() {
-        use crate::scheduler::routing::scrape::{self, Scraped};
+        use crate::scheduler::routing::scrape;
         use crate::scheduler::wire::engine_load::EngineLoad;
         let c = cfg(&[Some(200)]);
         let m = c.endpoints[0].metrics.clone().unwrap();
@@ -522,9 +522,7 @@ mod tests {
                 token += 1;
                 vm.schedule.sent(i, Some(token), &m, now);
                 assert_eq!(vm.schedule.answered(token), Some((0, now)));
-                let rec: Scraped =
-                    scrape::record(&store, &scrape::record_key("e0"), now, Ok(load)).unwrap();
-                scrape::publish(&store, id, rec, &[id]).unwrap();
+                scrape::fold(&store, id, now, Ok(load), &[id]).unwrap();
                 scrapes.push((now, vm.me));
             }
         }

@@ -747,9 +747,8 @@ mod tests {
             prompt_tokens_cached_total: None,
             decode: None,
         };
-        let rec = scrape::record(&store, &scrape::record_key("b"), 1_000, Ok(load)).unwrap();
         let ids: Vec<u32> = c.endpoints.iter().map(|e| e.id).collect();
-        scrape::publish(&store, c.endpoints[1].id, rec, &ids).unwrap();
+        scrape::fold(&store, c.endpoints[1].id, 1_000, Ok(load), &ids).unwrap();
         let l = engine_loads(&store, &c, 2_000);
         assert_eq!(l[0], None);
         assert_eq!(

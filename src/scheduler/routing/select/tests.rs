@@ -1511,22 +1511,16 @@ fn scraped(store: &dyn Store, name: &str, waiting: u32, running: u32, now: u64) 
         prompt_tokens_cached_total: None,
         decode: None,
     };
-    let rec = crate::scheduler::routing::scrape::record(
-        store,
-        &crate::scheduler::routing::scrape::record_key(name),
-        now,
-        Ok(load),
-    )
-    .unwrap();
-    // The scheduler reads the scraper's combined value: publish there, keeping the others.
+    // The scheduler reads the scraper's combined value: folded there, keeping the others.
     let keep: Vec<u32> = ["a", "b", "c", "d", "e", "f"]
         .iter()
         .map(|n| crate::scheduler::state::hash::endpoint_id(n))
         .collect();
-    crate::scheduler::routing::scrape::publish(
+    crate::scheduler::routing::scrape::fold(
         store,
         crate::scheduler::state::hash::endpoint_id(name),
-        rec,
+        now,
+        Ok(load),
         &keep,
     )
     .unwrap();

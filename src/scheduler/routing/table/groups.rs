@@ -492,6 +492,7 @@ pub fn lay_out(
             versions: versions.clone(),
         };
         if store.set(TABLE_KEY, &header.encode(), head_cas).is_ok() {
+            clear_past(store, n, head.as_ref());
             return true;
         }
         // Someone else recorded a version meanwhile: keep the higher ones, and their budget.
@@ -511,6 +512,29 @@ pub fn lay_out(
         head_cas = cas;
     }
     false
+}
+
+/// Empties the groups a smaller layout no longer uses (those of the layout `previous` held,
+/// past the `entries` just laid out): Envoy never frees a key, but their values, the entries
+/// of endpoints that are gone (a pool's departed hosts), would stay as they were, never read
+/// again. Each becomes an empty group of the next version (versions only move up, so a later,
+/// larger layout reusing the key goes on from there), under its own CAS; a group another
+/// writer changed meanwhile is left to it. Called once the header naming `entries` is
+/// written, so no reader of the new header reads them.
+fn clear_past(store: &dyn Store, entries: usize, previous: Option<&Head>) {
+    let Some(prev) = previous else { return };
+    for g in groups(entries)..groups(prev.entries) {
+        let key = group_key(g);
+        let (bytes, cas) = store.get(&key);
+        let Some(own) = bytes.as_deref().and_then(parse_group) else {
+            continue;
+        };
+        if own.1.is_empty() {
+            continue;
+        }
+        let version = next_version(own.0, prev.version(g));
+        let _ = store.set(&key, &encode_group(version, std::iter::empty()), cas);
+    }
 }
 
 /// Writes `table` as the stored table, unconditionally (tests and tools: a table set up at

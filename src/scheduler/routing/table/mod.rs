@@ -966,6 +966,40 @@ mod tests {
         assert!(Table::has_layout(&s2, &b));
     }
 
+    /// A fleet that shrinks (a pool's hosts left): the groups the smaller layout no longer
+    /// uses are emptied, so their departed endpoints' entries do not stay in shared data; the
+    /// keys stay (Envoy never frees one). Growing again reuses them, versions moving up.
+    #[test]
+    fn a_smaller_layout_empties_the_groups_it_no_longer_uses() {
+        let store = MemStore::new();
+        let names: Vec<String> = (0..1_000).map(|i| format!("h{i}")).collect();
+        let refs: Vec<&str> = names.iter().map(String::as_str).collect();
+        let big = two(&refs);
+        assert_eq!(claim_layout(&store, &big), 1);
+        let bytes = |s: &MemStore| -> usize {
+            (0..groups::groups(1_000))
+                .map(|g| s.get(&group_key(g)).0.map_or(0, |b| b.len()))
+                .sum()
+        };
+        let full = bytes(&store);
+        let keys = store.keys();
+        let small = two(&["h0"]);
+        assert_eq!(claim_layout(&store, &small), 2);
+        assert_eq!(store.keys(), keys, "no key added");
+        // Group 0 holds h0; the other 62 are empty groups (13 bytes each).
+        let one = store.get(&group_key(0)).0.unwrap().len();
+        assert_eq!(bytes(&store), one + 62 * 13, "was {full}");
+        assert!(Table::has_layout(&store, &small));
+        assert_eq!(Table::read(&store, &small).entries.len(), 1);
+        // Back to 1 000: every group laid out again, readable, versions above the emptied ones.
+        assert_eq!(claim_layout(&store, &big), 3);
+        assert!(Table::has_layout(&store, &big));
+        let (t, complete) = groups::read_stored(&store).unwrap();
+        assert!(complete);
+        assert_eq!(t.entries.len(), 1_000);
+        assert_eq!(bytes(&store), full);
+    }
+
     #[test]
     fn claim_is_idempotent_per_layout_and_orders_layouts() {
         let store = MemStore::new();
