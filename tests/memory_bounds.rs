@@ -17,8 +17,8 @@
     clippy::indexing_slicing
 )]
 
+use computeflux::scheduler::routing::placement::sessions::SESSIONS_KEY;
 use computeflux::scheduler::routing::select::TABLE_KEY;
-use computeflux::scheduler::routing::sessions::SESSIONS_KEY;
 use computeflux::scheduler::routing::table::groups::{self, group_key};
 use computeflux::scheduler::state::hash::session_key;
 use computeflux::scheduler::{
@@ -139,7 +139,7 @@ fn session_flood_keeps_keys_and_bytes_at_the_bound() {
         + TABLE_KEY.len()
         + group_key(0).len()
         + SESSIONS_KEY.len();
-    let expected = bound as usize * computeflux::scheduler::routing::affinity::ENTRY_BYTES
+    let expected = bound as usize * computeflux::scheduler::routing::pins::affinity::ENTRY_BYTES
         + buckets
         + key_bytes
         + table
@@ -182,8 +182,8 @@ fn changing_the_bound_reuses_bucket_keys_up_to_the_largest_count() {
 /// a record key (`computeflux/scrape/endpoint/<name>`): 2 004 keys here.
 #[test]
 fn endpoint_churn_with_metrics_through_reloads_adds_no_keys() {
+    use computeflux::scheduler::routing::scrape::plan::{holder_id, scraped_ids};
     use computeflux::scheduler::routing::scrape::{self, LEASE_KEY};
-    use computeflux::scheduler::routing::scrape_plan::{holder_id, scraped_ids};
     use computeflux::scheduler::wire::engine_load::{Engine, EngineLoad};
     let store = MemStore::new();
     let mut now = 1_000_000;

@@ -24,16 +24,16 @@ mod support;
 use std::collections::BTreeMap;
 use std::time::{Duration, Instant};
 
-use computeflux::scheduler::routing::payoff::Payoff;
+use computeflux::scheduler::routing::judge::payoff::Payoff;
 use computeflux::scheduler::wire::usage::Usage;
 use serde_json::json;
 use support::placement::{header_session, rendezvous_order};
 use support::{chat_body, post_chat, Envoy, EnvoyConfig, MockUpstream, Response};
 
 const MODEL: &str = "m1";
-/// `routing::payoff::PAYOFF_MIN_SAMPLES` and `PAYOFF_WEIGHT`.
-const MIN_SAMPLES: u64 = computeflux::scheduler::routing::payoff::PAYOFF_MIN_SAMPLES;
-const WEIGHT: f64 = computeflux::scheduler::routing::payoff::PAYOFF_WEIGHT;
+/// `routing::judge::payoff::PAYOFF_MIN_SAMPLES` and `PAYOFF_WEIGHT`.
+const MIN_SAMPLES: u64 = computeflux::scheduler::routing::judge::payoff::PAYOFF_MIN_SAMPLES;
+const WEIGHT: f64 = computeflux::scheduler::routing::judge::payoff::PAYOFF_WEIGHT;
 const EVEN: [(&str, f64); 2] = [("cache", 1.0), ("nocache", 1.0)];
 const REDUCED: [(&str, f64); 2] = [("cache", 1.0), ("nocache", WEIGHT)];
 

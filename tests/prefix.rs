@@ -432,10 +432,10 @@ fn applications_that_share_a_preamble_are_placed_by_their_whole_instructions() {
 }
 
 /// Slots of the engine-like mocks of the session-bound test: a home is busy from half of them
-/// (`routing::sessions::SESSION_BUSY_LOAD`, 8).
+/// (`routing::placement::sessions::SESSION_BUSY_LOAD`, 8).
 const ENGINE_SLOTS: &str = "16";
 
-/// (f) The session bound of a busy prefix home (`routing::sessions`, docs/routing.md, "Bounding a
+/// (f) The session bound of a busy prefix home (`routing::placement::sessions`, docs/routing.md, "Bounding a
 /// busy prefix home by the sessions placed there"), through two Envoy replicas in front of four
 /// engine-like mocks whose `/metrics` the filter scrapes. Application X's home `h` took 6 new
 /// sessions and Y's home (X's second endpoint) 6; then clients that bypass Envoy keep 10 of

@@ -40,6 +40,30 @@ const ROOMS: &[(&str, &[&str])] = &[
     ),
 ];
 
+/// The sub-rooms of `routing` and the sub-rooms each may import, lowest first, as for
+/// [`ROOMS`]. Keep in step with the list in `src/scheduler/routing/mod.rs`.
+const ROUTING_ROOMS: &[(&str, &[&str])] = &[
+    ("quota", &[]),
+    ("scrape", &[]),
+    ("judge", &[]),
+    ("table", &["quota", "judge"]),
+    ("placement", &["judge", "table"]),
+    ("pins", &[]),
+    ("pools", &["placement"]),
+    (
+        "select",
+        &[
+            "quota",
+            "scrape",
+            "judge",
+            "table",
+            "placement",
+            "pins",
+            "pools",
+        ],
+    ),
+];
+
 fn repo() -> PathBuf {
     PathBuf::from(env!("CARGO_MANIFEST_DIR"))
 }
@@ -255,23 +279,7 @@ fn allowed(from: &str, to: &str) -> bool {
 
 #[test]
 fn the_room_table_points_down_only() {
-    for (at, (room, may)) in ROOMS.iter().enumerate() {
-        for m in *may {
-            let below = ROOMS[..at].iter().any(|(r, _)| r == m);
-            assert!(
-                below,
-                "{room} may import {m}, which is not listed before it"
-            );
-        }
-    }
-    // Every room in the table is a module of the scheduler, and every module is in a room.
-    let declared = std::fs::read_to_string(repo().join("src/scheduler/mod.rs")).unwrap();
-    let mods: BTreeSet<&str> = declared
-        .lines()
-        .filter_map(|l| l.strip_prefix("pub mod ")?.strip_suffix(';'))
-        .collect();
-    let rooms: BTreeSet<&str> = ROOMS.iter().map(|(r, _)| *r).collect();
-    assert_eq!(mods, rooms, "the rooms of src/scheduler/mod.rs");
+    check_room_table(ROOMS, "src/scheduler/mod.rs");
 }
 
 #[test]
@@ -309,6 +317,78 @@ fn rooms_import_only_the_rooms_below_them() {
     assert!(
         report.is_empty(),
         "imports against the room table of src/scheduler/mod.rs:\n{}",
+        report.join("\n")
+    );
+}
+
+/// `table` lists each room's allowed imports from rooms listed before it only; its rooms are
+/// exactly the `pub mod`s declared in `declared_in`.
+fn check_room_table(table: &[(&str, &[&str])], declared_in: &str) {
+    for (at, (room, may)) in table.iter().enumerate() {
+        for m in *may {
+            let below = table[..at].iter().any(|(r, _)| r == m);
+            assert!(
+                below,
+                "{room} may import {m}, which is not listed before it"
+            );
+        }
+    }
+    let declared = std::fs::read_to_string(repo().join(declared_in)).unwrap();
+    let mods: BTreeSet<&str> = declared
+        .lines()
+        .filter_map(|l| l.strip_prefix("pub mod ")?.strip_suffix(';'))
+        .collect();
+    let rooms: BTreeSet<&str> = table.iter().map(|(r, _)| *r).collect();
+    assert_eq!(mods, rooms, "the rooms of {declared_in}");
+}
+
+#[test]
+fn the_routing_room_table_points_down_only() {
+    check_room_table(ROUTING_ROOMS, "src/scheduler/routing/mod.rs");
+}
+
+#[test]
+fn routing_rooms_import_only_the_rooms_below_them() {
+    let rooms: BTreeSet<&str> = ROUTING_ROOMS.iter().map(|(r, _)| *r).collect();
+    let mut report = Vec::new();
+    let mut seen_edges = 0;
+    for src in sources() {
+        let from = match src.module.as_slice() {
+            [a, b, room, ..] if a == "scheduler" && b == "routing" => room.as_str(),
+            _ => continue,
+        };
+        for target in &src.imports {
+            let to = match target.as_slice() {
+                [a, b, room, ..] if a == "scheduler" && b == "routing" => room.as_str(),
+                _ => continue,
+            };
+            if !rooms.contains(to) {
+                report.push(format!(
+                    "{}: {} is in no routing room",
+                    src.rel,
+                    target.join("::")
+                ));
+                continue;
+            }
+            if from == to {
+                continue;
+            }
+            seen_edges += 1;
+            let ok = ROUTING_ROOMS
+                .iter()
+                .any(|(room, may)| *room == from && may.contains(&to));
+            if !ok {
+                report.push(format!("{}: {from} imports {}", src.rel, target.join("::")));
+            }
+        }
+    }
+    assert!(
+        seen_edges > 20,
+        "the scanner found only {seen_edges} imports between routing rooms"
+    );
+    assert!(
+        report.is_empty(),
+        "imports against the routing room table (ROUTING_ROOMS):\n{}",
         report.join("\n")
     );
 }

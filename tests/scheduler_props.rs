@@ -27,16 +27,18 @@ use computeflux::scheduler::health::breaker::{
     Admission, Breaker, BreakerConfig, BreakerState, OpenCause,
 };
 use computeflux::scheduler::health::outcome::FailureKind;
-use computeflux::scheduler::routing::affinity::{self, Affinity, Entry};
-use computeflux::scheduler::routing::ewma;
-use computeflux::scheduler::routing::in_flight::InFlightAges;
-use computeflux::scheduler::routing::payoff::Payoff;
+use computeflux::scheduler::routing::judge::payoff::Payoff;
+use computeflux::scheduler::routing::judge::saturation::Saturation;
+use computeflux::scheduler::routing::judge::slowness::{
+    self, DegradeRule, Sample, Slowness, WorkModel,
+};
+use computeflux::scheduler::routing::pins::affinity::{self, Affinity, Entry};
 use computeflux::scheduler::routing::quota::{Quota, Remaining};
-use computeflux::scheduler::routing::saturation::Saturation;
+use computeflux::scheduler::routing::select::signals;
 use computeflux::scheduler::routing::select::{Ticket, TABLE_KEY};
-use computeflux::scheduler::routing::signals;
-use computeflux::scheduler::routing::slowness::{self, DegradeRule, Sample, Slowness, WorkModel};
+use computeflux::scheduler::routing::table::ewma;
 use computeflux::scheduler::routing::table::group_key;
+use computeflux::scheduler::routing::table::in_flight::InFlightAges;
 use computeflux::scheduler::routing::table::Table;
 use computeflux::scheduler::state::store::CAS_RETRIES;
 use computeflux::scheduler::wire::request;

@@ -14,13 +14,13 @@
     clippy::indexing_slicing
 )]
 
-use computeflux::scheduler::routing::ewma;
-use computeflux::scheduler::routing::saturation::{
+use computeflux::scheduler::routing::judge::saturation::{
     judge, EngineLoad, MoveMark, MoveReason, Saturation, SaturationRule,
 };
-use computeflux::scheduler::routing::slowness::{
+use computeflux::scheduler::routing::judge::slowness::{
     degraded, peer_median, DegradeRule, Sample, Slowness, WorkModel, MODEL_WARM_SAMPLES,
 };
+use computeflux::scheduler::routing::table::ewma;
 use computeflux::scheduler::state::codec::{Reader, Writer};
 use computeflux::scheduler::Config;
 
@@ -33,7 +33,7 @@ fn raw_degraded(was: bool, latency: Option<(f64, f64)>, cfg: &Config) -> bool {
     let floor = 10.0;
     let ratio = own.max(floor) / best.max(floor);
     let gap = own - best;
-    let min_gap = computeflux::scheduler::routing::slowness::PIN_BREAK_MIN_MS as f64;
+    let min_gap = computeflux::scheduler::routing::judge::slowness::PIN_BREAK_MIN_MS as f64;
     if was {
         ratio >= computeflux::scheduler::config::DEGRADED_EXIT_RATIO && gap >= min_gap / 2.0
     } else {

@@ -5,7 +5,7 @@
 
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::indexing_slicing)]
 
-use computeflux::scheduler::routing::responses::{AnswerFormat, IdScan};
+use computeflux::scheduler::routing::select::responses::{AnswerFormat, IdScan};
 use computeflux::scheduler::wire::api::{policy, Handling};
 use computeflux::scheduler::wire::json_scan::{remove_member, string_at, Scan};
 use computeflux::scheduler::wire::multipart::{

@@ -26,7 +26,7 @@ mod support;
 
 use std::time::Duration;
 
-use computeflux::scheduler::routing::pin_cookie;
+use computeflux::scheduler::routing::pins::pin_cookie;
 use computeflux::scheduler::state::hash::endpoint_id;
 use serde_json::{json, Value};
 use support::http::{self, CookieJar, Response};

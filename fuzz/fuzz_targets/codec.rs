@@ -6,14 +6,14 @@
 
 use arbitrary::Arbitrary;
 use computeflux::scheduler::health::breaker::{Breaker, BreakerState, OpenCause};
-use computeflux::scheduler::routing::affinity::{self, Entry, KEY_PREFIX};
-use computeflux::scheduler::routing::in_flight::InFlightAges;
-use computeflux::scheduler::routing::payoff::Payoff;
+use computeflux::scheduler::routing::pins::affinity::{self, Entry, KEY_PREFIX};
+use computeflux::scheduler::routing::table::in_flight::InFlightAges;
+use computeflux::scheduler::routing::judge::payoff::Payoff;
 use computeflux::scheduler::routing::quota::{Quota, Remaining};
-use computeflux::scheduler::routing::saturation::Saturation;
+use computeflux::scheduler::routing::judge::saturation::Saturation;
 use computeflux::scheduler::routing::select::TABLE_KEY;
-use computeflux::scheduler::routing::sessions::SESSIONS_KEY;
-use computeflux::scheduler::routing::slowness::Slowness;
+use computeflux::scheduler::routing::placement::sessions::SESSIONS_KEY;
+use computeflux::scheduler::routing::judge::slowness::Slowness;
 use computeflux::scheduler::routing::table::{group_key, groups, Table, TableCache};
 use computeflux::scheduler::{
     Config, EndpointState, Exclusions, MemStore, Outcome, Pick, RetryBudget, Scheduler, Store,

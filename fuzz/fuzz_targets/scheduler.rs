@@ -17,7 +17,7 @@ use arbitrary::Arbitrary;
 use computeflux::scheduler::health::breaker::BreakerState;
 use computeflux::scheduler::health::outcome::FailureKind;
 use computeflux::scheduler::routing::select::Ticket;
-use computeflux::scheduler::routing::sessions::SESSIONS_KEY;
+use computeflux::scheduler::routing::placement::sessions::SESSIONS_KEY;
 use computeflux::scheduler::routing::table::groups;
 use computeflux::scheduler::state::hash::session_key;
 use computeflux::scheduler::state::store::CAS_RETRIES;

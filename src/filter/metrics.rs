@@ -12,7 +12,7 @@
 use super::host;
 use crate::scheduler::config::Config;
 use crate::scheduler::health::outcome::Outcome;
-use crate::scheduler::routing::pin_cookie::Ignored;
+use crate::scheduler::routing::pins::pin_cookie::Ignored;
 use crate::scheduler::routing::select::{AffinityResult, Reason};
 use crate::scheduler::wire::reply::RejectReason;
 use crate::scheduler::wire::session::SessionSource;

@@ -8,7 +8,7 @@ use super::metrics::Metrics;
 use super::plugin::{refresh_endpoint_gauges, Plugin};
 use crate::scheduler::flow::{Observer, Timing};
 use crate::scheduler::health::outcome::Outcome;
-use crate::scheduler::routing::pin_cookie::Ignored;
+use crate::scheduler::routing::pins::pin_cookie::Ignored;
 use crate::scheduler::routing::select::{AffinityResult, Decision, Finished};
 use crate::scheduler::wire::reply::Reply;
 use crate::scheduler::wire::session::SessionSource;

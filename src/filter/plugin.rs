@@ -8,7 +8,7 @@ use super::metrics::Metrics;
 use super::shared::SharedData;
 use crate::scheduler::config::Config;
 use crate::scheduler::health::breaker::BreakerState;
-use crate::scheduler::routing::saturation::Saturation;
+use crate::scheduler::routing::judge::saturation::Saturation;
 use crate::scheduler::routing::select::Scheduler;
 use crate::scheduler::routing::table::{groups, EndpointState, TableCache};
 use std::cell::RefCell;

@@ -6,7 +6,7 @@
 //! thread's) runs a root context with its own timer; without the lease each engine would be
 //! asked `concurrency + 1` times per interval.
 //!
-//! Each tick ([`crate::scheduler::routing::scrape_plan::tick_ms`]):
+//! Each tick ([`crate::scheduler::routing::scrape::plan::tick_ms`]):
 //! 1. every VM mirrors the published loads ([`scrape::LOADS_KEY`], one shared-data read) into
 //!    the gauges, so that the age of a scrape grows in `/stats` even when no scrape succeeds;
 //! 2. the VM tries the lease ([`scrape::try_take`], lease = 3 ticks); the holder sends
@@ -15,7 +15,7 @@
 //!
 //! An answer ([`Scraper::on_response`]) is judged from its head first: a failed call, Envoy's
 //! own 503/504 (connect failure, timeout) and a body over
-//! [`crate::scheduler::routing::scrape_plan::BODY_LIMIT_BYTES`] are failures without reading the body;
+//! [`crate::scheduler::routing::scrape::plan::BODY_LIMIT_BYTES`] are failures without reading the body;
 //! otherwise at most that many bytes are read and parsed. The result is folded into the
 //! endpoint's record inside the combined value ([`scrape::fold`]: one key for every endpoint,
 //! whatever names come and go).
@@ -25,8 +25,8 @@ use super::metrics::Metrics;
 use super::shared::SharedData;
 use crate::scheduler::config::Config;
 use crate::scheduler::routing::pools::address as pools_address;
+use crate::scheduler::routing::scrape::plan::{self, Schedule};
 use crate::scheduler::routing::scrape::{self, ScrapeError, Scraped};
-use crate::scheduler::routing::scrape_plan::{self, Schedule};
 use crate::scheduler::wire::engine_load::EngineLoad;
 use crate::scheduler::wire::headers::HeaderSource;
 use proxy_wasm::types::{BufferType, MapType, MetricType};
@@ -112,13 +112,13 @@ pub struct Scraper {
 impl Scraper {
     /// `None` when no endpoint is scraped. `me` is this VM's lease holder id.
     pub fn new(cfg: &Config, me: u64) -> Option<Scraper> {
-        let ids = scrape_plan::scraped_ids(cfg);
+        let ids = plan::scraped_ids(cfg);
         if ids.is_empty() {
             return None;
         }
         Some(Scraper {
             me,
-            tick_ms: scrape_plan::tick_ms(cfg),
+            tick_ms: plan::tick_ms(cfg),
             holding: false,
             schedule: Schedule::new(cfg.endpoints.len()),
             ids,
@@ -132,7 +132,7 @@ impl Scraper {
 
     /// A lease holder id for this VM.
     pub fn holder_id(now_ms: u64) -> u64 {
-        scrape_plan::holder_id(&SharedData, now_ms)
+        plan::holder_id(&SharedData, now_ms)
     }
 
     /// Gives the lease up if this VM holds it (its root context is going away).
@@ -147,7 +147,7 @@ impl Scraper {
         let store = SharedData;
         let loads = scrape::read_loads(&store);
         self.refresh_gauges(cfg, &loads, now_ms);
-        let lease_ms = scrape_plan::lease_ms(self.tick_ms);
+        let lease_ms = plan::lease_ms(self.tick_ms);
         let held = scrape::try_take(
             &store,
             scrape::LEASE_KEY,
@@ -176,7 +176,7 @@ impl Scraper {
             let Some(m) = &e.metrics else {
                 continue;
             };
-            let mut headers = scrape_plan::request_headers(m);
+            let mut headers = plan::request_headers(m);
             // A pool's host alone: if it left, the fallback's answer says so by its stamp.
             if let Some(a) = e.address() {
                 headers.push((cfg.destination_header.clone(), a.as_bytes().to_vec()));
@@ -226,20 +226,19 @@ impl Scraper {
             }
             let status = headers.status();
             let envoy_reply = matches!(status, Some(503 | 504)) && {
-                let n = body_size.min(scrape_plan::LOCAL_REPLY_PROBE_BYTES);
+                let n = body_size.min(plan::LOCAL_REPLY_PROBE_BYTES);
                 let start = host::buffer(BufferType::HttpCallResponseBody, 0, n);
-                scrape_plan::is_envoy_reply(&start)
+                plan::is_envoy_reply(&start)
             };
             (status, envoy_reply)
         } else {
             (None, false)
         };
-        let result =
-            scrape_plan::judge_head(num_headers, status, body_size, envoy_reply).and_then(|n| {
-                let n = n.min(scrape_plan::BODY_LIMIT_BYTES);
-                let body = host::buffer(BufferType::HttpCallResponseBody, 0, n);
-                scrape_plan::judge_body(&body, body_size, e)
-            });
+        let result = plan::judge_head(num_headers, status, body_size, envoy_reply).and_then(|n| {
+            let n = n.min(plan::BODY_LIMIT_BYTES);
+            let body = host::buffer(BufferType::HttpCallResponseBody, 0, n);
+            plan::judge_body(&body, body_size, e)
+        });
         self.finish(cfg, i, now_ms, result);
         true
     }

@@ -31,7 +31,7 @@ pub use flow::{Flow, Step};
 pub use health::breaker::{Breaker, BreakerState};
 pub use health::budget::RetryBudget;
 pub use health::outcome::{classify, Outcome};
-pub use routing::affinity::Affinity;
+pub use routing::pins::affinity::Affinity;
 pub use routing::select::{
     AffinityResult, Decision, Exclusions, NoEndpoint, Pick, Prefix, Reason, Scheduler,
 };

@@ -1,5 +1,5 @@
 //! Where the filter places a session, computed the way it does: placement is a pure function of
-//! the configuration, the session and the endpoints' weights (see `src/scheduler/routing/placement.rs`),
+//! the configuration, the session and the endpoints' weights (see `src/scheduler/routing/placement/mod.rs`),
 //! so a test can choose sessions whose rendezvous order it knows in advance instead of relying on
 //! whichever order a random session happens to get.
 

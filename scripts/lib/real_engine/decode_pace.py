@@ -156,7 +156,7 @@ def window_ratios(rows, key, win_s=3.0, step_s=1.0, min_answers=3):
     return out
 
 
-# The filter's slowness rule (src/scheduler/routing/slowness.rs), replayed on the recorded
+# The filter's slowness rule (src/scheduler/routing/judge/slowness.rs), replayed on the recorded
 # answers: its constants, and the default degraded rule (tuning.pin_break_ratio 3; built in: exit
 # ratio 1.5, a gap of at least 50 ms; cold_start_samples 20).
 ALPHA, QUEUE_ALPHA_UP, CLAMP, MIN_DECODE_TOKENS, FRESH_S = 0.3, 0.1, math.log(3.0), 16, 60.0

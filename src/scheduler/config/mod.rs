@@ -491,16 +491,16 @@ pub const REMOVED_KEYS: &[(&str, &str)] = &[
     ("quota_session_growth", "quota pacing always counts the growth of the new sessions placed in a window"),
     // Model internals: the measured default is built in.
     ("success_rate_alpha", "it is built in (0.1, `routing::select::SUCCESS_RATE_ALPHA`)"),
-    ("stats_decay_ms", "it is built in (60000, `routing::score::STATS_DECAY_MS`)"),
+    ("stats_decay_ms", "it is built in (60000, `routing::placement::score::STATS_DECAY_MS`)"),
     ("placement_quantum", "it is built in (1, `routing::placement::PLACEMENT_QUANTUM`)"),
-    ("prefix_session_epsilon", "it is built in (0.25, `routing::sessions::SESSION_EPSILON`)"),
-    ("prefix_session_busy_load", "it is built in (8, `routing::sessions::SESSION_BUSY_LOAD`)"),
-    ("prefix_session_half_life_ms", "it is built in (60000, `routing::sessions::SESSION_HALF_LIFE_MS`)"),
-    ("pin_break_min_ms", "it is built in (50, `routing::slowness::PIN_BREAK_MIN_MS`)"),
+    ("prefix_session_epsilon", "it is built in (0.25, `routing::placement::sessions::SESSION_EPSILON`)"),
+    ("prefix_session_busy_load", "it is built in (8, `routing::placement::sessions::SESSION_BUSY_LOAD`)"),
+    ("prefix_session_half_life_ms", "it is built in (60000, `routing::placement::sessions::SESSION_HALF_LIFE_MS`)"),
+    ("pin_break_min_ms", "it is built in (50, `routing::judge::slowness::PIN_BREAK_MIN_MS`)"),
     ("degraded_exit_ratio", "it is built in (1.5, `config::DEGRADED_EXIT_RATIO`)"),
     ("quota_bytes_per_token", "it is built in (4, `routing::quota::BYTES_PER_TOKEN`)"),
-    ("payoff_min_samples", "it is built in (5, `routing::payoff::PAYOFF_MIN_SAMPLES`)"),
-    ("payoff_weight", "it is built in (0.125, `routing::payoff::PAYOFF_WEIGHT`)"),
+    ("payoff_min_samples", "it is built in (5, `routing::judge::payoff::PAYOFF_MIN_SAMPLES`)"),
+    ("payoff_weight", "it is built in (0.125, `routing::judge::payoff::PAYOFF_WEIGHT`)"),
 ];
 
 /// The endpoint keys (validated by hand in `Validator::endpoint`).

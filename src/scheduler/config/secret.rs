@@ -1,6 +1,6 @@
 //! The pin cookie's MAC key (`pin_cookie_secret`), and the MAC itself.
 //!
-//! Why a key: the pin cookie (`routing::pin_cookie`) is written by the filter and sent back by
+//! Why a key: the pin cookie (`routing::pins::pin_cookie`) is written by the filter and sent back by
 //! the client; only a MAC over its content keeps a client from writing its own. Every Envoy
 //! replica must verify what any other issued, so the key cannot be random per process: it
 //! comes from the configuration, which every replica shares.

@@ -1,14 +1,14 @@
 //! The lifecycle's session special cases, apart from the main path in `flow/mod.rs`:
-//! - the pin cookie (`routing::pin_cookie`): read from the request, where another replica last
+//! - the pin cookie (`routing::pins::pin_cookie`): read from the request, where another replica last
 //!   placed the session; set on an answer served away from the session's home;
-//! - the Responses API (`routing::responses`): a follow-up goes to the holder of its previous
+//! - the Responses API (`routing::select::responses`): a follow-up goes to the holder of its previous
 //!   response, and a stored answer's id is learned from its first bytes.
 
 use super::{Flow, Holder, Observer, Step};
 use crate::scheduler::config::Config;
 use crate::scheduler::health::outcome::Outcome;
-use crate::scheduler::routing::pin_cookie::{self, Found};
-use crate::scheduler::routing::responses::{self, AnswerFormat, HolderUnavailable, IdScan};
+use crate::scheduler::routing::pins::pin_cookie::{self, Found};
+use crate::scheduler::routing::select::responses::{self, AnswerFormat, HolderUnavailable, IdScan};
 use crate::scheduler::routing::select::{Decision, NoEndpoint, Scheduler};
 use crate::scheduler::wire::headers::HeaderSource;
 use crate::scheduler::wire::reply::{RejectReason, Reply};

@@ -1171,8 +1171,8 @@ fn ambiguous_paths_are_refused_before_any_pick() {
 /// tokens are estimated from the body and the relayed bytes and it only judges.
 #[test]
 fn finished_answers_are_judged_against_their_work() {
-    use crate::scheduler::routing::signals::{read_model, work_key};
-    use crate::scheduler::routing::slowness::{Sample, WorkModel};
+    use crate::scheduler::routing::judge::slowness::{Sample, WorkModel};
+    use crate::scheduler::routing::select::signals::{read_model, work_key};
     let c = cfg(json!({}));
     let store = MemStore::new();
     let key = work_key(&c, Some("m"));
@@ -1400,8 +1400,8 @@ fn a_call_refused_for_the_requests_own_headers_is_not_charged_to_the_endpoint() 
 /// stream runs, and its end is not judged again; a healthy pace is left to the stream's end.
 #[test]
 fn a_slow_running_stream_is_judged_by_its_pace() {
-    use crate::scheduler::routing::signals::{read_model, work_key};
-    use crate::scheduler::routing::slowness::{Sample, WorkModel, PACE_FIRST_CHECK_BYTES};
+    use crate::scheduler::routing::judge::slowness::{Sample, WorkModel, PACE_FIRST_CHECK_BYTES};
+    use crate::scheduler::routing::select::signals::{read_model, work_key};
     // Peers b and c warm at slowness 1 (the rule compares with their median).
     let c = cfg(json!({"cold_start_samples": 2}));
     let store = MemStore::new();

@@ -246,7 +246,7 @@ pub(super) fn record_success(st: &mut EndpointState, outcome: &Outcome, now_ms: 
     // Fold in the fading of the idle penalty first, then the new sample.
     let idle_fade = ewma::fade(
         now_ms.saturating_sub(st.last_sample_ms),
-        crate::scheduler::routing::score::STATS_DECAY_MS,
+        crate::scheduler::routing::placement::score::STATS_DECAY_MS,
     );
     let faded = 1.0 - (1.0 - st.success_rate) * idle_fade;
     // A 401/403 is deterministic (the key is dead), not a flaky sample: it weighs at least

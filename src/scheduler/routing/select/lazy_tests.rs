@@ -156,7 +156,7 @@ proptest! {
         };
         let candidates: Vec<usize> = (0..n).collect();
         let bcfg = s.breaker_config();
-        let engines = crate::scheduler::routing::capacity::Engines::read(&store, &c, NOW);
+        let engines = crate::scheduler::routing::select::capacity::Engines::read(&store, &c, NOW);
         let Ok(board) = s.board(&t, &candidates, &pick, &engines, NOW, &bcfg) else {
             return Ok(());
         };
@@ -228,7 +228,7 @@ proptest! {
             return Ok(());
         };
         let bcfg = s.breaker_config();
-        let engines = crate::scheduler::routing::capacity::Engines::read(&store, &c, NOW);
+        let engines = crate::scheduler::routing::select::capacity::Engines::read(&store, &c, NOW);
         let Some(quick) = s.drawn_choice(&t, &candidates, &pick, &engines, NOW, &bcfg) else {
             return Ok(());
         };

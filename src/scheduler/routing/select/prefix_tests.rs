@@ -2,7 +2,7 @@
 // prefix key goes to the prefix's rendezvous home, on every replica; pins still win.
 use super::*;
 use crate::scheduler::routing::placement;
-use crate::scheduler::routing::sessions;
+use crate::scheduler::routing::placement::sessions;
 use crate::scheduler::state::hash::session_key;
 use crate::scheduler::state::store::MemStore;
 use serde_json::json;

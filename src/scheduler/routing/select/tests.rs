@@ -1,9 +1,9 @@
 // The selection's unit tests (over 600 lines: one scenario per rule of choose and finish).
 use super::*;
 use crate::scheduler::health::outcome::FailureKind;
-use crate::scheduler::routing::saturation::Saturation;
-use crate::scheduler::routing::signals::Served;
-use crate::scheduler::routing::slowness::{Sample, WorkModel};
+use crate::scheduler::routing::judge::saturation::Saturation;
+use crate::scheduler::routing::judge::slowness::{Sample, WorkModel};
+use crate::scheduler::routing::select::signals::Served;
 use crate::scheduler::state::store::MemStore;
 use serde_json::json;
 #[cfg(target_arch = "wasm32")]
@@ -1757,7 +1757,7 @@ fn full_engines_share_new_sessions_by_slots() {
     assert!(spilled > 10, "{spilled}");
     // After all 300: b's projected load (6 + its placements) is within its slot share of
     // the excess (2 × (346 + 1) × 4 / 36 + 1 ≈ 78) and so is the last placement's.
-    let caps = crate::scheduler::routing::capacity::read(&store);
+    let caps = crate::scheduler::routing::select::capacity::read(&store);
     let b = caps.get(c.endpoints[1].id);
     assert_eq!((b.slots, b.sent as usize), (4, to[1]));
     assert!(6 + to[1] <= 78, "{to:?}");

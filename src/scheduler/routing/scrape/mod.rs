@@ -34,6 +34,8 @@
 //!   [`LoadState::Known`] (fresh): every Envoy replica scraping the same engine derives nearly
 //!   the same pace, where each replica's own answers see a third of the traffic.
 
+pub mod plan;
+
 use crate::scheduler::state::codec::{Reader, Writer};
 use crate::scheduler::state::store::{update, update_if, Store};
 use crate::scheduler::wire::engine_load::{DecodeTotals, Engine, EngineLoad, LoadError};

@@ -21,11 +21,11 @@
 //!   one place that reads them (the scraper may later combine them into one key).
 
 use crate::scheduler::config::{Config, EndpointConfig};
-use crate::scheduler::routing::saturation::{self, EngineLoad, SaturationRule};
+use crate::scheduler::routing::judge::saturation::{self, EngineLoad, SaturationRule};
+use crate::scheduler::routing::judge::slowness::{self, DegradeRule, Sample, Slowness, WorkModel};
 use crate::scheduler::routing::scrape::{self, LoadState};
-use crate::scheduler::routing::slowness::{self, DegradeRule, Sample, Slowness, WorkModel};
 use crate::scheduler::routing::table::{EndpointState, Table};
-use crate::scheduler::routing::table::{MedianMemo, Quiet, QuietHit, QuietMemo};
+use crate::scheduler::routing::table::{MedianMemo, Quiet, QuietMemo};
 use crate::scheduler::state::store::{update, Store};
 use crate::scheduler::wire::usage::Usage;
 use std::rc::Rc;
@@ -264,7 +264,7 @@ impl QuietMemo {
         i: usize,
         key: Option<&Option<(u64, u32)>>,
         reference: Option<f64>,
-    ) -> Option<QuietHit> {
+    ) -> Option<Quiet> {
         let q = self.at.get(i)?;
         let &(stamp, id) = key?.as_ref()?;
         let same_reference = match reference {
@@ -274,7 +274,7 @@ impl QuietMemo {
         if !(q.valid && q.stamp == stamp && q.id == id && same_reference) {
             return None;
         }
-        let hit = (q.id, q.weight, q.sticky, q.flip);
+        let hit = *q;
         self.hits = self.hits.saturating_add(1);
         Some(hit)
     }

@@ -1,7 +1,7 @@
 //! Capacity: how many requests an engine runs at once, and how many this Envoy has sent it
 //! since its last scrape, so that a burst of placements cannot pile onto a small engine.
 //!
-//! Why: the saturation state ([`super::saturation`]) and the bounded load read the engine's
+//! Why: the saturation state ([`crate::scheduler::routing::judge::saturation`]) and the bounded load read the engine's
 //! `running + waiting` as of its last scrape (one a second). Between two scrapes every
 //! placement reads the same picture, so when the large engines of a mixed fleet turn full, all
 //! the sessions moved or placed in that second go to the next endpoint of their rendezvous
@@ -40,8 +40,8 @@
 //! write).
 
 use crate::scheduler::config::Config;
-use crate::scheduler::routing::saturation::EngineLoad;
-use crate::scheduler::routing::signals;
+use crate::scheduler::routing::judge::saturation::EngineLoad;
+use crate::scheduler::routing::select::signals;
 use crate::scheduler::state::codec::{Reader, Writer};
 use crate::scheduler::state::store::{update_if, Store};
 
@@ -227,7 +227,7 @@ pub struct Engines {
     /// The new sessions this process placed per endpoint (see `sessions`), faded to the
     /// decision's time: read only for a new session placed by prefix while the session bound
     /// is on; `None` otherwise.
-    pub sessions: Option<crate::scheduler::routing::sessions::Counts>,
+    pub sessions: Option<crate::scheduler::routing::placement::sessions::Counts>,
 }
 
 impl Engines {

@@ -2,7 +2,7 @@
 //! was given, not by the requests it runs now.
 //!
 //! Why: placement by prefix sends an application's new sessions to one home. The in-flight
-//! bound of [`super::placement`] reads the load *now* (the engines' scrape of the last second,
+//! bound of [`crate::scheduler::routing::placement`] reads the load *now* (the engines' scrape of the last second,
 //! or in-flight counts), but a session placed now brings its load later: every later turn comes
 //! back to where it was placed. On the bench's `mixed_prefix` (200 six-turn sessions arriving
 //! within 10 s, 8 shared system prompts, Zipf) the popular applications' homes took 57–59

@@ -16,7 +16,7 @@
 //!
 //! **What replicas agree on.** Placement weight = configured `weight` × the success
 //! level × the payoff factor (a boolean of smoothed state with hysteresis, see
-//! [`super::payoff`]) — nothing else. The success level is the faded success rate rounded up to
+//! [`crate::scheduler::routing::judge::payoff`]) — nothing else. The success level is the faded success rate rounded up to
 //! a level `2^(-k·q)` (`q =` [`PLACEMENT_QUANTUM`]): every endpoint succeeding more than half the
 //! time weighs exactly its weight, and only an endpoint that fails most requests (a dead API
 //! key, which answers 401 to every replica alike) weighs less. No latency factor and no
@@ -25,8 +25,8 @@
 //! boundary were weighed differently by each replica, moving the sessions near the
 //! corresponding rendezvous boundary. What an endpoint's state does change
 //! is whether it is *skipped* in rendezvous order, and only for states with hysteresis: its
-//! breaker open, degraded ([`super::slowness`]: slow for the work against its peers; probes
-//! still go), saturated ([`super::saturation`]: full by the engine's own scraped queue and KV
+//! breaker open, degraded ([`crate::scheduler::routing::judge::slowness`]: slow for the work against its peers; probes
+//! still go), saturated ([`crate::scheduler::routing::judge::saturation`]: full by the engine's own scraped queue and KV
 //! cache, skipped while another candidate has room), short of quota. Skipping keeps every other
 //! session's home where it was.
 //!
@@ -45,7 +45,7 @@
 //! has no pin for it, resends the same instructions, so it computes the same home (unless that
 //! replica's bounded load spills it). A busy prefix home that took more than its share of the
 //! new sessions placed recently also spills them, to the candidate that took the fewest (see
-//! [`super::sessions`]).
+//! [`crate::scheduler::routing::placement::sessions`]).
 //!
 //! Requests without a session have no cache to keep: they are placed on a per-request key with
 //! the full score (`score`, in-flight and latency included) as weight. Over a fleet of more
@@ -59,9 +59,12 @@
 //! are computed. Past [`DRAWS`] draws (every score tiny against its weight) the walk goes on
 //! in the rendezvous order of the placement weights.
 
+pub mod score;
+pub mod sessions;
+
 use crate::scheduler::config::Config;
-use crate::scheduler::routing::payoff::PayoffRule;
-use crate::scheduler::routing::score::success;
+use crate::scheduler::routing::judge::payoff::PayoffRule;
+use crate::scheduler::routing::placement::score::success;
 use crate::scheduler::routing::table::EndpointState;
 #[cfg(doc)]
 use crate::scheduler::state::hash::rendezvous_seed;
@@ -275,8 +278,7 @@ impl<'c> Keyed<'c> {
         candidates: &'c [(usize, u32, f64)],
         seeds: &'c [u64],
     ) -> Keyed<'c> {
-        #[cfg(test)]
-        assert!(
+        debug_assert!(
             seeds.len() != candidates.len()
                 || seeds
                     .iter()

@@ -321,42 +321,6 @@ pub struct QuotaRule {
     pub max_reset_ms: u64,
 }
 
-/// (remaining, reset, limit) header names of one count.
-type Names = (&'static str, &'static str, &'static str);
-
-const OPENAI_REQUESTS: Names = (
-    "x-ratelimit-remaining-requests",
-    "x-ratelimit-reset-requests",
-    "x-ratelimit-limit-requests",
-);
-const OPENAI_TOKENS: Names = (
-    "x-ratelimit-remaining-tokens",
-    "x-ratelimit-reset-tokens",
-    "x-ratelimit-limit-tokens",
-);
-const ANTHROPIC_REQUESTS: Names = (
-    "anthropic-ratelimit-requests-remaining",
-    "anthropic-ratelimit-requests-reset",
-    "anthropic-ratelimit-requests-limit",
-);
-const ANTHROPIC_TOKENS: [Names; 3] = [
-    (
-        "anthropic-ratelimit-tokens-remaining",
-        "anthropic-ratelimit-tokens-reset",
-        "anthropic-ratelimit-tokens-limit",
-    ),
-    (
-        "anthropic-ratelimit-input-tokens-remaining",
-        "anthropic-ratelimit-input-tokens-reset",
-        "anthropic-ratelimit-input-tokens-limit",
-    ),
-    (
-        "anthropic-ratelimit-output-tokens-remaining",
-        "anthropic-ratelimit-output-tokens-reset",
-        "anthropic-ratelimit-output-tokens-limit",
-    ),
-];
-
 /// The least a stated limit weighs a key down to, against the largest limit among the
 /// candidates ([`weigh_by_limits`]): a key whose limit is a tiny share of another's still gets
 /// a few new sessions, and an upstream that claims a huge limit takes at most
@@ -452,75 +416,6 @@ pub const BYTES_PER_TOKEN: u64 = 4;
 /// is taken to cost.
 pub fn estimate_tokens(prompt_bytes: usize, bytes_per_token: u64) -> u64 {
     (prompt_bytes as u64).div_ceil(bytes_per_token.max(1))
-}
-
-/// A remaining count: ASCII digits only, at most [`MAX_REMAINING`].
-pub fn parse_count(v: &[u8]) -> Option<u64> {
-    let v = v.trim_ascii();
-    if v.is_empty() || v.len() > 13 || !v.iter().all(u8::is_ascii_digit) {
-        return None;
-    }
-    std::str::from_utf8(v)
-        .ok()?
-        .parse::<u64>()
-        .ok()
-        .filter(|n| *n <= MAX_REMAINING)
-}
-
-fn stated<H: HeaderSource + ?Sized>(
-    h: &H,
-    (remaining, reset, limit): Names,
-    parse_reset: &dyn Fn(&[u8]) -> Option<u64>,
-) -> Option<Stated> {
-    let left = parse_count(&h.header(remaining)?)?;
-    Some(Stated {
-        left,
-        reset_in_ms: h.header(reset).and_then(|v| parse_reset(&v)),
-        // A limit below what is left is not a limit.
-        limit: h
-            .header(limit)
-            .and_then(|v| parse_count(&v))
-            .filter(|l| *l >= left),
-    })
-}
-
-/// The smaller of two stated counts (the one that runs out first).
-fn tighter(a: Option<Stated>, b: Option<Stated>) -> Option<Stated> {
-    match (a, b) {
-        (Some(x), Some(y)) => Some(if y.left < x.left { y } else { x }),
-        (x, y) => x.or(y),
-    }
-}
-
-impl QuotaHint {
-    /// The quota a successful answer's headers state. Reads two headers when the answer
-    /// carries OpenAI's family, six when it carries none (each read is a host call in Envoy),
-    /// plus the resets and limits of the counts found. `sent_ms`: when the request was sent
-    /// (a duration counts from there, an instant is taken as it is).
-    pub fn read<H: HeaderSource + ?Sized>(h: &H, sent_ms: u64) -> QuotaHint {
-        let duration = |v: &[u8]| std::str::from_utf8(v).ok().and_then(parse_go_duration_ms);
-        let hint = QuotaHint {
-            requests: stated(h, OPENAI_REQUESTS, &duration),
-            tokens: stated(h, OPENAI_TOKENS, &duration),
-            at_ms: Some(sent_ms),
-        };
-        if !hint.is_empty() {
-            return hint;
-        }
-        let instant = |v: &[u8]| parse_rfc3339_ms(v).map(|at| at.saturating_sub(sent_ms));
-        QuotaHint {
-            requests: stated(h, ANTHROPIC_REQUESTS, &instant),
-            tokens: ANTHROPIC_TOKENS
-                .iter()
-                .map(|&names| stated(h, names, &instant))
-                .fold(None, tighter),
-            at_ms: Some(sent_ms),
-        }
-    }
-
-    pub fn is_empty(&self) -> bool {
-        self.requests.is_none() && self.tokens.is_none()
-    }
 }
 
 fn live(r: Option<Remaining>, now_ms: u64) -> Option<u64> {
@@ -898,6 +793,9 @@ impl Quota {
         Some(Quota { requests, tokens })
     }
 }
+
+mod headers;
+pub use headers::parse_count;
 
 #[cfg(test)]
 mod tests;

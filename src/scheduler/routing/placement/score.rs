@@ -18,7 +18,7 @@
 //! across Envoy replicas weighs endpoints by, since in-flight counts are per Envoy.
 
 use crate::scheduler::config::Config;
-use crate::scheduler::routing::ewma::{fade, LATENCY_FLOOR_MS};
+use crate::scheduler::routing::table::ewma::{fade, LATENCY_FLOOR_MS};
 use crate::scheduler::routing::table::EndpointState;
 
 #[derive(Debug, Clone, Copy, PartialEq)]

@@ -1,0 +1,584 @@
+//! The per-worker caches of the endpoint table: each worker's decoded entries
+//! ([`TableCache`]) and the memos kept beside them (which endpoints serve a model, their
+//! peers' medians, a board's verdicts and weights, the entries that stayed quiet). Each is
+//! checked against the uncached computation by the scheduler's tests (`select/memo_tests.rs`,
+//! `select/lazy_tests.rs`, and the kept-home check of every pick).
+
+use super::*;
+
+/// One worker's memory of the entries it decoded, each with the stamp it had.
+///
+/// Why: a request reads the whole table (its pick weighs every endpoint), but between two
+/// requests of one worker only the entries of the endpoints used in between changed. Their
+/// stamps moved; every other entry is taken from here instead of decoded again. The cache is
+/// per VM (one per Envoy worker thread), never shared, and only ever a shortcut: the table it
+/// returns equals [`Table::load_from`] of the same store (every write that changes an entry's
+/// bytes gives it a new stamp: its group's next version, which grows with each CAS-ordered
+/// write of the group).
+///
+/// Which groups moved is read from the header: each group's recorded version is compared with
+/// the version of that group the cache last read, and only groups past it are read (one key
+/// each, [`GROUP_LEN`] entries), so a load costs the header plus the groups written since,
+/// whatever the fleet's size. A writer records its group's version after writing the group, so
+/// a reader may read a group newer than the header says (it keeps the group's own version, and
+/// does not read it again until the header passes that); a group the header has not caught up
+/// with yet is read at a later load. A pick whose chosen entry turns out to have changed in
+/// between reads that group again ([`TableCache::forget_group`]) and decides again.
+///
+/// A reader that only reads (the pick) borrows the cached table itself ([`TableCache::lend`]
+/// and [`TableCache::give_back`]) instead of a copy: copying every entry cost more than
+/// decoding the changed ones (about 870 instructions per endpoint under wasm).
+#[derive(Debug, Default)]
+pub struct TableCache {
+    /// By position in the configuration: `(stamp, id)` of the entry of `table` as decoded.
+    pub(super) stamps: Vec<Option<(u64, u32)>>,
+    /// The table as last loaded; empty while lent.
+    pub(super) table: Table,
+    /// `table` is lent out: its entries are not here, whatever `stamps` says.
+    pub(super) lent: bool,
+    /// Entries decoded (not taken from the cache), for tests and diagnostics.
+    pub decoded: u64,
+    /// The peers' median slowness of the last decision, and what it was computed from.
+    pub peers: MedianMemo,
+    /// Which endpoints serve the models of the last few decisions (see [`ServesMemo`]).
+    pub serves: ServesMemo,
+    /// The quiet endpoints' verdicts and weights, by write stamp (see [`QuietMemo`]).
+    pub quiet: QuietMemo,
+    /// Positions of the entries decoded since [`TableCache::forget_changes`] (meaningful
+    /// while `changed_known`; else more than the table holds, or unknown: anything may have
+    /// changed).
+    pub(super) changed: Vec<usize>,
+    pub(super) changed_known: bool,
+    /// The last session decision's verdicts and weights (see [`BoardMemo`]).
+    pub board: BoardMemo,
+    /// The same for the last drawn decision (a request without a session over many
+    /// candidates, `placement::Draws`): often of another model than the sessions' (an
+    /// upload's), so kept apart, so that neither evicts the other's board.
+    pub drawn_board: BoardMemo,
+    /// Positions of the entries decoded since the board memo was last brought up to date
+    /// (as `changed`, for [`BoardMemo`]; `board_changed_known` false: unknown).
+    pub(super) board_changed: Vec<usize>,
+    pub(super) board_changed_known: bool,
+    /// Entries of `table` decoded (`stamps` set) whose stored verdict is degraded: whether
+    /// any endpoint is, without visiting every entry.
+    pub(super) degraded: usize,
+    /// By group: the version of the group `table` was last brought up to (`None`: unknown),
+    /// compared with the header's record to tell which groups changed since.
+    pub(super) groups_seen: Vec<Option<u64>>,
+}
+
+/// Which configured endpoints list a model (or serve every model), for the last few models
+/// asked.
+///
+/// Why: every decision filters the fleet by the request's model, comparing the model name
+/// with every endpoint's list (about 300 instructions per endpoint under wasm, twice per
+/// decision), while the answer depends only on the configuration and the name. A fleet that
+/// serves several models sees them interleaved, so the last [`ServesMemo::MODELS`] names are
+/// kept (a name not among them replaces the oldest). Belongs to one configuration, as the
+/// cache it lives in.
+#[derive(Debug, Default, Clone)]
+pub struct ServesMemo {
+    /// The models (`None`: a request without one), oldest first, each with whether each
+    /// endpoint serves it, by endpoint index, and its static candidates ([`Statics`]).
+    pub(super) kept: Vec<(Option<String>, Vec<bool>, Rc<Statics>)>,
+}
+
+/// The endpoints that could serve a model at all (enabled and serving it), in index order,
+/// with the counts of those left out: disabled, and enabled but not serving the model. A
+/// function of the configuration and the model alone, kept beside the model's mask so that a
+/// decision does not filter the fleet again (about 50 instructions per endpoint, twice per
+/// decision: `Scheduler::candidates` and the pick's board).
+#[derive(Debug, Default, Clone, PartialEq)]
+pub struct Statics {
+    pub indexes: Vec<usize>,
+    /// Their rendezvous seeds (`hash::rendezvous_seed` of their ids), aligned with `indexes`.
+    pub seeds: Vec<u64>,
+    /// Their configured weights summed in that order (`cumulative[k]`: positions `0..=k`),
+    /// from which a request without a session draws its order (`placement::Draws`).
+    pub cumulative: Vec<f64>,
+    pub disabled: u32,
+    pub not_serving: u32,
+}
+
+impl Statics {
+    /// Computed from `cfg` and the mask of who serves the model.
+    pub fn of(cfg: &Config, serves: &[bool]) -> Statics {
+        let mut s = Statics {
+            indexes: Vec::with_capacity(cfg.endpoints.len()),
+            seeds: Vec::with_capacity(cfg.endpoints.len()),
+            cumulative: Vec::with_capacity(cfg.endpoints.len()),
+            disabled: 0,
+            not_serving: 0,
+        };
+        for (i, (ep, serves)) in cfg.endpoints.iter().zip(serves).enumerate() {
+            if ep.disabled {
+                s.disabled += 1;
+            } else if *serves {
+                s.indexes.push(i);
+                s.seeds.push(rendezvous_seed(ep.id));
+                let sum = s.cumulative.last().copied().unwrap_or(0.0);
+                s.cumulative.push(sum + ep.weight.max(0.0));
+            } else {
+                s.not_serving += 1;
+            }
+        }
+        s
+    }
+}
+
+impl ServesMemo {
+    /// Models kept.
+    pub const MODELS: usize = 8;
+
+    /// By endpoint index: whether `cfg`'s endpoint serves `model` (disabled or not).
+    pub fn serves(&mut self, cfg: &Config, model: Option<&str>) -> &[bool] {
+        let at = self.position(cfg, model);
+        self.kept.get(at).map_or(&[], |(_, v, _)| v.as_slice())
+    }
+
+    /// The static candidates for `model` ([`Statics`]), shared (a decision holds them
+    /// without a copy).
+    pub fn statics(&mut self, cfg: &Config, model: Option<&str>) -> Option<&Rc<Statics>> {
+        let at = self.position(cfg, model);
+        self.kept.get(at).map(|(_, _, s)| s)
+    }
+
+    /// Where `model`'s entry is kept, made if it is not.
+    pub(super) fn position(&mut self, cfg: &Config, model: Option<&str>) -> usize {
+        let n = cfg.endpoints.len();
+        let at = self
+            .kept
+            .iter()
+            .position(|(m, v, _)| m.as_deref() == model && v.len() == n);
+        match at {
+            Some(at) => at,
+            None => {
+                let v: Vec<bool> = cfg
+                    .endpoints
+                    .iter()
+                    .map(|e| model.is_none_or(|m| e.serves(m)))
+                    .collect();
+                let statics = Rc::new(Statics::of(cfg, &v));
+                if self.kept.len() >= Self::MODELS {
+                    self.kept.remove(0);
+                }
+                self.kept.push((model.map(str::to_string), v, statics));
+                self.kept.len().saturating_sub(1)
+            }
+        }
+    }
+}
+
+impl TableCache {
+    /// An empty cache for `cfg` whose model memo already holds the models `cfg` names (the
+    /// first [`ServesMemo::MODELS`] of them, in configuration order) and requests without one.
+    pub fn for_config(cfg: &Config) -> TableCache {
+        let mut cache = TableCache::default();
+        let mut models: Vec<Option<&str>> = vec![None];
+        let named = cfg
+            .endpoints
+            .iter()
+            .filter_map(|e| e.models.as_ref())
+            .flatten();
+        for m in named {
+            if models.len() >= ServesMemo::MODELS {
+                break;
+            }
+            if !models.contains(&Some(m.as_str())) {
+                models.push(Some(m.as_str()));
+            }
+        }
+        for m in models {
+            cache.serves.statics(cfg, m);
+        }
+        cache
+    }
+
+    /// [`Table::load_from`] of the store, reading only the groups whose version moved since
+    /// this cache last read them, and decoding only their entries whose stamp changed.
+    pub fn load(&mut self, store: &dyn Store, cfg: &Config) -> (Table, bool) {
+        match self.refresh(store, cfg) {
+            Some(()) => (self.table.clone(), true),
+            None => self.reset(store, cfg),
+        }
+    }
+
+    /// [`TableCache::load`] without the copy: the cached table itself, to be handed back
+    /// unchanged with [`TableCache::give_back`] (until then the cache holds nothing).
+    pub fn lend(&mut self, store: &dyn Store, cfg: &Config) -> (Table, bool) {
+        match self.refresh(store, cfg) {
+            Some(()) => {
+                self.lent = true;
+                (std::mem::take(&mut self.table), true)
+            }
+            None => self.reset(store, cfg),
+        }
+    }
+
+    /// Group `g` is read again at the next load, whatever the header says (a write found it
+    /// changed by a writer that has not recorded its version in the header yet).
+    pub fn forget_group(&mut self, g: usize) {
+        if let Some(seen) = self.groups_seen.get_mut(g) {
+            *seen = None;
+        }
+    }
+
+    /// While a table with `entries` entries is lent ([`TableCache::lend`]): the `(stamp, id)`
+    /// of each of its entries, by position, and the quiet memo, which is keyed by them. `None`
+    /// when no table is lent (the stamps may then describe other bytes than the caller's).
+    pub fn lent_stamps(&mut self, entries: usize) -> Option<LentStamps<'_>> {
+        (self.lent && self.stamps.len() == entries)
+            .then_some((self.stamps.as_slice(), &mut self.quiet))
+    }
+
+    /// While a table with `entries` entries is lent: how many of its entries store a degraded
+    /// flag (`None`: no table lent).
+    pub fn lent_degraded(&self, entries: usize) -> Option<usize> {
+        (self.lent && self.stamps.len() == entries).then_some(self.degraded)
+    }
+
+    /// While a table is lent: the peers' median memo and the positions of the entries decoded
+    /// since the last call (`None`: unknown, compare everything), which this call forgets.
+    /// Without a lent table: the memo and `None` (the caller's table may be other bytes).
+    pub fn lent_changes(&mut self, entries: usize) -> (&mut MedianMemo, Option<&[usize]>) {
+        let known = self.lent && self.stamps.len() == entries && self.changed_known;
+        (&mut self.peers, known.then_some(self.changed.as_slice()))
+    }
+
+    /// While a table with `entries` entries is lent: what a decision's board reads from and
+    /// keeps in this cache ([`LentBoard`]). The list of entries changed since the board memo
+    /// was last brought up to date is handed over and starts again empty: the caller brings
+    /// the memo up to date or invalidates it. `None` when no table is lent.
+    /// `drawn`: the decision's board is [`TableCache::drawn_board`] (the other memo keeps the
+    /// changed entries for its next decision).
+    pub fn lent_board(&mut self, entries: usize, drawn: bool) -> Option<LentBoard<'_>> {
+        if !(self.lent && self.stamps.len() == entries) {
+            return None;
+        }
+        let mut changed = self
+            .board_changed_known
+            .then(|| std::mem::take(&mut self.board_changed));
+        self.board_changed.clear();
+        self.board_changed_known = true;
+        let (served, other) = if drawn {
+            (&mut self.drawn_board, &mut self.board)
+        } else {
+            (&mut self.board, &mut self.drawn_board)
+        };
+        // The other memo keeps them for its next decision (past `entries`: unknown).
+        match changed.as_ref() {
+            Some(list) if !other.carried_unknown && other.carried.len() + list.len() <= entries => {
+                other.carried.extend_from_slice(list);
+            }
+            _ => {
+                other.carried.clear();
+                other.carried_unknown = true;
+            }
+        }
+        // And those carried by decisions the memo did not serve (see `BoardMemo::carry`).
+        let carried = std::mem::take(&mut served.carried);
+        match changed.as_mut() {
+            Some(list) if !served.carried_unknown => list.extend(carried),
+            _ => changed = None,
+        }
+        served.carried_unknown = false;
+        Some(LentBoard {
+            stamps: self.stamps.as_slice(),
+            quiet: &mut self.quiet,
+            board: served,
+            changed,
+            medians_computed: self.peers.computed,
+            stored_degraded: self.degraded,
+        })
+    }
+
+    /// After [`TableCache::lent_changes`] was read, while the table is lent: the list starts
+    /// again, empty and known.
+    pub fn forget_changes(&mut self, entries: usize) {
+        if self.lent && self.stamps.len() == entries {
+            self.changed.clear();
+            self.changed_known = true;
+        }
+    }
+
+    /// Takes back a table from [`TableCache::lend`] (unchanged: it must still match the
+    /// stamps). Anything else is dropped, and the cache starts over.
+    pub fn give_back(&mut self, table: Table) {
+        if self.lent && table.entries.len() == self.stamps.len() {
+            self.table = table;
+        } else {
+            self.stamps.clear();
+            self.degraded = 0;
+            self.groups_seen.clear();
+        }
+        self.lent = false;
+    }
+
+    pub(super) fn reset(&mut self, store: &dyn Store, cfg: &Config) -> (Table, bool) {
+        self.stamps.clear();
+        self.degraded = 0;
+        self.groups_seen.clear();
+        self.table = Table::default();
+        self.lent = false;
+        self.decoded = self.decoded.saturating_add(cfg.endpoints.len() as u64);
+        Table::load_from(store, cfg)
+    }
+
+    /// Brings `table` up to the store when it has the configuration's layout: the header,
+    /// then each group whose recorded version is past the one this cache read (or unknown),
+    /// and of those the entries whose stamp moved. `None` when the stored layout is not the
+    /// configuration's or a key does not decode (the caller starts over with a full load).
+    pub(super) fn refresh(&mut self, store: &dyn Store, cfg: &Config) -> Option<()> {
+        let n = cfg.endpoints.len();
+        let head = groups::Head::read(store).0?;
+        if head.entries != n {
+            return None;
+        }
+        let count = groups::groups(n);
+        let whole = self.lent
+            || self.table.entries.len() != n
+            || self.stamps.len() != n
+            || self.groups_seen.len() != count;
+        if whole {
+            self.stamps.clear();
+            self.table.entries.clear();
+            self.degraded = 0;
+            self.stamps.resize(n, None);
+            self.table.entries.resize(n, (0, EndpointState::default()));
+            self.groups_seen.clear();
+            self.groups_seen.resize(count, None);
+        }
+        let mut notes = Notes {
+            n,
+            decoded: &mut self.decoded,
+            degraded: &mut self.degraded,
+            changed: (&mut self.changed, &mut self.changed_known),
+            board_changed: (&mut self.board_changed, &mut self.board_changed_known),
+        };
+        for (g, seen) in self.groups_seen.iter_mut().enumerate() {
+            if seen.is_some_and(|s| s >= head.version(g)) {
+                continue;
+            }
+            *seen = None;
+            let bytes = store.get(&groups::group_key(g)).0?;
+            let (version, chunks) = groups::parse_group(&bytes)?;
+            let from = g * GROUP_LEN;
+            if chunks.len() != n.saturating_sub(from).min(GROUP_LEN) * ENTRY_BYTES {
+                return None;
+            }
+            for (k, chunk) in chunks.chunks_exact(ENTRY_BYTES).enumerate() {
+                let i = from + k;
+                // Id, then stamp: the first 12 bytes of the entry.
+                let id = u32_at(chunk, 0)?;
+                let stamp = u64_at(chunk, 4)?;
+                if cfg.endpoints.get(i).map(|e| e.id) != Some(id) {
+                    return None;
+                }
+                let (Some(slot), Some(entry)) =
+                    (self.stamps.get_mut(i), self.table.entries.get_mut(i))
+                else {
+                    return None;
+                };
+                if *slot != Some((stamp, id)) {
+                    notes.take(chunk, i, (stamp, id), slot, entry)?;
+                }
+            }
+            *seen = Some(version);
+        }
+        self.lent = false;
+        self.table.budget = head.budget;
+        self.table.generation = cfg.layout_generation;
+        Some(())
+    }
+}
+
+/// What [`TableCache::refresh`] notes of the entries it decodes again.
+pub(super) struct Notes<'c> {
+    pub(super) n: usize,
+    pub(super) decoded: &'c mut u64,
+    pub(super) degraded: &'c mut usize,
+    /// The positions decoded, for the medians memo and for the board memo (each reads its own
+    /// list: a board's decisions are not every decision the medians memo serves); `false`:
+    /// more than the table holds, unknown.
+    pub(super) changed: (&'c mut Vec<usize>, &'c mut bool),
+    pub(super) board_changed: (&'c mut Vec<usize>, &'c mut bool),
+}
+
+impl Notes<'_> {
+    /// Entry `i` of `bytes`, whose `(stamp, id)` differ from its `slot`'s, decoded into
+    /// `entry`. `None` when it does not decode: nothing of this load may be trusted then (the
+    /// caller starts over).
+    pub(super) fn take(
+        &mut self,
+        chunk: &[u8],
+        i: usize,
+        key: (u64, u32),
+        slot: &mut Option<(u64, u32)>,
+        entry: &mut (u32, EndpointState),
+    ) -> Option<()> {
+        let was_degraded = slot.is_some() && entry.1.degraded;
+        *slot = None;
+        *entry = decode_entry(chunk)?;
+        *self.degraded =
+            self.degraded.saturating_sub(usize::from(was_degraded)) + usize::from(entry.1.degraded);
+        *self.decoded = self.decoded.saturating_add(1);
+        *slot = Some(key);
+        for (list, known) in [&mut self.changed, &mut self.board_changed] {
+            if **known && list.len() < self.n {
+                list.push(i);
+            } else {
+                **known = false;
+            }
+        }
+        Some(())
+    }
+}
+
+/// One worker's memo of `signals::peer_medians`, kept beside its table cache.
+///
+/// Why: every decision needs every endpoint's peer median, and computing them sorts the
+/// fleet's slowness values per model (about 1 400 instructions per endpoint under wasm at 512
+/// endpoints), while the inputs change only when an answer teaches some endpoint's slowness:
+/// most decisions see exactly the inputs of the one before. The memo keeps the inputs it was
+/// computed from and recomputes only when one of them differs, so it always returns what
+/// `signals::peer_medians` returns for the same table. It belongs to one configuration (the cache it
+/// lives in is made anew with each configuration); ids and disabled flags are compared too.
+#[derive(Debug, Default, Clone)]
+pub struct MedianMemo {
+    pub(crate) min_samples: u32,
+    /// Per endpoint, in configuration order: id, disabled, and the one part of its slowness
+    /// the medians read (`signals::median_input`: its smoothed log value's bits once it has
+    /// the samples to count, else nothing), as last used. A cold endpoint's answers, and
+    /// every other field of a warm one's slowness, leave the medians as they were.
+    pub(crate) inputs: Vec<(u32, bool, Option<u64>)>,
+    /// Shared with the decisions that read them (a decision holds them without a copy: a
+    /// copy cost a byte's worth of instructions per byte under wasm).
+    pub(crate) medians: Rc<Vec<Option<f64>>>,
+    /// Times the medians were recomputed, for tests and diagnostics.
+    pub computed: u64,
+    /// The inputs are those of the table cache's table as of its last list of changes
+    /// (`MedianMemo::medians_since`): the next list says all that may differ.
+    pub(crate) synced: bool,
+}
+
+/// What [`TableCache::lent_board`] lends.
+pub struct LentBoard<'a> {
+    /// `(stamp, id)` of each entry of the lent table, by position (as [`LentStamps`]).
+    pub stamps: &'a [Option<(u64, u32)>],
+    pub quiet: &'a mut QuietMemo,
+    pub board: &'a mut BoardMemo,
+    /// Positions decoded since the board memo was last brought up to date (`None`: unknown).
+    pub changed: Option<Vec<usize>>,
+    /// The medians memo's recomputations so far ([`MedianMemo::computed`]): unchanged, the
+    /// peers' medians are those of the memo's last decision.
+    pub medians_computed: u64,
+    /// Entries of the lent table whose stored verdict is degraded.
+    pub stored_degraded: usize,
+}
+
+/// One worker's last session decision's board: the static candidates' verdicts, flips and
+/// placement weights, kept current by the entries that changed since.
+///
+/// Why: with the quiet memo a pick still visits every candidate (a memo look-up, about 180
+/// instructions per endpoint under wasm), while between two decisions of a worker only the
+/// entries of the endpoints used in between changed. This memo keeps the whole board of the
+/// last session decision for one model; the next one recomputes only the positions whose
+/// entry was decoded again since (their stamp moved), whose peers' median changed, or whose
+/// values depend on the clock (`live`: not quiet, see [`QuietMemo`]). Every other position's
+/// values are those the quiet memo would return. It belongs to one configuration (the cache
+/// it lives in); `select`'s `memo_tests` hold it to the decisions computed without it.
+#[derive(Debug, Default, Clone)]
+pub struct BoardMemo {
+    /// Holds a board (false: the next session decision computes every position).
+    pub(crate) valid: bool,
+    pub(crate) model: Option<String>,
+    /// The medians memo's recomputations when the board was last brought up to date, and the
+    /// medians it read then (by index).
+    pub(crate) medians_computed: u64,
+    pub(crate) references: Rc<Vec<Option<f64>>>,
+    /// The static candidates (index order) and their `(index, id, weight)`, aligned.
+    pub(crate) statics: Vec<usize>,
+    /// The board's parts are shared with the decision that reads them (lent without a copy,
+    /// changed in place once it is done: `Rc::make_mut` copies only while one is held).
+    pub(crate) weights: Rc<Vec<(usize, u32, f64)>>,
+    /// By index: the verdict.
+    pub(crate) verdicts: Rc<Vec<Verdict>>,
+    /// The positions whose verdict differs from the stored one, index order.
+    pub(crate) flips: Rc<Vec<usize>>,
+    /// Positions whose values depend on the clock: recomputed by every decision.
+    pub(crate) live: Vec<usize>,
+    /// Static candidates treated as degraded.
+    pub(crate) degraded: usize,
+    /// The positions the last reuse computed again.
+    pub(crate) dirty: Vec<usize>,
+    /// By index: the breaker admission of the statics as a first attempt saw it (empty: none
+    /// kept), and the statics whose breaker was not closed (asked again by every decision: a
+    /// closed breaker admits whatever the time).
+    pub(crate) admission: Rc<Vec<Option<crate::scheduler::health::breaker::Admission>>>,
+    pub(crate) open: Vec<usize>,
+    /// Decisions that reused the memo, for tests and diagnostics.
+    pub hits: u64,
+    /// Positions decoded again that decisions the memo did not serve took from the table
+    /// cache's list, for the next one it serves; `carried_unknown`: some were not known.
+    pub(crate) carried: Vec<usize>,
+    pub(crate) carried_unknown: bool,
+    /// The homes of the last few rendezvous keys placed over this board, `(key, home)`:
+    /// cleared when a weight or a degraded flag changes.
+    pub(crate) homes: Vec<(u64, Option<usize>)>,
+    /// The first passes of the same keys' orders where they were the whole search (no
+    /// degraded candidate), kept and forgotten with the homes: a failover's next attempt
+    /// takes the second of its order from the kept hashes without hashing every candidate.
+    pub(crate) passes: Vec<(u64, FirstPass)>,
+}
+
+/// A rendezvous order's first pass as `placement::Keyed` keeps it: the first
+/// `(position, (key, id, index))`, if any, and the greatest `(hash, position)`s with the weight
+/// they share when they decided it.
+pub type FirstPass = (
+    Option<(usize, (f64, u32, usize))>,
+    Option<([(u64, usize); 4], f64)>,
+);
+
+/// What [`TableCache::lent_stamps`] lends: the `(stamp, id)` of each entry of the lent table,
+/// by position, and the quiet memo keyed by them.
+pub type LentStamps<'a> = (&'a [Option<(u64, u32)>], &'a mut QuietMemo);
+
+/// One worker's memo of its quiet endpoints' verdicts and session placement weights.
+///
+/// Why: a pick judges every candidate (its verdict, for the walk and for the hysteresis its
+/// write stores) and weighs it (the rendezvous weights): about 350 instructions per endpoint
+/// and request under wasm, while most endpoints of a large fleet are quiet between two
+/// requests of a worker. An endpoint is quiet (`signals::quiet`) when neither value can change
+/// with the clock: no fresh scraped load (its saturation is `Unknown`, its slowness judges
+/// it), and a success level that does not fade
+/// (cold, or never failing). Its verdict and weight are then functions of its entry, its
+/// peers' median and the configuration alone, and are kept here by the entry's write stamp
+/// (see [`TableCache`], which holds this memo: one per configuration) and the median's bits.
+/// Anything not quiet, or not kept, is computed as before; the memo never returns what
+/// computing would not (`select`'s `memo_tests` hold it to that).
+#[derive(Debug, Default, Clone)]
+pub struct QuietMemo {
+    /// By endpoint index (compact: a hit reads one entry and writes at most two flags).
+    pub(crate) at: Vec<Quiet>,
+    /// Values taken from the memo instead of computed, for tests and diagnostics.
+    pub hits: u64,
+}
+
+/// What [`QuietMemo`] keeps of one endpoint. A quiet endpoint's verdict is its sticky flag
+/// alone (`degraded` equals it), saturation `Unknown`, no load.
+#[derive(Debug, Clone, Copy, PartialEq, Default)]
+pub(crate) struct Quiet {
+    /// Holds a value (false: nothing kept).
+    pub(crate) valid: bool,
+    /// The entry's write stamp and id, as the table cache decoded it.
+    pub(crate) stamp: u64,
+    pub(crate) id: u32,
+    /// The peers' median it was judged against (its bits; `has_reference` false: none).
+    pub(crate) has_reference: bool,
+    pub(crate) reference: u64,
+    pub(crate) sticky: bool,
+    /// Its verdict differs from the one stored in its entry (`select`'s `Board::flips`).
+    pub(crate) flip: bool,
+    /// Its session placement weight (`placement::weigh`).
+    pub(crate) weight: f64,
+}
