@@ -20,8 +20,9 @@
 //!    degraded and its pins break (`pin_break`).
 //! 2. With every engine's slots known from scraping, a 4-slot engine takes at most its slots of
 //!    a herd of new sessions homed on it; a 16-slot engine takes the rest.
-//! 3. A later turn (≥ 3 messages) reaching a replica that holds no pin for it goes to its
-//!    rendezvous home even while the home is full; a first turn (1–2 messages) goes elsewhere.
+//! 3. A later turn (≥ 3 messages) reaching a replica that holds no pin for it passes over a
+//!    full home as a first turn (1–2 messages) does: both go elsewhere, as the session's first
+//!    turn did on whichever replica served it while the home was full.
 //! 4. Replicas place new sessions alike while the engines' load changes: homes are weighted
 //!    rendezvous on the configuration alone, and a saturated engine (seen by every replica's own
 //!    scrape) is skipped by all of them for the next endpoint of the same order.
@@ -742,14 +743,16 @@ fn a_herd_of_new_sessions_fills_a_small_engines_slots_only() {
     checks.finish();
 }
 
-// --- 3. a later turn goes home ------------------------------------------------------------------
+// --- 3. a later turn passes a full home as a first turn does ------------------------------------
 
 /// Two replicas that share nothing. Sessions homed on `a` start on replica 0; `a` fills up; their
-/// second turn (three messages) reaches replica 1, which has no pin for them: it goes home to
-/// `a`, full as it is (`affinity: home`). New sessions homed on `a` (one message, or a system
-/// message and a user message) through the same replica at the same time go elsewhere.
+/// second turn (three messages) reaches replica 1, which has no pin for them: a full endpoint
+/// is passed over as a new session's first turn passes it (the first turn of a session begun
+/// while `a` was full went elsewhere on whichever replica served it, which replica 1 cannot
+/// tell), so it goes where new sessions homed on `a` (one message, or a system message and a
+/// user message) through the same replica at the same time go: elsewhere (`affinity: backup`).
 #[test]
-fn a_later_turn_on_another_replica_goes_home_even_when_full() {
+fn a_later_turn_on_another_replica_passes_over_a_full_home_as_a_first_turn_does() {
     let weights = [("a", 1.0), ("b", 1.0), ("c", 1.0)];
     let mocks = vec![
         engine("a", 4, &[]),
@@ -799,16 +802,16 @@ fn a_later_turn_on_another_replica_goes_home_even_when_full() {
         f.replies.push(post(r1, &f.id, messages, &plain));
     }
     let after = stats(replicas.envoy(1));
-    let went_home = later
+    let passed = later
         .iter()
-        .filter(|c| c.replies[1].ok() && c.replies[1].endpoint == "a")
-        .filter(|c| c.replies[1].affinity == "home")
+        .filter(|c| c.replies[1].ok() && c.replies[1].endpoint != "a")
+        .filter(|c| c.replies[1].affinity == "backup")
         .count();
     checks.expect(
-        went_home == 6,
+        passed == 6,
         format!(
-            "later turns through replica 1 (no pin there) at their full home a, affinity home: \
-             {went_home}/6; {:?}",
+            "later turns through replica 1 (no pin there) past their full home a, affinity \
+             backup: {passed}/6; {:?}",
             later.iter().map(Chat::trail).collect::<Vec<_>>()
         ),
     );
@@ -827,9 +830,9 @@ fn a_later_turn_on_another_replica_goes_home_even_when_full() {
     );
     let delta = |reason: &str| decisions(&after, reason) - decisions(&before, reason);
     checks.expect(
-        delta("home") == 6 && delta("saturated") == 6,
+        delta("home") == 0 && delta("saturated") == 12,
         format!(
-            "replica 1's decisions in that phase: home {} (6), saturated {} (6)",
+            "replica 1's decisions in that phase: home {} (0), saturated {} (12)",
             delta("home"),
             delta("saturated")
         ),

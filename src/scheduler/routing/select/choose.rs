@@ -108,8 +108,9 @@ impl<'a> Scheduler<'a> {
         if let PinVerdict::Keep(p) = pin {
             return Ok(kept_pin(p, home, &board, quota_skipped));
         }
-        // A later turn without a pin here goes home as a pin would (see `walk`): relieved as a
-        // pin would be when its home is the last server of another model (`relief_move`).
+        // A later turn without a pin here goes home as a pin would, past a full home that new
+        // sessions pass over (see `walk`): relieved as a pin would be when its home is the
+        // last server of another model (`relief_move`).
         let as_pin = pick.follow_up && pick.attempt <= 1 && pin == PinVerdict::None;
         // A new placement (or a pinned session placed again) walks the order weighted by the
         // keys' stated limits; a later turn without a pin goes home by the plain weights (see

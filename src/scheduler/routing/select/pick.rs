@@ -107,9 +107,10 @@ pub struct Pick<'a> {
     pub prefix: Prefix<'a>,
     /// A later turn of a conversation (the body carries earlier turns: at least three
     /// messages or input items). Without a pin at this replica, its home is taken as a pin
-    /// would be — full or over its bounded load, not passed — since its cache is there and
-    /// every replica computes the same home (the first turn may have been served by another
-    /// replica, which holds the pin).
+    /// would be — over its bounded load (this replica's own count), not passed — since its
+    /// cache is there and every replica computes the same home (the first turn may have been
+    /// served by another replica, which holds the pin); but a full endpoint (by its engine's
+    /// scrape) that new sessions pass over is passed over as the first turn was.
     pub follow_up: bool,
     /// The most output tokens the request allows, if it says (0: unknown): part of its
     /// estimated cost to a key's token quota ([`Pick::quota_estimate`]).

@@ -1619,54 +1619,88 @@ fn every_endpoint_saturated_places_as_without_metrics() {
     });
 }
 
-/// A later turn reaching a replica that holds no pin for it (its first turn was served by
-/// another replica) goes to its home even when the home is saturated, as a pin would; a first
-/// turn of a new session avoids the saturated home.
+/// A later turn reaching a replica that holds no pin for it goes where its first turn went on
+/// another replica: home while the home has room; past a home full by its engine's scrape
+/// (which every replica reads alike) as a new session is. Two replicas with different own
+/// traffic (r1 placed and pinned the first turns, r2 only placed sessions of its own) compute
+/// the same endpoint for every such turn.
 #[test]
-fn a_follow_up_without_a_pin_here_goes_home_even_when_full() {
+fn a_follow_up_without_a_pin_here_goes_where_its_first_turn_went() {
     let c = three_warm(json!({}));
-    let store = MemStore::new();
-    let s = Scheduler::new(&c, &store);
-    // Sessions whose home is a (as every replica computes it): placed once on a scheduler
-    // that is thrown away (another replica).
-    let other = MemStore::new();
-    let o = Scheduler::new(&c, &other);
-    let on_a: Vec<u64> = (0..400u64)
+    let (s1, s2) = (MemStore::new(), MemStore::new());
+    let (r1, r2) = (Scheduler::new(&c, &s1), Scheduler::new(&c, &s2));
+    let ex = Exclusions::default();
+    // Sessions whose home is a, as every replica computes it.
+    let on_a: Vec<u64> = (0..600u64)
         .map(key)
         .filter(|&k| {
-            let d = pick_body(&o, k, 400, 1_000);
-            o.finish(d.ticket, &Outcome::Cancelled, 0, None, 1_000);
+            let d = pick_body(&r2, k, 400, 1_000);
+            r2.finish(d.ticket, &Outcome::Cancelled, 0, None, 1_000);
             d.endpoint == 0
         })
-        .take(10)
+        .take(20)
         .collect();
-    assert_eq!(on_a.len(), 10);
-    scraped(&store, "a", 500, 4, 1_000);
-    for &k in &on_a {
-        let mut p = Pick {
+    assert_eq!(on_a.len(), 20);
+    let turn = |r: &Scheduler<'_>, k: u64, follow_up: bool, now: u64| {
+        let p = Pick {
             model: Some("m"),
             session: Some(k),
             attempt: 1,
-            exclusions: &Exclusions::default(),
+            exclusions: &ex,
             nonce: 0,
             body_bytes: 400,
             pin_hint: None,
             holder: None,
             prefix: Prefix::NONE,
-            follow_up: true,
+            follow_up,
             max_output_tokens: 0,
         };
-        let d = s.pick(&p, 1_100).unwrap();
-        assert_eq!(
-            (d.endpoint, d.affinity),
-            (0, AffinityResult::Home),
-            "follow-up {k}"
+        r.pick(&p, now).unwrap()
+    };
+    // Both replicas read the same scrape: a is full (saturated), b and c have room.
+    for store in [&s1, &s2] {
+        scraped(store, "a", 500, 64, 1_000);
+        scraped(store, "b", 0, 2, 1_000);
+        scraped(store, "c", 0, 2, 1_000);
+    }
+    // r2's own traffic: placements r1 never saw.
+    for n in 0..30u64 {
+        let d = pick_body(&r2, key(90_000 + n), 400, 1_050);
+        r2.finish(
+            d.ticket,
+            &Outcome::Success,
+            100,
+            Some(key(90_000 + n)),
+            1_050,
         );
-        s.finish(d.ticket, &Outcome::Cancelled, 0, None, 1_100);
-        p.follow_up = false;
-        let d = s.pick(&p, 1_100).unwrap();
-        assert_ne!(d.endpoint, 0, "a first turn went to the saturated home");
-        s.finish(d.ticket, &Outcome::Cancelled, 0, None, 1_100);
+    }
+    for (i, &k) in on_a.iter().enumerate() {
+        let now = 1_100 + i as u64;
+        // The first turn on r1: past the full home, pinned where it was served.
+        let first = turn(&r1, k, false, now);
+        assert_ne!(first.endpoint, 0, "a first turn went to the full home");
+        let at = first.endpoint;
+        r1.finish(first.ticket, &Outcome::Success, 100, Some(k), now);
+        // Its next turn on r2 (no pin there) and on r1 (pinned): the same endpoint.
+        let on_r2 = turn(&r2, k, true, now + 1);
+        assert_eq!(
+            on_r2.endpoint, at,
+            "session {k}: r2 sent its next turn elsewhere"
+        );
+        r2.finish(on_r2.ticket, &Outcome::Cancelled, 0, None, now + 1);
+        let on_r1 = turn(&r1, k, true, now + 1);
+        assert_eq!((on_r1.endpoint, on_r1.reason), (at, Reason::AffinityHit));
+        r1.finish(on_r1.ticket, &Outcome::Cancelled, 0, None, now + 1);
+    }
+    // With room at a again (a later scrape: 10 of its 64 slots running), a turn without a
+    // pin goes home as a pin would.
+    for store in [&s1, &s2] {
+        scraped(store, "a", 0, 10, 3_000);
+    }
+    for &k in &on_a {
+        let d = turn(&r2, k, true, 3_100);
+        assert_eq!((d.endpoint, d.affinity), (0, AffinityResult::Home), "{k}");
+        r2.finish(d.ticket, &Outcome::Cancelled, 0, None, 3_100);
     }
 }
 
@@ -1726,8 +1760,8 @@ fn full_engines_share_new_sessions_by_slots() {
 
 /// Every candidate full: a new session still passes over an endpoint whose queue is a batch
 /// deep or more when another's is at most a quarter of it (in batches: waiting ÷ running),
-/// and goes home as before when the queues are alike. Later turns without a pin here still go
-/// home, and nothing pinned moves.
+/// and goes home as before when the queues are alike. Later turns without a pin here go where
+/// the first turns went (every replica reads the same scrapes), and nothing pinned moves.
 #[test]
 fn every_engine_full_new_sessions_pass_over_a_far_longer_queue() {
     let c = three_warm(json!({}));
@@ -1750,20 +1784,19 @@ fn every_engine_full_new_sessions_pass_over_a_far_longer_queue() {
         s.finish(d.ticket, &Outcome::Cancelled, 0, None, 1_100);
     }
     assert_eq!(to, [0, 0, 200]);
-    // A later turn without a pin here goes home, as a pin would.
-    let homes: Vec<usize> = (0..60u64)
-        .filter_map(|n| {
-            let p = Pick {
-                follow_up: true,
-                ..body_pick(Some(key(1_000 + n)), &ex, 400)
-            };
-            let d = s.pick(&p, 1_100).unwrap();
-            s.finish(d.ticket, &Outcome::Cancelled, 0, None, 1_100);
-            (d.affinity == AffinityResult::Home).then_some(d.endpoint)
-        })
-        .collect();
-    assert_eq!(homes.len(), 60);
-    assert!(homes.contains(&0) && homes.contains(&1), "{homes:?}");
+    // A later turn without a pin here passes over the far longer queues as its first turn did
+    // (on whichever replica served it).
+    let mut later = [0usize; 3];
+    for n in 0..60u64 {
+        let p = Pick {
+            follow_up: true,
+            ..body_pick(Some(key(1_000 + n)), &ex, 400)
+        };
+        let d = s.pick(&p, 1_100).unwrap();
+        s.finish(d.ticket, &Outcome::Cancelled, 0, None, 1_100);
+        later[d.endpoint] += 1;
+    }
+    assert_eq!(later, [0, 0, 60]);
     // Queues alike (1.25 batches against 0.375 × 4 = 1.5): every one goes home, as before.
     scraped(&store, "a", 20, 16, 2_000);
     scraped(&store, "b", 20, 16, 2_000);
