@@ -65,10 +65,15 @@ pub fn asker<H: HeaderSource + ?Sized>(cfg: &Config, headers: &H) -> Asker {
         .and_then(|v| asked_priority(&v))
         .map_or(granted, |asked| asked.min(granted));
     Asker {
-        tenant: hash_parts(FAIRNESS_SEED, &[&id]),
+        tenant: tenant_hash(&id),
         priority,
         configured,
     }
+}
+
+/// The hash a fairness id is known by (a configured tenant's `id` hashes to its requests').
+pub fn tenant_hash(id: &[u8]) -> u64 {
+    hash_parts(FAIRNESS_SEED, &[id])
 }
 
 fn find(tenants: &[TenantConfig], id: &[u8]) -> Option<usize> {
