@@ -695,9 +695,16 @@ impl Config {
                 )
             })
             .collect();
+        // Tenant ids may be credentials: only their count and granted priorities are shown.
+        let tenants: Vec<String> = self
+            .tenants
+            .iter()
+            .map(|t| format!("{}:{}", t.label.as_deref().unwrap_or("-"), t.priority))
+            .collect();
         format!(
-            "endpoints=[{}] {}",
+            "endpoints=[{}] tenants=[{}] {}",
             endpoints.join(" "),
+            tenants.join(","),
             self.scalar_summary().join(" ")
         )
     }

@@ -43,9 +43,7 @@ impl Scalar for FairnessHeader {
         }
     }
     fn show(&self) -> String {
-        self.0
-            .clone()
-            .unwrap_or_else(|| "(the caller's credential)".into())
+        self.0.clone().unwrap_or_else(|| "(credential)".into())
     }
 }
 
