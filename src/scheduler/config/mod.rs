@@ -447,10 +447,6 @@ config_keys! {
             "Quota-aware routing: reads the remaining-quota headers of successful answers — OpenAI / Azure OpenAI `x-ratelimit-remaining-requests`, `x-ratelimit-remaining-tokens`, `x-ratelimit-reset-requests`, `x-ratelimit-reset-tokens` (durations such as `6m0s`), Anthropic `anthropic-ratelimit-{requests,tokens,input-tokens,output-tokens}-{remaining,reset}` (reset as RFC 3339) — and skips an endpoint whose remaining requests or tokens are below the floors (`tuning.quota_min_requests`, `tuning.quota_min_tokens`, `tuning.quota_reserve_percent`) or below the request's estimated tokens (4 body bytes a token), until the reset (capped by `retry_after_max_ms`; `rate_limit_ms` without a reset). New sessions go to the next endpoint in rendezvous order; a pinned session moves only when staying is a certain 429 (no request left, or fewer tokens than its estimate). Pacing: an endpoint whose stated tokens or requests, used at the rate of its window so far or of the last window's length, plus what the new sessions placed on it in this window will spend in the next, would run out before the reset gets no new sessions, so the sessions already pinned there keep their quota. New sessions are placed in proportion to the keys' stated limits (`x-ratelimit-limit-*`, `anthropic-ratelimit-*-limit`; a session's home is still computed from the plain weights). Values that are not plain decimal counts up to 10^12 are ignored (see [routing](routing.md#quota)).";
     }
     tuning {
-        admission_queue_max: u64 = 256, Spec::Int { min: 1, max: 10_000 },
-            "Requests that may wait for admission at once in one Envoy process while every endpoint serving their model is full. A request arriving to a full queue takes the place of the worst-ranked waiting one (lowest priority, then the tenant served the most tokens, then the newest) if it ranks better; the one left out gets a 429 with `Retry-After`.";
-        admission_max_wait_ms: u64 = 10_000, Spec::Int { min: 1, max: 600_000 },
-            "Longest a request waits for admission; past it the request gets a 429 `queue_timeout` with `Retry-After`. Keep it below your clients' timeouts.";
         retry_budget_min_retries: f64 = 10.0, Spec::Number { min: 0.0, max: 1_000_000.0 },
             "Failovers always allowed on top of the percentage (so low traffic can still fail over).";
         in_flight_max_age_ms: u64 = 600_000, Spec::Int { min: 1_000, max: MAX_MS },
@@ -477,6 +473,10 @@ config_keys! {
             "Closed loop of the affinity payoff (the smoothed cached share of an endpoint's pinned turns' prompts, `computeflux_affinity_payoff_permille`; needs `usage_accounting`): an endpoint whose payoff is below this after 5 pinned answers (prefix caching off, or a cache that forgets sessions before their pins expire) weighs 1/8 of its weight when sessions are placed, so conversations go to endpoints that cache. Pins are kept; requests without a session are placed as before. `0` turns it off.";
         payoff_min_prompt_tokens: u64 = 1024, Spec::Int { min: 1, max: 1_000_000 },
             "Pinned answers with fewer prompt tokens are not payoff samples: hosted APIs cache nothing below about 1024 tokens (OpenAI from 1024, Anthropic from 1024 or 2048), so a short prompt says nothing of the endpoint's cache. Self-hosted engines cache from one block (vLLM: 16 tokens).";
+        admission_queue_max: u64 = 256, Spec::Int { min: 1, max: 10_000 },
+            "Requests that may wait for admission at once in one Envoy process while every endpoint serving their model is full. A request arriving to a full queue takes the place of the worst-ranked waiting one (lowest priority, then the tenant served the most tokens, then the newest) if it ranks better; the one left out gets a 429 with `Retry-After`.";
+        admission_max_wait_ms: u64 = 10_000, Spec::Int { min: 1, max: 600_000 },
+            "Longest a request waits for admission; past it the request gets a 429 `queue_timeout` with `Retry-After`. Keep it below your clients' timeouts.";
     }
 }
 

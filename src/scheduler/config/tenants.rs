@@ -142,3 +142,60 @@ pub(super) fn read(v: &mut Validator, value: Option<&Value>) -> Vec<TenantConfig
     }
     out
 }
+
+#[cfg(test)]
+mod tests {
+    use crate::scheduler::config::Config;
+    use serde_json::json;
+    #[cfg(target_arch = "wasm32")]
+    use wasm_bindgen_test::wasm_bindgen_test as test;
+
+    fn errors(v: serde_json::Value) -> Vec<String> {
+        Config::from_value(&v)
+            .err()
+            .unwrap_or_default()
+            .iter()
+            .map(|e| e.to_string())
+            .collect()
+    }
+
+    #[test]
+    fn tenants_are_validated_by_field_and_never_echo_ids() {
+        let eps = json!([{"name": "a", "cluster": "a"}]);
+        let c = Config::from_value(&json!({"endpoints": eps, "fairness_header": "X-Team",
+            "tenants": [{"id": "sk-1", "priority": -3, "label": "batch"}]}))
+        .unwrap();
+        assert_eq!(c.fairness_header.0.as_deref(), Some("x-team"));
+        assert_eq!(
+            (c.tenants[0].priority, c.tenants[0].label.as_deref()),
+            (-3, Some("batch"))
+        );
+        assert!(
+            !c.summary().contains("sk-1"),
+            "ids (credentials) are never shown"
+        );
+        let e = errors(json!({"endpoints": eps, "tenants": [
+            {"id": "sk-secret", "priority": 9},
+            {"id": "sk-secret"},
+            {"priority": 1},
+            {"id": "x", "label": "Bad Label", "weight": 2},
+            "nope"
+        ]}));
+        assert_eq!(
+            e,
+            vec![
+                "tenants[0].priority must be an integer in -8..=8, got 9",
+                "tenants[1].id is listed twice (value not shown)",
+                "tenants[2].id is required",
+                "tenants[3].weight is not a known key (known: id, priority, label)",
+                "tenants[3].label must be a string of [a-z0-9_]{1,32}, got \"Bad Label\"",
+                "tenants[4] must be an object, got a string",
+            ]
+        );
+        assert!(e.iter().all(|m| !m.contains("sk-secret")));
+        assert_eq!(
+            errors(json!({"endpoints": eps, "tenants": {}})),
+            vec!["tenants must be an array, got an object"]
+        );
+    }
+}
