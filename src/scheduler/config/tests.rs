@@ -145,11 +145,12 @@ fn every_key_reads_its_documented_default() {
         "boolean" => json!(k.default.parse::<bool>().unwrap()),
         _ => json!(k.default),
     };
-    // `pin_cookie_secret`'s default is its absence (a key derived from the configuration).
+    // `pin_cookie_secret`'s default is its absence (a key derived from the configuration), as
+    // is `fairness_header`'s (the caller's credential) and `tenants`' (none).
     for k in top_level_keys()
         .into_iter()
         .skip(1)
-        .filter(|k| k.key != "pin_cookie_secret" && k.key != "tuning")
+        .filter(|k| !["pin_cookie_secret", "tuning", "fairness_header", "tenants"].contains(&k.key))
     {
         obj.insert(k.key.to_string(), value(&k));
     }

@@ -77,10 +77,12 @@ use crate::scheduler::wire::usage::{Framing, Usage, UsageScan};
 use std::borrow::Cow;
 use std::cell::Cell;
 
+pub mod admit;
 mod answer;
 mod answers;
 mod attempts;
 mod pins;
+pub use admit::{Admission, AdmissionOutcome};
 pub use answer::Call;
 
 pub const HEADER_ENDPOINT: &str = "x-computeflux-endpoint";
@@ -119,6 +121,8 @@ pub enum Phase {
     Judging,
     /// The routed answer flows to the client; its attempt ends with it.
     Relaying,
+    /// Paused in the admission queue: the fleet serving its model is full.
+    Queued,
     /// Nothing left to decide.
     Done,
 }
@@ -130,6 +134,9 @@ pub enum Step {
     Continue,
     /// Hold the stream (the body is being buffered; or the answer, while a call runs).
     Pause,
+    /// Hold the request: it waits for admission (its queue entry is [`Flow::queued`]); the
+    /// owner's tick calls [`Flow::on_admitted`] or [`Flow::on_refused`] later.
+    Wait,
     /// First attempt: write endpoint `i`'s cluster into the routing header, set its headers,
     /// let the request go on.
     Route(usize),
@@ -181,6 +188,8 @@ pub trait Observer {
     fn session(&mut self, _source: SessionSource) {}
     /// The filter answered the request itself.
     fn replied(&mut self, _reply: &Reply) {}
+    /// What admission did with the request (see `admission`).
+    fn admission(&mut self, _event: &admit::Admission) {}
     /// The answer `endpoint` gave reported `usage`; the request's affinity at its first pick
     /// was `affinity`.
     fn usage(&mut self, _endpoint: usize, _affinity: AffinityResult, _usage: &Usage) {}
@@ -354,6 +363,9 @@ pub struct Flow {
     /// A request routed with a body the filter never read (pass-through): a failover call
     /// could not send it, so it never fails over (an upload was once replayed empty).
     body_unread: bool,
+    /// This request's place for admission: (VM, context id), its queue entry while it
+    /// waits, and what it went through (see `admit.rs`).
+    admission: admit::State,
 }
 
 impl Default for Flow {
@@ -399,6 +411,7 @@ impl Flow {
             pin_hint: None,
             pin_cookie: None,
             body_unread: false,
+            admission: admit::State::default(),
         }
     }
 
@@ -658,7 +671,7 @@ impl Flow {
             source = SessionSource::PreviousResponse;
         }
         obs.session(source);
-        self.first_attempt(s, obs, now_ms)
+        self.admit(s, obs, now_ms)
     }
 
     /// The placement key of the request's instructions, when they are long enough: hashed on
