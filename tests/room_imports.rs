@@ -35,8 +35,20 @@ const ROOMS: &[(&str, &[&str])] = &[
     ("health", &["time", "state", "config"]),
     ("routing", &["time", "state", "config", "wire", "health"]),
     (
-        "flow",
+        "admission",
         &["time", "state", "config", "wire", "health", "routing"],
+    ),
+    (
+        "flow",
+        &[
+            "time",
+            "state",
+            "config",
+            "wire",
+            "health",
+            "routing",
+            "admission",
+        ],
     ),
 ];
 

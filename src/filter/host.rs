@@ -37,6 +37,8 @@ extern "C" {
     fn proxy_get_log_level(return_level: *mut u32) -> u32;
     fn proxy_get_current_time_nanoseconds(return_time: *mut u64) -> u32;
     fn proxy_set_tick_period_milliseconds(period: u32) -> u32;
+    fn proxy_set_effective_context(context_id: u32) -> u32;
+    fn proxy_continue_stream(stream_type: u32) -> u32;
     fn proxy_get_buffer_bytes(
         buffer_type: u32,
         start: usize,
@@ -450,4 +452,23 @@ pub fn metric_set(id: u32, value: u64) {
     unsafe {
         proxy_record_metric(id, value);
     }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Paused requests (admission)
+// ---------------------------------------------------------------------------------------------
+
+/// Makes the HTTP context `context_id` of this VM the target of the host calls that follow
+/// (headers, local replies, resuming) within the current callback. False if the host refused
+/// (the stream is gone).
+pub fn set_effective_context(context_id: u32) -> bool {
+    // SAFETY: a plain value argument.
+    unsafe { proxy_set_effective_context(context_id) == OK }
+}
+
+/// Resumes the effective context's paused request (after [`set_effective_context`]).
+pub fn resume_request() -> bool {
+    // Stream type 0: the request (proxy-wasm ABI `WasmStreamType::Request`).
+    // SAFETY: a plain value argument.
+    unsafe { proxy_continue_stream(0) == OK }
 }

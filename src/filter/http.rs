@@ -19,6 +19,7 @@
 
 use super::host;
 use super::observe::Recorder;
+use super::parked::Slot;
 use super::plugin::Plugin;
 use super::pools;
 use super::shared::SharedData;
@@ -31,11 +32,16 @@ use crate::scheduler::wire::headers::HeaderSource;
 use crate::scheduler::wire::usage::TAIL_BYTES;
 use proxy_wasm::traits::{Context, HttpContext};
 use proxy_wasm::types::{Action, BufferType, MapType};
+use std::cell::RefCell;
 use std::rc::Rc;
 
 pub struct Http {
     plugin: Rc<Plugin>,
     flow: Flow,
+    context_id: u32,
+    /// While the request waits for admission its flow is here, shared with the VM's
+    /// [`super::parked::Parked`] registry (the root's tick routes it when admitted).
+    parked: Option<Rc<RefCell<Flow>>>,
 }
 
 impl Http {
@@ -45,9 +51,24 @@ impl Http {
         let nonce = crate::scheduler::state::hash::fmix64(
             host::now_ms().rotate_left(32) ^ u64::from(context_id),
         );
+        let mut flow = Flow::new(nonce);
+        flow.set_owner(plugin.vm, context_id);
         Http {
             plugin,
-            flow: Flow::new(nonce),
+            flow,
+            context_id,
+            parked: None,
+        }
+    }
+
+    /// Takes the flow back from the parked registry (a callback after the request waited:
+    /// admitted and resumed, or its stream ending while it waited).
+    fn unpark(&mut self) {
+        if let Some(shared) = self.parked.take() {
+            let _ = self.plugin.parked.take(self.context_id);
+            if let Ok(mut f) = shared.try_borrow_mut() {
+                self.flow = std::mem::take(&mut *f);
+            }
         }
     }
 
@@ -57,106 +78,137 @@ impl Http {
         now_ms: u64,
         f: impl FnOnce(&mut Flow, &Scheduler<'_>, &mut Recorder<'_>) -> R,
     ) -> R {
-        let store = SharedData;
-        let sched = Scheduler::with_cache(&self.plugin.cfg, &store, &self.plugin.table_cache);
-        let mut rec = Recorder {
-            plugin: &self.plugin,
-            now_ms,
-        };
-        f(&mut self.flow, &sched, &mut rec)
+        run(&self.plugin, &mut self.flow, now_ms, f)
     }
 
-    /// Performs a step of the flow.
+    /// Performs a step of the flow; a request that must wait for admission is parked.
     fn perform(&mut self, step: Step, now_ms: u64) -> Action {
-        match step {
-            Step::Continue => Action::Continue,
-            Step::Pause => Action::Pause,
-            Step::Route(i) => {
-                let cfg = &self.plugin.cfg;
-                if let Some(ep) = cfg.endpoints.get(i) {
-                    let req = MapType::HttpRequestHeaders;
-                    host::set_header(req, &cfg.routing_header, ep.cluster.as_bytes());
-                    for name in blame::withheld_headers(ep) {
-                        host::remove_header(req, name);
-                    }
-                    // A pool's host: named for the cluster's override_host policy.
-                    if let Some(d) = self.flow.destination(cfg, i) {
-                        host::set_header(req, &cfg.destination_header, d.as_bytes());
-                    }
-                    for (name, value) in &ep.headers {
-                        host::set_header(req, name, value.as_bytes());
-                    }
+        if let Step::Wait = step {
+            let shared = Rc::new(RefCell::new(std::mem::take(&mut self.flow)));
+            self.plugin.parked.park(
+                self.context_id,
+                Slot {
+                    flow: Rc::clone(&shared),
+                    plugin: Rc::clone(&self.plugin),
+                },
+            );
+            self.parked = Some(shared);
+            // The root context's timer now runs admission rounds often (see `admit`).
+            host::tick_every(super::admit::ADMISSION_TICK);
+            return Action::Pause;
+        }
+        perform(&self.plugin, &mut self.flow, step, now_ms)
+    }
+}
+
+/// Runs `f` on `flow` with a scheduler over shared data and a metrics recorder.
+pub(super) fn run<R>(
+    plugin: &Plugin,
+    flow: &mut Flow,
+    now_ms: u64,
+    f: impl FnOnce(&mut Flow, &Scheduler<'_>, &mut Recorder<'_>) -> R,
+) -> R {
+    let store = SharedData;
+    let sched = Scheduler::with_cache(&plugin.cfg, &store, &plugin.table_cache);
+    let mut rec = Recorder { plugin, now_ms };
+    f(flow, &sched, &mut rec)
+}
+
+/// Performs a step of `flow` on the current (effective) request.
+pub(super) fn perform(plugin: &Plugin, flow: &mut Flow, step: Step, now_ms: u64) -> Action {
+    match step {
+        Step::Wait => Action::Pause,
+        Step::Continue => Action::Continue,
+        Step::Pause => Action::Pause,
+        Step::Route(i) => {
+            let cfg = &plugin.cfg;
+            if let Some(ep) = cfg.endpoints.get(i) {
+                let req = MapType::HttpRequestHeaders;
+                host::set_header(req, &cfg.routing_header, ep.cluster.as_bytes());
+                for name in blame::withheld_headers(ep) {
+                    host::remove_header(req, name);
                 }
-                // The body decided on (a follow-up without `previous_response_id`), not the
-                // one Envoy buffered; its framing follows it.
-                if let Some((body, declared)) = self.flow.rewritten_body() {
-                    host::replace_buffer(BufferType::HttpRequestBody, usize::MAX, body);
-                    if declared {
-                        let len = body.len().to_string();
-                        host::set_header(
-                            MapType::HttpRequestHeaders,
-                            "content-length",
-                            len.as_bytes(),
-                        );
-                    }
+                // A pool's host: named for the cluster's override_host policy.
+                if let Some(d) = flow.destination(cfg, i) {
+                    host::set_header(req, &cfg.destination_header, d.as_bytes());
                 }
-                Action::Continue
+                for (name, value) in &ep.headers {
+                    host::set_header(req, name, value.as_bytes());
+                }
             }
-            Step::Dispatch(i) => {
-                let sent = self.flow.call(&self.plugin.cfg, i).is_some_and(|c| {
-                    host::dispatch(c.cluster, &c.headers, c.body, c.trailers, c.timeout_ms)
-                });
-                if sent {
-                    return Action::Pause;
+            // The body decided on (a follow-up without `previous_response_id`), not the
+            // one Envoy buffered; its framing follows it.
+            if let Some((body, declared)) = flow.rewritten_body() {
+                host::replace_buffer(BufferType::HttpRequestBody, usize::MAX, body);
+                if declared {
+                    let len = body.len().to_string();
+                    host::set_header(
+                        MapType::HttpRequestHeaders,
+                        "content-length",
+                        len.as_bytes(),
+                    );
                 }
-                log::warn!(
+            }
+            Action::Continue
+        }
+        Step::Dispatch(i) => {
+            let sent = flow.call(&plugin.cfg, i).is_some_and(|c| {
+                host::dispatch(c.cluster, &c.headers, c.body, c.trailers, c.timeout_ms)
+            });
+            if sent {
+                return Action::Pause;
+            }
+            log::warn!(
                     "computeflux: failover call to endpoint {i} refused; is its cluster defined in Envoy?"
                 );
-                let next = self.with_flow(now_ms, |f, s, r| f.dispatch_failed(s, r, now_ms));
-                self.perform(next, now_ms)
-            }
-            Step::Relay(expose) => {
-                for (name, value) in expose {
-                    // The upstream's own cookies stay; every other header is ours alone.
-                    if name == "set-cookie" {
-                        host::add_header(MapType::HttpResponseHeaders, name, value.as_bytes());
-                    } else {
-                        host::set_header(MapType::HttpResponseHeaders, name, value.as_bytes());
-                    }
+            let next = run(plugin, flow, now_ms, |f, s, r| {
+                f.dispatch_failed(s, r, now_ms)
+            });
+            perform(plugin, flow, next, now_ms)
+        }
+        Step::Relay(expose) => {
+            for (name, value) in expose {
+                // The upstream's own cookies stay; every other header is ours alone.
+                if name == "set-cookie" {
+                    host::add_header(MapType::HttpResponseHeaders, name, value.as_bytes());
+                } else {
+                    host::set_header(MapType::HttpResponseHeaders, name, value.as_bytes());
                 }
-                Action::Continue
             }
-            Step::RelayCall {
-                status,
-                headers,
-                body_size,
-            } => {
-                let body = host::buffer(BufferType::HttpCallResponseBody, 0, body_size);
-                let body = self.flow.call_body(&self.plugin.cfg, status, body);
-                if self.flow.reads_answer() {
-                    self.with_flow(now_ms, |f, s, _| f.on_answer_chunk(s, &body, true, now_ms));
-                }
-                let headers: Vec<(&str, &[u8])> = headers
-                    .iter()
-                    .map(|(n, v)| (n.as_str(), v.as_slice()))
-                    .collect();
-                host::send_response(u32::from(status), &headers, &body);
-                if self.flow.scans_answer() {
-                    self.with_flow(now_ms, |f, _, r| f.on_call_body(r, &body));
-                }
-                Action::Pause
+            Action::Continue
+        }
+        Step::RelayCall {
+            status,
+            headers,
+            body_size,
+        } => {
+            let body = host::buffer(BufferType::HttpCallResponseBody, 0, body_size);
+            let body = flow.call_body(&plugin.cfg, status, body);
+            if flow.reads_answer() {
+                run(plugin, flow, now_ms, |f, s, _| {
+                    f.on_answer_chunk(s, &body, true, now_ms)
+                });
             }
-            Step::Answer { status, body } => {
-                let headers: [(&str, &[u8]); 1] = [("content-type", b"application/json")];
-                host::send_response(u32::from(status), &headers, body.as_bytes());
-                Action::Pause
+            let headers: Vec<(&str, &[u8])> = headers
+                .iter()
+                .map(|(n, v)| (n.as_str(), v.as_slice()))
+                .collect();
+            host::send_response(u32::from(status), &headers, &body);
+            if flow.scans_answer() {
+                run(plugin, flow, now_ms, |f, _, r| f.on_call_body(r, &body));
             }
-            Step::Reply(reply) => {
-                let mut headers: Vec<(&str, &[u8])> = vec![("content-type", b"application/json")];
-                headers.extend(reply.headers.iter().map(|(n, v)| (*n, v.as_bytes())));
-                host::send_response(u32::from(reply.status), &headers, reply.body().as_bytes());
-                Action::Pause
-            }
+            Action::Pause
+        }
+        Step::Answer { status, body } => {
+            let headers: [(&str, &[u8]); 1] = [("content-type", b"application/json")];
+            host::send_response(u32::from(status), &headers, body.as_bytes());
+            Action::Pause
+        }
+        Step::Reply(reply) => {
+            let mut headers: Vec<(&str, &[u8])> = vec![("content-type", b"application/json")];
+            headers.extend(reply.headers.iter().map(|(n, v)| (*n, v.as_bytes())));
+            host::send_response(u32::from(reply.status), &headers, reply.body().as_bytes());
+            Action::Pause
         }
     }
 }
@@ -169,6 +221,7 @@ impl Context for Http {
         body_size: usize,
         _trailers: usize,
     ) {
+        self.unpark();
         let now = host::now_ms();
         // num_headers == 0: the call failed (reset, timeout after headers).
         let mut headers =
@@ -198,6 +251,7 @@ impl Context for Http {
 
 impl HttpContext for Http {
     fn on_http_request_headers(&mut self, _num_headers: usize, end_of_stream: bool) -> Action {
+        self.unpark();
         let now = host::now_ms();
         // Clients never pick clusters, hosts nor data-parallel ranks: gone from the live map
         // before any route matching.
@@ -215,6 +269,7 @@ impl HttpContext for Http {
     }
 
     fn on_http_request_body(&mut self, body_size: usize, end_of_stream: bool) -> Action {
+        self.unpark();
         let now = host::now_ms();
         let mut read = || host::buffer(BufferType::HttpRequestBody, 0, body_size);
         let step = self.with_flow(now, |f, s, r| {
@@ -224,6 +279,7 @@ impl HttpContext for Http {
     }
 
     fn on_http_request_trailers(&mut self, _num_trailers: usize) -> Action {
+        self.unpark();
         let now = host::now_ms();
         let trailers = host::header_pairs(MapType::HttpRequestTrailers);
         // The body buffered so far (the body callback returned Pause for it).
@@ -235,6 +291,7 @@ impl HttpContext for Http {
     }
 
     fn on_http_response_headers(&mut self, _num_headers: usize, end_of_stream: bool) -> Action {
+        self.unpark();
         let now = host::now_ms();
         // One host call for the whole map: a success answer is read for its status, its
         // content type (twice) and up to a dozen quota headers, each a host call if looked up
@@ -255,6 +312,7 @@ impl HttpContext for Http {
     }
 
     fn on_http_response_body(&mut self, body_size: usize, end_of_stream: bool) -> Action {
+        self.unpark();
         if self.flow.judges_answer() {
             // A 429 held at its headers: buffered until its head can be judged.
             if !end_of_stream && body_size < JUDGE_BYTES {
@@ -312,6 +370,7 @@ impl HttpContext for Http {
     }
 
     fn on_http_response_trailers(&mut self, _num_trailers: usize) -> Action {
+        self.unpark();
         if self.flow.judges_answer() {
             let now = host::now_ms();
             let head = host::buffer(BufferType::HttpResponseBody, 0, JUDGE_BYTES);
@@ -332,6 +391,7 @@ impl HttpContext for Http {
     }
 
     fn on_log(&mut self) {
+        self.unpark();
         let now = host::now_ms();
         self.with_flow(now, |f, s, r| f.on_log(s, r, now));
     }

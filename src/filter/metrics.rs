@@ -9,6 +9,7 @@
 //! [`SessionSource::ALL`]),
 //! so a variant added there gets its series here without another edit.
 
+use super::admission_metrics::AdmissionMetrics;
 use super::host;
 use crate::scheduler::config::Config;
 use crate::scheduler::health::outcome::Outcome;
@@ -92,6 +93,8 @@ pub struct Metrics {
     pub prefix_placements: Option<u32>,
     /// Answers to sessions placed by prefix whose `usage` reported cached prompt tokens.
     pub prefix_hits: Option<u32>,
+    /// Admission outcomes, queue lengths and waits.
+    pub admission: AdmissionMetrics,
 }
 
 /// One counter per label value: `<base>.<label>.<value>`.
@@ -220,6 +223,7 @@ impl Metrics {
                 "computeflux_prefix_placements_total",
             ),
             prefix_hits: host::metric(MetricType::Counter, "computeflux_prefix_hits_total"),
+            admission: AdmissionMetrics::define(cfg),
         };
         m.index = m.index_of(cfg);
         m
@@ -284,6 +288,11 @@ impl Metrics {
 
     pub fn rejected(&self, r: RejectReason) {
         Self::inc(slot(RejectReason::ALL, &r, &self.rejected));
+    }
+
+    /// The admission queue gauges from a snapshot of the queue.
+    pub fn admission_gauges(&self, q: &crate::scheduler::admission::queue::Queue) {
+        self.admission.gauges(q);
     }
 
     pub fn endpoint(&self, i: usize) -> Option<&EndpointMetrics> {

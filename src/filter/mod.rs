@@ -7,6 +7,8 @@
 //!   refresh, apart so that `root`, `http` and `observe` do not import each other;
 //! - [`http`]: Envoy's per-request callbacks, translated into calls on the request lifecycle
 //!   ([`crate::scheduler::flow::Flow`]), whose steps it performs;
+//! - [`parked`], [`admit`]: requests paused for admission, and the root timer's admission
+//!   round that routes and resumes them;
 //! - [`observe`]: what the lifecycle reports, as metrics and log lines;
 //! - [`scrape`]: the engines' own `/metrics`, scraped from the root context's timer;
 //! - [`pools`]: the hosts of a pool's cluster, learned from answers and discovery calls;
@@ -14,10 +16,13 @@
 //! - [`host`]: every host call, none of which can panic (`tests/host_boundary.rs` keeps it
 //!   the only one).
 
+mod admission_metrics;
+mod admit;
 mod host;
 mod http;
 mod metrics;
 mod observe;
+mod parked;
 mod plugin;
 mod pools;
 mod root;

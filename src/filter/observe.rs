@@ -6,7 +6,7 @@
 
 use super::metrics::Metrics;
 use super::plugin::{refresh_endpoint_gauges, Plugin};
-use crate::scheduler::flow::{Observer, Timing};
+use crate::scheduler::flow::{Admission, Observer, Timing};
 use crate::scheduler::health::outcome::Outcome;
 use crate::scheduler::routing::pin_cookie::Ignored;
 use crate::scheduler::routing::select::{AffinityResult, Decision, Finished};
@@ -123,6 +123,16 @@ impl Observer for Recorder<'_> {
     fn pin_cookie_ignored(&mut self, why: Ignored) {
         self.plugin.metrics.pin_cookie_ignored(why);
         debug!("computeflux: pin cookie ignored ({})", why.label());
+    }
+
+    fn admission(&mut self, e: &Admission) {
+        self.plugin.metrics.admission.record(e);
+        debug!(
+            "computeflux: admission {} priority {} after {} ms",
+            e.outcome.label(),
+            e.asker.priority,
+            e.waited_ms
+        );
     }
 
     fn replied(&mut self, reply: &Reply) {

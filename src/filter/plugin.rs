@@ -5,6 +5,7 @@
 //! and its recorder (which use the plugin) do not import each other.
 
 use super::metrics::Metrics;
+use super::parked::Parked;
 use super::shared::SharedData;
 use crate::scheduler::config::Config;
 use crate::scheduler::health::breaker::BreakerState;
@@ -19,6 +20,11 @@ pub struct Plugin {
     pub cfg: Config,
     pub metrics: Metrics,
     pub table_cache: RefCell<TableCache>,
+    /// This VM's id in the admission queue (drawn once per VM).
+    pub vm: u32,
+    /// This VM's requests paused for admission (one registry per VM, kept across
+    /// configurations).
+    pub parked: std::rc::Rc<Parked>,
 }
 
 /// Gauges mirror the shared endpoint table (absolute values, so every VM may set them).

@@ -1,8 +1,10 @@
 //! The root context: configuration, metrics and the periodic gauge refresh (one per VM).
 
+use super::admit;
 use super::host;
 use super::http::Http;
 use super::metrics::Metrics;
+use super::parked::Parked;
 use super::plugin::{refresh_gauges, Plugin};
 use super::pools::Pools;
 use super::scrape::Scraper;
@@ -33,6 +35,14 @@ pub struct Root {
     /// This VM's scrape lease holder id, drawn once.
     holder_id: Option<u64>,
     last_gauges_ms: u64,
+    /// This VM's requests paused for admission (kept across configurations: a request keeps
+    /// the plugin it started under).
+    parked: Rc<Parked>,
+    /// The timer period without waiting requests, and when its work last ran.
+    base_tick: Duration,
+    last_base_ms: u64,
+    /// The timer runs at `admit::ADMISSION_TICK` (requests of this VM wait).
+    fast: bool,
 }
 
 const TICK: Duration = Duration::from_secs(1);
@@ -102,6 +112,9 @@ impl Root {
             cfg,
             metrics,
             table_cache: RefCell::new(table_cache),
+            // Distinct per VM: the holder id is unique per VM of the process (drawn by CAS).
+            vm: (crate::scheduler::state::hash::fmix64(me) as u32).max(1),
+            parked: Rc::clone(&self.parked),
         }));
     }
 
@@ -177,6 +190,7 @@ impl RootContext for Root {
         if self.pools.is_some() {
             tick = tick.min(POOL_TICK);
         }
+        self.base_tick = tick;
         if !host::tick_every(tick) {
             host::log(
                 LogLevel::Warn,
@@ -189,6 +203,23 @@ impl RootContext for Root {
     fn on_tick(&mut self) {
         let Some(p) = &self.plugin else { return };
         let now = host::now_ms();
+        // Admission rounds while requests of this VM wait (any plugin generation's: a
+        // request's own plugin is in its slot), at the fast period; the rest of the timer's
+        // work at its own.
+        let waiting = admit::round(p, &self.parked, now);
+        if waiting != self.fast {
+            self.fast = waiting;
+            host::tick_every(if waiting {
+                admit::ADMISSION_TICK
+            } else {
+                self.base_tick
+            });
+        }
+        let base_ms = self.base_tick.as_millis() as u64;
+        if now.saturating_sub(self.last_base_ms) < base_ms.saturating_sub(1) {
+            return;
+        }
+        self.last_base_ms = now;
         // The scraper may tick faster; the endpoint gauges keep their one-second refresh.
         if now.saturating_sub(self.last_gauges_ms) >= TICK.as_millis() as u64 {
             self.last_gauges_ms = now;

@@ -16,8 +16,10 @@
 //! | [`wire`]    | requests and answers as bytes: parse, scan, write; no policy     | config, state                            |
 //! | [`health`]  | what an outcome means, breakers, the retry budget               | time, state, config                      |
 //! | [`routing`] | the decision: endpoint table, signals, placement, pick, finish  | time, state, config, wire, health        |
-//! | [`flow`]    | one request's lifecycle, from headers to the last answer byte   | time, state, config, wire, health, routing |
+//! | [`admission`] | who waits when the fleet is full: fairness id, priority, the queue | time, state, config, wire, health, routing |
+//! | [`flow`]    | one request's lifecycle, from headers to the last answer byte   | time, state, config, wire, health, routing, admission |
 
+pub mod admission;
 pub mod config;
 pub mod flow;
 pub mod health;

@@ -16,7 +16,7 @@ use super::unique_u32;
 
 /// Stat tags turned into labels by default (see [`stats_tags`]).
 pub const DEFAULT_STAT_TAGS: &[&str] = &[
-    "endpoint", "outcome", "result", "reason", "source", "affinity", "error",
+    "endpoint", "outcome", "result", "reason", "source", "affinity", "error", "priority", "tenant",
 ];
 
 /// How to run Envoy.

@@ -21,9 +21,11 @@ use validate::Validator;
 pub mod metrics;
 pub mod ranks;
 pub mod secret;
+pub mod tenants;
 mod validate;
 
 use secret::PinCookieKey;
+use tenants::{FairnessHeader, TenantConfig};
 
 /// One routing target: an API key of a hosted provider or a self-hosted GPU instance.
 #[derive(Debug, Clone, PartialEq)]
@@ -292,6 +294,8 @@ macro_rules! config_keys {
             /// (`table::claim_layout`); 0 when never claimed (tests, tools). A writer never
             /// rewrites a table laid out by a newer generation to its own layout.
             pub layout_generation: u64,
+            /// The `tenants` list: priorities granted per fairness id (see `tenants`).
+            pub tenants: Vec<TenantConfig>,
             $( $(#[$meta])* pub $field: $ty, )*
             $( $(#[$tmeta])* pub $tfield: $tty, )*
         }
@@ -301,6 +305,7 @@ macro_rules! config_keys {
                 Config {
                     endpoints: Vec::new(),
                     layout_generation: 0,
+                    tenants: Vec::new(),
                     $( $field: $default, )*
                     $( $tfield: $tdefault, )*
                 }
@@ -317,6 +322,13 @@ macro_rules! config_keys {
                     default: "(required)".into(),
                     bounds: format!("1..={MAX_ENDPOINTS} entries"),
                     effect: ENDPOINTS_EFFECT,
+                },
+                KeyDoc {
+                    key: "tenants",
+                    kind: "array of tenant objects".into(),
+                    default: "[]".into(),
+                    bounds: format!("0..={} entries", tenants::MAX_TENANTS),
+                    effect: TENANTS_EFFECT,
                 },
                 $( KeyDoc {
                     key: stringify!($field),
@@ -380,6 +392,7 @@ const MS: Spec = Spec::Int {
 };
 
 const ENDPOINTS_EFFECT: &str = "The routing targets, see [Endpoint keys](#endpoint-keys). Order does not matter; names must be unique.";
+const TENANTS_EFFECT: &str = "Priorities granted per tenant, used only when the fleet is full (see [admission](routing.md#admission)): `[{\"id\": \"team-a\", \"priority\": 2, \"label\": \"team_a\"}]`. `id` is compared with the request's fairness id (the `fairness_header` value, else the caller's credential: `authorization` with a leading `Bearer ` removed, else `x-api-key`); `priority` is an integer in -8..=8 (default 0, also for every tenant not listed; negative: sheddable, refused rather than queued when the fleet is full); `label` (optional, `[a-z0-9_]{1,32}`) tags the tenant's admission metrics. A request's `x-computeflux-priority` header can lower its priority, never raise it above the granted one.";
 const TUNING_EFFECT: &str = "**Unstable.** Model parameters a deployment may need to adjust, see [Tuning keys](#tuning-keys-unstable). Their names, bounds and defaults may change in any release; leave them out unless a measurement says otherwise.";
 
 config_keys! {
@@ -390,6 +403,8 @@ config_keys! {
             "Request header the filter writes the chosen host of a pool (an endpoint with `pool: true`) into, as `ip:port`, followed comma-separated by the hosts of that pool it would try next; the pool's Envoy cluster must use the `envoy.load_balancing_policies.override_host` load-balancing policy reading it (see [pools](#pools)). The same header as the Gateway API Inference Extension's endpoint picker. A value sent by the client is always removed first. Must differ from `routing_header` and `session_header`.";
         session_header: String = "x-session-id".into(), Spec::HeaderName,
             "Request header carrying the client's session id: the first source of the session key. Without it the body's `prompt_cache_key`, else an agent harness's session header (`x-claude-code-session-id`, `session_id`, `session-id`, `thread-id`, `x-opencode-session`), else the body's `user`, else a fingerprint of the model, first system and first user message, is the session (see [routing](routing.md#session-keys)). Any length is accepted (hashed). Every session is scoped by the caller's `authorization` / `x-api-key`.";
+        fairness_header: FairnessHeader = FairnessHeader::default(), Spec::HeaderName,
+            "Request header naming the tenant for fairness when the fleet is full (see [admission](routing.md#admission)), for deployments where a filter in front of this one (`jwt_authn`, `ext_authz`) sets it. Absent: the caller's credential (`authorization`, else `x-api-key`), the value sessions are scoped by. Requests with neither share one anonymous tenant.";
         affinity_ttl_ms: u64 = 300_000, MS,
             "How long a session stays pinned to the endpoint that last served it successfully, counted from its last use. Set it near the endpoints' KV-cache lifetime.";
         affinity_max_sessions: u64 = 100_000, Spec::Int { min: 1, max: 10_000_000 },
@@ -432,6 +447,10 @@ config_keys! {
             "Quota-aware routing: reads the remaining-quota headers of successful answers — OpenAI / Azure OpenAI `x-ratelimit-remaining-requests`, `x-ratelimit-remaining-tokens`, `x-ratelimit-reset-requests`, `x-ratelimit-reset-tokens` (durations such as `6m0s`), Anthropic `anthropic-ratelimit-{requests,tokens,input-tokens,output-tokens}-{remaining,reset}` (reset as RFC 3339) — and skips an endpoint whose remaining requests or tokens are below the floors (`tuning.quota_min_requests`, `tuning.quota_min_tokens`, `tuning.quota_reserve_percent`) or below the request's estimated tokens (4 body bytes a token), until the reset (capped by `retry_after_max_ms`; `rate_limit_ms` without a reset). New sessions go to the next endpoint in rendezvous order; a pinned session moves only when staying is a certain 429 (no request left, or fewer tokens than its estimate). Pacing: an endpoint whose stated tokens or requests, used at the rate of its window so far or of the last window's length, plus what the new sessions placed on it in this window will spend in the next, would run out before the reset gets no new sessions, so the sessions already pinned there keep their quota. New sessions are placed in proportion to the keys' stated limits (`x-ratelimit-limit-*`, `anthropic-ratelimit-*-limit`; a session's home is still computed from the plain weights). Values that are not plain decimal counts up to 10^12 are ignored (see [routing](routing.md#quota)).";
     }
     tuning {
+        admission_queue_max: u64 = 256, Spec::Int { min: 1, max: 10_000 },
+            "Requests that may wait for admission at once in one Envoy process while every endpoint serving their model is full. A request arriving to a full queue takes the place of the worst-ranked waiting one (lowest priority, then the tenant served the most tokens, then the newest) if it ranks better; the one left out gets a 429 with `Retry-After`.";
+        admission_max_wait_ms: u64 = 10_000, Spec::Int { min: 1, max: 600_000 },
+            "Longest a request waits for admission; past it the request gets a 429 `queue_timeout` with `Retry-After`. Keep it below your clients' timeouts.";
         retry_budget_min_retries: f64 = 10.0, Spec::Number { min: 0.0, max: 1_000_000.0 },
             "Failovers always allowed on top of the percentage (so low traffic can still fail over).";
         in_flight_max_age_ms: u64 = 600_000, Spec::Int { min: 1_000, max: MAX_MS },
@@ -560,6 +579,7 @@ impl Config {
         v.unknown_keys_except("", obj, &top_level_keys(), &removed);
         let mut c = Config::default();
         Config::read_scalars(&mut v, obj, &mut c);
+        c.tenants = tenants::read(&mut v, obj.get("tenants"));
         match obj.get("tuning") {
             None => {}
             Some(Value::Object(t)) => {
@@ -675,9 +695,16 @@ impl Config {
                 )
             })
             .collect();
+        // Tenant ids may be credentials: only their count and granted priorities are shown.
+        let tenants: Vec<String> = self
+            .tenants
+            .iter()
+            .map(|t| format!("{}:{}", t.label.as_deref().unwrap_or("-"), t.priority))
+            .collect();
         format!(
-            "endpoints=[{}] {}",
+            "endpoints=[{}] tenants=[{}] {}",
             endpoints.join(" "),
+            tenants.join(","),
             self.scalar_summary().join(" ")
         )
     }

@@ -83,6 +83,9 @@ impl Flow {
         if let Some(a) = self.affinity {
             out.push((HEADER_AFFINITY, a.label().to_string()));
         }
+        if let Some(ms) = self.waited_ms() {
+            out.push((super::admit::HEADER_QUEUED_MS, ms.to_string()));
+        }
         out
     }
 

@@ -76,8 +76,10 @@ use crate::scheduler::wire::usage::{Framing, Usage, UsageScan};
 use std::borrow::Cow;
 use std::cell::Cell;
 
+pub mod admit;
 mod answer;
 mod pins;
+pub use admit::{Admission, AdmissionOutcome};
 pub use answer::Call;
 
 pub const HEADER_ENDPOINT: &str = "x-computeflux-endpoint";
@@ -116,6 +118,8 @@ pub enum Phase {
     Judging,
     /// The routed answer flows to the client; its attempt ends with it.
     Relaying,
+    /// Paused in the admission queue: the fleet serving its model is full.
+    Queued,
     /// Nothing left to decide.
     Done,
 }
@@ -127,6 +131,9 @@ pub enum Step {
     Continue,
     /// Hold the stream (the body is being buffered; or the answer, while a call runs).
     Pause,
+    /// Hold the request: it waits for admission (its queue entry is [`Flow::queued`]); the
+    /// owner's tick calls [`Flow::on_admitted`] or [`Flow::on_refused`] later.
+    Wait,
     /// First attempt: write endpoint `i`'s cluster into the routing header, set its headers,
     /// let the request go on.
     Route(usize),
@@ -178,6 +185,8 @@ pub trait Observer {
     fn session(&mut self, _source: SessionSource) {}
     /// The filter answered the request itself.
     fn replied(&mut self, _reply: &Reply) {}
+    /// What admission did with the request (see `admission`).
+    fn admission(&mut self, _event: &admit::Admission) {}
     /// The answer `endpoint` gave reported `usage`; the request's affinity at its first pick
     /// was `affinity`.
     fn usage(&mut self, _endpoint: usize, _affinity: AffinityResult, _usage: &Usage) {}
@@ -350,6 +359,9 @@ pub struct Flow {
     /// A request routed with a body the filter never read (pass-through): a failover call
     /// could not send it, so it never fails over (an upload was once replayed empty).
     body_unread: bool,
+    /// This request's place for admission: (VM, context id), its queue entry while it
+    /// waits, and what it went through (see `admit.rs`).
+    admission: admit::State,
 }
 
 impl Default for Flow {
@@ -396,6 +408,7 @@ impl Flow {
             pin_hint: None,
             pin_cookie: None,
             body_unread: false,
+            admission: admit::State::default(),
         }
     }
 
@@ -739,6 +752,9 @@ impl Flow {
             a.ticket.served = a.served(usage, body_bytes, work_key, now_ms);
         }
         self.finish_by_verdict(s, obs, now_ms);
+        if let Some(u) = &usage {
+            self.charge_completion(s, u.completion_tokens);
+        }
         self.report_usage(obs, usage);
     }
 
@@ -858,6 +874,7 @@ impl Flow {
 
     /// The request is over (Envoy's access-log callback, which runs in every case).
     pub fn on_log(&mut self, s: &Scheduler<'_>, obs: &mut dyn Observer, now_ms: u64) {
+        self.leave_queue(s, obs, now_ms);
         // An answer that never ended (cut, client gone) reports no usage.
         self.usage = None;
         self.finish_by_verdict(s, obs, now_ms);
@@ -909,7 +926,7 @@ impl Flow {
             source = SessionSource::PreviousResponse;
         }
         obs.session(source);
-        self.first_attempt(s, obs, now_ms)
+        self.admit(s, obs, now_ms)
     }
 
     /// The placement key of the request's instructions, when they are long enough: hashed on

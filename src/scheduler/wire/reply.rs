@@ -37,6 +37,11 @@ pub enum RejectReason {
     PreviousResponseUnavailable,
     /// The request path is ambiguous or not in canonical form (`path`).
     InvalidPath,
+    /// The fleet is full and the admission queue has no place for the request (or it is
+    /// sheddable).
+    QueueFull,
+    /// The request waited for admission as long as it may.
+    QueueTimeout,
 }
 
 impl RejectReason {
@@ -58,6 +63,8 @@ impl RejectReason {
         RejectReason::PreviousResponseNotFound,
         RejectReason::PreviousResponseUnavailable,
         RejectReason::InvalidPath,
+        RejectReason::QueueFull,
+        RejectReason::QueueTimeout,
     ];
 
     /// The error `code`, also the metric label.
@@ -79,13 +86,17 @@ impl RejectReason {
             RejectReason::PreviousResponseNotFound => "previous_response_not_found",
             RejectReason::PreviousResponseUnavailable => "previous_response_unavailable",
             RejectReason::InvalidPath => "invalid_path",
+            RejectReason::QueueFull => "queue_full",
+            RejectReason::QueueTimeout => "queue_timeout",
         }
     }
 
     /// The error `type`.
     pub fn kind(self) -> &'static str {
         match self {
-            RejectReason::RateLimited => "rate_limit_error",
+            RejectReason::RateLimited | RejectReason::QueueFull | RejectReason::QueueTimeout => {
+                "rate_limit_error"
+            }
             RejectReason::NoEndpointAvailable
             | RejectReason::UpstreamUnavailable
             | RejectReason::FailoverAnswerTooLarge
