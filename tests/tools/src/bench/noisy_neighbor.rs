@@ -571,12 +571,13 @@ pub fn markdown(
     }
     let with_stats: Vec<&RunSummary> = rows.iter().filter(|r| !r.filter_stats.is_empty()).collect();
     if !with_stats.is_empty() {
-        s.push_str("\n## The filter's admission counters at the end of each run (summed over its Envoys)\n\n");
+        s.push_str("\n## The filter's admission counters at the end of each run (summed over its Envoys; those above 0)\n\n");
         for r in with_stats {
             let kv: Vec<String> = r
                 .filter_stats
                 .iter()
-                .map(|(k, v)| format!("`{k}` {v}"))
+                .filter(|(_, v)| *v > 0)
+                .map(|(k, v)| format!("`{}` {v}", k.trim_start_matches("wasmcustom.")))
                 .collect();
             s.push_str(&format!("- {}: {}\n", r.label, kv.join(", ")));
         }

@@ -130,8 +130,10 @@ pub struct Stats {
     /// it lasts; answers completed later count in `ok` only).
     pub served_per_s: f64,
     pub sent_per_s: f64,
-    /// Requests whose answer said the filter held them ([`QUEUE_HEADER`]).
+    /// Requests whose answer said the filter held them ([`QUEUE_HEADER`]), and the longest
+    /// hold it said (ms; 0 when none).
     pub waited: u64,
+    pub waited_max_ms: f64,
     pub statuses: BTreeMap<String, u64>,
 }
 
@@ -179,6 +181,7 @@ impl Stats {
             served_per_s: in_window as f64 / secs,
             sent_per_s: recs.len() as f64 / secs,
             waited: count(&|r| r.queue_ms.is_some()),
+            waited_max_ms: recs.iter().filter_map(|r| r.queue_ms).fold(0.0, f64::max),
             statuses,
         }
     }
@@ -190,7 +193,7 @@ impl Stats {
             "r429": self.r429, "r429_retry_after": self.r429_retry_after,
             "other_errors": self.other_errors, "timed_out": self.timed_out,
             "served_per_s": self.served_per_s, "sent_per_s": self.sent_per_s,
-            "waited": self.waited,
+            "waited": self.waited, "waited_max_ms": self.waited_max_ms,
             "statuses": self.statuses,
         })
     }
@@ -215,6 +218,10 @@ impl Stats {
             served_per_s: f("served_per_s"),
             sent_per_s: f("sent_per_s"),
             waited: u("waited"),
+            waited_max_ms: v
+                .get("waited_max_ms")
+                .and_then(Value::as_f64)
+                .unwrap_or(0.0),
             statuses: v
                 .get("statuses")
                 .and_then(Value::as_object)
@@ -466,16 +473,23 @@ pub fn figures_table(rows: &[RunSummary]) -> String {
     let mut s = String::from(
         "| policy | quiet alone p50 / p99 ms | quiet under noise p50 / p99 ms | quiet errors | \
          noisy sent /s | noisy served /s | noisy 429 (with Retry-After) | noisy other errors | \
-         left to time out (noisy / quiet) | steady p50 / p99 ms (both tenants) | steady shed | \
-         steady waited | run s |\n\
-         |---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|\n",
+         left to time out (noisy / quiet) | held by the filter under noise, quiet / noisy (longest, \
+         ms) | steady p50 / p99 ms (both tenants) | steady shed | steady waited (longest, ms) | \
+         run s |\n\
+         |---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|\n",
     );
     for r in rows {
-        let waited = if r.is_filter() {
-            r.steady_all.waited.to_string()
-        } else {
-            "–".into()
+        let held = |x: &Stats| {
+            if !r.is_filter() {
+                "–".to_string()
+            } else if x.waited == 0 {
+                "0".to_string()
+            } else {
+                format!("{} ({})", x.waited, group(x.waited_max_ms.round() as u64))
+            }
         };
+        let waited = held(&r.steady_all);
+        let under_noise = format!("{} / {}", held(&r.noise_quiet), held(&r.noise_noisy));
         let other: Vec<String> = r
             .noise_noisy
             .statuses
@@ -491,7 +505,7 @@ pub fn figures_table(rows: &[RunSummary]) -> String {
             .map(|(_, n)| n)
             .sum();
         s.push_str(&format!(
-            "| {} | {} | {} | {} | {:.1} | {:.1} | {} ({}) | {} | {} / {} | {} | {} | {} | {:.0} |\n",
+            "| {} | {} | {} | {} | {:.1} | {:.1} | {} ({}) | {} | {} / {} | {} | {} | {} | {} | {:.0} |\n",
             r.label,
             r.alone_quiet.p50_p99(),
             r.noise_quiet.p50_p99(),
@@ -507,6 +521,7 @@ pub fn figures_table(rows: &[RunSummary]) -> String {
             },
             r.noise_noisy.timed_out,
             r.alone_quiet.timed_out + r.noise_quiet.timed_out + r.steady_quiet.timed_out,
+            under_noise,
             r.steady_all.p50_p99(),
             shed,
             waited,
