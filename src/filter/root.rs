@@ -41,6 +41,7 @@ pub struct Root {
     /// The timer period without waiting requests, and when its work last ran.
     base_tick: Duration,
     last_base_ms: u64,
+    last_tick_ms: u64,
     /// The timer runs at `admit::ADMISSION_TICK` (requests of this VM wait).
     fast: bool,
 }
@@ -207,15 +208,17 @@ impl RootContext for Root {
         // request's own plugin is in its slot), at the fast period; the rest of the timer's
         // work at its own.
         let waiting = admit::round(p, &self.parked, now);
-        if waiting != self.fast {
-            self.fast = waiting;
-            host::tick_every(if waiting {
-                admit::ADMISSION_TICK
-            } else {
-                self.base_tick
-            });
-        }
         let base_ms = self.base_tick.as_millis() as u64;
+        // A tick sooner than the base period: the fast period is on (a request set it when it
+        // started waiting, and may have left since).
+        let early = now.saturating_sub(self.last_tick_ms).saturating_add(1) < base_ms;
+        self.last_tick_ms = now;
+        if waiting && !self.fast {
+            self.fast = host::tick_every(admit::ADMISSION_TICK);
+        } else if !waiting && (self.fast || early) {
+            self.fast = false;
+            host::tick_every(self.base_tick);
+        }
         if now.saturating_sub(self.last_base_ms) < base_ms.saturating_sub(1) {
             return;
         }

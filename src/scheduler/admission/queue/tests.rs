@@ -200,6 +200,7 @@ fn codec_round_trips_and_rejects_junk() {
     assert_eq!(Queue::decode(&[]), None);
 }
 
+#[cfg(not(target_arch = "wasm32"))]
 mod props {
     use super::*;
     use proptest::prelude::*;
