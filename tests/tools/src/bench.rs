@@ -54,6 +54,13 @@
 //! ring_hash and the filter with a pool unless `--policies` says otherwise, written to
 //! `OUT/latest.md` and `OUT/latest.json`.
 //!
+//! `--noisy-neighbor` runs only the noisy-neighbour scenario instead (`bench/noisy_neighbor.rs`;
+//! what counts: `bench/noisy_summary.rs`): a quiet tenant and a noisy one at twice the fleet's
+//! capacity, told apart by their `Authorization` header, against the filter (one Envoy and,
+//! with `--replicas 1,3`, three replicas), least_request, ring_hash and the SGLang router unless
+//! `--policies` says otherwise; `--client-timeout-s 15` is when a request is left to time out.
+//! Written to `OUT/latest.md` and `OUT/latest.json`.
+//!
 //! `--render` rewrites `results.md`, `chart.svg`, `summary-table.md` (and, for a full run, the
 //! docs/performance.md block) from a run's `results.json` without measuring anything.
 //!
@@ -72,6 +79,10 @@ mod fleet;
 mod membership;
 #[path = "bench/membership_summary.rs"]
 mod membership_summary;
+#[path = "bench/noisy_neighbor.rs"]
+mod noisy_neighbor;
+#[path = "bench/noisy_summary.rs"]
+mod noisy_summary;
 #[path = "bench/overhead.rs"]
 mod overhead;
 #[path = "bench/peer.rs"]
@@ -147,6 +158,10 @@ struct Args {
     policies_given: bool,
     /// `--data-parallel R`: only the data-parallel scenario, `dp` with R ranks.
     data_parallel: Option<usize>,
+    /// `--noisy-neighbor`: run only the noisy-neighbour scenario (`bench/noisy_neighbor.rs`).
+    noisy_neighbor: bool,
+    /// The noisy-neighbour clients' timeout (`--client-timeout-s`).
+    client_timeout_s: u64,
 }
 
 fn parse() -> Result<Args, String> {
@@ -205,6 +220,8 @@ fn parse() -> Result<Args, String> {
         membership: Vec::new(),
         policies_given: false,
         data_parallel: None,
+        noisy_neighbor: false,
+        client_timeout_s: noisy_neighbor::CLIENT_TIMEOUT_S,
     };
     let mut it = raw.into_iter();
     while let Some(flag) = it.next() {
@@ -220,6 +237,10 @@ fn parse() -> Result<Args, String> {
             }
             "--replicate-all" => {
                 a.replicate_all = true;
+                continue;
+            }
+            "--noisy-neighbor" => {
+                a.noisy_neighbor = true;
                 continue;
             }
             "--no-baseline" => {
@@ -313,6 +334,7 @@ fn parse() -> Result<Args, String> {
             "--system-head-tokens" => a.workload.system_head_tokens = int(&v)? as usize,
             "--envoy-retries" => a.envoy_retries = v == "on",
             "--open-ms" => a.open_ms = int(&v)?.max(1),
+            "--client-timeout-s" => a.client_timeout_s = int(&v)?.clamp(1, 300),
             "--plugin-extra" => {
                 a.plugin_extra = serde_json::from_str(&v)
                     .ok()
@@ -428,6 +450,9 @@ fn run(a: Args) -> Result<(), String> {
     }
     if let Some(ranks) = a.data_parallel {
         return run_data_parallel(&a, ranks);
+    }
+    if a.noisy_neighbor {
+        return run_noisy(&a);
     }
     let started = Instant::now();
     std::fs::create_dir_all(&a.out).map_err(|e| format!("{}: {e}", a.out.display()))?;
@@ -797,6 +822,162 @@ fn run_membership(a: &Args) -> Result<(), String> {
         let p = a.out.join(name);
         std::fs::write(&p, text).map_err(|e| format!("{}: {e}", p.display()))?;
         eprintln!("bench: wrote {}", p.display());
+    }
+    Ok(())
+}
+
+/// `--noisy-neighbor`: the noisy-neighbour scenario (`bench/noisy_neighbor.rs`) with every
+/// policy (default: the filter with one Envoy and with three replicas, least_request, ring_hash,
+/// the SGLang router), written to `OUT/latest.md` and `OUT/latest.json`.
+fn run_noisy(a: &Args) -> Result<(), String> {
+    use noisy_neighbor::{NoisyOpts, Shape};
+    let started = Instant::now();
+    std::fs::create_dir_all(&a.out).map_err(|e| format!("{}: {e}", a.out.display()))?;
+    let tmp = support::repo_root().join("results/tmp/bench");
+    std::fs::create_dir_all(&tmp).map_err(|e| format!("{}: {e}", tmp.display()))?;
+    let wasm = support::wasm_path();
+    // The engines' slots instead of the routing runs' default.
+    let mut mock_args = mock_args(a);
+    if let Some(i) = mock_args.iter().position(|f| f == "--max-concurrency") {
+        if let Some(v) = mock_args.get_mut(i + 1) {
+            *v = noisy_neighbor::ENGINE_SLOTS.to_string();
+        }
+    }
+    let opts = NoisyOpts {
+        mock_args: mock_args.clone(),
+        concurrency: 2,
+        replica_concurrency: a.replica_concurrency,
+        front_concurrency: a.front_concurrency,
+        drain_s: a.drain_s,
+        envoy_retries: a.envoy_retries,
+        open_ms: a.open_ms,
+        plugin_extra: a.plugin_extra.clone(),
+        client_timeout: Duration::from_secs(a.client_timeout_s),
+        raw_dir: Some(a.raw_dir.clone().unwrap_or_else(|| tmp.clone())),
+    };
+    let shape = Shape::new(a.quick, a.workload.seed);
+    let reqs = noisy_neighbor::plan(&shape);
+    let policies: Vec<topology::Policy> = if a.policies_given {
+        a.policies.clone()
+    } else {
+        noisy_neighbor::POLICIES.to_vec()
+    };
+    // The previous run, read before this one overwrites it.
+    let previous: Option<(String, Vec<noisy_summary::RunSummary>)> =
+        std::fs::read_to_string(a.out.join("latest.json"))
+            .ok()
+            .and_then(|t| serde_json::from_str::<serde_json::Value>(&t).ok())
+            .map(|v| {
+                let commit = v
+                    .pointer("/meta/commit")
+                    .and_then(serde_json::Value::as_str)
+                    .unwrap_or("?")
+                    .to_string();
+                let rows = v
+                    .get("runs")
+                    .and_then(serde_json::Value::as_array)
+                    .map(|r| r.iter().map(noisy_summary::RunSummary::from_json).collect())
+                    .unwrap_or_default();
+                (format!("commit {commit}"), rows)
+            });
+    let runs: Vec<(usize, topology::Policy)> = a
+        .replicas
+        .iter()
+        .flat_map(|&n| {
+            policies
+                .iter()
+                .filter(move |p| n == 1 || a.replicate_all || p.is_filter())
+                .map(move |&p| (n, p))
+        })
+        .collect();
+    let mut rows = Vec::new();
+    let mut failed = Vec::new();
+    for (i, &(n, p)) in runs.iter().enumerate() {
+        let label = summary::label(p.name(), n as u32);
+        eprintln!("bench: noisy_neighbor {}/{}: {label}", i + 1, runs.len());
+        // An Envoy that is not ready in time on a loaded machine (three replicas compile the
+        // module at once): the run is tried once more.
+        let mut result = noisy_neighbor::run(p, n, &shape, &reqs, &opts, &wasm);
+        if let Err(e) = &result {
+            if e.contains("not ready") {
+                let first = e.lines().next().unwrap_or("");
+                eprintln!("bench:   {label}: {first}; trying once more");
+                result = noisy_neighbor::run(p, n, &shape, &reqs, &opts, &wasm);
+            }
+        }
+        match result {
+            Ok(s) => {
+                eprintln!(
+                    "bench:   quiet p99 alone {:.0} ms, under noise {:.0} ms; quiet errors {}; \
+                     noisy served {:.1}/s, 429 {}, timed out {}; steady p99 {:.0} ms; {:.0} s",
+                    s.alone_quiet.p99_ms,
+                    s.noise_quiet.p99_ms,
+                    s.quiet_errors(),
+                    s.noise_noisy.served_per_s,
+                    s.noise_noisy.r429,
+                    s.timed_out(),
+                    s.steady_all.p99_ms,
+                    s.wall_s
+                );
+                rows.push(s);
+            }
+            Err(e) => {
+                eprintln!("bench:   {label} failed: {e}");
+                failed.push(format!("{label}: {}", e.lines().next().unwrap_or("")));
+            }
+        }
+    }
+    let end_load = std::fs::read_to_string("/proc/loadavg")
+        .ok()
+        .map(|l| l.split_whitespace().take(3).collect::<Vec<_>>().join(" "))
+        .unwrap_or_else(|| "?".into());
+    let meta = [
+        ("command", format!("`{}`", a.command)),
+        ("commit", a.commit.clone()),
+        ("date", a.date.clone()),
+        (
+            "machine",
+            format!("{}; load average at the end {end_load}", machine()),
+        ),
+        ("Envoy", envoy_version()),
+        ("client timeout", format!("{} s", a.client_timeout_s)),
+        ("mocks", mock_args.join(" ")),
+        (
+            "topologies",
+            "one Envoy (--concurrency 2); the filter also as three replicas (--concurrency 1) \
+             behind a round-robin front Envoy; the SGLang router (cache_aware, its defaults) \
+             behind one Envoy"
+                .into(),
+        ),
+        ("wall", format!("{:.0} s", started.elapsed().as_secs_f64())),
+    ];
+    let md = noisy_neighbor::markdown(
+        &rows,
+        &shape,
+        &meta,
+        previous.as_ref().map(|(w, r)| (w.as_str(), r.as_slice())),
+        &failed,
+    );
+    let json_text = serde_json::to_string_pretty(&json!({
+        "meta": meta.iter().map(|(k, v)| (k.to_string(), json!(v))).collect::<serde_json::Map<_, _>>(),
+        "shape": {
+            "steady_ms": shape.steady_ms, "alone_ms": shape.alone_ms, "noise_ms": shape.noise_ms,
+            "gap_ms": shape.gap_ms, "quiet_rate": shape.quiet_rate, "noisy_rate": shape.noisy_rate,
+            "steady_noisy_rate": shape.steady_noisy_rate, "seed": shape.seed,
+        },
+        "plugin_config": topology::plugin_config(topology::ENDPOINTS.get(..noisy_neighbor::ENGINES).unwrap_or(&[]), a.open_ms, true),
+        "runs": rows.iter().map(noisy_summary::RunSummary::to_json).collect::<Vec<_>>(),
+        "failed": failed,
+    }))
+    .map_err(|e| e.to_string())?
+        + "\n";
+    for (name, text) in [("latest.md", md), ("latest.json", json_text)] {
+        let p = a.out.join(name);
+        std::fs::write(&p, text).map_err(|e| format!("{}: {e}", p.display()))?;
+        eprintln!("bench: wrote {}", p.display());
+    }
+    if rows.is_empty() {
+        return Err("no noisy_neighbor run succeeded".into());
     }
     Ok(())
 }
