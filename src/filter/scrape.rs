@@ -112,7 +112,9 @@ pub struct Scraper {
 impl Scraper {
     /// `None` when no endpoint is scraped. `me` is this VM's lease holder id.
     pub fn new(cfg: &Config, me: u64) -> Option<Scraper> {
-        let ids = plan::scraped_ids(cfg);
+        let mut ids = plan::scraped_ids(cfg);
+        // Sorted: `scrape::Loads::upsert` then looks them up without sorting them again.
+        ids.sort_unstable();
         if ids.is_empty() {
             return None;
         }
