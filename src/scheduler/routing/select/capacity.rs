@@ -258,7 +258,18 @@ pub struct Engines {
 impl Engines {
     /// The engines as `store` holds them at `now_ms`.
     pub fn read(store: &dyn Store, cfg: &Config, now_ms: u64) -> Engines {
-        let loads = signals::engine_loads(store, cfg, now_ms);
+        Engines::read_with(store, cfg, now_ms, &scrape::read_loads(store))
+    }
+
+    /// [`Engines::read`] with the published loads already read (`scrape::read_loads` of
+    /// `store`, or a worker's memo of it).
+    pub fn read_with(
+        store: &dyn Store,
+        cfg: &Config,
+        now_ms: u64,
+        published: &scrape::Loads,
+    ) -> Engines {
+        let loads = signals::engine_loads_from(published, cfg, now_ms);
         if loads.iter().all(Option::is_none) {
             // Nothing scraped (hosted keys, or no fresh scrape): no room is known, and the
             // capacities are neither read nor written (a request's cost stays per candidate).

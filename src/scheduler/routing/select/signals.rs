@@ -428,7 +428,16 @@ impl Served {
 /// scraped, failed or stale; hosted API keys have none). One shared-data read, the scraper's
 /// combined value, whatever the number of scraped endpoints.
 pub fn engine_loads(store: &dyn Store, cfg: &Config, now_ms: u64) -> Vec<Option<EngineLoad>> {
-    let loads = scrape::read_loads(store);
+    engine_loads_from(&scrape::read_loads(store), cfg, now_ms)
+}
+
+/// [`engine_loads`] from the published loads already read (a worker's
+/// [`scrape::LoadsMemo`]).
+pub fn engine_loads_from(
+    loads: &scrape::Loads,
+    cfg: &Config,
+    now_ms: u64,
+) -> Vec<Option<EngineLoad>> {
     // Nothing scraped (no endpoint has metrics, or none answered yet): every load unknown,
     // as an empty list (read by index with `get`: `None` for every endpoint), not one `None`
     // per endpoint to build and scan.
