@@ -477,7 +477,9 @@ impl<'a> Scheduler<'a> {
                 .get(j)
                 // Only an entry whose stored verdict differs is copied (what `store_verdict`
                 // would change): a copy per endpoint cost about 80 instructions each.
-                .filter(|(_, st)| st.degraded != degraded || st.saturation != saturation)
+                .filter(|(_, st)| {
+                    st.degraded != degraded || st.saturation.stored_differs(saturation)
+                })
             {
                 let mut st = *st;
                 if store_verdict(&mut st, degraded, saturation, now_ms) {
