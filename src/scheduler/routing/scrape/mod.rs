@@ -720,9 +720,9 @@ impl Loads {
 /// [`LoadsMemo::read`] equals [`read_loads`] of the same store.
 #[derive(Debug, Default)]
 pub struct LoadsMemo {
-    /// The token of the value `loads` was decoded from (`None`: nothing decoded, or a store
-    /// without tokens: decode every read).
-    cas: Option<u32>,
+    /// The token of the value `loads` was decoded from (`Some(None)`: the key was absent;
+    /// `None`: nothing read yet). A store without tokens is decoded at every read.
+    cas: Option<Option<u32>>,
     loads: std::rc::Rc<Loads>,
     /// Values decoded (not taken from the memo), for tests and diagnostics.
     pub decoded: u64,
@@ -732,10 +732,11 @@ impl LoadsMemo {
     /// [`read_loads`] of `store`, decoded only when the value changed since the last read.
     pub fn read(&mut self, store: &dyn Store) -> std::rc::Rc<Loads> {
         let (bytes, cas) = store.get(LOADS_KEY);
-        if cas.is_none() || cas != self.cas {
+        let same = self.cas == Some(cas) && (cas.is_some() || bytes.is_none());
+        if !same {
             let loads = bytes.as_deref().and_then(Loads::decode).unwrap_or_default();
             self.loads = std::rc::Rc::new(loads);
-            self.cas = cas;
+            self.cas = Some(cas);
             self.decoded = self.decoded.saturating_add(1);
         }
         std::rc::Rc::clone(&self.loads)
