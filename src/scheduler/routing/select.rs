@@ -77,6 +77,15 @@ impl<'a> Scheduler<'a> {
         }
     }
 
+    /// The engines' published loads (`scrape::read_loads`), through the worker's cache if
+    /// there is one (decoded only when the value changed since).
+    pub fn published_loads(&self) -> std::rc::Rc<crate::scheduler::routing::scrape::Loads> {
+        match self.cache.and_then(|c| c.try_borrow_mut().ok()) {
+            Some(mut c) => c.loads.read(self.store),
+            None => std::rc::Rc::new(crate::scheduler::routing::scrape::read_loads(self.store)),
+        }
+    }
+
     /// A scheduler that reads the table through this worker's `cache` (same decisions, fewer
     /// entries decoded).
     pub fn with_cache(
@@ -305,7 +314,8 @@ impl<'a> Scheduler<'a> {
         let hinted = pick.session.and(pick.pin_hint).filter(|&id| valid(id));
         let pinned = pick.holder.or(hinted).or(local.map(|p| p.1));
         let bcfg = self.breaker_config();
-        let mut engines = Engines::read(self.store, self.cfg, now_ms);
+        let published = self.published_loads();
+        let mut engines = Engines::read_with(self.store, self.cfg, now_ms, &published);
         // A new session placed by prefix reads the sessions placed per endpoint, for the
         // session bound of a busy prefix home (see `sessions`).
         let new_session = pick.session.is_some() && pinned.is_none() && !pick.follow_up;
@@ -467,7 +477,9 @@ impl<'a> Scheduler<'a> {
                 .get(j)
                 // Only an entry whose stored verdict differs is copied (what `store_verdict`
                 // would change): a copy per endpoint cost about 80 instructions each.
-                .filter(|(_, st)| st.degraded != degraded || st.saturation != saturation)
+                .filter(|(_, st)| {
+                    st.degraded != degraded || st.saturation.stored_differs(saturation)
+                })
             {
                 let mut st = *st;
                 if store_verdict(&mut st, degraded, saturation, now_ms) {

@@ -691,10 +691,66 @@ impl Loads {
 
     /// Sets the endpoint's record and drops the entries of ids not in `keep` (endpoints no
     /// longer configured for scraping), so the value stays bounded by the configuration.
+    ///
+    /// `keep` is sorted once and each entry looked up by binary search (a linear
+    /// `keep.contains` per entry made every scrape answer quadratic in the fleet).
     pub fn upsert(&mut self, id: u32, rec: Scraped, keep: &[u32]) {
-        self.entries.retain(|(k, _)| *k != id && keep.contains(k));
-        let at = self.entries.partition_point(|(k, _)| *k < id);
-        self.entries.insert(at, (id, rec));
+        let sorted = sorted_ids(keep);
+        self.entries
+            .retain(|(k, _)| *k == id || sorted.binary_search(k).is_ok());
+        match self.entries.binary_search_by_key(&id, |(k, _)| *k) {
+            Ok(i) => {
+                if let Some(e) = self.entries.get_mut(i) {
+                    e.1 = rec;
+                }
+            }
+            Err(i) => self.entries.insert(i, (id, rec)),
+        }
+    }
+}
+
+/// One worker's decoded [`Loads`], with the CAS token of the value they were decoded from.
+///
+/// Why: every request that picks reads the loads, and the value holds every scraped
+/// endpoint's record (51 KB at 512 endpoints: 935 k instructions to decode, an affinity hit's
+/// pick included), while it changes only when a scrape answer is folded. Every write of a
+/// shared-data key gives it a new CAS token, so a value read with the token of the one decoded
+/// last holds the same bytes and is not decoded again (as [`crate::scheduler::routing::table::cache::TableCache`]
+/// does for the endpoint table's groups). Per VM, never shared, only ever a shortcut:
+/// [`LoadsMemo::read`] equals [`read_loads`] of the same store.
+#[derive(Debug, Default)]
+pub struct LoadsMemo {
+    /// The token of the value `loads` was decoded from (`Some(None)`: the key was absent;
+    /// `None`: nothing read yet). A store without tokens is decoded at every read.
+    cas: Option<Option<u32>>,
+    loads: std::rc::Rc<Loads>,
+    /// Values decoded (not taken from the memo), for tests and diagnostics.
+    pub decoded: u64,
+}
+
+impl LoadsMemo {
+    /// [`read_loads`] of `store`, decoded only when the value changed since the last read.
+    pub fn read(&mut self, store: &dyn Store) -> std::rc::Rc<Loads> {
+        let (bytes, cas) = store.get(LOADS_KEY);
+        let same = self.cas == Some(cas) && (cas.is_some() || bytes.is_none());
+        if !same {
+            let loads = bytes.as_deref().and_then(Loads::decode).unwrap_or_default();
+            self.loads = std::rc::Rc::new(loads);
+            self.cas = Some(cas);
+            self.decoded = self.decoded.saturating_add(1);
+        }
+        std::rc::Rc::clone(&self.loads)
+    }
+}
+
+/// `ids` in increasing order: borrowed when they already are (the scraper keeps its ids so).
+pub fn sorted_ids(ids: &[u32]) -> std::borrow::Cow<'_, [u32]> {
+    if ids.windows(2).all(|w| w.first() <= w.last()) {
+        std::borrow::Cow::Borrowed(ids)
+    } else {
+        let mut v = ids.to_vec();
+        v.sort_unstable();
+        std::borrow::Cow::Owned(v)
     }
 }
 
@@ -1175,6 +1231,62 @@ mod tests {
             decode: None,
         };
         assert_eq!(quantize(&tgi).requests_floor(), None);
+    }
+
+    /// The memo returns what `read_loads` returns, decoding only a value it has not seen.
+    #[test]
+    fn loads_memo_equals_read_loads_and_decodes_changes_only() {
+        let s = MemStore::new();
+        let mut memo = LoadsMemo::default();
+        assert_eq!(*memo.read(&s), read_loads(&s));
+        let ids = [3, 7, 30];
+        let mut decoded = memo.decoded;
+        for (n, id) in [30u32, 7, 3, 7, 30].into_iter().enumerate() {
+            let at = 1_000 + 100 * n as u64;
+            fold(&s, id, at, Ok(vllm(n as u32, 2, 100)), &ids).unwrap();
+            assert_eq!(*memo.read(&s), read_loads(&s), "after answer {n}");
+            assert_eq!(memo.decoded, decoded + 1, "a new value is decoded");
+            decoded = memo.decoded;
+            for _ in 0..3 {
+                assert_eq!(*memo.read(&s), read_loads(&s));
+            }
+            assert_eq!(memo.decoded, decoded, "an unchanged value is not");
+        }
+        // Undecodable, then a value dropping an endpoint: still equal.
+        s.set(LOADS_KEY, b"junk", None).unwrap();
+        assert_eq!(*memo.read(&s), Loads::default());
+        fold(&s, 7, 9_000, Err(ScrapeError::Timeout), &[7]).unwrap();
+        assert_eq!(*memo.read(&s), read_loads(&s));
+        assert_eq!(memo.read(&s).entries.len(), 1);
+    }
+
+    #[cfg(not(target_arch = "wasm32"))]
+    proptest::proptest! {
+        /// Random values, answers and scraped ids (in any order, the answering one among them
+        /// or not): the upsert by binary search equals the linear filter it replaced.
+        #[test]
+        fn upsert_equals_the_linear_filter(
+            before in proptest::collection::btree_set(0u32..64, 0..40),
+            keep in proptest::collection::vec(0u32..64, 0..40),
+            id in 0u32..64,
+            at_ms in 0u64..10_000,
+        ) {
+            let rec = |t: u64| {
+                let mut r = Scraped::default();
+                r.failed(ScrapeError::Timeout, t);
+                r
+            };
+            let loads = Loads {
+                entries: before.into_iter().map(|k| (k, rec(u64::from(k)))).collect(),
+            };
+            let mut plain = loads.clone();
+            plain.entries.retain(|(k, _)| *k != id && keep.contains(k));
+            let at = plain.entries.partition_point(|(k, _)| *k < id);
+            plain.entries.insert(at, (id, rec(at_ms)));
+            let mut fast = loads;
+            fast.upsert(id, rec(at_ms), &keep);
+            proptest::prop_assert_eq!(fast, plain);
+        }
     }
 
     #[test]

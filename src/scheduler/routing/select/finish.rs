@@ -416,7 +416,7 @@ pub(super) fn store_verdict(
         }
         changed = true;
     }
-    if st.saturation != saturation {
+    if st.saturation.stored_differs(saturation) {
         st.saturation = saturation;
         changed = true;
     }

@@ -2462,3 +2462,35 @@ fn limit_weights_order_new_placements_not_homes() {
         s.finish(d.ticket, &Outcome::Cancelled, 0, None, 3);
     }
 }
+
+/// Loads turning known (every engine `Unknown` → `Room`: the first pick after a scrape round)
+/// rewrite no entry but the chosen one: `Room` over a stored `Unknown` changes nothing read
+/// back (the hysteresis and the gauge read only "saturated"). A saturated engine's verdict is
+/// still stored, and its return to room too.
+#[test]
+fn loads_turning_known_rewrite_only_the_chosen_entry() {
+    let c = three_warm(json!({}));
+    let store = MemStore::new();
+    let s = Scheduler::new(&c, &store);
+    let ex = Exclusions::default();
+    warm(&s, &[100, 100, 100], 10, 0);
+    for name in ["a", "b", "c"] {
+        scraped(&store, name, 0, 2, 1_000);
+    }
+    let before = s.table();
+    let d = pick_at(&s, Some(key(1)), &ex, 1_000).unwrap();
+    let after = s.table();
+    for j in (0..3).filter(|&j| j != d.endpoint) {
+        assert_eq!(after.entries[j], before.entries[j], "entry {j} rewritten");
+    }
+    s.finish(d.ticket, &Outcome::Cancelled, 0, None, 1_000);
+    // b fills: stored as saturated, and as room again once its queue is gone.
+    scraped(&store, "b", 20, 8, 2_000);
+    let d = pick_at(&s, Some(key(2)), &ex, 2_000).unwrap();
+    s.finish(d.ticket, &Outcome::Cancelled, 0, None, 2_000);
+    assert_eq!(s.table().entries[1].1.saturation, Saturation::Saturated);
+    scraped(&store, "b", 0, 2, 3_000);
+    let d = pick_at(&s, Some(key(3)), &ex, 3_000).unwrap();
+    s.finish(d.ticket, &Outcome::Cancelled, 0, None, 3_000);
+    assert_eq!(s.table().entries[1].1.saturation, Saturation::Room);
+}

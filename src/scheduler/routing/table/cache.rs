@@ -65,6 +65,8 @@ pub struct TableCache {
     /// By group: the version of the group `table` was last brought up to (`None`: unknown),
     /// compared with the header's record to tell which groups changed since.
     pub(super) groups_seen: Vec<Option<u64>>,
+    /// The published engine loads as last decoded (see [`crate::scheduler::routing::scrape::LoadsMemo`]).
+    pub loads: crate::scheduler::routing::scrape::LoadsMemo,
 }
 
 /// Which configured endpoints list a model (or serve every model), for the last few models

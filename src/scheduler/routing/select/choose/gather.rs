@@ -108,7 +108,7 @@ impl<'a> Scheduler<'a> {
             };
             let pace_reference = pace_references.get(i).copied().flatten();
             *v = signals::judge_with(table, cfg, i, reference, pace_reference, load, now_ms);
-            let flip = st.degraded != v.sticky || st.saturation != v.saturation;
+            let flip = st.degraded != v.sticky || st.saturation.stored_differs(v.saturation);
             let key = memo
                 .as_ref()
                 .and_then(|(stamps, _)| stamps.get(i).copied().flatten());
@@ -218,7 +218,8 @@ impl<'a> Scheduler<'a> {
                     *v =
                         signals::judge_with(table, cfg, i, reference, pace_reference, load, now_ms);
                     degraded += usize::from(v.degraded);
-                    let flip = st.degraded != v.sticky || st.saturation != v.saturation;
+                    let flip =
+                        st.degraded != v.sticky || st.saturation.stored_differs(v.saturation);
                     if flip {
                         flips.push(i);
                     }
