@@ -547,7 +547,7 @@ pub fn endpoint_keys() -> Vec<KeyDoc> {
         row("headers", "object of string to string", "{}", "valid header names and values",
             "Request headers set on requests routed to this endpoint (e.g. a hosted provider's `authorization`). Values are never logged. Framing headers and the routing header are refused."),
         row("data_parallel_size", "integer", "1", "1..=64",
-            "Data-parallel ranks the endpoint's engine runs (vLLM `--data-parallel-size`, SGLang `--dp-size`), each with its own prefix cache. Above 1 the endpoint becomes one endpoint per rank, named `<name>-r<k>` in metrics and headers, each placed, pinned and load-bounded on its own; the filter sends `x-data-parallel-rank: <k>` (a client's own value is always removed), so every turn of a session reaches the same rank. A scraped engine's queue and batch are split evenly over its ranks."),
+            "Data-parallel ranks the endpoint's engine runs (vLLM `--data-parallel-size`, SGLang `--dp-size`), each with its own prefix cache. Above 1 the endpoint becomes one endpoint per rank, named `<name>-r<k>` in metrics and headers, each placed, pinned and load-bounded on its own; the filter sends `x-data-parallel-rank: <k>` (a client's own value is always removed), so every turn of a session reaches the same rank. Each rank's saturation is judged on its own series where the engine's `/metrics` labels them by rank (vLLM `engine`, SGLang `dp_rank`); on a page without rank labels the engine's queue and batch are split evenly over its ranks."),
     ];
     keys.extend(metrics::metrics_keys());
     keys

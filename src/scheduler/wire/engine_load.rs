@@ -108,6 +108,10 @@ pub struct ScanStats {
     pub garbage_lines: u32,
     /// Samples of a wanted family left out for their `model_name`.
     pub other_model: u32,
+    /// Samples of a wanted family left out for their data-parallel rank (`parse_rank`).
+    pub other_rank: u32,
+    /// Samples of a wanted family labelled with the data-parallel rank asked for.
+    pub own_rank: u32,
     /// Samples of a wanted family repeating a series already seen (the larger value is kept).
     pub duplicates: u32,
     /// Samples of a wanted family with a NaN value (left out).
@@ -135,6 +139,8 @@ const MAX_NUMBER_BYTES: usize = 64;
 
 /// The label that names the served model (vLLM and SGLang).
 const MODEL_LABEL: &[u8] = b"model_name";
+/// The labels that name a series' data-parallel rank: vLLM's engine index, SGLang's `dp_rank`.
+const RANK_LABELS: [&[u8]; 2] = [b"engine", b"dp_rank"];
 
 const SERIES_SEED: u64 = 0x7365_7269_6573_6b79; // "serieskY"
 
@@ -435,6 +441,20 @@ pub fn parse<S: AsRef<str>>(
     models: &[S],
     max_bytes: usize,
 ) -> Parsed {
+    parse_rank(body, full_len, format, models, None, max_bytes)
+}
+
+/// [`parse`] for one data-parallel rank: series labelled with another rank (vLLM `engine`,
+/// SGLang `dp_rank`) are left out. Whether the page labels its series per rank at all shows in
+/// [`ScanStats::own_rank`]: when it does not, nothing is left out and the load is the engine's.
+pub fn parse_rank<S: AsRef<str>>(
+    body: &[u8],
+    full_len: usize,
+    format: Format,
+    models: &[S],
+    rank: Option<u32>,
+    max_bytes: usize,
+) -> Parsed {
     let mut stats = ScanStats::default();
     let cut = body.len().min(max_bytes);
     let bytes = body.get(..cut).unwrap_or(&[]);
@@ -477,10 +497,18 @@ pub fn parse<S: AsRef<str>>(
         if let Some(acc) = fold.accs.get_mut(f.index()) {
             acc.seen = acc.seen.saturating_add(1);
         }
-        let (key, model_ok) = series_key(sample.labels, models);
+        let (key, model_ok, rank_of) = series_key(sample.labels, models, rank);
         if !model_ok {
             stats.other_model = stats.other_model.saturating_add(1);
             continue;
+        }
+        match rank_of {
+            RankOf::Other => {
+                stats.other_rank = stats.other_rank.saturating_add(1);
+                continue;
+            }
+            RankOf::Own => stats.own_rank = stats.own_rank.saturating_add(1),
+            RankOf::Unlabelled => {}
         }
         let Some(value) = scale(f.kind(), sample.value) else {
             stats.nan_values = stats.nan_values.saturating_add(1);
@@ -574,12 +602,26 @@ fn decode_totals(fold: &Fold, engine: Engine) -> Option<DecodeTotals> {
         })
 }
 
+/// A series' data-parallel rank against the one asked for ([`parse_rank`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum RankOf {
+    /// No rank asked for, or the series names none.
+    Unlabelled,
+    Own,
+    Other,
+}
+
 /// An order-independent key of a series' label set (a sum of per-pair hashes, so `{a,b}` and
-/// `{b,a}` are the same series), and whether its `model_name` (if any) passes the filter.
-/// `labels` has been validated by [`classify`].
-fn series_key<S: AsRef<str>>(labels: &[u8], models: &[S]) -> (u64, bool) {
+/// `{b,a}` are the same series), whether its `model_name` (if any) passes the filter, and its
+/// rank against `rank`. `labels` has been validated by [`classify`].
+fn series_key<S: AsRef<str>>(
+    labels: &[u8],
+    models: &[S],
+    rank: Option<u32>,
+) -> (u64, bool, RankOf) {
     let mut key = 0u64;
     let mut model_ok = true;
+    let mut rank_of = RankOf::Unlabelled;
     for (name, raw) in Labels::new(labels).map_while(Result::ok) {
         let h = xxh3_64_with_seed(raw, xxh3_64_with_seed(name, SERIES_SEED));
         key = key.wrapping_add(h);
@@ -588,8 +630,17 @@ fn series_key<S: AsRef<str>>(labels: &[u8], models: &[S]) -> (u64, bool) {
                 .iter()
                 .any(|m| label_value_eq(raw, m.as_ref().as_bytes()));
         }
+        if let Some(want) = rank {
+            if RANK_LABELS.contains(&name) {
+                let own = std::str::from_utf8(raw)
+                    .ok()
+                    .and_then(|v| v.parse::<u32>().ok())
+                    == Some(want);
+                rank_of = if own { RankOf::Own } else { RankOf::Other };
+            }
+        }
     }
-    (key, model_ok)
+    (key, model_ok, rank_of)
 }
 
 /// Whether a label value as written (with `\\`, `\"`, `\n` escapes) equals `want`.
@@ -899,6 +950,58 @@ tgi_request_duration_count 9
         assert_eq!(two.unwrap().waiting, Some(14));
         let qwen = load(VLLM, Format::Auto, &["qwen-7b".to_string()]).load;
         assert_eq!(qwen.unwrap().waiting, Some(7));
+    }
+
+    #[test]
+    fn one_rank_reads_its_own_series() {
+        let rank = |body: &str, format, r| {
+            parse_rank(
+                body.as_bytes(),
+                body.len(),
+                format,
+                &["llama-8b"],
+                Some(r),
+                usize::MAX,
+            )
+        };
+        // vLLM labels each data-parallel engine's series `engine="k"`.
+        let p = rank(VLLM, Format::Vllm, 1);
+        let l = p.load.unwrap();
+        assert_eq!(
+            (l.waiting, l.running, l.kv_usage_permille),
+            (Some(5), Some(4), Some(500))
+        );
+        assert!(
+            p.stats.own_rank > 0 && p.stats.other_rank > 0,
+            "{:?}",
+            p.stats
+        );
+        let l = rank(VLLM, Format::Vllm, 0).load.unwrap();
+        assert_eq!(
+            (l.waiting, l.running, l.kv_usage_permille),
+            (Some(2), Some(3), Some(250))
+        );
+        // SGLang labels them `dp_rank="k"`.
+        let l = parse_rank(
+            SGLANG.as_bytes(),
+            SGLANG.len(),
+            Format::Sglang,
+            &["qwen-7b"],
+            Some(1),
+            usize::MAX,
+        )
+        .load
+        .unwrap();
+        assert_eq!((l.waiting, l.running), (Some(0), Some(2)));
+        // A page without rank labels: nothing left out, and it says so.
+        let body = "vllm:num_requests_waiting 6\nvllm:num_requests_running 2\n";
+        let p = rank(body, Format::Vllm, 1);
+        assert_eq!(p.stats.own_rank, 0);
+        assert_eq!(p.load.unwrap().waiting, Some(6));
+        // A rank no series names: every labelled series is another rank's.
+        let p = rank(VLLM, Format::Vllm, 7);
+        assert_eq!(p.stats.own_rank, 0);
+        assert!(p.stats.other_rank > 0);
     }
 
     #[test]

@@ -20,7 +20,7 @@ use crate::scheduler::config::metrics::MetricsConfig;
 use crate::scheduler::config::{Config, EndpointConfig};
 use crate::scheduler::routing::scrape::{Loads, ScrapeError};
 use crate::scheduler::state::store::{Store, CAS_RETRIES};
-use crate::scheduler::wire::engine_load::{parse, EngineLoad};
+use crate::scheduler::wire::engine_load::{parse_rank, EngineLoad};
 
 /// The largest metrics page read; a larger one is a [`ScrapeError::TooLarge`] and is not read.
 pub const BODY_LIMIT_BYTES: usize = 256 * 1024;
@@ -239,7 +239,8 @@ pub fn judge_head(
 }
 
 /// The load in a body read after [`judge_head`] (`full_len`: the body's announced size), as
-/// endpoint `e` bears it: a data-parallel rank's even share of its engine's queue and batch.
+/// endpoint `e` bears it: a data-parallel rank's own series where the page labels them by rank
+/// (vLLM `engine`, SGLang `dp_rank`), else its even share of the engine's queue and batch.
 pub fn judge_body(
     body: &[u8],
     full_len: usize,
@@ -249,10 +250,12 @@ pub fn judge_body(
         return Err(ScrapeError::NoSeries);
     };
     let models = e.models.as_deref().unwrap_or(&[]);
-    let mut load = parse(body, full_len, m.format, models, BODY_LIMIT_BYTES)
-        .load
-        .map_err(ScrapeError::from)?;
-    if let Some(dp) = e.data_parallel {
+    let rank = e.data_parallel.map(|dp| dp.rank);
+    let parsed = parse_rank(body, full_len, m.format, models, rank, BODY_LIMIT_BYTES);
+    let mut load = parsed.load.map_err(ScrapeError::from)?;
+    // A page that labels its series by rank gave this rank's own load; otherwise the rank
+    // bears its even share of the engine's queue and batch.
+    if let (Some(dp), 0) = (e.data_parallel, parsed.stats.own_rank) {
         load.waiting = load.waiting.map(|n| dp.share(n));
         load.running = load.running.map(|n| dp.share(n));
     }
@@ -447,6 +450,19 @@ mod tests {
         .unwrap();
         let l = judge_body(body, body.len(), &dp.endpoints[1]).unwrap();
         assert_eq!((l.waiting, l.running), (Some(2), Some(2)));
+        // A page that labels its series by rank (vLLM's engine index): the rank's own.
+        let ranked = b"vllm:num_requests_waiting{engine=\"0\"} 6\n\
+                       vllm:num_requests_waiting{engine=\"1\"} 1\n\
+                       vllm:num_requests_running{engine=\"0\"} 4\n\
+                       vllm:num_requests_running{engine=\"1\"} 2\n";
+        let vllm = Config::from_value(&json!({"endpoints": [{"name": "g", "cluster": "cg",
+            "data_parallel_size": 2, "metrics": {"interval_ms": 1000, "format": "vllm"}}]}))
+        .unwrap();
+        let own = |i: usize| {
+            let l = judge_body(ranked, ranked.len(), &vllm.endpoints[i]).unwrap();
+            (l.waiting, l.running)
+        };
+        assert_eq!((own(0), own(1)), ((Some(6), Some(4)), (Some(1), Some(2))));
         let h = request_headers(&m);
         assert_eq!(h[1], (":path".to_string(), b"/metrics".to_vec()));
         assert_eq!(h[2], (":authority".to_string(), b"c0".to_vec()));
