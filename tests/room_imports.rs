@@ -58,7 +58,7 @@ const ROUTING_ROOMS: &[(&str, &[&str])] = &[
     ("quota", &[]),
     ("scrape", &[]),
     ("judge", &[]),
-    ("table", &["quota", "judge"]),
+    ("table", &["quota", "scrape", "judge"]),
     ("placement", &["judge", "table"]),
     ("pins", &[]),
     ("pools", &["placement"]),

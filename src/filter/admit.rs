@@ -15,13 +15,11 @@ use crate::scheduler::admission::{self, fleet};
 use crate::scheduler::flow::admit::rule;
 use crate::scheduler::routing::select::Scheduler;
 use proxy_wasm::types::Action;
-use std::time::Duration;
 
-/// The timer period while requests of this VM wait.
-pub const ADMISSION_TICK: Duration = Duration::from_millis(5);
+pub use super::parked::ADMISSION_TICK;
 
 /// One admission round for this VM. Returns whether requests of this VM still wait.
-pub fn round(plugin: &Plugin, parked: &Parked, now_ms: u64) -> bool {
+pub fn round(plugin: &Plugin, parked: &Parked<Plugin>, now_ms: u64) -> bool {
     if parked.is_empty() {
         return false;
     }

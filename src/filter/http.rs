@@ -94,7 +94,7 @@ impl Http {
             );
             self.parked = Some(shared);
             // The root context's timer now runs admission rounds often (see `admit`).
-            host::tick_every(super::admit::ADMISSION_TICK);
+            host::tick_every(super::parked::ADMISSION_TICK);
             return Action::Pause;
         }
         perform(&self.plugin, &mut self.flow, step, now_ms)

@@ -24,7 +24,7 @@ pub struct Plugin {
     pub vm: u32,
     /// This VM's requests paused for admission (one registry per VM, kept across
     /// configurations).
-    pub parked: std::rc::Rc<Parked>,
+    pub parked: std::rc::Rc<Parked<Plugin>>,
 }
 
 /// Gauges mirror the shared endpoint table (absolute values, so every VM may set them).

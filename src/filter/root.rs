@@ -37,7 +37,7 @@ pub struct Root {
     last_gauges_ms: u64,
     /// This VM's requests paused for admission (kept across configurations: a request keeps
     /// the plugin it started under).
-    parked: Rc<Parked>,
+    parked: Rc<Parked<Plugin>>,
     /// The timer period without waiting requests, and when its work last ran.
     base_tick: Duration,
     last_base_ms: u64,
