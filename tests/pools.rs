@@ -404,6 +404,9 @@ fn three_replicas_place_the_same_sessions_on_the_same_hosts() {
             t0.elapsed()
         ),
     );
+    // The log line is the worker that learned a host; every other worker of that Envoy installs
+    // the shared membership at its next pool tick (250 ms): give them a few.
+    std::thread::sleep(Duration::from_millis(1_000));
     let mut kept = 0;
     for (id, h) in &home {
         let s = ask_follow_up(replicas.port(1), id);
