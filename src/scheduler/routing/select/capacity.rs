@@ -467,6 +467,7 @@ mod tests {
 
     /// The record as it was written before [`Capacities::put`]: every change filtered the
     /// whole list against `keep` (linear), then inserted the entry.
+    #[cfg(not(target_arch = "wasm32"))]
     fn plain_record(
         caps: &mut Capacities,
         loads: &[(u32, EngineLoad)],
