@@ -818,12 +818,7 @@ fn run_membership(a: &Args) -> Result<(), String> {
     }))
     .map_err(|e| e.to_string())?
         + "\n";
-    for (name, text) in [("latest.md", md), ("latest.json", json_text)] {
-        let p = a.out.join(name);
-        std::fs::write(&p, text).map_err(|e| format!("{}: {e}", p.display()))?;
-        eprintln!("bench: wrote {}", p.display());
-    }
-    Ok(())
+    write_latest(&a.out, md, json_text)
 }
 
 /// `--noisy-neighbor`: the noisy-neighbour scenario (`bench/noisy_neighbor.rs`) with every
@@ -1073,12 +1068,7 @@ fn run_data_parallel(a: &Args, ranks: usize) -> Result<(), String> {
     }))
     .map_err(|e| e.to_string())?
         + "\n";
-    for (name, text) in [("latest.md", md), ("latest.json", json_text)] {
-        let p = a.out.join(name);
-        std::fs::write(&p, text).map_err(|e| format!("{}: {e}", p.display()))?;
-        eprintln!("bench: wrote {}", p.display());
-    }
-    Ok(())
+    write_latest(&a.out, md, json_text)
 }
 
 /// Writes the report files into `out` (`results.json` only when given).
@@ -1231,4 +1221,14 @@ fn main() -> ExitCode {
             ExitCode::FAILURE
         }
     }
+}
+
+/// Writes a scenario's report into `out` as `latest.md` and `latest.json`.
+fn write_latest(out: &std::path::Path, md: String, json_text: String) -> Result<(), String> {
+    for (name, text) in [("latest.md", md), ("latest.json", json_text)] {
+        let p = out.join(name);
+        std::fs::write(&p, text).map_err(|e| format!("{}: {e}", p.display()))?;
+        eprintln!("bench: wrote {}", p.display());
+    }
+    Ok(())
 }
