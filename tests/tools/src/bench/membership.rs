@@ -290,7 +290,6 @@ pub fn pool_plugin_config(policy: Policy, open_ms: u64) -> Value {
         "endpoints": [ep],
         "session_header": workload::SESSION_HEADER,
         "open_ms": open_ms,
-        "pin_cookie": true,
     });
     if let (Some(c), Some(extra)) = (cfg.as_object_mut(), policy.plugin_extra().as_object()) {
         c.extend(extra.clone());

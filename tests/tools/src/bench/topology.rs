@@ -197,12 +197,11 @@ pub fn plugin_config(endpoints: &[(&str, &[&str])], open_ms: u64, metrics: bool)
         })
         .collect();
     // The workload's clients keep each conversation's cookies (one client per conversation),
-    // the deployment `pin_cookie` is documented for (docs/routing.md#after-a-failover).
+    // and `pin_cookie` is on by default (docs/routing.md#after-a-failover).
     json!({
         "endpoints": eps,
         "session_header": super::workload::SESSION_HEADER,
         "open_ms": open_ms,
-        "pin_cookie": true,
     })
 }
 
