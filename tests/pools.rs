@@ -8,7 +8,9 @@
 //! file gets new sessions within 5 s; follow-up turns stay on their host; a removed host's
 //! sessions move once and then stay; no request reaches a host after it left the cluster; no
 //! client error; three replicas fed the same file place the same sessions on the same hosts,
-//! and a restarted replica sends their follow-ups there too.
+//! and a restarted replica sends their follow-ups there too. With the default configuration a
+//! pool host's answer carries the session's place in a signed pin cookie, and a replica that
+//! never saw the session follows it after a host joined; `"pin_cookie": false` sets none.
 
 // Test code: failing loudly with context is the point.
 #![allow(
@@ -24,7 +26,7 @@ use std::collections::{BTreeMap, BTreeSet};
 use std::time::{Duration, Instant};
 
 use serde_json::{json, Value};
-use support::http::try_post_chat;
+use support::http::{try_post_chat, CookieJar};
 use support::pool::EdsFile;
 use support::{chat_body, get, Checks, Envoy, EnvoyConfig, MockUpstream, Replicas};
 
@@ -460,6 +462,180 @@ fn each_host_of_a_pool_is_scraped_new_ones_included() {
         stats.contains("computeflux_scrapes_total.endpoint.vllm:"),
         "scrapes counted under the pool's name",
     );
+    c.expect(envoy.wasm_crashes().is_empty(), "no wasm crash");
+    c.finish();
+}
+
+/// A turn of `session` by a client that keeps cookies: `jar`'s cookies sent, the answer's kept.
+/// `follow_up`: the body carries an earlier turn (as [`ask_follow_up`]), else as [`ask`]'s first
+/// turn. Also whether the answer set a pin cookie (`cf_pin_<slot>`).
+fn ask_in_jar(port: u16, session: &str, follow_up: bool, jar: &mut CookieJar) -> (Served, bool) {
+    let first = format!("{session} turn 0 {}", "x".repeat(200));
+    let second = format!("{session} turn 1 {}", "y".repeat(50));
+    let texts: Vec<&str> = if follow_up {
+        vec![first.as_str(), second.as_str()]
+    } else {
+        vec![first.as_str()]
+    };
+    let body = chat_body(MODEL, &texts, Value::Null);
+    let cookie = jar.header();
+    let mut headers = vec![("x-session-id", session)];
+    if let Some(c) = cookie.as_deref() {
+        headers.push(("cookie", c));
+    }
+    match try_post_chat(port, &headers, &body) {
+        Ok(r) => {
+            let pin = r
+                .header("set-cookie")
+                .is_some_and(|c| c.contains("cf_pin_"));
+            jar.store(&r);
+            let served = Served {
+                status: r.status,
+                endpoint: r
+                    .header("x-computeflux-endpoint")
+                    .unwrap_or("-")
+                    .to_string(),
+                mock: r.header("x-mock-endpoint").unwrap_or("-").to_string(),
+            };
+            (served, pin)
+        }
+        Err(e) => (
+            Served {
+                status: 0,
+                endpoint: format!("error: {e}"),
+                mock: "-".into(),
+            },
+            false,
+        ),
+    }
+}
+
+/// The default configuration (no `pin_cookie` key): every answer of a pool's host carries the
+/// session's place, and after a host joined, a replica that never saw a session follows its
+/// cookie to the host that served it. The control: the same follow-ups without their cookies,
+/// sent to another replica that never saw them either, go to their home by the new membership
+/// (about a quarter of them to the new host): the cookie, not chance, keeps them.
+#[test]
+fn by_default_a_pool_hosts_cookie_carries_its_session_to_a_replica_that_never_saw_it() {
+    let hosts = Hosts::start(4);
+    let eds = EdsFile::new(CLUSTER);
+    eds.set(&hosts.ports(&[0, 1, 2]));
+    let replicas = Replicas::start(envoy_config(&eds), 3);
+    let mut c = Checks::new();
+    let learned = |which: &[usize]| {
+        (0..replicas.len()).all(|r| {
+            wait_learned(
+                replicas.envoy(r),
+                &hosts.ports(which),
+                Duration::from_secs(15),
+            )
+        })
+    };
+    c.expect(learned(&[0, 1, 2]), "every replica learned the three hosts");
+    // Every worker installs the shared membership at its next pool tick (250 ms).
+    std::thread::sleep(Duration::from_millis(1_000));
+
+    // First turns through replica 0, each session its own client with its own jar.
+    const SESSIONS: usize = 40;
+    let mut errors = 0;
+    let mut cookies = 0;
+    let mut sessions: Vec<(String, String, CookieJar)> = Vec::new();
+    for i in 0..SESSIONS {
+        let id = format!("k{i}");
+        let mut jar = CookieJar::default();
+        let (s, pin) = ask_in_jar(replicas.port(0), &id, false, &mut jar);
+        errors += usize::from(s.status != 200 || s.endpoint != hosts.endpoint_of(&s.mock));
+        cookies += usize::from(pin);
+        sessions.push((id, s.mock, jar));
+    }
+    c.expect(
+        cookies == SESSIONS,
+        format!("{cookies}/{SESSIONS} first turns served at home by a pool host set a pin cookie"),
+    );
+
+    // A host joins; every replica learns it.
+    eds.set(&hosts.ports(&[0, 1, 2, 3]));
+    c.expect(learned(&[3]), "every replica learned the new host");
+    std::thread::sleep(Duration::from_millis(1_000));
+
+    // Control: replica 1 never saw the sessions; without their cookies it places the follow-ups
+    // by the new membership.
+    let mut moved_without = 0;
+    for (id, host, _) in &sessions {
+        let (s, _) = ask_in_jar(replicas.port(1), id, true, &mut CookieJar::default());
+        errors += usize::from(s.status != 200);
+        moved_without += usize::from(&s.mock != host);
+    }
+    eprintln!("without their cookies, replica 1 moved {moved_without}/{SESSIONS} follow-ups");
+    c.expect(
+        moved_without > 0,
+        format!("without their cookies, replica 1 moved {moved_without}/{SESSIONS} follow-ups (want some)"),
+    );
+
+    // With them, replica 2 (which never saw the sessions either) keeps every one on its host.
+    let mut kept = 0;
+    let mut refreshed = 0;
+    for (id, host, jar) in &mut sessions {
+        let (s, pin) = ask_in_jar(replicas.port(2), id, true, jar);
+        errors += usize::from(s.status != 200);
+        kept += usize::from(s.mock == *host && s.endpoint == hosts.endpoint_of(&s.mock));
+        refreshed += usize::from(pin);
+    }
+    c.expect(
+        kept == SESSIONS,
+        format!("with their cookies, replica 2 kept {kept}/{SESSIONS} follow-ups on their host"),
+    );
+    c.expect(
+        refreshed == SESSIONS,
+        format!("{refreshed}/{SESSIONS} follow-ups' answers carried the cookie again"),
+    );
+    c.expect(errors == 0, format!("{errors} client errors"));
+    c.expect(replicas.wasm_crashes().is_empty(), "no wasm crash");
+    c.finish();
+}
+
+/// `"pin_cookie": false` (clients that must not receive cookies): no answer sets one, not even a
+/// pool host's, which sets one on every answer by default (the test above).
+#[test]
+fn pin_cookie_false_sets_no_cookie() {
+    let hosts = Hosts::start(2);
+    let eds = EdsFile::new(CLUSTER);
+    eds.set(&hosts.ports(&[0, 1]));
+    let mut cfg = envoy_config(&eds);
+    cfg.plugin_config = json!({
+        "endpoints": [{"name": POOL, "cluster": CLUSTER, "pool": true, "models": [MODEL]}],
+        "pin_cookie": false,
+    });
+    let envoy = Envoy::start(cfg);
+    let mut c = Checks::new();
+    let found = discover(envoy.port, &hosts, &[0, 1], "off", Duration::from_secs(15));
+    c.expect(
+        found.is_some(),
+        format!("the two hosts were discovered (in {found:?})"),
+    );
+    const SESSIONS: usize = 20;
+    let mut errors = 0;
+    let mut on_host = 0;
+    let mut set = 0;
+    for i in 0..SESSIONS {
+        let id = format!("off{i}");
+        let mut jar = CookieJar::default();
+        for follow_up in [false, true] {
+            let (s, _) = ask_in_jar(envoy.port, &id, follow_up, &mut jar);
+            errors += usize::from(s.status != 200);
+            on_host += usize::from(s.endpoint == hosts.endpoint_of(&s.mock));
+        }
+        set += usize::from(!jar.is_empty());
+    }
+    c.expect(
+        on_host == 2 * SESSIONS,
+        format!("{on_host}/{} turns served by a pool host", 2 * SESSIONS),
+    );
+    c.expect(
+        set == 0,
+        format!("{set}/{SESSIONS} clients were given a cookie"),
+    );
+    c.expect(errors == 0, format!("{errors} client errors"));
     c.expect(envoy.wasm_crashes().is_empty(), "no wasm crash");
     c.finish();
 }

@@ -491,14 +491,14 @@ fn rate_limited_home_fails_over_to_the_same_backup_on_every_replica() {
     checks.finish();
 }
 
-/// `pin_cookie`: a session that one replica failed over gets a cookie naming its backup, and the
-/// replicas that never saw the fault follow it, also once the home is healthy again. The control
-/// (the same sessions' turns without their cookies) goes home on those replicas: the cookie, not
-/// shared state, carries the place.
+/// `pin_cookie` (on by default: the fleet sets no key for it): a session that one replica failed
+/// over gets a cookie naming its backup, and the replicas that never saw the fault follow it,
+/// also once the home is healthy again. The control (the same sessions' turns without their
+/// cookies) goes home on those replicas: the cookie, not shared state, carries the place.
 #[test]
 fn pin_cookie_carries_a_failover_to_replicas_that_never_saw_it() {
     const HOME: &str = "d";
-    let fleet = fleet_with(json!({"pin_cookie": true}));
+    let fleet = fleet_with(json!({}));
     fleet.warm_up("cookie");
     let mut sessions = Session::many("ck", 45, MODEL);
     for s in &mut sessions {

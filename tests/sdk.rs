@@ -235,7 +235,9 @@ fn sdk_error_classes_and_retry_after() {
 #[test]
 fn sdk_keeps_the_pin_cookie_across_replicas() {
     let endpoints: [(&str, &[&str]); 3] = [("a", &["llama"]), ("b", &["llama"]), ("c", &["llama"])];
-    let fleet = Fleet::start(&endpoints, json!({"pin_cookie": true}));
+    // `pin_cookie` is on by default: both Envoys run the same default configuration (and so
+    // derive the same cookie key).
+    let fleet = Fleet::start(&endpoints, json!({}));
     let eps: Vec<Value> = endpoints
         .iter()
         .map(|(name, models)| json!({"name": name, "cluster": name, "models": models}))
@@ -246,7 +248,7 @@ fn sdk_keeps_the_pin_cookie_across_replicas() {
         .map(|m| (m.name.as_str(), m.port))
         .collect();
     let other = Envoy::start(EnvoyConfig::new(
-        json!({"endpoints": eps, "pin_cookie": true}),
+        json!({"endpoints": eps}),
         &clusters,
     ));
     let control_ports: serde_json::Map<String, Value> = fleet

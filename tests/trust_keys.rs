@@ -109,7 +109,7 @@ fn ignored(envoy: &Envoy, reason: &str) -> i64 {
 /// edit said; another session's cookie, renamed, moved S as well.
 #[test]
 fn pin_cookies_the_filter_did_not_sign_do_not_steer_sessions() {
-    let f = fleet(json!({"pin_cookie": true}));
+    let f = fleet(json!({}));
     let port = f.envoy.port;
 
     // Unsigned: today's form, `cf_pin_<session>=<endpoint id>`, naming c.
@@ -185,7 +185,7 @@ fn pin_cookies_the_filter_did_not_sign_do_not_steer_sessions() {
 /// towards Envoy's header limit.
 #[test]
 fn a_responses_conversation_keeps_a_bounded_cookie_jar() {
-    let f = fleet(json!({"pin_cookie": true}));
+    let f = fleet(json!({}));
     let mut jar = CookieJar::default();
     let mut prev: Option<String> = None;
     let mut served = Vec::new();
@@ -234,7 +234,7 @@ fn a_responses_conversation_keeps_a_bounded_cookie_jar() {
 /// served away from home got a cookie of its own name.
 #[test]
 fn one_jar_over_50_failed_over_sessions_holds_a_bounded_set_of_pin_cookies() {
-    let f = fleet(json!({"pin_cookie": true, "open_ms": 600_000}));
+    let f = fleet(json!({"open_ms": 600_000}));
     f.mock("a")
         .set_fault(json!({"mode": "status", "status": 503}));
     let mut jar = CookieJar::default();

@@ -302,6 +302,12 @@ fn pin_cookie_secret_is_bounded_never_shown_and_derived_when_absent() {
     assert_eq!(k1, same);
     assert_ne!(k1, other_key);
     assert_ne!(k1, set.pin_cookie_secret);
+    // `pin_cookie` is on by default: a configuration that does not name it gets its own
+    // derived key too (not the empty configuration's placeholder).
+    let by_default = derived(json!({"endpoints": eps}));
+    assert!(!by_default.configured());
+    assert_ne!(by_default, Config::default().pin_cookie_secret);
+    assert_ne!(by_default, other_key);
 }
 
 #[test]

@@ -1578,8 +1578,9 @@ fn failover_calls_carry_the_targets_rank_never_the_clients() {
     }
 }
 
-/// `pin_cookie`: a session served at its home gets no cookie from a static endpoint, but does
-/// from a pool's host (whose home can change under it as replicas learn the pool's hosts).
+/// `pin_cookie` (on by default): a session served at its home gets no cookie from a static
+/// endpoint, but does from a pool's host (whose home can change under it as replicas learn the
+/// pool's hosts); with `"pin_cookie": false`, none.
 #[test]
 fn a_pool_hosts_answer_carries_the_pin_cookie_even_at_home() {
     use crate::scheduler::routing::pools::{expand, Membership};
@@ -1610,26 +1611,25 @@ fn a_pool_hosts_answer_carries_the_pin_cookie_even_at_home() {
             .find(|(k, _)| *k == "set-cookie")
             .map(|(_, v)| v)
     };
-    assert_eq!(cookie_of(&cfg(json!({"pin_cookie": true}))), None);
-    let base = Config::from_value(&json!({
-        "endpoints": [{"name": "vllm", "cluster": "pool", "pool": true}],
-        "pin_cookie": true,
-    }))
-    .unwrap();
-    let mut m = Membership::default();
-    for a in ["10.0.0.1:80", "10.0.0.2:80", "10.0.0.3:80"] {
-        m.observe(None, Some(a), 0);
-    }
-    let pooled = expand(&base, &[("vllm".into(), m)]);
-    let cookie = cookie_of(&pooled);
+    assert_eq!(cookie_of(&cfg(json!({}))), None);
+    let pooled = |extra: serde_json::Value| {
+        let mut v = json!({"endpoints": [{"name": "vllm", "cluster": "pool", "pool": true}]});
+        if let (Some(o), serde_json::Value::Object(more)) = (v.as_object_mut(), extra) {
+            o.extend(more);
+        }
+        let base = Config::from_value(&v).unwrap();
+        let mut m = Membership::default();
+        for a in ["10.0.0.1:80", "10.0.0.2:80", "10.0.0.3:80"] {
+            m.observe(None, Some(a), 0);
+        }
+        expand(&base, &[("vllm".into(), m)])
+    };
+    // The defaults: the pool host's answer carries it.
+    let cookie = cookie_of(&pooled(json!({})));
     assert!(
         cookie.as_deref().is_some_and(|c| c.starts_with("cf_pin_")),
         "{cookie:?}"
     );
-    // Without `pin_cookie`, none.
-    let off = Config {
-        pin_cookie: false,
-        ..pooled
-    };
-    assert_eq!(cookie_of(&off), None);
+    // `"pin_cookie": false`: none.
+    assert_eq!(cookie_of(&pooled(json!({"pin_cookie": false}))), None);
 }
