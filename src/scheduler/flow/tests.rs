@@ -331,8 +331,30 @@ fn failover_chain_relays_the_last_answer_with_its_headers() {
         (UPSTREAM_MARKER, "3"),
     ]);
     let step = f.on_call_response(&s, &mut log, Some(c_answer), 999, 40);
+    // The session now served away from its home is told where it is (`pin_cookie`, on by
+    // default): its signed cookie comes with the relayed answer.
+    let Step::RelayCall {
+        status,
+        mut headers,
+        body_size,
+    } = step
+    else {
+        panic!("{step:?}")
+    };
+    let cookie = headers
+        .iter()
+        .position(|(k, _)| *k == "set-cookie")
+        .map(|i| headers.remove(i));
+    assert!(
+        cookie.as_ref().is_some_and(|(_, v)| v.starts_with(b"cf_pin_")),
+        "{cookie:?}"
+    );
     assert_eq!(
-        step,
+        Step::RelayCall {
+            status,
+            headers,
+            body_size
+        },
         Step::RelayCall {
             status: 200,
             headers: pairs(&[
