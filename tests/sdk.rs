@@ -247,10 +247,7 @@ fn sdk_keeps_the_pin_cookie_across_replicas() {
         .iter()
         .map(|m| (m.name.as_str(), m.port))
         .collect();
-    let other = Envoy::start(EnvoyConfig::new(
-        json!({"endpoints": eps}),
-        &clusters,
-    ));
+    let other = Envoy::start(EnvoyConfig::new(json!({"endpoints": eps}), &clusters));
     let control_ports: serde_json::Map<String, Value> = fleet
         .mocks
         .iter()

@@ -346,7 +346,9 @@ fn failover_chain_relays_the_last_answer_with_its_headers() {
         .position(|(k, _)| *k == "set-cookie")
         .map(|i| headers.remove(i));
     assert!(
-        cookie.as_ref().is_some_and(|(_, v)| v.starts_with(b"cf_pin_")),
+        cookie
+            .as_ref()
+            .is_some_and(|(_, v)| v.starts_with(b"cf_pin_")),
         "{cookie:?}"
     );
     assert_eq!(
