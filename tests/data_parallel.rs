@@ -218,13 +218,31 @@ fn rank_load(mock: &MockUpstream) -> Vec<(u64, u64)> {
         .as_array()
         .unwrap()
         .iter()
-        .map(|r| (r["waiting"].as_u64().unwrap(), r["running"].as_u64().unwrap()))
+        .map(|r| {
+            (
+                r["waiting"].as_u64().unwrap(),
+                r["running"].as_u64().unwrap(),
+            )
+        })
         .collect()
 }
 
-/// Saturation per rank, through a real Envoy scraping a vLLM-style page that labels its series
-/// by engine index (`engine="k"`). One engine with two ranks, 8 slots each; clients from
-/// elsewhere fill rank 0 (8 running, 6 waiting) while rank 1 stays idle. What the design
+/// vLLM labels its series by engine index.
+#[test]
+fn a_full_rank_gets_no_new_sessions_while_the_other_serves_them() {
+    a_full_rank_case("vllm");
+}
+
+/// SGLang labels them `dp_rank`.
+#[test]
+fn a_full_sglang_rank_gets_no_new_sessions_either() {
+    a_full_rank_case("sglang");
+}
+
+/// Saturation per rank, through a real Envoy scraping an engine's page that labels its series
+/// by rank (`format`: vLLM's `engine="k"`, SGLang's `dp_rank="k"`). One engine with two ranks,
+/// 8 slots each; clients from elsewhere fill rank 0 (8 running, 6 waiting) while rank 1 stays
+/// idle. What the design
 /// promises (docs/routing.md, Data-parallel ranks; `judge/saturation.rs`):
 /// - new sessions homed on the full rank 0 are placed past it, on rank 1 (`backup`), which
 ///   serves them at once (its own slots, its own queue), and those homed on rank 1 stay home;
@@ -233,8 +251,7 @@ fn rank_load(mock: &MockUpstream) -> Vec<(u64, u64)> {
 ///
 /// Split evenly, the engine's queue of 6 would be 3 per rank, under the threshold of 5: rank 0
 /// would not be saturated and its new sessions would stay there — this test fails then.
-#[test]
-fn a_full_rank_gets_no_new_sessions_while_the_other_serves_them() {
+fn a_full_rank_case(format: &str) {
     let slots = SLOTS.to_string();
     let gpu = MockUpstream::start(
         "gpu",
@@ -252,20 +269,24 @@ fn a_full_rank_gets_no_new_sessions_while_the_other_serves_them() {
             "3",
             "--prefill-us-per-token",
             "100",
+            "--metrics-format",
+            format,
         ],
     );
     let plugin = json!({"endpoints": [{"name": "gpu", "cluster": "cg", "data_parallel_size": 2,
-        "metrics": {"format": "vllm", "interval_ms": 250, "timeout_ms": 1000}}]});
+        "metrics": {"format": format, "interval_ms": 250, "timeout_ms": 1000}}]});
     let envoy = Envoy::start(EnvoyConfig::new(plugin, &[("cg", gpu.port)]));
     let port = envoy.port;
-    let scraped = |rank: &str| {
-        endpoint_stat(&envoy.computeflux_stats(), "computeflux_engine_waiting", rank)
-    };
+    let scraped_as = |base: &str, rank: &str| endpoint_stat(&envoy.computeflux_stats(), base, rank);
+    let scraped = |rank: &str| scraped_as("computeflux_engine_waiting", rank);
     let state = || {
         format!(
-            "scraped waiting r0 {} r1 {}; engine (waiting, running) per rank {:?}",
+            "scraped (waiting, running) r0 ({}, {}) r1 ({}, {}); engine (waiting, running) per \
+             rank {:?}",
             scraped("gpu-r0"),
+            scraped_as("computeflux_engine_running", "gpu-r0"),
             scraped("gpu-r1"),
+            scraped_as("computeflux_engine_running", "gpu-r1"),
             rank_load(&gpu)
         )
     };
@@ -282,7 +303,8 @@ fn a_full_rank_gets_no_new_sessions_while_the_other_serves_them() {
     turn(&mut pinned, port);
     turn(&mut before, port);
     checks.expect(
-        not_on(&pinned, "gpu-r0", "home").is_empty() && not_on(&before, "gpu-r1", "home").is_empty(),
+        not_on(&pinned, "gpu-r0", "home").is_empty()
+            && not_on(&before, "gpu-r1", "home").is_empty(),
         format!(
             "with room everywhere, new sessions at their home: {:?} {:?}",
             not_on(&pinned, "gpu-r0", "home"),
@@ -291,14 +313,7 @@ fn a_full_rank_gets_no_new_sessions_while_the_other_serves_them() {
     );
 
     // Rank 0 fills from elsewhere: 14 clients straight to the engine, rank 0 named.
-    let mut backlog = Backlog::start_with(
-        MODEL,
-        gpu.port,
-        &[(RANK, "0")],
-        BACKLOG_CLIENTS,
-        40,
-        0,
-    );
+    let mut backlog = Backlog::start_with(MODEL, gpu.port, &[(RANK, "0")], BACKLOG_CLIENTS, 40, 0);
     wait_until(
         "rank 0 queueing in the engine",
         || rank_load(&gpu)[0].0 >= SATURATED_WAITING as u64,
@@ -366,11 +381,17 @@ fn a_full_rank_gets_no_new_sessions_while_the_other_serves_them() {
         format!("rank 1 of the engine served them: not {elsewhere:?}"),
     );
 
-    // Rank 0 drains: new sessions homed on it reach it again.
+    // Rank 0 drains: new sessions homed on it reach it again, once a scrape saw it idle (a
+    // scrape that still saw its last batch running leaves it without a free slot for the
+    // placements this Envoy sends it before the next: `capacity.rs`).
     backlog.halt();
     wait_until(
-        "rank 0 drained",
-        || rank_load(&gpu)[0] == (0, 0) && scraped("gpu-r0") == 0,
+        "rank 0 drained and scraped idle",
+        || {
+            rank_load(&gpu)[0] == (0, 0)
+                && scraped("gpu-r0") == 0
+                && scraped_as("computeflux_engine_running", "gpu-r0") == 0
+        },
         state,
     );
     let mut after = homed("after", "gpu-r0", 3);

@@ -23,7 +23,13 @@ impl Backlog {
     /// `clients` clients, each sending `max_tokens`-token requests for `model` to `port`; with
     /// `pause_ms > 0` each waits a varying 0..pause_ms between two requests and varies its
     /// request's length (a load that changes all the time).
-    pub fn start(model: &str, port: u16, clients: usize, max_tokens: u64, pause_ms: u64) -> Backlog {
+    pub fn start(
+        model: &str,
+        port: u16,
+        clients: usize,
+        max_tokens: u64,
+        pause_ms: u64,
+    ) -> Backlog {
         Backlog::start_with(model, port, &[], clients, max_tokens, pause_ms)
     }
 

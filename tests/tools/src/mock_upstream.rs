@@ -700,14 +700,20 @@ async fn chat(mock: Arc<Mock>, conn: Arc<Conn>, req: Request<Incoming>) -> Respo
             .ok()
             .map(|&k| ranks::hold(&mock.loads, k, which, 1))
     };
-    let queued = (Gauge::new(&mock, |m| &m.waiting, 1), on_rank(|l| &l.waiting));
+    let queued = (
+        Gauge::new(&mock, |m| &m.waiting, 1),
+        on_rank(|l| &l.waiting),
+    );
     let slots = rank.as_ref().ok().and_then(|&k| mock.slots.get(k)).cloned();
     let permit = match slots.flatten() {
         Some(s) => s.acquire_owned().await.ok(),
         None => None,
     };
     drop(queued);
-    let slot = (Gauge::new(&mock, |m| &m.running, 1), on_rank(|l| &l.running));
+    let slot = (
+        Gauge::new(&mock, |m| &m.running, 1),
+        on_rank(|l| &l.running),
+    );
     let seq = mock.seq.fetch_add(1, Ordering::SeqCst) + 1;
     let plan = decide(&mock, seq, &path, headers, body.ok(), rank);
     match plan {
