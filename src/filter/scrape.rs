@@ -23,10 +23,12 @@
 use super::host;
 use super::metrics::Metrics;
 use super::shared::SharedData;
+use crate::scheduler::admission::others;
 use crate::scheduler::config::Config;
 use crate::scheduler::routing::pools::address as pools_address;
 use crate::scheduler::routing::scrape::plan::{self, Schedule};
 use crate::scheduler::routing::scrape::{self, ScrapeError, Scraped};
+use crate::scheduler::routing::table::groups;
 use crate::scheduler::wire::engine_load::EngineLoad;
 use crate::scheduler::wire::headers::HeaderSource;
 use proxy_wasm::types::{BufferType, MapType, MetricType};
@@ -267,6 +269,14 @@ impl Scraper {
                 (r, false)
             }
         };
+        if let (Ok(load), true) = (&result, published) {
+            // The others' requests on the engine: split off this process's own at this moment.
+            let own = groups::read_entry(&store, i, e.id)
+                .map(|st| st.load(now_ms, cfg.in_flight_max_age_ms));
+            if let (Some(own), Some(requests)) = (own, others::engine_requests(load)) {
+                others::observe(&store, e.id, rec.scraped_at_ms, requests, own, &self.ids);
+            }
+        }
         let m = self.metrics.get(i).and_then(Option::as_ref);
         match result {
             Ok(load) => {

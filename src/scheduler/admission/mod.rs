@@ -12,6 +12,7 @@
 //! the request).
 
 pub mod fleet;
+pub mod others;
 pub mod queue;
 pub mod who;
 
