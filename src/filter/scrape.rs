@@ -23,7 +23,7 @@
 use super::host;
 use super::metrics::Metrics;
 use super::shared::SharedData;
-use crate::scheduler::admission::others;
+use crate::scheduler::admission::share;
 use crate::scheduler::config::Config;
 use crate::scheduler::routing::pools::address as pools_address;
 use crate::scheduler::routing::scrape::plan::{self, Schedule};
@@ -269,12 +269,11 @@ impl Scraper {
                 (r, false)
             }
         };
-        if let (Ok(load), true) = (&result, published) {
-            // The others' requests on the engine: split off this process's own at this moment.
-            let own = groups::read_entry(&store, i, e.id)
-                .map(|st| st.load(now_ms, cfg.in_flight_max_age_ms));
-            if let (Some(own), Some(requests)) = (own, others::engine_requests(load)) {
-                others::observe(&store, e.id, rec.scraped_at_ms, requests, own, &self.ids);
+        if let (Ok(_), true) = (&result, published) {
+            // This process's own part of the engine's load at this scrape (admission's share).
+            if let Some(st) = groups::read_entry(&store, i, e.id) {
+                let own = st.load(now_ms, cfg.in_flight_max_age_ms);
+                share::observe(&store, e.id, rec.scraped_at_ms, own, &self.ids);
             }
         }
         let m = self.metrics.get(i).and_then(Option::as_ref);

@@ -2,18 +2,18 @@
 //!
 //! Why these signals: the filter already judges every scraped engine (`routing::judge::saturation`,
 //! with its hysteresis) and learns its slots (`routing::select::capacity`); admission reads the same
-//! verdicts rather than a second detector. An endpoint is **full** when its saturation is
-//! `Saturated` (scraped queue ≥ 5 or KV ≥ 90 %), else it has `slots − others − own` free slots:
-//! `own`, this Envoy's in-flight attempts on it (exact and immediate for this process, where
-//! the scrape is up to an interval old); `others`, the requests its last scrapes showed beyond
-//! this Envoy's own (other replicas' and other clients', [`super::others`]). So the waiting
-//! happens in the filter's fair queue, not in the engine's first-come-first-served one, with
-//! one Envoy as with several. An endpoint whose load is unknown (not scraped, a stale or failed
-//! scrape) or whose slots were never seen is never full by assumption — as everywhere in the
-//! filter — so the model's room is then unbounded and nothing waits.
+//! verdicts rather than a second detector. An endpoint whose saturation is `Saturated` (scraped
+//! queue ≥ 5 or KV ≥ 90 %) is **full**; the others' slots are this Envoy's to fill as far as its
+//! [`share`] of them goes: with one Envoy, its slots less its own in-flight attempts (exact
+//! and immediate for this process, where the scrape is up to an interval old); with several
+//! replicas, what their scrapes show the others hold is left to them. So the waiting happens in
+//! the filter's fair queue, not in the engine's first-come-first-served one. An endpoint whose
+//! load is unknown (not scraped, a stale or failed scrape) or whose slots were never seen is
+//! never full by assumption — as everywhere in the filter — so the model's room is then
+//! unbounded and nothing waits.
 //!
 //! **A burst while nobody waits** ([`Free::burst`]): a request arriving while nobody waits for
-//! its model goes on as long as some endpoint has fewer than `slots + BURST` requests (the
+//! its model goes on while the engines hold fewer than their slots plus [`BURST`] each (the
 //! queue starts only once the engines would queue more than one each). Nobody is passed over
 //! then, and the engine's queue of at most one holds it about as long as the filter would
 //! (until a slot frees) without the pause, the admission round and the resumption; so a fleet
@@ -21,8 +21,8 @@
 //! `noisy_neighbor` steady phase, 57 % busy: 3 of 131 requests waited without it). Requests
 //! admitted from the queue count the slots alone.
 
-use crate::scheduler::admission::others;
 use crate::scheduler::admission::queue::Room;
+use crate::scheduler::admission::share::{self, Engine};
 use crate::scheduler::routing::judge::saturation::{judge, Saturation, SaturationRule};
 use crate::scheduler::routing::select::capacity::{slots_seen, Engines};
 use crate::scheduler::routing::select::Scheduler;
@@ -47,38 +47,74 @@ pub fn model_key(model: Option<&str>) -> u64 {
     hash_parts(MODEL_SEED, &[model.unwrap_or("").as_bytes()])
 }
 
-/// An endpoint's free slots for admission: `None` when not known to be bounded. `own`: this
-/// Envoy's attempts in flight on it now; `others`: the requests its scrapes showed beyond this
-/// Envoy's ([`others::Sighting::held`]).
-pub fn endpoint_room(
+/// How admission counts one endpoint.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Judged {
+    /// Its load or its slots are unknown: the model's room is unbounded.
+    Unbounded,
+    /// `Saturated`: no room, and nothing counted.
+    Full,
+    /// Counted in the model's [`share`].
+    Counted(Engine),
+}
+
+/// One endpoint for admission. `own`: this Envoy's attempts in flight on it now;
+/// `own_at_scrape`: at the scrape `load` is from, when recorded (else `own` stands for it).
+pub fn judge_endpoint(
     was: Saturation,
     own: u32,
-    others: u32,
+    own_at_scrape: Option<u32>,
     load: Option<&crate::scheduler::routing::judge::saturation::EngineLoad>,
     slots_before: u32,
     now_ms: u64,
-) -> Option<Free> {
-    let load = load?;
+) -> Judged {
+    let Some(load) = load else {
+        return Judged::Unbounded;
+    };
     // The load is fresh (stale ones are never handed here): judged without an age bound.
     let rule = SaturationRule {
         max_age_ms: u64::MAX,
         ..SaturationRule::default()
     };
     match judge(was, Some(load), &rule, now_ms) {
-        Saturation::Saturated => Some(Free::default()),
-        Saturation::Unknown => None,
+        Saturation::Saturated => Judged::Full,
+        Saturation::Unknown => Judged::Unbounded,
         Saturation::Room => {
             let slots = slots_seen(slots_before, load);
-            let taken = own.saturating_add(others);
-            (slots > 0).then(|| Free {
-                slots: slots.saturating_sub(taken),
-                burst: slots.saturating_add(BURST).saturating_sub(taken),
-            })
+            let scraped = load
+                .running
+                .map(|r| r.saturating_add(load.waiting.unwrap_or(0)));
+            match scraped {
+                Some(scraped) if slots > 0 => Judged::Counted(Engine {
+                    slots,
+                    scraped,
+                    own_at_scrape: own_at_scrape.unwrap_or(own),
+                    own,
+                }),
+                _ => Judged::Unbounded,
+            }
         }
     }
 }
 
-/// The free slots of the endpoints serving `model` (enabled ones), `None` when any of them is
+/// The model's free places from its endpoints judged: `None` when one is unbounded.
+pub fn free(judged: &[Judged]) -> Option<Free> {
+    let mut engines: Vec<Engine> = Vec::with_capacity(judged.len());
+    for j in judged {
+        match j {
+            Judged::Unbounded => return None,
+            Judged::Full => {}
+            Judged::Counted(e) => engines.push(*e),
+        }
+    }
+    let extra = u64::from(BURST).saturating_mul(engines.len() as u64);
+    Some(Free {
+        slots: share::free(&engines, 0),
+        burst: share::free(&engines, extra),
+    })
+}
+
+/// The free places on the endpoints serving `model` (enabled ones), `None` when any of them is
 /// not known to be bounded, or none serves it (the pick answers that).
 pub fn room(s: &Scheduler<'_>, model: Option<&str>, now_ms: u64) -> Option<Free> {
     let statics = s.statics(model);
@@ -90,27 +126,28 @@ pub fn room(s: &Scheduler<'_>, model: Option<&str>, now_ms: u64) -> Option<Free>
         return None;
     }
     let table = s.table();
-    let others = others::read(s.store);
+    let record = share::read(s.store);
     let max_age = s.cfg.in_flight_max_age_ms;
-    let mut free = Free::default();
+    let mut judged: Vec<Judged> = Vec::with_capacity(statics.indexes.len());
     for &i in &statics.indexes {
         let (Some(ep), Some((_, st))) = (s.cfg.endpoints.get(i), table.entries.get(i)) else {
             return None;
         };
         let load = engines.loads.get(i).copied().flatten();
-        let slots = engines.seen.get(ep.id).slots;
-        let r = endpoint_room(
+        let j = judge_endpoint(
             st.saturation,
             st.load(now_ms, max_age),
-            others.get(ep.id).held(),
+            load.and_then(|l| record.own_at(ep.id, l.scraped_ms)),
             load.as_ref(),
-            slots,
+            engines.seen.get(ep.id).slots,
             now_ms,
-        )?;
-        free.slots = free.slots.saturating_add(r.slots);
-        free.burst = free.burst.saturating_add(r.burst);
+        );
+        if j == Judged::Unbounded {
+            return None;
+        }
+        judged.push(j);
     }
-    Some(free)
+    free(&judged)
 }
 
 /// The queue's room (the slots, [`Free::slots`]) for the model whose [`model_key`] is `key`:
@@ -149,59 +186,76 @@ mod tests {
         }
     }
 
-    fn free(slots: u32, burst: u32) -> Option<Free> {
-        Some(Free { slots, burst })
+    fn counted(slots: u32, scraped: u32, own_at_scrape: u32, own: u32) -> Judged {
+        Judged::Counted(Engine {
+            slots,
+            scraped,
+            own_at_scrape,
+            own,
+        })
     }
 
     #[test]
-    fn room_is_slots_minus_own_and_others_unless_saturated_or_unknown() {
+    fn endpoints_are_counted_unless_saturated_or_unknown() {
         use Saturation::*;
         // Unknown load: unbounded.
-        assert_eq!(endpoint_room(Room, 5, 0, None, 4, 1_000), None);
+        assert_eq!(
+            judge_endpoint(Room, 5, None, None, 4, 1_000),
+            Judged::Unbounded
+        );
         // Slots never seen (never queued): unbounded.
-        assert_eq!(endpoint_room(Room, 5, 0, Some(&load(0, 3)), 0, 1_000), None);
-        // Slots known: the free ones, this Envoy's in-flight attempts taken off; one more for
-        // an arrival while nobody waits.
         assert_eq!(
-            endpoint_room(Room, 1, 0, Some(&load(0, 1)), 4, 1_000),
-            free(3, 4)
+            judge_endpoint(Room, 5, None, Some(&load(0, 3)), 0, 1_000),
+            Judged::Unbounded
+        );
+        // Slots known: counted, with this Envoy's attempts at the scrape when recorded, else
+        // its attempts now.
+        assert_eq!(
+            judge_endpoint(Room, 1, Some(2), Some(&load(0, 3)), 4, 1_000),
+            counted(4, 3, 2, 1)
         );
         assert_eq!(
-            endpoint_room(Room, 4, 0, Some(&load(0, 4)), 4, 1_000),
-            free(0, 1)
-        );
-        assert_eq!(
-            endpoint_room(Room, 6, 0, Some(&load(0, 4)), 4, 1_000),
-            free(0, 0)
-        );
-        // Another replica's requests (the scrape showed 3 beyond this Envoy's 1): one free.
-        assert_eq!(
-            endpoint_room(Room, 1, 2, Some(&load(0, 3)), 4, 1_000),
-            free(1, 2)
-        );
-        // This Envoy's slot freed since the scrape (the scrape still counts it): free at once.
-        assert_eq!(
-            endpoint_room(Room, 0, 2, Some(&load(0, 4)), 4, 1_000),
-            free(2, 3)
+            judge_endpoint(Room, 1, None, Some(&load(0, 3)), 4, 1_000),
+            counted(4, 3, 1, 1)
         );
         // A queue seen now teaches the slots (running while queueing).
         assert_eq!(
-            endpoint_room(Room, 0, 0, Some(&load(2, 2)), 0, 1_000),
-            free(2, 3)
+            judge_endpoint(Room, 0, None, Some(&load(2, 2)), 0, 1_000),
+            counted(2, 4, 0, 0)
         );
-        // Saturated by the scrape: full whatever the in-flight count.
+        // Saturated by the scrape: full whatever the counts.
         assert_eq!(
-            endpoint_room(Room, 0, 0, Some(&load(5, 2)), 2, 1_000),
-            free(0, 0)
+            judge_endpoint(Room, 0, None, Some(&load(5, 2)), 2, 1_000),
+            Judged::Full
         );
         // Hysteresis: a saturated engine with 2 waiting stays full.
         assert_eq!(
-            endpoint_room(Saturated, 0, 0, Some(&load(2, 2)), 2, 1_000),
-            free(0, 0)
+            judge_endpoint(Saturated, 0, None, Some(&load(2, 2)), 2, 1_000),
+            Judged::Full
         );
         assert_eq!(
-            endpoint_room(Saturated, 0, 0, Some(&load(1, 2)), 2, 1_000),
-            free(2, 3)
+            judge_endpoint(Saturated, 0, None, Some(&load(1, 2)), 2, 1_000),
+            counted(2, 3, 0, 0)
         );
+    }
+
+    #[test]
+    fn the_models_room_is_its_share_of_the_counted_engines() {
+        let room = |slots, burst| Some(Free { slots, burst });
+        // One Envoy, two 2-slot engines, 3 of its requests running: one free, two in a burst.
+        assert_eq!(
+            free(&[counted(2, 2, 2, 2), counted(2, 1, 1, 1)]),
+            room(1, 3)
+        );
+        // A saturated one adds nothing; an unbounded one makes the room unbounded.
+        assert_eq!(free(&[counted(2, 2, 2, 2), Judged::Full]), room(0, 1));
+        assert_eq!(free(&[counted(2, 2, 2, 2), Judged::Unbounded]), None);
+        // Another replica holds both slots of one engine: this Envoy has the other's.
+        assert_eq!(
+            free(&[counted(2, 2, 0, 0), counted(2, 1, 1, 1)]),
+            room(1, 3)
+        );
+        // Nothing counted (all saturated): no room.
+        assert_eq!(free(&[Judged::Full]), room(0, 0));
     }
 }

@@ -12,8 +12,8 @@
 //! the request).
 
 pub mod fleet;
-pub mod others;
 pub mod queue;
+pub mod share;
 pub mod who;
 
 use crate::scheduler::state::store::{update_if, Store};
