@@ -107,10 +107,9 @@ pub fn free(judged: &[Judged]) -> Option<Free> {
             Judged::Counted(e) => engines.push(*e),
         }
     }
-    let extra = u64::from(BURST).saturating_mul(engines.len() as u64);
     Some(Free {
         slots: share::free(&engines, 0),
-        burst: share::free(&engines, extra),
+        burst: share::free(&engines, BURST),
     })
 }
 

@@ -13,19 +13,22 @@
 //! quiet request waited 9.3 s there while the other two kept every slot).
 //!
 //! **What each replica sees.** At each scrape of an engine, the scraper records this process's
-//! in-flight attempts on it (`own_at_scrape`, [`Record`]): the engine's `running + waiting` less
-//! that is *the others'* load. Summed over the model's engines (those not `Saturated`): the
-//! slots `S`, the scraped load `T`, this Envoy's part of it `m`, and its in-flight attempts now
-//! `n`.
+//! in-flight attempts on it (`own_at_scrape`, [`Record`]): the engine's `running + waiting` `T`
+//! less that part `m` is *the others'* load. With its slots `S` and this Envoy's in-flight
+//! attempts now `n`:
 //!
-//! **The rule** ([`allowance`]): this Envoy may have `A` requests in flight, and admits while
-//! `n < A`:
-//! - the engines had free slots at the scrape (`T ≤ S`): `A = S − (T − m)`, every slot the
-//!   others did not hold. With one Envoy `T = m` and `A = S`: its room is its slots less its
-//!   own attempts, exact and immediate — a slot its request frees it fills at once.
-//! - the engines queued (`T > S`): `A = round(m × S / T)`, its part of the load scaled to the
-//!   slots. The replicas' allowances then sum to `S` (up to rounding): the queue drains without
-//!   any replica knowing how many there are.
+//! **The rule** ([`allowance`], per engine): this Envoy may have `A` requests in flight on it:
+//! - nobody else's at the scrape (`T = m`, always with one Envoy): `A = S`, its room is its
+//!   slots less its own attempts, exact and immediate — a slot its request frees it fills at
+//!   once;
+//! - the engine had free slots at the scrape (`T ≤ S`): `A = S − (T − m)`, every slot the
+//!   others did not hold;
+//! - it queued (`T > S`): `A = m × S / T`, its part of the load scaled to the slots. The
+//!   replicas' allowances then sum to `S`: the queue drains without any replica knowing how
+//!   many there are.
+//!
+//! The model's free places ([`free`]) are the sum over its engines of `A − n` where positive,
+//! rounded down once (the fractions of several engines make whole places).
 //!
 //! Free slots are taken by every replica that sees them (an increase equal for all), an excess
 //! is given back in proportion to what each held (a decrease by share): the additive-increase,
@@ -64,30 +67,35 @@ pub struct Engine {
     pub own: u32,
 }
 
-/// How many requests this Envoy may have in flight on `engines` (see the module doc).
-pub fn allowance(engines: &[Engine]) -> u64 {
-    let (mut slots, mut scraped, mut mine) = (0u64, 0u64, 0u64);
-    for e in engines {
-        slots += u64::from(e.slots);
-        scraped += u64::from(e.scraped);
-        // An answer this process still streams, or an attempt on its way, is counted here and
-        // not yet, or no longer, by the engine: its part is at most the engine's count.
-        mine += u64::from(e.own_at_scrape.min(e.scraped));
-    }
-    if scraped <= slots {
-        slots - (scraped - mine)
+/// How many requests this Envoy may have in flight on engine `e` (see the module doc): its
+/// slots when the scrape showed nobody else's; else the slots the others did not hold when it
+/// had free ones; else this Envoy's part scaled to the slots (a fraction: the model's places
+/// are the sum of its engines', rounded down once).
+pub fn allowance(e: &Engine) -> f64 {
+    // An answer this process still streams, or an attempt on its way, is counted here and
+    // not yet, or no longer, by the engine: its part is at most the engine's count.
+    let mine = e.own_at_scrape.min(e.scraped);
+    let others = e.scraped - mine;
+    if others == 0 {
+        f64::from(e.slots)
+    } else if e.scraped <= e.slots {
+        f64::from(e.slots - others)
     } else {
-        // Rounded to the nearest: (2 m S + T) / 2 T.
-        (2 * mine * slots + scraped) / (2 * scraped)
+        f64::from(mine) * f64::from(e.slots) / f64::from(e.scraped)
     }
 }
 
-/// The free places for admission on `engines`: the allowance less this Envoy's attempts now,
-/// plus `extra` (a burst's places) when given.
-pub fn free(engines: &[Engine], extra: u64) -> u32 {
-    let own: u64 = engines.iter().map(|e| u64::from(e.own)).sum();
-    let free = allowance(engines).saturating_add(extra).saturating_sub(own);
-    u32::try_from(free).unwrap_or(u32::MAX)
+/// The free places for admission on `engines`: per engine its allowance plus `extra` (a
+/// burst's places) less this Envoy's attempts on it now, summed and rounded down. An engine
+/// over its allowance takes nothing from the others' places (the routing places requests on
+/// engines with room).
+pub fn free(engines: &[Engine], extra: u32) -> u32 {
+    let free: f64 = engines
+        .iter()
+        .map(|e| (allowance(e) + f64::from(extra) - f64::from(e.own)).max(0.0))
+        .sum();
+    // Within u32 (a sum of u32 slot counts); `as` saturates.
+    (free + 1e-9).floor() as u32
 }
 
 /// This process's in-flight attempts on every scraped endpoint at its last scrape, by id.
@@ -207,19 +215,21 @@ mod tests {
     fn one_envoy_alone_has_every_slot() {
         // Two 2-slot engines, all four slots this Envoy's at the scrape; one ended since.
         let e = [engine(2, 2, 2, 1), engine(2, 2, 2, 2)];
-        assert_eq!(allowance(&e), 4);
+        assert_eq!(allowance(&e[0]), 2.0);
         assert_eq!(free(&e, 0), 1, "the slot it freed, at once");
         // An answer still streaming here that the engine finished: not counted twice.
-        assert_eq!(allowance(&[engine(2, 1, 2, 2)]), 2);
-        // A burst's places on top.
+        assert_eq!(allowance(&engine(2, 1, 2, 2)), 2.0);
+        // A burst's places on top; an engine over its slots takes none of the other's.
         assert_eq!(free(&[engine(2, 2, 2, 2)], 1), 1);
+        assert_eq!(free(&[engine(2, 3, 3, 3), engine(2, 1, 1, 1)], 0), 1);
     }
 
     #[test]
     fn free_slots_go_to_whoever_sees_them_held_ones_stay_taken() {
-        // 8 slots; the others held 5 at the scrape, this Envoy 2, one slot free.
+        // 4-slot engines; the others held 3 and 2 at the scrape, this Envoy 1 on each.
         let e = [engine(4, 4, 1, 1), engine(4, 3, 1, 1)];
-        assert_eq!(allowance(&e), 3);
+        assert_eq!(allowance(&e[0]), 1.0);
+        assert_eq!(allowance(&e[1]), 2.0);
         assert_eq!(free(&e, 0), 1);
         // A replica holding nothing sees the free slot too.
         let e = [engine(4, 4, 0, 0), engine(4, 3, 0, 0)];
@@ -233,18 +243,25 @@ mod tests {
     #[test]
     fn an_excess_is_given_back_in_proportion() {
         let parts = [5u32, 4, 1];
-        let a: Vec<u64> = parts
+        let a: Vec<f64> = parts
             .iter()
-            .map(|&m| allowance(&[engine(8, 10, m, m)]))
+            .map(|&m| allowance(&engine(8, 10, m, m)))
             .collect();
-        assert_eq!(a, vec![4, 3, 1]);
-        assert_eq!(a.iter().sum::<u64>(), 8);
-        // Engines far over their slots: the allowance shrinks with them.
-        assert_eq!(allowance(&[engine(8, 16, 4, 4)]), 2);
-        assert_eq!(free(&[engine(8, 16, 4, 4)], 0), 0);
-        // Rounded to the nearest: 1 × 8 / 20 = 0.4.
-        assert_eq!(allowance(&[engine(8, 20, 1, 1)]), 0);
-        assert_eq!(allowance(&[engine(8, 12, 1, 1)]), 1);
+        assert_eq!(a, vec![4.0, 3.2, 0.8]);
+        assert_eq!(a.iter().sum::<f64>(), 8.0);
+        let f: Vec<u32> = parts
+            .iter()
+            .map(|&m| free(&[engine(8, 10, m, m)], 0))
+            .collect();
+        assert_eq!(
+            f,
+            vec![0, 0, 0],
+            "each over its allowance: nothing until some end"
+        );
+        assert_eq!(free(&[engine(8, 10, 5, 3)], 0), 1);
+        // Fractions of two engines make a place: 2 × (1 × 2 / 3) − 0 = 1.33.
+        assert_eq!(free(&[engine(2, 3, 1, 0), engine(2, 3, 1, 0)], 0), 1);
+        assert_eq!(free(&[engine(2, 3, 1, 0)], 0), 0);
     }
 
     /// From a share of one slot in eight, a replica reaches an equal share: each scrape with a
@@ -257,9 +274,20 @@ mod tests {
             let total: u32 = held.iter().sum();
             let next: Vec<u32> = held
                 .iter()
-                .map(|&m| {
-                    let a = allowance(&[engine(slots, total, m, m)]);
-                    u32::try_from(a).unwrap()
+                .map(|&m| m + free(&[engine(slots, total, m, m)], 0))
+                .map(|n| n.min(slots))
+                .collect();
+            // Over the allowance: requests end until within it (rounded to the nearest).
+            let next: Vec<u32> = next
+                .iter()
+                .zip(&held)
+                .map(|(&n, &m)| {
+                    let a = allowance(&engine(slots, total, m, m)).round() as u32;
+                    if n > a {
+                        a
+                    } else {
+                        n
+                    }
                 })
                 .collect();
             held = [next[0], next[1], next[2]];
