@@ -28,15 +28,19 @@
 //!   many there are.
 //!
 //! The model's free places ([`free`]) are the sum over its engines of `A − n` where positive,
-//! rounded down once (the fractions of several engines make whole places).
+//! rounded down once (the fractions of several engines make whole places); and one at least
+//! while this Envoy has nothing in flight on them (*the floor*).
 //!
 //! Free slots are taken by every replica that sees them (an increase equal for all), an excess
 //! is given back in proportion to what each held (a decrease by share): the additive-increase,
 //! multiplicative-decrease of TCP congestion control (Chiu and Jain, 1989), which brings
-//! replicas with the same demand to the same share, where keeping the others' load as theirs
-//! kept whatever share each had first. The cost: each scrape that shows `F` slots free lets up
-//! to `N × F` in across `N` replicas, and the engines queue the excess until the next scrape
-//! (250 ms) has them given back.
+//! replicas with the same demand towards the same share, where keeping the others' load as
+//! theirs kept whatever share each had first. Under overload the others refill a freed slot
+//! within milliseconds, so a scrape rarely shows one free: the floor is what lets a replica
+//! that holds nothing in (and its excess then makes the others give back by share). The cost:
+//! each scrape that shows `F` slots free lets up to `N × F` in across `N` replicas, the floor
+//! up to `N − 1` more, and the engines queue the excess until the next scrape (250 ms) has it
+//! given back.
 //!
 //! Record ([`Record`], one shared-data value under [`SHARE_KEY`], per Envoy process): per
 //! scraped endpoint id, the scrape time and this process's in-flight attempts then. Bounded by
@@ -95,7 +99,15 @@ pub fn free(engines: &[Engine], extra: u32) -> u32 {
         .map(|e| (allowance(e) + f64::from(extra) - f64::from(e.own)).max(0.0))
         .sum();
     // Within u32 (a sum of u32 slot counts); `as` saturates.
-    (free + 1e-9).floor() as u32
+    let free = (free + 1e-9).floor() as u32;
+    // The floor: one request in flight at least, or a replica that holds nothing never sees a
+    // slot free (the others fill theirs again within milliseconds of a scrape).
+    let idle = !engines.is_empty() && engines.iter().all(|e| e.own == 0);
+    if idle {
+        free.max(1)
+    } else {
+        free
+    }
 }
 
 /// This process's in-flight attempts on every scraped endpoint at its last scrape, by id.
@@ -234,8 +246,10 @@ mod tests {
         // A replica holding nothing sees the free slot too.
         let e = [engine(4, 4, 0, 0), engine(4, 3, 0, 0)];
         assert_eq!(free(&e, 0), 1);
-        // Full, nothing of its own: nothing free until a scrape shows one.
-        assert_eq!(free(&[engine(8, 8, 0, 0)], 0), 0);
+        // Full, nothing of its own: the floor, one.
+        assert_eq!(free(&[engine(8, 8, 0, 0)], 0), 1);
+        assert_eq!(free(&[engine(8, 8, 1, 1)], 0), 0);
+        assert_eq!(free(&[], 0), 0, "nothing counted: nothing free");
     }
 
     /// Three replicas that each took the one free slot they saw (8 slots, 10 at the next
