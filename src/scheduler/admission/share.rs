@@ -273,9 +273,13 @@ mod tests {
             "each over its allowance: nothing until some end"
         );
         assert_eq!(free(&[engine(8, 10, 5, 3)], 0), 1);
-        // Fractions of two engines make a place: 2 × (1 × 2 / 3) − 0 = 1.33.
-        assert_eq!(free(&[engine(2, 3, 1, 0), engine(2, 3, 1, 0)], 0), 1);
-        assert_eq!(free(&[engine(2, 3, 1, 0)], 0), 0);
+        // Fractions of two engines make a place: 2 × (1 × 2 / 3) − 0 = 1.33 (and a third
+        // engine with its one slot taken by this Envoy).
+        let full = engine(2, 2, 1, 1);
+        assert_eq!(free(&[engine(2, 3, 1, 0), engine(2, 3, 1, 0), full], 0), 1);
+        assert_eq!(free(&[engine(2, 3, 1, 0), full], 0), 0);
+        // Nothing in flight at all: the floor.
+        assert_eq!(free(&[engine(2, 3, 1, 0)], 0), 1);
     }
 
     /// From a share of one slot in eight, a replica reaches an equal share: each scrape with a
