@@ -23,10 +23,12 @@
 use super::host;
 use super::metrics::Metrics;
 use super::shared::SharedData;
+use crate::scheduler::admission::share;
 use crate::scheduler::config::Config;
 use crate::scheduler::routing::pools::address as pools_address;
 use crate::scheduler::routing::scrape::plan::{self, Schedule};
 use crate::scheduler::routing::scrape::{self, ScrapeError, Scraped};
+use crate::scheduler::routing::table::groups;
 use crate::scheduler::wire::engine_load::EngineLoad;
 use crate::scheduler::wire::headers::HeaderSource;
 use proxy_wasm::types::{BufferType, MapType, MetricType};
@@ -267,6 +269,13 @@ impl Scraper {
                 (r, false)
             }
         };
+        if let (Ok(_), true) = (&result, published) {
+            // This process's own part of the engine's load at this scrape (admission's share).
+            if let Some(st) = groups::read_entry(&store, i, e.id) {
+                let own = st.load(now_ms, cfg.in_flight_max_age_ms);
+                share::observe(&store, e.id, rec.scraped_at_ms, own, &self.ids);
+            }
+        }
         let m = self.metrics.get(i).and_then(Option::as_ref);
         match result {
             Ok(load) => {

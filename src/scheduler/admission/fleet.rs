@@ -2,14 +2,27 @@
 //!
 //! Why these signals: the filter already judges every scraped engine (`routing::judge::saturation`,
 //! with its hysteresis) and learns its slots (`routing::select::capacity`); admission reads the same
-//! verdicts rather than a second detector. An endpoint is **full** when its saturation is
-//! `Saturated` (scraped queue ≥ 5 or KV ≥ 90 %), else it has `slots − in flight` free slots,
-//! counting this Envoy's own in-flight attempts (exact and immediate for this process, where
-//! the scrape is up to an interval old). An endpoint whose load is unknown (not scraped, a
-//! stale or failed scrape) or whose slots were never seen is never full by assumption — as
-//! everywhere in the filter — so the model's room is then unbounded and nothing waits.
+//! verdicts rather than a second detector. An endpoint whose saturation is `Saturated` (scraped
+//! queue ≥ 5 or KV ≥ 90 %) is **full**; the others' slots are this Envoy's to fill as far as its
+//! [`share`] of them goes: with one Envoy, its slots less its own in-flight attempts (exact
+//! and immediate for this process, where the scrape is up to an interval old); with several
+//! replicas, what their scrapes show the others hold is left to them. So the waiting happens in
+//! the filter's fair queue, not in the engine's first-come-first-served one. An endpoint whose
+//! load is unknown (not scraped, a stale or failed scrape) or whose slots were never seen is
+//! never full by assumption — as everywhere in the filter — so the model's room is then
+//! unbounded and nothing waits.
+//!
+//! **A burst while nobody waits** ([`Free::burst`]): a request arriving while nobody waits for
+//! its model goes on while the engines hold fewer than their slots plus [`BURST`] each (the
+//! queue starts only once the engines would queue more than one each). Nobody is passed over
+//! then, and the engine's queue of at most one holds it about as long as the filter would
+//! (until a slot frees) without the pause, the admission round and the resumption; so a fleet
+//! without overload holds nothing even when its slots happen to be full at an arrival (the
+//! `noisy_neighbor` steady phase, 57 % busy: 3 of 131 requests waited without it). Requests
+//! admitted from the queue count the slots alone.
 
 use crate::scheduler::admission::queue::Room;
+use crate::scheduler::admission::share::{self, Engine};
 use crate::scheduler::routing::judge::saturation::{judge, Saturation, SaturationRule};
 use crate::scheduler::routing::select::capacity::{slots_seen, Engines};
 use crate::scheduler::routing::select::Scheduler;
@@ -17,38 +30,92 @@ use crate::scheduler::state::hash::hash_parts;
 
 const MODEL_SEED: u64 = 0x6164_6d69_7373_696f; // "admissio"
 
+/// How many requests beyond its slots an endpoint may take for an arrival while nobody waits.
+pub const BURST: u32 = 1;
+
+/// The free slots of an endpoint, or of a model's endpoints summed.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct Free {
+    /// For requests admitted from the queue: below the slots.
+    pub slots: u32,
+    /// For an arrival while nobody waits: below the slots plus [`BURST`].
+    pub burst: u32,
+}
+
 /// The queue's name for a model.
 pub fn model_key(model: Option<&str>) -> u64 {
     hash_parts(MODEL_SEED, &[model.unwrap_or("").as_bytes()])
 }
 
-/// An endpoint's free slots for admission: `None` when not known to be bounded.
-pub fn endpoint_room(
+/// How admission counts one endpoint.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Judged {
+    /// Its load or its slots are unknown: the model's room is unbounded.
+    Unbounded,
+    /// `Saturated`: no room, and nothing counted.
+    Full,
+    /// Counted in the model's [`share`].
+    Counted(Engine),
+}
+
+/// One endpoint for admission. `own`: this Envoy's attempts in flight on it now;
+/// `own_at_scrape`: at the scrape `load` is from, when recorded (else `own` stands for it).
+pub fn judge_endpoint(
     was: Saturation,
-    in_flight: u32,
+    own: u32,
+    own_at_scrape: Option<u32>,
     load: Option<&crate::scheduler::routing::judge::saturation::EngineLoad>,
     slots_before: u32,
     now_ms: u64,
-) -> Option<u32> {
-    let load = load?;
+) -> Judged {
+    let Some(load) = load else {
+        return Judged::Unbounded;
+    };
     // The load is fresh (stale ones are never handed here): judged without an age bound.
     let rule = SaturationRule {
         max_age_ms: u64::MAX,
         ..SaturationRule::default()
     };
     match judge(was, Some(load), &rule, now_ms) {
-        Saturation::Saturated => Some(0),
-        Saturation::Unknown => None,
+        Saturation::Saturated => Judged::Full,
+        Saturation::Unknown => Judged::Unbounded,
         Saturation::Room => {
             let slots = slots_seen(slots_before, load);
-            (slots > 0).then(|| slots.saturating_sub(in_flight))
+            let scraped = load
+                .running
+                .map(|r| r.saturating_add(load.waiting.unwrap_or(0)));
+            match scraped {
+                Some(scraped) if slots > 0 => Judged::Counted(Engine {
+                    slots,
+                    scraped,
+                    own_at_scrape: own_at_scrape.unwrap_or(own),
+                    own,
+                }),
+                _ => Judged::Unbounded,
+            }
         }
     }
 }
 
-/// The free slots of the endpoints serving `model` (enabled ones), `None` when any of them is
-/// not known to be bounded; `Some(0)` also when none serves it (the pick answers that).
-pub fn room(s: &Scheduler<'_>, model: Option<&str>, now_ms: u64) -> Room {
+/// The model's free places from its endpoints judged: `None` when one is unbounded.
+pub fn free(judged: &[Judged]) -> Option<Free> {
+    let mut engines: Vec<Engine> = Vec::with_capacity(judged.len());
+    for j in judged {
+        match j {
+            Judged::Unbounded => return None,
+            Judged::Full => {}
+            Judged::Counted(e) => engines.push(*e),
+        }
+    }
+    Some(Free {
+        slots: share::free(&engines, 0),
+        burst: share::free(&engines, BURST),
+    })
+}
+
+/// The free places on the endpoints serving `model` (enabled ones), `None` when any of them is
+/// not known to be bounded, or none serves it (the pick answers that).
+pub fn room(s: &Scheduler<'_>, model: Option<&str>, now_ms: u64) -> Option<Free> {
     let statics = s.statics(model);
     if statics.indexes.is_empty() {
         return None;
@@ -58,28 +125,32 @@ pub fn room(s: &Scheduler<'_>, model: Option<&str>, now_ms: u64) -> Room {
         return None;
     }
     let table = s.table();
+    let record = share::read(s.store);
     let max_age = s.cfg.in_flight_max_age_ms;
-    let mut free: u32 = 0;
+    let mut judged: Vec<Judged> = Vec::with_capacity(statics.indexes.len());
     for &i in &statics.indexes {
         let (Some(ep), Some((_, st))) = (s.cfg.endpoints.get(i), table.entries.get(i)) else {
             return None;
         };
         let load = engines.loads.get(i).copied().flatten();
-        let slots = engines.seen.get(ep.id).slots;
-        let r = endpoint_room(
+        let j = judge_endpoint(
             st.saturation,
             st.load(now_ms, max_age),
+            load.and_then(|l| record.own_at(ep.id, l.scraped_ms)),
             load.as_ref(),
-            slots,
+            engines.seen.get(ep.id).slots,
             now_ms,
-        )?;
-        free = free.saturating_add(r);
+        );
+        if j == Judged::Unbounded {
+            return None;
+        }
+        judged.push(j);
     }
-    Some(free)
+    free(&judged)
 }
 
-/// [`room`] for the model whose [`model_key`] is `key`: found among the configured models,
-/// else a model only the endpoints serving any model serve.
+/// The queue's room (the slots, [`Free::slots`]) for the model whose [`model_key`] is `key`:
+/// found among the configured models, else a model only the endpoints serving any model serve.
 pub fn room_by_key(s: &Scheduler<'_>, key: u64, now_ms: u64) -> Room {
     let named = s
         .cfg
@@ -94,6 +165,7 @@ pub fn room_by_key(s: &Scheduler<'_>, key: u64, now_ms: u64) -> Room {
         // A model no endpoint lists by name: the wildcard endpoints' room.
         None => room(s, Some("\u{0}"), now_ms),
     }
+    .map(|f| f.slots)
 }
 
 #[cfg(test)]
@@ -113,28 +185,76 @@ mod tests {
         }
     }
 
+    fn counted(slots: u32, scraped: u32, own_at_scrape: u32, own: u32) -> Judged {
+        Judged::Counted(Engine {
+            slots,
+            scraped,
+            own_at_scrape,
+            own,
+        })
+    }
+
     #[test]
-    fn room_is_slots_minus_in_flight_unless_saturated_or_unknown() {
+    fn endpoints_are_counted_unless_saturated_or_unknown() {
         use Saturation::*;
         // Unknown load: unbounded.
-        assert_eq!(endpoint_room(Room, 5, None, 4, 1_000), None);
+        assert_eq!(
+            judge_endpoint(Room, 5, None, None, 4, 1_000),
+            Judged::Unbounded
+        );
         // Slots never seen (never queued): unbounded.
-        assert_eq!(endpoint_room(Room, 5, Some(&load(0, 3)), 0, 1_000), None);
-        // Slots known: the free ones, this Envoy's in-flight attempts taken off.
-        assert_eq!(endpoint_room(Room, 1, Some(&load(0, 1)), 4, 1_000), Some(3));
-        assert_eq!(endpoint_room(Room, 6, Some(&load(0, 4)), 4, 1_000), Some(0));
+        assert_eq!(
+            judge_endpoint(Room, 5, None, Some(&load(0, 3)), 0, 1_000),
+            Judged::Unbounded
+        );
+        // Slots known: counted, with this Envoy's attempts at the scrape when recorded, else
+        // its attempts now.
+        assert_eq!(
+            judge_endpoint(Room, 1, Some(2), Some(&load(0, 3)), 4, 1_000),
+            counted(4, 3, 2, 1)
+        );
+        assert_eq!(
+            judge_endpoint(Room, 1, None, Some(&load(0, 3)), 4, 1_000),
+            counted(4, 3, 1, 1)
+        );
         // A queue seen now teaches the slots (running while queueing).
-        assert_eq!(endpoint_room(Room, 0, Some(&load(2, 2)), 0, 1_000), Some(2));
-        // Saturated by the scrape: full whatever the in-flight count.
-        assert_eq!(endpoint_room(Room, 0, Some(&load(5, 2)), 2, 1_000), Some(0));
+        assert_eq!(
+            judge_endpoint(Room, 0, None, Some(&load(2, 2)), 0, 1_000),
+            counted(2, 4, 0, 0)
+        );
+        // Saturated by the scrape: full whatever the counts.
+        assert_eq!(
+            judge_endpoint(Room, 0, None, Some(&load(5, 2)), 2, 1_000),
+            Judged::Full
+        );
         // Hysteresis: a saturated engine with 2 waiting stays full.
         assert_eq!(
-            endpoint_room(Saturated, 0, Some(&load(2, 2)), 2, 1_000),
-            Some(0)
+            judge_endpoint(Saturated, 0, None, Some(&load(2, 2)), 2, 1_000),
+            Judged::Full
         );
         assert_eq!(
-            endpoint_room(Saturated, 0, Some(&load(1, 2)), 2, 1_000),
-            Some(2)
+            judge_endpoint(Saturated, 0, None, Some(&load(1, 2)), 2, 1_000),
+            counted(2, 3, 0, 0)
         );
+    }
+
+    #[test]
+    fn the_models_room_is_its_share_of_the_counted_engines() {
+        let room = |slots, burst| Some(Free { slots, burst });
+        // One Envoy, two 2-slot engines, 3 of its requests running: one free, two in a burst.
+        assert_eq!(
+            free(&[counted(2, 2, 2, 2), counted(2, 1, 1, 1)]),
+            room(1, 3)
+        );
+        // A saturated one adds nothing; an unbounded one makes the room unbounded.
+        assert_eq!(free(&[counted(2, 2, 2, 2), Judged::Full]), room(0, 1));
+        assert_eq!(free(&[counted(2, 2, 2, 2), Judged::Unbounded]), None);
+        // Another replica holds both slots of one engine: this Envoy has the other's.
+        assert_eq!(
+            free(&[counted(2, 2, 0, 0), counted(2, 1, 1, 1)]),
+            room(1, 3)
+        );
+        // Nothing counted (all saturated): no room.
+        assert_eq!(free(&[Judged::Full]), room(0, 0));
     }
 }

@@ -13,6 +13,7 @@
 
 pub mod fleet;
 pub mod queue;
+pub mod share;
 pub mod who;
 
 use crate::scheduler::state::store::{update_if, Store};

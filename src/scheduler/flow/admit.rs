@@ -105,7 +105,9 @@ impl Flow {
         let asker = who::asker(s.cfg, &self.headers);
         self.admission.asker = Some(asker);
         let model = self.model.as_deref();
-        let room = fleet::room(s, model, now_ms);
+        // Arriving, it goes while the engines hold at most one beyond their slots each and
+        // nobody waits (`fleet::BURST`); the queue admits within the slots.
+        let room = fleet::room(s, model, now_ms).map(|f| f.burst);
         // Without a known bound and with nobody waiting (one read), there is nothing to decide.
         if room.is_none() && !admission::anything_queued(s.store) {
             return self.first_attempt(s, obs, now_ms);
