@@ -80,6 +80,8 @@ pub struct Room {
     pub projected: u32,
     /// Its slots, if it was ever seen queueing.
     pub slots: Option<u32>,
+    /// This process's own placements since that scrape (part of `projected`).
+    pub sent: u32,
 }
 
 impl Room {
@@ -98,6 +100,7 @@ impl Room {
                 .saturating_add(load.waiting.unwrap_or(0))
                 .saturating_add(sent),
             slots: (slots > 0).then_some(slots),
+            sent,
         })
     }
 
@@ -106,6 +109,28 @@ impl Room {
     pub fn free_slot(&self) -> Option<bool> {
         self.slots.map(|s| u64::from(self.projected) < u64::from(s))
     }
+
+    /// A burst of this process's own: at least [`HERD_MIN_SENT`] placements sent since the
+    /// scrape and no free slot counting them. What bounds a herd of new sessions onto a small
+    /// engine between two scrapes; never read for a later turn (see [`HERD_MIN_SENT`]).
+    pub fn herd(&self) -> bool {
+        self.sent >= HERD_MIN_SENT && self.free_slot() == Some(false)
+    }
+}
+
+/// The own placements since a scrape that make a burst ([`Room::herd`]).
+///
+/// Why not any: with one or none sent, "no free slot" is the scrape's own running + waiting,
+/// which on a 4-slot engine turns with every answer, and is read by each replica at its own
+/// scrape; with three replicas, each turn of a session met another verdict and the session
+/// moved between the small engine and the next of its order (mixed fleet near saturation:
+/// 75–79 % of later turns on their previous endpoint). The scrape's judgement of a full
+/// engine is the saturation verdict, which every replica reads alike (hysteresis, slot-scaled
+/// in [`signals::saturation_rule`]); the own count only stops a herd released between two
+/// scrapes (18 sessions at once: the 4-slot engine takes 4).
+pub const HERD_MIN_SENT: u32 = 2;
+
+impl Room {
 }
 
 /// The bounded-load limit of an endpoint with `slots`, when every candidate's slots are known:
@@ -399,7 +424,8 @@ mod tests {
             room(&store),
             Room {
                 projected: 2,
-                slots: Some(4)
+                slots: Some(4),
+                sent: 0,
             }
         );
         assert_eq!(room(&store).free_slot(), Some(true));
@@ -408,6 +434,12 @@ mod tests {
         record(&store, &[(7, now)], Some((7, now)), &keep);
         assert_eq!(room(&store).projected, 4);
         assert_eq!(room(&store).free_slot(), Some(false));
+        // Two of its own since the scrape and no free slot: a burst.
+        assert!(room(&store).herd());
+        // Full by the scrape alone (4 running, none sent): no free slot, but no burst.
+        assert!(!Room::of(&read(&store).get(7), &load(0, 4, 2_500))
+            .unwrap()
+            .herd());
         // The next scrape counts them itself: the count starts again.
         let next = load(0, 3, 3_000);
         assert_eq!(Room::of(&read(&store).get(7), &next).unwrap().projected, 3);

@@ -219,7 +219,7 @@ impl<'a> Scheduler<'a> {
             // In the walk's order of checks: degraded (a probe may be due), unavailable
             // (breaker, exclusions, quota), saturated, load.
             let reference = references.get(i).copied().flatten();
-            let v = signals::judge_with(table, cfg, i, reference, None, None, now_ms);
+            let v = signals::judge_with(table, cfg, i, reference, None, None, None, now_ms);
             if v.degraded {
                 return None;
             }

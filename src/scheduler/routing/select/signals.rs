@@ -506,7 +506,30 @@ pub fn judge(
 ) -> Verdict {
     let rule = DegradeRule::from_config(cfg);
     let reference = peer_median(table, cfg, i, rule.min_samples);
-    judge_with(table, cfg, i, reference, None, load, now_ms)
+    judge_with(table, cfg, i, reference, None, load, None, now_ms)
+}
+
+/// The saturation rule of an engine with `slots` (known once it was seen queueing, see
+/// `capacity`): [`SaturationRule::default`]'s, entered at a queue of `slots / 4 + 1` where
+/// that is fewer than 5 and then left only with an empty queue.
+///
+/// Why: the saturation verdict is the fullness every replica reads alike (the engine's
+/// scrape, with hysteresis), the one a later turn without a pin passes over. A 4-slot engine
+/// with 5 waiting holds more than a batch in its queue; entered at 2 and left at 0, its
+/// verdict stays put across the answers that make "a free slot" come and go.
+pub fn saturation_rule(slots: Option<u32>) -> SaturationRule {
+    let base = SaturationRule {
+        max_age_ms: SCRAPE_STALE_MS,
+        ..SaturationRule::default()
+    };
+    match slots {
+        Some(s) if s > 0 && s / 4 + 1 < base.enter_waiting => SaturationRule {
+            enter_waiting: s / 4 + 1,
+            exit_waiting: 0,
+            ..base
+        },
+        _ => base,
+    }
 }
 
 /// [`judge`] with the peers' medians already known: their slowness ([`peer_medians`]) and
@@ -520,6 +543,7 @@ pub fn judge_with(
     reference: Option<f64>,
     pace_reference: Option<f64>,
     load: Option<EngineLoad>,
+    slots: Option<u32>,
     now_ms: u64,
 ) -> Verdict {
     let Some((_, st)) = table.entries.get(i) else {
@@ -537,15 +561,7 @@ pub fn judge_with(
         }
         _ => slowness::degraded(&own, reference, &rule),
     };
-    let saturation = saturation::judge(
-        st.saturation,
-        load.as_ref(),
-        &SaturationRule {
-            max_age_ms: SCRAPE_STALE_MS,
-            ..SaturationRule::default()
-        },
-        now_ms,
-    );
+    let saturation = saturation::judge(st.saturation, load.as_ref(), &saturation_rule(slots), now_ms);
     Verdict {
         sticky,
         degraded: sticky,

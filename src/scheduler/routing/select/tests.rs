@@ -1585,9 +1585,11 @@ fn a_saturated_endpoint_gets_no_new_sessions_but_keeps_pins_while_the_wait_is_sh
                 })
                 .count()
         };
-        // No longer saturated, but its 64 slots (the running count it showed with a queue)
-        // are all taken and one waits: no free slot, no new session while others have room.
-        assert_eq!(homed_on_a(3_000), 0);
+        // No longer saturated, its 64 slots (the running count it showed with a queue) all
+        // taken and one waiting: full by that scrape alone, which is no verdict replicas
+        // share (see `capacity::HERD_MIN_SENT`); this process's own placements since the
+        // scrape bound a burst: two go there, then no free slot counting them.
+        assert_eq!(homed_on_a(3_000), 2);
         assert_eq!(s.table().entries[0].1.saturation, Saturation::Room);
         // 40 running, no queue: 24 free slots. The placements sent since that scrape count:
         // the first 24 sessions whose home is a go there, the others pass it (of 300, about
@@ -1701,6 +1703,90 @@ fn a_follow_up_without_a_pin_here_goes_where_its_first_turn_went() {
         let d = turn(&r2, k, true, 3_100);
         assert_eq!((d.endpoint, d.affinity), (0, AffinityResult::Home), "{k}");
         r2.finish(d.ticket, &Outcome::Cancelled, 0, None, 3_100);
+    }
+}
+
+/// Every scraped input a later turn's endpoint depends on, read by two replicas that saw
+/// different own traffic: the same endpoint. `a` has 4 slots (seen queueing); at each scrape
+/// both replicas read the same loads, and r2 has just placed 30 new sessions of its own (its
+/// placements since the scrape fill `a` by its own count), r1 none. A later turn without a pin
+/// goes to the same endpoint on both: home while `a` is full by the scrape alone (no free
+/// slot, no queue: not a verdict every replica shares turn after turn), past it once it is
+/// saturated (a queue of 2 on 4 slots), still past it at a queue of 1 (hysteresis), home again
+/// with an empty queue.
+#[test]
+fn two_replicas_with_different_own_traffic_send_a_later_turn_alike() {
+    let c = three_warm(json!({}));
+    let (s1, s2) = (MemStore::new(), MemStore::new());
+    let (r1, r2) = (Scheduler::new(&c, &s1), Scheduler::new(&c, &s2));
+    let ex = Exclusions::default();
+    let turn = |r: &Scheduler<'_>, k: u64, follow_up: bool, now: u64| {
+        let p = Pick {
+            model: Some("m"),
+            session: Some(k),
+            attempt: 1,
+            exclusions: &ex,
+            nonce: 0,
+            body_bytes: 400,
+            pin_hint: None,
+            holder: None,
+            prefix: Prefix::NONE,
+            follow_up,
+            max_output_tokens: 0,
+        };
+        r.pick(&p, now).unwrap()
+    };
+    // Slots learned by both: a queueing on 4, b and c on 16.
+    for (r, store) in [(&r1, &s1), (&r2, &s2)] {
+        scraped(store, "a", 1, 4, 500);
+        scraped(store, "b", 1, 16, 500);
+        scraped(store, "c", 1, 16, 500);
+        let d = turn(r, key(99_999), false, 600);
+        r.finish(d.ticket, &Outcome::Cancelled, 0, None, 600);
+    }
+    let caps = crate::scheduler::routing::select::capacity::read(&s1);
+    assert_eq!(caps.get(c.endpoints[0].id).slots, 4);
+    // Sessions whose home is a.
+    let on_a: Vec<u64> = (0..600u64)
+        .map(key)
+        .filter(|&k| {
+            let ids: Vec<(usize, u32, f64)> =
+                (0..3).map(|i| (i, c.endpoints[i].id, 1.0)).collect();
+            crate::scheduler::routing::placement::order(k, &ids).first() == Some(&0)
+        })
+        .take(20)
+        .collect();
+    assert_eq!(on_a.len(), 20);
+    // (a's waiting, running) at each scrape, and whether a later turn homed on a goes there.
+    let phases = [((0, 4), true), ((2, 4), false), ((1, 4), false), ((0, 3), true)];
+    for (n, &((waiting, running), home)) in phases.iter().enumerate() {
+        let at = 1_000 * (n as u64 + 1);
+        for store in [&s1, &s2] {
+            scraped(store, "a", waiting, running, at);
+            scraped(store, "b", 0, 2, at);
+            scraped(store, "c", 0, 2, at);
+        }
+        // r2's own traffic since this scrape: 30 new sessions, pinned where placed.
+        for m in 0..30u64 {
+            let k = key(50_000 + 100 * n as u64 + m);
+            let d = turn(&r2, k, false, at + 10);
+            r2.finish(d.ticket, &Outcome::Success, 100, Some(k), at + 10);
+        }
+        let sent = crate::scheduler::routing::select::capacity::read(&s2)
+            .get(c.endpoints[0].id)
+            .sent;
+        assert!(sent >= 2 || !home, "phase {n}: r2 sent {sent} to a since the scrape");
+        for (j, &k) in on_a.iter().enumerate() {
+            let now = at + 20 + j as u64;
+            let (d1, d2) = (turn(&r1, k, true, now), turn(&r2, k, true, now));
+            assert_eq!(
+                d1.endpoint, d2.endpoint,
+                "phase {n}, session {k}: r1 and r2 disagree"
+            );
+            assert_eq!(d1.endpoint == 0, home, "phase {n}, session {k}: {d1:?}");
+            r1.finish(d1.ticket, &Outcome::Cancelled, 0, None, now);
+            r2.finish(d2.ticket, &Outcome::Cancelled, 0, None, now);
+        }
     }
 }
 

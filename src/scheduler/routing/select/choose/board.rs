@@ -188,17 +188,25 @@ impl<'t> Board<'t> {
     pub(in crate::scheduler::routing::select) fn saturated(&self, i: usize) -> bool {
         self.verdicts.get(i).is_some_and(Verdict::saturated)
     }
-    /// Saturated, or without a free slot by its projected load (see `capacity`): what a
-    /// placement passes over while another candidate has room.
+    /// Saturated, or filled by a burst of this process's own placements since its last
+    /// scrape (`capacity::Room::herd`): what a new session's placement passes over while
+    /// another candidate has room.
     pub(in crate::scheduler::routing::select) fn full(&self, i: usize) -> bool {
+        self.saturated(i) || self.room.get(i).copied().flatten().is_some_and(|r| r.herd())
+    }
+    /// Whether a later turn without a pin here passes over `i`: saturated (the engine's
+    /// scrape with hysteresis, [`signals::saturation_rule`]: what every replica reads alike)
+    /// while another candidate is not, or another's queue is far shorter. Never this
+    /// process's own placements: the replica that served the turn before counted others.
+    pub(in crate::scheduler::routing::select) fn passed_over_alike(&self, i: usize) -> bool {
         self.saturated(i)
-            || self
-                .room
-                .get(i)
-                .copied()
-                .flatten()
-                .and_then(|r| r.free_slot())
-                == Some(false)
+            && (self.statics().iter().any(|&j| {
+                j != i
+                    && self.admitted(j)
+                    && !self.degraded(j)
+                    && !self.short(j)
+                    && !self.saturated(j)
+            }) || self.far_shorter_queue_elsewhere(i))
     }
     /// Its known slots (0: unknown).
     pub(in crate::scheduler::routing::select) fn slots(&self, i: usize) -> u32 {

@@ -107,7 +107,16 @@ impl<'a> Scheduler<'a> {
                 return None;
             };
             let pace_reference = pace_references.get(i).copied().flatten();
-            *v = signals::judge_with(table, cfg, i, reference, pace_reference, load, now_ms);
+            *v = signals::judge_with(
+                table,
+                cfg,
+                i,
+                reference,
+                pace_reference,
+                load,
+                slots_of(rooms, i),
+                now_ms,
+            );
             let flip = st.degraded != v.sticky || st.saturation.stored_differs(v.saturation);
             let key = memo
                 .as_ref()
@@ -215,8 +224,16 @@ impl<'a> Scheduler<'a> {
                         continue;
                     };
                     let pace_reference = pace_references.get(i).copied().flatten();
-                    *v =
-                        signals::judge_with(table, cfg, i, reference, pace_reference, load, now_ms);
+                    *v = signals::judge_with(
+                        table,
+                        cfg,
+                        i,
+                        reference,
+                        pace_reference,
+                        load,
+                        slots_of(rooms, i),
+                        now_ms,
+                    );
                     degraded += usize::from(v.degraded);
                     let flip =
                         st.degraded != v.sticky || st.saturation.stored_differs(v.saturation);
@@ -411,6 +428,11 @@ impl<'a> Scheduler<'a> {
             captive,
         })
     }
+}
+
+/// Endpoint `i`'s slots, where known (the saturation rule's, [`signals::saturation_rule`]).
+fn slots_of(rooms: &[Option<Room>], i: usize) -> Option<u32> {
+    rooms.get(i).copied().flatten().and_then(|r| r.slots)
 }
 
 /// A drawn candidate's acceptance ([`placement::Draws`]): its full score ÷ its configured
