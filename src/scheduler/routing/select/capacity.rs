@@ -394,6 +394,7 @@ mod tests {
             kv_usage_permille: None,
             scraped_ms,
             decode_us_per_token: None,
+            decoded_at_ms: None,
         }
     }
 

@@ -462,6 +462,7 @@ pub fn engine_loads_from(
                     scraped_ms: rec.scraped_at_ms,
                     // `pace_at`: the pace when the load is known.
                     decode_us_per_token: rec.pace.map(|p| p.us_per_token),
+                    decoded_at_ms: rec.pace.map(|p| p.at_ms),
                 }),
                 LoadState::Unknown(_) => None,
             }
@@ -787,6 +788,7 @@ mod tests {
                 kv_usage_permille: Some(500),
                 scraped_ms: 1_000,
                 decode_us_per_token: None,
+                decoded_at_ms: None,
             })
         );
         assert_eq!(

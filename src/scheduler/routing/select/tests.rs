@@ -964,6 +964,76 @@ fn a_streamed_hit_running_for_a_minute_is_no_evidence() {
     });
 }
 
+/// Three replicas probing a degraded endpoint whose engine publishes its pace send about as
+/// many probes as one: the interval runs from the engine's last decoding (another replica's
+/// probe shows there), and no probe goes while the engine's scrape shows one running. `a`
+/// decodes 5× slower than `b` and `c` (by the engines' pace, every replica's verdict); a probe
+/// runs 3 s there. New sessions every 100 ms, round robin over the replicas; every replica
+/// scrapes every engine every 100 ms.
+#[test]
+fn replicas_probe_a_degraded_engine_about_as_often_as_one() {
+    use crate::scheduler::wire::engine_load::{DecodeTotals, Engine, EngineLoad as Wire};
+    let c = three_warm(json!({"tuning": {"degraded_probe_interval_ms": 1000}}));
+    let keep: Vec<u32> = c.endpoints.iter().map(|e| e.id).collect();
+    let probes = |replicas: usize| -> Vec<u64> {
+        let stores: Vec<MemStore> = (0..replicas).map(|_| MemStore::new()).collect();
+        let ss: Vec<Scheduler<'_>> = stores.iter().map(|st| Scheduler::new(&c, st)).collect();
+        let ex = Exclusions::default();
+        // The engines' decode counters: (µs, tokens) of a, b, c.
+        let mut decoded = [(0u64, 0u64); 3];
+        let mut busy_until = 1_000u64; // a decodes its own sessions' answers until 1 s
+        let mut probes = Vec::new();
+        for step in 0..300u64 {
+            let now = 100 * step;
+            for (e, d) in decoded.iter_mut().enumerate() {
+                let (per_token_us, tokens) = match e {
+                    0 if now < busy_until => (50_000, 20),
+                    0 => (50_000, 0),
+                    _ => (10_000, 100),
+                };
+                *d = (d.0 + per_token_us * tokens, d.1 + tokens);
+            }
+            for store in &stores {
+                for (e, d) in decoded.iter().enumerate() {
+                    let running = u32::from(e != 0 || now < busy_until);
+                    let load = Wire {
+                        engine: Engine::Vllm,
+                        waiting: Some(0),
+                        running: Some(running),
+                        kv_usage_permille: Some(100),
+                        prompt_tokens_total: None,
+                        prompt_tokens_cached_total: None,
+                        decode: Some(DecodeTotals {
+                            seconds_us: d.0,
+                            count: d.1,
+                        }),
+                    };
+                    crate::scheduler::routing::scrape::fold(store, keep[e], now, Ok(load), &keep)
+                        .unwrap();
+                }
+            }
+            let s = &ss[step as usize % replicas];
+            let d = pick_at(s, Some(key(60_000 + step)), &ex, now + 50).unwrap();
+            if d.reason == Reason::DegradedProbe {
+                probes.push(now + 50);
+                busy_until = now + 3_050;
+            }
+            s.finish(d.ticket, &Outcome::Cancelled, 0, None, now + 50);
+        }
+        probes
+    };
+    let (one, three) = (probes(1), probes(3));
+    assert!(!one.is_empty(), "one replica never probed");
+    assert!(
+        three.len() <= one.len() + 1,
+        "three replicas probed {} times ({three:?}), one {} ({one:?})",
+        three.len(),
+        one.len()
+    );
+    // Never two at once: each probe went to an idle engine.
+    assert!(three.windows(2).all(|w| w[1] - w[0] >= 3_000), "{three:?}");
+}
+
 /// A probe is a first turn: a later turn without a pin at this replica (with several
 /// replicas, two turns in three) has its history cached where its session lives, and as a
 /// probe it would pay a full prefill on the slow endpoint (the bench's `slow` run with three

@@ -48,6 +48,9 @@ pub(in crate::scheduler::routing::select) struct Board<'t> {
     pub(super) load: Vec<u32>,
     /// Each endpoint's projected load and slots, where scraped (see `capacity`).
     pub(super) room: Vec<Option<Room>>,
+    /// The most slots among the statics as their rendezvous weights count them (0: none
+    /// known; an engine that never queued counts as the most known × 4, see `gather`).
+    pub(super) most_slots: u32,
     /// Every static candidate's slots are known: bounded load by slots
     /// (`capacity::slot_limit`) rather than by weight.
     pub(super) by_slots: bool,
@@ -207,6 +210,12 @@ impl<'t> Board<'t> {
                     && !self.short(j)
                     && !self.saturated(j)
             }) || self.far_shorter_queue_elsewhere(i))
+    }
+    /// Whether `i` is a small engine: its slots known and at most half the most slots known
+    /// among the candidates.
+    pub(in crate::scheduler::routing::select) fn small(&self, i: usize) -> bool {
+        let slots = self.slots(i);
+        slots > 0 && slots.saturating_mul(2) <= self.most_slots
     }
     /// Its known slots (0: unknown).
     pub(in crate::scheduler::routing::select) fn slots(&self, i: usize) -> u32 {
