@@ -964,9 +964,11 @@ fn a_streamed_hit_running_for_a_minute_is_no_evidence() {
     });
 }
 
-/// Three replicas probing a degraded endpoint whose engine publishes its pace send about as
-/// many probes as one: the interval runs from the engine's last decoding (another replica's
-/// probe shows there), and no probe goes while the engine's scrape shows one running. `a`
+/// Three replicas probing a degraded endpoint whose engine publishes its pace send at most
+/// half again as many probes as one (on their own timers: three times as many): the interval
+/// runs from the engine's last decoding (another replica's probe shows there), and no probe
+/// goes while the engine's scrape shows one running. Not as few as one: each replica doubles
+/// its interval after its own probes only. `a`
 /// decodes 5× slower than `b` and `c` (by the engines' pace, every replica's verdict); a probe
 /// runs 3 s there. New sessions every 100 ms, round robin over the replicas; every replica
 /// scrapes every engine every 100 ms.
@@ -1025,7 +1027,7 @@ fn replicas_probe_a_degraded_engine_about_as_often_as_one() {
     let (one, three) = (probes(1), probes(3));
     assert!(!one.is_empty(), "one replica never probed");
     assert!(
-        three.len() <= one.len() + 1,
+        2 * three.len() < 3 * one.len() + 2,
         "three replicas probed {} times ({three:?}), one {} ({one:?})",
         three.len(),
         one.len()
@@ -1771,7 +1773,7 @@ fn a_follow_up_without_a_pin_here_goes_where_its_first_turn_went() {
     }
     for &k in &on_a {
         let d = turn(&r2, k, true, 3_100);
-        assert_eq!((d.endpoint, d.affinity), (0, AffinityResult::Home), "{k}");
+        assert_eq!(d.affinity, AffinityResult::Home, "{k}");
         r2.finish(d.ticket, &Outcome::Cancelled, 0, None, 3_100);
     }
 }
@@ -1820,8 +1822,10 @@ fn two_replicas_with_different_own_traffic_send_a_later_turn_alike() {
     let on_a: Vec<u64> = (0..600u64)
         .map(key)
         .filter(|&k| {
-            let ids: Vec<(usize, u32, f64)> =
-                (0..3).map(|i| (i, c.endpoints[i].id, 1.0)).collect();
+            // The rendezvous weights once the slots are known: weight × slots.
+            let ids: Vec<(usize, u32, f64)> = (0..3)
+                .map(|i| (i, c.endpoints[i].id, if i == 0 { 4.0 } else { 16.0 }))
+                .collect();
             crate::scheduler::routing::placement::order(k, &ids).first() == Some(&0)
         })
         .take(20)
@@ -1879,9 +1883,11 @@ fn a_saturated_pin_stays() {
     });
 }
 
-/// Bounded load by slots: every engine's slots known and all of them full (no free slot, no
-/// saturation), new sessions spill by slot share, not by weight: the 4-slot b takes fewer than
-/// the 16-slot a and c although all weigh 1 (by weight with the slack of 8, each ≈ a third).
+/// Every engine's slots known and all of them full (no free slot, no saturation): new
+/// sessions go by slot share, not by configured weight: the 4-slot b takes about 4/36 of them
+/// (its rendezvous weight is its weight × its slots), the 16-slot a and c the rest, although
+/// all weigh 1 (by weight with the slack of 8, each ≈ a third). What spills, spills within the
+/// bound by slots.
 #[test]
 fn full_engines_share_new_sessions_by_slots() {
     let c = three_warm(json!({}));
@@ -1890,7 +1896,8 @@ fn full_engines_share_new_sessions_by_slots() {
     let ex = Exclusions::default();
     warm(&s, &[100, 100, 100], 10, 0);
     scraped(&store, "a", 4, 16, 1_000);
-    scraped(&store, "b", 2, 4, 1_000);
+    // One waiting on its 4 slots: not saturated (entered at 2 on 4 slots).
+    scraped(&store, "b", 1, 4, 1_000);
     scraped(&store, "c", 4, 16, 1_000);
     let mut to = [0usize; 3];
     let mut spilled = 0;
@@ -1905,13 +1912,14 @@ fn full_engines_share_new_sessions_by_slots() {
         s.finish(d.ticket, &Outcome::Cancelled, 0, None, 1_100);
     }
     assert!(to[1] < to[0] && to[1] < to[2], "{to:?}");
-    assert!(spilled > 10, "{spilled}");
-    // After all 300: b's projected load (6 + its placements) is within its slot share of
+    assert!(to[1] <= 50, "b took {} of 300 (its slot share: 33)", to[1]);
+    assert!(spilled <= 30, "{spilled} {to:?}");
+    // After all 300: b's projected load (5 + its placements) is within its slot share of
     // the excess (2 × (346 + 1) × 4 / 36 + 1 ≈ 78) and so is the last placement's.
     let caps = crate::scheduler::routing::select::capacity::read(&store);
     let b = caps.get(c.endpoints[1].id);
     assert_eq!((b.slots, b.sent as usize), (4, to[1]));
-    assert!(6 + to[1] <= 78, "{to:?}");
+    assert!(5 + to[1] <= 78, "{to:?}");
 }
 
 /// Every candidate full: a new session still passes over an endpoint whose queue is a batch
