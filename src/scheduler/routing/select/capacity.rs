@@ -24,8 +24,10 @@
 //! share only: the projection is a lower bound.
 //!
 //! **Room**: an endpoint with known slots has room for one more when `projected + 1 ≤ slots`.
-//! A placement passes over an endpoint without room when another has room (as it passes over
-//! a saturated one), and a saturated pin moves only to an endpoint with room.
+//! A new session's placement passes over an endpoint without room that this process filled
+//! by a burst of its own ([`Room::herd`]: two or more placements since the scrape) when another
+//! has room, as it passes over a saturated one; "no room" by the scrape alone is left to the
+//! saturation verdict, which replicas share. A later turn never reads the own count.
 //!
 //! **Bounded load by slots** ([`slot_limit`]): when every candidate's slots are known, an
 //! endpoint takes a new session while `projected + 1 ≤ max(slots, (1 + ε) × (P + 1) × slots /
@@ -130,8 +132,7 @@ impl Room {
 /// scrapes (18 sessions at once: the 4-slot engine takes 4).
 pub const HERD_MIN_SENT: u32 = 2;
 
-impl Room {
-}
+impl Room {}
 
 /// The bounded-load limit of an endpoint with `slots`, when every candidate's slots are known:
 /// the load it may have after taking one more, given the candidates' projected loads summing

@@ -562,7 +562,12 @@ pub fn judge_with(
         }
         _ => slowness::degraded(&own, reference, &rule),
     };
-    let saturation = saturation::judge(st.saturation, load.as_ref(), &saturation_rule(slots), now_ms);
+    let saturation = saturation::judge(
+        st.saturation,
+        load.as_ref(),
+        &saturation_rule(slots),
+        now_ms,
+    );
     Verdict {
         sticky,
         degraded: sticky,

@@ -973,7 +973,7 @@ fn a_streamed_hit_running_for_a_minute_is_no_evidence() {
 /// runs 3 s there. New sessions every 100 ms, round robin over the replicas; every replica
 /// scrapes every engine every 100 ms.
 #[test]
-fn replicas_probe_a_degraded_engine_about_as_often_as_one() {
+fn replicas_probe_a_scraped_degraded_engine_in_turn() {
     use crate::scheduler::wire::engine_load::{DecodeTotals, Engine, EngineLoad as Wire};
     let c = three_warm(json!({"tuning": {"degraded_probe_interval_ms": 1000}}));
     let keep: Vec<u32> = c.endpoints.iter().map(|e| e.id).collect();
@@ -1832,7 +1832,12 @@ fn two_replicas_with_different_own_traffic_send_a_later_turn_alike() {
         .collect();
     assert_eq!(on_a.len(), 20);
     // (a's waiting, running) at each scrape, and whether a later turn homed on a goes there.
-    let phases = [((0, 4), true), ((2, 4), false), ((1, 4), false), ((0, 3), true)];
+    let phases = [
+        ((0, 4), true),
+        ((2, 4), false),
+        ((1, 4), false),
+        ((0, 3), true),
+    ];
     for (n, &((waiting, running), home)) in phases.iter().enumerate() {
         let at = 1_000 * (n as u64 + 1);
         for store in [&s1, &s2] {
@@ -1849,7 +1854,10 @@ fn two_replicas_with_different_own_traffic_send_a_later_turn_alike() {
         let sent = crate::scheduler::routing::select::capacity::read(&s2)
             .get(c.endpoints[0].id)
             .sent;
-        assert!(sent >= 2 || !home, "phase {n}: r2 sent {sent} to a since the scrape");
+        assert!(
+            sent >= 2 || !home,
+            "phase {n}: r2 sent {sent} to a since the scrape"
+        );
         for (j, &k) in on_a.iter().enumerate() {
             let now = at + 20 + j as u64;
             let (d1, d2) = (turn(&r1, k, true, now), turn(&r2, k, true, now));

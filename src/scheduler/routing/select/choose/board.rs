@@ -195,7 +195,13 @@ impl<'t> Board<'t> {
     /// scrape (`capacity::Room::herd`): what a new session's placement passes over while
     /// another candidate has room.
     pub(in crate::scheduler::routing::select) fn full(&self, i: usize) -> bool {
-        self.saturated(i) || self.room.get(i).copied().flatten().is_some_and(|r| r.herd())
+        self.saturated(i)
+            || self
+                .room
+                .get(i)
+                .copied()
+                .flatten()
+                .is_some_and(|r| r.herd())
     }
     /// Whether a later turn without a pin here passes over `i`: saturated (the engine's
     /// scrape with hysteresis, [`signals::saturation_rule`]: what every replica reads alike)

@@ -372,10 +372,11 @@ impl<'a> Scheduler<'a> {
                     .flatten()
                     .is_some_and(|r| r.slots.is_some())
             });
-        // Every candidate's slots known: a session's rendezvous weight is its configured
-        // (placement) weight × its slots, so that where new sessions and later turns without
-        // a pin go follows what the engines can run, which every replica learns alike (the
-        // largest running count an engine showed while it queued, never smaller later).
+        // Some candidate's slots known: a session's rendezvous weight is its placement weight
+        // × its slots (an engine that never queued counted as `UNQUEUED_SLOTS_FACTOR` × the
+        // most known), so that where new sessions and later turns without a pin go follows
+        // what the engines can run, which every replica learns alike (the largest running
+        // count an engine showed while it queued, never smaller later).
         // Without it, a 4-slot engine was the home of as many sessions as a 16-slot one,
         // full every other second, and replicas reading "full" a moment apart sent the turns
         // of one session to different endpoints (mixed fleet, three replicas: 80 % of later
