@@ -537,6 +537,7 @@ pub fn saturation_rule(slots: Option<u32>) -> SaturationRule {
 /// their engines' pace ([`pace_medians`]). Where the endpoint's engine and at least one peer's
 /// publish a decode pace, the degraded rule judges the pace ([`slowness::pace_degraded`]);
 /// otherwise the slowness learned from this process's own answers.
+#[allow(clippy::too_many_arguments)]
 pub fn judge_with(
     table: &Table,
     cfg: &Config,
