@@ -38,9 +38,8 @@
 mod support;
 
 use std::collections::BTreeMap;
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Barrier};
-use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
 use serde_json::{json, Value};
@@ -48,7 +47,9 @@ use support::envoy::{decisions, endpoint_stat, Stats};
 use support::http::{request, try_post_chat};
 use support::placement::{header_session, rendezvous_order};
 use support::session::{H_AFFINITY, H_ENDPOINT, H_SESSION};
-use support::{for_each_parallel, tally, Checks, Envoy, EnvoyConfig, MockUpstream, Replicas};
+use support::{
+    for_each_parallel, tally, Backlog, Checks, Envoy, EnvoyConfig, MockUpstream, Replicas,
+};
 
 const MODEL: &str = "m1";
 /// Decode time per output token of every engine, ms (the batched model's base rate).
@@ -109,85 +110,6 @@ fn config(mocks: &[MockUpstream], weights: &[(&str, f64)], extra: Value) -> Envo
 
 fn mock<'a>(mocks: &'a [MockUpstream], name: &str) -> &'a MockUpstream {
     mocks.iter().find(|m| m.name == name).unwrap()
-}
-
-/// Clients sending plain requests straight to one engine, one after the other, until stopped:
-/// the engine's slots and queue fill as with traffic from elsewhere, and Envoy learns of it
-/// only from the engine's `/metrics`. Stopped (each client finishing its request) on drop.
-struct Backlog {
-    stop: Arc<AtomicBool>,
-    sent: Arc<AtomicU64>,
-    clients: Vec<JoinHandle<()>>,
-}
-
-impl Backlog {
-    /// `clients` clients, each sending `max_tokens`-token requests to `port`; with
-    /// `pause_ms > 0` each waits a varying 0..pause_ms between two requests and varies its
-    /// request's length (a load that changes all the time).
-    fn start(port: u16, clients: usize, max_tokens: u64, pause_ms: u64) -> Backlog {
-        let stop = Arc::new(AtomicBool::new(false));
-        let sent = Arc::new(AtomicU64::new(0));
-        let clients = (0..clients)
-            .map(|k| {
-                let (stop, sent) = (stop.clone(), sent.clone());
-                std::thread::spawn(move || {
-                    let mut n = 0u64;
-                    while !stop.load(Ordering::SeqCst) {
-                        n += 1;
-                        // A small deterministic spread (k, n) → 0..1.
-                        let spread = ((k as u64 * 7919 + n * 104_729) % 1000) as f64 / 1000.0;
-                        let tokens = if pause_ms > 0 {
-                            (max_tokens as f64 * (0.25 + spread)).round() as u64
-                        } else {
-                            max_tokens
-                        };
-                        let body = json!({"model": MODEL, "max_tokens": tokens.max(1),
-                            "messages": [{"role": "user", "content": format!("backlog {k} {n}")}]})
-                        .to_string();
-                        let r = request(
-                            port,
-                            "POST",
-                            "/v1/chat/completions",
-                            &[],
-                            Some(body.as_bytes()),
-                            Duration::from_secs(30),
-                        );
-                        sent.fetch_add(1, Ordering::SeqCst);
-                        if r.is_err() {
-                            std::thread::sleep(Duration::from_millis(50));
-                        }
-                        if pause_ms > 0 {
-                            std::thread::sleep(Duration::from_millis(
-                                (spread * pause_ms as f64) as u64,
-                            ));
-                        }
-                    }
-                })
-            })
-            .collect();
-        Backlog {
-            stop,
-            sent,
-            clients,
-        }
-    }
-
-    fn sent(&self) -> u64 {
-        self.sent.load(Ordering::SeqCst)
-    }
-
-    fn halt(&mut self) {
-        self.stop.store(true, Ordering::SeqCst);
-        for c in self.clients.drain(..) {
-            let _ = c.join();
-        }
-    }
-}
-
-impl Drop for Backlog {
-    fn drop(&mut self) {
-        self.halt();
-    }
 }
 
 // --- the filter's stats -------------------------------------------------------------------------
@@ -453,7 +375,7 @@ fn a_full_engine_keeps_its_pins_while_a_slow_one_loses_them() {
     );
 
     // Phase 2: `a` fills up from elsewhere (8 slots, 14 clients), `b` turns 5× slower.
-    let backlog = Backlog::start(mock(&mocks, "a").port, CLIENTS + 6, 40, 0);
+    let backlog = Backlog::start(MODEL, mock(&mocks, "a").port, CLIENTS + 6, 40, 0);
     mock(&mocks, "b").set_fault(json!({"mode": "slow", "factor": 5}));
     wait_all(std::slice::from_ref(&envoy), "a's queue scraped", |s| {
         endpoint_stat(s, "computeflux_engine_waiting", "a") >= SATURATED_WAITING
@@ -660,8 +582,8 @@ fn a_herd_of_new_sessions_fills_a_small_engines_slots_only() {
     // Slots are learned from a scrape that shows a queue, at a decision: queue both engines
     // from elsewhere and send a few requests through Envoy meanwhile.
     let learn = [
-        Backlog::start(s.port, 6, 100, 0),
-        Backlog::start(l.port, 18, 100, 0),
+        Backlog::start(MODEL, s.port, 6, 100, 0),
+        Backlog::start(MODEL, l.port, 18, 100, 0),
     ];
     wait_all(
         std::slice::from_ref(&envoy),
@@ -796,7 +718,7 @@ fn a_later_turn_on_another_replica_passes_over_a_full_home_as_a_first_turn_does(
         ),
     );
 
-    let backlog = Backlog::start(mock(&mocks, "a").port, 10, 40, 0);
+    let backlog = Backlog::start(MODEL, mock(&mocks, "a").port, 10, 40, 0);
     wait_all(
         replicas.envoys(),
         "a's queue scraped by both replicas",
@@ -883,8 +805,8 @@ fn replicas_place_new_sessions_alike_while_engine_load_changes() {
     let ports: Vec<u16> = (0..replicas.len()).map(|r| replicas.port(r)).collect();
     let mut checks = Checks::new();
     let churn = [
-        Backlog::start(mock(&mocks, "c").port, 6, 60, 400),
-        Backlog::start(mock(&mocks, "d").port, 6, 60, 400),
+        Backlog::start(MODEL, mock(&mocks, "c").port, 6, 60, 400),
+        Backlog::start(MODEL, mock(&mocks, "d").port, 6, 60, 400),
     ];
     // The running counts each replica scraped from c, over the whole test.
     let seen_running = std::sync::Mutex::new(BTreeMap::<String, Vec<i64>>::new());
@@ -946,7 +868,7 @@ fn replicas_place_new_sessions_alike_while_engine_load_changes() {
     place(&mut checks, "phase 1, later", &mut p1b, &weights, &[]);
 
     // Phase 2: a saturated (16 slots, 24 clients from elsewhere).
-    let mut fill_a = Backlog::start(mock(&mocks, "a").port, 24, 250, 0);
+    let mut fill_a = Backlog::start(MODEL, mock(&mocks, "a").port, 24, 250, 0);
     wait_all(replicas.envoys(), "a saturated on every replica", |s| {
         endpoint_stat(s, "computeflux_engine_waiting", "a") >= SATURATED_WAITING
     });
@@ -971,7 +893,7 @@ fn replicas_place_new_sessions_alike_while_engine_load_changes() {
 
     // Phase 3: a drains, b saturated.
     fill_a.halt();
-    let _fill_b = Backlog::start(mock(&mocks, "b").port, 24, 250, 0);
+    let _fill_b = Backlog::start(MODEL, mock(&mocks, "b").port, 24, 250, 0);
     wait_all(
         replicas.envoys(),
         "a drained and b saturated on every replica",

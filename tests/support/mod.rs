@@ -12,7 +12,8 @@
 //!
 //! Several Envoys as the replicas of one gateway (restartable with empty shared data):
 //! [`Replicas`]. Client sessions that record where and how each turn was served: [`Session`].
-//! Expectations reported together at the end of a measuring test: [`Checks`].
+//! Expectations reported together at the end of a measuring test: [`Checks`]. Load on an
+//! engine from elsewhere (clients straight to a mock): [`Backlog`].
 //!
 //! Use from a test file: `mod support;` (each test file uses a part, hence `dead_code` allowed).
 
@@ -26,6 +27,7 @@
 )]
 
 pub mod artifacts;
+pub mod backlog;
 pub mod checks;
 pub mod ecds;
 pub mod envoy;
@@ -41,6 +43,7 @@ pub mod session;
 use serde_json::{json, Value};
 
 pub use artifacts::{envoy_bin, mock_bin, repo_root, target_dir, wasm_path};
+pub use backlog::Backlog;
 pub use checks::Checks;
 pub use ecds::EcdsEnvoy;
 pub use envoy::{render_bootstrap, Envoy, EnvoyConfig, DEFAULT_STAT_TAGS};

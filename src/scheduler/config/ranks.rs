@@ -16,9 +16,11 @@
 //! The filter removes a client's own [`RANK_HEADER`] from every request: only the filter
 //! chooses ranks.
 //!
-//! Scraped load: every rank scrapes its engine's `/metrics` page, which sums its queue and
-//! running batch over all ranks; each rank's share is that sum split evenly
-//! ([`DataParallel::share`]), KV-cache usage (a mean) as is.
+//! Scraped load: every rank scrapes its engine's `/metrics` page and reads its own series where
+//! the page labels them by rank (vLLM `engine`, SGLang `dp_rank`: `wire::engine_load::parse_rank`),
+//! so a rank is saturated by its own queue and KV cache. On a page without rank labels each
+//! rank's share is the engine's queue and running batch split evenly ([`DataParallel::share`]),
+//! KV-cache usage (a mean) as is.
 
 use super::EndpointConfig;
 use crate::scheduler::state::hash::endpoint_id;

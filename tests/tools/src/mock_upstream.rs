@@ -23,15 +23,16 @@
 //! - `--prefill-us-per-token N` (200): prefill cost per *uncached* prompt token, in µs.
 //! - `--decode-ms N` (20): decode time of a whole answer (streamed answers spread it over chunks).
 //! - `--cache-tokens N` (200000): KV-cache capacity in tokens (LRU over blocks), per rank.
-//! - `--data-parallel-size N` (1): data-parallel ranks, each with its own prefix cache; the
-//!   request header `x-data-parallel-rank` picks one, else the least loaded (see
-//!   `mock_upstream/ranks.rs`). Answers carry `x-mock-rank`; `/_mock/stats` has `ranks`; the
-//!   vLLM `/metrics` repeats every series per rank (`engine="<k>"`).
+//! - `--data-parallel-size N` (1): data-parallel ranks, each with its own prefix cache, slots,
+//!   queue and prefill; the request header `x-data-parallel-rank` picks one, else the least
+//!   loaded (see `mock_upstream/ranks.rs`). Answers carry `x-mock-rank`; `/_mock/stats` has
+//!   `ranks`; the vLLM and SGLang `/metrics` write every series per rank, with the rank's own
+//!   queue, batch and KV usage (vLLM `engine="<k>"`, SGLang `dp_rank="<k>"`).
 //! - `--block-tokens N` (16): tokens per cache block (vLLM's default block size).
 //! - `--completion-tokens N` (16): answer length; capped by the request's `max_tokens` /
 //!   `max_completion_tokens`.
-//! - `--max-concurrency N` (0 = unlimited): requests processed at once (slots); the rest wait
-//!   in a FIFO queue (and count as in flight).
+//! - `--max-concurrency N` (0 = unlimited): requests processed at once (slots), per rank; the
+//!   rest wait in the rank's FIFO queue (and count as in flight).
 //! - `--engine constant|batched` (constant): the latency model. `batched` behaves like an
 //!   inference engine (see `mock_upstream/engine.rs`): one prefill at a time, decode per output
 //!   token slowed by the batch, plain answers' headers after the generation. Its flags:
@@ -338,19 +339,23 @@ struct Mock {
     started: Instant,
     seq: AtomicU64,
     in_flight: AtomicI64,
-    limiter: Option<Arc<Semaphore>>,
-    /// Requests waiting for a slot (the queue), holding one (the running batch), decoding.
+    /// Each rank's slots (`--max-concurrency`; none: unlimited).
+    slots: Vec<Option<Arc<Semaphore>>>,
+    /// Each rank's load: its queue, running batch, decoding requests and KV blocks held
+    /// (`ranks.rs`; the state's `ranks` shares it).
+    loads: ranks::Loads,
+    /// The engine's requests waiting for a slot (the queue), holding one (the running batch):
+    /// the sums over its ranks.
     waiting: AtomicI64,
     running: AtomicI64,
-    decoding: AtomicI64,
-    /// KV-cache blocks held by the requests in their slots (prompt and output).
+    /// KV-cache blocks held by the requests in their slots (prompt and output), all ranks.
     kv_blocks_used: AtomicI64,
     /// The decode time simulated so far (µs) and the output tokens it produced: the engines'
     /// decode-pace counters on `/metrics`.
     decode_us_total: AtomicU64,
     decode_tokens_total: AtomicU64,
-    /// The batched model's one-prefill-at-a-time lock (tokio's mutex is FIFO).
-    prefill: tokio::sync::Mutex<()>,
+    /// The batched model's one-prefill-at-a-time lock of each rank (tokio's mutex is FIFO).
+    prefill: Vec<tokio::sync::Mutex<()>>,
     /// Wanted: is the main port listening? Written by `/_mock/fault`.
     listening: watch::Sender<bool>,
     /// Actual: is the main port bound? Written by the accept loop.
@@ -426,27 +431,31 @@ impl Mock {
             slots: self.args.max_concurrency as u64,
             decode_us_total: self.decode_us_total.load(Ordering::SeqCst),
             decode_tokens_total: self.decode_tokens_total.load(Ordering::SeqCst),
+            dp_rank: None,
         }
     }
 
-    /// `/metrics`: with several ranks in the vLLM dialect, every series per rank (its cache,
-    /// its token counters, its requests in flight as running; the engine's queue and held KV
-    /// blocks shared out evenly); otherwise the engine's one exposition.
+    /// `/metrics`: with several ranks in the vLLM or SGLang dialect, every series per rank,
+    /// labelled with it (its cache, its token counters, its own queue, running batch and KV
+    /// blocks held; the decode-pace counters shared out evenly); otherwise the engine's one
+    /// exposition (llama.cpp and TGI run no data-parallel ranks: their page sums the ranks).
     fn metrics_text(&self) -> String {
         let load = self.load();
         let n = self.args.data_parallel_size;
-        if n <= 1 || self.args.metrics_format != engine::Format::Vllm {
-            return engine::render_metrics(self.args.metrics_format, &load);
+        let format = self.args.metrics_format;
+        if n <= 1 || !matches!(format, engine::Format::Vllm | engine::Format::Sglang) {
+            return engine::render_metrics(format, &load);
         }
         let st = self.lock();
         let share = |v: u64, k: usize| v / n as u64 + u64::from((k as u64) < v % n as u64);
         let per_rank: Vec<String> = (0..n)
             .map(|k| {
                 let r = st.ranks.stats.get(k).copied().unwrap_or_default();
+                let gauge = |which: ranks::Which| ranks::read(&self.loads, k, which);
                 let rank = engine::Load {
-                    waiting: share(load.waiting, k),
-                    running: st.ranks.in_flight(k).max(0) as u64,
-                    kv_blocks_used: share(load.kv_blocks_used, k),
+                    waiting: gauge(|l| &l.waiting),
+                    running: gauge(|l| &l.running),
+                    kv_blocks_used: gauge(|l| &l.kv_blocks),
                     kv_blocks_total: st
                         .ranks
                         .caches
@@ -458,12 +467,13 @@ impl Mock {
                     requests_total: r.requests,
                     decode_us_total: share(load.decode_us_total, k),
                     decode_tokens_total: share(load.decode_tokens_total, k),
+                    dp_rank: Some(k),
                     ..load.clone()
                 };
-                engine::render_metrics(engine::Format::Vllm, &rank)
+                engine::render_metrics(format, &rank)
             })
             .collect();
-        ranks::label_ranks(&per_rank)
+        ranks::interleave(&per_rank)
     }
 
     /// Counts `tokens` output tokens decoded in `time` (the simulated decode, slowdowns
@@ -681,15 +691,31 @@ async fn chat(mock: Arc<Mock>, conn: Arc<Conn>, req: Request<Incoming>) -> Respo
             .or_insert(value);
     }
     let body = req.into_body().collect().await.map(|c| c.to_bytes());
-    let queued = Gauge::new(&mock, |m| &m.waiting, 1);
-    let permit = match &mock.limiter {
-        Some(s) => s.clone().acquire_owned().await.ok(),
+    // The rank first: a request waits for a slot of its own rank only (a wrong rank waits for
+    // none, and `decide` refuses it).
+    let header = headers.get(ranks::RANK_HEADER).map(String::as_str);
+    let rank = mock.lock().ranks.choose(header);
+    let on_rank = |which: ranks::Which| {
+        rank.as_ref()
+            .ok()
+            .map(|&k| ranks::hold(&mock.loads, k, which, 1))
+    };
+    let queued = (
+        Gauge::new(&mock, |m| &m.waiting, 1),
+        on_rank(|l| &l.waiting),
+    );
+    let slots = rank.as_ref().ok().and_then(|&k| mock.slots.get(k)).cloned();
+    let permit = match slots.flatten() {
+        Some(s) => s.acquire_owned().await.ok(),
         None => None,
     };
     drop(queued);
-    let slot = Gauge::new(&mock, |m| &m.running, 1);
+    let slot = (
+        Gauge::new(&mock, |m| &m.running, 1),
+        on_rank(|l| &l.running),
+    );
     let seq = mock.seq.fetch_add(1, Ordering::SeqCst) + 1;
-    let plan = decide(&mock, seq, &path, headers, body.ok());
+    let plan = decide(&mock, seq, &path, headers, body.ok(), rank);
     match plan {
         Plan::Respond(r) => r,
         Plan::Reset => {
@@ -700,13 +726,14 @@ async fn chat(mock: Arc<Mock>, conn: Arc<Conn>, req: Request<Incoming>) -> Respo
         Plan::Serve(s) => {
             let blocks = (s.prompt_tokens + s.completion_tokens)
                 .div_ceil(mock.args.block_tokens.max(1) as u64);
-            let rank = mock.lock().ranks.hold(s.rank);
             let busy = Busy {
-                _rank: rank,
                 _in_flight: guard,
                 _permit: permit,
                 _slot: slot,
-                _kv: Gauge::new(&mock, |m| &m.kv_blocks_used, blocks as i64),
+                _kv: (
+                    Gauge::new(&mock, |m| &m.kv_blocks_used, blocks as i64),
+                    ranks::hold(&mock.loads, s.rank, |l| &l.kv_blocks, blocks as i64),
+                ),
             };
             match mock.args.engine {
                 engine::Model::Constant => serve(mock, conn, busy, s).await,
@@ -722,6 +749,7 @@ fn decide(
     path: &str,
     headers: BTreeMap<String, String>,
     body: Option<Bytes>,
+    rank: Result<usize, String>,
 ) -> Plan {
     let api = apis::Api::from_path(path).unwrap_or(apis::Api::Chat);
     let form = match api {
@@ -949,10 +977,7 @@ fn decide(
         }
     };
     let prompt_tokens = token_count(prompt.len());
-    let rank = match st
-        .ranks
-        .choose(entry.headers.get(ranks::RANK_HEADER).map(String::as_str))
-    {
+    let rank = match rank {
         Ok(k) => k,
         Err(msg) => return error(st, entry, 400, msg),
     };
@@ -1043,13 +1068,13 @@ fn scaled(d: Duration, factor: f64) -> Duration {
     Duration::from_secs_f64(d.as_secs_f64() * factor)
 }
 
-/// Holds a request's in-flight count, concurrency slot and KV blocks until dropped.
+/// Holds a request's in-flight count, concurrency slot and KV blocks (the engine's and its
+/// rank's) until dropped.
 struct Busy {
-    _rank: ranks::Held,
     _in_flight: InFlight,
     _permit: Option<OwnedSemaphorePermit>,
-    _slot: Gauge,
-    _kv: Gauge,
+    _slot: (Gauge, Option<ranks::Held>),
+    _kv: (Gauge, ranks::Held),
 }
 
 /// A `text/event-stream` answer whose events are what `rx` receives.
@@ -1202,22 +1227,25 @@ fn answer_headers(r: &mut Response<Body>, mock: &Mock, s: &Serve) {
 /// while it lives.
 struct Pacer {
     mock: Arc<Mock>,
+    rank: usize,
     next: tokio::time::Instant,
-    _decoding: Gauge,
+    _decoding: ranks::Held,
 }
 
 impl Pacer {
-    fn new(mock: &Arc<Mock>) -> Self {
+    /// The pacer of a request decoding on `rank` (its batch is the rank's).
+    fn new(mock: &Arc<Mock>, rank: usize) -> Self {
         Pacer {
             mock: mock.clone(),
+            rank,
             next: tokio::time::Instant::now(),
-            _decoding: Gauge::new(mock, |m| &m.decoding, 1),
+            _decoding: ranks::hold(&mock.loads, rank, |l| &l.decoding, 1),
         }
     }
 
     /// Waits until `tokens` more tokens are decoded.
     async fn tokens(&mut self, tokens: u64) {
-        let decoding = self.mock.decoding.load(Ordering::SeqCst).max(1) as u64;
+        let decoding = ranks::read(&self.mock.loads, self.rank, |l| &l.decoding).max(1);
         let ms =
             self.mock.args.params.per_token_ms(decoding) * tokens as f64 * self.mock.slow_now(true);
         let step = Duration::from_secs_f64(ms / 1000.0);
@@ -1228,11 +1256,14 @@ impl Pacer {
 }
 
 /// Serves a request under the batched model (see `mock_upstream/engine.rs`): the one-at-a-time
-/// prefill, then decode in steps paced by the batch; a plain answer's headers after the whole
+/// prefill of its rank, then decode in steps paced by the rank's batch; a plain answer's headers after the whole
 /// generation, a streamed answer's first chunk after the prefill.
 async fn serve_batched(mock: Arc<Mock>, conn: Arc<Conn>, guard: Busy, s: Serve) -> Response<Body> {
     {
-        let _prefill = mock.prefill.lock().await;
+        let _prefill = match mock.prefill.get(s.rank) {
+            Some(m) => Some(m.lock().await),
+            None => None,
+        };
         let uncached = s.prompt_tokens.saturating_sub(s.cached_tokens);
         let us =
             mock.args.prefill_us_per_token.saturating_mul(uncached) as f64 * mock.slow_now(true);
@@ -1255,7 +1286,7 @@ async fn serve_batched(mock: Arc<Mock>, conn: Arc<Conn>, guard: Busy, s: Serve) 
     let step = a.params.step_tokens.max(1) as usize;
     let mut r = if matches!(s.api, apis::Api::Responses | apis::Api::Messages) {
         // Not paced step by step: the whole decode at the batch's current per-token time.
-        let decoding = mock.decoding.load(Ordering::SeqCst).max(0) as u64 + 1;
+        let decoding = ranks::read(&mock.loads, s.rank, |l| &l.decoding) + 1;
         let ms = a.params.per_token_ms(decoding) * s.completion_tokens as f64 * mock.slow_now(true);
         let decode = Duration::from_secs_f64(ms / 1000.0);
         other_api_answer(&mock, guard, &s, decode, created).await
@@ -1263,11 +1294,11 @@ async fn serve_batched(mock: Arc<Mock>, conn: Arc<Conn>, guard: Busy, s: Serve) 
         let words = openai::completion_words(&a.name, s.completion_tokens);
         let (tx, rx) = mpsc::channel::<Bytes>(16);
         let model = s.model.clone();
-        let (cut, no_usage) = (s.cut, s.no_usage);
+        let (cut, no_usage, rank) = (s.cut, s.no_usage, s.rank);
         let m = mock.clone();
         tokio::spawn(async move {
             let _guard = guard;
-            let mut pacer = Pacer::new(&m);
+            let mut pacer = Pacer::new(&m, rank);
             let ev = |v: Value| Bytes::from(openai::sse(&v));
             let role = openai::chunk(
                 &id,
@@ -1297,7 +1328,7 @@ async fn serve_batched(mock: Arc<Mock>, conn: Arc<Conn>, guard: Busy, s: Serve) 
         });
         event_stream(rx)
     } else {
-        let mut pacer = Pacer::new(&mock);
+        let mut pacer = Pacer::new(&mock, s.rank);
         let mut left = s.completion_tokens;
         while left > 0 {
             let n = left.min(step as u64);
@@ -1670,29 +1701,36 @@ async fn run(args: Args) -> Result<(), String> {
 
     let (listening, _) = watch::channel(true);
     let (bound, _) = watch::channel(true);
+    let ranks = ranks::Ranks::new(
+        args.data_parallel_size,
+        args.cache_tokens,
+        args.block_tokens,
+    );
     let mock = Arc::new(Mock {
         port: addr.port(),
         started: Instant::now(),
         seq: AtomicU64::new(0),
         in_flight: AtomicI64::new(0),
-        limiter: (args.max_concurrency > 0).then(|| Arc::new(Semaphore::new(args.max_concurrency))),
+        slots: (0..ranks.size())
+            .map(|_| {
+                (args.max_concurrency > 0).then(|| Arc::new(Semaphore::new(args.max_concurrency)))
+            })
+            .collect(),
+        loads: ranks.loads(),
         waiting: AtomicI64::new(0),
         running: AtomicI64::new(0),
-        decoding: AtomicI64::new(0),
         kv_blocks_used: AtomicI64::new(0),
         decode_us_total: AtomicU64::new(0),
         decode_tokens_total: AtomicU64::new(0),
-        prefill: tokio::sync::Mutex::new(()),
+        prefill: (0..ranks.size())
+            .map(|_| tokio::sync::Mutex::new(()))
+            .collect(),
         listening,
         bound,
         state: Mutex::new(State {
             stats: Stats::default(),
             log: VecDeque::new(),
-            ranks: ranks::Ranks::new(
-                args.data_parallel_size,
-                args.cache_tokens,
-                args.block_tokens,
-            ),
+            ranks,
             fault: Fault::none(),
             fault_gen: 0,
             responses: apis::ResponseStore::new(MAX_STORED_RESPONSES),

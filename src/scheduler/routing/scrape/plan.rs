@@ -468,6 +468,56 @@ mod tests {
         assert_eq!(h[2], (":authority".to_string(), b"c0".to_vec()));
     }
 
+    /// A data-parallel rank is saturated by its own series: on a vLLM page that labels them by
+    /// engine index, rank 0 with 6 waiting (or 95 % of its KV cache) is saturated while rank 1,
+    /// idle, has room. The same engine's page without rank labels, split evenly (3 waiting per
+    /// rank, the mean KV usage of 52.5 %), saturates neither: the per-rank series are what
+    /// make one rank full.
+    #[test]
+    fn a_rank_is_saturated_by_its_own_series() {
+        use crate::scheduler::routing::judge::saturation::{self, judge, Saturation};
+        let cfg = Config::from_value(&json!({"endpoints": [{"name": "g", "cluster": "cg",
+            "data_parallel_size": 2, "metrics": {"interval_ms": 1000, "format": "vllm"}}]}))
+        .unwrap();
+        let verdicts = |page: &str| -> Vec<Saturation> {
+            cfg.endpoints
+                .iter()
+                .map(|e| {
+                    let l = judge_body(page.as_bytes(), page.len(), e).unwrap();
+                    let load = saturation::EngineLoad {
+                        waiting: l.waiting,
+                        running: l.running,
+                        kv_usage_permille: l.kv_usage_permille,
+                        scraped_ms: 1_000,
+                        decode_us_per_token: None,
+                    };
+                    judge(Saturation::Room, Some(&load), &Default::default(), 1_000)
+                })
+                .collect()
+        };
+        let page = |w0: u32, w1: u32, kv0: f64, kv1: f64| {
+            format!(
+                "vllm:num_requests_waiting{{engine=\"0\",model_name=\"m\"}} {w0}\n\
+                 vllm:num_requests_waiting{{engine=\"1\",model_name=\"m\"}} {w1}\n\
+                 vllm:num_requests_running{{engine=\"0\",model_name=\"m\"}} 8\n\
+                 vllm:num_requests_running{{engine=\"1\",model_name=\"m\"}} 0\n\
+                 vllm:kv_cache_usage_perc{{engine=\"0\",model_name=\"m\"}} {kv0}\n\
+                 vllm:kv_cache_usage_perc{{engine=\"1\",model_name=\"m\"}} {kv1}\n"
+            )
+        };
+        let (full, room) = (Saturation::Saturated, Saturation::Room);
+        // By its queue, by its KV cache.
+        assert_eq!(verdicts(&page(6, 0, 0.1, 0.1)), vec![full, room]);
+        assert_eq!(verdicts(&page(0, 0, 0.95, 0.1)), vec![full, room]);
+        // The other rank full: the verdicts swap.
+        assert_eq!(verdicts(&page(0, 7, 0.1, 0.2)), vec![room, full]);
+        // The same engine, its series not labelled by rank: split evenly, neither is full.
+        let unlabelled = "vllm:num_requests_waiting{model_name=\"m\"} 6\n\
+                          vllm:num_requests_running{model_name=\"m\"} 8\n\
+                          vllm:kv_cache_usage_perc{model_name=\"m\"} 0.525\n";
+        assert_eq!(verdicts(unlabelled), vec![room, room]);
+    }
+
     /// Two workers of one Envoy share the store; each ticks every 100 ms (offset by 50 ms),
     /// answers come back at once. The holder's root context is done at 2.9 s and releases the
     /// lease: the other takes it at its next tick and goes on from the published record — never

@@ -190,6 +190,10 @@ pub struct Load {
     /// Decode time simulated so far, µs, and the output tokens it produced.
     pub decode_us_total: u64,
     pub decode_tokens_total: u64,
+    /// The data-parallel rank this load is one of (an engine run with several ranks labels
+    /// every series with it: vLLM `engine`, always present, `0` without ranks; SGLang
+    /// `dp_rank`, only with ranks).
+    pub dp_rank: Option<usize>,
 }
 
 impl Load {
@@ -239,7 +243,8 @@ pub fn render_metrics(format: Format, load: &Load) -> String {
     let decode_s = load.decode_us_total as f64 / 1e6;
     match format {
         Format::Vllm => {
-            let l = format!("engine=\"0\",model_name=\"{m}\"");
+            let engine = load.dp_rank.unwrap_or(0);
+            let l = format!("engine=\"{engine}\",model_name=\"{m}\"");
             let g = [
                 (
                     "vllm:num_requests_running",
@@ -309,14 +314,17 @@ pub fn render_metrics(format: Format, load: &Load) -> String {
                 &mut o,
                 "vllm:cache_config_info",
                 &format!(
-                    "block_size=\"{}\",engine=\"0\",num_gpu_blocks=\"{}\"",
+                    "block_size=\"{}\",engine=\"{engine}\",num_gpu_blocks=\"{}\"",
                     load.block_tokens, load.kv_blocks_total
                 ),
                 1.0,
             );
         }
         Format::Sglang => {
-            let l = format!("model_name=\"{m}\"");
+            let l = match load.dp_rank {
+                Some(k) => format!("model_name=\"{m}\",dp_rank=\"{k}\""),
+                None => format!("model_name=\"{m}\""),
+            };
             let hit_rate = if load.prompt_tokens_total == 0 {
                 0.0
             } else {
@@ -483,6 +491,7 @@ mod tests {
             slots: 4,
             decode_us_total: 1_540_000,
             decode_tokens_total: 770,
+            dp_rank: None,
         }
     }
 
@@ -521,6 +530,29 @@ mod tests {
         assert!(t.contains("# TYPE vllm:num_requests_waiting gauge\n"));
         assert!(t.contains("# TYPE vllm:prefix_cache_queries_total counter\n"));
         assert!(t.contains("# HELP vllm:kv_cache_usage_perc "));
+    }
+
+    /// One rank of a data-parallel engine: its rank on every series, as vLLM (`engine`) and
+    /// SGLang (`dp_rank`) write it.
+    #[test]
+    fn a_rank_labels_its_series() {
+        let rank = Load {
+            dp_rank: Some(1),
+            ..load()
+        };
+        let t = render_metrics(Format::Vllm, &rank);
+        let l = "{engine=\"1\",model_name=\"m1\"}";
+        assert_eq!(
+            value(&t, &format!("vllm:num_requests_waiting{l}")),
+            Some(3.0)
+        );
+        assert!(!t.contains("engine=\"0\""));
+        let t = render_metrics(Format::Sglang, &rank);
+        assert_eq!(
+            value(&t, "sglang:num_queue_reqs{model_name=\"m1\",dp_rank=\"1\"}"),
+            Some(3.0)
+        );
+        assert!(!render_metrics(Format::Sglang, &load()).contains("dp_rank"));
     }
 
     #[test]

@@ -1,19 +1,24 @@
 //! Data-parallel ranks of one mock engine (`--data-parallel-size N`, default 1).
 //!
 //! Why: vLLM (`--data-parallel-size`) and SGLang (`--dp-size`) run several ranks behind one
-//! endpoint, each with its own prefix cache. A request carrying `x-data-parallel-rank: k`
+//! endpoint, each an engine core of its own: its own prefix cache, its own running batch and
+//! waiting queue, its own series on `/metrics`. A request carrying `x-data-parallel-rank: k`
 //! (any case) goes to rank k; without it the engine's own balancer spreads requests over its
 //! ranks, so a conversation's turns find their cache only when they happen to land on the same
-//! rank. The bench compares routers that pin ranks with those that cannot.
+//! rank. The bench compares routers that pin ranks with those that cannot, and the tests make
+//! one rank full while the other has room.
 //!
 //! How: one [`PrefixCache`] per rank, the same capacity each (`--cache-tokens` is per rank, as
-//! each GPU has its own KV memory). The rank is the header's value when it parses and is below
-//! N (another value is refused with 400, as vLLM refuses a rank out of range); without the
-//! header, the rank with the fewest requests in flight, ties broken round-robin (vLLM's
-//! internal balancer picks the least loaded engine by its queue and running counts).
-//! Per-rank counters (requests, prompt and cached tokens, requests in flight) feed
-//! `/_mock/stats` (`ranks`) and the vLLM dialect of `/metrics`, whose every series carries the
-//! rank as its `engine` label ([`label_ranks`]).
+//! each GPU has its own KV memory), and one [`RankLoad`] per rank: its requests waiting for one
+//! of its slots, running in its batch, decoding, and the KV blocks its running requests hold
+//! (`--max-concurrency` slots per rank, as vLLM's `--max-num-seqs` is per engine core; a
+//! rank's requests wait only behind that rank's). The rank is the header's value when it parses
+//! and is below N (another value is refused with 400, as vLLM refuses a rank out of range);
+//! without the header, the rank with the fewest requests waiting or running, ties broken
+//! round-robin (vLLM's internal balancer picks the least loaded engine by its queue and running
+//! counts). Per-rank counters (requests, prompt and cached tokens, the load) feed
+//! `/_mock/stats` (`ranks`) and `/metrics`, whose every series is then written once per rank
+//! with the rank as a label (vLLM `engine="<k>"`, SGLang `dp_rank="<k>"`: [`interleave`]).
 
 use std::sync::atomic::{AtomicI64, Ordering};
 use std::sync::Arc;
@@ -40,26 +45,67 @@ pub struct RankStats {
     pub by_header: u64,
 }
 
-/// The ranks of one engine.
-pub struct Ranks {
-    pub caches: Vec<PrefixCache>,
-    pub stats: Vec<RankStats>,
-    in_flight: Arc<Vec<AtomicI64>>,
-    next: usize,
+/// What one rank bears now (gauges, each moved by a [`Held`]).
+#[derive(Default, Debug)]
+pub struct RankLoad {
+    /// Requests waiting for one of the rank's slots.
+    pub waiting: AtomicI64,
+    /// Requests holding one of its slots (its running batch).
+    pub running: AtomicI64,
+    /// Of those, the ones decoding (the batched model's batch slowdown).
+    pub decoding: AtomicI64,
+    /// KV-cache blocks held by its running requests (prompt and output).
+    pub kv_blocks: AtomicI64,
 }
 
-/// A request held on a rank: its in-flight count, given back on drop.
+/// Which gauge of a [`RankLoad`].
+pub type Which = fn(&RankLoad) -> &AtomicI64;
+
+/// The load of every rank, shared by the requests that move it.
+pub type Loads = Arc<Vec<RankLoad>>;
+
+/// Adds to one gauge of one rank until dropped.
 pub struct Held {
-    in_flight: Arc<Vec<AtomicI64>>,
+    loads: Loads,
     rank: usize,
+    which: Which,
+    delta: i64,
 }
 
 impl Drop for Held {
     fn drop(&mut self) {
-        if let Some(n) = self.in_flight.get(self.rank) {
-            n.fetch_sub(1, Ordering::SeqCst);
+        if let Some(l) = self.loads.get(self.rank) {
+            (self.which)(l).fetch_sub(self.delta, Ordering::SeqCst);
         }
     }
+}
+
+/// Adds `delta` to gauge `which` of `rank` until the returned guard drops.
+pub fn hold(loads: &Loads, rank: usize, which: Which, delta: i64) -> Held {
+    if let Some(l) = loads.get(rank) {
+        which(l).fetch_add(delta, Ordering::SeqCst);
+    }
+    Held {
+        loads: loads.clone(),
+        rank,
+        which,
+        delta,
+    }
+}
+
+/// Gauge `which` of `rank` now (0 past the last rank, never negative).
+pub fn read(loads: &Loads, rank: usize, which: Which) -> u64 {
+    loads
+        .get(rank)
+        .map_or(0, |l| which(l).load(Ordering::SeqCst).max(0) as u64)
+}
+
+/// The ranks of one engine.
+pub struct Ranks {
+    pub caches: Vec<PrefixCache>,
+    pub stats: Vec<RankStats>,
+    loads: Loads,
+    next: usize,
 }
 
 impl Ranks {
@@ -70,13 +116,18 @@ impl Ranks {
                 .map(|_| PrefixCache::new(cache_tokens, block_tokens))
                 .collect(),
             stats: vec![RankStats::default(); size],
-            in_flight: Arc::new((0..size).map(|_| AtomicI64::new(0)).collect()),
+            loads: Arc::new((0..size).map(|_| RankLoad::default()).collect()),
             next: 0,
         }
     }
 
     pub fn size(&self) -> usize {
         self.caches.len()
+    }
+
+    /// The ranks' loads (moved by the requests without the state lock).
+    pub fn loads(&self) -> Loads {
+        self.loads.clone()
     }
 
     /// The rank for a request whose rank header is `header`: `Err` for a value that names no
@@ -107,21 +158,9 @@ impl Ranks {
         Ok(k)
     }
 
-    /// Counts a request in flight on `rank` until the returned guard drops.
-    pub fn hold(&self, rank: usize) -> Held {
-        if let Some(n) = self.in_flight.get(rank) {
-            n.fetch_add(1, Ordering::SeqCst);
-        }
-        Held {
-            in_flight: self.in_flight.clone(),
-            rank,
-        }
-    }
-
-    pub fn in_flight(&self, rank: usize) -> i64 {
-        self.in_flight
-            .get(rank)
-            .map_or(0, |n| n.load(Ordering::SeqCst))
+    /// Requests of `rank` waiting or running.
+    pub fn in_flight(&self, rank: usize) -> u64 {
+        read(&self.loads, rank, |l| &l.waiting) + read(&self.loads, rank, |l| &l.running)
     }
 
     /// The cache of `rank` (`None` past the last rank).
@@ -144,6 +183,7 @@ impl Ranks {
 
     /// `/_mock/stats`' `ranks`: one object per rank.
     pub fn to_json(&self) -> Value {
+        let l = &self.loads;
         Value::Array(
             self.stats
                 .iter()
@@ -156,7 +196,10 @@ impl Ranks {
                         "prompt_tokens": s.prompt_tokens,
                         "cached_tokens": s.cached_tokens,
                         "completion_tokens": s.completion_tokens,
+                        "waiting": read(l, k, |l| &l.waiting),
+                        "running": read(l, k, |l| &l.running),
                         "in_flight": self.in_flight(k),
+                        "kv_blocks_used": read(l, k, |l| &l.kv_blocks),
                         "cache_blocks": self.caches.get(k).map_or(0, PrefixCache::len),
                     })
                 })
@@ -165,11 +208,10 @@ impl Ranks {
     }
 }
 
-/// Merges one exposition per rank (each rendered with `engine="0"`, the same families in the
-/// same order) into one whose every series is repeated per rank with `engine="<k>"`, as vLLM
-/// labels its series by data-parallel rank: comment lines once, each sample line followed by
-/// the same line of the other ranks.
-pub fn label_ranks(per_rank: &[String]) -> String {
+/// Merges one exposition per rank (each rendered with its own rank label, the same families in
+/// the same order) into one page: comment lines once, each sample line followed by the same
+/// line of the other ranks, as an engine's page lists every rank's series of a family together.
+pub fn interleave(per_rank: &[String]) -> String {
     let lines: Vec<Vec<&str>> = per_rank.iter().map(|t| t.lines().collect()).collect();
     let Some(first) = lines.first() else {
         return String::new();
@@ -181,9 +223,8 @@ pub fn label_ranks(per_rank: &[String]) -> String {
             out.push('\n');
             continue;
         }
-        for (k, rank) in lines.iter().enumerate() {
-            let l = rank.get(i).copied().unwrap_or(line);
-            out.push_str(&l.replace("engine=\"0\"", &format!("engine=\"{k}\"")));
+        for rank in &lines {
+            out.push_str(rank.get(i).copied().unwrap_or(line));
             out.push('\n');
         }
     }
@@ -209,18 +250,39 @@ mod tests {
     #[test]
     fn without_the_header_requests_spread_to_the_least_loaded_rank() {
         let mut r = Ranks::new(3, 1_000, 16);
+        let loads = r.loads();
         // Idle: round-robin.
         let picks: Vec<usize> = (0..6).map(|_| r.choose(None).unwrap()).collect();
         assert_eq!(picks, vec![0, 1, 2, 0, 1, 2]);
-        // Rank 0 and 1 busy: rank 2 until it is as busy.
-        let _a = r.hold(0);
-        let _b = r.hold(1);
+        // Rank 0 running, rank 1 queueing: rank 2 until it is as busy.
+        let _a = hold(&loads, 0, |l| &l.running, 1);
+        let _b = hold(&loads, 1, |l| &l.waiting, 1);
         assert_eq!(r.choose(None), Ok(2));
-        let c = r.hold(2);
+        let c = hold(&loads, 2, |l| &l.running, 1);
         assert_eq!(r.in_flight(2), 1);
         drop(c);
         assert_eq!(r.in_flight(2), 0);
         assert_eq!(r.choose(None), Ok(2));
+    }
+
+    #[test]
+    fn each_rank_has_its_own_load() {
+        let r = Ranks::new(2, 1_000, 16);
+        let loads = r.loads();
+        let held: Vec<Held> = (0..3)
+            .map(|_| hold(&loads, 0, |l| &l.waiting, 1))
+            .chain([hold(&loads, 1, |l| &l.kv_blocks, 7)])
+            .collect();
+        let rank = |k: usize| {
+            let v = &r.to_json()[k];
+            (v["waiting"].as_u64(), v["kv_blocks_used"].as_u64())
+        };
+        assert_eq!((rank(0), rank(1)), ((Some(3), Some(0)), (Some(0), Some(7))));
+        drop(held);
+        assert_eq!((rank(0), rank(1)), ((Some(0), Some(0)), (Some(0), Some(0))));
+        // Past the last rank: nothing moves, nothing panics.
+        let _none = hold(&loads, 9, |l| &l.running, 1);
+        assert_eq!(read(&loads, 9, |l| &l.running), 0);
     }
 
     #[test]
@@ -237,11 +299,11 @@ mod tests {
     }
 
     #[test]
-    fn series_are_repeated_per_rank() {
-        let t = |v: u32| {
-            format!("# HELP a x\n# TYPE a gauge\na{{engine=\"0\",model_name=\"m\"}} {v}\n")
+    fn series_are_interleaved_per_rank() {
+        let t = |k: u32, v: u32| {
+            format!("# HELP a x\n# TYPE a gauge\na{{engine=\"{k}\",model_name=\"m\"}} {v}\n")
         };
-        let merged = label_ranks(&[t(1), t(2)]);
+        let merged = interleave(&[t(0, 1), t(1, 2)]);
         assert_eq!(
             merged,
             "# HELP a x\n# TYPE a gauge\na{engine=\"0\",model_name=\"m\"} 1\na{engine=\"1\",model_name=\"m\"} 2\n"
