@@ -451,8 +451,17 @@ fn a_full_engine_keeps_its_pins_while_a_slow_one_loses_them() {
         ),
     );
 
-    // Phase 3: new sessions, ten homed on a, five on each of the others.
-    let mut fresh = homed("new", &weights, &[("a", 10), ("b", 5), ("c", 5), ("d", 5)]);
+    // Phase 3: new sessions, ten homed on a, five on each of the others. Homes by the
+    // rendezvous weights in force: a's slots are known (its queue showed CLIENTS running), the
+    // others never queued and count as 4 × the most known (ADR 0019).
+    let known = CLIENTS as f64;
+    let in_force = [
+        ("a", known),
+        ("b", 4.0 * known),
+        ("c", 4.0 * known),
+        ("d", 4.0 * known),
+    ];
+    let mut fresh = homed("new", &in_force, &[("a", 10), ("b", 5), ("c", 5), ("d", 5)]);
     let started = Instant::now();
     for_each_parallel(&mut fresh, CLIENTS, |_, c| {
         c.send(port, &streamed());
@@ -524,7 +533,7 @@ fn a_full_engine_keeps_its_pins_while_a_slow_one_loses_them() {
     // one too: the new sessions homed on a whose next endpoint is b say `degraded`.
     let second_b = fresh
         .iter()
-        .filter(|c| c.home == "a" && first_but(&c.id, &weights, &["a"]) == "b")
+        .filter(|c| c.home == "a" && first_but(&c.id, &in_force, &["a"]) == "b")
         .count();
     checks.expect(
         decisions(&s, "saturated") >= (10 - second_b) as i64,
@@ -555,7 +564,7 @@ fn a_full_engine_keeps_its_pins_while_a_slow_one_loses_them() {
 // --- 2. capacity by slots -----------------------------------------------------------------------
 
 /// A herd of 18 new sessions at once, 12 of them homed on the 4-slot `s`, 6 on the 16-slot `l`
-/// (equal weights), after both engines were seen queueing (their slots known) and drained: `s`
+/// (by weight × slots), after both engines were seen queueing (their slots known) and drained: `s`
 /// takes at most its 4 slots (one more if a scrape lands between a placement and its arrival),
 /// never queues, and `l` takes the rest. (18 < 20 slots: `l` always has room, so `s` is never
 /// the least full of two full engines.)
@@ -601,8 +610,9 @@ fn a_herd_of_new_sessions_fills_a_small_engines_slots_only() {
         })
     });
 
-    // The herd: 18 streamed sessions of 150 output tokens (~450 ms each) released at once.
-    let mut herd = homed("herd", &weights, &[("s", 12), ("l", 6)]);
+    // The herd: 18 streamed sessions of 150 output tokens (~450 ms each) released at once,
+    // homed by the rendezvous weights in force (weight × slots, ADR 0019).
+    let mut herd = homed("herd", &[("s", 4.0), ("l", 16.0)], &[("s", 12), ("l", 6)]);
     let stop = Arc::new(AtomicBool::new(false));
     let sampler = {
         let (stop, control) = (stop.clone(), s.control_port);
@@ -686,7 +696,15 @@ fn a_later_turn_on_another_replica_passes_over_a_full_home_as_a_first_turn_does(
     let mut checks = Checks::new();
     let plain = json!({"max_tokens": 16});
 
-    let mut later = homed("later", &weights, &[("a", 6)]);
+    // Once a has queued, the rendezvous weights are weight × slots, b and c (never queued)
+    // counting as 4 × a's 4 (ADR 0019): sessions homed on a both before and after.
+    let in_force = [("a", 4.0), ("b", 16.0), ("c", 16.0)];
+    let mut later: Vec<Chat> = homed("later", &weights, &[("a", 600)])
+        .into_iter()
+        .filter(|c| rendezvous_order(header_session(&c.id), &in_force)[0] == "a")
+        .take(6)
+        .collect();
+    assert_eq!(later.len(), 6);
     for c in &mut later {
         c.send(r0, &plain);
     }
@@ -709,7 +727,7 @@ fn a_later_turn_on_another_replica_passes_over_a_full_home_as_a_first_turn_does(
     let before = stats(replicas.envoy(1));
     // Second turns (user, assistant, user) through replica 1, and first turns of new sessions
     // homed on a, interleaved.
-    let mut first = homed("first", &weights, &[("a", 6)]);
+    let mut first = homed("first", &in_force, &[("a", 6)]);
     for (k, (c, f)) in later.iter_mut().zip(first.iter_mut()).enumerate() {
         c.send(r1, &plain);
         let text = format!("session {} turn 0", f.id);
@@ -795,70 +813,75 @@ fn replicas_place_new_sessions_alike_while_engine_load_changes() {
 
     // Places `chats` (one first turn each, on every replica) and checks the replicas agree,
     // on the expected endpoint.
-    let place = |checks: &mut Checks, phase: &str, chats: &mut [Chat], skip: &[&str]| {
-        let threads = 4;
-        let port_list = ports.clone();
-        for_each_parallel(chats, threads, |_, c| {
-            for &p in &port_list {
-                let text = format!("session {} turn 0", c.id);
-                let r = post(
-                    p,
-                    &c.id,
-                    vec![json!({"role": "user", "content": text})],
-                    &json!({"max_tokens": 8}),
-                );
-                c.replies.push(r);
+    // `w`: the rendezvous weights in force (weight × slots once an engine has queued, the
+    // others as 4 × the most slots known; ADR 0019).
+    let place =
+        |checks: &mut Checks, phase: &str, chats: &mut [Chat], w: &[(&str, f64)], skip: &[&str]| {
+            let threads = 4;
+            let port_list = ports.clone();
+            for_each_parallel(chats, threads, |_, c| {
+                for &p in &port_list {
+                    let text = format!("session {} turn 0", c.id);
+                    let r = post(
+                        p,
+                        &c.id,
+                        vec![json!({"role": "user", "content": text})],
+                        &json!({"max_tokens": 8}),
+                    );
+                    c.replies.push(r);
+                }
+            });
+            for (r, e) in replicas.envoys().iter().enumerate() {
+                let v = endpoint_stat(&stats(e), "computeflux_engine_running", "c");
+                seen_running
+                    .lock()
+                    .unwrap()
+                    .entry(format!("replica {r}"))
+                    .or_default()
+                    .push(v);
             }
-        });
-        for (r, e) in replicas.envoys().iter().enumerate() {
-            let v = endpoint_stat(&stats(e), "computeflux_engine_running", "c");
-            seen_running
-                .lock()
-                .unwrap()
-                .entry(format!("replica {r}"))
-                .or_default()
-                .push(v);
-        }
-        let disagree: Vec<String> = chats
-            .iter()
-            .filter(|c| {
-                let expected = first_but(&c.id, &weights, skip);
-                !c.replies.iter().all(|r| r.ok() && r.endpoint == expected)
-            })
-            .map(|c| {
+            let disagree: Vec<String> = chats
+                .iter()
+                .filter(|c| {
+                    let expected = first_but(&c.id, w, skip);
+                    !c.replies.iter().all(|r| r.ok() && r.endpoint == expected)
+                })
+                .map(|c| format!("{} expected {}", c.trail(), first_but(&c.id, w, skip)))
+                .collect();
+            let spread = tally(chats.iter().map(|c| c.replies[0].endpoint.clone()));
+            checks.expect(
+                disagree.is_empty(),
                 format!(
-                    "{} expected {}",
-                    c.trail(),
-                    first_but(&c.id, &weights, skip)
-                )
-            })
-            .collect();
-        let spread = tally(chats.iter().map(|c| c.replies[0].endpoint.clone()));
-        checks.expect(
-            disagree.is_empty(),
-            format!(
-                "{phase}: sessions placed on the same, expected endpoint by all {} replicas: \
+                    "{phase}: sessions placed on the same, expected endpoint by all {} replicas: \
                  {}/{} (spread {spread:?}); the others: {disagree:?}",
-                ports.len(),
-                chats.len() - disagree.len(),
-                chats.len()
-            ),
-        );
-    };
+                    ports.len(),
+                    chats.len() - disagree.len(),
+                    chats.len()
+                ),
+            );
+        };
 
     // Phase 1: nothing saturated; c and d loaded and changing.
     let mut p1 = homed("p1", &weights, &[("a", 5), ("b", 5), ("c", 5), ("d", 5)]);
-    place(&mut checks, "phase 1 (c, d loaded)", &mut p1, &[]);
+    place(&mut checks, "phase 1 (c, d loaded)", &mut p1, &weights, &[]);
     let mut p1b = homed("p1b", &weights, &[("a", 5), ("b", 5), ("c", 5), ("d", 5)]);
-    place(&mut checks, "phase 1, later", &mut p1b, &[]);
+    place(&mut checks, "phase 1, later", &mut p1b, &weights, &[]);
 
     // Phase 2: a saturated (16 slots, 24 clients from elsewhere).
     let mut fill_a = Backlog::start(MODEL, mock(&mocks, "a").port, 24, 250, 0);
     wait_all(replicas.envoys(), "a saturated on every replica", |s| {
         endpoint_stat(s, "computeflux_engine_waiting", "a") >= SATURATED_WAITING
     });
-    let mut p2 = homed("p2", &weights, &[("a", 8), ("b", 4), ("c", 4), ("d", 4)]);
-    place(&mut checks, "phase 2 (a saturated)", &mut p2, &["a"]);
+    // a showed its 16 slots; the others never queued (4 × 16 each).
+    let in_force = [("a", 16.0), ("b", 64.0), ("c", 128.0), ("d", 128.0)];
+    let mut p2 = homed("p2", &in_force, &[("a", 8), ("b", 4), ("c", 4), ("d", 4)]);
+    place(
+        &mut checks,
+        "phase 2 (a saturated)",
+        &mut p2,
+        &in_force,
+        &["a"],
+    );
     let skipped = p2
         .iter()
         .filter(|c| c.home == "a")
@@ -879,11 +902,14 @@ fn replicas_place_new_sessions_alike_while_engine_load_changes() {
                 && endpoint_stat(s, "computeflux_engine_waiting", "b") >= SATURATED_WAITING
         },
     );
-    let mut p3 = homed("p3", &weights, &[("a", 4), ("b", 8), ("c", 4), ("d", 4)]);
+    // b showed its 16 slots too.
+    let in_force = [("a", 16.0), ("b", 16.0), ("c", 128.0), ("d", 128.0)];
+    let mut p3 = homed("p3", &in_force, &[("a", 4), ("b", 8), ("c", 4), ("d", 4)]);
     place(
         &mut checks,
         "phase 3 (a drained, b saturated)",
         &mut p3,
+        &in_force,
         &["b"],
     );
 

@@ -609,7 +609,7 @@ proptest! {
         was in prop_oneof![Just(Saturation::Unknown), Just(Saturation::Room), Just(Saturation::Saturated)],
     ) {
         let rule = SaturationRule::default();
-        let load = EngineLoad { waiting, running: Some(4), kv_usage_permille: kv, scraped_ms: 1_000, decode_us_per_token: None };
+        let load = EngineLoad { waiting, running: Some(4), kv_usage_permille: kv, scraped_ms: 1_000, decode_us_per_token: None, decoded_at_ms: None };
         let now = 1_000 + age;
         let s = judge(was, Some(&load), &rule, now);
         prop_assert_eq!(judge(s, Some(&load), &rule, now), s);

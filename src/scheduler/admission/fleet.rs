@@ -182,6 +182,7 @@ mod tests {
             kv_usage_permille: Some(100),
             scraped_ms: 1_000,
             decode_us_per_token: None,
+            decoded_at_ms: None,
         }
     }
 

@@ -78,6 +78,9 @@ pub struct EngineLoad {
     /// The engine's own decode pace, µs per token (`scrape::Scraped::pace_at`): what judges
     /// its slowness against its peers' where they publish one too (`signals`).
     pub decode_us_per_token: Option<u32>,
+    /// When the engine last showed decoding (its last pace window closed: `scrape::Pace`'s
+    /// `at_ms`): a probe that another replica sent it shows here, as the pace does.
+    pub decoded_at_ms: Option<u64>,
 }
 
 /// The saturation of an endpoint.
@@ -240,6 +243,7 @@ mod tests {
             kv_usage_permille: kv,
             scraped_ms: 1_000,
             decode_us_per_token: None,
+            decoded_at_ms: None,
         }
     }
 

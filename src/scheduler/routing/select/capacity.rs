@@ -24,8 +24,10 @@
 //! share only: the projection is a lower bound.
 //!
 //! **Room**: an endpoint with known slots has room for one more when `projected + 1 ≤ slots`.
-//! A placement passes over an endpoint without room when another has room (as it passes over
-//! a saturated one), and a saturated pin moves only to an endpoint with room.
+//! A new session's placement passes over an endpoint without room that this process filled
+//! by a burst of its own ([`Room::herd`]: two or more placements since the scrape) when another
+//! has room, as it passes over a saturated one; "no room" by the scrape alone is left to the
+//! saturation verdict, which replicas share. A later turn never reads the own count.
 //!
 //! **Bounded load by slots** ([`slot_limit`]): when every candidate's slots are known, an
 //! endpoint takes a new session while `projected + 1 ≤ max(slots, (1 + ε) × (P + 1) × slots /
@@ -80,6 +82,8 @@ pub struct Room {
     pub projected: u32,
     /// Its slots, if it was ever seen queueing.
     pub slots: Option<u32>,
+    /// This process's own placements since that scrape (part of `projected`).
+    pub sent: u32,
 }
 
 impl Room {
@@ -98,6 +102,7 @@ impl Room {
                 .saturating_add(load.waiting.unwrap_or(0))
                 .saturating_add(sent),
             slots: (slots > 0).then_some(slots),
+            sent,
         })
     }
 
@@ -106,7 +111,28 @@ impl Room {
     pub fn free_slot(&self) -> Option<bool> {
         self.slots.map(|s| u64::from(self.projected) < u64::from(s))
     }
+
+    /// A burst of this process's own: at least [`HERD_MIN_SENT`] placements sent since the
+    /// scrape and no free slot counting them. What bounds a herd of new sessions onto a small
+    /// engine between two scrapes; never read for a later turn (see [`HERD_MIN_SENT`]).
+    pub fn herd(&self) -> bool {
+        self.sent >= HERD_MIN_SENT && self.free_slot() == Some(false)
+    }
 }
+
+/// The own placements since a scrape that make a burst ([`Room::herd`]).
+///
+/// Why not any: with one or none sent, "no free slot" is the scrape's own running + waiting,
+/// which on a 4-slot engine turns with every answer, and is read by each replica at its own
+/// scrape; with three replicas, each turn of a session met another verdict and the session
+/// moved between the small engine and the next of its order (mixed fleet near saturation:
+/// 75–79 % of later turns on their previous endpoint). The scrape's judgement of a full
+/// engine is the saturation verdict, which every replica reads alike (hysteresis, slot-scaled
+/// in [`signals::saturation_rule`]); the own count only stops a herd released between two
+/// scrapes (18 sessions at once: the 4-slot engine takes 4).
+pub const HERD_MIN_SENT: u32 = 2;
+
+impl Room {}
 
 /// The bounded-load limit of an endpoint with `slots`, when every candidate's slots are known:
 /// the load it may have after taking one more, given the candidates' projected loads summing
@@ -369,6 +395,7 @@ mod tests {
             kv_usage_permille: None,
             scraped_ms,
             decode_us_per_token: None,
+            decoded_at_ms: None,
         }
     }
 
@@ -399,7 +426,8 @@ mod tests {
             room(&store),
             Room {
                 projected: 2,
-                slots: Some(4)
+                slots: Some(4),
+                sent: 0,
             }
         );
         assert_eq!(room(&store).free_slot(), Some(true));
@@ -408,6 +436,12 @@ mod tests {
         record(&store, &[(7, now)], Some((7, now)), &keep);
         assert_eq!(room(&store).projected, 4);
         assert_eq!(room(&store).free_slot(), Some(false));
+        // Two of its own since the scrape and no free slot: a burst.
+        assert!(room(&store).herd());
+        // Full by the scrape alone (4 running, none sent): no free slot, but no burst.
+        assert!(!Room::of(&read(&store).get(7), &load(0, 4, 2_500))
+            .unwrap()
+            .herd());
         // The next scrape counts them itself: the count starts again.
         let next = load(0, 3, 3_000);
         assert_eq!(Room::of(&read(&store).get(7), &next).unwrap().projected, 3);

@@ -47,6 +47,20 @@ impl<'a> Scheduler<'a> {
         let prefix_key = (self.cfg.prefix_placement && pick.session.is_some())
             .then(|| pick.prefix.get())
             .flatten();
+        // A prefix whose home is a small engine (see `Board::small`) places its sessions by
+        // their own keys: what every replica computes alike from the slots the engines showed,
+        // whichever turn it is, where the small home's fullness, read by each replica at its
+        // own scrape, sent one session's turns to different endpoints (mixed fleet, three
+        // replicas: the most popular application, a third of the sessions, homed on a 4-slot
+        // engine).
+        let prefix_key = prefix_key.filter(|&k| {
+            board.most_slots == 0 || {
+                let keyed = placement::Keyed::seeded(k, &board.weights, board.seeds());
+                !keyed
+                    .first(|i| !board.degraded(i))
+                    .is_some_and(|h| board.small(h))
+            }
+        });
         let key = prefix_key.unwrap_or(pick.session.unwrap_or(pick.nonce));
         let by_prefix = prefix_key.is_some() && pinned.is_none();
         // The session's home: the first non-degraded endpoint of its rendezvous order.
@@ -219,7 +233,7 @@ impl<'a> Scheduler<'a> {
             // In the walk's order of checks: degraded (a probe may be due), unavailable
             // (breaker, exclusions, quota), saturated, load.
             let reference = references.get(i).copied().flatten();
-            let v = signals::judge_with(table, cfg, i, reference, None, None, now_ms);
+            let v = signals::judge_with(table, cfg, i, reference, None, None, None, now_ms);
             if v.degraded {
                 return None;
             }
@@ -350,6 +364,14 @@ impl<'a> Scheduler<'a> {
     /// that holds no pin for them — as probes they paid a full prefill on the slow endpoint
     /// (the bench's `slow` run, three replicas: 3.9–4.5 s, nothing cached).
     /// Overdue verdicts are not probed (the hits in flight are probes already).
+    ///
+    /// Where the engine is scraped, the replicas time their probes alike: the interval runs
+    /// from the engine's last decoding by its scrape (`EngineLoad::decoded_at_ms`) when that
+    /// is later than this replica's own last probe, and no probe goes while the scrape shows
+    /// the engine running anything. Each replica used to probe on its own timer, so three
+    /// replicas sent three times one Envoy's probes (the bench's `slow` run: 6 requests to the
+    /// slowed engine after detection against 2); a probe any of them sends is evidence for
+    /// all, through the engine's pace.
     pub(super) fn probe_due(
         &self,
         board: &Board,
@@ -359,12 +381,20 @@ impl<'a> Scheduler<'a> {
         now_ms: u64,
     ) -> bool {
         let sticky = board.verdicts.get(i).is_some_and(|v| v.sticky);
+        let load = board.verdicts.get(i).and_then(|v| v.load);
+        // The interval runs from this replica's last probe, or from the engine's last
+        // decoding by its scrape (another replica's probe), whichever is later.
+        let since = load.and_then(|l| l.decoded_at_ms).unwrap_or(0);
         let due = table.entries.get(i).is_some_and(|(_, st)| {
-            now_ms.saturating_sub(st.degraded_probe_ms)
+            now_ms.saturating_sub(st.degraded_probe_ms.max(since))
                 >= placement::probe_interval(self.cfg, st.degraded_probes)
         });
+        // Where its engine is scraped: idle by its last scrape. Another replica's probe still
+        // running there fetches the evidence this one would, for every replica (its pace).
+        let idle = load.is_none_or(|l| l.running.unwrap_or(0) == 0 && l.waiting.unwrap_or(0) == 0);
         sticky
             && due
+            && idle
             && board.admitted(i)
             && !board.short(i)
             && pick.attempt <= 1

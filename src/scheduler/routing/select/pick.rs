@@ -110,7 +110,8 @@ pub struct Pick<'a> {
     /// would be — over its bounded load (this replica's own count), not passed — since its
     /// cache is there and every replica computes the same home (the first turn may have been
     /// served by another replica, which holds the pin); but a full endpoint (by its engine's
-    /// scrape) that new sessions pass over is passed over as the first turn was.
+    /// scrape, with hysteresis: saturated) that new sessions pass over is passed over as the
+    /// first turn was; never for this replica's own placements since the scrape.
     pub follow_up: bool,
     /// The most output tokens the request allows, if it says (0: unknown): part of its
     /// estimated cost to a key's token quota ([`Pick::quota_estimate`]).

@@ -462,6 +462,7 @@ pub fn engine_loads_from(
                     scraped_ms: rec.scraped_at_ms,
                     // `pace_at`: the pace when the load is known.
                     decode_us_per_token: rec.pace.map(|p| p.us_per_token),
+                    decoded_at_ms: rec.pace.map(|p| p.at_ms),
                 }),
                 LoadState::Unknown(_) => None,
             }
@@ -506,13 +507,37 @@ pub fn judge(
 ) -> Verdict {
     let rule = DegradeRule::from_config(cfg);
     let reference = peer_median(table, cfg, i, rule.min_samples);
-    judge_with(table, cfg, i, reference, None, load, now_ms)
+    judge_with(table, cfg, i, reference, None, load, None, now_ms)
+}
+
+/// The saturation rule of an engine with `slots` (known once it was seen queueing, see
+/// `capacity`): [`SaturationRule::default`]'s, entered at a queue of `slots / 4 + 1` where
+/// that is fewer than 5 and then left only with an empty queue.
+///
+/// Why: the saturation verdict is the fullness every replica reads alike (the engine's
+/// scrape, with hysteresis), the one a later turn without a pin passes over. A 4-slot engine
+/// with 5 waiting holds more than a batch in its queue; entered at 2 and left at 0, its
+/// verdict stays put across the answers that make "a free slot" come and go.
+pub fn saturation_rule(slots: Option<u32>) -> SaturationRule {
+    let base = SaturationRule {
+        max_age_ms: SCRAPE_STALE_MS,
+        ..SaturationRule::default()
+    };
+    match slots {
+        Some(s) if s > 0 && s / 4 + 1 < base.enter_waiting => SaturationRule {
+            enter_waiting: s / 4 + 1,
+            exit_waiting: 0,
+            ..base
+        },
+        _ => base,
+    }
 }
 
 /// [`judge`] with the peers' medians already known: their slowness ([`peer_medians`]) and
 /// their engines' pace ([`pace_medians`]). Where the endpoint's engine and at least one peer's
 /// publish a decode pace, the degraded rule judges the pace ([`slowness::pace_degraded`]);
 /// otherwise the slowness learned from this process's own answers.
+#[allow(clippy::too_many_arguments)]
 pub fn judge_with(
     table: &Table,
     cfg: &Config,
@@ -520,6 +545,7 @@ pub fn judge_with(
     reference: Option<f64>,
     pace_reference: Option<f64>,
     load: Option<EngineLoad>,
+    slots: Option<u32>,
     now_ms: u64,
 ) -> Verdict {
     let Some((_, st)) = table.entries.get(i) else {
@@ -540,10 +566,7 @@ pub fn judge_with(
     let saturation = saturation::judge(
         st.saturation,
         load.as_ref(),
-        &SaturationRule {
-            max_age_ms: SCRAPE_STALE_MS,
-            ..SaturationRule::default()
-        },
+        &saturation_rule(slots),
         now_ms,
     );
     Verdict {
@@ -771,6 +794,7 @@ mod tests {
                 kv_usage_permille: Some(500),
                 scraped_ms: 1_000,
                 decode_us_per_token: None,
+                decoded_at_ms: None,
             })
         );
         assert_eq!(

@@ -48,6 +48,9 @@ pub(in crate::scheduler::routing::select) struct Board<'t> {
     pub(super) load: Vec<u32>,
     /// Each endpoint's projected load and slots, where scraped (see `capacity`).
     pub(super) room: Vec<Option<Room>>,
+    /// The most slots among the statics as their rendezvous weights count them (0: none
+    /// known; an engine that never queued counts as the most known × 4, see `gather`).
+    pub(super) most_slots: u32,
     /// Every static candidate's slots are known: bounded load by slots
     /// (`capacity::slot_limit`) rather than by weight.
     pub(super) by_slots: bool,
@@ -188,8 +191,9 @@ impl<'t> Board<'t> {
     pub(in crate::scheduler::routing::select) fn saturated(&self, i: usize) -> bool {
         self.verdicts.get(i).is_some_and(Verdict::saturated)
     }
-    /// Saturated, or without a free slot by its projected load (see `capacity`): what a
-    /// placement passes over while another candidate has room.
+    /// Saturated, or filled by a burst of this process's own placements since its last
+    /// scrape (`capacity::Room::herd`): what a new session's placement passes over while
+    /// another candidate has room.
     pub(in crate::scheduler::routing::select) fn full(&self, i: usize) -> bool {
         self.saturated(i)
             || self
@@ -197,8 +201,27 @@ impl<'t> Board<'t> {
                 .get(i)
                 .copied()
                 .flatten()
-                .and_then(|r| r.free_slot())
-                == Some(false)
+                .is_some_and(|r| r.herd())
+    }
+    /// Whether a later turn without a pin here passes over `i`: saturated (the engine's
+    /// scrape with hysteresis, [`signals::saturation_rule`]: what every replica reads alike)
+    /// while another candidate is not, or another's queue is far shorter. Never this
+    /// process's own placements: the replica that served the turn before counted others.
+    pub(in crate::scheduler::routing::select) fn passed_over_alike(&self, i: usize) -> bool {
+        self.saturated(i)
+            && (self.statics().iter().any(|&j| {
+                j != i
+                    && self.admitted(j)
+                    && !self.degraded(j)
+                    && !self.short(j)
+                    && !self.saturated(j)
+            }) || self.far_shorter_queue_elsewhere(i))
+    }
+    /// Whether `i` is a small engine: its slots known and at most half the most slots known
+    /// among the candidates.
+    pub(in crate::scheduler::routing::select) fn small(&self, i: usize) -> bool {
+        let slots = self.slots(i);
+        slots > 0 && slots.saturating_mul(2) <= self.most_slots
     }
     /// Its known slots (0: unknown).
     pub(in crate::scheduler::routing::select) fn slots(&self, i: usize) -> u32 {

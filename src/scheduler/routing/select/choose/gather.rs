@@ -107,7 +107,16 @@ impl<'a> Scheduler<'a> {
                 return None;
             };
             let pace_reference = pace_references.get(i).copied().flatten();
-            *v = signals::judge_with(table, cfg, i, reference, pace_reference, load, now_ms);
+            *v = signals::judge_with(
+                table,
+                cfg,
+                i,
+                reference,
+                pace_reference,
+                load,
+                slots_of(rooms, i),
+                now_ms,
+            );
             let flip = st.degraded != v.sticky || st.saturation.stored_differs(v.saturation);
             let key = memo
                 .as_ref()
@@ -215,8 +224,16 @@ impl<'a> Scheduler<'a> {
                         continue;
                     };
                     let pace_reference = pace_references.get(i).copied().flatten();
-                    *v =
-                        signals::judge_with(table, cfg, i, reference, pace_reference, load, now_ms);
+                    *v = signals::judge_with(
+                        table,
+                        cfg,
+                        i,
+                        reference,
+                        pace_reference,
+                        load,
+                        slots_of(rooms, i),
+                        now_ms,
+                    );
                     degraded += usize::from(v.degraded);
                     let flip =
                         st.degraded != v.sticky || st.saturation.stored_differs(v.saturation);
@@ -355,6 +372,34 @@ impl<'a> Scheduler<'a> {
                     .flatten()
                     .is_some_and(|r| r.slots.is_some())
             });
+        // Some candidate's slots known: a session's rendezvous weight is its placement weight
+        // × its slots (an engine that never queued counted as `UNQUEUED_SLOTS_FACTOR` × the
+        // most known), so that where new sessions and later turns without a pin go follows
+        // what the engines can run, which every replica learns alike (the largest running
+        // count an engine showed while it queued, never smaller later).
+        // Without it, a 4-slot engine was the home of as many sessions as a 16-slot one,
+        // full every other second, and replicas reading "full" a moment apart sent the turns
+        // of one session to different endpoints (mixed fleet, three replicas: 80 % of later
+        // turns on their previous endpoint).
+        let most_slots = statics
+            .iter()
+            .filter_map(|&i| slots_of(&room, i))
+            .max()
+            .unwrap_or(0);
+        let weights = if most_slots > 0 {
+            Rc::new(
+                weights
+                    .iter()
+                    .map(|&(i, id, w)| {
+                        let slots = slots_of(&room, i)
+                            .unwrap_or(most_slots.saturating_mul(UNQUEUED_SLOTS_FACTOR));
+                        (i, id, w * f64::from(slots))
+                    })
+                    .collect(),
+            )
+        } else {
+            weights
+        };
         // Without scraped loads, an endpoint's load is its in-flight count: read on demand
         // ([`Board::load_of`]) rather than for every endpoint.
         let load = if any_scraped {
@@ -405,12 +450,28 @@ impl<'a> Scheduler<'a> {
             quotas,
             load,
             room,
+            // As the weights count them: an engine that never queued as the most known × 4.
+            most_slots: if by_slots {
+                most_slots
+            } else {
+                most_slots.saturating_mul(UNQUEUED_SLOTS_FACTOR)
+            },
             by_slots,
             admission,
             excluded,
             captive,
         })
     }
+}
+
+/// How many times the most slots known among the candidates an engine that never queued is
+/// weighed as (its slots unknown, see `capacity`): it ran all it was given while another
+/// queued at its own slots.
+const UNQUEUED_SLOTS_FACTOR: u32 = 4;
+
+/// Endpoint `i`'s slots, where known (the saturation rule's, [`signals::saturation_rule`]).
+fn slots_of(rooms: &[Option<Room>], i: usize) -> Option<u32> {
+    rooms.get(i).copied().flatten().and_then(|r| r.slots)
 }
 
 /// A drawn candidate's acceptance ([`placement::Draws`]): its full score ÷ its configured

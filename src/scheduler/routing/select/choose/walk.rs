@@ -50,13 +50,17 @@ impl<'a> Scheduler<'a> {
                 continue;
             }
             if as_pin && !board.degraded(i) {
-                // A full endpoint (by its engine's scrape) that new sessions pass over is
-                // passed over here too: the session's first turn, on whichever replica, went
-                // past it while it was full, and a replica without a pin cannot tell. Sent
-                // home regardless, such turns reached a small full engine without their
-                // conversation cached (mixed fleet near saturation, three replicas: 215 later
-                // turns placed there, its median latency 4.0 s against 0.6 s with this rule).
-                if board.admitted(i) && board.passed_over(i) {
+                // A saturated endpoint (by its engine's scrape, with hysteresis) that new
+                // sessions pass over is passed over here too: the session's first turn, on
+                // whichever replica, went past it while it was saturated, and a replica
+                // without a pin cannot tell. Sent home regardless, such turns reached a small
+                // full engine without their conversation cached (mixed fleet near saturation,
+                // three replicas: 215 later turns placed there, its median latency 4.0 s
+                // against 0.6 s with the pass-over). Only what every replica reads alike
+                // decides it (`Board::passed_over_alike`): "no free slot", counting this
+                // replica's own placements, turned with every answer and moved a quarter of
+                // the later turns between a 4-slot engine and the next of their order.
+                if board.admitted(i) && board.passed_over_alike(i) {
                     passed.saturated = true;
                     continue;
                 }
