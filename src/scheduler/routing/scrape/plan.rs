@@ -531,7 +531,8 @@ mod tests {
                 continue;
             }
             if !vm.holding {
-                vm.schedule.take_over(&c, &scrape::read_loads(&store));
+                vm.schedule
+                    .take_over(&c, &scrape::read_loads(&store, &[id]));
                 vm.holding = true;
             }
             for i in vm.schedule.due(&c, now) {
