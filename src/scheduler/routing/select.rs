@@ -78,8 +78,8 @@ impl<'a> Scheduler<'a> {
     }
 
     /// What a decision knows of the engines ([`Engines::read`]), their loads through the
-    /// worker's memos when there is a cache (no shared-data read for them once its tick keeps
-    /// them, derived again only when they changed: `signals::fresh_engines`).
+    /// worker's memos when there is a cache (the slots written since its last read alone,
+    /// derived again only when they changed: `signals::fresh_engines`).
     pub fn engines(&self, now_ms: u64) -> Engines {
         let fresh = self
             .cache

@@ -566,7 +566,7 @@ pub fn fold(
     let Some(slot) = sorted_ids(keep).binary_search(&id).ok() else {
         return Err(apply(Scraped::default()));
     };
-    update(store, &slot_key(slot), |bytes| {
+    let written = update(store, &slot_key(slot), |bytes| {
         let s = apply(
             bytes
                 .and_then(decode_slot)
@@ -575,7 +575,12 @@ pub fn fold(
                 .unwrap_or_default(),
         );
         (encode_slot(id, &s), s)
-    })
+    });
+    // After the slot: a reader that sees the new count finds the slot written.
+    if written.is_ok() {
+        note_change(store, slot);
+    }
+    written
 }
 
 /// Queue lengths in power-of-two buckets: 0 → 0, 1 → 1, 2–3 → 2, 4–7 → 3, …, up to 32.
@@ -730,27 +735,109 @@ impl Loads {
     }
 }
 
+/// The shared-data key of the change ring ([`Changes`]): which slots the last answers wrote.
+pub const CHANGES_KEY: &str = "computeflux/scrape/changes";
+
+const CHANGES_VERSION: u8 = 1;
+/// Slots the change ring remembers: a reader more answers behind reads every slot.
+pub const CHANGES_KEPT: usize = 256;
+
+/// The slots the last [`CHANGES_KEPT`] answers wrote, and how many answers were folded in all.
+///
+/// Why: a request must see an answer as soon as it is published (the gauges show it at
+/// once, and replicas that scraped the same load must place alike), but reading every slot to
+/// find the changed ones would cost a host call per endpoint and request. The ring tells a
+/// reader which slots moved since the answer count it last saw, so it reads those alone. One
+/// writer (the lease holder) appends after writing the slot, so a reader that sees count `n`
+/// finds the slots of answers up to `n` written.
+///
+/// Codec (little-endian): version `1` (u8), the count (u64), then [`CHANGES_KEPT`] slots
+/// (u32), the answer numbered `k` (from 1) at `(k - 1) % CHANGES_KEPT`.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Changes {
+    pub count: u64,
+    pub slots: Vec<u32>,
+}
+
+impl Changes {
+    pub fn encode(&self) -> Vec<u8> {
+        let mut w = Writer::with_capacity(9 + 4 * CHANGES_KEPT);
+        w.u8(CHANGES_VERSION);
+        w.u64(self.count);
+        for k in 0..CHANGES_KEPT {
+            w.u32(self.slots.get(k).copied().unwrap_or(0));
+        }
+        w.buf
+    }
+
+    pub fn decode(bytes: &[u8]) -> Option<Changes> {
+        let mut r = Reader::new(bytes);
+        if r.u8()? != CHANGES_VERSION || r.remaining() != 8 + 4 * CHANGES_KEPT {
+            return None;
+        }
+        let count = r.u64()?;
+        let slots = (0..CHANGES_KEPT)
+            .map(|_| r.u32())
+            .collect::<Option<Vec<u32>>>()?;
+        Some(Changes { count, slots })
+    }
+
+    /// The count alone, without decoding the ring.
+    fn count_of(bytes: &[u8]) -> Option<u64> {
+        if bytes.len() != 9 + 4 * CHANGES_KEPT || bytes.first() != Some(&CHANGES_VERSION) {
+            return None;
+        }
+        Some(u64::from_le_bytes(bytes.get(1..9)?.try_into().ok()?))
+    }
+
+    /// The slot of answer `k` (from 1), from the encoded ring.
+    fn slot_of(bytes: &[u8], k: u64) -> Option<usize> {
+        let at = usize::try_from(k.checked_sub(1)? % CHANGES_KEPT as u64).ok()?;
+        let from = 9 + 4 * at;
+        let slot = u32::from_le_bytes(bytes.get(from..from + 4)?.try_into().ok()?);
+        usize::try_from(slot).ok()
+    }
+}
+
+/// Appends `slot` to the change ring (bounded CAS retries; a lost append is caught up by the
+/// readers' ticks, which read every slot).
+fn note_change(store: &dyn Store, slot: usize) {
+    let slot = u32::try_from(slot).unwrap_or(u32::MAX);
+    let _ = update(store, CHANGES_KEY, |bytes| {
+        let mut c = bytes.and_then(Changes::decode).unwrap_or(Changes {
+            count: 0,
+            slots: vec![0; CHANGES_KEPT],
+        });
+        c.count = c.count.wrapping_add(1);
+        let at = usize::try_from((c.count - 1) % CHANGES_KEPT as u64).unwrap_or(0);
+        if let Some(e) = c.slots.get_mut(at) {
+            *e = slot;
+        }
+        (c.encode(), ())
+    });
+}
+
 /// One worker's decoded slot records, each with the CAS token of the value it was decoded
-/// from, for the scraped ids of one configuration.
+/// from, for the slot ids of one configuration.
 ///
 /// Why: every request that picks reads the loads; reading every slot key per request would
-/// cost a host call per endpoint. The worker's root tick brings the memo up to the store
-/// ([`LoadsMemo::refresh`]: every slot read, only the changed ones decoded), and a request
-/// then reads no shared data for the loads at all ([`LoadsMemo::read`]): what it sees is at
-/// most one tick old (the scraper's tick is half the scrape interval). A memo no tick has
-/// refreshed (a scheduler without a timer: the tests) refreshes at every read, so it always
-/// equals [`read_loads`] of the same store then. Per VM, never shared.
+/// cost a host call per endpoint. A read ([`LoadsMemo::read`]) reads the change ring
+/// ([`Changes`]) and only the slots written since the answer count it last saw (every slot
+/// when it is more than [`CHANGES_KEPT`] answers behind, or has never read them); the
+/// worker's tick reads every slot ([`LoadsMemo::refresh`]), decoding only the values whose CAS
+/// token moved, as a catch-up for anything the ring missed. Per VM, never shared; equals
+/// [`read_loads`] of the same store after every read.
 #[derive(Debug, Default)]
 pub struct LoadsMemo {
-    /// The scraped ids, sorted (slot order), as last refreshed for.
+    /// The slot ids, sorted (slot order), as last refreshed for.
     ids: Vec<u32>,
     /// By slot: the CAS token of the value decoded (`None`: absent, or never read).
     cas: Vec<Option<u32>>,
-    /// Read at all since `ids` were set.
+    /// Every slot read since `ids` were set.
     read_once: bool,
+    /// The change ring's count as of the last read (`None`: unknown).
+    seen: Option<u64>,
     loads: std::rc::Rc<Loads>,
-    /// A tick keeps the memo fresh: reads take it as it is.
-    ticked: bool,
     /// Grows with every change of `loads` (for memos of what is derived from them).
     pub version: u64,
     /// Slot values decoded (not taken from the memo), for tests and diagnostics.
@@ -758,26 +845,50 @@ pub struct LoadsMemo {
 }
 
 impl LoadsMemo {
-    /// The loads for a request: as the last tick left them, or [`LoadsMemo::refresh`]ed now
-    /// when no tick keeps the memo.
+    /// The loads for a request: the slots the change ring names since the last read, or
+    /// every slot ([`LoadsMemo::refresh`]) when the ring cannot say.
     pub fn read(&mut self, store: &dyn Store, ids: &[u32]) -> std::rc::Rc<Loads> {
-        // The memo belongs to one configuration (the table cache it lives in): its ids are
-        // those of every read.
-        if !(self.ticked && self.read_once) {
-            self.refresh(store, ids);
+        let ring = store.get(CHANGES_KEY).0;
+        let count = ring.as_deref().and_then(Changes::count_of);
+        // The memo belongs to one configuration (the table cache it lives in): the same ids
+        // at every read (compared by count: comparing them all cost every request a pass
+        // over the fleet).
+        let same_ids = self.read_once && self.ids.len() == ids.len();
+        match (same_ids, self.seen, count) {
+            (true, Some(seen), Some(now)) if now == seen => {}
+            (true, Some(seen), Some(now)) if now > seen && now - seen <= CHANGES_KEPT as u64 => {
+                let bytes = ring.as_deref().unwrap_or_default();
+                let mut slots: Vec<usize> = (seen + 1..=now)
+                    .filter_map(|k| Changes::slot_of(bytes, k))
+                    .collect();
+                slots.sort_unstable();
+                slots.dedup();
+                self.read_slots(store, &slots);
+                self.seen = Some(now);
+            }
+            // No ring (nothing answered since the slots were read): nothing moved.
+            (true, _, None) => {}
+            _ => {
+                self.refresh(store, ids);
+                self.seen = count;
+            }
         }
         std::rc::Rc::clone(&self.loads)
     }
 
-    /// From a timer: brings the memo up to the store, and from now on requests take it as the
-    /// ticks leave it.
+    /// From a timer: every slot read (see [`LoadsMemo::refresh`]).
     pub fn tick(&mut self, store: &dyn Store, ids: &[u32]) -> std::rc::Rc<Loads> {
+        let count = store
+            .get(CHANGES_KEY)
+            .0
+            .as_deref()
+            .and_then(Changes::count_of);
         self.refresh(store, ids);
-        self.ticked = true;
+        self.seen = count;
         std::rc::Rc::clone(&self.loads)
     }
 
-    /// Reads every slot of `ids` (the scraped ids, any order), decoding only the values whose
+    /// Reads every slot of `ids` (the slot ids, any order), decoding only the values whose
     /// CAS token moved; equals [`read_loads`] afterwards.
     pub fn refresh(&mut self, store: &dyn Store, ids: &[u32]) {
         let sorted = sorted_ids(ids);
@@ -786,9 +897,18 @@ impl LoadsMemo {
             self.cas = vec![None; self.ids.len()];
             self.read_once = false;
         }
+        let all: Vec<usize> = (0..self.ids.len()).collect();
+        self.read_slots(store, &all);
+    }
+
+    /// Reads `slots` (increasing), decoding only the values whose CAS token moved.
+    fn read_slots(&mut self, store: &dyn Store, slots: &[usize]) {
         let mut changed = !self.read_once;
         let mut entries: Option<Vec<(u32, Scraped)>> = None;
-        for (slot, (&id, seen)) in self.ids.iter().zip(self.cas.iter_mut()).enumerate() {
+        for &slot in slots {
+            let (Some(&id), Some(seen)) = (self.ids.get(slot), self.cas.get_mut(slot)) else {
+                continue;
+            };
             let (bytes, cas) = store.get(&slot_key(slot));
             // A store without tokens: decoded at every read.
             let same = self.read_once && *seen == cas && (cas.is_some() || bytes.is_none());
@@ -825,7 +945,7 @@ impl LoadsMemo {
             }
         }
         if !self.read_once {
-            // A new set of ids: entries of ids no longer scraped go.
+            // A new set of ids: entries of ids no longer configured go.
             let list = entries.get_or_insert_with(|| self.loads.entries.clone());
             let ids = &self.ids;
             list.retain(|(k, _)| ids.binary_search(k).is_ok());
@@ -1334,8 +1454,8 @@ mod tests {
         assert_eq!(quantize(&tgi).requests_floor(), None);
     }
 
-    /// The memo returns what `read_loads` returns, decoding only the slots that changed; once
-    /// ticked, reads take it as the last tick left it.
+    /// The memo returns what `read_loads` returns, decoding only the slots the change ring
+    /// names (every slot when it cannot say).
     #[test]
     fn loads_memo_equals_read_loads_and_decodes_changes_only() {
         let s = MemStore::new();
@@ -1360,21 +1480,29 @@ mod tests {
             }
             assert_eq!(memo.decoded, decoded, "unchanged slots are not");
         }
-        // Undecodable, then another endpoint's record in a slot: both read as absent.
+        // Undecodable, then another endpoint's record in a slot (writes the ring does not
+        // name: the tick, which reads every slot, finds them): both read as absent.
         s.set(&slot_key(0), b"junk", None).unwrap();
-        assert_eq!(*memo.read(&s, &ids), read_loads(&s, &ids));
+        assert_eq!(*memo.tick(&s, &ids), read_loads(&s, &ids));
         assert_eq!(memo.read(&s, &ids).get(3), None);
         s.set(&slot_key(1), &encode_slot(99, &Scraped::default()), None)
             .unwrap();
-        assert_eq!(memo.read(&s, &ids).get(7), None);
+        assert_eq!(memo.tick(&s, &ids).get(7), None);
         assert_eq!(read_loads(&s, &ids).entries.len(), 1);
-        // Ticked: a read takes the memo as the tick left it, the next tick catches up.
-        memo.tick(&s, &ids);
-        fold(&s, 3, 9_000, Err(ScrapeError::Timeout), &ids).unwrap();
-        assert_eq!(memo.read(&s, &ids).get(3), None);
-        memo.tick(&s, &ids);
         assert_eq!(*memo.read(&s, &ids), read_loads(&s, &ids));
+        fold(&s, 3, 9_000, Err(ScrapeError::Timeout), &ids).unwrap();
+        let decoded = memo.decoded;
         assert_eq!(memo.read(&s, &ids).get(3).unwrap().consecutive_failures, 1);
+        assert_eq!(memo.decoded, decoded + 1, "the slot the ring names, alone");
+        // More answers than the ring keeps: every slot read, still equal.
+        for k in 0..CHANGES_KEPT as u64 + 1 {
+            fold(&s, 30, 10_000 + k, Ok(vllm(1, 1, 1)), &ids).unwrap();
+        }
+        assert_eq!(*memo.read(&s, &ids), read_loads(&s, &ids));
+        let c = Changes::decode(&s.get(CHANGES_KEY).0.unwrap()).unwrap();
+        assert_eq!(Changes::decode(&c.encode()), Some(c.clone()));
+        assert_eq!(c.count, 5 + 1 + CHANGES_KEPT as u64 + 1);
+        assert_eq!(Changes::decode(b"junk"), None);
     }
 
     #[test]

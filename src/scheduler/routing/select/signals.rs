@@ -487,8 +487,9 @@ pub fn engine_loads_until(
 }
 
 /// The fresh loads by endpoint index and their peers' median pace ([`pace_medians`]), from
-/// the worker's memos: the loads as its [`scrape::LoadsMemo`] holds them (no shared-data read
-/// once its tick keeps it), derived again only when they changed or one of them turned stale.
+/// the worker's memos: the loads as its [`scrape::LoadsMemo`] holds them (it reads the change
+/// ring and the slots written since its last read alone), derived again only when they
+/// changed or one of them turned stale.
 /// Equals `(engine_loads, pace_medians)` of the memo's loads at `now_ms`.
 pub fn fresh_engines(
     cache: &mut TableCache,

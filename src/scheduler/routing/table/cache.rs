@@ -71,6 +71,8 @@ pub struct TableCache {
     pub engines: EnginesMemo,
     /// The configuration's endpoint ids, sorted (`None`: not computed yet).
     pub(super) slot_ids: Option<Vec<u32>>,
+    /// Some endpoint of the configuration is scraped (`None`: not computed yet).
+    pub(super) scrapes: Option<bool>,
 }
 
 /// Every configured endpoint's id, sorted: the slot space of the scraped loads (an
@@ -259,31 +261,38 @@ impl TableCache {
     }
 
     /// The published loads of the configuration's endpoints, through [`TableCache::loads`]
-    /// (see [`crate::scheduler::routing::scrape::LoadsMemo::read`]).
+    /// (see [`crate::scheduler::routing::scrape::LoadsMemo::read`]); none, without a read,
+    /// when the configuration scrapes nothing.
     pub fn published_loads(
         &mut self,
         store: &dyn Store,
         cfg: &Config,
     ) -> Rc<crate::scheduler::routing::scrape::Loads> {
+        let scrapes = *self
+            .scrapes
+            .get_or_insert_with(|| cfg.endpoints.iter().any(|e| e.metrics.is_some()));
+        if !scrapes {
+            // Nothing configured is scraped: no loads, nothing read.
+            return Rc::default();
+        }
         self.slot_ids(cfg);
         let ids = self.slot_ids.as_deref().unwrap_or_default();
         self.loads.read(store, ids)
     }
 
-    /// From the worker's timer: [`TableCache::loads`] brought up to the store, and kept so by
-    /// the ticks from now on (requests then read no shared data for the loads). A
-    /// configuration that scrapes nothing reads nothing.
+    /// From the worker's timer: [`TableCache::loads`] brought up to every slot (a catch-up
+    /// for what the change ring could not say). A configuration that scrapes nothing reads
+    /// nothing.
     pub fn tick_loads(
         &mut self,
         store: &dyn Store,
         cfg: &Config,
     ) -> Rc<crate::scheduler::routing::scrape::Loads> {
+        if !cfg.endpoints.iter().any(|e| e.metrics.is_some()) {
+            return Rc::default();
+        }
         self.slot_ids(cfg);
-        let scrapes = cfg.endpoints.iter().any(|e| e.metrics.is_some());
-        let ids = match (scrapes, self.slot_ids.as_deref()) {
-            (true, Some(ids)) => ids,
-            _ => &[],
-        };
+        let ids = self.slot_ids.as_deref().unwrap_or_default();
         self.loads.tick(store, ids)
     }
 
