@@ -11,7 +11,8 @@ use super::scrape::Scraper;
 use super::shared::SharedData;
 use crate::scheduler::config::Config;
 use crate::scheduler::routing::pools;
-use crate::scheduler::routing::table::{claim_layout, TableCache};
+use crate::scheduler::routing::scrape;
+use crate::scheduler::routing::table::{claim_layout, slot_ids, TableCache};
 use crate::scheduler::state::hash::hash_parts;
 use crate::scheduler::state::store::Store;
 use proxy_wasm::traits::{Context, HttpContext, RootContext};
@@ -229,8 +230,14 @@ impl RootContext for Root {
             self.last_gauges_ms = now;
             refresh_gauges(p, now);
         }
+        // This VM's memo of the published loads, brought up to the store: its requests read
+        // it without touching shared data (nothing to read when nothing is scraped).
+        let loads = match p.table_cache.try_borrow_mut() {
+            Ok(mut cache) => cache.tick_loads(&SharedData, &p.cfg),
+            Err(_) => Rc::new(scrape::read_loads(&SharedData, &slot_ids(&p.cfg))),
+        };
         if let Some(s) = &mut self.scraper {
-            s.on_tick(&p.cfg, now);
+            s.on_tick(&p.cfg, &loads, now);
         }
         self.follow_pools(now);
     }

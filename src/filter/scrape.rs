@@ -7,18 +7,21 @@
 //! asked `concurrency + 1` times per interval.
 //!
 //! Each tick ([`crate::scheduler::routing::scrape::plan::tick_ms`]):
-//! 1. every VM mirrors the published loads ([`scrape::LOADS_KEY`], one shared-data read) into
-//!    the gauges, so that the age of a scrape grows in `/stats` even when no scrape succeeds;
-//! 2. the VM tries the lease ([`scrape::try_take`], lease = 3 ticks); the holder sends
-//!    `GET <path>` to each due endpoint (at most one call in flight per endpoint). A VM that
-//!    has just taken the lease over first sets its due times from the published records.
+//! 1. every VM brings its memo of the published loads up to the slot keys (the root context's
+//!    `TableCache::tick_loads`: a read per slot, only the changed ones decoded), which its
+//!    requests then read without touching shared data;
+//! 2. the VM tries the lease ([`scrape::try_take`], lease = 3 ticks); the holder mirrors the
+//!    loads into the gauges (so that the age of a scrape grows in `/stats` even when no
+//!    scrape succeeds) and sends `GET <path>` to each due endpoint (at most one call in flight
+//!    per endpoint). A VM that has just taken the lease over first sets its due times from the
+//!    published records and empties the slots an earlier, larger configuration used.
 //!
 //! An answer ([`Scraper::on_response`]) is judged from its head first: a failed call, Envoy's
 //! own 503/504 (connect failure, timeout) and a body over
 //! [`crate::scheduler::routing::scrape::plan::BODY_LIMIT_BYTES`] are failures without reading the body;
 //! otherwise at most that many bytes are read and parsed. The result is folded into the
-//! endpoint's record inside the combined value ([`scrape::fold`]: one key for every endpoint,
-//! whatever names come and go).
+//! endpoint's record in its slot key ([`scrape::fold`]: one small key per scraped endpoint of
+//! the configuration, whatever names come and go): an answer costs the same at any fleet size.
 
 use super::host;
 use super::metrics::Metrics;
@@ -29,6 +32,7 @@ use crate::scheduler::routing::pools::address as pools_address;
 use crate::scheduler::routing::scrape::plan::{self, Schedule};
 use crate::scheduler::routing::scrape::{self, ScrapeError, Scraped};
 use crate::scheduler::routing::table::groups;
+use crate::scheduler::routing::table::slot_ids;
 use crate::scheduler::wire::engine_load::EngineLoad;
 use crate::scheduler::wire::headers::HeaderSource;
 use proxy_wasm::types::{BufferType, MapType, MetricType};
@@ -114,12 +118,12 @@ pub struct Scraper {
 impl Scraper {
     /// `None` when no endpoint is scraped. `me` is this VM's lease holder id.
     pub fn new(cfg: &Config, me: u64) -> Option<Scraper> {
-        let mut ids = plan::scraped_ids(cfg);
-        // Sorted: `scrape::Loads::upsert` then looks them up without sorting them again.
-        ids.sort_unstable();
-        if ids.is_empty() {
+        if plan::scraped_ids(cfg).is_empty() {
             return None;
         }
+        // Every endpoint's id, sorted: an endpoint's slot is its place among them
+        // (`scrape::fold`), as every reader finds it (`TableCache::slot_ids`).
+        let ids = slot_ids(cfg);
         Some(Scraper {
             me,
             tick_ms: plan::tick_ms(cfg),
@@ -147,10 +151,10 @@ impl Scraper {
         self.holding = false;
     }
 
-    pub fn on_tick(&mut self, cfg: &Config, now_ms: u64) {
+    /// The timer: `loads` are the published loads as this VM's memo holds them, just brought
+    /// up to the store (`TableCache::tick_loads`).
+    pub fn on_tick(&mut self, cfg: &Config, loads: &scrape::Loads, now_ms: u64) {
         let store = SharedData;
-        let loads = scrape::read_loads(&store);
-        self.refresh_gauges(cfg, &loads, now_ms);
         let lease_ms = plan::lease_ms(self.tick_ms);
         let held = scrape::try_take(
             &store,
@@ -170,9 +174,21 @@ impl Scraper {
         if !self.holding {
             log::debug!("computeflux: scrape lease taken (holder {})", self.me);
             // Pick up where the previous holder stopped: one interval after its last scrape.
-            self.schedule.take_over(cfg, &loads);
+            self.schedule.take_over(cfg, loads);
+            // The slots an earlier, larger configuration used are emptied (once).
+            let emptied = scrape::retire_slots(&store, self.ids.len());
+            if emptied > 0 {
+                log::debug!(
+                    "computeflux: {emptied} scrape slots of an earlier configuration emptied"
+                );
+            }
             self.holding = true;
         }
+        // The lease holder alone mirrors the loads into the gauges (absolute values, one set
+        // for the process: every VM setting every endpoint's cost each a host call per
+        // endpoint and tick), so that a scrape's age grows in `/stats` even when no scrape
+        // succeeds; its answers set their own endpoint's at once.
+        self.refresh_gauges(cfg, loads, now_ms);
         for i in self.schedule.due(cfg, now_ms) {
             let Some(e) = cfg.endpoints.get(i) else {
                 continue;

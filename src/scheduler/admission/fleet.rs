@@ -24,7 +24,7 @@
 use crate::scheduler::admission::queue::Room;
 use crate::scheduler::admission::share::{self, Engine};
 use crate::scheduler::routing::judge::saturation::{judge, Saturation, SaturationRule};
-use crate::scheduler::routing::select::capacity::{slots_seen, Engines};
+use crate::scheduler::routing::select::capacity::slots_seen;
 use crate::scheduler::routing::select::Scheduler;
 use crate::scheduler::state::hash::hash_parts;
 
@@ -120,7 +120,7 @@ pub fn room(s: &Scheduler<'_>, model: Option<&str>, now_ms: u64) -> Option<Free>
     if statics.indexes.is_empty() {
         return None;
     }
-    let engines = Engines::read(s.store, s.cfg, now_ms);
+    let engines = s.engines(now_ms);
     if engines.loads.is_empty() {
         return None;
     }

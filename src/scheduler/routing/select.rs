@@ -77,12 +77,17 @@ impl<'a> Scheduler<'a> {
         }
     }
 
-    /// The engines' published loads (`scrape::read_loads`), through the worker's cache if
-    /// there is one (decoded only when the value changed since).
-    pub fn published_loads(&self) -> std::rc::Rc<crate::scheduler::routing::scrape::Loads> {
-        match self.cache.and_then(|c| c.try_borrow_mut().ok()) {
-            Some(mut c) => c.loads.read(self.store),
-            None => std::rc::Rc::new(crate::scheduler::routing::scrape::read_loads(self.store)),
+    /// What a decision knows of the engines ([`Engines::read`]), their loads through the
+    /// worker's memos when there is a cache (the slots written since its last read alone,
+    /// derived again only when they changed: `signals::fresh_engines`).
+    pub fn engines(&self, now_ms: u64) -> Engines {
+        let fresh = self
+            .cache
+            .and_then(|c| c.try_borrow_mut().ok())
+            .map(|mut c| signals::fresh_engines(&mut c, self.store, self.cfg, now_ms));
+        match fresh {
+            Some(f) => Engines::read_with(self.store, self.cfg, f.loads, f.pace),
+            None => Engines::read(self.store, self.cfg, now_ms),
         }
     }
 
@@ -314,8 +319,7 @@ impl<'a> Scheduler<'a> {
         let hinted = pick.session.and(pick.pin_hint).filter(|&id| valid(id));
         let pinned = pick.holder.or(hinted).or(local.map(|p| p.1));
         let bcfg = self.breaker_config();
-        let published = self.published_loads();
-        let mut engines = Engines::read_with(self.store, self.cfg, now_ms, &published);
+        let mut engines = self.engines(now_ms);
         // A new session placed by prefix reads the sessions placed per endpoint, for the
         // session bound of a busy prefix home (see `sessions`).
         let new_session = pick.session.is_some() && pinned.is_none() && !pick.follow_up;

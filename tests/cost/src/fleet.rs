@@ -2,8 +2,8 @@
 //! (`"pool": true`) whose membership holds hundreds of hosts.
 //!
 //! Scraping. In production the root context's timer sends `GET /metrics` to every due
-//! endpoint (one worker per Envoy holds the scrape lease), and each answer is folded into the
-//! one shared-data value that holds every endpoint's load (`computeflux/scrape/loads`). Here the
+//! endpoint (one worker per Envoy holds the scrape lease), and each answer is folded into its
+//! endpoint's slot key (`computeflux/scrape/load/<slot>`, and the change ring). Here the
 //! suite's measured tick is the tick that takes the lease and sends a scrape to every endpoint
 //! (all are due at first); each call is then answered with [`metrics_page`] and measured
 //! ([`Figures::answers`]); a later tick with nothing due is measured too
@@ -430,7 +430,7 @@ pub fn markdown(
     );
     let _ = writeln!(
         md,
-        "| endpoints | tick sending every scrape (host calls) | one answer: first / mean / last | a round's answers (host calls, bytes in / out) | tick, nothing due (host calls) | per second at {} ms, steady ({per_s} rounds, every answer as the last) | in new sessions at 4 endpoints | loads value, bytes |",
+        "| endpoints | tick sending every scrape (host calls) | one answer: first / mean / last | a round's answers (host calls, bytes in / out) | tick, nothing due (host calls) | per second at {} ms, steady ({per_s} rounds, every answer as the last) | in new sessions at 4 endpoints | loads (slot keys), bytes |",
         crate::DEFAULT_SCRAPE_INTERVAL_MS
     );
     let _ = writeln!(md, "|---:|---:|---:|---:|---:|---:|---:|---:|");
@@ -442,7 +442,7 @@ pub fn markdown(
         let round: u64 = f.answers.iter().sum();
         let (idle, idle_traffic) = f.tick_idle.clone().unwrap_or_default();
         // Per second at the default interval, steady: a round's sending tick, every answer
-        // folding into a loads value that holds every endpoint (the round's last answer), and
+        // folding into its endpoint's slot (the round's last answer), and
         // as many ticks with nothing due (the tick is half the interval).
         let last = f.answers.last().copied().unwrap_or(0);
         let second = per_s * (s.tick.instructions + n as u64 * last + idle);
@@ -450,7 +450,7 @@ pub fn markdown(
         let loads = f
             .shared
             .by_family
-            .get("computeflux/scrape/loads")
+            .get("computeflux/scrape/load/*")
             .map_or(0, |(_, b)| *b);
         let _ = writeln!(
             md,

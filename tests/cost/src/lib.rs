@@ -548,7 +548,8 @@ impl Budgets {
 /// (cranelift compiles without optimisation here, so machine code per wasm operator varies
 /// little), and time the host spends in a call is charged to the wasm code that runs next.
 /// The module is built with its function names kept (`strip` off, its own target directory)
-/// unless `$COMPUTEFLUX_WASM` names one.
+/// unless `$COMPUTEFLUX_WASM` names one. With `$COMPUTEFLUX_COST_SCRAPE` set, the fleet's
+/// scraping suite (every endpoint scraped, every load fresh).
 #[cfg(feature = "profile")]
 pub mod profile {
     use super::*;
@@ -590,7 +591,11 @@ pub mod profile {
             let (suite, s) = scenario::run_suite_sampling(
                 &loaded,
                 Module::Filter,
-                Setup::new(endpoints),
+                Setup {
+                    scrape_interval_ms: std::env::var_os("COMPUTEFLUX_COST_SCRAPE")
+                        .map(|_| SCRAPE_INTERVAL_MS),
+                    ..Setup::new(endpoints)
+                },
                 Some(scenario_name),
             )?;
             instructions = match scenario_name {

@@ -1,13 +1,14 @@
 //! The bookkeeping around scraping engines' `/metrics`: who scrapes, what was scraped, and
-//! (Over 600 lines with its unit tests: lease, record, combined value and quantization are one shared-data protocol, tested together; the code itself is about 520 lines.)
 //! whether it can still be trusted.
+//! (Over 600 lines with its unit tests: lease, record, slot keys and quantization are one
+//! shared-data protocol, tested together.)
 //!
 //! Why: an Envoy process runs one VM per worker thread, and every one of them has a root
 //! context with a timer. If each scraped, an engine would be asked `workers` times per
 //! interval, and each worker would hold a slightly different picture. Instead the workers share
 //! a **lease** in shared data: the worker holding it scrapes every endpoint and folds each
-//! endpoint's **record** into one shared value ([`fold`], [`LOADS_KEY`]); every worker reads
-//! it. A lease that is not renewed (its VM
+//! endpoint's **record** into its own slot key ([`fold`], [`slot_key`]: bounded by the
+//! configuration); every worker reads them into its [`LoadsMemo`] at its tick. A lease that is not renewed (its VM
 //! was torn down, its timer stalled) lapses after `lease_ms`, and the next worker to ask takes
 //! it over.
 //!
@@ -532,17 +533,21 @@ impl Scraped {
     }
 }
 
-/// Folds one scrape's result into endpoint `id`'s record *inside* the published loads
-/// ([`LOADS_KEY`]) and publishes it, in one read-modify-write with bounded CAS retries; `keep`
-/// are the scraped ids (the entries of others are dropped). Returns the record written;
-/// `Err` with the record it would have written when every attempt lost a race.
+/// Folds one scrape's result into endpoint `id`'s record, in its own slot key
+/// ([`slot_key`] of its place among `keep`, the scraped ids), and publishes it, in one
+/// read-modify-write with bounded CAS retries. Returns the record written; `Err` with the
+/// record it would have written when every attempt lost a race, or when `id` is not among
+/// `keep` (it has no slot: nothing written).
 ///
-/// Why not a key per endpoint (`computeflux/scrape/endpoint/<name>`, as modules before wrote
-/// it): Envoy never frees a shared-data key, and
-/// endpoint names come and go with reloads (pods of a Service, renamed keys): one record key
-/// per name ever scraped grew without bound. The combined value already holds
-/// every record; the scraper writes it alone, so the keys of scraping stay three (lease,
-/// holder counter, loads) whatever the churn, and a scrape costs one write instead of two.
+/// Why a key per slot, not one value for every endpoint (as the module before this one
+/// wrote): with one combined value every answer decoded and re-encoded every endpoint's
+/// record (2 M instructions per answer at 1 024 endpoints, 8.6 G per second at a 250 ms
+/// interval), and every reader decoded all of them when one changed. A slot is the endpoint's
+/// place in the sorted scraped ids, so the keys are bounded by the configuration, whatever
+/// names come and go (a key per *name*, as modules before wrote it, grew without bound: Envoy
+/// never frees a key); the record carries its endpoint's id, and a slot holding another id
+/// (the configuration changed) reads as never scraped. Slots a smaller configuration no
+/// longer uses are emptied by the next lease holder ([`retire_slots`]).
 #[allow(clippy::result_large_err)]
 pub fn fold(
     store: &dyn Store,
@@ -551,16 +556,31 @@ pub fn fold(
     result: Result<EngineLoad, ScrapeError>,
     keep: &[u32],
 ) -> Result<Scraped, Scraped> {
-    update(store, LOADS_KEY, |bytes| {
-        let mut loads = bytes.and_then(Loads::decode).unwrap_or_default();
-        let mut s = loads.get(id).copied().unwrap_or_default();
+    let apply = |mut s: Scraped| {
         match result {
             Ok(load) => s.succeeded(load, now_ms),
             Err(e) => s.failed(e, now_ms),
         }
-        loads.upsert(id, s, keep);
-        (loads.encode(), s)
-    })
+        s
+    };
+    let Some(slot) = sorted_ids(keep).binary_search(&id).ok() else {
+        return Err(apply(Scraped::default()));
+    };
+    let written = update(store, &slot_key(slot), |bytes| {
+        let s = apply(
+            bytes
+                .and_then(decode_slot)
+                .filter(|(k, _)| *k == id)
+                .map(|(_, r)| r)
+                .unwrap_or_default(),
+        );
+        (encode_slot(id, &s), s)
+    });
+    // After the slot: a reader that sees the new count finds the slot written.
+    if written.is_ok() {
+        note_change(store, slot);
+    }
+    written
 }
 
 /// Queue lengths in power-of-two buckets: 0 → 0, 1 → 1, 2–3 → 2, 4–7 → 3, …, up to 32.
@@ -611,20 +631,80 @@ pub fn quantize(load: &EngineLoad) -> Quantized {
     }
 }
 
-/// The shared-data key of [`Loads`]: every scraped endpoint's record in one value, so that a
-/// request reads all engines' loads with one `get`.
-pub const LOADS_KEY: &str = "computeflux/scrape/loads";
+/// The shared-data key of the combined loads value modules before slot keys wrote (every
+/// endpoint's record in one value): emptied by the first lease holder that finds it
+/// ([`retire_slots`]), so that an upgrade leaves no copy of a fleet's records behind.
+pub const LEGACY_LOADS_KEY: &str = "computeflux/scrape/loads";
 
-const LOADS_VERSION: u8 = 2;
-/// Per entry: the endpoint id, then its [`Scraped`] record.
-const LOAD_ENTRY_BYTES: usize = 4 + RECORD_BYTES;
+/// The prefix of the slot keys ([`slot_key`]): `computeflux/scrape/load/<slot>`.
+pub const SLOT_PREFIX: &str = "computeflux/scrape/load/";
+
+/// The shared-data key of the slot count the last lease holder's configuration used (version
+/// `1`, u32): slots past a newer configuration's count are emptied ([`retire_slots`]).
+pub const SLOTS_KEY: &str = "computeflux/scrape/slots";
+
+const SLOT_VERSION: u8 = 1;
+const SLOTS_VERSION: u8 = 1;
+/// A slot's value: version, the endpoint id, its [`Scraped`] record.
+const SLOT_BYTES: usize = 1 + 4 + RECORD_BYTES;
+
+/// The key of the `slot`-th scraped endpoint's record (its place among the sorted scraped ids).
+pub fn slot_key(slot: usize) -> String {
+    format!("{SLOT_PREFIX}{slot}")
+}
+
+/// A slot's value (codec: version `1` (u8), the endpoint id (u32), [`Scraped::encode`]).
+pub fn encode_slot(id: u32, rec: &Scraped) -> Vec<u8> {
+    let mut w = Writer::with_capacity(SLOT_BYTES);
+    w.u8(SLOT_VERSION);
+    w.u32(id);
+    w.buf.extend_from_slice(&rec.encode());
+    w.buf
+}
+
+/// `None` for anything but what [`encode_slot`] writes (an emptied slot included).
+pub fn decode_slot(bytes: &[u8]) -> Option<(u32, Scraped)> {
+    if bytes.len() != SLOT_BYTES || bytes.first() != Some(&SLOT_VERSION) {
+        return None;
+    }
+    let id = u32::from_le_bytes(bytes.get(1..5)?.try_into().ok()?);
+    Some((id, Scraped::decode(bytes.get(5..)?)?))
+}
+
+/// Empties the slots past `slots` that an earlier (larger) configuration used, and the
+/// combined value of modules before slot keys; records `slots`. Run by a VM taking the lease
+/// (a new configuration's scraper takes it): at most one write per retired slot, once.
+/// Returns the slots emptied.
+pub fn retire_slots(store: &dyn Store, slots: usize) -> usize {
+    let stored = store.get(SLOTS_KEY).0.and_then(|b| {
+        let mut r = Reader::new(&b);
+        (r.u8()? == SLOTS_VERSION)
+            .then(|| r.u32())
+            .flatten()
+            .filter(|_| r.is_empty())
+    });
+    let before = stored.map_or(0, |n| usize::try_from(n).unwrap_or(usize::MAX));
+    let mut emptied = 0;
+    for slot in slots..before {
+        let key = slot_key(slot);
+        if store.get(&key).0.is_some_and(|b| !b.is_empty()) && store.set(&key, &[], None).is_ok() {
+            emptied += 1;
+        }
+    }
+    if store.get(LEGACY_LOADS_KEY).0.is_some_and(|b| !b.is_empty()) {
+        let _ = store.set(LEGACY_LOADS_KEY, &[], None);
+    }
+    if stored != u32::try_from(slots).ok() {
+        let mut w = Writer::with_capacity(5);
+        w.u8(SLOTS_VERSION);
+        w.u32(u32::try_from(slots).unwrap_or(u32::MAX));
+        let _ = store.set(SLOTS_KEY, &w.buf, None);
+    }
+    emptied
+}
 
 /// Every scraped endpoint's [`Scraped`] record, by endpoint id (`EndpointConfig::id`), as
-/// the scrape lease holder publishes it under [`LOADS_KEY`] after each scrape.
-///
-/// Codec (little-endian): version `2` (u8), entry count (u32), then per entry, in strictly
-/// increasing id order, the id (u32) and the record's own encoding ([`Scraped::encode`], 105
-/// bytes). Anything else decodes as `None` (read as no loads at all: every load unknown).
+/// read from the slot keys ([`read_loads`], [`LoadsMemo`]).
 #[derive(Debug, Clone, PartialEq, Eq, Default)]
 pub struct Loads {
     /// Sorted by id, ids distinct.
@@ -632,41 +712,6 @@ pub struct Loads {
 }
 
 impl Loads {
-    pub fn encode(&self) -> Vec<u8> {
-        let mut w = Writer::with_capacity(5 + self.entries.len() * LOAD_ENTRY_BYTES);
-        w.u8(LOADS_VERSION);
-        w.u32(u32::try_from(self.entries.len()).unwrap_or(u32::MAX));
-        for (id, rec) in &self.entries {
-            w.u32(*id);
-            w.buf.extend_from_slice(&rec.encode());
-        }
-        w.buf
-    }
-
-    pub fn decode(bytes: &[u8]) -> Option<Loads> {
-        let mut r = Reader::new(bytes);
-        if r.u8()? != LOADS_VERSION {
-            return None;
-        }
-        let n = usize::try_from(r.u32()?).ok()?;
-        if r.remaining() != n.checked_mul(LOAD_ENTRY_BYTES)? {
-            return None;
-        }
-        let mut entries: Vec<(u32, Scraped)> = Vec::with_capacity(n);
-        let mut rest = bytes.get(5..)?;
-        for _ in 0..n {
-            let (head, tail) = rest.split_at_checked(LOAD_ENTRY_BYTES)?;
-            rest = tail;
-            let (id, rec) = head.split_at_checked(4)?;
-            let id = u32::from_le_bytes(id.try_into().ok()?);
-            if entries.last().is_some_and(|(last, _)| *last >= id) {
-                return None;
-            }
-            entries.push((id, Scraped::decode(rec)?));
-        }
-        Some(Loads { entries })
-    }
-
     /// The endpoint's record, if it was ever scraped.
     pub fn get(&self, id: u32) -> Option<&Scraped> {
         let i = self.entries.binary_search_by_key(&id, |(k, _)| *k).ok()?;
@@ -688,58 +733,228 @@ impl Loads {
             LoadState::Unknown(_) => None,
         }
     }
+}
 
-    /// Sets the endpoint's record and drops the entries of ids not in `keep` (endpoints no
-    /// longer configured for scraping), so the value stays bounded by the configuration.
-    ///
-    /// `keep` is sorted once and each entry looked up by binary search (a linear
-    /// `keep.contains` per entry made every scrape answer quadratic in the fleet).
-    pub fn upsert(&mut self, id: u32, rec: Scraped, keep: &[u32]) {
-        let sorted = sorted_ids(keep);
-        self.entries
-            .retain(|(k, _)| *k == id || sorted.binary_search(k).is_ok());
-        match self.entries.binary_search_by_key(&id, |(k, _)| *k) {
-            Ok(i) => {
-                if let Some(e) = self.entries.get_mut(i) {
-                    e.1 = rec;
-                }
-            }
-            Err(i) => self.entries.insert(i, (id, rec)),
+/// The shared-data key of the change ring ([`Changes`]): which slots the last answers wrote.
+pub const CHANGES_KEY: &str = "computeflux/scrape/changes";
+
+const CHANGES_VERSION: u8 = 1;
+/// Slots the change ring remembers: a reader more answers behind reads every slot.
+pub const CHANGES_KEPT: usize = 256;
+
+/// The slots the last [`CHANGES_KEPT`] answers wrote, and how many answers were folded in all.
+///
+/// Why: a request must see an answer as soon as it is published (the gauges show it at
+/// once, and replicas that scraped the same load must place alike), but reading every slot to
+/// find the changed ones would cost a host call per endpoint and request. The ring tells a
+/// reader which slots moved since the answer count it last saw, so it reads those alone. One
+/// writer (the lease holder) appends after writing the slot, so a reader that sees count `n`
+/// finds the slots of answers up to `n` written.
+///
+/// Codec (little-endian): version `1` (u8), the count (u64), then [`CHANGES_KEPT`] slots
+/// (u32), the answer numbered `k` (from 1) at `(k - 1) % CHANGES_KEPT`.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Changes {
+    pub count: u64,
+    pub slots: Vec<u32>,
+}
+
+impl Changes {
+    pub fn encode(&self) -> Vec<u8> {
+        let mut w = Writer::with_capacity(9 + 4 * CHANGES_KEPT);
+        w.u8(CHANGES_VERSION);
+        w.u64(self.count);
+        for k in 0..CHANGES_KEPT {
+            w.u32(self.slots.get(k).copied().unwrap_or(0));
         }
+        w.buf
+    }
+
+    pub fn decode(bytes: &[u8]) -> Option<Changes> {
+        let mut r = Reader::new(bytes);
+        if r.u8()? != CHANGES_VERSION || r.remaining() != 8 + 4 * CHANGES_KEPT {
+            return None;
+        }
+        let count = r.u64()?;
+        let slots = (0..CHANGES_KEPT)
+            .map(|_| r.u32())
+            .collect::<Option<Vec<u32>>>()?;
+        Some(Changes { count, slots })
+    }
+
+    /// The count alone, without decoding the ring.
+    fn count_of(bytes: &[u8]) -> Option<u64> {
+        if bytes.len() != 9 + 4 * CHANGES_KEPT || bytes.first() != Some(&CHANGES_VERSION) {
+            return None;
+        }
+        Some(u64::from_le_bytes(bytes.get(1..9)?.try_into().ok()?))
+    }
+
+    /// The slot of answer `k` (from 1), from the encoded ring.
+    fn slot_of(bytes: &[u8], k: u64) -> Option<usize> {
+        let at = usize::try_from(k.checked_sub(1)? % CHANGES_KEPT as u64).ok()?;
+        let from = 9 + 4 * at;
+        let slot = u32::from_le_bytes(bytes.get(from..from + 4)?.try_into().ok()?);
+        usize::try_from(slot).ok()
     }
 }
 
-/// One worker's decoded [`Loads`], with the CAS token of the value they were decoded from.
+/// Appends `slot` to the change ring (bounded CAS retries; a lost append is caught up by the
+/// readers' ticks, which read every slot).
+fn note_change(store: &dyn Store, slot: usize) {
+    let slot = u32::try_from(slot).unwrap_or(u32::MAX);
+    let _ = update(store, CHANGES_KEY, |bytes| {
+        let mut c = bytes.and_then(Changes::decode).unwrap_or(Changes {
+            count: 0,
+            slots: vec![0; CHANGES_KEPT],
+        });
+        c.count = c.count.wrapping_add(1);
+        let at = usize::try_from((c.count - 1) % CHANGES_KEPT as u64).unwrap_or(0);
+        if let Some(e) = c.slots.get_mut(at) {
+            *e = slot;
+        }
+        (c.encode(), ())
+    });
+}
+
+/// One worker's decoded slot records, each with the CAS token of the value it was decoded
+/// from, for the slot ids of one configuration.
 ///
-/// Why: every request that picks reads the loads, and the value holds every scraped
-/// endpoint's record (51 KB at 512 endpoints: 935 k instructions to decode, an affinity hit's
-/// pick included), while it changes only when a scrape answer is folded. Every write of a
-/// shared-data key gives it a new CAS token, so a value read with the token of the one decoded
-/// last holds the same bytes and is not decoded again (as [`crate::scheduler::routing::table::cache::TableCache`]
-/// does for the endpoint table's groups). Per VM, never shared, only ever a shortcut:
-/// [`LoadsMemo::read`] equals [`read_loads`] of the same store.
+/// Why: every request that picks reads the loads; reading every slot key per request would
+/// cost a host call per endpoint. A read ([`LoadsMemo::read`]) reads the change ring
+/// ([`Changes`]) and only the slots written since the answer count it last saw (every slot
+/// when it is more than [`CHANGES_KEPT`] answers behind, or has never read them); the
+/// worker's tick reads every slot ([`LoadsMemo::refresh`]), decoding only the values whose CAS
+/// token moved, as a catch-up for anything the ring missed. Per VM, never shared; equals
+/// [`read_loads`] of the same store after every read.
 #[derive(Debug, Default)]
 pub struct LoadsMemo {
-    /// The token of the value `loads` was decoded from (`Some(None)`: the key was absent;
-    /// `None`: nothing read yet). A store without tokens is decoded at every read.
-    cas: Option<Option<u32>>,
+    /// The slot ids, sorted (slot order), as last refreshed for.
+    ids: Vec<u32>,
+    /// By slot: the CAS token of the value decoded (`None`: absent, or never read).
+    cas: Vec<Option<u32>>,
+    /// Every slot read since `ids` were set.
+    read_once: bool,
+    /// The change ring's count as of the last read (`None`: unknown).
+    seen: Option<u64>,
     loads: std::rc::Rc<Loads>,
-    /// Values decoded (not taken from the memo), for tests and diagnostics.
+    /// Grows with every change of `loads` (for memos of what is derived from them).
+    pub version: u64,
+    /// Slot values decoded (not taken from the memo), for tests and diagnostics.
     pub decoded: u64,
 }
 
 impl LoadsMemo {
-    /// [`read_loads`] of `store`, decoded only when the value changed since the last read.
-    pub fn read(&mut self, store: &dyn Store) -> std::rc::Rc<Loads> {
-        let (bytes, cas) = store.get(LOADS_KEY);
-        let same = self.cas == Some(cas) && (cas.is_some() || bytes.is_none());
-        if !same {
-            let loads = bytes.as_deref().and_then(Loads::decode).unwrap_or_default();
-            self.loads = std::rc::Rc::new(loads);
-            self.cas = Some(cas);
-            self.decoded = self.decoded.saturating_add(1);
+    /// The loads for a request: the slots the change ring names since the last read, or
+    /// every slot ([`LoadsMemo::refresh`]) when the ring cannot say.
+    pub fn read(&mut self, store: &dyn Store, ids: &[u32]) -> std::rc::Rc<Loads> {
+        let ring = store.get(CHANGES_KEY).0;
+        let count = ring.as_deref().and_then(Changes::count_of);
+        // The memo belongs to one configuration (the table cache it lives in): the same ids
+        // at every read (compared by count: comparing them all cost every request a pass
+        // over the fleet).
+        let same_ids = self.read_once && self.ids.len() == ids.len();
+        match (same_ids, self.seen, count) {
+            (true, Some(seen), Some(now)) if now == seen => {}
+            (true, Some(seen), Some(now)) if now > seen && now - seen <= CHANGES_KEPT as u64 => {
+                let bytes = ring.as_deref().unwrap_or_default();
+                let mut slots: Vec<usize> = (seen + 1..=now)
+                    .filter_map(|k| Changes::slot_of(bytes, k))
+                    .collect();
+                slots.sort_unstable();
+                slots.dedup();
+                self.read_slots(store, &slots);
+                self.seen = Some(now);
+            }
+            // No ring (nothing answered since the slots were read): nothing moved.
+            (true, _, None) => {}
+            _ => {
+                self.refresh(store, ids);
+                self.seen = count;
+            }
         }
         std::rc::Rc::clone(&self.loads)
+    }
+
+    /// From a timer: every slot read (see [`LoadsMemo::refresh`]).
+    pub fn tick(&mut self, store: &dyn Store, ids: &[u32]) -> std::rc::Rc<Loads> {
+        let count = store
+            .get(CHANGES_KEY)
+            .0
+            .as_deref()
+            .and_then(Changes::count_of);
+        self.refresh(store, ids);
+        self.seen = count;
+        std::rc::Rc::clone(&self.loads)
+    }
+
+    /// Reads every slot of `ids` (the slot ids, any order), decoding only the values whose
+    /// CAS token moved; equals [`read_loads`] afterwards.
+    pub fn refresh(&mut self, store: &dyn Store, ids: &[u32]) {
+        let sorted = sorted_ids(ids);
+        if self.ids != sorted.as_ref() {
+            self.ids = sorted.into_owned();
+            self.cas = vec![None; self.ids.len()];
+            self.read_once = false;
+        }
+        let all: Vec<usize> = (0..self.ids.len()).collect();
+        self.read_slots(store, &all);
+    }
+
+    /// Reads `slots` (increasing), decoding only the values whose CAS token moved.
+    fn read_slots(&mut self, store: &dyn Store, slots: &[usize]) {
+        let mut changed = !self.read_once;
+        let mut entries: Option<Vec<(u32, Scraped)>> = None;
+        for &slot in slots {
+            let (Some(&id), Some(seen)) = (self.ids.get(slot), self.cas.get_mut(slot)) else {
+                continue;
+            };
+            let (bytes, cas) = store.get(&slot_key(slot));
+            // A store without tokens: decoded at every read.
+            let same = self.read_once && *seen == cas && (cas.is_some() || bytes.is_none());
+            if same {
+                continue;
+            }
+            *seen = cas;
+            let rec = bytes
+                .as_deref()
+                .and_then(decode_slot)
+                .filter(|(k, _)| *k == id)
+                .map(|(_, r)| r);
+            self.decoded = self.decoded.saturating_add(1);
+            let list = entries.get_or_insert_with(|| self.loads.entries.clone());
+            let at = list.binary_search_by_key(&id, |(k, _)| *k);
+            match (at, rec) {
+                (Ok(i), Some(r)) => {
+                    if let Some(e) = list.get_mut(i) {
+                        if e.1 != r {
+                            e.1 = r;
+                            changed = true;
+                        }
+                    }
+                }
+                (Ok(i), None) => {
+                    list.remove(i);
+                    changed = true;
+                }
+                (Err(i), Some(r)) => {
+                    list.insert(i, (id, r));
+                    changed = true;
+                }
+                (Err(_), None) => {}
+            }
+        }
+        if !self.read_once {
+            // A new set of ids: entries of ids no longer configured go.
+            let list = entries.get_or_insert_with(|| self.loads.entries.clone());
+            let ids = &self.ids;
+            list.retain(|(k, _)| ids.binary_search(k).is_ok());
+        }
+        self.read_once = true;
+        if let (true, Some(list)) = (changed, entries) {
+            self.loads = std::rc::Rc::new(Loads { entries: list });
+            self.version = self.version.wrapping_add(1);
+        }
     }
 }
 
@@ -754,14 +969,20 @@ pub fn sorted_ids(ids: &[u32]) -> std::borrow::Cow<'_, [u32]> {
     }
 }
 
-/// The published loads (absent or undecodable: none).
-pub fn read_loads(store: &dyn Store) -> Loads {
-    store
-        .get(LOADS_KEY)
-        .0
-        .as_deref()
-        .and_then(Loads::decode)
-        .unwrap_or_default()
+/// The published loads of the scraped `ids` (any order): every slot read (absent, emptied,
+/// undecodable or another endpoint's: none).
+pub fn read_loads(store: &dyn Store, ids: &[u32]) -> Loads {
+    let sorted = sorted_ids(ids);
+    let entries = sorted
+        .iter()
+        .enumerate()
+        .filter_map(|(slot, &id)| {
+            let bytes = store.get(&slot_key(slot)).0?;
+            let (k, rec) = decode_slot(&bytes)?;
+            (k == id).then_some((id, rec))
+        })
+        .collect();
+    Loads { entries }
 }
 
 #[cfg(test)]
@@ -787,7 +1008,7 @@ mod tests {
 
     /// `E`'s record as published (absent: never scraped).
     fn read(s: &dyn Store) -> Scraped {
-        read_loads(s).get(E).copied().unwrap_or_default()
+        read_loads(s, &[E]).get(E).copied().unwrap_or_default()
     }
 
     const A: u64 = 0xaaaa;
@@ -1012,7 +1233,7 @@ mod tests {
     #[test]
     fn record_survives_conflicts_and_garbage() {
         let s = MemStore::new();
-        s.set(LOADS_KEY, b"\x01short", None).unwrap();
+        s.set(&slot_key(0), b"\x01short", None).unwrap();
         assert_eq!(read(&s), Scraped::default());
         s.inject_conflicts.set(2);
         let r = record(&s, 5, Err(ScrapeError::Dispatch)).unwrap();
@@ -1233,79 +1454,78 @@ mod tests {
         assert_eq!(quantize(&tgi).requests_floor(), None);
     }
 
-    /// The memo returns what `read_loads` returns, decoding only a value it has not seen.
+    /// The memo returns what `read_loads` returns, decoding only the slots the change ring
+    /// names (every slot when it cannot say).
     #[test]
     fn loads_memo_equals_read_loads_and_decodes_changes_only() {
         let s = MemStore::new();
         let mut memo = LoadsMemo::default();
-        assert_eq!(*memo.read(&s), read_loads(&s));
-        let ids = [3, 7, 30];
+        let ids = [30, 3, 7];
+        assert_eq!(*memo.read(&s, &ids), read_loads(&s, &ids));
         let mut decoded = memo.decoded;
         for (n, id) in [30u32, 7, 3, 7, 30].into_iter().enumerate() {
             let at = 1_000 + 100 * n as u64;
             fold(&s, id, at, Ok(vllm(n as u32, 2, 100)), &ids).unwrap();
-            assert_eq!(*memo.read(&s), read_loads(&s), "after answer {n}");
-            assert_eq!(memo.decoded, decoded + 1, "a new value is decoded");
+            let version = memo.version;
+            assert_eq!(
+                *memo.read(&s, &ids),
+                read_loads(&s, &ids),
+                "after answer {n}"
+            );
+            assert_eq!(memo.decoded, decoded + 1, "one slot decoded");
+            assert_eq!(memo.version, version + 1);
             decoded = memo.decoded;
             for _ in 0..3 {
-                assert_eq!(*memo.read(&s), read_loads(&s));
+                assert_eq!(*memo.read(&s, &ids), read_loads(&s, &ids));
             }
-            assert_eq!(memo.decoded, decoded, "an unchanged value is not");
+            assert_eq!(memo.decoded, decoded, "unchanged slots are not");
         }
-        // Undecodable, then a value dropping an endpoint: still equal.
-        s.set(LOADS_KEY, b"junk", None).unwrap();
-        assert_eq!(*memo.read(&s), Loads::default());
-        fold(&s, 7, 9_000, Err(ScrapeError::Timeout), &[7]).unwrap();
-        assert_eq!(*memo.read(&s), read_loads(&s));
-        assert_eq!(memo.read(&s).entries.len(), 1);
-    }
-
-    #[cfg(not(target_arch = "wasm32"))]
-    proptest::proptest! {
-        /// Random values, answers and scraped ids (in any order, the answering one among them
-        /// or not): the upsert by binary search equals the linear filter it replaced.
-        #[test]
-        fn upsert_equals_the_linear_filter(
-            before in proptest::collection::btree_set(0u32..64, 0..40),
-            keep in proptest::collection::vec(0u32..64, 0..40),
-            id in 0u32..64,
-            at_ms in 0u64..10_000,
-        ) {
-            let rec = |t: u64| {
-                let mut r = Scraped::default();
-                r.failed(ScrapeError::Timeout, t);
-                r
-            };
-            let loads = Loads {
-                entries: before.into_iter().map(|k| (k, rec(u64::from(k)))).collect(),
-            };
-            let mut plain = loads.clone();
-            plain.entries.retain(|(k, _)| *k != id && keep.contains(k));
-            let at = plain.entries.partition_point(|(k, _)| *k < id);
-            plain.entries.insert(at, (id, rec(at_ms)));
-            let mut fast = loads;
-            fast.upsert(id, rec(at_ms), &keep);
-            proptest::prop_assert_eq!(fast, plain);
+        // Undecodable, then another endpoint's record in a slot (writes the ring does not
+        // name: the tick, which reads every slot, finds them): both read as absent.
+        s.set(&slot_key(0), b"junk", None).unwrap();
+        assert_eq!(*memo.tick(&s, &ids), read_loads(&s, &ids));
+        assert_eq!(memo.read(&s, &ids).get(3), None);
+        s.set(&slot_key(1), &encode_slot(99, &Scraped::default()), None)
+            .unwrap();
+        assert_eq!(memo.tick(&s, &ids).get(7), None);
+        assert_eq!(read_loads(&s, &ids).entries.len(), 1);
+        assert_eq!(*memo.read(&s, &ids), read_loads(&s, &ids));
+        fold(&s, 3, 9_000, Err(ScrapeError::Timeout), &ids).unwrap();
+        let decoded = memo.decoded;
+        assert_eq!(memo.read(&s, &ids).get(3).unwrap().consecutive_failures, 1);
+        assert_eq!(memo.decoded, decoded + 1, "the slot the ring names, alone");
+        // More answers than the ring keeps: every slot read, still equal.
+        for k in 0..CHANGES_KEPT as u64 + 1 {
+            fold(&s, 30, 10_000 + k, Ok(vllm(1, 1, 1)), &ids).unwrap();
         }
+        assert_eq!(*memo.read(&s, &ids), read_loads(&s, &ids));
+        let c = Changes::decode(&s.get(CHANGES_KEY).0.unwrap()).unwrap();
+        assert_eq!(Changes::decode(&c.encode()), Some(c.clone()));
+        assert_eq!(c.count, 5 + 1 + CHANGES_KEPT as u64 + 1);
+        assert_eq!(Changes::decode(b"junk"), None);
     }
 
     #[test]
-    fn loads_one_value_for_every_endpoint() {
+    fn loads_one_slot_per_scraped_endpoint() {
         let s = MemStore::new();
-        assert_eq!(read_loads(&s), Loads::default());
+        let ids = [30, 7];
+        assert_eq!(read_loads(&s, &ids), Loads::default());
         let mut a = vllm(5, 9, 410).into_record();
         a.scraped_at_ms = 1_000;
         a.attempted_at_ms = 1_000;
         let mut b = Scraped::default();
         b.failed(ScrapeError::TooLarge, 1_100);
-        assert_eq!(fold(&s, 30, 1_000, Ok(vllm(5, 9, 410)), &[30, 7]), Ok(a));
+        assert_eq!(fold(&s, 30, 1_000, Ok(vllm(5, 9, 410)), &ids), Ok(a));
+        assert_eq!(fold(&s, 7, 1_100, Err(ScrapeError::TooLarge), &ids), Ok(b));
+        // Slots in id order: 7 in slot 0, 30 in slot 1; nothing else written.
         assert_eq!(
-            fold(&s, 7, 1_100, Err(ScrapeError::TooLarge), &[30, 7]),
-            Ok(b)
+            s.get(&slot_key(0)).0.as_deref().and_then(decode_slot),
+            Some((7, b))
         );
-        let loads = read_loads(&s);
+        assert_eq!(s.get(&slot_key(1)).0.map(|v| v.len()), Some(SLOT_BYTES));
+        assert_eq!(s.get(&slot_key(2)).0, None);
+        let loads = read_loads(&s, &ids);
         assert_eq!(loads.entries, vec![(7, b), (30, a)]);
-        assert_eq!(loads.encode().len(), 5 + 2 * (4 + RECORD_BYTES));
         assert_eq!(
             loads.state(30, 1_500, 1_000),
             LoadState::Known(vllm(5, 9, 410))
@@ -1327,29 +1547,29 @@ mod tests {
             loads.state(99, 1_500, 1_000),
             LoadState::Unknown(Unknown::NeverScraped)
         );
-        // An endpoint gone from the configuration is dropped at the next publish.
-        let mut b2 = b;
-        b2.failed(ScrapeError::TooLarge, 1_200);
-        assert_eq!(fold(&s, 7, 1_200, Err(ScrapeError::TooLarge), &[7]), Ok(b2));
-        assert_eq!(read_loads(&s).entries, vec![(7, b2)]);
-        // The codec takes exactly what it writes.
-        let bytes = loads.encode();
-        assert_eq!(Loads::decode(&bytes), Some(loads.clone()));
-        assert_eq!(Loads::decode(&bytes[..bytes.len() - 1]), None);
-        let mut longer = bytes.clone();
-        longer.push(0);
-        assert_eq!(Loads::decode(&longer), None);
+        // An id not scraped has no slot: nothing written.
+        assert!(fold(&s, 99, 1_200, Ok(vllm(1, 1, 1)), &ids).is_err());
+        // A configuration of endpoint 7 alone: its slot 0 is read, the retired slot 1 is
+        // emptied by the next lease holder (and the combined value of older modules).
+        assert_eq!(read_loads(&s, &[7]).entries, vec![(7, b)]);
+        s.set(LEGACY_LOADS_KEY, b"old", None).unwrap();
+        assert_eq!(retire_slots(&s, 2), 0, "the first holder records its count");
+        assert_eq!(s.get(LEGACY_LOADS_KEY).0.as_deref(), Some(&b""[..]));
+        assert_eq!(retire_slots(&s, 1), 1);
+        assert_eq!(s.get(&slot_key(1)).0.as_deref(), Some(&b""[..]));
+        assert_eq!(retire_slots(&s, 1), 0, "once");
+        // A renamed endpoint in slot 0 reads as never scraped until its first answer.
+        assert_eq!(read_loads(&s, &[8]), Loads::default());
+        let mut c = Scraped::default();
+        c.failed(ScrapeError::Status, 1_300);
+        assert_eq!(fold(&s, 8, 1_300, Err(ScrapeError::Status), &[8]), Ok(c));
+        // The slot codec takes exactly what it writes.
+        let bytes = encode_slot(7, &b);
+        assert_eq!(decode_slot(&bytes), Some((7, b)));
+        assert_eq!(decode_slot(&bytes[..bytes.len() - 1]), None);
         let mut bad = bytes.clone();
-        bad[0] = 1;
-        assert_eq!(Loads::decode(&bad), None);
-        // Ids out of order (the second entry's id set below the first's).
-        let mut bad = bytes.clone();
-        bad[5 + 4 + RECORD_BYTES] = 1;
-        bad[5 + 4 + RECORD_BYTES + 1] = 0;
-        assert_eq!(Loads::decode(&bad), None);
-        let empty = Loads::default().encode();
-        assert_eq!(Loads::decode(&empty), Some(Loads::default()));
-        s.set(LOADS_KEY, b"junk", None).unwrap();
-        assert_eq!(read_loads(&s), Loads::default());
+        bad[0] = 2;
+        assert_eq!(decode_slot(&bad), None);
+        assert_eq!(decode_slot(&[]), None);
     }
 }

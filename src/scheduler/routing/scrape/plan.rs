@@ -490,6 +490,7 @@ mod tests {
                         kv_usage_permille: l.kv_usage_permille,
                         scraped_ms: 1_000,
                         decode_us_per_token: None,
+                        decoded_at_ms: None,
                     };
                     judge(Saturation::Room, Some(&load), &Default::default(), 1_000)
                 })
@@ -581,7 +582,8 @@ mod tests {
                 continue;
             }
             if !vm.holding {
-                vm.schedule.take_over(&c, &scrape::read_loads(&store));
+                vm.schedule
+                    .take_over(&c, &scrape::read_loads(&store, &[id]));
                 vm.holding = true;
             }
             for i in vm.schedule.due(&c, now) {

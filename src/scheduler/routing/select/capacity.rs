@@ -270,8 +270,11 @@ impl Capacities {
 /// (`signals::engine_loads`) and its room (by index into `Config::endpoints`).
 #[derive(Debug, Clone, Default)]
 pub struct Engines {
-    /// By endpoint index (empty when nothing is scraped: read with `get`).
-    pub loads: Vec<Option<EngineLoad>>,
+    /// By endpoint index (empty when nothing is scraped: read with `get`); shared with the
+    /// worker's memo (`signals::fresh_engines`).
+    pub loads: std::rc::Rc<Vec<Option<EngineLoad>>>,
+    /// The peers' median engine pace by endpoint index (`signals::pace_medians` of `loads`).
+    pub pace: std::rc::Rc<Vec<Option<f64>>>,
     pub rooms: Vec<Option<Room>>,
     /// What was seen before the decision (for [`Engines::record`]).
     pub seen: Capacities,
@@ -284,38 +287,35 @@ pub struct Engines {
 impl Engines {
     /// The engines as `store` holds them at `now_ms`.
     pub fn read(store: &dyn Store, cfg: &Config, now_ms: u64) -> Engines {
-        Engines::read_with(store, cfg, now_ms, &scrape::read_loads(store))
+        let loads = signals::engine_loads(store, cfg, now_ms);
+        let pace = signals::pace_medians(cfg, &loads);
+        Engines::read_with(store, cfg, std::rc::Rc::new(loads), std::rc::Rc::new(pace))
     }
 
-    /// [`Engines::read`] with the published loads already read (`scrape::read_loads` of
-    /// `store`, or a worker's memo of it).
+    /// [`Engines::read`] with the fresh loads and their peers' median pace already known
+    /// (`signals::fresh_engines`, a worker's memo of them).
     pub fn read_with(
         store: &dyn Store,
         cfg: &Config,
-        now_ms: u64,
-        published: &scrape::Loads,
+        loads: std::rc::Rc<Vec<Option<EngineLoad>>>,
+        pace: std::rc::Rc<Vec<Option<f64>>>,
     ) -> Engines {
-        let loads = signals::engine_loads_from(published, cfg, now_ms);
         if loads.iter().all(Option::is_none) {
             // Nothing scraped (hosted keys, or no fresh scrape): no room is known, and the
             // capacities are neither read nor written (a request's cost stays per candidate).
             // Empty lists: every endpoint's load and room read by index as `None`.
-            return Engines {
-                loads: Vec::new(),
-                rooms: Vec::new(),
-                seen: Capacities::default(),
-                sessions: None,
-            };
+            return Engines::default();
         }
         let seen = read(store);
         let rooms = cfg
             .endpoints
             .iter()
-            .zip(&loads)
+            .zip(loads.iter())
             .map(|(e, l)| l.as_ref().and_then(|l| Room::of(&seen.get(e.id), l)))
             .collect();
         Engines {
             loads,
+            pace,
             rooms,
             seen,
             sessions: None,
@@ -332,7 +332,7 @@ impl Engines {
         let fresh: Vec<(u32, EngineLoad)> = cfg
             .endpoints
             .iter()
-            .zip(&self.loads)
+            .zip(self.loads.iter())
             .filter_map(|(e, l)| l.map(|l| (e.id, l)))
             .collect();
         let placed = placed.and_then(|i| {

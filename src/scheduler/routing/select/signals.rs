@@ -25,7 +25,7 @@ use crate::scheduler::routing::judge::saturation::{self, EngineLoad, SaturationR
 use crate::scheduler::routing::judge::slowness::{self, DegradeRule, Sample, Slowness, WorkModel};
 use crate::scheduler::routing::scrape::{self, LoadState};
 use crate::scheduler::routing::table::{EndpointState, Table};
-use crate::scheduler::routing::table::{MedianMemo, Quiet, QuietMemo};
+use crate::scheduler::routing::table::{MedianMemo, Quiet, QuietMemo, TableCache};
 use crate::scheduler::state::store::{update, Store};
 use crate::scheduler::wire::usage::Usage;
 use std::rc::Rc;
@@ -425,10 +425,10 @@ impl Served {
 }
 
 /// Every configured endpoint's scraped load, if fresh (`None`: unknown — no metrics, never
-/// scraped, failed or stale; hosted API keys have none). One shared-data read, the scraper's
-/// combined value, whatever the number of scraped endpoints.
+/// scraped, failed or stale; hosted API keys have none), from every scraped endpoint's slot.
 pub fn engine_loads(store: &dyn Store, cfg: &Config, now_ms: u64) -> Vec<Option<EngineLoad>> {
-    engine_loads_from(&scrape::read_loads(store), cfg, now_ms)
+    let ids = crate::scheduler::routing::table::slot_ids(cfg);
+    engine_loads_from(&scrape::read_loads(store, &ids), cfg, now_ms)
 }
 
 /// [`engine_loads`] from the published loads already read (a worker's
@@ -438,13 +438,26 @@ pub fn engine_loads_from(
     cfg: &Config,
     now_ms: u64,
 ) -> Vec<Option<EngineLoad>> {
+    engine_loads_until(loads, cfg, now_ms).0
+}
+
+/// [`engine_loads_from`], and until when it holds: the last instant at which every load it
+/// knows is still fresh (a load unknown at `now_ms` stays unknown later: only a new record
+/// makes it known). `u64::MAX` when it knows none.
+pub fn engine_loads_until(
+    loads: &scrape::Loads,
+    cfg: &Config,
+    now_ms: u64,
+) -> (Vec<Option<EngineLoad>>, u64) {
     // Nothing scraped (no endpoint has metrics, or none answered yet): every load unknown,
     // as an empty list (read by index with `get`: `None` for every endpoint), not one `None`
     // per endpoint to build and scan.
     if loads.entries.is_empty() {
-        return Vec::new();
+        return (Vec::new(), u64::MAX);
     }
-    cfg.endpoints
+    let mut until = u64::MAX;
+    let list = cfg
+        .endpoints
         .iter()
         .map(|ep| {
             let stale = ep
@@ -455,19 +468,59 @@ pub fn engine_loads_from(
             // binary search per read cost about 950 instructions per endpoint at 512.
             let rec = loads.get(ep.id)?;
             match rec.state_at(now_ms, stale) {
-                LoadState::Known(l) => Some(EngineLoad {
-                    waiting: l.waiting,
-                    running: l.running,
-                    kv_usage_permille: l.kv_usage_permille,
-                    scraped_ms: rec.scraped_at_ms,
-                    // `pace_at`: the pace when the load is known.
-                    decode_us_per_token: rec.pace.map(|p| p.us_per_token),
-                    decoded_at_ms: rec.pace.map(|p| p.at_ms),
-                }),
+                LoadState::Known(l) => {
+                    until = until.min(rec.scraped_at_ms.saturating_add(stale));
+                    Some(EngineLoad {
+                        waiting: l.waiting,
+                        running: l.running,
+                        kv_usage_permille: l.kv_usage_permille,
+                        scraped_ms: rec.scraped_at_ms,
+                        // `pace_at`: the pace when the load is known.
+                        decode_us_per_token: rec.pace.map(|p| p.us_per_token),
+                        decoded_at_ms: rec.pace.map(|p| p.at_ms),
+                    })
+                }
                 LoadState::Unknown(_) => None,
             }
         })
-        .collect()
+        .collect();
+    (list, until)
+}
+
+/// The fresh loads by endpoint index and their peers' median pace ([`pace_medians`]), from
+/// the worker's memos: the loads as its [`scrape::LoadsMemo`] holds them (it reads the change
+/// ring and the slots written since its last read alone), derived again only when they
+/// changed or one of them turned stale.
+/// Equals `(engine_loads, pace_medians)` of the memo's loads at `now_ms`.
+pub fn fresh_engines(
+    cache: &mut TableCache,
+    store: &dyn Store,
+    cfg: &Config,
+    now_ms: u64,
+) -> Fresh {
+    let loads = cache.published_loads(store, cfg);
+    let version = cache.loads.version;
+    let m = &mut cache.engines;
+    let holds = m.version == Some(version) && now_ms >= m.derived_ms && now_ms <= m.valid_until_ms;
+    if !holds {
+        let (list, until) = engine_loads_until(&loads, cfg, now_ms);
+        m.pace = Rc::new(pace_medians(cfg, &list));
+        m.loads = Rc::new(list);
+        m.version = Some(version);
+        m.derived_ms = now_ms;
+        m.valid_until_ms = until;
+    }
+    Fresh {
+        loads: Rc::clone(&m.loads),
+        pace: Rc::clone(&m.pace),
+    }
+}
+
+/// What [`fresh_engines`] hands a decision: by endpoint index, the fresh loads and their
+/// peers' median pace (shared with the worker's memo).
+pub struct Fresh {
+    pub loads: Rc<Vec<Option<EngineLoad>>>,
+    pub pace: Rc<Vec<Option<f64>>>,
 }
 
 /// The load bounded-load placement weighs: the engine's running + waiting, quantized so that

@@ -1573,7 +1573,7 @@ fn quota_skips_name_the_endpoints_passed_over_for_quota() {
 // --- degraded (slow for the work) vs saturated (full by the engine's own load) ------
 
 /// Writes endpoint `name`'s scraped record: `waiting` queued, `running` in the batch.
-fn scraped(store: &dyn Store, name: &str, waiting: u32, running: u32, now: u64) {
+fn scraped(store: &dyn Store, cfg: &Config, name: &str, waiting: u32, running: u32, now: u64) {
     let load = crate::scheduler::wire::engine_load::EngineLoad {
         engine: crate::scheduler::wire::engine_load::Engine::Vllm,
         waiting: Some(waiting),
@@ -1583,11 +1583,8 @@ fn scraped(store: &dyn Store, name: &str, waiting: u32, running: u32, now: u64) 
         prompt_tokens_cached_total: None,
         decode: None,
     };
-    // The scheduler reads the scraper's combined value: folded there, keeping the others.
-    let keep: Vec<u32> = ["a", "b", "c", "d", "e", "f"]
-        .iter()
-        .map(|n| crate::scheduler::state::hash::endpoint_id(n))
-        .collect();
+    // The scheduler reads the scraper's slots: the endpoint's place among the configuration's.
+    let keep = crate::scheduler::routing::table::slot_ids(cfg);
     crate::scheduler::routing::scrape::fold(
         store,
         crate::scheduler::state::hash::endpoint_id(name),
@@ -1623,7 +1620,7 @@ fn pick_body(s: &Scheduler<'_>, session: u64, body_bytes: usize, now: u64) -> De
 fn a_saturated_endpoint_gets_no_new_sessions_but_keeps_pins_while_the_wait_is_short() {
     with_pins_on_first(json!({}), |s, ex, on_a| {
         // a's engine queues 6 (enter at 5), 64 running: full, but its queue drains fast.
-        scraped(s.store, "a", 6, 64, 1_000);
+        scraped(s.store, s.cfg, "a", 6, 64, 1_000);
         for n in 7_000..7_300u64 {
             let d = pick_at(s, Some(key(n)), ex, 1_100).unwrap();
             assert_ne!(d.endpoint, 0, "a new session went to a saturated endpoint");
@@ -1642,11 +1639,11 @@ fn a_saturated_endpoint_gets_no_new_sessions_but_keeps_pins_while_the_wait_is_sh
             s.finish(d.ticket, &Outcome::Cancelled, 0, None, 1_200);
         }
         // Hysteresis: a queue of 3 keeps it saturated; 1 lets it have room again.
-        scraped(s.store, "a", 3, 64, 2_000);
+        scraped(s.store, s.cfg, "a", 3, 64, 2_000);
         let d = pick_at(s, Some(key(7_001)), ex, 2_000).unwrap();
         s.finish(d.ticket, &Outcome::Cancelled, 0, None, 2_000);
         assert_eq!(s.table().entries[0].1.saturation, Saturation::Saturated);
-        scraped(s.store, "a", 1, 64, 3_000);
+        scraped(s.store, s.cfg, "a", 1, 64, 3_000);
         let homed_on_a = |now: u64| {
             (7_000..7_300u64)
                 .filter(|&n| {
@@ -1666,10 +1663,10 @@ fn a_saturated_endpoint_gets_no_new_sessions_but_keeps_pins_while_the_wait_is_sh
         // 40 running, no queue: 24 free slots. The placements sent since that scrape count:
         // the first 24 sessions whose home is a go there, the others pass it (of 300, about
         // 100 have their home on a).
-        scraped(s.store, "a", 0, 40, 4_000);
+        scraped(s.store, s.cfg, "a", 0, 40, 4_000);
         assert_eq!(homed_on_a(4_000), 24);
         // The next scrape shows them (or not): the count starts again.
-        scraped(s.store, "a", 0, 40, 5_000);
+        scraped(s.store, s.cfg, "a", 0, 40, 5_000);
         assert_eq!(homed_on_a(5_000), 24);
     });
 }
@@ -1678,7 +1675,7 @@ fn a_saturated_endpoint_gets_no_new_sessions_but_keeps_pins_while_the_wait_is_sh
 fn every_endpoint_saturated_places_as_without_metrics() {
     with_pins_on_first(json!({}), |s, ex, _| {
         for name in ["a", "b", "c"] {
-            scraped(s.store, name, 9, 8, 1_000);
+            scraped(s.store, s.cfg, name, 9, 8, 1_000);
         }
         let on_a = (7_000..7_300u64)
             .filter(|&n| {
@@ -1733,9 +1730,9 @@ fn a_follow_up_without_a_pin_here_goes_where_its_first_turn_went() {
     };
     // Both replicas read the same scrape: a is full (saturated), b and c have room.
     for store in [&s1, &s2] {
-        scraped(store, "a", 500, 64, 1_000);
-        scraped(store, "b", 0, 2, 1_000);
-        scraped(store, "c", 0, 2, 1_000);
+        scraped(store, r1.cfg, "a", 500, 64, 1_000);
+        scraped(store, r1.cfg, "b", 0, 2, 1_000);
+        scraped(store, r1.cfg, "c", 0, 2, 1_000);
     }
     // r2's own traffic: placements r1 never saw.
     for n in 0..30u64 {
@@ -1769,7 +1766,7 @@ fn a_follow_up_without_a_pin_here_goes_where_its_first_turn_went() {
     // With room at a again (a later scrape: 10 of its 64 slots running), a turn without a
     // pin goes home as a pin would.
     for store in [&s1, &s2] {
-        scraped(store, "a", 0, 10, 3_000);
+        scraped(store, r1.cfg, "a", 0, 10, 3_000);
     }
     for &k in &on_a {
         let d = turn(&r2, k, true, 3_100);
@@ -1810,9 +1807,9 @@ fn two_replicas_with_different_own_traffic_send_a_later_turn_alike() {
     };
     // Slots learned by both: a queueing on 4, b and c on 16.
     for (r, store) in [(&r1, &s1), (&r2, &s2)] {
-        scraped(store, "a", 1, 4, 500);
-        scraped(store, "b", 1, 16, 500);
-        scraped(store, "c", 1, 16, 500);
+        scraped(store, &c, "a", 1, 4, 500);
+        scraped(store, &c, "b", 1, 16, 500);
+        scraped(store, &c, "c", 1, 16, 500);
         let d = turn(r, key(99_999), false, 600);
         r.finish(d.ticket, &Outcome::Cancelled, 0, None, 600);
     }
@@ -1841,9 +1838,9 @@ fn two_replicas_with_different_own_traffic_send_a_later_turn_alike() {
     for (n, &((waiting, running), home)) in phases.iter().enumerate() {
         let at = 1_000 * (n as u64 + 1);
         for store in [&s1, &s2] {
-            scraped(store, "a", waiting, running, at);
-            scraped(store, "b", 0, 2, at);
-            scraped(store, "c", 0, 2, at);
+            scraped(store, &c, "a", waiting, running, at);
+            scraped(store, &c, "b", 0, 2, at);
+            scraped(store, &c, "c", 0, 2, at);
         }
         // r2's own traffic since this scrape: 30 new sessions, pinned where placed.
         for m in 0..30u64 {
@@ -1877,7 +1874,7 @@ fn two_replicas_with_different_own_traffic_send_a_later_turn_alike() {
 #[test]
 fn a_saturated_pin_stays() {
     with_pins_on_first(json!({}), |s, _, on_a| {
-        scraped(s.store, "a", 500, 1, 1_000);
+        scraped(s.store, s.cfg, "a", 500, 1, 1_000);
         for &k in &on_a[..5] {
             let d = pick_body(s, k, 400, 1_100);
             assert_eq!((d.endpoint, d.reason), (0, Reason::AffinityHit));
@@ -1903,10 +1900,10 @@ fn full_engines_share_new_sessions_by_slots() {
     let s = Scheduler::new(&c, &store);
     let ex = Exclusions::default();
     warm(&s, &[100, 100, 100], 10, 0);
-    scraped(&store, "a", 4, 16, 1_000);
+    scraped(&store, &c, "a", 4, 16, 1_000);
     // One waiting on its 4 slots: not saturated (entered at 2 on 4 slots).
-    scraped(&store, "b", 1, 4, 1_000);
-    scraped(&store, "c", 4, 16, 1_000);
+    scraped(&store, &c, "b", 1, 4, 1_000);
+    scraped(&store, &c, "c", 4, 16, 1_000);
     let mut to = [0usize; 3];
     let mut spilled = 0;
     for n in 0..300u64 {
@@ -1942,9 +1939,9 @@ fn every_engine_full_new_sessions_pass_over_a_far_longer_queue() {
     let ex = Exclusions::default();
     warm(&s, &[100, 100, 100], 10, 0);
     // All saturated (≥ 5 waiting): a and b 2.5 batches deep, c 0.375.
-    scraped(&store, "a", 40, 16, 1_000);
-    scraped(&store, "b", 40, 16, 1_000);
-    scraped(&store, "c", 6, 16, 1_000);
+    scraped(&store, &c, "a", 40, 16, 1_000);
+    scraped(&store, &c, "b", 40, 16, 1_000);
+    scraped(&store, &c, "c", 6, 16, 1_000);
     let mut to = [0usize; 3];
     for n in 0..200u64 {
         let d = pick_at(&s, Some(key(n)), &ex, 1_100).unwrap();
@@ -1970,8 +1967,8 @@ fn every_engine_full_new_sessions_pass_over_a_far_longer_queue() {
     }
     assert_eq!(later, [0, 0, 60]);
     // Queues alike (1.25 batches against 0.375 × 4 = 1.5): every one goes home, as before.
-    scraped(&store, "a", 20, 16, 2_000);
-    scraped(&store, "b", 20, 16, 2_000);
+    scraped(&store, &c, "a", 20, 16, 2_000);
+    scraped(&store, &c, "b", 20, 16, 2_000);
     let mut to = [0usize; 3];
     for n in 0..200u64 {
         let d = pick_at(&s, Some(key(5_000 + n)), &ex, 2_100).unwrap();
@@ -1990,7 +1987,7 @@ fn degraded_and_saturated_are_distinct() {
     // a is 5x slower for the same work, b is full by its engine: a is degraded, not
     // saturated; b saturated, not degraded.
     warm(&s, &[500, 100, 100], 10, 0);
-    scraped(&store, "b", 20, 8, 0);
+    scraped(&store, &c, "b", 20, 8, 0);
     let d = pick_at(&s, Some(key(1)), &ex, 10).unwrap();
     s.finish(d.ticket, &Outcome::Cancelled, 0, None, 10);
     let t = s.table();
@@ -2112,8 +2109,8 @@ fn replicas_with_different_own_signals_compute_the_same_homes() {
         assert!(r.table().entries.iter().all(|e| !e.1.degraded));
     }
     for store in [&s1, &s2] {
-        scraped(store, "c", 12, 8, 0); // saturated for both
-        scraped(store, "d", 1, 3, 0);
+        scraped(store, r1.cfg, "c", 12, 8, 0); // saturated for both
+        scraped(store, r1.cfg, "d", 1, 3, 0);
     }
     // Different in-flight counts: r1 holds 30 attempts.
     let held: Vec<Decision> = (0..30u64)
@@ -2295,7 +2292,7 @@ fn new_sessions_pass_over_the_last_server_of_another_model() {
         warm(&s, &[100, 100, 100, 100], 10, 0);
         // b busier than c and d, none of them full (no queue anywhere).
         for (name, waiting, running) in [("a", 0, 2), ("b", 0, 14), ("c", 0, 6), ("d", 0, 6)] {
-            scraped(&store, name, waiting, running, 1_000);
+            scraped(&store, &c, name, waiting, running, 1_000);
         }
         // Healthy fleet: b takes its rendezvous share whatever the switch.
         let healthy = new_m_sessions(&s, &ex, 0, 1_100);
@@ -2317,7 +2314,7 @@ fn new_sessions_pass_over_the_last_server_of_another_model() {
         // b no busier than the others: it takes new m sessions again, but for the half kept
         // for m2 (the reservation coin).
         for (name, waiting, running) in [("b", 0, 6), ("c", 0, 6), ("d", 0, 6)] {
-            scraped(&store, name, waiting, running, 1_400);
+            scraped(&store, &c, name, waiting, running, 1_400);
         }
         let even = new_m_sessions(&s, &ex, 2_000, 1_500);
         assert!((25..=75).contains(&even[1]), "{even:?}");
@@ -2353,7 +2350,7 @@ fn pinned_sessions_move_off_the_last_server_of_another_model_once() {
         assert!(m > 20 && m2 > 20, "{m} {m2}");
         // b 1.25 batches deep, c and d 0.25.
         for (name, waiting, running) in [("a", 0, 4), ("b", 20, 16), ("c", 4, 16), ("d", 4, 16)] {
-            scraped(&store, name, waiting, running, 1_000);
+            scraped(&store, &c, name, waiting, running, 1_000);
         }
         // No endpoint degraded: every pin holds.
         for &(model, k) in &on_b[..10] {
@@ -2402,7 +2399,7 @@ fn pinned_sessions_move_off_the_last_server_of_another_model_once() {
         }
         // Queues alike (c and d as deep as b): they go home.
         for (name, waiting, running) in [("b", 20, 16), ("c", 20, 16), ("d", 20, 16)] {
-            scraped(&store, name, waiting, running, 1_600);
+            scraped(&store, &c, name, waiting, running, 1_600);
         }
         for &k in &homed[10..] {
             let d = s.pick(&model_pick("m", k, &ex, true), 1_700).unwrap();
@@ -2647,7 +2644,7 @@ fn loads_turning_known_rewrite_only_the_chosen_entry() {
     let ex = Exclusions::default();
     warm(&s, &[100, 100, 100], 10, 0);
     for name in ["a", "b", "c"] {
-        scraped(&store, name, 0, 2, 1_000);
+        scraped(&store, &c, name, 0, 2, 1_000);
     }
     let before = s.table();
     let d = pick_at(&s, Some(key(1)), &ex, 1_000).unwrap();
@@ -2657,11 +2654,11 @@ fn loads_turning_known_rewrite_only_the_chosen_entry() {
     }
     s.finish(d.ticket, &Outcome::Cancelled, 0, None, 1_000);
     // b fills: stored as saturated, and as room again once its queue is gone.
-    scraped(&store, "b", 20, 8, 2_000);
+    scraped(&store, &c, "b", 20, 8, 2_000);
     let d = pick_at(&s, Some(key(2)), &ex, 2_000).unwrap();
     s.finish(d.ticket, &Outcome::Cancelled, 0, None, 2_000);
     assert_eq!(s.table().entries[1].1.saturation, Saturation::Saturated);
-    scraped(&store, "b", 0, 2, 3_000);
+    scraped(&store, &c, "b", 0, 2, 3_000);
     let d = pick_at(&s, Some(key(3)), &ex, 3_000).unwrap();
     s.finish(d.ticket, &Outcome::Cancelled, 0, None, 3_000);
     assert_eq!(s.table().entries[1].1.saturation, Saturation::Room);

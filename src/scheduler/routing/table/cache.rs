@@ -67,6 +67,42 @@ pub struct TableCache {
     pub(super) groups_seen: Vec<Option<u64>>,
     /// The published engine loads as last decoded (see [`crate::scheduler::routing::scrape::LoadsMemo`]).
     pub loads: crate::scheduler::routing::scrape::LoadsMemo,
+    /// What decisions derive from them (see [`EnginesMemo`]).
+    pub engines: EnginesMemo,
+    /// The configuration's endpoint ids, sorted (`None`: not computed yet).
+    pub(super) slot_ids: Option<Vec<u32>>,
+    /// Some endpoint of the configuration is scraped (`None`: not computed yet).
+    pub(super) scrapes: Option<bool>,
+}
+
+/// Every configured endpoint's id, sorted: the slot space of the scraped loads (an
+/// endpoint's slot is its place among them, see `scrape::fold`).
+pub fn slot_ids(cfg: &Config) -> Vec<u32> {
+    let mut ids: Vec<u32> = cfg.endpoints.iter().map(|e| e.id).collect();
+    ids.sort_unstable();
+    ids.dedup();
+    ids
+}
+
+/// One worker's fresh engine loads by endpoint index and their peers' median pace, derived
+/// from its [`crate::scheduler::routing::scrape::LoadsMemo`] (`select::signals::fresh_engines`).
+///
+/// Why: a decision needs every endpoint's fresh load; deriving them (a record look-up and a
+/// freshness check per endpoint) and the peers' median pace (a sort) cost every request an
+/// amount that grew with the fleet, while the loads change only at the ticks that bring the
+/// memo up to the store, and a load turns stale only at a known instant. Kept while the loads
+/// memo's version is the one derived from and no load known then has turned stale.
+#[derive(Debug, Default, Clone)]
+pub struct EnginesMemo {
+    /// The loads memo's version they were derived from (`None`: nothing derived).
+    pub version: Option<u64>,
+    /// Derived at this instant; they hold from it up to `valid_until_ms`.
+    pub derived_ms: u64,
+    pub valid_until_ms: u64,
+    /// By endpoint index (empty: nothing scraped is fresh).
+    pub loads: Rc<Vec<Option<EngineLoad>>>,
+    /// By endpoint index (empty: no engine publishes a pace).
+    pub pace: Rc<Vec<Option<f64>>>,
 }
 
 /// Which configured endpoints list a model (or serve every model), for the last few models
@@ -215,6 +251,49 @@ impl TableCache {
             }
             None => self.reset(store, cfg),
         }
+    }
+
+    /// The configuration's endpoint ids, sorted: the slots of their loads
+    /// ([`crate::scheduler::routing::scrape::fold`]), computed once per cache (one
+    /// configuration).
+    pub fn slot_ids(&mut self, cfg: &Config) -> &[u32] {
+        self.slot_ids.get_or_insert_with(|| slot_ids(cfg))
+    }
+
+    /// The published loads of the configuration's endpoints, through [`TableCache::loads`]
+    /// (see [`crate::scheduler::routing::scrape::LoadsMemo::read`]); none, without a read,
+    /// when the configuration scrapes nothing.
+    pub fn published_loads(
+        &mut self,
+        store: &dyn Store,
+        cfg: &Config,
+    ) -> Rc<crate::scheduler::routing::scrape::Loads> {
+        let scrapes = *self
+            .scrapes
+            .get_or_insert_with(|| cfg.endpoints.iter().any(|e| e.metrics.is_some()));
+        if !scrapes {
+            // Nothing configured is scraped: no loads, nothing read.
+            return Rc::default();
+        }
+        self.slot_ids(cfg);
+        let ids = self.slot_ids.as_deref().unwrap_or_default();
+        self.loads.read(store, ids)
+    }
+
+    /// From the worker's timer: [`TableCache::loads`] brought up to every slot (a catch-up
+    /// for what the change ring could not say). A configuration that scrapes nothing reads
+    /// nothing.
+    pub fn tick_loads(
+        &mut self,
+        store: &dyn Store,
+        cfg: &Config,
+    ) -> Rc<crate::scheduler::routing::scrape::Loads> {
+        if !cfg.endpoints.iter().any(|e| e.metrics.is_some()) {
+            return Rc::default();
+        }
+        self.slot_ids(cfg);
+        let ids = self.slot_ids.as_deref().unwrap_or_default();
+        self.loads.tick(store, ids)
     }
 
     /// Group `g` is read again at the next load, whatever the header says (a write found it

@@ -26,7 +26,7 @@ impl<'a> Scheduler<'a> {
         let shared = self.statics(pick.model);
         let statics: &[usize] = &shared.indexes;
         let references = self.peer_references(table);
-        let pace_references = signals::pace_medians(cfg, loads);
+        let pace_references = &engines.pace;
         // Requests without a session keep the full score (nothing to keep together); the
         // fastest warm latency is its yardstick, not needed by a session's placement weight.
         // Over many candidates their order is drawn (`placement::Draws`): the board holds
