@@ -7,7 +7,7 @@
 //! module declares the host's `proxy_*` imports itself, reads what the host returns without
 //! trusting it (statuses as plain numbers, header lists decoded by
 //! [`crate::scheduler::wire::headers::decode_pairs`]), and maps every failure to a documented
-//! fallback. `tests/host_boundary.rs` fails if any other file calls the host.
+//! fallback. `tests/repo/host_boundary.rs` fails if any other file calls the host.
 //!
 //! One call goes through the SDK: [`dispatch`]. Its dispatcher must register a failover
 //! call's token, or it panics ("invalid token_id") when the answer arrives, and that

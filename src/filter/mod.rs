@@ -13,7 +13,7 @@
 //! - [`scrape`]: the engines' own `/metrics`, scraped from the root context's timer;
 //! - [`pools`]: the hosts of a pool's cluster, learned from answers and discovery calls;
 //! - [`shared`]: the scheduler's `Store` over Envoy shared data;
-//! - [`host`]: every host call, none of which can panic (`tests/host_boundary.rs` keeps it
+//! - [`host`]: every host call, none of which can panic (`tests/repo/host_boundary.rs` keeps it
 //!   the only one).
 
 mod admission_metrics;

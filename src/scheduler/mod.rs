@@ -6,7 +6,7 @@
 //! same code correct across Envoy worker threads.
 //!
 //! The code lives in rooms, each named after what it is. A room imports only the rooms below it
-//! in this table (`tests/room_imports.rs` keeps it so, and finds any import cycle between files):
+//! in this table (`tests/repo/room_imports.rs` keeps it so, and finds any import cycle between files):
 //!
 //! | room        | what it is                                                      | may import                               |
 //! |-------------|-----------------------------------------------------------------|------------------------------------------|

@@ -1,5 +1,5 @@
-//! Helpers of the deployment checks (`tests/deploy.rs`, `tests/istio.rs`, `tests/oci_image.rs`,
-//! `tests/dashboard.rs`, `tests/config_reference.rs`): YAML files as `serde_json::Value`, the
+//! Helpers of the deployment checks (`tests/repo/deploy.rs`, `tests/repo/istio.rs`, `tests/repo/oci_image.rs`,
+//! `tests/repo/dashboard.rs`, `tests/repo/config_reference.rs`): YAML files as `serde_json::Value`, the
 //! Envoy version the scripts pin, and small path utilities.
 //!
 //! YAML is read with `yaml-rust2` (a maintained, pure-Rust YAML 1.2 parser) and converted to

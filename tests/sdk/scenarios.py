@@ -1,7 +1,7 @@
 """Scenarios run with the official OpenAI Python SDK against Envoy with the ComputeFlux filter.
 
 Why: real clients parse answers, raise their own error classes and retry on their own terms
-(honouring Retry-After); the filter must keep working for them. tests/sdk.rs starts the mock
+(honouring Retry-After); the filter must keep working for them. tests/envoy/sdk.rs starts the mock
 upstreams and Envoy, runs `python tests/sdk/scenarios.py <scenario>` and asserts on the JSON
 line a scenario prints last, together with what the mocks saw.
 

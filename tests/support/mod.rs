@@ -15,7 +15,7 @@
 //! Expectations reported together at the end of a measuring test: [`Checks`]. Load on an
 //! engine from elsewhere (clients straight to a mock): [`Backlog`].
 //!
-//! Use from a test file: `mod support;` (each test file uses a part, hence `dead_code` allowed).
+//! Declared once by each test binary's `main.rs`; its files `use crate::support;` (each test file uses a part, hence `dead_code` allowed).
 
 #![allow(dead_code, unused_imports)]
 // Test support: failing loudly (panic with context) is the point here.

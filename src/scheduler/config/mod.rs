@@ -8,7 +8,7 @@
 //! Every top-level key is declared once, in the [`config_keys!`] invocation below: its field,
 //! type, default, bounds and documented effect. The struct, its `Default`, the validation, the
 //! start-up summary and the reference table of `docs/configuration.md` (checked by
-//! `tests/config_reference.rs`) are all generated from that one declaration. The checks
+//! `tests/repo/config_reference.rs`) are all generated from that one declaration. The checks
 //! themselves are in `validate.rs`.
 //!
 //! A room of its own, read by every room above it; it imports only `state` (endpoint ids are

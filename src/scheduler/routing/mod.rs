@@ -13,7 +13,7 @@
 //!   steps (`choose`: board → pin verdict → walk → settle), Responses API holders
 //!   (`responses`), and what an outcome changes (`finish`).
 //!
-//! A room imports only the rooms listed before it (checked by `tests/room_imports.rs`).
+//! A room imports only the rooms listed before it (checked by `tests/repo/room_imports.rs`).
 //! May import `time`, `state`, `config`, `wire` (usage, headers) and `health`.
 
 pub mod judge;

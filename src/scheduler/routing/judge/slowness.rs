@@ -93,7 +93,7 @@
 //! TGI, a failed or stale scrape, a restarted engine before its first window) keep the
 //! slowness below.
 //!
-//! Measured (`tests/slowness_props.rs`, a synthetic fleet of 4 engines, half the answers
+//! Measured (`tests/props/slowness_props.rs`, a synthetic fleet of 4 engines, half the answers
 //! streamed, prompts 200–8000 tokens 0–95 % cached, 16–512 output tokens, batch stretch and a
 //! 0–300 ms queue; `--nocapture` prints the figures): a healthy endpoint's slowness has p5/p50/
 //! p95 0.88/0.99/1.10, the judged ratio (own ÷ peers' median) 0.87/1.00/1.15 with a maximum of
