@@ -157,9 +157,10 @@ const MODEL: &str = "m1";
 /// Slots per rank of the engine-like mock (`--max-concurrency` is per rank, as vLLM's
 /// `--max-num-seqs` is per engine core).
 const SLOTS: usize = 8;
-/// Clients filling rank 0 from elsewhere: its 8 slots and a queue of 6, which is saturated
-/// (≥ 5 waiting) on the rank's own series but only 3 per rank (under 5) if the engine's queue
-/// were split evenly over its two ranks.
+/// Clients filling rank 0 from elsewhere: its 8 slots and a queue of 6, which saturates it on
+/// the rank's own series (entered at 5 waiting, or at `slots / 4 + 1` = 3 once its 8 slots are
+/// known); split evenly over the two ranks, rank 1 would read 3 waiting of a queue it does not
+/// have (the test checks that each rank's scrape reads its own).
 const BACKLOG_CLIENTS: usize = SLOTS + 6;
 /// The saturated state's entry: this many requests waiting (`saturation::SaturationRule`).
 const SATURATED_WAITING: i64 = 5;
@@ -179,14 +180,14 @@ fn wait_until(what: &str, mut ok: impl FnMut() -> bool, state: impl Fn() -> Stri
     }
 }
 
-/// Sessions `<prefix>-<n>` whose rendezvous home over the two ranks is `home`, `count` of them
-/// (where the filter places a session without a pin is a pure function of the configuration
-/// and the session: `tests/support/placement.rs`).
-fn homed(prefix: &str, home: &str, count: usize) -> Vec<Session> {
-    let ranks = [("gpu-r0", 1.0), ("gpu-r1", 1.0)];
+/// Sessions `<prefix>-<n>` whose rendezvous home over the two ranks is `home` under the
+/// rendezvous weights in force (`weights`), `count` of them (where the filter places a session
+/// without a pin is a pure function of the configuration, the slots the engines showed and the
+/// session: `tests/support/placement.rs`).
+fn homed(prefix: &str, home: &str, count: usize, weights: &[(&str, f64)]) -> Vec<Session> {
     (0..100_000)
         .map(|n| format!("{prefix}-{home}-{n}"))
-        .filter(|id| rendezvous_order(header_session(id), &ranks)[0] == home)
+        .filter(|id| rendezvous_order(header_session(id), weights)[0] == home)
         .take(count)
         .map(|id| Session::new(id, MODEL))
         .collect()
@@ -297,8 +298,10 @@ fn a_full_rank_case(format: &str) {
         || scraped("gpu-r0") >= 0 && scraped("gpu-r1") >= 0,
         state,
     );
-    let mut pinned = homed("pinned", "gpu-r0", 3);
-    let mut before = homed("before", "gpu-r1", 3);
+    // No rank has queued yet: their slots are unknown and their weights equal.
+    let equal = [("gpu-r0", 1.0), ("gpu-r1", 1.0)];
+    let mut pinned = homed("pinned", "gpu-r0", 3, &equal);
+    let mut before = homed("before", "gpu-r1", 3, &equal);
     turn(&mut pinned, port);
     turn(&mut before, port);
     checks.expect(
@@ -329,8 +332,11 @@ fn a_full_rank_case(format: &str) {
         r0 >= SATURATED_WAITING && r1 == 0,
         format!("each rank's own queue scraped: r0 {r0} (≥ {SATURATED_WAITING}), r1 {r1} (0)"),
     );
-    let mut during = homed("during", "gpu-r0", 6);
-    let mut r1_home = homed("during", "gpu-r1", 3);
+    // Rank 0 queued with its SLOTS running: its slots are known and weigh its place; rank 1
+    // never queued and counts as 4 × the most known (ADR 0019).
+    let in_force = [("gpu-r0", SLOTS as f64), ("gpu-r1", 4.0 * SLOTS as f64)];
+    let mut during = homed("during", "gpu-r0", 6, &in_force);
+    let mut r1_home = homed("during", "gpu-r1", 3, &in_force);
     turn(&mut during, port);
     turn(&mut r1_home, port);
     turn(&mut pinned, port);
@@ -393,7 +399,7 @@ fn a_full_rank_case(format: &str) {
         },
         state,
     );
-    let mut after = homed("after", "gpu-r0", 3);
+    let mut after = homed("after", "gpu-r0", 3, &in_force);
     turn(&mut after, port);
     checks.expect(
         not_on(&after, "gpu-r0", "home").is_empty(),

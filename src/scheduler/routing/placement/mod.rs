@@ -65,7 +65,7 @@ pub mod sessions;
 use crate::scheduler::config::Config;
 use crate::scheduler::routing::judge::payoff::PayoffRule;
 use crate::scheduler::routing::placement::score::success;
-use crate::scheduler::routing::table::EndpointState;
+use crate::scheduler::routing::table::{EndpointState, FirstPass, KeptHashes};
 #[cfg(doc)]
 use crate::scheduler::state::hash::rendezvous_seed;
 use crate::scheduler::state::hash::{rendezvous, rendezvous_seeded};
@@ -219,17 +219,22 @@ pub struct Keyed<'c> {
     top: std::cell::Cell<Option<Top>>,
     /// The greatest hashes the first pass kept and the weight they share, when it decided by
     /// them alone: the second of the order is usually among them (a failover's next place).
-    kept: std::cell::Cell<Option<Kept>>,
+    kept: std::cell::Cell<Option<KeptHashes>>,
 }
 
 /// The first candidate of an order, if any: its position in `bounds` and `(key, id, index)`.
 type Top = Option<(usize, (f64, u32, usize))>;
 
-/// The first pass's greatest `(hash, position)`s, greatest first, and the weight they share.
-type Kept = ([(u64, usize); TOP_KEPT], f64);
-
-/// One candidate: `(bound of its key, endpoint id, index, weight)`.
-type Bounded = (f64, u32, usize, f64);
+/// One candidate with the upper bound of its rendezvous key ([`bound_of`]).
+#[derive(Debug, Clone, Copy)]
+struct Bounded {
+    /// No candidate's exact key exceeds its bound: one below the best key so far is skipped.
+    bound: f64,
+    id: u32,
+    /// The endpoint's index in the configuration.
+    index: usize,
+    weight: f64,
+}
 
 /// How many of the greatest bounds [`Keyed`]'s first pass keeps: enough that the winner's
 /// exact key is nearly always above every other bound (then no second pass is needed).
@@ -302,15 +307,18 @@ impl<'c> Keyed<'c> {
 
     /// The first pass's result once computed (for the board memo to keep: see
     /// [`Keyed::restore_pass`]).
-    pub fn pass(&self) -> Option<crate::scheduler::routing::table::FirstPass> {
-        self.top.get().map(|top| (top, self.kept.get()))
+    pub fn pass(&self) -> Option<FirstPass> {
+        self.top.get().map(|top| FirstPass {
+            top,
+            kept: self.kept.get(),
+        })
     }
 
     /// Takes the first pass computed by another `Keyed` of the same key, candidates, weights
     /// and seeds ([`Keyed::pass`]) instead of computing it again.
-    pub fn restore_pass(&self, (top, kept): crate::scheduler::routing::table::FirstPass) {
-        self.top.set(Some(top));
-        self.kept.set(kept);
+    pub fn restore_pass(&self, pass: FirstPass) {
+        self.top.set(Some(pass.top));
+        self.kept.set(pass.kept);
     }
 
     /// The key the candidates are ranked for (a session's, a prefix's or a request's).
@@ -332,7 +340,12 @@ impl<'c> Keyed<'c> {
             self.candidates
                 .iter()
                 .enumerate()
-                .map(|(at, &(i, id, w))| (bound_of(self.hash(at, id), w), id, i, w))
+                .map(|(at, &(index, id, weight))| Bounded {
+                    bound: bound_of(self.hash(at, id), weight),
+                    id,
+                    index,
+                    weight,
+                })
                 .collect()
         })
     }
@@ -390,7 +403,10 @@ impl<'c> Keyed<'c> {
         let (best_at, best_key) = self.best_kept(&kept, w0, None)?;
         // Every candidate was kept, or none left out can reach the best: decided.
         if self.candidates.len() <= TOP_KEPT || best_key.0 > bound_of(last, w0) {
-            self.kept.set(Some((kept, w0)));
+            self.kept.set(Some(KeptHashes {
+                hashes: kept,
+                weight: w0,
+            }));
             return Some((best_at, best_key));
         }
         best_of(self.session_key, self.bounds())
@@ -429,7 +445,10 @@ impl<'c> Keyed<'c> {
     /// hashes the first pass kept, when they decide it as they decided the first; `None`
     /// otherwise (the caller searches every candidate).
     fn second(&self, first_at: usize) -> Option<(usize, usize)> {
-        let (kept, w0) = self.kept.get()?;
+        let KeptHashes {
+            hashes: kept,
+            weight: w0,
+        } = self.kept.get()?;
         let (at, key) = self.best_kept(&kept, w0, Some(first_at))?;
         // The candidates left out have hashes at most the last kept one's (all kept: none).
         let decided = self.candidates.len() <= TOP_KEPT
@@ -492,8 +511,8 @@ impl<'c> Keyed<'c> {
     }
 
     /// The exact key of a candidate, ranked.
-    fn exact(&self, &(_, id, i, w): &Bounded) -> (f64, u32, usize) {
-        (hrw_key(self.session_key, id, w), id, i)
+    fn exact(&self, c: &Bounded) -> (f64, u32, usize) {
+        (hrw_key(self.session_key, c.id, c.weight), c.id, c.index)
     }
 
     /// See [`order`].
@@ -526,16 +545,16 @@ impl<'c> Keyed<'c> {
         // The greatest bound among the kept, then every kept candidate whose bound reaches
         // the best exact key so far (the largest key; among equal keys the smallest id).
         let bounds = self.bounds();
-        let top = bounds
-            .iter()
-            .filter(|c| keep(c.2))
-            .fold(None, |top: Option<&Bounded>, c| match top {
-                Some(t) if t.0 >= c.0 => Some(t),
+        let top = bounds.iter().filter(|c| keep(c.index)).fold(
+            None,
+            |top: Option<&Bounded>, c| match top {
+                Some(t) if t.bound >= c.bound => Some(t),
                 _ => Some(c),
-            })?;
+            },
+        )?;
         let mut best = self.exact(top);
         for c in bounds {
-            if c.0 >= best.0 && c.2 != best.2 && keep(c.2) {
+            if c.bound >= best.0 && c.index != best.2 && keep(c.index) {
                 let k = self.exact(c);
                 if rank(&k, &best).is_gt() {
                     best = k;
@@ -575,15 +594,15 @@ fn best_of(session_key: u64, cands: &[Bounded]) -> Top {
         .iter()
         .enumerate()
         .fold(None, |top: Option<(usize, f64)>, (at, c)| match top {
-            Some(t) if t.1 >= c.0 => Some(t),
-            _ => Some((at, c.0)),
+            Some(t) if t.1 >= c.bound => Some(t),
+            _ => Some((at, c.bound)),
         })?
         .0;
-    let exact = |&(_, id, i, w): &Bounded| (hrw_key(session_key, id, w), id, i);
+    let exact = |c: &Bounded| (hrw_key(session_key, c.id, c.weight), c.id, c.index);
     let mut best_at = top;
     let mut best = exact(cands.get(top)?);
     for (at, c) in cands.iter().enumerate() {
-        if at != best_at && c.0 >= best.0 {
+        if at != best_at && c.bound >= best.0 {
             let k = exact(c);
             if rank(&k, &best).is_gt() {
                 best = k;
@@ -622,9 +641,9 @@ impl LazyOrder<'_, '_> {
     /// The exact key of `rest[at]`, computed once.
     fn exact_at(&mut self, at: usize) -> Option<(f64, u32, usize)> {
         let session_key = self.session_key;
-        let ((_, id, i, w), key) = self.rest.get_mut(at)?;
-        let k = *key.get_or_insert_with(|| hrw_key(session_key, *id, *w));
-        Some((k, *id, *i))
+        let (c, key) = self.rest.get_mut(at)?;
+        let k = *key.get_or_insert_with(|| hrw_key(session_key, c.id, c.weight));
+        Some((k, c.id, c.index))
     }
 }
 
@@ -668,8 +687,9 @@ impl Iterator for LazyOrder<'_, '_> {
             let session_key = self.session_key;
             let ranked: Vec<Ranked> = std::mem::take(&mut self.rest)
                 .into_iter()
-                .map(|((_, id, i, w), key)| {
-                    Ranked((key.unwrap_or_else(|| hrw_key(session_key, id, w)), id, i))
+                .map(|(c, key)| {
+                    let key = key.unwrap_or_else(|| hrw_key(session_key, c.id, c.weight));
+                    Ranked((key, c.id, c.index))
                 })
                 .collect();
             let mut heap = std::collections::BinaryHeap::from(ranked);
@@ -685,14 +705,14 @@ impl Iterator for LazyOrder<'_, '_> {
             .iter()
             .enumerate()
             .fold(None, |top: Option<(usize, f64)>, (at, (c, _))| match top {
-                Some(t) if t.1 >= c.0 => Some(t),
-                _ => Some((at, c.0)),
+                Some(t) if t.1 >= c.bound => Some(t),
+                _ => Some((at, c.bound)),
             })?
             .0;
         let mut best_at = top;
         let mut best = self.exact_at(top)?;
         for at in 0..self.rest.len() {
-            let reaches = self.rest.get(at).is_some_and(|(c, _)| c.0 >= best.0);
+            let reaches = self.rest.get(at).is_some_and(|(c, _)| c.bound >= best.0);
             if at != best_at && reaches {
                 if let Some(k) = self.exact_at(at).filter(|k| rank(k, &best).is_gt()) {
                     best = k;

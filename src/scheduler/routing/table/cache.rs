@@ -304,14 +304,6 @@ impl TableCache {
         }
     }
 
-    /// While a table with `entries` entries is lent ([`TableCache::lend`]): the `(stamp, id)`
-    /// of each of its entries, by position, and the quiet memo, which is keyed by them. `None`
-    /// when no table is lent (the stamps may then describe other bytes than the caller's).
-    pub fn lent_stamps(&mut self, entries: usize) -> Option<LentStamps<'_>> {
-        (self.lent && self.stamps.len() == entries)
-            .then_some((self.stamps.as_slice(), &mut self.quiet))
-    }
-
     /// While a table with `entries` entries is lent: how many of its entries store a degraded
     /// flag (`None`: no table lent).
     pub fn lent_degraded(&self, entries: usize) -> Option<usize> {
@@ -544,7 +536,7 @@ pub struct MedianMemo {
 
 /// What [`TableCache::lent_board`] lends.
 pub struct LentBoard<'a> {
-    /// `(stamp, id)` of each entry of the lent table, by position (as [`LentStamps`]).
+    /// `(stamp, id)` of each entry of the lent table, by position.
     pub stamps: &'a [Option<(u64, u32)>],
     pub quiet: &'a mut QuietMemo,
     pub board: &'a mut BoardMemo,
@@ -612,17 +604,23 @@ pub struct BoardMemo {
     pub(crate) passes: Vec<(u64, FirstPass)>,
 }
 
-/// A rendezvous order's first pass as `placement::Keyed` keeps it: the first
-/// `(position, (key, id, index))`, if any, and the greatest `(hash, position)`s with the weight
-/// they share when they decided it.
-pub type FirstPass = (
-    Option<(usize, (f64, u32, usize))>,
-    Option<([(u64, usize); 4], f64)>,
-);
+/// A rendezvous order's first pass as `placement::Keyed` keeps it, for the board memo.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct FirstPass {
+    /// The first of the order, if any: its position among the candidates and its exact key
+    /// `(key, id, index)`.
+    pub top: Option<(usize, (f64, u32, usize))>,
+    /// The greatest hashes the pass kept, when they decided it alone.
+    pub kept: Option<KeptHashes>,
+}
 
-/// What [`TableCache::lent_stamps`] lends: the `(stamp, id)` of each entry of the lent table,
-/// by position, and the quiet memo keyed by them.
-pub type LentStamps<'a> = (&'a [Option<(u64, u32)>], &'a mut QuietMemo);
+/// The greatest `(hash, position)`s of a first pass, greatest first (as many as
+/// `placement::TOP_KEPT`), and the weight every candidate shared.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct KeptHashes {
+    pub hashes: [(u64, usize); 4],
+    pub weight: f64,
+}
 
 /// One worker's memo of its quiet endpoints' verdicts and session placement weights.
 ///

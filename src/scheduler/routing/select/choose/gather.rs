@@ -168,7 +168,12 @@ impl<'a> Scheduler<'a> {
         let mut full_memo = memo;
         let reused_board = reused.is_some();
         let mut from_memo = reused_board;
-        let (verdicts, weights, flips, any_degraded) = match reused {
+        let SharedBoard {
+            verdicts,
+            weights,
+            flips,
+            any_degraded,
+        } = match reused {
             Some(board) => board,
             None => {
                 let mut verdicts = vec![Verdict::default(); n];
@@ -263,17 +268,21 @@ impl<'a> Scheduler<'a> {
                     };
                     weights.push((i, ep.id, w));
                 }
-                let (verdicts, weights, flips) =
-                    (Rc::new(verdicts), Rc::new(weights), Rc::new(flips));
+                let board = SharedBoard {
+                    verdicts: Rc::new(verdicts),
+                    weights: Rc::new(weights),
+                    flips: Rc::new(flips),
+                    any_degraded: degraded > 0,
+                };
                 // A decision the memo does not serve (no session, scraped loads) leaves it as
                 // it is: the entries changed since are handed back for the next one it does.
                 if let Some(bm) = board_memo.as_deref_mut().filter(|_| memo_fits) {
-                    if weights.len() == statics.len() {
+                    if board.weights.len() == statics.len() {
                         from_memo = true;
                         bm.keep(
                             pick.model,
                             statics,
-                            (&verdicts, &weights, &flips),
+                            &board,
                             live,
                             degraded,
                             &references,
@@ -283,7 +292,7 @@ impl<'a> Scheduler<'a> {
                         bm.valid = false;
                     }
                 }
-                (verdicts, weights, flips, degraded > 0)
+                board
             }
         };
         // Breaker admission of this attempt's candidates: a first attempt's candidates are the

@@ -17,20 +17,15 @@ pub(in crate::scheduler::routing::select) struct One {
 /// Breaker admission by endpoint index, shared between the board memo and a decision.
 pub(super) type Admissions = Rc<Vec<Option<Admission>>>;
 
-/// A board's verdicts (by index), weights and flips, shared.
-pub(super) type BoardRefs<'b> = (
-    &'b Rc<Vec<Verdict>>,
-    &'b Rc<Vec<(usize, u32, f64)>>,
-    &'b Rc<Vec<usize>>,
-);
-
-/// A board's verdicts (by index), weights, flips and whether any static candidate is degraded.
-pub(super) type BoardParts = (
-    Rc<Vec<Verdict>>,
-    Rc<Vec<(usize, u32, f64)>>,
-    Rc<Vec<usize>>,
-    bool,
-);
+/// A board as the memo shares it with a decision: the verdicts by endpoint index, the
+/// statics' rendezvous weights `(index, id, weight)`, the positions whose verdict differs from
+/// the stored one (in index order), and whether any static candidate is degraded.
+pub(in crate::scheduler::routing::select) struct SharedBoard {
+    pub(in crate::scheduler::routing::select) verdicts: Rc<Vec<Verdict>>,
+    pub(in crate::scheduler::routing::select) weights: Rc<Vec<(usize, u32, f64)>>,
+    pub(in crate::scheduler::routing::select) flips: Rc<Vec<usize>>,
+    pub(in crate::scheduler::routing::select) any_degraded: bool,
+}
 
 // `BoardMemo` is defined in `table` (the per-worker `TableCache` holds one), as `QuietMemo`.
 impl BoardMemo {
@@ -48,7 +43,7 @@ impl BoardMemo {
         references: &Rc<Vec<Option<f64>>>,
         medians_computed: u64,
         one: &mut impl FnMut(usize, &mut Verdict) -> Option<One>,
-    ) -> Option<BoardParts> {
+    ) -> Option<SharedBoard> {
         let fits = self.valid && self.model.as_deref() == model && self.verdicts.len() == n;
         self.valid = false;
         // Past a quarter of the board, computing it whole costs about the same.
@@ -128,23 +123,23 @@ impl BoardMemo {
         }
         self.valid = true;
         self.hits = self.hits.saturating_add(1);
-        Some((
-            Rc::clone(&self.verdicts),
-            Rc::clone(&self.weights),
-            Rc::clone(&self.flips),
-            self.degraded > 0,
-        ))
+        Some(SharedBoard {
+            verdicts: Rc::clone(&self.verdicts),
+            weights: Rc::clone(&self.weights),
+            flips: Rc::clone(&self.flips),
+            any_degraded: self.degraded > 0,
+        })
     }
 
     /// Keeps a whole board computed for a session decision for `model` (`weights` aligned
     /// with `statics`; `live`: the positions that are not quiet; `degraded`: the statics
-    /// treated as degraded).
+    /// treated as degraded; the board's own `any_degraded` is not read).
     #[allow(clippy::too_many_arguments)]
     pub(in crate::scheduler::routing::select) fn keep(
         &mut self,
         model: Option<&str>,
         statics: &[usize],
-        (verdicts, weights, flips): BoardRefs<'_>,
+        board: &SharedBoard,
         live: Vec<usize>,
         degraded: usize,
         references: &Rc<Vec<Option<f64>>>,
@@ -158,9 +153,9 @@ impl BoardMemo {
         self.references = Rc::clone(references);
         self.statics.clear();
         self.statics.extend_from_slice(statics);
-        self.weights = Rc::clone(weights);
-        self.verdicts = Rc::clone(verdicts);
-        self.flips = Rc::clone(flips);
+        self.weights = Rc::clone(&board.weights);
+        self.verdicts = Rc::clone(&board.verdicts);
+        self.flips = Rc::clone(&board.flips);
         self.live = live;
         self.degraded = degraded;
         self.dirty.clear();
