@@ -358,6 +358,9 @@ pub struct Flow {
     usage: Option<UsageScan>,
     /// The endpoint id the request's pin cookie names (`pin_cookie`).
     pin_hint: Option<u32>,
+    /// That cookie holds for at least half its lifetime more: an answer from the endpoint it
+    /// names need not set it again.
+    pin_hint_fresh: bool,
     /// The `set-cookie` value for a successful answer of the current attempt (`pin_cookie`).
     pin_cookie: Option<String>,
     /// A request routed with a body the filter never read (pass-through): a failover call
@@ -409,6 +412,7 @@ impl Flow {
             id_scan: None,
             usage: None,
             pin_hint: None,
+            pin_hint_fresh: false,
             pin_cookie: None,
             body_unread: false,
             admission: admit::State::default(),

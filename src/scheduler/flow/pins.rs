@@ -1,6 +1,6 @@
 //! The lifecycle's session special cases, apart from the main path in `flow/mod.rs`:
-//! - the pin cookie (`routing::pins::pin_cookie`): read from the request, where another replica last
-//!   placed the session; set on an answer served away from the session's home;
+//! - the pin cookie (`routing::pins::pin_cookie`): read from the request, where a replica last
+//!   placed the session; set on a successful answer unless the request carried it fresh;
 //! - the Responses API (`routing::select::responses`): a follow-up goes to the holder of its previous
 //!   response, and a stored answer's id is learned from its first bytes.
 
@@ -9,7 +9,7 @@ use crate::scheduler::config::Config;
 use crate::scheduler::health::outcome::Outcome;
 use crate::scheduler::routing::pins::pin_cookie::{self, Found};
 use crate::scheduler::routing::select::responses::{self, AnswerFormat, HolderUnavailable, IdScan};
-use crate::scheduler::routing::select::{Decision, NoEndpoint, Scheduler};
+use crate::scheduler::routing::select::{AffinityResult, Decision, NoEndpoint, Scheduler};
 use crate::scheduler::wire::headers::HeaderSource;
 use crate::scheduler::wire::reply::{RejectReason, Reply};
 
@@ -25,7 +25,11 @@ impl Flow {
             let cookies = self.headers.values("cookie");
             self.pin_hint = match pin_cookie::find(&cfg.pin_cookie_secret, cookies, session, now_ms)
             {
-                Found::Endpoint(id) => Some(id),
+                Found::Endpoint { id, expires_ms } => {
+                    let left = expires_ms.saturating_sub(now_ms);
+                    self.pin_hint_fresh = left >= cfg.affinity_ttl_ms / 2;
+                    Some(id)
+                }
                 Found::Ignored(why) => {
                     obs.pin_cookie_ignored(why);
                     None
@@ -35,19 +39,27 @@ impl Flow {
         }
     }
 
-    /// A session served away from its home (or already carrying a cookie), or by a host of a
-    /// pool, is told where it now is, so that every replica follows it (see `pin_cookie`). A
-    /// pool's home can change under a session at any time (a host joins), and each replica
-    /// learns the change at its own moment: a replica that never saw the session would place
-    /// its next turn by the new membership, while the others keep it where it is. Not a
-    /// Responses follow-up sent to the holder of its previous response: the holder decides
-    /// where it goes, and its session key (the previous response's id) is never seen again.
+    /// Every successful answer of a session tells the client where the session now is, so
+    /// that every replica follows it (see `pin_cookie`): unless the request already carried a
+    /// cookie naming this endpoint with at least half its lifetime left (it is renewed past
+    /// that, as a pin is by each success), or it followed this replica's own pin to the
+    /// session's home without any cookie (a client that keeps none). A session's home is not fixed: replicas learn the
+    /// engines' slots (which weigh the rendezvous order) and their saturation at their own
+    /// scrapes, a pool's hosts at their own moments, so a replica that never saw a session
+    /// could place its next turn elsewhere than the one that served it. Not a Responses
+    /// follow-up sent to the holder of its previous response: the holder decides where it
+    /// goes, and its session key (the previous response's id) is never seen again.
     pub(super) fn pin_cookie_for(
         &self,
         s: &Scheduler<'_>,
         decision: &Decision,
         now_ms: u64,
     ) -> Option<String> {
+        let carried = self.pin_hint == Some(decision.ticket.endpoint_id) && self.pin_hint_fresh;
+        // A pin of this replica's own followed while the request brought no cookie: the client
+        // did not keep the one set when the pin was made (or another of its sessions took the
+        // cookie's name): signing again is wasted, except where the place is not the home.
+        let cookieless_hit = self.pin_hint.is_none() && decision.affinity == AffinityResult::Hit;
         let pooled = || {
             s.cfg
                 .endpoints
@@ -60,8 +72,9 @@ impl Flow {
                 if s.cfg.pin_cookie
                     && !self.holder_pinned
                     && decision.ticket.pin_on_success
-                    && (Some(decision.endpoint) != decision.home
-                        || self.pin_hint.is_some()
+                    && !carried
+                    && (!cookieless_hit
+                        || Some(decision.endpoint) != decision.home
                         || pooled()) =>
             {
                 Some(pin_cookie::set_cookie(

@@ -137,7 +137,8 @@ fn unreachable() -> Vec<u8> {
 
 #[test]
 fn a_streamed_answer_is_in_flight_until_it_ends_with_latency_to_its_headers() {
-    let c = cfg(json!({}));
+    // No pin cookie: the headers compared below are the routing ones alone.
+    let c = cfg(json!({"pin_cookie": false}));
     let store = MemStore::new();
     let s = Scheduler::new(&c, &store);
     let mut log = Log::default();
@@ -1602,40 +1603,59 @@ fn failover_calls_carry_the_targets_rank_never_the_clients() {
     }
 }
 
-/// `pin_cookie` (on by default): a session served at its home gets no cookie from a static
-/// endpoint, but does from a pool's host (whose home can change under it as replicas learn the
-/// pool's hosts); with `"pin_cookie": false`, none.
+/// `pin_cookie` (on by default): every successful answer tells the client where its session
+/// is — at its home too, from a static endpoint as from a pool's host (a home can change under
+/// a session as replicas learn engines' slots, saturation and a pool's hosts) — unless the
+/// request carried that cookie with at least half its lifetime left, or brought no cookie to
+/// this replica's own pin at home (a client that keeps none); with `"pin_cookie": false`, none.
 #[test]
-fn a_pool_hosts_answer_carries_the_pin_cookie_even_at_home() {
+fn every_answer_carries_the_pin_cookie_unless_the_request_carried_it_fresh() {
     use crate::scheduler::routing::pools::{expand, Membership};
-    let cookie_of = |c: &Config| {
-        let store = MemStore::new();
-        let s = Scheduler::new(c, &store);
+    let answer = |c: &Config, store: &MemStore, cookie: Option<&str>, now: u64| {
+        let s = Scheduler::new(c, store);
         let mut log = Log::default();
         let mut f = Flow::default();
-        let step = route(
-            &mut f,
-            &s,
-            &mut log,
-            post_headers(&[("x-session-id", "s1")]),
-            1_000,
-        );
+        let mut headers = vec![("x-session-id", "s1")];
+        if let Some(v) = cookie {
+            headers.push(("cookie", v));
+        }
+        let step = route(&mut f, &s, &mut log, post_headers(&headers), now);
         assert!(matches!(step, Step::Route(_)), "{step:?}");
-        let step = f.on_response_headers(&s, &mut log, &pairs(&[(":status", "200")]), true, 1_040);
+        let step =
+            f.on_response_headers(&s, &mut log, &pairs(&[(":status", "200")]), true, now + 40);
         let Step::Relay(headers) = step else {
             panic!("{step:?}")
         };
-        let affinity = headers
-            .iter()
-            .find(|(k, _)| *k == HEADER_AFFINITY)
-            .map(|(_, v)| v.clone());
-        assert_eq!(affinity.as_deref(), Some("home"));
-        headers
-            .into_iter()
-            .find(|(k, _)| *k == "set-cookie")
-            .map(|(_, v)| v)
+        let find = |name: &str| {
+            headers
+                .iter()
+                .find(|(k, _)| *k == name)
+                .map(|(_, v)| v.clone())
+        };
+        (find(HEADER_AFFINITY), find("set-cookie"))
     };
-    assert_eq!(cookie_of(&cfg(json!({}))), None);
+    let cookie_of = |c: &Config| answer(c, &MemStore::new(), None, 1_000).1;
+    // A static endpoint, the session at its home: told where it is.
+    let c = cfg(json!({}));
+    let store = MemStore::new();
+    let (affinity, first) = answer(&c, &store, None, 1_000);
+    assert_eq!(affinity.as_deref(), Some("home"));
+    let first = first.unwrap_or_default();
+    assert!(first.starts_with("cf_pin_"), "{first}");
+    let sent = first.split(';').next().unwrap_or_default().to_string();
+    // The next turn carries it fresh: a pin hit, nothing set again.
+    let (affinity, again) = answer(&c, &store, Some(&sent), 60_000);
+    assert_eq!(affinity.as_deref(), Some("hit"));
+    assert_eq!(again, None);
+    // A turn without any cookie following this replica's own pin at home: a client that keeps
+    // no cookies, not signed for again.
+    let (affinity, cookieless) = answer(&c, &store, None, 61_000);
+    assert_eq!(affinity.as_deref(), Some("hit"));
+    assert_eq!(cookieless, None);
+    // Past half its lifetime (affinity_ttl_ms, 300 s): renewed.
+    let (_, renewed) = answer(&c, &store, Some(&sent), 1_000 + 200_000);
+    assert!(renewed.is_some_and(|v| v.starts_with("cf_pin_")));
+    assert_eq!(cookie_of(&cfg(json!({"pin_cookie": false}))), None);
     let pooled = |extra: serde_json::Value| {
         let mut v = json!({"endpoints": [{"name": "vllm", "cluster": "pool", "pool": true}]});
         if let (Some(o), serde_json::Value::Object(more)) = (v.as_object_mut(), extra) {

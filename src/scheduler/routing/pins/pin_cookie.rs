@@ -2,11 +2,13 @@
 //!
 //! Placement is computed alike by every Envoy replica (rendezvous order), but a *failover*
 //! moves a session away from its home, and only the replica that served the move remembers
-//! it. A replica that never saw the move sends the next turn home, the one that did sends it
-//! to the backup: the session's prefix is re-sent at every switch. With `pin_cookie`, the
-//! answer of a turn served away from home sets a cookie naming the endpoint, and every replica
-//! follows it like a pin: the exception travels with the request, as the brief requires of
-//! anything that must hold across replicas.
+//! it; and the home itself moves with what each replica learns at its own moment (engines'
+//! slots weigh the order, saturation passes over a home, a pool's hosts come and go). A
+//! replica that never saw the session would send the next turn by its own view, the one that
+//! did to its pin: the session's prefix is re-sent at every switch. With `pin_cookie`, a
+//! successful answer sets a cookie naming the endpoint (unless the request carried it with
+//! half its lifetime left), and every replica follows it like a pin: the session's place
+//! travels with the request, as anything that must hold across replicas must.
 //!
 //! Why it is signed: a cookie is the client's to write. Unsigned, it let any client pin its
 //! sessions to an endpoint of its choice, past bounded load, weights, payoff and the quota
@@ -84,8 +86,8 @@ impl Ignored {
 pub enum Found {
     /// No pin cookie for this session.
     Absent,
-    /// A valid cookie naming this endpoint id.
-    Endpoint(u32),
+    /// A valid cookie naming endpoint `id`, valid until `expires_ms`.
+    Endpoint { id: u32, expires_ms: u64 },
     /// A pin cookie for this session (or in its slot, unreadable) that is not followed.
     Ignored(Ignored),
 }
@@ -172,7 +174,7 @@ pub fn find<'a>(
                 None
             };
             match verdict {
-                Some(Found::Endpoint(id)) => return Found::Endpoint(id),
+                Some(found @ Found::Endpoint { .. }) => return found,
                 Some(other) if found == Found::Absent => found = other,
                 _ => {}
             }
@@ -215,7 +217,10 @@ fn judge(key: &PinCookieKey, v: &[u8], session: u64, now_ms: u64) -> Option<Foun
     if expires_s.saturating_mul(1000) <= now_ms {
         return Some(Found::Ignored(Ignored::Stale));
     }
-    Some(Found::Endpoint(id))
+    Some(Found::Endpoint {
+        id,
+        expires_ms: expires_s.saturating_mul(1000),
+    })
 }
 
 fn trim(b: &[u8]) -> &[u8] {
@@ -301,7 +306,10 @@ mod tests {
         let header = format!("a=b; {}; c=d", pair(&set));
         assert_eq!(
             find(&key(), [header.as_bytes()], 0xabc, NOW),
-            Found::Endpoint(4_000_000_001)
+            Found::Endpoint {
+                id: 4_000_000_001,
+                expires_ms: 1_700_000_300_000
+            }
         );
         // Another session of the same slot: not its cookie, not counted.
         assert_eq!(
@@ -356,7 +364,10 @@ mod tests {
         );
         assert_eq!(
             find(&key(), [good.as_bytes()], 1, NOW + 59_999),
-            Found::Endpoint(42)
+            Found::Endpoint {
+                id: 42,
+                expires_ms: NOW + 60_000
+            }
         );
         // Unsigned: the earlier form, under either name, and malformed values.
         for v in [
@@ -377,7 +388,10 @@ mod tests {
         }
         // A valid cookie wins over an ignored one in any order.
         let both = format!("cf_pin_1=42; {good}");
-        assert_eq!(find(&key(), [both.as_bytes()], 1, NOW), Found::Endpoint(42));
+        assert!(matches!(
+            find(&key(), [both.as_bytes()], 1, NOW),
+            Found::Endpoint { id: 42, .. }
+        ));
         // Nothing: absent.
         assert_eq!(find(&key(), [&b"x=1; ;;=;"[..]], 1, NOW), Found::Absent);
     }
@@ -390,7 +404,10 @@ mod tests {
         let h1: &[u8] = b"x=1";
         assert_eq!(
             find(&key(), [h1, spaced.as_bytes()], 9, NOW),
-            Found::Endpoint(7)
+            Found::Endpoint {
+                id: 7,
+                expires_ms: NOW + 60_000
+            }
         );
     }
 
