@@ -358,8 +358,7 @@ pub struct Flow {
     usage: Option<UsageScan>,
     /// The endpoint id the request's pin cookie names (`pin_cookie`).
     pin_hint: Option<u32>,
-    /// That cookie holds for at least half its lifetime more: an answer from the endpoint it
-    /// names need not set it again.
+    /// That cookie has half its lifetime left or more: its endpoint's answer need not renew it.
     pin_hint_fresh: bool,
     /// The `set-cookie` value for a successful answer of the current attempt (`pin_cookie`).
     pin_cookie: Option<String>,
