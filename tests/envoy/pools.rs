@@ -509,8 +509,8 @@ fn ask_in_jar(port: u16, session: &str, follow_up: bool, jar: &mut CookieJar) ->
     }
 }
 
-/// The default configuration (no `pin_cookie` key): every answer of a pool's host carries the
-/// session's place, and after a host joined, a replica that never saw a session follows its
+/// The default configuration (no `pin_cookie` key): a session's first answer from a pool's host
+/// carries its place (later ones only once the cookie is half spent), and after a host joined, a replica that never saw a session follows its
 /// cookie to the host that served it. The control: the same follow-ups without their cookies,
 /// sent to another replica that never saw them either, go to their home by the new membership
 /// (about a quarter of them to the new host): the cookie, not chance, keeps them.
@@ -595,7 +595,7 @@ fn by_default_a_pool_hosts_cookie_carries_its_session_to_a_replica_that_never_sa
 }
 
 /// `"pin_cookie": false` (clients that must not receive cookies): no answer sets one, not even a
-/// pool host's, which sets one on every answer by default (the test above).
+/// pool host's first answer, which sets one by default (the test above).
 #[test]
 fn pin_cookie_false_sets_no_cookie() {
     let hosts = Hosts::start(2);
