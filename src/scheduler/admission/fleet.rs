@@ -116,37 +116,87 @@ pub fn free(judged: &[Judged]) -> Option<Free> {
 /// The free places on the endpoints serving `model` (enabled ones), `None` when any of them is
 /// not known to be bounded, or none serves it (the pick answers that).
 pub fn room(s: &Scheduler<'_>, model: Option<&str>, now_ms: u64) -> Option<Free> {
+    match scan(s, model, now_ms, None) {
+        Scan::Counted(free) => Some(free),
+        Scan::Unbounded | Scan::Enough => None,
+    }
+}
+
+/// Whether an arrival for `model` may go while nobody waits at all.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Arrival {
+    /// Some endpoint serving it is not known to be bounded (or none serves it).
+    Unbounded,
+    /// Bounded, with a burst place free.
+    Fits,
+    /// Bounded: the model's free burst places (none, or `room` said so exactly).
+    Room(u32),
+}
+
+/// [`room`]'s burst places for an arrival while nobody waits: its endpoints are judged in turn
+/// only until one burst place is found, so an arrival costs one endpoint's judgement while the
+/// fleet has room, and the whole model's only when it is full (when it then waits).
+pub fn arrival(s: &Scheduler<'_>, model: Option<&str>, now_ms: u64) -> Arrival {
+    match scan(s, model, now_ms, Some(1)) {
+        Scan::Unbounded => Arrival::Unbounded,
+        Scan::Enough => Arrival::Fits,
+        Scan::Counted(free) => Arrival::Room(free.burst),
+    }
+}
+
+enum Scan {
+    Unbounded,
+    /// The burst places asked for were found before every endpoint was judged.
+    Enough,
+    Counted(Free),
+}
+
+fn scan(s: &Scheduler<'_>, model: Option<&str>, now_ms: u64, enough: Option<u32>) -> Scan {
     let statics = s.statics(model);
     if statics.indexes.is_empty() {
-        return None;
+        return Scan::Unbounded;
     }
     let engines = s.engines(now_ms);
     if engines.loads.is_empty() {
-        return None;
+        return Scan::Unbounded;
     }
-    let table = s.table();
-    let record = share::read(s.store);
+    let record = share::View::read(s.store);
     let max_age = s.cfg.in_flight_max_age_ms;
-    let mut judged: Vec<Judged> = Vec::with_capacity(statics.indexes.len());
-    for &i in &statics.indexes {
-        let (Some(ep), Some((_, st))) = (s.cfg.endpoints.get(i), table.entries.get(i)) else {
-            return None;
-        };
-        let load = engines.loads.get(i).copied().flatten();
-        let j = judge_endpoint(
-            st.saturation,
-            st.load(now_ms, max_age),
-            load.and_then(|l| record.own_at(ep.id, l.scraped_ms)),
-            load.as_ref(),
-            engines.seen.get(ep.id).slots,
-            now_ms,
-        );
-        if j == Judged::Unbounded {
-            return None;
+    s.with_table(|table, _| {
+        let mut judged: Vec<Judged> = Vec::with_capacity(statics.indexes.len());
+        let mut burst = 0.0;
+        for &i in &statics.indexes {
+            let (Some(ep), Some((_, st))) = (s.cfg.endpoints.get(i), table.entries.get(i)) else {
+                return Scan::Unbounded;
+            };
+            let load = engines.loads.get(i).copied().flatten();
+            let j = judge_endpoint(
+                st.saturation,
+                st.load(now_ms, max_age),
+                load.and_then(|l| record.own_at(ep.id, l.scraped_ms)),
+                load.as_ref(),
+                engines.seen.get(ep.id).slots,
+                now_ms,
+            );
+            match (j, enough) {
+                (Judged::Unbounded, _) => return Scan::Unbounded,
+                (Judged::Counted(e), Some(need)) => {
+                    // The model's places are at least the sum so far (every term is ≥ 0 and
+                    // the floor only adds).
+                    burst += (share::allowance(&e) + f64::from(BURST) - f64::from(e.own)).max(0.0);
+                    if burst + 1e-9 >= f64::from(need) {
+                        return Scan::Enough;
+                    }
+                }
+                _ => {}
+            }
+            judged.push(j);
         }
-        judged.push(j);
-    }
-    free(&judged)
+        match free(&judged) {
+            Some(f) => Scan::Counted(f),
+            None => Scan::Unbounded,
+        }
+    })
 }
 
 /// The queue's room (the slots, [`Free::slots`]) for the model whose [`model_key`] is `key`:

@@ -196,6 +196,61 @@ pub fn read(store: &dyn Store) -> Record {
         .unwrap_or_default()
 }
 
+/// The stored record as its bytes, read in place ([`View::own_at`]): a look-up costs a binary
+/// search, where decoding the whole record cost every arrival an amount that grew with the
+/// fleet. Bytes that do not hold a well-formed record read as nothing recorded.
+#[derive(Debug, Clone, Default)]
+pub struct View {
+    bytes: Vec<u8>,
+    entries: usize,
+}
+
+impl View {
+    pub fn read(store: &dyn Store) -> View {
+        View::of(store.get(SHARE_KEY).0.unwrap_or_default())
+    }
+
+    pub fn of(bytes: Vec<u8>) -> View {
+        let count = bytes
+            .get(1..5)
+            .and_then(|b| <[u8; 4]>::try_from(b).ok())
+            .map(u32::from_le_bytes)
+            .and_then(|n| usize::try_from(n).ok());
+        let entries = match (bytes.first(), count) {
+            (Some(&VERSION), Some(n))
+                if n.checked_mul(ENTRY_BYTES).and_then(|b| b.checked_add(5)) == Some(bytes.len()) =>
+            {
+                n
+            }
+            _ => 0,
+        };
+        View { bytes, entries }
+    }
+
+    fn entry(&self, i: usize) -> Option<(u32, u64, u32)> {
+        let b = self.bytes.get(5 + i * ENTRY_BYTES..5 + (i + 1) * ENTRY_BYTES)?;
+        let id = u32::from_le_bytes(b.get(0..4)?.try_into().ok()?);
+        let at = u64::from_le_bytes(b.get(4..12)?.try_into().ok()?);
+        let own = u32::from_le_bytes(b.get(12..16)?.try_into().ok()?);
+        Some((id, at, own))
+    }
+
+    /// [`Record::own_at`] of the record these bytes hold (entries sorted by id, as written).
+    pub fn own_at(&self, id: u32, scraped_ms: u64) -> Option<u32> {
+        let (mut lo, mut hi) = (0usize, self.entries);
+        while lo < hi {
+            let mid = lo + (hi - lo) / 2;
+            let (at_id, at, own) = self.entry(mid)?;
+            match at_id.cmp(&id) {
+                std::cmp::Ordering::Less => lo = mid + 1,
+                std::cmp::Ordering::Greater => hi = mid,
+                std::cmp::Ordering::Equal => return (at == scraped_ms).then_some(own),
+            }
+        }
+        None
+    }
+}
+
 /// [`Record::observe`] on the stored record (bounded CAS retries; a lost race loses this
 /// scrape's count: admission then takes the attempts in flight now for it).
 pub fn observe(store: &dyn Store, id: u32, scraped_ms: u64, own: u32, keep: &[u32]) -> bool {
@@ -221,6 +276,27 @@ mod tests {
             own_at_scrape,
             own,
         }
+    }
+
+    #[test]
+    fn the_view_reads_what_the_record_holds() {
+        let mut r = Record::default();
+        let keep: Vec<u32> = (1..=40).collect();
+        for id in (1..=40).rev().step_by(3) {
+            r.observe(id, 1_000 + u64::from(id), id * 2, &keep);
+        }
+        let v = View::of(r.encode());
+        for id in 0..=42 {
+            for at in [1_000 + u64::from(id), 7] {
+                assert_eq!(v.own_at(id, at), r.own_at(id, at), "id {id} at {at}");
+            }
+        }
+        // Not a record: nothing recorded.
+        let mut bad = r.encode();
+        bad.pop();
+        assert_eq!(View::of(bad).own_at(40, 1_040), None);
+        assert_eq!(View::of(Vec::new()).own_at(40, 1_040), None);
+        assert_eq!(View::of(vec![9, 1, 0, 0, 0]).own_at(40, 1_040), None);
     }
 
     #[test]

@@ -107,11 +107,24 @@ impl Flow {
         let model = self.model.as_deref();
         // Arriving, it goes while the engines hold at most one beyond their slots each and
         // nobody waits (`fleet::BURST`); the queue admits within the slots.
-        let room = fleet::room(s, model, now_ms).map(|f| f.burst);
-        // Without a known bound and with nobody waiting (one read), there is nothing to decide.
-        if room.is_none() && !admission::anything_queued(s.store) {
-            return self.first_attempt(s, obs, now_ms);
-        }
+        let room = if admission::anything_queued(s.store) {
+            fleet::room(s, model, now_ms).map(|f| f.burst)
+        } else {
+            // Nobody waits: its endpoints judged only until a place is found.
+            match fleet::arrival(s, model, now_ms) {
+                // Without a known bound there is nothing to decide.
+                fleet::Arrival::Unbounded => return self.first_attempt(s, obs, now_ms),
+                fleet::Arrival::Fits => {
+                    obs.admission(&Admission {
+                        outcome: AdmissionOutcome::Direct,
+                        asker,
+                        waited_ms: 0,
+                    });
+                    return self.first_attempt(s, obs, now_ms);
+                }
+                fleet::Arrival::Room(burst) => Some(burst),
+            }
+        };
         let (vm, ctx) = self.admission.owner;
         let arrival = Arrival {
             vm,

@@ -81,12 +81,12 @@ impl<'a> Scheduler<'a> {
     /// worker's memos when there is a cache (the slots written since its last read alone,
     /// derived again only when they changed: `signals::fresh_engines`).
     pub fn engines(&self, now_ms: u64) -> Engines {
-        let fresh = self
-            .cache
-            .and_then(|c| c.try_borrow_mut().ok())
-            .map(|mut c| signals::fresh_engines(&mut c, self.store, self.cfg, now_ms));
-        match fresh {
-            Some(f) => Engines::read_with(self.store, self.cfg, f.loads, f.pace),
+        match self.cache.and_then(|c| c.try_borrow_mut().ok()) {
+            Some(mut c) => {
+                let f = signals::fresh_engines(&mut c, self.store, self.cfg, now_ms);
+                let memo = Some(&mut c.engines.rooms);
+                Engines::read_memo(self.store, self.cfg, f.loads, f.pace, memo)
+            }
             None => Engines::read(self.store, self.cfg, now_ms),
         }
     }
@@ -117,7 +117,7 @@ impl<'a> Scheduler<'a> {
     /// `f` over [`Table::load_from`] of the store: the worker's cached table itself, lent
     /// without a copy and taken back afterwards (the cache is free again while `f` runs), when
     /// there is a cache; else a table loaded for the occasion.
-    fn with_table<R>(&self, f: impl FnOnce(&Table, bool) -> R) -> R {
+    pub(crate) fn with_table<R>(&self, f: impl FnOnce(&Table, bool) -> R) -> R {
         let lent = self
             .cache
             .and_then(|c| c.try_borrow_mut().ok())

@@ -275,13 +275,27 @@ pub struct Engines {
     pub loads: std::rc::Rc<Vec<Option<EngineLoad>>>,
     /// The peers' median engine pace by endpoint index (`signals::pace_medians` of `loads`).
     pub pace: std::rc::Rc<Vec<Option<f64>>>,
-    pub rooms: Vec<Option<Room>>,
+    pub rooms: std::rc::Rc<Vec<Option<Room>>>,
     /// What was seen before the decision (for [`Engines::record`]).
-    pub seen: Capacities,
+    pub seen: std::rc::Rc<Capacities>,
     /// The new sessions this process placed per endpoint (see `sessions`), faded to the
     /// decision's time: read only for a new session placed by prefix while the session bound
     /// is on; `None` otherwise.
     pub sessions: Option<crate::scheduler::routing::placement::sessions::Counts>,
+}
+
+/// One worker's last derived capacities and rooms ([`Engines::read_memo`]): the stored
+/// capacities' bytes they were decoded from and the loads (the worker's shared list) they were
+/// derived with. Why: decoding every endpoint's capacity and deriving its room cost each
+/// decision an amount that grew with the fleet (twice per request with admission), while both
+/// change only at a placement or a scrape.
+#[derive(Debug, Clone, Default)]
+pub struct RoomsMemo {
+    bytes: Option<Vec<u8>>,
+    cas: Option<u32>,
+    loads: std::rc::Rc<Vec<Option<EngineLoad>>>,
+    rooms: std::rc::Rc<Vec<Option<Room>>>,
+    seen: std::rc::Rc<Capacities>,
 }
 
 impl Engines {
@@ -300,19 +314,62 @@ impl Engines {
         loads: std::rc::Rc<Vec<Option<EngineLoad>>>,
         pace: std::rc::Rc<Vec<Option<f64>>>,
     ) -> Engines {
+        Engines::read_memo(store, cfg, loads, pace, None)
+    }
+
+    /// [`Engines::read_with`] through a worker's memo of the capacities and rooms last derived
+    /// (`memo`): the stored capacities are read (one copy) and decoded, and the rooms derived,
+    /// only when their bytes or the loads changed since; else the memo's are shared.
+    pub fn read_memo(
+        store: &dyn Store,
+        cfg: &Config,
+        loads: std::rc::Rc<Vec<Option<EngineLoad>>>,
+        pace: std::rc::Rc<Vec<Option<f64>>>,
+        memo: Option<&mut RoomsMemo>,
+    ) -> Engines {
         if loads.iter().all(Option::is_none) {
             // Nothing scraped (hosted keys, or no fresh scrape): no room is known, and the
             // capacities are neither read nor written (a request's cost stays per candidate).
             // Empty lists: every endpoint's load and room read by index as `None`.
             return Engines::default();
         }
-        let seen = read(store);
-        let rooms = cfg
+        let (bytes, cas) = store.get(CAPACITY_KEY);
+        if let Some(m) = &memo {
+            // The same write (its CAS token: every write takes a new one) or the same bytes.
+            let same = match (cas, m.cas) {
+                (Some(now), Some(then)) => now == then,
+                _ => m.bytes == bytes,
+            };
+            if same && std::rc::Rc::ptr_eq(&m.loads, &loads) {
+                return Engines {
+                    loads,
+                    pace,
+                    rooms: std::rc::Rc::clone(&m.rooms),
+                    seen: std::rc::Rc::clone(&m.seen),
+                    sessions: None,
+                };
+            }
+        }
+        let seen = bytes
+            .as_deref()
+            .and_then(Capacities::decode)
+            .unwrap_or_default();
+        let rooms: Vec<Option<Room>> = cfg
             .endpoints
             .iter()
             .zip(loads.iter())
             .map(|(e, l)| l.as_ref().and_then(|l| Room::of(&seen.get(e.id), l)))
             .collect();
+        let (rooms, seen) = (std::rc::Rc::new(rooms), std::rc::Rc::new(seen));
+        if let Some(m) = memo {
+            *m = RoomsMemo {
+                bytes,
+                cas,
+                loads: std::rc::Rc::clone(&loads),
+                rooms: std::rc::Rc::clone(&rooms),
+                seen: std::rc::Rc::clone(&seen),
+            };
+        }
         Engines {
             loads,
             pace,
