@@ -7,7 +7,9 @@
 //! suite's measured tick is the tick that takes the lease and sends a scrape to every endpoint
 //! (all are due at first); each call is then answered with [`metrics_page`] and measured
 //! ([`Figures::answers`]); a later tick with nothing due is measured too
-//! ([`Figures::tick_idle`]). The requests that follow read every engine's load, fresh.
+//! ([`Figures::tick_idle`]). The first request after the round pays for every load changed
+//! ([`Figures::after_round`]); the scenarios are measured after it, every load fresh and as
+//! the previous request left it.
 //!
 //! Pools. Proxy-wasm cannot list a cluster's hosts; the filter learns them from answers and
 //! keeps them in one shared-data value per pool. Here that value is written before the plugin
@@ -174,6 +176,9 @@ pub struct Figures {
     pub answers_traffic: Traffic,
     /// A tick with no scrape due (lease renewed, loads read, scrape gauges refreshed).
     pub tick_idle: Option<(u64, Traffic)>,
+    /// The first request after the round (a new session): every load changed since the last
+    /// request, each derived again. The scenarios that follow are measured after it.
+    pub after_round: Option<u64>,
     /// Shared data after the suite.
     pub shared: Shared,
     /// Metrics the module defined (one series each in Envoy's stats).
@@ -421,6 +426,26 @@ pub fn markdown(
         };
         let _ = writeln!(md, " {} | {} | {off} | {cost} |", ratio(512), ratio(1024));
     }
+    // The request that follows a whole round: every load changed since the previous one.
+    let after = |n: usize| {
+        get(&format!("filter/{n}/scrape")).and_then(|s| s.fleet.after_round)
+    };
+    let _ = write!(md, "| new_session after a whole round (every load changed) |");
+    for n in crate::SCRAPE_COUNTS {
+        let _ = write!(md, " {} |", after(n).map(th).unwrap_or_else(|| "–".into()));
+    }
+    let r = |n: usize| match (after(4), after(n)) {
+        (Some(a), Some(b)) => format!("{:.3}", b as f64 / a.max(1) as f64),
+        _ => "–".into(),
+    };
+    let _ = writeln!(md, " {} | {} | – | – |", r(512), r(1024));
+    let _ = writeln!(
+        md,
+        "\nThe scenarios are measured after the first request that follows a scrape round \
+         (the last row): every load fresh, as the previous request left them. A request after \
+         `k` loads changed pays between the two rows (its worker derives the loads, rooms and \
+         verdicts again)."
+    );
 
     // Scraping: the scraper's own work.
     let per_s = 1_000 / crate::DEFAULT_SCRAPE_INTERVAL_MS;

@@ -509,6 +509,23 @@ pub fn run_suite_vm(
             bail!("the idle tick sent {} calls", vm.host().calls.len());
         }
         fleet.tick_idle = Some((idle.instructions, idle.traffic));
+        // The first request after the round pays for every load that changed (its worker
+        // derives the loads, rooms and verdicts again, and learns the slots they show):
+        // measured apart. One more session then, and the scenarios below measure requests
+        // whose loads are as the last request left them: the steady state between two
+        // scrapes of the endpoints they involve.
+        let c = next();
+        let req = chat_request(Some("after-round"), messages_body(1, 0, false));
+        let first = measure(&mut vm, "after_round", |vm| {
+            exchange(vm, c, &req, &[json_answer(0)])
+        })?;
+        fleet.after_round = Some(first.instructions);
+        for turns in [2, 1] {
+            vm.host().advance_ms(20);
+            let session = if turns == 2 { "after-round" } else { "after-round-2" };
+            let req = chat_request(Some(session), messages_body(turns, 0, false));
+            exchange(&mut vm, next(), &req, &[json_answer(0)])?;
+        }
     }
 
     let mut requests = Vec::new();

@@ -38,8 +38,8 @@
 //!
 //! The record ([`Capacities`], one shared-data value under [`CAPACITY_KEY`]): per configured
 //! endpoint id, its slots seen, the scrape time its sent count is on top of, and the count.
-//! Bounded by the configuration (entries of endpoints no longer configured are dropped on
-//! write).
+//! Bounded by the configuration (entries of endpoints no longer configured are dropped when
+//! an entry is added).
 
 use crate::scheduler::config::Config;
 use crate::scheduler::routing::judge::saturation::EngineLoad;
@@ -209,14 +209,21 @@ impl Capacities {
     }
 
     /// Sets endpoint `id`'s entry (binary search: replaced in place, or inserted in order).
-    fn put(&mut self, id: u32, seen: Seen) {
+    /// Whether it was inserted (the record only grows then: the entries of endpoints no longer
+    /// configured are dropped at an insertion, not at every change, where sorting the
+    /// configured ids cost each placement an amount that grew with the fleet).
+    fn put(&mut self, id: u32, seen: Seen) -> bool {
         match self.entries.binary_search_by_key(&id, |(k, _)| *k) {
             Ok(i) => {
                 if let Some(e) = self.entries.get_mut(i) {
                     e.1 = seen;
                 }
+                false
             }
-            Err(i) => self.entries.insert(i, (id, seen)),
+            Err(i) => {
+                self.entries.insert(i, (id, seen));
+                true
+            }
         }
     }
 
@@ -233,26 +240,26 @@ impl Capacities {
     }
 
     /// Folds the slots each fresh load shows (`(id, load)`, ids among `keep`); true when some
-    /// grew, and then the entries of ids not in `keep` are dropped.
+    /// grew; the entries of ids not in `keep` are dropped when one was added.
     pub fn observe(&mut self, loads: &[(u32, EngineLoad)], keep: &[u32]) -> bool {
-        let mut changed = false;
+        let (mut changed, mut added) = (false, false);
         for (id, load) in loads {
             let mut seen = self.get(*id);
             let slots = slots_seen(seen.slots, load);
             if slots != seen.slots {
                 seen.slots = slots;
-                self.put(*id, seen);
+                added |= self.put(*id, seen);
                 changed = true;
             }
         }
-        if changed {
+        if added {
             self.retain_configured(keep);
         }
         changed
     }
 
     /// Counts one placement sent to endpoint `id` (one of `keep`), whose last scrape is `load`;
-    /// the entries of ids not in `keep` are dropped.
+    /// the entries of ids not in `keep` are dropped when it is added.
     pub fn sent(&mut self, id: u32, load: &EngineLoad, keep: &[u32]) {
         let mut seen = self.get(id);
         if seen.scraped_ms != load.scraped_ms {
@@ -261,8 +268,9 @@ impl Capacities {
         }
         seen.sent = seen.sent.saturating_add(1);
         seen.slots = slots_seen(seen.slots, load);
-        self.put(id, seen);
-        self.retain_configured(keep);
+        if self.put(id, seen) {
+            self.retain_configured(keep);
+        }
     }
 }
 
@@ -278,6 +286,8 @@ pub struct Engines {
     pub rooms: std::rc::Rc<Vec<Option<Room>>>,
     /// What was seen before the decision (for [`Engines::record`]).
     pub seen: std::rc::Rc<Capacities>,
+    /// Some fresh load shows slots beyond what `seen` holds (derived with the rooms).
+    pub grew: bool,
     /// The new sessions this process placed per endpoint (see `sessions`), faded to the
     /// decision's time: read only for a new session placed by prefix while the session bound
     /// is on; `None` otherwise.
@@ -296,6 +306,7 @@ pub struct RoomsMemo {
     loads: std::rc::Rc<Vec<Option<EngineLoad>>>,
     rooms: std::rc::Rc<Vec<Option<Room>>>,
     seen: std::rc::Rc<Capacities>,
+    grew: bool,
 }
 
 impl Engines {
@@ -346,6 +357,7 @@ impl Engines {
                     pace,
                     rooms: std::rc::Rc::clone(&m.rooms),
                     seen: std::rc::Rc::clone(&m.seen),
+                    grew: m.grew,
                     sessions: None,
                 };
             }
@@ -360,6 +372,12 @@ impl Engines {
             .zip(loads.iter())
             .map(|(e, l)| l.as_ref().and_then(|l| Room::of(&seen.get(e.id), l)))
             .collect();
+        let grew = cfg.endpoints.iter().zip(loads.iter()).any(|(e, l)| {
+            l.as_ref().is_some_and(|l| {
+                let before = seen.get(e.id).slots;
+                slots_seen(before, l) != before
+            })
+        });
         let (rooms, seen) = (std::rc::Rc::new(rooms), std::rc::Rc::new(seen));
         if let Some(m) = memo {
             *m = RoomsMemo {
@@ -368,6 +386,7 @@ impl Engines {
                 loads: std::rc::Rc::clone(&loads),
                 rooms: std::rc::Rc::clone(&rooms),
                 seen: std::rc::Rc::clone(&seen),
+                grew,
             };
         }
         Engines {
@@ -375,6 +394,7 @@ impl Engines {
             pace,
             rooms,
             seen,
+            grew,
             sessions: None,
         }
     }
@@ -383,7 +403,7 @@ impl Engines {
     /// of the endpoint a placement was sent to, counted on top of its last scrape). No write
     /// when neither changed anything.
     pub fn record(&self, store: &dyn Store, cfg: &Config, placed: Option<usize>) {
-        if self.loads.iter().all(Option::is_none) {
+        if self.loads.iter().all(Option::is_none) || !(placed.is_some() || self.grew) {
             return;
         }
         let fresh: Vec<(u32, EngineLoad)> = cfg
@@ -396,14 +416,8 @@ impl Engines {
             let load = self.loads.get(i).copied().flatten()?;
             Some((cfg.endpoints.get(i)?.id, load))
         });
-        let grew = fresh.iter().any(|(id, l)| {
-            let before = self.seen.get(*id).slots;
-            slots_seen(before, l) != before
-        });
-        if placed.is_some() || grew {
-            let ids: Vec<u32> = cfg.endpoints.iter().map(|e| e.id).collect();
-            record(store, &fresh, placed, &ids);
-        }
+        let ids: Vec<u32> = cfg.endpoints.iter().map(|e| e.id).collect();
+        record(store, &fresh, placed, &ids);
     }
 }
 
@@ -540,10 +554,16 @@ mod tests {
                 sent: 1
             }
         );
-        // Endpoint 3 is no longer configured: dropped at the next write.
-        c.sent(9, &load(1, 16, 5), &[9]);
-        assert_eq!(c.get(3), Seen::default());
+        // Endpoint 3 is no longer configured: kept while entries only change, dropped when
+        // one is added (the record never holds more than the configuration at its last
+        // insertion).
+        c.sent(9, &load(1, 16, 5), &[9, 7]);
+        assert_eq!(c.get(3).sent, 1);
         assert_eq!(c.get(9).sent, 2);
+        c.sent(7, &load(1, 4, 5), &[9, 7]);
+        assert_eq!(c.get(3), Seen::default());
+        assert_eq!(c.get(7).sent, 1);
+        assert_eq!(c.encode().len(), 5 + 2 * ENTRY_BYTES);
         // Undecodable: none.
         assert_eq!(Capacities::decode(&[2, 0, 0, 0, 0]), None);
         assert_eq!(Capacities::decode(&bytes[..bytes.len() - 1]), None);
@@ -556,7 +576,7 @@ mod tests {
         assert_eq!(Capacities::decode(&unsorted), None);
     }
 
-    /// The record as it was written before [`Capacities::put`]: every change filtered the
+    /// The record as it was written before [`Capacities::put`]: every insertion filtered the
     /// whole list against `keep` (linear), then inserted the entry.
     #[cfg(not(target_arch = "wasm32"))]
     fn plain_record(
@@ -566,7 +586,11 @@ mod tests {
         keep: &[u32],
     ) -> bool {
         fn set(c: &mut Capacities, id: u32, seen: Seen, keep: &[u32]) {
-            c.entries.retain(|(k, _)| *k != id && keep.contains(k));
+            // Entries of endpoints no longer configured go when one is added.
+            if !c.entries.iter().any(|(k, _)| *k == id) {
+                c.entries.retain(|(k, _)| keep.contains(k));
+            }
+            c.entries.retain(|(k, _)| *k != id);
             let at = c.entries.partition_point(|(k, _)| *k < id);
             c.entries.insert(at, (id, seen));
         }
