@@ -516,19 +516,15 @@ pub(super) fn holder_choice(
     }
 }
 
-/// The load and weight of the walk's `eligible` candidates, summed in rendezvous order (the
-/// weight's rounding depends on the order). When every eligible weight is the same number
-/// (the common case: equal configured weights, all healthy), every order gives the same
-/// partial sums, so the candidates are summed as they come and nothing is sorted.
+/// The load and weight of the walk's `eligible` candidates, summed in the board's order (the
+/// configuration's, the same on every replica: the weight's rounding depends on the order, so
+/// an order every replica shares, not one that needs the candidates sorted per decision).
 pub(super) fn eligible_totals(
     board: &Board,
-    keyed: &placement::Keyed,
     eligible: impl Fn(usize) -> bool,
 ) -> (u64, f64, u64) {
     let mut total_load = 0u64;
     let mut total_slots = 0u64;
-    let mut first_weight: Option<u64> = None;
-    let mut uniform = true;
     let mut total_weight = 0.0f64;
     for &(i, _, w) in board.weights.iter() {
         if !eligible(i) {
@@ -536,24 +532,9 @@ pub(super) fn eligible_totals(
         }
         total_load += u64::from(board.load_of(i));
         total_slots += u64::from(board.slots(i));
-        uniform &= *first_weight.get_or_insert(w.to_bits()) == w.to_bits();
         total_weight += w;
     }
-    if uniform {
-        return (total_load, total_weight, total_slots);
-    }
-    let mut weight_at = vec![0.0; board.statics().last().map_or(0, |&i| i + 1)];
-    for &(i, _, w) in board.weights.iter() {
-        if let Some(slot) = weight_at.get_mut(i) {
-            *slot = w;
-        }
-    }
-    let weight = keyed
-        .order()
-        .into_iter()
-        .filter(|&i| eligible(i))
-        .fold(0.0f64, |w, i| w + weight_at.get(i).copied().unwrap_or(0.0));
-    (total_load, weight, total_slots)
+    (total_load, total_weight, total_slots)
 }
 
 /// The session stays on its pinned endpoint `p` (an affinity hit).

@@ -67,8 +67,7 @@ pub(in crate::scheduler::routing::select) struct Board<'t> {
 /// The totals of the walk's eligible candidates ([`eligible_totals`]) when no engine load is
 /// scraped: then no candidate is full (no saturation, no room known) and no slots are known, so
 /// the eligible are the admitted, non-degraded candidates but the one left, summed in index
-/// order as `eligible_totals` sums equal weights, with fewer look-ups; `None` when the counted
-/// weights differ (`eligible_totals` sums them in rendezvous order).
+/// order as `eligible_totals` sums them, with fewer look-ups.
 #[derive(Debug, Clone, Copy)]
 pub(in crate::scheduler::routing::select) struct PlainTotals {
     pub(super) load: u64,
@@ -77,27 +76,23 @@ pub(in crate::scheduler::routing::select) struct PlainTotals {
 
 impl PlainTotals {
     /// Over the rendezvous candidates `weights` (in index order): `counted(i)`, the load of
-    /// candidate `i` if it is counted. `None` when the counted weights differ.
+    /// candidate `i` if it is counted.
     pub(super) fn of(
         weights: &[(usize, u32, f64)],
         counted: impl Fn(usize) -> Option<u32>,
-    ) -> Option<Self> {
+    ) -> Self {
         let mut t = PlainTotals {
             load: 0,
             weight: 0.0,
         };
-        let mut first: Option<u64> = None;
         for &(i, _, w) in weights {
             let Some(load) = counted(i) else {
                 continue;
             };
-            if *first.get_or_insert(w.to_bits()) != w.to_bits() {
-                return None;
-            }
             t.load += u64::from(load);
             t.weight += w;
         }
-        Some(t)
+        t
     }
 }
 
@@ -163,8 +158,8 @@ impl<'t> Board<'t> {
         self.load.get(i).copied().unwrap_or(0)
     }
     /// The walk's `(load, weight, slots)` totals over the eligible candidates, without `left`
-    /// (the pinned endpoint the session leaves), the cheap way when nothing is scraped and
-    /// every counted weight is the same number (see [`PlainTotals`]); else `None`.
+    /// (the pinned endpoint the session leaves), the cheap way when nothing is scraped (see
+    /// [`PlainTotals`]); else `None`.
     pub(in crate::scheduler::routing::select) fn plain_totals(
         &self,
         left: Option<usize>,
@@ -174,7 +169,7 @@ impl<'t> Board<'t> {
         }
         let t = PlainTotals::of(&self.weights, |i| {
             (Some(i) != left && self.admitted(i) && !self.degraded(i)).then(|| self.load_of(i))
-        })?;
+        });
         Some((t.load, t.weight, 0))
     }
     pub(in crate::scheduler::routing::select) fn weight(&self, i: usize) -> f64 {
