@@ -391,7 +391,11 @@ impl<'a> Scheduler<'a> {
         // last scrape (see `capacity`).
         if let Ok(d) = &decision {
             let placed = (d.affinity != AffinityResult::Hit).then_some(d.endpoint);
-            engines.record(self.store, self.cfg, placed);
+            match self.cache.and_then(|c| c.try_borrow_mut().ok()) {
+                // The configured ids sorted once per worker, not per placement.
+                Some(mut c) => engines.record(self.store, self.cfg, placed, Some(c.slot_ids(self.cfg))),
+                None => engines.record(self.store, self.cfg, placed, None),
+            }
             // A new session's first attempt counts where it was placed (by prefix or by its
             // own key: both bring their later turns there).
             let placed_new = matches!(

@@ -402,22 +402,39 @@ impl Engines {
     /// Stores what a decision taught: the slots the fresh loads show, and `placed` (the index
     /// of the endpoint a placement was sent to, counted on top of its last scrape). No write
     /// when neither changed anything.
-    pub fn record(&self, store: &dyn Store, cfg: &Config, placed: Option<usize>) {
+    /// `sorted_ids`: the configured ids sorted, when the caller keeps them (else derived).
+    pub fn record(
+        &self,
+        store: &dyn Store,
+        cfg: &Config,
+        placed: Option<usize>,
+        sorted_ids: Option<&[u32]>,
+    ) {
         if self.loads.iter().all(Option::is_none) || !(placed.is_some() || self.grew) {
             return;
         }
-        let fresh: Vec<(u32, EngineLoad)> = cfg
-            .endpoints
-            .iter()
-            .zip(self.loads.iter())
-            .filter_map(|(e, l)| l.map(|l| (e.id, l)))
-            .collect();
+        // The slots the loads show, only when they show more than was seen (else a placement
+        // alone is counted).
+        let fresh: Vec<(u32, EngineLoad)> = if self.grew {
+            cfg.endpoints
+                .iter()
+                .zip(self.loads.iter())
+                .filter_map(|(e, l)| l.map(|l| (e.id, l)))
+                .collect()
+        } else {
+            Vec::new()
+        };
         let placed = placed.and_then(|i| {
             let load = self.loads.get(i).copied().flatten()?;
             Some((cfg.endpoints.get(i)?.id, load))
         });
-        let ids: Vec<u32> = cfg.endpoints.iter().map(|e| e.id).collect();
-        record(store, &fresh, placed, &ids);
+        match sorted_ids {
+            Some(ids) => record(store, &fresh, placed, ids),
+            None => {
+                let ids: Vec<u32> = cfg.endpoints.iter().map(|e| e.id).collect();
+                record(store, &fresh, placed, &ids)
+            }
+        };
     }
 }
 
