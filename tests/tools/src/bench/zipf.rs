@@ -320,7 +320,7 @@ fn role(policy: &str) -> &'static str {
     match policy {
         "computeflux" => "defaults, clients keep cookies",
         "computeflux_nometrics" => "no engine metrics, clients keep cookies",
-        "computeflux_nocookie" => "rule off: clients keep no cookies (for comparison)",
+        "computeflux_nocookie" => "rule off: clients keep no cookies; for comparison",
         _ => "",
     }
 }
