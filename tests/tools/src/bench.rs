@@ -26,8 +26,8 @@
 //! ```
 //!
 //! Besides the default policies, `--policies` takes `computeflux_noprefix` (the filter with
-//! `"prefix_placement": false`), `computeflux_nometrics`, `computeflux_rulesoff` and
-//! `sglang_cache_aware` (the SGLang gateway from PyPI, see `bench/peer.rs`); besides the default scenarios, `--scenarios` takes
+//! `"prefix_placement": false`), `computeflux_nometrics`, `computeflux_rulesoff`,
+//! `computeflux_nocookie` (`"pin_cookie": false`) and `sglang_cache_aware` (the SGLang gateway from PyPI, see `bench/peer.rs`); besides the default scenarios, `--scenarios` takes
 //! `shared_prefix`, `mixed_prefix` and `shared_preamble` (issue 20, see `bench/routing.rs`).
 //! Neither is in the default run.
 //!
@@ -60,6 +60,13 @@
 //! with `--replicas 1,3`, three replicas), least_request, ring_hash and the SGLang router unless
 //! `--policies` says otherwise; `--client-timeout-s 15` is when a request is left to time out.
 //! Written to `OUT/latest.md` and `OUT/latest.json`.
+//!
+//! `--zipf` runs only the Zipf-popular prefix workload (issue 39; `bench/zipf.rs`): eight
+//! system prompts of 800 tokens, Zipf 1.1, two models, on steady, rate_limited, mixed_fleet
+//! and slow, with one Envoy and three, computeflux, computeflux_nometrics, computeflux_nocookie
+//! (the pin cookie's rule-off run) and ring_hash unless `--scenarios`/`--policies` narrow it;
+//! written to `OUT/latest.md` and `OUT/latest.json`, the per-request records to
+//! `results/tmp/bench/zipf` unless `--raw-dir`.
 //!
 //! `--render` rewrites `results.md`, `chart.svg`, `summary-table.md` (and, for a full run, the
 //! docs/performance.md block) from a run's `results.json` without measuring anything.
@@ -101,6 +108,8 @@ mod targets;
 mod topology;
 #[path = "bench/workload.rs"]
 mod workload;
+#[path = "bench/zipf.rs"]
+mod zipf;
 
 use std::path::PathBuf;
 use std::process::ExitCode;
@@ -162,6 +171,10 @@ struct Args {
     noisy_neighbor: bool,
     /// The noisy-neighbour clients' timeout (`--client-timeout-s`).
     client_timeout_s: u64,
+    /// `--zipf`: run only the Zipf-popular prefix workload (`bench/zipf.rs`).
+    zipf: bool,
+    /// `--scenarios` was given (else `--zipf` runs its own set).
+    scenarios_given: bool,
 }
 
 fn parse() -> Result<Args, String> {
@@ -222,6 +235,8 @@ fn parse() -> Result<Args, String> {
         data_parallel: None,
         noisy_neighbor: false,
         client_timeout_s: noisy_neighbor::CLIENT_TIMEOUT_S,
+        zipf: false,
+        scenarios_given: false,
     };
     let mut it = raw.into_iter();
     while let Some(flag) = it.next() {
@@ -241,6 +256,10 @@ fn parse() -> Result<Args, String> {
             }
             "--noisy-neighbor" => {
                 a.noisy_neighbor = true;
+                continue;
+            }
+            "--zipf" => {
+                a.zipf = true;
                 continue;
             }
             "--no-baseline" => {
@@ -271,6 +290,7 @@ fn parse() -> Result<Args, String> {
                     .collect::<Result<_, _>>()?
             }
             "--scenarios" => {
+                a.scenarios_given = true;
                 a.scenarios = v
                     .split(',')
                     .map(|p| {
@@ -453,6 +473,9 @@ fn run(a: Args) -> Result<(), String> {
     }
     if a.noisy_neighbor {
         return run_noisy(&a);
+    }
+    if a.zipf {
+        return zipf::run(&a);
     }
     let started = Instant::now();
     std::fs::create_dir_all(&a.out).map_err(|e| format!("{}: {e}", a.out.display()))?;

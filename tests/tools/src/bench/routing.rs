@@ -49,10 +49,6 @@ pub enum Scenario {
     /// Issue 20, item 3: `SharedPrefix` whose applications all start with the same preamble (a
     /// policy and tools message), then a shorter prompt of their own; smaller caches.
     SharedPreamble,
-    /// Eight system prompts of about 800 tokens whose popularity is Zipf (s = 1.1,
-    /// the most popular about 40 % of the sessions), two models with 3:1 traffic, half the
-    /// answers streamed: the skew that makes replicas that count their own placements disagree.
-    ZipfPrefix,
 }
 
 impl Scenario {
@@ -84,12 +80,11 @@ impl Scenario {
             Scenario::SharedPrefix => "shared_prefix",
             Scenario::MixedPrefix => "mixed_prefix",
             Scenario::SharedPreamble => "shared_preamble",
-            Scenario::ZipfPrefix => "zipf_prefix",
         }
     }
 
     /// Every scenario `--scenarios` accepts, in the report's order (the default set first).
-    pub const KNOWN: [Scenario; 14] = [
+    pub const KNOWN: [Scenario; 13] = [
         Scenario::Steady,
         Scenario::RateLimited,
         Scenario::Down,
@@ -103,7 +98,6 @@ impl Scenario {
         Scenario::SharedPrefix,
         Scenario::MixedPrefix,
         Scenario::SharedPreamble,
-        Scenario::ZipfPrefix,
     ];
 
     pub fn parse(s: &str) -> Option<Scenario> {
@@ -125,9 +119,6 @@ impl Scenario {
         match self {
             Scenario::Quota => json!({"tuning": {"quota_reserve_percent": QUOTA_RESERVE_PERCENT}}),
             Scenario::QuotaOff => json!({"quota_aware": false}),
-            // Clients that keep no cookies (issue 39's bench): nothing travels with a session,
-            // every replica computes a turn's place from what it sees.
-            Scenario::ZipfPrefix => json!({"pin_cookie": false}),
             _ => serde_json::Value::Null,
         }
     }
@@ -149,14 +140,6 @@ impl Scenario {
                     w.system_head_tokens = PREAMBLE_HEAD_TOKENS;
                     w.system_tokens = PREAMBLE_TAIL_TOKENS;
                 }
-            }
-            Scenario::ZipfPrefix => {
-                w.system_prompts = ZIPF_APPS;
-                w.system_tokens = ZIPF_SYSTEM_TOKENS;
-                w.system_zipf_s = ZIPF_S;
-                w.second_model_share = ZIPF_SECOND_MODEL_SHARE;
-                w.stream_share = 0.5;
-                w.rate_per_s = ZIPF_REQUESTS_PER_S / w.turns.max(1) as f64;
             }
             Scenario::MixedPrefix => {
                 w.system_prompts = MIXED_PREFIX_APPS;
@@ -218,8 +201,7 @@ impl Scenario {
             | Scenario::MixedFleet
             | Scenario::SharedPrefix
             | Scenario::MixedPrefix
-            | Scenario::SharedPreamble
-            | Scenario::ZipfPrefix => None,
+            | Scenario::SharedPreamble => None,
             Scenario::RateLimited | Scenario::Down => Some((at(0.3), Some(at(0.6)))),
             Scenario::Slow => Some((at(0.3), None)),
             // The new endpoint is "faulty" (absent) until it joins.
@@ -257,14 +239,6 @@ impl Scenario {
                  {PREAMBLE_TAIL_TOKENS}-token system message of its own; each engine's KV cache \
                  holds {PREAMBLE_CACHE_TOKENS} tokens (all prompts: {} tokens)",
                 PREAMBLE_HEAD_TOKENS + SHARED_APPS * PREAMBLE_TAIL_TOKENS
-            ),
-            (Scenario::ZipfPrefix, _) => format!(
-                "Zipf-popular system prompts : {ZIPF_APPS} prompts of \
-                 {ZIPF_SYSTEM_TOKENS} tokens, popularity Zipf (s = {ZIPF_S}); two models \
-                 ({:.0} % of the sessions on m2), half the answers streamed, \
-                 {ZIPF_REQUESTS_PER_S} req/s offered; clients keep no cookies (`pin_cookie: \
-                 false`); no fault",
-                ZIPF_SECOND_MODEL_SHARE * 100.0
             ),
             (Scenario::MixedPrefix, _) => format!(
                 "the default workload plus {MIXED_PREFIX_APPS} shared system prompts of \
@@ -346,15 +320,6 @@ pub const MIXED_RATE_FACTOR: f64 = 1.25;
 /// tokens cached, 6.7 req/s per engine), each engine's one prefill lane is busy ≈ 47 % of the
 /// time at 50 µs per uncached token, so 80 µs puts it at ≈ 75 % (a 3 000-token prompt prefills
 /// in 240 ms); a policy that finds more of the prompt cached has proportionally more headroom.
-/// The Zipf-popular prefix scenario (issue 39's independent benchmark): 8 system prompts of
-/// about 800 tokens, Zipf 1.1 (the most popular ≈ 40 % of the sessions), 3:1 traffic over two
-/// models, ≈ 21 requests/s.
-pub const ZIPF_APPS: usize = 8;
-pub const ZIPF_SYSTEM_TOKENS: usize = 800;
-pub const ZIPF_S: f64 = 1.1;
-pub const ZIPF_SECOND_MODEL_SHARE: f64 = 0.25;
-pub const ZIPF_REQUESTS_PER_S: f64 = 21.0;
-
 pub const SHARED_APPS: usize = 48;
 pub const SHARED_SYSTEM_TOKENS: usize = 3_000;
 pub const SHARED_ZIPF_S: f64 = 1.0;
@@ -521,6 +486,25 @@ fn merged(parts: &[serde_json::Value]) -> serde_json::Value {
     }
 }
 
+/// A run's file name stem in the raw directory: `computeflux-x3` for `computeflux ×3`.
+fn raw_name(policy: Policy, replicas: usize) -> String {
+    summary::label(policy.name(), replicas as u32).replace(" ×", "-x")
+}
+
+/// Where [`run`] writes a run's per-request records (JSON lines, sorted by start) in `dir`.
+pub fn raw_path(
+    dir: &std::path::Path,
+    policy: Policy,
+    scenario: Scenario,
+    replicas: usize,
+) -> std::path::PathBuf {
+    dir.join(format!(
+        "{}-{}.jsonl",
+        raw_name(policy, replicas),
+        scenario.name()
+    ))
+}
+
 /// One topology × policy × scenario run: `replicas` Envoys (1: a lone one).
 pub fn run(
     policy: Policy,
@@ -661,8 +645,8 @@ pub fn run(
         })
         .collect();
     if let Some(dir) = &opts.raw_dir {
-        let name = summary::label(policy.name(), replicas as u32).replace(" ×", "-x");
-        let path = dir.join(format!("{name}-{}.jsonl", scenario.name()));
+        let name = raw_name(policy, replicas);
+        let path = raw_path(dir, policy, scenario, replicas);
         let mut text = String::new();
         let mut sorted: Vec<&Record> = recs.iter().collect();
         sorted.sort_by(|a, b| a.start_ms.total_cmp(&b.start_ms));
@@ -794,31 +778,6 @@ mod tests {
         assert!(
             !Scenario::ALL.contains(&Scenario::SharedPrefix),
             "not in the default run"
-        );
-    }
-
-    #[test]
-    fn zipf_prefix_is_issue_39s_workload() {
-        let w = Scenario::ZipfPrefix.workload(&base());
-        assert_eq!((w.system_prompts, w.system_tokens, w.turns), (8, 800, 6));
-        assert_eq!(
-            (w.system_zipf_s, w.second_model_share, w.stream_share),
-            (1.1, 0.25, 0.5)
-        );
-        // 21 requests per second, six per session.
-        assert!((w.rate_per_s * w.turns as f64 - 21.0).abs() < 1e-9);
-        // The most popular prompt is about 40 % of the sessions.
-        let cdf = crate::workload::zipf_cdf(w.system_prompts, w.system_zipf_s);
-        assert!((0.35..0.45).contains(&cdf[0]), "{cdf:?}");
-        assert_eq!(Scenario::parse("zipf_prefix"), Some(Scenario::ZipfPrefix));
-        assert!(
-            !Scenario::ALL.contains(&Scenario::ZipfPrefix),
-            "not in the default run"
-        );
-        assert_eq!(Scenario::ZipfPrefix.window(60_000), None);
-        assert_eq!(
-            Scenario::ZipfPrefix.plugin_extra(),
-            json!({"pin_cookie": false})
         );
     }
 

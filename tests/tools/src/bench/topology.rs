@@ -54,6 +54,10 @@ pub enum Policy {
     FilterEps25,
     /// The filter with a tighter bounded load (`"tuning": {"bounded_load_epsilon": 0.15}`).
     FilterEps15,
+    /// The filter with `"pin_cookie": false`: as if clients kept no cookies, nothing travels
+    /// with a session and each replica computes a turn's place from what it sees itself (the
+    /// rule-off run of the pin cookie, docs/adr/0018).
+    FilterNoCookie,
 }
 
 impl Policy {
@@ -67,7 +71,7 @@ impl Policy {
     ];
 
     /// Every policy `--policies` accepts, in the report's order (the default set first).
-    pub const KNOWN: [Policy; 11] = [
+    pub const KNOWN: [Policy; 12] = [
         Policy::RoundRobin,
         Policy::LeastRequest,
         Policy::RingHash,
@@ -79,6 +83,7 @@ impl Policy {
         Policy::FilterRulesOff,
         Policy::FilterEps25,
         Policy::FilterEps15,
+        Policy::FilterNoCookie,
     ];
 
     pub fn name(&self) -> &'static str {
@@ -94,6 +99,7 @@ impl Policy {
             Policy::FilterRulesOff => "computeflux_rulesoff",
             Policy::FilterEps25 => "computeflux_eps25",
             Policy::FilterEps15 => "computeflux_eps15",
+            Policy::FilterNoCookie => "computeflux_nocookie",
         }
     }
 
@@ -130,7 +136,8 @@ impl Policy {
             | Policy::FilterNoMetrics
             | Policy::FilterRulesOff
             | Policy::FilterEps25
-            | Policy::FilterEps15 => None,
+            | Policy::FilterEps15
+            | Policy::FilterNoCookie => None,
         }
     }
 
@@ -142,6 +149,7 @@ impl Policy {
             Policy::FilterNoPrefix => json!({"prefix_placement": false}),
             Policy::FilterEps25 => json!({"tuning": {"bounded_load_epsilon": 0.25}}),
             Policy::FilterEps15 => json!({"tuning": {"bounded_load_epsilon": 0.15}}),
+            Policy::FilterNoCookie => json!({"pin_cookie": false}),
             _ => Value::Null,
         }
     }
@@ -155,6 +163,7 @@ impl Policy {
                 | Policy::FilterNoPrefix
                 | Policy::FilterEps25
                 | Policy::FilterEps15
+                | Policy::FilterNoCookie
         )
     }
 }
