@@ -24,7 +24,8 @@ pub fn round(plugin: &Plugin, parked: &Parked<Plugin>, now_ms: u64) -> bool {
         return false;
     }
     let store = SharedData;
-    let sched = Scheduler::with_cache(&plugin.cfg, &store, &plugin.table_cache);
+    let sched =
+        Scheduler::with_caches(&plugin.cfg, &store, &plugin.table_cache, &plugin.rooms_memo);
     let (deliveries, queue) = admission::tick(&store, plugin.vm, &rule(&plugin.cfg), now_ms, |m| {
         fleet::room_by_key(&sched, m, now_ms)
     });

@@ -109,7 +109,8 @@ pub(super) fn run<R>(
     f: impl FnOnce(&mut Flow, &Scheduler<'_>, &mut Recorder<'_>) -> R,
 ) -> R {
     let store = SharedData;
-    let sched = Scheduler::with_cache(&plugin.cfg, &store, &plugin.table_cache);
+    let sched =
+        Scheduler::with_caches(&plugin.cfg, &store, &plugin.table_cache, &plugin.rooms_memo);
     let mut rec = Recorder { plugin, now_ms };
     f(flow, &sched, &mut rec)
 }

@@ -10,6 +10,7 @@ use super::shared::SharedData;
 use crate::scheduler::config::Config;
 use crate::scheduler::health::breaker::BreakerState;
 use crate::scheduler::routing::judge::saturation::Saturation;
+use crate::scheduler::routing::select::capacity::RoomsMemo;
 use crate::scheduler::routing::select::Scheduler;
 use crate::scheduler::routing::table::{groups, EndpointState, TableCache};
 use std::cell::RefCell;
@@ -20,6 +21,8 @@ pub struct Plugin {
     pub cfg: Config,
     pub metrics: Metrics,
     pub table_cache: RefCell<TableCache>,
+    /// The capacities and rooms this worker's decisions last derived (see `RoomsMemo`).
+    pub rooms_memo: RefCell<RoomsMemo>,
     /// This VM's id in the admission queue (drawn once per VM).
     pub vm: u32,
     /// This VM's requests paused for admission (one registry per VM, kept across

@@ -114,6 +114,7 @@ impl Root {
             cfg,
             metrics,
             table_cache: RefCell::new(table_cache),
+            rooms_memo: RefCell::default(),
             // Distinct per VM: the holder id is unique per VM of the process (drawn by CAS).
             vm: (crate::scheduler::state::hash::fmix64(me) as u32).max(1),
             parked: Rc::clone(&self.parked),

@@ -218,7 +218,8 @@ impl View {
             .and_then(|n| usize::try_from(n).ok());
         let entries = match (bytes.first(), count) {
             (Some(&VERSION), Some(n))
-                if n.checked_mul(ENTRY_BYTES).and_then(|b| b.checked_add(5)) == Some(bytes.len()) =>
+                if n.checked_mul(ENTRY_BYTES).and_then(|b| b.checked_add(5))
+                    == Some(bytes.len()) =>
             {
                 n
             }
@@ -228,7 +229,9 @@ impl View {
     }
 
     fn entry(&self, i: usize) -> Option<(u32, u64, u32)> {
-        let b = self.bytes.get(5 + i * ENTRY_BYTES..5 + (i + 1) * ENTRY_BYTES)?;
+        let b = self
+            .bytes
+            .get(5 + i * ENTRY_BYTES..5 + (i + 1) * ENTRY_BYTES)?;
         let id = u32::from_le_bytes(b.get(0..4)?.try_into().ok()?);
         let at = u64::from_le_bytes(b.get(4..12)?.try_into().ok()?);
         let own = u32::from_le_bytes(b.get(12..16)?.try_into().ok()?);

@@ -28,7 +28,7 @@
 //! function per concern (in-flight and watch, success rate, raw latency, slowness, payoff,
 //! quota, probe backoff, breaker; then the work model and the affinity).
 
-use self::capacity::{Engines, Room};
+use self::capacity::{Engines, Room, RoomsMemo};
 pub use self::pick::*;
 use self::signals::{Served, Verdict};
 use crate::scheduler::config::Config;
@@ -66,6 +66,9 @@ pub struct Scheduler<'a> {
     pub store: &'a dyn Store,
     /// The worker's decoded entries (see [`TableCache`]); `None`: decode every read.
     pub cache: Option<&'a RefCell<TableCache>>,
+    /// The worker's capacities and rooms last derived (see [`RoomsMemo`]); `None`: derived
+    /// at every read.
+    pub rooms: Option<&'a RefCell<RoomsMemo>>,
 }
 
 impl<'a> Scheduler<'a> {
@@ -74,6 +77,7 @@ impl<'a> Scheduler<'a> {
             cfg,
             store,
             cache: None,
+            rooms: None,
         }
     }
 
@@ -81,11 +85,14 @@ impl<'a> Scheduler<'a> {
     /// worker's memos when there is a cache (the slots written since its last read alone,
     /// derived again only when they changed: `signals::fresh_engines`).
     pub fn engines(&self, now_ms: u64) -> Engines {
-        match self.cache.and_then(|c| c.try_borrow_mut().ok()) {
-            Some(mut c) => {
-                let f = signals::fresh_engines(&mut c, self.store, self.cfg, now_ms);
-                let memo = Some(&mut c.engines.rooms);
-                Engines::read_memo(self.store, self.cfg, f.loads, f.pace, memo)
+        let fresh = self
+            .cache
+            .and_then(|c| c.try_borrow_mut().ok())
+            .map(|mut c| signals::fresh_engines(&mut c, self.store, self.cfg, now_ms));
+        match fresh {
+            Some(f) => {
+                let mut rooms = self.rooms.and_then(|r| r.try_borrow_mut().ok());
+                Engines::read_memo(self.store, self.cfg, f.loads, f.pace, rooms.as_deref_mut())
             }
             None => Engines::read(self.store, self.cfg, now_ms),
         }
@@ -102,6 +109,22 @@ impl<'a> Scheduler<'a> {
             cfg,
             store,
             cache: Some(cache),
+            rooms: None,
+        }
+    }
+
+    /// [`Scheduler::with_cache`] that also keeps the capacities and rooms it derives in the
+    /// worker's `rooms` memo (derived again only when the stored capacities or the loads
+    /// changed).
+    pub fn with_caches(
+        cfg: &'a Config,
+        store: &'a dyn Store,
+        cache: &'a RefCell<TableCache>,
+        rooms: &'a RefCell<RoomsMemo>,
+    ) -> Self {
+        Scheduler {
+            rooms: Some(rooms),
+            ..Scheduler::with_cache(cfg, store, cache)
         }
     }
 
@@ -393,7 +416,9 @@ impl<'a> Scheduler<'a> {
             let placed = (d.affinity != AffinityResult::Hit).then_some(d.endpoint);
             match self.cache.and_then(|c| c.try_borrow_mut().ok()) {
                 // The configured ids sorted once per worker, not per placement.
-                Some(mut c) => engines.record(self.store, self.cfg, placed, Some(c.slot_ids(self.cfg))),
+                Some(mut c) => {
+                    engines.record(self.store, self.cfg, placed, Some(c.slot_ids(self.cfg)))
+                }
                 None => engines.record(self.store, self.cfg, placed, None),
             }
             // A new session's first attempt counts where it was placed (by prefix or by its

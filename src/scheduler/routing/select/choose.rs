@@ -519,10 +519,7 @@ pub(super) fn holder_choice(
 /// The load and weight of the walk's `eligible` candidates, summed in the board's order (the
 /// configuration's, the same on every replica: the weight's rounding depends on the order, so
 /// an order every replica shares, not one that needs the candidates sorted per decision).
-pub(super) fn eligible_totals(
-    board: &Board,
-    eligible: impl Fn(usize) -> bool,
-) -> (u64, f64, u64) {
+pub(super) fn eligible_totals(board: &Board, eligible: impl Fn(usize) -> bool) -> (u64, f64, u64) {
     let mut total_load = 0u64;
     let mut total_slots = 0u64;
     let mut total_weight = 0.0f64;

@@ -103,8 +103,6 @@ pub struct EnginesMemo {
     pub loads: Rc<Vec<Option<EngineLoad>>>,
     /// By endpoint index (empty: no engine publishes a pace).
     pub pace: Rc<Vec<Option<f64>>>,
-    /// The capacities and rooms derived with `loads`.
-    pub rooms: crate::scheduler::routing::select::capacity::RoomsMemo,
 }
 
 /// Which configured endpoints list a model (or serve every model), for the last few models
