@@ -124,7 +124,7 @@ pub fn room(s: &Scheduler<'_>, model: Option<&str>, now_ms: u64) -> Option<Free>
 
 /// Whether an arrival for `model` may go while nobody waits at all.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Arrival {
+pub enum ArrivalRoom {
     /// Some endpoint serving it is not known to be bounded (or none serves it).
     Unbounded,
     /// Bounded, with a burst place free.
@@ -136,11 +136,11 @@ pub enum Arrival {
 /// [`room`]'s burst places for an arrival while nobody waits: its endpoints are judged in turn
 /// only until one burst place is found, so an arrival costs one endpoint's judgement while the
 /// fleet has room, and the whole model's only when it is full (when it then waits).
-pub fn arrival(s: &Scheduler<'_>, model: Option<&str>, now_ms: u64) -> Arrival {
+pub fn arrival(s: &Scheduler<'_>, model: Option<&str>, now_ms: u64) -> ArrivalRoom {
     match scan(s, model, now_ms, Some(1)) {
-        Scan::Unbounded => Arrival::Unbounded,
-        Scan::Enough => Arrival::Fits,
-        Scan::Counted(free) => Arrival::Room(free.burst),
+        Scan::Unbounded => ArrivalRoom::Unbounded,
+        Scan::Enough => ArrivalRoom::Fits,
+        Scan::Counted(free) => ArrivalRoom::Room(free.burst),
     }
 }
 

@@ -113,8 +113,8 @@ impl Flow {
             // Nobody waits: its endpoints judged only until a place is found.
             match fleet::arrival(s, model, now_ms) {
                 // Without a known bound there is nothing to decide.
-                fleet::Arrival::Unbounded => return self.first_attempt(s, obs, now_ms),
-                fleet::Arrival::Fits => {
+                fleet::ArrivalRoom::Unbounded => return self.first_attempt(s, obs, now_ms),
+                fleet::ArrivalRoom::Fits => {
                     obs.admission(&Admission {
                         outcome: AdmissionOutcome::Direct,
                         asker,
@@ -122,7 +122,7 @@ impl Flow {
                     });
                     return self.first_attempt(s, obs, now_ms);
                 }
-                fleet::Arrival::Room(burst) => Some(burst),
+                fleet::ArrivalRoom::Room(burst) => Some(burst),
             }
         };
         let (vm, ctx) = self.admission.owner;
