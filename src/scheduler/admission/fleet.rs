@@ -113,9 +113,9 @@ pub fn free(judged: &[Judged]) -> Option<Free> {
     })
 }
 
-/// The free places on the endpoints serving `model` (enabled ones), `None` when any of them is
-/// not known to be bounded, or none serves it (the pick answers that).
-pub fn room(s: &Scheduler<'_>, model: Option<&str>, now_ms: u64) -> Option<Free> {
+/// The endpoints serving `model` (enabled ones, by index) as admission judges them, `None`
+/// when any of them is not known to be bounded, or none serves it (the pick answers that).
+fn judged(s: &Scheduler<'_>, model: Option<&str>, now_ms: u64) -> Option<Vec<(usize, Judged)>> {
     let statics = s.statics(model);
     if statics.indexes.is_empty() {
         return None;
@@ -127,7 +127,7 @@ pub fn room(s: &Scheduler<'_>, model: Option<&str>, now_ms: u64) -> Option<Free>
     let table = s.table();
     let record = share::read(s.store);
     let max_age = s.cfg.in_flight_max_age_ms;
-    let mut judged: Vec<Judged> = Vec::with_capacity(statics.indexes.len());
+    let mut judged: Vec<(usize, Judged)> = Vec::with_capacity(statics.indexes.len());
     for &i in &statics.indexes {
         let (Some(ep), Some((_, st))) = (s.cfg.endpoints.get(i), table.entries.get(i)) else {
             return None;
@@ -144,9 +144,56 @@ pub fn room(s: &Scheduler<'_>, model: Option<&str>, now_ms: u64) -> Option<Free>
         if j == Judged::Unbounded {
             return None;
         }
-        judged.push(j);
+        judged.push((i, j));
     }
+    Some(judged)
+}
+
+/// The free places on the endpoints serving `model` (enabled ones), `None` when any of them is
+/// not known to be bounded, or none serves it (the pick answers that).
+pub fn room(s: &Scheduler<'_>, model: Option<&str>, now_ms: u64) -> Option<Free> {
+    let judged: Vec<Judged> = judged(s, model, now_ms)?
+        .into_iter()
+        .map(|(_, j)| j)
+        .collect();
     free(&judged)
+}
+
+/// The endpoints (indexes) a request admitted from the queue is not placed on while another
+/// has a place ([`share::places`]): the full ones and those without a free place. Empty when
+/// the model's room is unbounded.
+pub fn without_place(judged: &[(usize, Judged)]) -> Vec<usize> {
+    let counted: Vec<(usize, Engine)> = judged
+        .iter()
+        .filter_map(|&(i, j)| match j {
+            Judged::Counted(e) => Some((i, e)),
+            _ => None,
+        })
+        .collect();
+    if judged.iter().any(|(_, j)| *j == Judged::Unbounded) {
+        return Vec::new();
+    }
+    let engines: Vec<Engine> = counted.iter().map(|&(_, e)| e).collect();
+    let has = share::places(&engines);
+    let mut out: Vec<usize> = judged
+        .iter()
+        .filter(|(_, j)| *j == Judged::Full)
+        .map(|&(i, _)| i)
+        .collect();
+    out.extend(
+        counted
+            .iter()
+            .zip(&has)
+            .filter(|(_, &h)| !h)
+            .map(|(&(i, _), _)| i),
+    );
+    out.sort_unstable();
+    out
+}
+
+/// [`without_place`] for `model`'s endpoints now (empty when its room is unbounded).
+pub fn placeless(s: &Scheduler<'_>, model: Option<&str>, now_ms: u64) -> Vec<usize> {
+    judged(s, model, now_ms).map_or_else(Vec::new, |j| without_place(&j))
 }
 
 /// The queue's room (the slots, [`Free::slots`]) for the model whose [`model_key`] is `key`:
@@ -257,5 +304,23 @@ mod tests {
         );
         // Nothing counted (all saturated): no room.
         assert_eq!(free(&[Judged::Full]), room(0, 0));
+    }
+
+    #[test]
+    fn an_admitted_request_is_kept_off_engines_without_a_place() {
+        // Endpoint 3 saturated, 5 at its slots, 7 with a free slot: 3 and 5 are passed over.
+        let judged = [
+            (3, Judged::Full),
+            (5, counted(2, 2, 2, 2)),
+            (7, counted(2, 2, 2, 1)),
+        ];
+        assert_eq!(without_place(&judged), vec![3, 5]);
+        // Every counted one at its slots (the floor let it in): only the saturated one.
+        assert_eq!(
+            without_place(&[(7, counted(2, 2, 2, 2)), (3, Judged::Full)]),
+            vec![3]
+        );
+        // Unbounded room: nothing is steered.
+        assert!(without_place(&[(3, Judged::Full), (5, Judged::Unbounded)]).is_empty());
     }
 }

@@ -157,6 +157,8 @@ impl Flow {
         }
         self.admission.seq = None;
         self.admission.waited_ms = Some(waited_ms);
+        // Placed where the room it was admitted for is (a new placement; a pin is kept).
+        self.exclusions.placeless = fleet::placeless(s, self.model.as_deref(), now_ms);
         if let Some(asker) = self.admission.asker {
             obs.admission(&Admission {
                 outcome: AdmissionOutcome::Waited,

@@ -54,6 +54,7 @@ fn exclusions_in_order_and_model_not_found() {
         used: vec![0, 1],
         tried: vec![],
         retry_free: false,
+        placeless: vec![],
     };
     let (cands, dropped) = s
         .candidates(&Pick {
