@@ -6,31 +6,32 @@ use super::*;
 
 impl<'a> Scheduler<'a> {
     /// Whether a request admitted from the admission queue passes over `i` on its first
-    /// attempt: admission found no free place there ([`Exclusions::placeless`]) and another
-    /// candidate that could take a new session has one. The model's room is a sum over its
-    /// engines; placed by the order alone, admitted requests went to engines at their slots
-    /// while another's slot was free, and queued there first come, first served (one Envoy,
-    /// `noisy_neighbor`: the quiet tenant's slowest requests waited up to 0.74 s in an
-    /// engine's queue after 0.1 s in the filter's).
+    /// attempt, when admission's places decide it: `None` for every other request, and when
+    /// no candidate that could take a new session has a place ([`Exclusions::placeless`]);
+    /// else whether `i` has none. Admission counts this process's attempts in flight exactly,
+    /// where a full engine by the board ([`Board::passed_over`]) counts its own placements since
+    /// the last scrape on top of the scraped load, never the answers ended since: under
+    /// overload every engine is full that way after two placements, and the admitted request
+    /// went home to an engine at its slots while another's slot was free (the model's room
+    /// is a sum over its engines). Its engine's queue then held it first come, first served
+    /// (one Envoy, `noisy_neighbor`: the quiet tenant's slowest requests waited up to 0.74 s
+    /// in an engine's queue after 0.1 s in the filter's).
     pub(in crate::scheduler::routing::select) fn without_place(
         &self,
         board: &Board,
         pick: &Pick<'_>,
         i: usize,
-    ) -> bool {
+    ) -> Option<bool> {
         let none = &pick.exclusions.placeless;
+        if pick.attempt > 1 || none.is_empty() {
+            return None;
+        }
         let placeless = |j: usize| none.binary_search(&j).is_ok();
-        pick.attempt <= 1
-            && !none.is_empty()
-            && placeless(i)
-            && board.statics().iter().any(|&j| {
-                j != i
-                    && !placeless(j)
-                    && board.admitted(j)
-                    && !board.degraded(j)
-                    && !board.short(j)
-                    && !board.passed_over(j)
-            })
+        let some_place = board
+            .statics()
+            .iter()
+            .any(|&j| !placeless(j) && board.admitted(j) && !board.degraded(j) && !board.short(j));
+        some_place.then(|| placeless(i))
     }
 
     /// Step 3: placement, the first candidate in rendezvous order that admits traffic, is not
@@ -115,7 +116,10 @@ impl<'a> Scheduler<'a> {
                 passed.unavailable = true;
                 continue;
             }
-            if board.passed_over(i) || self.without_place(board, pick, i) {
+            let passed_over = self
+                .without_place(board, pick, i)
+                .unwrap_or_else(|| board.passed_over(i));
+            if passed_over {
                 passed.saturated = true;
                 continue;
             }
