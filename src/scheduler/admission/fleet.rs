@@ -196,9 +196,9 @@ pub fn placeless(s: &Scheduler<'_>, model: Option<&str>, now_ms: u64) -> Vec<usi
     judged(s, model, now_ms).map_or_else(Vec::new, |j| without_place(&j))
 }
 
-/// The queue's room (the slots, [`Free::slots`]) for the model whose [`model_key`] is `key`:
-/// found among the configured models, else a model only the endpoints serving any model serve.
-pub fn room_by_key(s: &Scheduler<'_>, key: u64, now_ms: u64) -> Room {
+/// The model whose [`model_key`] is `key`, as [`room`] and [`judged`] take it: found among
+/// the configured models, else a model only the endpoints serving any model serve.
+fn model_of_key<'c>(s: &Scheduler<'c>, key: u64) -> Option<&'c str> {
     let named = s
         .cfg
         .endpoints
@@ -207,12 +207,34 @@ pub fn room_by_key(s: &Scheduler<'_>, key: u64, now_ms: u64) -> Room {
         .flatten()
         .find(|m| model_key(Some(m)) == key);
     match named {
-        Some(m) => room(s, Some(m.as_str()), now_ms),
-        None if key == model_key(None) => room(s, None, now_ms),
-        // A model no endpoint lists by name: the wildcard endpoints' room.
-        None => room(s, Some("\u{0}"), now_ms),
+        Some(m) => Some(m.as_str()),
+        None if key == model_key(None) => None,
+        // A model no endpoint lists by name: the wildcard endpoints'.
+        None => Some("\u{0}"),
     }
-    .map(|f| f.slots)
+}
+
+/// The queue's room (the slots, [`Free::slots`]) for the model whose [`model_key`] is `key`.
+pub fn room_by_key(s: &Scheduler<'_>, key: u64, now_ms: u64) -> Room {
+    room(s, model_of_key(s, key), now_ms).map(|f| f.slots)
+}
+
+/// Whether this Envoy shares the engines it counts with others: some engine's last scrape
+/// showed load that is not this Envoy's (other replicas', other clients'). Never with one
+/// Envoy alone.
+pub fn shared(judged: &[Judged]) -> bool {
+    judged.iter().any(|j| match j {
+        Judged::Counted(e) => e.scraped > e.own_at_scrape.min(e.scraped),
+        _ => false,
+    })
+}
+
+/// [`shared`] for the model whose [`model_key`] is `key` (false when its room is unbounded).
+pub fn shared_by_key(s: &Scheduler<'_>, key: u64, now_ms: u64) -> bool {
+    judged(s, model_of_key(s, key), now_ms).is_some_and(|j| {
+        let j: Vec<Judged> = j.into_iter().map(|(_, j)| j).collect();
+        shared(&j)
+    })
 }
 
 #[cfg(test)]
@@ -304,6 +326,20 @@ mod tests {
         );
         // Nothing counted (all saturated): no room.
         assert_eq!(free(&[Judged::Full]), room(0, 0));
+    }
+
+    #[test]
+    fn engines_are_shared_when_a_scrape_showed_load_not_this_envoys() {
+        // One Envoy: everything scraped is its own (an answer it still streams counted
+        // here, not by the engine, is no one else's).
+        assert!(!shared(&[
+            counted(2, 2, 2, 1),
+            counted(2, 1, 2, 2),
+            Judged::Full
+        ]));
+        // Another replica held one at the scrape.
+        assert!(shared(&[counted(2, 2, 2, 2), counted(2, 2, 1, 1)]));
+        assert!(!shared(&[Judged::Full, Judged::Unbounded]));
     }
 
     #[test]
