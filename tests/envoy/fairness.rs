@@ -310,7 +310,7 @@ fn a_quiet_tenant_is_served_under_a_noisy_one_and_the_excess_is_answered() {
 /// (a race between the two worker VMs at most).
 #[test]
 fn an_admitted_request_takes_the_free_slot_not_an_engine_queue() {
-    let mocks = vec![engine("a"), engine("b"), engine("c")];
+    let mocks = [engine("a"), engine("b"), engine("c")];
     let endpoints: Vec<Value> = mocks
         .iter()
         .map(|m| {
@@ -351,7 +351,9 @@ fn an_admitted_request_takes_the_free_slot_not_an_engine_queue() {
 
     // The flood: answers of 10..160 tokens (30..480 ms), every client its own lengths.
     let stop = Arc::new(AtomicBool::new(false));
-    let seen: Arc<Mutex<Vec<(u16, bool, Option<String>)>>> = Arc::default();
+    // (status, waited in the filter, the mock's `x-mock-slot-wait`)
+    type Answer = (u16, bool, Option<String>);
+    let seen: Arc<Mutex<Vec<Answer>>> = Arc::default();
     let clients: Vec<_> = (0..16u64)
         .map(|k| {
             let (stop, seen) = (stop.clone(), seen.clone());

@@ -219,15 +219,23 @@ pub fn room_by_key(s: &Scheduler<'_>, key: u64, now_ms: u64) -> Room {
     room(s, model_of_key(s, key), now_ms).map(|f| f.slots)
 }
 
-/// Whether this Envoy shares the engines it counts with others: some engine's last scrape
-/// showed load that is not this Envoy's (other replicas', other clients'). Never with one
-/// Envoy alone.
+/// Whether this Envoy shares the engines it counts with others: their last scrapes showed at
+/// least [`OTHERS_SHARING`] requests in all that were not this Envoy's (other replicas', other
+/// clients'). One Envoy alone sees at most a request or so that ended between the engine's
+/// answer and the record of its own count.
 pub fn shared(judged: &[Judged]) -> bool {
-    judged.iter().any(|j| match j {
-        Judged::Counted(e) => e.scraped > e.own_at_scrape.min(e.scraped),
-        _ => false,
-    })
+    let others: u32 = judged
+        .iter()
+        .map(|j| match j {
+            Judged::Counted(e) => e.scraped - e.own_at_scrape.min(e.scraped),
+            _ => 0,
+        })
+        .fold(0, u32::saturating_add);
+    others >= OTHERS_SHARING
 }
+
+/// The others' requests on a model's engines at their scrapes from which [`shared`] says so.
+pub const OTHERS_SHARING: u32 = 2;
 
 /// [`shared`] for the model whose [`model_key`] is `key` (false when its room is unbounded).
 pub fn shared_by_key(s: &Scheduler<'_>, key: u64, now_ms: u64) -> bool {
@@ -331,14 +339,14 @@ mod tests {
     #[test]
     fn engines_are_shared_when_a_scrape_showed_load_not_this_envoys() {
         // One Envoy: everything scraped is its own (an answer it still streams counted
-        // here, not by the engine, is no one else's).
-        assert!(!shared(&[
-            counted(2, 2, 2, 1),
-            counted(2, 1, 2, 2),
-            Judged::Full
-        ]));
-        // Another replica held one at the scrape.
-        assert!(shared(&[counted(2, 2, 2, 2), counted(2, 2, 1, 1)]));
+        // here, not by the engine, is no one else's), but for one that ended between the
+        // engine's answer and the record of its count.
+        let one = [counted(2, 2, 2, 1), counted(2, 1, 2, 2), Judged::Full];
+        assert!(!shared(&one));
+        assert!(!shared(&[counted(2, 2, 1, 1), counted(2, 2, 2, 2)]));
+        // Other replicas held two at the scrapes.
+        assert!(shared(&[counted(2, 2, 1, 1), counted(2, 2, 1, 1)]));
+        assert!(shared(&[counted(2, 2, 0, 0), counted(2, 2, 2, 2)]));
         assert!(!shared(&[Judged::Full, Judged::Unbounded]));
     }
 
