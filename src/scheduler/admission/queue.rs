@@ -19,6 +19,10 @@
 //! answers the paused request. A client that goes away takes its entry out ([`Queue::leave`]).
 //! Entries `Admitted` but not yet taken count against the room, so one free slot is given once.
 //!
+//! **A light tenant's pass** ([`Queue::admit_light`]): each counter also counts its tenant's
+//! requests admitted from the queue and not yet ended ([`Queue::done`]); where other replicas
+//! share the engines, a tenant with none goes past the room with one request.
+//!
 //! **Sheddable** (priority < 0) requests never wait: when the fleet is full they are refused.
 
 use crate::scheduler::state::codec::{Reader, Writer};
