@@ -26,9 +26,14 @@ pub fn round(plugin: &Plugin, parked: &Parked<Plugin>, now_ms: u64) -> bool {
     let store = SharedData;
     let sched =
         Scheduler::with_caches(&plugin.cfg, &store, &plugin.table_cache, &plugin.rooms_memo);
-    let (deliveries, queue) = admission::tick(&store, plugin.vm, &rule(&plugin.cfg), now_ms, |m| {
-        fleet::room_by_key(&sched, m, now_ms)
-    });
+    let (deliveries, queue) = admission::tick(
+        &store,
+        plugin.vm,
+        &rule(&plugin.cfg),
+        now_ms,
+        |m| fleet::room_by_key(&sched, m, now_ms),
+        |m| fleet::shared_by_key(&sched, m, now_ms),
+    );
     for d in deliveries {
         let Some(slot) = parked.take(d.ctx) else {
             continue;

@@ -451,6 +451,7 @@ impl<'a> Sim<'a> {
                     used: used.iter().map(|i| i % n).collect(),
                     tried: tried.iter().map(|i| i % n).collect(),
                     retry_free: false,
+                    placeless: Vec::new(),
                 };
                 let model = model.map(|m| MODELS[m]);
                 let session = session.map(|s| 0x5e55_0000 + u64::from(s));

@@ -116,10 +116,11 @@ pub fn free(judged: &[Judged]) -> Option<Free> {
 /// The free places on the endpoints serving `model` (enabled ones), `None` when any of them is
 /// not known to be bounded, or none serves it (the pick answers that).
 pub fn room(s: &Scheduler<'_>, model: Option<&str>, now_ms: u64) -> Option<Free> {
-    match scan(s, model, now_ms, None) {
-        Scan::Counted(free) => Some(free),
-        Scan::Unbounded | Scan::Enough => None,
-    }
+    let judged: Vec<Judged> = judged(s, model, now_ms)?
+        .into_iter()
+        .map(|(_, j)| j)
+        .collect();
+    free(&judged)
 }
 
 /// Whether an arrival for `model` may go while nobody waits at all.
@@ -140,7 +141,22 @@ pub fn arrival(s: &Scheduler<'_>, model: Option<&str>, now_ms: u64) -> ArrivalRo
     match scan(s, model, now_ms, Some(1)) {
         Scan::Unbounded => ArrivalRoom::Unbounded,
         Scan::Enough => ArrivalRoom::Fits,
-        Scan::Counted(free) => ArrivalRoom::Room(free.burst),
+        Scan::All(judged) => {
+            let judged: Vec<Judged> = judged.into_iter().map(|(_, j)| j).collect();
+            match free(&judged) {
+                Some(f) => ArrivalRoom::Room(f.burst),
+                None => ArrivalRoom::Unbounded,
+            }
+        }
+    }
+}
+
+/// The endpoints serving `model` (enabled ones, by index) as admission judges them, `None`
+/// when any of them is not known to be bounded, or none serves it (the pick answers that).
+fn judged(s: &Scheduler<'_>, model: Option<&str>, now_ms: u64) -> Option<Vec<(usize, Judged)>> {
+    match scan(s, model, now_ms, None) {
+        Scan::All(judged) => Some(judged),
+        Scan::Unbounded | Scan::Enough => None,
     }
 }
 
@@ -148,9 +164,11 @@ enum Scan {
     Unbounded,
     /// The burst places asked for were found before every endpoint was judged.
     Enough,
-    Counted(Free),
+    All(Vec<(usize, Judged)>),
 }
 
+/// The model's endpoints judged in turn (on the worker's table, lent without a copy), until
+/// one is unbounded or, when `enough` is given, until that many burst places are found.
 fn scan(s: &Scheduler<'_>, model: Option<&str>, now_ms: u64, enough: Option<u32>) -> Scan {
     let statics = s.statics(model);
     if statics.indexes.is_empty() {
@@ -163,7 +181,7 @@ fn scan(s: &Scheduler<'_>, model: Option<&str>, now_ms: u64, enough: Option<u32>
     let record = share::View::read(s.store);
     let max_age = s.cfg.in_flight_max_age_ms;
     s.with_table(|table, _| {
-        let mut judged: Vec<Judged> = Vec::with_capacity(statics.indexes.len());
+        let mut judged: Vec<(usize, Judged)> = Vec::with_capacity(statics.indexes.len());
         let mut burst = 0.0;
         for &i in &statics.indexes {
             let (Some(ep), Some((_, st))) = (s.cfg.endpoints.get(i), table.entries.get(i)) else {
@@ -190,18 +208,52 @@ fn scan(s: &Scheduler<'_>, model: Option<&str>, now_ms: u64, enough: Option<u32>
                 }
                 _ => {}
             }
-            judged.push(j);
+            judged.push((i, j));
         }
-        match free(&judged) {
-            Some(f) => Scan::Counted(f),
-            None => Scan::Unbounded,
-        }
+        Scan::All(judged)
     })
 }
 
-/// The queue's room (the slots, [`Free::slots`]) for the model whose [`model_key`] is `key`:
-/// found among the configured models, else a model only the endpoints serving any model serve.
-pub fn room_by_key(s: &Scheduler<'_>, key: u64, now_ms: u64) -> Room {
+/// The endpoints (indexes) a request admitted from the queue is not placed on while another
+/// has a place ([`share::places`]): the full ones and those without a free place. Empty when
+/// the model's room is unbounded.
+pub fn without_place(judged: &[(usize, Judged)]) -> Vec<usize> {
+    let counted: Vec<(usize, Engine)> = judged
+        .iter()
+        .filter_map(|&(i, j)| match j {
+            Judged::Counted(e) => Some((i, e)),
+            _ => None,
+        })
+        .collect();
+    if judged.iter().any(|(_, j)| *j == Judged::Unbounded) {
+        return Vec::new();
+    }
+    let engines: Vec<Engine> = counted.iter().map(|&(_, e)| e).collect();
+    let has = share::places(&engines);
+    let mut out: Vec<usize> = judged
+        .iter()
+        .filter(|(_, j)| *j == Judged::Full)
+        .map(|&(i, _)| i)
+        .collect();
+    out.extend(
+        counted
+            .iter()
+            .zip(&has)
+            .filter(|(_, &h)| !h)
+            .map(|(&(i, _), _)| i),
+    );
+    out.sort_unstable();
+    out
+}
+
+/// [`without_place`] for `model`'s endpoints now (empty when its room is unbounded).
+pub fn placeless(s: &Scheduler<'_>, model: Option<&str>, now_ms: u64) -> Vec<usize> {
+    judged(s, model, now_ms).map_or_else(Vec::new, |j| without_place(&j))
+}
+
+/// The model whose [`model_key`] is `key`, as [`room`] and [`judged`] take it: found among
+/// the configured models, else a model only the endpoints serving any model serve.
+fn model_of_key<'c>(s: &Scheduler<'c>, key: u64) -> Option<&'c str> {
     let named = s
         .cfg
         .endpoints
@@ -210,12 +262,42 @@ pub fn room_by_key(s: &Scheduler<'_>, key: u64, now_ms: u64) -> Room {
         .flatten()
         .find(|m| model_key(Some(m)) == key);
     match named {
-        Some(m) => room(s, Some(m.as_str()), now_ms),
-        None if key == model_key(None) => room(s, None, now_ms),
-        // A model no endpoint lists by name: the wildcard endpoints' room.
-        None => room(s, Some("\u{0}"), now_ms),
+        Some(m) => Some(m.as_str()),
+        None if key == model_key(None) => None,
+        // A model no endpoint lists by name: the wildcard endpoints'.
+        None => Some("\u{0}"),
     }
-    .map(|f| f.slots)
+}
+
+/// The queue's room (the slots, [`Free::slots`]) for the model whose [`model_key`] is `key`.
+pub fn room_by_key(s: &Scheduler<'_>, key: u64, now_ms: u64) -> Room {
+    room(s, model_of_key(s, key), now_ms).map(|f| f.slots)
+}
+
+/// Whether this Envoy shares the engines it counts with others: their last scrapes showed at
+/// least [`OTHERS_SHARING`] requests in all that were not this Envoy's (other replicas', other
+/// clients'). One Envoy alone sees at most a request or so that ended between the engine's
+/// answer and the record of its own count.
+pub fn shared(judged: &[Judged]) -> bool {
+    let others: u32 = judged
+        .iter()
+        .map(|j| match j {
+            Judged::Counted(e) => e.scraped - e.own_at_scrape.min(e.scraped),
+            _ => 0,
+        })
+        .fold(0, u32::saturating_add);
+    others >= OTHERS_SHARING
+}
+
+/// The others' requests on a model's engines at their scrapes from which [`shared`] says so.
+pub const OTHERS_SHARING: u32 = 2;
+
+/// [`shared`] for the model whose [`model_key`] is `key` (false when its room is unbounded).
+pub fn shared_by_key(s: &Scheduler<'_>, key: u64, now_ms: u64) -> bool {
+    judged(s, model_of_key(s, key), now_ms).is_some_and(|j| {
+        let j: Vec<Judged> = j.into_iter().map(|(_, j)| j).collect();
+        shared(&j)
+    })
 }
 
 #[cfg(test)]
@@ -307,5 +389,37 @@ mod tests {
         );
         // Nothing counted (all saturated): no room.
         assert_eq!(free(&[Judged::Full]), room(0, 0));
+    }
+
+    #[test]
+    fn engines_are_shared_when_a_scrape_showed_load_not_this_envoys() {
+        // One Envoy: everything scraped is its own (an answer it still streams counted
+        // here, not by the engine, is no one else's), but for one that ended between the
+        // engine's answer and the record of its count.
+        let one = [counted(2, 2, 2, 1), counted(2, 1, 2, 2), Judged::Full];
+        assert!(!shared(&one));
+        assert!(!shared(&[counted(2, 2, 1, 1), counted(2, 2, 2, 2)]));
+        // Other replicas held two at the scrapes.
+        assert!(shared(&[counted(2, 2, 1, 1), counted(2, 2, 1, 1)]));
+        assert!(shared(&[counted(2, 2, 0, 0), counted(2, 2, 2, 2)]));
+        assert!(!shared(&[Judged::Full, Judged::Unbounded]));
+    }
+
+    #[test]
+    fn an_admitted_request_is_kept_off_engines_without_a_place() {
+        // Endpoint 3 saturated, 5 at its slots, 7 with a free slot: 3 and 5 are passed over.
+        let judged = [
+            (3, Judged::Full),
+            (5, counted(2, 2, 2, 2)),
+            (7, counted(2, 2, 2, 1)),
+        ];
+        assert_eq!(without_place(&judged), vec![3, 5]);
+        // Every counted one at its slots (the floor let it in): only the saturated one.
+        assert_eq!(
+            without_place(&[(7, counted(2, 2, 2, 2)), (3, Judged::Full)]),
+            vec![3]
+        );
+        // Unbounded room: nothing is steered.
+        assert!(without_place(&[(3, Judged::Full), (5, Judged::Unbounded)]).is_empty());
     }
 }

@@ -55,14 +55,17 @@ pub fn arrive(store: &dyn Store, a: Arrival, room: Room, rule: &Rule, now_ms: u6
     out.unwrap_or(Arrived::Direct)
 }
 
-/// One admission round for `vm`: expire, admit in order while there is room, and take `vm`'s
-/// decided entries out. `room_of` is asked at most once per model.
+/// One admission round for `vm`: expire, admit in order while there is room, give the light
+/// tenants their pass ([`Queue::admit_light`]) where `shared_of` says the model's engines are
+/// shared with other replicas, and take `vm`'s decided entries out. `room_of` and `shared_of`
+/// are asked at most once per model.
 pub fn tick(
     store: &dyn Store,
     vm: u32,
     rule: &Rule,
     now_ms: u64,
     mut room_of: impl FnMut(u64) -> Room,
+    mut shared_of: impl FnMut(u64) -> bool,
 ) -> (Vec<Delivery>, Queue) {
     let mut rooms: Vec<(u64, Room)> = Vec::new();
     let out = update_if(store, QUEUE_KEY, |bytes| {
@@ -79,6 +82,8 @@ pub fn tick(
                 }
             }
         });
+        let light = q.admit_light(&mut shared_of);
+        let changed = changed || light;
         let taken = q.take(vm, now_ms);
         let write = changed || !taken.is_empty();
         (write.then(|| q.encode()), (taken, q))
@@ -99,8 +104,9 @@ pub fn leave(store: &dyn Store, vm: u32, seq: u32) -> bool {
     .unwrap_or(false)
 }
 
-/// Adds `tokens` to `tenant`'s counter (a waited request's completion, weighted).
-pub fn charge(store: &dyn Store, tenant: u64, tokens: u64) {
+/// A request of `tenant` admitted from the queue ended ([`Queue::done`]): its completion's
+/// `tokens` (weighted) charged, one fewer in flight.
+pub fn done(store: &dyn Store, tenant: u64, tokens: u64) {
     let _ = update_if(store, QUEUE_KEY, |bytes| {
         let Some(mut q) = bytes.and_then(Queue::decode) else {
             return (None, ());
@@ -108,7 +114,7 @@ pub fn charge(store: &dyn Store, tenant: u64, tokens: u64) {
         if !q.counters.iter().any(|c| c.tenant == tenant) {
             return (None, ());
         }
-        q.charge(tenant, tokens);
+        q.done(tenant, tokens);
         (Some(q.encode()), ())
     });
 }

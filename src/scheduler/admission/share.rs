@@ -110,6 +110,22 @@ pub fn free(engines: &[Engine], extra: u32) -> u32 {
     }
 }
 
+/// Which of `engines` an admitted request may be placed on (aligned with `engines`): those with
+/// a whole free place (allowance less this Envoy's attempts, at least one); when none has one
+/// (a place made of fractions, or the floor), those with the most. The model's free places are
+/// a sum over its engines, so without this the routing's own order could put an admitted
+/// request on an engine already at its allowance while another had the free slot, and the
+/// engine would queue it, first come first served.
+pub fn places(engines: &[Engine]) -> Vec<bool> {
+    let free: Vec<f64> = engines
+        .iter()
+        .map(|e| allowance(e) - f64::from(e.own))
+        .collect();
+    let best = free.iter().copied().fold(f64::NEG_INFINITY, f64::max);
+    let bar = if best >= 1.0 - 1e-9 { 1.0 - 1e-9 } else { best };
+    free.iter().map(|&f| f >= bar).collect()
+}
+
 /// This process's in-flight attempts on every scraped endpoint at its last scrape, by id.
 ///
 /// Codec (little-endian): version `1` (u8), entry count (u32), then per entry in strictly
@@ -396,6 +412,41 @@ mod tests {
         }
         let (lo, hi) = (held.iter().min().unwrap(), held.iter().max().unwrap());
         assert!(hi - lo <= 1, "shares {held:?}");
+    }
+
+    #[test]
+    fn an_admitted_request_goes_where_a_place_is_free() {
+        // One Envoy: the engine with a free slot, not the one at its slots.
+        assert_eq!(
+            places(&[engine(2, 2, 2, 2), engine(2, 1, 1, 1), engine(2, 2, 2, 2)]),
+            vec![false, true, false]
+        );
+        // A slot freed since the scrape is free at once; an engine over its slots has none.
+        assert_eq!(
+            places(&[engine(2, 2, 2, 1), engine(2, 3, 3, 3)]),
+            vec![true, false]
+        );
+        // Several with a whole place: all of them (the routing's order chooses among them).
+        assert_eq!(
+            places(&[engine(4, 2, 2, 2), engine(2, 0, 0, 0)]),
+            vec![true, true]
+        );
+        // Only fractions (other replicas' load): the largest. 1 × 2/3 − 0 against
+        // 2 × 2/5 − 0.
+        assert_eq!(
+            places(&[engine(2, 3, 1, 0), engine(2, 5, 2, 0)]),
+            vec![false, true]
+        );
+        // Nothing free anywhere (the floor let it in): the least over its allowance.
+        assert_eq!(
+            places(&[engine(2, 4, 0, 0), engine(2, 2, 2, 2)]),
+            vec![true, true]
+        );
+        assert_eq!(
+            places(&[engine(2, 2, 2, 3), engine(2, 2, 2, 2)]),
+            vec![false, true]
+        );
+        assert!(places(&[]).is_empty());
     }
 
     #[test]

@@ -74,6 +74,8 @@ pub(super) struct State {
     pub(super) seq: Option<(u32, u64)>,
     /// How long it waited, once admitted after waiting.
     pub(super) waited_ms: Option<u64>,
+    /// Its end was told to the queue ([`Flow::admission_done`]).
+    pub(super) done: bool,
 }
 
 /// The queue's rule from the configuration.
@@ -170,6 +172,8 @@ impl Flow {
         }
         self.admission.seq = None;
         self.admission.waited_ms = Some(waited_ms);
+        // Placed where the room it was admitted for is (a new placement; a pin is kept).
+        self.exclusions.placeless = fleet::placeless(s, self.model.as_deref(), now_ms);
         if let Some(asker) = self.admission.asker {
             obs.admission(&Admission {
                 outcome: AdmissionOutcome::Waited,
@@ -244,11 +248,15 @@ impl Flow {
         self.phase = Phase::Done;
     }
 
-    /// Charges a waited request's completion tokens to its tenant (weighted), when it ends
-    /// with a usage report.
-    pub(super) fn charge_completion(&self, s: &Scheduler<'_>, completion_tokens: u64) {
+    /// A request admitted from the queue ended (once): its tenant has one fewer in flight, and
+    /// is charged its completion tokens (weighted) when the answer reported them.
+    pub(super) fn admission_done(&mut self, s: &Scheduler<'_>, completion_tokens: u64) {
+        if self.admission.done {
+            return;
+        }
         if let (Some(_), Some(asker)) = (self.admission.waited_ms, self.admission.asker) {
-            admission::charge(
+            self.admission.done = true;
+            admission::done(
                 s.store,
                 asker.tenant,
                 completion_tokens.saturating_mul(crate::scheduler::admission::queue::OUTPUT_WEIGHT),

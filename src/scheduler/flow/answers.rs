@@ -142,9 +142,7 @@ impl Flow {
             a.ticket.served = a.served(usage, body_bytes, work_key, now_ms);
         }
         self.finish_by_verdict(s, obs, now_ms);
-        if let Some(u) = &usage {
-            self.charge_completion(s, u.completion_tokens);
-        }
+        self.admission_done(s, usage.as_ref().map_or(0, |u| u.completion_tokens));
         self.report_usage(obs, usage);
     }
 
@@ -265,6 +263,7 @@ impl Flow {
     /// The request is over (Envoy's access-log callback, which runs in every case).
     pub fn on_log(&mut self, s: &Scheduler<'_>, obs: &mut dyn Observer, now_ms: u64) {
         self.leave_queue(s, obs, now_ms);
+        self.admission_done(s, 0);
         // An answer that never ended (cut, client gone) reports no usage.
         self.usage = None;
         self.finish_by_verdict(s, obs, now_ms);

@@ -59,7 +59,10 @@
 //! - `POST /v1/chat/completions`: OpenAI chat completion (or an SSE stream with `"stream": true`:
 //!   a role chunk, one chunk per completion token, a finish chunk, a usage chunk with empty
 //!   `choices`, then `data: [DONE]`). Headers `x-mock-endpoint`, `x-mock-prompt-tokens`,
-//!   `x-mock-cached-tokens`, `x-mock-request-seq`. `usage.prompt_tokens_details.cached_tokens`.
+//!   `x-mock-cached-tokens`, `x-mock-request-seq`, `x-mock-queued-ms` (the batched model: how
+//!   long it waited in the engine, for a slot and for the prefill of others, before its own
+//!   prefill), `x-mock-slot-wait` (`1`: it found every slot taken on arrival).
+//!   `usage.prompt_tokens_details.cached_tokens`.
 //! - `POST /v1/embeddings`: deterministic vectors per input text (`encoding_format` `float` or
 //!   `base64`, `dimensions`, default 8).
 //! - `POST /v1/audio/transcriptions`, `/v1/audio/translations` (multipart form): the text names
@@ -674,10 +677,16 @@ struct Serve {
     cut: bool,
     /// What is left of the key's quota, in the configured header family.
     quota_headers: Vec<(String, String)>,
+    /// How long it waited in this engine before its own prefill started (for a slot, then
+    /// for the prefill of others): `x-mock-queued-ms`.
+    queued_ms: f64,
+    /// It found every slot taken on arrival: `x-mock-slot-wait: 1`.
+    slot_wait: bool,
 }
 
 async fn chat(mock: Arc<Mock>, conn: Arc<Conn>, req: Request<Incoming>) -> Response<Body> {
     let guard = InFlight::new(&mock);
+    let arrived = std::time::Instant::now();
     let path = req.uri().path().to_string();
     let mut headers: BTreeMap<String, String> = BTreeMap::new();
     for (name, value) in req.headers() {
@@ -705,8 +714,16 @@ async fn chat(mock: Arc<Mock>, conn: Arc<Conn>, req: Request<Incoming>) -> Respo
         on_rank(|l| &l.waiting),
     );
     let slots = rank.as_ref().ok().and_then(|&k| mock.slots.get(k)).cloned();
+    // Whether it found every slot taken (and waited in the engine's queue).
+    let mut slot_wait = false;
     let permit = match slots.flatten() {
-        Some(s) => s.acquire_owned().await.ok(),
+        Some(s) => match s.clone().try_acquire_owned() {
+            Ok(p) => Some(p),
+            Err(_) => {
+                slot_wait = true;
+                s.acquire_owned().await.ok()
+            }
+        },
         None => None,
     };
     drop(queued);
@@ -715,7 +732,11 @@ async fn chat(mock: Arc<Mock>, conn: Arc<Conn>, req: Request<Incoming>) -> Respo
         on_rank(|l| &l.running),
     );
     let seq = mock.seq.fetch_add(1, Ordering::SeqCst) + 1;
-    let plan = decide(&mock, seq, &path, headers, body.ok(), rank);
+    let mut plan = decide(&mock, seq, &path, headers, body.ok(), rank);
+    if let Plan::Serve(s) = &mut plan {
+        s.queued_ms = arrived.elapsed().as_secs_f64() * 1000.0;
+        s.slot_wait = slot_wait;
+    }
     match plan {
         Plan::Respond(r) => r,
         Plan::Reset => {
@@ -1061,6 +1082,8 @@ fn decide(
         no_usage,
         cut,
         quota_headers,
+        queued_ms: 0.0,
+        slot_wait: false,
     })
 }
 
@@ -1217,6 +1240,8 @@ fn answer_headers(r: &mut Response<Body>, mock: &Mock, s: &Serve) {
     set_header(r, "x-mock-cached-tokens", &s.cached_tokens.to_string());
     set_header(r, "x-mock-rank", &s.rank.to_string());
     set_header(r, "x-mock-request-seq", &s.seq.to_string());
+    set_header(r, "x-mock-queued-ms", &format!("{:.1}", s.queued_ms));
+    set_header(r, "x-mock-slot-wait", if s.slot_wait { "1" } else { "0" });
     for (k, v) in &s.quota_headers {
         set_header(r, k, v);
     }
@@ -1258,12 +1283,19 @@ impl Pacer {
 /// Serves a request under the batched model (see `mock_upstream/engine.rs`): the one-at-a-time
 /// prefill of its rank, then decode in steps paced by the rank's batch; a plain answer's headers after the whole
 /// generation, a streamed answer's first chunk after the prefill.
-async fn serve_batched(mock: Arc<Mock>, conn: Arc<Conn>, guard: Busy, s: Serve) -> Response<Body> {
+async fn serve_batched(
+    mock: Arc<Mock>,
+    conn: Arc<Conn>,
+    guard: Busy,
+    mut s: Serve,
+) -> Response<Body> {
     {
+        let asked = std::time::Instant::now();
         let _prefill = match mock.prefill.get(s.rank) {
             Some(m) => Some(m.lock().await),
             None => None,
         };
+        s.queued_ms += asked.elapsed().as_secs_f64() * 1000.0;
         let uncached = s.prompt_tokens.saturating_sub(s.cached_tokens);
         let us =
             mock.args.prefill_us_per_token.saturating_mul(uncached) as f64 * mock.slow_now(true);

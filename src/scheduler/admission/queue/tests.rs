@@ -196,8 +196,67 @@ fn codec_round_trips_and_rejects_junk() {
     let bytes = q.encode();
     assert_eq!(Queue::decode(&bytes), Some(q.clone()));
     assert_eq!(Queue::decode(&bytes[..bytes.len() - 1]), None);
-    assert_eq!(Queue::decode(&[2]), None);
+    assert_eq!(Queue::decode(&[3]), None);
     assert_eq!(Queue::decode(&[]), None);
+    // Version 1 (counters without an in-flight count) is still read, counting none in flight.
+    let mut v1 = bytes.clone();
+    v1[0] = 1;
+    let at = v1.len() - q.counters.len() * 28;
+    let mut counters = Vec::new();
+    for c in v1[at..].chunks(28) {
+        counters.extend_from_slice(&c[..24]);
+    }
+    v1.truncate(at);
+    v1.extend_from_slice(&counters);
+    let read = Queue::decode(&v1).unwrap();
+    assert_eq!(read.waiters, q.waiters);
+    assert!(read.counters.iter().all(|c| c.in_flight == 0));
+    assert!(q.counters.iter().any(|c| c.in_flight == 1));
+}
+
+/// A tenant with nothing admitted in flight passes a full model's room when its engines are
+/// shared with other replicas: its best-ranked request only, once per round; never a tenant
+/// with a request in flight, never where nothing is shared.
+#[test]
+fn a_light_tenant_passes_where_replicas_share_the_engines() {
+    let mut q = Queue::default();
+    // The noisy tenant 1 has one admitted and in flight, two waiting; the quiet tenant 2 two
+    // waiting.
+    q.arrive(ask(1, 1, 0), Some(0), &RULE, 0);
+    q.admit(&RULE, 1, |_| Some(1));
+    assert_eq!(q.take(1, 1).len(), 1);
+    for (ctx, tenant) in [(2, 1), (3, 1), (4, 2), (5, 2)] {
+        q.arrive(ask(ctx, tenant, 0), Some(0), &RULE, 2);
+    }
+    // The room is full: nothing by the room; nothing shared: no pass.
+    assert!(!q.admit(&RULE, 3, |_| Some(0)));
+    assert!(!q.admit_light(|_| false));
+    // Shared: the quiet tenant's first request passes, once.
+    assert!(q.admit_light(|_| true));
+    assert_eq!(
+        q.take(1, 4).iter().map(|d| d.ctx).collect::<Vec<_>>(),
+        vec![4]
+    );
+    assert!(!q.admit_light(|_| true), "its request is in flight now");
+    // It ends: the next passes.
+    q.done(2, 10);
+    assert!(q.admit_light(|_| true));
+    assert_eq!(
+        q.take(1, 5).iter().map(|d| d.ctx).collect::<Vec<_>>(),
+        vec![5]
+    );
+    // The noisy tenant's end leaves it with nothing in flight: it passes too, once.
+    q.done(1, 0);
+    assert!(q.admit_light(|_| true));
+    assert_eq!(
+        q.take(1, 6).iter().map(|d| d.ctx).collect::<Vec<_>>(),
+        vec![2]
+    );
+    assert!(!q.admit_light(|_| true));
+    assert_eq!(q.waiting(), 1);
+    // Its counter was charged the completion and the prompts admitted.
+    let served = |t: u64| q.counters.iter().find(|c| c.tenant == t).unwrap().served;
+    assert!(served(2) >= 210, "{}", served(2));
 }
 
 #[cfg(not(target_arch = "wasm32"))]

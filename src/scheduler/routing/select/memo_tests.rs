@@ -303,7 +303,7 @@ proptest! {
         let cfg = config(seed, n);
         let store = MemStore::new();
         let cache = RefCell::new(TableCache::default());
-        let ex = Exclusions { dead, used, tried, retry_free: false };
+        let ex = Exclusions { dead, used, tried, retry_free: false, placeless: vec![] };
         let model = Some(if m2 { "m2" } else { "m1" });
         let pick = Pick {
             model,

@@ -13,6 +13,10 @@ pub struct Exclusions {
     /// from it adds no load the fleet did not already carry, so it spends no retry budget.
     /// The budget exists to stop 5xx/timeout storms from multiplying load on the survivors.
     pub retry_free: bool,
+    /// Endpoints without a free place for a request admitted from the admission queue
+    /// (`admission::fleet::placeless`): its first attempt's placement passes over them while
+    /// another candidate has one. Empty for every other request.
+    pub placeless: Vec<usize>,
 }
 
 impl Exclusions {

@@ -54,6 +54,7 @@ fn exclusions_in_order_and_model_not_found() {
         used: vec![0, 1],
         tried: vec![],
         retry_free: false,
+        placeless: vec![],
     };
     let (cands, dropped) = s
         .candidates(&Pick {
@@ -2662,4 +2663,56 @@ fn loads_turning_known_rewrite_only_the_chosen_entry() {
     let d = pick_at(&s, Some(key(3)), &ex, 3_000).unwrap();
     s.finish(d.ticket, &Outcome::Cancelled, 0, None, 3_000);
     assert_eq!(s.table().entries[1].1.saturation, Saturation::Room);
+}
+
+/// A request admitted from the admission queue passes over the endpoints admission found no
+/// free place on (`Exclusions::placeless`) while another candidate has one, in rendezvous
+/// order; all of them without a place, or a later attempt: the order as ever.
+#[test]
+fn an_admitted_request_passes_over_endpoints_without_a_place() {
+    let c = cfg(json!({"endpoints":[
+        {"name":"a","cluster":"ca"},{"name":"b","cluster":"cb"},{"name":"e","cluster":"ce"}
+    ]}));
+    let placeless = |v: Vec<usize>| Exclusions {
+        placeless: v,
+        ..Exclusions::default()
+    };
+    for key in 0..30u64 {
+        let pick = |ex: &Exclusions, attempt: u32| {
+            let store = MemStore::new();
+            let s = Scheduler::new(&c, &store);
+            s.pick(
+                &Pick {
+                    model: Some("m"),
+                    session: Some(key),
+                    attempt,
+                    exclusions: ex,
+                    nonce: 0,
+                    body_bytes: 0,
+                    pin_hint: None,
+                    holder: None,
+                    prefix: Prefix::NONE,
+                    follow_up: false,
+                    max_output_tokens: 0,
+                },
+                0,
+            )
+            .unwrap()
+        };
+        let plain = pick(&Exclusions::default(), 1);
+        let home = plain.endpoint;
+        assert_eq!(plain.reason, Reason::Home);
+        // Home without a place: the next of the order that has one.
+        let d = pick(&placeless(vec![home]), 1);
+        assert_ne!(d.endpoint, home, "key {key}");
+        assert_eq!(d.reason, Reason::Saturated);
+        assert_eq!(d.home, Some(home));
+        // Only one place, on the last of the order: there.
+        let others: Vec<usize> = (0..3).filter(|&i| i != d.endpoint).collect();
+        let last = (0..3).find(|i| !others.contains(i)).unwrap();
+        assert_eq!(pick(&placeless(others.clone()), 1).endpoint, last);
+        // Nowhere a place: home as ever; a failover's attempt ignores it.
+        assert_eq!(pick(&placeless(vec![0, 1, 2]), 1).endpoint, home);
+        assert_eq!(pick(&placeless(vec![home]), 2).endpoint, home);
+    }
 }

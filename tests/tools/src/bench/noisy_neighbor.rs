@@ -272,6 +272,7 @@ fn send(port: u16, req: &Req, t0: Instant, timeout: Duration) -> Rec {
         error: None,
         endpoint: None,
         queue_ms: None,
+        engine_queue_ms: None,
         stream: req.stream,
         max_tokens: req.max_tokens,
     };
@@ -283,6 +284,9 @@ fn send(port: u16, req: &Req, t0: Instant, timeout: Duration) -> Rec {
             rec.queue_ms = r
                 .header(noisy_summary::QUEUE_HEADER)
                 .map(|v| v.trim().parse::<f64>().unwrap_or(0.0));
+            rec.engine_queue_ms = r
+                .header("x-mock-queued-ms")
+                .and_then(|v| v.trim().parse::<f64>().ok());
             let complete = !req.stream || r.status != 200 || r.body.contains("[DONE]");
             if !(200..300).contains(&r.status) {
                 let code = serde_json::from_str::<Value>(&r.body)

@@ -89,6 +89,8 @@ pub struct Rec {
     pub endpoint: Option<String>,
     /// How long the filter held it ([`QUEUE_HEADER`]), when it says it did.
     pub queue_ms: Option<f64>,
+    /// How long the engine held it before its own prefill (`x-mock-queued-ms`).
+    pub engine_queue_ms: Option<f64>,
     pub stream: bool,
     pub max_tokens: u64,
 }
@@ -103,7 +105,8 @@ impl Rec {
             "tenant": self.tenant.name(), "phase": self.phase.name(),
             "start_ms": self.start_ms, "latency_ms": self.latency_ms, "status": self.status,
             "retry_after": self.retry_after, "timed_out": self.timed_out, "error": self.error,
-            "endpoint": self.endpoint, "queue_ms": self.queue_ms, "stream": self.stream,
+            "endpoint": self.endpoint, "queue_ms": self.queue_ms,
+            "engine_queue_ms": self.engine_queue_ms, "stream": self.stream,
             "max_tokens": self.max_tokens,
         })
     }
@@ -592,6 +595,7 @@ mod tests {
             error: (status != 200).then(|| "x".to_string()),
             endpoint: None,
             queue_ms: None,
+            engine_queue_ms: None,
             stream: false,
             max_tokens: 16,
         }
