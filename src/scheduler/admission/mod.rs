@@ -104,9 +104,9 @@ pub fn leave(store: &dyn Store, vm: u32, seq: u32) -> bool {
     .unwrap_or(false)
 }
 
-/// A request of `tenant` admitted from the queue ended ([`Queue::done`]): its completion's
+/// A request of `tenant` admitted from the queue ended ([`Queue::ended`]): its completion's
 /// `tokens` (weighted) charged, one fewer in flight.
-pub fn done(store: &dyn Store, tenant: u64, tokens: u64) {
+pub fn ended(store: &dyn Store, tenant: u64, tokens: u64) {
     let _ = update_if(store, QUEUE_KEY, |bytes| {
         let Some(mut q) = bytes.and_then(Queue::decode) else {
             return (None, ());
@@ -114,7 +114,7 @@ pub fn done(store: &dyn Store, tenant: u64, tokens: u64) {
         if !q.counters.iter().any(|c| c.tenant == tenant) {
             return (None, ());
         }
-        q.done(tenant, tokens);
+        q.ended(tenant, tokens);
         (Some(q.encode()), ())
     });
 }

@@ -278,7 +278,7 @@ impl Queue {
 
     /// A request of `tenant` admitted from the queue ended: one fewer in flight, and its
     /// completion's `tokens` charged.
-    pub fn done(&mut self, tenant: u64, tokens: u64) {
+    pub fn ended(&mut self, tenant: u64, tokens: u64) {
         if let Some(c) = self.counters.iter_mut().find(|c| c.tenant == tenant) {
             c.served = c.served.saturating_add(tokens);
             c.in_flight = c.in_flight.saturating_sub(1);

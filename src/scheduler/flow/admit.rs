@@ -256,7 +256,7 @@ impl Flow {
         }
         if let (Some(_), Some(asker)) = (self.admission.waited_ms, self.admission.asker) {
             self.admission.done = true;
-            admission::done(
+            admission::ended(
                 s.store,
                 asker.tenant,
                 completion_tokens.saturating_mul(crate::scheduler::admission::queue::OUTPUT_WEIGHT),

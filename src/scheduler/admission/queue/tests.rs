@@ -239,14 +239,14 @@ fn a_light_tenant_passes_where_replicas_share_the_engines() {
     );
     assert!(!q.admit_light(|_| true), "its request is in flight now");
     // It ends: the next passes.
-    q.done(2, 10);
+    q.ended(2, 10);
     assert!(q.admit_light(|_| true));
     assert_eq!(
         q.take(1, 5).iter().map(|d| d.ctx).collect::<Vec<_>>(),
         vec![5]
     );
     // The noisy tenant's end leaves it with nothing in flight: it passes too, once.
-    q.done(1, 0);
+    q.ended(1, 0);
     assert!(q.admit_light(|_| true));
     assert_eq!(
         q.take(1, 6).iter().map(|d| d.ctx).collect::<Vec<_>>(),
