@@ -427,10 +427,11 @@ pub fn markdown(
         let _ = writeln!(md, " {} | {} | {off} | {cost} |", ratio(512), ratio(1024));
     }
     // The request that follows a whole round: every load changed since the previous one.
-    let after = |n: usize| {
-        get(&format!("filter/{n}/scrape")).and_then(|s| s.fleet.after_round)
-    };
-    let _ = write!(md, "| new_session after a whole round (every load changed) |");
+    let after = |n: usize| get(&format!("filter/{n}/scrape")).and_then(|s| s.fleet.after_round);
+    let _ = write!(
+        md,
+        "| new_session after a whole round (every load changed) |"
+    );
     for n in crate::SCRAPE_COUNTS {
         let _ = write!(md, " {} |", after(n).map(th).unwrap_or_else(|| "–".into()));
     }

@@ -522,7 +522,11 @@ pub fn run_suite_vm(
         fleet.after_round = Some(first.instructions);
         for turns in [2, 1] {
             vm.host().advance_ms(20);
-            let session = if turns == 2 { "after-round" } else { "after-round-2" };
+            let session = if turns == 2 {
+                "after-round"
+            } else {
+                "after-round-2"
+            };
             let req = chat_request(Some(session), messages_body(turns, 0, false));
             exchange(&mut vm, next(), &req, &[json_answer(0)])?;
         }

@@ -35,6 +35,7 @@ impl BoardMemo {
     /// since: `medians_computed`), and the live ones are computed again with `one`. `None`
     /// (and the memo invalid) when it holds no board for this model or too much changed: the
     /// caller computes every position and keeps them ([`BoardMemo::keep`]).
+    #[allow(clippy::too_many_arguments)]
     pub(in crate::scheduler::routing::select) fn update(
         &mut self,
         model: Option<&str>,
@@ -42,6 +43,8 @@ impl BoardMemo {
         changed: &[usize],
         references: &Rc<Vec<Option<f64>>>,
         medians_computed: u64,
+        engines: &Engines,
+        now_ms: u64,
         one: &mut impl FnMut(usize, &mut Verdict) -> Option<One>,
     ) -> Option<SharedBoard> {
         let fits = self.valid && self.model.as_deref() == model && self.verdicts.len() == n;
@@ -71,8 +74,59 @@ impl BoardMemo {
                 }
             }
         }
+        // The engines' inputs, where anything is scraped: the positions whose load, slots or
+        // peers' median pace differ from the memo's, or whose load turned past its age (a
+        // position kept with a load was judged on a fresh one: see `live`), are judged again;
+        // where slots or a load's presence moved, the weights the decision multiplies by
+        // slots do too (the kept homes go).
+        let scraped = !(engines.loads.is_empty()
+            && self.loads.is_empty()
+            && engines.rooms.is_empty()
+            && self.slots.is_empty()
+            && engines.pace.is_empty()
+            && self.pace.is_empty());
+        let mut slots_moved = false;
+        if scraped {
+            let slots_at = |i: usize| {
+                engines
+                    .rooms
+                    .get(i)
+                    .copied()
+                    .flatten()
+                    .and_then(|r| r.slots)
+            };
+            for &i in statics {
+                let load = engines.loads.get(i).copied().flatten();
+                let then = self.loads.get(i).copied().flatten();
+                let slots = slots_at(i);
+                let slots_then = self.slots.get(i).copied().flatten();
+                let pace = engines.pace.get(i).copied().flatten().map(f64::to_bits);
+                let pace_then = self.pace.get(i).copied().flatten().map(f64::to_bits);
+                slots_moved |= slots != slots_then || load.is_some() != then.is_some();
+                let engine = signals::Engine {
+                    load,
+                    slots,
+                    pace_reference: None,
+                    now_ms,
+                };
+                if load != then
+                    || slots != slots_then
+                    || pace != pace_then
+                    || (load.is_some() && engine.fresh_until().is_none())
+                {
+                    dirty.push(i);
+                    if dirty.len() > most {
+                        return None;
+                    }
+                }
+            }
+        }
         dirty.sort_unstable();
         dirty.dedup();
+        if slots_moved {
+            self.homes.clear();
+            self.passes.clear();
+        }
         let mut live = Vec::new();
         // In place: the last decision's board is dropped (else these copy it).
         let (verdicts, weights, flips) = (
@@ -117,6 +171,9 @@ impl BoardMemo {
         }
         self.live = live;
         self.dirty = dirty;
+        if scraped {
+            self.keep_engines(engines);
+        }
         if new_medians {
             self.references = Rc::clone(references);
             self.medians_computed = medians_computed;
@@ -144,8 +201,10 @@ impl BoardMemo {
         degraded: usize,
         references: &Rc<Vec<Option<f64>>>,
         medians_computed: u64,
+        engines: &Engines,
     ) {
         self.valid = true;
+        self.keep_engines(engines);
         if self.model.as_deref() != model {
             self.model = model.map(str::to_string);
         }
@@ -164,6 +223,15 @@ impl BoardMemo {
         // Kept only by `keep_admission`, for this board.
         self.admission = Rc::default();
         self.open.clear();
+    }
+
+    /// Keeps the engines' inputs a board was judged on (see [`BoardMemo::update`]).
+    fn keep_engines(&mut self, engines: &Engines) {
+        self.loads = Rc::clone(&engines.loads);
+        self.pace = Rc::clone(&engines.pace);
+        self.slots.clear();
+        self.slots
+            .extend(engines.rooms.iter().map(|r| r.and_then(|r| r.slots)));
     }
 
     /// The admission of the statics (a first attempt's candidates) in `table`, from the memo
