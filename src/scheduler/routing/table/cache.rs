@@ -586,6 +586,9 @@ pub struct BoardMemo {
     pub(crate) loads: Rc<Vec<Option<EngineLoad>>>,
     pub(crate) pace: Rc<Vec<Option<f64>>>,
     pub(crate) slots: Vec<Option<u32>>,
+    /// Every load kept that was fresh when judged stays so up to this instant (see
+    /// `signals::Engine::fresh_until`).
+    pub(crate) fresh_until: u64,
     /// Static candidates treated as degraded.
     pub(crate) degraded: usize,
     /// The positions the last reuse computed again.

@@ -307,6 +307,7 @@ impl<'a> Scheduler<'a> {
                             &references,
                             medians_computed,
                             engines,
+                            now_ms,
                         );
                     } else {
                         bm.valid = false;

@@ -86,34 +86,40 @@ impl BoardMemo {
             && engines.pace.is_empty()
             && self.pace.is_empty());
         let mut slots_moved = false;
+        // Each input is compared only where it may differ: the loads and paces are shared
+        // lists (the same list: nothing in it changed), and a kept load turns past its age
+        // no sooner than `fresh_until`.
+        let same_loads = Rc::ptr_eq(&engines.loads, &self.loads);
+        let same_pace = Rc::ptr_eq(&engines.pace, &self.pace);
+        let expired = now_ms > self.fresh_until;
         if scraped {
-            let slots_at = |i: usize| {
-                engines
+            for &i in statics {
+                let slots = engines
                     .rooms
                     .get(i)
                     .copied()
                     .flatten()
-                    .and_then(|r| r.slots)
-            };
-            for &i in statics {
-                let load = engines.loads.get(i).copied().flatten();
-                let then = self.loads.get(i).copied().flatten();
-                let slots = slots_at(i);
-                let slots_then = self.slots.get(i).copied().flatten();
-                let pace = engines.pace.get(i).copied().flatten().map(f64::to_bits);
-                let pace_then = self.pace.get(i).copied().flatten().map(f64::to_bits);
-                slots_moved |= slots != slots_then || load.is_some() != then.is_some();
-                let engine = signals::Engine {
-                    load,
-                    slots,
-                    pace_reference: None,
-                    now_ms,
-                };
-                if load != then
-                    || slots != slots_then
-                    || pace != pace_then
-                    || (load.is_some() && engine.fresh_until().is_none())
-                {
+                    .and_then(|r| r.slots);
+                let mut moved = slots != self.slots.get(i).copied().flatten();
+                slots_moved |= moved;
+                if !same_pace {
+                    let pace = engines.pace.get(i).copied().flatten().map(f64::to_bits);
+                    let then = self.pace.get(i).copied().flatten().map(f64::to_bits);
+                    moved |= pace != then;
+                }
+                if !same_loads || expired {
+                    let load = engines.loads.get(i).copied().flatten();
+                    let then = self.loads.get(i).copied().flatten();
+                    slots_moved |= load.is_some() != then.is_some();
+                    let engine = signals::Engine {
+                        load,
+                        slots,
+                        pace_reference: None,
+                        now_ms,
+                    };
+                    moved |= load != then || (load.is_some() && engine.fresh_until().is_none());
+                }
+                if moved {
                     dirty.push(i);
                     if dirty.len() > most {
                         return None;
@@ -171,8 +177,8 @@ impl BoardMemo {
         }
         self.live = live;
         self.dirty = dirty;
-        if scraped {
-            self.keep_engines(engines);
+        if scraped && !(same_loads && same_pace && !slots_moved && !expired) {
+            self.keep_engines(engines, now_ms);
         }
         if new_medians {
             self.references = Rc::clone(references);
@@ -202,9 +208,10 @@ impl BoardMemo {
         references: &Rc<Vec<Option<f64>>>,
         medians_computed: u64,
         engines: &Engines,
+        now_ms: u64,
     ) {
         self.valid = true;
-        self.keep_engines(engines);
+        self.keep_engines(engines, now_ms);
         if self.model.as_deref() != model {
             self.model = model.map(str::to_string);
         }
@@ -225,13 +232,31 @@ impl BoardMemo {
         self.open.clear();
     }
 
-    /// Keeps the engines' inputs a board was judged on (see [`BoardMemo::update`]).
-    fn keep_engines(&mut self, engines: &Engines) {
+    /// Keeps the engines' inputs a board was judged on (see [`BoardMemo::update`]), and the
+    /// last instant at which every load it holds fresh at `now_ms` still is (a load past its
+    /// age now is of a position judged by every decision).
+    fn keep_engines(&mut self, engines: &Engines, now_ms: u64) {
         self.loads = Rc::clone(&engines.loads);
         self.pace = Rc::clone(&engines.pace);
         self.slots.clear();
         self.slots
             .extend(engines.rooms.iter().map(|r| r.and_then(|r| r.slots)));
+        let slots = &self.slots;
+        self.fresh_until = engines
+            .loads
+            .iter()
+            .enumerate()
+            .filter_map(|(i, &load)| {
+                signals::Engine {
+                    load,
+                    slots: slots.get(i).copied().flatten(),
+                    pace_reference: None,
+                    now_ms,
+                }
+                .fresh_until()
+            })
+            .min()
+            .unwrap_or(u64::MAX);
     }
 
     /// The admission of the statics (a first attempt's candidates) in `table`, from the memo
