@@ -29,16 +29,19 @@ fn config_with(seed: u64, n: usize, metrics: bool) -> Config {
             } else {
                 json!(["m1"])
             };
-            let mut ep = json!({
+            let ep = json!({
                 "name": format!("e{i}"),
                 "cluster": format!("c{i}"),
                 "models": models,
                 "disabled": i == 1 && r(77) % 4 == 0,
             });
-            if metrics {
-                ep["metrics"] = json!({});
+            match ep {
+                serde_json::Value::Object(mut o) if metrics => {
+                    o.insert("metrics".into(), json!({}));
+                    serde_json::Value::Object(o)
+                }
+                ep => ep,
             }
-            ep
         })
         .collect();
     Config::from_value(&json!({

@@ -177,7 +177,7 @@ impl BoardMemo {
         }
         self.live = live;
         self.dirty = dirty;
-        if scraped && !(same_loads && same_pace && !slots_moved && !expired) {
+        if scraped && (!same_loads || !same_pace || slots_moved || expired) {
             self.keep_engines(engines, now_ms);
         }
         if new_medians {
