@@ -813,6 +813,94 @@ mod tests {
         assert_eq!(memo.computed, n + 1);
     }
 
+    /// A scraped endpoint's kept verdict is served while the load, its slots, its pace's
+    /// yardstick and its age side of the saturation rule stay the same, and no longer.
+    #[test]
+    fn quiet_memo_keys_a_scraped_verdict_by_everything_it_read() {
+        let load = EngineLoad {
+            waiting: Some(6),
+            running: Some(3),
+            kv_usage_permille: Some(500),
+            scraped_ms: 1_000,
+            decode_us_per_token: Some(40),
+            decoded_at_ms: Some(900),
+        };
+        let engine = Engine {
+            load: Some(load),
+            slots: Some(8),
+            pace_reference: Some(30.0),
+            now_ms: 1_000,
+        };
+        let mut memo = QuietMemo::default();
+        let v = Verdict {
+            saturation: saturation::Saturation::Saturated,
+            load: Some(load),
+            ..Verdict::default()
+        };
+        memo.keep(2, 1, (7, 9), None, &engine, &v, false, 1.0);
+        let key = Some((7u64, 9u32));
+        let age = saturation_rule(Some(8)).max_age_ms;
+        let get = |m: &mut QuietMemo, e: Engine| m.get(1, Some(&key), None, &e).is_some();
+        assert!(get(&mut memo, engine));
+        let last = Engine {
+            now_ms: 1_000 + age,
+            ..engine
+        };
+        assert!(get(&mut memo, last), "fresh up to the rule's age");
+        assert_eq!(engine.fresh_until(), Some(1_000 + age));
+        let past = Engine {
+            now_ms: 1_000 + age + 1,
+            ..engine
+        };
+        assert!(!get(&mut memo, past), "past it, judged again");
+        for other in [
+            Engine {
+                load: Some(EngineLoad {
+                    scraped_ms: 1_001,
+                    ..load
+                }),
+                ..engine
+            },
+            Engine {
+                load: Some(EngineLoad {
+                    waiting: Some(5),
+                    ..load
+                }),
+                ..engine
+            },
+            Engine {
+                load: None,
+                ..engine
+            },
+            Engine {
+                slots: Some(4),
+                ..engine
+            },
+            Engine {
+                pace_reference: Some(31.0),
+                ..engine
+            },
+        ] {
+            assert!(!get(&mut memo, other), "{other:?}");
+        }
+        // Without a pace of its own, the pace's yardstick is not read.
+        let unpaced = Engine {
+            load: Some(EngineLoad {
+                decode_us_per_token: None,
+                ..load
+            }),
+            ..engine
+        };
+        memo.keep(2, 1, (7, 9), None, &unpaced, &v, false, 1.0);
+        assert!(get(
+            &mut memo,
+            Engine {
+                pace_reference: None,
+                ..unpaced
+            }
+        ));
+    }
+
     #[test]
     fn peers_share_a_configured_model() {
         let c = cfg();
