@@ -493,3 +493,39 @@ fn board_memo_judges_again_what_a_moved_median_changes() {
     );
     assert!(went_slow_before > 0, "the change moved some session");
 }
+
+/// With every engine scraped, the board memo serves the session decisions of one model after
+/// the first whole one, loads and all (it used to compute every scraped fleet's board whole).
+#[test]
+fn board_memo_is_used_between_picks_with_scraped_loads() {
+    let cfg = config_with(3, 16, true);
+    let cache = RefCell::new(TableCache::default());
+    let rooms = RefCell::new(crate::scheduler::routing::select::capacity::RoomsMemo::default());
+    let store = MemStore::new();
+    let mut decoded = vec![(0u64, 0u64); 16];
+    // `x` = 1: every endpoint scraped at once.
+    scrape_some(&cfg, [&store, &store], &mut decoded, 1, START);
+    let s = Scheduler::with_caches(&cfg, &store, &cache, &rooms);
+    let ex = Exclusions::default();
+    for k in 0..4u64 {
+        let pick = Pick {
+            model: Some("m1"),
+            session: Some(100 + k),
+            attempt: 1,
+            exclusions: &ex,
+            nonce: k,
+            body_bytes: 1_000,
+            pin_hint: None,
+            holder: None,
+            prefix: Prefix::NONE,
+            follow_up: false,
+            max_output_tokens: 0,
+        };
+        if let Ok(d) = s.pick(&pick, START + k) {
+            let _ = s.finish(d.ticket, &Outcome::Success, 10, pick.session, START + k);
+        }
+    }
+    let c = cache.borrow();
+    assert!(c.board.verdicts.iter().any(|v| v.load.is_some()));
+    assert_eq!(c.board.hits, 2);
+}
