@@ -14,8 +14,13 @@ const START: u64 = 5_000_000;
 /// `n` endpoints (some serving a second model, one sometimes disabled), with the knobs that
 /// make verdicts and weights depend on the clock set low: few samples to warm, a short open
 /// time.
-#[allow(clippy::unwrap_used)]
 fn config(seed: u64, n: usize) -> Config {
+    config_with(seed, n, false)
+}
+
+/// [`config`], every endpoint scraped with `metrics`.
+#[allow(clippy::unwrap_used)]
+fn config_with(seed: u64, n: usize, metrics: bool) -> Config {
     let r = |k: u64| fmix64(seed ^ fmix64(k));
     let eps: Vec<_> = (0..n)
         .map(|i| {
@@ -24,12 +29,19 @@ fn config(seed: u64, n: usize) -> Config {
             } else {
                 json!(["m1"])
             };
-            json!({
+            let ep = json!({
                 "name": format!("e{i}"),
                 "cluster": format!("c{i}"),
                 "models": models,
                 "disabled": i == 1 && r(77) % 4 == 0,
-            })
+            });
+            match ep {
+                serde_json::Value::Object(mut o) if metrics => {
+                    o.insert("metrics".into(), json!({}));
+                    serde_json::Value::Object(o)
+                }
+                ep => ep,
+            }
         })
         .collect();
     Config::from_value(&json!({
@@ -91,7 +103,23 @@ proptest! {
         n in 1usize..10,
         steps in 1usize..60,
     ) {
-        same_decisions(seed, n, steps, |_| 40)?;
+        same_decisions(seed, n, steps, false, |_| 40)?;
+    }
+
+    /// With the engines' loads scraped and changing between picks (some saturated, some
+    /// turning stale while the memos hold them, slots learned from queueing engines, decode
+    /// paces judging slowness), the memos still change no decision.
+    #[test]
+    fn cached_decisions_equal_computed_ones_with_scraped_loads(
+        seed in any::<u64>(),
+        n in 1usize..40,
+        steps in 1usize..80,
+    ) {
+        same_decisions(seed, n, steps, true, |x| match x % 3 {
+            0 => 40,
+            1 => 2_500,
+            _ => 9_000,
+        })?;
     }
 
     /// Larger fleets (where the board memo recomputes only what changed) and answers whose
@@ -103,7 +131,7 @@ proptest! {
         n in 10usize..40,
         steps in 1usize..80,
     ) {
-        same_decisions(seed, n, steps, |x| match x % 4 {
+        same_decisions(seed, n, steps, false, |x| match x % 4 {
             0 => 40,
             1 => 2_500,
             2 => 9_000,
@@ -114,22 +142,26 @@ proptest! {
 
 /// A run of picks and finishes (latency of a finish drawn by `latency`) through a scheduler
 /// without caches and one with them: the same decisions, finishes and final table.
+/// With `scraped`, some engines' loads are scraped between picks (the same into both stores).
 fn same_decisions(
     seed: u64,
     n: usize,
     steps: usize,
+    scraped: bool,
     latency: impl Fn(u64) -> u64,
 ) -> Result<(), TestCaseError> {
     {
-        let cfg = config(seed, n);
+        let cfg = config_with(seed, n, scraped);
         let (plain, cached) = (MemStore::new(), MemStore::new());
         seeded(&plain, &cfg, seed);
         seeded(&cached, &cfg, seed);
         let cache = RefCell::new(TableCache::default());
+        let rooms = RefCell::new(crate::scheduler::routing::select::capacity::RoomsMemo::default());
         let a = Scheduler::new(&cfg, &plain);
-        let b = Scheduler::with_cache(&cfg, &cached, &cache);
+        let b = Scheduler::with_caches(&cfg, &cached, &cache, &rooms);
         let mut now = START;
         let mut pending: Vec<(Ticket, Ticket, u64, Option<u64>)> = Vec::new();
+        let mut decoded = vec![(0u64, 0u64); n];
         for step in 0..steps {
             let x = fmix64(seed ^ fmix64(50_000 + step as u64));
             now += match x % 5 {
@@ -139,6 +171,9 @@ fn same_decisions(
                 3 => 2_500,
                 _ => 40_000,
             };
+            if scraped {
+                scrape_some(&cfg, [&plain, &cached], &mut decoded, x, now);
+            }
             let session = match (x >> 4) % 5 {
                 0 => None,
                 s => Some(s),
@@ -197,6 +232,52 @@ fn same_decisions(
         }
     }
     Ok(())
+}
+
+/// Scrapes some engines at `now` (drawn from `x`; none of them when `x` says so), the same
+/// load into each store: queues from empty to saturated, KV usage sometimes unreported, a
+/// running count sometimes missing, decode totals that grow (a pace) for most, and scrape
+/// times up to a little more than the staleness age before `now`.
+fn scrape_some(cfg: &Config, stores: [&MemStore; 2], decoded: &mut [(u64, u64)], x: u64, now: u64) {
+    use crate::scheduler::wire::engine_load::{DecodeTotals, Engine, EngineLoad};
+    if x.is_multiple_of(7) {
+        return;
+    }
+    let ids = crate::scheduler::routing::table::slot_ids(cfg);
+    for (i, ep) in cfg.endpoints.iter().enumerate() {
+        let r = fmix64(x ^ fmix64(9_000 + i as u64));
+        // About one endpoint in three per round (all of them in one round of eight).
+        if !(r.is_multiple_of(3) || (x >> 3).is_multiple_of(8)) {
+            continue;
+        }
+        let Some(d) = decoded.get_mut(i) else {
+            continue;
+        };
+        if (r >> 4).is_multiple_of(4) {
+            *d = (d.0 + 1_000 + (r >> 8) % 40_000, d.1 + 1 + (r >> 20) % 50);
+        }
+        let load = EngineLoad {
+            engine: Engine::Vllm,
+            waiting: (!(r >> 28).is_multiple_of(9)).then_some(((r >> 32) % 9) as u32),
+            running: (!(r >> 36).is_multiple_of(7)).then_some(((r >> 40) % 17) as u32),
+            kv_usage_permille: (!(r >> 44).is_multiple_of(3)).then_some(((r >> 48) % 1_000) as u16),
+            prompt_tokens_total: None,
+            prompt_tokens_cached_total: None,
+            decode: (!(r >> 56).is_multiple_of(5)).then_some(DecodeTotals {
+                seconds_us: d.0,
+                count: d.1,
+            }),
+        };
+        let at = now.saturating_sub(match (r >> 58) % 4 {
+            0 => 0,
+            1 => 300,
+            2 => 4_900,
+            _ => 5_200,
+        });
+        for store in stores {
+            let _ = crate::scheduler::routing::scrape::fold(store, ep.id, at, Ok(load), &ids);
+        }
+    }
 }
 
 /// Four session picks and finishes, for `model(k)` on turn `k`.
@@ -411,4 +492,40 @@ fn board_memo_judges_again_what_a_moved_median_changes() {
         "the board memo was used"
     );
     assert!(went_slow_before > 0, "the change moved some session");
+}
+
+/// With every engine scraped, the board memo serves the session decisions of one model after
+/// the first whole one, loads and all (it used to compute every scraped fleet's board whole).
+#[test]
+fn board_memo_is_used_between_picks_with_scraped_loads() {
+    let cfg = config_with(3, 16, true);
+    let cache = RefCell::new(TableCache::default());
+    let rooms = RefCell::new(crate::scheduler::routing::select::capacity::RoomsMemo::default());
+    let store = MemStore::new();
+    let mut decoded = vec![(0u64, 0u64); 16];
+    // `x` = 1: every endpoint scraped at once.
+    scrape_some(&cfg, [&store, &store], &mut decoded, 1, START);
+    let s = Scheduler::with_caches(&cfg, &store, &cache, &rooms);
+    let ex = Exclusions::default();
+    for k in 0..4u64 {
+        let pick = Pick {
+            model: Some("m1"),
+            session: Some(100 + k),
+            attempt: 1,
+            exclusions: &ex,
+            nonce: k,
+            body_bytes: 1_000,
+            pin_hint: None,
+            holder: None,
+            prefix: Prefix::NONE,
+            follow_up: false,
+            max_output_tokens: 0,
+        };
+        if let Ok(d) = s.pick(&pick, START + k) {
+            let _ = s.finish(d.ticket, &Outcome::Success, 10, pick.session, START + k);
+        }
+    }
+    let c = cache.borrow();
+    assert!(c.board.verdicts.iter().any(|v| v.load.is_some()));
+    assert_eq!(c.board.hits, 2);
 }

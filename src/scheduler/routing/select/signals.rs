@@ -256,14 +256,46 @@ impl MedianMemo {
 }
 
 // `QuietMemo` is defined in `table` (the per-worker `TableCache` holds one), as `MedianMemo`.
+/// What a verdict of [`judge_with`] reads besides the endpoint's entry and its peers' median
+/// (see [`QuietMemo`]): its scraped load, its slots, its peers' median pace, and the clock
+/// only through whether the load is past the saturation rule's age.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub(crate) struct Engine {
+    pub(crate) load: Option<EngineLoad>,
+    pub(crate) slots: Option<u32>,
+    pub(crate) pace_reference: Option<f64>,
+    pub(crate) now_ms: u64,
+}
+
+impl Engine {
+    /// Whether the load is past the saturation rule's age at `now_ms` (judged `Unknown`).
+    fn stale(&self) -> bool {
+        self.load.is_some_and(|l| {
+            self.now_ms.saturating_sub(l.scraped_ms) > saturation_rule(self.slots).max_age_ms
+        })
+    }
+
+    /// The instant up to which [`Engine::stale`] stays false, if it is false now (`None`: no
+    /// load, or stale now, which a later instant may not change back only if the clock never
+    /// goes back: not assumed).
+    pub(crate) fn fresh_until(&self) -> Option<u64> {
+        let l = self.load?;
+        (!self.stale()).then(|| {
+            l.scraped_ms
+                .saturating_add(saturation_rule(self.slots).max_age_ms)
+        })
+    }
+}
+
 impl QuietMemo {
     /// The kept values of endpoint `i` whose entry has `key` (`(stamp, id)`), judged against
-    /// `reference`, without a scraped load (`None`: compute them).
+    /// `reference` and `engine` (`None`: compute them).
     pub(crate) fn get(
         &mut self,
         i: usize,
         key: Option<&Option<(u64, u32)>>,
         reference: Option<f64>,
+        engine: &Engine,
     ) -> Option<Quiet> {
         let q = self.at.get(i)?;
         let &(stamp, id) = key?.as_ref()?;
@@ -271,15 +303,27 @@ impl QuietMemo {
             Some(r) => q.has_reference && q.reference == r.to_bits(),
             None => !q.has_reference,
         };
-        if !(q.valid && q.stamp == stamp && q.id == id && same_reference) {
+        if !(q.valid && q.stamp == stamp && q.id == id && same_reference && q.load == engine.load) {
             return None;
+        }
+        // With a load: what else its verdict read (the slots, the pace's yardstick where it
+        // has a pace, its age).
+        if let Some(l) = engine.load {
+            let pace = l
+                .decode_us_per_token
+                .and(engine.pace_reference)
+                .map(f64::to_bits);
+            if q.slots != engine.slots || q.pace_reference != pace || q.stale != engine.stale() {
+                return None;
+            }
         }
         let hit = *q;
         self.hits = self.hits.saturating_add(1);
         Some(hit)
     }
 
-    /// Keeps endpoint `i`'s values (only call for a [`quiet`] endpoint, of `n`).
+    /// Keeps endpoint `i`'s values (only call for a [`quiet`] endpoint, of `n`), judged on
+    /// `engine`.
     #[allow(clippy::too_many_arguments)]
     pub(crate) fn keep(
         &mut self,
@@ -287,6 +331,7 @@ impl QuietMemo {
         i: usize,
         (stamp, id): (u64, u32),
         reference: Option<f64>,
+        engine: &Engine,
         verdict: &Verdict,
         flip: bool,
         weight: f64,
@@ -304,19 +349,26 @@ impl QuietMemo {
                 sticky: verdict.sticky,
                 flip,
                 weight,
+                load: engine.load,
+                slots: engine.slots,
+                pace_reference: engine
+                    .load
+                    .and_then(|l| l.decode_us_per_token)
+                    .and(engine.pace_reference)
+                    .map(f64::to_bits),
+                stale: engine.stale(),
+                saturation: verdict.saturation,
             };
         }
     }
 }
 
-/// Whether endpoint state `st` without a scraped load (`load`: none) is quiet: its verdict
-/// ([`judge_with`]) and session weight (`placement::weigh`) cannot change with the clock
-/// (see [`QuietMemo`]). The saturation of an endpoint without a load is `Unknown` whatever
-/// the time; the overdue watch counts watched attempts by age (none watched, or the watch
-/// off: never overdue); the success level fades toward 1 with idle time unless the endpoint
-/// is cold (no level) or its rate is 1 (nothing to fade).
-pub fn quiet(st: &EndpointState, load: Option<&EngineLoad>, cfg: &Config) -> bool {
-    load.is_none() && (st.total < cfg.cold_start_samples || st.success_rate == 1.0)
+/// Whether endpoint state `st` is quiet: its session weight (`placement::weigh`) cannot
+/// change with the clock, and its verdict ([`judge_with`]) only as [`Engine`] says (see
+/// [`QuietMemo`]). The success level fades toward 1 with idle time unless the endpoint is
+/// cold (no level) or its rate is 1 (nothing to fade).
+pub fn quiet(st: &EndpointState, cfg: &Config) -> bool {
+    st.total < cfg.cold_start_samples || st.success_rate == 1.0
 }
 
 /// The median of `sorted` without its element at `skip` (if any), as [`slowness::peer_median`]
@@ -759,6 +811,94 @@ mod tests {
         let n = memo.computed;
         assert_eq!(memo.medians(&t, &c, 3), peer_medians(&t, &c, 3).as_slice());
         assert_eq!(memo.computed, n + 1);
+    }
+
+    /// A scraped endpoint's kept verdict is served while the load, its slots, its pace's
+    /// yardstick and its age side of the saturation rule stay the same, and no longer.
+    #[test]
+    fn quiet_memo_keys_a_scraped_verdict_by_everything_it_read() {
+        let load = EngineLoad {
+            waiting: Some(6),
+            running: Some(3),
+            kv_usage_permille: Some(500),
+            scraped_ms: 1_000,
+            decode_us_per_token: Some(40),
+            decoded_at_ms: Some(900),
+        };
+        let engine = Engine {
+            load: Some(load),
+            slots: Some(8),
+            pace_reference: Some(30.0),
+            now_ms: 1_000,
+        };
+        let mut memo = QuietMemo::default();
+        let v = Verdict {
+            saturation: saturation::Saturation::Saturated,
+            load: Some(load),
+            ..Verdict::default()
+        };
+        memo.keep(2, 1, (7, 9), None, &engine, &v, false, 1.0);
+        let key = Some((7u64, 9u32));
+        let age = saturation_rule(Some(8)).max_age_ms;
+        let get = |m: &mut QuietMemo, e: Engine| m.get(1, Some(&key), None, &e).is_some();
+        assert!(get(&mut memo, engine));
+        let last = Engine {
+            now_ms: 1_000 + age,
+            ..engine
+        };
+        assert!(get(&mut memo, last), "fresh up to the rule's age");
+        assert_eq!(engine.fresh_until(), Some(1_000 + age));
+        let past = Engine {
+            now_ms: 1_000 + age + 1,
+            ..engine
+        };
+        assert!(!get(&mut memo, past), "past it, judged again");
+        for other in [
+            Engine {
+                load: Some(EngineLoad {
+                    scraped_ms: 1_001,
+                    ..load
+                }),
+                ..engine
+            },
+            Engine {
+                load: Some(EngineLoad {
+                    waiting: Some(5),
+                    ..load
+                }),
+                ..engine
+            },
+            Engine {
+                load: None,
+                ..engine
+            },
+            Engine {
+                slots: Some(4),
+                ..engine
+            },
+            Engine {
+                pace_reference: Some(31.0),
+                ..engine
+            },
+        ] {
+            assert!(!get(&mut memo, other), "{other:?}");
+        }
+        // Without a pace of its own, the pace's yardstick is not read.
+        let unpaced = Engine {
+            load: Some(EngineLoad {
+                decode_us_per_token: None,
+                ..load
+            }),
+            ..engine
+        };
+        memo.keep(2, 1, (7, 9), None, &unpaced, &v, false, 1.0);
+        assert!(get(
+            &mut memo,
+            Engine {
+                pace_reference: None,
+                ..unpaced
+            }
+        ));
     }
 
     #[test]

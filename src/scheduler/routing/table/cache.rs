@@ -556,7 +556,8 @@ pub struct LentBoard<'a> {
 /// instructions per endpoint under wasm), while between two decisions of a worker only the
 /// entries of the endpoints used in between changed. This memo keeps the whole board of the
 /// last session decision for one model; the next one recomputes only the positions whose
-/// entry was decoded again since (their stamp moved), whose peers' median changed, or whose
+/// entry was decoded again since (their stamp moved), whose peers' median changed, whose
+/// scraped load, slots or peers' median pace changed, whose load turned past its age, or whose
 /// values depend on the clock (`live`: not quiet, see [`QuietMemo`]). Every other position's
 /// values are those the quiet memo would return. It belongs to one configuration (the cache
 /// it lives in); `select`'s `memo_tests` hold it to the decisions computed without it.
@@ -580,6 +581,14 @@ pub struct BoardMemo {
     pub(crate) flips: Rc<Vec<usize>>,
     /// Positions whose values depend on the clock: recomputed by every decision.
     pub(crate) live: Vec<usize>,
+    /// The engines' inputs the board was judged on, by index (empty: nothing scraped): the
+    /// loads and their peers' median pace (shared with the decision's), and the slots.
+    pub(crate) loads: Rc<Vec<Option<EngineLoad>>>,
+    pub(crate) pace: Rc<Vec<Option<f64>>>,
+    pub(crate) slots: Vec<Option<u32>>,
+    /// Every load kept that was fresh when judged stays so up to this instant (see
+    /// `signals::Engine::fresh_until`).
+    pub(crate) fresh_until: u64,
     /// Static candidates treated as degraded.
     pub(crate) degraded: usize,
     /// The positions the last reuse computed again.
@@ -627,14 +636,15 @@ pub struct KeptHashes {
 /// Why: a pick judges every candidate (its verdict, for the walk and for the hysteresis its
 /// write stores) and weighs it (the rendezvous weights): about 350 instructions per endpoint
 /// and request under wasm, while most endpoints of a large fleet are quiet between two
-/// requests of a worker. An endpoint is quiet (`signals::quiet`) when neither value can change
-/// with the clock: no fresh scraped load (its saturation is `Unknown`, its slowness judges
-/// it), and a success level that does not fade
-/// (cold, or never failing). Its verdict and weight are then functions of its entry, its
-/// peers' median and the configuration alone, and are kept here by the entry's write stamp
-/// (see [`TableCache`], which holds this memo: one per configuration) and the median's bits.
-/// Anything not quiet, or not kept, is computed as before; the memo never returns what
-/// computing would not (`select`'s `memo_tests` hold it to that).
+/// requests of a worker. An endpoint is quiet (`signals::quiet`) when its weight cannot
+/// change with the clock: a success level that does not fade (cold, or never failing). Its
+/// verdict and weight are then functions of its entry, its peers' median, and, where it has a
+/// scraped load, of that load (the scrape it came from), its slots, its peers' median pace and
+/// whether the load is past the saturation rule's age (the one thing of the clock a verdict
+/// reads, `signals::judge_with`). They are kept here by the entry's write stamp (see
+/// [`TableCache`], which holds this memo: one per configuration) and those inputs, compared
+/// at every look-up. Anything not quiet, or not kept, is computed as before; the memo never
+/// returns what computing would not (`select`'s `memo_tests` hold it to that).
 #[derive(Debug, Default, Clone)]
 pub struct QuietMemo {
     /// By endpoint index (compact: a hit reads one entry and writes at most two flags).
@@ -644,7 +654,7 @@ pub struct QuietMemo {
 }
 
 /// What [`QuietMemo`] keeps of one endpoint. A quiet endpoint's verdict is its sticky flag
-/// alone (`degraded` equals it), saturation `Unknown`, no load.
+/// (`degraded` equals it), its saturation and its load.
 #[derive(Debug, Clone, Copy, PartialEq, Default)]
 pub(crate) struct Quiet {
     /// Holds a value (false: nothing kept).
@@ -660,4 +670,13 @@ pub(crate) struct Quiet {
     pub(crate) flip: bool,
     /// Its session placement weight (`placement::weigh`).
     pub(crate) weight: f64,
+    /// The scraped load it was judged on (`None`: none), with what its verdict read besides
+    /// when there is one: the slots of its saturation rule, the peers' median pace (its bits,
+    /// read only where the load has a pace) and whether the load was past the rule's age
+    /// then; and the saturation judged.
+    pub(crate) load: Option<EngineLoad>,
+    pub(crate) slots: Option<u32>,
+    pub(crate) pace_reference: Option<u64>,
+    pub(crate) stale: bool,
+    pub(crate) saturation: Saturation,
 }

@@ -72,24 +72,31 @@ impl<'a> Scheduler<'a> {
                 None
             };
             let reference = references.get(i).copied().flatten();
-            // A quiet endpoint kept by the memo: its sticky flag is its verdict (not overdue,
-            // saturation unknown, no load).
-            let hit = match (&mut memo, load) {
-                (Some((stamps, quiet)), None) => quiet.get(i, stamps.get(i), reference),
-                _ => None,
+            let engine = signals::Engine {
+                load,
+                slots: slots_of(rooms, i),
+                pace_reference: pace_references.get(i).copied().flatten(),
+                now_ms,
+            };
+            // A quiet endpoint kept by the memo: its verdict is its sticky flag (not
+            // overdue), its saturation and its load.
+            let hit = match &mut memo {
+                Some((stamps, quiet)) => quiet.get(i, stamps.get(i), reference, &engine),
+                None => None,
             };
             if let Some(Quiet {
                 id,
                 weight,
                 sticky,
                 flip,
+                saturation,
                 ..
             }) = hit
             {
-                if sticky {
-                    v.sticky = true;
-                    v.degraded = true;
-                }
+                v.sticky = sticky;
+                v.degraded = sticky;
+                v.saturation = saturation;
+                v.load = load;
                 let w = match (by_score, cfg.endpoints.get(i), state(i)) {
                     (false, _, _) => Some(weight),
                     (true, Some(ep), Some(st)) => {
@@ -100,21 +107,20 @@ impl<'a> Scheduler<'a> {
                 return Some(One {
                     flip,
                     weight: w.map(|w| (i, id, w)),
-                    quiet: true,
+                    quiet: engine.load.is_none() || engine.fresh_until().is_some(),
                 });
             }
             let (Some(ep), Some(st)) = (cfg.endpoints.get(i), state(i)) else {
                 return None;
             };
-            let pace_reference = pace_references.get(i).copied().flatten();
             *v = signals::judge_with(
                 table,
                 cfg,
                 i,
                 reference,
-                pace_reference,
+                engine.pace_reference,
                 load,
-                slots_of(rooms, i),
+                engine.slots,
                 now_ms,
             );
             let flip = st.degraded != v.sticky || st.saturation.stored_differs(v.saturation);
@@ -122,18 +128,18 @@ impl<'a> Scheduler<'a> {
                 .as_ref()
                 .and_then(|(stamps, _)| stamps.get(i).copied().flatten());
             let keep = match (&mut memo, key) {
-                (Some((_, quiet)), Some(key)) if signals::quiet(st, load.as_ref(), cfg) => {
-                    Some((quiet, key))
-                }
+                (Some((_, quiet)), Some(key)) if signals::quiet(st, cfg) => Some((quiet, key)),
                 _ => None,
             };
-            let quiet = keep.is_some();
+            // A load past its age now is judged again by every decision (the board memo's
+            // `live`), as one whose weight fades.
+            let quiet = keep.is_some() && (engine.load.is_none() || engine.fresh_until().is_some());
             // A request without a session weighs by score: the placement weight only to
             // keep it.
             let weight =
                 (!by_score || keep.is_some()).then(|| placement::weigh(ep.weight, st, cfg, now_ms));
             if let (Some((quiet, key)), Some(w)) = (keep, weight) {
-                quiet.keep(n, i, key, reference, v, flip, w);
+                quiet.keep(n, i, key, reference, &engine, v, flip, w);
             }
             let w = match weight {
                 Some(w) if !by_score => w,
@@ -145,9 +151,9 @@ impl<'a> Scheduler<'a> {
                 quiet,
             })
         };
-        // A session decision (or a drawn one) without scraped loads over the same model as the
+        // A session decision (or a drawn one) over the same model as the
         // memo's board: only the positions that changed since are computed (see `BoardMemo`).
-        let memo_fits = !by_score && !any_scraped;
+        let memo_fits = !by_score;
         // A decision the memo does not serve leaves it as it is: the entries changed since
         // are carried to the next one it serves (this one may end early, `admit` below).
         let mut changed = changed;
@@ -161,6 +167,8 @@ impl<'a> Scheduler<'a> {
                 changed,
                 &references,
                 medians_computed,
+                engines,
+                now_ms,
                 &mut one,
             ),
             _ => None,
@@ -191,23 +199,35 @@ impl<'a> Scheduler<'a> {
                         None
                     };
                     let reference = references.get(i).copied().flatten();
-                    let hit = match (&mut full_memo, load) {
-                        (Some((stamps, quiet)), None) => quiet.get(i, stamps.get(i), reference),
-                        _ => None,
+                    let engine = signals::Engine {
+                        load,
+                        slots: slots_of(rooms, i),
+                        pace_reference: pace_references.get(i).copied().flatten(),
+                        now_ms,
+                    };
+                    let hit = match &mut full_memo {
+                        Some((stamps, quiet)) => quiet.get(i, stamps.get(i), reference, &engine),
+                        None => None,
                     };
                     if let Some(Quiet {
                         id,
                         weight,
                         sticky,
                         flip,
+                        saturation,
                         ..
                     }) = hit
                     {
-                        if sticky {
-                            if let Some(v) = verdicts.get_mut(i) {
-                                v.sticky = true;
-                                v.degraded = true;
-                            }
+                        if let Some(v) = verdicts.get_mut(i) {
+                            *v = Verdict {
+                                sticky,
+                                degraded: sticky,
+                                saturation,
+                                load,
+                            };
+                        }
+                        if load.is_some() && engine.fresh_until().is_none() {
+                            live.push(i);
                         }
                         degraded += usize::from(sticky);
                         if flip {
@@ -228,15 +248,14 @@ impl<'a> Scheduler<'a> {
                     else {
                         continue;
                     };
-                    let pace_reference = pace_references.get(i).copied().flatten();
                     *v = signals::judge_with(
                         table,
                         cfg,
                         i,
                         reference,
-                        pace_reference,
+                        engine.pace_reference,
                         load,
-                        slots_of(rooms, i),
+                        engine.slots,
                         now_ms,
                     );
                     degraded += usize::from(v.degraded);
@@ -249,18 +268,18 @@ impl<'a> Scheduler<'a> {
                         .as_ref()
                         .and_then(|(stamps, _)| stamps.get(i).copied().flatten());
                     let keep = match (&mut full_memo, key) {
-                        (Some((_, quiet)), Some(key)) if signals::quiet(st, load.as_ref(), cfg) => {
+                        (Some((_, quiet)), Some(key)) if signals::quiet(st, cfg) => {
                             Some((quiet, key))
                         }
                         _ => None,
                     };
-                    if keep.is_none() {
+                    if keep.is_none() || (load.is_some() && engine.fresh_until().is_none()) {
                         live.push(i);
                     }
                     let weight = (!by_score || keep.is_some())
                         .then(|| placement::weigh(ep.weight, st, cfg, now_ms));
                     if let (Some((quiet, key)), Some(w)) = (keep, weight) {
-                        quiet.keep(n, i, key, reference, v, flip, w);
+                        quiet.keep(n, i, key, reference, &engine, v, flip, w);
                     }
                     let w = match weight {
                         Some(w) if !by_score => w,
@@ -287,6 +306,8 @@ impl<'a> Scheduler<'a> {
                             degraded,
                             &references,
                             medians_computed,
+                            engines,
+                            now_ms,
                         );
                     } else {
                         bm.valid = false;

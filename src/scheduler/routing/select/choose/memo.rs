@@ -35,6 +35,7 @@ impl BoardMemo {
     /// since: `medians_computed`), and the live ones are computed again with `one`. `None`
     /// (and the memo invalid) when it holds no board for this model or too much changed: the
     /// caller computes every position and keeps them ([`BoardMemo::keep`]).
+    #[allow(clippy::too_many_arguments)]
     pub(in crate::scheduler::routing::select) fn update(
         &mut self,
         model: Option<&str>,
@@ -42,6 +43,8 @@ impl BoardMemo {
         changed: &[usize],
         references: &Rc<Vec<Option<f64>>>,
         medians_computed: u64,
+        engines: &Engines,
+        now_ms: u64,
         one: &mut impl FnMut(usize, &mut Verdict) -> Option<One>,
     ) -> Option<SharedBoard> {
         let fits = self.valid && self.model.as_deref() == model && self.verdicts.len() == n;
@@ -71,8 +74,65 @@ impl BoardMemo {
                 }
             }
         }
+        // The engines' inputs, where anything is scraped: the positions whose load, slots or
+        // peers' median pace differ from the memo's, or whose load turned past its age (a
+        // position kept with a load was judged on a fresh one: see `live`), are judged again;
+        // where slots or a load's presence moved, the weights the decision multiplies by
+        // slots do too (the kept homes go).
+        let scraped = !(engines.loads.is_empty()
+            && self.loads.is_empty()
+            && engines.rooms.is_empty()
+            && self.slots.is_empty()
+            && engines.pace.is_empty()
+            && self.pace.is_empty());
+        let mut slots_moved = false;
+        // Each input is compared only where it may differ: the loads and paces are shared
+        // lists (the same list: nothing in it changed), and a kept load turns past its age
+        // no sooner than `fresh_until`.
+        let same_loads = Rc::ptr_eq(&engines.loads, &self.loads);
+        let same_pace = Rc::ptr_eq(&engines.pace, &self.pace);
+        let expired = now_ms > self.fresh_until;
+        if scraped {
+            for &i in statics {
+                let slots = engines
+                    .rooms
+                    .get(i)
+                    .copied()
+                    .flatten()
+                    .and_then(|r| r.slots);
+                let mut moved = slots != self.slots.get(i).copied().flatten();
+                slots_moved |= moved;
+                if !same_pace {
+                    let pace = engines.pace.get(i).copied().flatten().map(f64::to_bits);
+                    let then = self.pace.get(i).copied().flatten().map(f64::to_bits);
+                    moved |= pace != then;
+                }
+                if !same_loads || expired {
+                    let load = engines.loads.get(i).copied().flatten();
+                    let then = self.loads.get(i).copied().flatten();
+                    slots_moved |= load.is_some() != then.is_some();
+                    let engine = signals::Engine {
+                        load,
+                        slots,
+                        pace_reference: None,
+                        now_ms,
+                    };
+                    moved |= load != then || (load.is_some() && engine.fresh_until().is_none());
+                }
+                if moved {
+                    dirty.push(i);
+                    if dirty.len() > most {
+                        return None;
+                    }
+                }
+            }
+        }
         dirty.sort_unstable();
         dirty.dedup();
+        if slots_moved {
+            self.homes.clear();
+            self.passes.clear();
+        }
         let mut live = Vec::new();
         // In place: the last decision's board is dropped (else these copy it).
         let (verdicts, weights, flips) = (
@@ -117,6 +177,9 @@ impl BoardMemo {
         }
         self.live = live;
         self.dirty = dirty;
+        if scraped && (!same_loads || !same_pace || slots_moved || expired) {
+            self.keep_engines(engines, now_ms);
+        }
         if new_medians {
             self.references = Rc::clone(references);
             self.medians_computed = medians_computed;
@@ -144,8 +207,11 @@ impl BoardMemo {
         degraded: usize,
         references: &Rc<Vec<Option<f64>>>,
         medians_computed: u64,
+        engines: &Engines,
+        now_ms: u64,
     ) {
         self.valid = true;
+        self.keep_engines(engines, now_ms);
         if self.model.as_deref() != model {
             self.model = model.map(str::to_string);
         }
@@ -164,6 +230,33 @@ impl BoardMemo {
         // Kept only by `keep_admission`, for this board.
         self.admission = Rc::default();
         self.open.clear();
+    }
+
+    /// Keeps the engines' inputs a board was judged on (see [`BoardMemo::update`]), and the
+    /// last instant at which every load it holds fresh at `now_ms` still is (a load past its
+    /// age now is of a position judged by every decision).
+    fn keep_engines(&mut self, engines: &Engines, now_ms: u64) {
+        self.loads = Rc::clone(&engines.loads);
+        self.pace = Rc::clone(&engines.pace);
+        self.slots.clear();
+        self.slots
+            .extend(engines.rooms.iter().map(|r| r.and_then(|r| r.slots)));
+        let slots = &self.slots;
+        self.fresh_until = engines
+            .loads
+            .iter()
+            .enumerate()
+            .filter_map(|(i, &load)| {
+                signals::Engine {
+                    load,
+                    slots: slots.get(i).copied().flatten(),
+                    pace_reference: None,
+                    now_ms,
+                }
+                .fresh_until()
+            })
+            .min()
+            .unwrap_or(u64::MAX);
     }
 
     /// The admission of the statics (a first attempt's candidates) in `table`, from the memo
