@@ -58,14 +58,19 @@ fn engine(name: &str) -> MockUpstream {
     )
 }
 
-fn envoy(mocks: &[MockUpstream]) -> Envoy {
-    let endpoints: Vec<Value> = mocks
+/// One endpoint per mock, its `/metrics` scraped (vLLM format, every 250 ms).
+fn scraped_endpoints(mocks: &[MockUpstream]) -> Vec<Value> {
+    mocks
         .iter()
         .map(|m| {
             json!({"name": m.name, "cluster": m.name,
                 "metrics": {"format": "vllm", "interval_ms": 250, "timeout_ms": 1000}})
         })
-        .collect();
+        .collect()
+}
+
+fn envoy(mocks: &[MockUpstream]) -> Envoy {
+    let endpoints = scraped_endpoints(mocks);
     let plugin = json!({
         "endpoints": endpoints,
         "tenants": [
@@ -312,13 +317,7 @@ fn a_quiet_tenant_is_served_under_a_noisy_one_and_the_excess_is_answered() {
 #[test]
 fn an_admitted_request_takes_the_free_slot_not_an_engine_queue() {
     let mocks = [engine("a"), engine("b"), engine("c")];
-    let endpoints: Vec<Value> = mocks
-        .iter()
-        .map(|m| {
-            json!({"name": m.name, "cluster": m.name,
-                "metrics": {"format": "vllm", "interval_ms": 250, "timeout_ms": 1000}})
-        })
-        .collect();
+    let endpoints = scraped_endpoints(&mocks);
     let plugin = json!({
         "endpoints": endpoints,
         "expose_headers": true,

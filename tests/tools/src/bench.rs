@@ -709,6 +709,28 @@ fn run(a: Args) -> Result<(), String> {
 }
 
 /// The mocks' flags of the routing runs (the engine model and its timings).
+/// Every run of a mode: each of `cases` with each replica count and each policy (`--policies`,
+/// else the mode's `defaults`); several replicas only for a policy that can be replicated
+/// (unless `--replicate-all`), never the SGLang router (it runs behind one Envoy).
+fn run_matrix<C: Copy>(a: &Args, cases: &[C], defaults: &[Policy]) -> Vec<(C, usize, Policy)> {
+    let policies: &[Policy] = if a.policies_given {
+        &a.policies
+    } else {
+        defaults
+    };
+    let mut runs = Vec::new();
+    for &c in cases {
+        for &n in &a.replicas {
+            for &p in policies {
+                if (n == 1 || a.replicate_all || p.replicable()) && p != Policy::SglangCacheAware {
+                    runs.push((c, n, p));
+                }
+            }
+        }
+    }
+    runs
+}
+
 fn mock_args(a: &Args) -> Vec<String> {
     let mut mock_args: Vec<String> = vec![
         "--prefill-us-per-token".into(),
@@ -759,25 +781,7 @@ fn run_membership(a: &Args) -> Result<(), String> {
     let w = membership::workload(&a.workload, a.quick);
     let plans = workload::plan(&w);
     let span_ms = workload::SessionPlan::last_arrival_ms(&plans);
-    let policies: Vec<Policy> = if a.policies_given {
-        a.policies.clone()
-    } else {
-        membership::POLICIES.to_vec()
-    };
-    let runs: Vec<(membership::Change, usize, Policy)> = a
-        .membership
-        .iter()
-        .flat_map(|&c| {
-            let policies = &policies;
-            a.replicas.iter().flat_map(move |&n| {
-                policies
-                    .iter()
-                    .filter(move |p| n == 1 || a.replicate_all || p.replicable())
-                    .filter(|p| **p != Policy::SglangCacheAware)
-                    .map(move |&p| (c, n, p))
-            })
-        })
-        .collect();
+    let runs = run_matrix(a, &a.membership, &membership::POLICIES);
     let mut rows = Vec::new();
     for (i, &(c, n, p)) in runs.iter().enumerate() {
         eprintln!(

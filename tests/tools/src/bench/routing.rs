@@ -698,10 +698,11 @@ pub fn run(
 }
 
 #[cfg(test)]
-mod tests {
+pub(crate) mod tests {
     use super::*;
 
-    fn base() -> WorkloadParams {
+    /// A run's workload as the driver's defaults make it (shared with the other modes' tests).
+    pub(crate) fn base() -> WorkloadParams {
         WorkloadParams {
             sessions: 200,
             turns: 6,

@@ -493,24 +493,7 @@ pub fn run(a: &super::Args) -> Result<(), String> {
     } else {
         SCENARIOS.to_vec()
     };
-    let policies: Vec<Policy> = if a.policies_given {
-        a.policies.clone()
-    } else {
-        POLICIES.to_vec()
-    };
-    let runs: Vec<(Scenario, usize, Policy)> = scenarios
-        .iter()
-        .flat_map(|&sc| {
-            let policies = &policies;
-            a.replicas.iter().flat_map(move |&n| {
-                policies
-                    .iter()
-                    .filter(move |p| n == 1 || a.replicate_all || p.replicable())
-                    .filter(|p| **p != Policy::SglangCacheAware)
-                    .map(move |&p| (sc, n, p))
-            })
-        })
-        .collect();
+    let runs = super::run_matrix(a, &scenarios, &POLICIES);
     let load_at_start = super::machine();
     let mut shapes = serde_json::Map::new();
     let mut rows = Vec::new();
@@ -654,22 +637,7 @@ mod tests {
 
     #[test]
     fn the_workload_is_issue_39s_and_the_slowdown_comes_at_12_s() {
-        let base = WorkloadParams {
-            sessions: 200,
-            turns: 6,
-            rate_per_s: 20.0,
-            think_ms: 800,
-            user_tokens: 300,
-            second_model_share: 0.2,
-            stream_share: 0.5,
-            output_min: 16,
-            output_max: 512,
-            system_prompts: 0,
-            system_tokens: 200,
-            system_zipf_s: 0.0,
-            system_head_tokens: 0,
-            seed: 7,
-        };
+        let base = crate::routing::tests::base();
         let w = workload(&base, Scenario::Steady, false);
         assert_eq!((w.system_prompts, w.system_tokens, w.turns), (8, 800, 6));
         assert_eq!(
