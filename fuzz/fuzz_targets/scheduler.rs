@@ -75,6 +75,8 @@ enum Event {
         dead: u8,
         used: u8,
         tried: u8,
+        /// Endpoints the admission queue found no free place on (`Exclusions::placeless`).
+        placeless: u8,
     },
     Finish {
         which: u8,
@@ -230,6 +232,7 @@ fuzz_target!(|setup: Setup| {
                 dead,
                 used,
                 tried,
+                placeless,
             } => {
                 let model = match model % 4 {
                     0 => None,
@@ -241,6 +244,7 @@ fuzz_target!(|setup: Setup| {
                     used: mask(*used, n),
                     tried: mask(*tried, n),
                     retry_free: false,
+                    placeless: mask(*placeless, n),
                 };
                 let pinned = session.and_then(|s| aff.lookup(s, now));
                 let pick = Pick {
