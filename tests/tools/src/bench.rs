@@ -875,7 +875,13 @@ fn run_noisy(a: &Args) -> Result<(), String> {
         open_ms: a.open_ms,
         plugin_extra: a.plugin_extra.clone(),
         client_timeout: Duration::from_secs(a.client_timeout_s),
-        raw_dir: Some(a.raw_dir.clone().unwrap_or_else(|| tmp.clone())),
+        raw_dir: Some(match &a.raw_dir {
+            Some(d) => {
+                std::fs::create_dir_all(d).map_err(|e| format!("{}: {e}", d.display()))?;
+                d.clone()
+            }
+            None => tmp.clone(),
+        }),
     };
     let shape = Shape::new(a.quick, a.workload.seed);
     let reqs = noisy_neighbor::plan(&shape);
