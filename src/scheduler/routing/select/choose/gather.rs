@@ -380,21 +380,13 @@ impl<'a> Scheduler<'a> {
                 .iter()
                 .all(|&i| loads.get(i).copied().flatten().is_some());
         // Every candidate's slots known (see `capacity`): the load is the projected one (scraped
-        // running + waiting and this process's placements since), bounded by slots.
-        let room: Vec<Option<Room>> = if any_scraped {
-            (0..n)
-                .map(|i| {
-                    rooms
-                        .get(i)
-                        .copied()
-                        .flatten()
-                        .filter(|_| loads.get(i).copied().flatten().is_some())
-                })
-                .collect()
-        } else {
-            // Nothing scraped: no room anywhere (read as `None`, as a list of them would be).
-            Vec::new()
-        };
+        // running + waiting and this process's placements since), bounded by slots. The rooms
+        // are derived from these loads (a room only where there is a load).
+        let room: &[Option<Room>] = if any_scraped { rooms } else { &[] };
+        debug_assert!(room
+            .iter()
+            .enumerate()
+            .all(|(i, r)| r.is_none() || loads.get(i).copied().flatten().is_some()));
         let by_slots = !statics.is_empty()
             && statics.iter().all(|&i| {
                 room.get(i)
@@ -413,7 +405,7 @@ impl<'a> Scheduler<'a> {
         // turns on their previous endpoint).
         let most_slots = statics
             .iter()
-            .filter_map(|&i| slots_of(&room, i))
+            .filter_map(|&i| slots_of(room, i))
             .max()
             .unwrap_or(0);
         let weights = if most_slots > 0 {
@@ -421,7 +413,7 @@ impl<'a> Scheduler<'a> {
                 weights
                     .iter()
                     .map(|&(i, id, w)| {
-                        let slots = slots_of(&room, i)
+                        let slots = slots_of(room, i)
                             .unwrap_or(most_slots.saturating_mul(UNQUEUED_SLOTS_FACTOR));
                         (i, id, w * f64::from(slots))
                     })
@@ -429,23 +421,6 @@ impl<'a> Scheduler<'a> {
             )
         } else {
             weights
-        };
-        // Without scraped loads, an endpoint's load is its in-flight count: read on demand
-        // ([`Board::load_of`]) rather than for every endpoint.
-        let load = if any_scraped {
-            (0..n)
-                .map(|i| {
-                    if by_slots {
-                        return room.get(i).copied().flatten().map_or(0, |r| r.projected);
-                    }
-                    let l = loads.get(i).copied().flatten().filter(|_| all_scraped);
-                    state(i).map_or(0, |st| {
-                        signals::placement_load(st, l.as_ref(), now_ms, cfg.in_flight_max_age_ms)
-                    })
-                })
-                .collect()
-        } else {
-            Vec::new()
         };
         // Nobody degraded, by this decision (`any_degraded`: the statics' verdicts) or as
         // stored (counted by the worker's cache when there is one): no last server.
@@ -478,7 +453,8 @@ impl<'a> Scheduler<'a> {
             verdicts,
             flips,
             quotas,
-            load,
+            loads: if any_scraped { loads } else { &[] },
+            all_scraped,
             room,
             // As the weights count them: an engine that never queued as the most known × 4.
             most_slots: if by_slots {
