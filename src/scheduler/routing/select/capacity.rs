@@ -38,8 +38,9 @@
 //!
 //! The record ([`Capacities`], one shared-data value under [`CAPACITY_KEY`]): per configured
 //! endpoint id, its slots seen, the scrape time its sent count is on top of, and the count.
-//! Bounded by the configuration (entries of endpoints no longer configured are dropped when
-//! an entry is added).
+//! Bounded by the configuration: the first write that needs an entry gives every configured
+//! endpoint one (nothing seen reads as no entry), and drops those of endpoints no longer
+//! configured, so that later writes change entries in place (see [`Capacities::put`]).
 
 use crate::scheduler::config::Config;
 use crate::scheduler::routing::judge::saturation::EngineLoad;
@@ -214,58 +215,66 @@ impl Capacities {
         }
     }
 
-    /// Sets endpoint `id`'s entry (binary search: replaced in place, or inserted in order).
-    /// Whether it was inserted (the record only grows then: the entries of endpoints no longer
-    /// configured are dropped at an insertion, not at every change, where sorting the
-    /// configured ids cost each placement an amount that grew with the fleet).
-    fn put(&mut self, id: u32, seen: Seen) -> bool {
-        match self.entries.binary_search_by_key(&id, |(k, _)| *k) {
-            Ok(i) => {
-                if let Some(e) = self.entries.get_mut(i) {
-                    e.1 = seen;
-                }
-                false
+    /// Sets endpoint `id`'s entry (binary search: replaced in place). Where it has none, the
+    /// record is first made to hold one for every configured id (`keep`, any order), those
+    /// it held kept and the others added with nothing seen (as a missing entry reads), while
+    /// the entries of ids no longer configured go; an `id` not configured is then dropped.
+    ///
+    /// Why every configured id at once: a write that only changes entries keeps the record's
+    /// length and its ids' positions, so that a worker's memo brings in another's write by
+    /// the entries whose bytes differ ([`RoomsMemo::patch`]) and a placement is counted in
+    /// place; an entry inserted per new endpoint moved every later one, and each such write
+    /// cost every worker a whole decoding and every room derived again. The record is as
+    /// large as the configuration, as it was once every endpoint had been placed on.
+    fn put(&mut self, id: u32, seen: Seen, keep: &[u32]) {
+        let at = match self.entries.binary_search_by_key(&id, |(k, _)| *k) {
+            Ok(at) => Some(at),
+            Err(_) => {
+                self.fill_configured(keep);
+                self.entries.binary_search_by_key(&id, |(k, _)| *k).ok()
             }
-            Err(i) => {
-                self.entries.insert(i, (id, seen));
-                true
-            }
+        };
+        if let Some(e) = at.and_then(|at| self.entries.get_mut(at)) {
+            e.1 = seen;
         }
     }
 
-    /// Drops the entries of ids not in `keep` (the configured ids, in any order): sorted once,
-    /// then one binary search per entry.
+    /// Makes the entries those of `keep` (the configured ids, in any order): an entry kept
+    /// where there was one, else nothing seen; sorted once, then one binary search per id.
     ///
     /// Why not `keep.contains` per entry, after every change: a scrape round that shows every
     /// engine's slots for the first time changes every entry, and that was cubic in the fleet
     /// (111.8 M instructions for one request at 512 endpoints).
-    fn retain_configured(&mut self, keep: &[u32]) {
+    fn fill_configured(&mut self, keep: &[u32]) {
         let sorted = scrape::sorted_ids(keep);
-        self.entries
-            .retain(|(k, _)| sorted.binary_search(k).is_ok());
+        let mut entries: Vec<(u32, Seen)> = Vec::with_capacity(sorted.len());
+        for &id in sorted.iter() {
+            if entries.last().is_some_and(|(last, _)| *last == id) {
+                continue;
+            }
+            entries.push((id, self.get(id)));
+        }
+        self.entries = entries;
     }
 
     /// Folds the slots each fresh load shows (`(id, load)`, ids among `keep`); true when some
-    /// grew; the entries of ids not in `keep` are dropped when one was added.
+    /// grew; where one had no entry, every configured id gets one (see [`Capacities::put`]).
     pub fn observe(&mut self, loads: &[(u32, EngineLoad)], keep: &[u32]) -> bool {
-        let (mut changed, mut added) = (false, false);
+        let mut changed = false;
         for (id, load) in loads {
             let mut seen = self.get(*id);
             let slots = slots_seen(seen.slots, load);
             if slots != seen.slots {
                 seen.slots = slots;
-                added |= self.put(*id, seen);
+                self.put(*id, seen, keep);
                 changed = true;
             }
-        }
-        if added {
-            self.retain_configured(keep);
         }
         changed
     }
 
     /// Counts one placement sent to endpoint `id` (one of `keep`), whose last scrape is `load`;
-    /// the entries of ids not in `keep` are dropped when it is added.
+    /// where it had no entry, every configured id gets one (see [`Capacities::put`]).
     pub fn sent(&mut self, id: u32, load: &EngineLoad, keep: &[u32]) {
         let mut seen = self.get(id);
         if seen.scraped_ms != load.scraped_ms {
@@ -274,9 +283,7 @@ impl Capacities {
         }
         seen.sent = seen.sent.saturating_add(1);
         seen.slots = slots_seen(seen.slots, load);
-        if self.put(id, seen) {
-            self.retain_configured(keep);
-        }
+        self.put(id, seen, keep);
     }
 }
 
@@ -751,8 +758,8 @@ mod tests {
     #[cfg(not(target_arch = "wasm32"))]
     proptest::proptest! {
         /// Random records (ids configured or not), fresh loads of configured ids (repeats
-        /// included) and a placement: the sorted put and one filter per write give the same
-        /// record as the per-change linear filter.
+        /// included) and a placement: the sorted put, which gives every configured id an
+        /// entry where one is added, reads as the per-change linear filter's record.
         #[test]
         fn put_and_one_filter_equal_the_linear_filter(
             before in proptest::collection::btree_map(0u32..64, (0u32..20, 0u64..4, 0u32..5), 0..40),
@@ -781,7 +788,20 @@ mod tests {
                 fast_changed = true;
             }
             proptest::prop_assert_eq!(fast_changed, plain_changed);
-            proptest::prop_assert_eq!(fast, plain);
+            // The same record as read (an entry with nothing seen reads as none), every
+            // configured id given an entry where one was added, none of another id kept then.
+            for id in 0..64 {
+                proptest::prop_assert_eq!(fast.get(id), plain.get(id), "id {}", id);
+            }
+            let added = plain.entries.iter().any(|(id, _)| caps.find(*id).0.is_none());
+            let ids: Vec<u32> = fast.entries.iter().map(|(id, _)| *id).collect();
+            if added {
+                let mut configured = keep.clone();
+                configured.sort_unstable();
+                proptest::prop_assert_eq!(ids, configured);
+            } else {
+                proptest::prop_assert_eq!(fast, plain);
+            }
         }
     }
 
