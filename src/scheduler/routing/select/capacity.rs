@@ -301,6 +301,9 @@ pub struct Engines {
     pub seen: std::rc::Rc<Capacities>,
     /// Some fresh load shows slots beyond what `seen` holds (derived with the rooms).
     pub grew: bool,
+    /// The worker's rooms memo's count of changes to the rooms' slots when these were
+    /// derived (`None`: no memo): equal counts of one memo, the same slots.
+    pub slots_version: Option<u64>,
     /// The new sessions this process placed per endpoint (see `sessions`), faded to the
     /// decision's time: read only for a new session placed by prefix while the session bound
     /// is on; `None` otherwise.
@@ -326,6 +329,9 @@ pub struct RoomsMemo {
     growing: usize,
     /// Writes brought in by [`RoomsMemo::patch`] (read by tests).
     patches: u64,
+    /// Counts the derivations and patches that may have changed some room's slots (see
+    /// [`Engines::slots_version`]).
+    slots_version: u64,
 }
 
 impl RoomsMemo {
@@ -405,7 +411,11 @@ impl RoomsMemo {
                 continue;
             };
             if let Some(room) = rooms.get_mut(i) {
+                let then = room.and_then(|r| r.slots);
                 *room = Room::of(&now, &load);
+                if room.and_then(|r| r.slots) != then {
+                    self.slots_version = self.slots_version.wrapping_add(1);
+                }
             }
             let grows = |s: &Seen| usize::from(slots_seen(s.slots, &load) != s.slots);
             self.growing = self.growing.saturating_sub(grows(&before)) + grows(&now);
@@ -471,6 +481,7 @@ impl Engines {
                     rooms: std::rc::Rc::clone(&m.rooms),
                     seen: std::rc::Rc::clone(&m.seen),
                     grew: m.growing > 0,
+                    slots_version: Some(m.slots_version),
                     sessions: None,
                 };
             }
@@ -497,7 +508,10 @@ impl Engines {
             })
             .collect();
         let (rooms, seen) = (std::rc::Rc::new(rooms), std::rc::Rc::new(seen));
+        let mut slots_version = None;
         if let Some(m) = memo {
+            let version = m.slots_version.wrapping_add(1);
+            slots_version = Some(version);
             *m = RoomsMemo {
                 bytes,
                 cas,
@@ -507,6 +521,7 @@ impl Engines {
                 at,
                 growing,
                 patches: m.patches,
+                slots_version: version,
             };
         }
         Engines {
@@ -515,6 +530,7 @@ impl Engines {
             rooms,
             seen,
             grew: growing > 0,
+            slots_version,
             sessions: None,
         }
     }
