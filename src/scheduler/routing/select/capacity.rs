@@ -358,7 +358,9 @@ impl RoomsMemo {
         {
             return false;
         }
-        let (old_entries, new_entries) = (&old[5..], &bytes[5..]);
+        let (Some(old_entries), Some(new_entries)) = (old.get(5..), bytes.get(5..)) else {
+            return false;
+        };
         if new_entries.len() != self.seen.entries.len() * ENTRY_BYTES {
             return false;
         }

@@ -402,9 +402,7 @@ impl<'a> Scheduler<'a> {
             Some(l) => l,
             None => {
                 let l = derive_lists(statics, loads, room, any_scraped, weights);
-                if let (true, Some(v), Some(bm)) =
-                    (from_memo, engines.slots_version, board_memo.as_deref_mut())
-                {
+                if let (true, Some(v), Some(bm)) = (from_memo, engines.slots_version, board_memo) {
                     bm.lists = Some(BoardLists {
                         slots_version: v,
                         weights_version: bm.weights_version,
