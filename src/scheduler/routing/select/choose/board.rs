@@ -63,6 +63,9 @@ pub(in crate::scheduler::routing::select) struct Board<'t> {
     /// The candidates left as the last healthy server of another model than the request's
     /// (see [`last_servers`]), by index; empty when none is (no endpoint degraded).
     pub(super) captive: Vec<bool>,
+    /// The first two statics with room for a new session (see [`Board::room_elsewhere`]),
+    /// found on first use.
+    pub(super) room_at: std::cell::OnceCell<[Option<usize>; 2]>,
 }
 
 /// The totals of the walk's eligible candidates ([`eligible_totals`]) when no engine load is
@@ -272,9 +275,21 @@ impl<'t> Board<'t> {
     /// [`Board::full`]): only then is a full endpoint passed over (all full: placed as
     /// without metrics).
     pub(in crate::scheduler::routing::select) fn room_elsewhere(&self, i: usize) -> bool {
-        self.statics().iter().any(|&j| {
-            j != i && self.admitted(j) && !self.degraded(j) && !self.short(j) && !self.full(j)
-        })
+        // The first two statics (index order) that could take it, found once per decision:
+        // some other than `i` is among them if there is one. A walk asks it of every full
+        // candidate it meets, and scanning the statics each time cost a failover's walk over
+        // a fleet with many full engines about 60 000 instructions at 512.
+        let first = self.room_at.get_or_init(|| {
+            let mut with_room = self.statics().iter().copied().filter(|&j| {
+                self.admitted(j) && !self.degraded(j) && !self.short(j) && !self.full(j)
+            });
+            [with_room.next(), with_room.next()]
+        });
+        match *first {
+            [Some(j), _] if j != i => true,
+            [Some(_), Some(_)] => true,
+            _ => false,
+        }
     }
     /// Whether a new session's placement passes over full `i` (see [`Board::full`]): another
     /// candidate has room, or — every one full — another's queue is far shorter

@@ -464,6 +464,7 @@ impl<'a> Scheduler<'a> {
             admission,
             excluded,
             captive,
+            room_at: std::cell::OnceCell::new(),
         })
     }
 }
