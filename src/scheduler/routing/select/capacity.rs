@@ -38,8 +38,9 @@
 //!
 //! The record ([`Capacities`], one shared-data value under [`CAPACITY_KEY`]): per configured
 //! endpoint id, its slots seen, the scrape time its sent count is on top of, and the count.
-//! Bounded by the configuration (entries of endpoints no longer configured are dropped when
-//! an entry is added).
+//! Bounded by the configuration: the first write that needs an entry gives every configured
+//! endpoint one (nothing seen reads as no entry), and drops those of endpoints no longer
+//! configured, so that later writes change entries in place (see [`Capacities::put`]).
 
 use crate::scheduler::config::Config;
 use crate::scheduler::routing::judge::saturation::EngineLoad;
@@ -200,66 +201,80 @@ impl Capacities {
 
     /// What was seen of endpoint `id` (nothing: the default).
     pub fn get(&self, id: u32) -> Seen {
-        self.entries
-            .binary_search_by_key(&id, |(k, _)| *k)
-            .ok()
-            .and_then(|i| self.entries.get(i))
-            .map(|(_, s)| *s)
-            .unwrap_or_default()
+        self.find(id).1
     }
 
-    /// Sets endpoint `id`'s entry (binary search: replaced in place, or inserted in order).
-    /// Whether it was inserted (the record only grows then: the entries of endpoints no longer
-    /// configured are dropped at an insertion, not at every change, where sorting the
-    /// configured ids cost each placement an amount that grew with the fleet).
-    fn put(&mut self, id: u32, seen: Seen) -> bool {
+    /// [`Capacities::get`], with the entry's position when there is one.
+    fn find(&self, id: u32) -> (Option<usize>, Seen) {
         match self.entries.binary_search_by_key(&id, |(k, _)| *k) {
-            Ok(i) => {
-                if let Some(e) = self.entries.get_mut(i) {
-                    e.1 = seen;
-                }
-                false
-            }
-            Err(i) => {
-                self.entries.insert(i, (id, seen));
-                true
-            }
+            Ok(k) => (
+                Some(k),
+                self.entries.get(k).map(|(_, s)| *s).unwrap_or_default(),
+            ),
+            Err(_) => (None, Seen::default()),
         }
     }
 
-    /// Drops the entries of ids not in `keep` (the configured ids, in any order): sorted once,
-    /// then one binary search per entry.
+    /// Sets endpoint `id`'s entry (binary search: replaced in place). Where it has none, the
+    /// record is first made to hold one for every configured id (`keep`, any order), those
+    /// it held kept and the others added with nothing seen (as a missing entry reads), while
+    /// the entries of ids no longer configured go; an `id` not configured is then dropped.
+    ///
+    /// Why every configured id at once: a write that only changes entries keeps the record's
+    /// length and its ids' positions, so that a worker's memo brings in another's write by
+    /// the entries whose bytes differ ([`RoomsMemo::patch`]) and a placement is counted in
+    /// place; an entry inserted per new endpoint moved every later one, and each such write
+    /// cost every worker a whole decoding and every room derived again. The record is as
+    /// large as the configuration, as it was once every endpoint had been placed on.
+    fn put(&mut self, id: u32, seen: Seen, keep: &[u32]) {
+        let at = match self.entries.binary_search_by_key(&id, |(k, _)| *k) {
+            Ok(at) => Some(at),
+            Err(_) => {
+                self.fill_configured(keep);
+                self.entries.binary_search_by_key(&id, |(k, _)| *k).ok()
+            }
+        };
+        if let Some(e) = at.and_then(|at| self.entries.get_mut(at)) {
+            e.1 = seen;
+        }
+    }
+
+    /// Makes the entries those of `keep` (the configured ids, in any order): an entry kept
+    /// where there was one, else nothing seen; sorted once, then one binary search per id.
     ///
     /// Why not `keep.contains` per entry, after every change: a scrape round that shows every
     /// engine's slots for the first time changes every entry, and that was cubic in the fleet
     /// (111.8 M instructions for one request at 512 endpoints).
-    fn retain_configured(&mut self, keep: &[u32]) {
+    fn fill_configured(&mut self, keep: &[u32]) {
         let sorted = scrape::sorted_ids(keep);
-        self.entries
-            .retain(|(k, _)| sorted.binary_search(k).is_ok());
+        let mut entries: Vec<(u32, Seen)> = Vec::with_capacity(sorted.len());
+        for &id in sorted.iter() {
+            if entries.last().is_some_and(|(last, _)| *last == id) {
+                continue;
+            }
+            entries.push((id, self.get(id)));
+        }
+        self.entries = entries;
     }
 
     /// Folds the slots each fresh load shows (`(id, load)`, ids among `keep`); true when some
-    /// grew; the entries of ids not in `keep` are dropped when one was added.
+    /// grew; where one had no entry, every configured id gets one (see [`Capacities::put`]).
     pub fn observe(&mut self, loads: &[(u32, EngineLoad)], keep: &[u32]) -> bool {
-        let (mut changed, mut added) = (false, false);
+        let mut changed = false;
         for (id, load) in loads {
             let mut seen = self.get(*id);
             let slots = slots_seen(seen.slots, load);
             if slots != seen.slots {
                 seen.slots = slots;
-                added |= self.put(*id, seen);
+                self.put(*id, seen, keep);
                 changed = true;
             }
-        }
-        if added {
-            self.retain_configured(keep);
         }
         changed
     }
 
     /// Counts one placement sent to endpoint `id` (one of `keep`), whose last scrape is `load`;
-    /// the entries of ids not in `keep` are dropped when it is added.
+    /// where it had no entry, every configured id gets one (see [`Capacities::put`]).
     pub fn sent(&mut self, id: u32, load: &EngineLoad, keep: &[u32]) {
         let mut seen = self.get(id);
         if seen.scraped_ms != load.scraped_ms {
@@ -268,9 +283,7 @@ impl Capacities {
         }
         seen.sent = seen.sent.saturating_add(1);
         seen.slots = slots_seen(seen.slots, load);
-        if self.put(id, seen) {
-            self.retain_configured(keep);
-        }
+        self.put(id, seen, keep);
     }
 }
 
@@ -288,6 +301,9 @@ pub struct Engines {
     pub seen: std::rc::Rc<Capacities>,
     /// Some fresh load shows slots beyond what `seen` holds (derived with the rooms).
     pub grew: bool,
+    /// The worker's rooms memo's count of changes to the rooms' slots when these were
+    /// derived (`None`: no memo): equal counts of one memo, the same slots.
+    pub slots_version: Option<u64>,
     /// The new sessions this process placed per endpoint (see `sessions`), faded to the
     /// decision's time: read only for a new session placed by prefix while the session bound
     /// is on; `None` otherwise.
@@ -306,7 +322,108 @@ pub struct RoomsMemo {
     loads: std::rc::Rc<Vec<Option<EngineLoad>>>,
     rooms: std::rc::Rc<Vec<Option<Room>>>,
     seen: std::rc::Rc<Capacities>,
-    grew: bool,
+    /// The endpoint index of each of `seen`'s entries (by position; `None`: not configured),
+    /// for patching the rooms of the entries a write changed ([`RoomsMemo::patch`]).
+    at: Vec<Option<usize>>,
+    /// How many endpoints' fresh loads show slots beyond what `seen` holds (`grew`: some do).
+    growing: usize,
+    /// Writes brought in by [`RoomsMemo::patch`] (read by tests).
+    patches: u64,
+    /// Counts the derivations and patches that may have changed some room's slots (see
+    /// [`Engines::slots_version`]).
+    slots_version: u64,
+}
+
+impl RoomsMemo {
+    /// Brings the memo up to date with the stored capacities' new `bytes`, when they hold
+    /// the same ids at the same positions as the memo's (the usual write: one placement
+    /// counted, or slots learned, on entries already there) and the loads are the memo's:
+    /// only the entries whose bytes differ are decoded and their endpoints' rooms derived
+    /// again. False (the memo unchanged) when it cannot: the caller derives everything.
+    ///
+    /// Why: every new session rewrites the capacities (its placement's count), so every
+    /// later decision found them changed and decoded every entry and derived every room again,
+    /// an amount that grew with the fleet (about 200 000 instructions per request at 512).
+    fn patch(&mut self, bytes: &[u8], cfg: &Config) -> bool {
+        let Some(old) = self.bytes.as_deref() else {
+            return false;
+        };
+        let (Some(old_head), Some(new_head)) = (old.get(..5), bytes.get(..5)) else {
+            return false;
+        };
+        if old.len() != bytes.len()
+            || old_head != new_head
+            || self.at.len() != self.seen.entries.len()
+            || self.rooms.len() != cfg.endpoints.len()
+        {
+            return false;
+        }
+        let (Some(old_entries), Some(new_entries)) = (old.get(5..), bytes.get(5..)) else {
+            return false;
+        };
+        if new_entries.len() != self.seen.entries.len() * ENTRY_BYTES {
+            return false;
+        }
+        // The positions whose bytes differ, their ids unchanged (compared as words).
+        let mut changed: Vec<(usize, Seen)> = Vec::new();
+        for (k, (a, b)) in old_entries
+            .chunks_exact(ENTRY_BYTES)
+            .zip(new_entries.chunks_exact(ENTRY_BYTES))
+            .enumerate()
+        {
+            let word = |c: &[u8], at: usize| {
+                c.get(at..at + 8)
+                    .and_then(|w| <[u8; 8]>::try_from(w).ok())
+                    .map(u64::from_le_bytes)
+            };
+            let tail = |c: &[u8]| c.get(16..20).and_then(|w| <[u8; 4]>::try_from(w).ok());
+            if word(a, 0) == word(b, 0) && word(a, 8) == word(b, 8) && tail(a) == tail(b) {
+                continue;
+            }
+            if a.get(..4) != b.get(..4) {
+                return false;
+            }
+            let mut r = Reader::new(b.get(4..).unwrap_or_default());
+            let (Some(slots), Some(scraped_ms), Some(sent)) = (r.u32(), r.u64(), r.u32()) else {
+                return false;
+            };
+            changed.push((
+                k,
+                Seen {
+                    slots,
+                    scraped_ms,
+                    sent,
+                },
+            ));
+        }
+        let (seen, rooms) = (
+            std::rc::Rc::make_mut(&mut self.seen),
+            std::rc::Rc::make_mut(&mut self.rooms),
+        );
+        for (k, now) in changed {
+            let Some(entry) = seen.entries.get_mut(k) else {
+                return false;
+            };
+            let before = entry.1;
+            entry.1 = now;
+            let Some(i) = self.at.get(k).copied().flatten() else {
+                continue;
+            };
+            let Some(load) = self.loads.get(i).copied().flatten() else {
+                continue;
+            };
+            if let Some(room) = rooms.get_mut(i) {
+                let then = room.and_then(|r| r.slots);
+                *room = Room::of(&now, &load);
+                if room.and_then(|r| r.slots) != then {
+                    self.slots_version = self.slots_version.wrapping_add(1);
+                }
+            }
+            let grows = |s: &Seen| usize::from(slots_seen(s.slots, &load) != s.slots);
+            self.growing = self.growing.saturating_sub(grows(&before)) + grows(&now);
+        }
+        true
+    }
 }
 
 impl Engines {
@@ -336,7 +453,7 @@ impl Engines {
         cfg: &Config,
         loads: std::rc::Rc<Vec<Option<EngineLoad>>>,
         pace: std::rc::Rc<Vec<Option<f64>>>,
-        memo: Option<&mut RoomsMemo>,
+        mut memo: Option<&mut RoomsMemo>,
     ) -> Engines {
         if loads.iter().all(Option::is_none) {
             // Nothing scraped (hosted keys, or no fresh scrape): no room is known, and the
@@ -345,19 +462,28 @@ impl Engines {
             return Engines::default();
         }
         let (bytes, cas) = store.get(CAPACITY_KEY);
-        if let Some(m) = &memo {
+        if let Some(m) = memo.as_deref_mut() {
             // The same write (its CAS token: every write takes a new one) or the same bytes.
             let same = match (cas, m.cas) {
                 (Some(now), Some(then)) => now == then,
                 _ => m.bytes == bytes,
             };
-            if same && std::rc::Rc::ptr_eq(&m.loads, &loads) {
+            let same_loads = std::rc::Rc::ptr_eq(&m.loads, &loads);
+            // Another write over the same entries: only those that changed are derived again.
+            let patched = !same && same_loads && bytes.as_deref().is_some_and(|b| m.patch(b, cfg));
+            if (same || patched) && same_loads {
+                if patched {
+                    m.bytes = bytes;
+                    m.cas = cas;
+                    m.patches += 1;
+                }
                 return Engines {
                     loads,
                     pace,
                     rooms: std::rc::Rc::clone(&m.rooms),
                     seen: std::rc::Rc::clone(&m.seen),
-                    grew: m.grew,
+                    grew: m.growing > 0,
+                    slots_version: Some(m.slots_version),
                     sessions: None,
                 };
             }
@@ -366,27 +492,38 @@ impl Engines {
             .as_deref()
             .and_then(Capacities::decode)
             .unwrap_or_default();
+        let mut at: Vec<Option<usize>> = vec![None; seen.entries.len()];
+        let mut growing = 0;
         let rooms: Vec<Option<Room>> = cfg
             .endpoints
             .iter()
             .zip(loads.iter())
-            .map(|(e, l)| l.as_ref().and_then(|l| Room::of(&seen.get(e.id), l)))
-            .collect();
-        let grew = cfg.endpoints.iter().zip(loads.iter()).any(|(e, l)| {
-            l.as_ref().is_some_and(|l| {
-                let before = seen.get(e.id).slots;
-                slots_seen(before, l) != before
+            .enumerate()
+            .map(|(i, (e, l))| {
+                let (k, s) = seen.find(e.id);
+                if let Some(slot) = k.and_then(|k| at.get_mut(k)) {
+                    *slot = Some(i);
+                }
+                let l = l.as_ref()?;
+                growing += usize::from(slots_seen(s.slots, l) != s.slots);
+                Room::of(&s, l)
             })
-        });
+            .collect();
         let (rooms, seen) = (std::rc::Rc::new(rooms), std::rc::Rc::new(seen));
+        let mut slots_version = None;
         if let Some(m) = memo {
+            let version = m.slots_version.wrapping_add(1);
+            slots_version = Some(version);
             *m = RoomsMemo {
                 bytes,
                 cas,
                 loads: std::rc::Rc::clone(&loads),
                 rooms: std::rc::Rc::clone(&rooms),
                 seen: std::rc::Rc::clone(&seen),
-                grew,
+                at,
+                growing,
+                patches: m.patches,
+                slots_version: version,
             };
         }
         Engines {
@@ -394,7 +531,8 @@ impl Engines {
             pace,
             rooms,
             seen,
-            grew,
+            grew: growing > 0,
+            slots_version,
             sessions: None,
         }
     }
@@ -458,6 +596,12 @@ pub fn record(
     keep: &[u32],
 ) -> bool {
     update_if(store, CAPACITY_KEY, |bytes| {
+        // A placement alone on an entry already there: its bytes rewritten in place.
+        if let (true, Some((id, load)), Some(bytes)) = (loads.is_empty(), &placed, bytes) {
+            if let Some(new) = sent_in_place(bytes, *id, load) {
+                return (Some(new), true);
+            }
+        }
         let mut caps = bytes.and_then(Capacities::decode).unwrap_or_default();
         let mut changed = caps.observe(loads, keep);
         if let Some((id, load)) = &placed {
@@ -467,6 +611,73 @@ pub fn record(
         (changed.then(|| caps.encode()), changed)
     })
     .unwrap_or(false)
+}
+
+/// [`Capacities::sent`] on the encoded record `bytes`, when it decodes and holds an entry for
+/// `id`: a copy of the bytes with that entry rewritten (the record [`Capacities::encode`]
+/// would write). `None` otherwise (the caller decodes, inserts and encodes).
+///
+/// Why: every new session counts its placement, and decoding and encoding the whole record
+/// for it cost an amount that grew with the fleet (about 45 000 instructions at 512).
+fn sent_in_place(bytes: &[u8], id: u32, load: &EngineLoad) -> Option<Vec<u8>> {
+    let mut r = Reader::new(bytes);
+    if r.u8()? != VERSION {
+        return None;
+    }
+    let n = usize::try_from(r.u32()?).ok()?;
+    let entries = bytes.get(5..)?;
+    if entries.len() != n.checked_mul(ENTRY_BYTES)? {
+        return None;
+    }
+    let id_at = |k: usize| {
+        entries
+            .get(k * ENTRY_BYTES..k * ENTRY_BYTES + 4)
+            .and_then(|b| <[u8; 4]>::try_from(b).ok())
+            .map(u32::from_le_bytes)
+    };
+    let (mut lo, mut hi) = (0, n);
+    let found = loop {
+        if lo >= hi {
+            return None;
+        }
+        let mid = lo + (hi - lo) / 2;
+        match id_at(mid)?.cmp(&id) {
+            std::cmp::Ordering::Less => lo = mid + 1,
+            std::cmp::Ordering::Greater => hi = mid,
+            std::cmp::Ordering::Equal => break mid,
+        }
+    };
+    // Strictly increasing ids, as `Capacities::decode` requires (else it reads as nothing):
+    // checked once the entry is found (an entry to add goes the decoding way anyway).
+    let mut last = None;
+    for k in 0..n {
+        let now = id_at(k)?;
+        if last.is_some_and(|l| l >= now) {
+            return None;
+        }
+        last = Some(now);
+    }
+    let at = 5 + found * ENTRY_BYTES;
+    let mut e = Reader::new(bytes.get(at + 4..at + ENTRY_BYTES)?);
+    let mut seen = Seen {
+        slots: e.u32()?,
+        scraped_ms: e.u64()?,
+        sent: e.u32()?,
+    };
+    if seen.scraped_ms != load.scraped_ms {
+        seen.scraped_ms = load.scraped_ms;
+        seen.sent = 0;
+    }
+    seen.sent = seen.sent.saturating_add(1);
+    seen.slots = slots_seen(seen.slots, load);
+    let mut w = Writer::with_capacity(ENTRY_BYTES - 4);
+    w.u32(seen.slots);
+    w.u64(seen.scraped_ms);
+    w.u32(seen.sent);
+    let mut out = bytes.to_vec();
+    out.get_mut(at + 4..at + ENTRY_BYTES)?
+        .copy_from_slice(&w.buf);
+    Some(out)
 }
 
 #[cfg(test)]
@@ -638,8 +849,8 @@ mod tests {
     #[cfg(not(target_arch = "wasm32"))]
     proptest::proptest! {
         /// Random records (ids configured or not), fresh loads of configured ids (repeats
-        /// included) and a placement: the sorted put and one filter per write give the same
-        /// record as the per-change linear filter.
+        /// included) and a placement: the sorted put, which gives every configured id an
+        /// entry where one is added, reads as the per-change linear filter's record.
         #[test]
         fn put_and_one_filter_equal_the_linear_filter(
             before in proptest::collection::btree_map(0u32..64, (0u32..20, 0u64..4, 0u32..5), 0..40),
@@ -668,8 +879,167 @@ mod tests {
                 fast_changed = true;
             }
             proptest::prop_assert_eq!(fast_changed, plain_changed);
-            proptest::prop_assert_eq!(fast, plain);
+            // The same record as read (an entry with nothing seen reads as none), every
+            // configured id given an entry where one was added, none of another id kept then.
+            for id in 0..64 {
+                proptest::prop_assert_eq!(fast.get(id), plain.get(id), "id {}", id);
+            }
+            let added = plain.entries.iter().any(|(id, _)| caps.find(*id).0.is_none());
+            let ids: Vec<u32> = fast.entries.iter().map(|(id, _)| *id).collect();
+            if added {
+                let mut configured = keep.clone();
+                configured.sort_unstable();
+                proptest::prop_assert_eq!(ids, configured);
+            } else {
+                proptest::prop_assert_eq!(fast, plain);
+            }
         }
+    }
+
+    #[cfg(not(target_arch = "wasm32"))]
+    proptest::proptest! {
+        /// A worker's memo brought up to date write by write (placements counted, slots
+        /// learned, entries added, a scrape now and then) hands every decision the rooms,
+        /// capacities and growth that reading and deriving everything gives.
+        #[test]
+        fn patched_rooms_equal_derived_ones(
+            n in 1usize..24,
+            scrapes in proptest::collection::vec(
+                proptest::collection::vec(proptest::option::of((0u32..4, 0u32..12, 0u64..3)), 24),
+                1..4,
+            ),
+            steps in proptest::collection::vec((0usize..64, 0usize..24, proptest::bool::ANY), 1..60),
+        ) {
+            let eps: Vec<_> = (0..n)
+                .map(|i| serde_json::json!({"name": format!("e{i}"), "cluster": format!("c{i}")}))
+                .collect();
+            let cfg = Config::from_value(&serde_json::json!({ "endpoints": eps }))
+                .map_err(|e| proptest::test_runner::TestCaseError::fail(format!("{e:?}")))?;
+            let keep: Vec<u32> = cfg.endpoints.iter().map(|e| e.id).collect();
+            let lists: Vec<std::rc::Rc<Vec<Option<EngineLoad>>>> = scrapes
+                .iter()
+                .map(|s| {
+                    std::rc::Rc::new(
+                        s.iter()
+                            .take(n)
+                            .map(|l| l.map(|(w, r, t)| load(w, r, 1_000 * t)))
+                            .collect(),
+                    )
+                })
+                .collect();
+            let store = MemStore::new();
+            let mut memo = RoomsMemo::default();
+            let pace = std::rc::Rc::new(Vec::new());
+            let mut loads = std::rc::Rc::clone(&lists[0]);
+            for (k, (what, at, learn)) in steps.into_iter().enumerate() {
+                if what % 16 == 0 {
+                    loads = std::rc::Rc::clone(&lists[what / 16 % lists.len()]);
+                }
+                let mine = Engines::read_memo(&store, &cfg, std::rc::Rc::clone(&loads), std::rc::Rc::clone(&pace), Some(&mut memo));
+                let plain = Engines::read_with(&store, &cfg, std::rc::Rc::clone(&loads), std::rc::Rc::clone(&pace));
+                proptest::prop_assert_eq!(&mine.rooms, &plain.rooms, "step {}", k);
+                proptest::prop_assert_eq!(&mine.seen, &plain.seen, "step {}", k);
+                proptest::prop_assert_eq!(mine.grew, plain.grew, "step {}", k);
+                let placed = (what % 3 != 0).then_some(at % n);
+                // Learns the slots the loads show only sometimes (as a decision that did not
+                // record them), so that growth stays to be seen.
+                let engines = Engines { grew: plain.grew && learn, ..plain };
+                drop(mine);
+                engines.record(&store, &cfg, placed, Some(&keep));
+            }
+        }
+    }
+
+    #[cfg(not(target_arch = "wasm32"))]
+    proptest::proptest! {
+        /// A placement counted in place gives the bytes that decoding, counting and encoding
+        /// give, and declines only what that path would not find (an entry to insert, an
+        /// undecodable record): records drawn sorted or not, of any version and length.
+        #[test]
+        fn sent_in_place_equals_decode_and_encode(
+            entries in proptest::collection::vec((0u32..40, 0u32..20, 0u64..4, 0u32..5), 0..30),
+            sorted in proptest::bool::ANY,
+            cut in proptest::option::of(0usize..8),
+            version in proptest::option::of(0u8..3),
+            id in 0u32..40,
+            (w, r, t) in (0u32..4, 0u32..20, 0u64..4),
+        ) {
+            let mut entries = entries;
+            if sorted {
+                entries.sort_by_key(|e| e.0);
+                entries.dedup_by_key(|e| e.0);
+            }
+            let mut bytes = Writer::with_capacity(0);
+            bytes.u8(version.unwrap_or(VERSION));
+            bytes.u32(entries.len() as u32);
+            for (id, slots, scraped_ms, sent) in &entries {
+                bytes.u32(*id);
+                bytes.u32(*slots);
+                bytes.u64(*scraped_ms);
+                bytes.u32(*sent);
+            }
+            let mut bytes = bytes.buf;
+            if let Some(c) = cut {
+                bytes.truncate(bytes.len().saturating_sub(c));
+            }
+            let l = load(w, r, t);
+            let keep: Vec<u32> = (0..40).collect();
+            let decoded = Capacities::decode(&bytes);
+            match sent_in_place(&bytes, id, &l) {
+                Some(fast) => {
+                    let mut caps = decoded.clone().unwrap_or_default();
+                    proptest::prop_assert!(decoded.is_some());
+                    proptest::prop_assert!(caps.find(id).0.is_some());
+                    caps.sent(id, &l, &keep);
+                    proptest::prop_assert_eq!(fast, caps.encode());
+                }
+                None => proptest::prop_assert!(
+                    decoded.is_none_or(|c| c.find(id).0.is_none())
+                ),
+            }
+        }
+    }
+
+    /// The memo patches a write over the same entries in place: a placement counted on an
+    /// endpoint already in the record derives that endpoint's room alone.
+    #[test]
+    fn a_placement_patches_the_memo() {
+        let eps: Vec<_> = (0..8)
+            .map(|i| serde_json::json!({"name": format!("e{i}"), "cluster": format!("c{i}")}))
+            .collect();
+        let cfg = Config::from_value(&serde_json::json!({ "endpoints": eps })).unwrap();
+        let keep: Vec<u32> = cfg.endpoints.iter().map(|e| e.id).collect();
+        let loads = std::rc::Rc::new(
+            (0..8)
+                .map(|i| Some(load(1, 4 + i, 1_000)))
+                .collect::<Vec<_>>(),
+        );
+        let pace = std::rc::Rc::new(Vec::new());
+        let store = MemStore::new();
+        let mut memo = RoomsMemo::default();
+        let read = |memo: &mut RoomsMemo| {
+            Engines::read_memo(
+                &store,
+                &cfg,
+                std::rc::Rc::clone(&loads),
+                std::rc::Rc::clone(&pace),
+                Some(memo),
+            )
+        };
+        // Learns every slot (every entry added), then counts placements on 3 and 5.
+        read(&mut memo).record(&store, &cfg, None, Some(&keep));
+        assert!(!read(&mut memo).grew);
+        for i in [3, 5, 3] {
+            read(&mut memo).record(&store, &cfg, Some(i), Some(&keep));
+        }
+        let e = read(&mut memo);
+        assert_eq!(memo.patches, 3);
+        assert_eq!(e.rooms[3].map(|r| r.sent), Some(2));
+        assert_eq!(e.rooms[5].map(|r| r.projected), Some(1 + 9 + 1));
+        assert_eq!(
+            e.rooms,
+            Engines::read_with(&store, &cfg, loads.clone(), pace.clone()).rooms
+        );
     }
 
     /// Worked: a fleet of 4 + 16 + 4 + 16 = 40 slots. Below its slots an engine is within

@@ -173,6 +173,11 @@ fn same_decisions(
             };
             if scraped {
                 scrape_some(&cfg, [&plain, &cached], &mut decoded, x, now);
+                // Another worker (its loads newer than this one's) learned an engine's slots:
+                // the capacities change under the same loads.
+                if (x >> 50).is_multiple_of(3) {
+                    another_worker_learns_slots(&cfg, [&plain, &cached], x, now);
+                }
             }
             let session = match (x >> 4) % 5 {
                 0 => None,
@@ -277,6 +282,83 @@ fn scrape_some(cfg: &Config, stores: [&MemStore; 2], decoded: &mut [(u64, u64)],
         for store in stores {
             let _ = crate::scheduler::routing::scrape::fold(store, ep.id, at, Ok(load), &ids);
         }
+    }
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig::with_cases(120))]
+    /// Between two scrapes (the loads the same), other workers learn engines' slots: the
+    /// memos that keep what was derived from the slots (the rooms, the board's weights by
+    /// slots, which positions moved) follow, and change no decision.
+    #[test]
+    fn cached_decisions_equal_computed_ones_when_slots_change_between_scrapes(
+        seed in any::<u64>(),
+        n in 2usize..30,
+        steps in 1usize..40,
+    ) {
+        let cfg = config_with(seed, n, true);
+        let (plain, cached) = (MemStore::new(), MemStore::new());
+        seeded(&plain, &cfg, seed);
+        seeded(&cached, &cfg, seed);
+        let mut decoded = vec![(0u64, 0u64); n];
+        // `x` = 1: every endpoint scraped at once.
+        scrape_some(&cfg, [&plain, &cached], &mut decoded, 1, START);
+        let cache = RefCell::new(TableCache::default());
+        let rooms = RefCell::new(crate::scheduler::routing::select::capacity::RoomsMemo::default());
+        let a = Scheduler::new(&cfg, &plain);
+        let b = Scheduler::with_caches(&cfg, &cached, &cache, &rooms);
+        let ex = Exclusions::default();
+        let mut now = START;
+        for step in 0..steps {
+            let x = fmix64(seed ^ fmix64(70_000 + step as u64));
+            now += 7;
+            if x.is_multiple_of(2) {
+                another_worker_learns_slots(&cfg, [&plain, &cached], x, now);
+            }
+            let pick = Pick {
+                model: Some("m1"),
+                // New sessions and later turns (their homes kept by the board memo).
+                session: Some(1_000 + (x >> 8) % 6),
+                attempt: 1,
+                exclusions: &ex,
+                nonce: x,
+                body_bytes: 1_000,
+                pin_hint: None,
+                holder: None,
+                prefix: Prefix::NONE,
+                follow_up: false,
+                max_output_tokens: 0,
+            };
+            let (da, db) = (a.pick(&pick, now), b.pick(&pick, now));
+            prop_assert_eq!(&da, &db, "step {}", step);
+            if let (Ok(da), Ok(db)) = (da, db) {
+                let o = Outcome::Success;
+                prop_assert_eq!(
+                    a.finish(da.ticket, &o, 40, pick.session, now),
+                    b.finish(db.ticket, &o, 40, pick.session, now)
+                );
+            }
+        }
+    }
+}
+
+/// Records in both stores the slots an engine drawn from `x` showed another worker: a
+/// queue over a running count of 1 to 24 (slots only ever grow).
+fn another_worker_learns_slots(cfg: &Config, stores: [&MemStore; 2], x: u64, now: u64) {
+    let Some(ep) = cfg.endpoints.get((x >> 52) as usize % cfg.endpoints.len()) else {
+        return;
+    };
+    let keep: Vec<u32> = cfg.endpoints.iter().map(|e| e.id).collect();
+    let load = crate::scheduler::routing::judge::saturation::EngineLoad {
+        waiting: Some(1),
+        running: Some(1 + ((x >> 56) % 24) as u32),
+        kv_usage_permille: None,
+        scraped_ms: now,
+        decode_us_per_token: None,
+        decoded_at_ms: None,
+    };
+    for store in stores {
+        crate::scheduler::routing::select::capacity::record(store, &[(ep.id, load)], None, &keep);
     }
 }
 

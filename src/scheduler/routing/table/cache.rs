@@ -586,6 +586,13 @@ pub struct BoardMemo {
     pub(crate) loads: Rc<Vec<Option<EngineLoad>>>,
     pub(crate) pace: Rc<Vec<Option<f64>>>,
     pub(crate) slots: Vec<Option<u32>>,
+    /// The engines' `slots_version` the statics' `slots` equal (`None`: unknown).
+    pub(crate) slots_version: Option<u64>,
+    /// Counts the changes to `weights` (a new board, a weight or id recomputed otherwise).
+    pub(crate) weights_version: u64,
+    /// What the last decision over this board derived from its weights, slots and loads
+    /// (see `choose::gather`), with the versions and loads it was derived from.
+    pub(crate) lists: Option<BoardLists>,
     /// Every load kept that was fresh when judged stays so up to this instant (see
     /// `signals::Engine::fresh_until`).
     pub(crate) fresh_until: u64,
@@ -611,6 +618,24 @@ pub struct BoardMemo {
     /// degraded candidate), kept and forgotten with the homes: a failover's next attempt
     /// takes the second of its order from the kept hashes without hashing every candidate.
     pub(crate) passes: Vec<(u64, FirstPass)>,
+}
+
+/// What a decision derives from a board's weights, its statics' slots and loads (see
+/// `choose::gather`): kept in the board memo while the weights (`weights_version`), the slots
+/// (`slots_version`) and the loads (the same list) are the ones they were derived from.
+#[derive(Debug, Clone)]
+pub struct BoardLists {
+    pub(crate) weights_version: u64,
+    pub(crate) slots_version: u64,
+    pub(crate) loads: Rc<Vec<Option<EngineLoad>>>,
+    /// Every static candidate has a fresh load.
+    pub(crate) all_scraped: bool,
+    /// Every static candidate's slots are known.
+    pub(crate) by_slots: bool,
+    /// The most slots known among the statics (0: none).
+    pub(crate) most_slots: u32,
+    /// The rendezvous weights as the decision weighs them (by slots where some are known).
+    pub(crate) weights: Rc<Vec<(usize, u32, f64)>>,
 }
 
 /// A rendezvous order's first pass as `placement::Keyed` keeps it, for the board memo.

@@ -42,12 +42,13 @@ pub(in crate::scheduler::routing::select) struct Board<'t> {
     /// Every endpoint's remembered quota against this request (`quota_aware`): see
     /// [`Board::short`] and [`Board::certain_429`].
     pub(super) quotas: QuotaView<'t>,
-    /// The load bounded-load placement weighs (see `signals::placement_load`), or the
-    /// projected load when `by_slots`; empty when nothing is scraped (the in-flight count,
-    /// read on demand).
-    pub(super) load: Vec<u32>,
-    /// Each endpoint's projected load and slots, where scraped (see `capacity`).
-    pub(super) room: Vec<Option<Room>>,
+    /// The engines' fresh loads by index (empty when nothing is scraped), and whether every
+    /// static candidate has one: what [`Board::load_of`] reads on demand.
+    pub(super) loads: &'t [Option<crate::scheduler::routing::judge::saturation::EngineLoad>],
+    pub(super) all_scraped: bool,
+    /// Each endpoint's projected load and slots, where scraped (see `capacity`; empty when
+    /// nothing is scraped), the engines' own list.
+    pub(super) room: &'t [Option<Room>],
     /// The most slots among the statics as their rendezvous weights count them (0: none
     /// known; an engine that never queued counts as the most known × 4, see `gather`).
     pub(super) most_slots: u32,
@@ -62,6 +63,9 @@ pub(in crate::scheduler::routing::select) struct Board<'t> {
     /// The candidates left as the last healthy server of another model than the request's
     /// (see [`last_servers`]), by index; empty when none is (no endpoint degraded).
     pub(super) captive: Vec<bool>,
+    /// The first two statics with room for a new session (see [`Board::room_elsewhere`]),
+    /// found on first use.
+    pub(super) room_at: std::cell::OnceCell<[Option<usize>; 2]>,
 }
 
 /// The totals of the walk's eligible candidates ([`eligible_totals`]) when no engine load is
@@ -147,15 +151,36 @@ impl<'t> Board<'t> {
             .and_then(|t| t.entries.get(i))
             .is_some_and(|(_, st)| st.quota.certain_429(q.estimate, q.now_ms))
     }
+    /// The load bounded-load placement weighs: the projected load when `by_slots`, else
+    /// `signals::placement_load` (the scraped one where every candidate reports it), and the
+    /// in-flight count when nothing is scraped. Read on demand, for the candidates a decision
+    /// weighs: a list of every endpoint's cost each decision about 60 instructions per
+    /// endpoint.
     pub(in crate::scheduler::routing::select) fn load_of(&self, i: usize) -> u32 {
-        if self.load.is_empty() {
+        if self.plain {
             return self
                 .table
                 .entries
                 .get(i)
                 .map_or(0, |(_, st)| st.load(self.now_ms, self.max_age_ms));
         }
-        self.load.get(i).copied().unwrap_or(0)
+        if self.by_slots {
+            return self
+                .room
+                .get(i)
+                .copied()
+                .flatten()
+                .map_or(0, |r| r.projected);
+        }
+        let l = self
+            .loads
+            .get(i)
+            .copied()
+            .flatten()
+            .filter(|_| self.all_scraped);
+        self.table.entries.get(i).map_or(0, |(_, st)| {
+            signals::placement_load(st, l.as_ref(), self.now_ms, self.max_age_ms)
+        })
     }
     /// The walk's `(load, weight, slots)` totals over the eligible candidates, without `left`
     /// (the pinned endpoint the session leaves), the cheap way when nothing is scraped (see
@@ -250,9 +275,21 @@ impl<'t> Board<'t> {
     /// [`Board::full`]): only then is a full endpoint passed over (all full: placed as
     /// without metrics).
     pub(in crate::scheduler::routing::select) fn room_elsewhere(&self, i: usize) -> bool {
-        self.statics().iter().any(|&j| {
-            j != i && self.admitted(j) && !self.degraded(j) && !self.short(j) && !self.full(j)
-        })
+        // The first two statics (index order) that could take it, found once per decision:
+        // some other than `i` is among them if there is one. A walk asks it of every full
+        // candidate it meets, and scanning the statics each time cost a failover's walk over
+        // a fleet with many full engines about 60 000 instructions at 512.
+        let first = self.room_at.get_or_init(|| {
+            let mut with_room = self.statics().iter().copied().filter(|&j| {
+                self.admitted(j) && !self.degraded(j) && !self.short(j) && !self.full(j)
+            });
+            [with_room.next(), with_room.next()]
+        });
+        match *first {
+            [Some(j), _] if j != i => true,
+            [Some(_), Some(_)] => true,
+            _ => false,
+        }
     }
     /// Whether a new session's placement passes over full `i` (see [`Board::full`]): another
     /// candidate has room, or — every one full — another's queue is far shorter

@@ -2,7 +2,8 @@
 //! (weights, verdicts, breaker admission, quota, load), and the helpers it alone uses.
 
 use super::*;
-use crate::scheduler::routing::table::Quiet;
+use crate::scheduler::routing::judge::saturation::EngineLoad;
+use crate::scheduler::routing::table::{BoardLists, Quiet};
 
 impl<'a> Scheduler<'a> {
     /// Step 1: what every endpoint may do in this decision. Weights and verdicts come from
@@ -353,13 +354,12 @@ impl<'a> Scheduler<'a> {
                 }
                 let mut open = Vec::new();
                 let a = Rc::new(admit(table, candidates, n, now_ms, bcfg, &mut open)?);
-                if let (Some(bm), true) = (board_memo, keeps) {
+                if let (Some(bm), true) = (board_memo.as_deref_mut(), keeps) {
                     bm.keep_admission(Some((&a, open)));
                 }
                 a
             }
         };
-        drop(cache);
 
         // Quota: short endpoints are skipped for placements, a certain 429 even by a pin.
         let estimate = pick.quota_estimate(crate::scheduler::routing::quota::BYTES_PER_TOKEN);
@@ -375,78 +375,51 @@ impl<'a> Scheduler<'a> {
         // The engines' own running + waiting where every candidate reports it (one unit for
         // all: an engine's count includes every replica's requests, an in-flight count only
         // this one's), else this replica's in-flight counts.
-        let all_scraped = any_scraped
-            && statics
-                .iter()
-                .all(|&i| loads.get(i).copied().flatten().is_some());
         // Every candidate's slots known (see `capacity`): the load is the projected one (scraped
-        // running + waiting and this process's placements since), bounded by slots.
-        let room: Vec<Option<Room>> = if any_scraped {
-            (0..n)
-                .map(|i| {
-                    rooms
-                        .get(i)
-                        .copied()
-                        .flatten()
-                        .filter(|_| loads.get(i).copied().flatten().is_some())
-                })
-                .collect()
-        } else {
-            // Nothing scraped: no room anywhere (read as `None`, as a list of them would be).
-            Vec::new()
-        };
-        let by_slots = !statics.is_empty()
-            && statics.iter().all(|&i| {
-                room.get(i)
-                    .copied()
-                    .flatten()
-                    .is_some_and(|r| r.slots.is_some())
-            });
-        // Some candidate's slots known: a session's rendezvous weight is its placement weight
-        // × its slots (an engine that never queued counted as `UNQUEUED_SLOTS_FACTOR` × the
-        // most known), so that where new sessions and later turns without a pin go follows
-        // what the engines can run, which every replica learns alike (the largest running
-        // count an engine showed while it queued, never smaller later).
-        // Without it, a 4-slot engine was the home of as many sessions as a 16-slot one,
-        // full every other second, and replicas reading "full" a moment apart sent the turns
-        // of one session to different endpoints (mixed fleet, three replicas: 80 % of later
-        // turns on their previous endpoint).
-        let most_slots = statics
+        // running + waiting and this process's placements since), bounded by slots. The rooms
+        // are derived from these loads (a room only where there is a load).
+        let room: &[Option<Room>] = if any_scraped { rooms } else { &[] };
+        debug_assert!(room
             .iter()
-            .filter_map(|&i| slots_of(&room, i))
-            .max()
-            .unwrap_or(0);
-        let weights = if most_slots > 0 {
-            Rc::new(
-                weights
-                    .iter()
-                    .map(|&(i, id, w)| {
-                        let slots = slots_of(&room, i)
-                            .unwrap_or(most_slots.saturating_mul(UNQUEUED_SLOTS_FACTOR));
-                        (i, id, w * f64::from(slots))
-                    })
-                    .collect(),
-            )
-        } else {
-            weights
-        };
-        // Without scraped loads, an endpoint's load is its in-flight count: read on demand
-        // ([`Board::load_of`]) rather than for every endpoint.
-        let load = if any_scraped {
-            (0..n)
-                .map(|i| {
-                    if by_slots {
-                        return room.get(i).copied().flatten().map_or(0, |r| r.projected);
-                    }
-                    let l = loads.get(i).copied().flatten().filter(|_| all_scraped);
-                    state(i).map_or(0, |st| {
-                        signals::placement_load(st, l.as_ref(), now_ms, cfg.in_flight_max_age_ms)
-                    })
+            .enumerate()
+            .all(|(i, r)| r.is_none() || loads.get(i).copied().flatten().is_some()));
+        // What follows passes over every static candidate: the board memo's, while its
+        // weights, the slots (the rooms memo's version) and the loads are those it was
+        // derived from.
+        let kept_lists = match (from_memo, engines.slots_version, board_memo.as_deref()) {
+            (true, Some(v), Some(bm)) => bm
+                .lists
+                .as_ref()
+                .filter(|l| {
+                    l.slots_version == v
+                        && l.weights_version == bm.weights_version
+                        && Rc::ptr_eq(&l.loads, loads)
                 })
-                .collect()
-        } else {
-            Vec::new()
+                .cloned(),
+            _ => None,
         };
+        let lists = match kept_lists {
+            Some(l) => l,
+            None => {
+                let l = derive_lists(statics, loads, room, any_scraped, weights);
+                if let (true, Some(v), Some(bm)) = (from_memo, engines.slots_version, board_memo) {
+                    bm.lists = Some(BoardLists {
+                        slots_version: v,
+                        weights_version: bm.weights_version,
+                        ..l.clone()
+                    });
+                }
+                l
+            }
+        };
+        drop(cache);
+        let BoardLists {
+            all_scraped,
+            by_slots,
+            most_slots,
+            weights,
+            ..
+        } = lists;
         // Nobody degraded, by this decision (`any_degraded`: the statics' verdicts) or as
         // stored (counted by the worker's cache when there is one): no last server.
         let stored_degraded = match stored_degraded {
@@ -478,7 +451,8 @@ impl<'a> Scheduler<'a> {
             verdicts,
             flips,
             quotas,
-            load,
+            loads: if any_scraped { loads } else { &[] },
+            all_scraped,
             room,
             // As the weights count them: an engine that never queued as the most known × 4.
             most_slots: if by_slots {
@@ -490,7 +464,68 @@ impl<'a> Scheduler<'a> {
             admission,
             excluded,
             captive,
+            room_at: std::cell::OnceCell::new(),
         })
+    }
+}
+
+/// What a decision derives from its board's `weights`, the statics' slots (`room`) and
+/// `loads` (see [`BoardLists`]; its versions are the caller's to set).
+fn derive_lists(
+    statics: &[usize],
+    loads: &Rc<Vec<Option<EngineLoad>>>,
+    room: &[Option<Room>],
+    any_scraped: bool,
+    weights: Rc<Vec<(usize, u32, f64)>>,
+) -> BoardLists {
+    let all_scraped = any_scraped
+        && statics
+            .iter()
+            .all(|&i| loads.get(i).copied().flatten().is_some());
+    // Every candidate's slots known: bounded load by slots.
+    let by_slots = !statics.is_empty()
+        && statics.iter().all(|&i| {
+            room.get(i)
+                .copied()
+                .flatten()
+                .is_some_and(|r| r.slots.is_some())
+        });
+    // Some candidate's slots known: a session's rendezvous weight is its placement weight
+    // × its slots (an engine that never queued counted as `UNQUEUED_SLOTS_FACTOR` × the
+    // most known), so that where new sessions and later turns without a pin go follows
+    // what the engines can run, which every replica learns alike (the largest running
+    // count an engine showed while it queued, never smaller later).
+    // Without it, a 4-slot engine was the home of as many sessions as a 16-slot one,
+    // full every other second, and replicas reading "full" a moment apart sent the turns
+    // of one session to different endpoints (mixed fleet, three replicas: 80 % of later
+    // turns on their previous endpoint).
+    let most_slots = statics
+        .iter()
+        .filter_map(|&i| slots_of(room, i))
+        .max()
+        .unwrap_or(0);
+    let weights = if most_slots > 0 {
+        Rc::new(
+            weights
+                .iter()
+                .map(|&(i, id, w)| {
+                    let slots = slots_of(room, i)
+                        .unwrap_or(most_slots.saturating_mul(UNQUEUED_SLOTS_FACTOR));
+                    (i, id, w * f64::from(slots))
+                })
+                .collect(),
+        )
+    } else {
+        weights
+    };
+    BoardLists {
+        weights_version: 0,
+        slots_version: 0,
+        loads: Rc::clone(loads),
+        all_scraped,
+        by_slots,
+        most_slots,
+        weights,
     }
 }
 

@@ -92,7 +92,12 @@ impl BoardMemo {
         let same_loads = Rc::ptr_eq(&engines.loads, &self.loads);
         let same_pace = Rc::ptr_eq(&engines.pace, &self.pace);
         let expired = now_ms > self.fresh_until;
-        if scraped {
+        // The same loads and paces, none turned past its age, and the slots at the version
+        // the memo's equal (the rooms memo counts their changes): nothing of the engines
+        // moved, and nothing is compared.
+        let same_slots =
+            engines.slots_version.is_some() && engines.slots_version == self.slots_version;
+        if scraped && !(same_loads && same_pace && !expired && same_slots) {
             for &i in statics {
                 let slots = engines
                     .rooms
@@ -127,6 +132,8 @@ impl BoardMemo {
                 }
             }
         }
+        // Compared above (or the same): the statics' slots are those of this version.
+        self.slots_version = engines.slots_version;
         dirty.sort_unstable();
         dirty.dedup();
         if slots_moved {
@@ -161,6 +168,7 @@ impl BoardMemo {
             {
                 self.homes.clear();
                 self.passes.clear();
+                self.weights_version = self.weights_version.wrapping_add(1);
             }
             *slot_w = w;
             // The flipped positions stay in index order.
@@ -220,6 +228,8 @@ impl BoardMemo {
         self.statics.clear();
         self.statics.extend_from_slice(statics);
         self.weights = Rc::clone(&board.weights);
+        self.weights_version = self.weights_version.wrapping_add(1);
+        self.lists = None;
         self.verdicts = Rc::clone(&board.verdicts);
         self.flips = Rc::clone(&board.flips);
         self.live = live;
@@ -236,6 +246,7 @@ impl BoardMemo {
     /// last instant at which every load it holds fresh at `now_ms` still is (a load past its
     /// age now is of a position judged by every decision).
     fn keep_engines(&mut self, engines: &Engines, now_ms: u64) {
+        self.slots_version = engines.slots_version;
         self.loads = Rc::clone(&engines.loads);
         self.pace = Rc::clone(&engines.pace);
         self.slots.clear();
