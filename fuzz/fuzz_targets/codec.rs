@@ -42,6 +42,8 @@ struct StateSpec {
     degraded_probe_ms: u64,
     latency_dev: u32,
     degraded_probes: u8,
+    degraded_at_ms: u64,
+    degraded_own_end_ms: u64,
     quota_requests: Option<(u64, u64, Option<u64>, u64, bool)>,
     quota_tokens: Option<(u64, u64, Option<u64>, u64, bool)>,
     /// Prompt and cached token averages (non-negative, as the codec requires) and samples.
@@ -129,6 +131,8 @@ fn state(s: &StateSpec) -> (u32, EndpointState) {
             degraded: s.degraded,
             degraded_probe_ms: s.degraded_probe_ms,
             degraded_probes: s.degraded_probes,
+            degraded_at_ms: s.degraded_at_ms,
+            degraded_own_end_ms: s.degraded_own_end_ms,
             quota: Quota {
                 requests: s.quota_requests.map(remaining),
                 tokens: s.quota_tokens.map(remaining),

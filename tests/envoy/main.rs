@@ -26,6 +26,7 @@ mod pin_break;
 mod pin_paid;
 mod pools;
 mod prefix;
+mod probes;
 mod quota;
 mod relief;
 mod reload;

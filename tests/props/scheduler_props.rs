@@ -991,6 +991,8 @@ fn endpoint_state() -> impl Strategy<Value = EndpointState> {
                     breaker,
                     degraded,
                     degraded_probe_ms,
+                    degraded_at_ms: degraded_probe_ms / 3,
+                    degraded_own_end_ms: degraded_probe_ms / 2,
                     quota,
                     payoff: Payoff {
                         prompt,

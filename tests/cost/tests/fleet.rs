@@ -19,7 +19,7 @@ fn departed_hosts_leave_nothing_behind_in_shared_data() {
     let d = departures(modules.filter(), 1_000, 1).expect("departures");
     println!("{d:#?}");
     assert_eq!(d.named_after, vec![host_address(0)], "the host that stayed");
-    const TABLE_GROUPS: &str = "computeflux/endpoints/16/*";
+    const TABLE_GROUPS: &str = "computeflux/endpoints/17/*";
     const AFFINITY: &str = "computeflux/affinity/*";
     let family = |s: &Shared, f: &str| s.by_family.get(f).copied().unwrap_or((0, 0));
     // Group keys of the table at 1 000 endpoints (16 each).

@@ -174,6 +174,32 @@ pub fn probe_interval(cfg: &Config, probes: u8) -> u64 {
     doubled.min(cap)
 }
 
+/// How many probes a fleet probing a degraded endpoint on the schedule of [`probe_interval`]
+/// has sent by the time its engine last decoded (`decoded_at_ms`, by its scrape), counted from
+/// `degraded_at_ms`: the probes `k` whose schedule, `base × (2^k − 1)` after that, has passed —
+/// `⌊log2(elapsed ÷ base + 1)⌋`. `degraded_at_ms` is when this Envoy judged the endpoint
+/// degraded, moved on by its own work there (`EndpointState::degraded_at_ms`), so `elapsed` is
+/// the engine's idle time and the other replicas' probes.
+///
+/// Why: each replica doubles its interval after its own probes only, and the interval runs
+/// from the engine's last decoding, which another replica's probe moves. So a replica that had
+/// not probed yet waited the base interval after every probe of the others: three replicas
+/// probed a degraded engine every base interval and a probe's length (the zipf bench's `slow`
+/// run with engine metrics: probes at 21.0, 28.4 and 35.5 s, one Envoy at 21 and 32.8 s). The
+/// engine's last decoding and the time it was judged are alike on every replica that scrapes
+/// it, so the count they give is too. With one Envoy it is its own count: `elapsed` after its
+/// `k`-th probe is its idle gaps, `base × (2^k − 1)` and the waits for a new session. A
+/// replica counts the others' probes with their lengths (more than they were when a probe
+/// lasts longer than the base interval: fewer probes, never more). Where the engine is not
+/// scraped there is no decoding to read: each Envoy counts its own probes.
+pub fn fleet_probes(cfg: &Config, degraded_at_ms: u64, decoded_at_ms: u64) -> u8 {
+    let base = cfg.degraded_probe_interval_ms.max(1);
+    let elapsed = decoded_at_ms.saturating_sub(degraded_at_ms);
+    // ⌊log2(elapsed ÷ base + 1)⌋ in integers: the bit length of ⌊elapsed ÷ base⌋ + 1, less one.
+    let n = (elapsed / base).saturating_add(1);
+    (63 - n.leading_zeros()).min(u32::from(u8::MAX)) as u8
+}
+
 /// Candidates (`(index, endpoint id, weight)`) in rendezvous order for `session_key`:
 /// decreasing key, ties (equal keys, e.g. zero weights) by endpoint id.
 pub fn order(session_key: u64, candidates: &[(usize, u32, f64)]) -> Vec<usize> {
@@ -740,6 +766,37 @@ pub fn load_limit(total_load: u64, weight: f64, total_weight: f64, cfg: &Config)
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// The fleet's probe count: none before one base interval after the verdict (what was in
+    /// flight draining); then the probes whose schedule `base × (2^k − 1)` has passed; with one
+    /// prober whose probes last less than twice the base, its own count.
+    #[test]
+    fn fleet_probes_count_the_schedule_passed() {
+        let cfg = Config::from_json(
+            br#"{"endpoints": [{"name": "a", "cluster": "a"}],
+                "tuning": {"degraded_probe_interval_ms": 1000}}"#,
+        )
+        .unwrap();
+        let at = |d: u64| fleet_probes(&cfg, 10_000, 10_000 + d);
+        assert_eq!(fleet_probes(&cfg, 10_000, 5_000), 0);
+        assert_eq!((at(0), at(999), at(1_000), at(2_999)), (0, 0, 1, 1));
+        assert_eq!((at(3_000), at(6_999), at(7_000), at(15_000)), (2, 2, 3, 4));
+        assert_eq!(
+            u32::from(fleet_probes(&cfg, 0, u64::MAX)),
+            (u64::MAX / 1_000).ilog2()
+        );
+        // One prober: probe k + 1 goes `probe_interval(k)` after probe k ended and lasts 9 s;
+        // with its own probes' lengths left out of the schedule's start, the engine's last
+        // decoding after each counts exactly the probes sent (below the interval's cap, 60 s).
+        let (mut start, mut decoded, mut own) = (10_000u64, 10_000u64, 0u8);
+        for _ in 0..6 {
+            let sent = decoded + probe_interval(&cfg, own);
+            own += 1;
+            decoded = sent + 9_000;
+            start += 9_000;
+            assert_eq!(fleet_probes(&cfg, start, decoded), own);
+        }
+    }
 
     /// The first position a [`Draws`] gives is `p` with probability `w_p × accept_p / Σ`, and
     /// none is given twice nor one never accepted.

@@ -371,7 +371,9 @@ impl<'a> Scheduler<'a> {
     /// the engine running anything. Each replica used to probe on its own timer, so three
     /// replicas sent three times one Envoy's probes (the bench's `slow` run: 6 requests to the
     /// slowed engine after detection against 2); a probe any of them sends is evidence for
-    /// all, through the engine's pace.
+    /// all, through the engine's pace. And the interval doubles after the fleet's probes as
+    /// that decoding counts them ([`placement::fleet_probes`]), not after this replica's own
+    /// alone: three replicas probe about as often as one Envoy.
     pub(super) fn probe_due(
         &self,
         board: &Board,
@@ -385,9 +387,26 @@ impl<'a> Scheduler<'a> {
         // The interval runs from this replica's last probe, or from the engine's last
         // decoding by its scrape (another replica's probe), whichever is later.
         let since = load.and_then(|l| l.decoded_at_ms).unwrap_or(0);
+        // The interval doubles after every probe the fleet sent, as the engine's decoding shows
+        // them ([`placement::fleet_probes`]), not only after this replica's own.
+        // And the replica whose work the engine did last goes first: the others wait two scrape
+        // intervals more, by when its probe shows running in their scrapes. The fleet's
+        // schedule is every replica's, so they would all be due at once, and two probes went
+        // within one scrape interval (the zipf bench's `slow` run: 32.8 and 33.0 s).
+        let scrape_ms = self
+            .cfg
+            .endpoints
+            .get(i)
+            .and_then(|e| e.metrics.as_ref())
+            .map_or(0, |m| m.interval_ms);
         let due = table.entries.get(i).is_some_and(|(_, st)| {
+            let probes =
+                st.degraded_probes
+                    .max(placement::fleet_probes(self.cfg, st.degraded_at_ms, since));
+            let others = since > st.degraded_own_end_ms.saturating_add(2 * scrape_ms);
+            let after = if others { 2 * scrape_ms } else { 0 };
             now_ms.saturating_sub(st.degraded_probe_ms.max(since))
-                >= placement::probe_interval(self.cfg, st.degraded_probes)
+                >= placement::probe_interval(self.cfg, probes).saturating_add(after)
         });
         // Where its engine is scraped: idle by its last scrape. Another replica's probe still
         // running there fetches the evidence this one would, for every replica (its pace).

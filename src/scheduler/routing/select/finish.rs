@@ -138,7 +138,8 @@ impl<'a> Scheduler<'a> {
                 .and_then(|(sample, model)| record_slowness(st, sample, model, now_ms));
             record_payoff(st, outcome, &ticket, cfg);
             let by_quota = record_quota(st, outcome, &ticket, quota, &rule, cfg, now_ms);
-            record_probe(st, &ticket, ratio, reference);
+            record_degraded_busy(st, &ticket, now_ms);
+            record_probe(st, &ticket, ratio, reference, now_ms);
             let changed = record_breaker(st, outcome, &ticket, now_ms, &bcfg, by_quota);
             let report = Finished {
                 breaker_changed: changed,
@@ -355,13 +356,34 @@ pub(super) fn record_quota(
     }
 }
 
+/// The probe schedule's start on a degraded endpoint (`EndpointState::degraded_at_ms`, read by
+/// `placement::fleet_probes`) leaves out this Envoy's own work there: an answer of a probe
+/// moves it on by the probe's length, any other answer (what was in flight or pinned when it
+/// was judged, draining) to now. So the time the engine's last decoding is read against is
+/// what it spent idle and on the other replicas' probes; with one Envoy, its idle gaps alone,
+/// and the count is its own however long its probes or its drain took.
+pub(super) fn record_degraded_busy(st: &mut EndpointState, ticket: &Ticket, now_ms: u64) {
+    if !st.degraded {
+        return;
+    }
+    st.degraded_at_ms = if ticket.degraded_probe {
+        let took = now_ms.saturating_sub(ticket.started_ms);
+        st.degraded_at_ms.saturating_add(took).min(now_ms)
+    } else {
+        st.degraded_at_ms.max(now_ms)
+    };
+    st.degraded_own_end_ms = st.degraded_own_end_ms.max(now_ms);
+}
+
 /// Probe backoff: a degraded endpoint's probe whose answer was fast for its work (its ratio
-/// below [`DEGRADED_EXIT_RATIO`](crate::scheduler::config::DEGRADED_EXIT_RATIO) × the peers' median slowness) resets the probe interval.
+/// below [`DEGRADED_EXIT_RATIO`](crate::scheduler::config::DEGRADED_EXIT_RATIO) × the peers' median slowness) resets the probe interval,
+/// and the probe schedule starts again from now (`EndpointState::degraded_at_ms`).
 pub(super) fn record_probe(
     st: &mut EndpointState,
     ticket: &Ticket,
     ratio: Option<f64>,
     reference: Option<f64>,
+    now_ms: u64,
 ) {
     let fast = match (ratio, reference) {
         (Some(r), Some(peers)) => r < crate::scheduler::config::DEGRADED_EXIT_RATIO * peers,
@@ -370,6 +392,7 @@ pub(super) fn record_probe(
     if ticket.degraded_probe && fast {
         // Recovering: probe at the base interval again.
         st.degraded_probes = 0;
+        st.degraded_at_ms = now_ms;
     }
 }
 
@@ -413,6 +436,8 @@ pub(super) fn store_verdict(
         st.degraded_probes = 0;
         if degraded {
             st.degraded_probe_ms = now_ms;
+            st.degraded_at_ms = now_ms;
+            st.degraded_own_end_ms = now_ms;
         }
         changed = true;
     }

@@ -88,6 +88,13 @@ pub struct EndpointState {
     /// Probe placements sent since it was degraded (or since a probe came back fast): the
     /// probe interval doubles with each, up to `degraded_probe_max_interval_ms`.
     pub degraded_probes: u8,
+    /// The start of the probe schedule that the scraped engine's last decoding is read against
+    /// (see `placement::fleet_probes`): when this Envoy judged it degraded or saw a probe of
+    /// its come back fast, moved on by its own work there since (`finish::record_degraded_busy`).
+    pub degraded_at_ms: u64,
+    /// When this Envoy last had an answer from it while it was degraded (or judged it so): a
+    /// later decoding by its scrape is another replica's probe (see `choose::probe_due`).
+    pub degraded_own_end_ms: u64,
     /// What its last successful answer said was left of its quota (see `quota`).
     pub quota: Quota,
     /// The affinity payoff: cached share of its pinned turns' prompts (see `payoff`).
@@ -115,6 +122,8 @@ impl Default for EndpointState {
             degraded: false,
             degraded_probe_ms: 0,
             degraded_probes: 0,
+            degraded_at_ms: 0,
+            degraded_own_end_ms: 0,
             quota: Quota::default(),
             payoff: Payoff::default(),
             slowness: Slowness::default(),
@@ -216,12 +225,12 @@ pub struct Table {
 
 /// The byte format's version. A new one needs a new [`TABLE_KEY`] (a test checks that they
 /// agree).
-pub const TABLE_VERSION: u8 = 16;
+pub const TABLE_VERSION: u8 = 17;
 /// The table's header key, one per [`TABLE_VERSION`] (its groups' keys are under it, see
 /// [`group_key`]): modules of two versions running side by side during an upgrade each keep
 /// their own table instead of resetting each other's on every write (Envoy never frees a key:
 /// one table's worth of bytes per version ever run).
-pub const TABLE_KEY: &str = "computeflux/endpoints/16";
+pub const TABLE_KEY: &str = "computeflux/endpoints/17";
 /// Id, write stamp, then the state.
 const ENTRY_BYTES: usize = 4
     + 8
@@ -245,6 +254,8 @@ const ENTRY_BYTES: usize = 4
     + 1
     + 8
     + 1
+    + 8
+    + 8
     + Quota::BYTES
     + Payoff::BYTES
     + Slowness::BYTES
@@ -313,6 +324,8 @@ fn decode_entry(chunk: &[u8]) -> Option<(u32, EndpointState)> {
         },
         degraded_probe_ms: r.u64()?,
         degraded_probes: r.u8()?,
+        degraded_at_ms: r.u64()?,
+        degraded_own_end_ms: r.u64()?,
         quota: Quota::decode(&mut r)?,
         payoff: Payoff::decode(&mut r)?,
         slowness: Slowness::decode_from(&mut r)?,
@@ -357,6 +370,8 @@ fn encode_entry(w: &mut Writer, id: u32, stamp: u64, s: &EndpointState) {
     w.u8(u8::from(s.degraded));
     w.u64(s.degraded_probe_ms);
     w.u8(s.degraded_probes);
+    w.u64(s.degraded_at_ms);
+    w.u64(s.degraded_own_end_ms);
     s.quota.encode(w);
     s.payoff.encode(w);
     s.slowness.encode_into(w);
