@@ -34,27 +34,6 @@ const MAX_TOKENS: u64 = 48;
 const WATCHED: Duration = Duration::from_secs(15);
 const WAIT: Duration = Duration::from_secs(20);
 
-/// An engine-like mock: 3 ms per output token, 1 ms per uncached prompt token, its decode
-/// counters in its `/metrics`.
-fn engine(name: &str) -> MockUpstream {
-    MockUpstream::start(
-        name,
-        &[MODEL],
-        &[
-            "--engine",
-            "batched",
-            "--max-concurrency",
-            "16",
-            "--output-tokens",
-            "max_tokens",
-            "--decode-ms-per-token",
-            "3",
-            "--prefill-us-per-token",
-            "1000",
-        ],
-    )
-}
-
 fn plugin() -> Value {
     let metrics = json!({"format": "vllm", "interval_ms": 100, "timeout_ms": 1000});
     let endpoints: Vec<Value> = NAMES
@@ -101,7 +80,10 @@ fn degraded_everywhere(replicas: &Replicas) -> bool {
 /// per replica gives one per base interval and probe length (≈ 1.3 s: about 11).
 #[test]
 fn replicas_probe_a_degraded_engine_as_one_envoy_would() {
-    let mocks: Vec<MockUpstream> = NAMES.iter().map(|n| engine(n)).collect();
+    let mocks: Vec<MockUpstream> = NAMES
+        .iter()
+        .map(|n| MockUpstream::paced_engine(n, &[MODEL]))
+        .collect();
     let clusters: Vec<(&str, u16)> = mocks.iter().map(|m| (m.name.as_str(), m.port)).collect();
     let replicas = Replicas::start(EnvoyConfig::new(plugin(), &clusters), REPLICAS);
 

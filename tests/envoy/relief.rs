@@ -65,28 +65,6 @@ const CLIENTS: usize = 4;
 /// Generous limit of every eventually-style wait (scrapes, the verdict).
 const WAIT: Duration = Duration::from_secs(20);
 
-/// An engine-like mock serving `models`: 16 slots, a FIFO queue, 3 ms per output token, 1 ms
-/// per uncached prompt token (a turn's ~70 new tokens: ~70 ms, so that 5× slower is well above
-/// the noise of a loaded machine).
-fn engine(name: &str, models: &[&str]) -> MockUpstream {
-    MockUpstream::start(
-        name,
-        models,
-        &[
-            "--engine",
-            "batched",
-            "--max-concurrency",
-            "16",
-            "--output-tokens",
-            "max_tokens",
-            "--decode-ms-per-token",
-            "3",
-            "--prefill-us-per-token",
-            "1000",
-        ],
-    )
-}
-
 /// The filter's configuration: every endpoint with its `models` and scraped every 250 ms;
 /// probes of the degraded endpoint rare (new sessions homed elsewhere never need one).
 fn plugin() -> Value {
@@ -307,7 +285,10 @@ struct Run {
 /// The scenario, with the rule on or off: warm-up, `b` loaded from elsewhere, new `m1`
 /// sessions homed on `b`; then `a` slowed until degraded, and new `m1` and `m2` sessions.
 fn run() -> Run {
-    let mocks: Vec<MockUpstream> = FLEET.iter().map(|(n, ms)| engine(n, ms)).collect();
+    let mocks: Vec<MockUpstream> = FLEET
+        .iter()
+        .map(|(n, ms)| MockUpstream::paced_engine(n, ms))
+        .collect();
     let clusters: Vec<(&str, u16)> = mocks.iter().map(|m| (m.name.as_str(), m.port)).collect();
     let envoy = Envoy::start(EnvoyConfig::new(plugin(), &clusters));
     let port = envoy.port;

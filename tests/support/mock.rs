@@ -97,6 +97,29 @@ impl MockUpstream {
         }
     }
 
+    /// An engine-like mock serving `models`: 16 slots, a FIFO queue, `max_tokens` output
+    /// tokens at 3 ms each, 1 ms per uncached prompt token (a turn's ~70 new tokens: ~70 ms, so
+    /// that 5× slower is well above the noise of a loaded machine); its decode counters in its
+    /// `/metrics` (vLLM format).
+    pub fn paced_engine(name: &str, models: &[&str]) -> MockUpstream {
+        MockUpstream::start(
+            name,
+            models,
+            &[
+                "--engine",
+                "batched",
+                "--max-concurrency",
+                "16",
+                "--output-tokens",
+                "max_tokens",
+                "--decode-ms-per-token",
+                "3",
+                "--prefill-us-per-token",
+                "1000",
+            ],
+        )
+    }
+
     /// `127.0.0.1:<port>`.
     pub fn addr(&self) -> String {
         format!("127.0.0.1:{}", self.port)
