@@ -483,25 +483,14 @@ fn run(a: Args) -> Result<(), String> {
     std::fs::create_dir_all(&tmp).map_err(|e| format!("{}: {e}", tmp.display()))?;
     let wasm = support::wasm_path();
     let mock_args = mock_args(&a);
-    let opts = RoutingOpts {
-        mock_args: mock_args.clone(),
-        prefill_us: a.prefill_us,
-        concurrency: 2,
-        replica_concurrency: a.replica_concurrency,
-        front_concurrency: a.front_concurrency,
-        drain_s: a.drain_s,
-        envoy_retries: a.envoy_retries,
-        open_ms: a.open_ms,
-        plugin_extra: a.plugin_extra.clone(),
-        request_timeout: Duration::from_secs(30),
-        raw_dir: Some(match &a.raw_dir {
-            Some(d) => {
-                std::fs::create_dir_all(d).map_err(|e| format!("{}: {e}", d.display()))?;
-                d.clone()
-            }
-            None => tmp.clone(),
-        }),
+    let raw_dir = match &a.raw_dir {
+        Some(d) => {
+            std::fs::create_dir_all(d).map_err(|e| format!("{}: {e}", d.display()))?;
+            d.clone()
+        }
+        None => tmp.clone(),
     };
+    let opts = routing_opts(&a, &mock_args, raw_dir);
     let plans = workload::plan(&a.workload);
     let span_ms = workload::SessionPlan::last_arrival_ms(&plans);
 
@@ -729,6 +718,24 @@ fn run_matrix<C: Copy>(a: &Args, cases: &[C], defaults: &[Policy]) -> Vec<(C, us
         }
     }
     runs
+}
+
+/// The routing runs' options from the command line: 2 worker threads per Envoy, a 30 s
+/// request timeout, raw records under `raw_dir` (shared by the even and the Zipf modes).
+fn routing_opts(a: &Args, mock_args: &[String], raw_dir: PathBuf) -> RoutingOpts {
+    RoutingOpts {
+        mock_args: mock_args.to_vec(),
+        prefill_us: a.prefill_us,
+        concurrency: 2,
+        replica_concurrency: a.replica_concurrency,
+        front_concurrency: a.front_concurrency,
+        drain_s: a.drain_s,
+        envoy_retries: a.envoy_retries,
+        open_ms: a.open_ms,
+        plugin_extra: a.plugin_extra.clone(),
+        request_timeout: Duration::from_secs(30),
+        raw_dir: Some(raw_dir),
+    }
 }
 
 fn mock_args(a: &Args) -> Vec<String> {

@@ -24,11 +24,11 @@
 
 use std::collections::BTreeMap;
 use std::fmt::Write as _;
-use std::time::{Duration, Instant};
+use std::time::Instant;
 
 use serde_json::{json, Value};
 
-use super::routing::{self, RoutingOpts, Scenario, FAULTY};
+use super::routing::{self, Scenario, FAULTY};
 use super::summary::{self, Summary};
 use super::topology::{self, Policy, ENDPOINTS};
 use super::workload::{self, WorkloadParams};
@@ -475,19 +475,7 @@ pub fn run(a: &super::Args) -> Result<(), String> {
     std::fs::create_dir_all(&raw_dir).map_err(|e| format!("{}: {e}", raw_dir.display()))?;
     let wasm = super::support::wasm_path();
     let mock_args = super::mock_args(a);
-    let opts = RoutingOpts {
-        mock_args: mock_args.clone(),
-        prefill_us: a.prefill_us,
-        concurrency: 2,
-        replica_concurrency: a.replica_concurrency,
-        front_concurrency: a.front_concurrency,
-        drain_s: a.drain_s,
-        envoy_retries: a.envoy_retries,
-        open_ms: a.open_ms,
-        plugin_extra: a.plugin_extra.clone(),
-        request_timeout: Duration::from_secs(30),
-        raw_dir: Some(raw_dir.clone()),
-    };
+    let opts = super::routing_opts(a, &mock_args, raw_dir.clone());
     let scenarios: Vec<Scenario> = if a.scenarios_given {
         a.scenarios.clone()
     } else {
