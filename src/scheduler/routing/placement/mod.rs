@@ -393,15 +393,54 @@ impl<'c> Keyed<'c> {
     /// positive number the bound grows with the hash, so the candidates left out have bounds
     /// at most the last kept one's. The kept candidates' exact keys decide unless the best is
     /// not above that bound (then every candidate whose bound reaches it is computed, as
-    /// [`best_of`] does); unequal weights take [`Keyed::first_by_bounds`].
+    /// [`best_of`] does); from the first weight that differs, the pass goes on by bounds
+    /// ([`Keyed::top_by_bounds`]).
     fn first_pass(&self) -> Top {
         let &(_, _, w0) = self.candidates.first()?;
+        let key = self.session_key;
+        if self.seeds.len() == self.candidates.len() {
+            self.first_pass_of(
+                w0,
+                self.candidates
+                    .iter()
+                    .zip(self.seeds)
+                    .enumerate()
+                    .map(|(at, (&(_, _, w), &seed))| (at, rendezvous_seeded(key, seed), w)),
+            )
+        } else {
+            self.first_pass_of(
+                w0,
+                self.candidates
+                    .iter()
+                    .enumerate()
+                    .map(|(at, &(_, id, w))| (at, rendezvous(key, id), w)),
+            )
+        }
+    }
+
+    /// [`Keyed::first_pass`] over the candidates' `(position, hash, weight)`, in order.
+    fn first_pass_of(&self, w0: f64, mut hashes: impl Iterator<Item = (usize, u64, f64)>) -> Top {
+        let none = [(f64::NEG_INFINITY, usize::MAX, 0u64); TOP_KEPT];
+        if w0.is_nan() || w0 <= 0.0 || w0.is_infinite() {
+            return self.top_by_bounds(none, hashes);
+        }
         // `(hash, position)`, greatest first; unfilled slots hold hash 0 and no position.
         let mut kept = [(0u64, usize::MAX); TOP_KEPT];
         let mut last = 0u64;
-        let mut uniform = true;
-        let mut each = |at: usize, h: u64, w: f64| {
-            uniform &= w.to_bits() == w0.to_bits();
+        while let Some((at, h, w)) = hashes.next() {
+            if w.to_bits() != w0.to_bits() {
+                // Weights differ: the candidates so far, all of weight `w0`, have their
+                // greatest bounds where their greatest hashes are (the bound grows with the
+                // hash), so the kept hashes carry on as kept bounds; those left out are at
+                // most the last kept one's bound.
+                let mut by_bound = none;
+                for (slot, &(h, at)) in by_bound.iter_mut().zip(&kept) {
+                    if at != usize::MAX {
+                        *slot = (bound_of(h, w0), at, h);
+                    }
+                }
+                return self.top_by_bounds(by_bound, std::iter::once((at, h, w)).chain(hashes));
+            }
             if h >= last {
                 // A hash equal to every kept one has no place (`p` past the end).
                 let p = kept.iter().position(|k| k.0 < h).unwrap_or(TOP_KEPT);
@@ -413,18 +452,6 @@ impl<'c> Keyed<'c> {
                 }
                 last = kept.last().map_or(0, |k| k.0);
             }
-        };
-        if self.seeds.len() == self.candidates.len() {
-            for (at, (&(_, _, w), &seed)) in self.candidates.iter().zip(self.seeds).enumerate() {
-                each(at, rendezvous_seeded(self.session_key, seed), w);
-            }
-        } else {
-            for (at, &(_, id, w)) in self.candidates.iter().enumerate() {
-                each(at, rendezvous(self.session_key, id), w);
-            }
-        }
-        if !uniform || w0.is_nan() || w0 <= 0.0 || w0.is_infinite() {
-            return self.first_by_bounds();
         }
         let (best_at, best_key) = self.best_kept(&kept, w0, None)?;
         // Every candidate was kept, or none left out can reach the best: decided.
@@ -482,13 +509,18 @@ impl<'c> Keyed<'c> {
         decided.then_some((at, key.2))
     }
 
-    /// [`Keyed::first_pass`] for unequal weights: every candidate's bound, keeping the
-    /// [`TOP_KEPT`] greatest `(bound, position, hash)`; their exact keys decide unless the
-    /// best is not above every bound left out.
-    fn first_by_bounds(&self) -> Top {
-        let mut kept = [(f64::NEG_INFINITY, usize::MAX, 0u64); TOP_KEPT];
-        let mut last = f64::NEG_INFINITY;
-        let mut each = |at: usize, h: u64, w: f64| {
+    /// [`Keyed::first_pass`] for unequal weights: the rest of the candidates' `(position,
+    /// hash, weight)` by their bounds, keeping the [`TOP_KEPT`] greatest `(bound, position,
+    /// hash)` on top of `kept` (greatest first, unfilled slots at −∞; no candidate already
+    /// passed and left out has a bound above the last kept one's). Their exact keys decide
+    /// unless the best is not above every bound left out.
+    fn top_by_bounds(
+        &self,
+        mut kept: [(f64, usize, u64); TOP_KEPT],
+        rest: impl Iterator<Item = (usize, u64, f64)>,
+    ) -> Top {
+        let mut last = kept.last().map_or(f64::NEG_INFINITY, |k| k.0);
+        for (at, h, w) in rest {
             let b = bound_of(h, w);
             if b > last {
                 let p = kept.iter().position(|k| k.0 < b).unwrap_or(TOP_KEPT);
@@ -499,15 +531,6 @@ impl<'c> Keyed<'c> {
                     }
                 }
                 last = kept.last().map_or(f64::NEG_INFINITY, |k| k.0);
-            }
-        };
-        if self.seeds.len() == self.candidates.len() {
-            for (at, (&(_, _, w), &seed)) in self.candidates.iter().zip(self.seeds).enumerate() {
-                each(at, rendezvous_seeded(self.session_key, seed), w);
-            }
-        } else {
-            for (at, &(_, id, w)) in self.candidates.iter().enumerate() {
-                each(at, rendezvous(self.session_key, id), w);
             }
         }
         let mut best: Option<(usize, (f64, u32, usize))> = None;
@@ -879,23 +902,27 @@ mod tests {
         }
     }
 
-    /// The one-pass first of the order (kept greatest hashes, or bounds for unequal weights)
-    /// equals the first of the exact ranking on fleets up to 600 candidates, with and without
+    /// The one-pass first of the order (kept greatest hashes, or bounds for unequal weights,
+    /// from where they start to differ) equals the first of the exact ranking on fleets up to 600 candidates, with and without
     /// seeds; runs of duplicate ids (equal hashes and keys, ranked by index) make the kept
     /// candidates tie with those left out, which must fall back to the full search.
     #[test]
     fn first_pass_is_the_first_of_the_order_on_large_fleets() {
         use crate::scheduler::state::hash::{fmix64, rendezvous_seed};
-        for fleet in 0..60u64 {
+        for fleet in 0..72u64 {
             let n = 1 + (fmix64(fleet ^ 0xfeed) % 600) as usize;
             let dup = fleet % 3 == 1;
             let cands: Vec<(usize, u32, f64)> = (0..n)
                 .map(|i| {
                     let r = fmix64(fleet * 7919 + i as u64);
-                    let w = match fleet % 5 {
+                    let w = match fleet % 6 {
                         0 | 1 => 1.0,
                         2 => 0.25,
                         3 => [0.5, 1.0, 2.0][(r % 3) as usize],
+                        // Equal weights for most of the pass, then unequal: the kept hashes
+                        // carry on as kept bounds.
+                        4 if i < n * 3 / 4 => 2.0,
+                        4 => [0.5, 2.0, 3.0][(r % 3) as usize],
                         _ => (r % 1000) as f64 / 7.0 + 1e-3,
                     };
                     let id = if dup { (r % 3) as u32 } else { r as u32 };
