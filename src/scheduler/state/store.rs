@@ -71,17 +71,18 @@ pub fn update_if<R>(
     }
 }
 
-/// [`update_if`] with `f` given the current bytes to own: a change of a few bytes of a large
-/// value is made in place, without copying the value (one instruction per byte under wasm).
+/// [`update_if`] with `f` given the current bytes to own, and their CAS token: a change of a
+/// few bytes of a large value is made in place, without copying the value (one instruction
+/// per byte under wasm).
 pub fn update_owned_if<R>(
     store: &dyn Store,
     key: &str,
-    mut f: impl FnMut(Option<Vec<u8>>) -> (Option<Vec<u8>>, R),
+    mut f: impl FnMut(Option<Vec<u8>>, Option<u32>) -> (Option<Vec<u8>>, R),
 ) -> Result<R, R> {
     let mut last = None;
     for _ in 0..CAS_RETRIES {
         let (bytes, cas) = store.get(key);
-        let (new, result) = f(bytes);
+        let (new, result) = f(bytes, cas);
         let Some(new) = new else { return Ok(result) };
         match store.set(key, &new, cas) {
             Ok(()) => return Ok(result),
@@ -92,8 +93,8 @@ pub fn update_owned_if<R>(
         Some(r) => Err(r),
         None => {
             // Unreachable with CAS_RETRIES > 0; compute once more without writing.
-            let (bytes, _) = store.get(key);
-            Err(f(bytes).1)
+            let (bytes, cas) = store.get(key);
+            Err(f(bytes, cas).1)
         }
     }
 }

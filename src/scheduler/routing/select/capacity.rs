@@ -299,6 +299,9 @@ pub struct Engines {
     pub rooms: std::rc::Rc<Vec<Option<Room>>>,
     /// What was seen before the decision (for [`Engines::record`]).
     pub seen: std::rc::Rc<Capacities>,
+    /// The CAS token of the stored capacities `seen` was decoded from, when they decoded (their
+    /// ids strictly increasing): a placement counted on the same write checks no id again.
+    pub decoded_cas: Option<u32>,
     /// Some fresh load shows slots beyond what `seen` holds (derived with the rooms).
     pub grew: bool,
     /// The worker's rooms memo's count of changes to the rooms' slots when these were
@@ -319,6 +322,8 @@ pub struct Engines {
 pub struct RoomsMemo {
     bytes: Option<Vec<u8>>,
     cas: Option<u32>,
+    /// `bytes` decoded (a patch keeps the ids and their positions, so it keeps that too).
+    decoded: bool,
     loads: std::rc::Rc<Vec<Option<EngineLoad>>>,
     rooms: std::rc::Rc<Vec<Option<Room>>>,
     seen: std::rc::Rc<Capacities>,
@@ -528,16 +533,16 @@ impl Engines {
                     pace,
                     rooms: std::rc::Rc::clone(&m.rooms),
                     seen: std::rc::Rc::clone(&m.seen),
+                    decoded_cas: m.cas.filter(|_| m.decoded),
                     grew: m.growing > 0,
                     slots_version: Some(m.slots_version),
                     sessions: None,
                 };
             }
         }
-        let seen = bytes
-            .as_deref()
-            .and_then(Capacities::decode)
-            .unwrap_or_default();
+        let decoded = bytes.as_deref().and_then(Capacities::decode);
+        let decoded_cas = cas.filter(|_| decoded.is_some());
+        let seen = decoded.unwrap_or_default();
         let mut at: Vec<Option<usize>> = vec![None; seen.entries.len()];
         let mut growing = 0;
         let rooms: Vec<Option<Room>> = cfg
@@ -563,6 +568,7 @@ impl Engines {
             *m = RoomsMemo {
                 bytes,
                 cas,
+                decoded: decoded_cas.is_some(),
                 loads: std::rc::Rc::clone(&loads),
                 rooms: std::rc::Rc::clone(&rooms),
                 seen: std::rc::Rc::clone(&seen),
@@ -577,6 +583,7 @@ impl Engines {
             pace,
             rooms,
             seen,
+            decoded_cas,
             grew: growing > 0,
             slots_version,
             sessions: None,
@@ -613,10 +620,10 @@ impl Engines {
             Some((cfg.endpoints.get(i)?.id, load))
         });
         match sorted_ids {
-            Some(ids) => record(store, &fresh, placed, ids),
+            Some(ids) => record_decoded(store, &fresh, placed, ids, self.decoded_cas),
             None => {
                 let ids: Vec<u32> = cfg.endpoints.iter().map(|e| e.id).collect();
-                record(store, &fresh, placed, &ids)
+                record_decoded(store, &fresh, placed, &ids, self.decoded_cas)
             }
         };
     }
@@ -641,10 +648,23 @@ pub fn record(
     placed: Option<(u32, EngineLoad)>,
     keep: &[u32],
 ) -> bool {
-    update_owned_if(store, CAPACITY_KEY, |mut bytes| {
+    record_decoded(store, loads, placed, keep, None)
+}
+
+/// [`record`], knowing that the stored capacities of CAS token `decoded_cas` decode (a
+/// worker's memo decoded them): a placement counted on that write checks no id again.
+fn record_decoded(
+    store: &dyn Store,
+    loads: &[(u32, EngineLoad)],
+    placed: Option<(u32, EngineLoad)>,
+    keep: &[u32],
+    decoded_cas: Option<u32>,
+) -> bool {
+    update_owned_if(store, CAPACITY_KEY, |mut bytes, cas| {
         // A placement alone on an entry already there: its bytes rewritten in place.
         if let (true, Some((id, load)), Some(b)) = (loads.is_empty(), &placed, bytes.as_mut()) {
-            if sent_in_place(b, *id, load) {
+            let decodes = cas.is_some() && cas == decoded_cas;
+            if sent_in_place(b, *id, load, decodes) {
                 return (bytes, true);
             }
         }
@@ -669,7 +689,9 @@ pub fn record(
 /// Why: every new session counts its placement, and decoding and encoding the whole record
 /// for it cost an amount that grew with the fleet (about 45 000 instructions at 512); so did
 /// checking the ids entry by entry through slices, and copying the record (about 10 000 each).
-fn sent_in_place(bytes: &mut [u8], id: u32, load: &EngineLoad) -> bool {
+///
+/// `decodes`: the bytes are known to decode (the ids are not checked again).
+fn sent_in_place(bytes: &mut [u8], id: u32, load: &EngineLoad, decodes: bool) -> bool {
     let Some((&[version], rest)) = bytes.split_first_chunk::<1>() else {
         return false;
     };
@@ -686,7 +708,7 @@ fn sent_in_place(bytes: &mut [u8], id: u32, load: &EngineLoad) -> bool {
     let id_of = |r: &[u8; ENTRY_BYTES]| u32::from_le_bytes([r[0], r[1], r[2], r[3]]);
     // Strictly increasing ids, as `Capacities::decode` requires (else it reads as nothing).
     let mut last: Option<u32> = None;
-    for r in records {
+    for r in records.iter().filter(|_| !decodes) {
         let now = id_of(r);
         if last.is_some_and(|l| l >= now) {
             return false;
@@ -1009,6 +1031,7 @@ mod tests {
             version in proptest::option::of(0u8..3),
             id in 0u32..40,
             (w, r, t) in (0u32..4, 0u32..20, 0u64..4),
+            told in proptest::bool::ANY,
         ) {
             let mut entries = entries;
             if sorted {
@@ -1032,7 +1055,9 @@ mod tests {
             let keep: Vec<u32> = (0..40).collect();
             let decoded = Capacities::decode(&bytes);
             let mut fast = bytes.clone();
-            if sent_in_place(&mut fast, id, &l) {
+            // Told that the bytes decode only when they do (a worker's memo decoded them).
+            let decodes = told && decoded.is_some();
+            if sent_in_place(&mut fast, id, &l, decodes) {
                 let mut caps = decoded.clone().unwrap_or_default();
                 proptest::prop_assert!(decoded.is_some());
                 proptest::prop_assert!(caps.find(id).0.is_some());
