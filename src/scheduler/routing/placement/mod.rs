@@ -679,7 +679,58 @@ pub struct LazyOrder<'k, 'c> {
     rest: Vec<(Bounded, Option<f64>)>,
     /// Scans left before the rest goes into a heap.
     scans: u32,
-    heap: Option<std::collections::BinaryHeap<Ranked>>,
+    heap: Option<Heaps>,
+}
+
+/// The rest of a [`LazyOrder`] once in heaps: the candidates by their bounds, each moved to
+/// `exact` (its exact key computed) when its bound is the greatest left. The greatest exact key
+/// is the next of the order once it is above every bound left (no candidate still by bound can
+/// rank above it: its key is at most its bound). So a walk that takes a few more candidates
+/// computes a few more logarithms, not one per candidate (a failover passing over full engines
+/// at 512 endpoints built the heap of every exact key: about 100 instructions each).
+struct Heaps {
+    by_bound: std::collections::BinaryHeap<ByBound>,
+    exact: std::collections::BinaryHeap<Ranked>,
+}
+
+/// A candidate ordered by its bound (and its exact key, when a scan computed it).
+#[derive(Debug, Clone, Copy)]
+struct ByBound(Bounded, Option<f64>);
+
+impl PartialEq for ByBound {
+    fn eq(&self, other: &Self) -> bool {
+        self.cmp(other) == std::cmp::Ordering::Equal
+    }
+}
+impl Eq for ByBound {}
+impl PartialOrd for ByBound {
+    fn partial_cmp(&self, other: &Self) -> Option<std::cmp::Ordering> {
+        Some(self.cmp(other))
+    }
+}
+impl Ord for ByBound {
+    fn cmp(&self, other: &Self) -> std::cmp::Ordering {
+        self.0.bound.total_cmp(&other.0.bound)
+    }
+}
+
+impl Heaps {
+    /// The next of the order (see [`Heaps`]).
+    fn pop(&mut self, session_key: u64) -> Option<usize> {
+        loop {
+            let left = self.by_bound.peek().map(|b| b.0.bound);
+            if let Some(Ranked((key, _, _))) = self.exact.peek() {
+                // Strictly above: a candidate whose bound equals the key may tie it (and then
+                // rank first by its id), so it is computed first.
+                if left.is_none_or(|b| *key > b) {
+                    return self.exact.pop().map(|Ranked((_, _, i))| i);
+                }
+            }
+            let ByBound(c, key) = self.by_bound.pop()?;
+            let key = key.unwrap_or_else(|| hrw_key(session_key, c.id, c.weight));
+            self.exact.push(Ranked((key, c.id, c.index)));
+        }
+    }
 }
 
 impl LazyOrder<'_, '_> {
@@ -729,22 +780,20 @@ impl Iterator for LazyOrder<'_, '_> {
                 .map(|(_, &c)| (c, None))
                 .collect();
         }
+        let session_key = self.session_key;
         if let Some(heap) = self.heap.as_mut() {
-            return heap.pop().map(|Ranked((_, _, i))| i);
+            return heap.pop(session_key);
         }
         if self.scans == 0 {
-            let session_key = self.session_key;
-            let ranked: Vec<Ranked> = std::mem::take(&mut self.rest)
+            let by_bound: Vec<ByBound> = std::mem::take(&mut self.rest)
                 .into_iter()
-                .map(|(c, key)| {
-                    let key = key.unwrap_or_else(|| hrw_key(session_key, c.id, c.weight));
-                    Ranked((key, c.id, c.index))
-                })
+                .map(|(c, key)| ByBound(c, key))
                 .collect();
-            let mut heap = std::collections::BinaryHeap::from(ranked);
-            let next = heap.pop().map(|Ranked((_, _, i))| i);
-            self.heap = Some(heap);
-            return next;
+            let heap = self.heap.insert(Heaps {
+                by_bound: std::collections::BinaryHeap::from(by_bound),
+                exact: std::collections::BinaryHeap::new(),
+            });
+            return heap.pop(session_key);
         }
         self.scans -= 1;
         // The greatest exact key, computing it only where the bound reaches the best so far
