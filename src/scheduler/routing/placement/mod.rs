@@ -285,11 +285,22 @@ fn key_bound(session_key: u64, endpoint_id: u32, weight: f64) -> f64 {
 
 /// [`key_bound`] from the candidate's rendezvous hash `h`.
 fn bound_of(h: u64, weight: f64) -> f64 {
-    if weight.is_nan() || weight <= 0.0 {
-        return 0.0;
-    }
-    weight / (1.0 - unit(h)) * (1.0 + 1e-9)
+    raw_bound(h, weight) * BOUND_MARGIN
 }
+
+/// [`bound_of`] before its margin: `w / (1 − u)` (0 for a weight that is not positive). The
+/// bound grows with it, so a pass keeping the greatest bounds compares these and applies the
+/// margin to the few it keeps.
+fn raw_bound(h: u64, weight: f64) -> f64 {
+    if weight > 0.0 {
+        weight / (1.0 - unit(h))
+    } else {
+        0.0
+    }
+}
+
+/// The factor of [`bound_of`] that covers the rounding of both computations.
+const BOUND_MARGIN: f64 = 1.0 + 1e-9;
 
 /// `(key, id, index)` ranked as [`Keyed::order`] ranks them: the greater comes first (larger
 /// key, then smaller id; the index breaks what the order leaves open).
@@ -396,51 +407,48 @@ impl<'c> Keyed<'c> {
     /// [`best_of`] does); from the first weight that differs, the pass goes on by bounds
     /// ([`Keyed::top_by_bounds`]).
     fn first_pass(&self) -> Top {
-        let &(_, _, w0) = self.candidates.first()?;
         let key = self.session_key;
         if self.seeds.len() == self.candidates.len() {
-            self.first_pass_of(
-                w0,
-                self.candidates
-                    .iter()
-                    .zip(self.seeds)
-                    .enumerate()
-                    .map(|(at, (&(_, _, w), &seed))| (at, rendezvous_seeded(key, seed), w)),
-            )
+            let seeds = self.seeds;
+            self.first_pass_by(|at, _| {
+                seeds
+                    .get(at)
+                    .map_or(0, |&seed| rendezvous_seeded(key, seed))
+            })
         } else {
-            self.first_pass_of(
-                w0,
-                self.candidates
-                    .iter()
-                    .enumerate()
-                    .map(|(at, &(_, id, w))| (at, rendezvous(key, id), w)),
-            )
+            self.first_pass_by(|_, id| rendezvous(key, id))
         }
     }
 
-    /// [`Keyed::first_pass`] over the candidates' `(position, hash, weight)`, in order.
-    fn first_pass_of(&self, w0: f64, mut hashes: impl Iterator<Item = (usize, u64, f64)>) -> Top {
-        let none = [(f64::NEG_INFINITY, usize::MAX, 0u64); TOP_KEPT];
+    /// [`Keyed::first_pass`] with `hash(position, id)` the candidate's rendezvous hash: plain
+    /// loops over the candidates (through iterator adapters, one chained after the other,
+    /// the pass cost about twice as many instructions under wasm).
+    #[inline(always)]
+    fn first_pass_by(&self, hash: impl Fn(usize, u32) -> u64) -> Top {
+        let cands = self.candidates;
+        let &(_, _, w0) = cands.first()?;
+        let mut at = 0;
         if w0.is_nan() || w0 <= 0.0 || w0.is_infinite() {
-            return self.top_by_bounds(none, hashes);
+            return self.top_by_bounds([(f64::NEG_INFINITY, usize::MAX, 0u64); TOP_KEPT], at, hash);
         }
         // `(hash, position)`, greatest first; unfilled slots hold hash 0 and no position.
         let mut kept = [(0u64, usize::MAX); TOP_KEPT];
         let mut last = 0u64;
-        while let Some((at, h, w)) = hashes.next() {
+        while let Some(&(_, id, w)) = cands.get(at) {
             if w.to_bits() != w0.to_bits() {
                 // Weights differ: the candidates so far, all of weight `w0`, have their
                 // greatest bounds where their greatest hashes are (the bound grows with the
                 // hash), so the kept hashes carry on as kept bounds; those left out are at
                 // most the last kept one's bound.
-                let mut by_bound = none;
-                for (slot, &(h, at)) in by_bound.iter_mut().zip(&kept) {
-                    if at != usize::MAX {
-                        *slot = (bound_of(h, w0), at, h);
+                let mut by_bound = [(f64::NEG_INFINITY, usize::MAX, 0u64); TOP_KEPT];
+                for (slot, &(h, k)) in by_bound.iter_mut().zip(&kept) {
+                    if k != usize::MAX {
+                        *slot = (raw_bound(h, w0), k, h);
                     }
                 }
-                return self.top_by_bounds(by_bound, std::iter::once((at, h, w)).chain(hashes));
+                return self.top_by_bounds(by_bound, at, hash);
             }
+            let h = hash(at, id);
             if h >= last {
                 // A hash equal to every kept one has no place (`p` past the end).
                 let p = kept.iter().position(|k| k.0 < h).unwrap_or(TOP_KEPT);
@@ -452,10 +460,11 @@ impl<'c> Keyed<'c> {
                 }
                 last = kept.last().map_or(0, |k| k.0);
             }
+            at += 1;
         }
         let (best_at, best_key) = self.best_kept(&kept, w0, None)?;
         // Every candidate was kept, or none left out can reach the best: decided.
-        if self.candidates.len() <= TOP_KEPT || best_key.0 > bound_of(last, w0) {
+        if cands.len() <= TOP_KEPT || best_key.0 > bound_of(last, w0) {
             self.kept.set(Some(KeptHashes {
                 hashes: kept,
                 weight: w0,
@@ -509,19 +518,24 @@ impl<'c> Keyed<'c> {
         decided.then_some((at, key.2))
     }
 
-    /// [`Keyed::first_pass`] for unequal weights: the rest of the candidates' `(position,
-    /// hash, weight)` by their bounds, keeping the [`TOP_KEPT`] greatest `(bound, position,
-    /// hash)` on top of `kept` (greatest first, unfilled slots at −∞; no candidate already
-    /// passed and left out has a bound above the last kept one's). Their exact keys decide
-    /// unless the best is not above every bound left out.
+    /// [`Keyed::first_pass`] for unequal weights: the candidates from position `from` on
+    /// (hashed by `hash(position, id)`) by their bounds, keeping the [`TOP_KEPT`] greatest
+    /// `(bound before its margin, position, hash)` (see [`raw_bound`]) on top of `kept`
+    /// (greatest first, unfilled slots at −∞; no candidate already passed and left out has a
+    /// bound above the last kept one's). Their exact keys decide unless the best is not above
+    /// every bound left out.
+    #[inline(always)]
     fn top_by_bounds(
         &self,
         mut kept: [(f64, usize, u64); TOP_KEPT],
-        rest: impl Iterator<Item = (usize, u64, f64)>,
+        from: usize,
+        hash: impl Fn(usize, u32) -> u64,
     ) -> Top {
         let mut last = kept.last().map_or(f64::NEG_INFINITY, |k| k.0);
-        for (at, h, w) in rest {
-            let b = bound_of(h, w);
+        let mut at = from;
+        while let Some(&(_, id, w)) = self.candidates.get(at) {
+            let h = hash(at, id);
+            let b = raw_bound(h, w);
             if b > last {
                 let p = kept.iter().position(|k| k.0 < b).unwrap_or(TOP_KEPT);
                 if let Some(tail) = kept.get_mut(p..).filter(|t| !t.is_empty()) {
@@ -532,13 +546,14 @@ impl<'c> Keyed<'c> {
                 }
                 last = kept.last().map_or(f64::NEG_INFINITY, |k| k.0);
             }
+            at += 1;
         }
         let mut best: Option<(usize, (f64, u32, usize))> = None;
-        for &(b, at, h) in &kept {
+        for &(raw, at, h) in &kept {
             let Some(&(i, id, w)) = self.candidates.get(at) else {
                 break;
             };
-            if best.is_some_and(|(_, best)| b < best.0) {
+            if best.is_some_and(|(_, best)| raw * BOUND_MARGIN < best.0) {
                 break;
             }
             let k = (key_of(h, w), id, i);
@@ -547,7 +562,7 @@ impl<'c> Keyed<'c> {
             }
         }
         let (best_at, best_key) = best?;
-        if self.candidates.len() <= TOP_KEPT || best_key.0 > last {
+        if self.candidates.len() <= TOP_KEPT || best_key.0 > last * BOUND_MARGIN {
             return Some((best_at, best_key));
         }
         best_of(self.session_key, self.bounds())
