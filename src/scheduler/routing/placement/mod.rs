@@ -243,8 +243,9 @@ pub struct Keyed<'c> {
     /// once computed: the home of a fleet without degraded endpoints and the first step of
     /// the walk are the same search, done once.
     top: std::cell::Cell<Option<Top>>,
-    /// The greatest hashes the first pass kept and the weight they share, when it decided by
-    /// them alone: the second of the order is usually among them (a failover's next place).
+    /// The hashes of the greatest bounds the first pass kept, when it decided by them alone:
+    /// the next few of the order are usually among them (a failover's next place, a walk past
+    /// a few full engines).
     kept: std::cell::Cell<Option<KeptHashes>>,
 }
 
@@ -462,12 +463,12 @@ impl<'c> Keyed<'c> {
             }
             at += 1;
         }
-        let (best_at, best_key) = self.best_kept(&kept, w0, None)?;
+        let (best_at, best_key) = self.best_kept(&kept, |_| false)?;
         // Every candidate was kept, or none left out can reach the best: decided.
         if cands.len() <= TOP_KEPT || best_key.0 > bound_of(last, w0) {
             self.kept.set(Some(KeptHashes {
                 hashes: kept,
-                weight: w0,
+                left: bound_of(last, w0),
             }));
             return Some((best_at, best_key));
         }
@@ -481,21 +482,20 @@ impl<'c> Keyed<'c> {
     fn best_kept(
         &self,
         kept: &[(u64, usize); TOP_KEPT],
-        w0: f64,
-        skip: Option<usize>,
+        skip: impl Fn(usize) -> bool,
     ) -> Option<(usize, (f64, u32, usize))> {
         let mut best: Option<(usize, (f64, u32, usize))> = None;
         for &(h, at) in kept {
-            let Some(&(i, id, _)) = self.candidates.get(at) else {
+            let Some(&(i, id, w)) = self.candidates.get(at) else {
                 break;
             };
-            if skip == Some(at) {
+            if skip(at) {
                 continue;
             }
-            if best.is_some_and(|(_, b)| bound_of(h, w0) < b.0) {
+            if best.is_some_and(|(_, b)| bound_of(h, w) < b.0) {
                 break;
             }
-            let k = (key_of(h, w0), id, i);
+            let k = (key_of(h, w), id, i);
             if best.is_none_or(|(_, b)| rank(&k, &b).is_gt()) {
                 best = Some((at, k));
             }
@@ -503,18 +503,17 @@ impl<'c> Keyed<'c> {
         best
     }
 
-    /// The second of the order (position and index) after the first at `first_at`, from the
-    /// hashes the first pass kept, when they decide it as they decided the first; `None`
-    /// otherwise (the caller searches every candidate).
-    fn second(&self, first_at: usize) -> Option<(usize, usize)> {
-        let KeptHashes {
-            hashes: kept,
-            weight: w0,
-        } = self.kept.get()?;
-        let (at, key) = self.best_kept(&kept, w0, Some(first_at))?;
-        // The candidates left out have hashes at most the last kept one's (all kept: none).
-        let decided = self.candidates.len() <= TOP_KEPT
-            || kept.last().is_some_and(|k| key.0 > bound_of(k.0, w0));
+    /// The next of the order (position and index) after the first at `first_at` and the
+    /// positions `taken` since, from the hashes the first pass kept (by equal weights or by
+    /// bounds), when they decide it as they decided the first; `None` otherwise (the caller
+    /// searches every candidate). Why past the second: a failover's walk at 512 endpoints
+    /// passed over a few full engines, and its third candidate listed and scanned every bound,
+    /// its fourth built a heap of them (about 200 000 instructions).
+    fn next_kept(&self, first_at: usize, taken: &[usize]) -> Option<(usize, usize)> {
+        let KeptHashes { hashes: kept, left } = self.kept.get()?;
+        let (at, key) = self.best_kept(&kept, |at| at == first_at || taken.contains(&at))?;
+        // The candidates left out have bounds at most `left` (all kept: none).
+        let decided = self.candidates.len() <= TOP_KEPT || key.0 > left;
         decided.then_some((at, key.2))
     }
 
@@ -562,7 +561,13 @@ impl<'c> Keyed<'c> {
             }
         }
         let (best_at, best_key) = best?;
-        if self.candidates.len() <= TOP_KEPT || best_key.0 > last * BOUND_MARGIN {
+        let left = last * BOUND_MARGIN;
+        if self.candidates.len() <= TOP_KEPT || best_key.0 > left {
+            // Kept for the second of the order, as the equal weights' hashes are.
+            self.kept.set(Some(KeptHashes {
+                hashes: kept.map(|(_, at, h)| (h, at)),
+                left,
+            }));
             return Some((best_at, best_key));
         }
         best_of(self.session_key, self.bounds())
@@ -596,7 +601,7 @@ impl<'c> Keyed<'c> {
             keyed: self,
             started: false,
             unbuilt: None,
-            second: None,
+            from_kept: Vec::new(),
             session_key: self.session_key,
             rest: Vec::new(),
             scans: LazyOrder::SCANS,
@@ -685,9 +690,9 @@ pub struct LazyOrder<'k, 'c> {
     /// The position of the first candidate while `rest` is still to be built from the others
     /// (when a second is asked for: most walks stop at their first candidate).
     unbuilt: Option<usize>,
-    /// The position of the second, when it came from the first pass's kept hashes
-    /// ([`Keyed::second`]): `rest` is built without it too.
-    second: Option<usize>,
+    /// The positions of the candidates after the first that came from the first pass's kept
+    /// hashes ([`Keyed::next_kept`]), in order: `rest` is built without them too.
+    from_kept: Vec<usize>,
     session_key: u64,
     /// Candidates not yet taken (until the heap is built), each with its exact key once
     /// computed.
@@ -775,23 +780,21 @@ impl Iterator for LazyOrder<'_, '_> {
             return Some(i);
         }
         if let Some(at) = self.unbuilt {
-            // The second from the first pass's kept hashes when they decide it (a failover's
-            // walk usually stops there): still nothing listed.
-            if self.second.is_none() {
-                if let Some((second_at, i)) = self.keyed.second(at) {
-                    self.second = Some(second_at);
-                    self.scans = self.scans.saturating_sub(1);
-                    return Some(i);
-                }
+            // The next from the first pass's kept hashes while they decide it (a failover's
+            // walk usually stops at the second): still nothing listed.
+            if let Some((next_at, i)) = self.keyed.next_kept(at, &self.from_kept) {
+                self.from_kept.push(next_at);
+                self.scans = self.scans.saturating_sub(1);
+                return Some(i);
             }
             self.unbuilt = None;
-            let second = self.second;
+            let from_kept = std::mem::take(&mut self.from_kept);
             self.rest = self
                 .keyed
                 .bounds()
                 .iter()
                 .enumerate()
-                .filter(|(j, _)| *j != at && Some(*j) != second)
+                .filter(|(j, _)| *j != at && !from_kept.contains(j))
                 .map(|(_, &c)| (c, None))
                 .collect();
         }
