@@ -71,6 +71,34 @@ pub fn update_if<R>(
     }
 }
 
+/// [`update_if`] with `f` given the current bytes to own, and their CAS token: a change of a
+/// few bytes of a large value is made in place, without copying the value (one instruction
+/// per byte under wasm).
+pub fn update_owned_if<R>(
+    store: &dyn Store,
+    key: &str,
+    mut f: impl FnMut(Option<Vec<u8>>, Option<u32>) -> (Option<Vec<u8>>, R),
+) -> Result<R, R> {
+    let mut last = None;
+    for _ in 0..CAS_RETRIES {
+        let (bytes, cas) = store.get(key);
+        let (new, result) = f(bytes, cas);
+        let Some(new) = new else { return Ok(result) };
+        match store.set(key, &new, cas) {
+            Ok(()) => return Ok(result),
+            Err(CasMismatch) => last = Some(result),
+        }
+    }
+    match last {
+        Some(r) => Err(r),
+        None => {
+            // Unreachable with CAS_RETRIES > 0; compute once more without writing.
+            let (bytes, cas) = store.get(key);
+            Err(f(bytes, cas).1)
+        }
+    }
+}
+
 /// A key made of `parts` and then `n` in decimal, as `format!` writes it, without `format!`'s
 /// machinery (about 1 000 instructions per key under wasm; a request names several numbered
 /// keys: table groups, session buckets).

@@ -243,8 +243,9 @@ pub struct Keyed<'c> {
     /// once computed: the home of a fleet without degraded endpoints and the first step of
     /// the walk are the same search, done once.
     top: std::cell::Cell<Option<Top>>,
-    /// The greatest hashes the first pass kept and the weight they share, when it decided by
-    /// them alone: the second of the order is usually among them (a failover's next place).
+    /// The hashes of the greatest bounds the first pass kept, when it decided by them alone:
+    /// the next few of the order are usually among them (a failover's next place, a walk past
+    /// a few full engines).
     kept: std::cell::Cell<Option<KeptHashes>>,
 }
 
@@ -285,11 +286,22 @@ fn key_bound(session_key: u64, endpoint_id: u32, weight: f64) -> f64 {
 
 /// [`key_bound`] from the candidate's rendezvous hash `h`.
 fn bound_of(h: u64, weight: f64) -> f64 {
-    if weight.is_nan() || weight <= 0.0 {
-        return 0.0;
-    }
-    weight / (1.0 - unit(h)) * (1.0 + 1e-9)
+    raw_bound(h, weight) * BOUND_MARGIN
 }
+
+/// [`bound_of`] before its margin: `w / (1 − u)` (0 for a weight that is not positive). The
+/// bound grows with it, so a pass keeping the greatest bounds compares these and applies the
+/// margin to the few it keeps.
+fn raw_bound(h: u64, weight: f64) -> f64 {
+    if weight > 0.0 {
+        weight / (1.0 - unit(h))
+    } else {
+        0.0
+    }
+}
+
+/// The factor of [`bound_of`] that covers the rounding of both computations.
+const BOUND_MARGIN: f64 = 1.0 + 1e-9;
 
 /// `(key, id, index)` ranked as [`Keyed::order`] ranks them: the greater comes first (larger
 /// key, then smaller id; the index breaks what the order leaves open).
@@ -393,15 +405,51 @@ impl<'c> Keyed<'c> {
     /// positive number the bound grows with the hash, so the candidates left out have bounds
     /// at most the last kept one's. The kept candidates' exact keys decide unless the best is
     /// not above that bound (then every candidate whose bound reaches it is computed, as
-    /// [`best_of`] does); unequal weights take [`Keyed::first_by_bounds`].
+    /// [`best_of`] does); from the first weight that differs, the pass goes on by bounds
+    /// ([`Keyed::top_by_bounds`]).
     fn first_pass(&self) -> Top {
-        let &(_, _, w0) = self.candidates.first()?;
+        let key = self.session_key;
+        if self.seeds.len() == self.candidates.len() {
+            let seeds = self.seeds;
+            self.first_pass_by(|at, _| {
+                seeds
+                    .get(at)
+                    .map_or(0, |&seed| rendezvous_seeded(key, seed))
+            })
+        } else {
+            self.first_pass_by(|_, id| rendezvous(key, id))
+        }
+    }
+
+    /// [`Keyed::first_pass`] with `hash(position, id)` the candidate's rendezvous hash: plain
+    /// loops over the candidates (through iterator adapters, one chained after the other,
+    /// the pass cost about twice as many instructions under wasm).
+    #[inline(always)]
+    fn first_pass_by(&self, hash: impl Fn(usize, u32) -> u64) -> Top {
+        let cands = self.candidates;
+        let &(_, _, w0) = cands.first()?;
+        let mut at = 0;
+        if w0.is_nan() || w0 <= 0.0 || w0.is_infinite() {
+            return self.top_by_bounds([(f64::NEG_INFINITY, usize::MAX, 0u64); TOP_KEPT], at, hash);
+        }
         // `(hash, position)`, greatest first; unfilled slots hold hash 0 and no position.
         let mut kept = [(0u64, usize::MAX); TOP_KEPT];
         let mut last = 0u64;
-        let mut uniform = true;
-        let mut each = |at: usize, h: u64, w: f64| {
-            uniform &= w.to_bits() == w0.to_bits();
+        while let Some(&(_, id, w)) = cands.get(at) {
+            if w.to_bits() != w0.to_bits() {
+                // Weights differ: the candidates so far, all of weight `w0`, have their
+                // greatest bounds where their greatest hashes are (the bound grows with the
+                // hash), so the kept hashes carry on as kept bounds; those left out are at
+                // most the last kept one's bound.
+                let mut by_bound = [(f64::NEG_INFINITY, usize::MAX, 0u64); TOP_KEPT];
+                for (slot, &(h, k)) in by_bound.iter_mut().zip(&kept) {
+                    if k != usize::MAX {
+                        *slot = (raw_bound(h, w0), k, h);
+                    }
+                }
+                return self.top_by_bounds(by_bound, at, hash);
+            }
+            let h = hash(at, id);
             if h >= last {
                 // A hash equal to every kept one has no place (`p` past the end).
                 let p = kept.iter().position(|k| k.0 < h).unwrap_or(TOP_KEPT);
@@ -413,25 +461,14 @@ impl<'c> Keyed<'c> {
                 }
                 last = kept.last().map_or(0, |k| k.0);
             }
-        };
-        if self.seeds.len() == self.candidates.len() {
-            for (at, (&(_, _, w), &seed)) in self.candidates.iter().zip(self.seeds).enumerate() {
-                each(at, rendezvous_seeded(self.session_key, seed), w);
-            }
-        } else {
-            for (at, &(_, id, w)) in self.candidates.iter().enumerate() {
-                each(at, rendezvous(self.session_key, id), w);
-            }
+            at += 1;
         }
-        if !uniform || w0.is_nan() || w0 <= 0.0 || w0.is_infinite() {
-            return self.first_by_bounds();
-        }
-        let (best_at, best_key) = self.best_kept(&kept, w0, None)?;
+        let (best_at, best_key) = self.best_kept(&kept, |_| false)?;
         // Every candidate was kept, or none left out can reach the best: decided.
-        if self.candidates.len() <= TOP_KEPT || best_key.0 > bound_of(last, w0) {
+        if cands.len() <= TOP_KEPT || best_key.0 > bound_of(last, w0) {
             self.kept.set(Some(KeptHashes {
                 hashes: kept,
-                weight: w0,
+                left: bound_of(last, w0),
             }));
             return Some((best_at, best_key));
         }
@@ -445,21 +482,20 @@ impl<'c> Keyed<'c> {
     fn best_kept(
         &self,
         kept: &[(u64, usize); TOP_KEPT],
-        w0: f64,
-        skip: Option<usize>,
+        skip: impl Fn(usize) -> bool,
     ) -> Option<(usize, (f64, u32, usize))> {
         let mut best: Option<(usize, (f64, u32, usize))> = None;
         for &(h, at) in kept {
-            let Some(&(i, id, _)) = self.candidates.get(at) else {
+            let Some(&(i, id, w)) = self.candidates.get(at) else {
                 break;
             };
-            if skip == Some(at) {
+            if skip(at) {
                 continue;
             }
-            if best.is_some_and(|(_, b)| bound_of(h, w0) < b.0) {
+            if best.is_some_and(|(_, b)| bound_of(h, w) < b.0) {
                 break;
             }
-            let k = (key_of(h, w0), id, i);
+            let k = (key_of(h, w), id, i);
             if best.is_none_or(|(_, b)| rank(&k, &b).is_gt()) {
                 best = Some((at, k));
             }
@@ -467,29 +503,38 @@ impl<'c> Keyed<'c> {
         best
     }
 
-    /// The second of the order (position and index) after the first at `first_at`, from the
-    /// hashes the first pass kept, when they decide it as they decided the first; `None`
-    /// otherwise (the caller searches every candidate).
-    fn second(&self, first_at: usize) -> Option<(usize, usize)> {
-        let KeptHashes {
-            hashes: kept,
-            weight: w0,
-        } = self.kept.get()?;
-        let (at, key) = self.best_kept(&kept, w0, Some(first_at))?;
-        // The candidates left out have hashes at most the last kept one's (all kept: none).
-        let decided = self.candidates.len() <= TOP_KEPT
-            || kept.last().is_some_and(|k| key.0 > bound_of(k.0, w0));
+    /// The next of the order (position and index) after the first at `first_at` and the
+    /// positions `taken` since, from the hashes the first pass kept (by equal weights or by
+    /// bounds), when they decide it as they decided the first; `None` otherwise (the caller
+    /// searches every candidate). Why past the second: a failover's walk at 512 endpoints
+    /// passed over a few full engines, and its third candidate listed and scanned every bound,
+    /// its fourth built a heap of them (about 200 000 instructions).
+    fn next_kept(&self, first_at: usize, taken: &[usize]) -> Option<(usize, usize)> {
+        let KeptHashes { hashes: kept, left } = self.kept.get()?;
+        let (at, key) = self.best_kept(&kept, |at| at == first_at || taken.contains(&at))?;
+        // The candidates left out have bounds at most `left` (all kept: none).
+        let decided = self.candidates.len() <= TOP_KEPT || key.0 > left;
         decided.then_some((at, key.2))
     }
 
-    /// [`Keyed::first_pass`] for unequal weights: every candidate's bound, keeping the
-    /// [`TOP_KEPT`] greatest `(bound, position, hash)`; their exact keys decide unless the
-    /// best is not above every bound left out.
-    fn first_by_bounds(&self) -> Top {
-        let mut kept = [(f64::NEG_INFINITY, usize::MAX, 0u64); TOP_KEPT];
-        let mut last = f64::NEG_INFINITY;
-        let mut each = |at: usize, h: u64, w: f64| {
-            let b = bound_of(h, w);
+    /// [`Keyed::first_pass`] for unequal weights: the candidates from position `from` on
+    /// (hashed by `hash(position, id)`) by their bounds, keeping the [`TOP_KEPT`] greatest
+    /// `(bound before its margin, position, hash)` (see [`raw_bound`]) on top of `kept`
+    /// (greatest first, unfilled slots at −∞; no candidate already passed and left out has a
+    /// bound above the last kept one's). Their exact keys decide unless the best is not above
+    /// every bound left out.
+    #[inline(always)]
+    fn top_by_bounds(
+        &self,
+        mut kept: [(f64, usize, u64); TOP_KEPT],
+        from: usize,
+        hash: impl Fn(usize, u32) -> u64,
+    ) -> Top {
+        let mut last = kept.last().map_or(f64::NEG_INFINITY, |k| k.0);
+        let mut at = from;
+        while let Some(&(_, id, w)) = self.candidates.get(at) {
+            let h = hash(at, id);
+            let b = raw_bound(h, w);
             if b > last {
                 let p = kept.iter().position(|k| k.0 < b).unwrap_or(TOP_KEPT);
                 if let Some(tail) = kept.get_mut(p..).filter(|t| !t.is_empty()) {
@@ -500,22 +545,14 @@ impl<'c> Keyed<'c> {
                 }
                 last = kept.last().map_or(f64::NEG_INFINITY, |k| k.0);
             }
-        };
-        if self.seeds.len() == self.candidates.len() {
-            for (at, (&(_, _, w), &seed)) in self.candidates.iter().zip(self.seeds).enumerate() {
-                each(at, rendezvous_seeded(self.session_key, seed), w);
-            }
-        } else {
-            for (at, &(_, id, w)) in self.candidates.iter().enumerate() {
-                each(at, rendezvous(self.session_key, id), w);
-            }
+            at += 1;
         }
         let mut best: Option<(usize, (f64, u32, usize))> = None;
-        for &(b, at, h) in &kept {
+        for &(raw, at, h) in &kept {
             let Some(&(i, id, w)) = self.candidates.get(at) else {
                 break;
             };
-            if best.is_some_and(|(_, best)| b < best.0) {
+            if best.is_some_and(|(_, best)| raw * BOUND_MARGIN < best.0) {
                 break;
             }
             let k = (key_of(h, w), id, i);
@@ -524,7 +561,13 @@ impl<'c> Keyed<'c> {
             }
         }
         let (best_at, best_key) = best?;
-        if self.candidates.len() <= TOP_KEPT || best_key.0 > last {
+        let left = last * BOUND_MARGIN;
+        if self.candidates.len() <= TOP_KEPT || best_key.0 > left {
+            // Kept for the second of the order, as the equal weights' hashes are.
+            self.kept.set(Some(KeptHashes {
+                hashes: kept.map(|(_, at, h)| (h, at)),
+                left,
+            }));
             return Some((best_at, best_key));
         }
         best_of(self.session_key, self.bounds())
@@ -558,7 +601,7 @@ impl<'c> Keyed<'c> {
             keyed: self,
             started: false,
             unbuilt: None,
-            second: None,
+            from_kept: Vec::new(),
             session_key: self.session_key,
             rest: Vec::new(),
             scans: LazyOrder::SCANS,
@@ -647,16 +690,67 @@ pub struct LazyOrder<'k, 'c> {
     /// The position of the first candidate while `rest` is still to be built from the others
     /// (when a second is asked for: most walks stop at their first candidate).
     unbuilt: Option<usize>,
-    /// The position of the second, when it came from the first pass's kept hashes
-    /// ([`Keyed::second`]): `rest` is built without it too.
-    second: Option<usize>,
+    /// The positions of the candidates after the first that came from the first pass's kept
+    /// hashes ([`Keyed::next_kept`]), in order: `rest` is built without them too.
+    from_kept: Vec<usize>,
     session_key: u64,
     /// Candidates not yet taken (until the heap is built), each with its exact key once
     /// computed.
     rest: Vec<(Bounded, Option<f64>)>,
     /// Scans left before the rest goes into a heap.
     scans: u32,
-    heap: Option<std::collections::BinaryHeap<Ranked>>,
+    heap: Option<Heaps>,
+}
+
+/// The rest of a [`LazyOrder`] once in heaps: the candidates by their bounds, each moved to
+/// `exact` (its exact key computed) when its bound is the greatest left. The greatest exact key
+/// is the next of the order once it is above every bound left (no candidate still by bound can
+/// rank above it: its key is at most its bound). So a walk that takes a few more candidates
+/// computes a few more logarithms, not one per candidate (a failover passing over full engines
+/// at 512 endpoints built the heap of every exact key: about 100 instructions each).
+struct Heaps {
+    by_bound: std::collections::BinaryHeap<ByBound>,
+    exact: std::collections::BinaryHeap<Ranked>,
+}
+
+/// A candidate ordered by its bound (and its exact key, when a scan computed it).
+#[derive(Debug, Clone, Copy)]
+struct ByBound(Bounded, Option<f64>);
+
+impl PartialEq for ByBound {
+    fn eq(&self, other: &Self) -> bool {
+        self.cmp(other) == std::cmp::Ordering::Equal
+    }
+}
+impl Eq for ByBound {}
+impl PartialOrd for ByBound {
+    fn partial_cmp(&self, other: &Self) -> Option<std::cmp::Ordering> {
+        Some(self.cmp(other))
+    }
+}
+impl Ord for ByBound {
+    fn cmp(&self, other: &Self) -> std::cmp::Ordering {
+        self.0.bound.total_cmp(&other.0.bound)
+    }
+}
+
+impl Heaps {
+    /// The next of the order (see [`Heaps`]).
+    fn pop(&mut self, session_key: u64) -> Option<usize> {
+        loop {
+            let left = self.by_bound.peek().map(|b| b.0.bound);
+            if let Some(Ranked((key, _, _))) = self.exact.peek() {
+                // Strictly above: a candidate whose bound equals the key may tie it (and then
+                // rank first by its id), so it is computed first.
+                if left.is_none_or(|b| *key > b) {
+                    return self.exact.pop().map(|Ranked((_, _, i))| i);
+                }
+            }
+            let ByBound(c, key) = self.by_bound.pop()?;
+            let key = key.unwrap_or_else(|| hrw_key(session_key, c.id, c.weight));
+            self.exact.push(Ranked((key, c.id, c.index)));
+        }
+    }
 }
 
 impl LazyOrder<'_, '_> {
@@ -686,42 +780,38 @@ impl Iterator for LazyOrder<'_, '_> {
             return Some(i);
         }
         if let Some(at) = self.unbuilt {
-            // The second from the first pass's kept hashes when they decide it (a failover's
-            // walk usually stops there): still nothing listed.
-            if self.second.is_none() {
-                if let Some((second_at, i)) = self.keyed.second(at) {
-                    self.second = Some(second_at);
-                    self.scans = self.scans.saturating_sub(1);
-                    return Some(i);
-                }
+            // The next from the first pass's kept hashes while they decide it (a failover's
+            // walk usually stops at the second): still nothing listed.
+            if let Some((next_at, i)) = self.keyed.next_kept(at, &self.from_kept) {
+                self.from_kept.push(next_at);
+                self.scans = self.scans.saturating_sub(1);
+                return Some(i);
             }
             self.unbuilt = None;
-            let second = self.second;
+            let from_kept = std::mem::take(&mut self.from_kept);
             self.rest = self
                 .keyed
                 .bounds()
                 .iter()
                 .enumerate()
-                .filter(|(j, _)| *j != at && Some(*j) != second)
+                .filter(|(j, _)| *j != at && !from_kept.contains(j))
                 .map(|(_, &c)| (c, None))
                 .collect();
         }
+        let session_key = self.session_key;
         if let Some(heap) = self.heap.as_mut() {
-            return heap.pop().map(|Ranked((_, _, i))| i);
+            return heap.pop(session_key);
         }
         if self.scans == 0 {
-            let session_key = self.session_key;
-            let ranked: Vec<Ranked> = std::mem::take(&mut self.rest)
+            let by_bound: Vec<ByBound> = std::mem::take(&mut self.rest)
                 .into_iter()
-                .map(|(c, key)| {
-                    let key = key.unwrap_or_else(|| hrw_key(session_key, c.id, c.weight));
-                    Ranked((key, c.id, c.index))
-                })
+                .map(|(c, key)| ByBound(c, key))
                 .collect();
-            let mut heap = std::collections::BinaryHeap::from(ranked);
-            let next = heap.pop().map(|Ranked((_, _, i))| i);
-            self.heap = Some(heap);
-            return next;
+            let heap = self.heap.insert(Heaps {
+                by_bound: std::collections::BinaryHeap::from(by_bound),
+                exact: std::collections::BinaryHeap::new(),
+            });
+            return heap.pop(session_key);
         }
         self.scans -= 1;
         // The greatest exact key, computing it only where the bound reaches the best so far
@@ -879,23 +969,27 @@ mod tests {
         }
     }
 
-    /// The one-pass first of the order (kept greatest hashes, or bounds for unequal weights)
-    /// equals the first of the exact ranking on fleets up to 600 candidates, with and without
+    /// The one-pass first of the order (kept greatest hashes, or bounds for unequal weights,
+    /// from where they start to differ) equals the first of the exact ranking on fleets up to 600 candidates, with and without
     /// seeds; runs of duplicate ids (equal hashes and keys, ranked by index) make the kept
     /// candidates tie with those left out, which must fall back to the full search.
     #[test]
     fn first_pass_is_the_first_of_the_order_on_large_fleets() {
         use crate::scheduler::state::hash::{fmix64, rendezvous_seed};
-        for fleet in 0..60u64 {
+        for fleet in 0..72u64 {
             let n = 1 + (fmix64(fleet ^ 0xfeed) % 600) as usize;
             let dup = fleet % 3 == 1;
             let cands: Vec<(usize, u32, f64)> = (0..n)
                 .map(|i| {
                     let r = fmix64(fleet * 7919 + i as u64);
-                    let w = match fleet % 5 {
+                    let w = match fleet % 6 {
                         0 | 1 => 1.0,
                         2 => 0.25,
                         3 => [0.5, 1.0, 2.0][(r % 3) as usize],
+                        // Equal weights for most of the pass, then unequal: the kept hashes
+                        // carry on as kept bounds.
+                        4 if i < n * 3 / 4 => 2.0,
+                        4 => [0.5, 2.0, 3.0][(r % 3) as usize],
                         _ => (r % 1000) as f64 / 7.0 + 1e-3,
                     };
                     let id = if dup { (r % 3) as u32 } else { r as u32 };

@@ -648,12 +648,12 @@ pub struct FirstPass {
     pub kept: Option<KeptHashes>,
 }
 
-/// The greatest `(hash, position)`s of a first pass, greatest first (as many as
-/// `placement::TOP_KEPT`), and the weight every candidate shared.
+/// The `(hash, position)`s of a first pass's greatest bounds, greatest first (as many as
+/// `placement::TOP_KEPT`), and the greatest bound a candidate left out may have.
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub struct KeptHashes {
     pub hashes: [(u64, usize); 4],
-    pub weight: f64,
+    pub left: f64,
 }
 
 /// One worker's memo of its quiet endpoints' verdicts and session placement weights.
