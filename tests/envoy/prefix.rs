@@ -240,13 +240,14 @@ fn sessions_of_one_application_share_an_endpoint_on_every_replica_and_after_a_re
     checks.finish();
 }
 
-/// (b) A popular application spreads: with its home's in-flight load over the bound, new
-/// sessions spill to the next endpoint of the prefix's rendezvous order, on every replica
-/// alike; once the load is gone, they go home again.
+/// (b) A popular application spreads: with its home busy (no engine scraped: 2 of this
+/// replica's attempts in flight and twice its share of them) and over its share of the
+/// sessions counted, new sessions spill, in the prefix's rendezvous order while the other
+/// candidates' counts tie, on every replica alike; once the load is gone, they go home again.
 #[test]
 fn a_popular_application_spreads_in_its_prefix_order() {
-    // Bound: (1 + 1) × (L + 1) / 4 + 2 with four equal endpoints: the home takes four held
-    // sessions, the fifth spills.
+    // The home takes two held sessions; the third spills to the prefix's second endpoint, the
+    // next two to its third and fourth (the least counted, ties in the prefix's order).
     let fleet = fleet(
         json!({"tuning": {"bounded_load_epsilon": 1.0, "bounded_load_slack": 2}}),
         2,
@@ -294,23 +295,25 @@ fn a_popular_application_spreads_in_its_prefix_order() {
                 .all(|(_, _, s)| s.status == 200 && s.affinity == "prefix"),
             format!("replica {r}: every held request answered, placed by prefix: {trail:?}"),
         );
-        // The first four go home, the fifth spills to the prefix's second endpoint.
+        // The first two go home, the next three spill in the prefix's order.
         checks.expect(
             mine.iter()
-                .take(4)
+                .take(2)
                 .all(|(_, _, s)| s.endpoint == order[0] && s.affinity == "prefix"),
-            format!("replica {r}: first four at {}: {trail:?}", order[0]),
+            format!("replica {r}: first two at {}: {trail:?}", order[0]),
         );
+        let spilled: Vec<&str> = mine
+            .iter()
+            .skip(2)
+            .take(3)
+            .map(|(_, _, s)| s.endpoint.as_str())
+            .collect();
         checks.expect(
-            mine.get(4)
-                .is_some_and(|(_, _, s)| s.endpoint == order[1] && s.affinity == "prefix"),
-            format!("replica {r}: fifth spilled to {}: {trail:?}", order[1]),
-        );
-        let used: BTreeSet<&str> = mine.iter().map(|(_, _, s)| s.endpoint.as_str()).collect();
-        let leading: BTreeSet<&str> = order[..2].iter().copied().collect();
-        checks.expect(
-            used == leading,
-            format!("replica {r}: spread over {used:?}, expected {leading:?}"),
+            spilled == order[1..4],
+            format!(
+                "replica {r}: third to fifth spilled to {:?}: {trail:?}",
+                &order[1..4]
+            ),
         );
         // A spilled session is pinned where it was served.
         if let Some((_, k, s)) = mine.iter().find(|(_, _, s)| s.endpoint == order[1]) {
