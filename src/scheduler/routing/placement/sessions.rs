@@ -48,7 +48,11 @@
 //! **Replicas**: each counts its own placements, so each sees about a third of the sessions
 //! with three replicas; the bound compares shares, which agree between replicas up to that
 //! sampling, not exactly. The busy test reads the engines' scraped load where known, the same
-//! on every replica. A session spilled by one replica is pinned there; its next turn on
+//! on every replica. Where no engine is scraped the loads are each replica's own in-flight
+//! counts, a third of the engine's too, so both tests are scale-free there ([`busy_by_share`],
+//! [`own_session_limit`]): with busy at 8 and the slack of 2 added, three replicas judged the
+//! home of the most popular application busy at three times the load one Envoy did (mixed
+//! fleet without metrics: p99 2.6–3.1 s against 1.4 s; now 1.2–1.3 s, ADR 0003's note). A session spilled by one replica is pinned there; its next turn on
 //! another replica follows the pin cookie (`pin_cookie`) or, without it, goes to the prefix's
 //! home as a pin would (its instructions are cached there, its own turn is not). Pinned
 //! sessions never move for this bound: it reads only new sessions' walks.

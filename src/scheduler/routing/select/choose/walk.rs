@@ -303,7 +303,9 @@ impl<'a> Scheduler<'a> {
 
     /// Whether a new session placed by prefix passes over `i` for the sessions already
     /// placed there (see `sessions`): its count + 1 over `(1 + SESSION_EPSILON) × (S + 1) ×`
-    /// its weight share + the slack, S summed over the `eligible` candidates into `total` the
+    /// its weight share + the slack (on own counts [`sessions::own_session_limit`]: over
+    /// `(1 + SESSION_EPSILON) × S ×` the share, the slack a floor), S summed over the
+    /// `eligible` candidates into `total` the
     /// first time (an idle walk never sums it). False without counts (pins, follow-ups,
     /// session keys) and while `i` is not busy. `totals`: the walk's `(load, weight, slots)`.
     pub(in crate::scheduler::routing::select) fn over_session_bound(
