@@ -240,13 +240,14 @@ fn sessions_of_one_application_share_an_endpoint_on_every_replica_and_after_a_re
     checks.finish();
 }
 
-/// (b) A popular application spreads: with its home's in-flight load over the bound, new
-/// sessions spill to the next endpoint of the prefix's rendezvous order, on every replica
-/// alike; once the load is gone, they go home again.
+/// (b) A popular application spreads: with its home busy (no engine scraped: 2 of this
+/// replica's attempts in flight and twice its share of them) and over its share of the
+/// sessions counted, new sessions spill, in the prefix's rendezvous order while the other
+/// candidates' counts tie, on every replica alike; once the load is gone, they go home again.
 #[test]
 fn a_popular_application_spreads_in_its_prefix_order() {
-    // Bound: (1 + 1) × (L + 1) / 4 + 2 with four equal endpoints: the home takes four held
-    // sessions, the fifth spills.
+    // The home takes two held sessions; the third spills to the prefix's second endpoint, the
+    // next two to its third and fourth (the least counted, ties in the prefix's order).
     let fleet = fleet(
         json!({"tuning": {"bounded_load_epsilon": 1.0, "bounded_load_slack": 2}}),
         2,
@@ -294,23 +295,25 @@ fn a_popular_application_spreads_in_its_prefix_order() {
                 .all(|(_, _, s)| s.status == 200 && s.affinity == "prefix"),
             format!("replica {r}: every held request answered, placed by prefix: {trail:?}"),
         );
-        // The first four go home, the fifth spills to the prefix's second endpoint.
+        // The first two go home, the next three spill in the prefix's order.
         checks.expect(
             mine.iter()
-                .take(4)
+                .take(2)
                 .all(|(_, _, s)| s.endpoint == order[0] && s.affinity == "prefix"),
-            format!("replica {r}: first four at {}: {trail:?}", order[0]),
+            format!("replica {r}: first two at {}: {trail:?}", order[0]),
         );
+        let spilled: Vec<&str> = mine
+            .iter()
+            .skip(2)
+            .take(3)
+            .map(|(_, _, s)| s.endpoint.as_str())
+            .collect();
         checks.expect(
-            mine.get(4)
-                .is_some_and(|(_, _, s)| s.endpoint == order[1] && s.affinity == "prefix"),
-            format!("replica {r}: fifth spilled to {}: {trail:?}", order[1]),
-        );
-        let used: BTreeSet<&str> = mine.iter().map(|(_, _, s)| s.endpoint.as_str()).collect();
-        let leading: BTreeSet<&str> = order[..2].iter().copied().collect();
-        checks.expect(
-            used == leading,
-            format!("replica {r}: spread over {used:?}, expected {leading:?}"),
+            spilled == order[1..4],
+            format!(
+                "replica {r}: third to fifth spilled to {:?}: {trail:?}",
+                &order[1..4]
+            ),
         );
         // A spilled session is pinned where it was served.
         if let Some((_, k, s)) = mine.iter().find(|(_, _, s)| s.endpoint == order[1]) {
@@ -732,5 +735,78 @@ fn a_new_session_that_spilled_is_pinned_where_it_was_served() {
         );
         drop(fleet);
     }
+    checks.finish();
+}
+
+/// (h) Without engine metrics, three replicas that each see a third of a prefix home's
+/// requests judge it busy as one Envoy would (`routing::placement::sessions::busy_by_share`:
+/// twice its weighted share of the replica's own attempts in flight, at least 2), and spill a
+/// new session over its share of the sessions counted (`own_session_limit`). Each replica sends
+/// two long first turns of X home to `h` (its only attempts in flight, its only sessions
+/// counted), then X's next new session through each replica goes to X's second endpoint —
+/// the least-counted, ties in the prefix's order. With the thresholds added to the counts
+/// (busy from 8 in flight) each replica would have kept it on `h`: `h` held 6 requests of the
+/// three, 2 of each.
+#[test]
+fn replicas_seeing_a_third_of_a_busy_home_spill_new_sessions_as_one_envoy() {
+    const REPLICAS: usize = 3;
+    const HELD: usize = 2;
+    let x = 0;
+    let order = prefix_order(x);
+    let h = order[0];
+    let mocks: Vec<MockUpstream> = ENDPOINTS
+        .iter()
+        .map(|n| MockUpstream::paced_engine(n, &[MODEL]))
+        .collect();
+    let clusters: Vec<(&str, u16)> = mocks.iter().map(|m| (m.name.as_str(), m.port)).collect();
+    let endpoints: Vec<Value> = ENDPOINTS
+        .iter()
+        .map(|n| json!({"name": n, "cluster": n}))
+        .collect();
+    let replicas = Replicas::start(
+        EnvoyConfig::new(json!({"endpoints": endpoints}), &clusters),
+        REPLICAS,
+    );
+    let mut checks = Checks::new();
+    let with_tokens = |id: &str, tokens: u64| {
+        let mut v: Value = serde_json::from_str(&body(x, id, 0)).unwrap();
+        v["max_tokens"] = json!(tokens);
+        v.to_string()
+    };
+    // Long first turns (1 500 tokens at 3 ms: about 4.5 s), one at a time so that each is
+    // placed with the ones before in flight.
+    let mut held = Vec::new();
+    for j in 0..HELD {
+        for r in 0..REPLICAS {
+            let id = format!("app{x}-held{r}-{j}");
+            let (port, b) = (replicas.port(r), with_tokens(&id, 1_500));
+            held.push((id.clone(), std::thread::spawn(move || send(port, &id, &b))));
+            std::thread::sleep(Duration::from_millis(150));
+        }
+    }
+    for r in 0..REPLICAS {
+        let id = format!("app{x}-new{r}");
+        let served = send(replicas.port(r), &id, &with_tokens(&id, 4));
+        checks.expect(
+            served.status == 200 && served.endpoint == order[1] && served.affinity == "prefix",
+            format!(
+                "{id} via replica {r}, {h} holding {HELD} of its attempts: {served:?}, expected {}",
+                order[1]
+            ),
+        );
+    }
+    for (id, t) in held {
+        let served = t.join().unwrap();
+        checks.expect(
+            served.status == 200 && served.endpoint == h,
+            format!("{id} (held at {h}): {served:?}"),
+        );
+    }
+    checks.expect(
+        replicas.wasm_crashes().is_empty(),
+        format!("wasm crashes: {:?}", replicas.wasm_crashes()),
+    );
+    drop(replicas);
+    drop(mocks);
     checks.finish();
 }

@@ -48,7 +48,11 @@
 //! **Replicas**: each counts its own placements, so each sees about a third of the sessions
 //! with three replicas; the bound compares shares, which agree between replicas up to that
 //! sampling, not exactly. The busy test reads the engines' scraped load where known, the same
-//! on every replica. A session spilled by one replica is pinned there; its next turn on
+//! on every replica. Where no engine is scraped the loads are each replica's own in-flight
+//! counts, a third of the engine's too, so both tests are scale-free there ([`busy_by_share`],
+//! [`own_session_limit`]): with busy at 8 and the slack of 2 added, three replicas judged the
+//! home of the most popular application busy at three times the load one Envoy did (mixed
+//! fleet without metrics: p99 2.6–3.1 s against 1.4 s; now 1.2–1.3 s, ADR 0003's note). A session spilled by one replica is pinned there; its next turn on
 //! another replica follows the pin cookie (`pin_cookie`) or, without it, goes to the prefix's
 //! home as a pin would (its instructions are cached there, its own turn is not). Pinned
 //! sessions never move for this bound: it reads only new sessions' walks.
@@ -495,6 +499,44 @@ pub fn session_limit(total_sessions: f64, weight: f64, total_weight: f64, epsilo
     (1.0 + epsilon.max(0.0)) * (total_sessions.max(0.0) + 1.0) * share + SESSION_SLACK
 }
 
+/// [`session_limit`] for a process whose loads are its own counts (its count + 1 over it
+/// passes the candidate over): over when its count exceeds `(1 + epsilon) × S ×` its weight
+/// share — scale-free, so that a replica counting a third of the sessions decides as one
+/// Envoy — and its count + 1 exceeds [`SESSION_SLACK`], a floor instead of an addend.
+pub fn own_session_limit(total_sessions: f64, weight: f64, total_weight: f64, epsilon: f64) -> f64 {
+    let share = if total_weight > 0.0 {
+        weight / total_weight
+    } else {
+        0.0
+    };
+    ((1.0 + epsilon.max(0.0)) * total_sessions.max(0.0) * share + 1.0).max(SESSION_SLACK)
+}
+
+/// The multiple of its weighted share of the candidates' in-flight attempts from which an
+/// endpoint is busy for the session bound when the loads are this process's own counts (no
+/// engine scraped): with several replicas each counts its share of the traffic, so an
+/// absolute threshold is reached at that many times the engine's load; a share is the same
+/// on every replica, up to sampling. See [`busy_by_share`].
+pub const SESSION_BUSY_SHARE: f64 = 2.0;
+
+/// The fewest in-flight attempts of this process at which [`busy_by_share`] can hold: one
+/// request is no evidence of anything, whatever its share.
+pub const SESSION_BUSY_FLOOR: u32 = 2;
+
+/// Whether an endpoint counted by this process's own in-flight attempts is busy for the
+/// session bound: its `load` at least [`SESSION_BUSY_SHARE`] × its weighted share of
+/// `total_load` (the walk's candidates' attempts, its own among them), and at least
+/// [`SESSION_BUSY_FLOOR`]. Scale-free: a replica that sees a third of each endpoint's
+/// requests decides as one that sees them all.
+pub fn busy_by_share(load: u32, total_load: u64, weight: f64, total_weight: f64) -> bool {
+    let share = if total_weight > 0.0 {
+        weight / total_weight
+    } else {
+        return false;
+    };
+    load >= SESSION_BUSY_FLOOR && f64::from(load) >= SESSION_BUSY_SHARE * share * total_load as f64
+}
+
 /// Whether an endpoint with `load` (running + waiting, or in flight: the load the bounded
 /// load reads) and `slots` (0: unknown) is busy enough for the session bound to apply: at
 /// least `busy_load` ([`SESSION_BUSY_LOAD`]), or half its slots if that is less.
@@ -684,6 +726,38 @@ mod tests {
         // The limits of all candidates add up to more than S: one is always within.
         let total: f64 = (0..4).map(|_| session_limit(60.0, 1.0, 4.0, 0.0)).sum();
         assert!(total > 60.0);
+    }
+
+    /// Own counts: busy from twice the weighted share of the attempts in flight, never under
+    /// 2; the same verdict for a third of the traffic in the same proportions.
+    #[test]
+    fn busy_by_share_is_scale_free_above_its_floor() {
+        // Share 1/4: busy from half the attempts.
+        assert!(!busy_by_share(4, 9, 1.0, 4.0) && busy_by_share(5, 9, 1.0, 4.0));
+        assert!(!busy_by_share(12, 27, 1.0, 4.0) && busy_by_share(15, 27, 1.0, 4.0));
+        assert!(busy_by_share(2, 2, 1.0, 4.0) && !busy_by_share(1, 1, 1.0, 4.0));
+        assert!(!busy_by_share(3, 3, 1.0, 0.0), "no weight: never busy");
+        for (load, total) in [(2u32, 5u64), (3, 5), (4, 7), (6, 10)] {
+            assert_eq!(
+                busy_by_share(load, total, 1.0, 5.0),
+                busy_by_share(load * 3, total * 3, 1.0, 5.0),
+                "{load} of {total}"
+            );
+        }
+    }
+
+    /// Own counts: over when the count exceeds `1.25 × S ×` its share (the count + 1 against
+    /// the limit), the slack a floor; scale-free above it.
+    #[test]
+    fn own_session_limit_is_the_share_with_the_slack_as_a_floor() {
+        let l = own_session_limit(60.0, 1.0, 4.0, 0.25);
+        assert!((l - 19.75).abs() < 1e-9, "{l}");
+        assert_eq!(own_session_limit(0.0, 1.0, 4.0, 0.25), SESSION_SLACK);
+        assert_eq!(own_session_limit(60.0, 1.0, 0.0, 0.25), SESSION_SLACK);
+        for (count, total) in [(19.0, 60.0), (18.0, 60.0), (7.0, 20.0), (6.0, 20.0)] {
+            let over = |k: f64| count * k + 1.0 > own_session_limit(total * k, 1.0, 4.0, 0.25);
+            assert_eq!(over(1.0), over(3.0), "{count} of {total}");
+        }
     }
 
     #[test]

@@ -304,11 +304,11 @@ fn pick_turn(s: &Scheduler<'_>, session: u64, follow_up: bool, now: u64) -> Deci
     .unwrap()
 }
 
-/// The session bound (`sessions`): once the prefix's home is busy (8 in flight,
-/// `sessions::SESSION_BUSY_LOAD`, no slots known) and holds more than 1.25 × its share of the
-/// new sessions placed, the next new session of the prefix spills to the prefix's second
-/// endpoint — where the in-flight bound alone (ε 1, slack 8) would still take it home until
-/// its 12th.
+/// The session bound (`sessions`): once the prefix's home is busy (no engine scraped: at least
+/// 2 of this process's attempts in flight and twice its weighted share of them,
+/// `sessions::busy_by_share`) and holds more than 1.25 × its share of the new sessions placed,
+/// the next new session of the prefix spills to the prefix's second endpoint — where the
+/// in-flight bound alone (ε 1, slack 8) would still take it home until its 12th.
 #[test]
 fn a_busy_prefix_home_spills_by_the_sessions_placed_there() {
     {
@@ -317,11 +317,12 @@ fn a_busy_prefix_home_spills_by_the_sessions_placed_there() {
         let s = Scheduler::new(&c, &store);
         let order = placement::order(PREFIX, &weights(&c));
         let mut held = Vec::new();
-        for n in 0..8u64 {
+        for n in 0..2u64 {
             let d = pick_turn(&s, session(n), false, 0);
             assert_eq!((d.endpoint, d.reason), (order[0], Reason::Home), "{n}");
             held.push(d);
         }
+        // 2 in flight, all of this process's: busy; 2 + 1 sessions over 1.25 × 2 × 1/6 + 1.
         let d = pick_turn(&s, session(8), false, 0);
         assert_eq!(
             (d.endpoint, d.reason, d.affinity),
@@ -352,14 +353,22 @@ fn the_session_bound_spares_idle_homes_pins_and_later_turns() {
     }
     let counts = sessions::read(&store).at(0);
     assert_eq!(counts.of(c.endpoints[order[0]].id), 40.0);
-    // Busy: 8 new sessions held in flight at home (spilling after the first few: the home
-    // holds all 40 counted sessions, far over its share, once it is busy).
+    // Busy: new sessions held in flight at home (spilling once it is busy, from 2 of this
+    // process's attempts in flight: the home holds all 40 counted sessions, far over its
+    // share).
     let mut held = Vec::new();
     for n in 100..120u64 {
         held.push(pick_turn(&s, session(n), false, 1));
     }
     let home_load = held.iter().filter(|d| d.endpoint == order[0]).count();
-    assert_eq!(home_load, 8, "the home takes sessions until it is busy");
+    assert!(held[..2].iter().all(|d| d.endpoint == order[0]));
+    assert_eq!(
+        held[2].endpoint, order[1],
+        "the home takes sessions until it is busy"
+    );
+    // Then home again whenever its share of the attempts in flight falls under twice its
+    // weighted share: 7 of the 20.
+    assert_eq!(home_load, 7);
     assert!(held.iter().any(|d| d.endpoint == order[1]));
     // A pinned session stays; a later turn without a pin here goes home as a pin would.
     let d = pick_turn(&s, session(3), true, 2);
@@ -438,11 +447,11 @@ fn preload(store: &MemStore, c: &Config, i: usize, n: u32) {
 }
 
 /// Where the session bound sends a new session of a busy home over its share: the least
-/// counted candidate. Worked: counts home 30, then in the prefix's order 15, 10, 0, 10; 8 new
-/// sessions held in flight at home make it busy (and count 38 there), so S = 73 and the 9th is
-/// over the home's limit (39 > 1.25 × 74 / 5 + 2 = 20.5). It goes to the fourth endpoint (0),
-/// not the second (15: the next of the prefix's order, the rule before). The next spill goes
-/// to the fourth again (1 is still the least).
+/// counted candidate. Worked: counts home 30, then in the prefix's order 15, 10, 0, 10; 2 new
+/// sessions held in flight at home make it busy (all of this process's attempts; and count 32
+/// there), so S = 67 and the 3rd is over the home's limit (33 > 1.25 × 67 / 5 + 1 = 17.75).
+/// It goes to the fourth endpoint (0), not the second (15: the next of the prefix's order, the
+/// rule before). The next spill goes to the fourth again (1 is still the least).
 #[test]
 fn a_busy_home_over_its_share_spills_to_the_least_counted() {
     for (rule, want) in [("least_counted", [3, 3])] {
@@ -454,7 +463,7 @@ fn a_busy_home_over_its_share_spills_to_the_least_counted() {
             preload(&store, &c, order[k], n);
         }
         let mut held = Vec::new();
-        for n in 0..8u64 {
+        for n in 0..2u64 {
             let d = pick_turn(&s, session(n), false, 0);
             assert_eq!(
                 (d.endpoint, d.reason),
@@ -512,12 +521,12 @@ fn the_least_counted_target_counts_every_model_s_sessions() {
             ..pick_turn_args(session(n))
         };
         let mut held = Vec::new();
-        for n in 0..8u64 {
+        for n in 0..2u64 {
             let d = s.pick(&first(n), 0).unwrap();
             assert_eq!(d.endpoint, order[0], "{rule} {n}");
             held.push(d);
         }
-        // 18 + 1 > 1.25 × 31 / 3 + 2 = 14.9: spilled.
+        // Busy (2 in flight, all there); 12 + 1 > 1.25 × 24 / 3 + 1 = 11: spilled.
         let d = s.pick(&first(50), 0).unwrap();
         assert_eq!(
             (d.endpoint, d.reason),
@@ -527,6 +536,59 @@ fn the_least_counted_target_counts_every_model_s_sessions() {
         held.push(d);
         for d in held {
             s.finish(d.ticket, &Outcome::Cancelled, 0, None, 1);
+        }
+    }
+}
+
+/// Without engine metrics each replica weighs its own in-flight attempts and its own count of
+/// new sessions: with three replicas behind a round-robin front each sees about a third of
+/// both. Two schedulers, one whose counts and in-flight loads are three times the other's
+/// (same proportions), place each new session of the prefix on the same endpoint for the same
+/// reason: home while the home is not busy by its share of the in-flight attempts (under
+/// 2 × its weighted share), spilled to the least-counted candidate once it is busy and over
+/// its share of the sessions (`1.25 × S ×` its weighted share). With the thresholds added to
+/// the counts (busy at 8, the session slack 2) the one that sees three times the traffic
+/// spilled the second and the other kept it home.
+#[test]
+fn replicas_seeing_a_third_of_the_traffic_place_new_sessions_alike() {
+    let c = equal_cfg(json!({}));
+    let order = placement::order(PREFIX, &weights(&c));
+    // (in-flight attempts, sessions counted) per endpoint in the prefix's order, for the
+    // replica that sees a third; what each picks.
+    let cases: [([u32; 5], [u32; 5], usize, Reason); 3] = [
+        ([1, 1, 0, 1, 0], [12, 6, 4, 2, 4], 0, Reason::Home),
+        ([3, 1, 1, 0, 0], [12, 6, 4, 2, 4], 3, Reason::Spill),
+        // Busy, within its share of the sessions (7 ≤ 1.25 × 29 / 5).
+        ([3, 1, 1, 0, 0], [7, 6, 5, 5, 6], 0, Reason::Home),
+    ];
+    for (k, (loads, counts, want, reason)) in cases.into_iter().enumerate() {
+        for scale in [1, 3] {
+            let store = MemStore::new();
+            let s = Scheduler::new(&c, &store);
+            for (at, &n) in counts.iter().enumerate() {
+                preload(&store, &c, order[at], n * scale);
+            }
+            let mut held = Vec::new();
+            for (at, &n) in loads.iter().enumerate() {
+                for j in 0..n * scale {
+                    let p = Pick {
+                        holder: Some(c.endpoints[order[at]].id),
+                        prefix: Prefix::NONE,
+                        ..pick_turn_args(session(1_000 * (at as u64 + 1) + u64::from(j)))
+                    };
+                    held.push(s.pick(&p, 0).unwrap());
+                }
+            }
+            let d = pick_turn(&s, session(500 + k as u64), false, 0);
+            assert_eq!(
+                (d.endpoint, d.reason),
+                (order[want], reason),
+                "case {k}, {scale} × the traffic"
+            );
+            held.push(d);
+            for d in held {
+                s.finish(d.ticket, &Outcome::Cancelled, 0, None, 1);
+            }
         }
     }
 }

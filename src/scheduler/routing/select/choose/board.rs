@@ -182,6 +182,12 @@ impl<'t> Board<'t> {
             signals::placement_load(st, l.as_ref(), self.now_ms, self.max_age_ms)
         })
     }
+    /// Whether [`Board::load_of`] is this process's own in-flight count (no slots known and
+    /// not every candidate scraped), which with several replicas is each one's share of the
+    /// engine's load, not the load every replica reads alike.
+    pub(in crate::scheduler::routing::select) fn own_loads(&self) -> bool {
+        self.plain || (!self.by_slots && !self.all_scraped)
+    }
     /// The walk's `(load, weight, slots)` totals over the eligible candidates, without `left`
     /// (the pinned endpoint the session leaves), the cheap way when nothing is scraped (see
     /// [`PlainTotals`]); else `None`.

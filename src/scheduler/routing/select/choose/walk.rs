@@ -148,13 +148,12 @@ impl<'a> Scheduler<'a> {
             }
             // The session bound reads the totals only for counted new sessions, and only
             // once a candidate is busy (it passes no idle one over).
-            if self.session_busy(board, i) && {
-                let total_weight = totals_of().1;
-                self.over_session_bound(board, i, total_weight, &mut total_sessions, &eligible)
+            if self.session_busy(board, i, &mut totals_of) && {
+                let totals = totals_of();
+                self.over_session_bound(board, i, totals, &mut total_sessions, &eligible)
             } {
                 passed.spilled.get_or_insert(i);
                 let totals = totals_of();
-                let total_weight = totals.1;
                 // Passed over for the sessions placed there: the spill goes where the counts
                 // say there is room (the least counted), else on in the prefix's order.
                 let fits = |j: usize| {
@@ -162,7 +161,7 @@ impl<'a> Scheduler<'a> {
                         && !self.over_session_bound(
                             board,
                             j,
-                            total_weight,
+                            totals,
                             &mut total_sessions.clone(),
                             &eligible,
                         )
@@ -276,27 +275,44 @@ impl<'a> Scheduler<'a> {
         least.map(|(j, _)| j)
     }
 
-    /// Whether the session bound can pass over `i` (the walk sums no totals otherwise): `i`
-    /// is busy ([`sessions::SESSION_BUSY_LOAD`]).
-    pub(super) fn session_busy(&self, board: &Board, i: usize) -> bool {
-        board.sessions.is_some()
-            && sessions::busy(
-                board.load_of(i),
-                board.slots(i),
-                sessions::SESSION_BUSY_LOAD,
-            )
+    /// Whether the session bound can pass over `i`: `i` is busy. Where the loads are the
+    /// engines' (scraped: every replica reads the same), at [`sessions::SESSION_BUSY_LOAD`] or
+    /// half its slots; where they are this process's own in-flight counts, by its share of
+    /// the walk's `totals` ([`sessions::busy_by_share`]), so that a replica seeing a third of
+    /// the traffic decides as one Envoy would (the totals are summed only then, and only for
+    /// a candidate holding [`sessions::SESSION_BUSY_FLOOR`]).
+    pub(super) fn session_busy(
+        &self,
+        board: &Board,
+        i: usize,
+        totals: &mut impl FnMut() -> (u64, f64, u64),
+    ) -> bool {
+        if board.sessions.is_none() {
+            return false;
+        }
+        let load = board.load_of(i);
+        if board.own_loads() {
+            if load < sessions::SESSION_BUSY_FLOOR {
+                return false;
+            }
+            let (total_load, total_weight, _) = totals();
+            return sessions::busy_by_share(load, total_load, board.weight(i), total_weight);
+        }
+        sessions::busy(load, board.slots(i), sessions::SESSION_BUSY_LOAD)
     }
 
     /// Whether a new session placed by prefix passes over `i` for the sessions already
     /// placed there (see `sessions`): its count + 1 over `(1 + SESSION_EPSILON) × (S + 1) ×`
-    /// its weight share + the slack, S summed over the `eligible` candidates into `total` the
+    /// its weight share + the slack (on own counts [`sessions::own_session_limit`]: over
+    /// `(1 + SESSION_EPSILON) × S ×` the share, the slack a floor), S summed over the
+    /// `eligible` candidates into `total` the
     /// first time (an idle walk never sums it). False without counts (pins, follow-ups,
-    /// session keys) and while `i` is not busy.
+    /// session keys) and while `i` is not busy. `totals`: the walk's `(load, weight, slots)`.
     pub(in crate::scheduler::routing::select) fn over_session_bound(
         &self,
         board: &Board,
         i: usize,
-        total_weight: f64,
+        totals: (u64, f64, u64),
         total: &mut Option<f64>,
         eligible: &impl Fn(usize) -> bool,
     ) -> bool {
@@ -308,7 +324,7 @@ impl<'a> Scheduler<'a> {
             .endpoints
             .get(i)
             .map(|e| e.id)
-            .filter(|_| self.session_busy(board, i))
+            .filter(|_| self.session_busy(board, i, &mut || totals))
         else {
             return false;
         };
@@ -320,12 +336,13 @@ impl<'a> Scheduler<'a> {
                 .map(|&(_, id, _)| counts.of(id))
                 .sum::<f64>()
         });
-        let limit = sessions::session_limit(
-            total,
-            board.weight(i),
-            total_weight,
-            sessions::SESSION_EPSILON,
-        );
+        // Own counts (no engine scraped): the scale-free limit, as the busy test.
+        let limit = if board.own_loads() {
+            sessions::own_session_limit
+        } else {
+            sessions::session_limit
+        };
+        let limit = limit(total, board.weight(i), totals.1, sessions::SESSION_EPSILON);
         counts.of(id) + 1.0 > limit
     }
 }
