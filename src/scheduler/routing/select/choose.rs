@@ -538,6 +538,8 @@ pub(super) fn holder_choice(
 /// The load and weight of the walk's `eligible` candidates, summed in the board's order (the
 /// configuration's, the same on every replica: the weight's rounding depends on the order, so
 /// an order every replica shares, not one that needs the candidates sorted per decision).
+/// The slots are summed only when placement is by slots (0 otherwise): only the bound by
+/// slots (`capacity::slot_limit`) reads them.
 pub(super) fn eligible_totals(board: &Board, eligible: impl Fn(usize) -> bool) -> (u64, f64, u64) {
     let mut total_load = 0u64;
     let mut total_slots = 0u64;
@@ -547,7 +549,9 @@ pub(super) fn eligible_totals(board: &Board, eligible: impl Fn(usize) -> bool) -
             continue;
         }
         total_load += u64::from(board.load_of(i));
-        total_slots += u64::from(board.slots(i));
+        if board.by_slots {
+            total_slots += u64::from(board.slots(i));
+        }
         total_weight += w;
     }
     (total_load, total_weight, total_slots)
