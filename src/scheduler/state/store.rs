@@ -51,24 +51,7 @@ pub fn update_if<R>(
     key: &str,
     mut f: impl FnMut(Option<&[u8]>) -> (Option<Vec<u8>>, R),
 ) -> Result<R, R> {
-    let mut last = None;
-    for _ in 0..CAS_RETRIES {
-        let (bytes, cas) = store.get(key);
-        let (new, result) = f(bytes.as_deref());
-        let Some(new) = new else { return Ok(result) };
-        match store.set(key, &new, cas) {
-            Ok(()) => return Ok(result),
-            Err(CasMismatch) => last = Some(result),
-        }
-    }
-    match last {
-        Some(r) => Err(r),
-        None => {
-            // Unreachable with CAS_RETRIES > 0; compute once more without writing.
-            let (bytes, _) = store.get(key);
-            Err(f(bytes.as_deref()).1)
-        }
-    }
+    update_owned_if(store, key, |bytes, _| f(bytes.as_deref()))
 }
 
 /// [`update_if`] with `f` given the current bytes to own, and their CAS token: a change of a
@@ -133,24 +116,7 @@ pub fn update_owned<R>(
     key: &str,
     mut f: impl FnMut(Option<Vec<u8>>) -> (Option<Vec<u8>>, R),
 ) -> Result<R, R> {
-    let mut last = None;
-    for _ in 0..CAS_RETRIES {
-        let (bytes, cas) = store.get(key);
-        let (new, result) = f(bytes);
-        let Some(new) = new else { return Ok(result) };
-        match store.set(key, &new, cas) {
-            Ok(()) => return Ok(result),
-            Err(CasMismatch) => last = Some(result),
-        }
-    }
-    match last {
-        Some(r) => Err(r),
-        None => {
-            // Unreachable with CAS_RETRIES > 0; compute once more without writing.
-            let (bytes, _) = store.get(key);
-            Err(f(bytes).1)
-        }
-    }
+    update_owned_if(store, key, |bytes, _| f(bytes))
 }
 
 /// An in-memory store with Envoy's semantics (CAS tokens start at 1 and grow on each write;
