@@ -271,6 +271,7 @@ fn send(port: u16, req: &Req, t0: Instant, timeout: Duration) -> Rec {
         timed_out: false,
         error: None,
         endpoint: None,
+        replica: None,
         queue_ms: None,
         engine_queue_ms: None,
         stream: req.stream,
@@ -281,6 +282,7 @@ fn send(port: u16, req: &Req, t0: Instant, timeout: Duration) -> Rec {
             rec.status = r.status;
             rec.retry_after = r.header("retry-after").map(str::to_string);
             rec.endpoint = r.header("x-mock-endpoint").map(str::to_string);
+            rec.replica = r.header("x-bench-replica").map(str::to_string);
             rec.queue_ms = r
                 .header(noisy_summary::QUEUE_HEADER)
                 .map(|v| v.trim().parse::<f64>().unwrap_or(0.0));

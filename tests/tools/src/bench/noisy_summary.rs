@@ -87,6 +87,8 @@ pub struct Rec {
     pub timed_out: bool,
     pub error: Option<String>,
     pub endpoint: Option<String>,
+    /// The replica that answered (`x-bench-replica`, three replicas only).
+    pub replica: Option<String>,
     /// How long the filter held it ([`QUEUE_HEADER`]), when it says it did.
     pub queue_ms: Option<f64>,
     /// How long the engine held it before its own prefill (`x-mock-queued-ms`).
@@ -105,7 +107,7 @@ impl Rec {
             "tenant": self.tenant.name(), "phase": self.phase.name(),
             "start_ms": self.start_ms, "latency_ms": self.latency_ms, "status": self.status,
             "retry_after": self.retry_after, "timed_out": self.timed_out, "error": self.error,
-            "endpoint": self.endpoint, "queue_ms": self.queue_ms,
+            "endpoint": self.endpoint, "replica": self.replica, "queue_ms": self.queue_ms,
             "engine_queue_ms": self.engine_queue_ms, "stream": self.stream,
             "max_tokens": self.max_tokens,
         })
@@ -594,6 +596,7 @@ mod tests {
             timed_out: status == 0,
             error: (status != 200).then(|| "x".to_string()),
             endpoint: None,
+            replica: None,
             queue_ms: None,
             engine_queue_ms: None,
             stream: false,
