@@ -38,6 +38,7 @@ mod scrape;
 mod sdk;
 mod secrets;
 mod session_keys;
+mod slow_replicas;
 mod surface;
 mod trust;
 mod trust_followups;

@@ -29,7 +29,9 @@
 //! shared data. Samples whose tokens were estimated (no `usage`: prompt from body bytes / 4,
 //! nothing cached) do not teach the model, since the cached share they omit is exactly what the
 //! model must separate. Feed it only the samples of endpoints not degraded, so that a slow
-//! endpoint does not drag the yardstick.
+//! endpoint does not drag the yardstick. A stream's decode phase is judged as soon as the
+//! group's decode rate is measured ([`WorkModel::decode_judged`]: what it is judged against),
+//! a queue-prone time once the whole fit has [`MODEL_WARM_SAMPLES`] answers.
 //!
 //! **Slowness** ([`Slowness`], one per endpoint): an EWMA in the log domain of
 //! `observed / expected` (α = [`ALPHA`]), so that 2× and ½× weigh alike, with its mean
@@ -345,11 +347,16 @@ impl WorkModel {
     /// (`decode_ms` since its first byte, `decode_bytes` relayed after its first chunk) ÷ what
     /// the tokens in those bytes should take. The tokens are *over*estimated
     /// ([`PACE_TOKEN_MARGIN`] above the group's mean tokens per byte), so the pace reads fast
-    /// rather than slow. `None` while the model is cold, before [`DECODE_WARM_TOKENS`] of
-    /// streams calibrated the bytes, or below [`PACE_MIN_TOKENS`].
+    /// rather than slow. `None` while the model is cold for decode phases
+    /// ([`WorkModel::decode_judged`]), before [`DECODE_WARM_TOKENS`] of streams calibrated the
+    /// bytes, or below [`PACE_MIN_TOKENS`].
     pub fn pace_ratio(&self, decode_ms: f64, decode_bytes: u64) -> Option<f64> {
         let [tokens, bytes] = self.stream_bytes;
-        if !self.warm() || tokens < DECODE_WARM_TOKENS || bytes <= 0.0 || !decode_ms.is_finite() {
+        if !self.decode_judged()
+            || tokens < DECODE_WARM_TOKENS
+            || bytes <= 0.0
+            || !decode_ms.is_finite()
+        {
             return None;
         }
         let estimated = decode_bytes as f64 * tokens / bytes * PACE_TOKEN_MARGIN;
@@ -364,6 +371,18 @@ impl WorkModel {
     /// Whether slowness may be judged against this model yet.
     pub fn warm(&self) -> bool {
         self.samples >= MODEL_WARM_SAMPLES
+    }
+
+    /// Whether a stream's decode phase may be judged against this model: the whole model is
+    /// warm, or its streams' decode rate alone is ([`DECODE_WARM_TOKENS`] measured), which is
+    /// all that a decode phase is judged against ([`WorkModel::expected_decode_ms`]). The
+    /// [`MODEL_WARM_SAMPLES`] answers the fit of base and prefill needs are counted on this
+    /// Envoy's own traffic: with three replicas, each had them of a model with a quarter of
+    /// the traffic only 22–30 s into the bench's `slow` run (one Envoy: 9 s), and every decode
+    /// phase of the endpoint slowed at 12 s was dropped meanwhile, uncounted.
+    pub fn decode_judged(&self) -> bool {
+        let [ms, tokens] = self.stream_decode;
+        self.warm() || (tokens >= DECODE_WARM_TOKENS && ms > 0.0)
     }
 
     /// What `s` should take on a typical endpoint of the group, ms (at least [`FLOOR_MS`]).
@@ -550,10 +569,12 @@ impl Slowness {
     /// a symmetric sample; a queue-prone time (a plain answer's whole time, a stream's first
     /// byte without a judged decode phase) as a low-envelope one, and only while the endpoint
     /// has had no decode phase for [`DECODE_FRESH_MS`] (its streams measure it better).
-    /// Returns the sample's judged ratio, or `None` when it was not counted (a cold model, a
-    /// non-finite time, a queue-prone time on an endpoint judged by its streams).
+    /// A decode phase is judged once the model's decode rate is warm
+    /// ([`WorkModel::decode_judged`]), a queue-prone time once the whole model is.
+    /// Returns the sample's judged ratio, or `None` when it was not counted (a model cold for
+    /// it, a non-finite time, a queue-prone time on an endpoint judged by its streams).
     pub fn observe(&mut self, s: &Sample, model: &WorkModel, now_ms: u64) -> Option<f64> {
-        if !model.warm() || !s.usable() {
+        if !model.decode_judged() || !s.usable() {
             return None;
         }
         let expected = model.expected_ms(s);
@@ -573,6 +594,8 @@ impl Slowness {
                 self.samples = self.samples.saturating_add(1);
                 return None;
             }
+            // A queue-prone time needs the whole fit (base and prefill): not counted.
+            None if !model.warm() => return None,
             None => {
                 let ln = (s.observed_ms.max(FLOOR_MS) / expected).ln();
                 // Down at ALPHA, up at QUEUE_ALPHA_UP: the low envelope.
@@ -890,6 +913,51 @@ mod tests {
             m.samples += 1;
         }
         m
+    }
+
+    /// A model that has measured its streams' decode rate (300 decode tokens, three
+    /// answers) but not the 32 answers of a warm fit — what each of three replicas holds of a
+    /// model with a quarter of the traffic long after one Envoy's is warm — judges decode
+    /// phases and running streams' paces against that rate, and nothing else: a plain
+    /// answer's time needs the fitted base and prefill. A model with neither judges nothing.
+    #[test]
+    fn decode_phases_are_judged_once_the_decode_rate_is_measured() {
+        let stream = |decode_ms: f64| Sample {
+            streamed: true,
+            observed_ms: 100.0,
+            prompt_tokens: 1000,
+            cached_tokens: 800,
+            completion_tokens: 101,
+            estimated: false,
+            decode_ms: Some(decode_ms),
+        };
+        let plain = sample(false, 900.0, 1000, 800, 100);
+        let mut m = WorkModel::default();
+        let mut cold = Slowness::default();
+        assert_eq!(cold.observe(&stream(150.0), &m, 1), None);
+        assert_eq!(m.pace_ratio(1_000.0, 10_000), None);
+        for _ in 0..3 {
+            assert!(m.observe(&stream(150.0)));
+            m.observe_decode_bytes(&stream(150.0), 5_000);
+        }
+        assert!(!m.warm() && m.decode_judged(), "{m:?}");
+        assert!((m.stream_decode_ms_per_token() - 1.5).abs() < 1e-9);
+
+        // A plain answer on an endpoint without a judged stream: not counted.
+        let mut s = Slowness::default();
+        assert_eq!(s.observe(&plain, &m, 1), None);
+        assert_eq!(s.samples, 0);
+        // A decode phase 5× slower: judged (the first sample clamped to 3×), and counted.
+        let r = s.observe(&stream(750.0), &m, 2).unwrap();
+        assert!((r - 3.0).abs() < 1e-9, "{r}");
+        assert_eq!(s.samples, 1);
+        // Then the plain answer is seen (the endpoint is judged by its streams).
+        assert_eq!(s.observe(&plain, &m, 3), None);
+        assert_eq!(s.samples, 2);
+        // A running stream 5× slower: 50 bytes a token, 100 tokens (120 with the margin) in
+        // 750 ms against 180 ms.
+        let pace = m.pace_ratio(750.0, 5_000).unwrap();
+        assert!((pace - 750.0 / 180.0).abs() < 1e-9, "{pace}");
     }
 
     /// Worked numbers: the prior model expects 50 + 0.2 × 1000 = 250 ms of a streamed answer

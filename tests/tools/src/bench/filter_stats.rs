@@ -90,6 +90,8 @@ pub fn parse(text: &str) -> Page {
             "computeflux_slowness_permille" => {
                 if let Some(e) = label(labels, "endpoint") {
                     page.slowness.insert(e.to_string(), v);
+                    // The timeline keeps the estimate beside the verdicts it leads to.
+                    page.gauges.insert(format!("{name}{{{e}}}"), v);
                 }
             }
             n if TIMELINE_GAUGES.contains(&n) => {
