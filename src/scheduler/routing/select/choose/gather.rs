@@ -418,6 +418,7 @@ impl<'a> Scheduler<'a> {
             by_slots,
             most_slots,
             weights,
+            scraped_loads,
             ..
         } = lists;
         // Nobody degraded, by this decision (`any_degraded`: the statics' verdicts) or as
@@ -453,6 +454,7 @@ impl<'a> Scheduler<'a> {
             quotas,
             loads: if any_scraped { loads } else { &[] },
             all_scraped,
+            scraped_loads,
             room,
             // As the weights count them: an engine that never queued as the most known × 4.
             most_slots: if by_slots {
@@ -518,6 +520,17 @@ fn derive_lists(
     } else {
         weights
     };
+    // The bound's loads, where every candidate is scraped and not every slot known (see
+    // `Board::load_of`): derived once per loads list, not per candidate and decision (the
+    // walk's totals read every eligible candidate's: about 100 instructions each).
+    let scraped_loads = if all_scraped && !by_slots {
+        loads
+            .iter()
+            .map(|l| l.as_ref().and_then(signals::scraped_placement_load))
+            .collect()
+    } else {
+        Vec::new()
+    };
     BoardLists {
         weights_version: 0,
         slots_version: 0,
@@ -526,6 +539,7 @@ fn derive_lists(
         by_slots,
         most_slots,
         weights,
+        scraped_loads: Rc::new(scraped_loads),
     }
 }
 
