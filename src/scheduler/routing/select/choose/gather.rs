@@ -401,7 +401,10 @@ impl<'a> Scheduler<'a> {
         let lists = match kept_lists {
             Some(l) => l,
             None => {
-                let l = derive_lists(statics, loads, room, any_scraped, weights);
+                // Kept in the memo: only then are the scraped loads derived for every endpoint
+                // (a decision that keeps nothing reads the few it weighs).
+                let kept = from_memo && engines.slots_version.is_some() && board_memo.is_some();
+                let l = derive_lists(statics, loads, room, any_scraped, weights, kept);
                 if let (true, Some(v), Some(bm)) = (from_memo, engines.slots_version, board_memo) {
                     bm.lists = Some(BoardLists {
                         slots_version: v,
@@ -472,13 +475,15 @@ impl<'a> Scheduler<'a> {
 }
 
 /// What a decision derives from its board's `weights`, the statics' slots (`room`) and
-/// `loads` (see [`BoardLists`]; its versions are the caller's to set).
+/// `loads` (see [`BoardLists`]; its versions are the caller's to set); the scraped loads only
+/// for lists `kept` in the board memo.
 fn derive_lists(
     statics: &[usize],
     loads: &Rc<Vec<Option<EngineLoad>>>,
     room: &[Option<Room>],
     any_scraped: bool,
     weights: Rc<Vec<(usize, u32, f64)>>,
+    kept: bool,
 ) -> BoardLists {
     let all_scraped = any_scraped
         && statics
@@ -523,7 +528,7 @@ fn derive_lists(
     // The bound's loads, where every candidate is scraped and not every slot known (see
     // `Board::load_of`): derived once per loads list, not per candidate and decision (the
     // walk's totals read every eligible candidate's: about 100 instructions each).
-    let scraped_loads = if all_scraped && !by_slots {
+    let scraped_loads = if kept && all_scraped && !by_slots {
         loads
             .iter()
             .map(|l| l.as_ref().and_then(signals::scraped_placement_load))
