@@ -583,23 +583,19 @@ pub fn placement_load(
     now_ms: u64,
     max_age_ms: u64,
 ) -> u32 {
-    load.and_then(scraped_placement_load)
-        .unwrap_or_else(|| st.load(now_ms, max_age_ms))
-}
-
-/// The part of [`placement_load`] read from the scrape: the engine's running + waiting,
-/// quantized (`None`: it reports neither).
-pub fn scraped_placement_load(l: &EngineLoad) -> Option<u32> {
-    scrape::quantize(&crate::scheduler::wire::engine_load::EngineLoad {
-        engine: crate::scheduler::wire::engine_load::Engine::Vllm,
-        waiting: l.waiting,
-        running: l.running,
-        kv_usage_permille: l.kv_usage_permille,
-        prompt_tokens_total: None,
-        prompt_tokens_cached_total: None,
-        decode: None,
-    })
-    .requests_floor()
+    let scraped = load.and_then(|l| {
+        scrape::quantize(&crate::scheduler::wire::engine_load::EngineLoad {
+            engine: crate::scheduler::wire::engine_load::Engine::Vllm,
+            waiting: l.waiting,
+            running: l.running,
+            kv_usage_permille: l.kv_usage_permille,
+            prompt_tokens_total: None,
+            prompt_tokens_cached_total: None,
+            decode: None,
+        })
+        .requests_floor()
+    });
+    scraped.unwrap_or_else(|| st.load(now_ms, max_age_ms))
 }
 
 /// One endpoint's verdicts for a decision (kept in the table cache's memos, so defined beside

@@ -639,9 +639,6 @@ pub struct BoardLists {
     pub(crate) most_slots: u32,
     /// The rendezvous weights as the decision weighs them (by slots where some are known).
     pub(crate) weights: Rc<Vec<(usize, u32, f64)>>,
-    /// Where every static candidate has a fresh load: each endpoint's scraped placement load
-    /// (`signals::scraped_placement_load`) by index, a function of `loads` alone; else empty.
-    pub(crate) scraped_loads: Rc<Vec<Option<u32>>>,
 }
 
 /// A rendezvous order's first pass as `placement::Keyed` keeps it, for the board memo.

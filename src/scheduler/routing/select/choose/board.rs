@@ -46,9 +46,6 @@ pub(in crate::scheduler::routing::select) struct Board<'t> {
     /// static candidate has one: what [`Board::load_of`] reads on demand.
     pub(super) loads: &'t [Option<crate::scheduler::routing::judge::saturation::EngineLoad>],
     pub(super) all_scraped: bool,
-    /// Each endpoint's scraped placement load by index where `all_scraped` and not
-    /// `by_slots` (see `BoardLists::scraped_loads`; else empty).
-    pub(super) scraped_loads: Rc<Vec<Option<u32>>>,
     /// Each endpoint's projected load and slots, where scraped (see `capacity`; empty when
     /// nothing is scraped), the engines' own list.
     pub(super) room: &'t [Option<Room>],
@@ -175,26 +172,15 @@ impl<'t> Board<'t> {
                 .flatten()
                 .map_or(0, |r| r.projected);
         }
-        let Some((_, st)) = self.table.entries.get(i) else {
-            return 0;
-        };
-        let l = || {
-            self.loads
-                .get(i)
-                .copied()
-                .flatten()
-                .filter(|_| self.all_scraped)
-        };
-        if let Some(&Some(load)) = self.scraped_loads.get(i) {
-            // Debug builds (every test) check the kept load against the one derived here.
-            debug_assert_eq!(
-                load,
-                signals::placement_load(st, l().as_ref(), self.now_ms, self.max_age_ms),
-                "kept placement load of {i}"
-            );
-            return load;
-        }
-        signals::placement_load(st, l().as_ref(), self.now_ms, self.max_age_ms)
+        let l = self
+            .loads
+            .get(i)
+            .copied()
+            .flatten()
+            .filter(|_| self.all_scraped);
+        self.table.entries.get(i).map_or(0, |(_, st)| {
+            signals::placement_load(st, l.as_ref(), self.now_ms, self.max_age_ms)
+        })
     }
     /// Whether [`Board::load_of`] is this process's own in-flight count (no slots known and
     /// not every candidate scraped), which with several replicas is each one's share of the
@@ -220,9 +206,8 @@ impl<'t> Board<'t> {
     /// The walk's totals (see [`eligible_totals`]) over the candidates admitted, not
     /// degraded, not `left` and not passed over, in the board's order: each candidate's
     /// admission, verdict and room looked up once, the tests cheapest first, and the
-    /// decision's invariants (exclusions, plain, by slots) read once (through the accessors
-    /// each candidate cost about 130 instructions under wasm: a failover's first attempt at
-    /// 512 endpoints spent about 68 000 here).
+    /// exclusions read once (a failover's first attempt at 512 endpoints, scraped, spent
+    /// about 68 000 instructions here through the accessors; about 2 500 fewer this way).
     pub(in crate::scheduler::routing::select) fn eligible_totals(
         &self,
         left: Option<usize>,

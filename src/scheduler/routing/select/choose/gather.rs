@@ -401,10 +401,7 @@ impl<'a> Scheduler<'a> {
         let lists = match kept_lists {
             Some(l) => l,
             None => {
-                // Kept in the memo: only then are the scraped loads derived for every endpoint
-                // (a decision that keeps nothing reads the few it weighs).
-                let kept = from_memo && engines.slots_version.is_some() && board_memo.is_some();
-                let l = derive_lists(statics, loads, room, any_scraped, weights, kept);
+                let l = derive_lists(statics, loads, room, any_scraped, weights);
                 if let (true, Some(v), Some(bm)) = (from_memo, engines.slots_version, board_memo) {
                     bm.lists = Some(BoardLists {
                         slots_version: v,
@@ -421,7 +418,6 @@ impl<'a> Scheduler<'a> {
             by_slots,
             most_slots,
             weights,
-            scraped_loads,
             ..
         } = lists;
         // Nobody degraded, by this decision (`any_degraded`: the statics' verdicts) or as
@@ -457,7 +453,6 @@ impl<'a> Scheduler<'a> {
             quotas,
             loads: if any_scraped { loads } else { &[] },
             all_scraped,
-            scraped_loads,
             room,
             // As the weights count them: an engine that never queued as the most known × 4.
             most_slots: if by_slots {
@@ -475,15 +470,13 @@ impl<'a> Scheduler<'a> {
 }
 
 /// What a decision derives from its board's `weights`, the statics' slots (`room`) and
-/// `loads` (see [`BoardLists`]; its versions are the caller's to set); the scraped loads only
-/// for lists `kept` in the board memo.
+/// `loads` (see [`BoardLists`]; its versions are the caller's to set).
 fn derive_lists(
     statics: &[usize],
     loads: &Rc<Vec<Option<EngineLoad>>>,
     room: &[Option<Room>],
     any_scraped: bool,
     weights: Rc<Vec<(usize, u32, f64)>>,
-    kept: bool,
 ) -> BoardLists {
     let all_scraped = any_scraped
         && statics
@@ -525,17 +518,6 @@ fn derive_lists(
     } else {
         weights
     };
-    // The bound's loads, where every candidate is scraped and not every slot known (see
-    // `Board::load_of`): derived once per loads list, not per candidate and decision (the
-    // walk's totals read every eligible candidate's: about 100 instructions each).
-    let scraped_loads = if kept && all_scraped && !by_slots {
-        loads
-            .iter()
-            .map(|l| l.as_ref().and_then(signals::scraped_placement_load))
-            .collect()
-    } else {
-        Vec::new()
-    };
     BoardLists {
         weights_version: 0,
         slots_version: 0,
@@ -544,7 +526,6 @@ fn derive_lists(
         by_slots,
         most_slots,
         weights,
-        scraped_loads: Rc::new(scraped_loads),
     }
 }
 
