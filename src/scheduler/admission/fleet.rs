@@ -33,6 +33,11 @@ const MODEL_SEED: u64 = 0x6164_6d69_7373_696f; // "admissio"
 /// How many requests beyond its slots an endpoint may take for an arrival while nobody waits.
 pub const BURST: u32 = 1;
 
+/// The slots kept free across the fleet where replicas share the engines, each replica keeping
+/// its part ([`share::reserve_part`]) out of the room it admits from the queue into; a light
+/// tenant's pass (`queue::Queue::admit_light`) lands in them instead of an engine's queue.
+pub const RESERVE: f64 = 0.5;
+
 /// The free slots of an endpoint, or of a model's endpoints summed.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub struct Free {
@@ -107,8 +112,13 @@ pub fn free(judged: &[Judged]) -> Option<Free> {
             Judged::Counted(e) => engines.push(*e),
         }
     }
+    let reserve = if shared(judged) {
+        share::reserve_part(&engines, RESERVE)
+    } else {
+        0.0
+    };
     Some(Free {
-        slots: share::free(&engines, 0),
+        slots: share::free_reserving(&engines, 0, reserve),
         burst: share::free(&engines, BURST),
     })
 }
