@@ -302,12 +302,25 @@ pub fn shared(judged: &[Judged]) -> bool {
 /// The others' requests on a model's engines at their scrapes from which [`shared`] says so.
 pub const OTHERS_SHARING: u32 = 2;
 
-/// [`shared`] for the model whose [`model_key`] is `key` (false when its room is unbounded).
-pub fn shared_by_key(s: &Scheduler<'_>, key: u64, now_ms: u64) -> bool {
-    judged(s, model_of_key(s, key), now_ms).is_some_and(|j| {
-        let j: Vec<Judged> = j.into_iter().map(|(_, j)| j).collect();
-        shared(&j)
-    })
+/// [`shared`] for the model whose [`model_key`] is `key` (`None` when not, or its room is
+/// unbounded): then the model's free slots without the [`RESERVE`].
+pub fn shared_by_key(s: &Scheduler<'_>, key: u64, now_ms: u64) -> Option<u32> {
+    let j: Vec<Judged> = judged(s, model_of_key(s, key), now_ms)?
+        .into_iter()
+        .map(|(_, j)| j)
+        .collect();
+    if !shared(&j) {
+        return None;
+    }
+    let mut engines: Vec<Engine> = Vec::with_capacity(j.len());
+    for e in &j {
+        match e {
+            Judged::Unbounded => return None,
+            Judged::Full => {}
+            Judged::Counted(e) => engines.push(*e),
+        }
+    }
+    Some(share::free(&engines, 0))
 }
 
 #[cfg(test)]

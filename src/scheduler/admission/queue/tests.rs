@@ -230,29 +230,29 @@ fn a_light_tenant_passes_where_replicas_share_the_engines() {
     }
     // The room is full: nothing by the room; nothing shared: no pass.
     assert!(!q.admit(&RULE, 3, |_| Some(0)));
-    assert!(!q.admit_light(|_| false));
+    assert!(!q.admit_light(|_| None));
     // Shared: the quiet tenant's first request passes, once.
-    assert!(q.admit_light(|_| true));
+    assert!(q.admit_light(|_| Some(0)));
     assert_eq!(
         q.take(1, 4).iter().map(|d| d.ctx).collect::<Vec<_>>(),
         vec![4]
     );
-    assert!(!q.admit_light(|_| true), "its request is in flight now");
+    assert!(!q.admit_light(|_| Some(0)), "its request is in flight now");
     // It ends: the next passes.
     q.ended(2, 10);
-    assert!(q.admit_light(|_| true));
+    assert!(q.admit_light(|_| Some(0)));
     assert_eq!(
         q.take(1, 5).iter().map(|d| d.ctx).collect::<Vec<_>>(),
         vec![5]
     );
     // The noisy tenant's end leaves it with nothing in flight: it passes too, once.
     q.ended(1, 0);
-    assert!(q.admit_light(|_| true));
+    assert!(q.admit_light(|_| Some(0)));
     assert_eq!(
         q.take(1, 6).iter().map(|d| d.ctx).collect::<Vec<_>>(),
         vec![2]
     );
-    assert!(!q.admit_light(|_| true));
+    assert!(!q.admit_light(|_| Some(0)));
     assert_eq!(q.waiting(), 1);
     // Its counter was charged the completion and the prompts admitted.
     let served = |t: u64| q.counters.iter().find(|c| c.tenant == t).unwrap().served;
