@@ -405,13 +405,33 @@ mod tests {
         // A saturated one adds nothing; an unbounded one makes the room unbounded.
         assert_eq!(free(&[counted(2, 2, 2, 2), Judged::Full]), room(0, 1));
         assert_eq!(free(&[counted(2, 2, 2, 2), Judged::Unbounded]), None);
-        // Another replica holds both slots of one engine: this Envoy has the other's.
+        // Another replica holds both slots of one engine: this Envoy has the other's, less its
+        // part of the reserve (a third of the load: a sixth of a slot, rounded down).
         assert_eq!(
             free(&[counted(2, 2, 0, 0), counted(2, 1, 1, 1)]),
-            room(1, 3)
+            room(0, 3)
         );
         // Nothing counted (all saturated): no room.
         assert_eq!(free(&[Judged::Full]), room(0, 0));
+    }
+
+    /// Where replicas share the engines, each keeps its part of [`RESERVE`] (its part of the
+    /// scraped load) out of the room it admits from the queue into; one Envoy keeps none, and
+    /// the burst places are untouched.
+    #[test]
+    fn replicas_keep_their_part_of_the_reserve_free() {
+        // Another replica holds both slots of engine 1; this Envoy held one of engine 2's at
+        // the scrape, none now: two slots free, less its part of the reserve (a third of the
+        // scraped load: a sixth of a slot), rounded down: one. The burst is untouched.
+        assert_eq!(
+            free(&[counted(2, 2, 0, 0), counted(2, 1, 1, 0)]),
+            Some(Free { slots: 1, burst: 4 })
+        );
+        // One Envoy (nothing shared) keeps none: both.
+        assert_eq!(
+            free(&[counted(2, 0, 0, 0), counted(2, 1, 1, 0)]),
+            Some(Free { slots: 4, burst: 6 })
+        );
     }
 
     #[test]
