@@ -360,9 +360,8 @@ impl Queue {
                 .iter()
                 .any(|x| x.tenant == w.tenant && x.state == Wait::Admitted);
             let light = in_flight == Some(0) && !taking;
-            let below_fair = !taking
-                && in_flight
-                    .is_some_and(|n| u64::from(n).saturating_mul(tenants) < held);
+            let below_fair =
+                !taking && in_flight.is_some_and(|n| u64::from(n).saturating_mul(tenants) < held);
             if !light && !below_fair {
                 continue;
             }

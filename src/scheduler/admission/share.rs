@@ -101,7 +101,10 @@ pub fn free(engines: &[Engine], extra: u32) -> u32 {
 /// the engines: the slots scaled by its part of the engines' load at their scrapes (the same
 /// numbers every replica scrapes, so the parts sum to the reserve).
 pub fn reserve_part(engines: &[Engine], slots: f64) -> f64 {
-    let scraped: u32 = engines.iter().map(|e| e.scraped).fold(0, u32::saturating_add);
+    let scraped: u32 = engines
+        .iter()
+        .map(|e| e.scraped)
+        .fold(0, u32::saturating_add);
     let mine: u32 = engines
         .iter()
         .map(|e| e.own_at_scrape.min(e.scraped))

@@ -377,7 +377,10 @@ fn a_tenant_below_its_fair_share_takes_the_reserve() {
     assert!(!q.admit_light(|_| Some(0)));
     // One place without the reserve: the quiet tenant's (1 in flight, mean 2), once.
     assert!(q.admit_light(|_| Some(1)));
-    assert!(!q.admit_light(|_| Some(1)), "its admitted entry holds the place");
+    assert!(
+        !q.admit_light(|_| Some(1)),
+        "its admitted entry holds the place"
+    );
     assert_eq!(
         q.take(1, 3).iter().map(|d| d.ctx).collect::<Vec<_>>(),
         vec![7]
