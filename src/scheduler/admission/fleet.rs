@@ -33,11 +33,6 @@ const MODEL_SEED: u64 = 0x6164_6d69_7373_696f; // "admissio"
 /// How many requests beyond its slots an endpoint may take for an arrival while nobody waits.
 pub const BURST: u32 = 1;
 
-/// The slots kept free across the fleet where replicas share the engines, each replica keeping
-/// its part ([`share::reserve_part`]) out of the room it admits from the queue into; a light
-/// tenant's pass (`queue::Queue::admit_light`) lands in them instead of an engine's queue.
-pub const RESERVE: f64 = 0.5;
-
 /// The free slots of an endpoint, or of a model's endpoints summed.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub struct Free {
@@ -112,13 +107,8 @@ pub fn free(judged: &[Judged]) -> Option<Free> {
             Judged::Counted(e) => engines.push(*e),
         }
     }
-    let reserve = if shared(judged) {
-        share::reserve_part(&engines, RESERVE)
-    } else {
-        0.0
-    };
     Some(Free {
-        slots: share::free_reserving(&engines, 0, reserve),
+        slots: share::free(&engines, 0),
         burst: share::free(&engines, BURST),
     })
 }
@@ -302,25 +292,12 @@ pub fn shared(judged: &[Judged]) -> bool {
 /// The others' requests on a model's engines at their scrapes from which [`shared`] says so.
 pub const OTHERS_SHARING: u32 = 2;
 
-/// [`shared`] for the model whose [`model_key`] is `key` (`None` when not, or its room is
-/// unbounded): then the model's free slots without the [`RESERVE`].
-pub fn shared_by_key(s: &Scheduler<'_>, key: u64, now_ms: u64) -> Option<u32> {
-    let j: Vec<Judged> = judged(s, model_of_key(s, key), now_ms)?
-        .into_iter()
-        .map(|(_, j)| j)
-        .collect();
-    if !shared(&j) {
-        return None;
-    }
-    let mut engines: Vec<Engine> = Vec::with_capacity(j.len());
-    for e in &j {
-        match e {
-            Judged::Unbounded => return None,
-            Judged::Full => {}
-            Judged::Counted(e) => engines.push(*e),
-        }
-    }
-    Some(share::free(&engines, 0))
+/// [`shared`] for the model whose [`model_key`] is `key` (false when its room is unbounded).
+pub fn shared_by_key(s: &Scheduler<'_>, key: u64, now_ms: u64) -> bool {
+    judged(s, model_of_key(s, key), now_ms).is_some_and(|j| {
+        let j: Vec<Judged> = j.into_iter().map(|(_, j)| j).collect();
+        shared(&j)
+    })
 }
 
 #[cfg(test)]
@@ -405,33 +382,13 @@ mod tests {
         // A saturated one adds nothing; an unbounded one makes the room unbounded.
         assert_eq!(free(&[counted(2, 2, 2, 2), Judged::Full]), room(0, 1));
         assert_eq!(free(&[counted(2, 2, 2, 2), Judged::Unbounded]), None);
-        // Another replica holds both slots of one engine: this Envoy has the other's, less its
-        // part of the reserve (a third of the load: a sixth of a slot, rounded down).
+        // Another replica holds both slots of one engine: this Envoy has the other's.
         assert_eq!(
             free(&[counted(2, 2, 0, 0), counted(2, 1, 1, 1)]),
-            room(0, 3)
+            room(1, 3)
         );
         // Nothing counted (all saturated): no room.
         assert_eq!(free(&[Judged::Full]), room(0, 0));
-    }
-
-    /// Where replicas share the engines, each keeps its part of [`RESERVE`] (its part of the
-    /// scraped load) out of the room it admits from the queue into; one Envoy keeps none, and
-    /// the burst places are untouched.
-    #[test]
-    fn replicas_keep_their_part_of_the_reserve_free() {
-        // Another replica holds both slots of engine 1; this Envoy held one of engine 2's at
-        // the scrape, none now: two slots free, less its part of the reserve (a third of the
-        // scraped load: a sixth of a slot), rounded down: one. The burst is untouched.
-        assert_eq!(
-            free(&[counted(2, 2, 0, 0), counted(2, 1, 1, 0)]),
-            Some(Free { slots: 1, burst: 4 })
-        );
-        // One Envoy (nothing shared) keeps none: both.
-        assert_eq!(
-            free(&[counted(2, 0, 0, 0), counted(2, 1, 1, 0)]),
-            Some(Free { slots: 4, burst: 6 })
-        );
     }
 
     #[test]

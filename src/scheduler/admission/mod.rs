@@ -65,7 +65,7 @@ pub fn tick(
     rule: &Rule,
     now_ms: u64,
     mut room_of: impl FnMut(u64) -> Room,
-    mut shared_of: impl FnMut(u64) -> Option<u32>,
+    mut shared_of: impl FnMut(u64) -> bool,
 ) -> (Vec<Delivery>, Queue) {
     let mut rooms: Vec<(u64, Room)> = Vec::new();
     let out = update_if(store, QUEUE_KEY, |bytes| {

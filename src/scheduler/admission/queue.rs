@@ -310,27 +310,9 @@ impl Queue {
     /// engines' next scrape has the replicas give the excess back in proportion (see
     /// `share`). A tenant over capacity always has requests in flight: it never passes. With
     /// one Envoy nothing is shared and nothing passes (it sees every slot free at once).
-    ///
-    /// `shared` answers `None` where the engines are not shared, else the model's room without
-    /// the reserve (`fleet::RESERVE`): a tenant below its fair share of this Envoy's requests in
-    /// flight (fewer than the mean of the tenants holding or waiting for some) may go into what
-    /// that room leaves over the admitted entries not yet taken, the reserve being kept only
-    /// from the tenants at or above it.
-    pub fn admit_light(&mut self, mut shared: impl FnMut(u64) -> Option<u32>) -> bool {
+    pub fn admit_light(&mut self, mut shared: impl FnMut(u64) -> bool) -> bool {
         let ranks = self.ranks();
-        let mut asked: Vec<(u64, Option<u32>)> = Vec::new();
-        // The fair share: the mean in flight over the tenants holding or waiting for some.
-        let (mut held, mut tenants) = (0u64, 0u64);
-        for c in &self.counters {
-            let waits = self
-                .waiters
-                .iter()
-                .any(|w| w.tenant == c.tenant && w.state == Wait::Waiting);
-            if c.in_flight > 0 || waits {
-                held = held.saturating_add(u64::from(c.in_flight));
-                tenants = tenants.saturating_add(1);
-            }
-        }
+        let mut asked: Vec<(u64, bool)> = Vec::new();
         let mut passed: Vec<(u64, u64)> = Vec::new();
         let mut order: Vec<usize> = (0..self.waiters.len()).collect();
         order.sort_by_key(|&i| {
@@ -350,19 +332,16 @@ impl Queue {
             // The best-ranked entry of each tenant only (in flight or not, its later ones
             // wait behind it).
             passed.push((w.tenant, w.model));
-            let in_flight = self
+            let light = self
                 .counters
                 .iter()
                 .find(|c| c.tenant == w.tenant)
-                .map(|c| c.in_flight);
-            let taking = self
-                .waiters
-                .iter()
-                .any(|x| x.tenant == w.tenant && x.state == Wait::Admitted);
-            let light = in_flight == Some(0) && !taking;
-            let below_fair =
-                !taking && in_flight.is_some_and(|n| u64::from(n).saturating_mul(tenants) < held);
-            if !light && !below_fair {
+                .is_some_and(|c| c.in_flight == 0)
+                && !self
+                    .waiters
+                    .iter()
+                    .any(|x| x.tenant == w.tenant && x.state == Wait::Admitted);
+            if !light {
                 continue;
             }
             let share = match asked.iter().find(|(m, _)| *m == w.model) {
@@ -373,10 +352,7 @@ impl Queue {
                     s
                 }
             };
-            let Some(room) = share else {
-                continue;
-            };
-            if light || room > self.pending(w.model) {
+            if share {
                 self.admitted(i);
                 changed = true;
             }

@@ -94,36 +94,10 @@ pub fn allowance(e: &Engine) -> f64 {
 /// over its allowance takes nothing from the others' places (the routing places requests on
 /// engines with room).
 pub fn free(engines: &[Engine], extra: u32) -> u32 {
-    free_reserving(engines, extra, 0.0)
-}
-
-/// This Envoy's part of a reserve of `slots` kept free for light tenants where replicas share
-/// the engines: the slots scaled by its part of the engines' load at their scrapes (the same
-/// numbers every replica scrapes, so the parts sum to the reserve).
-pub fn reserve_part(engines: &[Engine], slots: f64) -> f64 {
-    let scraped: u32 = engines
-        .iter()
-        .map(|e| e.scraped)
-        .fold(0, u32::saturating_add);
-    let mine: u32 = engines
-        .iter()
-        .map(|e| e.own_at_scrape.min(e.scraped))
-        .fold(0, u32::saturating_add);
-    if scraped == 0 {
-        0.0
-    } else {
-        slots * f64::from(mine) / f64::from(scraped)
-    }
-}
-
-/// [`free`] less `reserve` places (before rounding down; the floor still applies).
-pub fn free_reserving(engines: &[Engine], extra: u32, reserve: f64) -> u32 {
     let free: f64 = engines
         .iter()
         .map(|e| (allowance(e) + f64::from(extra) - f64::from(e.own)).max(0.0))
-        .sum::<f64>()
-        - reserve;
-    let free = free.max(0.0);
+        .sum();
     // Within u32 (a sum of u32 slot counts); `as` saturates.
     let free = (free + 1e-9).floor() as u32;
     // The floor: one request in flight at least, or a replica that holds nothing never sees a
